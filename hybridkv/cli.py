@@ -33,14 +33,24 @@ def build_parser() -> argparse.ArgumentParser:
                     dest=f"{key}_command", metavar="COMMAND", required=True
                 )
             where = nested[key]
-        sub = where.add_parser(leaf, help=_summary(ep))
-        ep.load()(sub)
+        sub = where.add_parser(leaf, help=f"(from {ep.value.split(':')[0]})")
+        try:
+            register = ep.load()
+        except ImportError as exc:
+            # An optional part that is not installed (or not written yet) must not
+            # take the whole CLI down; its command says why it cannot run.
+            sub.set_defaults(handler=_unavailable(ep.name, exc))
+            continue
+        register(sub)
     return parser
 
 
-def _summary(ep) -> str | None:
-    module = ep.value.split(":")[0]
-    return f"(from {module})"
+def _unavailable(name: str, exc: ImportError):
+    def handler(_args: argparse.Namespace) -> int:
+        print(f"hybridkv: '{name.replace('.', ' ')}' is unavailable: {exc}", file=sys.stderr)
+        return 1
+
+    return handler
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,6 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip >/dev/null
 # The CPU build of torch lies on this machine's disk; asking for it first keeps
 # later requirements (nixl depends on torch) from pulling a multi-GB CUDA build.
-pip install -q "torch==2.13.0"
-pip install -q -e ".[dev,transport,sims]"
+pip install -q "torch==2.13.0" 2> >(grep -v "is ignored: it is neither" >&2)
+pip install -q -e ".[dev,transport,sims]" 2> >(grep -v "is ignored: it is neither" >&2)
 echo "$want" > "$STAMP"
