@@ -1,0 +1,131 @@
+"""Free lists with deferred reuse (DESIGN.md rule 2, vLLM Race A).
+
+A freed block is not reusable at once: a step that is already dispatched may
+still rewrite it (GDN state is rewritten in full by every step), and a
+transfer may still read or write it. :class:`BlockPool` parks freed blocks
+until the :class:`~hybridkv.fence.FenceTable` says they are settled and idle:
+
+* blocks waiting only for the watermark sit in a heap ordered by fence, so a
+  watermark advance releases them in O(released · log n);
+* blocks with a transfer in flight sit in quarantine and are re-examined when
+  a transfer touching them becomes terminal.
+
+With ``FencePolicy.NONE`` a freed block goes straight back to the free list.
+
+The pool can be *managed* (it hands out blocks: the reference engine, the
+simulators) or *external* (the engine owns allocation, as vLLM does): then
+reusable blocks accumulate in :meth:`take_reusable` for the engine to return
+to its own pool.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from hybridkv.fence import FenceTable
+
+
+class BlockPool:
+    """Free lists of every physical pool of one worker, over block keys."""
+
+    __slots__ = ("_table", "_fenced", "managed", "_free", "_heap", "_quarantine", "_parked", "_reusable")
+
+    def __init__(self, table: FenceTable, *, fenced: bool, managed: bool) -> None:
+        self._table = table
+        self._fenced = fenced
+        self.managed = managed
+        npools = len(table.layout.pool_sizes)
+        # Low block ids first: deterministic, and a recently freed block is the
+        # first one reused, which is what makes races show up when unfenced.
+        self._free: list[deque[int]] = [
+            deque(table.pool_keys(p)) if managed else deque() for p in range(npools)
+        ]
+        self._heap: list[tuple[int, int]] = []
+        self._quarantine: set[int] = set()
+        # Every freed key not yet reusable, to reject double frees cheaply.
+        self._parked: set[int] = set()
+        self._reusable: list[int] = []
+
+    # -- queries ------------------------------------------------------------
+    def free_count(self, pool: int) -> int:
+        return len(self._free[pool])
+
+    def parked_count(self) -> int:
+        return len(self._parked)
+
+    def is_parked(self, key: int) -> bool:
+        return key in self._parked
+
+    def is_free(self, key: int) -> bool:
+        return key in self._free[self._table.pool_of_key(key)]
+
+    # -- allocation -----------------------------------------------------------
+    def take(self, pool: int, n: int) -> list[int] | None:
+        """Pop ``n`` reusable keys of ``pool``, or None (nothing taken) if fewer exist."""
+        free = self._free[pool]
+        if len(free) < n:
+            return None
+        pop = free.popleft
+        return [pop() for _ in range(n)]
+
+    def adopt(self, key: int) -> None:
+        """An external engine hands out ``key``; it must not be parked."""
+        if key in self._parked:
+            raise ValueError(
+                f"block {self._table.block_of(key)} of pool {self._table.pool_of_key(key)} "
+                "is still fenced (freed, not yet reusable); expected a reusable block"
+            )
+
+    # -- release --------------------------------------------------------------
+    def park(self, key: int) -> None:
+        """A block was freed; make it reusable as soon as the rules allow."""
+        t = self._table
+        if not self._fenced:
+            self._release(key)
+            return
+        if t.readers[key] or t.writers[key]:
+            self._parked.add(key)
+            self._quarantine.add(key)
+            return
+        f = t.fence[key]
+        if f <= t.watermark:
+            self._release(key)
+        else:
+            self._parked.add(key)
+            heapq.heappush(self._heap, (f, key))
+
+    def on_watermark(self) -> None:
+        t = self._table
+        heap = self._heap
+        w = t.watermark
+        while heap and heap[0][0] <= w:
+            _, key = heapq.heappop(heap)
+            if t.readers[key] or t.writers[key]:
+                self._quarantine.add(key)
+            else:
+                self._parked.discard(key)
+                self._release(key)
+
+    def on_transfer_terminal(self, keys: list[int]) -> None:
+        t = self._table
+        q = self._quarantine
+        for key in keys:
+            if key in q and not t.readers[key] and not t.writers[key]:
+                q.discard(key)
+                if t.fence[key] <= t.watermark:
+                    self._parked.discard(key)
+                    self._release(key)
+                else:
+                    heapq.heappush(self._heap, (t.fence[key], key))
+
+    def _release(self, key: int) -> None:
+        if self.managed:
+            self._free[self._table.pool_of_key(key)].append(key)
+        else:
+            self._reusable.append(key)
+
+    def take_reusable(self) -> list[int]:
+        """External mode: keys that became reusable since the last call."""
+        out, self._reusable = self._reusable, []
+        return out

@@ -1,0 +1,233 @@
+"""Block fencing: who may touch which block, and from which step on.
+
+Under asynchronous scheduling the engine's scheduler runs one or more steps
+ahead of the device, and RDMA transfers bypass the device stream entirely.
+A block is therefore safe to hand to someone else only once every step that
+may still touch it has finished on the device and no transfer reads or writes
+it. This module holds that bookkeeping and nothing else; the rules that use it
+live in :mod:`hybridkv.scheduler`.
+
+Vocabulary (engine-agnostic):
+
+* **step** – a scheduler step number, strictly increasing (:data:`StepId`).
+* **fence** – per block, the last scheduled step that may read or write it.
+* **watermark** – the last step whose device work has completed, reported by
+  the worker. A block is *settled* when ``watermark >= fence``.
+* **readers / writers** – outbound transfers reading the block and inbound
+  transfers writing it, counted while in flight.
+* **resident request** – a request in the running batch. Every step scheduled
+  while it is resident may touch all of its blocks, so its blocks' fence is
+  the latest scheduled step; the fence closes when it leaves the batch. This
+  keeps per-step cost independent of batch size and errs on the safe side
+  (a block is never released earlier than its true last touch).
+
+Blocks are addressed by ``(group, block id)``. Groups that share one physical
+pool (vLLM's hybrid allocator: block ``b`` of every group aliases page ``b``)
+share one namespace: the table keys blocks by pool, not by group.
+
+:class:`FencePolicy` ``NONE`` turns every check into "yes"; it exists only so
+the race simulator and the property tests can show what breaks without fencing.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NewType
+
+StepId = NewType("StepId", int)
+BlockId = NewType("BlockId", int)
+GroupId = NewType("GroupId", int)
+PoolId = NewType("PoolId", int)
+RequestId = NewType("RequestId", str)
+TransferId = NewType("TransferId", int)
+
+#: Fence of a block nobody has touched yet: settled under any watermark.
+NEVER = -1
+
+
+class FencePolicy(enum.Enum):
+    """Whether the scheduler enforces the fencing rules."""
+
+    FENCED = "fenced"
+    NONE = "none"
+
+
+class NotYetReason(enum.Enum):
+    """Why a non-blocking call answered "not yet"; the engine asks again later."""
+
+    PENDING_STEP = "a scheduled step that may touch the block has not completed"
+    TRANSFER_IN_FLIGHT = "another transfer still reads or writes the block"
+    POOL_EXHAUSTED = "not enough reusable blocks in the pool"
+    LEASE_TOO_SHORT = "the read cannot finish inside the lease"
+    INCOMPLETE = "not every component of every group has arrived"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NotYet:
+    """The answer of a non-blocking call that cannot proceed now.
+
+    It is falsy, so ``if not (x := sched.allocate(...)):`` reads naturally.
+    """
+
+    reason: NotYetReason
+
+    def __bool__(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolLayout:
+    """How KV-cache groups map onto physical block pools.
+
+    ``pool_sizes[p]`` is the number of blocks of pool ``p``; ``group_pools[g]``
+    is the pool of group ``g``. vLLM's hybrid allocator is one pool for all
+    groups; SGLang keeps KV pages and Mamba slots in separate pools.
+    """
+
+    pool_sizes: tuple[int, ...]
+    group_pools: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.pool_sizes:
+            raise ValueError("pool_sizes is empty; expected at least one pool")
+        for p, n in enumerate(self.pool_sizes):
+            if not isinstance(n, int) or n <= 0:
+                raise ValueError(f"pool_sizes[{p}] = {n!r}; expected a positive int")
+        if not self.group_pools:
+            raise ValueError("group_pools is empty; expected at least one group")
+        for g, p in enumerate(self.group_pools):
+            if not isinstance(p, int) or not 0 <= p < len(self.pool_sizes):
+                raise ValueError(
+                    f"group_pools[{g}] = {p!r}; expected a pool index in [0, {len(self.pool_sizes)})"
+                )
+
+    @classmethod
+    def shared(cls, *, num_blocks: int, num_groups: int) -> PoolLayout:
+        """All groups in one pool (vLLM hybrid allocator)."""
+        return cls(pool_sizes=(num_blocks,), group_pools=(0,) * num_groups)
+
+    @classmethod
+    def separate(cls, *, num_blocks: tuple[int, ...]) -> PoolLayout:
+        """One pool per group (SGLang: KV pages, Mamba slots)."""
+        return cls(pool_sizes=tuple(num_blocks), group_pools=tuple(range(len(num_blocks))))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_pools)
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(self.pool_sizes)
+
+
+class FenceTable:
+    """Per-block fence, readers and writers in flight, and the device watermark.
+
+    Blocks are addressed internally by a dense *key* (pool offset + block id)
+    so the per-block state is a few flat lists. :meth:`key` validates and
+    converts ``(group, block)``; :meth:`block_of` converts back.
+    """
+
+    __slots__ = (
+        "layout",
+        "_base",
+        "_pool_of_key",
+        "fence",
+        "readers",
+        "writers",
+        "holder",
+        "watermark",
+        "scheduled",
+    )
+
+    def __init__(self, layout: PoolLayout) -> None:
+        self.layout = layout
+        self._base: list[int] = []
+        offset = 0
+        for n in layout.pool_sizes:
+            self._base.append(offset)
+            offset += n
+        self._pool_of_key = [p for p, n in enumerate(layout.pool_sizes) for _ in range(n)]
+        total = offset
+        self.fence: list[int] = [NEVER] * total
+        self.readers: list[int] = [0] * total
+        self.writers: list[int] = [0] * total
+        # The request record whose residency extends the fence (see module doc), or None.
+        self.holder: list[object | None] = [None] * total
+        self.watermark: int = NEVER
+        self.scheduled: int = NEVER
+
+    # -- addressing ---------------------------------------------------------
+    def key(self, group: int, block: int) -> int:
+        pools = self.layout.group_pools
+        if not isinstance(group, int) or not 0 <= group < len(pools):
+            raise ValueError(f"group {group!r}; expected a group index in [0, {len(pools)})")
+        pool = pools[group]
+        size = self.layout.pool_sizes[pool]
+        if not isinstance(block, int) or not 0 <= block < size:
+            raise ValueError(
+                f"block {block!r} of group {group}; expected a block id in [0, {size})"
+            )
+        return self._base[pool] + block
+
+    def pool_of_key(self, key: int) -> int:
+        return self._pool_of_key[key]
+
+    def block_of(self, key: int) -> int:
+        return key - self._base[self._pool_of_key[key]]
+
+    def pool_keys(self, pool: int) -> range:
+        base = self._base[pool]
+        return range(base, base + self.layout.pool_sizes[pool])
+
+    # -- fences ---------------------------------------------------------------
+    def effective_fence(self, key: int) -> int:
+        """Last step that may touch the block, counting its holder's residency."""
+        f = self.fence[key]
+        h = self.holder[key]
+        if h is not None:
+            hs = h.last_step  # type: ignore[attr-defined]
+            if h.resident:  # type: ignore[attr-defined]
+                hs = self.scheduled
+            if hs > f:
+                return hs
+        return f
+
+    def settled(self, key: int) -> bool:
+        """Every step that may touch the block has completed on the device."""
+        return self.effective_fence(key) <= self.watermark
+
+    def idle(self, key: int) -> bool:
+        """No transfer reads or writes the block."""
+        return self.readers[key] == 0 and self.writers[key] == 0
+
+    def touch(self, key: int, step: int) -> None:
+        if step > self.fence[key]:
+            self.fence[key] = step
+
+    def release_holder(self, key: int) -> None:
+        """Freeze the holder's contribution into the block's own fence."""
+        self.fence[key] = self.effective_fence(key)
+        self.holder[key] = None
+
+    # -- steps ----------------------------------------------------------------
+    def advance_scheduled(self, step: int) -> None:
+        if not isinstance(step, int) or step <= self.scheduled:
+            raise ValueError(
+                f"step {step!r} scheduled; expected an int greater than the last scheduled "
+                f"step {self.scheduled}"
+            )
+        self.scheduled = step
+
+    def advance_watermark(self, step: int) -> bool:
+        """Record completion of ``step``; False for a late or duplicate report."""
+        if not isinstance(step, int) or step > self.scheduled:
+            raise ValueError(
+                f"step {step!r} completed; expected an int no greater than the last scheduled "
+                f"step {self.scheduled}"
+            )
+        if step <= self.watermark:
+            return False
+        self.watermark = step
+        return True

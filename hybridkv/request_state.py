@@ -1,0 +1,101 @@
+"""Request and transfer records kept by the transfer scheduler.
+
+A request holds blocks per KV-cache group. What must arrive before a remote
+request may compute is a set of *components*: one per attention group (its
+KV), and for a GDN/Mamba group the conv state and the SSM state, which
+engines move as separate transfers (SGLang #39846 declared a request complete
+after its first component). :class:`Component` names one.
+
+Records are mutable internal state of :class:`~hybridkv.scheduler.TransferScheduler`;
+engines read them through the scheduler's query methods.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from hybridkv.fence import NEVER, GroupId, RequestId, TransferId
+
+
+class ComponentKind(enum.Enum):
+    KV = "kv"
+    CONV = "conv"
+    SSM = "ssm"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Component:
+    """One separately-arriving piece of a request's cache: (group, kind)."""
+
+    group: GroupId
+    kind: ComponentKind
+
+
+def attention_component(group: int) -> Component:
+    return Component(group=GroupId(group), kind=ComponentKind.KV)
+
+
+def gdn_components(group: int) -> tuple[Component, Component]:
+    return (
+        Component(group=GroupId(group), kind=ComponentKind.CONV),
+        Component(group=GroupId(group), kind=ComponentKind.SSM),
+    )
+
+
+class RequestPhase(enum.Enum):
+    LOCAL = "local"  # computes here; not waiting for anything remote
+    IMPORTING = "importing"  # waiting for remote components
+    READY = "ready"  # every component arrived; may join a step
+    RUNNING = "running"  # resident in the running batch
+    EXPORTING = "exporting"  # finished; blocks held for a consumer under a lease
+    FAILED = "failed"  # an import failed; the engine recomputes or drops it
+
+
+class TransferDirection(enum.Enum):
+    INBOUND = "inbound"  # writes local blocks
+    OUTBOUND = "outbound"  # reads local blocks
+
+
+class TransferState(enum.Enum):
+    POSTED = "posted"
+    LANDED = "landed"
+    FAILED = "failed"
+
+
+class TransferOutcome(enum.Enum):
+    """What the scheduler made of a completion report."""
+
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"  # already terminal; ignored
+    DISCARDED = "discarded"  # terminal, but its request was aborted: bytes ignored
+    LATE = "late"  # landed after its lease deadline: bytes not trusted, counted as failed
+    UNKNOWN = "unknown"  # never posted here
+
+
+@dataclass(slots=True, kw_only=True, eq=False)
+class RequestRecord:
+    id: RequestId
+    phase: RequestPhase
+    resident: bool = False
+    last_step: int = NEVER
+    blocks: dict[int, list[int]] = field(default_factory=dict)  # group -> block keys
+    expected: frozenset[Component] = frozenset()
+    arrived: set[Component] = field(default_factory=set)
+    transfers: set[TransferId] = field(default_factory=set)
+    abandoned: bool = False  # aborted while exporting: held until the lease ends, never renewed
+
+    def all_keys(self) -> list[int]:
+        return [k for keys in self.blocks.values() for k in keys]
+
+
+@dataclass(slots=True, kw_only=True, eq=False)
+class TransferRecord:
+    id: TransferId
+    request: RequestId
+    direction: TransferDirection
+    keys: list[int]
+    components: frozenset[Component]
+    deadline: float | None
+    state: TransferState = TransferState.POSTED
+    orphaned: bool = False  # its request was aborted or released meanwhile
