@@ -1,0 +1,170 @@
+"""wire.decode: round trips, every kind of malformed input, hypothesis fuzzing."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv import wire
+from hybridkv.errors import Difference
+from hybridkv.wire import WireError
+
+
+def _hello(**over):
+    fields = {"protocol": "1", "geometry": "abc", "mode": "PULL"}
+    kw = dict(
+        agent="prefill-0", metadata=b"\x00" * 100, role=wire.Role.PRODUCER, mode=wire.Mode.PULL,
+        compat=fields, compat_hash=wire.compat_hash(fields),
+        regions=(wire.RegionInfo(region_id=0, base_addr=4096, stride=64, page_bytes=64, num_pages=10,
+                                 mem=wire.Mem.DRAM, device_id=0),),
+        groups=(wire.GroupInfo(group_id=0, region_ids=(0,)),), lease_s=30.0,
+    )
+    kw.update(over)
+    return wire.Hello(**kw)
+
+
+SAMPLES = [
+    _hello(),
+    wire.Refuse(reason="incompatible", differences=(Difference(field="dtype", local="bf16", remote=None),)),
+    wire.Export(request_id="r1", blocks=(wire.GroupBlocks(group_id=0, ids=(3, 1, 2)),
+                                         wire.GroupBlocks(group_id=1, ids=(7,))), lease_s=12.5),
+    wire.Import(request_id="r1", blocks=(wire.GroupBlocks(group_id=0, ids=()),)),
+    wire.Done(request_id="r1", ok=True),
+    wire.Failure(request_id="r1", code=wire.FailureCode.LEASE_EXPIRED, detail="late"),
+    wire.Heartbeat(seq=5, request_ids=("a", "b")),
+    wire.Lease(request_id="r1", lease_s=0.0),
+    wire.Bye(reason=""),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    assert wire.decode(wire.encode(msg)) == msg
+
+
+def _raw(kind, body, v=wire.PROTOCOL_VERSION):
+    return msgpack.packb({"v": v, "k": int(kind), "b": body}, use_bin_type=True)
+
+
+def _body(msg):
+    return msgpack.unpackb(wire.encode(msg), raw=False)["b"]
+
+
+BAD = {
+    "not msgpack": b"\xc1\xc1\xc1",
+    "truncated": wire.encode(SAMPLES[2])[:-3],
+    "trailing bytes": wire.encode(SAMPLES[4]) + b"\x00",
+    "not a map": msgpack.packb([1, 2, 3]),
+    "extra top key": msgpack.packb({"v": 1, "k": 5, "b": {"rid": "r", "ok": True}, "x": 1}),
+    "unknown version": _raw(wire.Kind.DONE, {"rid": "r", "ok": True}, v=2),
+    "unknown kind": _raw(99, {}),
+    "bool kind": msgpack.packb({"v": 1, "k": True, "b": {}}),
+    "missing key": _raw(wire.Kind.DONE, {"rid": "r"}),
+    "wrong type": _raw(wire.Kind.DONE, {"rid": "r", "ok": 1}),
+    "empty rid": _raw(wire.Kind.DONE, {"rid": "", "ok": True}),
+    "oversized rid": _raw(wire.Kind.DONE, {"rid": "x" * 1000, "ok": True}),
+    "negative block id": _raw(wire.Kind.IMPORT, {"rid": "r", "blocks": [[0, np.array([-1], "<i4").tobytes()]]}),
+    "ragged block ids": _raw(wire.Kind.IMPORT, {"rid": "r", "blocks": [[0, b"\x00\x00\x00"]]}),
+    "repeated block id": _raw(wire.Kind.IMPORT, {"rid": "r", "blocks": [[0, np.array([1, 1], "<i4").tobytes()]]}),
+    "repeated group": _raw(wire.Kind.IMPORT, {"rid": "r", "blocks": [[0, b""], [0, b""]]}),
+    "negative lease": _raw(wire.Kind.LEASE, {"rid": "r", "lease_s": -1.0}),
+    "nan lease": _raw(wire.Kind.LEASE, {"rid": "r", "lease_s": float("nan")}),
+    "huge seq": _raw(wire.Kind.HEARTBEAT, {"seq": 1 << 64 - 1, "rids": []}),
+    "hostile nesting": b"\x91" * 100_000 + b"\xc0",
+    "ext type": msgpack.packb(msgpack.ExtType(5, b"xx")),
+    "bad utf8": b"\x81\xa1v\xa2\xff\xfe",
+    "unknown mem": _raw(wire.Kind.HELLO, {**_body(_hello()), "regions": [[0, 4096, 64, 64, 10, 7, 0]]}),
+    "overlapping pages": _raw(wire.Kind.HELLO, {**_body(_hello()), "regions": [[0, 4096, 32, 64, 10, 1, 0]]}),
+    "zero pages": _raw(wire.Kind.HELLO, {**_body(_hello()), "regions": [[0, 4096, 64, 64, 0, 1, 0]]}),
+    "region past 2^64": _raw(wire.Kind.HELLO, {**_body(_hello()), "regions": [[0, (1 << 64) - 64, 64, 64, 10, 1, 0]]}),
+    "group names unknown region": _raw(wire.Kind.HELLO, {**_body(_hello()), "groups": [[0, [3]]]}),
+    "short hash": _raw(wire.Kind.HELLO, {**_body(_hello()), "hash": b"abc"}),
+    "oversized metadata": _raw(wire.Kind.HELLO, {**_body(_hello()), "metadata": b"x" * (wire.MAX_METADATA_BYTES + 1)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_malformed_is_wire_error(name):
+    with pytest.raises(WireError):
+        wire.decode(BAD[name])
+
+
+def test_wire_error_is_value_error():
+    assert issubclass(WireError, ValueError)
+    with pytest.raises(ValueError):
+        wire.decode(b"")
+
+
+def test_oversized_message_refused_before_parsing():
+    with pytest.raises(WireError, match="at most"):
+        wire.decode(b"\x00" * (wire.MAX_MESSAGE_BYTES + 1))
+
+
+def test_check_blocks_against_export():
+    blocks = (wire.GroupBlocks(group_id=0, ids=(1, 2)),)
+    wire.check_blocks(blocks, {0: {1, 2, 3}}, what="pull")
+    with pytest.raises(WireError, match="out of bounds"):
+        wire.check_blocks((wire.GroupBlocks(group_id=0, ids=(1, 9)),), {0: {1, 2, 3}}, what="pull")
+    with pytest.raises(WireError, match="not given"):
+        wire.check_blocks((wire.GroupBlocks(group_id=1, ids=(1,)),), {0: {1}}, what="pull")
+    with pytest.raises(WireError, match="ids < 4"):
+        wire.check_blocks((wire.GroupBlocks(group_id=0, ids=(4,)),), {0: 4}, what="push")
+
+
+def test_compat_hash_and_differences():
+    a = {"protocol": "1", "dtype": "bf16"}
+    b = {"protocol": "1", "dtype": "fp8", "extra": "x"}
+    assert wire.compat_hash(a) == wire.compat_hash(dict(reversed(a.items())))
+    assert wire.compat_hash(a) != wire.compat_hash(b)
+    assert {d.field for d in wire.compat_differences(a, b)} == {"dtype", "extra"}
+
+
+# ------------------------------------------------------------------ fuzzing
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.floats(),
+                  st.text(max_size=20), st.binary(max_size=40))
+_tree = st.recursive(_leaf, lambda c: st.one_of(st.lists(c, max_size=4),
+                                                st.dictionaries(st.text(max_size=8), c, max_size=4)),
+                     max_leaves=30)
+
+
+def _decode_or_wire_error(data: bytes) -> None:
+    try:
+        msg = wire.decode(data)
+    except WireError:
+        return
+    # Whatever decodes must re-encode to something that decodes to the same message.
+    assert wire.decode(wire.encode(msg)) == msg
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=200))
+def test_fuzz_random_bytes(data):
+    _decode_or_wire_error(data)
+
+
+@settings(max_examples=300)
+@given(st.sampled_from(list(wire.Kind)), _tree)
+def test_fuzz_structured_bodies(kind, body):
+    _decode_or_wire_error(_raw(kind, body))
+
+
+@settings(max_examples=200)
+@given(st.sampled_from(SAMPLES), st.data())
+def test_fuzz_mutated_valid_messages(msg, data):
+    raw = bytearray(wire.encode(msg))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    _decode_or_wire_error(bytes(raw))
+
+
+@settings(max_examples=200)
+@given(st.sampled_from(SAMPLES), st.data())
+def test_fuzz_field_replaced(msg, data):
+    body = _body(msg)
+    key = data.draw(st.sampled_from(sorted(body)))
+    body[key] = data.draw(_tree)
+    _decode_or_wire_error(_raw(wire._KIND_OF[type(msg)], body))
