@@ -1,0 +1,283 @@
+"""How many descriptors each engine's scheme issues for one request, side by side.
+
+Every scheme sees the same workload: one request of `tokens` prompt tokens, the
+same engine block size, the same TP pair. The engine schemes are closed-form
+models of their code (anchors/vllm.md sections 2-4 and 9, anchors/sglang.md);
+`hybridkv` is not a model: it plans real layouts (virtual addresses) and runs
+the descriptor compiler.
+
+Counts are totals over all (prefill rank -> decode rank) reads of the request.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridkv.alloc import VirtualAllocator
+from hybridkv.geometry import GDNSpec, LayerKind, ModelGeometry
+from hybridkv.hma import HMAPlan, aligned_block_size, check_block_size, plan_hma
+from hybridkv.layout import plan_layout
+
+from .compiler import TransferPlan, TransferPlanner, plan_sources
+
+
+class Scheme(enum.Enum):
+    VLLM_LEGACY = "vllm-legacy"      # one per layer per K/V half per block, no HMA
+    VLLM_HMA = "vllm-hma"            # PR #35758: HMA-shared tensors, K/V halves, SW tails
+    VLLM_033 = "vllm-0.33"           # packed K/V per shared region, GDN conv/SSM sub-reads
+    SGLANG_NIXL = "sglang-nixl"      # per page per layer buffer, no coalescing
+    MOONCAKE = "mooncake"            # contiguous runs per layer buffer
+    HYBRIDKV_VLLM = "hybridkv-vllm"  # vLLM 0.33 HMA pages in a block-outermost layout (BLHNC)
+    HYBRIDKV = "hybridkv"            # planned layout + coalescing (real compiler)
+
+
+# GDN sub-reads per state block in vLLM 0.33: conv Q, K, V runs (DS layout) + SSM (anchors/vllm.md #41869).
+GDN_SUB_READS = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    geometry: ModelGeometry
+    tokens: int
+    block_size: int | None = None   # None: the engine's (HMA-aligned) default
+    tp_prefill: int = 1
+    tp_decode: int = 1
+    fragmentation: float = 1.0      # fraction of consecutive block pairs NOT adjacent in memory
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, int) or self.tokens <= 0:
+            raise ValueError(f"tokens must be a positive int, got {self.tokens!r}")
+        if self.block_size is not None:
+            check_block_size(self.block_size)
+        for name in ("tp_prefill", "tp_decode"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not 0.0 <= self.fragmentation <= 1.0:
+            raise ValueError(f"fragmentation must be in [0, 1], got {self.fragmentation}")
+        # Sharding validates that both TPs divide the heads; do it early for a clear error.
+        self.geometry.shard(self.tp_prefill)
+        self.geometry.shard(self.tp_decode)
+
+    @property
+    def prefill_rank_geometry(self) -> ModelGeometry:
+        return self.geometry.shard(self.tp_prefill)
+
+    @property
+    def effective_block_size(self) -> int:
+        """One block size for both sides: the larger HMA-aligned size, so both pages hold a state."""
+        return max(aligned_block_size(self.geometry.shard(tp), self.block_size)
+                   for tp in (self.tp_prefill, self.tp_decode))
+
+    @property
+    def decode_block_size(self) -> int:
+        return self.effective_block_size
+
+    @property
+    def reads_per_request(self) -> int:
+        """(prefill rank, decode rank) pairs that move data: each decode rank reads its
+        head slice of one prefill rank, or the slices of several when prefill TP is larger."""
+        return max(self.tp_prefill, self.tp_decode)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchemeCount:
+    scheme: Scheme
+    descriptors: int
+    bytes: int
+    regions: int  # regions registered per prefill rank
+
+
+def runs(n: int, fragmentation: float) -> int:
+    """Contiguous runs among n blocks when a fraction F of consecutive pairs is not adjacent."""
+    if n <= 0:
+        return 0
+    return 1 + round((n - 1) * fragmentation)
+
+
+def fragmented_blocks(n: int, fragmentation: float, *, start: int = 0) -> np.ndarray:
+    """n block ids where pair (i, i+1) is non-adjacent iff floor((i+1)F) > floor(iF)."""
+    i = np.arange(n, dtype=np.int64)
+    gaps = np.floor(i * fragmentation).astype(np.int64)
+    return start + i + gaps
+
+
+def count_descriptors(scheme: Scheme, workload: Workload) -> SchemeCount:
+    return _COUNTERS[scheme](workload)
+
+
+def count_all(workload: Workload, schemes: tuple[Scheme, ...] = tuple(Scheme)) -> list[SchemeCount]:
+    return [count_descriptors(s, workload) for s in schemes]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _hma(w: Workload) -> HMAPlan:
+    return plan_hma(w.prefill_rank_geometry, w.effective_block_size)
+
+
+def _useful_bytes(w: Workload, clip_window: bool = True) -> int:
+    """Bytes one request really needs moved (all decode ranks): attention KV of its blocks + GDN states.
+
+    KV heads that a decode TP above the head count replicates are counted once per rank holding them.
+    """
+    b = w.effective_block_size
+    n = math.ceil(w.tokens / b)
+    total = 0
+    for spec in w.geometry.shard(w.tp_decode).layers:
+        if isinstance(spec, GDNSpec):
+            total += spec.state_bytes
+        else:
+            blocks = n
+            if clip_window and spec.kind is LayerKind.SLIDING_WINDOW:
+                blocks = min(n, math.ceil(spec.window / b) + 1)
+            total += blocks * spec.page_bytes(b)
+    return total * w.tp_decode
+
+
+def _layer_counts(w: Workload) -> tuple[int, int, int]:
+    g = w.geometry
+    return (len(g.layer_indices(LayerKind.FULL_ATTENTION)), len(g.layer_indices(LayerKind.SLIDING_WINDOW)),
+            len(g.layer_indices(LayerKind.GDN)))
+
+
+def _blocks(w: Workload, kind: LayerKind, clip_window: bool = True) -> int:
+    b = w.effective_block_size
+    n = math.ceil(w.tokens / b)
+    if kind is LayerKind.SLIDING_WINDOW and clip_window:
+        window = w.geometry.spec_of(kind).window  # type: ignore[union-attr]
+        n = min(n, math.ceil(window / b) + 1)
+    return n
+
+
+# --------------------------------------------------------------------------- schemes
+
+
+def _vllm_legacy(w: Workload) -> SchemeCount:
+    fa, sw, gdn = _layer_counts(w)
+    n = math.ceil(w.tokens / w.effective_block_size)
+    # No HMA: every attention layer holds every block (no window clipping), K and V
+    # are separate regions; GDN layers modelled as conv + SSM regions, one state each.
+    per_read = 2 * (fa + sw) * n + 2 * gdn
+    return SchemeCount(scheme=Scheme.VLLM_LEGACY, descriptors=per_read * w.reads_per_request,
+                       bytes=_useful_bytes(w, clip_window=False), regions=2 * (fa + sw + gdn))
+
+
+def _vllm_hma_like(w: Workload, *, kv_halves: int, scheme: Scheme) -> SchemeCount:
+    hma = _hma(w)
+    r = hma.num_tensors
+    per_read = 0
+    for grp in hma.groups:
+        if grp.kind is LayerKind.GDN:
+            per_read += r * GDN_SUB_READS
+        else:
+            per_read += kv_halves * r * grp.blocks_for_tokens(w.tokens)
+    return SchemeCount(scheme=scheme, descriptors=per_read * w.reads_per_request, bytes=_useful_bytes(w),
+                       regions=kv_halves * r)
+
+
+def _vllm_hma(w: Workload) -> SchemeCount:
+    return _vllm_hma_like(w, kv_halves=2, scheme=Scheme.VLLM_HMA)
+
+
+def _vllm_033(w: Workload) -> SchemeCount:
+    return _vllm_hma_like(w, kv_halves=1, scheme=Scheme.VLLM_033)
+
+
+def _sglang_nixl(w: Workload) -> SchemeCount:
+    fa, sw, gdn = _layer_counts(w)
+    per_read = 2 * fa * _blocks(w, LayerKind.FULL_ATTENTION)
+    if sw:
+        per_read += 2 * sw * _blocks(w, LayerKind.SLIDING_WINDOW)
+    per_read += 2 * gdn  # conv + temporal (SSM) state buffer per mamba layer
+    return SchemeCount(scheme=Scheme.SGLANG_NIXL, descriptors=per_read * w.reads_per_request,
+                       bytes=_useful_bytes(w), regions=2 * (fa + sw + gdn))
+
+
+def _mooncake(w: Workload) -> SchemeCount:
+    fa, sw, gdn = _layer_counts(w)
+    f = w.fragmentation
+    per_read = 2 * fa * runs(_blocks(w, LayerKind.FULL_ATTENTION), f)
+    if sw:
+        per_read += 2 * sw * runs(_blocks(w, LayerKind.SLIDING_WINDOW), f)
+    per_read += 2 * gdn
+    return SchemeCount(scheme=Scheme.MOONCAKE, descriptors=per_read * w.reads_per_request,
+                       bytes=_useful_bytes(w), regions=2 * (fa + sw + gdn))
+
+
+def _hybridkv_vllm(w: Workload) -> SchemeCount:
+    hma = _hma(w)
+    r = hma.num_tensors
+    same_tp = w.tp_prefill == w.tp_decode
+    per_read = 0
+    nbytes = 0
+    for grp in hma.groups:
+        n = grp.blocks_for_tokens(w.tokens)
+        if same_tp:
+            # Block-outermost: one block of a group is one span over its r layer pages.
+            per_read += runs(n, w.fragmentation)
+            nbytes += n * r * hma.page_bytes
+        elif grp.kind is LayerKind.GDN:
+            per_read += r * GDN_SUB_READS * n
+        else:
+            per_read += r * n  # a head slice is contiguous only inside one layer's page
+    if not same_tp:
+        nbytes = _useful_bytes(w) // w.reads_per_request
+    return SchemeCount(scheme=Scheme.HYBRIDKV_VLLM, descriptors=per_read * w.reads_per_request,
+                       bytes=nbytes * w.reads_per_request if same_tp else _useful_bytes(w), regions=1)
+
+
+def hybridkv_plans(w: Workload) -> list[TransferPlan]:
+    """The real plans hybridkv compiles for this workload: one per (src rank, dst rank) read."""
+    g = w.geometry
+    bs, bd = w.effective_block_size, w.decode_block_size
+    blocks_needed = {}
+    for kind in g.kinds():
+        if kind is LayerKind.GDN:
+            blocks_needed[kind] = (1, 1)
+        else:
+            ns = math.ceil(w.tokens / bs)
+            nd = math.ceil(w.tokens / bd)
+            if kind is LayerKind.SLIDING_WINDOW:
+                window = g.spec_of(kind).window  # type: ignore[union-attr]
+                ns = min(ns, math.ceil(window / bs) + 1)
+                nd = min(nd, math.ceil(window / bd) + 1)
+            blocks_needed[kind] = (ns, nd)
+    pages = {k: 2 * max(v) + 2 for k, v in blocks_needed.items()}
+    alloc = VirtualAllocator()
+    srcs = [plan_layout(g, block_size=bs, num_blocks=pages, allocator=alloc, tp=w.tp_prefill, rank=r)
+            for r in range(w.tp_prefill)]
+    plans = []
+    for d in range(w.tp_decode):
+        dst = plan_layout(g, block_size=bd, num_blocks=pages, allocator=alloc, tp=w.tp_decode, rank=d)
+        for s, keys in sorted(plan_sources(srcs, dst).items()):
+            planner = TransferPlanner(srcs[s], dst, keys=keys)
+            sb, db = {}, {}
+            for grp in dst.groups:
+                ns, nd = blocks_needed[grp.kind]
+                sb[grp.group_id] = fragmented_blocks(ns, w.fragmentation)
+                db[grp.group_id] = fragmented_blocks(nd, w.fragmentation)
+            plans.append(planner.compile(sb, db))
+    return plans
+
+
+def _hybridkv(w: Workload) -> SchemeCount:
+    plans = hybridkv_plans(w)
+    return SchemeCount(scheme=Scheme.HYBRIDKV, descriptors=sum(p.num_descriptors for p in plans),
+                       bytes=sum(p.nbytes for p in plans), regions=len(w.geometry.kinds()))
+
+
+_COUNTERS = {
+    Scheme.VLLM_LEGACY: _vllm_legacy,
+    Scheme.VLLM_HMA: _vllm_hma,
+    Scheme.VLLM_033: _vllm_033,
+    Scheme.SGLANG_NIXL: _sglang_nixl,
+    Scheme.MOONCAKE: _mooncake,
+    Scheme.HYBRIDKV_VLLM: _hybridkv_vllm,
+    Scheme.HYBRIDKV: _hybridkv,
+}
