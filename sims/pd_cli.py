@@ -39,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
     # Tables go to stdout unless --json owns it; the progress bar always goes to stderr.
     err = Console(stderr=True)
     out = Console(stderr=args.json)
+    if not out.is_terminal:
+        # Piped or captured: do not squeeze the tables into 80 columns.
+        out = Console(stderr=args.json, width=170)
     total = sum(len(v.recipe.sweep.concurrency) for v in chosen)
     results = []
     try:

@@ -292,8 +292,10 @@ class _PointSim:
         self.decodes = [_Decode(self, i) for i in range(cfg.decode.endpoints)]
         self.waiting: deque[_Req] = deque()
         self.completed = 0
-        self.warmup = concurrency if cfg.warmup_requests is None else cfg.warmup_requests
-        self.measure = max(2 * concurrency, 32) if cfg.measure_requests is None else cfg.measure_requests
+        # Identical requests started together move in cohorts that dissolve slowly; short
+        # windows then measure the phase of a wave, not the steady state.
+        self.warmup = max(2 * concurrency, 512) if cfg.warmup_requests is None else cfg.warmup_requests
+        self.measure = max(4 * concurrency, 2048) if cfg.measure_requests is None else cfg.measure_requests
         self.window_open = self.warmup == 0
         self.t_open = 0.0
         self.t_close = math.nan

@@ -28,7 +28,7 @@ def model_geometry(preset: str, ssm_dtype: str | None) -> ModelGeometry:
 
 
 def request_transfer(scheme: str, geometry: ModelGeometry, *, tokens: int,
-                     block_size: int | None) -> TransferCount:
+                     block_size: int | None, fragmentation: float) -> TransferCount:
     """Descriptors and bytes one request's prompt cache costs to move under `scheme`.
 
     Data+expert parallel endpoints keep a request's whole attention/GDN cache on one rank,
@@ -45,7 +45,8 @@ def request_transfer(scheme: str, geometry: ModelGeometry, *, tokens: int,
         names = ", ".join(s.value for s in Scheme)
         raise ValueError(f"transfer scheme {scheme!r}: expected one of {names}") from None
     count = count_descriptors(chosen, Workload(
-        geometry=geometry, tokens=tokens, block_size=block_size, tp_prefill=1, tp_decode=1))
+        geometry=geometry, tokens=tokens, block_size=block_size, tp_prefill=1, tp_decode=1,
+        fragmentation=fragmentation))
     return TransferCount(scheme=chosen.value, descriptors=int(count.descriptors), bytes=int(count.bytes))
 
 

@@ -159,8 +159,8 @@ class SimConfig:
     link: LinkSpec
     request: RequestSpec
     scheduling: Scheduling
-    # Completions discarded before measuring (None: one per user), then completions measured
-    # (None: two per user, at least 32): one generation of requests to reach steady state.
+    # Completions discarded before measuring (None: 2 per user, at least 512), then completions
+    # measured (None: 4 per user, at least 2048).
     warmup_requests: int | None = None
     measure_requests: int | None = None
 

@@ -120,6 +120,7 @@ class Recipe:
     cache_bytes_per_rank: float
     decode_cost: StepCost
     scheme: str
+    fragmentation: float
     per_descriptor_s: float
     bytes_per_s: float
     latency_s: float
@@ -141,7 +142,8 @@ class Recipe:
         from .pd_model import decode_memory, model_geometry, request_transfer
 
         geometry = model_geometry(self.preset, self.ssm_dtype)
-        transfer = request_transfer(scheme or self.scheme, geometry, tokens=self.isl, block_size=self.block_size)
+        transfer = request_transfer(scheme or self.scheme, geometry, tokens=self.isl,
+                                    block_size=self.block_size, fragmentation=self.fragmentation)
         memory = decode_memory(geometry, tokens=self.isl + self.osl,
                                cache_bytes_per_rank=self.cache_bytes_per_rank, block_size=self.block_size)
         return SimConfig(
@@ -209,6 +211,9 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
     dec.done()
     xfer = top.section("transfer")
     scheme = xfer.text("scheme")
+    fragmentation = xfer.number("fragmentation", 1.0)
+    if not 0.0 <= fragmentation <= 1.0:
+        raise ValueError(f"transfer.fragmentation={fragmentation!r}: expected a fraction in [0, 1]")
     per_desc, bw = xfer.number("per_descriptor_s"), xfer.number("bytes_per_s")
     latency = xfer.number("latency_s", 0.0)
     posting = xfer.raw("posting_on_step", False)
@@ -243,7 +248,7 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
     return Recipe(name=name, path=path, preset=preset, ssm_dtype=ssm_dtype, block_size=block_size,
                   isl=isl, osl=osl, prefill=prefill, decode_endpoints=decode_endpoints,
                   decode_ranks=decode_ranks, cache_bytes_per_rank=cache, decode_cost=decode_cost,
-                  scheme=scheme, per_descriptor_s=per_desc, bytes_per_s=bw, latency_s=latency,
+                  scheme=scheme, fragmentation=fragmentation, per_descriptor_s=per_desc, bytes_per_s=bw, latency_s=latency,
                   posting_on_step=posting, scheduling=scheduling, sweep=sweep, sources=sources)
 
 

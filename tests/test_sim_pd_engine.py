@@ -15,7 +15,7 @@ from sims.pd_sweep import run_sweep
 def config(*, isl=100, osl=10, budget=100, prefill_cost=None, decode_cost=None, ranks=1,
            blocks_per_rank=1000, decode_blocks=1, descriptors=10, nbytes=1000, per_desc=1e-3,
            bw=1e5, latency=0.0, posting=False, scheduling=Scheduling.SYNC, prefill_endpoints=1,
-           warmup=None, measure=None) -> SimConfig:
+           warmup=32, measure=128) -> SimConfig:
     return SimConfig(
         prefill=PrefillSpec(endpoints=prefill_endpoints, ranks=1, max_batched_tokens=budget,
                             cost=prefill_cost or StepCost(device_per_token_s=1e-4)),
