@@ -95,7 +95,11 @@ class PieceTable:
 class TransferPlanner:
     """Everything about moving blocks from `src` to `dst` that does not depend on the request."""
 
-    def __init__(self, src: Layout, dst: Layout, *, keys: Collection[FieldKey] | None = None) -> None:
+    def __init__(self, src: Layout, dst: Layout, *, keys: Collection[FieldKey] | None = None,
+                 bridge_padding: bool = False) -> None:
+        """`bridge_padding`: also merge pieces separated by the same gap on both sides when the dst
+        gap holds no field (engine page padding, e.g. vLLM's padded GDN state pages). Fewer, larger
+        descriptors at the price of moving the padding bytes."""
         if src.geometry.layers != dst.geometry.layers:
             raise ValueError(
                 f"src model {src.geometry.name!r} and dst model {dst.geometry.name!r} differ in their layers"
@@ -112,7 +116,8 @@ class TransferPlanner:
                     f"dst holds {dg.kind.value} layers {dg.layer_indices}"
                 )
             self._raw[dg.group_id] = _piece_table(src, sg, dst, dg, self._keys)
-            self.tables[dg.group_id] = _merge_table(self._raw[dg.group_id])
+            free_gaps = _field_starts(dg) if bridge_padding else None
+            self.tables[dg.group_id] = _merge_table(self._raw[dg.group_id], free_gaps)
         self._affine = _affine_constants(self.tables)
         self._affine_index = {g: i for i, g in enumerate(self.tables)}
 
@@ -127,18 +132,18 @@ class TransferPlanner:
         dbs = [_blocks(dst_blocks[g], "dst", g) for g in gids]
         counts = []
         for g, sb, db in zip(gids, sbs, dbs):
-            t = self.tables[g]
-            if t.is_state and sb.shape[0] != db.shape[0]:
-                raise ValueError(f"group {g} holds state: src has {sb.shape[0]} blocks, dst {db.shape[0]}; "
-                                 "they pair one to one")
-            n = min(sb.shape[0], db.shape[0])
-            counts.append(n)
-            if n:
-                _check_pages(sb[:n], t.s_pages, "src", g)
-                _check_pages(db[:n], t.d_pages, "dst", g)
+            ns, nd = sb.shape[0], db.shape[0]
+            if ns != nd and self.tables[g].is_state:
+                raise ValueError(f"group {g} holds state: src has {ns} blocks, dst {nd}; they pair one to one")
+            counts.append(ns if ns <= nd else nd)
         sb = np.concatenate([b[:n] for b, n in zip(sbs, counts)]) if len(gids) > 1 else sbs[0][: counts[0]]
         db = np.concatenate([b[:n] for b, n in zip(dbs, counts)]) if len(gids) > 1 else dbs[0][: counts[0]]
         c = np.repeat(self._affine[order], counts, axis=0)
+        # Bounds: every block id inside its region, checked on the whole batch at once.
+        if ((sb < 0) | (sb >= c[:, 10]) | (db < 0) | (db >= c[:, 11])).any():
+            for g, b_s, b_d, n in zip(gids, sbs, dbs, counts):
+                _check_pages(b_s[:n], self.tables[g].s_pages, "src", g)
+                _check_pages(b_d[:n], self.tables[g].d_pages, "dst", g)
         s_addr = sb * c[:, 0] + c[:, 1]
         d_addr = db * c[:, 2] + c[:, 3]
         length = c[:, 4]
@@ -278,18 +283,34 @@ def _piece_table(src: Layout, sg: GroupLayout, dst: Layout, dg: GroupLayout, key
     )
 
 
-def _merge_table(t: PieceTable) -> PieceTable:
-    """Merge pieces of one block pair that are back to back on both sides."""
+def _field_starts(group: GroupLayout) -> dict[int, np.ndarray]:
+    """Sorted field start offsets per region of a group's placements."""
+    return {p.region_id: np.sort(np.array([f.offset for f in p.fields], dtype=_I64)) for p in group.placements}
+
+
+def _merge_table(t: PieceTable, dst_field_starts: dict[int, np.ndarray] | None = None) -> PieceTable:
+    """Merge pieces of one block pair that are back to back on both sides (or, with
+    `dst_field_starts`, separated by equal gaps that hold no dst field: padding)."""
     n = t.num_pieces
     if n <= 1:
         return t
-    cont = (
-        (t.s_k[1:] == t.s_k[:-1]) & (t.d_k[1:] == t.d_k[:-1])
-        & (t.s_region[1:] == t.s_region[:-1]) & (t.d_region[1:] == t.d_region[:-1])
-        & (t.s_off[1:] == t.s_off[:-1] + t.length[:-1]) & (t.d_off[1:] == t.d_off[:-1] + t.length[:-1])
-    )
+    s_end = t.s_off[:-1] + t.length[:-1]
+    d_end = t.d_off[:-1] + t.length[:-1]
+    same = ((t.s_k[1:] == t.s_k[:-1]) & (t.d_k[1:] == t.d_k[:-1])
+            & (t.s_region[1:] == t.s_region[:-1]) & (t.d_region[1:] == t.d_region[:-1]))
+    gap_s, gap_d = t.s_off[1:] - s_end, t.d_off[1:] - d_end
+    cont = same & (gap_s == 0) & (gap_d == 0)
+    if dst_field_starts is not None:
+        bridge = same & (gap_s == gap_d) & (gap_d > 0)
+        for i in np.flatnonzero(bridge):
+            starts_in_region = dst_field_starts[int(t.d_region[i])]
+            lo = np.searchsorted(starts_in_region, d_end[i])
+            hi = np.searchsorted(starts_in_region, t.d_off[i + 1])
+            bridge[i] = lo == hi
+        cont |= bridge
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    length = np.add.reduceat(t.length, starts)
+    ends = np.concatenate((starts[1:], [n])) - 1
+    length = t.s_off[ends] + t.length[ends] - t.s_off[starts]
     pick = lambda a: a[starts]  # noqa: E731
     return PieceTable(
         group_id=t.group_id, is_state=t.is_state, src_blocks_per_pair=t.src_blocks_per_pair,
@@ -303,14 +324,16 @@ def _merge_table(t: PieceTable) -> PieceTable:
 
 
 def _affine_constants(tables: Mapping[int, PieceTable]) -> np.ndarray | None:
-    """Per group [s_stride, s_base+off, d_stride, d_base+off, len, region tag, s_dev, d_dev, s_reg, d_reg]."""
+    """Per group [s_stride, s_base+off, d_stride, d_base+off, len, region tag, s_dev, d_dev, s_reg, d_reg,
+    s_pages, d_pages]."""
     rows = []
     for t in tables.values():
         if t.num_pieces != 1 or t.src_blocks_per_pair != 1 or t.dst_blocks_per_pair != 1:
             return None
         tag = (int(t.s_region[0]) << 32) | int(t.d_region[0])
         rows.append([t.s_stride[0], t.s_base[0] + t.s_off[0], t.d_stride[0], t.d_base[0] + t.d_off[0],
-                     t.length[0], tag, t.s_dev[0], t.d_dev[0], t.s_region[0], t.d_region[0]])
+                     t.length[0], tag, t.s_dev[0], t.d_dev[0], t.s_region[0], t.d_region[0],
+                     t.s_pages[0], t.d_pages[0]])
     return np.array(rows, dtype=_I64) if rows else None
 
 
