@@ -99,10 +99,14 @@ def plot_pareto(results: Sequence[SweepResult], out: str | Path) -> Path:
     if path.parent and not path.parent.exists():
         raise ValueError(f"--plot {out}: folder {path.parent} does not exist")
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for r in results:
+    # Variants often coincide (a scheme change that costs little): vary the dash and marker
+    # so a curve drawn over another stays visible.
+    styles = [("-", "o"), ("--", "s"), ("-.", "^"), (":", "D")]
+    for i, r in enumerate(results):
         xs = [p.tokens_per_s_per_user for p in r.points]
         ys = [p.tokens_per_s_per_gpu for p in r.points]
-        (line,) = ax.plot(xs, ys, marker="o", label=r.name)
+        dash, marker = styles[i % len(styles)]
+        (line,) = ax.plot(xs, ys, linestyle=dash, marker=marker, markersize=5, label=r.name)
         for p in r.points:
             if p.capacity_bound:
                 ax.plot([p.tokens_per_s_per_user], [p.tokens_per_s_per_gpu], marker="x", markersize=11,
@@ -113,7 +117,7 @@ def plot_pareto(results: Sequence[SweepResult], out: str | Path) -> Path:
                             textcoords="offset points", xytext=(4, 4), fontsize=7, color=line.get_color())
     ax.set_xlabel("output tokens/s per user")
     ax.set_ylabel("total tokens/s per GPU")
-    ax.set_title("Disaggregated serving (simulated): throughput vs interactivity; x = decode cache full")
+    ax.set_title("Simulated disaggregated serving (x: decode cache full)", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -139,3 +139,13 @@ def test_scheduling_override_is_applied():
     recipe = load_recipe("seed-6xdep2-1xdep8")
     assert recipe.scheduling is Scheduling.ASYNC
     assert recipe.sim_config(scheduling=Scheduling.SYNC).scheduling is Scheduling.SYNC
+
+
+def test_one_variant_per_recipe_and_compare_names_carry_the_recipe():
+    from sims.pd_sweep import variants
+
+    four, eight = load_recipe("seed-4xdep2-1xdep8"), load_recipe("seed-8xdep2-1xdep8")
+    assert [v.name for v in variants([four, eight], compare_schemes=False)] == [four.name, eight.name]
+    names = [v.name for v in variants([four, eight], compare_schemes=True)]
+    assert len(names) == 8 and names[0] == f"{four.name} vllm-0.33 async"
+    assert len(set(names)) == 8
