@@ -1,0 +1,167 @@
+"""What one side exposes to transfers: its registered regions and group placements.
+
+:class:`MemoryMap` is the transport's view of a :class:`hybridkv.layout.Layout`
+(read through attributes only, so the transport does not depend on how the
+layout was made): regions as :class:`~hybridkv.wire.RegionInfo` and, per
+KV-cache group, the regions its block b lives in (page b of each). Block ids
+become flat int32 descriptor indices here, with one vectorised numpy pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridkv import wire
+from hybridkv.errors import HandshakeRefused, Difference
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryMap:
+    regions: tuple[wire.RegionInfo, ...]
+    groups: tuple[wire.GroupInfo, ...]
+    #: what the other side must agree on beyond the page shapes (geometry, dtypes, tp, ...)
+    compat: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        ids = [r.region_id for r in self.regions]
+        if ids != list(range(len(ids))):
+            raise ValueError(f"region ids {ids}; expected 0..{len(ids) - 1} in order")
+        for g in self.groups:
+            for rid in g.region_ids:
+                if not 0 <= rid < len(ids):
+                    raise ValueError(f"group {g.group_id} names region {rid}; expected one of {ids}")
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Flat descriptor index of page 0 of each region."""
+        n = np.array([r.num_pages for r in self.regions], dtype=np.int64)
+        return np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64)
+
+    @property
+    def total_pages(self) -> int:
+        return int(sum(r.num_pages for r in self.regions))
+
+    def group(self, group_id: int) -> wire.GroupInfo:
+        for g in self.groups:
+            if g.group_id == group_id:
+                return g
+        raise ValueError(f"group {group_id}; expected one of {[g.group_id for g in self.groups]}")
+
+    def group_bounds(self) -> dict[int, int]:
+        """Per group, the exclusive upper bound of its block ids."""
+        return {g.group_id: min(self.regions[r].num_pages for r in g.region_ids) for g in self.groups}
+
+    def strided_rows(self) -> np.ndarray:
+        """One Nx5 row per region (addr, len, dev, stride, count): NIXL's compact prepped list."""
+        return np.array([[r.base_addr, r.page_bytes, r.device_id, r.stride, r.num_pages] for r in self.regions],
+                        dtype=np.uint64)
+
+    def reg_rows(self) -> np.ndarray:
+        return np.array([[r.base_addr, r.stride * (r.num_pages - 1) + r.page_bytes, r.device_id]
+                         for r in self.regions], dtype=np.uint64)
+
+    @property
+    def mem(self) -> wire.Mem:
+        kinds = {r.mem for r in self.regions}
+        if len(kinds) != 1:
+            raise ValueError(f"regions mix memory kinds {sorted(k.name for k in kinds)}; expected one")
+        return kinds.pop()
+
+    def shape_fields(self) -> dict[str, str]:
+        """Compatibility fields: the page format of every group (not addresses or page counts)."""
+        per_group = [(g.group_id, tuple(self.regions[r].page_bytes for r in g.region_ids)) for g in self.groups]
+        return {**self.compat, "pages": hashlib.sha256(repr(sorted(per_group)).encode()).hexdigest()[:16]}
+
+
+def from_layout(layout) -> MemoryMap:
+    """MemoryMap of a :class:`hybridkv.layout.Layout` (duck-typed)."""
+    regions = tuple(
+        wire.RegionInfo(region_id=int(r.region_id), base_addr=int(r.base_addr), stride=int(r.stride),
+                        page_bytes=int(r.page_bytes), num_pages=int(r.num_pages),
+                        mem=wire.Mem[r.mem.name], device_id=int(r.device_id))
+        for r in layout.regions
+    )
+    groups = tuple(wire.GroupInfo(group_id=int(g.group_id), region_ids=tuple(int(p.region_id) for p in g.placements))
+                   for g in layout.groups)
+    geo = layout.geometry
+    fields_repr = repr(tuple((g.group_id, g.kind, g.block_tokens, g.placements) for g in layout.groups))
+    compat = {
+        "geometry": hashlib.sha256(repr(geo).encode()).hexdigest()[:16],
+        "dtypes": ",".join(sorted({_dtypes(spec) for spec in geo.layers})),
+        "tp": str(layout.tp),
+        "page_format": hashlib.sha256(fields_repr.encode()).hexdigest()[:16],
+    }
+    return MemoryMap(regions=regions, groups=groups, compat=compat)
+
+
+def _dtypes(spec) -> str:
+    names = [getattr(spec, a) for a in ("dtype", "conv_dtype", "ssm_dtype") if hasattr(spec, a)]
+    return "/".join(getattr(n, "name", str(n)) for n in names)
+
+
+def check_peer_shapes(local: MemoryMap, remote: Sequence[wire.RegionInfo], remote_groups: Sequence[wire.GroupInfo]) -> None:
+    """Groups must pair up region by region with equal page bytes (else a transfer would tear pages)."""
+    diffs = []
+    rg = {g.group_id: g for g in remote_groups}
+    for g in local.groups:
+        other = rg.get(g.group_id)
+        mine = tuple(local.regions[r].page_bytes for r in g.region_ids)
+        theirs = None if other is None else tuple(remote[r].page_bytes for r in other.region_ids)
+        if mine != theirs:
+            diffs.append(Difference(field=f"group{g.group_id}.page_bytes", local=str(mine), remote=str(theirs)))
+    if set(rg) - {g.group_id for g in local.groups}:
+        diffs.append(Difference(field="groups", local=str(sorted(g.group_id for g in local.groups)),
+                                remote=str(sorted(rg))))
+    if diffs:
+        raise HandshakeRefused("page shapes differ", diffs)
+
+
+def pair_indices(
+    local: MemoryMap,
+    local_blocks: Mapping[int, np.ndarray],
+    remote: MemoryMap,
+    remote_blocks: Mapping[int, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+    """int32 (local, remote) descriptor indices for moving block i of each group's list.
+
+    Pairs are ordered by local index, so wherever both sides' pages are back to
+    back the indices are consecutive on both sides and ``make_prepped_xfer``
+    merges them into one descriptor.
+    """
+    lo, ro = local.offsets, remote.offsets
+    li, ri = [], []
+    for gid, lb in local_blocks.items():
+        rb = remote_blocks.get(gid)
+        lb = np.asarray(lb, dtype=np.int64)
+        if rb is None or len(rb) != len(lb):
+            raise ValueError(f"group {gid}: {len(lb)} local blocks vs "
+                             f"{None if rb is None else len(rb)} remote; expected equal counts")
+        rb = np.asarray(rb, dtype=np.int64)
+        lg, rg = local.group(gid), remote.group(gid)
+        for lr, rr in zip(lg.region_ids, rg.region_ids, strict=True):
+            if lb.size and (lb.min() < 0 or lb.max() >= local.regions[lr].num_pages):
+                raise ValueError(f"group {gid}: local block ids outside 0..{local.regions[lr].num_pages - 1}")
+            if rb.size and (rb.min() < 0 or rb.max() >= remote.regions[rr].num_pages):
+                raise ValueError(f"group {gid}: remote block ids outside 0..{remote.regions[rr].num_pages - 1}")
+            li.append(lo[lr] + lb)
+            ri.append(ro[rr] + rb)
+    if set(remote_blocks) - set(local_blocks):
+        raise ValueError(f"remote groups {sorted(set(remote_blocks) - set(local_blocks))} have no local blocks")
+    if not li:
+        return np.zeros(0, np.int32), np.zeros(0, np.int32)
+    l_all, r_all = np.concatenate(li), np.concatenate(ri)
+    order = np.argsort(l_all, kind="stable")
+    return l_all[order].astype(np.int32), r_all[order].astype(np.int32)
+
+
+def count_runs(a: np.ndarray, b: np.ndarray, la: np.ndarray, lb: np.ndarray) -> int:
+    """How many descriptors remain after merging index pairs consecutive on both sides
+    (a predictor of NIXL's own count; ``la``/``lb`` say whether index i+1 follows i in memory)."""
+    if a.size == 0:
+        return 0
+    step = (np.diff(a) == 1) & (np.diff(b) == 1) & la[a[:-1]] & lb[b[:-1]]
+    return int(a.size - step.sum())

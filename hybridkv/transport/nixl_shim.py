@@ -1,0 +1,33 @@
+"""Import NIXL under whichever name the installed wheel uses.
+
+The ``nixl`` meta package gives ``import nixl``; the CUDA-specific wheels
+(``nixl-cu12``, ``nixl-cu13``) install ``nixl_cu12`` / ``nixl_cu13``. hybridkv
+needs only the Python API (``nixl_agent``, ``nixl_agent_config``,
+``nixl_thread_sync_t``), which is the same in all of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+_CANDIDATES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+
+
+def load_nixl() -> ModuleType:
+    """The NIXL ``_api`` module; ImportError saying how to install it otherwise."""
+    errors = []
+    for name in _CANDIDATES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        if hasattr(mod, "nixl_agent") and hasattr(mod, "nixl_agent_config"):
+            return mod
+        errors.append(f"{name}: has no nixl_agent")
+    raise ImportError(
+        "NIXL is not installed; expected one of " + ", ".join(_CANDIDATES)
+        + " (pip install 'hybridkv[transport]' or nixl-cu12 / nixl-cu13 matching torch's CUDA major). Tried: "
+        + "; ".join(errors)
+    )

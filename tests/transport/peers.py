@@ -1,0 +1,229 @@
+"""Real producer/consumer processes for the transport tests (spawned, talking over NIXL + ucxx).
+
+Each process builds a real layout (plan_layout on host memory), a real
+TransferScheduler, and runs the endpoint on asyncio. The test drives them
+through multiprocessing queues: the producer reports its address, both report
+outcomes, checksums, scheduler audits and free-block counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import multiprocessing as mp
+import os
+import time
+import traceback
+
+import numpy as np
+
+SMALL = dict(num_layers=4, num_kv_heads=1, num_k_heads=2, num_v_heads=2, head_dim=64, head_k_dim=32, head_v_dim=32)
+BLOCK = 16
+NUM_BLOCKS = {"attn": 64, "gdn": 8}
+
+
+def geometry(**over):
+    from hybridkv.presets import qwen_hybrid
+
+    return qwen_hybrid("test-hybrid", **{**SMALL, **over})
+
+
+def build(seed: int, *, geo_over=None, scale: int = 1):
+    from hybridkv.alloc import NumpyAllocator
+    from hybridkv.fence import PoolLayout
+    from hybridkv.geometry import LayerKind
+    from hybridkv.layout import plan_layout
+    from hybridkv.transport.memory import from_layout
+
+    geo = geometry(**(geo_over or {}))
+    nb = {LayerKind.FULL_ATTENTION: NUM_BLOCKS["attn"] * scale, LayerKind.GDN: NUM_BLOCKS["gdn"]}
+    layout = plan_layout(geo, block_size=BLOCK, num_blocks=nb, allocator=NumpyAllocator())
+    for i, alloc in enumerate(layout.allocations):
+        buf = alloc.owner
+        buf[:] = np.random.default_rng(seed * 100 + i).integers(0, 256, buf.size, dtype=np.uint8)
+    pools = PoolLayout.separate(num_blocks=tuple(layout.regions[g.placements[0].region_id].num_pages
+                                                 for g in layout.groups))
+    return layout, from_layout(layout), pools
+
+
+def components(layout):
+    from hybridkv.geometry import LayerKind
+    from hybridkv.request_state import attention_component, gdn_components
+
+    out = []
+    for g in layout.groups:
+        out.extend(gdn_components(g.group_id) if g.kind is LayerKind.GDN else [attention_component(g.group_id)])
+    return tuple(out)
+
+
+def digest(layout, blocks: dict[int, list[int]]) -> str:
+    """sha256 over the pages of the given blocks, group by group, in block order."""
+    h = hashlib.sha256()
+    for g in layout.groups:
+        for p in g.placements:
+            r = layout.regions[p.region_id]
+            buf = layout.allocations[p.region_id].owner
+            for b in blocks.get(g.group_id, []):
+                off = b * r.stride
+                h.update(buf[off: off + r.page_bytes].tobytes())
+    return h.hexdigest()
+
+
+def counts(layout, tokens: int) -> dict[int, int]:
+    return {g.group_id: (1 if g.block_tokens is None else -(-tokens // g.block_tokens)) for g in layout.groups}
+
+
+def _quiet():
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import logging
+
+    logging.getLogger("nixl").setLevel(logging.ERROR)
+
+
+# ============================================================== producer
+def producer_main(opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
+    _quiet()
+    try:
+        asyncio.run(_producer(opts, out, inbox))
+    except BaseException as exc:  # report, don't hang the test
+        out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+async def _producer(opts, out, inbox):
+    from hybridkv.scheduler import TransferScheduler
+    from hybridkv.transport.endpoint import Producer, TransportConfig
+    from hybridkv import wire
+
+    layout, memory, pools = build(1, geo_over=opts.get("geo"))
+    sched = TransferScheduler(pools, lease_s=opts.get("lease_s", 30.0))
+    cfg = TransportConfig(mode=wire.Mode[opts.get("mode", "PULL")])
+    prod = Producer(memory, sched, cfg)
+    host, port = await prod.start()
+    out.put(("addr", (host, port, os.getpid())))
+    requests = opts.get("requests", [])
+    plans = {}
+    step = 0
+    for rid, tokens, shuffle in requests:
+        sched.add_request(rid)
+        blocks = {}
+        for g, n in counts(layout, tokens).items():
+            blocks[g] = list(sched.allocate(rid, g, n))
+        step += 1
+        sched.step_scheduled(step, joined=[rid])
+        sched.step_completed(step)
+        sched.request_finished(rid, export=True)
+        plans[rid] = blocks
+    if not requests:
+        out.put(("ready", None))
+        await _await_inbox(inbox, "stop", prod)
+        out.put(("stats", vars(prod.stats)))
+        await prod.close()
+        return
+    await prod.wait_peer(opts.get("peer_timeout_s", 20.0))
+    out.put(("digests", {rid: digest(layout, b) for rid, b in plans.items()}))
+    results = await asyncio.gather(*(prod.export(rid) for rid in plans))
+    for _ in range(int(opts.get("linger_s", 0) / 0.01)):
+        await asyncio.sleep(0.01)  # let late notifications/leases arrive
+    sched.poll()
+    sched.audit()
+    out.put(("results", [(r.request_id, r.outcome.name, r.error) for r in results]))
+    out.put(("state", {"free": [sched.free_count(p) for p in range(len(pools.pool_sizes))],
+                       "total": list(pools.pool_sizes), "in_flight": sched.transfers_in_flight(),
+                       "requests": sched.requests_in_flight(), "stats": vars(prod.stats)}))
+    await _await_inbox(inbox, "stop", prod)
+    await prod.close()
+
+
+async def _await_inbox(inbox, word, side, timeout_s=60.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if inbox.get_nowait() == word:
+                return
+        except Exception:
+            pass
+        await asyncio.sleep(0.02)
+
+
+# ============================================================== consumer
+def consumer_main(opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
+    _quiet()
+    try:
+        asyncio.run(_consumer(opts, out, inbox))
+    except BaseException as exc:
+        out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+async def _consumer(opts, out, inbox):
+    from hybridkv import wire
+    from hybridkv.errors import HandshakeRefused, HybridKVError
+    from hybridkv.scheduler import TransferScheduler
+    from hybridkv.transport.endpoint import Consumer, FailurePolicy, TransportConfig
+
+    host, port = opts["addr"]
+    attempts = opts.get("attempts") or [{}]
+    for att in attempts:  # handshake variants: each a fresh consumer
+        layout, memory, pools = build(2, geo_over=att.get("geo"))
+        sched = TransferScheduler(pools, lease_s=30.0)
+        cfg = TransportConfig(mode=wire.Mode[att.get("mode", opts.get("mode", "PULL"))],
+                              failure_policy=FailurePolicy[opts.get("policy", "FAIL")],
+                              handshake_timeout_s=opts.get("handshake_timeout_s", 5.0),
+                              export_timeout_s=opts.get("export_timeout_s", 20.0),
+                              heartbeat_s=opts.get("heartbeat_s"))
+        cons = Consumer(memory, sched, cfg)
+        if "protocol" in att:
+            cons.compat["protocol"] = att["protocol"]
+        try:
+            t0 = time.monotonic()
+            await cons.connect(host, port)
+        except HandshakeRefused as exc:
+            out.put(("refused", (att.get("name"), sorted(exc.fields), str(exc))))
+            await cons.close()
+            continue
+        except HybridKVError as exc:
+            out.put(("connect_failed", (type(exc).__name__, str(exc), time.monotonic() - t0)))
+            await cons.close()
+            continue
+        out.put(("connected", att.get("name")))
+        if not opts.get("requests"):
+            await cons.close()
+            continue
+        await _run_requests(opts, out, inbox, layout, sched, cons)
+        await cons.close()
+    out.put(("finished", None))
+
+
+async def _run_requests(opts, out, inbox, layout, sched, cons):
+    comps = components(layout)
+    plans = {}
+    for rid, tokens, shuffle in opts["requests"]:
+        sched.add_request(rid, expect=comps)
+        blocks = {}
+        if shuffle:  # the destination blocks sit elsewhere than the source's
+            sched.add_request(rid + "-pad")
+            for g in counts(layout, tokens):
+                sched.allocate(rid + "-pad", g, 1)
+        for g, n in counts(layout, tokens).items():
+            blocks[g] = list(sched.allocate(rid, g, n))
+        plans[rid] = blocks
+    if opts.get("wait_before_fetch_s"):
+        await asyncio.sleep(opts["wait_before_fetch_s"])
+    if opts.get("signal_before_fetch"):
+        out.put(("about_to_fetch", None))
+        await _await_inbox(inbox, "go", cons)
+    results = await asyncio.gather(*(cons.fetch(rid, comps) for rid in plans))
+    digests = {r.request_id: digest(layout, plans[r.request_id]) for r in results}
+    if opts.get("duplicate_notif_fake"):
+        # A misbehaving peer: completions repeated and for unknown requests.
+        for r in results:
+            cons.dp.notify(cons.peer.agent, b"hkv:" + r.request_id.encode())
+        cons.dp.notify(cons.peer.agent, b"hkv:never-exported")
+        await asyncio.sleep(0.3)
+    sched.audit()
+    out.put(("results", [(r.request_id, r.outcome.name, r.error, r.descriptors, r.indices, r.nbytes)
+                         for r in results]))
+    out.put(("digests", digests))
+    out.put(("state", {"free": [sched.free_count(p) for p in range(len(sched.layout.pool_sizes))],
+                       "total": list(sched.layout.pool_sizes), "in_flight": sched.transfers_in_flight(),
+                       "phases": {rid: (sched.phase(rid).name if sched.has_request(rid) else None) for rid in plans},
+                       "stats": vars(cons.stats)}))
