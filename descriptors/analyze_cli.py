@@ -21,6 +21,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="engine block size in tokens, a multiple of 16 (default: the HMA-aligned size)")
     parser.add_argument("--tp-prefill", type=int, default=1)
     parser.add_argument("--tp-decode", type=int, default=1)
+    parser.add_argument("--kernel-block-size", type=int, default=None,
+                        help="attention kernel block size; vllm-0.33 issues one descriptor per kernel block "
+                             "(default: the logical block, e.g. FlashAttention; FlashInfer splits to 16)")
     parser.add_argument("--ssm-dtype", choices=("float32", "bfloat16"), default=None)
     parser.add_argument("--fragmentation", type=float, default=1.0,
                         help="fraction of consecutive block pairs not adjacent in memory (1.0: none adjacent)")
@@ -48,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--per-desc-us must be >= 0 and --link-gbps > 0, got {args.per_desc_us}, {args.link_gbps}")
     geometry = load_geometry(args)
     w = Workload(geometry=geometry, tokens=args.tokens, block_size=args.block_size, tp_prefill=args.tp_prefill,
-                 tp_decode=args.tp_decode, fragmentation=args.fragmentation)
+                 tp_decode=args.tp_decode, fragmentation=args.fragmentation,
+                 kernel_block_size=args.kernel_block_size)
     counts = count_all(w)
     ours = next(c for c in counts if c.scheme is Scheme.HYBRIDKV)
     rows = []
@@ -59,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
                      "ratio_to_hybridkv": c.descriptors / max(ours.descriptors, 1), "est_ms": est_ms})
     workload = {"model": geometry.name, "tokens": w.tokens, "block_size": w.effective_block_size,
                 "tp_prefill": w.tp_prefill, "tp_decode": w.tp_decode, "fragmentation": w.fragmentation,
-                "per_desc_us": args.per_desc_us, "link_gbps": args.link_gbps}
+                "kernel_block_size": args.kernel_block_size, "per_desc_us": args.per_desc_us,
+                "link_gbps": args.link_gbps}
     if args.json:
         print(json.dumps({"workload": workload, "schemes": rows}))
         return 0

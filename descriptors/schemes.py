@@ -47,6 +47,10 @@ class Workload:
     tp_prefill: int = 1
     tp_decode: int = 1
     fragmentation: float = 1.0      # fraction of consecutive block pairs NOT adjacent in memory
+    # Attention kernel block size. vLLM 0.33 registers NIXL descriptors per kernel block, so when a
+    # backend splits the HMA-raised logical block (e.g. FlashInfer's 16/32/64-token blocks) every
+    # logical block costs block/kernel descriptors per region. None: kernel block = logical block.
+    kernel_block_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, int) or self.tokens <= 0:
@@ -59,6 +63,11 @@ class Workload:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if not 0.0 <= self.fragmentation <= 1.0:
             raise ValueError(f"fragmentation must be in [0, 1], got {self.fragmentation}")
+        if self.kernel_block_size is not None:
+            check_block_size(self.kernel_block_size)
+            if self.effective_block_size % self.kernel_block_size:
+                raise ValueError(f"kernel block size {self.kernel_block_size} must divide the block size "
+                                 f"{self.effective_block_size}")
         # Sharding validates that both TPs divide the heads; do it early for a clear error.
         self.geometry.shard(self.tp_prefill)
         self.geometry.shard(self.tp_decode)
@@ -76,6 +85,10 @@ class Workload:
     @property
     def decode_block_size(self) -> int:
         return self.effective_block_size
+
+    @property
+    def kernel_blocks_per_block(self) -> int:
+        return 1 if self.kernel_block_size is None else self.effective_block_size // self.kernel_block_size
 
     @property
     def reads_per_request(self) -> int:
@@ -168,15 +181,15 @@ def _vllm_legacy(w: Workload) -> SchemeCount:
                        bytes=_useful_bytes(w, clip_window=False), regions=2 * (fa + sw + gdn))
 
 
-def _vllm_hma_like(w: Workload, *, kv_halves: int, scheme: Scheme) -> SchemeCount:
+def _vllm_hma_like(w: Workload, *, kv_halves: int, scheme: Scheme, ppl: int = 1) -> SchemeCount:
     hma = _hma(w)
     r = hma.num_tensors
     per_read = 0
     for grp in hma.groups:
         if grp.kind is LayerKind.GDN:
-            per_read += r * GDN_SUB_READS
+            per_read += r * GDN_SUB_READS  # state blocks are never scaled by the kernel-block ratio
         else:
-            per_read += kv_halves * r * grp.blocks_for_tokens(w.tokens)
+            per_read += kv_halves * r * grp.blocks_for_tokens(w.tokens) * ppl
     return SchemeCount(scheme=scheme, descriptors=per_read * w.reads_per_request, bytes=_useful_bytes(w),
                        regions=kv_halves * r)
 
@@ -186,7 +199,7 @@ def _vllm_hma(w: Workload) -> SchemeCount:
 
 
 def _vllm_033(w: Workload) -> SchemeCount:
-    return _vllm_hma_like(w, kv_halves=1, scheme=Scheme.VLLM_033)
+    return _vllm_hma_like(w, kv_halves=1, scheme=Scheme.VLLM_033, ppl=w.kernel_blocks_per_block)
 
 
 def _sglang_nixl(w: Workload) -> SchemeCount:

@@ -91,3 +91,13 @@ def test_cli_human_table():
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "hybridkv" in proc.stdout and "vllm-0.33" in proc.stdout
+
+
+def test_kernel_block_split_multiplies_vllm_033_attention_reads():
+    g = get_preset("qwen3.5-397b-a17b")
+    w = Workload(geometry=g, tokens=8192, kernel_block_size=16)
+    assert w.kernel_blocks_per_block == 2096 // 16 == 131
+    assert count_descriptors(Scheme.VLLM_033, w).descriptors == 15 * 4 * 131 + 3 * 15 * 4
+    assert count_descriptors(Scheme.HYBRIDKV_VLLM, w).descriptors == 7  # block-outermost: still one span
+    with pytest.raises(ValueError, match="must divide the block size 2096"):
+        Workload(geometry=g, tokens=8192, kernel_block_size=64)
