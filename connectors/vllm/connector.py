@@ -1,0 +1,160 @@
+"""HybridKVConnector: vLLM's KV connector interface, thin over hybridkv.
+
+One instance per role, as vLLM builds them: the scheduler process gets a
+:class:`~connectors.vllm.scheduler_half.SchedulerHalf`, each worker a
+:class:`~connectors.vllm.worker_half.WorkerHalf`; this class only forwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from connectors.vllm.metadata import HybridKVConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+#: The block-outermost layout we ask vLLM for: one logical block of a group is
+#: one contiguous span over all the group's layers (anchors/vllm.md section 9),
+#: so a request moves with about one descriptor per block per group.
+REQUESTED_LAYOUT = "BLHNC"
+
+
+class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kvt = vllm_config.kv_transfer_config
+        self.engine_id: str = kvt.engine_id or str(uuid.uuid4())
+        self.scheduler = None
+        self.worker = None
+        if role is KVConnectorRole.SCHEDULER:
+            from connectors.vllm.scheduler_half import SchedulerHalf
+
+            self.scheduler = SchedulerHalf(vllm_config, kv_cache_config, engine_id=self.engine_id)
+        else:
+            from connectors.vllm.worker_half import WorkerHalf
+
+            self.worker = WorkerHalf(vllm_config, kv_cache_config, engine_id=self.engine_id)
+
+    # ------------------------------------------------------------ class-level
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # vLLM keeps this only if every attention backend supports it; otherwise
+        # it warns and falls back, and the worker half logs what it adopted.
+        return REQUESTED_LAYOUT
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return False
+
+    # ------------------------------------------------------------ scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched().bind_kv_cache_manager(kv_cache_manager)
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self._sched().get_loaded_kv_cache_group_ids()
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        return self._sched().has_pending_block_frees()
+
+    def get_finished_count(self) -> int | None:
+        return None
+
+    # ------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, HybridKVConnectorMetadata):
+            raise ValueError(f"connector metadata {type(meta).__name__}; expected HybridKVConnectorMetadata")
+        self._work().start_step(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are whole-request and asynchronous: the request is not scheduled
+        # before they land, so no layer ever waits.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        # Pull mode: the consumer reads the blocks in place; nothing to save.
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending, r.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._work().transfer_results()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._work().worker_meta()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._work().handshake_metadata()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    # ------------------------------------------------------------ helpers
+    def _sched(self):
+        if self.scheduler is None:
+            raise RuntimeError("scheduler-side call on a worker-role HybridKVConnector")
+        return self.scheduler
+
+    def _work(self):
+        if self.worker is None:
+            raise RuntimeError("worker-side call on a scheduler-role HybridKVConnector")
+        return self.worker

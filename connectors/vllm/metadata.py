@@ -1,0 +1,59 @@
+"""What the scheduler half tells the worker half each step, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from connectors.vllm.params import RemotePrefill
+
+BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per transfer group
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecvOrder:
+    """Decode side: read ``remote``'s blocks into ``local_block_ids`` now.
+
+    Issued only once hybridkv's fence allows writing every local block
+    (no pending step touches it: Race A)."""
+
+    request_id: str
+    transfer_id: int
+    local_block_ids: BlockIds
+    remote: RemotePrefill
+
+
+@dataclass(kw_only=True)
+class HybridKVConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per scheduled step."""
+
+    step: int
+    recvs: list[RecvOrder] = field(default_factory=list)
+    #: Prefill side: requests whose blocks every write has landed in (export rule):
+    #: the worker may now serve reads of them.
+    exports_ready: dict[str, BlockIds] = field(default_factory=dict)
+    #: Prefill side: requests whose export ended (read done, lease lapsed, abort).
+    exports_ended: list[str] = field(default_factory=list)
+    #: Decode side: requests whose producer lease the worker should renew.
+    heartbeats: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class HybridKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per executed step; aggregated over TP ranks."""
+
+    #: The step this worker executed; the device work of it has completed when
+    #: the scheduler processes this output.
+    step: int
+    #: Prefill side: export leases the consumer renewed.
+    renewed: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, HybridKVWorkerMetadata):
+            raise ValueError(f"cannot aggregate {type(other).__name__}; expected HybridKVWorkerMetadata")
+        # A step is complete only once every rank completed it.
+        return HybridKVWorkerMetadata(step=min(self.step, other.step), renewed=self.renewed & other.renewed)

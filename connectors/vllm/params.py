@@ -1,0 +1,100 @@
+"""vLLM's P/D request convention (``kv_transfer_params``), as NixlConnector speaks it.
+
+Proxies and routers in front of vLLM P/D (vLLM's toy proxy, Dynamo, llm-d)
+send the prefill instance ``{"do_remote_decode": true}`` and forward what it
+returns to the decode instance, which then sees ``do_remote_prefill`` plus the
+producer's engine id, side-channel host/port, request id and block ids. We read
+and write exactly those keys so those routers work unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: Keys that must all be present for a decode-side load.
+REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemotePrefill:
+    """Where a decode instance reads a request's cache from."""
+
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    block_ids: tuple[tuple[int, ...], ...]
+    tp_size: int = 1
+    num_tokens: int = 0
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> RemotePrefill:
+        missing = [k for k in REMOTE_KEYS if params.get(k) is None]
+        if missing:
+            raise ValueError(f"kv_transfer_params lacks {missing}; expected all of {list(REMOTE_KEYS)}")
+        blocks = params["remote_block_ids"]
+        if not isinstance(blocks, Sequence) or isinstance(blocks, (str, bytes)):
+            raise ValueError(f"remote_block_ids = {blocks!r}; expected one list of block ids per group")
+        # A single flat list is the single-group (non-HMA) form.
+        if blocks and all(isinstance(b, int) for b in blocks):
+            blocks = [blocks]
+        groups: list[tuple[int, ...]] = []
+        for g, ids in enumerate(blocks):
+            if not isinstance(ids, Sequence) or not all(isinstance(b, int) and b >= 0 for b in ids):
+                raise ValueError(f"remote_block_ids[{g}] = {ids!r}; expected non-negative ints")
+            groups.append(tuple(ids))
+        port = params["remote_port"]
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"remote_port = {port!r}; expected a TCP port")
+        tp = params.get("tp_size", 1)
+        if not isinstance(tp, int) or tp <= 0:
+            raise ValueError(f"tp_size = {tp!r}; expected a positive int")
+        return cls(
+            engine_id=str(params["remote_engine_id"]),
+            request_id=str(params["remote_request_id"]),
+            host=str(params["remote_host"]),
+            port=port,
+            block_ids=tuple(groups),
+            tp_size=tp,
+            num_tokens=int(params.get("remote_num_tokens") or 0),
+        )
+
+
+def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
+    """Decode side: this request's prompt cache is to be read from a producer."""
+    return bool(params) and bool(params.get("do_remote_prefill"))
+
+
+def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
+    """Prefill side: this request's cache is to be handed to a decode instance."""
+    return bool(params) and bool(params.get("do_remote_decode"))
+
+
+def producer_params(
+    *,
+    engine_id: str,
+    request_id: str,
+    host: str,
+    port: int,
+    block_ids: Sequence[Sequence[int]],
+    tp_size: int,
+    num_tokens: int,
+    lease_s: float,
+) -> dict[str, Any]:
+    """What the prefill instance returns for the decode instance (NixlConnector's keys)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_block_ids": [list(g) for g in block_ids],
+        "tp_size": tp_size,
+        "remote_num_tokens": num_tokens,
+        "remote_lease_s": lease_s,
+        "transfer_mode": "pull",
+        "transfer_backend": "hybridkv",
+    }

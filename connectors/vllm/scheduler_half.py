@@ -1,0 +1,373 @@
+"""The scheduler half of HybridKVConnector: vLLM's scheduler hooks over hybridkv's fencing.
+
+vLLM owns the block pool; hybridkv's :class:`~hybridkv.scheduler.TransferScheduler`
+(engine-owned pool mode) decides *when* a block may be written by an incoming
+transfer, read by an outgoing one, or handed back to vLLM:
+
+* every scheduled step is reported with the blocks its requests hold
+  (``touched``), and every executed step comes back from the workers as a
+  watermark (:class:`HybridKVWorkerMetadata.step`);
+* decode side: a load is given to the worker only when hybridkv's import rule
+  allows writing all its target blocks, i.e. no step still in flight touches
+  them (Race A: under ``--async-scheduling`` vLLM may reallocate a block that
+  an already dispatched step still rewrites); a request is reported to vLLM as
+  received only once every component of every group arrived (visibility);
+  vLLM skips zeroing the blocks a load overwrites (Race B) because
+  ``get_loaded_kv_cache_group_ids`` names every transfer group;
+* prefill side: a finished request's blocks are held under a renewable lease,
+  offered to readers only once every step that wrote them completed (export
+  rule), and handed back to vLLM (``finished_sending``) only when hybridkv says
+  they are settled and no transfer reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from hybridkv.fence import NotYet, PoolLayout, RequestId, TransferId
+from hybridkv.lease import Clock
+from hybridkv.request_state import Component, RequestPhase, TransferOutcome, attention_component, gdn_components
+from hybridkv.scheduler import TransferScheduler
+
+from connectors.vllm.metadata import BlockIds, HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder
+from connectors.vllm.params import RemotePrefill, producer_params, wants_remote_decode, wants_remote_prefill
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerHalf:
+    """Scheduler-process state of one engine (all its TP ranks share one block table)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        *,
+        engine_id: str,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+        kvt = vllm_config.kv_transfer_config
+        self.engine_id = engine_id
+        self.kv_cache_config = kv_cache_config
+        self.transfer_groups: tuple[int, ...] = tuple(kv_cache_config.transfer_group_ids)
+        self.lease_s = float(kvt.get_from_extra_config("kv_lease_duration", 30))
+        self.side_host = str(kvt.get_from_extra_config("side_channel_host", "127.0.0.1"))
+        self.side_port = int(kvt.get_from_extra_config("side_channel_port", 5600)) + (
+            vllm_config.parallel_config.data_parallel_index
+        )
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.has_mamba = bool(kv_cache_config.has_mamba_layers)
+        self.num_blocks = kv_cache_config.num_blocks
+        groups = kv_cache_config.kv_cache_groups
+        self._mamba_spec_blocks: dict[int, int] = {}
+        self._window_blocks: dict[int, int] = {}
+        for g in self.transfer_groups:
+            spec = groups[g].kv_cache_spec
+            if isinstance(spec, MambaSpec):
+                self._mamba_spec_blocks[g] = spec.num_speculative_blocks
+            elif isinstance(spec, SlidingWindowSpec):
+                self._window_blocks[g] = -(-spec.sliding_window // spec.block_size) + 1
+        comps: list[Component] = []
+        for g in self.transfer_groups:
+            comps.extend(gdn_components(g) if g in self._mamba_spec_blocks else (attention_component(g),))
+        self.components = frozenset(comps)
+        # vLLM's hybrid allocator: one pool, block b of every group is page b.
+        self.ts = TransferScheduler(
+            PoolLayout.shared(num_blocks=self.num_blocks, num_groups=len(groups)),
+            managed_pool=False,
+            lease_s=self.lease_s,
+            clock=clock,
+        )
+        self._kv_cache_manager: KVCacheManager | None = None
+        self._null_block = 0
+        self._step = -1
+        # decode side
+        self._pending: dict[str, tuple[RemotePrefill, BlockIds]] = {}  # allocated, load not yet allowed
+        self._inflight: dict[str, TransferId] = {}  # load handed to the worker
+        self._failed: set[str] = set()
+        self._held_back: set[str] = set()  # landed, but not every component arrived yet
+        self._inject_recving: set[str] = set()  # aborted before the load started: vLLM waits for this
+        # prefill side
+        self._exports: dict[str, BlockIds] = {}  # exporting, not yet offered to readers
+        self._offered: set[str] = set()
+        self._export_blocks: dict[str, list[int]] = {}
+        self._ended: list[str] = []
+        # requests whose hybridkv blocks must settle before vLLM may free them
+        self._releasing: dict[str, set[int]] = {}
+        self._owner: dict[int, str] = {}
+        self._inject_sending: set[str] = set()
+        # Reported to vLLM by us; a late worker report of the same id must not
+        # reach vLLM, which asserts the request still exists.
+        self._reported_sending: dict[str, None] = {}
+        self._warned_no_watermark = False
+
+    # ------------------------------------------------------------ binding
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._kv_cache_manager = manager
+        self._null_block = manager.block_pool.null_block.block_id
+
+    # ------------------------------------------------------------ requests
+    def _backoff(self) -> int:
+        # Mamba/GDN: the decoder needs h(N-1) to compute token N itself.
+        return 1 if self.has_mamba else 0
+
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if not wants_remote_decode(params) or params.get("_hybridkv_truncated"):
+            return
+        back = self._backoff()
+        if back and request.num_prompt_tokens > back and request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-back:]
+            del request._all_token_ids[-back:]
+            request.num_prompt_tokens -= back
+            params["_hybridkv_truncated"] = True
+        request.max_tokens = 1
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return 0, False
+        n = len(request.prompt_token_ids or ())
+        back = self._backoff()
+        if back and n > back:
+            n -= back
+        count = n - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return
+        rid = request.request_id
+        params["do_remote_prefill"] = False  # one load per request
+        if num_external_tokens <= 0:
+            return
+        try:
+            remote = RemotePrefill.from_params(params)
+        except ValueError as e:
+            log.warning("request %s: not loading its KV: %s", rid, e)
+            return
+        local = self._clip(tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups()))
+        self.ts.add_request(RequestId(rid), expect=self.components)
+        self._pending[rid] = (remote, local)
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        if rid in self._pending:
+            # Aborted before its load was allowed to start: vLLM holds the blocks
+            # until it hears the load finished, so tell it.
+            del self._pending[rid]
+            self.ts.abort(RequestId(rid))
+            self._inject_recving.add(rid)
+            return False, None
+        if rid in self._inflight:
+            # vLLM keeps the blocks until the worker reports the (now ignored)
+            # load finished; hybridkv quarantines them until it is terminal.
+            self.ts.abort(RequestId(rid))
+            return False, None
+        if self.ts.has_request(RequestId(rid)):
+            self.ts.abort(RequestId(rid))
+        params = request.kv_transfer_params
+        if not wants_remote_decode(params):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None
+        clipped = self._clip(tuple(tuple(g) for g in block_ids))
+        if not any(clipped):
+            return False, None
+        r = RequestId(rid)
+        self.ts.add_request(r)
+        for g, ids in zip(self.transfer_groups, clipped):
+            self.ts.assign(r, g, ids)
+        self.ts.request_finished(r, export=True)
+        self._exports[rid] = clipped
+        self._export_blocks[rid] = [b for ids in clipped for b in ids]
+        return True, producer_params(
+            engine_id=self.engine_id,
+            request_id=rid,
+            host=self.side_host,
+            port=self.side_port,
+            block_ids=clipped,
+            tp_size=self.tp_size,
+            num_tokens=request.num_computed_tokens,
+            lease_s=self.lease_s,
+        )
+
+    def _clip(self, block_ids: tuple[tuple[int, ...], ...]) -> BlockIds:
+        """The transferable blocks of each transfer group: no null padding, only a
+        sliding window's tail, only a state group's running-state slot."""
+        if not block_ids:
+            return ()
+        null = self._null_block
+        out = []
+        for g in self.transfer_groups:
+            ids = block_ids[g] if g < len(block_ids) else ()
+            if g in self._window_blocks:
+                ids = ids[-self._window_blocks[g]:]
+            elif g in self._mamba_spec_blocks and ids:
+                scratch = min(self._mamba_spec_blocks[g], len(ids) - 1)
+                ids = (ids[:-scratch] if scratch else ids)[-1:]
+            out.append(tuple(b for b in ids if b != null))
+        return tuple(out)
+
+    # ------------------------------------------------------------ steps
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HybridKVConnectorMetadata:
+        self._step += 1
+        step = self._step
+        touched = self._touched(scheduler_output)
+        self.ts.step_scheduled(step, touched=[(0, b) for b in touched])
+        meta = HybridKVConnectorMetadata(step=step)
+        for rid in list(self._pending):
+            remote, local = self._pending[rid]
+            r = RequestId(rid)
+            if not self.ts.blocks(r, self.transfer_groups[0]) and any(local):
+                for g, ids in zip(self.transfer_groups, local):
+                    self.ts.assign(r, g, ids)
+            tid = self.ts.post_import(r, components=self.components)
+            if isinstance(tid, NotYet):
+                log.debug("load of %s waits: %s", rid, tid.reason.value)
+                continue
+            del self._pending[rid]
+            self._inflight[rid] = tid
+            meta.recvs.append(RecvOrder(request_id=rid, transfer_id=int(tid), local_block_ids=local, remote=remote))
+        for rid in list(self._exports):
+            if self.ts.export_ready(RequestId(rid)) is True:
+                meta.exports_ready[rid] = self._exports.pop(rid)
+                self._offered.add(rid)
+        for rid in self.ts.poll():
+            self._export_released(rid)
+        meta.exports_ended, self._ended = self._ended, []
+        return meta
+
+    def _touched(self, scheduler_output: SchedulerOutput) -> set[int]:
+        """Every block a request scheduled in this step holds: the step may touch any."""
+        manager = self._kv_cache_manager
+        if manager is None:
+            raise RuntimeError("the KV cache manager was never bound to the connector")
+        out: set[int] = set()
+        for rid in scheduler_output.num_scheduled_tokens:
+            for ids in manager.get_block_ids(rid):
+                out.update(ids)
+        out.discard(self._null_block)
+        return out
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, HybridKVWorkerMetadata):
+            if meta.step > self.ts.watermark:
+                self.ts.step_completed(meta.step)
+            for rid in meta.renewed:
+                self.ts.heartbeat(RequestId(rid))
+        elif not self._warned_no_watermark:
+            self._warned_no_watermark = True
+            log.warning("worker output without hybridkv step metadata: the fence watermark cannot advance")
+        for rid in output.failed_recving or ():
+            tid = self._inflight.pop(rid, None)
+            if tid is not None:
+                self.ts.transfer_failed(tid)
+                self._failed.add(rid)
+        recving = set(output.finished_recving or ())
+        for rid in list(recving):
+            if rid in self._failed:
+                # vLLM recomputes or fails it; either way it is no longer ours.
+                self._failed.discard(rid)
+                self.ts.abort(RequestId(rid))
+                continue
+            tid = self._inflight.pop(rid, None)
+            if tid is None:
+                continue
+            outcome = self.ts.transfer_landed(tid)
+            if outcome is TransferOutcome.DISCARDED:
+                continue  # aborted while in flight; vLLM frees the blocks now
+            if outcome is not TransferOutcome.ACCEPTED:
+                raise RuntimeError(f"load of {rid} completed as {outcome.value}; expected accepted")
+            self._held_back.add(rid)
+            recving.discard(rid)
+        for rid in list(self._held_back):
+            r = RequestId(rid)
+            if self.ts.is_ready(r):
+                self._held_back.discard(rid)
+                self.ts.request_finished(r)  # vLLM owns the blocks from here on
+                recving.add(rid)
+        recving |= self._inject_recving
+        self._inject_recving = set()
+        sending = set(output.finished_sending or ())
+        for rid in list(sending):
+            if rid in self._reported_sending:
+                sending.discard(rid)
+                del self._reported_sending[rid]
+                continue
+            if rid not in self._export_blocks and rid not in self._releasing:
+                continue  # not ours
+            # Ours are reported to vLLM only once hybridkv lets the blocks go.
+            sending.discard(rid)
+            self._offered.discard(rid)
+            self._exports.pop(rid, None)
+            if self.ts.export_done(RequestId(rid)):
+                self._hold_until_reusable(rid, self._export_blocks.pop(rid, []))
+                self._ended.append(rid)
+        self._drain_reusable()
+        sending |= self._inject_sending
+        for rid in self._inject_sending:
+            self._reported_sending[rid] = None
+        while len(self._reported_sending) > 65536:
+            del self._reported_sending[next(iter(self._reported_sending))]
+        self._inject_sending = set()
+        output.finished_recving = recving
+        output.finished_sending = sending
+
+    def _export_released(self, rid: str) -> None:
+        """A lapsed lease released the request's blocks inside hybridkv."""
+        self._exports.pop(rid, None)
+        self._offered.discard(rid)
+        self._ended.append(rid)
+        self._hold_until_reusable(rid, self._export_blocks.pop(rid, []))
+
+    def _hold_until_reusable(self, rid: str, blocks: list[int]) -> None:
+        pending = self._releasing.setdefault(rid, set())
+        for b in blocks:
+            pending.add(b)
+            self._owner[b] = rid
+
+    def _drain_reusable(self) -> None:
+        for _, b in self.ts.take_reusable():
+            rid = self._owner.pop(int(b), None)
+            if rid is not None:
+                self._releasing[rid].discard(int(b))
+        for rid in [r for r, s in self._releasing.items() if not s]:
+            del self._releasing[rid]
+            self._inject_sending.add(rid)
+
+    # ------------------------------------------------------------ queries
+    def get_loaded_kv_cache_group_ids(self) -> tuple[int, ...]:
+        return self.transfer_groups
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._releasing or self._offered or self._exports)
+
+    def idle(self) -> bool:
+        """Nothing tracked: every block is vLLM's again."""
+        return (
+            self.ts.requests_in_flight() == 0
+            and self.ts.transfers_in_flight() == 0
+            and not (self._pending or self._inflight or self._held_back or self._releasing or self._exports)
+            and not (self._offered or self._inject_recving or self._inject_sending)
+        )
+
+    def phase(self, rid: str) -> RequestPhase | None:
+        r = RequestId(rid)
+        return self.ts.phase(r) if self.ts.has_request(r) else None

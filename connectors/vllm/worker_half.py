@@ -1,0 +1,234 @@
+"""The worker half of HybridKVConnector: vLLM's KV tensors, adopted, moved over NIXL by hybridkv.transport.
+
+Each vLLM worker (one TP rank) adopts the tensors vLLM hands to
+``register_kv_caches`` into a hybridkv layout and runs a hybridkv transport
+endpoint on a background asyncio thread: a :class:`~hybridkv.transport.endpoint.Producer`
+listening on ``side_channel_port + tp_rank`` on a prefill instance, a
+:class:`~hybridkv.transport.endpoint.Consumer` dialing the producer named in the
+request's ``kv_transfer_params`` on a decode instance (both for ``kv_both``).
+
+The *step* fencing happens in the scheduler process (scheduler_half): a load
+order reaches this worker only once no in-flight step touches its blocks, an
+export offer only once every step that wrote the blocks completed. The
+worker-local :class:`~hybridkv.scheduler.TransferScheduler` the transport drives
+keeps the transfer-level rules (transfers in flight, leases, failures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from hybridkv.fence import PoolLayout
+from hybridkv.request_state import Component, attention_component, gdn_components
+from hybridkv.scheduler import TransferScheduler
+
+from connectors.vllm.metadata import HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+
+def _tp_rank(vllm_config: VllmConfig) -> int:
+    extra = vllm_config.kv_transfer_config.get_from_extra_config("tp_rank", None)
+    if extra is not None:
+        return int(extra)
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, RuntimeError, ImportError):
+        return 0  # no distributed group: a single worker
+
+
+class WorkerHalf:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, engine_id: str) -> None:
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        kvt = vllm_config.kv_transfer_config
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.engine_id = engine_id
+        self.role = kvt.kv_role
+        self.tp = vllm_config.parallel_config.tensor_parallel_size
+        self.rank = _tp_rank(vllm_config)
+        self.host = str(kvt.get_from_extra_config("side_channel_host", "127.0.0.1"))
+        self.base_port = int(kvt.get_from_extra_config("side_channel_port", 5600))
+        self.lease_s = float(kvt.get_from_extra_config("kv_lease_duration", 30))
+        self.export_timeout_s = float(kvt.get_from_extra_config("export_timeout_s", 30))
+        self.transfer_groups = tuple(kv_cache_config.transfer_group_ids)
+        comps: list[Component] = []
+        for g in self.transfer_groups:
+            spec = kv_cache_config.kv_cache_groups[g].kv_cache_spec
+            comps.extend(gdn_components(g) if isinstance(spec, MambaSpec) else (attention_component(g),))
+        self.components = tuple(comps)
+        self.layout = None
+        self.memory = None
+        self._step = -1
+        self._lock = threading.Lock()
+        self._recving: set[str] = set()
+        self._failed: set[str] = set()
+        self._sending: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ts: TransferScheduler | None = None
+        self._producer = None
+        self._consumers: dict[tuple[str, int], Any] = {}
+        self._connecting: dict[tuple[str, int], asyncio.Future] = {}
+        self.listen_port: int | None = None
+
+    # ------------------------------------------------------------ registration
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from hybridkv.transport.memory import from_layout
+
+        from connectors.vllm.layout_adopt import adopt_vllm_kv_caches
+
+        self.layout = adopt_vllm_kv_caches(self.vllm_config, self.kv_cache_config, kv_caches, tp=self.tp,
+                                           rank=self.rank)
+        self.memory = from_layout(self.layout)
+        groups = len(self.kv_cache_config.kv_cache_groups)
+        self._ts = TransferScheduler(PoolLayout.shared(num_blocks=self.kv_cache_config.num_blocks, num_groups=groups),
+                                     managed_pool=False, lease_s=self.lease_s)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="hybridkv-transport", daemon=True)
+        self._thread.start()
+        if self.role in ("kv_producer", "kv_both"):
+            self._call(self._start_producer()).result()
+
+    def _config(self, port: int = 0):
+        from hybridkv.transport.endpoint import FailurePolicy, TransportConfig
+
+        # vLLM applies kv_load_failure_policy itself; the transport only reports.
+        return TransportConfig(host=self.host, port=port, failure_policy=FailurePolicy.FAIL,
+                               export_timeout_s=self.export_timeout_s)
+
+    async def _start_producer(self) -> None:
+        from hybridkv.transport.endpoint import Producer
+
+        self._producer = Producer(self.memory, self._ts, self._config(self.base_port + self.rank))
+        _, self.listen_port = await self._producer.start()
+
+    def _call(self, coro) -> Future:
+        if self._loop is None:
+            raise RuntimeError("register_kv_caches was never called on this worker")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # ------------------------------------------------------------ per step
+    def start_step(self, meta: HybridKVConnectorMetadata) -> None:
+        self._step = meta.step
+        for order in meta.recvs:
+            self._call(self._load(order))
+        for rid, blocks in meta.exports_ready.items():
+            self._call(self._export(rid, blocks))
+
+    async def _consumer_for(self, host: str, port: int):
+        from hybridkv.transport.endpoint import Consumer
+
+        key = (host, port)
+        if key in self._consumers:
+            return self._consumers[key]
+        pending = self._connecting.get(key)
+        if pending is None:
+            pending = asyncio.get_running_loop().create_future()
+            self._connecting[key] = pending
+            consumer = Consumer(self.memory, self._ts, self._config())
+            try:
+                await consumer.connect(host, port)
+            except Exception as exc:
+                del self._connecting[key]
+                pending.set_exception(exc)
+                pending.exception()  # consumed here; waiters re-raise it
+                raise
+            self._consumers[key] = consumer
+            del self._connecting[key]
+            pending.set_result(consumer)
+            return consumer
+        return await pending
+
+    async def _load(self, order: RecvOrder) -> None:
+        from hybridkv.transport.endpoint import Outcome
+
+        rid, remote = order.request_id, order.remote
+        prid = remote.request_id
+        ok, error = False, None
+        try:
+            consumer = await self._consumer_for(remote.host, remote.port + self.rank)
+            self._ts.add_request(prid, expect=self.components)
+            for g, ids in zip(self.transfer_groups, order.local_block_ids):
+                self._ts.assign(prid, g, ids)
+            result = await consumer.fetch(prid, self.components)
+            ok, error = result.outcome is Outcome.READY, result.error
+        except Exception as exc:  # handshake refused, peer lost, bad block lists
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if self._ts.has_request(prid):
+                # Landed (READY) or given up: vLLM owns the blocks again.
+                self._ts.abort(prid)
+            self._ts.take_reusable()
+        if not ok:
+            log.warning("hybridkv load of %s (remote %s) failed: %s", rid, prid, error)
+        with self._lock:
+            self._recving.add(rid)  # vLLM expects failed loads in finished_recving too
+            if not ok:
+                self._failed.add(rid)
+
+    async def _export(self, rid: str, blocks) -> None:
+        ts = self._ts
+        try:
+            ts.add_request(rid)
+            for g, ids in zip(self.transfer_groups, blocks):
+                ts.assign(rid, g, ids)
+            ts.request_finished(rid, export=True)
+            if not self._producer.peers:
+                # The consumer dials on its first load; the lease bounds the wait.
+                await self._producer.wait_peer(self.lease_s)
+            result = await self._producer.export(rid)
+            log.debug("hybridkv export of %s: %s", rid, result.outcome.value)
+        except Exception as exc:
+            log.warning("hybridkv export of %s failed: %s", rid, exc)
+            ts.abort(rid)
+        finally:
+            ts.take_reusable()
+        with self._lock:
+            self._sending.add(rid)
+
+    # ------------------------------------------------------------ reports
+    def transfer_results(self) -> KVConnectorTransferResults:
+        with self._lock:
+            out = KVConnectorTransferResults(finished_sending=self._sending, finished_recving=self._recving,
+                                             failed_recving=self._failed)
+            self._sending, self._recving, self._failed = set(), set(), set()
+        return out
+
+    def worker_meta(self) -> HybridKVWorkerMetadata:
+        return HybridKVWorkerMetadata(step=self._step)
+
+    def handshake_metadata(self):
+        return None  # the transport handshakes on its own control channel
+
+    def shutdown(self) -> None:
+        if self._loop is None:
+            return
+
+        async def close_all():
+            for c in self._consumers.values():
+                await c.close()
+            if self._producer is not None:
+                await self._producer.close()
+
+        try:
+            self._call(close_all()).result(timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            self._loop = None

@@ -1,0 +1,262 @@
+"""Build vLLM 0.33.0's real config, KV cache config and scheduler for a tiny hybrid model on CPU.
+
+Everything here is vLLM's own code path (anchors/vllm.md section 8): a
+``VllmConfig`` from a weightless Qwen3-Next ``config.json``, the platform's
+hybrid block-size alignment, per-layer KV cache specs as the model's layers
+declare them, vLLM's grouping and tensor planning, vLLM's layout resolution
+(which consults our connector's ``get_required_kvcache_layout``), and the real
+``Scheduler`` / ``AsyncScheduler``.
+
+The only stand-in is :class:`StandInWorker`: it plays the model runner (there
+are no weights to run) and the worker half's *completion reports* (which loads
+landed or failed, which reads a consumer finished), driven by the metadata the
+connector's scheduler half emits. The data plane itself is tested separately,
+between two processes over NIXL (test_worker_nixl.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+
+from collections import deque  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+TINY_MODEL = Path(__file__).resolve().parent / "qwen3_next_tiny"
+MAX_MODEL_LEN = 1024
+SAMPLED_TOKEN = 11  # what the stand-in model runner samples
+
+
+def make_vllm_config(
+    *,
+    role: str = "kv_both",
+    async_scheduling: bool = False,
+    policy: str = "fail",
+    num_blocks: int = 64,
+    extra: dict[str, Any] | None = None,
+    engine_id: str = "engine-test",
+    tp: int = 1,
+):
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    mc = ModelConfig(model=str(TINY_MODEL), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN)
+    cc = CacheConfig(block_size=16, mamba_cache_mode="none", enable_prefix_caching=False,
+                     num_gpu_blocks_override=num_blocks)
+    sc = SchedulerConfig(max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False, max_num_seqs=8,
+                         max_num_batched_tokens=512, async_scheduling=async_scheduling)
+    kvt = KVTransferConfig(kv_connector="HybridKVConnector", kv_connector_module_path="connectors.vllm",
+                           kv_role=role, kv_load_failure_policy=policy, engine_id=engine_id,
+                           kv_connector_extra_config=dict(extra or {}))
+    vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kvt,
+                    parallel_config=ParallelConfig(tensor_parallel_size=tp))
+    # The CPU platform turns async scheduling off; the scheduler code under test
+    # is platform-independent, so put it back (vLLM's own tests pick the class too).
+    vc.scheduler_config.async_scheduling = async_scheduling
+    # What the engine does once the model's attention backends are known; on a
+    # GPU that is FlashAttention (kernel blocks: multiples of 16).
+    current_platform._align_hybrid_block_size(vc, FlashAttentionBackend)
+    return vc
+
+
+def layer_specs(vc) -> dict[str, Any]:
+    """Per-layer KV cache specs exactly as Qwen3-Next's layers declare them."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    hf = vc.model_config.hf_text_config
+    tp = vc.parallel_config.tensor_parallel_size
+    cls, _ = ModelRegistry.resolve_model_cls(vc.model_config.architecture, model_config=vc.model_config)
+    shapes = tuple(tuple(s) for s in cls.get_mamba_state_shape_from_config(vc))
+    dtypes = tuple(cls.get_mamba_state_dtype_from_config(vc))
+    cache = vc.cache_config
+    specs: dict[str, Any] = {}
+    for i, kind in enumerate(hf.layer_types):
+        if kind == "full_attention":
+            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
+                block_size=cache.block_size, num_kv_heads=max(1, hf.num_key_value_heads // tp),
+                head_size=hf.head_dim, dtype=vc.model_config.dtype)
+        else:
+            specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+                shapes=shapes, dtypes=dtypes, block_size=cache.mamba_block_size,
+                page_size_padded=cache.mamba_page_size_padded, mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                mamba_cache_mode=cache.mamba_cache_mode)
+    return specs
+
+
+def make_kv_cache_config(vc, *, supported_layouts: list[str] | None = None):
+    """vLLM's layout resolution, grouping and tensor planning for the tiny model."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    specs = layer_specs(vc)
+    if supported_layouts is None:
+        supported_layouts = [m.name for m in get_supported_kv_cache_layouts([FlashAttentionBackend])]
+    resolve_kv_cache_layout(vc, [supported_layouts], specs.values())
+    groups = get_kv_cache_groups(vc, specs)
+    kcc = get_kv_cache_config_from_groups(vc, groups, available_memory=1 << 40)
+    # What the engine core records once the workers' caches are sized.
+    vc.cache_config.num_gpu_blocks = kcc.num_blocks
+    _, kcc.hash_block_size = resolve_kv_cache_block_sizes(kcc, vc)
+    return kcc
+
+
+def make_scheduler(vc, kv_cache_config, *, async_scheduling: bool):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vc)
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    return cls(vllm_config=vc, kv_cache_config=kv_cache_config,
+               structured_output_manager=StructuredOutputManager(vc),
+               block_size=block_size, hash_block_size=hash_block_size, log_stats=False)
+
+
+def make_request(rid: str, *, prompt_len: int, max_tokens: int, params: dict[str, Any] | None = None,
+                 stop_on_first: bool = False):
+    """A request; ``stop_on_first`` makes it stop at its first sampled token, which
+    the scheduler cannot foresee (as with EOS), unlike a length cap."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=not stop_on_first,
+                        stop_token_ids=[SAMPLED_TOKEN] if stop_on_first else None,
+                        extra_args={"kv_transfer_params": params} if params is not None else None)
+    tokens = [(7 * i + 3) % 1000 for i in range(prompt_len)]
+    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None)
+
+
+def remote_prefill_params(rid: str, *, groups: int, blocks_per_group: int = 2) -> dict[str, Any]:
+    """What a producer's request_finished returns, as a proxy forwards it to decode."""
+    return {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-engine",
+        "remote_request_id": f"p-{rid}", "remote_host": "127.0.0.1", "remote_port": 5600,
+        "remote_block_ids": [list(range(1, 1 + blocks_per_group))] * groups, "tp_size": 1,
+    }
+
+
+@dataclass
+class LoadFate:
+    after_steps: int = 1  # how many executed steps after the order the load completes
+    fail: bool = False
+
+
+@dataclass
+class StandInWorker:
+    """Plays the model runner and the worker half's completion reports (see module doc)."""
+
+    fates: dict[str, LoadFate] = field(default_factory=dict)
+    consumer_reads: bool = True  # prefill side: a consumer reads each offered export one step later
+    orders: list[tuple[int, str]] = field(default_factory=list)  # (step, request) of every load order seen
+    offered: list[tuple[int, str]] = field(default_factory=list)
+    _loads: dict[str, int] = field(default_factory=dict)  # request -> steps left
+    _reads: dict[str, int] = field(default_factory=dict)
+
+    def execute(self, so) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        from connectors.vllm.metadata import HybridKVConnectorMetadata, HybridKVWorkerMetadata
+
+        meta = so.kv_connector_metadata
+        assert isinstance(meta, HybridKVConnectorMetadata)
+        for order in meta.recvs:
+            self.orders.append((meta.step, order.request_id))
+            self._loads[order.request_id] = self.fates.get(order.request_id, LoadFate()).after_steps
+        for rid in meta.exports_ready:
+            self.offered.append((meta.step, rid))
+            if self.consumer_reads:
+                self._reads[rid] = 1
+        for rid in meta.exports_ended:
+            self._reads.pop(rid, None)
+        recving, failed, sending = set(), set(), set()
+        for rid in list(self._loads):
+            self._loads[rid] -= 1
+            if self._loads[rid] <= 0:
+                del self._loads[rid]
+                recving.add(rid)  # failed loads are reported finished too (vLLM's contract)
+                if self.fates.get(rid, LoadFate()).fail:
+                    failed.add(rid)
+        for rid in list(self._reads):
+            self._reads[rid] -= 1
+            if self._reads[rid] <= 0:
+                del self._reads[rid]
+                sending.add(rid)
+        kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=recving, failed_recving=failed,
+                                   kv_connector_worker_meta=HybridKVWorkerMetadata(step=meta.step))
+        req_ids = list(so.num_scheduled_tokens)
+        # A request samples a token unless this step is a partial prefill chunk.
+        return req_ids, kv_out
+
+    def pending(self) -> bool:
+        return bool(self._loads or self._reads)
+
+
+class Driver:
+    """The engine core's loop: schedule, execute, update; two steps in flight when async."""
+
+    def __init__(self, sched, worker: StandInWorker, *, async_scheduling: bool) -> None:
+        self.sched = sched
+        self.worker = worker
+        self.depth = 2 if async_scheduling else 1
+        self.queue: deque = deque()
+        self.finished: dict[str, Any] = {}  # request -> (finish reason, kv_transfer_params)
+        self.steps = 0
+        #: step -> {request: blocks it held when the step was scheduled}
+        self.touched: dict[int, dict[str, set[int]]] = {}
+        #: steps whose output was processed, and how many schedule() calls had
+        #: happened at that moment
+        self.completed_at: dict[int, int] = {}
+
+    def step(self) -> None:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        so = self.sched.schedule()
+        self.steps += 1
+        step = so.kv_connector_metadata.step
+        mgr = self.sched.kv_cache_manager
+        self.touched[step] = {rid: {b for ids in mgr.get_block_ids(rid) for b in ids}
+                              for rid in so.num_scheduled_tokens}
+        req_ids, kv_out = self.worker.execute(so)
+        sampling = {rid for rid in req_ids if not self.sched.requests[rid].is_prefill_chunk}
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=[[SAMPLED_TOKEN] if r in sampling else [] for r in req_ids],
+                                kv_connector_output=kv_out)
+        self.queue.append((so, mro))
+        while len(self.queue) >= self.depth:
+            self._update()
+
+    def _update(self) -> None:
+        so, mro = self.queue.popleft()
+        self.completed_at[so.kv_connector_metadata.step] = self.steps
+        outs = self.sched.update_from_output(so, mro)
+        for eco in outs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = (o.finish_reason, o.kv_transfer_params)
+
+    def drain(self) -> None:
+        while self.queue:
+            self._update()
+
+    def run(self, max_steps: int = 200, until=None) -> None:
+        for _ in range(max_steps):
+            if until is not None and until():
+                return
+            if not self.sched.has_requests() and not self.worker.pending() and not self.queue:
+                return
+            self.step()
+        raise AssertionError(f"not done after {max_steps} steps")
+
+
+def free_blocks(sched) -> int:
+    return sched.kv_cache_manager.block_pool.get_num_free_blocks()
