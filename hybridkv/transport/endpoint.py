@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -202,6 +203,10 @@ class Producer(_Side):
         self._exports: dict[str, _Export] = {}
         self._connected = asyncio.Event()
         self._listener = None
+        # Recently terminal requests and completion notifications seen, so a repeated
+        # or crossing completion is told apart from a stray one (bounded).
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._notified: OrderedDict[str, None] = OrderedDict()
 
     async def start(self) -> tuple[str, int]:
         self._listener = control.listen(self._accept, self.config.port)
@@ -264,10 +269,15 @@ class Producer(_Side):
         elif isinstance(msg, (wire.Done, wire.Failure)):
             rec = self._exports.get(msg.request_id)
             if rec is None or rec.peer is not peer:
-                self.stats.unknown += 1
+                if msg.request_id not in self._finished:
+                    self.stats.unknown += 1
                 return
             if isinstance(msg, wire.Done) and msg.ok:
-                return  # success is signalled by the NIXL notification, which follows the data
+                if self.config.mode is wire.Mode.PULL:
+                    # The consumer's READ completed on its side: the blocks are no longer
+                    # needed. Its NIXL notification says the same and may come later.
+                    self._finish(rec, ok=True, outcome=Outcome.DONE)
+                return
             if rec.xfer is not None:
                 rec.abort_asked = True  # finish the write first; the blocks are read until then
                 return
@@ -325,7 +335,11 @@ class Producer(_Side):
             target = self.peers.get(peer)
             if target is None:
                 raise ValueError(f"peer {peer!r}; expected one of {sorted(self.peers)}")
-        while not (ready := sched.export_ready(request_id)):
+        while True:
+            if not sched.has_request(request_id):  # the lease lapsed (poll) before we got here
+                return Result(request_id=request_id, outcome=Outcome.EXPIRED, error="lease expired before export")
+            if sched.export_ready(request_id):
+                break
             await asyncio.sleep(self.config.pump_idle_s)  # the engine advances the watermark
         tid = sched.post_export(request_id)
         if not tid and not isinstance(tid, int):
@@ -347,13 +361,15 @@ class Producer(_Side):
 
     def _on_notif(self, agent: str, msg: bytes) -> None:
         rid = _rid_of(msg)
+        if rid is not None and rid in self._notified:
+            self.stats.duplicates += 1  # a completion repeated: already terminal, ignored
+            return
+        if rid is not None:
+            _remember(self._notified, rid)
         rec = self._exports.get(rid) if rid is not None else None
         if rec is None or rec.peer.agent != agent or self.config.mode is not wire.Mode.PULL:
-            # A completion for something already terminal (or never ours): ignore it.
-            if rid is not None and self.scheduler.has_request(rid) is False:
-                self.stats.duplicates += 1
-            else:
-                self.stats.unknown += 1
+            if rid not in self._finished:
+                self.stats.unknown += 1  # never ours (or not from that peer): ignored
             return
         self._finish(rec, ok=True, outcome=Outcome.DONE)
 
@@ -370,6 +386,7 @@ class Producer(_Side):
         if self._exports.get(rec.rid) is not rec:
             return
         del self._exports[rec.rid]
+        _remember(self._finished, rec.rid)
         sched = self.scheduler
         (sched.transfer_landed if ok else sched.transfer_failed)(rec.tid)
         if sched.has_request(rec.rid):
@@ -561,9 +578,9 @@ class Consumer(_Side):
             try:
                 export, received = await asyncio.wait_for(asyncio.shield(imp.export), self.config.export_timeout_s)
             except asyncio.TimeoutError:
-                return self._give_up(request_id, None, "no export from the producer in time")
+                return self._give_up(request_id, comps, "no export from the producer in time")
             except PeerLost as exc:
-                return self._give_up(request_id, None, str(exc))
+                return self._give_up(request_id, comps, str(exc))
             return await self._import(imp, export, received, comps)
         finally:
             self._imports.pop(request_id, None)
@@ -582,15 +599,15 @@ class Consumer(_Side):
             self.stats.rejected += 1
             await _send_quietly(peer.channel, wire.Failure(request_id=rid, code=wire.FailureCode.PROTOCOL,
                                                            detail=str(exc)[: wire.MAX_TEXT]))
-            return self._give_up(rid, None, f"export does not match the request: {exc}")
+            return self._give_up(rid, comps, f"export does not match the request: {exc}")
         while True:
             if imp.lease_lost or imp.failed:
-                return self._give_up(rid, None, imp.failed or "lease lost before the transfer started")
+                return self._give_up(rid, comps, imp.failed or "lease lost before the transfer started")
             tid = sched.post_import(rid, components=comps, lease_deadline=imp.deadline)
             if tid or isinstance(tid, int):
                 break
             if tid.reason.name == "LEASE_TOO_SHORT":
-                return self._give_up(rid, None, "lease expired before the transfer could start")
+                return self._give_up(rid, comps, "lease expired before the transfer could start")
             await asyncio.sleep(self.config.pump_idle_s)
         if self.config.mode is wire.Mode.PULL:
             return await self._pull(imp, tid, li, ri)
@@ -617,6 +634,7 @@ class Consumer(_Side):
             self.scheduler.transfer_failed(tid)
             return self._policy(rid, "lease lapsed during the READ: bytes not trusted")
         outcome = self.scheduler.transfer_landed(tid)
+        await _send_quietly(peer.channel, wire.Done(request_id=rid, ok=True))
         if outcome.name != "ACCEPTED":
             return self._policy(rid, f"transfer {outcome.value}")
         return Result(request_id=rid, outcome=Outcome.READY, descriptors=None if tel is None else tel.descriptors,
@@ -661,9 +679,18 @@ class Consumer(_Side):
         self.scheduler.abort(rid)
         return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
 
-    def _give_up(self, rid: str, _tid, error: str) -> Result:
-        """Failed before any transfer was posted: nothing is in flight, the request is aborted."""
-        self.scheduler.abort(rid)
+    def _give_up(self, rid: str, comps, error: str) -> Result:
+        """Failed before any transfer was posted: nothing is in flight."""
+        sched = self.scheduler
+        if self.config.failure_policy is FailurePolicy.RECOMPUTE and sched.has_request(rid):
+            # The scheduler moves an import to FAILED (from which it may recompute) only
+            # through a failed transfer; record one that never reached NIXL.
+            tid = sched.post_import(rid, components=comps) if comps else None
+            if tid is not None and (tid or isinstance(tid, int)):
+                sched.transfer_failed(tid)
+                sched.recompute(rid)
+                return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
+        sched.abort(rid)
         return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
 
     async def close(self) -> None:
@@ -674,6 +701,15 @@ class Consumer(_Side):
             await _send_quietly(self.peer.channel, wire.Bye(reason="closing"))
             await self.peer.channel.close()
         await super().close()
+
+
+_REMEMBER = 1 << 16
+
+
+def _remember(seen: OrderedDict, rid: str) -> None:
+    seen[rid] = None
+    if len(seen) > _REMEMBER:
+        seen.popitem(last=False)
 
 
 async def _send_quietly(ch: control.Channel, msg: wire.Message) -> None:

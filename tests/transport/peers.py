@@ -111,7 +111,6 @@ async def _producer(opts, out, inbox):
         step += 1
         sched.step_scheduled(step, joined=[rid])
         sched.step_completed(step)
-        sched.request_finished(rid, export=True)
         plans[rid] = blocks
     if not requests:
         out.put(("ready", None))
@@ -120,6 +119,8 @@ async def _producer(opts, out, inbox):
         await prod.close()
         return
     await prod.wait_peer(opts.get("peer_timeout_s", 20.0))
+    for rid in plans:  # the lease starts when the request finishes, with the consumer known
+        sched.request_finished(rid, export=True)
     out.put(("digests", {rid: digest(layout, b) for rid, b in plans.items()}))
     results = await asyncio.gather(*(prod.export(rid) for rid in plans))
     for _ in range(int(opts.get("linger_s", 0) / 0.01)):
@@ -209,6 +210,8 @@ async def _run_requests(opts, out, inbox, layout, sched, cons):
     if opts.get("wait_before_fetch_s"):
         await asyncio.sleep(opts["wait_before_fetch_s"])
     if opts.get("signal_before_fetch"):
+        while not all(cons._imp(rid).export.done() for rid in plans):
+            await asyncio.sleep(0.01)  # every Export arrived: the producer is committed
         out.put(("about_to_fetch", None))
         await _await_inbox(inbox, "go", cons)
     results = await asyncio.gather(*(cons.fetch(rid, comps) for rid in plans))
