@@ -26,7 +26,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.fence import NotYet, PoolLayout, RequestId, TransferId
+from hybridkv.fence import FencePolicy, NotYet, PoolLayout, RequestId, TransferId
 from hybridkv.lease import Clock
 from hybridkv.request_state import Component, RequestPhase, TransferOutcome, attention_component, gdn_components
 from hybridkv.scheduler import TransferScheduler
@@ -83,9 +83,12 @@ class SchedulerHalf:
         for g in self.transfer_groups:
             comps.extend(gdn_components(g) if g in self._mamba_spec_blocks else (attention_component(g),))
         self.components = frozenset(comps)
+        # Only the race tests turn fencing off, to show what breaks without it.
+        policy = FencePolicy(str(kvt.get_from_extra_config("hybridkv_fence_policy", "fenced")))
         # vLLM's hybrid allocator: one pool, block b of every group is page b.
         self.ts = TransferScheduler(
             PoolLayout.shared(num_blocks=self.num_blocks, num_groups=len(groups)),
+            policy=policy,
             managed_pool=False,
             lease_s=self.lease_s,
             clock=clock,

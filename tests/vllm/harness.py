@@ -158,6 +158,7 @@ class StandInWorker:
     fates: dict[str, LoadFate] = field(default_factory=dict)
     consumer_reads: bool = True  # prefill side: a consumer reads each offered export one step later
     orders: list[tuple[int, str]] = field(default_factory=list)  # (step, request) of every load order seen
+    order_blocks: dict[str, set[int]] = field(default_factory=dict)
     offered: list[tuple[int, str]] = field(default_factory=list)
     _loads: dict[str, int] = field(default_factory=dict)  # request -> steps left
     _reads: dict[str, int] = field(default_factory=dict)
@@ -171,6 +172,7 @@ class StandInWorker:
         assert isinstance(meta, HybridKVConnectorMetadata)
         for order in meta.recvs:
             self.orders.append((meta.step, order.request_id))
+            self.order_blocks[order.request_id] = {b for ids in order.local_block_ids for b in ids}
             self._loads[order.request_id] = self.fates.get(order.request_id, LoadFate()).after_steps
         for rid in meta.exports_ready:
             self.offered.append((meta.step, rid))
@@ -216,6 +218,8 @@ class Driver:
         #: steps whose output was processed, and how many schedule() calls had
         #: happened at that moment
         self.completed_at: dict[int, int] = {}
+        #: request -> the step whose schedule() allocated its blocks for a load
+        self.load_alloc_step: dict[str, int] = {}
 
     def step(self) -> None:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -226,6 +230,9 @@ class Driver:
         mgr = self.sched.kv_cache_manager
         self.touched[step] = {rid: {b for ids in mgr.get_block_ids(rid) for b in ids}
                               for rid in so.num_scheduled_tokens}
+        for rid, req in self.sched.requests.items():
+            if req.status.name == "WAITING_FOR_REMOTE_KVS":
+                self.load_alloc_step.setdefault(rid, step)
         req_ids, kv_out = self.worker.execute(so)
         sampling = {rid for rid in req_ids if not self.sched.requests[rid].is_prefill_chunk}
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -252,8 +259,10 @@ class Driver:
         for _ in range(max_steps):
             if until is not None and until():
                 return
-            if not self.sched.has_requests() and not self.worker.pending() and not self.queue:
-                return
+            if not self.sched.has_requests() and not self.worker.pending():
+                self.drain()
+                if not self.sched.has_requests():
+                    return
             self.step()
         raise AssertionError(f"not done after {max_steps} steps")
 

@@ -1,0 +1,181 @@
+"""The real vLLM 0.33.0 Scheduler and AsyncScheduler, a hybrid KV cache config, and our scheduler half.
+
+Each test ends with every block back in vLLM's pool and nothing left in
+hybridkv's books. The model runner and the worker's completion reports are
+played by harness.StandInWorker (see harness.py for why).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm import harness as h
+
+MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
+GROUPS = 4  # 3 GDN groups + 1 attention group (test_factory checks vLLM's grouping)
+
+
+def setup(*, role: str, async_scheduling: bool, policy: str = "fail", num_blocks: int = 64, extra=None):
+    vc = h.make_vllm_config(role=role, async_scheduling=async_scheduling, policy=policy, num_blocks=num_blocks,
+                            extra=extra)
+    kcc = h.make_kv_cache_config(vc)
+    sched = h.make_scheduler(vc, kcc, async_scheduling=async_scheduling)
+    worker = h.StandInWorker()
+    return sched, worker, h.Driver(sched, worker, async_scheduling=async_scheduling)
+
+
+def usable(sched) -> int:
+    return sched.kv_cache_config.num_blocks - 1  # the null block is never free
+
+
+def assert_all_returned(sched, driver) -> None:
+    driver.drain()
+    assert not sched.has_requests()
+    assert h.free_blocks(sched) == usable(sched)
+    assert sched.connector.scheduler.idle()
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_decode_loads_then_runs(async_scheduling):
+    sched, worker, d = setup(role="kv_consumer", async_scheduling=async_scheduling)
+    worker.fates["r1"] = h.LoadFate(after_steps=3)
+    sched.add_request(h.make_request("r1", prompt_len=100, max_tokens=4,
+                                     params=h.remote_prefill_params("r1", groups=GROUPS)))
+    d.run(until=lambda: bool(worker.orders))
+    assert sched.requests["r1"].status.name == "WAITING_FOR_REMOTE_KVS"
+    [(step, rid)] = worker.orders
+    assert rid == "r1"
+    held = usable(sched) - h.free_blocks(sched)
+    assert held == 4 + GROUPS - 1  # 99 tokens loaded: 4 attention blocks + one state block per GDN group
+    d.run()
+    reason, _ = d.finished["r1"]
+    assert reason.name == "LENGTH"
+    # The request computed only the one token the producer left out (h(N-1) -> h(N)).
+    assert sched.connector.scheduler.phase("r1") is None
+    assert_all_returned(sched, d)
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_prefill_exports_and_frees_only_after_the_read(async_scheduling):
+    sched, worker, d = setup(role="kv_producer", async_scheduling=async_scheduling)
+    worker.consumer_reads = False
+    sched.add_request(h.make_request("p1", prompt_len=100, max_tokens=16, params={"do_remote_decode": True}))
+    d.run(until=lambda: "p1" in d.finished)
+    reason, params = d.finished["p1"]
+    assert reason.name == "LENGTH"  # max_tokens forced to 1 on the producer
+    assert params["do_remote_prefill"] is True and params["remote_request_id"] == "p1"
+    assert params["remote_engine_id"] == "engine-test" and params["remote_port"] == 5600
+    blocks = params["remote_block_ids"]
+    assert len(blocks) == GROUPS and all(len(b) == 1 for b in blocks[:3])
+    assert len(blocks[3]) == 4  # 99 of 100 prompt tokens: the decoder recomputes the last one
+    held = usable(sched) - h.free_blocks(sched)
+    assert held == sum(map(len, blocks))
+    for _ in range(6):
+        d.step()
+    d.drain()
+    # Offered to readers once every step that wrote the blocks completed...
+    [(offer_step, rid)] = worker.offered
+    assert rid == "p1"
+    last_touch = max(s for s, reqs in d.touched.items() if "p1" in reqs)
+    assert d.completed_at[last_touch] <= offer_step
+    # ...and never freed while no consumer has read them.
+    assert usable(sched) - h.free_blocks(sched) == held
+    worker._reads["p1"] = 1  # the consumer reads now
+    d.run()
+    assert_all_returned(sched, d)
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_export_lease_lapses_without_a_reader(async_scheduling):
+    sched, worker, d = setup(role="kv_producer", async_scheduling=async_scheduling,
+                             extra={"kv_lease_duration": 0.2})
+    worker.consumer_reads = False
+    sched.add_request(h.make_request("p1", prompt_len=40, max_tokens=1, params={"do_remote_decode": True}))
+    d.run(until=lambda: "p1" in d.finished)
+    assert h.free_blocks(sched) < usable(sched)
+    import time
+
+    deadline = time.monotonic() + 10
+    while h.free_blocks(sched) < usable(sched) and time.monotonic() < deadline:
+        d.step()
+        time.sleep(0.05)
+    assert_all_returned(sched, d)
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_failed_load_honours_the_policy(async_scheduling, policy):
+    sched, worker, d = setup(role="kv_consumer", async_scheduling=async_scheduling, policy=policy)
+    worker.fates["r1"] = h.LoadFate(after_steps=2, fail=True)
+    sched.add_request(h.make_request("r1", prompt_len=100, max_tokens=3,
+                                     params=h.remote_prefill_params("r1", groups=GROUPS)))
+    d.run()
+    reason, _ = d.finished["r1"]
+    assert reason.name == ("ERROR" if policy == "fail" else "LENGTH")
+    if policy == "recompute":
+        # The whole prompt was recomputed locally: a full prefill was scheduled.
+        prefill = [s for s, reqs in d.touched.items() if "r1" in reqs]
+        assert prefill, "the request never ran"
+    assert_all_returned(sched, d)
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_abort_in_the_middle_of_a_transfer(async_scheduling):
+    from vllm.v1.request import RequestStatus
+
+    sched, worker, d = setup(role="kv_consumer", async_scheduling=async_scheduling)
+    worker.fates["r1"] = h.LoadFate(after_steps=4)
+    sched.add_request(h.make_request("r1", prompt_len=100, max_tokens=4,
+                                     params=h.remote_prefill_params("r1", groups=GROUPS)))
+    d.run(until=lambda: bool(worker.orders))
+    held = usable(sched) - h.free_blocks(sched)
+    assert held > 0
+    sched.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
+    # The load still writes those blocks: they must stay out of the pool until it ends.
+    d.step()
+    assert usable(sched) - h.free_blocks(sched) == held
+    d.run()
+    assert_all_returned(sched, d)
+
+
+def test_import_waits_for_the_step_that_still_touches_a_reused_block(fence_policy_name):
+    """Race A. Async scheduling, a vLLM that frees at once (defer_block_free off, as
+    before #45357): a local request stops on a token the scheduler could not foresee,
+    the step already dispatched after it still runs on its blocks, and vLLM hands
+    those blocks to a request that loads remote KV. hybridkv's fence, not vLLM,
+    must hold the load back until that step completed. (Fails with --fence-policy none.)"""
+    sched, worker, d = setup(role="kv_consumer", async_scheduling=True, num_blocks=8,
+                             extra={"hybridkv_fence_policy": fence_policy_name})
+    sched.defer_block_free = False
+    sched.add_request(h.make_request("q", prompt_len=60, max_tokens=50, stop_on_first=True))
+    sched.add_request(h.make_request("r", prompt_len=60, max_tokens=2,
+                                     params=h.remote_prefill_params("r", groups=GROUPS)))
+    d.run()
+    assert d.finished["q"][0].name == "STOP" and d.finished["r"][0].name == "LENGTH"
+    [(order_step, rid)] = worker.orders
+    assert rid == "r"
+    alloc = d.load_alloc_step["r"]
+    q_steps = [s for s, reqs in d.touched.items() if reqs.get("q", set()) & worker.order_blocks["r"]]
+    # completed_at[s] = schedule() calls made when step s's output was processed;
+    # step x is scheduled by call x+1.
+    in_flight_at_alloc = [s for s in q_steps if d.completed_at[s] > alloc]
+    assert in_flight_at_alloc, "no step touching the reused blocks was in flight: the race was not set up"
+    unsafe = [s for s in q_steps if d.completed_at[s] > order_step]
+    assert not unsafe, f"load ordered at step {order_step} while steps {unsafe} still touched its blocks"
+    assert_all_returned(sched, d)
+
+
+def test_abort_while_the_fence_holds_the_load_back():
+    from vllm.v1.request import RequestStatus
+
+    sched, worker, d = setup(role="kv_consumer", async_scheduling=True, num_blocks=8)
+    sched.defer_block_free = False
+    sched.add_request(h.make_request("q", prompt_len=60, max_tokens=50, stop_on_first=True))
+    sched.add_request(h.make_request("r", prompt_len=60, max_tokens=2,
+                                     params=h.remote_prefill_params("r", groups=GROUPS)))
+    half = sched.connector.scheduler
+    d.run(until=lambda: "r" in half._pending)
+    sched.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    d.run()
+    assert not worker.orders  # the load never started
+    assert_all_returned(sched, d)
