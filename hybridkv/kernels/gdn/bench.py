@@ -1,0 +1,195 @@
+"""`hybridkv bench gdn`: hybridkv's GDN kernels side by side with FLA (fla-core) in one run.
+
+Times are CUDA-event medians of `--iters` calls after warm-up. Prefill TFLOP/s use one count for both
+implementations, 6 d^2 + 8 C d FLOP per token and value head (the fused formulation, d = 128, C = 64),
+so their ratio is the time ratio. Prefill GB/s count the minimum traffic of a fused kernel (q, k, v,
+g, beta read once, o written once). Decode GB/s count state bytes each implementation moves (FLA
+reads the initial state and writes an fp32 final state); "% copy" divides by a device-to-device copy
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+PREFILL_SHAPES = (  # (model, H, HV, sequence lengths, batched)
+    ("35B", 16, 32, (8192,), False),
+    ("35B", 16, 32, (8192,) * 4, True),
+    ("35B", 16, 32, (2048,) * 16, False),
+    ("397B", 16, 64, (8192,), False),
+    ("397B", 16, 64, (8192,) * 4, True),
+    ("397B", 16, 64, (2048,) * 16, False),
+)
+DECODE_SHAPES = ((("35B", 16, 32)), ("397B", 16, 64))
+D = 128
+CHUNK = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    kind: str
+    shape: str
+    ms: float
+    fla_ms: float | None
+    tokens_per_s: float
+    tflops: float | None
+    gbps: float
+    fla_gbps: float | None
+    copy_pct: float | None
+    fla_copy_pct: float | None
+
+    @property
+    def speedup(self) -> float | None:
+        return None if self.fla_ms is None else self.fla_ms / self.ms
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median)")
+    parser.add_argument("--no-fla", action="store_true", help="skip the FLA baseline")
+    parser.add_argument("--only", choices=("prefill", "decode"), default=None)
+    parser.set_defaults(handler=run)
+
+
+def _median_ms(fn, iters: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _copy_gbps(iters: int) -> float:
+    import torch
+
+    src = torch.empty(2**30, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), iters)
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+def _load_fla(skip: bool):
+    if skip:
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def _prefill_rows(fla, iters: int) -> list[Row]:
+    import torch
+    import torch.nn.functional as F
+
+    from hybridkv.kernels.gdn import chunk_gated_delta_rule
+
+    rows = []
+    for model, H, HV, lens, batched in PREFILL_SHAPES:
+        B, T = (len(lens), lens[0]) if batched else (1, sum(lens))
+        q = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+        g = F.logsigmoid(torch.randn(B, T, HV, device="cuda") + 3.0)
+        beta = torch.rand(B, T, HV, device="cuda")
+        cu = None if batched else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+        kw = dict(output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        ours = _median_ms(lambda: chunk_gated_delta_rule(q, k, v, g, beta, **kw), iters)
+        theirs = None
+        if fla is not None:
+            theirs = _median_ms(lambda: fla[0](q, k, v, g, beta, **kw), iters)
+        tokens = B * T
+        flop = tokens * HV * (6 * D * D + 8 * CHUNK * D)
+        nbytes = tokens * (2 * 2 * H * D + 2 * 2 * HV * D + 8 * HV)
+        shape = f"{model} H={H} HV={HV} " + (f"{B}x{T}" if batched else f"{len(lens)}x{lens[0]} varlen"
+                                              if len(lens) > 1 else f"1x{T}")
+        rows.append(Row(kind="prefill", shape=shape, ms=ours, fla_ms=theirs, tokens_per_s=tokens / ours * 1e3,
+                        tflops=flop / ours / 1e9, gbps=nbytes / ours / 1e6,
+                        fla_gbps=None if theirs is None else nbytes / theirs / 1e6, copy_pct=None,
+                        fla_copy_pct=None))
+        del q, k, v, g, beta
+    return rows
+
+
+def _decode_rows(fla, iters: int, copy_gbps: float) -> list[Row]:
+    import torch
+
+    from hybridkv.kernels.gdn import gated_delta_rule_decode
+
+    N = 256
+    rows = []
+    for model, H, HV in DECODE_SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(N, HV, D, device="cuda", dtype=torch.bfloat16)
+            a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
+            A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
+            pool = (torch.randn(2 * N, HV, D, D, device="cuda") * 0.1).to(dtype)
+            idx = torch.randperm(2 * N, device="cuda")[:N]
+            ours = _median_ms(lambda: gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx), iters)
+            elt = pool.element_size()
+            state_bytes = N * HV * D * D * 2 * elt
+            theirs = fla_bytes = None
+            if fla is not None:
+                h0 = (torch.randn(N, HV, D, D, device="cuda") * 0.1).to(dtype)
+                fkw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+                theirs = _median_ms(lambda: fla[1](q[:, None], k[:, None], v[:, None], g=a[:, None], beta=b[:, None], **fkw),
+                                    iters)
+                fla_bytes = N * HV * D * D * (elt + 4)
+            gbps = state_bytes / ours / 1e6
+            fla_gbps = None if theirs is None else fla_bytes / theirs / 1e6
+            shape = f"{model} H={H} HV={HV} B={N} {str(dtype).removeprefix('torch.')} state"
+            rows.append(Row(kind="decode", shape=shape, ms=ours, fla_ms=theirs, tokens_per_s=N / ours * 1e3,
+                            tflops=None, gbps=gbps, fla_gbps=fla_gbps, copy_pct=100 * gbps / copy_gbps,
+                            fla_copy_pct=None if fla_gbps is None else 100 * fla_gbps / copy_gbps))
+            del pool
+    return rows
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {args.iters}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("bench gdn needs a CUDA device")
+    fla = _load_fla(args.no_fla)
+    copy_gbps = _copy_gbps(args.iters)
+    rows = []
+    if args.only in (None, "prefill"):
+        rows += _prefill_rows(fla, args.iters)
+    if args.only in (None, "decode"):
+        rows += _decode_rows(fla, args.iters, copy_gbps)
+    if args.json:
+        out = {"device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps, "fla": fla is not None,
+               "rows": [asdict(r) | {"speedup_vs_fla": r.speedup} for r in rows]}
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{torch.cuda.get_device_name()}; device copy {copy_gbps:.0f} GB/s; FLA baseline: "
+          f"{'fla-core' if fla else 'not installed'}")
+    head = f"{'kind':8} {'shape':38} {'ms':>8} {'FLA ms':>8} {'x FLA':>6} {'Mtok/s':>8} {'TFLOP/s':>8} " \
+           f"{'GB/s':>7} {'FLA GB/s':>8} {'%copy':>6} {'FLA %copy':>9}"
+    print(head)
+    for r in rows:
+        print(f"{r.kind:8} {r.shape:38} {r.ms:8.3f} {_fmt(r.fla_ms, '8.3f')} {_fmt(r.speedup, '6.2f')} "
+              f"{r.tokens_per_s / 1e6:8.3f} {_fmt(r.tflops, '8.1f')} {r.gbps:7.0f} {_fmt(r.fla_gbps, '8.0f')} "
+              f"{_fmt(r.copy_pct, '6.1f')} {_fmt(r.fla_copy_pct, '9.1f')}")
+    return 0

@@ -1,0 +1,160 @@
+"""GPU: the Triton GDN kernels against the pure-torch references (run on the H200).
+
+Every allocation the kernels' host code makes is NaN-filled, so an element a kernel forgets to write
+fails the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+from hybridkv.kernels.gdn import (  # noqa: E402
+    causal_conv1d_fn,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+    gated_delta_rule_decode,
+)
+from hybridkv.kernels.gdn import reference as ref  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_allocations(monkeypatch):
+    def poison(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(new_empty(self, *a, **kw)))
+
+
+def rel_err(got, want):
+    got, want = got.double(), want.double()
+    assert not torch.isnan(got).any(), "output has NaN (unwritten or broken)"
+    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+
+
+def make(lens, H, HV, K=128, V=128, batch=None, seed=0, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    T = sum(lens) if batch is None else lens[0]
+    B = 1 if batch is None else batch
+    dev = dict(device="cuda", generator=gen)
+    q = torch.randn(B, T, H, K, **dev).to(dtype)
+    k = torch.randn(B, T, H, K, **dev).to(dtype)
+    v = torch.randn(B, T, HV, V, **dev).to(dtype)
+    g = F.logsigmoid(torch.randn(B, T, HV, **dev) + 3.0)
+    beta = torch.rand(B, T, HV, **dev)
+    cu = None
+    if batch is None:
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int64)
+    return q, k, v, g, beta, cu
+
+
+PREFILL = [
+    pytest.param([8192], 16, 32, None, id="35B-1x8192"),
+    pytest.param([8192], 16, 32, 4, id="35B-4x8192"),
+    pytest.param([2048] * 16, 16, 32, None, id="35B-16x2048-varlen"),
+    pytest.param([8192], 16, 64, None, id="397B-1x8192"),
+    pytest.param([8192], 16, 64, 4, id="397B-4x8192"),
+    pytest.param([2048] * 16, 16, 64, None, id="397B-16x2048-varlen"),
+    pytest.param([1, 63, 65, 200, 1000, 7, 129], 2, 8, None, id="odd-varlen"),
+    pytest.param([333], 4, 8, 3, id="odd-batch3-T333"),
+]
+
+
+@pytest.mark.parametrize(("lens", "H", "HV", "batch"), PREFILL)
+def test_chunk_matches_reference(lens, H, HV, batch):
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch)
+    N = batch or len(lens)
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    o, st = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                   use_qk_l2norm_in_kernel=True)
+    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
+    assert o.dtype == v.dtype and st.dtype == torch.float32
+    assert rel_err(o, o_ref) < 2e-2
+    assert rel_err(st, st_ref) < 2e-2
+
+
+def test_chunk_state_v_first_and_no_l2norm():
+    q, k, v, g, beta, cu = make([300, 77], 2, 4, seed=1)
+    k = F.normalize(k.float(), dim=-1).to(k.dtype)
+    h0 = torch.randn(2, 4, 128, 128, device="cuda") * 0.1
+    o, st = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                   state_v_first=True)
+    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, False, True)
+    assert rel_err(o, o_ref) < 2e-2
+    assert rel_err(st, st_ref) < 2e-2
+
+
+def test_fused_recurrent_matches_reference():
+    q, k, v, g, beta, _ = make([37], 4, 8, batch=2, seed=2)
+    h0 = torch.randn(2, 8, 128, 128, device="cuda") * 0.1
+    o, st = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True)
+    o_ref, st_ref = ref.recurrent_reference(q, k, v, g, beta, 128**-0.5, h0, True, None, True)
+    assert rel_err(o, o_ref) < 1e-2
+    assert rel_err(st, st_ref) < 1e-3
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("HV", [32, 64])
+def test_decode_slots_in_place_with_pads(HV, state_dtype):
+    N, H, K, V, slots, layers = 256, 16, 128, 128, 300, 2
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    dev = dict(device="cuda", generator=gen)
+    q, k = torch.randn(N, H, K, **dev).bfloat16(), torch.randn(N, H, K, **dev).bfloat16()
+    v = torch.randn(N, HV, V, **dev).bfloat16()
+    a, b = torch.randn(N, HV, **dev), torch.randn(N, HV, **dev)
+    A_log, dt_bias = torch.randn(HV, **dev) * 0.5, torch.randn(HV, **dev) * 0.5
+    # Block-major pool: layer 1 of each slot is a strided view.
+    pool = (torch.randn(slots, layers, HV, V, K, **dev) * 0.1).to(state_dtype)
+    idx = torch.randperm(slots, device="cuda", generator=gen)[:N]
+    idx[::7] = -1
+    before = pool.clone()
+    layer = pool[:, 1]
+    want_pool = before[:, 1].clone()
+    o_ref = ref.decode_reference(q, k, v, a, b, A_log, dt_bias, want_pool, idx, K**-0.5, True, True)
+    o = gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, layer, idx)
+    live = idx >= 0
+    assert rel_err(o[live], o_ref[live]) < 1e-2
+    assert torch.equal(o[~live], torch.zeros_like(o[~live]))
+    tol = 1e-5 if state_dtype == torch.float32 else 1e-2
+    assert rel_err(layer[idx[live]], want_pool[idx[live]]) < tol
+    untouched = torch.ones(slots, dtype=torch.bool, device="cuda")
+    untouched[idx[live]] = False
+    assert torch.equal(layer[untouched], before[:, 1][untouched])
+    assert torch.equal(pool[:, 0], before[:, 0])
+
+
+def test_conv1d_prefill_then_update():
+    D, W, slots = 8192 + 64, 4, 40
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    dev = dict(device="cuda", generator=gen)
+    lens = [1, 2, 3, 100, 1000]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    x = torch.randn(sum(lens), D, **dev).bfloat16()
+    weight, bias = torch.randn(D, W, **dev).bfloat16(), torch.randn(D, **dev).bfloat16()
+    pool = torch.randn(slots, D, W - 1, **dev).bfloat16()
+    idx = torch.tensor([5, -1, 0, 17, 9], device="cuda")
+    has_init = torch.tensor([True, True, False, True, False], device="cuda")
+    want = pool.clone()
+    y_ref = ref.conv1d_reference(x, weight, bias, cu, want, idx, has_init, True)
+    y = causal_conv1d_fn(x, weight, bias, cu_seqlens=cu, conv_state=pool, state_indices=idx,
+                         has_initial_state=has_init)
+    assert rel_err(y, y_ref) < 1e-2
+    assert torch.equal(pool, want)
+    xt = torch.randn(4, D, **dev).bfloat16()
+    upd = torch.tensor([0, -1, 17, 33], device="cuda")
+    yt_ref = ref.conv1d_update_reference(xt, want, weight, bias, upd, True)
+    yt = causal_conv1d_update(xt, pool, weight, bias, state_indices=upd)
+    assert rel_err(yt, yt_ref) < 1e-2
+    assert torch.equal(yt[1], torch.zeros_like(yt[1]))
+    assert torch.equal(pool, want)
