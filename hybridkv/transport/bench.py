@@ -1,0 +1,288 @@
+"""`hybridkv bench transfer`: one request between two processes over NIXL (UCX), three ways.
+
+Same run, same bytes, same agents and connection:
+(a) hybridkv: the Producer/Consumer path (fenced scheduler, prepped strided
+    lists, merged int32 indices), timed from make+post to DONE;
+(b) raw NIXL, one descriptor over a registered span of the same size (the ceiling);
+(c) the descriptor list the vLLM 0.33 scheme would issue for the request: one
+    per attention layer per block (K and V packed) plus conv and SSM per GDN
+    layer, ids layer-major. Over hybridkv's block-major memory these never
+    merge, so NIXL posts what the scheme issues; in vLLM's own layer-major
+    memory, runs of consecutive block ids of one layer could merge.
+Each is repeated and the median taken; variants are interleaved so drift hits all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="qwen3.5-9b", help="geometry preset (default qwen3.5-9b)")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=None, help="scale the layer count down (multiple of 4)")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--mem", choices=("dram", "vram"), default="dram")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def _geometry(model: str, layers: int | None):
+    from hybridkv.geometry import ModelGeometry
+    from hybridkv.presets import get_preset
+
+    geo = get_preset(model)
+    if layers is None or layers == geo.num_layers:
+        return geo
+    if layers <= 0 or layers > geo.num_layers or layers % 4:
+        raise ValueError(f"--layers {layers}; expected a positive multiple of 4 up to {geo.num_layers}")
+    return ModelGeometry(name=f"{geo.name}[{layers}L]", layers=geo.layers[:layers])
+
+
+def _side(args, seed: int):
+    """Layout for one request, plus a raw span of the request's size, registered with it."""
+    import numpy as np
+
+    from hybridkv import wire
+    from hybridkv.alloc import NumpyAllocator, TorchAllocator
+    from hybridkv.fence import PoolLayout
+    from hybridkv.geometry import LayerKind
+    from hybridkv.layout import plan_layout
+    from hybridkv.transport.memory import MemoryMap, from_layout
+
+    geo = _geometry(args.model, args.layers)
+    alloc = TorchAllocator("cuda:0") if args.mem == "vram" else NumpyAllocator()
+    nblocks = -(-args.tokens // args.block_size)
+    counts = {k: (1 if k is LayerKind.GDN else nblocks) for k in geo.kinds()}
+    layout = plan_layout(geo, block_size=args.block_size, num_blocks=counts, allocator=alloc)
+    mm = from_layout(layout)
+    total = sum(r.page_bytes * r.num_pages for r in mm.regions)
+    raw = alloc.allocate(total)
+    for a in (*layout.allocations, raw):
+        _fill(a, seed)
+    regions = (*mm.regions, wire.RegionInfo(region_id=len(mm.regions), base_addr=raw.addr, stride=total,
+                                            page_bytes=total, num_pages=1, mem=mm.mem, device_id=raw.device_id))
+    memory = MemoryMap(regions=regions, groups=mm.groups, compat=mm.compat)
+    pools = PoolLayout.separate(num_blocks=tuple(layout.regions[g.placements[0].region_id].num_pages
+                                                 for g in layout.groups))
+    return layout, memory, pools, raw
+
+
+def _fill(alloc, seed: int) -> None:
+    owner = alloc.owner
+    if hasattr(owner, "fill_"):  # torch
+        owner.view(-1)[: 1 << 20].random_(0, 255) if owner.numel() else None
+        return
+    owner[:] = (seed * 7 + 1) & 0xFF
+
+
+def _finish_request(sched, rid: str, step: int, *, export: bool) -> None:
+    sched.step_scheduled(step, joined=[rid])
+    sched.step_completed(step)
+    if export:
+        sched.request_finished(rid, export=True)
+
+
+def _producer_main(args_d: dict, out: mp.Queue) -> None:
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    try:
+        asyncio.run(_producer(argparse.Namespace(**args_d), out))
+    except BaseException as exc:  # surface in the parent rather than hang it
+        out.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+async def _producer(args, out) -> None:
+    from hybridkv.scheduler import TransferScheduler
+    from hybridkv.transport.endpoint import Producer
+
+    layout, memory, pools, keep = _side(args, 1)
+    sched = TransferScheduler(pools, lease_s=60.0)
+    prod = Producer(memory, sched)
+    host, port = await prod.start()
+    out.put(("addr", (host, port)))
+    await prod.wait_peer(60.0)
+    for i in range(args.iters + 1):  # one warm-up
+        rid = f"req{i}"
+        sched.add_request(rid)
+        for g in layout.groups:
+            sched.allocate(rid, g.group_id, pools.pool_sizes[g.group_id])
+        _finish_request(sched, rid, i + 1, export=True)
+        res = await prod.export(rid)
+        if res.outcome.name != "DONE":
+            out.put(("error", f"export {rid}: {res.outcome.name} {res.error}"))
+            return
+    out.put(("done", None))
+    t0 = time.monotonic()
+    while prod.peers and time.monotonic() - t0 < 600:  # the consumer still runs the baselines
+        await asyncio.sleep(0.05)
+    await prod.close()
+
+
+def _vllm_scheme_rows(memory, layout, attn_region: int, gdn_region: int, n_attn: int, n_gdn: int, blocks: int):
+    """(addr, len, dev) rows in vLLM 0.33 order: attention layer-major over blocks, then conv+ssm per GDN layer."""
+    import numpy as np
+
+    rows = []
+    a = memory.regions[attn_region]
+    piece = a.page_bytes // n_attn
+    for layer in range(n_attn):
+        for b in range(blocks):
+            rows.append((a.base_addr + b * a.stride + layer * piece, piece, a.device_id))
+    g = memory.regions[gdn_region]
+    gpiece = g.page_bytes // (2 * n_gdn)
+    for i in range(2 * n_gdn):
+        rows.append((g.base_addr + i * gpiece, gpiece, g.device_id))
+    # Same bytes as the page path: give the remainders to the last pieces.
+    arr = np.array(rows, dtype=np.uint64)
+    arr[n_attn * blocks - 1, 1] += a.page_bytes - piece * n_attn
+    arr[-1, 1] += g.page_bytes - gpiece * 2 * n_gdn
+    return arr
+
+
+def _timed(agent, op: str, lh, li, rh, ri) -> tuple[float, int]:
+    h = agent.make_prepped_xfer(op, lh, li, rh, ri, b"")
+    t0 = time.perf_counter()
+    agent.transfer(h)
+    while (s := agent.check_xfer_state(h)) == "PROC":
+        pass
+    dt = time.perf_counter() - t0
+    if s != "DONE":
+        raise RuntimeError(f"baseline transfer ended {s}")
+    desc = int(agent.get_xfer_telemetry(h).descCount)
+    agent.release_xfer_handle(h)
+    return dt, desc
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tokens <= 0 or args.iters <= 0:
+        raise ValueError(f"--tokens {args.tokens} and --iters {args.iters}; expected positive ints")
+    if args.mem == "vram":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--mem vram needs a CUDA device; none is visible")
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_producer_main, args=(vars(args) | {"handler": None}, out), daemon=True)
+    proc.start()
+    try:
+        kind, addr = out.get(timeout=120)
+        if kind == "error":
+            raise RuntimeError(f"producer failed: {addr}")
+        report = asyncio.run(_measure(args, addr, out))
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print(report)
+    return 0
+
+
+async def _measure(args, addr, out) -> dict:
+    import numpy as np
+
+    from hybridkv.geometry import LayerKind
+    from hybridkv.request_state import attention_component, gdn_components
+    from hybridkv.scheduler import TransferScheduler
+    from hybridkv.transport.endpoint import Consumer
+
+    layout, memory, pools, keep = _side(args, 2)  # keep: the raw span's memory
+    sched = TransferScheduler(pools, lease_s=60.0)
+    cons = Consumer(memory, sched)
+    await cons.connect(*addr)
+    comps = []
+    for g in layout.groups:
+        comps.extend(gdn_components(g.group_id) if g.kind is LayerKind.GDN else [attention_component(g.group_id)])
+    peer = cons.peer
+    agent = cons.dp.agent
+    mem = memory.mem.name
+    raw_local, raw_remote = len(memory.regions) - 1, len(peer.memory.regions) - 1
+    # (b) one descriptor each side: the request's bytes as one span.
+    geo = layout.geometry
+    attn_g = next(g for g in layout.groups if g.kind is not LayerKind.GDN)
+    gdn_g = next(g for g in layout.groups if g.kind is LayerKind.GDN)
+    blocks = pools.pool_sizes[attn_g.group_id]
+    n_attn, n_gdn = len(attn_g.layer_indices), len(gdn_g.layer_indices)
+    ar, gr = attn_g.placements[0].region_id, gdn_g.placements[0].region_id
+    nbytes = memory.regions[ar].page_bytes * blocks + memory.regions[gr].page_bytes
+    raw_l = agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(
+        [[memory.regions[raw_local].base_addr, nbytes, memory.regions[raw_local].device_id]], np.uint64), mem)
+    raw_r = agent.prep_xfer_dlist(peer.agent, np.array(
+        [[peer.memory.regions[raw_remote].base_addr, nbytes, peer.memory.regions[raw_remote].device_id]], np.uint64),
+        peer.memory.mem.name)
+    one = np.zeros(1, np.int32)
+    # (c) the vLLM 0.33 scheme's list over the same pages.
+    vl = _vllm_scheme_rows(memory, layout, ar, gr, n_attn, n_gdn, blocks)
+    vr = _vllm_scheme_rows(peer.memory, layout, ar, gr, n_attn, n_gdn, blocks)
+    v_l = agent.prep_xfer_dlist("NIXL_INIT_AGENT", vl, mem)
+    v_r = agent.prep_xfer_dlist(peer.agent, vr, peer.memory.mem.name)
+    v_idx = np.arange(len(vl), dtype=np.int32)
+    if int(vl[:, 1].sum()) != nbytes:
+        raise RuntimeError(f"vLLM-scheme list covers {int(vl[:, 1].sum())} bytes, expected {nbytes}")
+    hyb, raw, vll = [], [], []
+    desc = idx = None
+    v_desc = None
+    for i in range(args.iters + 1):
+        rid = f"req{i}"
+        sched.add_request(rid, expect=comps)
+        for g in layout.groups:
+            sched.allocate(rid, g.group_id, pools.pool_sizes[g.group_id])
+        res = await cons.fetch(rid, comps)
+        if res.outcome.name != "READY" or res.nbytes != nbytes:
+            raise RuntimeError(f"fetch {rid}: {res.outcome.name} {res.error} ({res.nbytes} of {nbytes} bytes)")
+        rt, _ = _timed(agent, "READ", raw_l, one, raw_r, one)
+        vt, v_desc = _timed(agent, "READ", v_l, v_idx, v_r, v_idx)
+        if i:  # the first round warms connections and caches
+            hyb.append(res.seconds)
+            raw.append(rt)
+            vll.append(vt)
+        desc, idx = res.descriptors, res.indices
+        sched.step_scheduled(i + 1, joined=[rid])
+        sched.step_completed(i + 1)
+        sched.request_finished(rid)
+    msg = out.get(timeout=60)
+    if msg[0] == "error":
+        raise RuntimeError(f"producer failed: {msg[1]}")
+    await cons.close()
+    gbps = lambda ts: nbytes / statistics.median(ts) / 1e9  # noqa: E731
+    h, r, v = gbps(hyb), gbps(raw), gbps(vll)
+    return {
+        "model": geo.name, "tokens": args.tokens, "block_size": args.block_size, "layers": geo.num_layers,
+        "mem": args.mem, "bytes": nbytes, "iters": args.iters, "processes": 2,
+        "hybridkv_GBps": round(h, 3), "raw_GBps": round(r, 3), "ratio": round(h / r, 3),
+        "descriptors": desc, "index_pairs": idx,
+        "vllm_scheme_descriptors": int(len(vl)), "vllm_scheme_posted": v_desc,
+        "vllm_scheme_GBps": round(v, 3), "vllm_ratio": round(v / r, 3),
+        "median_s": {"hybridkv": statistics.median(hyb), "raw": statistics.median(raw),
+                     "vllm_scheme": statistics.median(vll)},
+    }
+
+
+def _print(rep: dict) -> None:
+    print(f"{rep['model']}: one {rep['tokens']}-token request, {rep['bytes']:,} bytes "
+          f"({rep['bytes'] / 2**20:.1f} MiB), {rep['mem'].upper()}, 2 processes, NIXL UCX, median of {rep['iters']}")
+    print(f"  {'path':<26}{'descriptors':>12}{'GB/s':>9}{'x raw':>8}")
+    print(f"  {'(b) raw NIXL, one span':<26}{1:>12}{rep['raw_GBps']:>9.2f}{1.0:>8.2f}")
+    print(f"  {'(a) hybridkv plan':<26}{rep['descriptors']:>12}{rep['hybridkv_GBps']:>9.2f}{rep['ratio']:>8.2f}")
+    print(f"  {'(c) vllm-0.33 scheme':<26}{rep['vllm_scheme_descriptors']:>12}{rep['vllm_scheme_GBps']:>9.2f}"
+          f"{rep['vllm_ratio']:>8.2f}")
+    print(f"  hybridkv handed NIXL {rep['index_pairs']} index pairs; NIXL posted {rep['descriptors']} after merging")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    p = argparse.ArgumentParser(prog="python -m hybridkv.transport.bench")
+    register(p)
+    a = p.parse_args()
+    sys.exit(a.handler(a))

@@ -1,0 +1,23 @@
+"""`hybridkv bench transfer --json` runs end to end (scaled down) and reports every key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridkv.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_transfer_json(capsys):
+    assert main(["bench", "transfer", "--json", "--layers", "4", "--tokens", "1024", "--iters", "1"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("hybridkv_GBps", "raw_GBps", "ratio", "descriptors", "vllm_scheme_descriptors",
+                "vllm_scheme_GBps", "processes", "bytes"):
+        assert key in rep
+    assert rep["processes"] == 2
+    assert rep["hybridkv_GBps"] > 0 and rep["raw_GBps"] > 0
+    # One merged descriptor per region touched, against one per layer per block.
+    assert rep["descriptors"] <= 2 < rep["vllm_scheme_descriptors"]
