@@ -85,6 +85,8 @@ class WorkerHalf:
         self._consumers: dict[tuple[str, int], Any] = {}
         self._connecting: dict[tuple[str, int], asyncio.Future] = {}
         self.listen_port: int | None = None
+        #: request -> the transport's result of its load (descriptors posted, bytes, seconds)
+        self.load_results: dict[str, Any] = {}
 
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -166,6 +168,7 @@ class WorkerHalf:
             for g, ids in zip(self.transfer_groups, order.local_block_ids):
                 self._ts.assign(prid, g, ids)
             result = await consumer.fetch(prid, self.components)
+            self.load_results[rid] = result
             ok, error = result.outcome is Outcome.READY, result.error
         except Exception as exc:  # handshake refused, peer lost, bad block lists
             error = f"{type(exc).__name__}: {exc}"

@@ -251,6 +251,17 @@ class Driver:
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = (o.finish_reason, o.kv_transfer_params)
 
+    def run_for(self, seconds: float, until) -> None:
+        """Step in wall-clock time until ``until()``: real transfers complete off-step."""
+        import time
+
+        deadline = time.monotonic() + seconds
+        while not until():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not done after {seconds} s")
+            self.step()
+            time.sleep(0.005)
+
     def drain(self) -> None:
         while self.queue:
             self._update()
@@ -269,3 +280,92 @@ class Driver:
 
 def free_blocks(sched) -> int:
     return sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+class RealWorker:
+    """The model runner stand-in around a *real* worker-role HybridKVConnector.
+
+    It calls the connector exactly as vLLM's ``KVConnectorModelRunnerMixin`` does
+    each step (bind metadata, start loads, wait_for_save, transfer results,
+    worker metadata, clear). The only thing played is the forward pass: with
+    ``writes=True`` it fills every block of every scheduled request with random
+    bytes, as a prefill would overwrite them.
+    """
+
+    def __init__(self, connector, kv_caches, sched, *, writes: bool, seed: int = 0) -> None:
+        import torch
+
+        self.conn = connector
+        self.kv_caches = kv_caches
+        self.sched = sched
+        self.writes = writes
+        self.gen = torch.Generator().manual_seed(seed)
+        self.orders: list[tuple[int, str]] = []
+        self.order_blocks: dict[str, tuple[tuple[int, ...], ...]] = {}
+        self.snapshots: dict[str, dict[str, list[bytes]]] = {}  # request -> layer -> page bytes, at arrival
+        self.failed: set[str] = set()
+
+    def execute(self, so):
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = so.kv_connector_metadata
+        for order in meta.recvs:
+            self.orders.append((meta.step, order.request_id))
+            self.order_blocks[order.request_id] = order.local_block_ids
+        self.conn.bind_connector_metadata(meta)
+        self.conn.start_load_kv(None)
+        if self.writes:
+            self._forward(so)
+        self.conn.wait_for_save()
+        res = self.conn.get_transfer_results(so.finished_req_ids)
+        wmeta = self.conn.build_connector_worker_meta()
+        self.conn.clear_connector_metadata()
+        for rid in res.finished_recving:
+            if rid in self.order_blocks and rid not in res.failed_recving:
+                self.snapshots[rid] = self.pages(self.order_blocks[rid])
+        self.failed |= res.failed_recving
+        kv_out = KVConnectorOutput(finished_sending=res.finished_sending, finished_recving=res.finished_recving,
+                                   failed_recving=res.failed_recving, kv_connector_worker_meta=wmeta)
+        return list(so.num_scheduled_tokens), kv_out
+
+    def _forward(self, so) -> None:
+        import torch
+
+        mgr = self.sched.kv_cache_manager
+        kcc = self.sched.kv_cache_config
+        for rid in so.num_scheduled_tokens:
+            for gid, ids in enumerate(mgr.get_block_ids(rid)):
+                for name in kcc.kv_cache_groups[gid].layer_names:
+                    t = self.kv_caches[name]
+                    for b in ids:
+                        page = t[b]
+                        n = page.numel() * page.element_size()
+                        rnd = torch.randint(-128, 128, (n,), dtype=torch.int8, generator=self.gen)
+                        page.copy_(rnd.view(page.dtype).view(page.shape))
+
+    def pages(self, block_ids) -> dict[str, list[bytes]]:
+        """Bytes of each layer's page of the given per-transfer-group block lists."""
+        kcc = self.sched.kv_cache_config
+        out: dict[str, list[bytes]] = {}
+        for gid, ids in zip(kcc.transfer_group_ids, block_ids):
+            for name in kcc.kv_cache_groups[gid].layer_names:
+                t = self.kv_caches[name]
+                out[name] = [t[b].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+                             for b in ids]
+        return out
+
+    def pending(self) -> bool:
+        return False
+
+
+def make_worker(vc, kcc):
+    """A worker-role connector from vLLM's factory, registered with tensors allocated as vLLM does."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    kv_caches = allocate_kv_cache(kcc, torch.device("cpu"), vc.cache_config.get_resolved_kv_cache_layout(), None)
+    conn = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER, kv_cache_config=kcc)
+    conn.register_kv_caches(kv_caches)
+    return conn, kv_caches

@@ -1,0 +1,96 @@
+"""A request's blocks move between two worker processes over NIXL (UCX), bytes compared.
+
+The prefill side runs in its own process (prefill_peer.py); this process is
+the decode side. Both sides: vLLM 0.33.0's real Scheduler, our connector's two
+halves built by vLLM's factory, KV tensors allocated by vLLM's own
+``allocate_kv_cache`` for the tiny hybrid config (block-outermost BLHNC,
+HMA-aliased groups, GDN conv/SSM pages) and adopted into a hybridkv layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.vllm import harness as h
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read(proc, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"prefill peer exited with {proc.returncode}")
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith("{"):
+                return json.loads(line)
+    raise AssertionError(f"no answer from the prefill peer in {timeout} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [pytest.param(True, id="async")])
+def test_request_moves_between_two_worker_processes(tmp_path, async_scheduling):
+    port = _free_port()
+    log = open(tmp_path / "peer.log", "w")
+    peer = subprocess.Popen(
+        [sys.executable, "-m", "tests.vllm.prefill_peer", str(port), "async" if async_scheduling else "sync"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        vc = h.make_vllm_config(role="kv_consumer", async_scheduling=async_scheduling, engine_id="decode-engine")
+        kcc = h.make_kv_cache_config(vc)
+        sched = h.make_scheduler(vc, kcc, async_scheduling=async_scheduling)
+        conn, kv_caches = h.make_worker(vc, kcc)
+        runner = h.RealWorker(conn, kv_caches, sched, writes=False)
+        d = h.Driver(sched, runner, async_scheduling=async_scheduling)
+        assert _read(peer, 120)["ready"] == port
+        pages_path = tmp_path / "pages.pkl"
+        peer.stdin.write(json.dumps({"prompt_len": 100, "pages": str(pages_path)}) + "\n")
+        peer.stdin.flush()
+        params = _read(peer, 60)["params"]
+        # What a P/D proxy does: forward the producer's kv_transfer_params to decode.
+        sched.add_request(h.make_request("d1", prompt_len=100, max_tokens=4, params=params))
+        d.run_for(60, until=lambda: "d1" in d.finished)
+        assert d.finished["d1"][0].name == "LENGTH", runner.failed
+        assert not runner.failed
+        sent = pickle.loads(pages_path.read_bytes())
+        got = runner.snapshots["d1"]
+        assert set(got) == set(sent) == set(kv_caches)  # every layer of every group moved
+        for name in sent:
+            assert len(got[name]) == len(sent[name]) > 0
+            assert got[name] == sent[name], f"layer {name}: bytes differ"
+        result = conn.worker.load_results["d1"]
+        blocks = sum(len(b) for b in runner.order_blocks["d1"])
+        # Block-outermost pages: at most one descriptor per block of every group
+        # (NixlConnector posts one per layer region per block, per GDN sub-field).
+        assert 0 < result.descriptors <= blocks
+        print(f"\nhybridkv moved {result.nbytes} bytes of {blocks} blocks in {result.descriptors} descriptors")
+        end = _read(peer, 90)
+        assert end["freed"], end  # the producer freed its blocks once the read was done
+        d.run_for(10, until=lambda: h.free_blocks(sched) == kcc.num_blocks - 1)
+        d.drain()
+        assert sched.connector.scheduler.idle()
+        conn.shutdown()
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+        peer.wait(10)
+        log.close()
