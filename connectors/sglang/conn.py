@@ -298,6 +298,7 @@ class HybridKVManager(CommonKVManager):
             return None  # dummy rank, or cleared
         with self._inflight_lock:
             self._inflight[bootstrap_room] += 1
+        self.update_status(bootstrap_room, KVPoll.Transferring)
         self._queues[bootstrap_room % len(self._queues)].put(
             _Chunk(room=bootstrap_room, kv_indices=np.asarray(kv_indices, dtype=np.int64), index_slice=index_slice,
                    is_last=is_last_chunk, aux_index=aux_index, state_indices=state_indices, wait_event=wait_event)

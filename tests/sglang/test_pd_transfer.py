@@ -1,0 +1,216 @@
+"""A prefill manager (child process) and a decode manager (this process) with
+the real SGLang bootstrap server on 127.0.0.1, real CPU ServerArgs, our
+backend, and NIXL/UCX moving the bytes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from tests.sglang import pd_peer
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Prefill:
+    def __init__(self, seed: int = 7) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.bootstrap_port = _free_port()
+        self.proc = ctx.Process(target=pd_peer.prefill_main, args=(child, _free_port(), self.bootstrap_port, seed),
+                                daemon=True)
+        self.proc.start()
+        assert self.call_raw(timeout=120)[0] == "ready"
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.bootstrap_port}"
+
+    def call_raw(self, timeout: float = 60):
+        if not self.conn.poll(timeout):
+            raise TimeoutError("prefill child did not answer")
+        return self.conn.recv()
+
+    def call(self, cmd, arg=None, timeout: float = 60):
+        self.conn.send((cmd, arg))
+        tag, value = self.call_raw(timeout)
+        assert tag == "ok", (tag, value)
+        return value
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit", None))
+                self.call_raw(30)
+            except Exception:
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def decode():
+    sa = pd_peer.configure("decode", port=_free_port(), bootstrap_port=_free_port())
+    pools = pd_peer.make_pools(None)
+    mgr = pd_peer.make_manager("decode", pools, sa)
+    yield mgr, pools
+    mgr.close()
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    p = Prefill()
+    yield p
+    p.close()
+
+
+def _receiver(mgr, addr: str, room: int):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    deadline = time.monotonic() + 20
+    while not mgr.try_ensure_parallel_info(addr):
+        assert time.monotonic() < deadline, "prefill never registered to its bootstrap server"
+        time.sleep(0.1)
+    r = get_kv_class(TransferBackend("hybridkv"), KVClassType.RECEIVER)(mgr, addr, room)
+    r.init(0)
+    assert r.poll() == KVPoll.WaitingForInput
+    return r
+
+
+def _assert_clean_decode(mgr, room):
+    assert room not in mgr.request_status
+    assert room not in mgr._quiet
+    assert room not in mgr.failure_records
+
+
+def _assert_clean_prefill(prefill: Prefill, room):
+    st = prefill.call("stats")
+    assert room not in st["inflight"] and room not in st["rooms"] and room not in st["transfer_infos"]
+    assert room not in st["waiters"]
+    return st
+
+
+SRC_PAGES = [5, 6, 7, 8, 20, 21, 9, 10, 11, 40]
+DST_PAGES = [12, 13, 14, 15, 16, 17, 30, 31, 32, 2]
+SRC_SLOT, DST_SLOT = 3, 6
+SRC_AUX, DST_AUX = 2, 9
+
+
+def test_hybrid_request_completes_and_bytes_match(decode, prefill):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, pools = decode
+    room = 1001
+    r = _receiver(mgr, prefill.addr, room)
+    r.send_metadata(np.asarray(DST_PAGES, dtype=np.int32), DST_AUX, [[DST_SLOT]])
+    assert prefill.call("sender", room) == KVPoll.WaitingForInput
+    prefill.call("send", (room, SRC_PAGES, SRC_SLOT, SRC_AUX, 3, False))
+    status, reason = prefill.call("wait", (room, 30))
+    assert status == KVPoll.Success, reason
+    assert pd_peer.wait_poll(r, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    kv, slot, aux = prefill.call("bytes", (SRC_PAGES, SRC_SLOT, SRC_AUX))
+    assert pools.page_bytes(DST_PAGES) == kv
+    assert pools.slot_bytes(DST_SLOT) == slot
+    assert pools.aux_bytes(DST_AUX) == aux
+    # Pages and slots nobody sent to stay untouched.
+    untouched = [p for p in range(pd_peer.NUM_PAGES) if p not in DST_PAGES]
+    assert all(not any(b) for b in pools.page_bytes(untouched))
+    assert not any(any(b) for b in pools.slot_bytes(DST_SLOT - 1))
+    r.clear()
+    _assert_clean_decode(mgr, room)
+    st = _assert_clean_prefill(prefill, room)
+    # 10 pages in 3 chunks ([5,6,7,8] [20,21,9] [10,11,40]) -> runs on both sides:
+    # [5-8|12-15] [20-21|16-17] [9|30] [10-11|31-32] [40|2] = 5 runs x 4 KV buffers,
+    # + 12 state tensors x 1 slot + 1 aux row.
+    assert st["descriptors"] == 5 * 4 + 12 + 1
+    assert st["pages"] == len(SRC_PAGES)
+
+
+def test_abort_mid_transfer_releases_nothing_still_being_written_fake_cuda_event(decode, prefill):
+    """The first chunk waits on the device (a hand-opened stand-in for SGLang's
+    CUDA event) when decode aborts: neither side may report Failed while that
+    chunk can still read or write, and once it drains nothing was written."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, pools = decode
+    room = 1002
+    dst = [50, 51, 52, 53]
+    r = _receiver(mgr, prefill.addr, room)
+    r.send_metadata(np.asarray(dst, dtype=np.int32), DST_AUX + 1, [[DST_SLOT - 2]])
+    assert prefill.call("sender", room) == KVPoll.WaitingForInput
+    prefill.call("send", (room, [1, 2, 3, 4], SRC_SLOT, SRC_AUX, 2, True))
+    r.abort()  # the scheduler's AbortReq path
+    t_end = time.monotonic() + 1.5
+    while time.monotonic() < t_end:
+        assert r.poll() == KVPoll.Transferring  # pages still reachable by a write
+        assert prefill.call("poll", room) == KVPoll.Transferring  # source still being read
+        time.sleep(0.1)
+    prefill.call("open_gate", room)
+    assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}) == KVPoll.Failed
+    status, reason = prefill.call("wait", (room, 30))
+    assert status == KVPoll.Failed and "Abort" in reason
+    with pytest.raises(Exception, match="Aborted"):
+        r.failure_exception()
+    assert all(not any(b) for b in pools.page_bytes(dst))
+    assert not any(any(b) for b in pools.slot_bytes(DST_SLOT - 2))
+    _assert_clean_decode(mgr, room)
+    _assert_clean_prefill(prefill, room)
+
+
+def test_failed_transfer_fails_both_sides_with_the_reason(decode, prefill):
+    """Decode hands out a destination page beyond its pool: prefill's plan
+    refuses it before posting anything; both sides end Failed, with the reason."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, pools = decode
+    room = 1003
+    r = _receiver(mgr, prefill.addr, room)
+    r.send_metadata(np.asarray([3, pd_peer.NUM_PAGES + 5], dtype=np.int32), DST_AUX, [[DST_SLOT]])
+    assert prefill.call("sender", room) == KVPoll.WaitingForInput
+    before = prefill.call("stats")["handles"]
+    prefill.call("send", (room, [1, 2], SRC_SLOT, SRC_AUX, 1, False))
+    status, reason = prefill.call("wait", (room, 30))
+    assert status == KVPoll.Failed and "outside" in reason
+    assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}) == KVPoll.Failed
+    with pytest.raises(Exception, match="outside"):
+        r.failure_exception()
+    assert prefill.call("stats")["handles"] == before  # nothing was posted
+    assert not any(pools.page_bytes([3])[0])
+    _assert_clean_decode(mgr, room)
+    _assert_clean_prefill(prefill, room)
+
+
+def test_killed_prefill_fails_the_decode_request(decode):
+    """The prefill process dies after decode published its destinations: the
+    heartbeat declares it dead, which also proves no write of it is coming."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, _ = decode
+    p = Prefill()
+    try:
+        room = 1004
+        r = _receiver(mgr, p.addr, room)
+        r.send_metadata(np.asarray([60, 61], dtype=np.int32), DST_AUX, [[1]])
+        assert p.call("sender", room) == KVPoll.WaitingForInput
+        p.proc.kill()
+        p.proc.join(10)
+        t0 = time.monotonic()
+        assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}, timeout=30) == KVPoll.Failed
+        assert time.monotonic() - t0 < 20
+        with pytest.raises(Exception, match="Lost connection"):
+            r.failure_exception()
+        _assert_clean_decode(mgr, room)
+    finally:
+        p.close()
