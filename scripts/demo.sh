@@ -4,4 +4,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
-exec "$ROOT/.venv/bin/hybridkv" analyze "$@"
+exec "$ROOT/.venv/bin/hybridkv" demo "$@"

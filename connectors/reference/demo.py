@@ -1,0 +1,260 @@
+"""`hybridkv demo`: disaggregated prefill -> decode of a hybrid model, checked token by token.
+
+A router (this process) runs the aggregated baseline, then starts a prefill process
+and a decode process, sends every request to prefill, forwards each to decode with
+the prefill's first token once the prefill has it, and compares every output with
+the aggregated run. The KV blocks and GDN states move between the two processes
+over NIXL (UCX), through hybridkv's layout, fencing and transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import random
+import signal
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from .serve import WorkerOptions, recv, send, worker_main
+
+
+class Fault:
+    DROP_TRANSFER = "drop-transfer"
+    KILL_DECODE = "kill-decode"
+    LATE_COMPLETION = "late-completion"
+    ALL = (DROP_TRANSFER, KILL_DECODE, LATE_COMPLETION)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoOptions:
+    requests: int = 32
+    seed: int = 0
+    async_depth: int = 1
+    policy: str = "fenced"
+    failure_policy: str = "recompute"
+    inject: tuple[str, ...] = ()
+    min_prompt: int = 3
+    max_prompt: int = 120
+    min_tokens: int = 6
+    max_tokens: int = 16
+    max_running: int = 8
+    state_slots: int = 10
+    attention_blocks: int = 96
+    timeout_s: float = 240.0
+
+    def __post_init__(self) -> None:
+        if self.requests < 1:
+            raise ValueError(f"--requests must be >= 1, got {self.requests}")
+        if self.async_depth < 0:
+            raise ValueError(f"--async-depth must be >= 0, got {self.async_depth}")
+        bad = [f for f in self.inject if f not in Fault.ALL]
+        if bad:
+            raise ValueError(f"--inject {bad[0]!r} is not one of {', '.join(Fault.ALL)}")
+        if not 1 <= self.min_prompt <= self.max_prompt or not 1 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("prompt and token ranges must be non-empty and positive")
+
+
+@dataclass(kw_only=True)
+class Report:
+    requests: int
+    tokens: int
+    mismatches: int
+    mismatched: list[str]
+    failed: int
+    recomputed: int
+    leaked_blocks: int
+    processes: int
+    async_depth: int
+    policy: str
+    transport: str
+    faults_injected: int
+    faults: dict
+    descriptors_per_request: float
+    vllm_033_descriptors_per_request: float
+    bytes_moved: int
+    transfer_GBps: float
+    ttft_ms: float
+    itl_ms: float
+    wall_s: float
+    aggregated_s: float
+    extra: dict = field(default_factory=dict)
+
+
+def make_requests(o: DemoOptions) -> list[tuple[str, list[int], int]]:
+    rng = random.Random(o.seed)
+    out = []
+    for i in range(o.requests):
+        n = rng.randint(o.min_prompt, o.max_prompt)
+        out.append((f"req-{i:03d}", [rng.randrange(1, 384) for _ in range(n)], rng.randint(o.min_tokens, o.max_tokens)))
+    return out
+
+
+def run_aggregated(o: DemoOptions, requests) -> dict[str, list[int]]:
+    """The reference: one engine doing prefill and decode, same model, same async depth."""
+    import torch
+
+    from .cache import CacheConfig
+    from .engine import Engine, EngineConfig, Role
+    from .model import TinyHybridModel
+
+    torch.set_num_threads(1)
+    done: dict[str, list[int]] = {}
+    cfg = EngineConfig(role=Role.AGGREGATED, async_depth=o.async_depth, max_running=o.max_running,
+                       cache=CacheConfig(attention_blocks=o.attention_blocks, state_slots=o.state_slots))
+    engine = Engine(TinyHybridModel(), cfg, on_finished=lambda r: done.__setitem__(r.rid, list(r.output)))
+    for rid, prompt, n in requests:
+        engine.submit(rid, prompt, n)
+    asyncio.run(engine.drain(timeout_s=o.timeout_s))
+    if engine.leaked_blocks():
+        raise RuntimeError(f"the aggregated baseline leaked {engine.leaked_blocks()} blocks")
+    return done
+
+
+class _Worker:
+    def __init__(self, ctx, role: str, o: DemoOptions, **extra) -> None:
+        self.conn, child = ctx.Pipe()
+        opts = asdict(WorkerOptions(role=role, async_depth=o.async_depth, policy=o.policy,
+                                    failure_policy=o.failure_policy, max_running=o.max_running,
+                                    attention_blocks=o.attention_blocks, state_slots=o.state_slots, **extra))
+        self.proc = ctx.Process(target=worker_main, args=(child, opts), daemon=True)
+        self.proc.start()
+
+    def expect(self, op: str, timeout_s: float = 60.0) -> dict:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"no {op!r} from {self.proc.name} in {timeout_s} s")
+        msg = recv(self.conn)
+        if msg["op"] == "error":
+            raise RuntimeError(f"worker failed: {msg['error']}\n{msg.get('trace', '')}")
+        if msg["op"] != op:
+            raise RuntimeError(f"expected {op!r} from the worker, got {msg!r}")
+        return msg
+
+
+def run_demo(o: DemoOptions, progress=None) -> Report:
+    requests = make_requests(o)
+    by_rid = {rid: (prompt, n) for rid, prompt, n in requests}
+    t0 = time.perf_counter()
+    expected = run_aggregated(o, requests)
+    aggregated_s = time.perf_counter() - t0
+
+    rng = random.Random(o.seed + 1)
+    fail_rids = tuple(sorted(rng.sample(sorted(by_rid), k=max(1, o.requests // 8)))) \
+        if Fault.DROP_TRANSFER in o.inject else ()
+    late_s = 0.05 if Fault.LATE_COMPLETION in o.inject else 0.0
+    ctx = mp.get_context("spawn")
+    t_start = time.perf_counter()
+    prefill = _Worker(ctx, "prefill", o)
+    addr = prefill.expect("addr")
+
+    def start_decode() -> _Worker:
+        d = _Worker(ctx, "decode", o, fail_rids=fail_rids, late_completion_s=late_s)
+        send(d.conn, {"op": "connect", "host": addr["host"], "port": addr["port"]})
+        d.expect("connected")
+        return d
+
+    decode = start_decode()
+    sent_at: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    done: dict[str, dict] = {}
+    at_decode: set[str] = set()
+    alias: dict[str, str] = {}  # prefill id -> request id (re-sent after a decode restart)
+    faults = {f: 0 for f in Fault.ALL}
+    faults[Fault.DROP_TRANSFER] = len(fail_rids)
+    faults[Fault.LATE_COMPLETION] = 1 if late_s else 0
+    kill_after = o.requests // 3 if Fault.KILL_DECODE in o.inject else None
+    retries = 0
+    for rid, prompt, n in requests:
+        sent_at[rid] = time.perf_counter()
+        send(prefill.conn, {"op": "req", "rid": rid, "prompt": prompt, "max_tokens": 1})
+    deadline = time.monotonic() + o.timeout_s
+    while len(done) < len(requests):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"demo timed out with {len(done)}/{len(requests)} requests done")
+        for w in (prefill, decode):
+            while w.conn.poll():
+                msg = recv(w.conn)
+                op = msg["op"]
+                if op == "error":
+                    raise RuntimeError(f"worker failed: {msg['error']}\n{msg.get('trace', '')}")
+                if op == "first":
+                    rid = alias.get(msg["rid"], msg["rid"])
+                    ttft.setdefault(rid, time.perf_counter() - sent_at[rid])
+                    prompt, n = by_rid[rid]
+                    send(decode.conn, {"op": "req", "rid": rid, "prompt": prompt, "max_tokens": n,
+                                       "first_token": msg["token"]})
+                    at_decode.add(rid)
+                elif op == "done":
+                    done[msg["rid"]] = msg
+                    at_decode.discard(msg["rid"])
+                    if progress is not None:
+                        progress(len(done), len(requests))
+        if kill_after is not None and len(done) >= kill_after:
+            kill_after = None
+            os.kill(decode.proc.pid, signal.SIGKILL)  # a real crash: no goodbye, no cleanup
+            decode.proc.join(10)
+            faults[Fault.KILL_DECODE] += 1
+            decode = start_decode()
+            retries += 1
+            for rid in sorted(at_decode):  # lost with the process: prefill them again
+                retry = f"{rid}~retry{retries}"
+                alias[retry] = rid
+                send(prefill.conn, {"op": "req", "rid": retry, "prompt": by_rid[rid][0], "max_tokens": 1})
+            at_decode.clear()
+        time.sleep(0.002)
+    wall_s = time.perf_counter() - t_start
+    stats = {}
+    for name, w in (("prefill", prefill), ("decode", decode)):
+        send(w.conn, {"op": "stop"})
+    for name, w in (("prefill", prefill), ("decode", decode)):
+        deadline = time.monotonic() + 90
+        while True:
+            msg = w.expect_any(deadline) if hasattr(w, "expect_any") else _next_stats(w, deadline)
+            if msg is not None:
+                stats[name] = msg["stats"]
+                break
+        w.proc.join(30)
+    return _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s)
+
+
+def _next_stats(w: _Worker, deadline: float) -> dict:
+    while time.monotonic() < deadline:
+        if w.conn.poll(0.1):
+            msg = recv(w.conn)
+            if msg["op"] == "stats":
+                return msg
+            if msg["op"] == "error":
+                raise RuntimeError(f"worker failed: {msg['error']}\n{msg.get('trace', '')}")
+    raise TimeoutError("a worker did not report its final state")
+
+
+def _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s) -> Report:
+    from descriptors.schemes import Scheme, Workload, count_descriptors
+
+    from .model import TinyConfig
+
+    mismatched = sorted(rid for rid, _, _ in requests if done[rid]["output"] != expected[rid])
+    failed = [rid for rid in done if done[rid]["status"] == "failed"]
+    xfers = [d["transfer"] for d in done.values() if d["transfer"] and d["transfer"]["outcome"] == "ready"]
+    desc = [x["descriptors"] for x in xfers if x["descriptors"] is not None]
+    geometry = TinyConfig().geometry()
+    vllm = [count_descriptors(Scheme.VLLM_033, Workload(geometry=geometry, tokens=len(p), block_size=16)).descriptors
+            for rid, p, _ in requests]
+    nbytes = sum(x["nbytes"] for x in xfers)
+    secs = sum(x["seconds"] for x in xfers)
+    gaps = [b - a for d in done.values() for a, b in zip(d["token_times"], d["token_times"][1:])]
+    return Report(
+        requests=len(requests), tokens=sum(len(d["output"]) for d in done.values()),
+        mismatches=len(mismatched), mismatched=mismatched, failed=len(failed),
+        recomputed=sum(1 for d in done.values() if d["recomputed"]),
+        leaked_blocks=sum(s["leaked"] for s in stats.values()), processes=3, async_depth=o.async_depth,
+        policy=o.policy, transport="nixl", faults_injected=sum(faults.values()), faults=faults,
+        descriptors_per_request=statistics.mean(desc) if desc else 0.0,
+        vllm_033_descriptors_per_request=statistics.mean(vllm), bytes_moved=nbytes,
+        transfer_GBps=nbytes / secs / 1e9 if secs else 0.0,
+        ttft_ms=statistics.mean(ttft.values()) * 1e3 if ttft else 0.0,
+        itl_ms=statistics.mean(gaps) * 1e3 if gaps else 0.0, wall_s=wall_s, aggregated_s=aggregated_s,
+        extra={"stats": stats},
+    )

@@ -1,0 +1,343 @@
+"""The reference engine: chunked prefill, decode, and asynchronous scheduling over hybridkv.
+
+The scheduler runs `async_depth` steps ahead of the worker, as vLLM's
+`--async-scheduling` does: step N+1 is planned before step N's tokens are known, a
+request that stops at step N (its stop condition is only seen in N's output) is
+still computed once more by step N+1, and newly allocated attention blocks are
+zeroed by the first step that follows their allocation (vLLM #35219). So the races
+hybridkv fences against are live here: the fence table decides when a freed block
+may be reused (Race A), when an import may write a block a queued zeroing will
+touch (Race B), and when an export may read what a step wrote.
+
+The engine talks to hybridkv only through what every connector uses: the planned
+layout, `TransferScheduler`, and the producer/consumer endpoints (given as callables
+so this module also runs without a peer, as the aggregated baseline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from hybridkv.fence import FencePolicy, PoolLayout
+from hybridkv.geometry import LayerKind
+from hybridkv.request_state import attention_component, gdn_components
+from hybridkv.scheduler import TransferScheduler
+
+from .cache import CacheConfig, PagedCache
+from .model import TinyHybridModel
+
+
+class Role(enum.Enum):
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # not admitted yet (no blocks)
+    IMPORTING = "importing"  # blocks held, remote KV/state on its way
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(eq=False, kw_only=True)
+class Request:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    attn_blocks: list[int] = field(default_factory=list)
+    slot: int = -1
+    scheduled: int = 0          # tokens whose computation is scheduled (runs ahead of `computed`)
+    joined: bool = False
+    recompute: bool = False     # a failed import: compute the prompt here after all
+    arrived_s: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.scheduled >= len(self.prompt)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    rid: str
+    start: int
+    n: int
+    prefill: bool
+
+
+@dataclass(eq=False, kw_only=True)
+class StepPlan:
+    step: int
+    entries: list[Entry]
+    zero_blocks: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    role: Role = Role.AGGREGATED
+    async_depth: int = 1
+    chunk_size: int = 32
+    max_running: int = 8
+    policy: FencePolicy = FencePolicy.FENCED
+    cache: CacheConfig = CacheConfig()
+    step_gap_s: float = 0.0005  # the worker's launch latency: transfers progress meanwhile
+    # Before launching a step, let in-flight transfers land (up to this long). On GPUs a
+    # KV/state RDMA is far shorter than the steps queued ahead of it, which is the regime
+    # where vLLM's async races fired; on this CPU engine a step is short and the transfer
+    # slow, so without this the races would almost never show (fencing or not).
+    settle_transfers_s: float = 0.5
+
+
+Fetcher = Callable[[str, tuple], Awaitable[object]]
+Exporter = Callable[[str], Awaitable[object]]
+
+
+class Engine:
+    def __init__(self, model: TinyHybridModel, cfg: EngineConfig, *, fetcher: Fetcher | None = None,
+                 exporter: Exporter | None = None, on_first_token=None, on_finished=None) -> None:
+        if cfg.async_depth < 0:
+            raise ValueError(f"async_depth must be >= 0, got {cfg.async_depth}")
+        self.model, self.cfg = model, cfg
+        self.cache = PagedCache(model.cfg.geometry(), cfg.cache)
+        layout = self.cache.layout
+        self.attn_gid = self.cache.attn_group.group_id
+        self.gdn_gid = self.cache.gdn_group.group_id
+        sizes = tuple(layout.regions[g.placements[0].region_id].num_pages for g in layout.groups)
+        self.sched = TransferScheduler(PoolLayout.separate(num_blocks=sizes), policy=cfg.policy)
+        self.components = tuple(
+            c for g in layout.groups
+            for c in (gdn_components(g.group_id) if g.kind is LayerKind.GDN else (attention_component(g.group_id),)))
+        self.fetcher, self.exporter = fetcher, exporter
+        self.on_first_token, self.on_finished = on_first_token, on_finished
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[str] = deque()
+        self.running: list[str] = []
+        self.queue: deque[StepPlan] = deque()
+        self.pending_zero: list[int] = []
+        self.step = 0
+        self.tasks: set[asyncio.Task] = set()
+        self.skipped_zeroing = 0
+
+    # ------------------------------------------------------------------ intake
+    def submit(self, rid: str, prompt: list[int], max_tokens: int, *, first_token: int | None = None) -> None:
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} already submitted")
+        if not prompt or max_tokens < 1:
+            raise ValueError(f"request {rid!r}: prompt must be non-empty and max_tokens >= 1, got "
+                             f"{len(prompt)} tokens, max_tokens {max_tokens}")
+        r = Request(rid=rid, prompt=list(prompt), max_tokens=max_tokens, arrived_s=time.perf_counter())
+        if self.cfg.role is Role.DECODE:
+            if first_token is None:
+                raise ValueError(f"request {rid!r}: a decode instance needs the prefill's first token")
+            r.output.append(first_token)
+        self.requests[rid] = r
+        self.waiting.append(rid)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.queue or self.tasks or any(
+            r.status is Status.IMPORTING for r in self.requests.values()))
+
+    # --------------------------------------------------------------- admission
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.cfg.cache.block_size)
+
+    def _grow(self, r: Request, upto: int) -> None:
+        """Blocks for positions < upto, allocated as the request grows (as vLLM does); new
+        blocks are zeroed by the next step. No preemption here: running dry is an error."""
+        need = self._blocks_for(upto) - len(r.attn_blocks)
+        if need <= 0:
+            return
+        more = self.sched.allocate(r.rid, self.attn_gid, need)
+        if not more:
+            raise RuntimeError(f"attention pool exhausted growing {r.rid!r} ({more}); the reference engine "
+                               "does not preempt: give it more attention_blocks")
+        r.attn_blocks.extend(more)
+        self.pending_zero.extend(more)
+
+    def _admit(self) -> list[str]:
+        """Give blocks to waiting requests (all or none). Returns the local ones that may join now."""
+        joined = []
+        while self.waiting and len(self.running) + self._importing() < self.cfg.max_running:
+            rid = self.waiting[0]
+            r = self.requests[rid]
+            remote = self.cfg.role is Role.DECODE and not r.recompute
+            self.sched.add_request(rid, expect=self.components if remote else ())
+            attn = self.sched.allocate(rid, self.attn_gid, self._blocks_for(len(r.prompt)))
+            slot = self.sched.allocate(rid, self.gdn_gid, 1) if attn else attn
+            if not attn or not slot:
+                self.sched.abort(rid)  # all or none: give back what was taken
+                break
+            self.waiting.popleft()
+            r.attn_blocks, r.slot = list(attn), slot[0]
+            # Stale bits of a reused page must not leak into a new request (vLLM #35219).
+            self.pending_zero.extend(r.attn_blocks)
+            if remote:
+                r.status = Status.IMPORTING
+                self._spawn(self._import(r))
+            else:
+                joined.append(rid)
+        return joined
+
+    def _importing(self) -> int:
+        return sum(1 for r in self.requests.values() if r.status is Status.IMPORTING)
+
+    async def _import(self, r: Request) -> None:
+        from hybridkv.transport.endpoint import Outcome
+
+        result = await self.fetcher(r.rid, self.components)
+        r.import_result = result
+        if result.outcome is Outcome.READY:
+            r.status = Status.RUNNING
+            r.scheduled = len(r.prompt)  # the prompt's KV and state arrived
+        elif result.outcome is Outcome.RECOMPUTE:
+            r.recompute, r.status = True, Status.RUNNING  # prefill here; the scheduler made it local
+        else:
+            r.status, r.error = Status.FAILED, result.error
+            self._finish(r, failed=True)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -------------------------------------------------------------- scheduling
+    def _schedule(self) -> None:
+        self.step += 1
+        joined = self._admit()
+        for r in self.requests.values():
+            if r.status is Status.RUNNING and not r.joined and r.rid not in joined and self.sched.is_ready(r.rid):
+                joined.append(r.rid)
+        entries = []
+        for rid in joined:
+            r = self.requests[rid]
+            r.joined, r.status = True, Status.RUNNING
+            self.running.append(rid)
+        keep = []
+        for rid in self.running:
+            r = self.requests[rid]
+            if not r.prefill_done:
+                n = min(self.cfg.chunk_size, len(r.prompt) - r.scheduled)
+                entries.append(Entry(rid=rid, start=r.scheduled, n=n, prefill=True))
+                r.scheduled += n
+                # A prefill-only instance knows the request ends with its prompt (max_tokens 1):
+                # it is never scheduled again, so nothing overwrites what it will export.
+                if r.prefill_done and self.cfg.role is Role.PREFILL:
+                    continue
+            else:
+                self._grow(r, r.scheduled + 1)
+                entries.append(Entry(rid=rid, start=r.scheduled, n=1, prefill=False))
+                r.scheduled += 1
+            keep.append(rid)
+        self.running = keep
+        zero = [(self.attn_gid, b) for b in self.pending_zero]
+        self.pending_zero = []
+        ticket = self.sched.step_scheduled(self.step, joined=joined, zeroing=zero)
+        skip = {b for _, b in ticket.skip_zeroing}
+        self.skipped_zeroing += len(skip)
+        self.queue.append(StepPlan(step=self.step, entries=entries, zero_blocks=[b for _, b in zero if b not in skip]))
+
+    # ---------------------------------------------------------------- the loop
+    async def run_step(self) -> bool:
+        """Plan ahead, let transfers progress, execute the oldest planned step. False when idle."""
+        while len(self.queue) <= self.cfg.async_depth and self._has_work():
+            self._schedule()
+        await asyncio.sleep(self.cfg.step_gap_s)
+        t_end = time.monotonic() + self.cfg.settle_transfers_s
+        while self.sched.transfers_in_flight() and time.monotonic() < t_end:
+            await asyncio.sleep(0.0005)
+        if not self.queue:
+            return self.busy
+        plan = self.queue.popleft()
+        outputs = self._execute(plan)
+        self.sched.step_completed(plan.step)
+        self._process(plan, outputs)
+        return True
+
+    def _has_work(self) -> bool:
+        return bool(self.running or self.waiting or any(
+            r.status is Status.RUNNING and not r.joined for r in self.requests.values()))
+
+    def _execute(self, plan: StepPlan) -> list[int]:
+        """The worker: runs whatever was planned, finished requests included (it cannot know)."""
+        self.cache.zero_blocks(plan.zero_blocks)
+        out = []
+        for e in plan.entries:
+            r = self.requests[e.rid]
+            tokens = r.prompt[e.start: e.start + e.n] if e.prefill else [r.output[-1]]
+            kv = {layer: self.cache.kv_view(layer, r.attn_blocks) for layer in self.cache.attn_layer}
+            st = {layer: self.cache.state_view(layer, r.slot) for layer in self.cache.gdn_layer}
+            out.append(self.model.forward(tokens, e.start, kv, st))
+        return out
+
+    def _process(self, plan: StepPlan, outputs: list[int]) -> None:
+        now = time.perf_counter()
+        for e, tok in zip(plan.entries, outputs):
+            r = self.requests[e.rid]
+            if r.status is not Status.RUNNING:
+                continue  # an overshoot step of a finished request: its output is discarded
+            if e.prefill and e.start + e.n < len(r.prompt):
+                continue
+            if e.prefill and r.recompute and r.output:
+                continue  # recomputed prompt of an import: its first token came from the prefill
+            r.output.append(tok)
+            r.token_times.append(now)
+            if e.prefill and self.on_first_token is not None:
+                self.on_first_token(r)
+            if self.cfg.role is Role.PREFILL or len(r.output) >= r.max_tokens:
+                self._finish(r)
+
+    def _finish(self, r: Request, *, failed: bool = False) -> None:
+        if r.status is not Status.FAILED:
+            r.status = Status.FINISHED
+        if r.rid in self.running:
+            self.running.remove(r.rid)
+        if self.cfg.role is Role.PREFILL and not failed:
+            self.sched.request_finished(r.rid, export=True)
+            if self.exporter is not None:
+                self._spawn(self.exporter(r.rid))
+        elif self.sched.has_request(r.rid):
+            if failed:
+                self.sched.abort(r.rid)
+            else:
+                self.sched.request_finished(r.rid)
+        if self.on_finished is not None:
+            self.on_finished(r)
+
+    async def drain(self, timeout_s: float = 60.0) -> None:
+        """Run until every request is done and every transfer settled, then let the watermark
+        pass the last scheduled step so deferred frees return to the pool."""
+        t0 = time.monotonic()
+        while self.busy:
+            await self.run_step()
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"engine still busy after {timeout_s} s: {self.stats()}")
+        # Idle steps: nothing planned, but they carry the watermark past deferred frees.
+        self.step += 1
+        self.sched.step_scheduled(self.step)
+        self.sched.step_completed(self.step)
+        self.sched.poll()
+
+    def stats(self) -> dict:
+        pools = self.sched.layout.pool_sizes
+        return {
+            "step": self.step, "watermark": self.sched.watermark,
+            "free": [self.sched.free_count(p) for p in range(len(pools))], "total": list(pools),
+            "requests_in_flight": self.sched.requests_in_flight(),
+            "transfers_in_flight": self.sched.transfers_in_flight(), "skipped_zeroing": self.skipped_zeroing,
+        }
+
+    def leaked_blocks(self) -> int:
+        """Blocks neither free nor held by a live request (call after drain)."""
+        s = self.stats()
+        return sum(s["total"]) - sum(s["free"])

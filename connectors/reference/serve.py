@@ -1,0 +1,164 @@
+"""Prefill and decode worker processes of the demo.
+
+Each runs one reference engine on an asyncio loop next to its hybridkv endpoint
+(a NIXL `Producer` on prefill, a `Consumer` on decode). The router talks to them
+over a pipe with msgpack messages; the KV and state move over NIXL only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import traceback
+from dataclasses import dataclass
+
+import msgpack
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerOptions:
+    role: str
+    async_depth: int = 1
+    policy: str = "fenced"
+    failure_policy: str = "recompute"
+    chunk_size: int = 32
+    max_running: int = 8
+    attention_blocks: int = 96
+    state_slots: int = 8
+    fail_rids: tuple[str, ...] = ()       # inject: the READs of these requests fail in NIXL
+    late_completion_s: float = 0.0        # inject: completions reported this late
+    model_seed: int = 1234
+
+
+def send(conn, msg: dict) -> None:
+    conn.send_bytes(msgpack.packb(msg, use_bin_type=True))
+
+
+def recv(conn) -> dict:
+    return msgpack.unpackb(conn.recv_bytes(), raw=False)
+
+
+def worker_main(conn, opts: dict) -> None:
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import logging
+
+    logging.getLogger("nixl").setLevel(logging.ERROR)
+    try:
+        asyncio.run(_worker(conn, WorkerOptions(**opts)))
+    except BaseException as exc:  # tell the router instead of leaving it waiting
+        try:
+            send(conn, {"op": "error", "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+        except Exception:
+            pass
+
+
+async def _worker(conn, o: WorkerOptions) -> None:
+    import torch
+
+    from hybridkv.fence import FencePolicy
+    from hybridkv.transport.endpoint import Consumer, FailurePolicy, Producer, TransportConfig
+    from hybridkv.transport.memory import from_layout
+
+    from .cache import CacheConfig
+    from .engine import Engine, EngineConfig, Role
+    from .model import TinyConfig, TinyHybridModel
+
+    torch.set_num_threads(1)
+    role = Role(o.role)
+    cfg = EngineConfig(role=role, async_depth=o.async_depth, chunk_size=o.chunk_size, max_running=o.max_running,
+                       policy=FencePolicy[o.policy.upper()],
+                       cache=CacheConfig(attention_blocks=o.attention_blocks, state_slots=o.state_slots))
+    model = TinyHybridModel(TinyConfig(seed=o.model_seed))
+    results: dict[str, dict] = {}
+    tcfg = TransportConfig(failure_policy=FailurePolicy(o.failure_policy))
+    engine: Engine | None = None
+
+    def first_token(r) -> None:
+        if role is Role.PREFILL:
+            send(conn, {"op": "first", "rid": r.rid, "token": r.output[0], "t": time.time()})
+
+    def finished(r) -> None:
+        if role is Role.DECODE:
+            res = getattr(r, "import_result", None)
+            send(conn, {"op": "done", "rid": r.rid, "output": r.output, "status": r.status.value,
+                        "error": r.error, "token_times": r.token_times, "recomputed": r.recompute,
+                        "transfer": None if res is None else {
+                            "outcome": res.outcome.value, "error": res.error, "descriptors": res.descriptors,
+                            "indices": res.indices,
+                            "nbytes": res.nbytes, "seconds": res.seconds}})
+
+    if role is Role.PREFILL:
+        holder: dict = {}
+
+        async def exporter(rid: str):
+            result = await holder["p"].export(rid)
+            results[rid] = {"outcome": result.outcome.value, "error": result.error}
+            send(conn, {"op": "exported", "rid": rid, "outcome": result.outcome.value, "error": result.error})
+            return result
+
+        engine = Engine(model, cfg, exporter=exporter, on_first_token=first_token)
+        prod = Producer(from_layout(engine.cache.layout), engine.sched, tcfg)
+        holder["p"] = prod
+        host, port = await prod.start()
+        send(conn, {"op": "addr", "host": host, "port": port, "pid": os.getpid()})
+        endpoint = prod
+    else:
+        holder = {}
+
+        async def fetcher(rid: str, comps):
+            result = await holder["c"].fetch(rid, comps)
+            if o.late_completion_s:
+                await asyncio.sleep(o.late_completion_s)
+            return result
+
+        engine = Engine(model, cfg, fetcher=fetcher, on_finished=finished)
+        cons = _FaultyConsumer(from_layout(engine.cache.layout), engine.sched, tcfg, fail_rids=set(o.fail_rids))
+        holder["c"] = cons
+        msg = recv(conn)
+        await cons.connect(msg["host"], msg["port"])
+        send(conn, {"op": "connected", "pid": os.getpid()})
+        endpoint = cons
+
+    stop = False
+    while not stop:
+        while conn.poll():
+            msg = recv(conn)
+            if msg["op"] == "req":
+                engine.submit(msg["rid"], msg["prompt"], msg["max_tokens"], first_token=msg.get("first_token"))
+            elif msg["op"] == "stop":
+                stop = True
+        if engine.busy:
+            await engine.run_step()
+        else:
+            await asyncio.sleep(0.002)
+    await engine.drain()
+    stats = engine.stats()
+    stats.update(leaked=engine.leaked_blocks(), role=role.value)
+    send(conn, {"op": "stats", "stats": stats})
+    await endpoint.close()
+
+
+def _faulty_consumer_class():
+    from hybridkv.transport.endpoint import Consumer
+
+    class FaultyConsumer(Consumer):
+        """A consumer whose READs for chosen requests point past the peer's descriptor list,
+        so NIXL itself refuses them: a real data-plane failure, handled by the real path."""
+
+        def __init__(self, *args, fail_rids: set[str], **kw) -> None:
+            super().__init__(*args, **kw)
+            self.fail_rids = fail_rids
+            self.injected = 0
+
+        async def _pull(self, imp, tid, li, ri):
+            if imp.rid in self.fail_rids:
+                self.injected += 1
+                ri = ri + (1 << 30)
+            return await super()._pull(imp, tid, li, ri)
+
+    return FaultyConsumer
+
+
+def _FaultyConsumer(*args, **kw):  # noqa: N802 - a class made lazily (no NIXL import at module load)
+    return _faulty_consumer_class()(*args, **kw)
