@@ -22,7 +22,7 @@ PREFILL_SHAPES = (  # (model, H, HV, sequence lengths, batched)
     ("397B", 16, 64, (8192,) * 4, True),
     ("397B", 16, 64, (2048,) * 16, False),
 )
-DECODE_SHAPES = ((("35B", 16, 32)), ("397B", 16, 64))
+DECODE_SHAPES = (("35B", 16, 32), ("397B", 16, 64))
 D = 128
 CHUNK = 64
 
@@ -146,9 +146,11 @@ def _decode_rows(fla, iters: int, copy_gbps: float) -> list[Row]:
             if fla is not None:
                 h0 = (torch.randn(N, HV, D, D, device="cuda") * 0.1).to(dtype)
                 fkw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                           use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
-                theirs = _median_ms(lambda: fla[1](q[:, None], k[:, None], v[:, None], g=a[:, None], beta=b[:, None], **fkw),
-                                    iters)
+                           use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                           use_beta_sigmoid_in_kernel=True)
+                # FLA takes [B, T, ...]: one token for each of the N sequences.
+                step = (q[:, None], k[:, None], v[:, None])
+                theirs = _median_ms(lambda: fla[1](*step, g=a[:, None], beta=b[:, None], **fkw), iters)
                 fla_bytes = N * HV * D * D * (elt + 4)
             gbps = state_bytes / ours / 1e6
             fla_gbps = None if theirs is None else fla_bytes / theirs / 1e6

@@ -87,6 +87,16 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
         tl.store(p_s_out, b_s.to(p_s_out.dtype.element_ty), mask=m_s & live)
 
 
+# Decode streams each state once; the tile shape that keeps enough bytes in flight depends on the
+# state dtype and head count, so it is tuned per (HV, K, V, dtypes). restore_value keeps tuning from
+# applying the update twice to the pool.
+_decode_kernel = triton.autotune(
+    configs=[triton.Config({"BV": bv}, num_warps=w) for bv in (16, 32, 64) for w in (2, 4, 8)],
+    key=["HV", "K", "V"],
+    restore_value=["state"],
+)(_recurrent_kernel)
+
+
 def _block_v(V: int) -> int:
     return min(32, triton.next_power_of_2(V))
 
@@ -122,13 +132,12 @@ def decode_fwd(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, scale, u
     HV, V = v.shape[1], v.shape[2]
     q, k, v, a, b = (x.contiguous() for x in (q, k, v, a, b))
     o = torch.empty_like(v)
-    BV = _block_v(V)
-    grid = (triton.cdiv(V, BV), N * HV)
-    _recurrent_kernel[grid](
+    grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)  # noqa: E731
+    _decode_kernel[grid](
         q, k, v, None, None, a, b, A_log, dt_bias, o, ssm_state, None, state_indices, None, scale, 1,
         ssm_state.stride(0), ssm_state.stride(1), float(softplus_beta), float(softplus_threshold),
-        H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, HAS_G=False, HAS_BETA=False,
+        H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), HAS_G=False, HAS_BETA=False,
         GATE_IN_KERNEL=True, L2NORM=use_qk_l2norm_in_kernel, IS_VARLEN=False, HAS_STATE=True,
-        STORE_STATE=True, USE_SLOTS=True, V_FIRST=state_v_first, num_warps=4,
+        STORE_STATE=True, USE_SLOTS=True, V_FIRST=state_v_first,
     )
     return o
