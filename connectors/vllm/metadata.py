@@ -55,5 +55,6 @@ class HybridKVWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, HybridKVWorkerMetadata):
             raise ValueError(f"cannot aggregate {type(other).__name__}; expected HybridKVWorkerMetadata")
-        # A step is complete only once every rank completed it.
-        return HybridKVWorkerMetadata(step=min(self.step, other.step), renewed=self.renewed & other.renewed)
+        # A step is complete only once every rank completed it; a lease lives on
+        # while any rank's reader still renews it.
+        return HybridKVWorkerMetadata(step=min(self.step, other.step), renewed=self.renewed | other.renewed)

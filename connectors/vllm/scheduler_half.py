@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Scheduler-side hold / transport lease (see SchedulerHalf.__init__).
+LEASE_HOLD_FACTOR = 1.5
+
 
 class SchedulerHalf:
     """Scheduler-process state of one engine (all its TP ranks share one block table)."""
@@ -63,6 +66,10 @@ class SchedulerHalf:
         self.kv_cache_config = kv_cache_config
         self.transfer_groups: tuple[int, ...] = tuple(kv_cache_config.transfer_group_ids)
         self.lease_s = float(kvt.get_from_extra_config("kv_lease_duration", 30))
+        # The workers' transport enforces the lease the consumer sees; the blocks
+        # go back to vLLM on this longer one, so that a worker can never still
+        # serve a read of blocks vLLM already reallocated.
+        self.hold_s = self.lease_s * LEASE_HOLD_FACTOR
         self.side_host = str(kvt.get_from_extra_config("side_channel_host", "127.0.0.1"))
         self.side_port = int(kvt.get_from_extra_config("side_channel_port", 5600)) + (
             vllm_config.parallel_config.data_parallel_index
@@ -90,7 +97,7 @@ class SchedulerHalf:
             PoolLayout.shared(num_blocks=self.num_blocks, num_groups=len(groups)),
             policy=policy,
             managed_pool=False,
-            lease_s=self.lease_s,
+            lease_s=self.hold_s,
             clock=clock,
         )
         self._kv_cache_manager: KVCacheManager | None = None

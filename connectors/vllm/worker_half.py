@@ -38,6 +38,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class _RenewalsReported(TransferScheduler):
+    """The worker-local scheduler, also telling the scheduler process which export
+    leases a consumer renewed (its hold on the blocks must be renewed too)."""
+
+    def __init__(self, *args: Any, on_renew, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_renew = on_renew
+
+    def heartbeat(self, request):
+        lease = super().heartbeat(request)
+        if lease is not None:
+            self._on_renew(str(request))
+        return lease
+
+
 def _tp_rank(vllm_config: VllmConfig) -> int:
     extra = vllm_config.kv_transfer_config.get_from_extra_config("tp_rank", None)
     if extra is not None:
@@ -78,6 +93,7 @@ class WorkerHalf:
         self._recving: set[str] = set()
         self._failed: set[str] = set()
         self._sending: set[str] = set()
+        self._renewed: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ts: TransferScheduler | None = None
@@ -98,8 +114,9 @@ class WorkerHalf:
                                            rank=self.rank)
         self.memory = from_layout(self.layout)
         groups = len(self.kv_cache_config.kv_cache_groups)
-        self._ts = TransferScheduler(PoolLayout.shared(num_blocks=self.kv_cache_config.num_blocks, num_groups=groups),
-                                     managed_pool=False, lease_s=self.lease_s)
+        self._ts = _RenewalsReported(
+            PoolLayout.shared(num_blocks=self.kv_cache_config.num_blocks, num_groups=groups),
+            managed_pool=False, lease_s=self.lease_s, on_renew=self._record_renewal)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hybridkv-transport", daemon=True)
         self._thread.start()
@@ -212,8 +229,14 @@ class WorkerHalf:
             self._sending, self._recving, self._failed = set(), set(), set()
         return out
 
+    def _record_renewal(self, rid: str) -> None:
+        with self._lock:
+            self._renewed.add(rid)
+
     def worker_meta(self) -> HybridKVWorkerMetadata:
-        return HybridKVWorkerMetadata(step=self._step)
+        with self._lock:
+            renewed, self._renewed = self._renewed, set()
+        return HybridKVWorkerMetadata(step=self._step, renewed=renewed)
 
     def handshake_metadata(self):
         return None  # the transport handshakes on its own control channel

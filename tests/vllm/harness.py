@@ -157,6 +157,7 @@ class StandInWorker:
 
     fates: dict[str, LoadFate] = field(default_factory=dict)
     consumer_reads: bool = True  # prefill side: a consumer reads each offered export one step later
+    renewing: set[str] = field(default_factory=set)  # prefill side: exports whose consumer heartbeats
     orders: list[tuple[int, str]] = field(default_factory=list)  # (step, request) of every load order seen
     order_blocks: dict[str, set[int]] = field(default_factory=dict)
     offered: list[tuple[int, str]] = field(default_factory=list)
@@ -194,7 +195,8 @@ class StandInWorker:
                 del self._reads[rid]
                 sending.add(rid)
         kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=recving, failed_recving=failed,
-                                   kv_connector_worker_meta=HybridKVWorkerMetadata(step=meta.step))
+                                   kv_connector_worker_meta=HybridKVWorkerMetadata(step=meta.step,
+                                                                                   renewed=set(self.renewing)))
         req_ids = list(so.num_scheduled_tokens)
         # A request samples a token unless this step is a partial prefill chunk.
         return req_ids, kv_out
@@ -218,6 +220,8 @@ class Driver:
         #: steps whose output was processed, and how many schedule() calls had
         #: happened at that moment
         self.completed_at: dict[int, int] = {}
+        #: step -> blocks vLLM asked the worker to zero before that step (Race B)
+        self.zeroed: dict[int, set[int]] = {}
         #: request -> the step whose schedule() allocated its blocks for a load
         self.load_alloc_step: dict[str, int] = {}
 
@@ -230,6 +234,7 @@ class Driver:
         mgr = self.sched.kv_cache_manager
         self.touched[step] = {rid: {b for ids in mgr.get_block_ids(rid) for b in ids}
                               for rid in so.num_scheduled_tokens}
+        self.zeroed[step] = set(so.new_block_ids_to_zero or ())
         for rid, req in self.sched.requests.items():
             if req.status.name == "WAITING_FOR_REMOTE_KVS":
                 self.load_alloc_step.setdefault(rid, step)

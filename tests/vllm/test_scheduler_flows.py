@@ -50,6 +50,10 @@ def test_decode_loads_then_runs(async_scheduling):
     d.run()
     reason, _ = d.finished["r1"]
     assert reason.name == "LENGTH"
+    # Race B: vLLM zeroes newly allocated blocks of hybrid models, but never the
+    # blocks a load writes (get_loaded_kv_cache_group_ids names every group).
+    loaded = worker.order_blocks["r1"]
+    assert not any(z & loaded for z in d.zeroed.values())
     # The request computed only the one token the producer left out (h(N-1) -> h(N)).
     assert sched.connector.scheduler.phase("r1") is None
     assert_all_returned(sched, d)
@@ -99,6 +103,25 @@ def test_export_lease_lapses_without_a_reader(async_scheduling):
     while h.free_blocks(sched) < usable(sched) and time.monotonic() < deadline:
         d.step()
         time.sleep(0.05)
+    assert_all_returned(sched, d)
+
+
+def test_export_held_while_the_consumer_renews_its_lease():
+    import time
+
+    sched, worker, d = setup(role="kv_producer", async_scheduling=True, extra={"kv_lease_duration": 0.2})
+    worker.consumer_reads = False
+    sched.add_request(h.make_request("p1", prompt_len=40, max_tokens=1, params={"do_remote_decode": True}))
+    d.run(until=lambda: "p1" in d.finished)
+    held = usable(sched) - h.free_blocks(sched)
+    worker.renewing.add("p1")
+    end = time.monotonic() + 1.0  # five leases
+    while time.monotonic() < end:
+        d.step()
+        time.sleep(0.02)
+    assert usable(sched) - h.free_blocks(sched) == held
+    worker.renewing.clear()  # the consumer went away
+    d.run_for(5, until=lambda: h.free_blocks(sched) == usable(sched))
     assert_all_returned(sched, d)
 
 
@@ -162,6 +185,10 @@ def test_import_waits_for_the_step_that_still_touches_a_reused_block(fence_polic
     assert in_flight_at_alloc, "no step touching the reused blocks was in flight: the race was not set up"
     unsafe = [s for s in q_steps if d.completed_at[s] > order_step]
     assert not unsafe, f"load ordered at step {order_step} while steps {unsafe} still touched its blocks"
+    # Race B: vLLM zeroed q's fresh blocks (zeroing is on for this hybrid model)
+    # but skipped the very same blocks once a load was to write them.
+    assert any(z & d.touched[0]["q"] for z in d.zeroed.values())
+    assert not any(z & worker.order_blocks["r"] for s, z in d.zeroed.items() if s >= alloc)
     assert_all_returned(sched, d)
 
 
