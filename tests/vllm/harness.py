@@ -374,3 +374,61 @@ def make_worker(vc, kcc):
     conn = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER, kv_cache_config=kcc)
     conn.register_kv_caches(kv_caches)
     return conn, kv_caches
+
+
+def nixl_connector_state(vc, kcc, kv_caches, ppl: int):
+    """The state vLLM 0.33.0's NixlConnector worker derives in ``register_kv_caches`` (see test_scheme_check)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import derive_mamba_conv_split
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    bases: list[int] = []
+    ssm_regions: list[int] = []
+    group_of_region: list[int] = []
+    for gid, group in enumerate(kcc.kv_cache_groups):
+        for name in group.layer_names:
+            addr = kv_caches[name].data_ptr()
+            if addr not in bases:
+                bases.append(addr)
+                group_of_region.append(gid)
+            elif group_of_region[bases.index(addr)] != gid:
+                group_of_region[bases.index(addr)] = -1  # shared by several groups
+            r = bases.index(addr)
+            if isinstance(group.kv_cache_spec, MambaSpec) and r not in ssm_regions:
+                ssm_regions.append(r)
+    mamba = next(g.kv_cache_spec for g in kcc.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec))
+    return SimpleNamespace(
+        _has_mamba=True,
+        _conv_decomp=derive_mamba_conv_split(mamba, vc.parallel_config.tensor_parallel_size),
+        _ssm_region_indices=ssm_regions,
+        block_len_per_layer=[0] * len(bases),
+        _transfer_layer_group_ids=[],
+        num_regions=len(bases),
+        region_group_ids=group_of_region,
+        _uses_region_group_mapping=len(set(group_of_region)) > 1,
+        _group_spec_types=[type(g.kv_cache_spec) for g in kcc.transfer_groups],
+        _scratch_region_indices=[],
+        _ple_group_index=None,
+        kv_cache_config=kcc,
+        _physical_blocks_per_logical_kv_block=ppl,
+    )
+
+
+def nixl_connector_descriptor_ids(block_lists, *, kernel_block: int | None = None) -> int:
+    """How many descriptor ids vLLM 0.33.0's NixlConnector hands NIXL to read these
+    per-transfer-group block lists of the tiny model, in the LBHNC layout it forces."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    vc = make_vllm_config(role="kv_consumer")
+    vc.cache_config.kv_cache_layout = "LBHNC"
+    kcc = make_kv_cache_config(vc)
+    ppl = 1 if kernel_block is None else vc.cache_config.block_size // kernel_block
+    kv = allocate_kv_cache(kcc, torch.device("cpu"), vc.cache_config.get_resolved_kv_cache_layout(), None)
+    state = nixl_connector_state(vc, kcc, kv, ppl)
+    physical = NixlBaseConnectorWorker._logical_to_kernel_block_ids(state, tuple(list(b) for b in block_lists), ppl)
+    ids = NixlBaseConnectorWorker._compute_desc_ids(state, physical, dst_num_blocks=kcc.num_blocks * ppl,
+                                                    block_size_ratio=None, physical_blocks_per_logical=ppl)
+    return len(ids)

@@ -12,47 +12,9 @@ descriptor ids it hands to ``make_prepped_xfer`` must equal the analyzer's count
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from tests.vllm import harness as h
-
-
-def _nixl_state(vc, kcc, kv_caches, ppl: int):
-    from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import derive_mamba_conv_split
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    bases: list[int] = []
-    ssm_regions: list[int] = []
-    group_of_region: list[int] = []
-    for gid, group in enumerate(kcc.kv_cache_groups):
-        for name in group.layer_names:
-            addr = kv_caches[name].data_ptr()
-            if addr not in bases:
-                bases.append(addr)
-                group_of_region.append(gid)
-            elif group_of_region[bases.index(addr)] != gid:
-                group_of_region[bases.index(addr)] = -1  # shared by several groups
-            r = bases.index(addr)
-            if isinstance(group.kv_cache_spec, MambaSpec) and r not in ssm_regions:
-                ssm_regions.append(r)
-    mamba = next(g.kv_cache_spec for g in kcc.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec))
-    return SimpleNamespace(
-        _has_mamba=True,
-        _conv_decomp=derive_mamba_conv_split(mamba, vc.parallel_config.tensor_parallel_size),
-        _ssm_region_indices=ssm_regions,
-        block_len_per_layer=[0] * len(bases),
-        _transfer_layer_group_ids=[],
-        num_regions=len(bases),
-        region_group_ids=group_of_region,
-        _uses_region_group_mapping=len(set(group_of_region)) > 1,
-        _group_spec_types=[type(g.kv_cache_spec) for g in kcc.transfer_groups],
-        _scratch_region_indices=[],
-        _ple_group_index=None,
-        kv_cache_config=kcc,
-        _physical_blocks_per_logical_kv_block=ppl,
-    )
 
 
 def _request_blocks(kcc, tokens: int, block_size: int):
@@ -81,7 +43,7 @@ def test_analyzer_vllm_033_count_matches_nixl_connector(tokens, kernel_block):
     block = vc.cache_config.block_size
     ppl = 1 if kernel_block is None else block // kernel_block
     kv = allocate_kv_cache(kcc, torch.device("cpu"), vc.cache_config.get_resolved_kv_cache_layout(), None)
-    state = _nixl_state(vc, kcc, kv, ppl)
+    state = h.nixl_connector_state(vc, kcc, kv, ppl)
     logical = _request_blocks(kcc, tokens, block)
     physical = NixlBaseConnectorWorker._logical_to_kernel_block_ids(state, logical, ppl)
     ids = NixlBaseConnectorWorker._compute_desc_ids(

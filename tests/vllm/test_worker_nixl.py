@@ -82,7 +82,11 @@ def test_request_moves_between_two_worker_processes(tmp_path, async_scheduling):
         # Block-outermost pages: at most one descriptor per block of every group
         # (NixlConnector posts one per layer region per block, per GDN sub-field).
         assert 0 < result.descriptors <= blocks
-        print(f"\nhybridkv moved {result.nbytes} bytes of {blocks} blocks in {result.descriptors} descriptors")
+        vllm_ids = h.nixl_connector_descriptor_ids(runner.order_blocks["d1"])
+        assert result.descriptors < vllm_ids
+        print(f"\nsame request, same config: hybridkv (BLHNC) posted {result.descriptors} NIXL descriptor(s) for "
+              f"{blocks} blocks ({result.nbytes} bytes); vLLM 0.33.0 NixlConnector (LBHNC) would hand NIXL "
+              f"{vllm_ids} descriptor ids")
         end = _read(peer, 90)
         assert end["freed"], end  # the producer freed its blocks once the read was done
         d.run_for(10, until=lambda: h.free_blocks(sched) == kcc.num_blocks - 1)
