@@ -44,6 +44,7 @@ class DemoOptions:
     state_slots: int = 10
     attention_blocks: int = 96
     timeout_s: float = 240.0
+    lease_s: float = 4.0  # short, so blocks of a killed consumer's exports come back within the demo
 
     def __post_init__(self) -> None:
         if self.requests < 1:
@@ -118,7 +119,8 @@ class _Worker:
         self.conn, child = ctx.Pipe()
         opts = asdict(WorkerOptions(role=role, async_depth=o.async_depth, policy=o.policy,
                                     failure_policy=o.failure_policy, max_running=o.max_running,
-                                    attention_blocks=o.attention_blocks, state_slots=o.state_slots, **extra))
+                                    attention_blocks=o.attention_blocks, state_slots=o.state_slots,
+                                    lease_s=o.lease_s, **extra))
         self.proc = ctx.Process(target=worker_main, args=(child, opts), daemon=True)
         self.proc.start()
 
@@ -183,12 +185,14 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
                     rid = alias.get(msg["rid"], msg["rid"])
                     ttft.setdefault(rid, time.perf_counter() - sent_at[rid])
                     prompt, n = by_rid[rid]
-                    send(decode.conn, {"op": "req", "rid": rid, "prompt": prompt, "max_tokens": n,
+                    # Decode imports what prefill exported: the prefill's id names the export.
+                    send(decode.conn, {"op": "req", "rid": msg["rid"], "prompt": prompt, "max_tokens": n,
                                        "first_token": msg["token"]})
                     at_decode.add(rid)
                 elif op == "done":
-                    done[msg["rid"]] = msg
-                    at_decode.discard(msg["rid"])
+                    rid = alias.get(msg["rid"], msg["rid"])
+                    done[rid] = msg
+                    at_decode.discard(rid)
                     if progress is not None:
                         progress(len(done), len(requests))
         if kill_after is not None and len(done) >= kill_after:
@@ -216,7 +220,9 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
                 stats[name] = msg["stats"]
                 break
         w.proc.join(30)
-    return _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s)
+    report = _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s)
+    report.extra["retried"] = retries and len(alias)
+    return report
 
 
 def _next_stats(w: _Worker, deadline: float) -> dict:
@@ -256,5 +262,6 @@ def _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated
         transfer_GBps=nbytes / secs / 1e9 if secs else 0.0,
         ttft_ms=statistics.mean(ttft.values()) * 1e3 if ttft else 0.0,
         itl_ms=statistics.mean(gaps) * 1e3 if gaps else 0.0, wall_s=wall_s, aggregated_s=aggregated_s,
-        extra={"stats": stats},
+        extra={"stats": stats, "failed_ids": sorted(failed),
+               "expected_lengths": {rid: len(expected[rid]) for rid, _, _ in requests}},
     )

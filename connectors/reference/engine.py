@@ -96,6 +96,7 @@ class EngineConfig:
     # where vLLM's async races fired; on this CPU engine a step is short and the transfer
     # slow, so without this the races would almost never show (fencing or not).
     settle_transfers_s: float = 0.5
+    lease_s: float = 30.0  # how long exported blocks wait for a consumer (renewed by its heartbeats)
 
 
 Fetcher = Callable[[str, tuple], Awaitable[object]]
@@ -113,7 +114,7 @@ class Engine:
         self.attn_gid = self.cache.attn_group.group_id
         self.gdn_gid = self.cache.gdn_group.group_id
         sizes = tuple(layout.regions[g.placements[0].region_id].num_pages for g in layout.groups)
-        self.sched = TransferScheduler(PoolLayout.separate(num_blocks=sizes), policy=cfg.policy)
+        self.sched = TransferScheduler(PoolLayout.separate(num_blocks=sizes), policy=cfg.policy, lease_s=cfg.lease_s)
         self.components = tuple(
             c for g in layout.groups
             for c in (gdn_components(g.group_id) if g.kind is LayerKind.GDN else (attention_component(g.group_id),)))
@@ -326,7 +327,12 @@ class Engine:
         self.step += 1
         self.sched.step_scheduled(self.step)
         self.sched.step_completed(self.step)
-        self.sched.poll()
+        # Exports abandoned by a lost consumer keep their blocks until the lease lapses.
+        while self.sched.requests_in_flight():
+            self.sched.poll()
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"requests still held after {timeout_s} s: {self.stats()}")
+            await asyncio.sleep(0.01)
 
     def stats(self) -> dict:
         pools = self.sched.layout.pool_sizes

@@ -29,6 +29,7 @@ class WorkerOptions:
     fail_rids: tuple[str, ...] = ()       # inject: the READs of these requests fail in NIXL
     late_completion_s: float = 0.0        # inject: completions reported this late
     model_seed: int = 1234
+    lease_s: float = 30.0
 
 
 def send(conn, msg: dict) -> None:
@@ -67,7 +68,7 @@ async def _worker(conn, o: WorkerOptions) -> None:
     torch.set_num_threads(1)
     role = Role(o.role)
     cfg = EngineConfig(role=role, async_depth=o.async_depth, chunk_size=o.chunk_size, max_running=o.max_running,
-                       policy=FencePolicy[o.policy.upper()],
+                       policy=FencePolicy[o.policy.upper()], lease_s=o.lease_s,
                        cache=CacheConfig(attention_blocks=o.attention_blocks, state_slots=o.state_slots))
     model = TinyHybridModel(TinyConfig(seed=o.model_seed))
     results: dict[str, dict] = {}
@@ -92,7 +93,10 @@ async def _worker(conn, o: WorkerOptions) -> None:
         holder: dict = {}
 
         async def exporter(rid: str):
-            result = await holder["p"].export(rid)
+            prod = holder["p"]
+            # After a consumer restart the dead one may not be noticed yet: offer to the newest.
+            peer = next(reversed(prod.peers)) if len(prod.peers) > 1 else None
+            result = await prod.export(rid, peer=peer)
             results[rid] = {"outcome": result.outcome.value, "error": result.error}
             send(conn, {"op": "exported", "rid": rid, "outcome": result.outcome.value, "error": result.error})
             return result
