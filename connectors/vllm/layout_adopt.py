@@ -107,9 +107,12 @@ def adopt_vllm_kv_caches(
             mem=mem, device_id=int(t.device.index or 0),
         ))
     layout = adopt_layout(geometry, groups, buffers, tp=tp, rank=rank)
-    block_outer = layout_name.startswith("B")
-    log.info("hybridkv adopted vLLM's %s KV cache: %d region(s) for %d layer tensors%s", layout_name,
-             len(layout.regions), len(buffers),
-             "" if block_outer else " (not block-outermost: one descriptor per layer slot per block; "
-             "hybridkv asked for BLHNC but the attention backends did not allow it)")
+    if layout_name.startswith("B"):
+        log.info("hybridkv adopted vLLM's %s KV cache: %d region(s) for %d layer tensors", layout_name,
+                 len(layout.regions), len(buffers))
+    else:
+        log.warning("hybridkv adopted vLLM's %s KV cache: %d regions for %d layer tensors; not block-outermost, "
+                    "so a request moves with one descriptor per layer slot per block (hybridkv asked for "
+                    "BLHNC but the attention backends did not allow it)", layout_name, len(layout.regions),
+                    len(buffers))
     return layout

@@ -40,14 +40,19 @@ def make_vllm_config(
     extra: dict[str, Any] | None = None,
     engine_id: str = "engine-test",
     tp: int = 1,
+    model: Path = TINY_MODEL,
+    ssm_dtype: str = "auto",
 ):
+    """``ssm_dtype="float32"`` gives the GDN state Qwen3.5 asks for (vLLM turns its
+    HF ``mamba_ssm_dtype`` into exactly this cache setting); vLLM's Qwen3.5 model
+    class itself cannot be inspected here without torchvision."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
-    mc = ModelConfig(model=str(TINY_MODEL), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN)
+    mc = ModelConfig(model=str(model), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN)
     cc = CacheConfig(block_size=16, mamba_cache_mode="none", enable_prefix_caching=False,
-                     num_gpu_blocks_override=num_blocks)
+                     num_gpu_blocks_override=num_blocks, mamba_ssm_cache_dtype=ssm_dtype)
     sc = SchedulerConfig(max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False, max_num_seqs=8,
                          max_num_batched_tokens=512, async_scheduling=async_scheduling)
     kvt = KVTransferConfig(kv_connector="HybridKVConnector", kv_connector_module_path="connectors.vllm",

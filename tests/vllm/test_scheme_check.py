@@ -27,9 +27,10 @@ def _request_blocks(kcc, tokens: int, block_size: int):
                  for g in kcc.transfer_groups)
 
 
+@pytest.mark.parametrize("ssm_dtype", ["auto", "float32"])  # float32: Qwen3.5's GDN state
 @pytest.mark.parametrize("tokens", [99, 500])
 @pytest.mark.parametrize("kernel_block", [None, 16])
-def test_analyzer_vllm_033_count_matches_nixl_connector(tokens, kernel_block):
+def test_analyzer_vllm_033_count_matches_nixl_connector(tokens, kernel_block, ssm_dtype):
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
     from vllm.v1.worker.utils import allocate_kv_cache
@@ -37,7 +38,7 @@ def test_analyzer_vllm_033_count_matches_nixl_connector(tokens, kernel_block):
     from descriptors.schemes import Scheme, Workload, count_descriptors
     from hybridkv.hf_config import load_hf_config
 
-    vc = h.make_vllm_config(role="kv_consumer", num_blocks=64)
+    vc = h.make_vllm_config(role="kv_consumer", num_blocks=64, ssm_dtype=ssm_dtype)
     vc.cache_config.kv_cache_layout = "LBHNC"  # what NixlConnector.get_required_kvcache_layout forces
     kcc = h.make_kv_cache_config(vc)
     block = vc.cache_config.block_size
