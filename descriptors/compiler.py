@@ -100,9 +100,11 @@ class TransferPlanner:
         """`bridge_padding`: also merge pieces separated by the same gap on both sides when the dst
         gap holds no field (engine page padding, e.g. vLLM's padded GDN state pages). Fewer, larger
         descriptors at the price of moving the padding bytes."""
-        if src.geometry.layers != dst.geometry.layers:
+        if (src.geometry is None) != (dst.geometry is None) or (
+                src.geometry is not None and src.geometry.layers != dst.geometry.layers):
             raise ValueError(
-                f"src model {src.geometry.name!r} and dst model {dst.geometry.name!r} differ in their layers"
+                f"src model {getattr(src.geometry, 'name', None)!r} and dst model "
+                f"{getattr(dst.geometry, 'name', None)!r} differ in their layers"
             )
         self.src, self.dst = src, dst
         self._keys = None if keys is None else frozenset(keys)

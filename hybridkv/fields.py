@@ -22,6 +22,7 @@ class Component(enum.Enum):
     CONV_V = "conv_v"            # DS conv rows of one value head's V channels
     CONV_SD = "conv_sd"          # SD conv state, all local channels: not head-splittable
     SSM = "ssm"                  # SSM state (dv, dk) of one value head
+    OPAQUE = "opaque"            # an engine buffer's item moved as bytes (see layout.adopt_buffers)
 
 
 FieldKey = tuple[Component, int, int]  # (component, layer, global head; first head for whole-rank fields)

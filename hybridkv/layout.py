@@ -78,7 +78,7 @@ class Placement:
 @dataclass(frozen=True, kw_only=True)
 class GroupLayout:
     group_id: GroupId
-    kind: LayerKind
+    kind: LayerKind | None  # None: opaque buffers (adopt_buffers)
     layer_indices: tuple[int, ...]
     block_tokens: int | None  # tokens per block; None for state groups (one block = one state)
     placements: tuple[Placement, ...]
@@ -87,7 +87,7 @@ class GroupLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    geometry: ModelGeometry  # unsharded; tp/rank say which shard this side holds
+    geometry: ModelGeometry | None  # unsharded; tp/rank say which shard this side holds (None: opaque)
     tp: int
     rank: int
     regions: tuple[Region, ...]
@@ -301,3 +301,63 @@ def _merge_slices(slices, members):
                 delta = key[0] - base
                 placements.setdefault(gid, {}).setdefault(rid, []).extend(f.shifted(delta) for f in fields)
     return regions, placements
+
+
+# --------------------------------------------------------------------------- opaque buffers
+
+
+@dataclass(frozen=True, kw_only=True)
+class Buffer:
+    """An engine buffer of equal items (pages or state slots), moved as opaque bytes.
+
+    For engines that describe transferable memory as pointer lists without a model
+    geometry (SGLang's `kv_data_ptrs` / `state_data_ptrs` / `aux_data_ptrs`). `key`
+    says which buffer this is and must name the same buffer on both sides; item i
+    of the buffer is block i of `group_id`.
+    """
+
+    key: int
+    group_id: GroupId
+    addr: int
+    item_bytes: int
+    num_items: int
+    item_stride: int | None = None  # default: item_bytes (items back to back)
+    mem: MemKind = MemKind.DRAM
+    device_id: int = 0
+
+
+def adopt_buffers(buffers: Iterable[Buffer], *, name: str = "opaque") -> Layout:
+    """A layout of opaque buffers: one group per `group_id`, items paired one to one.
+
+    Buffers at the same address and stride are one region; buffers that sit back to
+    back inside one item stride merge into one region, as in `adopt_layout`.
+    """
+    slices: dict[tuple[int, int, int, MemKind, int], int] = {}
+    members: dict[tuple, dict[GroupId, list[Field]]] = {}
+    keys: set[int] = set()
+    groups: set[GroupId] = set()
+    for b in buffers:
+        stride = b.item_bytes if b.item_stride is None else b.item_stride
+        if b.item_bytes <= 0 or b.num_items <= 0 or stride < b.item_bytes:
+            raise ValueError(f"buffer {b.key}: item_bytes {b.item_bytes} and num_items {b.num_items} must be "
+                             f"positive and item_stride {stride} >= item_bytes")
+        if b.key in keys:
+            raise ValueError(f"buffer key {b.key} appears twice; expected one buffer per key")
+        keys.add(b.key)
+        groups.add(b.group_id)
+        slot = (b.addr, stride, b.num_items, b.mem, b.device_id)
+        if slot in slices and slices[slot] != b.item_bytes:
+            raise ValueError(f"buffers at {hex(b.addr)} alias with different item sizes")
+        slices[slot] = b.item_bytes
+        members.setdefault(slot, {}).setdefault(b.group_id, []).append(
+            Field(key=(Component.OPAQUE, b.key, 0), offset=0, nbytes=b.item_bytes))
+    if not keys:
+        raise ValueError("no buffers given; expected at least one")
+    regions, placements = _merge_slices(slices, members)
+    layouts = tuple(
+        GroupLayout(group_id=gid, kind=None, layer_indices=(), block_tokens=None,
+                    placements=tuple(Placement(region_id=rid, fields=tuple(sorted(fs, key=lambda f: f.offset)))
+                                     for rid, fs in sorted(placements[gid].items())))
+        for gid in sorted(groups))
+    del name
+    return Layout(geometry=None, tp=1, rank=0, regions=tuple(regions), groups=layouts)

@@ -6,7 +6,7 @@ from hybridkv.alloc import NumpyAllocator, VirtualAllocator
 from hybridkv.fields import PageContent
 from hybridkv.geometry import LayerKind
 from hybridkv.hma import plan_hma
-from hybridkv.layout import GroupSpec, LayerBuffer, adopt_layout, plan_layout
+from hybridkv.layout import GroupSpec, LayerBuffer, Layout, adopt_layout, plan_layout
 from hybridkv.presets import get_preset
 
 
@@ -133,3 +133,48 @@ def test_out_of_range_block_is_refused_with_its_id():
         planner.compile({0: [0], 1: [0, 1]}, {0: [0], 1: [0, 7]})
     with pytest.raises(ValueError, match="src block -1"):
         planner.compile({0: [-1], 1: [0]}, {0: [0], 1: [0]})
+
+
+def test_adopt_buffers_opaque_items_coalesce_runs_on_both_sides():
+    from hybridkv.layout import Buffer, adopt_buffers
+
+    alloc = NumpyAllocator()
+
+    def side():
+        kv = [alloc.allocate(64 * 32) for _ in range(4)]  # 4 per-layer K/V buffers, 32 pages of 64 B
+        state = alloc.allocate(3 * 48 * 8)                 # one tensor [3 layers][8 slots][48 B]
+        bufs = [Buffer(key=i, group_id=0, addr=a.addr, item_bytes=64, num_items=32) for i, a in enumerate(kv)]
+        bufs += [Buffer(key=10 + layer, group_id=1, addr=state.addr + layer * 8 * 48, item_bytes=48, num_items=8)
+                 for layer in range(3)]
+        layout = adopt_buffers(bufs)
+        return Layout(geometry=None, tp=1, rank=0, regions=layout.regions, groups=layout.groups,
+                      allocations=tuple(kv) + (state,))
+
+    src, dst = side(), side()
+    planner = TransferPlanner(src, dst)
+    # pages 3,4,5 -> 10,11,12 (one run), 9 -> 20; one state slot
+    plan = planner.compile({0: [3, 4, 5, 9], 1: [2]}, {0: [10, 11, 12, 20], 1: [5]})
+    assert plan.num_descriptors == 4 * 2 + 3
+    assert plan.nbytes == 4 * 4 * 64 + 3 * 48
+    with pytest.raises(ValueError, match="src block 32 of group 0"):
+        planner.compile({0: [32], 1: [0]}, {0: [0], 1: [0]})
+    with pytest.raises(ValueError, match="appears twice"):
+        adopt_buffers([Buffer(key=1, group_id=0, addr=4096, item_bytes=8, num_items=2)] * 2)
+
+
+def test_core_imports_need_neither_torch_nor_nixl():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('torch', 'nixl', 'nixl_cu12', 'nixl_cu13', 'ucxx', 'triton'):\n"
+            "            raise ImportError('blocked ' + name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import hybridkv.geometry, hybridkv.layout, hybridkv.hma, hybridkv.presets, descriptors\n"
+            "import descriptors.schemes, descriptors.analyze_cli\n"
+            "from hybridkv.cli import main\n"
+            "raise SystemExit(main(['analyze', '--model', 'qwen3.5-0.8b', '--json']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
