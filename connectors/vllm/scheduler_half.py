@@ -149,6 +149,14 @@ class SchedulerHalf:
         params = request.kv_transfer_params
         if not wants_remote_prefill(params):
             return 0, False
+        try:
+            RemotePrefill.from_params(params)
+        except ValueError as e:
+            # Claiming tokens now would park the request for a load that never starts.
+            log.warning("request %s: computing its prompt locally, its kv_transfer_params are unusable: %s",
+                        request.request_id, e)
+            params["do_remote_prefill"] = False
+            return 0, False
         n = len(request.prompt_token_ids or ())
         back = self._backoff()
         if back and n > back:

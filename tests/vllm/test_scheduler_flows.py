@@ -142,6 +142,16 @@ def test_failed_load_honours_the_policy(async_scheduling, policy):
     assert_all_returned(sched, d)
 
 
+def test_unusable_transfer_params_compute_locally():
+    sched, worker, d = setup(role="kv_consumer", async_scheduling=False)
+    params = h.remote_prefill_params("r1", groups=GROUPS)
+    del params["remote_port"]
+    sched.add_request(h.make_request("r1", prompt_len=100, max_tokens=2, params=params))
+    d.run()
+    assert d.finished["r1"][0].name == "LENGTH" and not worker.orders
+    assert_all_returned(sched, d)
+
+
 @pytest.mark.parametrize("async_scheduling", MODES)
 def test_abort_in_the_middle_of_a_transfer(async_scheduling):
     from vllm.v1.request import RequestStatus

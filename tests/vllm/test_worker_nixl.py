@@ -98,3 +98,26 @@ def test_request_moves_between_two_worker_processes(tmp_path, async_scheduling):
             peer.kill()
         peer.wait(10)
         log.close()
+
+
+@pytest.mark.slow
+def test_unreachable_producer_fails_the_load_and_recompute_policy_recovers():
+    """A real fault, no fake: the producer named in kv_transfer_params is not there."""
+    vc = h.make_vllm_config(role="kv_consumer", policy="recompute", engine_id="decode-engine")
+    kcc = h.make_kv_cache_config(vc)
+    sched = h.make_scheduler(vc, kcc, async_scheduling=False)
+    conn, kv_caches = h.make_worker(vc, kcc)
+    runner = h.RealWorker(conn, kv_caches, sched, writes=False)
+    d = h.Driver(sched, runner, async_scheduling=False)
+    params = h.remote_prefill_params("d1", groups=len(kcc.transfer_group_ids))
+    params["remote_port"] = _free_port()  # nobody listens there
+    sched.add_request(h.make_request("d1", prompt_len=100, max_tokens=2, params=params))
+    try:
+        d.run_for(60, until=lambda: "d1" in d.finished)
+        assert runner.failed == {"d1"}
+        assert d.finished["d1"][0].name == "LENGTH"  # recomputed locally
+        d.drain()
+        assert h.free_blocks(sched) == kcc.num_blocks - 1
+        assert sched.connector.scheduler.idle()
+    finally:
+        conn.shutdown()
