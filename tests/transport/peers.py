@@ -28,8 +28,8 @@ def geometry(**over):
     return qwen_hybrid("test-hybrid", **{**SMALL, **over})
 
 
-def build(seed: int, *, geo_over=None, scale: int = 1):
-    from hybridkv.alloc import NumpyAllocator
+def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram"):
+    from hybridkv.alloc import NumpyAllocator, TorchAllocator
     from hybridkv.fence import PoolLayout
     from hybridkv.geometry import LayerKind
     from hybridkv.layout import plan_layout
@@ -37,10 +37,18 @@ def build(seed: int, *, geo_over=None, scale: int = 1):
 
     geo = geometry(**(geo_over or {}))
     nb = {LayerKind.FULL_ATTENTION: NUM_BLOCKS["attn"] * scale, LayerKind.GDN: NUM_BLOCKS["gdn"]}
-    layout = plan_layout(geo, block_size=BLOCK, num_blocks=nb, allocator=NumpyAllocator())
+    allocator = TorchAllocator("cuda:0") if mem == "vram" else NumpyAllocator()
+    layout = plan_layout(geo, block_size=BLOCK, num_blocks=nb, allocator=allocator)
     for i, alloc in enumerate(layout.allocations):
         buf = alloc.owner
-        buf[:] = np.random.default_rng(seed * 100 + i).integers(0, 256, buf.size, dtype=np.uint8)
+        fill = np.random.default_rng(seed * 100 + i).integers(0, 256, alloc.nbytes, dtype=np.uint8)
+        if mem == "vram":  # pattern goes to the GPU; NIXL then reads/writes VRAM directly
+            import torch
+
+            buf.copy_(torch.from_numpy(fill))
+            torch.cuda.synchronize()
+        else:
+            buf[:] = fill
     pools = PoolLayout.separate(num_blocks=tuple(layout.regions[g.placements[0].region_id].num_pages
                                                  for g in layout.groups))
     return layout, from_layout(layout), pools
@@ -65,7 +73,10 @@ def digest(layout, blocks: dict[int, list[int]]) -> str:
             buf = layout.allocations[p.region_id].owner
             for b in blocks.get(g.group_id, []):
                 off = b * r.stride
-                h.update(buf[off: off + r.page_bytes].tobytes())
+                page = buf[off: off + r.page_bytes]
+                if hasattr(page, "cpu"):  # a torch tensor in VRAM: hash the bytes NIXL landed there
+                    page = page.cpu().numpy()
+                h.update(page.tobytes())
     return h.hexdigest()
 
 
@@ -94,7 +105,7 @@ async def _producer(opts, out, inbox):
     from hybridkv.transport.endpoint import Producer, TransportConfig
     from hybridkv import wire
 
-    layout, memory, pools = build(1, geo_over=opts.get("geo"))
+    layout, memory, pools = build(1, geo_over=opts.get("geo"), mem=opts.get("mem", "dram"))
     sched = TransferScheduler(pools, lease_s=opts.get("lease_s", 30.0))
     cfg = TransportConfig(mode=wire.Mode[opts.get("mode", "PULL")])
     prod = Producer(memory, sched, cfg)
@@ -164,7 +175,7 @@ async def _consumer(opts, out, inbox):
     host, port = opts["addr"]
     attempts = opts.get("attempts") or [{}]
     for att in attempts:  # handshake variants: each a fresh consumer
-        layout, memory, pools = build(2, geo_over=att.get("geo"))
+        layout, memory, pools = build(2, geo_over=att.get("geo"), mem=opts.get("mem", "dram"))
         sched = TransferScheduler(pools, lease_s=30.0)
         cfg = TransportConfig(mode=wire.Mode[att.get("mode", opts.get("mode", "PULL"))],
                               failure_policy=FailurePolicy[opts.get("policy", "FAIL")],
