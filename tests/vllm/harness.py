@@ -170,7 +170,7 @@ class StandInWorker:
     _reads: dict[str, int] = field(default_factory=dict)
 
     def execute(self, so) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         from connectors.vllm.metadata import HybridKVConnectorMetadata, HybridKVWorkerMetadata
 
@@ -203,7 +203,6 @@ class StandInWorker:
                                    kv_connector_worker_meta=HybridKVWorkerMetadata(step=meta.step,
                                                                                    renewed=set(self.renewing)))
         req_ids = list(so.num_scheduled_tokens)
-        # A request samples a token unless this step is a partial prefill chunk.
         return req_ids, kv_out
 
     def pending(self) -> bool:
