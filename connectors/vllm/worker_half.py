@@ -180,6 +180,11 @@ class WorkerHalf:
         prid = remote.request_id
         ok, error = False, None
         try:
+            if remote.tp_size != self.tp:
+                # Each rank reads its twin rank's pages; head slicing across
+                # different TP sizes needs field-level plans the transport does not take yet.
+                raise ValueError(f"producer TP {remote.tp_size} != consumer TP {self.tp}; "
+                                 "hybridkv's vLLM connector needs equal TP on both sides")
             consumer = await self._consumer_for(remote.host, remote.port + self.rank)
             self._ts.add_request(prid, expect=self.components)
             for g, ids in zip(self.transfer_groups, order.local_block_ids):

@@ -101,8 +101,10 @@ def test_request_moves_between_two_worker_processes(tmp_path, async_scheduling):
 
 
 @pytest.mark.slow
-def test_unreachable_producer_fails_the_load_and_recompute_policy_recovers():
-    """A real fault, no fake: the producer named in kv_transfer_params is not there."""
+@pytest.mark.parametrize("fault", ["unreachable", "tp_mismatch"])
+def test_failed_load_by_policy_recompute_recovers(fault):
+    """Real faults, no fake: the producer named in kv_transfer_params is not there,
+    or it runs another TP size (not supported: refused before any byte moves)."""
     vc = h.make_vllm_config(role="kv_consumer", policy="recompute", engine_id="decode-engine")
     kcc = h.make_kv_cache_config(vc)
     sched = h.make_scheduler(vc, kcc, async_scheduling=False)
@@ -111,6 +113,8 @@ def test_unreachable_producer_fails_the_load_and_recompute_policy_recovers():
     d = h.Driver(sched, runner, async_scheduling=False)
     params = h.remote_prefill_params("d1", groups=len(kcc.transfer_group_ids))
     params["remote_port"] = _free_port()  # nobody listens there
+    if fault == "tp_mismatch":
+        params["tp_size"] = 2
     sched.add_request(h.make_request("d1", prompt_len=100, max_tokens=2, params=params))
     try:
         d.run_for(60, until=lambda: "d1" in d.finished)
