@@ -10,8 +10,8 @@ the six fencing rules of DESIGN.md over a :class:`~hybridkv.fence.FenceTable`:
    transfer touches it (vLLM Race A, #45357);
 3. *import*: an inbound transfer writes a block only when no pending step
    touches it; a zeroing scheduled for it before the post is fenced (the post
-   waits for it), one scheduled while the write is in flight is skipped
-   (vLLM Race B, #48481);
+   waits for it), one scheduled after the post (write in flight or landed) is
+   skipped (vLLM Race B, #48481);
 4. *visibility*: a request may join a step only once every component of every
    group arrived (SGLang #39846);
 5. *abort/failure*: blocks with a transfer in flight are quarantined until the
@@ -103,7 +103,7 @@ class StepTicket:
     """What the engine must know about a step it just scheduled."""
 
     step: int
-    #: zeroing requested for blocks an inbound transfer is writing: do not run it.
+    #: zeroing requested for blocks an inbound transfer writes or wrote: do not run it.
     skip_zeroing: tuple[BlockRef, ...] = ()
 
 
@@ -133,6 +133,9 @@ class TransferScheduler:
         self._requests: dict[RequestId, RequestRecord] = {}
         self._transfers: dict[TransferId, TransferRecord] = {}
         self._next_tid = 0
+        # Keys an inbound transfer has been posted into since they were allocated:
+        # zeroing them later would erase received bytes (Race B), so it is skipped.
+        self._imported: set[int] = set()
 
     # ------------------------------------------------------------------ queries
     @property
@@ -153,6 +156,18 @@ class TransferScheduler:
         rec = self._get(request)
         b = self.table.block_of
         return tuple(BlockId(b(k)) for k in rec.blocks.get(group, ()))
+
+    def request_ids(self) -> list[RequestId]:
+        return list(self._requests)
+
+    def arrived(self, request: RequestId) -> frozenset[Component]:
+        """Components of the request whose inbound transfer landed."""
+        return frozenset(self._get(request).arrived)
+
+    def holder(self, group: int, block: int) -> RequestId | None:
+        """The live request holding a block, or None (free, or fenced after a free)."""
+        h = self.table.holder[self.table.key(group, block)]
+        return None if h is None else h.id  # type: ignore[attr-defined]
 
     def is_ready(self, request: RequestId) -> bool:
         """Rule 4: may the request join a step now?"""
@@ -292,6 +307,7 @@ class TransferScheduler:
         rec.blocks.clear()
 
     def _release_key(self, key: int) -> None:
+        self._imported.discard(key)
         self.table.release_holder(key)
         self.pool.park(key)
 
@@ -343,9 +359,10 @@ class TransferScheduler:
             if step > fence[k]:
                 fence[k] = step
         skipped: list[BlockRef] = []
+        imported = self._imported
         writers = t.writers
         for ref, k in zip(zero_refs, zero_keys):
-            if self._fenced and writers[k]:
+            if self._fenced and (k in imported or writers[k]):
                 skipped.append(ref)
             elif step > fence[k]:
                 fence[k] = step
@@ -407,6 +424,7 @@ class TransferScheduler:
         writers = t.writers
         for k in keys:
             writers[k] += 1
+        self._imported.update(keys)
         rec.phase = RequestPhase.IMPORTING
         return tid
 

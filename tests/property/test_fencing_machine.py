@@ -1,0 +1,366 @@
+"""Stateful race tests: a producer and a consumer under asynchronous scheduling.
+
+hypothesis drives both engines through the real TransferScheduler: steps
+scheduled up to ``depth`` ahead of each device, GDN state rewritten by every
+step, attention blocks appended and zeroed on allocation, transfers of the
+KV / conv / SSM components posted separately and landing, failing, landing
+late or twice at any moment, aborts on both sides, lease heartbeats and
+expiry. Memory is the shadow model of ``shadow.py``; the checks are on
+content. With ``--fence-policy none`` this must fail.
+"""
+
+from __future__ import annotations
+
+import os
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from hybridkv.fence import FencePolicy
+from hybridkv.request_state import RequestPhase, TransferOutcome
+from tests.property import counter
+from tests.property.shadow import (
+    ATT,
+    BLOCKS,
+    COMPONENTS,
+    GARBAGE,
+    GDN,
+    PART,
+    LEASE_S,
+    Clock,
+    Req,
+    Violation,
+    Worker,
+    Xfer,
+)
+
+CI = bool(os.environ.get("CI"))
+
+
+class FencingMachine(RuleBasedStateMachine):
+    policy = FencePolicy.FENCED
+
+    def __init__(self) -> None:
+        super().__init__()
+        counter.add(1)
+        self.clock = Clock()
+        self.P = Worker("P", self.policy, self.clock)
+        self.D = Worker("D", self.policy, self.clock)
+        self.depth = 1
+        self.uid = 0
+        self.final: dict[str, dict] = {}  # uid -> producer's final cells (what D must receive)
+        self.xfers: list[Xfer] = []
+
+    @initialize(depth=st.integers(min_value=1, max_value=3))
+    def set_depth(self, depth: int) -> None:
+        self.depth = depth
+
+    # ------------------------------------------------------------ producer
+    @rule(arrivals=st.integers(min_value=0, max_value=2), size=st.integers(min_value=0, max_value=3))
+    def p_schedule(self, arrivals: int, size: int) -> None:
+        """One producer scheduler iteration: admit arrivals, schedule a step. When
+        ``depth`` steps are already in flight the engine first waits for the oldest."""
+        if len(self.P.pending) > self.depth:
+            self.p_execute()
+        for _ in range(arrivals):
+            self._p_new(n=1 + size % 2, chunks=1 + size // 2)
+        self.P.schedule()
+
+    def _p_new(self, *, n: int, chunks: int) -> None:
+        s = self.P.sched
+        if s.free_count() < n + 1:
+            return
+        self.uid += 1
+        uid = f"r{self.uid}"
+        s.add_request(uid)
+        att = s.allocate(uid, ATT, n)
+        gdn = s.allocate(uid, GDN, 1)
+        w = self.P
+        w.reqs[uid] = Req(uid=uid, att=[w.key(ATT, b) for b in att], gdn=w.key(GDN, gdn[0]), chunks=chunks)
+
+    @precondition(lambda self: self.P.pending)
+    @rule()
+    def p_execute(self) -> None:
+        # Processing the step's output is when the engine learns a prefill is done;
+        # by then later steps that still include the request may be scheduled.
+        for r in self.P.execute():
+            if r.v >= r.chunks and r.uid not in self.final:
+                self._finish(r)
+
+    def _finish(self, r: Req) -> None:
+        self.P.sched.request_finished(r.uid, export=True)
+        self.P.resident.pop(r.uid, None)
+        r.live = False
+        cells = {(k, "kv"): (r.uid, "kv", j) for j, k in enumerate(r.att)}
+        cells[(r.gdn, "conv")] = (r.uid, "conv", r.steps_in)
+        cells[(r.gdn, "ssm")] = (r.uid, "ssm", r.steps_in)
+        self.final[r.uid] = cells
+        self.d_new(r.uid)  # the decode side admits the request when its prefill is done
+
+    @precondition(lambda self: self.P.reqs)
+    @rule(i=st.integers(min_value=0, max_value=7))
+    def p_abort(self, i: int) -> None:
+        if not self.P.reqs:
+            return
+        uid = sorted(self.P.reqs)[i % len(self.P.reqs)]
+        self.P.sched.abort(uid)
+        if not self.P.sched.has_request(uid):
+            self.P.drop(uid)
+        else:
+            self.P.resident.pop(uid, None)
+            self.P.reqs[uid].live = False
+
+    @rule()
+    def heartbeat(self) -> None:
+        for uid in self.final:
+            lease = self.P.sched.heartbeat(uid) if uid in self.P.reqs else None
+            if lease is not None and self.D.sched.has_request(uid):
+                self.D.sched.lease_renewed(uid, lease.deadline)
+
+    @rule(dt=st.sampled_from([0.25, 1.0, 3.0]))
+    def advance_clock(self, dt: float) -> None:
+        self.clock.now += dt
+        for uid in self.P.sched.poll():
+            if uid in self.P.reqs:
+                self.P.drop(uid)
+
+    # ------------------------------------------------------------ consumer
+    def d_new(self, uid: str) -> None:
+        src = self.P.reqs[uid]
+        s = self.D.sched
+        s.add_request(uid, expect=COMPONENTS)
+        att = s.allocate(uid, ATT, len(src.att))
+        gdn = s.allocate(uid, GDN, 1) if att else att
+        if not att or not gdn:
+            s.abort(uid)
+            return
+        w = self.D
+        r = Req(uid=uid, att=[w.key(ATT, b) for b in att], gdn=w.key(GDN, gdn[0]), chunks=1 + len(src.att))
+        r.v = self.final[uid][(src.gdn, "ssm")][2]
+        final = self.final[uid]
+        for sk, dk in zip(src.att, r.att):
+            r.expect[(dk, "kv")] = final[(sk, "kv")]
+        r.expect[(r.gdn, "conv")] = final[(src.gdn, "conv")]
+        r.expect[(r.gdn, "ssm")] = final[(src.gdn, "ssm")]
+        w.reqs[uid] = r
+        w.zero_next.extend(r.att)  # hybrid models zero newly allocated attention blocks
+
+    def _importing(self) -> list[str]:
+        D, P = self.D, self.P
+        return [
+            u for u in sorted(D.reqs)
+            if u in P.reqs and D.sched.phase(u) in (RequestPhase.IMPORTING, RequestPhase.FAILED)
+        ]
+
+    @precondition(lambda self: self._importing())
+    @rule(
+        i=st.integers(min_value=0, max_value=7),
+        mask=st.integers(min_value=1, max_value=7),
+        aware=st.booleans(),
+        expected_s=st.sampled_from([0.5, 2.0]),
+    )
+    def d_post(self, i: int, mask: int, aware: bool, expected_s: float) -> None:
+        cand = self._importing()
+        uid = cand[i % len(cand)]
+        self._try_post(uid, frozenset(c for j, c in enumerate(COMPONENTS) if mask >> j & 1), aware, expected_s)
+
+    def _try_post(self, uid: str, want: frozenset, aware: bool, expected_s: float) -> None:
+        D, P = self.D, self.P
+        flying = {c for x in self.xfers if not x.done and x.uid == uid for c in x.comps}
+        comps = want - flying - D.sched.arrived(uid)
+        if not comps:
+            return
+        # The producer sends the block list only once its writes are settled (rule 1).
+        if not P.sched.export_ready(uid):
+            return
+        deadline = P.sched.leases.deadline(uid)
+        ptid = None
+        if aware:
+            ptid = P.sched.post_export(uid, expected_s=expected_s)
+            if not isinstance(ptid, int):
+                return
+        dtid = D.sched.post_import(uid, components=comps, lease_deadline=deadline, expected_s=expected_s)
+        if not isinstance(dtid, int):
+            if ptid is not None:
+                P.sched.transfer_failed(ptid)  # never started
+            return
+        src, dst = P.reqs[uid], D.reqs[uid]
+        cells = []
+        for c in comps:
+            if c.group == ATT:
+                cells += [((sk, "kv"), (dk, "kv")) for sk, dk in zip(src.att, dst.att)]
+            else:
+                cells.append(((src.gdn, PART[c]), (dst.gdn, PART[c])))
+        dst_keys = {d[0] for _, d in cells}
+        if dst_keys & D.pending_keys():
+            raise Violation(f"D: inbound write into blocks {sorted(dst_keys)} posted while a pending step touches them")
+        others = {d for x in self.xfers if not x.done for _, d in x.cells}
+        if others & {d for _, d in cells}:
+            raise Violation(f"D: two inbound transfers write the same cells of request {uid}")
+        self.xfers.append(Xfer(uid=uid, comps=comps, cells=cells, dtid=dtid, ptid=ptid))
+
+    @staticmethod
+    def _ref(table, key: int) -> tuple[int, int]:
+        return ATT, table.block_of(key)  # one shared pool: any group names the page
+
+    def _flying(self) -> list[Xfer]:
+        return [x for x in self.xfers if not x.done]
+
+    def _land_some(self, land: int) -> None:
+        if land and any(not x.done for x in self.xfers):
+            self.land(land - 1, True)
+
+    @precondition(lambda self: any(not x.done for x in self.xfers))
+    @rule(i=st.integers(min_value=0, max_value=7), ok=st.booleans())
+    def land(self, i: int, ok: bool) -> None:
+        fl = self._flying()
+        x = fl[i % len(fl)]
+        x.done = True
+        D, P = self.D, self.P
+        if ok:
+            dst_keys = {d[0] for _, d in x.cells}
+            if dst_keys & D.pending_keys():
+                raise Violation(f"D: transfer for {x.uid} lands into blocks a pending step writes")
+            t = P.sched.table
+            freed = any(
+                P.sched.holder(*self._ref(t, s[0])) not in (None, x.uid) or P.sched.pool.is_free(s[0])
+                for s, _ in x.cells
+            )
+            for s, d in x.cells:
+                D.mem[d] = P.mem.get(s)
+            out = D.sched.transfer_landed(x.dtid)
+            if x.ptid is not None:
+                P.sched.transfer_landed(x.ptid)
+            if out is TransferOutcome.ACCEPTED and freed:
+                raise Violation(f"D: request {x.uid} accepted bytes read from freed producer blocks")
+            if out is TransferOutcome.ACCEPTED and D.sched.is_ready(x.uid) and x.uid in P.reqs:
+                # The consumer has everything: it tells the producer to let go.
+                P.sched.export_done(x.uid)
+                P.drop(x.uid)
+        else:
+            for _, d in x.cells[:1]:
+                D.mem[d] = GARBAGE  # a failed RDMA may have written part of its target
+            out = D.sched.transfer_failed(x.dtid)
+            if x.ptid is not None:
+                P.sched.transfer_failed(x.ptid)
+        if out is TransferOutcome.DUPLICATE or out is TransferOutcome.UNKNOWN:
+            raise Violation(f"first completion of transfer {x.dtid} reported as {out}")
+
+    @precondition(lambda self: any(x.done for x in self.xfers))
+    @rule(i=st.integers(min_value=0, max_value=7), ok=st.booleans())
+    def duplicate_completion(self, i: int, ok: bool) -> None:
+        done = [x for x in self.xfers if x.done]
+        x = done[i % len(done)]
+        before = (self.D.sched.free_count(), self.D.sched.transfers_in_flight())
+        out = self.D.sched.transfer_landed(x.dtid) if ok else self.D.sched.transfer_failed(x.dtid)
+        if out is not TransferOutcome.DUPLICATE:
+            raise Violation(f"duplicate completion of transfer {x.dtid} answered {out}")
+        if before != (self.D.sched.free_count(), self.D.sched.transfers_in_flight()):
+            raise Violation("a duplicate completion changed the scheduler's state")
+
+    @rule(land=st.integers(min_value=0, max_value=3))
+    def d_schedule(self, land: int) -> None:
+        """One consumer scheduler iteration; ``land`` > 0 lets a transfer land first."""
+        self._land_some(land)
+        if len(self.D.pending) > self.depth:
+            self.d_execute(0)
+        # Like a connector polled once per step: retry every import still waiting.
+        for uid in self._importing():
+            self._try_post(uid, frozenset(COMPONENTS), aware=len(uid) % 2 == 0, expected_s=0.5)
+        self.D.schedule()
+
+    @precondition(lambda self: self.D.pending)
+    @rule(land=st.integers(min_value=0, max_value=3))
+    def d_execute(self, land: int) -> None:
+        self._land_some(land)
+        for r in self.D.execute():
+            r.decoded += 1
+            if r.decoded >= r.chunks:  # output processed: the request is done
+                self.D.sched.request_finished(r.uid)
+                self.D.drop(r.uid)
+
+    @precondition(lambda self: self.D.resident)
+    @rule(i=st.integers(min_value=0, max_value=7))
+    def d_append(self, i: int) -> None:
+        res = sorted(self.D.resident)
+        if not res:
+            return
+        uid = res[i % len(res)]
+        got = self.D.sched.allocate(uid, ATT, 1)
+        if got:
+            k = self.D.key(ATT, got[0])
+            self.D.reqs[uid].app.append(k)
+            self.D.zero_next.append(k)
+
+    @precondition(lambda self: self.D.reqs)
+    @rule(i=st.integers(min_value=0, max_value=7))
+    def d_abort(self, i: int) -> None:
+        if not self.D.reqs:
+            return
+        uid = sorted(self.D.reqs)[i % len(self.D.reqs)]
+        self.D.sched.abort(uid)
+        self.D.drop(uid)
+
+    # ------------------------------------------------------------ invariants
+    @invariant()
+    def consistent(self) -> None:
+        self.P.sched.audit()
+        self.D.sched.audit()
+
+    def teardown(self) -> None:
+        # Run both engines to completion by the ordinary protocol (so every
+        # interleaving ends with its requests computed and checked), then drop
+        # what is left; afterwards every block must be back in its pool.
+        for _ in range(64):
+            for uid in list(self.D.reqs):
+                # A consumer gives up on requests whose producer is gone or failed.
+                if self.D.sched.phase(uid) is RequestPhase.FAILED or (
+                    uid not in self.P.reqs and self.D.sched.phase(uid) is RequestPhase.IMPORTING
+                ):
+                    self.D.sched.abort(uid)
+                    self.D.drop(uid)
+            if not (any(r.live for r in self.P.reqs.values()) or self.D.reqs or self._flying()):
+                break
+            self.heartbeat()
+            self.p_schedule(0, 0)
+            self.d_schedule(1)
+        for x in self._flying():
+            self.land(0, True)
+        for w in (self.P, self.D):
+            while w.pending:
+                w.execute()
+            for uid in w.sched.request_ids():
+                w.sched.abort(uid)
+        self.clock.now += 10 * LEASE_S
+        self.P.sched.poll()
+        for w in (self.P, self.D):
+            w.sched.audit()
+            if w.sched.free_count() != BLOCKS:
+                raise Violation(f"{w.name}: {BLOCKS - w.sched.free_count()} blocks leaked")
+
+
+# Examples per run: the CI budget is >= 10,000 interleavings in total over the
+# property suite (counted and printed by conftest.py).
+EXAMPLES = int(os.environ.get("HYBRIDKV_PROPERTY_EXAMPLES", 10_000 if CI else 300))
+
+
+def test_fencing_two_sides(fence_policy_name: str) -> None:
+    policy = FencePolicy(fence_policy_name)
+    machine = type(f"FencingMachine_{policy.name}", (FencingMachine,), {"policy": policy})
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=20,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
