@@ -1,0 +1,271 @@
+"""One test per fencing rule of DESIGN.md, each under both policies where it matters."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.fence import FencePolicy, NotYet, NotYetReason, PoolLayout
+from hybridkv.request_state import (
+    RequestPhase,
+    TransferOutcome,
+    attention_component,
+    gdn_components,
+)
+from hybridkv.scheduler import TransferScheduler
+
+KV = attention_component(0)
+CONV, SSM = gdn_components(1)
+ALL = (KV, CONV, SSM)
+FENCED, NONE = FencePolicy.FENCED, FencePolicy.NONE
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(policy: FencePolicy = FENCED, blocks: int = 4, clock: Clock | None = None) -> TransferScheduler:
+    return TransferScheduler(
+        PoolLayout.shared(num_blocks=blocks, num_groups=2), policy=policy, lease_s=10.0, clock=clock or Clock()
+    )
+
+
+def running(s: TransferScheduler, rid: str, step: int, n_att: int = 1) -> None:
+    s.add_request(rid)
+    s.allocate(rid, 0, n_att)
+    s.allocate(rid, 1, 1)
+    s.step_scheduled(step, joined=[rid])
+
+
+# Rule 2 (vLLM Race A): a freed block waits for every step that may still touch it.
+@pytest.mark.parametrize("policy", [FENCED, NONE])
+def test_rule2_free_waits_for_in_flight_steps(policy: FencePolicy) -> None:
+    s = make(policy, blocks=2)
+    running(s, "q", 0)
+    s.step_scheduled(1)  # already dispatched; still contains q
+    s.request_finished("q")  # q's EOS came out of step 0
+    s.step_completed(0)
+    s.add_request("r", expect=ALL)
+    got = s.allocate("r", 1, 1)
+    if policy is FENCED:
+        assert got == NotYet(reason=NotYetReason.POOL_EXHAUSTED)
+        s.step_completed(1)
+        assert s.allocate("r", 1, 1)
+    else:
+        assert got  # reused under the stale step: the race
+    s.audit()
+
+
+# Rule 1: export only after the writing step completed.
+def test_rule1_export_waits_for_writer() -> None:
+    s = make()
+    running(s, "p", 0)
+    lease = s.request_finished("p", export=True)
+    assert lease is not None and lease.deadline == 10.0
+    assert s.export_ready("p") == NotYet(reason=NotYetReason.PENDING_STEP)
+    assert not s.post_export("p")
+    s.step_completed(0)
+    assert s.export_ready("p") is True
+    tid = s.post_export("p")
+    assert isinstance(tid, int)
+    s.export_done("p")  # blocks stay quarantined while the read is in flight
+    assert s.free_count() == 2
+    assert s.transfer_landed(tid) is TransferOutcome.DISCARDED
+    assert s.free_count() == 4
+
+
+def test_rule1_unfenced_exports_at_once() -> None:
+    s = make(NONE)
+    running(s, "p", 0)
+    s.request_finished("p", export=True)
+    assert s.export_ready("p") is True
+
+
+# Rule 3 (vLLM Race B): zeroing before the post is fenced; zeroing after it is skipped.
+def test_rule3_import_waits_for_zeroing_scheduled_before() -> None:
+    s = make()
+    s.add_request("r", expect=ALL)
+    (b,) = s.allocate("r", 0, 1)
+    s.allocate("r", 1, 1)
+    s.step_scheduled(0, zeroing=[(0, b)])
+    assert s.post_import("r", components=ALL) == NotYet(reason=NotYetReason.PENDING_STEP)
+    s.step_completed(0)
+    assert isinstance(s.post_import("r", components=ALL), int)
+
+
+def test_rule3_zeroing_after_post_is_skipped_even_after_landing() -> None:
+    s = make()
+    s.add_request("r", expect=ALL)
+    (b,) = s.allocate("r", 0, 1)
+    s.allocate("r", 1, 1)
+    tid = s.post_import("r", components=(KV,))
+    assert s.step_scheduled(0, zeroing=[(0, b)]).skip_zeroing == ((0, b),)
+    s.transfer_landed(tid)
+    assert s.step_scheduled(1, zeroing=[(0, b)]).skip_zeroing == ((0, b),)
+
+
+def test_rule3_unfenced_neither_waits_nor_skips() -> None:
+    s = make(NONE)
+    s.add_request("r", expect=ALL)
+    (b,) = s.allocate("r", 0, 1)
+    s.step_scheduled(0, zeroing=[(0, b)])
+    assert isinstance(s.post_import("r", components=(KV,)), int)
+    assert s.step_scheduled(1, zeroing=[(0, b)]).skip_zeroing == ()
+
+
+def test_rule3_step_touching_block_being_written_is_rejected_whole() -> None:
+    s = make()
+    s.add_request("r", expect=ALL)
+    (b,) = s.allocate("r", 0, 1)
+    s.post_import("r", components=(KV,))
+    with pytest.raises(ValueError, match="inbound transfer is writing"):
+        s.step_scheduled(0, touched=[(0, b)])
+    assert s.scheduled_step == -1  # nothing applied
+    s.step_scheduled(0)
+
+
+# Rule 4 (SGLang #39846): visible only when every component of every group arrived.
+@pytest.mark.parametrize("policy", [FENCED, NONE])
+def test_rule4_all_components_before_ready(policy: FencePolicy) -> None:
+    s = make(policy)
+    s.add_request("r", expect=ALL)
+    s.allocate("r", 0, 1)
+    s.allocate("r", 1, 1)
+    t_kv = s.post_import("r", components=(KV,))
+    t_gdn = s.post_import("r", components=(CONV, SSM))
+    with pytest.raises(ValueError, match="already have a transfer in flight"):
+        s.post_import("r", components=(SSM,))
+    assert s.transfer_landed(t_kv) is TransferOutcome.ACCEPTED
+    if policy is FENCED:
+        assert not s.is_ready("r")
+        with pytest.raises(ValueError, match="expected a ready request"):
+            s.step_scheduled(0, joined=["r"])
+    else:
+        assert s.is_ready("r")  # the bug: declared complete after its first component
+    s.transfer_landed(t_gdn)
+    assert s.is_ready("r") and s.arrived("r") == frozenset(ALL)
+    s.step_scheduled(0, joined=["r"])
+    assert s.phase("r") is RequestPhase.RUNNING
+
+
+# Rule 5 (SGLang #24527): abort and failure quarantine blocks until transfers are terminal.
+@pytest.mark.parametrize("policy", [FENCED, NONE])
+def test_rule5_abort_quarantines_until_terminal(policy: FencePolicy) -> None:
+    s = make(policy, blocks=2)
+    s.add_request("r", expect=ALL)
+    s.allocate("r", 0, 1)
+    s.allocate("r", 1, 1)
+    tid = s.post_import("r", components=ALL)
+    assert s.abort("r") and not s.abort("r")
+    assert s.free_count() == (0 if policy is FENCED else 2)
+    assert s.transfer_landed(tid) is TransferOutcome.DISCARDED
+    assert s.transfer_landed(tid) is TransferOutcome.DUPLICATE
+    assert s.transfer_failed(99) is TransferOutcome.UNKNOWN
+    assert s.free_count() == 2
+    s.audit()
+
+
+def test_rule5_failure_then_retry_or_recompute() -> None:
+    s = make()
+    s.add_request("r", expect=ALL)
+    s.allocate("r", 0, 1)
+    s.allocate("r", 1, 1)
+    tid = s.post_import("r", components=ALL)
+    assert s.transfer_failed(tid) is TransferOutcome.ACCEPTED
+    assert s.phase("r") is RequestPhase.FAILED and not s.is_ready("r")
+    tid = s.post_import("r", components=ALL)  # retry
+    s.transfer_failed(tid)
+    s.recompute("r")
+    assert s.is_ready("r")
+
+
+# Rule 6: leases.
+def test_rule6_lease_bounds_reads_and_expiry_releases() -> None:
+    clock = Clock()
+    s = make(clock=clock)
+    running(s, "p", 0)
+    s.request_finished("p", export=True)
+    s.step_completed(0)
+    assert s.post_export("p", expected_s=11.0) == NotYet(reason=NotYetReason.LEASE_TOO_SHORT)
+    clock.now = 5.0
+    assert s.heartbeat("p").deadline == 15.0
+    tid = s.post_export("p", expected_s=9.0)
+    assert isinstance(tid, int)
+    clock.now = 16.0
+    assert s.poll() == ["p"] and not s.has_request("p")
+    assert s.free_count() == 2  # the read in flight still pins its blocks
+    s.transfer_landed(tid)
+    assert s.free_count() == 4
+
+
+def test_rule6_abort_of_export_keeps_blocks_until_lease_lapses() -> None:
+    clock = Clock()
+    s = make(clock=clock)
+    running(s, "p", 0)
+    s.request_finished("p", export=True)
+    s.step_completed(0)
+    s.abort("p")  # a consumer may be pulling without telling us
+    assert s.heartbeat("p") is None and s.free_count() == 2
+    clock.now = 11.0
+    s.poll()
+    assert s.free_count() == 4
+
+
+def test_rule6_consumer_side_lease() -> None:
+    clock = Clock()
+    s = make(clock=clock)
+    s.add_request("r", expect=ALL)
+    s.allocate("r", 0, 1)
+    s.allocate("r", 1, 1)
+    assert s.post_import("r", components=ALL, lease_deadline=1.0, expected_s=2.0) == NotYet(
+        reason=NotYetReason.LEASE_TOO_SHORT
+    )
+    tid = s.post_import("r", components=ALL, lease_deadline=3.0, expected_s=2.0)
+    clock.now = 2.5
+    s.lease_renewed("r", 5.0)
+    clock.now = 5.5
+    assert s.transfer_landed(tid) is TransferOutcome.LATE  # bytes read after the lease: untrusted
+    assert s.phase("r") is RequestPhase.FAILED
+
+
+def test_bad_input_is_rejected_without_side_effects() -> None:
+    s = make()
+    with pytest.raises(ValueError, match="request 'zz' is unknown"):
+        s.allocate("zz", 0, 1)
+    s.add_request("a")
+    with pytest.raises(ValueError, match="already exists"):
+        s.add_request("a")
+    with pytest.raises(ValueError, match="n = -1"):
+        s.allocate("a", 0, -1)
+    assert s.allocate("a", 0, 5) == NotYet(reason=NotYetReason.POOL_EXHAUSTED)
+    assert s.free_count() == 4  # all or nothing
+    with pytest.raises(ValueError, match="expected an int greater than"):
+        s.step_scheduled(0)
+        s.step_scheduled(0)
+    with pytest.raises(ValueError, match="expected a ready request"):
+        s.add_request("b", expect=ALL)
+        s.step_scheduled(1, joined=["a", "b"])
+    assert s.phase("a") is RequestPhase.LOCAL  # not half applied
+    s.audit()
+
+
+def test_external_pool_assign_and_take_reusable() -> None:
+    s = TransferScheduler(PoolLayout.separate(num_blocks=(4, 2)), managed_pool=False)
+    s.add_request("a")
+    s.assign("a", 0, [1, 2])
+    s.assign("a", 1, [1])
+    with pytest.raises(ValueError, match="held by another request"):
+        s.add_request("b")
+        s.assign("b", 0, [2])
+    s.step_scheduled(0, joined=["a"])
+    s.free_blocks("a", 0, [2])  # sliding-window clipping
+    assert s.take_reusable() == []
+    with pytest.raises(ValueError, match="still fenced"):
+        s.assign("b", 0, [2])
+    s.step_completed(0)
+    assert s.take_reusable() == [(0, 2)]
+    s.request_finished("a")
+    assert sorted(s.take_reusable()) == [(0, 1), (1, 1)]
