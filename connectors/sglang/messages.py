@@ -16,13 +16,14 @@ import msgpack
 import numpy as np
 
 TAG = b"HYBRIDKV"
-VERSION = 1
+VERSION = 2
 
 
 class MsgType(enum.Enum):
     REGISTER = "register"  # decode rank -> prefill rank, once per connection
     METADATA = "metadata"  # decode rank -> prefill rank, once per request
     DRAINED = "drained"  # prefill rank -> decode rank: no write for the room in flight
+    LANDED = "landed"  # prefill rank -> decode rank: these components of the room are written
 
 
 def _field(m: dict, name: str, typ: type | tuple[type, ...]) -> Any:
@@ -76,7 +77,7 @@ class Register:
     port: int
     agent_name: str
     agent_metadata: bytes
-    buffers: dict[str, Any]
+    layout: dict[str, Any]
     attn_tp_size: int
     attn_tp_rank: int
     state_types: tuple[str, ...]
@@ -85,7 +86,7 @@ class Register:
     def to_frames(self) -> list[bytes]:
         return encode(MsgType.REGISTER, {
             "endpoint": self.endpoint, "port": self.port, "agent_name": self.agent_name,
-            "agent_metadata": self.agent_metadata, "buffers": self.buffers,
+            "agent_metadata": self.agent_metadata, "layout": self.layout,
             "attn_tp_size": self.attn_tp_size, "attn_tp_rank": self.attn_tp_rank,
             "state_types": list(self.state_types), "fingerprint": self.fingerprint,
         })
@@ -98,7 +99,7 @@ class Register:
         return cls(
             endpoint=_field(m, "endpoint", str), port=_field(m, "port", int),
             agent_name=_field(m, "agent_name", str), agent_metadata=_field(m, "agent_metadata", bytes),
-            buffers=_field(m, "buffers", dict), attn_tp_size=_field(m, "attn_tp_size", int),
+            layout=_field(m, "layout", dict), attn_tp_size=_field(m, "attn_tp_size", int),
             attn_tp_rank=_field(m, "attn_tp_rank", int), state_types=tuple(st),
             fingerprint=_field(m, "fingerprint", str),
         )
@@ -158,3 +159,27 @@ class Drained:
     @classmethod
     def parse(cls, m: dict) -> Drained:
         return cls(room=_field(m, "room", int), prefill_rank=_field(m, "prefill_rank", int))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Landed:
+    """Every write of these components of the room completed (NIXL DONE on the writer)."""
+
+    room: int
+    prefill_rank: int
+    components: tuple[tuple[int, str], ...]  # (group, ComponentKind value)
+
+    def to_frames(self) -> list[bytes]:
+        return encode(MsgType.LANDED, {"room": self.room, "prefill_rank": self.prefill_rank,
+                                       "components": [list(c) for c in self.components]})
+
+    @classmethod
+    def parse(cls, m: dict) -> Landed:
+        comps = _field(m, "components", list)
+        out = []
+        for c in comps:
+            if (not isinstance(c, list) or len(c) != 2 or not isinstance(c[0], int) or isinstance(c[0], bool)
+                    or not isinstance(c[1], str)):
+                raise ValueError(f"field 'components' holds {c!r}; expected [group, kind]")
+            out.append((c[0], c[1]))
+        return cls(room=_field(m, "room", int), prefill_rank=_field(m, "prefill_rank", int), components=tuple(out))

@@ -115,6 +115,10 @@ class Pools:
         return [t[i, slot].contiguous().view(torch.uint8).numpy().tobytes()
                 for t in (self.conv, self.ssm) for i in range(len(GDN_LAYERS))]
 
+    def zero(self) -> None:
+        for t in self.k + self.v + [self.conv, self.ssm, self.aux]:
+            t.zero_()
+
     def aux_bytes(self, row: int) -> bytes:
         return self.aux[row].numpy().tobytes()
 
@@ -206,6 +210,10 @@ def _prefill_main(conn, port: int, bootstrap_port: int, seed: int) -> None:
             room = arg
             senders[room] = sender_cls(mgr, f"127.0.0.1:{bootstrap_port}", room)
             conn.send(("ok", wait_poll(senders[room], {KVPoll.WaitingForInput, KVPoll.Failed})))
+        elif cmd == "sender_nowait":
+            room = arg
+            senders[room] = sender_cls(mgr, f"127.0.0.1:{bootstrap_port}", room)
+            conn.send(("ok", int(senders[room].poll())))
         elif cmd == "send":
             room, pages, slot, aux_row, chunks, gated = arg
             s = senders[room]
@@ -216,7 +224,8 @@ def _prefill_main(conn, port: int, bootstrap_port: int, seed: int) -> None:
                 if gated and i == 0:
                     gates[room] = threading.Event()
                     s._early_send_wait_event = BlockingEvent(gates[room])
-                s.send(part, state_indices=[[slot]] if last else None)
+                # slot None: a prefill that drops the Mamba state (as SGLang #23773 did).
+                s.send(part, state_indices=[[slot]] if last and slot is not None else None)
             conn.send(("ok", None))
         elif cmd == "open_gate":
             gates.pop(arg).set()
@@ -243,9 +252,13 @@ def _prefill_main(conn, port: int, bootstrap_port: int, seed: int) -> None:
             conn.send(("ok", (pools.page_bytes(pages), pools.slot_bytes(slot), pools.aux_bytes(aux_row))))
         elif cmd == "stats":
             st = mgr.stats
+            with mgr.sched_lock:
+                sched = dict(requests=mgr.sched.requests_in_flight(), transfers=mgr.sched.transfers_in_flight(),
+                             exports={r: len(t) for r, t in mgr._exports.items() if t}, fenced=sorted(mgr.fenced))
             conn.send(("ok", dict(chunks=st.chunks, handles=st.handles, descriptors=st.descriptors, bytes=st.bytes,
                                   pages=st.pages, inflight=dict(mgr._inflight), rooms=list(mgr.request_status),
-                                  transfer_infos=list(mgr.transfer_infos), waiters=dict(mgr._drain_waiters))))
+                                  transfer_infos=list(mgr.transfer_infos), waiters=dict(mgr._drain_waiters),
+                                  exporting=mgr.exporting(arg) if arg is not None else None, **sched)))
     mgr.close()
     server.close()
     conn.send(("bye", None))

@@ -1,24 +1,39 @@
-"""Descriptor count of one request: this backend's plan against what SGLang's
-own NIXL backend (0.5.23) builds for the same request, computed with its real
-index helpers (`num_kv_slots`, `repeat_indices_over_layers`) and its state/aux
-rules (`_send_mamba_state`: one per state tensor x layer; `send_aux`: one per
-aux buffer)."""
+"""Descriptor count of one request: what this backend posts, compiled by
+hybridkv's `TransferPlanner` over the adopted layouts, against what SGLang's own
+NIXL backend (0.5.23) builds for the same request, computed with its real index
+helpers (`num_kv_slots`, `repeat_indices_over_layers`) and its state/aux rules
+(`_send_mamba_state`: one per state tensor x layer; `send_aux`: one per aux
+buffer)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from connectors.sglang.plan import build_plan
-from connectors.sglang.regions import BufferKind, MemKind, adopt_kv_args
+from connectors.sglang.adopt import KV_GROUP, adopt_kv_args
+from descriptors.compiler import TransferPlanner
+from hybridkv.alloc import MemKind
 from sglang.srt.disaggregation.nixl.conn import num_kv_slots, repeat_indices_over_layers
 from tests.sglang import pd_peer
 
 
-def _tables():
-    src_args = pd_peer.make_pools(1).kv_args()
-    dst_args = pd_peer.make_pools(None).kv_args()
-    return (src_args, adopt_kv_args(src_args, device_mem=MemKind.DRAM, gpu_id=0),
-            adopt_kv_args(dst_args, device_mem=MemKind.DRAM, gpu_id=0))
+def _sides():
+    src_pools, dst_pools = pd_peer.make_pools(1), pd_peer.make_pools(None)
+    src_args = src_pools.kv_args()
+    src = adopt_kv_args(src_args, device_mem=MemKind.DRAM, gpu_id=0)
+    dst = adopt_kv_args(dst_pools.kv_args(), device_mem=MemKind.DRAM, gpu_id=0)
+    # The pools own the memory the layouts point at: keep them alive with the planner.
+    return src_args, src, dst, (src_pools, dst_pools)
+
+
+def _plan(planners, blocks_src, blocks_dst, coalesce=True):
+    """What the prefill worker posts for one chunk: one plan per component."""
+    plans = [p.compile({c.group: blocks_src[c.group]}, {c.group: blocks_dst[c.group]}, coalesce=coalesce)
+             for c, p in planners.items() if c.group in blocks_src]
+    return sum(p.num_descriptors for p in plans), sum(p.nbytes for p in plans)
+
+
+def _planners(src, dst):
+    return {c: TransferPlanner(src.layout, dst.layout, keys=src.field_keys(c)) for c, _ in src.components}
 
 
 def _sglang_nixl_count(args, chunks_src: list[np.ndarray]) -> int:
@@ -29,19 +44,21 @@ def _sglang_nixl_count(args, chunks_src: list[np.ndarray]) -> int:
 
 
 def test_coalesced_count_beats_sglang_nixl_on_the_same_request():
-    args, src, dst = _tables()
+    args, src, dst, _keep = _sides()
+    planners = _planners(src, dst)
     pages_src = np.arange(10, 42)  # a 128-token prompt in 32 pages, allocated contiguously
     pages_dst = np.arange(3, 35)
     chunks = [(pages_src[:16], pages_dst[:16]), (pages_src[16:], pages_dst[16:])]
     ours = 0
     for i, (s, d) in enumerate(chunks):
-        last = i == len(chunks) - 1
-        plan = build_plan(src, dst, kv=(s, d), states=[(0, np.array([2]), np.array([5]))] if last else [],
-                          aux=(1, 4) if last else None)
-        ours += plan.num_descriptors
+        bs, bd = {KV_GROUP: s}, {KV_GROUP: d}
+        if i == len(chunks) - 1:
+            bs |= {src.state_group(0): [2], src.aux_group: [1]}
+            bd |= {src.state_group(0): [5], src.aux_group: [4]}
+        ours += _plan(planners, bs, bd)[0]
     theirs = _sglang_nixl_count(args, [c[0] for c in chunks])
-    kv_buffers = len(src.rows(BufferKind.KV))
-    state_buffers = len(src.rows(BufferKind.STATE, 0))
+    kv_buffers = len(args.kv_data_ptrs)
+    state_buffers = len(args.state_data_ptrs[0])
     # Two chunks, each one run per KV buffer; one descriptor per state tensor x layer; one aux row.
     assert ours == 2 * kv_buffers + state_buffers + 1
     assert theirs == len(pages_src) * kv_buffers + state_buffers + 1
@@ -49,11 +66,13 @@ def test_coalesced_count_beats_sglang_nixl_on_the_same_request():
 
 
 def test_fragmented_pages_cost_one_descriptor_per_run():
-    _, src, dst = _tables()
+    args, src, dst, _keep = _sides()
+    planners = _planners(src, dst)
     s = np.array([1, 2, 3, 9, 10, 30])
     d = np.array([4, 5, 6, 7, 8, 9])  # breaks where the source breaks: runs 3, 2, 1
-    plan = build_plan(src, dst, kv=(s, d))
-    assert plan.num_descriptors == 3 * len(src.rows(BufferKind.KV))
-    uncoalesced = build_plan(src, dst, kv=(s, d), coalesce=False)
-    assert uncoalesced.num_descriptors == len(s) * len(src.rows(BufferKind.KV))
-    assert plan.num_bytes == uncoalesced.num_bytes
+    n, nbytes = _plan(planners, {KV_GROUP: s}, {KV_GROUP: d})
+    kv_buffers = len(args.kv_data_ptrs)
+    assert n == 3 * kv_buffers
+    n_raw, nbytes_raw = _plan(planners, {KV_GROUP: s}, {KV_GROUP: d}, coalesce=False)
+    assert n_raw == len(s) * kv_buffers == _sglang_nixl_count(args, [s]) - len(args.state_data_ptrs[0]) - 1
+    assert nbytes == nbytes_raw == len(s) * sum(args.kv_item_lens)

@@ -90,15 +90,23 @@ def _receiver(mgr, addr: str, room: int):
 
 
 def _assert_clean_decode(mgr, room):
+    from connectors.sglang.conn import request_id
+
     assert room not in mgr.request_status
-    assert room not in mgr._quiet
+    assert room not in mgr._imports
     assert room not in mgr.failure_records
+    with mgr.sched_lock:
+        assert not mgr.sched.has_request(request_id(room))
+        assert mgr.sched.transfers_in_flight() == 0
+        assert not mgr.fenced  # every block handed back is reusable again
 
 
 def _assert_clean_prefill(prefill: Prefill, room):
-    st = prefill.call("stats")
+    st = prefill.call("stats", room)
     assert room not in st["inflight"] and room not in st["rooms"] and room not in st["transfer_infos"]
     assert room not in st["waiters"]
+    # The fencing scheduler let go of the room: no export, no read in flight, nothing fenced.
+    assert st["exporting"] is False and st["requests"] == 0 and st["transfers"] == 0 and st["fenced"] == []
     return st
 
 
@@ -115,6 +123,9 @@ def test_hybrid_request_completes_and_bytes_match(decode, prefill):
     room = 1001
     r = _receiver(mgr, prefill.addr, room)
     r.send_metadata(np.asarray(DST_PAGES, dtype=np.int32), DST_AUX, [[DST_SLOT]])
+    # One import per component is open in the scheduler: KV, Mamba conv, Mamba SSM, aux.
+    assert sorted((c.group, c.kind.value) for c in mgr.missing_components(room)) == [
+        (0, "kv"), (1, "conv"), (1, "ssm"), (2, "kv")]
     assert prefill.call("sender", room) == KVPoll.WaitingForInput
     prefill.call("send", (room, SRC_PAGES, SRC_SLOT, SRC_AUX, 3, False))
     status, reason = prefill.call("wait", (room, 30))
@@ -138,25 +149,42 @@ def test_hybrid_request_completes_and_bytes_match(decode, prefill):
     assert st["pages"] == len(SRC_PAGES)
 
 
-def test_abort_mid_transfer_releases_nothing_still_being_written_fake_cuda_event(decode, prefill):
+def test_abort_mid_transfer_keeps_pages_fenced_until_the_write_is_terminal_fake_cuda_event(decode, prefill):
     """The first chunk waits on the device (a hand-opened stand-in for SGLang's
-    CUDA event) when decode aborts: neither side may report Failed while that
-    chunk can still read or write, and once it drains nothing was written."""
+    CUDA event) when decode aborts (SGLang #24527). The scheduler is the witness:
+    the aborted request's pages, slot and aux row stay out of reuse while its
+    imports are in flight, a new request handed one of those pages is refused
+    before its destinations are published, neither side reports Failed while
+    the chunk can still read or write, and once it drains nothing was written
+    and every block is reusable."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr, pools = decode
-    room = 1002
-    dst = [50, 51, 52, 53]
+    room, reuser = 1002, 1005
+    dst, slot, aux = [50, 51, 52, 53], DST_SLOT - 2, DST_AUX + 1
     r = _receiver(mgr, prefill.addr, room)
-    r.send_metadata(np.asarray(dst, dtype=np.int32), DST_AUX + 1, [[DST_SLOT - 2]])
+    r.send_metadata(np.asarray(dst, dtype=np.int32), aux, [[slot]])
     assert prefill.call("sender", room) == KVPoll.WaitingForInput
     prefill.call("send", (room, [1, 2, 3, 4], SRC_SLOT, SRC_AUX, 2, True))
     r.abort()  # the scheduler's AbortReq path
+    held = {(0, p) for p in dst} | {(1, slot), (2, aux)}
+    with mgr.sched_lock:
+        assert mgr.fenced == held  # handed back by the engine, not reusable
+        assert mgr.sched.transfers_in_flight() == 4  # KV, conv, SSM, aux imports still open
+        assert not any(p in dst for _, p in mgr.sched.take_reusable())
+    # SGLang reuses one of those pages for another request: refused, unpublished.
+    r2 = _receiver(mgr, prefill.addr, reuser)
+    r2.send_metadata(np.asarray([60, dst[1]], dtype=np.int32), aux + 1, [[slot + 1]])
+    assert r2.poll() == KVPoll.Failed
+    with pytest.raises(Exception, match="still fenced"):
+        r2.failure_exception()
     t_end = time.monotonic() + 1.5
     while time.monotonic() < t_end:
         assert r.poll() == KVPoll.Transferring  # pages still reachable by a write
         assert prefill.call("poll", room) == KVPoll.Transferring  # source still being read
+        assert prefill.call("stats", room)["exporting"] is True
         time.sleep(0.1)
+    assert mgr.fenced == held
     prefill.call("open_gate", room)
     assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}) == KVPoll.Failed
     status, reason = prefill.call("wait", (room, 30))
@@ -164,23 +192,50 @@ def test_abort_mid_transfer_releases_nothing_still_being_written_fake_cuda_event
     with pytest.raises(Exception, match="Aborted"):
         r.failure_exception()
     assert all(not any(b) for b in pools.page_bytes(dst))
-    assert not any(any(b) for b in pools.slot_bytes(DST_SLOT - 2))
+    assert not any(any(b) for b in pools.slot_bytes(slot))
     _assert_clean_decode(mgr, room)
+    _assert_clean_decode(mgr, reuser)
     _assert_clean_prefill(prefill, room)
 
 
+def test_prefill_that_drops_the_state_fails_the_decode_request(decode, prefill):
+    """Prefill writes KV and aux but no Mamba state (SGLang #23773) and reports
+    Success: decode expected conv and SSM too, so it reports Failed, naming
+    them, instead of running on a stale state (#39846)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, pools = decode
+    room = 1006
+    r = _receiver(mgr, prefill.addr, room)
+    r.send_metadata(np.asarray([20, 21], dtype=np.int32), DST_AUX + 2, [[1]])
+    assert prefill.call("sender", room) == KVPoll.WaitingForInput
+    prefill.call("send", (room, [30, 31], None, SRC_AUX, 1, False))
+    status, reason = prefill.call("wait", (room, 30))
+    assert status == KVPoll.Success, reason
+    assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}) == KVPoll.Failed
+    with pytest.raises(Exception, match=r"components \[conv@group1, ssm@group1\] never landed"):
+        r.failure_exception()
+    kv, _, aux = prefill.call("bytes", ([30, 31], SRC_SLOT, SRC_AUX))
+    assert pools.page_bytes([20, 21]) == kv and pools.aux_bytes(DST_AUX + 2) == aux  # these did land
+    _assert_clean_decode(mgr, room)
+    _assert_clean_prefill(prefill, room)
+    pools.zero()
+
+
 def test_failed_transfer_fails_both_sides_with_the_reason(decode, prefill):
-    """Decode hands out a destination page beyond its pool: prefill's plan
-    refuses it before posting anything; both sides end Failed, with the reason."""
+    """Prefill is asked to send a source page beyond its pool: its scheduler
+    refuses the chunk before anything is posted; both sides end Failed, with
+    the reason. Decode refuses a destination beyond its pool before publishing
+    it, and the prefill side of that room fails through the ABORT."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr, pools = decode
     room = 1003
     r = _receiver(mgr, prefill.addr, room)
-    r.send_metadata(np.asarray([3, pd_peer.NUM_PAGES + 5], dtype=np.int32), DST_AUX, [[DST_SLOT]])
+    r.send_metadata(np.asarray([3, 4], dtype=np.int32), DST_AUX, [[DST_SLOT]])
     assert prefill.call("sender", room) == KVPoll.WaitingForInput
     before = prefill.call("stats")["handles"]
-    prefill.call("send", (room, [1, 2], SRC_SLOT, SRC_AUX, 1, False))
+    prefill.call("send", (room, [1, pd_peer.NUM_PAGES + 5], SRC_SLOT, SRC_AUX, 1, False))
     status, reason = prefill.call("wait", (room, 30))
     assert status == KVPoll.Failed and "outside" in reason
     assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}) == KVPoll.Failed
@@ -188,6 +243,18 @@ def test_failed_transfer_fails_both_sides_with_the_reason(decode, prefill):
         r.failure_exception()
     assert prefill.call("stats")["handles"] == before  # nothing was posted
     assert not any(pools.page_bytes([3])[0])
+    _assert_clean_decode(mgr, room)
+    _assert_clean_prefill(prefill, room)
+
+    room = 1007
+    assert prefill.call("sender_nowait", room) == KVPoll.Bootstrapping
+    r = _receiver(mgr, prefill.addr, room)
+    r.send_metadata(np.asarray([3, pd_peer.NUM_PAGES + 5], dtype=np.int32), DST_AUX, [[DST_SLOT]])
+    assert r.poll() == KVPoll.Failed
+    with pytest.raises(Exception, match="expected a block id"):
+        r.failure_exception()
+    status, reason = prefill.call("wait", (room, 30))
+    assert status == KVPoll.Failed and "Abort" in reason
     _assert_clean_decode(mgr, room)
     _assert_clean_prefill(prefill, room)
 
