@@ -252,9 +252,18 @@ class SchedulerHalf:
         for rid in list(self._pending):
             remote, local = self._pending[rid]
             r = RequestId(rid)
-            if not self.ts.blocks(r, self.transfer_groups[0]) and any(local):
-                for g, ids in zip(self.transfer_groups, local):
-                    self.ts.assign(r, g, ids)
+            if not any(self.ts.blocks(r, g) for g in self.transfer_groups) and any(local):
+                try:
+                    for g, ids in zip(self.transfer_groups, local):
+                        self.ts.assign(r, g, ids)
+                except ValueError as e:
+                    # vLLM handed out a block hybridkv still fences (should not happen:
+                    # every block we park reaches vLLM only through us); undo, retry later.
+                    log.warning("load of %s waits: %s", rid, e)
+                    for g in self.transfer_groups:
+                        if self.ts.blocks(r, g):
+                            self.ts.free_blocks(r, g, self.ts.blocks(r, g))
+                    continue
             tid = self.ts.post_import(r, components=self.components)
             if isinstance(tid, NotYet):
                 log.debug("load of %s waits: %s", rid, tid.reason.value)
