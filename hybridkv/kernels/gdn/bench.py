@@ -1,6 +1,8 @@
 """`hybridkv bench gdn`: hybridkv's GDN kernels side by side with FLA (fla-core) in one run.
 
-Times are CUDA-event medians of `--iters` calls after warm-up. Prefill TFLOP/s use one count for both
+Times are CUDA-event medians of `--iters` calls after warm-up. Each timed call is queued behind a
+short GPU spin, so the host-side launch cost of either implementation (Python checks, autotuner
+dispatch) is hidden as it would be in a busy stream or a CUDA graph; host syncs still count. Prefill TFLOP/s use one count for both
 implementations, 6 d^2 + 8 C d FLOP per token and value head (the fused formulation, d = 128, C = 64),
 so their ratio is the time ratio. Prefill GB/s count the minimum traffic of a fused kernel (q, k, v,
 g, beta read once, o written once). Decode GB/s count state bytes each implementation moves (FLA
@@ -62,6 +64,7 @@ def _median_ms(fn, iters: int) -> float:
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # ~0.5 ms: the host queues fn() while the GPU spins
         start.record()
         fn()
         end.record()

@@ -1,11 +1,15 @@
 """Triton chunked gated delta rule (forward), two kernels; `reference.chunk_reference` is its oracle.
 
-1. `_wy_inverse_kernel`, parallel over (chunk, value head): T = (I + L)^-1 of the decayed, beta-scaled
-   K K^T of each 64-token chunk, by 16x16 blocks (forward substitution on the diagonal blocks, block
-   products below). T is the only intermediate that reaches HBM: 64 bf16 per token and value head.
-2. `_chunk_fwd_kernel`, sequential over the chunks of one (sequence, value head, V block): the state
-   stays in registers for the whole sequence; each chunk forms W = T diag(beta e^gamma) K and
-   U = T diag(beta) V on the fly, V' = U - W S, writes O and updates S. No w, u, h or v_new in HBM.
+1. `_chunk_prep_kernel`, parallel over (chunk, value head): everything that does not depend on the
+   state. T = (I + L)^-1 of the decayed, beta-scaled K K^T (16x16 blocks: forward substitution on the
+   diagonal, block products below), P = scale (Q K^T masked and decayed), and per-token row scales
+   that fold the l2 norms, beta and the decays into the state kernel's GEMM epilogues. They go to
+   chunk-aligned scratch (T and P in bf16: 256 B per token and value head, plus 16 B of fp32 scales).
+2. `_chunk_state_kernel`, sequential over the chunks of one (sequence, value head, V block) with the
+   state in registers. Per chunk only the state-dependent GEMMs run: K S and Q S, V' = T (beta V -
+   sk K S), O = sq Q S + P V', S = e^g_last S + K^T (sd V'). Raw q and k go straight into the GEMMs
+   (shared by the value heads of a key head, so mostly L2 hits); no w, u, h or v_new in HBM, and no
+   GEMM is repeated per V block.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import triton
 import triton.language as tl
 
 BT = 64
+_NROW = 4  # row scales per token: sq, sk, sd, beta
 
 
 @triton.jit
@@ -30,7 +35,7 @@ def _inv_unit_lower16(L):
 
 
 @triton.jit
-def _load_sub(k, g, beta, bos, T, i_h, i_hv, row0, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def _load_sub(k, g, beta, bos, T, i_h, i_hv, row0, H, HV, K: tl.constexpr,
               BK: tl.constexpr, L2NORM: tl.constexpr):
     """One 16-token sub-block: k [16, BK] in k's dtype, g and beta [16] fp32 (zero past the end)."""
     p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (row0, 0), (16, BK), (1, 0))
@@ -59,19 +64,19 @@ def _lower_block(ki, kj, ci, cj, bi, DIAG: tl.constexpr):
 
 
 @triton.jit
-def _store_block(p, x, T, row0, col0, HV: tl.constexpr):
-    ptr = tl.make_block_ptr(p, (T, 64), (HV * 64, 1), (row0, col0), (16, 16), (1, 0))
-    tl.store(ptr, x.to(ptr.dtype.element_ty), boundary_check=(0, 1))
+def _store16(p, x, row0: tl.constexpr, col0: tl.constexpr):
+    r = tl.arange(0, 16)
+    tl.store(p + (row0 + r)[:, None] * 64 + (col0 + r)[None, :], x.to(p.dtype.element_ty))
 
 
 @triton.jit
-def _wy_inverse_kernel(k, g, beta, A, cu_seqlens, chunk_table, H: tl.constexpr, HV: tl.constexpr,
-                       K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
+def _chunk_prep_kernel(q, k, g, beta, A, P, R, G, cu_seqlens, chunk_table, scale, H, HV, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_table + 2 * i_c)
     i_t = tl.load(chunk_table + 2 * i_c + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-    T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+    start = tl.load(cu_seqlens + i_n)
+    T = tl.load(cu_seqlens + i_n + 1) - start
+    bos = start.to(tl.int64)
     i_h = i_hv // (HV // H)
     r0 = i_t * 64
     k0, g0, b0 = _load_sub(k, g, beta, bos, T, i_h, i_hv, r0, H, HV, K, BK, L2NORM)
@@ -104,105 +109,127 @@ def _wy_inverse_kernel(k, g, beta, A, cu_seqlens, chunk_table, H: tl.constexpr, 
     t30 = -tl.dot(t33, tl.dot(l30, t00, input_precision="ieee") + tl.dot(l31, t10, input_precision="ieee")
                   + tl.dot(l32, t20, input_precision="ieee"), input_precision="ieee")
 
-    p = A + (bos * HV + i_hv) * 64
+    i_ch = i_c.to(tl.int64) * HV + i_hv
+    p = A + i_ch * 4096
     zero = tl.zeros([16, 16], dtype=tl.float32)
-    _store_block(p, t00, T, r0, 0, HV)
-    _store_block(p, zero, T, r0, 16, HV)
-    _store_block(p, zero, T, r0, 32, HV)
-    _store_block(p, zero, T, r0, 48, HV)
-    _store_block(p, t10, T, r0 + 16, 0, HV)
-    _store_block(p, t11, T, r0 + 16, 16, HV)
-    _store_block(p, zero, T, r0 + 16, 32, HV)
-    _store_block(p, zero, T, r0 + 16, 48, HV)
-    _store_block(p, t20, T, r0 + 32, 0, HV)
-    _store_block(p, t21, T, r0 + 32, 16, HV)
-    _store_block(p, t22, T, r0 + 32, 32, HV)
-    _store_block(p, zero, T, r0 + 32, 48, HV)
-    _store_block(p, t30, T, r0 + 48, 0, HV)
-    _store_block(p, t31, T, r0 + 48, 16, HV)
-    _store_block(p, t32, T, r0 + 48, 32, HV)
-    _store_block(p, t33, T, r0 + 48, 48, HV)
+    _store16(p, t00, 0, 0)
+    _store16(p, zero, 0, 16)
+    _store16(p, zero, 0, 32)
+    _store16(p, zero, 0, 48)
+    _store16(p, t10, 16, 0)
+    _store16(p, t11, 16, 16)
+    _store16(p, zero, 16, 32)
+    _store16(p, zero, 16, 48)
+    _store16(p, t20, 32, 0)
+    _store16(p, t21, 32, 16)
+    _store16(p, t22, 32, 32)
+    _store16(p, zero, 32, 48)
+    _store16(p, t30, 48, 0)
+    _store16(p, t31, 48, 16)
+    _store16(p, t32, 48, 32)
+    _store16(p, t33, 48, 48)
+
+    # P and the row scales over the whole chunk.
+    p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (r0, 0), (64, BK), (1, 0))
+    p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (r0, 0), (64, BK), (1, 0))
+    b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
+    b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
+    o_i = tl.arange(0, 64)
+    m_t = r0 + o_i < T
+    b_g = tl.load(g + (bos + r0 + o_i) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + (bos + r0 + o_i) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_c = tl.cumsum(b_g, 0)
+    g_last = tl.sum(b_g, 0)
+    if L2NORM:
+        qf = b_q.to(tl.float32)
+        kf = b_k.to(tl.float32)
+        rq = tl.rsqrt(tl.sum(qf * qf, 1) + 1e-6)
+        rk = tl.rsqrt(tl.sum(kf * kf, 1) + 1e-6)
+        b_qn = (qf * rq[:, None]).to(b_q.dtype)
+        b_kn = (kf * rk[:, None]).to(b_k.dtype)
+    else:
+        rq = tl.full([64], 1.0, dtype=tl.float32)
+        rk = tl.full([64], 1.0, dtype=tl.float32)
+        b_qn = b_q
+        b_kn = b_k
+    causal = o_i[:, None] >= o_i[None, :]
+    b_qk = tl.dot(b_qn, tl.trans(b_kn))
+    decay = tl.exp(tl.where(causal, b_c[:, None] - b_c[None, :], 0.0))
+    b_p = tl.where(causal, b_qk * decay * scale, 0.0)
+    tl.store(P + i_ch * 4096 + o_i[:, None] * 64 + o_i[None, :], b_p.to(P.dtype.element_ty))
+
+    e_c = tl.exp(b_c)
+    p_r = R + i_ch * (4 * 64) + o_i
+    tl.store(p_r, tl.where(m_t, scale * e_c * rq, 0.0))
+    tl.store(p_r + 64, tl.where(m_t, b_b * e_c * rk, 0.0))
+    tl.store(p_r + 128, tl.where(m_t, tl.exp(g_last - b_c) * rk, 0.0))
+    tl.store(p_r + 192, b_b)
+    tl.store(G + i_ch, tl.exp(g_last))
 
 
-def _fwd_configs_all() -> list[triton.Config]:
-    return [
-        triton.Config({"BV": bv}, num_warps=w, num_stages=s)
-        for bv in (32, 64)
-        for w in (4, 8)
-        for s in (1, 2)
-    ]
-
-
-def _fwd_configs() -> list[triton.Config]:
-    # BV = 32 miscompiles on sm_90 with Triton 3.6: wrong results with 4 warps and 1 stage, shared
-    # memory read out of bounds (compute-sanitizer) otherwise; the Triton interpreter gets it right.
-    return [c for c in _fwd_configs_all() if c.kwargs["BV"] == 64]
-
-
-@triton.autotune(configs=_fwd_configs(), key=["H", "HV", "K", "V", "WORK_LOG2"])
 @triton.jit
-def _chunk_fwd_kernel(q, k, v, g, beta, A, o, h0, ht, cu_seqlens, scale, WORK_LOG2,
-                      stride_sk, stride_sv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                      HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr):
+def _chunk_state_kernel(q, k, v, A, P, R, G, o, h0, ht, cu_seqlens, chunk_offsets, stride_sk, stride_sv,
+                        H, HV, WORK_LOG2, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                        BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-    T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+    start = tl.load(cu_seqlens + i_n)
+    T = tl.load(cu_seqlens + i_n + 1) - start
+    bos = start.to(tl.int64)
+    c_first = tl.load(chunk_offsets + i_n).to(tl.int64)
     dt = k.dtype.element_ty
 
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
-        p_h0 = tl.make_block_ptr(h0 + i_nh * K * V, (K, V), (stride_sk, stride_sv), (0, i_v * BV), (BK, BV),
-                                 (1, 0))
+        p_h0 = tl.make_block_ptr(h0 + i_nh.to(tl.int64) * K * V, (K, V), (stride_sk, stride_sv), (0, i_v * BV),
+                                 (BK, BV), (1, 0))
         b_s = tl.load(p_h0, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
 
     o_i = tl.arange(0, 64)
-    causal = o_i[:, None] >= o_i[None, :]
     for i_t in range(tl.cdiv(T, 64)):
+        i_ch = (c_first + i_t) * HV + i_hv
         p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * 64, 0), (64, BK), (1, 0))
         p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * 64, 0), (64, BK), (1, 0))
         p_v = tl.make_block_ptr(v + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * 64, i_v * BV),
                                 (64, BV), (1, 0))
-        p_a = tl.make_block_ptr(A + (bos * HV + i_hv) * 64, (T, 64), (HV * 64, 1), (i_t * 64, 0), (64, 64),
-                                (1, 0))
         b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
         b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
-        b_v = tl.load(p_v, boundary_check=(0, 1), padding_option="zero")
-        b_a = tl.load(p_a, boundary_check=(0, 1), padding_option="zero").to(dt)
-        if L2NORM:
-            qf = b_q.to(tl.float32)
-            kf = b_k.to(tl.float32)
-            b_q = (qf * tl.rsqrt(tl.sum(qf * qf, 1) + 1e-6)[:, None]).to(dt)
-            b_k = (kf * tl.rsqrt(tl.sum(kf * kf, 1) + 1e-6)[:, None]).to(dt)
-        o_t = i_t * 64 + o_i
-        m_t = o_t < T
-        b_g = tl.load(g + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-        b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-        b_c = tl.cumsum(b_g, 0)
-        g_last = tl.sum(b_g, 0)
+        b_v = tl.load(p_v, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        b_a = tl.load(A + i_ch * 4096 + o_i[:, None] * 64 + o_i[None, :]).to(dt)
+        b_p = tl.load(P + i_ch * 4096 + o_i[:, None] * 64 + o_i[None, :]).to(dt)
+        p_r = R + i_ch * (4 * 64) + o_i
+        r_q = tl.load(p_r)
+        r_k = tl.load(p_r + 64)
+        r_d = tl.load(p_r + 128)
+        r_b = tl.load(p_r + 192)
+        e_last = tl.load(G + i_ch)
 
-        b_w = tl.dot(b_a, (b_k * (b_b * tl.exp(b_c))[:, None]).to(dt))
-        b_u = tl.dot(b_a, (b_v * b_b[:, None]).to(dt))
         b_sd = b_s.to(dt)
-        b_vn = (b_u - tl.dot(b_w.to(dt), b_sd)).to(dt)
-
-        b_qk = tl.dot(b_q, tl.trans(b_k))
-        decay = tl.exp(tl.where(causal, b_c[:, None] - b_c[None, :], 0.0))
-        b_p = tl.where(causal, b_qk * decay, 0.0).to(dt)
-        b_o = tl.dot(b_q, b_sd) * tl.exp(b_c)[:, None] + tl.dot(b_p, b_vn)
+        b_ks = tl.dot(b_k, b_sd)
+        b_qs = tl.dot(b_q, b_sd)
+        b_y = (b_v * r_b[:, None] - b_ks * r_k[:, None]).to(dt)
+        b_vn = tl.dot(b_a, b_y)
+        b_o = b_qs * r_q[:, None] + tl.dot(b_p, b_vn.to(dt))
         p_o = tl.make_block_ptr(o + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * 64, i_v * BV),
                                 (64, BV), (1, 0))
-        tl.store(p_o, (b_o * scale).to(p_o.dtype.element_ty), boundary_check=(0, 1))
-
-        b_kd = (b_k * tl.exp(g_last - b_c)[:, None]).to(dt)
-        b_s = b_s * tl.exp(g_last) + tl.dot(tl.trans(b_kd), b_vn)
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
+        b_s = b_s * e_last + tl.dot(tl.trans(b_k), (b_vn * r_d[:, None]).to(dt))
 
     if STORE_FINAL:
-        p_ht = tl.make_block_ptr(ht + i_nh * K * V, (K, V), (stride_sk, stride_sv), (0, i_v * BV), (BK, BV),
-                                 (1, 0))
+        p_ht = tl.make_block_ptr(ht + i_nh.to(tl.int64) * K * V, (K, V), (stride_sk, stride_sv), (0, i_v * BV),
+                                 (BK, BV), (1, 0))
         tl.store(p_ht, b_s.to(p_ht.dtype.element_ty), boundary_check=(0, 1))
+
+
+# (BV, num_warps, num_stages) of the state kernel. The kernel only writes o and the final state, so
+# Triton's autotuner may rerun it freely. Narrow V blocks give a short single sequence more programs.
+STATE_CONFIGS = ((64, 4, 2), (64, 8, 2), (64, 4, 1), (32, 4, 2), (128, 8, 2))
+
+_chunk_state_tuned = triton.autotune(
+    configs=[triton.Config({"BV": bv}, num_warps=w, num_stages=st) for bv, w, st in STATE_CONFIGS],
+    key=["H", "HV", "WORK_LOG2", "K", "V"],
+)(_chunk_state_kernel)
 
 
 def _sequences(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device
@@ -216,7 +243,7 @@ def _sequences(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.de
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                               use_qk_l2norm_in_kernel, state_v_first):
+                               use_qk_l2norm_in_kernel, state_v_first, config: tuple[int, int, int] | None = None):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
@@ -224,7 +251,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     cu, offs = _sequences(cu_seqlens, B, T, q.device)
     N = len(offs) - 1
-    table = [(n, c) for n in range(N) for c in range(triton.cdiv(offs[n + 1] - offs[n], BT))]
+    counts = [triton.cdiv(offs[n + 1] - offs[n], BT) for n in range(N)]
+    table = [(n, c) for n in range(N) for c in range(counts[n])]
     o = torch.empty_like(v)
     final = None
     if output_final_state:
@@ -233,16 +261,32 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         if final is not None:
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return o, final
-    chunk_table = torch.tensor(table, dtype=torch.int32, device=q.device)
-    A = q.new_empty((B * T, HV, BT), dtype=torch.bfloat16 if q.dtype != torch.float32 else torch.float32)
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    host = torch.tensor([x for pair in table for x in pair] + starts, dtype=torch.int32)
+    dev = host.to(q.device, non_blocking=True)
+    chunk_table, chunk_offsets = dev[: 2 * len(table)], dev[2 * len(table):]
+    NC = len(table)
+    sdt = torch.bfloat16 if q.dtype != torch.float32 else torch.float32
+    A = q.new_empty((NC, HV, BT, BT), dtype=sdt)
+    Pm = q.new_empty((NC, HV, BT, BT), dtype=sdt)
+    R = q.new_empty((NC, HV, _NROW, BT), dtype=torch.float32)
+    G = q.new_empty((NC, HV), dtype=torch.float32)
     BK = triton.next_power_of_2(K)
-    _wy_inverse_kernel[(len(table), HV)](k, g, beta, A, cu, chunk_table, H=H, HV=HV, K=K, BK=BK,
-                                         L2NORM=use_qk_l2norm_in_kernel, num_warps=4)
+    _chunk_prep_kernel[(NC, HV)](q, k, g, beta, A, Pm, R, G, cu, chunk_table, scale, H, HV, K=K, BK=BK,
+                                 L2NORM=use_qk_l2norm_in_kernel, num_warps=4)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    # The state kernels index K rows and V columns; a V-first state is the transposed view.
+    # The state kernel indexes K rows and V columns; a V-first state is the transposed view.
     stride_sk, stride_sv = (1, K) if state_v_first else (V, 1)
-    grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)  # noqa: E731
-    _chunk_fwd_kernel[grid](q, k, v, g, beta, A, o, h0, final, cu, scale, max(N * HV, 1).bit_length(),
-                            stride_sk, stride_sv, H=H, HV=HV, K=K, V=V, BK=BK, L2NORM=use_qk_l2norm_in_kernel,
-                            HAS_H0=h0 is not None, STORE_FINAL=final is not None)
+    common = (q, k, v, A, Pm, R, G, o, h0, final, cu, chunk_offsets, stride_sk, stride_sv, H, HV,
+              max(N * HV, 1).bit_length())
+    flags = dict(K=K, V=V, BK=BK, HAS_H0=h0 is not None, STORE_FINAL=final is not None)
+    if config is None:
+        grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)  # noqa: E731
+        _chunk_state_tuned[grid](*common, **flags)
+    else:
+        bv, warps, stages = config
+        _chunk_state_kernel[(triton.cdiv(V, bv), N * HV)](*common, **flags, BV=bv, num_warps=warps,
+                                                          num_stages=stages)
     return o, final
