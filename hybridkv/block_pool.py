@@ -29,7 +29,7 @@ from hybridkv.fence import FenceTable
 class BlockPool:
     """Free lists of every physical pool of one worker, over block keys."""
 
-    __slots__ = ("_table", "_fenced", "managed", "_free", "_heap", "_quarantine", "_parked", "_reusable")
+    __slots__ = ("_table", "_fenced", "managed", "_free", "_heap", "_seq", "_quarantine", "_parked", "_reusable")
 
     def __init__(self, table: FenceTable, *, fenced: bool, managed: bool) -> None:
         self._table = table
@@ -41,7 +41,9 @@ class BlockPool:
         self._free: list[deque[int]] = [
             deque(table.pool_keys(p)) if managed else deque() for p in range(npools)
         ]
-        self._heap: list[tuple[int, int]] = []
+        # (fence, seq, keys): one entry per batch of keys freed together.
+        self._heap: list[tuple[int, int, list[int]]] = []
+        self._seq = 0
         self._quarantine: set[int] = set()
         # Every freed key not yet reusable, to reject double frees cheaply.
         self._parked: set[int] = set()
@@ -80,32 +82,45 @@ class BlockPool:
     # -- release --------------------------------------------------------------
     def park(self, key: int) -> None:
         """A block was freed; make it reusable as soon as the rules allow."""
+        self.park_many([key])
+
+    def park_many(self, keys: list[int]) -> None:
+        """Blocks were freed together (one request's); one heap entry per fence value."""
         t = self._table
         if not self._fenced:
-            self._release(key)
+            for key in keys:
+                self._release(key)
             return
-        if t.readers[key] or t.writers[key]:
-            self._parked.add(key)
-            self._quarantine.add(key)
-            return
-        f = t.fence[key]
-        if f <= t.watermark:
-            self._release(key)
-        else:
-            self._parked.add(key)
-            heapq.heappush(self._heap, (f, key))
+        readers, writers, fence, w = t.readers, t.writers, t.fence, t.watermark
+        later: dict[int, list[int]] = {}
+        for key in keys:
+            if readers[key] or writers[key]:
+                self._parked.add(key)
+                self._quarantine.add(key)
+                continue
+            f = fence[key]
+            if f <= w:
+                self._release(key)
+            else:
+                self._parked.add(key)
+                later.setdefault(f, []).append(key)
+        for f, batch in later.items():
+            self._seq += 1
+            heapq.heappush(self._heap, (f, self._seq, batch))
 
     def on_watermark(self) -> None:
         t = self._table
         heap = self._heap
         w = t.watermark
+        readers, writers = t.readers, t.writers
         while heap and heap[0][0] <= w:
-            _, key = heapq.heappop(heap)
-            if t.readers[key] or t.writers[key]:
-                self._quarantine.add(key)
-            else:
-                self._parked.discard(key)
-                self._release(key)
+            _, _, batch = heapq.heappop(heap)
+            for key in batch:
+                if readers[key] or writers[key]:
+                    self._quarantine.add(key)
+                else:
+                    self._parked.discard(key)
+                    self._release(key)
 
     def on_transfer_terminal(self, keys: list[int]) -> None:
         t = self._table
@@ -117,7 +132,8 @@ class BlockPool:
                     self._parked.discard(key)
                     self._release(key)
                 else:
-                    heapq.heappush(self._heap, (t.fence[key], key))
+                    self._seq += 1
+                    heapq.heappush(self._heap, (t.fence[key], self._seq, [key]))
 
     def _release(self, key: int) -> None:
         if self.managed:

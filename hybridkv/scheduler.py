@@ -210,13 +210,16 @@ class TransferScheduler:
             raise ValueError("allocate() on an engine-owned pool; expected assign()")
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"n = {n!r}; expected a non-negative int")
-        self.table.key(group, 0)  # validates the group
-        keys = self.pool.take(self.layout.group_pools[group], n)
+        pools = self.layout.group_pools
+        if not isinstance(group, int) or not 0 <= group < len(pools):
+            raise ValueError(f"group {group!r}; expected a group index in [0, {len(pools)})")
+        pool = pools[group]
+        keys = self.pool.take(pool, n)
         if keys is None:
             return _EXHAUSTED
         self._hold(rec, group, keys)
-        b = self.table.block_of
-        return tuple(BlockId(b(k)) for k in keys)
+        base = self.table.pool_keys(pool).start
+        return tuple([k - base for k in keys])  # type: ignore[return-value]
 
     def assign(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
         """Engine-owned pool: the engine gave ``blocks`` of ``group`` to ``request``."""
@@ -301,9 +304,18 @@ class TransferScheduler:
         del self._requests[rec.id]
         for tid in rec.transfers:
             self._transfers[tid].orphaned = True
-        for keys in rec.blocks.values():
-            for k in keys:
-                self._release_key(k)
+        t = self.table
+        # The request is retired (not resident): its blocks' fence is at least its last step.
+        hs = rec.last_step
+        fence, holder, imported = t.fence, t.holder, self._imported
+        keys = [k for ks in rec.blocks.values() for k in ks]
+        for k in keys:
+            if hs > fence[k]:
+                fence[k] = hs
+            holder[k] = None
+        if imported:
+            imported.difference_update(keys)
+        self.pool.park_many(keys)
         rec.blocks.clear()
 
     def _release_key(self, key: int) -> None:
