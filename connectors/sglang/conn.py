@@ -77,6 +77,20 @@ _RECV_POLL_MS = 200
 _SETTLE_TIMEOUT_S = 30.0
 
 
+def _state_blocks(state_indices) -> list[tuple[int, np.ndarray]]:
+    """(state type, int64 slot ids) for each state type with indices; SGLang passes
+    per type None, a list, or a list holding one numpy array (Mamba)."""
+    out = []
+    for c, idx in enumerate(state_indices or ()):
+        if idx is None:
+            continue
+        arr = np.concatenate([np.asarray(x).ravel() for x in idx]) if isinstance(idx, (list, tuple)) and idx \
+            else np.asarray(idx).ravel()
+        if arr.size:
+            out.append((c, arr.astype(np.int64)))
+    return out
+
+
 def request_id(room: int) -> RequestId:
     return RequestId(f"room-{int(room)}")
 
@@ -377,9 +391,9 @@ class HybridKVManager(CommonKVManager):
             sched.request_finished(rid, export=True)  # its blocks are read by outbound writes from now on
         wanted = [(KV_GROUP, chunk.kv_indices)]
         if chunk.is_last:
-            for c, idx in enumerate(chunk.state_indices or ()):
-                if idx is not None and len(idx) and c < self.adopted.num_state_groups:
-                    wanted.append((self.adopted.state_group(c), np.asarray(idx, dtype=np.int64).ravel()))
+            for c, idx in _state_blocks(chunk.state_indices):
+                if c < self.adopted.num_state_groups:
+                    wanted.append((self.adopted.state_group(c), idx))
             wanted.append((self.adopted.aux_group, np.asarray([chunk.aux_index], dtype=np.int64)))
         for group, blocks in wanted:
             size = sched.layout.pool_sizes[sched.layout.group_pools[group]]
@@ -442,12 +456,10 @@ class HybridKVManager(CommonKVManager):
             )
         blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {KV_GROUP: (chunk.kv_indices, dst_pages)}
         if chunk.is_last:
-            for c, idx in enumerate(chunk.state_indices or ()):
-                if idx is None or len(idx) == 0:
-                    continue
+            for c, idx in _state_blocks(chunk.state_indices):
                 if c >= len(md.state_indices) or md.state_indices[c] is None:
                     raise ValueError(f"room {chunk.room}: decode sent no destination for state component {c}")
-                blocks[self.adopted.state_group(c)] = (np.asarray(idx, dtype=np.int64).ravel(), md.state_indices[c])
+                blocks[self.adopted.state_group(c)] = (idx, md.state_indices[c])
             if md.aux_index < 0:
                 raise ValueError(f"room {chunk.room}: decode sent no aux index")
             blocks[self.adopted.aux_group] = (np.asarray([int(chunk.aux_index)]), np.asarray([md.aux_index]))
@@ -727,9 +739,9 @@ class HybridKVReceiver(CommonKVReceiver):
         if self.bootstrap_infos is not None and not self._published:
             mgr = self.kv_mgr
             blocks = {KV_GROUP: np.asarray(kv_indices, dtype=np.int64).ravel()}
-            for c, idx in enumerate(state_indices or ()):
-                if idx is not None and c < mgr.adopted.num_state_groups:
-                    blocks[mgr.adopted.state_group(c)] = np.asarray(idx, dtype=np.int64).ravel()
+            for c, idx in _state_blocks(state_indices):
+                if c < mgr.adopted.num_state_groups:
+                    blocks[mgr.adopted.state_group(c)] = idx
             if aux_index is not None:
                 blocks[mgr.adopted.aux_group] = np.asarray([aux_index], dtype=np.int64)
             try:

@@ -76,3 +76,24 @@ def test_fragmented_pages_cost_one_descriptor_per_run():
     n_raw, nbytes_raw = _plan(planners, {KV_GROUP: s}, {KV_GROUP: d}, coalesce=False)
     assert n_raw == len(s) * kv_buffers == _sglang_nixl_count(args, [s]) - len(args.state_data_ptrs[0]) - 1
     assert nbytes == nbytes_raw == len(s) * sum(args.kv_item_lens)
+
+
+def test_analyzer_sglang_nixl_model_matches_sglang_code_on_a_qwen35_request():
+    """`hybridkv analyze`'s `sglang-nixl` count (a closed-form model) equals what
+    SGLang's own helpers give for the same request: every page of every K and V
+    layer buffer, plus one per (conv | temporal) x GDN layer state buffer."""
+    from descriptors.schemes import Scheme, Workload, count_descriptors
+    from hybridkv.geometry import LayerKind
+    from hybridkv.presets import get_preset
+
+    geom = get_preset("qwen3.5-0.8b")
+    w = Workload(geometry=geom, tokens=1000)
+    fa = len(geom.layer_indices(LayerKind.FULL_ATTENTION))
+    gdn = len(geom.layer_indices(LayerKind.GDN))
+    pages = -(-w.tokens // w.effective_block_size)
+    item = 4096  # sizes do not change the count; SGLang's helpers only read the list shapes
+    kv_lens, kv_items = [item * (pages + 8)] * (2 * fa), [item] * (2 * fa)
+    slots = num_kv_slots(kv_lens, kv_items)
+    theirs = len(repeat_indices_over_layers(np.arange(3, 3 + pages, dtype=np.int32), 2 * fa, slots))
+    theirs += 2 * gdn  # state_data_ptrs: conv list, then temporal, one entry per mamba layer
+    assert count_descriptors(Scheme.SGLANG_NIXL, w).descriptors == theirs
