@@ -58,6 +58,7 @@ class Kind(enum.IntEnum):
     HEARTBEAT = 7
     LEASE = 8
     BYE = 9
+    WANT = 10
 
 
 class Role(enum.IntEnum):
@@ -81,6 +82,7 @@ class FailureCode(enum.IntEnum):
     UNKNOWN_REQUEST = 3
     ABORTED = 4
     PROTOCOL = 5
+    CLAIMED = 6  # another consumer already reads the request
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +112,42 @@ class GroupBlocks:
     ids: tuple[int, ...]
 
 
+FIELD_COLUMNS = 6  # component code, layer, head, offset, nbytes, token_bytes
+MAX_FIELDS = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementTable:
+    """The fields inside page b of one region for one group: int64 rows of
+    (component code, layer, global head, offset, nbytes, token_bytes), little-endian."""
+
+    region_id: int
+    rows: bytes
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.rows, dtype="<i8").reshape(-1, FIELD_COLUMNS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupTable:
+    group_id: int
+    kind: int  # layer-kind code (0: opaque); the codes are the transport's (memory.py)
+    block_tokens: int  # 0: a state group (one block holds one state)
+    window: int  # 0: no sliding window
+    layers: tuple[int, ...]
+    placements: tuple[PlacementTable, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutTable:
+    """What a peer needs to rebuild the sender's layout field by field (heterogeneous TP,
+    different block sizes): its TP shard and every group's field tables."""
+
+    tp: int
+    rank: int
+    groups: tuple[GroupTable, ...]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Hello:
     agent: str
@@ -121,6 +159,7 @@ class Hello:
     regions: tuple[RegionInfo, ...]
     groups: tuple[GroupInfo, ...]
     lease_s: float
+    layout: LayoutTable | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,7 +221,18 @@ class Bye:
     reason: str
 
 
-Message = Hello | Refuse | Export | Import | Done | Failure | Heartbeat | Lease | Bye
+@dataclass(frozen=True, kw_only=True)
+class Want:
+    """Consumer -> producer: export this request to me. ``readers`` consumers share it
+    (decode ranks reading different heads of one producer rank); any other claim is refused."""
+
+    request_id: str
+    readers: int = 1
+
+
+MAX_READERS = 1024
+
+Message = Hello | Refuse | Export | Import | Done | Failure | Heartbeat | Lease | Bye | Want
 
 _KIND_OF: dict[type, Kind] = {
     Hello: Kind.HELLO,
@@ -194,12 +244,19 @@ _KIND_OF: dict[type, Kind] = {
     Heartbeat: Kind.HEARTBEAT,
     Lease: Kind.LEASE,
     Bye: Kind.BYE,
+    Want: Kind.WANT,
 }
 
 
 # ---------------------------------------------------------------- encoding
 def _blocks_out(blocks: tuple[GroupBlocks, ...]) -> list:
     return [[g.group_id, np.asarray(g.ids, dtype="<i4").tobytes()] for g in blocks]
+
+
+def _layout_out(t: LayoutTable) -> list:
+    return [t.tp, t.rank, [[g.group_id, g.kind, g.block_tokens, g.window,
+                            np.asarray(g.layers, dtype="<i4").tobytes(),
+                            [[p.region_id, bytes(p.rows)] for p in g.placements]] for g in t.groups]]
 
 
 def _body(msg: Message) -> dict[str, Any]:
@@ -217,6 +274,7 @@ def _body(msg: Message) -> dict[str, Any]:
             ],
             "groups": [[g.group_id, list(g.region_ids)] for g in msg.groups],
             "lease_s": float(msg.lease_s),
+            "layout": None if msg.layout is None else _layout_out(msg.layout),
         }
     if isinstance(msg, Refuse):
         return {"reason": msg.reason, "diffs": [[d.field, d.local, d.remote] for d in msg.differences]}
@@ -234,6 +292,8 @@ def _body(msg: Message) -> dict[str, Any]:
         return {"rid": msg.request_id, "lease_s": float(msg.lease_s)}
     if isinstance(msg, Bye):
         return {"reason": msg.reason}
+    if isinstance(msg, Want):
+        return {"rid": msg.request_id, "readers": int(msg.readers)}
     raise ValueError(f"message {msg!r}; expected one of {[t.__name__ for t in _KIND_OF]}")
 
 
@@ -378,7 +438,10 @@ def _hello(b: dict) -> Hello:
     gids = [g.group_id for g in groups]
     if len(set(gids)) != len(gids):
         raise _fail(f"hello.groups repeat a group id {gids}; expected distinct ids")
+    layout = None if b["layout"] is None else _layout_in(b["layout"], {r.region_id: r for r in regions},
+                                                               {g.group_id for g in groups})
     return Hello(
+        layout=layout,
         agent=_str(b["agent"], "hello.agent", MAX_NAME),
         metadata=_bytes(b["metadata"], "hello.metadata", MAX_METADATA_BYTES),
         role=_enum(b["role"], "hello.role", Role),
@@ -389,6 +452,66 @@ def _hello(b: dict) -> Hello:
         groups=tuple(groups),
         lease_s=_float(b["lease_s"], "hello.lease_s", 0.0, MAX_LEASE_S),
     )
+
+
+def _layout_in(v: Any, regions: Mapping[int, RegionInfo], group_ids: set[int]) -> LayoutTable:
+    e = _list(v, "hello.layout", 3)
+    if len(e) != 3:
+        raise _fail(f"hello.layout has {len(e)} entries; expected [tp, rank, groups]")
+    tp = _int(e[0], "hello.layout.tp", 1, 1 << 16)
+    rank = _int(e[1], "hello.layout.rank", 0, tp - 1)
+    groups, seen = [], set()
+    total = 0
+    for i, g in enumerate(_list(e[2], "hello.layout.groups", MAX_GROUPS)):
+        name = f"hello.layout.groups[{i}]"
+        ge = _list(g, name, 6)
+        if len(ge) != 6:
+            raise _fail(f"{name} has {len(ge)} entries; expected [group, kind, block_tokens, window, layers, placements]")
+        gid = _int(ge[0], f"{name}.group", 0, MAX_GROUPS - 1)
+        if gid in seen or gid not in group_ids:
+            raise _fail(f"{name}.group = {gid}; expected a distinct group the hello lists ({sorted(group_ids)})")
+        seen.add(gid)
+        raw = _bytes(ge[4], f"{name}.layers", 4 * 65536)
+        if len(raw) % 4:
+            raise _fail(f"{name}.layers has {len(raw)} bytes; expected int32s")
+        layers = np.frombuffer(raw, dtype="<i4")
+        if layers.size and int(layers.min()) < 0:
+            raise _fail(f"{name}.layers has a negative layer; expected layer indices >= 0")
+        placements = []
+        for j, p in enumerate(_list(ge[5], f"{name}.placements", MAX_REGIONS)):
+            pe = _list(p, f"{name}.placements[{j}]", 2)
+            if len(pe) != 2:
+                raise _fail(f"{name}.placements[{j}] has {len(pe)} entries; expected [region, fields]")
+            rid = _int(pe[0], f"{name}.placements[{j}].region", 0, MAX_REGIONS - 1)
+            if rid not in regions:
+                raise _fail(f"{name}.placements[{j}] names region {rid} that the hello does not list")
+            rows = _bytes(pe[1], f"{name}.placements[{j}].fields", 8 * FIELD_COLUMNS * MAX_FIELDS)
+            if len(rows) % (8 * FIELD_COLUMNS):
+                raise _fail(f"{name}.placements[{j}].fields has {len(rows)} bytes; expected rows of "
+                            f"{FIELD_COLUMNS} int64")
+            total += len(rows) // (8 * FIELD_COLUMNS)
+            if total > MAX_FIELDS:
+                raise _fail(f"hello.layout has more than {MAX_FIELDS} fields")
+            a = np.frombuffer(rows, dtype="<i8").reshape(-1, FIELD_COLUMNS)
+            if a.size:
+                if int(a.min()) < 0:
+                    raise _fail(f"{name}.placements[{j}].fields has a negative entry; expected all >= 0")
+                if int(a[:, 4].min()) <= 0:
+                    raise _fail(f"{name}.placements[{j}].fields has an empty field; expected nbytes > 0")
+                end = int((a[:, 3] + a[:, 4]).max())
+                if end > regions[rid].page_bytes:
+                    raise _fail(f"{name}.placements[{j}].fields end at byte {end}, past the page "
+                                f"({regions[rid].page_bytes} bytes) of region {rid}")
+                tb = a[:, 5]
+                if ((tb > 0) & (a[:, 4] % np.maximum(tb, 1) != 0)).any():
+                    raise _fail(f"{name}.placements[{j}].fields: nbytes not a multiple of token_bytes")
+            placements.append(PlacementTable(region_id=rid, rows=rows))
+        groups.append(GroupTable(
+            group_id=gid, kind=_int(ge[1], f"{name}.kind", 0, 255),
+            block_tokens=_int(ge[2], f"{name}.block_tokens", 0, MAX_I32),
+            window=_int(ge[3], f"{name}.window", 0, MAX_I32),
+            layers=tuple(layers.tolist()), placements=tuple(placements)))
+    return LayoutTable(tp=tp, rank=rank, groups=tuple(groups))
 
 
 def _hash_bytes(v: Any) -> bytes:
@@ -403,7 +526,8 @@ def _opt_str(v: Any, name: str) -> str | None:
 
 
 _KEYS = {
-    Kind.HELLO: frozenset({"agent", "metadata", "role", "mode", "compat", "hash", "regions", "groups", "lease_s"}),
+    Kind.HELLO: frozenset({"agent", "metadata", "role", "mode", "compat", "hash", "regions", "groups", "lease_s",
+                           "layout"}),
     Kind.REFUSE: frozenset({"reason", "diffs"}),
     Kind.EXPORT: frozenset({"rid", "blocks", "lease_s"}),
     Kind.IMPORT: frozenset({"rid", "blocks"}),
@@ -412,6 +536,7 @@ _KEYS = {
     Kind.HEARTBEAT: frozenset({"seq", "rids"}),
     Kind.LEASE: frozenset({"rid", "lease_s"}),
     Kind.BYE: frozenset({"reason"}),
+    Kind.WANT: frozenset({"rid", "readers"}),
 }
 
 
@@ -487,6 +612,8 @@ def _decode_top(top: Any) -> Message:
                                                                    MAX_REQUESTS_PER_HEARTBEAT)))
     if kind is Kind.LEASE:
         return Lease(request_id=_rid(b["rid"]), lease_s=_float(b["lease_s"], "lease.lease_s", 0.0, MAX_LEASE_S))
+    if kind is Kind.WANT:
+        return Want(request_id=_rid(b["rid"]), readers=_int(b["readers"], "want.readers", 1, MAX_READERS))
     return Bye(reason=_str(b["reason"], "bye.reason", MAX_TEXT, empty=True))
 
 
@@ -527,5 +654,5 @@ def compat_differences(local: Mapping[str, str], remote: Mapping[str, str]) -> t
 __all__ = [
     "Bye", "Done", "Export", "Failure", "FailureCode", "GroupBlocks", "GroupInfo", "Heartbeat", "Hello",
     "Import", "Kind", "Lease", "Mem", "Message", "Mode", "PROTOCOL_VERSION", "Refuse", "RegionInfo", "Role",
-    "WireError", "check_blocks", "compat_differences", "compat_hash", "decode", "encode",
+    "GroupTable", "LayoutTable", "PlacementTable", "Want", "WireError", "check_blocks", "compat_differences", "compat_hash", "decode", "encode",
 ]

@@ -147,7 +147,30 @@ class DataPlane:
             h = self.agent.make_prepped_xfer(op.value, self._local, li, remote_handle, ri, notif)
         except Exception as exc:  # nixl raises its own typed errors (nixlInvalidParamError, ...)
             raise TransferError(f"NIXL refused the transfer to {peer}: {type(exc).__name__}: {exc}") from exc
-        xfer = Transfer(h, peer, li.size, nbytes)
+        return self._start(Transfer(h, peer, li.size, nbytes))
+
+    def post_rows(self, op: Op, peer: str, local_rows: np.ndarray, remote_rows: np.ndarray,
+                  notif: bytes = b"") -> Transfer:
+        """Make and post a transfer of (addr, len, dev) rows: local_rows[i] <-> remote_rows[i].
+
+        For field-level plans (heterogeneous TP, different block sizes), whose rows are
+        not whole pages. ``initialize_xfer`` checks each row against the registrations and
+        does not merge rows, so the plan arrives merged already."""
+        _, remote = self._peer(peer)
+        lr = np.ascontiguousarray(local_rows, dtype=np.uint64)
+        rr = np.ascontiguousarray(remote_rows, dtype=np.uint64)
+        if lr.shape != rr.shape or lr.ndim != 2 or lr.shape[1] != 3 or lr.shape[0] == 0:
+            raise ValueError(f"row arrays of shapes {lr.shape} and {rr.shape}; expected equal non-empty Nx3")
+        try:
+            ld = self.agent.get_xfer_descs(lr, self.mem_name)
+            rd = self.agent.get_xfer_descs(rr, remote.mem.name)
+            h = self.agent.initialize_xfer(op.value, ld, rd, peer, notif)
+        except Exception as exc:
+            raise TransferError(f"NIXL refused the transfer to {peer}: {type(exc).__name__}: {exc}") from exc
+        return self._start(Transfer(h, peer, lr.shape[0], int(lr[:, 1].sum())))
+
+    def _start(self, xfer: Transfer) -> Transfer:
+        h, peer = xfer.handle, xfer.peer
         try:
             state = self.agent.transfer(h)
         except Exception as exc:

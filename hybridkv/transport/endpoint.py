@@ -34,7 +34,7 @@ from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, HandshakeTimeout, PeerLost, ProtocolViolation
 from hybridkv.transport import control
 from hybridkv.transport.dataplane import DataPlane, DataPlaneConfig, Op, Transfer, XferState
-from hybridkv.transport.memory import MemoryMap, check_peer_shapes, pair_indices
+from hybridkv.transport.memory import PAGE_SHAPE_FIELDS, MemoryMap, check_peer_shapes, pair_indices
 
 NOTIF_PREFIX = b"hkv:"
 
@@ -44,6 +44,13 @@ class FailurePolicy(enum.Enum):
 
     FAIL = "fail"  # the request is aborted
     RECOMPUTE = "recompute"  # the request computes its prompt locally
+
+
+class Pairing(enum.Enum):
+    """How a consumer matches its blocks to the producer's."""
+
+    PAGES = "pages"  # page for page: both sides cut pages alike (same TP, block size, page format)
+    FIELDS = "fields"  # field by field through a plan the connector injects (heterogeneous TP, block sizes)
 
 
 class Outcome(enum.Enum):
@@ -66,6 +73,7 @@ class TransportConfig:
     failure_policy: FailurePolicy = FailurePolicy.FAIL
     pump_busy_s: float = 0.0002
     pump_idle_s: float = 0.005
+    pairing: Pairing = Pairing.PAGES
     dataplane: DataPlaneConfig = DataPlaneConfig()
 
 
@@ -114,7 +122,12 @@ class _Side:
         self.scheduler = scheduler
         self.config = config
         self.dp = DataPlane(memory, config.dataplane)
-        self.compat = {**memory.shape_fields(), "protocol": str(wire.PROTOCOL_VERSION), "mode": config.mode.name}
+        compat = {**memory.shape_fields(), "protocol": str(wire.PROTOCOL_VERSION), "mode": config.mode.name,
+                  "pairing": config.pairing.name}
+        if config.pairing is Pairing.FIELDS:
+            # Pages may be cut differently; the field tables in the handshake say how.
+            compat = {k: v for k, v in compat.items() if k not in PAGE_SHAPE_FIELDS}
+        self.compat = compat
         self.stats = Stats()
         self._pump_task: asyncio.Task | None = None
         self._busy = 0
@@ -125,6 +138,7 @@ class _Side:
             agent=self.dp.name, metadata=self.dp.metadata(), role=self.role, mode=self.config.mode,
             compat=self.compat, compat_hash=wire.compat_hash(self.compat), regions=self.memory.regions,
             groups=self.memory.groups, lease_s=float(self.scheduler.leases.duration_s),
+            layout=self.memory.table if self.config.pairing is Pairing.FIELDS else None,
         )
 
     def check_hello(self, h: wire.Hello) -> MemoryMap:
@@ -137,8 +151,12 @@ class _Side:
         diffs = wire.compat_differences(self.compat, h.compat)
         if diffs:
             raise HandshakeRefused("incompatible peer", diffs)
-        remote = MemoryMap(regions=h.regions, groups=h.groups)
-        check_peer_shapes(self.memory, h.regions, h.groups)
+        remote = MemoryMap(regions=h.regions, groups=h.groups, table=h.layout)
+        if self.config.pairing is Pairing.PAGES:
+            check_peer_shapes(self.memory, h.regions, h.groups)
+        elif h.layout is None:
+            raise HandshakeRefused("the peer pairs by fields but sent no field tables", [
+                wire.Difference(field="layout", local="field tables", remote=None)])
         return remote
 
     def _start_pump(self) -> None:
@@ -185,11 +203,18 @@ class _Side:
 class _Export:
     rid: str
     tid: int
-    peer: _Peer
     blocks: dict[int, np.ndarray]
     done: asyncio.Future
+    readers: int | None = None  # how many consumers share it (set by the first claim)
+    claims: dict[str, _Peer] = field(default_factory=dict)  # agent -> reader
+    ended: dict[str, tuple[bool, str | None]] = field(default_factory=dict)  # agent -> (ok, detail)
     xfer: Transfer | None = None
     abort_asked: bool = False
+
+    @property
+    def peer(self) -> _Peer | None:
+        """The reader, where there is exactly one (push mode has one)."""
+        return next(iter(self.claims.values())) if len(self.claims) == 1 else None
 
 
 class Producer(_Side):
@@ -207,6 +232,8 @@ class Producer(_Side):
         # or crossing completion is told apart from a stray one (bounded).
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._notified: OrderedDict[str, None] = OrderedDict()
+        # Wants that came before the request was exported (the consumer may be first).
+        self._wants: dict[str, list[tuple[_Peer, int]]] = {}
 
     async def start(self) -> tuple[str, int]:
         self._listener = control.listen(self._accept, self.config.port)
@@ -264,30 +291,99 @@ class Producer(_Side):
                 leases.append(wire.Lease(request_id=rid, lease_s=left))
             for lease in leases:
                 asyncio.ensure_future(_send_quietly(peer.channel, lease))
+        elif isinstance(msg, wire.Want):
+            self._on_want(peer, msg)
         elif isinstance(msg, wire.Import):
             self._on_import(peer, msg)
         elif isinstance(msg, (wire.Done, wire.Failure)):
             rec = self._exports.get(msg.request_id)
-            if rec is None or rec.peer is not peer:
+            if rec is None or rec.claims.get(peer.agent) is not peer:
                 if msg.request_id not in self._finished:
                     self.stats.unknown += 1
                 return
             if isinstance(msg, wire.Done) and msg.ok:
                 if self.config.mode is wire.Mode.PULL:
-                    # The consumer's READ completed on its side: the blocks are no longer
-                    # needed. Its NIXL notification says the same and may come later.
-                    self._finish(rec, ok=True, outcome=Outcome.DONE)
+                    # The consumer's READ completed on its side: it no longer needs the
+                    # blocks. Its NIXL notification says the same and may come later.
+                    self._reader_ended(rec, peer.agent, True)
                 return
             if rec.xfer is not None:
                 rec.abort_asked = True  # finish the write first; the blocks are read until then
                 return
             detail = msg.detail if isinstance(msg, wire.Failure) else "consumer failed the transfer"
-            self._finish(rec, ok=False, outcome=Outcome.FAILED, error=detail, tell=wire.Done(
-                request_id=rec.rid, ok=False))
+            self._reader_ended(rec, peer.agent, False, detail)
         elif isinstance(msg, wire.Bye):
             self._peer_lost(peer)
         else:
             self.stats.rejected += 1
+
+    def _on_want(self, peer: _Peer, msg: wire.Want) -> None:
+        rid = msg.request_id
+        rec = self._exports.get(rid)
+        if rec is not None:
+            self._claim(rec, peer, msg.readers)
+            return
+        if rid in self._finished:
+            self._refuse_want(peer, rid, wire.FailureCode.UNKNOWN_REQUEST,
+                              f"request {rid} was already exported and its export has ended")
+            return
+        pending = self._wants.setdefault(rid, [])
+        if any(p is peer for p, _ in pending):
+            self.stats.duplicates += 1
+            return
+        if len(self._wants) > _REMEMBER:
+            self._wants.pop(rid, None)
+            self._refuse_want(peer, rid, wire.FailureCode.UNKNOWN_REQUEST, "too many requests asked for ahead")
+            return
+        pending.append((peer, msg.readers))
+
+    def _claim(self, rec: _Export, peer: _Peer, readers: int) -> None:
+        """Give the request to a consumer that asked for it, or refuse it clearly."""
+        if peer.agent in rec.claims:
+            self.stats.duplicates += 1  # asked twice by the same consumer: it has its Export
+            return
+        error = None
+        if readers > 1 and self.config.mode is not wire.Mode.PULL:
+            error = f"request {rec.rid}: {readers} readers asked; shared reads need pull mode"
+        elif rec.readers is not None and readers != rec.readers:
+            error = (f"request {rec.rid} is shared by {rec.readers} consumer(s); this consumer asked for it "
+                     f"with {readers}")
+        elif rec.readers is not None and len(rec.claims) >= rec.readers:
+            error = (f"request {rec.rid} is already claimed by {len(rec.claims)} other consumer(s) "
+                     f"({', '.join(sorted(rec.claims))}); expected {rec.readers} reader(s)")
+        if error is not None:
+            self.stats.rejected += 1
+            self._refuse_want(peer, rec.rid, wire.FailureCode.CLAIMED, error)
+            return
+        rec.readers = readers
+        rec.claims[peer.agent] = peer
+        deadline = self.scheduler.leases.deadline(rec.rid)
+        left = max(0.0, deadline - self.scheduler.leases.now()) if deadline is not None else 0.0
+        asyncio.ensure_future(self._send_export(rec, peer, left))
+
+    async def _send_export(self, rec: _Export, peer: _Peer, left: float) -> None:
+        try:
+            await peer.channel.send(wire.Export(
+                request_id=rec.rid, lease_s=left,
+                blocks=tuple(wire.GroupBlocks(group_id=g, ids=tuple(b.tolist())) for g, b in rec.blocks.items())))
+        except PeerLost:
+            self._peer_lost(peer)
+
+    def _refuse_want(self, peer: _Peer, rid: str, code: wire.FailureCode, detail: str) -> None:
+        asyncio.ensure_future(_send_quietly(peer.channel, wire.Failure(request_id=rid, code=code,
+                                                                      detail=detail[: wire.MAX_TEXT])))
+
+    def _reader_ended(self, rec: _Export, agent: str, ok: bool, detail: str | None = None) -> None:
+        """One reader is finished with the blocks; the export ends once every reader is."""
+        rec.ended.setdefault(agent, (ok, detail))
+        if len(rec.ended) < (rec.readers or 1):
+            return
+        bad = [d for o, d in rec.ended.values() if not o]
+        if not bad:
+            self._finish(rec, ok=True, outcome=Outcome.DONE)
+        else:
+            self._finish(rec, ok=False, outcome=Outcome.FAILED, error=bad[0] or "consumer failed the transfer",
+                         tell=wire.Done(request_id=rec.rid, ok=False))
 
     def _on_import(self, peer: _Peer, msg: wire.Import) -> None:
         rec = self._exports.get(msg.request_id)
@@ -324,14 +420,16 @@ class Producer(_Side):
                                            detail="WRITE failed"))
 
     async def export(self, request_id: str, *, peer: str | None = None) -> Result:
-        """Offer a finished request (``request_finished(export=True)`` done) to a consumer
-        and wait until it is done with the blocks, failed, or the lease lapsed."""
+        """Export a finished request (``request_finished(export=True)`` done) and wait until
+        its readers are done with the blocks, failed, or the lease lapsed.
+
+        The request goes to whichever consumer asks for it (``wire.Want``, sent by
+        ``Consumer.fetch``), before or after this call; a claim beyond the readers the
+        first claim announced is refused. ``peer`` names a consumer to offer it to unasked.
+        """
         sched = self.scheduler
-        if peer is None:
-            if len(self.peers) != 1:
-                raise ValueError(f"{len(self.peers)} peers connected; expected exactly one or a peer name")
-            target = next(iter(self.peers.values()))
-        else:
+        target = None
+        if peer is not None:
             target = self.peers.get(peer)
             if target is None:
                 raise ValueError(f"peer {peer!r}; expected one of {sorted(self.peers)}")
@@ -346,32 +444,29 @@ class Producer(_Side):
             return Result(request_id=request_id, outcome=Outcome.EXPIRED, error=tid.reason.value)
         blocks = {g.group_id: np.asarray(sched.blocks(request_id, g.group_id), dtype=np.int64)
                   for g in self.memory.groups}
-        rec = _Export(rid=request_id, tid=tid, peer=target, blocks=blocks,
-                      done=asyncio.get_running_loop().create_future())
+        rec = _Export(rid=request_id, tid=tid, blocks=blocks, done=asyncio.get_running_loop().create_future())
         self._exports[request_id] = rec
-        deadline = sched.leases.deadline(request_id)
-        left = max(0.0, deadline - sched.leases.now()) if deadline is not None else 0.0
-        try:
-            await target.channel.send(wire.Export(
-                request_id=request_id, lease_s=left,
-                blocks=tuple(wire.GroupBlocks(group_id=g, ids=tuple(b.tolist())) for g, b in blocks.items())))
-        except PeerLost:
-            self._peer_lost(target)
+        if target is not None:
+            self._claim(rec, target, 1)
+        for asker, readers in self._wants.pop(request_id, []):
+            if asker.alive:
+                self._claim(rec, asker, readers)
         return await rec.done
 
     def _on_notif(self, agent: str, msg: bytes) -> None:
         rid = _rid_of(msg)
-        if rid is not None and rid in self._notified:
+        seen = f"{agent}\0{rid}"
+        if rid is not None and seen in self._notified:
             self.stats.duplicates += 1  # a completion repeated: already terminal, ignored
             return
         if rid is not None:
-            _remember(self._notified, rid)
+            _remember(self._notified, seen)
         rec = self._exports.get(rid) if rid is not None else None
-        if rec is None or rec.peer.agent != agent or self.config.mode is not wire.Mode.PULL:
+        if rec is None or agent not in rec.claims or self.config.mode is not wire.Mode.PULL:
             if rid not in self._finished:
                 self.stats.unknown += 1  # never ours (or not from that peer): ignored
             return
-        self._finish(rec, ok=True, outcome=Outcome.DONE)
+        self._reader_ended(rec, agent, True)
 
     def _tick(self) -> None:
         for rid in self.scheduler.poll():  # lapsed leases: the scheduler dropped the request
@@ -389,15 +484,18 @@ class Producer(_Side):
         _remember(self._finished, rec.rid)
         sched = self.scheduler
         (sched.transfer_landed if ok else sched.transfer_failed)(rec.tid)
+        alive = all(p.alive for p in rec.claims.values())
         if sched.has_request(rec.rid):
-            if outcome is Outcome.DONE or outcome is Outcome.FAILED and rec.peer.alive:
+            if outcome is Outcome.DONE or outcome is Outcome.FAILED and alive:
                 sched.export_done(rec.rid)
             else:
-                sched.abort(rec.rid)  # peer gone: held until the lease lapses (it may have been reading)
+                sched.abort(rec.rid)  # a reader gone: held until the lease lapses (it may have been reading)
         if rec.xfer is not None:
             self.dp.release(rec.xfer)
-        if tell is not None and rec.peer.alive:
-            asyncio.ensure_future(_send_quietly(rec.peer.channel, tell))
+        if tell is not None:
+            for p in rec.claims.values():
+                if p.alive:
+                    asyncio.ensure_future(_send_quietly(p.channel, tell))
         if not rec.done.done():
             rec.done.set_result(Result(request_id=rec.rid, outcome=outcome, error=error))
 
@@ -406,9 +504,13 @@ class Producer(_Side):
             return
         peer.alive = False
         self.peers.pop(peer.agent, None)
-        for rec in [r for r in self._exports.values() if r.peer is peer]:
+        for rid in [r for r, asks in self._wants.items() if any(p is peer for p, _ in asks)]:
+            self._wants[rid] = [(p, n) for p, n in self._wants[rid] if p is not peer]
+            if not self._wants[rid]:
+                del self._wants[rid]
+        for rec in [r for r in self._exports.values() if r.claims.get(peer.agent) is peer]:
             if rec.xfer is None:
-                self._finish(rec, ok=False, outcome=Outcome.FAILED, error="consumer lost")
+                self._reader_ended(rec, peer.agent, False, "consumer lost")
             else:
                 rec.abort_asked = True
         try:
@@ -426,283 +528,6 @@ class Producer(_Side):
         await super().close()
 
 
-# ====================================================================== consumer
-@dataclass(eq=False, kw_only=True)
-class _Import:
-    rid: str
-    export: asyncio.Future  # -> (wire.Export, receipt time)
-    deadline: float = float("inf")
-    landed: asyncio.Event = field(default_factory=asyncio.Event)
-    failed: str | None = None  # the producer will not write / the blocks are gone
-    lease_lost: bool = False
-    notified: bool = False
-
-
-class Consumer(_Side):
-    """Decode side: dials a producer and imports requests from it."""
-
-    role = wire.Role.CONSUMER
-
-    def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig = TransportConfig()) -> None:
-        super().__init__(memory, scheduler, config)
-        self.peer: _Peer | None = None
-        self._imports: dict[str, _Import] = {}
-        self._tasks: list[asyncio.Task] = []
-        self._hb_sent: dict[int, float] = {}
-        self._seq = 0
-
-    async def connect(self, host: str, port: int) -> None:
-        """Handshake; raises HandshakeRefused (saying what differs), HandshakeTimeout or PeerLost."""
-        timeout = self.config.handshake_timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                ch = await control.dial(host, port, timeout)
-                await ch.send(self.hello())
-                reply = await ch.recv()
-        except (asyncio.TimeoutError, TimeoutError) as exc:
-            raise HandshakeTimeout(f"no handshake from {host}:{port} within {timeout} s") from exc
-        if isinstance(reply, wire.Refuse):
-            await ch.close()
-            raise HandshakeRefused(f"refused by {host}:{port}: {reply.reason}", reply.differences)
-        if not isinstance(reply, wire.Hello):
-            await ch.close()
-            raise ProtocolViolation(f"handshake reply is {type(reply).__name__}; expected Hello or Refuse")
-        try:
-            remote = self.check_hello(reply)
-        except HandshakeRefused:
-            await _send_quietly(ch, wire.Bye(reason="incompatible"))
-            await ch.close()
-            raise
-        agent = self.dp.add_peer(reply.metadata, remote)
-        self.dp.connect(agent)
-        self.peer = _Peer(agent=agent, channel=ch, memory=remote, lease_s=reply.lease_s)
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._serve()), loop.create_task(self._heartbeats())]
-        self._start_pump()
-
-    def _imp(self, rid: str) -> _Import:
-        imp = self._imports.get(rid)
-        if imp is None:
-            imp = _Import(rid=rid, export=asyncio.get_running_loop().create_future())
-            self._imports[rid] = imp
-        return imp
-
-    async def _serve(self) -> None:
-        peer = self.peer
-        while not self._closing:
-            try:
-                msg = await peer.channel.recv()
-            except wire.WireError:
-                self.stats.rejected += 1
-                continue
-            except PeerLost:
-                self._lost()
-                return
-            if isinstance(msg, wire.Export):
-                imp = self._imp(msg.request_id)
-                if not imp.export.done():
-                    imp.export.set_result((msg, time.monotonic()))
-            elif isinstance(msg, wire.Lease):
-                self._on_lease(msg)
-            elif isinstance(msg, (wire.Failure, wire.Done)):
-                imp = self._imports.get(msg.request_id)
-                if imp is None:
-                    self.stats.unknown += 1
-                elif not (isinstance(msg, wire.Done) and msg.ok):
-                    imp.failed = msg.detail if isinstance(msg, wire.Failure) else "producer failed"
-                    imp.landed.set()
-            elif isinstance(msg, wire.Bye):
-                self._lost()
-                return
-            else:
-                self.stats.rejected += 1
-
-    def _lost(self) -> None:
-        if self.peer is not None and self.peer.alive:
-            self.peer.alive = False
-            for imp in self._imports.values():
-                imp.failed = imp.failed or "producer lost"
-                if not imp.export.done():
-                    imp.export.set_exception(PeerLost("producer lost"))
-                imp.landed.set()
-
-    def _on_lease(self, msg: wire.Lease) -> None:
-        imp = self._imports.get(msg.request_id)
-        if imp is None:
-            return
-        if msg.lease_s <= 0:
-            imp.lease_lost = True
-            return
-        # Conservative: from when our renewal left, not when the answer came (lease.py).
-        sent = min(self._hb_sent.values(), default=time.monotonic())
-        deadline = sent + msg.lease_s * (1 - self.config.lease_margin)
-        if deadline > imp.deadline or imp.deadline == float("inf"):
-            imp.deadline = deadline
-            if self.scheduler.has_request(msg.request_id):
-                self.scheduler.lease_renewed(msg.request_id, deadline)
-
-    async def _heartbeats(self) -> None:
-        period = self.config.heartbeat_s or max(0.05, self.peer.lease_s / 6)
-        while not self._closing and self.peer.alive:
-            await asyncio.sleep(period)
-            rids = tuple(r for r, i in self._imports.items() if i.export.done())
-            self._seq += 1
-            self._hb_sent = {self._seq: time.monotonic()}
-            try:
-                await self.peer.channel.send(wire.Heartbeat(seq=self._seq, request_ids=rids))
-            except PeerLost:
-                self._lost()
-                return
-
-    def _on_notif(self, agent: str, msg: bytes) -> None:
-        rid = _rid_of(msg)
-        imp = self._imports.get(rid) if rid is not None else None
-        if imp is None or self.peer is None or agent != self.peer.agent or self.config.mode is not wire.Mode.PUSH:
-            self.stats.unknown += 1
-            return
-        if imp.notified:
-            self.stats.duplicates += 1
-            return
-        imp.notified = True
-        imp.landed.set()
-
-    async def fetch(self, request_id: str, components: Iterable) -> Result:
-        """Import a request whose blocks the engine allocated (scheduler.add_request(expect=...)).
-
-        Waits for the producer's Export, posts the transfer when the fence allows,
-        and ends in a defined state: READY, or per the failure policy RECOMPUTE or FAILED.
-        """
-        comps = tuple(components)
-        imp = self._imp(request_id)
-        try:
-            try:
-                export, received = await asyncio.wait_for(asyncio.shield(imp.export), self.config.export_timeout_s)
-            except asyncio.TimeoutError:
-                return self._give_up(request_id, comps, "no export from the producer in time")
-            except PeerLost as exc:
-                return self._give_up(request_id, comps, str(exc))
-            return await self._import(imp, export, received, comps)
-        finally:
-            self._imports.pop(request_id, None)
-
-    async def _import(self, imp: _Import, export: wire.Export, received: float, comps) -> Result:
-        sched, rid, peer = self.scheduler, imp.rid, self.peer
-        if imp.deadline == float("inf"):
-            imp.deadline = received + export.lease_s * (1 - self.config.lease_margin)
-        mine = {g.group_id: np.asarray(sched.blocks(rid, g.group_id), dtype=np.int64) for g in self.memory.groups}
-        try:
-            wire.check_blocks(export.blocks, peer.memory.group_bounds(), what=f"export of {rid}")
-            theirs = {g.group_id: np.asarray(g.ids, dtype=np.int64) for g in export.blocks}
-            mine = {g: b for g, b in mine.items() if b.size or g in theirs}
-            li, ri = pair_indices(self.memory, mine, peer.memory, theirs)
-        except ValueError as exc:
-            self.stats.rejected += 1
-            await _send_quietly(peer.channel, wire.Failure(request_id=rid, code=wire.FailureCode.PROTOCOL,
-                                                           detail=str(exc)[: wire.MAX_TEXT]))
-            return self._give_up(rid, comps, f"export does not match the request: {exc}")
-        while True:
-            if imp.lease_lost or imp.failed:
-                return self._give_up(rid, comps, imp.failed or "lease lost before the transfer started")
-            tid = sched.post_import(rid, components=comps, lease_deadline=imp.deadline)
-            if tid or isinstance(tid, int):
-                break
-            if tid.reason.name == "LEASE_TOO_SHORT":
-                return self._give_up(rid, comps, "lease expired before the transfer could start")
-            await asyncio.sleep(self.config.pump_idle_s)
-        if self.config.mode is wire.Mode.PULL:
-            return await self._pull(imp, tid, li, ri)
-        return await self._push(imp, tid)
-
-    async def _pull(self, imp: _Import, tid: int, li: np.ndarray, ri: np.ndarray) -> Result:
-        rid, peer = imp.rid, self.peer
-        t0 = time.perf_counter()
-        try:
-            xfer = self.dp.post(Op.READ, peer.agent, li, ri, NOTIF_PREFIX + rid.encode())
-        except Exception as exc:
-            self.scheduler.transfer_failed(tid)
-            await _send_quietly(peer.channel, wire.Done(request_id=rid, ok=False))
-            return self._policy(rid, str(exc))
-        state = await self._wait_xfer(xfer)
-        seconds = time.perf_counter() - t0
-        tel = self.dp.telemetry(xfer) if self.config.dataplane.telemetry and state is XferState.DONE else None
-        self.dp.release(xfer)
-        if state is not XferState.DONE:
-            self.scheduler.transfer_failed(tid)
-            await _send_quietly(peer.channel, wire.Done(request_id=rid, ok=False))
-            return self._policy(rid, "READ failed")
-        if imp.lease_lost:
-            self.scheduler.transfer_failed(tid)
-            return self._policy(rid, "lease lapsed during the READ: bytes not trusted")
-        outcome = self.scheduler.transfer_landed(tid)
-        await _send_quietly(peer.channel, wire.Done(request_id=rid, ok=True))
-        if outcome.name != "ACCEPTED":
-            return self._policy(rid, f"transfer {outcome.value}")
-        return Result(request_id=rid, outcome=Outcome.READY, descriptors=None if tel is None else tel.descriptors,
-                      indices=int(li.size), nbytes=xfer.nbytes, seconds=seconds)
-
-    async def _push(self, imp: _Import, tid: int) -> Result:
-        rid, peer, sched = imp.rid, self.peer, self.scheduler
-        blocks = tuple(wire.GroupBlocks(group_id=g.group_id, ids=tuple(int(b) for b in sched.blocks(rid, g.group_id)))
-                       for g in self.memory.groups)
-        t0 = time.perf_counter()
-        try:
-            await peer.channel.send(wire.Import(request_id=rid, blocks=blocks))
-        except PeerLost:
-            self._lost()
-        told = False
-        while not imp.landed.is_set():
-            left = imp.deadline - time.monotonic()
-            if left <= 0 and not told:
-                # Past the lease: ask the producer to stop, but keep the blocks quarantined
-                # until it confirms or the write lands (it may be in flight).
-                told = True
-                await _send_quietly(peer.channel, wire.Failure(request_id=rid, code=wire.FailureCode.LEASE_EXPIRED,
-                                                               detail="consumer lease deadline passed"))
-            try:
-                await asyncio.wait_for(imp.landed.wait(), max(left, 0.05) if not told else None)
-            except asyncio.TimeoutError:
-                pass
-        seconds = time.perf_counter() - t0
-        if imp.notified and not imp.lease_lost:
-            outcome = sched.transfer_landed(tid)  # LATE if past the deadline
-            if outcome.name == "ACCEPTED":
-                return Result(request_id=rid, outcome=Outcome.READY, seconds=seconds)
-            return self._policy(rid, f"transfer {outcome.value}")
-        sched.transfer_failed(tid)
-        return self._policy(rid, imp.failed or "lease lapsed")
-
-    def _policy(self, rid: str, error: str) -> Result:
-        """The import failed after a transfer was posted: apply the failure policy."""
-        if self.config.failure_policy is FailurePolicy.RECOMPUTE and self.scheduler.has_request(rid):
-            self.scheduler.recompute(rid)
-            return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
-        self.scheduler.abort(rid)
-        return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
-
-    def _give_up(self, rid: str, comps, error: str) -> Result:
-        """Failed before any transfer was posted: nothing is in flight."""
-        sched = self.scheduler
-        if self.config.failure_policy is FailurePolicy.RECOMPUTE and sched.has_request(rid):
-            # The scheduler moves an import to FAILED (from which it may recompute) only
-            # through a failed transfer; record one that never reached NIXL.
-            tid = sched.post_import(rid, components=comps) if comps else None
-            if tid is not None and (tid or isinstance(tid, int)):
-                sched.transfer_failed(tid)
-                sched.recompute(rid)
-                return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
-        sched.abort(rid)
-        return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
-
-    async def close(self) -> None:
-        self._closing = True
-        for t in self._tasks:
-            t.cancel()
-        if self.peer is not None and self.peer.alive:
-            await _send_quietly(self.peer.channel, wire.Bye(reason="closing"))
-            await self.peer.channel.close()
-        await super().close()
-
-
 _REMEMBER = 1 << 16
 
 
@@ -717,3 +542,9 @@ async def _send_quietly(ch: control.Channel, msg: wire.Message) -> None:
         await ch.send(msg)
     except PeerLost:
         pass
+
+
+from hybridkv.transport.consumer import Consumer, Plan  # noqa: E402  (the consumer builds on the pieces above)
+
+__all__ = ["Consumer", "FailurePolicy", "Outcome", "Pairing", "Plan", "Producer", "Result", "Stats",
+           "TransportConfig"]

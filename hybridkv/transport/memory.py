@@ -25,6 +25,10 @@ class MemoryMap:
     groups: tuple[wire.GroupInfo, ...]
     #: what the other side must agree on beyond the page shapes (geometry, dtypes, tp, ...)
     compat: Mapping[str, str] = field(default_factory=dict)
+    #: the layout's field tables, for a peer that pairs by fields (heterogeneous TP, block sizes)
+    table: wire.LayoutTable | None = None
+    #: the layout itself where this side has one (not sent: the peer rebuilds it from ``table``)
+    layout: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         ids = [r.region_id for r in self.regions]
@@ -95,7 +99,71 @@ def from_layout(layout) -> MemoryMap:
         "tp": str(layout.tp),
         "page_format": hashlib.sha256(fields_repr.encode()).hexdigest()[:16],
     }
-    return MemoryMap(regions=regions, groups=groups, compat=compat)
+    return MemoryMap(regions=regions, groups=groups, compat=compat, table=layout_table(layout), layout=layout)
+
+
+#: compatibility fields that only say how pages are cut; a side that pairs by fields tolerates them differing
+PAGE_SHAPE_FIELDS = ("tp", "page_format", "pages")
+
+
+def _codes(enum_cls) -> dict:
+    return {m: i + 1 for i, m in enumerate(enum_cls)}
+
+
+def layout_table(layout) -> wire.LayoutTable:
+    """The compact field tables of a :class:`hybridkv.layout.Layout` for the handshake."""
+    from hybridkv.fields import Component
+    from hybridkv.geometry import LayerKind
+
+    comp, kinds = _codes(Component), _codes(LayerKind)
+    groups = []
+    for g in layout.groups:
+        placements = []
+        for p in g.placements:
+            rows = np.array([[comp[f.key[0]], f.key[1], f.key[2], f.offset, f.nbytes, f.token_bytes]
+                             for f in p.fields], dtype="<i8").reshape(-1, wire.FIELD_COLUMNS)
+            placements.append(wire.PlacementTable(region_id=int(p.region_id), rows=rows.tobytes()))
+        groups.append(wire.GroupTable(
+            group_id=int(g.group_id), kind=0 if g.kind is None else kinds[g.kind],
+            block_tokens=int(g.block_tokens or 0), window=int(g.window or 0),
+            layers=tuple(int(i) for i in g.layer_indices), placements=tuple(placements)))
+    return wire.LayoutTable(tp=int(layout.tp), rank=int(layout.rank), groups=tuple(groups))
+
+
+def rebuild_layout(remote: MemoryMap, geometry):
+    """The peer's :class:`hybridkv.layout.Layout` from its handshake (regions + field tables).
+
+    ``geometry`` is this side's: the compatibility hash already proved both sides run
+    the same model. Raises ValueError if the peer sent no field tables or codes we do not know.
+    """
+    from hybridkv.alloc import MemKind
+    from hybridkv.fields import Component, Field
+    from hybridkv.geometry import LayerKind
+    from hybridkv.layout import GroupLayout, Layout, Placement, Region
+
+    t = remote.table
+    if t is None:
+        raise ValueError("the peer's handshake carries no layout field tables; expected them for field pairing")
+    comps, kinds = list(Component), list(LayerKind)
+    regions = tuple(Region(region_id=r.region_id, base_addr=r.base_addr, stride=r.stride, page_bytes=r.page_bytes,
+                           num_pages=r.num_pages, mem=MemKind[r.mem.name], device_id=r.device_id)
+                    for r in remote.regions)
+    groups = []
+    for g in t.groups:
+        if g.kind > len(kinds):
+            raise ValueError(f"peer group {g.group_id} has layer-kind code {g.kind}; expected 0..{len(kinds)}")
+        placements = []
+        for p in g.placements:
+            a = p.array()
+            if a.size and int(a[:, 0].max()) > len(comps) or a.size and int(a[:, 0].min()) < 1:
+                raise ValueError(f"peer group {g.group_id} has component codes outside 1..{len(comps)}")
+            placements.append(Placement(region_id=p.region_id, fields=tuple(
+                Field(key=(comps[int(c) - 1], int(layer), int(head)), offset=int(off), nbytes=int(n),
+                      token_bytes=int(tb)) for c, layer, head, off, n, tb in a.tolist())))
+        groups.append(GroupLayout(group_id=g.group_id, kind=None if g.kind == 0 else kinds[g.kind - 1],
+                                  layer_indices=g.layers, block_tokens=g.block_tokens or None,
+                                  placements=tuple(placements), window=g.window or None))
+    return Layout(geometry=geometry, tp=t.tp, rank=t.rank, regions=regions, groups=tuple(groups))
 
 
 def _dtypes(spec) -> str:

@@ -219,9 +219,13 @@ async def _run_requests(opts, out, inbox, layout, sched, cons):
             blocks[g] = list(sched.allocate(rid, g, n))
         plans[rid] = blocks
     if opts.get("wait_before_fetch_s"):
+        for rid in plans:  # asked for up front: the Export (and its lease) comes while we are slow
+            await cons.want(rid)
         await asyncio.sleep(opts["wait_before_fetch_s"])
     if opts.get("signal_before_fetch"):
-        while not all(cons._imp(rid).export.done() for rid in plans):
+        for rid in plans:
+            await cons.want(rid)
+        while not all(cons.exported(rid) for rid in plans):
             await asyncio.sleep(0.01)  # every Export arrived: the producer is committed
         out.put(("about_to_fetch", None))
         await _await_inbox(inbox, "go", cons)

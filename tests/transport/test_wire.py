@@ -26,8 +26,17 @@ def _hello(**over):
     return wire.Hello(**kw)
 
 
+def _layout(rows=((1, 3, 0, 0, 32, 4), (1, 3, 1, 32, 32, 4))):
+    table = np.array(rows, dtype="<i8").reshape(-1, wire.FIELD_COLUMNS).tobytes()
+    return wire.LayoutTable(tp=2, rank=1, groups=(wire.GroupTable(
+        group_id=0, kind=1, block_tokens=8, window=0, layers=(3,),
+        placements=(wire.PlacementTable(region_id=0, rows=table),)),))
+
+
 SAMPLES = [
     _hello(),
+    _hello(layout=_layout()),
+    wire.Want(request_id="r1", readers=2),
     wire.Refuse(reason="incompatible", differences=(Difference(field="dtype", local="bf16", remote=None),)),
     wire.Export(request_id="r1", blocks=(wire.GroupBlocks(group_id=0, ids=(3, 1, 2)),
                                          wire.GroupBlocks(group_id=1, ids=(7,))), lease_s=12.5),
@@ -82,6 +91,15 @@ BAD = {
     "region past 2^64": _raw(wire.Kind.HELLO, {**_body(_hello()), "regions": [[0, (1 << 64) - 64, 64, 64, 10, 1, 0]]}),
     "group names unknown region": _raw(wire.Kind.HELLO, {**_body(_hello()), "groups": [[0, [3]]]}),
     "short hash": _raw(wire.Kind.HELLO, {**_body(_hello()), "hash": b"abc"}),
+    "want no readers": _raw(wire.Kind.WANT, {"rid": "r", "readers": 0}),
+    "want huge readers": _raw(wire.Kind.WANT, {"rid": "r", "readers": wire.MAX_READERS + 1}),
+    "layout field past page": _raw(wire.Kind.HELLO, {**_body(_hello(layout=_layout(((1, 3, 0, 40, 32, 4),))))}),
+    "layout negative field": _raw(wire.Kind.HELLO, {**_body(_hello(layout=_layout(((1, -3, 0, 0, 32, 4),))))}),
+    "layout ragged fields": _raw(wire.Kind.HELLO, {**_body(_hello()), "layout": [1, 0, [[0, 1, 8, 0, b"", [[0, b"x" * 47]]]]]}),
+    "layout unknown region": _raw(wire.Kind.HELLO, {**_body(_hello()), "layout": [1, 0, [[0, 1, 8, 0, b"", [[5, b""]]]]]}),
+    "layout unknown group": _raw(wire.Kind.HELLO, {**_body(_hello()), "layout": [1, 0, [[4, 1, 8, 0, b"", []]]]}),
+    "layout rank past tp": _raw(wire.Kind.HELLO, {**_body(_hello()), "layout": [2, 2, []]}),
+    "layout tokens split": _raw(wire.Kind.HELLO, {**_body(_hello(layout=_layout(((1, 3, 0, 0, 30, 4),))))}),
     "oversized metadata": _raw(wire.Kind.HELLO, {**_body(_hello()), "metadata": b"x" * (wire.MAX_METADATA_BYTES + 1)}),
 }
 

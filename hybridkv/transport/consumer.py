@@ -1,0 +1,463 @@
+"""The decode side: asks producers for requests (``wire.Want``) and imports them.
+
+A :class:`Consumer` may be connected to several producers (one per prefill TP
+rank it needs); one import then has a *part* per producer and lands only when
+every part landed: the scheduler sees one transfer for the whole request, so
+its components become visible together (rule 4) or not at all.
+
+Blocks pair page for page (:func:`~hybridkv.transport.memory.pair_indices`,
+prepped lists, NIXL merges back-to-back pages) unless the caller injects a
+:data:`Plan`: then the plan turns the producer's layout (rebuilt from its
+handshake field tables) and both block lists into ``(addr, len, dev)`` rows,
+field by field, which is how different TP sizes and block sizes are bridged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridkv import wire
+from hybridkv.errors import HandshakeRefused, HandshakeTimeout, HybridKVError, PeerError, PeerLost, ProtocolViolation
+from hybridkv.transport import control
+from hybridkv.transport.dataplane import Op, Transfer, XferState
+from hybridkv.transport.endpoint import (
+    NOTIF_PREFIX,
+    FailurePolicy,
+    Outcome,
+    Result,
+    _Peer,
+    _rid_of,
+    _send_quietly,
+    _Side,
+)
+from hybridkv.transport.memory import check_peer_shapes, pair_indices, rebuild_layout
+
+#: (peer layout, local layout, peer blocks per group, local blocks per group)
+#:   -> (local rows Nx3, remote rows Nx3) of (addr, len, dev); row i of one side moves to row i of the other.
+Plan = Callable[[object, object, Mapping[int, np.ndarray], Mapping[int, np.ndarray]], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(eq=False, kw_only=True)
+class _Part:
+    """One producer's share of an import."""
+
+    rid: str
+    peer: _Peer
+    export: asyncio.Future  # -> (wire.Export, receipt time)
+    deadline: float = float("inf")
+    landed: asyncio.Event = field(default_factory=asyncio.Event)
+    failed: str | None = None  # the producer will not write / the blocks are gone / it refused
+    lease_lost: bool = False
+    notified: bool = False
+    wanted: bool = False
+
+
+@dataclass(eq=False, kw_only=True)
+class _Work:
+    part: _Part
+    rows: bool  # (addr, len, dev) rows, else prepped-list indices
+    local: np.ndarray
+    remote: np.ndarray
+
+
+class Consumer(_Side):
+    """Decode side: dials producers and imports requests from them."""
+
+    role = wire.Role.CONSUMER
+
+    def __init__(self, memory, scheduler, config=None) -> None:
+        from hybridkv.transport.endpoint import TransportConfig
+
+        super().__init__(memory, scheduler, config or TransportConfig())
+        self.peers: dict[str, _Peer] = {}
+        self._parts: dict[tuple[str, str], _Part] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._hb_sent: dict[str, float] = {}
+        self._seq = 0
+        self._layouts: dict[str, object] = {}
+
+    @property
+    def peer(self) -> _Peer | None:
+        """The first producer connected (the only one in the common 1:1 case)."""
+        return next(iter(self.peers.values()), None)
+
+    async def connect(self, host: str, port: int) -> str:
+        """Handshake; returns the producer's agent name. Raises HandshakeRefused (saying
+        what differs), HandshakeTimeout or PeerLost."""
+        timeout = self.config.handshake_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                ch = await control.dial(host, port, timeout)
+                await ch.send(self.hello())
+                reply = await ch.recv()
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            raise HandshakeTimeout(f"no handshake from {host}:{port} within {timeout} s") from exc
+        if isinstance(reply, wire.Refuse):
+            await ch.close()
+            raise HandshakeRefused(f"refused by {host}:{port}: {reply.reason}", reply.differences)
+        if not isinstance(reply, wire.Hello):
+            await ch.close()
+            raise ProtocolViolation(f"handshake reply is {type(reply).__name__}; expected Hello or Refuse")
+        try:
+            remote = self.check_hello(reply)
+        except HandshakeRefused:
+            await _send_quietly(ch, wire.Bye(reason="incompatible"))
+            await ch.close()
+            raise
+        agent = self.dp.add_peer(reply.metadata, remote)
+        if agent in self.peers:  # dialled twice: keep the first channel
+            await _send_quietly(ch, wire.Bye(reason="already connected"))
+            await ch.close()
+            return agent
+        self.dp.connect(agent)
+        peer = _Peer(agent=agent, channel=ch, memory=remote, lease_s=reply.lease_s)
+        self.peers[agent] = peer
+        loop = asyncio.get_running_loop()
+        self._tasks += [loop.create_task(self._serve(peer)), loop.create_task(self._heartbeats(peer))]
+        self._start_pump()
+        return agent
+
+    def peer_layout(self, agent: str):
+        """The producer's :class:`hybridkv.layout.Layout`, rebuilt from its handshake."""
+        if agent not in self._layouts:
+            local = self.memory.layout
+            if local is None:
+                raise ValueError("this consumer's memory map has no layout; expected one made by from_layout")
+            self._layouts[agent] = rebuild_layout(self._peer(agent).memory, local.geometry)
+        return self._layouts[agent]
+
+    def _peer(self, agent: str | None) -> _Peer:
+        if agent is None:
+            if len(self.peers) != 1:
+                raise ValueError(f"{len(self.peers)} producers connected; expected exactly one or a producer name")
+            return next(iter(self.peers.values()))
+        peer = self.peers.get(agent)
+        if peer is None:
+            raise ValueError(f"producer {agent!r}; expected one of {sorted(self.peers)}")
+        return peer
+
+    def _part(self, rid: str, peer: _Peer) -> _Part:
+        part = self._parts.get((peer.agent, rid))
+        if part is None:
+            part = _Part(rid=rid, peer=peer, export=asyncio.get_running_loop().create_future())
+            self._parts[(peer.agent, rid)] = part
+        return part
+
+    async def want(self, request_id: str, *, peer: str | None = None, readers: int = 1) -> None:
+        """Ask a producer for a request (``fetch`` does this; calling it earlier lets the
+        Export arrive ahead). ``readers``: how many consumers read it together."""
+        if not 1 <= readers <= wire.MAX_READERS:
+            raise ValueError(f"readers = {readers}; expected 1..{wire.MAX_READERS}")
+        p = self._peer(peer)
+        part = self._part(request_id, p)
+        if part.wanted:
+            return
+        part.wanted = True
+        try:
+            await p.channel.send(wire.Want(request_id=request_id, readers=readers))
+        except PeerLost:
+            self._lost(p)
+
+    def exported(self, request_id: str, *, peer: str | None = None) -> bool:
+        """Whether the producer's Export for the request arrived."""
+        part = self._parts.get((self._peer(peer).agent, request_id))
+        return part is not None and part.export.done()
+
+    # ------------------------------------------------------------ control messages
+    async def _serve(self, peer: _Peer) -> None:
+        while not self._closing:
+            try:
+                msg = await peer.channel.recv()
+            except wire.WireError:
+                self.stats.rejected += 1
+                continue
+            except PeerLost:
+                self._lost(peer)
+                return
+            if isinstance(msg, wire.Export):
+                part = self._part(msg.request_id, peer)
+                if not part.export.done():
+                    part.export.set_result((msg, time.monotonic()))
+            elif isinstance(msg, wire.Lease):
+                self._on_lease(peer, msg)
+            elif isinstance(msg, (wire.Failure, wire.Done)):
+                part = self._parts.get((peer.agent, msg.request_id))
+                if part is None:
+                    self.stats.unknown += 1
+                elif not (isinstance(msg, wire.Done) and msg.ok):
+                    part.failed = msg.detail if isinstance(msg, wire.Failure) else "producer failed"
+                    if not part.export.done():  # refused before any Export (claimed, unknown)
+                        part.export.set_exception(PeerError(f"producer refused {msg.request_id}: {part.failed}"))
+                    part.landed.set()
+            elif isinstance(msg, wire.Bye):
+                self._lost(peer)
+                return
+            else:
+                self.stats.rejected += 1
+
+    def _lost(self, peer: _Peer) -> None:
+        if not peer.alive:
+            return
+        peer.alive = False
+        for (agent, _), part in self._parts.items():
+            if agent != peer.agent:
+                continue
+            part.failed = part.failed or "producer lost"
+            if not part.export.done():
+                part.export.set_exception(PeerLost("producer lost"))
+            part.landed.set()
+
+    def _on_lease(self, peer: _Peer, msg: wire.Lease) -> None:
+        part = self._parts.get((peer.agent, msg.request_id))
+        if part is None:
+            return
+        if msg.lease_s <= 0:
+            part.lease_lost = True
+            return
+        # Conservative: from when our renewal left, not when the answer came (lease.py).
+        sent = self._hb_sent.get(peer.agent, time.monotonic())
+        deadline = sent + msg.lease_s * (1 - self.config.lease_margin)
+        if deadline > part.deadline or part.deadline == float("inf"):
+            part.deadline = deadline
+            # The request's lease is its shortest part's.
+            earliest = min(p.deadline for (_, r), p in self._parts.items() if r == msg.request_id)
+            if earliest != float("inf") and self.scheduler.has_request(msg.request_id):
+                self.scheduler.lease_renewed(msg.request_id, earliest)
+
+    async def _heartbeats(self, peer: _Peer) -> None:
+        period = self.config.heartbeat_s or max(0.05, peer.lease_s / 6)
+        while not self._closing and peer.alive:
+            await asyncio.sleep(period)
+            rids = tuple(r for (a, r), p in self._parts.items() if a == peer.agent and p.export.done())
+            self._seq += 1
+            self._hb_sent[peer.agent] = time.monotonic()
+            try:
+                await peer.channel.send(wire.Heartbeat(seq=self._seq, request_ids=rids))
+            except PeerLost:
+                self._lost(peer)
+                return
+
+    def _on_notif(self, agent: str, msg: bytes) -> None:
+        rid = _rid_of(msg)
+        part = self._parts.get((agent, rid)) if rid is not None else None
+        if part is None or self.config.mode is not wire.Mode.PUSH:
+            self.stats.unknown += 1
+            return
+        if part.notified:
+            self.stats.duplicates += 1
+            return
+        part.notified = True
+        part.landed.set()
+
+    # ------------------------------------------------------------ imports
+    async def fetch(self, request_id: str, components: Iterable, *, peers: Sequence[str] | None = None,
+                    readers: int = 1, plan: Plan | None = None) -> Result:
+        """Import a request whose blocks the engine allocated (scheduler.add_request(expect=...)).
+
+        Asks each producer in ``peers`` (default: the only one connected) for the
+        request, waits for their Exports, posts the transfer when the fence allows,
+        and ends in a defined state: READY once every part landed, or per the failure
+        policy RECOMPUTE or FAILED. ``plan`` pairs by fields (see :data:`Plan`);
+        without it pages pair one to one. ``readers``: consumers sharing each producer's copy.
+        """
+        comps = tuple(components)
+        targets = [self._peer(a) for a in peers] if peers else [self._peer(None)]
+        if len({p.agent for p in targets}) != len(targets):
+            raise ValueError(f"producers {[p.agent for p in targets]} repeat; expected distinct ones")
+        if len(targets) > 1 and (plan is None or self.config.mode is not wire.Mode.PULL):
+            raise ValueError(f"{len(targets)} producers for one request; expected a plan and pull mode")
+        parts = [self._part(request_id, p) for p in targets]
+        try:
+            for p in targets:
+                await self.want(request_id, peer=p.agent, readers=readers)
+            try:
+                got = await asyncio.wait_for(asyncio.gather(*(asyncio.shield(x.export) for x in parts)),
+                                             self.config.export_timeout_s)
+            except asyncio.TimeoutError:
+                await self._tell_parts(parts, "no export from every producer in time")
+                return self._give_up(request_id, comps, "no export from the producer in time")
+            except HybridKVError as exc:  # lost, or refused (claimed by another consumer)
+                await self._tell_parts(parts, str(exc))
+                return self._give_up(request_id, comps, str(exc))
+            return await self._import(request_id, parts, got, comps, plan)
+        finally:
+            for p in targets:
+                self._parts.pop((p.agent, request_id), None)
+
+    async def _tell_parts(self, parts: Sequence[_Part], detail: str) -> None:
+        """Producers that exported to us while the import gave up: their blocks are free."""
+        for part in parts:
+            if part.export.done() and not part.export.cancelled() and part.export.exception() is None:
+                await _send_quietly(part.peer.channel, wire.Failure(
+                    request_id=part.rid, code=wire.FailureCode.ABORTED, detail=detail[: wire.MAX_TEXT]))
+
+    def _work(self, part: _Part, export: wire.Export, mine: dict[int, np.ndarray], plan: Plan | None,
+              single: bool) -> _Work:
+        peer = part.peer
+        wire.check_blocks(export.blocks, peer.memory.group_bounds(), what=f"export of {part.rid}")
+        theirs = {g.group_id: np.asarray(g.ids, dtype=np.int64) for g in export.blocks}
+        if plan is None:
+            if not single:
+                raise ValueError("several producers; expected a plan")
+            try:
+                check_peer_shapes(self.memory, peer.memory.regions, peer.memory.groups)
+            except HandshakeRefused as exc:
+                raise ValueError(f"pages do not pair one to one ({exc}); expected a field plan") from None
+            m = {g: b for g, b in mine.items() if b.size or g in theirs}
+            li, ri = pair_indices(self.memory, m, peer.memory, theirs)
+            return _Work(part=part, rows=False, local=li, remote=ri)
+        lrows, rrows = plan(self.peer_layout(peer.agent), self.memory.layout, theirs, mine)
+        lrows = np.ascontiguousarray(lrows, dtype=np.int64).reshape(-1, 3)
+        rrows = np.ascontiguousarray(rrows, dtype=np.int64).reshape(-1, 3)
+        if lrows.shape != rrows.shape or not np.array_equal(lrows[:, 1], rrows[:, 1]) or (lrows[:, 1] <= 0).any():
+            raise ValueError(f"plan gave {lrows.shape[0]} local and {rrows.shape[0]} remote rows; expected "
+                             "equal counts with equal positive lengths row by row")
+        return _Work(part=part, rows=True, local=lrows, remote=rrows)
+
+    async def _import(self, rid: str, parts: list[_Part], got, comps, plan: Plan | None) -> Result:
+        sched = self.scheduler
+        for part, (export, received) in zip(parts, got):
+            if part.deadline == float("inf"):
+                part.deadline = received + export.lease_s * (1 - self.config.lease_margin)
+        mine = {g.group_id: np.asarray(sched.blocks(rid, g.group_id), dtype=np.int64) for g in self.memory.groups}
+        try:
+            work = [self._work(part, export, mine, plan, len(parts) == 1) for part, (export, _) in zip(parts, got)]
+        except ValueError as exc:
+            self.stats.rejected += 1
+            for part in parts:
+                await _send_quietly(part.peer.channel, wire.Failure(
+                    request_id=rid, code=wire.FailureCode.PROTOCOL, detail=str(exc)[: wire.MAX_TEXT]))
+            return self._give_up(rid, comps, f"export does not match the request: {exc}")
+        while True:
+            failed = next((p.failed for p in parts if p.failed), None)
+            if failed or any(p.lease_lost for p in parts):
+                await self._tell_parts(parts, failed or "lease lost")
+                return self._give_up(rid, comps, failed or "lease lost before the transfer started")
+            tid = sched.post_import(rid, components=comps, lease_deadline=min(p.deadline for p in parts))
+            if tid or isinstance(tid, int):
+                break
+            if tid.reason.name == "LEASE_TOO_SHORT":
+                await self._tell_parts(parts, "lease too short")
+                return self._give_up(rid, comps, "lease expired before the transfer could start")
+            await asyncio.sleep(self.config.pump_idle_s)
+        if self.config.mode is wire.Mode.PULL:
+            if len(work) == 1 and not work[0].rows:
+                return await self._pull(work[0].part, tid, work[0].local, work[0].remote)
+            return await self._pull_parts(rid, tid, work)
+        return await self._push(parts[0], tid)
+
+    async def _end_parts(self, work: Sequence[_Work], ok: bool) -> None:
+        for w in work:
+            await _send_quietly(w.part.peer.channel, wire.Done(request_id=w.part.rid, ok=ok))
+
+    async def _pull(self, part: _Part, tid: int, li: np.ndarray, ri: np.ndarray) -> Result:
+        """One producer, pages paired by prepped-list indices (the 1:1 case)."""
+        return await self._pull_parts(part.rid, tid, [_Work(part=part, rows=False, local=li, remote=ri)])
+
+    async def _pull_parts(self, rid: str, tid: int, work: list[_Work]) -> Result:
+        t0 = time.perf_counter()
+        notif = NOTIF_PREFIX + rid.encode()
+        posted: list[Transfer] = []
+        error = None
+        for w in work:
+            if w.local.shape[0] == 0:
+                continue  # nothing of this producer's is needed here (GQA duplicate): Done tells it
+            try:
+                if w.rows:
+                    posted.append(self.dp.post_rows(Op.READ, w.part.peer.agent, w.local, w.remote, notif))
+                else:
+                    posted.append(self.dp.post(Op.READ, w.part.peer.agent, w.local, w.remote, notif))
+            except Exception as exc:
+                error = str(exc)
+                break
+        # Every posted READ ends before the blocks are judged: bytes may land until then (rule 5).
+        states = [await self._wait_xfer(x) for x in posted]
+        seconds = time.perf_counter() - t0
+        ok = error is None and all(s is XferState.DONE for s in states)
+        tel = [self.dp.telemetry(x) for x in posted] if self.config.dataplane.telemetry and ok else None
+        for x in posted:
+            self.dp.release(x)
+        if not ok:
+            self.scheduler.transfer_failed(tid)
+            await self._end_parts(work, False)
+            return self._policy(rid, error or "READ failed")
+        if any(w.part.lease_lost for w in work):
+            self.scheduler.transfer_failed(tid)
+            await self._end_parts(work, False)
+            return self._policy(rid, "lease lapsed during the READ: bytes not trusted")
+        outcome = self.scheduler.transfer_landed(tid)
+        await self._end_parts(work, True)
+        if outcome.name != "ACCEPTED":
+            return self._policy(rid, f"transfer {outcome.value}")
+        return Result(request_id=rid, outcome=Outcome.READY,
+                      descriptors=None if tel is None else sum(t.descriptors for t in tel),
+                      indices=int(sum(w.local.shape[0] for w in work)), nbytes=sum(x.nbytes for x in posted),
+                      seconds=seconds)
+
+    async def _push(self, part: _Part, tid: int) -> Result:
+        rid, peer, sched = part.rid, part.peer, self.scheduler
+        blocks = tuple(wire.GroupBlocks(group_id=g.group_id, ids=tuple(int(b) for b in sched.blocks(rid, g.group_id)))
+                       for g in self.memory.groups)
+        t0 = time.perf_counter()
+        try:
+            await peer.channel.send(wire.Import(request_id=rid, blocks=blocks))
+        except PeerLost:
+            self._lost(peer)
+        told = False
+        while not part.landed.is_set():
+            left = part.deadline - time.monotonic()
+            if left <= 0 and not told:
+                # Past the lease: ask the producer to stop, but keep the blocks quarantined
+                # until it confirms or the write lands (it may be in flight).
+                told = True
+                await _send_quietly(peer.channel, wire.Failure(request_id=rid, code=wire.FailureCode.LEASE_EXPIRED,
+                                                               detail="consumer lease deadline passed"))
+            try:
+                await asyncio.wait_for(part.landed.wait(), max(left, 0.05) if not told else None)
+            except asyncio.TimeoutError:
+                pass
+        seconds = time.perf_counter() - t0
+        if part.notified and not part.lease_lost:
+            outcome = sched.transfer_landed(tid)  # LATE if past the deadline
+            if outcome.name == "ACCEPTED":
+                return Result(request_id=rid, outcome=Outcome.READY, seconds=seconds)
+            return self._policy(rid, f"transfer {outcome.value}")
+        sched.transfer_failed(tid)
+        return self._policy(rid, part.failed or "lease lapsed")
+
+    def _policy(self, rid: str, error: str) -> Result:
+        """The import failed after a transfer was posted: apply the failure policy."""
+        if self.config.failure_policy is FailurePolicy.RECOMPUTE and self.scheduler.has_request(rid):
+            self.scheduler.recompute(rid)
+            return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
+        self.scheduler.abort(rid)
+        return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
+
+    def _give_up(self, rid: str, comps, error: str) -> Result:
+        """Failed before any transfer was posted: nothing is in flight."""
+        sched = self.scheduler
+        if self.config.failure_policy is FailurePolicy.RECOMPUTE and sched.has_request(rid):
+            # The scheduler moves an import to FAILED (from which it may recompute) only
+            # through a failed transfer; record one that never reached NIXL.
+            tid = sched.post_import(rid, components=comps) if comps else None
+            if tid is not None and (tid or isinstance(tid, int)):
+                sched.transfer_failed(tid)
+                sched.recompute(rid)
+                return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
+        sched.abort(rid)
+        return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
+
+    async def close(self) -> None:
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        for peer in self.peers.values():
+            if peer.alive:
+                await _send_quietly(peer.channel, wire.Bye(reason="closing"))
+                await peer.channel.close()
+        await super().close()
