@@ -28,7 +28,8 @@ def geometry(**over):
     return qwen_hybrid("test-hybrid", **{**SMALL, **over})
 
 
-def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram"):
+def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram", tp: int = 1, rank: int = 0,
+          block: int = BLOCK):
     from hybridkv.alloc import NumpyAllocator, TorchAllocator
     from hybridkv.fence import PoolLayout
     from hybridkv.geometry import LayerKind
@@ -38,7 +39,7 @@ def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram"):
     geo = geometry(**(geo_over or {}))
     nb = {LayerKind.FULL_ATTENTION: NUM_BLOCKS["attn"] * scale, LayerKind.GDN: NUM_BLOCKS["gdn"]}
     allocator = TorchAllocator("cuda:0") if mem == "vram" else NumpyAllocator()
-    layout = plan_layout(geo, block_size=BLOCK, num_blocks=nb, allocator=allocator)
+    layout = plan_layout(geo, block_size=block, num_blocks=nb, allocator=allocator, tp=tp, rank=rank)
     for i, alloc in enumerate(layout.allocations):
         buf = alloc.owner
         fill = np.random.default_rng(seed * 100 + i).integers(0, 256, alloc.nbytes, dtype=np.uint8)
