@@ -4,8 +4,11 @@ Each vLLM worker (one TP rank) adopts the tensors vLLM hands to
 ``register_kv_caches`` into a hybridkv layout and runs a hybridkv transport
 endpoint on a background asyncio thread: a :class:`~hybridkv.transport.endpoint.Producer`
 listening on ``side_channel_port + tp_rank`` on a prefill instance, a
-:class:`~hybridkv.transport.endpoint.Consumer` dialing the producer named in the
-request's ``kv_transfer_params`` on a decode instance (both for ``kv_both``).
+:class:`~hybridkv.transport.endpoint.Consumer` dialing the producer rank(s) named in
+the request's ``kv_transfer_params`` on a decode instance (both for ``kv_both``).
+A consumer asks for the request it wants, so one prefill instance serves any
+number of decode instances. Different TP sizes (either way, as NixlConnector's
+TP mapping) and block sizes pair field by field (connectors/vllm/field_plan.py).
 
 The *step* fencing happens in the scheduler process (scheduler_half): a load
 order reaches this worker only once no in-flight step touches its blocks, an
@@ -98,8 +101,10 @@ class WorkerHalf:
         self._thread: threading.Thread | None = None
         self._ts: TransferScheduler | None = None
         self._producer = None
-        self._consumers: dict[tuple[str, int], Any] = {}
+        self._consumer = None  # one per worker: one NIXL agent, connected to every producer rank it reads
+        self._agents: dict[tuple[str, int], str] = {}  # (host, port) -> producer agent
         self._connecting: dict[tuple[str, int], asyncio.Future] = {}
+        self._plans: dict[tuple[str, ...], Any] = {}  # producer agents -> field plan (None: pages pair)
         self.listen_port: int | None = None
         #: request -> the transport's result of its load (descriptors posted, bytes, seconds)
         self.load_results: dict[str, Any] = {}
@@ -124,11 +129,13 @@ class WorkerHalf:
             self._call(self._start_producer()).result()
 
     def _config(self, port: int = 0):
-        from hybridkv.transport.endpoint import FailurePolicy, TransportConfig
+        from hybridkv.transport.endpoint import FailurePolicy, Pairing, TransportConfig
 
-        # vLLM applies kv_load_failure_policy itself; the transport only reports.
+        # vLLM applies kv_load_failure_policy itself; the transport only reports. Pairing by
+        # fields lets a decode instance of another TP size or block size read (the handshake
+        # carries each side's field tables); equal shapes still pair page for page.
         return TransportConfig(host=self.host, port=port, failure_policy=FailurePolicy.FAIL,
-                               export_timeout_s=self.export_timeout_s)
+                               export_timeout_s=self.export_timeout_s, pairing=Pairing.FIELDS)
 
     async def _start_producer(self) -> None:
         from hybridkv.transport.endpoint import Producer
@@ -149,50 +156,72 @@ class WorkerHalf:
         for rid, blocks in meta.exports_ready.items():
             self._call(self._export(rid, blocks))
 
-    async def _consumer_for(self, host: str, port: int):
+    async def _agent_for(self, host: str, port: int) -> str:
+        """The producer agent at host:port, dialled once (concurrent loads share the dial)."""
         from hybridkv.transport.endpoint import Consumer
 
         key = (host, port)
-        if key in self._consumers:
-            return self._consumers[key]
+        if key in self._agents:
+            return self._agents[key]
+        if self._consumer is None:
+            self._consumer = Consumer(self.memory, self._ts, self._config())
         pending = self._connecting.get(key)
         if pending is None:
             pending = asyncio.get_running_loop().create_future()
             self._connecting[key] = pending
-            consumer = Consumer(self.memory, self._ts, self._config())
             try:
-                await consumer.connect(host, port)
+                agent = await self._consumer.connect(host, port)
             except Exception as exc:
                 del self._connecting[key]
                 pending.set_exception(exc)
                 pending.exception()  # consumed here; waiters re-raise it
                 raise
-            self._consumers[key] = consumer
+            self._agents[key] = agent
             del self._connecting[key]
-            pending.set_result(consumer)
-            return consumer
+            pending.set_result(agent)
+            return agent
         return await pending
+
+    def _plan_for(self, agents: tuple[str, ...], remote_tp: int):
+        """None where pages pair one to one (same TP, same page shapes); else a field plan."""
+        from hybridkv.errors import HandshakeRefused
+        from hybridkv.transport.memory import check_peer_shapes
+
+        from connectors.vllm.field_plan import FieldPlan
+
+        if agents not in self._plans:
+            plan = None
+            if len(agents) > 1 or remote_tp != self.tp:
+                plan = FieldPlan(self.layout, [self._consumer.peer_layout(a) for a in agents])
+            else:
+                peer = self._consumer.peers[agents[0]]
+                try:
+                    check_peer_shapes(self.memory, peer.memory.regions, peer.memory.groups)
+                except HandshakeRefused:  # another block size: pair by fields
+                    plan = FieldPlan(self.layout, [self._consumer.peer_layout(agents[0])])
+            self._plans[agents] = plan
+        return self._plans[agents]
 
     async def _load(self, order: RecvOrder) -> None:
         from hybridkv.transport.endpoint import Outcome
+
+        from connectors.vllm.field_plan import source_ranks
 
         rid, remote = order.request_id, order.remote
         prid = remote.request_id
         ok, error = False, None
         try:
-            if remote.tp_size != self.tp:
-                # Each rank reads its twin rank's pages; head slicing across
-                # different TP sizes needs field-level plans the transport does not take yet.
-                raise ValueError(f"producer TP {remote.tp_size} != consumer TP {self.tp}; "
-                                 "hybridkv's vLLM connector needs equal TP on both sides")
-            consumer = await self._consumer_for(remote.host, remote.port + self.rank)
+            # Which producer ranks hold this rank's heads, and how many decode ranks share each.
+            ranks, readers = source_ranks(self.tp, self.rank, remote.tp_size)
+            agents = tuple([await self._agent_for(remote.host, remote.port + r) for r in ranks])
+            plan = self._plan_for(agents, remote.tp_size)
             self._ts.add_request(prid, expect=self.components)
             for g, ids in zip(self.transfer_groups, order.local_block_ids):
                 self._ts.assign(prid, g, ids)
-            result = await consumer.fetch(prid, self.components)
+            result = await self._consumer.fetch(prid, self.components, peers=agents, readers=readers, plan=plan)
             self.load_results[rid] = result
             ok, error = result.outcome is Outcome.READY, result.error
-        except Exception as exc:  # handshake refused, peer lost, bad block lists
+        except Exception as exc:  # handshake refused, peer lost, bad block lists, TP sizes that do not divide
             error = f"{type(exc).__name__}: {exc}"
         finally:
             if self._ts.has_request(prid):
@@ -213,9 +242,7 @@ class WorkerHalf:
             for g, ids in zip(self.transfer_groups, blocks):
                 ts.assign(rid, g, ids)
             ts.request_finished(rid, export=True)
-            if not self._producer.peers:
-                # The consumer dials on its first load; the lease bounds the wait.
-                await self._producer.wait_peer(self.lease_s)
+            # Whichever decode rank(s) ask for it (wire.Want) read it; the lease bounds the wait.
             result = await self._producer.export(rid)
             log.debug("hybridkv export of %s: %s", rid, result.outcome.value)
         except Exception as exc:
@@ -251,8 +278,8 @@ class WorkerHalf:
             return
 
         async def close_all():
-            for c in self._consumers.values():
-                await c.close()
+            if self._consumer is not None:
+                await self._consumer.close()
             if self._producer is not None:
                 await self._producer.close()
 

@@ -101,10 +101,10 @@ def test_request_moves_between_two_worker_processes(tmp_path, async_scheduling):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["unreachable", "tp_mismatch"])
+@pytest.mark.parametrize("fault", ["unreachable", "tp2_unreachable"])
 def test_failed_load_by_policy_recompute_recovers(fault):
-    """Real faults, no fake: the producer named in kv_transfer_params is not there,
-    or it runs another TP size (not supported: refused before any byte moves)."""
+    """Real faults, no fake: the producer named in kv_transfer_params is not there
+    (with TP 2 there, this decode rank dials both of its producer ranks: neither answers)."""
     vc = h.make_vllm_config(role="kv_consumer", policy="recompute", engine_id="decode-engine")
     kcc = h.make_kv_cache_config(vc)
     sched = h.make_scheduler(vc, kcc, async_scheduling=False)
@@ -113,7 +113,7 @@ def test_failed_load_by_policy_recompute_recovers(fault):
     d = h.Driver(sched, runner, async_scheduling=False)
     params = h.remote_prefill_params("d1", groups=len(kcc.transfer_group_ids))
     params["remote_port"] = _free_port()  # nobody listens there
-    if fault == "tp_mismatch":
+    if fault == "tp2_unreachable":
         params["tp_size"] = 2
     sched.add_request(h.make_request("d1", prompt_len=100, max_tokens=2, params=params))
     try:
