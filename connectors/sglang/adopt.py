@@ -23,8 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from hybridkv.alloc import MemKind
-from hybridkv.fence import PoolLayout
+from hybridkv.fence import PoolLayout, RequestId
 from hybridkv.fields import Component as FieldComponent
 from hybridkv.fields import FieldKey
 from hybridkv.hma import GroupId
@@ -233,3 +235,21 @@ def check_peer(local: AdoptedLayout, peer: AdoptedLayout) -> None:
         )
     if dict(local.components) != dict(peer.components):
         raise ValueError("the peers split their buffers into different components")
+
+
+def state_blocks(state_indices) -> list[tuple[int, np.ndarray]]:
+    """(state type, int64 slot ids) for each state type with indices; SGLang passes
+    per type None, a list, or a list holding one numpy array (Mamba)."""
+    out = []
+    for c, idx in enumerate(state_indices or ()):
+        if idx is None:
+            continue
+        arr = np.concatenate([np.asarray(x).ravel() for x in idx]) if isinstance(idx, (list, tuple)) and idx \
+            else np.asarray(idx).ravel()
+        if arr.size:
+            out.append((c, arr.astype(np.int64)))
+    return out
+
+
+def request_id(room: int) -> RequestId:
+    return RequestId(f"room-{int(room)}")

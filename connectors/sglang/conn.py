@@ -42,18 +42,27 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import zmq
 
 from connectors.sglang import messages as msgs
-from connectors.sglang.adopt import KV_GROUP, AdoptedLayout, adopt_kv_args, check_peer, from_description
-from connectors.sglang.agent import NixlWriter, XferState, split_by_memory
+from connectors.sglang.adopt import (
+    KV_GROUP,
+    AdoptedLayout,
+    adopt_kv_args,
+    check_peer,
+    from_description,
+    state_blocks,
+)
+from connectors.sglang.agent import NixlWriter
+from connectors.sglang.decode_side import DecodeImports, _Import
+from connectors.sglang.prefill_side import PrefillExports, TransferStats
 from descriptors.compiler import TransferPlanner
 from hybridkv.alloc import MemKind
-from hybridkv.fence import NotYet, RequestId, TransferId
-from hybridkv.request_state import Component, ComponentKind
+from hybridkv.fence import RequestId, TransferId
+from hybridkv.request_state import Component
 from hybridkv.scheduler import TransferScheduler
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
@@ -72,27 +81,6 @@ from sglang.srt.utils.network import NetworkAddress
 logger = logging.getLogger(__name__)
 
 _RECV_POLL_MS = 200
-# A handle still PROC this long after a sibling failed is treated as stuck: the
-# room is then left to the decode's drain deadline instead of reported Failed.
-_SETTLE_TIMEOUT_S = 30.0
-
-
-def _state_blocks(state_indices) -> list[tuple[int, np.ndarray]]:
-    """(state type, int64 slot ids) for each state type with indices; SGLang passes
-    per type None, a list, or a list holding one numpy array (Mamba)."""
-    out = []
-    for c, idx in enumerate(state_indices or ()):
-        if idx is None:
-            continue
-        arr = np.concatenate([np.asarray(x).ravel() for x in idx]) if isinstance(idx, (list, tuple)) and idx \
-            else np.asarray(idx).ravel()
-        if arr.size:
-            out.append((c, arr.astype(np.int64)))
-    return out
-
-
-def request_id(room: int) -> RequestId:
-    return RequestId(f"room-{int(room)}")
 
 
 @dataclasses.dataclass
@@ -103,42 +91,7 @@ class _Peer:
     rejection: Optional[str]
 
 
-@dataclasses.dataclass
-class _Chunk:
-    room: int
-    kv_indices: np.ndarray
-    index_slice: slice
-    is_last: bool
-    aux_index: Optional[int]
-    state_indices: Optional[list]
-    wait_event: Any
-
-
-@dataclasses.dataclass
-class _Import:
-    """Decode side: a room whose destinations were (or are about to be) published."""
-
-    bootstrap_addr: str
-    writers: int  # prefill ranks expected to write
-    tids: dict[Component, TransferId]  # imports still in flight
-    landed_from: dict[Component, set[int]] = dataclasses.field(default_factory=lambda: defaultdict(set))
-    quiet: set[int] = dataclasses.field(default_factory=set)
-    unlanded: list[Component] = dataclasses.field(default_factory=list)  # ended without landing
-    cleared: bool = False
-
-
-@dataclasses.dataclass
-class TransferStats:
-    """Counters a test or a benchmark reads; only worker threads write them."""
-
-    chunks: int = 0
-    handles: int = 0
-    descriptors: int = 0
-    bytes: int = 0
-    pages: int = 0
-
-
-class HybridKVManager(CommonKVManager):
+class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
     kv_status_msg_tag = b"KV_STATUS"
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
@@ -355,356 +308,6 @@ class HybridKVManager(CommonKVManager):
         except Exception as e:
             logger.warning("hybridkv: %s to %s:%s failed: %s", what, ip, port, e)
 
-    def add_transfer_request(
-        self, bootstrap_room: int, kv_indices, index_slice: slice, is_last_chunk: bool,
-        aux_index: Optional[int] = None, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None,
-        *, wait_event=None, indices_event=None, trace_ctx=None,
-    ):
-        if self.disaggregation_mode != DisaggregationMode.PREFILL:
-            raise RuntimeError("add_transfer_request called on a decode manager")
-        if is_last_chunk and aux_index is None:
-            raise ValueError(f"room {bootstrap_room}: the last chunk needs an aux index")
-        if bootstrap_room not in self.transfer_infos:
-            return None  # dummy rank, or cleared
-        chunk = _Chunk(room=bootstrap_room, kv_indices=np.asarray(kv_indices, dtype=np.int64),
-                       index_slice=index_slice, is_last=is_last_chunk, aux_index=aux_index,
-                       state_indices=state_indices, wait_event=wait_event)
-        try:
-            with self.sched_lock:
-                self._hold_sources(chunk)
-                self._inflight[bootstrap_room] += 1
-        except ValueError as e:
-            # Nothing was posted for this chunk; earlier ones (if any) settle on their own.
-            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=f"hybridkv refused the chunk: {e}")
-            self.retire_export(bootstrap_room)
-            return None
-        self.update_status(bootstrap_room, KVPoll.Transferring)
-        self._queues[bootstrap_room % len(self._queues)].put(chunk)
-        return None
-
-    def _hold_sources(self, chunk: _Chunk) -> None:
-        """The chunk's source blocks join the room's export (held until every read of them is terminal)."""
-        rid = request_id(chunk.room)
-        sched = self.sched
-        if not sched.has_request(rid):
-            sched.add_request(rid)
-            sched.request_finished(rid, export=True)  # its blocks are read by outbound writes from now on
-        wanted = [(KV_GROUP, chunk.kv_indices)]
-        if chunk.is_last:
-            for c, idx in _state_blocks(chunk.state_indices):
-                if c < self.adopted.num_state_groups:
-                    wanted.append((self.adopted.state_group(c), idx))
-            wanted.append((self.adopted.aux_group, np.asarray([chunk.aux_index], dtype=np.int64)))
-        for group, blocks in wanted:
-            size = sched.layout.pool_sizes[sched.layout.group_pools[group]]
-            bad = [int(b) for b in blocks if not 0 <= int(b) < size]
-            if bad:
-                raise ValueError(f"source block {bad[0]} of group {group} is outside its pool (valid 0..{size - 1})")
-        for group, blocks in wanted:
-            held = set(int(b) for b in sched.blocks(rid, group))
-            new = [int(b) for b in blocks if int(b) not in held]
-            try:
-                sched.assign(rid, group, new)
-            except ValueError:
-                # A prefix page shared with another live room (radix cache): that
-                # room holds it; this room's reads are still counted by its own
-                # export and gate its own sender.
-                for b in new:
-                    try:
-                        sched.assign(rid, group, [b])
-                    except ValueError:
-                        pass
-
-    def retire_export(self, room: int) -> None:
-        """Drop the room's export once nothing of it is queued or being read and it is terminal."""
-        with self.sched_lock:
-            if self._inflight.get(room, 0) > 0 or self._exports.get(room):
-                return
-            self._exports.pop(room, None)
-            status = self.request_status.get(room)
-            if status is None or status in (KVPoll.Success, KVPoll.Failed):
-                self._drop_request(request_id(room), export=True)
-
-    def exporting(self, room: int) -> bool:
-        with self.sched_lock:
-            return self.sched.has_request(request_id(room))
-
-    def _worker_loop(self, q: queue.Queue) -> None:
-        while not self._stop.is_set():
-            try:
-                chunk = q.get(timeout=_RECV_POLL_MS / 1000)
-            except queue.Empty:
-                continue
-            try:
-                self._process(chunk)
-            except Exception:
-                logger.exception("hybridkv: worker failed on room %s", chunk.room)
-            finally:
-                with self.sched_lock:
-                    self._inflight[chunk.room] -= 1
-                    if self._inflight[chunk.room] <= 0:
-                        del self._inflight[chunk.room]
-                self.retire_export(chunk.room)
-                self._maybe_send_drained(chunk.room)
-
-    def _plans_for(self, chunk: _Chunk, md: msgs.Metadata, peer: _Peer):
-        """Per component, the compiled plan split by memory kind. Raises ValueError before anything is posted."""
-        dst_pages = md.kv_indices[chunk.index_slice]
-        if len(dst_pages) != len(chunk.kv_indices):
-            raise ValueError(
-                f"room {chunk.room}: {len(chunk.kv_indices)} source pages for {len(dst_pages)} destination pages"
-            )
-        blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {KV_GROUP: (chunk.kv_indices, dst_pages)}
-        if chunk.is_last:
-            for c, idx in _state_blocks(chunk.state_indices):
-                if c >= len(md.state_indices) or md.state_indices[c] is None:
-                    raise ValueError(f"room {chunk.room}: decode sent no destination for state component {c}")
-                blocks[self.adopted.state_group(c)] = (idx, md.state_indices[c])
-            if md.aux_index < 0:
-                raise ValueError(f"room {chunk.room}: decode sent no aux index")
-            blocks[self.adopted.aux_group] = (np.asarray([int(chunk.aux_index)]), np.asarray([md.aux_index]))
-        out = []
-        for comp, planner in peer.planners.items():
-            if comp.group not in blocks:
-                continue
-            src, dst = blocks[comp.group]
-            plan = planner.compile({comp.group: src}, {comp.group: dst})
-            out.append((comp, plan, split_by_memory(plan, self.adopted.layout, peer.layout.layout)))
-        return out
-
-    def _process(self, chunk: _Chunk) -> None:
-        room = chunk.room
-        rid = request_id(room)
-        status = self.request_status.get(room)
-        infos = self.transfer_infos.get(room)
-        if status is None or status == KVPoll.Failed or infos is None:
-            return  # aborted or cleared: nothing is written for it
-        if chunk.wait_event is not None and hasattr(chunk.wait_event, "synchronize"):
-            chunk.wait_event.synchronize()  # export fence: the device finished writing the source
-            if self.request_status.get(room) in (None, KVPoll.Failed):
-                return  # aborted while the device was still writing the source
-        self.update_status(room, KVPoll.Transferring)
-        handles = []
-        tid = None
-        sent: list[Component] = []
-        try:
-            targets = [(md, self.peers[md.agent_name]) for md in list(infos.values()) if not md.is_dummy]
-            plans = [(md, self._plans_for(chunk, md, peer)) for md, peer in targets]
-            with self.sched_lock:
-                self.sched.heartbeat(rid)
-                tid = self.sched.post_export(rid)
-                if isinstance(tid, NotYet):
-                    raise RuntimeError(f"the scheduler refused the read of room {room}: {tid.reason.value}")
-                self._exports[room].add(tid)
-            for md, comp_plans in plans:
-                for comp, plan, by_mem in comp_plans:
-                    for (smem, dmem), (src, dst) in by_mem.items():
-                        handles.append(self.agent.post_write(md.agent_name, src, smem, dst, dmem))
-                    self.stats.descriptors += plan.num_descriptors
-                    self.stats.bytes += plan.nbytes
-                    if comp not in sent:
-                        sent.append(comp)
-            self.stats.chunks += 1
-            self.stats.handles += len(handles)
-            self.stats.pages += len(chunk.kv_indices)
-            failed = self._settle(handles)
-            if failed:
-                raise RuntimeError(f"NIXL reported an error for {failed} of {len(handles)} handles of room {room}")
-        except Exception as e:
-            stuck = self._settle(handles, count_stuck=True) if handles else 0
-            if stuck < 0:
-                # A write may still land: say nothing that lets decode reuse pages,
-                # and keep the read counted so the source is not reused either.
-                self.record_failure(room, str(e))
-                self.update_status(room, KVPoll.Failed)
-                logger.error("hybridkv: room %s failed with a handle still running: %s", room, e)
-                tid = None
-            else:
-                self.conclude_failure(bootstrap_room=room, failure_reason=f"hybridkv transfer failed: {e}")
-            self._end_export(room, tid, ok=False)
-            return
-        finally:
-            for h in handles:
-                self.agent.release(h)
-        self._end_export(room, tid, ok=True)
-        if chunk.is_last:
-            # Every chunk of the room ran on this worker, in order, and settled:
-            # the KV component is complete with this one.
-            landed = msgs.Landed(room=room, prefill_rank=self._prefill_unique_rank(),
-                                 components=tuple((c.group, c.kind.value) for c in sent)).to_frames()
-            for ip, port in self._room_notify_targets(room):
-                self._push(ip, port, landed, f"LANDED for room {room}")
-            self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
-            self.transfer_infos.pop(room, None) if self.check_status(room) == KVPoll.Success else None
-
-    def _end_export(self, room: int, tid: Optional[TransferId], *, ok: bool) -> None:
-        if tid is None:
-            return
-        with self.sched_lock:
-            self._exports[room].discard(tid)
-            if ok:
-                self.sched.transfer_landed(tid)
-            else:
-                self.sched.transfer_failed(tid)
-            self._collect_reusable()
-
-    def _settle(self, handles: list, *, count_stuck: bool = False) -> int:
-        """Wait until no handle is PROC. Returns the number that failed, or -1 if one is stuck."""
-        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
-        pending = list(handles)
-        failed = 0
-        while pending:
-            still = []
-            for h in pending:
-                s = self.agent.state(h)
-                if s is XferState.PROC:
-                    still.append(h)
-                elif s is XferState.ERR:
-                    failed += 1
-            pending = still
-            if pending:
-                if time.monotonic() > deadline:
-                    return -1
-                time.sleep(0.0005)
-        return failed
-
-    # ------------------------------------------------------------ decode side
-    def begin_import(self, room: int, bootstrap_addr: str, writers: int, blocks: dict[int, np.ndarray]) -> None:
-        """Assign the request's blocks and post one import per component, before anything is published.
-
-        ValueError (nothing applied) if a block is held or still fenced: SGLang
-        handed out a page that a write of an earlier request may still reach.
-        """
-        rid = request_id(room)
-        with self.sched_lock:
-            if room in self._imports or self.sched.has_request(rid):
-                raise ValueError(f"room {room} already has destinations published; expected a new room")
-            comps = [c for g in sorted(blocks) for c in self.adopted.components_of(g) if len(blocks[g])]
-            self.sched.add_request(rid, expect=comps)
-            tids: dict[Component, TransferId] = {}
-            try:
-                for g in sorted(blocks):
-                    self.sched.assign(rid, g, [int(b) for b in blocks[g]])
-                for c in comps:
-                    tid = self.sched.post_import(rid, components=[c])
-                    if isinstance(tid, NotYet):
-                        raise ValueError(f"room {room}: the scheduler refused the import of {c}: {tid.reason.value}")
-                    tids[c] = tid
-            except ValueError:
-                for tid in tids.values():
-                    self.sched.transfer_failed(tid)  # nothing was published: no write can come
-                self.sched.abort(rid)
-                self._collect_reusable()
-                raise
-            self._imports[room] = _Import(bootstrap_addr=bootstrap_addr, writers=max(1, writers), tids=tids)
-
-    def end_import(self, room: int, *, landed: bool) -> bool:
-        """Receiver side: the engine is done with the room. True if nothing is in flight any more."""
-        rid = request_id(room)
-        with self.sched_lock:
-            imp = self._imports.get(room)
-            if landed:
-                if self.sched.has_request(rid):
-                    self.sched.request_finished(rid)  # the pages belong to the running request now
-                    self._collect_reusable()
-            else:
-                self._drop_request(rid)
-            if imp is None or not imp.tids:
-                self._imports.pop(room, None)
-                return True
-            imp.cleared = True
-            return False
-
-    def imports_in_flight(self, room: int) -> int:
-        with self.sched_lock:
-            imp = self._imports.get(room)
-            return len(imp.tids) if imp else 0
-
-    def import_ready(self, room: int) -> bool:
-        with self.sched_lock:
-            rid = request_id(room)
-            return self.sched.has_request(rid) and self.sched.is_ready(rid)
-
-    def missing_components(self, room: int) -> list[Component]:
-        """Components of the room not landed: still in flight, or ended without landing."""
-        with self.sched_lock:
-            imp = self._imports.get(room)
-            return imp.unlanded + list(imp.tids) if imp else []
-
-    def settle_imports(self, room: int, reason: str) -> None:
-        """Every writer of the room is quiet (or gone): imports still open will never land."""
-        with self.sched_lock:
-            imp = self._imports.get(room)
-            if imp is None:
-                return
-            if imp.tids:
-                logger.info("hybridkv: room %s: %d import(s) end unlanded (%s)", room, len(imp.tids), reason)
-            for comp, tid in imp.tids.items():
-                self.sched.transfer_failed(tid)
-                imp.unlanded.append(comp)
-            imp.tids.clear()
-            if imp.cleared:
-                self._imports.pop(room, None)
-            self._collect_reusable()
-
-    def _on_landed(self, landed: msgs.Landed) -> None:
-        with self.sched_lock:
-            imp = self._imports.get(landed.room)
-            if imp is None:
-                return
-            for group, kind in landed.components:
-                comp = Component(group=group, kind=ComponentKind(kind))
-                if comp not in imp.tids:
-                    continue
-                imp.landed_from[comp].add(landed.prefill_rank)
-                if len(imp.landed_from[comp]) >= imp.writers:
-                    self.sched.transfer_landed(imp.tids.pop(comp))
-
-    def _note_quiet(self, room: int, rank: int) -> None:
-        with self.sched_lock:
-            imp = self._imports.get(room)
-            if imp is None:
-                return
-            imp.quiet.add(rank)
-            done = len(imp.quiet) >= imp.writers
-        if done:
-            self.settle_imports(room, "every writer is quiet")
-
-    def _decode_listener_loop(self) -> None:
-        for frames in self._recv():
-            try:
-                if frames and frames[0] == msgs.TAG:
-                    kind, m = msgs.decode(frames)
-                    if kind is msgs.MsgType.LANDED:
-                        self._on_landed(msgs.Landed.parse(m))
-                    elif kind is msgs.MsgType.DRAINED:
-                        d = msgs.Drained.parse(m)
-                        self._note_quiet(d.room, d.prefill_rank)
-                    else:
-                        raise ValueError(f"decode got a {kind.value} message")
-                    continue
-                if self.handle_abort_ack_message(frames):
-                    continue
-                parsed = self.parse_kv_status_message(frames)
-                if parsed is None:
-                    raise ValueError(f"unknown message tag {frames[0][:16]!r}")
-                room, status, rank, reason = parsed
-                self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
-                                          failure_reason=reason)
-                if status in (KVPoll.Success, KVPoll.Failed):
-                    # A prefill rank reports a terminal status only with every handle settled.
-                    self._note_quiet(room, rank)
-            except Exception:
-                logger.exception("hybridkv: dropped a decode-side message")
-
-    def _handle_node_failure(self, failed_bootstrap_addr: str):
-        with self.sched_lock:
-            rooms = [r for r, imp in self._imports.items() if imp.bootstrap_addr == failed_bootstrap_addr]
-        for room in rooms:
-            self.settle_imports(room, f"prefill {failed_bootstrap_addr} is dead")
-        super()._handle_node_failure(failed_bootstrap_addr)
-
-
 class HybridKVSender(CommonKVSender):
     kv_mgr: HybridKVManager
 
@@ -739,7 +342,7 @@ class HybridKVReceiver(CommonKVReceiver):
         if self.bootstrap_infos is not None and not self._published:
             mgr = self.kv_mgr
             blocks = {KV_GROUP: np.asarray(kv_indices, dtype=np.int64).ravel()}
-            for c, idx in _state_blocks(state_indices):
+            for c, idx in state_blocks(state_indices):
                 if c < mgr.adopted.num_state_groups:
                     blocks[mgr.adopted.state_group(c)] = idx
             if aux_index is not None:

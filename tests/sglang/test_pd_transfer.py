@@ -90,7 +90,7 @@ def _receiver(mgr, addr: str, room: int):
 
 
 def _assert_clean_decode(mgr, room):
-    from connectors.sglang.conn import request_id
+    from connectors.sglang.adopt import request_id
 
     assert room not in mgr.request_status
     assert room not in mgr._imports
@@ -259,25 +259,26 @@ def test_failed_transfer_fails_both_sides_with_the_reason(decode, prefill):
     _assert_clean_prefill(prefill, room)
 
 
-def test_killed_prefill_fails_the_decode_request(decode):
+def test_killed_prefill_fails_the_decode_request(decode, prefill):
     """The prefill process dies after decode published its destinations: the
-    heartbeat declares it dead, which also proves no write of it is coming."""
+    heartbeat declares it dead, which also proves no write of it is coming, so
+    the scheduler ends the imports and the pages become reusable. Runs last:
+    it kills the module's prefill (a fresh process would cost another
+    SGLang start-up)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr, _ = decode
-    p = Prefill()
-    try:
-        room = 1004
-        r = _receiver(mgr, p.addr, room)
-        r.send_metadata(np.asarray([60, 61], dtype=np.int32), DST_AUX, [[1]])
-        assert p.call("sender", room) == KVPoll.WaitingForInput
-        p.proc.kill()
-        p.proc.join(10)
-        t0 = time.monotonic()
-        assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}, timeout=30) == KVPoll.Failed
-        assert time.monotonic() - t0 < 20
-        with pytest.raises(Exception, match="Lost connection"):
-            r.failure_exception()
-        _assert_clean_decode(mgr, room)
-    finally:
-        p.close()
+    p = prefill
+    room = 1004
+    r = _receiver(mgr, p.addr, room)
+    r.send_metadata(np.asarray([60, 61], dtype=np.int32), DST_AUX, [[1]])
+    assert p.call("sender", room) == KVPoll.WaitingForInput
+    assert mgr.imports_in_flight(room) == 4
+    p.proc.kill()
+    p.proc.join(10)
+    t0 = time.monotonic()
+    assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}, timeout=30) == KVPoll.Failed
+    assert time.monotonic() - t0 < 20
+    with pytest.raises(Exception, match="Lost connection"):
+        r.failure_exception()
+    _assert_clean_decode(mgr, room)

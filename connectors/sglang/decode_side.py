@@ -1,0 +1,177 @@
+"""Decode side of the hybridkv SGLang backend: published destinations are fenced imports.
+
+`begin_import` assigns a request's pages, slots and aux row in the fencing
+scheduler and posts one import per component before SGLang publishes them; a
+component lands on the writer's LANDED message; imports still open when every
+writer is quiet (KV_STATUS, DRAINED), dead, or past the drain deadline end as
+failed. Blocks the engine hands back (abort, clear) stay out of reuse while an
+import into them is open: `fenced` lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import defaultdict
+
+import numpy as np
+
+from connectors.sglang import messages as msgs
+from connectors.sglang.adopt import request_id
+from hybridkv.fence import NotYet, TransferId
+from hybridkv.request_state import Component, ComponentKind
+from sglang.srt.disaggregation.base.conn import KVPoll
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Import:
+    """Decode side: a room whose destinations were (or are about to be) published."""
+
+    bootstrap_addr: str
+    writers: int  # prefill ranks expected to write
+    tids: dict[Component, TransferId]  # imports still in flight
+    landed_from: dict[Component, set[int]] = dataclasses.field(default_factory=lambda: defaultdict(set))
+    quiet: set[int] = dataclasses.field(default_factory=set)
+    unlanded: list[Component] = dataclasses.field(default_factory=list)  # ended without landing
+    cleared: bool = False
+
+
+class DecodeImports:
+    """Mixin of HybridKVManager (decode mode)."""
+
+    def begin_import(self, room: int, bootstrap_addr: str, writers: int, blocks: dict[int, np.ndarray]) -> None:
+        """Assign the request's blocks and post one import per component, before anything is published.
+
+        ValueError (nothing applied) if a block is held or still fenced: SGLang
+        handed out a page that a write of an earlier request may still reach.
+        """
+        rid = request_id(room)
+        with self.sched_lock:
+            if room in self._imports or self.sched.has_request(rid):
+                raise ValueError(f"room {room} already has destinations published; expected a new room")
+            comps = [c for g in sorted(blocks) for c in self.adopted.components_of(g) if len(blocks[g])]
+            self.sched.add_request(rid, expect=comps)
+            tids: dict[Component, TransferId] = {}
+            try:
+                for g in sorted(blocks):
+                    self.sched.assign(rid, g, [int(b) for b in blocks[g]])
+                for c in comps:
+                    tid = self.sched.post_import(rid, components=[c])
+                    if isinstance(tid, NotYet):
+                        raise ValueError(f"room {room}: the scheduler refused the import of {c}: {tid.reason.value}")
+                    tids[c] = tid
+            except ValueError:
+                for tid in tids.values():
+                    self.sched.transfer_failed(tid)  # nothing was published: no write can come
+                self.sched.abort(rid)
+                self._collect_reusable()
+                raise
+            self._imports[room] = _Import(bootstrap_addr=bootstrap_addr, writers=max(1, writers), tids=tids)
+
+    def end_import(self, room: int, *, landed: bool) -> bool:
+        """Receiver side: the engine is done with the room. True if nothing is in flight any more."""
+        rid = request_id(room)
+        with self.sched_lock:
+            imp = self._imports.get(room)
+            if landed:
+                if self.sched.has_request(rid):
+                    self.sched.request_finished(rid)  # the pages belong to the running request now
+                    self._collect_reusable()
+            else:
+                self._drop_request(rid)
+            if imp is None or not imp.tids:
+                self._imports.pop(room, None)
+                return True
+            imp.cleared = True
+            return False
+
+    def imports_in_flight(self, room: int) -> int:
+        with self.sched_lock:
+            imp = self._imports.get(room)
+            return len(imp.tids) if imp else 0
+
+    def import_ready(self, room: int) -> bool:
+        with self.sched_lock:
+            rid = request_id(room)
+            return self.sched.has_request(rid) and self.sched.is_ready(rid)
+
+    def missing_components(self, room: int) -> list[Component]:
+        """Components of the room not landed: still in flight, or ended without landing."""
+        with self.sched_lock:
+            imp = self._imports.get(room)
+            return imp.unlanded + list(imp.tids) if imp else []
+
+    def settle_imports(self, room: int, reason: str) -> None:
+        """Every writer of the room is quiet (or gone): imports still open will never land."""
+        with self.sched_lock:
+            imp = self._imports.get(room)
+            if imp is None:
+                return
+            if imp.tids:
+                logger.info("hybridkv: room %s: %d import(s) end unlanded (%s)", room, len(imp.tids), reason)
+            for comp, tid in imp.tids.items():
+                self.sched.transfer_failed(tid)
+                imp.unlanded.append(comp)
+            imp.tids.clear()
+            if imp.cleared:
+                self._imports.pop(room, None)
+            self._collect_reusable()
+
+    def _on_landed(self, landed: msgs.Landed) -> None:
+        with self.sched_lock:
+            imp = self._imports.get(landed.room)
+            if imp is None:
+                return
+            for group, kind in landed.components:
+                comp = Component(group=group, kind=ComponentKind(kind))
+                if comp not in imp.tids:
+                    continue
+                imp.landed_from[comp].add(landed.prefill_rank)
+                if len(imp.landed_from[comp]) >= imp.writers:
+                    self.sched.transfer_landed(imp.tids.pop(comp))
+
+    def _note_quiet(self, room: int, rank: int) -> None:
+        with self.sched_lock:
+            imp = self._imports.get(room)
+            if imp is None:
+                return
+            imp.quiet.add(rank)
+            done = len(imp.quiet) >= imp.writers
+        if done:
+            self.settle_imports(room, "every writer is quiet")
+
+    def _decode_listener_loop(self) -> None:
+        for frames in self._recv():
+            try:
+                if frames and frames[0] == msgs.TAG:
+                    kind, m = msgs.decode(frames)
+                    if kind is msgs.MsgType.LANDED:
+                        self._on_landed(msgs.Landed.parse(m))
+                    elif kind is msgs.MsgType.DRAINED:
+                        d = msgs.Drained.parse(m)
+                        self._note_quiet(d.room, d.prefill_rank)
+                    else:
+                        raise ValueError(f"decode got a {kind.value} message")
+                    continue
+                if self.handle_abort_ack_message(frames):
+                    continue
+                parsed = self.parse_kv_status_message(frames)
+                if parsed is None:
+                    raise ValueError(f"unknown message tag {frames[0][:16]!r}")
+                room, status, rank, reason = parsed
+                self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
+                                          failure_reason=reason)
+                if status in (KVPoll.Success, KVPoll.Failed):
+                    # A prefill rank reports a terminal status only with every handle settled.
+                    self._note_quiet(room, rank)
+            except Exception:
+                logger.exception("hybridkv: dropped a decode-side message")
+
+    def _handle_node_failure(self, failed_bootstrap_addr: str):
+        with self.sched_lock:
+            rooms = [r for r, imp in self._imports.items() if imp.bootstrap_addr == failed_bootstrap_addr]
+        for room in rooms:
+            self.settle_imports(room, f"prefill {failed_bootstrap_addr} is dead")
+        super()._handle_node_failure(failed_bootstrap_addr)

@@ -1,0 +1,274 @@
+"""Prefill side of the hybridkv SGLang backend: chunks become fenced exports.
+
+Each chunk SGLang hands over joins the room's export in the fencing scheduler
+(its source pages, and with the last chunk the state slots and aux row, are
+assigned to the room); a worker waits for the device (SGLang's event), takes a
+`post_export` read, compiles one plan per component with the peer's planners,
+posts the WRITEs and settles every handle before the read is terminal. The
+room's export is dropped, and its sender may report a terminal state, only when
+no chunk of it is queued or being read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from connectors.sglang import messages as msgs
+from connectors.sglang.adopt import KV_GROUP, request_id, state_blocks
+from connectors.sglang.agent import XferState, split_by_memory
+from hybridkv.fence import NotYet, TransferId
+from hybridkv.request_state import Component
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+logger = logging.getLogger(__name__)
+
+_RECV_POLL_MS = 200
+# A handle still PROC this long after a sibling failed is treated as stuck: its
+# read stays counted (source pages fenced) and the room is reported Failed.
+_SETTLE_TIMEOUT_S = 30.0
+
+
+@dataclasses.dataclass
+class _Chunk:
+    room: int
+    kv_indices: np.ndarray
+    index_slice: slice
+    is_last: bool
+    aux_index: Optional[int]
+    state_indices: Optional[list]
+    wait_event: Any
+
+
+@dataclasses.dataclass
+class TransferStats:
+    """Counters a test or a benchmark reads; only worker threads write them."""
+
+    chunks: int = 0
+    handles: int = 0
+    descriptors: int = 0
+    bytes: int = 0
+    pages: int = 0
+
+
+class PrefillExports:
+    """Mixin of HybridKVManager (prefill mode): add_transfer_request and the workers."""
+
+    def add_transfer_request(
+        self, bootstrap_room: int, kv_indices, index_slice: slice, is_last_chunk: bool,
+        aux_index: Optional[int] = None, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None,
+        *, wait_event=None, indices_event=None, trace_ctx=None,
+    ):
+        if self.disaggregation_mode != DisaggregationMode.PREFILL:
+            raise RuntimeError("add_transfer_request called on a decode manager")
+        if is_last_chunk and aux_index is None:
+            raise ValueError(f"room {bootstrap_room}: the last chunk needs an aux index")
+        if bootstrap_room not in self.transfer_infos:
+            return None  # dummy rank, or cleared
+        chunk = _Chunk(room=bootstrap_room, kv_indices=np.asarray(kv_indices, dtype=np.int64),
+                       index_slice=index_slice, is_last=is_last_chunk, aux_index=aux_index,
+                       state_indices=state_indices, wait_event=wait_event)
+        try:
+            with self.sched_lock:
+                self._hold_sources(chunk)
+                self._inflight[bootstrap_room] += 1
+        except ValueError as e:
+            # Nothing was posted for this chunk; earlier ones (if any) settle on their own.
+            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=f"hybridkv refused the chunk: {e}")
+            self.retire_export(bootstrap_room)
+            return None
+        self.update_status(bootstrap_room, KVPoll.Transferring)
+        self._queues[bootstrap_room % len(self._queues)].put(chunk)
+        return None
+
+    def _hold_sources(self, chunk: _Chunk) -> None:
+        """The chunk's source blocks join the room's export (held until every read of them is terminal)."""
+        rid = request_id(chunk.room)
+        sched = self.sched
+        if not sched.has_request(rid):
+            sched.add_request(rid)
+            sched.request_finished(rid, export=True)  # its blocks are read by outbound writes from now on
+        wanted = [(KV_GROUP, chunk.kv_indices)]
+        if chunk.is_last:
+            for c, idx in state_blocks(chunk.state_indices):
+                if c < self.adopted.num_state_groups:
+                    wanted.append((self.adopted.state_group(c), idx))
+            wanted.append((self.adopted.aux_group, np.asarray([chunk.aux_index], dtype=np.int64)))
+        for group, blocks in wanted:
+            size = sched.layout.pool_sizes[sched.layout.group_pools[group]]
+            bad = [int(b) for b in blocks if not 0 <= int(b) < size]
+            if bad:
+                raise ValueError(f"source block {bad[0]} of group {group} is outside its pool (valid 0..{size - 1})")
+        for group, blocks in wanted:
+            held = set(int(b) for b in sched.blocks(rid, group))
+            new = [int(b) for b in blocks if int(b) not in held]
+            try:
+                sched.assign(rid, group, new)
+            except ValueError:
+                # A prefix page shared with another live room (radix cache): that
+                # room holds it; this room's reads are still counted by its own
+                # export and gate its own sender.
+                for b in new:
+                    try:
+                        sched.assign(rid, group, [b])
+                    except ValueError:
+                        pass
+
+    def retire_export(self, room: int) -> None:
+        """Drop the room's export once nothing of it is queued or being read and it is terminal."""
+        with self.sched_lock:
+            if self._inflight.get(room, 0) > 0 or self._exports.get(room):
+                return
+            self._exports.pop(room, None)
+            status = self.request_status.get(room)
+            if status is None or status in (KVPoll.Success, KVPoll.Failed):
+                self._drop_request(request_id(room), export=True)
+
+    def exporting(self, room: int) -> bool:
+        with self.sched_lock:
+            return self.sched.has_request(request_id(room))
+
+    def _worker_loop(self, q: queue.Queue) -> None:
+        while not self._stop.is_set():
+            try:
+                chunk = q.get(timeout=_RECV_POLL_MS / 1000)
+            except queue.Empty:
+                continue
+            try:
+                self._process(chunk)
+            except Exception:
+                logger.exception("hybridkv: worker failed on room %s", chunk.room)
+            finally:
+                with self.sched_lock:
+                    self._inflight[chunk.room] -= 1
+                    if self._inflight[chunk.room] <= 0:
+                        del self._inflight[chunk.room]
+                self.retire_export(chunk.room)
+                self._maybe_send_drained(chunk.room)
+
+    def _plans_for(self, chunk: _Chunk, md: msgs.Metadata, peer):
+        """Per component, the compiled plan split by memory kind. Raises ValueError before anything is posted."""
+        dst_pages = md.kv_indices[chunk.index_slice]
+        if len(dst_pages) != len(chunk.kv_indices):
+            raise ValueError(
+                f"room {chunk.room}: {len(chunk.kv_indices)} source pages for {len(dst_pages)} destination pages"
+            )
+        blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {KV_GROUP: (chunk.kv_indices, dst_pages)}
+        if chunk.is_last:
+            for c, idx in state_blocks(chunk.state_indices):
+                if c >= len(md.state_indices) or md.state_indices[c] is None:
+                    raise ValueError(f"room {chunk.room}: decode sent no destination for state component {c}")
+                blocks[self.adopted.state_group(c)] = (idx, md.state_indices[c])
+            if md.aux_index < 0:
+                raise ValueError(f"room {chunk.room}: decode sent no aux index")
+            blocks[self.adopted.aux_group] = (np.asarray([int(chunk.aux_index)]), np.asarray([md.aux_index]))
+        out = []
+        for comp, planner in peer.planners.items():
+            if comp.group not in blocks:
+                continue
+            src, dst = blocks[comp.group]
+            plan = planner.compile({comp.group: src}, {comp.group: dst})
+            out.append((comp, plan, split_by_memory(plan, self.adopted.layout, peer.layout.layout)))
+        return out
+
+    def _process(self, chunk: _Chunk) -> None:
+        room = chunk.room
+        rid = request_id(room)
+        status = self.request_status.get(room)
+        infos = self.transfer_infos.get(room)
+        if status is None or status == KVPoll.Failed or infos is None:
+            return  # aborted or cleared: nothing is written for it
+        if chunk.wait_event is not None and hasattr(chunk.wait_event, "synchronize"):
+            chunk.wait_event.synchronize()  # export fence: the device finished writing the source
+            if self.request_status.get(room) in (None, KVPoll.Failed):
+                return  # aborted while the device was still writing the source
+        self.update_status(room, KVPoll.Transferring)
+        handles = []
+        tid = None
+        sent: list[Component] = []
+        try:
+            targets = [(md, self.peers[md.agent_name]) for md in list(infos.values()) if not md.is_dummy]
+            plans = [(md, self._plans_for(chunk, md, peer)) for md, peer in targets]
+            with self.sched_lock:
+                self.sched.heartbeat(rid)
+                tid = self.sched.post_export(rid)
+                if isinstance(tid, NotYet):
+                    raise RuntimeError(f"the scheduler refused the read of room {room}: {tid.reason.value}")
+                self._exports[room].add(tid)
+            for md, comp_plans in plans:
+                for comp, plan, by_mem in comp_plans:
+                    for (smem, dmem), (src, dst) in by_mem.items():
+                        handles.append(self.agent.post_write(md.agent_name, src, smem, dst, dmem))
+                    self.stats.descriptors += plan.num_descriptors
+                    self.stats.bytes += plan.nbytes
+                    if comp not in sent:
+                        sent.append(comp)
+            self.stats.chunks += 1
+            self.stats.handles += len(handles)
+            self.stats.pages += len(chunk.kv_indices)
+            failed = self._settle(handles)
+            if failed:
+                raise RuntimeError(f"NIXL reported an error for {failed} of {len(handles)} handles of room {room}")
+        except Exception as e:
+            stuck = self._settle(handles, count_stuck=True) if handles else 0
+            if stuck < 0:
+                # A write may still land: say nothing that lets decode reuse pages,
+                # and keep the read counted so the source is not reused either.
+                self.record_failure(room, str(e))
+                self.update_status(room, KVPoll.Failed)
+                logger.error("hybridkv: room %s failed with a handle still running: %s", room, e)
+                tid = None
+            else:
+                self.conclude_failure(bootstrap_room=room, failure_reason=f"hybridkv transfer failed: {e}")
+            self._end_export(room, tid, ok=False)
+            return
+        finally:
+            for h in handles:
+                self.agent.release(h)
+        self._end_export(room, tid, ok=True)
+        if chunk.is_last:
+            # Every chunk of the room ran on this worker, in order, and settled:
+            # the KV component is complete with this one.
+            landed = msgs.Landed(room=room, prefill_rank=self._prefill_unique_rank(),
+                                 components=tuple((c.group, c.kind.value) for c in sent)).to_frames()
+            for ip, port in self._room_notify_targets(room):
+                self._push(ip, port, landed, f"LANDED for room {room}")
+            self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+            self.transfer_infos.pop(room, None) if self.check_status(room) == KVPoll.Success else None
+
+    def _end_export(self, room: int, tid: Optional[TransferId], *, ok: bool) -> None:
+        if tid is None:
+            return
+        with self.sched_lock:
+            self._exports[room].discard(tid)
+            if ok:
+                self.sched.transfer_landed(tid)
+            else:
+                self.sched.transfer_failed(tid)
+            self._collect_reusable()
+
+    def _settle(self, handles: list, *, count_stuck: bool = False) -> int:
+        """Wait until no handle is PROC. Returns the number that failed, or -1 if one is stuck."""
+        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+        pending = list(handles)
+        failed = 0
+        while pending:
+            still = []
+            for h in pending:
+                s = self.agent.state(h)
+                if s is XferState.PROC:
+                    still.append(h)
+                elif s is XferState.ERR:
+                    failed += 1
+            pending = still
+            if pending:
+                if time.monotonic() > deadline:
+                    return -1
+                time.sleep(0.0005)
+        return failed
