@@ -93,10 +93,8 @@ async def _worker(conn, o: WorkerOptions) -> None:
         holder: dict = {}
 
         async def exporter(rid: str):
-            prod = holder["p"]
-            # After a consumer restart the dead one may not be noticed yet: offer to the newest.
-            peer = next(reversed(prod.peers)) if len(prod.peers) > 1 else None
-            result = await prod.export(rid, peer=peer)
+            # The request goes to whichever consumer asks for it (a restarted one included).
+            result = await holder["p"].export(rid)
             results[rid] = {"outcome": result.outcome.value, "error": result.error}
             send(conn, {"op": "exported", "rid": rid, "outcome": result.outcome.value, "error": result.error})
             return result
