@@ -97,6 +97,7 @@ class EngineConfig:
     # slow, so without this the races would almost never show (fencing or not).
     settle_transfers_s: float = 0.5
     lease_s: float = 30.0  # how long exported blocks wait for a consumer (renewed by its heartbeats)
+    import_launch_s: float = 0.05  # how long a step waits for the imports admitted with it to post
 
 
 Fetcher = Callable[[str, tuple], Awaitable[object]]
@@ -128,6 +129,7 @@ class Engine:
         self.step = 0
         self.tasks: set[asyncio.Task] = set()
         self.skipped_zeroing = 0
+        self._fresh_imports: list[Request] = []
 
     # ------------------------------------------------------------------ intake
     def submit(self, rid: str, prompt: list[int], max_tokens: int, *, first_token: int | None = None) -> None:
@@ -185,6 +187,7 @@ class Engine:
             self.pending_zero.extend(r.attn_blocks)
             if remote:
                 r.status = Status.IMPORTING
+                self._fresh_imports.append(r)
                 self._spawn(self._import(r))
             else:
                 joined.append(rid)
@@ -251,9 +254,20 @@ class Engine:
     # ---------------------------------------------------------------- the loop
     async def run_step(self) -> bool:
         """Plan ahead, let transfers progress, execute the oldest planned step. False when idle."""
+        in_flight = self.sched.transfers_in_flight()
         while len(self.queue) <= self.cfg.async_depth and self._has_work():
             self._schedule()
         await asyncio.sleep(self.cfg.step_gap_s)
+        # vLLM's worker starts a request's load at the start of the step after its blocks were
+        # allocated: give the imports admitted just now the chance to post before that step runs
+        # (a fenced import is told "not yet" and waits for the step instead).
+        t_end = time.monotonic() + self.cfg.import_launch_s
+        while self._fresh_imports and time.monotonic() < t_end:
+            if self.sched.transfers_in_flight() >= in_flight + len(self._fresh_imports) or all(
+                    r.status is not Status.IMPORTING for r in self._fresh_imports):
+                break
+            await asyncio.sleep(0.0005)
+        self._fresh_imports.clear()
         t_end = time.monotonic() + self.cfg.settle_transfers_s
         while self.sched.transfers_in_flight() and time.monotonic() < t_end:
             await asyncio.sleep(0.0005)

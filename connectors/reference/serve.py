@@ -75,9 +75,11 @@ async def _worker(conn, o: WorkerOptions) -> None:
     tcfg = TransportConfig(failure_policy=FailurePolicy(o.failure_policy))
     engine: Engine | None = None
 
+    first_tokens: dict[str, int] = {}
+
     def first_token(r) -> None:
         if role is Role.PREFILL:
-            send(conn, {"op": "first", "rid": r.rid, "token": r.output[0], "t": time.time()})
+            first_tokens[r.rid] = r.output[0]
 
     def finished(r) -> None:
         if role is Role.DECODE:
@@ -93,6 +95,13 @@ async def _worker(conn, o: WorkerOptions) -> None:
         holder: dict = {}
 
         async def exporter(rid: str):
+            # Hand the request to decode once its blocks may be read (rule 1: every step that
+            # wrote them completed), as a P/D proxy does when prefill returns: decode then
+            # allocates and reads at once, the timing in which vLLM's races fired.
+            sched = engine.sched
+            while sched.has_request(rid) and not sched.export_ready(rid):
+                await asyncio.sleep(0.0005)
+            send(conn, {"op": "first", "rid": rid, "token": first_tokens.pop(rid), "t": time.time()})
             # The request goes to whichever consumer asks for it (a restarted one included).
             result = await holder["p"].export(rid)
             results[rid] = {"outcome": result.outcome.value, "error": result.error}
