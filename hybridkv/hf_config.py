@@ -78,22 +78,25 @@ def _layer_kinds_from_types(cfg: dict[str, Any], n: int, names: dict[str, LayerK
     return kinds
 
 
-def _qwen_layers(cfg: dict[str, Any], dtype: DType, ssm_dtype) -> tuple[LayerSpec, ...]:
+def _layer_kinds(cfg: dict[str, Any], names: dict[str, LayerKind], *, every_key: str,
+                 other: LayerKind) -> list[LayerKind]:
+    """Layer kinds from `layer_types`, or from "every Nth layer is full attention"; both must agree."""
     n = _int(cfg, "num_hidden_layers")
-    kinds = _layer_kinds_from_types(
-        cfg, n, {"linear_attention": LayerKind.GDN, "full_attention": LayerKind.FULL_ATTENTION}
-    )
-    interval = cfg.get("full_attention_interval")
-    if interval is not None:
-        interval = _int(cfg, "full_attention_interval")
-        by_interval = [LayerKind.FULL_ATTENTION if (i + 1) % interval == 0 else LayerKind.GDN for i in range(n)]
-        if kinds is not None and kinds != by_interval:
-            raise ValueError(
-                f"config keys 'layer_types' and 'full_attention_interval'={interval} contradict each other"
-            )
-        kinds = by_interval
+    kinds = _layer_kinds_from_types(cfg, n, names)
+    if cfg.get(every_key) is not None:
+        every = _int(cfg, every_key)
+        by_every = [LayerKind.FULL_ATTENTION if (i + 1) % every == 0 else other for i in range(n)]
+        if kinds is not None and kinds != by_every:
+            raise ValueError(f"config keys 'layer_types' and '{every_key}'={every} contradict each other")
+        kinds = by_every
     if kinds is None:
-        raise ValueError("config key 'layer_types' or 'full_attention_interval' is missing")
+        raise ValueError(f"config key 'layer_types' or '{every_key}' is missing")
+    return kinds
+
+
+def _qwen_layers(cfg: dict[str, Any], dtype: DType, ssm_dtype) -> tuple[LayerSpec, ...]:
+    kinds = _layer_kinds(cfg, {"linear_attention": LayerKind.GDN, "full_attention": LayerKind.FULL_ATTENTION},
+                         every_key="full_attention_interval", other=LayerKind.GDN)
     if ssm_dtype is not None:
         ssm = DType.parse(ssm_dtype, what="ssm dtype")
     else:
@@ -116,23 +119,10 @@ def _qwen_layers(cfg: dict[str, Any], dtype: DType, ssm_dtype) -> tuple[LayerSpe
 
 
 def _gemma_layers(cfg: dict[str, Any], dtype: DType) -> tuple[LayerSpec, ...]:
-    n = _int(cfg, "num_hidden_layers")
     window = _int(cfg, "sliding_window")
-    kinds = _layer_kinds_from_types(
-        cfg, n, {"sliding_attention": LayerKind.SLIDING_WINDOW, "full_attention": LayerKind.FULL_ATTENTION}
-    )
-    pattern = cfg.get("sliding_window_pattern")
-    if pattern is not None:
-        pattern = _int(cfg, "sliding_window_pattern")
-        by_pattern = [LayerKind.FULL_ATTENTION if (i + 1) % pattern == 0 else LayerKind.SLIDING_WINDOW
-                      for i in range(n)]
-        if kinds is not None and kinds != by_pattern:
-            raise ValueError(
-                f"config keys 'layer_types' and 'sliding_window_pattern'={pattern} contradict each other"
-            )
-        kinds = by_pattern
-    if kinds is None:
-        raise ValueError("config key 'layer_types' or 'sliding_window_pattern' is missing")
+    kinds = _layer_kinds(
+        cfg, {"sliding_attention": LayerKind.SLIDING_WINDOW, "full_attention": LayerKind.FULL_ATTENTION},
+        every_key="sliding_window_pattern", other=LayerKind.SLIDING_WINDOW)
     heads = _int(cfg, "num_key_value_heads")
     head_dim = _int(cfg, "head_dim")
     full = AttentionSpec(num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
