@@ -244,7 +244,7 @@ class WorkerHalf:
             ts.request_finished(rid, export=True)
             # Whichever decode rank(s) ask for it (wire.Want) read it; the lease bounds the wait.
             result = await self._producer.export(rid)
-            log.debug("hybridkv export of %s: %s", rid, result.outcome.value)
+            log.debug("hybridkv export of %s: %s (%s)", rid, result.outcome.value, result.error)
         except Exception as exc:
             log.warning("hybridkv export of %s failed: %s", rid, exc)
             ts.abort(rid)

@@ -1,6 +1,11 @@
 """Producer and consumer endpoints: handshake, exports, pulls/pushes, leases, failures.
 
-A :class:`Producer` (prefill) listens; a :class:`Consumer` (decode) dials it.
+A :class:`Producer` (prefill) listens; a :class:`Consumer` (decode) dials it and
+asks for the requests it wants (``wire.Want``): the prefill side need not know
+which decode instance will read a request. The producer exports a request to
+whoever asked; a request several decode ranks share (``readers``, heterogeneous
+TP) ends when every reader is done; any other claim on it is refused
+(``FailureCode.CLAIMED``). The consumer lives in :mod:`hybridkv.transport.consumer`.
 Both drive their transfers through a :class:`~hybridkv.scheduler.TransferScheduler`:
 a transfer is posted only when the fence allows it (``post_export`` /
 ``post_import``) and its end is reported back (``transfer_landed`` /
@@ -23,15 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import time
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hybridkv import wire
-from hybridkv.errors import HandshakeRefused, HandshakeTimeout, PeerLost, ProtocolViolation
+from hybridkv.errors import HandshakeRefused, PeerLost, ProtocolViolation
 from hybridkv.transport import control
 from hybridkv.transport.dataplane import DataPlane, DataPlaneConfig, Op, Transfer, XferState
 from hybridkv.transport.memory import PAGE_SHAPE_FIELDS, MemoryMap, check_peer_shapes, pair_indices
@@ -352,7 +355,6 @@ class Producer(_Side):
             error = (f"request {rec.rid} is already claimed by {len(rec.claims)} other consumer(s) "
                      f"({', '.join(sorted(rec.claims))}); expected {rec.readers} reader(s)")
         if error is not None:
-            self.stats.rejected += 1
             self._refuse_want(peer, rec.rid, wire.FailureCode.CLAIMED, error)
             return
         rec.readers = readers
@@ -370,6 +372,7 @@ class Producer(_Side):
             self._peer_lost(peer)
 
     def _refuse_want(self, peer: _Peer, rid: str, code: wire.FailureCode, detail: str) -> None:
+        self.stats.rejected += 1
         asyncio.ensure_future(_send_quietly(peer.channel, wire.Failure(request_id=rid, code=code,
                                                                       detail=detail[: wire.MAX_TEXT])))
 

@@ -1,0 +1,137 @@
+"""One vLLM worker rank (TP rank of a prefill or decode instance) in its own process, for test_hetero_tp.py.
+
+vLLM 0.33.0's real config for the rank's TP size, KV tensors from vLLM's own
+``allocate_kv_cache``, our connector's worker half from vLLM's factory. There is
+no scheduler here: the test plays the scheduler half and hands each rank the
+metadata it would emit (exports ready / load orders). One JSON object per line:
+  -> {"role": "producer", "tp", "rank", "port", "requests": [[rid, tokens], ...]}
+  <- {"ready": port, "blocks": {rid: per-group ids}, "fields": {rid: {field: sha256}}}
+  -> "go"                                 (the requests finish: exports offered, leases start)
+  <- {"sent": [rid, ...]}                 once every export ended (then it exits)
+  -> {"role": "consumer", "tp", "rank", "remote_port", "remote_tp"}
+  <- {"ready": true}
+  -> {"requests": [[rid, tokens, blocks], ...]}
+  <- {"results": {rid: [failed, descriptors, nbytes]}, "fields": ..., "sources": {rank: [field, ...]}}
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import sys
+import time
+
+
+def _field_digests(layout, blocks, tokens: int) -> dict[str, str]:
+    out = {}
+    for g in layout.groups:
+        ids = blocks[g.group_id]
+        for p in g.placements:
+            r = layout.regions[p.region_id]
+            for f in p.fields:
+                data = b"".join(ctypes.string_at(r.base_addr + b * r.stride + f.offset, f.nbytes) for b in ids)
+                if f.token_bytes and g.block_tokens:
+                    data = data[: tokens * f.token_bytes]
+                out[f"{f.key[0].value}/{f.key[1]}/{f.key[2]}"] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+def _blocks(kcc, i: int, tokens: int, base: int) -> list[list[int]]:
+    """Distinct ids per group (HMA groups share one pool), as vLLM's block pool hands them out."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    at = base + 12 * i
+    out = []
+    for g in kcc.transfer_group_ids:
+        spec = kcc.kv_cache_groups[g].kv_cache_spec
+        n = 1 if isinstance(spec, MambaSpec) else -(-tokens // spec.block_size)
+        out.append(list(range(at, at + n)))
+        at += n
+    return out
+
+
+def _poll(conn, want: set[str], key: str, timeout: float = 60.0):
+    got, failed = set(), set()
+    deadline = time.monotonic() + timeout
+    while got < want and time.monotonic() < deadline:
+        res = conn.get_transfer_results(set())
+        got |= getattr(res, key)
+        failed |= res.failed_recving
+        time.sleep(0.01)
+    return got, failed
+
+
+def main() -> int:
+    import torch
+
+    from tests.vllm import harness as h
+
+    cmd = json.loads(sys.stdin.readline())
+    role = cmd["role"]
+    extra = {"tp_rank": cmd["rank"], "kv_lease_duration": 60}
+    if role == "producer":
+        extra["side_channel_port"] = cmd["port"]
+    vc = h.make_vllm_config(role="kv_producer" if role == "producer" else "kv_consumer", tp=cmd["tp"],
+                            extra=extra, engine_id=f"{role}-engine")
+    kcc = h.make_kv_cache_config(vc)
+    conn, kv = h.make_worker(vc, kcc)
+    layout = conn.worker.layout
+    from connectors.vllm.metadata import HybridKVConnectorMetadata, RecvOrder
+    from connectors.vllm.params import RemotePrefill
+
+    if role == "producer":
+        gen = torch.Generator().manual_seed(1000 + cmd["rank"])
+        blocks, fields = {}, {}
+        for i, (rid, tokens) in enumerate(cmd["requests"]):
+            ids = _blocks(kcc, i, tokens, base=1)
+            for g, gids in zip(kcc.transfer_group_ids, ids):
+                for name in kcc.kv_cache_groups[g].layer_names:
+                    for b in gids:  # what the forward pass would write
+                        page = kv[name][b]
+                        rnd = torch.randint(-128, 128, (page.numel() * page.element_size(),), dtype=torch.int8,
+                                            generator=gen)
+                        page.copy_(rnd.view(page.dtype).view(page.shape))
+            blocks[rid] = ids
+            fields[rid] = _field_digests(layout, dict(zip(kcc.transfer_group_ids, ids)), tokens)
+        print(json.dumps({"ready": conn.worker.listen_port, "blocks": blocks, "fields": fields}), flush=True)
+        sys.stdin.readline()  # go
+        meta = HybridKVConnectorMetadata(step=1, exports_ready={rid: tuple(tuple(g) for g in b)
+                                                                for rid, b in blocks.items()})
+        conn.bind_connector_metadata(meta)
+        conn.start_load_kv(None)
+        conn.clear_connector_metadata()
+        sent, _ = _poll(conn, set(blocks), "finished_sending")
+        print(json.dumps({"sent": sorted(sent)}), flush=True)  # every reader finished: nothing left to serve
+    else:
+        print(json.dumps({"ready": True}), flush=True)
+        orders, local = [], {}
+        for i, (rid, tokens, remote_blocks) in enumerate(json.loads(sys.stdin.readline())["requests"]):
+            ids = _blocks(kcc, i, tokens, base=30)
+            local[rid] = (ids, tokens)
+            remote = RemotePrefill(engine_id="producer-engine", request_id=rid, host="127.0.0.1",
+                                   port=cmd["remote_port"], block_ids=tuple(tuple(g) for g in remote_blocks),
+                                   tp_size=cmd["remote_tp"])
+            orders.append(RecvOrder(request_id=rid, transfer_id=i + 1, local_block_ids=tuple(tuple(g) for g in ids),
+                                    remote=remote))
+        conn.bind_connector_metadata(HybridKVConnectorMetadata(step=1, recvs=orders))
+        conn.start_load_kv(None)
+        conn.clear_connector_metadata()
+        got, failed = _poll(conn, set(local), "finished_recving")
+        results = {}
+        for rid in local:
+            r = conn.worker.load_results.get(rid)
+            results[rid] = [rid in failed or rid not in got, r and r.descriptors, r and r.nbytes]
+        fields = {rid: _field_digests(layout, dict(zip(kcc.transfer_group_ids, ids)), tokens)
+                  for rid, (ids, tokens) in local.items()}
+        sources = {}
+        for plan in conn.worker._plans.values():
+            for rank, keys in (plan.sources.items() if plan is not None else ()):
+                sources[rank] = sorted(f"{k[0].value}/{k[1]}/{k[2]}" for k in keys)
+        print(json.dumps({"results": results, "fields": fields, "sources": sources}), flush=True)
+    conn.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
