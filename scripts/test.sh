@@ -2,8 +2,6 @@
 # Set up every environment the tests need, then run the whole test suite:
 # the core suite in .venv, and the engine connector suites each in the
 # environment that holds the real engine package (pinned versions).
-# The engine environments are built in the background while the core suite
-# runs (one after the other: both install hybridkv editable into the tree).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -13,17 +11,15 @@ ENGINES=()
 for engine in vllm sglang; do
     [[ -f "scripts/setup_${engine}.sh" && -d "tests/${engine}" ]] && ENGINES+=("$engine")
 done
-(
-    for engine in "${ENGINES[@]}"; do
-        bash "scripts/setup_${engine}.sh" > "$LOGS/setup_${engine}.log" 2>&1 || touch "$LOGS/setup_${engine}.failed"
-    done
-) &
-SETUP_PID=$!
+# Built first, not beside the core suite: the multi-process tests are timing-sensitive and
+# a heavy install next to them made a demo test hang once.
+for engine in "${ENGINES[@]}"; do
+    bash "scripts/setup_${engine}.sh" > "$LOGS/setup_${engine}.log" 2>&1 || touch "$LOGS/setup_${engine}.failed"
+done
 
 status=0
 run() { "$@" 2>&1 | tee -a "$LOGS/results.log"; return "${PIPESTATUS[0]}"; }
 run "$ROOT/.venv/bin/python" -m pytest -q --ignore=tests/vllm --ignore=tests/sglang "$@" || status=1
-wait "$SETUP_PID"
 for engine in "${ENGINES[@]}"; do
     if [[ -f "$LOGS/setup_${engine}.failed" ]]; then
         echo "setting up .venv-${engine} failed:"; tail -40 "$LOGS/setup_${engine}.log"
