@@ -44,7 +44,7 @@ class DemoOptions:
     state_slots: int = 10
     attention_blocks: int = 96
     timeout_s: float = 240.0
-    lease_s: float = 12.0  # short, so blocks of a killed consumer's exports come back within the demo
+    lease_s: float = 4.0  # short, so blocks of a killed consumer's exports come back within the demo
 
     def __post_init__(self) -> None:
         if self.requests < 1:

@@ -276,6 +276,7 @@ class Engine:
         plan = self.queue.popleft()
         outputs = self._execute(plan)
         self.sched.step_completed(plan.step)
+        self.sched.poll()  # once per step: lapsed export leases give their blocks back
         self._process(plan, outputs)
         return True
 

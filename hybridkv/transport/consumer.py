@@ -272,12 +272,15 @@ class Consumer(_Side):
         if len(targets) > 1 and (plan is None or self.config.mode is not wire.Mode.PULL):
             raise ValueError(f"{len(targets)} producers for one request; expected a plan and pull mode")
         parts = [self._part(request_id, p) for p in targets]
-        try:
+        async def ask_and_wait():
             for p in targets:
                 await self.want(request_id, peer=p.agent, readers=readers)
+            return await asyncio.gather(*(asyncio.shield(x.export) for x in parts))
+
+        try:
             try:
-                got = await asyncio.wait_for(asyncio.gather(*(asyncio.shield(x.export) for x in parts)),
-                                             self.config.export_timeout_s)
+                # Asking is inside the timeout too: a send that never completes must not hang the import.
+                got = await asyncio.wait_for(ask_and_wait(), self.config.export_timeout_s)
             except asyncio.TimeoutError:
                 await self._tell_parts(parts, "no export from every producer in time")
                 return self._give_up(request_id, comps, "no export from the producer in time")
