@@ -12,9 +12,10 @@ Protocol on stdin/stdout, one JSON object per line:
 from __future__ import annotations
 
 import json
-import pickle
 import sys
 import time
+
+import msgpack
 
 
 def main() -> int:
@@ -36,7 +37,7 @@ def main() -> int:
     d.run(until=lambda: "p1" in d.finished)
     params = d.finished["p1"][1]
     with open(cmd["pages"], "wb") as f:
-        pickle.dump(runner.pages(params["remote_block_ids"]), f)
+        f.write(msgpack.packb(runner.pages(params["remote_block_ids"]), use_bin_type=True))
     print(json.dumps({"params": params}), flush=True)
     usable = kcc.num_blocks - 1
     deadline = time.monotonic() + 60

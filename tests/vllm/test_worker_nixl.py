@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import select
 import socket
 import subprocess
@@ -19,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from tests.vllm import harness as h
@@ -62,7 +62,7 @@ def test_request_moves_between_two_worker_processes(tmp_path, async_scheduling):
         runner = h.RealWorker(conn, kv_caches, sched, writes=False)
         d = h.Driver(sched, runner, async_scheduling=async_scheduling)
         assert _read(peer, 120)["ready"] == port
-        pages_path = tmp_path / "pages.pkl"
+        pages_path = tmp_path / "pages.msgpack"
         peer.stdin.write(json.dumps({"prompt_len": 100, "pages": str(pages_path)}) + "\n")
         peer.stdin.flush()
         params = _read(peer, 60)["params"]
@@ -71,7 +71,7 @@ def test_request_moves_between_two_worker_processes(tmp_path, async_scheduling):
         d.run_for(60, until=lambda: "d1" in d.finished)
         assert d.finished["d1"][0].name == "LENGTH", runner.failed
         assert not runner.failed
-        sent = pickle.loads(pages_path.read_bytes())
+        sent = msgpack.unpackb(pages_path.read_bytes(), raw=False)
         got = runner.snapshots["d1"]
         assert set(got) == set(sent) == set(kv_caches)  # every layer of every group moved
         for name in sent:
