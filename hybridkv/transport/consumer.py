@@ -171,12 +171,8 @@ class Consumer(_Side):
     # ------------------------------------------------------------ control messages
     async def _serve(self, peer: _Peer) -> None:
         while not self._closing:
-            try:
-                msg = await peer.channel.recv()
-            except wire.WireError:
-                self.stats.rejected += 1
-                continue
-            except PeerLost:
+            msg = await self._next_message(peer)
+            if msg is None:
                 self._lost(peer)
                 return
             if isinstance(msg, wire.Export):

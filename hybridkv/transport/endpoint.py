@@ -175,6 +175,16 @@ class _Side:
             self._tick()
             await asyncio.sleep(cfg.pump_busy_s if self._busy else cfg.pump_idle_s)
 
+    async def _next_message(self, peer) -> wire.Message | None:
+        """The peer's next well-formed message (malformed ones are counted and skipped); None once lost."""
+        while True:
+            try:
+                return await peer.channel.recv()
+            except wire.WireError:
+                self.stats.rejected += 1
+            except PeerLost:
+                return None
+
     def _on_notif(self, agent: str, msg: bytes) -> None:  # pragma: no cover - overridden
         pass
 
@@ -275,12 +285,8 @@ class Producer(_Side):
 
     async def _serve(self, peer: _Peer) -> None:
         while not self._closing:
-            try:
-                msg = await peer.channel.recv()
-            except wire.WireError:
-                self.stats.rejected += 1
-                continue
-            except PeerLost:
+            msg = await self._next_message(peer)
+            if msg is None:
                 self._peer_lost(peer)
                 return
             self._on_message(peer, msg)
