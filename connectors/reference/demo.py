@@ -174,7 +174,8 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
     deadline = time.monotonic() + o.timeout_s
     while len(done) < len(requests):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"demo timed out with {len(done)}/{len(requests)} requests done")
+            raise TimeoutError(f"demo timed out with {len(done)}/{len(requests)} requests done\n"
+                               + _diagnose((("prefill", prefill), ("decode", decode))))
         for w in (prefill, decode):
             while w.conn.poll():
                 msg = recv(w.conn)
@@ -223,6 +224,29 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
     report = _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s)
     report.extra["retried"] = retries and len(alias)
     return report
+
+
+def _diagnose(workers) -> str:
+    """Ask each worker what it holds (and make it print its stacks): a timeout says why."""
+    import json
+
+    lines = []
+    for name, w in workers:
+        if not w.proc.is_alive():
+            lines.append(f"{name}: process exited with {w.proc.exitcode}")
+            continue
+        os.kill(w.proc.pid, signal.SIGUSR1)
+        send(w.conn, {"op": "dump"})
+        t_end = time.monotonic() + 5
+        got = None
+        while got is None and time.monotonic() < t_end:
+            if w.conn.poll(0.1):
+                msg = recv(w.conn)
+                if msg["op"] == "dump":
+                    got = msg
+        lines.append(f"{name}: " + ("no answer to a dump in 5 s (its loop is blocked; stacks on stderr)"
+                                    if got is None else json.dumps(got, default=str)))
+    return "\n".join(lines)
 
 
 def _next_stats(w: _Worker, deadline: float) -> dict:

@@ -19,6 +19,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--failure-policy", choices=("recompute", "fail"), default="recompute")
     parser.add_argument("--inject", action="append", default=[], choices=FAULTS,
                         help="inject a real fault (repeatable)")
+    parser.add_argument("--timeout", type=float, default=240.0,
+                        help="seconds the disaggregated run may take before it stops and says what is stuck")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.set_defaults(handler=run)
 
@@ -26,8 +28,10 @@ def register(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .demo import DemoOptions, run_demo
 
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     o = DemoOptions(requests=args.requests, seed=args.seed, async_depth=args.async_depth, policy=args.policy,
-                    failure_policy=args.failure_policy, inject=tuple(args.inject))
+                    failure_policy=args.failure_policy, inject=tuple(args.inject), timeout_s=args.timeout)
     report = run_demo(o)
     bad = report.mismatches or report.leaked_blocks
     if args.json:

@@ -148,7 +148,9 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running or self.queue or self.tasks or any(
+        # An import that landed between steps leaves its request RUNNING but not yet joined:
+        # that is work too (missing it once left a decode engine idle with 4 landed requests).
+        return bool(self.queue or self.tasks or self._has_work() or any(
             r.status is Status.IMPORTING for r in self.requests.values()))
 
     # --------------------------------------------------------------- admission
@@ -199,7 +201,13 @@ class Engine:
     async def _import(self, r: Request) -> None:
         from hybridkv.transport.endpoint import Outcome
 
-        result = await self.fetcher(r.rid, self.components)
+        try:
+            result = await self.fetcher(r.rid, self.components)
+        except Exception as exc:  # a broken fetcher fails its request; it must not leave it importing
+            r.import_result = None
+            r.status, r.error = Status.FAILED, f"fetcher raised {type(exc).__name__}: {exc}"
+            self._finish(r, failed=True)
+            return
         r.import_result = result
         if result.outcome is Outcome.READY:
             r.status = Status.RUNNING
@@ -357,6 +365,13 @@ class Engine:
             "requests_in_flight": self.sched.requests_in_flight(),
             "transfers_in_flight": self.sched.transfers_in_flight(), "skipped_zeroing": self.skipped_zeroing,
         }
+
+    def describe(self) -> dict:
+        """Every request's status and the queue: what a stuck run prints."""
+        return {**self.stats(), "queue": [p.step for p in self.queue], "tasks": len(self.tasks),
+                "waiting": list(self.waiting), "running": list(self.running),
+                "requests": {r.rid: f"{r.status.value} scheduled={r.scheduled}/{len(r.prompt)} out={len(r.output)}"
+                             for r in self.requests.values() if r.status not in (Status.FINISHED, Status.FAILED)}}
 
     def leaked_blocks(self) -> int:
         """Blocks neither free nor held by a live request (call after drain)."""

@@ -42,7 +42,13 @@ def recv(conn) -> dict:
 
 def worker_main(conn, opts: dict) -> None:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import faulthandler
     import logging
+    import signal
+
+    # The router sends SIGUSR1 when a run is stuck: every thread's stack goes to stderr,
+    # even if the asyncio loop itself is blocked and cannot answer a "dump".
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     logging.getLogger("nixl").setLevel(logging.ERROR)
     try:
@@ -139,6 +145,9 @@ async def _worker(conn, o: WorkerOptions) -> None:
                 engine.submit(msg["rid"], msg["prompt"], msg["max_tokens"], first_token=msg.get("first_token"))
             elif msg["op"] == "stop":
                 stop = True
+            elif msg["op"] == "dump":
+                send(conn, {"op": "dump", "engine": engine.describe(), "endpoint": endpoint.describe(),
+                            "loop_tasks": len(asyncio.all_tasks())})
         if engine.busy:
             await engine.run_step()
         else:

@@ -81,6 +81,12 @@ class Consumer(_Side):
         self._seq = 0
         self._layouts: dict[str, object] = {}
 
+    def describe(self) -> dict:
+        return {**super().describe(),
+                "parts": {f"{a}/{r}": {"wanted": p.wanted, "exported": p.export.done(), "landed": p.landed.is_set(),
+                                       "failed": p.failed, "lease_lost": p.lease_lost}
+                          for (a, r), p in self._parts.items()}}
+
     @property
     def peer(self) -> _Peer | None:
         """The first producer connected (the only one in the common 1:1 case)."""
@@ -375,8 +381,15 @@ class Consumer(_Side):
                 error = str(exc)
                 break
         # Every posted READ ends before the blocks are judged: bytes may land until then (rule 5).
-        states = [await self._wait_xfer(x) for x in posted]
+        # Past the lease the bytes are not trusted anyway; past the timeout the peer or link is stuck.
+        give_up_at = time.monotonic() + self.config.transfer_timeout_s
+        parts = [w.part for w in work]
+        until = lambda: min(give_up_at, min(p.deadline for p in parts))  # noqa: E731 - leases renew meanwhile
+        states = [await self._wait_xfer(x, until) for x in posted]
         seconds = time.perf_counter() - t0
+        stuck = [x for x, s in zip(posted, states) if s is XferState.IN_PROGRESS]
+        if stuck:
+            return await self._abandon(rid, tid, work, posted, stuck)
         ok = error is None and all(s is XferState.DONE for s in states)
         tel = [self.dp.telemetry(x) for x in posted] if self.config.dataplane.telemetry and ok else None
         for x in posted:
@@ -397,6 +410,31 @@ class Consumer(_Side):
                       descriptors=None if tel is None else sum(t.descriptors for t in tel),
                       indices=int(sum(w.local.shape[0] for w in work)), nbytes=sum(x.nbytes for x in posted),
                       seconds=seconds)
+
+    async def _abandon(self, rid: str, tid: int, work: list[_Work], posted: list[Transfer],
+                       stuck: list[Transfer]) -> Result:
+        """READs still in progress past their lease or the timeout: abort them. Aborted, the
+        import failed like any other; not abortable, its blocks are quarantined until NIXL
+        ends the READ (it may still write them) and the request fails."""
+        self.stats.timed_out += 1
+        unabortable = [x for x in stuck if not self.dp.abort(x)]
+        for x in posted:
+            if x not in stuck:
+                self.dp.release(x)
+        await self._end_parts(work, False)
+        why = f"READ of {rid} not done within its lease or {self.config.transfer_timeout_s} s"
+        if not unabortable:
+            self.scheduler.transfer_failed(tid)
+            return self._policy(rid, why + "; aborted")
+        self.scheduler.abort(rid)  # rule 5: the blocks stay out of the pool while the READ is active
+        self._tasks.append(asyncio.get_running_loop().create_task(self._settle_later(tid, unabortable)))
+        return Result(request_id=rid, outcome=Outcome.FAILED, error=why + "; could not abort, blocks quarantined")
+
+    async def _settle_later(self, tid: int, xfers: list[Transfer]) -> None:
+        for x in xfers:
+            await self._wait_xfer(x)
+            self.dp.release(x)
+        self.scheduler.transfer_failed(tid)
 
     async def _push(self, part: _Part, tid: int) -> Result:
         rid, peer, sched = part.rid, part.peer, self.scheduler

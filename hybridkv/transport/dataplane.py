@@ -199,6 +199,15 @@ class DataPlane:
     def release(self, xfer: Transfer) -> None:
         self._release(xfer)
 
+    def abort(self, xfer: Transfer) -> bool:
+        """Abort a transfer in progress; True when NIXL confirmed it (no byte moves after),
+        False when the handle is still active and its memory must stay untouched."""
+        try:
+            self.agent.release_xfer_handle(xfer.handle)
+        except Exception:
+            return False
+        return True
+
     def _release(self, xfer: Transfer) -> None:
         try:
             self.agent.release_xfer_handle(xfer.handle)

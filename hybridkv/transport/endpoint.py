@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -77,6 +78,9 @@ class TransportConfig:
     pump_busy_s: float = 0.0002
     pump_idle_s: float = 0.005
     pairing: Pairing = Pairing.PAGES
+    # A posted READ still in progress after this long (or past its lease) is aborted: a stuck
+    # peer or link must end as a failure the policy handles, never as an import that waits forever.
+    transfer_timeout_s: float = 60.0
     dataplane: DataPlaneConfig = DataPlaneConfig()
 
 
@@ -97,6 +101,7 @@ class Stats:
     unknown: int = 0  # completions for nothing we know
     refused: int = 0  # handshakes refused
     rejected: int = 0  # messages refused (malformed, unexported blocks)
+    timed_out: int = 0  # transfers abandoned past their lease or the transfer timeout
 
 
 @dataclass(eq=False, kw_only=True)
@@ -162,6 +167,12 @@ class _Side:
                 wire.Difference(field="layout", local="field tables", remote=None)])
         return remote
 
+    def describe(self) -> dict:
+        """What is in flight, for an operator or a stuck test to print (plain data)."""
+        return {"role": self.role.name, "closing": self._closing, "busy": self._busy,
+                "pump": None if self._pump_task is None else ("done" if self._pump_task.done() else "running"),
+                "peers": {a: p.alive for a, p in self.peers.items()}, "stats": vars(self.stats).copy()}
+
     def _start_pump(self) -> None:
         if self._pump_task is None:
             self._pump_task = asyncio.get_running_loop().create_task(self._pump())
@@ -191,10 +202,13 @@ class _Side:
     def _tick(self) -> None:
         pass
 
-    async def _wait_xfer(self, xfer: Transfer) -> XferState:
+    async def _wait_xfer(self, xfer: Transfer, until=None) -> XferState:
+        """The transfer's terminal state, or IN_PROGRESS once ``until()`` (a monotonic time) passed."""
         self._busy += 1
         try:
             while (s := self.dp.state(xfer)) is XferState.IN_PROGRESS:
+                if until is not None and time.monotonic() > until():
+                    return s
                 await asyncio.sleep(0)
             return s
         finally:
@@ -247,6 +261,12 @@ class Producer(_Side):
         self._notified: OrderedDict[str, None] = OrderedDict()
         # Wants that came before the request was exported (the consumer may be first).
         self._wants: dict[str, list[tuple[_Peer, int]]] = {}
+
+    def describe(self) -> dict:
+        return {**super().describe(),
+                "exports": {r: {"claims": sorted(e.claims), "ended": sorted(e.ended), "readers": e.readers,
+                                "writing": e.xfer is not None} for r, e in self._exports.items()},
+                "wants_ahead": {r: len(v) for r, v in self._wants.items()}}
 
     async def start(self) -> tuple[str, int]:
         self._listener = control.listen(self._accept, self.config.port)

@@ -49,3 +49,41 @@ def test_bad_requests_are_refused(model):
     d = Engine(model, EngineConfig(role=Role.DECODE))
     with pytest.raises(ValueError, match="first token"):
         d.submit("z", [1, 2], 2)
+
+
+def test_import_that_lands_while_the_engine_is_idle_is_still_scheduled(model):
+    """Decode role: every request's import ends between steps (here: each comes back as
+    RECOMPUTE after the engine went idle). The worker loop asks `busy` before stepping; it
+    must stay true for a landed-but-not-joined request, or the engine idles forever (a demo
+    run hung exactly so, with 4 landed requests and an idle engine)."""
+    from hybridkv.transport.endpoint import Outcome, Result
+
+    async def fetcher(rid, comps):
+        await asyncio.sleep(0.05)  # the engine has nothing else to do meanwhile
+        sched = engine.sched
+        while not isinstance(tid := sched.post_import(rid, components=comps), int):  # what Consumer._give_up records
+            await asyncio.sleep(0.001)  # fenced until the step that zeroes the blocks completed
+        sched.transfer_failed(tid)
+        sched.recompute(rid)
+        return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error="no producer in this test")
+
+    reqs = [(f"r{i}", [5 + i, 7, 11 + i], 3) for i in range(3)]
+    expected = _run(model, EngineConfig(), reqs)
+    done = {}
+    engine = Engine(model, EngineConfig(role=Role.DECODE), fetcher=fetcher,
+                    on_finished=lambda r: done.__setitem__(r.rid, list(r.output)))
+    for rid, p, n in reqs:
+        engine.submit(rid, p, n, first_token=expected[rid][0])
+
+    async def worker_loop():  # serve.py's loop
+        t_end = asyncio.get_running_loop().time() + 20
+        while len(done) < len(reqs) and asyncio.get_running_loop().time() < t_end:
+            if engine.busy:
+                await engine.run_step()
+            else:
+                await asyncio.sleep(0.002)
+        await engine.drain()
+
+    asyncio.run(worker_loop())
+    assert done == expected, engine.describe()
+    assert engine.leaked_blocks() == 0

@@ -182,7 +182,8 @@ async def _consumer(opts, out, inbox):
                               failure_policy=FailurePolicy[opts.get("policy", "FAIL")],
                               handshake_timeout_s=opts.get("handshake_timeout_s", 5.0),
                               export_timeout_s=opts.get("export_timeout_s", 20.0),
-                              heartbeat_s=opts.get("heartbeat_s"))
+                              heartbeat_s=opts.get("heartbeat_s"),
+                              transfer_timeout_s=opts.get("transfer_timeout_s", 60.0))
         cons = Consumer(memory, sched, cfg)
         if "protocol" in att:
             cons.compat["protocol"] = att["protocol"]
