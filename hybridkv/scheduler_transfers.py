@@ -1,0 +1,244 @@
+"""Transfers: imports (consumer side), exports and their leases (producer side), and their ends.
+
+A transfer is posted only when the fence allows it (``post_import`` /
+``post_export``) and its end is reported back (``transfer_landed`` /
+``transfer_failed``). Part of :class:`~hybridkv.scheduler.TransferScheduler`;
+the design is in :mod:`hybridkv.scheduler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from hybridkv.fence import NotYet, RequestId, TransferId
+from hybridkv.lease import Lease
+from hybridkv.request_state import (
+    Component,
+    RequestPhase,
+    RequestRecord,
+    TransferDirection,
+    TransferOutcome,
+    TransferRecord,
+    TransferState,
+)
+from hybridkv.scheduler_state import _BUSY, _PENDING, _SHORT, _SchedulerState
+
+
+class _TransferRules(_SchedulerState):
+    """Imports, exports, leases and transfer ends of :class:`~hybridkv.scheduler.TransferScheduler`."""
+
+    # ------------------------------------------------------------ consumer side
+    def post_import(
+        self,
+        request: RequestId,
+        *,
+        components: Iterable[Component],
+        blocks: Mapping[int, Sequence[int]] | None = None,
+        lease_deadline: float | None = None,
+        expected_s: float = 0.0,
+    ) -> TransferId | NotYet:
+        """May an inbound transfer of ``components`` into the request's blocks start
+        now? On yes, the transfer is recorded as posted and its id returned.
+        ``blocks`` narrows the target to a subset (default: every block the request
+        holds in the components' groups). ``lease_deadline`` is the producer's lease
+        in this clock (see :mod:`hybridkv.lease`)."""
+        rec = self._get(request)
+        comps = frozenset(components)
+        if rec.phase is not RequestPhase.IMPORTING and rec.phase is not RequestPhase.FAILED:
+            raise ValueError(
+                f"import into request {request!r} while {rec.phase.value}; expected importing"
+            )
+        if not comps or not comps <= rec.expected:
+            raise ValueError(
+                f"components {sorted(c.kind.value + str(c.group) for c in comps)} for request "
+                f"{request!r}; expected a non-empty subset of what it expects"
+            )
+        busy = self._components_in_flight(rec) & comps
+        if busy:
+            raise ValueError(
+                f"components {sorted(c.kind.value + str(c.group) for c in busy)} of request "
+                f"{request!r} already have a transfer in flight; expected one at a time"
+            )
+        keys = self._target_keys(rec, comps, blocks)
+        t = self.table
+        if self._fenced:
+            if lease_deadline is not None and self._clock() + expected_s > lease_deadline:
+                return _SHORT
+            w = t.watermark
+            for k in keys:
+                if t.readers[k]:
+                    return _BUSY
+                if t.effective_fence(k) > w:
+                    return _PENDING
+        tid = self._new_transfer(rec, TransferDirection.INBOUND, keys, comps, lease_deadline)
+        writers = t.writers
+        for k in keys:
+            writers[k] += 1
+        self._imported.update(keys)
+        rec.phase = RequestPhase.IMPORTING
+        return tid
+
+    def lease_renewed(self, request: RequestId, deadline: float) -> None:
+        """The producer renewed the lease behind this request's inbound reads."""
+        rec = self._get(request)
+        for tid in rec.transfers:
+            tr = self._transfers[tid]
+            if tr.direction is TransferDirection.INBOUND and tr.deadline is not None:
+                tr.deadline = max(tr.deadline, deadline)
+
+    def _components_in_flight(self, rec: RequestRecord) -> frozenset[Component]:
+        out: set[Component] = set()
+        for tid in rec.transfers:
+            tr = self._transfers[tid]
+            if tr.direction is TransferDirection.INBOUND:
+                out |= tr.components
+        return frozenset(out)
+
+    def _target_keys(
+        self,
+        rec: RequestRecord,
+        comps: frozenset[Component],
+        blocks: Mapping[int, Sequence[int]] | None,
+    ) -> list[int]:
+        groups = {c.group for c in comps}
+        if blocks is None:
+            return [k for g in sorted(groups) for k in rec.blocks.get(g, ())]
+        keys: list[int] = []
+        for g, bs in blocks.items():
+            if g not in groups:
+                raise ValueError(
+                    f"blocks given for group {g}; expected only groups of the components {sorted(groups)}"
+                )
+            held = rec.blocks.get(g, [])
+            for b in bs:
+                k = self.table.key(g, b)
+                if k not in held:
+                    raise ValueError(
+                        f"block {b} of group {g} is not held by request {rec.id!r}; expected its own blocks"
+                    )
+                keys.append(k)
+        return keys
+
+    # ------------------------------------------------------------ producer side
+    def export_ready(self, request: RequestId) -> bool | NotYet:
+        """Rule 1: have all writes into the request's blocks completed?"""
+        rec = self._get(request)
+        if rec.phase is not RequestPhase.EXPORTING:
+            raise ValueError(f"request {request!r} is {rec.phase.value}; expected exporting")
+        if self._fenced:
+            t = self.table
+            w = t.watermark
+            for keys in rec.blocks.values():
+                for k in keys:
+                    if t.effective_fence(k) > w:
+                        return _PENDING
+        return True
+
+    def post_export(
+        self,
+        request: RequestId,
+        *,
+        groups: Iterable[int] | None = None,
+        expected_s: float = 0.0,
+    ) -> TransferId | NotYet:
+        """May an outbound read of the request's blocks (all, or of ``groups``)
+        start now? It must be settled (rule 1) and finish inside the lease (rule 6)."""
+        ready = self.export_ready(request)
+        if not ready:
+            return ready
+        rec = self._requests[request]
+        if self._fenced and not self.leases.fits(request, expected_s):
+            return _SHORT
+        gs = sorted(rec.blocks) if groups is None else sorted(set(groups))
+        keys = [k for g in gs for k in rec.blocks.get(g, ())]
+        tid = self._new_transfer(
+            rec, TransferDirection.OUTBOUND, keys, frozenset(), self.leases.deadline(request)
+        )
+        readers = self.table.readers
+        for k in keys:
+            readers[k] += 1
+        return tid
+
+    def heartbeat(self, request: RequestId) -> Lease | None:
+        """Renew an export lease; None if it lapsed or the request is gone."""
+        rec = self._requests.get(request)
+        if rec is None or rec.phase is not RequestPhase.EXPORTING or rec.abandoned:
+            return None
+        return self.leases.renew(request)
+
+    def export_done(self, request: RequestId) -> bool:
+        """The consumer is done with the request: free its blocks. False if gone."""
+        rec = self._requests.get(request)
+        if rec is None:
+            return False
+        if rec.phase is not RequestPhase.EXPORTING:
+            raise ValueError(f"request {request!r} is {rec.phase.value}; expected exporting")
+        self.leases.end(request)
+        self._drop(rec)
+        return True
+
+    def poll(self) -> list[RequestId]:
+        """Expire lapsed export leases, releasing their blocks; returns their requests."""
+        lapsed = self.leases.expire()
+        for rid in lapsed:
+            rec = self._requests.get(rid)
+            if rec is not None and rec.phase is RequestPhase.EXPORTING:
+                self._drop(rec)
+        return lapsed
+
+    # ---------------------------------------------------------------- transfers
+    def _new_transfer(
+        self,
+        rec: RequestRecord,
+        direction: TransferDirection,
+        keys: list[int],
+        comps: frozenset[Component],
+        deadline: float | None,
+    ) -> TransferId:
+        tid = TransferId(self._next_tid)
+        self._next_tid += 1
+        self._transfers[tid] = TransferRecord(
+            id=tid, request=rec.id, direction=direction, keys=keys, components=comps, deadline=deadline
+        )
+        rec.transfers.add(tid)
+        return tid
+
+    def transfer_landed(self, tid: TransferId) -> TransferOutcome:
+        return self._terminal(tid, ok=True)
+
+    def transfer_failed(self, tid: TransferId) -> TransferOutcome:
+        return self._terminal(tid, ok=False)
+
+    def _terminal(self, tid: TransferId, *, ok: bool) -> TransferOutcome:
+        tr = self._transfers.pop(tid, None)
+        if tr is None:
+            if isinstance(tid, int) and 0 <= tid < self._next_tid:
+                return TransferOutcome.DUPLICATE
+            return TransferOutcome.UNKNOWN
+        t = self.table
+        counts = t.writers if tr.direction is TransferDirection.INBOUND else t.readers
+        for k in tr.keys:
+            counts[k] -= 1
+        tr.state = TransferState.LANDED if ok else TransferState.FAILED
+        rec = None if tr.orphaned else self._requests.get(tr.request)
+        if rec is not None:
+            rec.transfers.discard(tid)
+        self.pool.on_transfer_terminal(tr.keys)
+        if rec is None:
+            return TransferOutcome.DISCARDED
+        if tr.direction is TransferDirection.OUTBOUND:
+            return TransferOutcome.ACCEPTED
+        outcome = TransferOutcome.ACCEPTED
+        if ok and self._fenced and tr.deadline is not None and self._clock() > tr.deadline:
+            ok, outcome = False, TransferOutcome.LATE
+        if not ok:
+            rec.phase = RequestPhase.FAILED
+            return outcome
+        rec.arrived |= tr.components
+        if rec.phase is RequestPhase.IMPORTING:
+            if not self._fenced or rec.arrived >= rec.expected:
+                rec.phase = RequestPhase.READY
+        return outcome
+
+
+__all__: list[str] = []
