@@ -10,12 +10,21 @@ Same run, same bytes, same agents and connection:
     merge, so NIXL posts what the scheme issues; in vLLM's own layer-major
     memory, runs of consecutive block ids of one layer could merge.
 Each is repeated and the median taken; variants are interleaved so drift hits all.
+(d) the physical ceiling: a plain copy of the same bytes in the same run (torch
+    ``copy_`` from the producer's GPU to the consumer's, timed with CUDA events;
+    numpy memcpy for DRAM).
+
+``--devices P,C`` puts the producer's memory on cuda:P and the consumer's on
+cuda:C (each process sets its own device); ``--proto-log PATH`` turns on UCX's
+protocol tables (UCX_PROTO_INFO=y) in both processes, keeps their console in
+PATH and summarises which transports carried NIXL's reads (``transports``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -31,8 +40,25 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--mem", choices=("dram", "vram"), default="dram")
+    parser.add_argument("--devices", default=None, metavar="P,C",
+                        help="--mem vram: producer on cuda:P, consumer on cuda:C (default 0,0)")
+    parser.add_argument("--proto-log", default=None, metavar="PATH",
+                        help="UCX_PROTO_INFO=y in both processes, their console kept in PATH, transports summarised")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
+
+
+def parse_devices(text: str | None, mem: str) -> tuple[int, int]:
+    """(producer, consumer) CUDA device indices from "P,C" (or "D" for both); (0, 0) by default."""
+    if text is None:
+        return (0, 0)
+    if mem != "vram":
+        raise ValueError(f"--devices {text!r} places VRAM; it needs --mem vram, got --mem {mem}")
+    parts = text.split(",")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--devices {text!r}; expected two CUDA device indices P,C such as 0,1")
+    devs = tuple(int(p) for p in parts)
+    return (devs[0], devs[-1])
 
 
 def _geometry(model: str, layers: int | None):
@@ -47,10 +73,8 @@ def _geometry(model: str, layers: int | None):
     return ModelGeometry(name=f"{geo.name}[{layers}L]", layers=geo.layers[:layers])
 
 
-def _side(args, seed: int):
+def _side(args, seed: int, device: int):
     """Layout for one request, plus a raw span of the request's size, registered with it."""
-    import numpy as np
-
     from hybridkv import wire
     from hybridkv.alloc import NumpyAllocator, TorchAllocator
     from hybridkv.fence import PoolLayout
@@ -59,7 +83,13 @@ def _side(args, seed: int):
     from hybridkv.transport.memory import MemoryMap, from_layout
 
     geo = _geometry(args.model, args.layers)
-    alloc = TorchAllocator("cuda:0") if args.mem == "vram" else NumpyAllocator()
+    if args.mem == "vram":
+        import torch
+
+        torch.cuda.set_device(device)  # NIXL's UCX backend and cuda_ipc work in the current device's context
+        alloc = TorchAllocator(f"cuda:{device}")
+    else:
+        alloc = NumpyAllocator()
     nblocks = -(-args.tokens // args.block_size)
     counts = {k: (1 if k is LayerKind.GDN else nblocks) for k in geo.kinds()}
     layout = plan_layout(geo, block_size=args.block_size, num_blocks=counts, allocator=alloc)
@@ -103,7 +133,7 @@ async def _producer(args, out) -> None:
     from hybridkv.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Producer
 
-    layout, memory, pools, keep = _side(args, 1)
+    layout, memory, pools, keep = _side(args, 1, parse_devices(args.devices, args.mem)[0])
     sched = TransferScheduler(pools, lease_s=60.0)
     prod = Producer(memory, sched)
     host, port = await prod.start()
@@ -164,25 +194,42 @@ def _timed(agent, op: str, lh, li, rh, ri) -> tuple[float, int]:
 def run(args: argparse.Namespace) -> int:
     if args.tokens <= 0 or args.iters <= 0:
         raise ValueError(f"--tokens {args.tokens} and --iters {args.iters}; expected positive ints")
+    devices = parse_devices(args.devices, args.mem)
     if args.mem == "vram":
         import torch
 
         if not torch.cuda.is_available():
             raise ValueError("--mem vram needs a CUDA device; none is visible")
+        n = torch.cuda.device_count()
+        if max(devices) >= n:
+            raise ValueError(f"--devices {args.devices!r}; only {n} CUDA device(s) visible (indices 0..{n - 1})")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if args.proto_log:
+        os.environ.setdefault("UCX_PROTO_INFO", "y")  # before either process creates a UCX context
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_producer_main, args=(vars(args) | {"handler": None}, out), daemon=True)
-    proc.start()
     try:
-        kind, addr = out.get(timeout=120)
-        if kind == "error":
-            raise RuntimeError(f"producer failed: {addr}")
-        report = asyncio.run(_measure(args, addr, out))
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        with _console_to(args.proto_log):
+            proc = ctx.Process(target=_producer_main, args=(vars(args) | {"handler": None}, out), daemon=True)
+            proc.start()
+            try:
+                kind, addr = out.get(timeout=120)
+                if kind == "error":
+                    raise RuntimeError(f"producer failed: {addr}")
+                report = asyncio.run(_measure(args, addr, out, devices))
+            finally:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+    except BaseException:
+        if args.proto_log:  # what both processes printed is in the log: show its end with the error
+            with open(args.proto_log, errors="replace") as f:
+                sys.stderr.writelines(f.readlines()[-80:])
+        raise
+    report["transports"] = None
+    if args.proto_log:
+        with open(args.proto_log, errors="replace") as f:
+            report["transports"] = summarize_transports(f.read())
     if args.json:
         print(json.dumps(report))
     else:
@@ -190,7 +237,120 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _measure(args, addr, out) -> dict:
+@contextlib.contextmanager
+def _console_to(path: str | None):
+    """fd 1 and 2 of this process and of the producer it spawns go to `path` (UCX prints to them)."""
+    if path is None:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with contextlib.suppress(Exception):  # UCX writes through C stdio: flush its buffers into the log too
+            import ctypes
+
+            ctypes.CDLL(None).fflush(None)
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for s in saved:
+            os.close(s)
+
+
+def _tables(text: str):
+    """UCX_PROTO_INFO tables as (title, rows): title = context, scope and operation; rows = (range, how, via).
+
+    Lines are grouped by the [host:pid:tid] prefix UCX puts on each, since both processes write one log."""
+    import re
+
+    state: dict[str, tuple[list[str], list[tuple[str, ...]], list[bool]]] = {}
+    for line in text.splitlines():
+        cut = min((i for i in (line.find("|"), line.find("+-")) if i >= 0), default=-1)
+        if cut < 0:
+            continue
+        who = re.search(r"\[[^\]\s]*:(\d+):\d+\]", line[:cut])
+        title, rows, in_rows = state.setdefault(who.group(1) if who else "", ([], [], [False]))
+        body = line[cut:].strip()
+        if body.startswith("+"):
+            if in_rows[0] and rows:  # the closing border
+                yield " ".join(title), list(rows)
+                title.clear(), rows.clear()
+                in_rows[0] = False
+            continue
+        cells = [c.strip() for c in body.strip("|").split("|")]
+        if cells[:2] == ["Range", "Description"]:
+            in_rows[0] = True
+        elif in_rows[0]:
+            if len(cells) >= 3:
+                rows.append(tuple(cells[:3]))
+        else:
+            title.extend(c for c in cells if c)
+
+
+def summarize_transports(text: str) -> dict:
+    """Which UCX transports NIXL's agents chose for remote reads/writes (ucxx's control channel left out)."""
+    import re
+
+    data_path: list[str] = []
+    tls: set[str] = set()
+    emulated = False
+    for title, rows in _tables(text):
+        if not title.startswith("hybridkv-") or " self " in f" {title} " or "remote memory" not in title:
+            continue
+        op = title[title.index("remote memory"):]
+        for rng, how, via in rows:
+            entry = f"{op}: {rng} {how} via {via}"
+            if entry not in data_path:
+                data_path.append(entry)
+            tls.update(re.findall(r"\b([a-z][a-z0-9_]*)/[^\s,|]+", f"{how} {via}"))
+            emulated |= "emulation" in how
+    return {"data_path": data_path, "tls": sorted(tls), "cuda_ipc": "cuda_ipc" in tls,
+            "software_emulation": emulated, "proto_lines": text.count("|")}
+
+
+def _copy_ceiling(nbytes: int, devices: tuple[int, int] | None, iters: int) -> dict:
+    """The same bytes copied once per iteration: GPU producer -> GPU consumer with torch, else host memcpy."""
+    reps = max(iters, 5)
+    if devices is None:
+        import numpy as np
+
+        src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+        ts = []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            ts.append(time.perf_counter() - t0)
+        return {"copy_s": statistics.median(ts[1:]), "copy_kind": "numpy memcpy (host)", "peer_access": None}
+    import torch
+
+    p, c = devices
+    src = torch.ones(nbytes, dtype=torch.uint8, device=f"cuda:{p}")
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{c}")
+    stream = torch.cuda.current_stream(c)  # torch makes the consumer's stream wait for a cross-device copy
+    ts = []
+    for i in range(reps + 1):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(c):
+            t0.record(stream)
+            dst.copy_(src)
+            t1.record(stream)
+        t1.synchronize()
+        ts.append(t0.elapsed_time(t1) / 1e3)
+    if not torch.equal(dst[: 1 << 20], src[: 1 << 20].to(dst.device)):
+        raise RuntimeError("the device copy ceiling did not copy")
+    return {"copy_s": statistics.median(ts[1:]), "copy_kind": f"torch copy_ cuda:{p} -> cuda:{c}",
+            "peer_access": bool(p == c or torch.cuda.can_device_access_peer(c, p))}
+
+
+async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     import numpy as np
 
     from hybridkv.geometry import LayerKind
@@ -198,7 +358,7 @@ async def _measure(args, addr, out) -> dict:
     from hybridkv.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Consumer
 
-    layout, memory, pools, keep = _side(args, 2)  # keep: the raw span's memory
+    layout, memory, pools, keep = _side(args, 2, devices[1])  # keep: the raw span's memory
     sched = TransferScheduler(pools, lease_s=60.0)
     cons = Consumer(memory, sched)
     await cons.connect(*addr)
@@ -233,7 +393,7 @@ async def _measure(args, addr, out) -> dict:
         raise RuntimeError(f"vLLM-scheme list covers {int(vl[:, 1].sum())} bytes, expected {nbytes}")
     hyb, raw, vll = [], [], []
     desc = idx = None
-    v_desc = None
+    r_desc = v_desc = None
     for i in range(args.iters + 1):
         rid = f"req{i}"
         sched.add_request(rid, expect=comps)
@@ -242,7 +402,7 @@ async def _measure(args, addr, out) -> dict:
         res = await cons.fetch(rid, comps)
         if res.outcome.name != "READY" or res.nbytes != nbytes:
             raise RuntimeError(f"fetch {rid}: {res.outcome.name} {res.error} ({res.nbytes} of {nbytes} bytes)")
-        rt, _ = _timed(agent, "READ", raw_l, one, raw_r, one)
+        rt, r_desc = _timed(agent, "READ", raw_l, one, raw_r, one)
         vt, v_desc = _timed(agent, "READ", v_l, v_idx, v_r, v_idx)
         if i:  # the first round warms connections and caches
             hyb.append(res.seconds)
@@ -256,29 +416,45 @@ async def _measure(args, addr, out) -> dict:
     if msg[0] == "error":
         raise RuntimeError(f"producer failed: {msg[1]}")
     await cons.close()
-    gbps = lambda ts: nbytes / statistics.median(ts) / 1e9  # noqa: E731
-    h, r, v = gbps(hyb), gbps(raw), gbps(vll)
+    copy = _copy_ceiling(nbytes, devices if args.mem == "vram" else None, args.iters)
+    gbps = lambda t: nbytes / t / 1e9  # noqa: E731
+    h, r, v = (gbps(statistics.median(ts)) for ts in (hyb, raw, vll))
+    c = gbps(copy["copy_s"])
     return {
         "model": geo.name, "tokens": args.tokens, "block_size": args.block_size, "layers": geo.num_layers,
-        "mem": args.mem, "bytes": nbytes, "iters": args.iters, "processes": 2,
+        "mem": args.mem, "devices": list(devices) if args.mem == "vram" else None,
+        "bytes": nbytes, "iters": args.iters, "processes": 2,
         "hybridkv_GBps": round(h, 3), "raw_GBps": round(r, 3), "ratio": round(h / r, 3),
-        "descriptors": desc, "index_pairs": idx,
+        "descriptors": desc, "index_pairs": idx, "raw_posted": r_desc,
         "vllm_scheme_descriptors": int(len(vl)), "vllm_scheme_posted": v_desc,
         "vllm_scheme_GBps": round(v, 3), "vllm_ratio": round(v / r, 3),
+        "copy_GBps": round(c, 3), "copy_kind": copy["copy_kind"], "peer_access": copy["peer_access"],
+        "hybridkv_vs_copy": round(h / c, 4), "raw_vs_copy": round(r / c, 4), "vllm_vs_copy": round(v / c, 4),
         "median_s": {"hybridkv": statistics.median(hyb), "raw": statistics.median(raw),
-                     "vllm_scheme": statistics.median(vll)},
+                     "vllm_scheme": statistics.median(vll), "copy": copy["copy_s"]},
     }
 
 
 def _print(rep: dict) -> None:
+    where = f" cuda:{rep['devices'][0]} -> cuda:{rep['devices'][1]}" if rep["devices"] else ""
     print(f"{rep['model']}: one {rep['tokens']}-token request, {rep['bytes']:,} bytes "
-          f"({rep['bytes'] / 2**20:.1f} MiB), {rep['mem'].upper()}, 2 processes, NIXL UCX, median of {rep['iters']}")
-    print(f"  {'path':<26}{'descriptors':>12}{'GB/s':>9}{'x raw':>8}")
-    print(f"  {'(b) raw NIXL, one span':<26}{1:>12}{rep['raw_GBps']:>9.2f}{1.0:>8.2f}")
-    print(f"  {'(a) hybridkv plan':<26}{rep['descriptors']:>12}{rep['hybridkv_GBps']:>9.2f}{rep['ratio']:>8.2f}")
-    print(f"  {'(c) vllm-0.33 scheme':<26}{rep['vllm_scheme_descriptors']:>12}{rep['vllm_scheme_GBps']:>9.2f}"
-          f"{rep['vllm_ratio']:>8.2f}")
-    print(f"  hybridkv handed NIXL {rep['index_pairs']} index pairs; NIXL posted {rep['descriptors']} after merging")
+          f"({rep['bytes'] / 2**20:.1f} MiB), {rep['mem'].upper()}{where}, 2 processes, NIXL UCX, "
+          f"median of {rep['iters']}")
+    print(f"  {'path':<26}{'posted':>8}{'GB/s':>10}{'x raw':>8}{'x copy':>8}")
+    for name, posted, g, xr, xc in (
+            ("(b) raw NIXL, one span", rep["raw_posted"], rep["raw_GBps"], 1.0, rep["raw_vs_copy"]),
+            ("(a) hybridkv plan", rep["descriptors"], rep["hybridkv_GBps"], rep["ratio"], rep["hybridkv_vs_copy"]),
+            ("(c) vllm-0.33 scheme", rep["vllm_scheme_posted"], rep["vllm_scheme_GBps"], rep["vllm_ratio"],
+             rep["vllm_vs_copy"]),
+            ("(d) copy ceiling", "-", rep["copy_GBps"], rep["copy_GBps"] / rep["raw_GBps"], 1.0)):
+        print(f"  {name:<26}{posted!s:>8}{g:>10.2f}{xr:>8.2f}{xc:>8.3f}")
+    print(f"  hybridkv handed NIXL {rep['index_pairs']} index pairs; NIXL posted {rep['descriptors']} after merging;"
+          f" the vllm-0.33 list has {rep['vllm_scheme_descriptors']}; copy: {rep['copy_kind']}")
+    t = rep.get("transports")
+    if t:
+        print(f"  UCX transports on NIXL's data path: {', '.join(t['tls']) or 'none seen'}")
+        for line in t["data_path"]:
+            print(f"    {line}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -29,7 +29,7 @@ def geometry(**over):
 
 
 def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram", tp: int = 1, rank: int = 0,
-          block: int = BLOCK):
+          block: int = BLOCK, device: int = 0):
     from hybridkv.alloc import NumpyAllocator, TorchAllocator
     from hybridkv.fence import PoolLayout
     from hybridkv.geometry import LayerKind
@@ -38,7 +38,13 @@ def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram", tp: in
 
     geo = geometry(**(geo_over or {}))
     nb = {LayerKind.FULL_ATTENTION: NUM_BLOCKS["attn"] * scale, LayerKind.GDN: NUM_BLOCKS["gdn"]}
-    allocator = TorchAllocator("cuda:0") if mem == "vram" else NumpyAllocator()
+    if mem == "vram":
+        import torch
+
+        torch.cuda.set_device(device)  # this process's GPU: NIXL/UCX work in its context
+        allocator = TorchAllocator(f"cuda:{device}")
+    else:
+        allocator = NumpyAllocator()
     layout = plan_layout(geo, block_size=block, num_blocks=nb, allocator=allocator, tp=tp, rank=rank)
     for i, alloc in enumerate(layout.allocations):
         buf = alloc.owner
@@ -47,7 +53,7 @@ def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram", tp: in
             import torch
 
             buf.copy_(torch.from_numpy(fill))
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(buf.device)
         else:
             buf[:] = fill
     pools = PoolLayout.separate(num_blocks=tuple(layout.regions[g.placements[0].region_id].num_pages
@@ -81,6 +87,14 @@ def digest(layout, blocks: dict[int, list[int]]) -> str:
     return h.hexdigest()
 
 
+def placement(layout) -> dict[str, list]:
+    """Where the layout's memory lives: the device ids NIXL is told, and the tensors' own devices."""
+    devs = {a.owner.device.index if getattr(getattr(a.owner, "device", None), "type", None) == "cuda" else None
+            for a in layout.allocations}  # numpy arrays have a .device too ("cpu")
+    return {"device_ids": sorted({int(r.device_id) for r in layout.regions}),
+            "tensor_devices": sorted(devs, key=lambda d: -1 if d is None else d)}
+
+
 def counts(layout, tokens: int) -> dict[int, int]:
     return {g.group_id: (1 if g.block_tokens is None else -(-tokens // g.block_tokens)) for g in layout.groups}
 
@@ -106,7 +120,8 @@ async def _producer(opts, out, inbox):
     from hybridkv.transport.endpoint import Producer, TransportConfig
     from hybridkv import wire
 
-    layout, memory, pools = build(1, geo_over=opts.get("geo"), mem=opts.get("mem", "dram"))
+    layout, memory, pools = build(1, geo_over=opts.get("geo"), mem=opts.get("mem", "dram"),
+                                  device=opts.get("device", 0))
     sched = TransferScheduler(pools, lease_s=opts.get("lease_s", 30.0))
     cfg = TransportConfig(mode=wire.Mode[opts.get("mode", "PULL")])
     prod = Producer(memory, sched, cfg)
@@ -142,7 +157,8 @@ async def _producer(opts, out, inbox):
     out.put(("results", [(r.request_id, r.outcome.name, r.error) for r in results]))
     out.put(("state", {"free": [sched.free_count(p) for p in range(len(pools.pool_sizes))],
                        "total": list(pools.pool_sizes), "in_flight": sched.transfers_in_flight(),
-                       "requests": sched.requests_in_flight(), "stats": vars(prod.stats)}))
+                       "requests": sched.requests_in_flight(), "stats": vars(prod.stats),
+                       "placement": placement(layout)}))
     await _await_inbox(inbox, "stop", prod)
     await prod.close()
 
@@ -176,7 +192,8 @@ async def _consumer(opts, out, inbox):
     host, port = opts["addr"]
     attempts = opts.get("attempts") or [{}]
     for att in attempts:  # handshake variants: each a fresh consumer
-        layout, memory, pools = build(2, geo_over=att.get("geo"), mem=opts.get("mem", "dram"))
+        layout, memory, pools = build(2, geo_over=att.get("geo"), mem=opts.get("mem", "dram"),
+                                      device=opts.get("device", 0))
         sched = TransferScheduler(pools, lease_s=30.0)
         cfg = TransportConfig(mode=wire.Mode[att.get("mode", opts.get("mode", "PULL"))],
                               failure_policy=FailurePolicy[opts.get("policy", "FAIL")],
@@ -246,4 +263,4 @@ async def _run_requests(opts, out, inbox, layout, sched, cons):
     out.put(("state", {"free": [sched.free_count(p) for p in range(len(sched.layout.pool_sizes))],
                        "total": list(sched.layout.pool_sizes), "in_flight": sched.transfers_in_flight(),
                        "phases": {rid: (sched.phase(rid).name if sched.has_request(rid) else None) for rid in plans},
-                       "stats": vars(cons.stats)}))
+                       "stats": vars(cons.stats), "placement": placement(layout)}))
