@@ -9,10 +9,10 @@ Same run, same bytes, same agents and connection:
     layer, ids layer-major. Over hybridkv's block-major memory these never
     merge, so NIXL posts what the scheme issues; in vLLM's own layer-major
     memory, runs of consecutive block ids of one layer could merge.
-Each is repeated and the median taken; variants are interleaved so drift hits all.
 (d) the physical ceiling: a plain copy of the same bytes in the same run (torch
     ``copy_`` from the producer's GPU to the consumer's, timed with CUDA events;
     numpy memcpy for DRAM).
+Each is repeated and the median taken; variants are interleaved so drift hits all.
 
 ``--devices P,C`` puts the producer's memory on cuda:P and the consumer's on
 cuda:C (each process sets its own device); ``--proto-log PATH`` turns on UCX's
@@ -196,16 +196,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens {args.tokens} and --iters {args.iters}; expected positive ints")
     devices = parse_devices(args.devices, args.mem)
     if args.mem == "vram":
-        import torch
-
+        try:
+            import torch
+        except ImportError as exc:
+            raise ValueError(f"--mem vram needs torch with CUDA; importing torch failed: {exc}") from exc
         if not torch.cuda.is_available():
             raise ValueError("--mem vram needs a CUDA device; none is visible")
         n = torch.cuda.device_count()
         if max(devices) >= n:
             raise ValueError(f"--devices {args.devices!r}; only {n} CUDA device(s) visible (indices 0..{n - 1})")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    if args.proto_log:
-        os.environ.setdefault("UCX_PROTO_INFO", "y")  # before either process creates a UCX context
+    set_proto = bool(args.proto_log) and "UCX_PROTO_INFO" not in os.environ
+    if set_proto:
+        os.environ["UCX_PROTO_INFO"] = "y"  # before either process creates a UCX context
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     try:
@@ -226,6 +229,9 @@ def run(args: argparse.Namespace) -> int:
             with open(args.proto_log, errors="replace") as f:
                 sys.stderr.writelines(f.readlines()[-80:])
         raise
+    finally:
+        if set_proto:
+            del os.environ["UCX_PROTO_INFO"]
     report["transports"] = None
     if args.proto_log:
         with open(args.proto_log, errors="replace") as f:

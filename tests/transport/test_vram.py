@@ -91,7 +91,7 @@ def test_bench_devices_beyond_visible_gpus():
     if n:
         assert f"'0,{n + 8}'" in str(err.value) and f"only {n} CUDA device" in str(err.value)
     else:
-        assert "needs a CUDA device" in str(err.value)
+        assert "needs a CUDA device" in str(err.value) or "needs torch" in str(err.value)
 
 
 def _table(pid: int, title: list[str], rows: list[tuple[str, str, str]]) -> list[str]:
@@ -138,7 +138,7 @@ def test_bench_proto_log_reports_transports(tmp_path, capsys):
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert log.stat().st_size > 0
     t = rep["transports"]
-    assert t["data_path"] and all(e.startswith("remote memory read") for e in t["data_path"]), t
+    assert any(e.startswith("remote memory read by ucp_get") for e in t["data_path"]), t  # NIXL's READs
     assert t["tls"] and not t["cuda_ipc"], t
     assert rep["copy_GBps"] > 0 and rep["raw_posted"] == 1 and rep["devices"] is None
     assert rep["raw_vs_copy"] == pytest.approx(rep["raw_GBps"] / rep["copy_GBps"], rel=0.01)
