@@ -132,7 +132,7 @@ t = (r[-1].get("transports") or {}) if r else {}
 sys.exit(0 if t.get("cuda_ipc") and not t.get("software_emulation") else 1)' "$WORK/cross.out" 2>/dev/null; then
         echo "=== [bench-cross_getzcopy] not needed: the default run read through cuda_ipc"
     else
-        bench cross_getzcopy 40 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on -- --mem vram --devices 0,1
+        bench cross_getzcopy 35 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on -- --mem vram --devices 0,1
     fi
 fi
 
