@@ -24,18 +24,10 @@ import numpy as np
 from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, HandshakeTimeout, HybridKVError, PeerError, PeerLost, ProtocolViolation
 from hybridkv.transport import control
+from hybridkv.transport.config import FailurePolicy, Outcome, Result, TransportConfig
 from hybridkv.transport.dataplane import Op, Transfer, XferState
-from hybridkv.transport.endpoint import (
-    NOTIF_PREFIX,
-    FailurePolicy,
-    Outcome,
-    Result,
-    _Peer,
-    _rid_of,
-    _send_quietly,
-    _Side,
-)
 from hybridkv.transport.memory import check_peer_shapes, pair_indices, rebuild_layout
+from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly, _Side
 
 #: (peer layout, local layout, peer blocks per group, local blocks per group)
 #:   -> (local rows Nx3, remote rows Nx3) of (addr, len, dev); row i of one side moves to row i of the other.
@@ -71,8 +63,6 @@ class Consumer(_Side):
     role = wire.Role.CONSUMER
 
     def __init__(self, memory, scheduler, config=None) -> None:
-        from hybridkv.transport.endpoint import TransportConfig
-
         super().__init__(memory, scheduler, config or TransportConfig())
         self.peers: dict[str, _Peer] = {}
         self._parts: dict[tuple[str, str], _Part] = {}

@@ -1,0 +1,81 @@
+"""What an endpoint is told, and what it reports.
+
+:class:`TransportConfig` (with :class:`FailurePolicy` and :class:`Pairing`) sets
+up a :class:`~hybridkv.transport.endpoint.Producer` or
+:class:`~hybridkv.transport.endpoint.Consumer`; :class:`Result` (with
+:class:`Outcome`) is how one request's transfer ended and :class:`Stats` counts
+what an endpoint refused or ignored. The design is in
+:mod:`hybridkv.transport.endpoint`, which re-exports these.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from hybridkv import wire
+from hybridkv.transport.dataplane import DataPlaneConfig
+
+
+class FailurePolicy(enum.Enum):
+    """What a failed import turns into (vLLM's ``kv_load_failure_policy``)."""
+
+    FAIL = "fail"  # the request is aborted
+    RECOMPUTE = "recompute"  # the request computes its prompt locally
+
+
+class Pairing(enum.Enum):
+    """How a consumer matches its blocks to the producer's."""
+
+    PAGES = "pages"  # page for page: both sides cut pages alike (same TP, block size, page format)
+    FIELDS = "fields"  # field by field through a plan the connector injects (heterogeneous TP, block sizes)
+
+
+class Outcome(enum.Enum):
+    READY = "ready"  # consumer: every component arrived
+    RECOMPUTE = "recompute"  # consumer: import failed, request recomputes locally
+    DONE = "done"  # producer: consumer finished with the blocks
+    FAILED = "failed"  # request failed (aborted)
+    EXPIRED = "expired"  # producer: the lease lapsed first
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportConfig:
+    host: str = "127.0.0.1"  # interface the producer advertises / the consumer dials
+    port: int = 0
+    mode: wire.Mode = wire.Mode.PULL
+    handshake_timeout_s: float = 5.0
+    export_timeout_s: float = 30.0  # consumer: how long to wait for the producer's Export
+    heartbeat_s: float | None = None  # default: lease / 6 (vLLM's choice)
+    lease_margin: float = 0.1  # fraction of a granted lease the consumer does not rely on
+    failure_policy: FailurePolicy = FailurePolicy.FAIL
+    pump_busy_s: float = 0.0002
+    pump_idle_s: float = 0.005
+    pairing: Pairing = Pairing.PAGES
+    # A posted READ still in progress after this long (or past its lease) is aborted: a stuck
+    # peer or link must end as a failure the policy handles, never as an import that waits forever.
+    transfer_timeout_s: float = 60.0
+    dataplane: DataPlaneConfig = DataPlaneConfig()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    request_id: str
+    outcome: Outcome
+    error: str | None = None
+    descriptors: int | None = None  # what NIXL posted (telemetry)
+    indices: int | None = None  # index pairs handed to NIXL
+    nbytes: int = 0
+    seconds: float = 0.0  # post -> done
+
+
+@dataclass(kw_only=True)
+class Stats:
+    duplicates: int = 0  # completions for a transfer already terminal
+    unknown: int = 0  # completions for nothing we know
+    refused: int = 0  # handshakes refused
+    rejected: int = 0  # messages refused (malformed, unexported blocks)
+    timed_out: int = 0  # transfers abandoned past their lease or the transfer timeout
+
+
+__all__ = ["FailurePolicy", "Outcome", "Pairing", "Result", "Stats", "TransportConfig"]

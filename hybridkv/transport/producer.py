@@ -1,0 +1,367 @@
+"""The prefill side: exports finished requests to the consumers that ask for them.
+
+A :class:`Producer` listens; a consumer dials it and asks for a request
+(``wire.Want``). A request several decode ranks share (``readers``) ends when
+every reader is done; any other claim on it is refused (``FailureCode.CLAIMED``).
+The design, pull and push, is in :mod:`hybridkv.transport.endpoint`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridkv import wire
+from hybridkv.errors import HandshakeRefused, PeerLost, ProtocolViolation
+from hybridkv.transport import control
+from hybridkv.transport.config import Outcome, Result, TransportConfig
+from hybridkv.transport.dataplane import Op, Transfer, XferState
+from hybridkv.transport.memory import MemoryMap, pair_indices
+from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly, _Side
+
+
+@dataclass(eq=False, kw_only=True)
+class _Export:
+    rid: str
+    tid: int
+    blocks: dict[int, np.ndarray]
+    done: asyncio.Future
+    readers: int | None = None  # how many consumers share it (set by the first claim)
+    claims: dict[str, _Peer] = field(default_factory=dict)  # agent -> reader
+    ended: dict[str, tuple[bool, str | None]] = field(default_factory=dict)  # agent -> (ok, detail)
+    xfer: Transfer | None = None
+    abort_asked: bool = False
+
+    @property
+    def peer(self) -> _Peer | None:
+        """The reader, where there is exactly one (push mode has one)."""
+        return next(iter(self.claims.values())) if len(self.claims) == 1 else None
+
+
+class Producer(_Side):
+    """Prefill side: exports finished requests to connected consumers."""
+
+    role = wire.Role.PRODUCER
+
+    def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig = TransportConfig()) -> None:
+        super().__init__(memory, scheduler, config)
+        self.peers: dict[str, _Peer] = {}
+        self._exports: dict[str, _Export] = {}
+        self._connected = asyncio.Event()
+        self._listener = None
+        # Recently terminal requests and completion notifications seen, so a repeated
+        # or crossing completion is told apart from a stray one (bounded).
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._notified: OrderedDict[str, None] = OrderedDict()
+        # Wants that came before the request was exported (the consumer may be first).
+        self._wants: dict[str, list[tuple[_Peer, int]]] = {}
+
+    def describe(self) -> dict:
+        return {**super().describe(),
+                "exports": {r: {"claims": sorted(e.claims), "ended": sorted(e.ended), "readers": e.readers,
+                                "writing": e.xfer is not None} for r, e in self._exports.items()},
+                "wants_ahead": {r: len(v) for r, v in self._wants.items()}}
+
+    async def start(self) -> tuple[str, int]:
+        self._listener = control.listen(self._accept, self.config.port)
+        self._start_pump()
+        return self.config.host, int(self._listener.port)
+
+    async def wait_peer(self, timeout_s: float) -> None:
+        await asyncio.wait_for(self._connected.wait(), timeout_s)
+
+    async def _accept(self, ch: control.Channel) -> None:
+        try:
+            msg = await asyncio.wait_for(ch.recv(), self.config.handshake_timeout_s)
+            if not isinstance(msg, wire.Hello):
+                raise ProtocolViolation(f"first message is {type(msg).__name__}; expected Hello")
+            remote = self.check_hello(msg)
+        except HandshakeRefused as exc:
+            self.stats.refused += 1
+            await _send_quietly(ch, wire.Refuse(reason=str(exc)[: wire.MAX_TEXT], differences=exc.differences))
+            await ch.close()
+            return
+        except (asyncio.TimeoutError, PeerLost, ProtocolViolation, wire.WireError) as exc:
+            self.stats.refused += 1
+            await _send_quietly(ch, wire.Refuse(reason=f"handshake failed: {exc}"[: wire.MAX_TEXT], differences=()))
+            await ch.close()
+            return
+        agent = self.dp.add_peer(msg.metadata, remote)
+        peer = _Peer(agent=agent, channel=ch, memory=remote, lease_s=msg.lease_s)
+        self.peers[agent] = peer
+        try:
+            await ch.send(self.hello())
+        except PeerLost:
+            self._peer_lost(peer)
+            return
+        self._connected.set()
+        await self._serve(peer)
+
+    async def _serve(self, peer: _Peer) -> None:
+        while not self._closing:
+            msg = await self._next_message(peer)
+            if msg is None:
+                self._peer_lost(peer)
+                return
+            self._on_message(peer, msg)
+
+    def _on_message(self, peer: _Peer, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Heartbeat):
+            leases = []
+            for rid in msg.request_ids:
+                lease = self.scheduler.heartbeat(rid) if rid in self._exports else None
+                left = 0.0 if lease is None else max(0.0, lease.deadline - self.scheduler.leases.now())
+                leases.append(wire.Lease(request_id=rid, lease_s=left))
+            for lease in leases:
+                asyncio.ensure_future(_send_quietly(peer.channel, lease))
+        elif isinstance(msg, wire.Want):
+            self._on_want(peer, msg)
+        elif isinstance(msg, wire.Import):
+            self._on_import(peer, msg)
+        elif isinstance(msg, (wire.Done, wire.Failure)):
+            rec = self._exports.get(msg.request_id)
+            if rec is None or rec.claims.get(peer.agent) is not peer:
+                if msg.request_id not in self._finished:
+                    self.stats.unknown += 1
+                return
+            if isinstance(msg, wire.Done) and msg.ok:
+                if self.config.mode is wire.Mode.PULL:
+                    # The consumer's READ completed on its side: it no longer needs the
+                    # blocks. Its NIXL notification says the same and may come later.
+                    self._reader_ended(rec, peer.agent, True)
+                return
+            if rec.xfer is not None:
+                rec.abort_asked = True  # finish the write first; the blocks are read until then
+                return
+            detail = msg.detail if isinstance(msg, wire.Failure) else "consumer failed the transfer"
+            self._reader_ended(rec, peer.agent, False, detail)
+        elif isinstance(msg, wire.Bye):
+            self._peer_lost(peer)
+        else:
+            self.stats.rejected += 1
+
+    def _on_want(self, peer: _Peer, msg: wire.Want) -> None:
+        rid = msg.request_id
+        rec = self._exports.get(rid)
+        if rec is not None:
+            self._claim(rec, peer, msg.readers)
+            return
+        if rid in self._finished:
+            self._refuse_want(peer, rid, wire.FailureCode.UNKNOWN_REQUEST,
+                              f"request {rid} was already exported and its export has ended")
+            return
+        pending = self._wants.setdefault(rid, [])
+        if any(p is peer for p, _ in pending):
+            self.stats.duplicates += 1
+            return
+        if len(self._wants) > _REMEMBER:
+            self._wants.pop(rid, None)
+            self._refuse_want(peer, rid, wire.FailureCode.UNKNOWN_REQUEST, "too many requests asked for ahead")
+            return
+        pending.append((peer, msg.readers))
+
+    def _claim(self, rec: _Export, peer: _Peer, readers: int) -> None:
+        """Give the request to a consumer that asked for it, or refuse it clearly."""
+        if peer.agent in rec.claims:
+            self.stats.duplicates += 1  # asked twice by the same consumer: it has its Export
+            return
+        error = None
+        if readers > 1 and self.config.mode is not wire.Mode.PULL:
+            error = f"request {rec.rid}: {readers} readers asked; shared reads need pull mode"
+        elif rec.readers is not None and readers != rec.readers:
+            error = (f"request {rec.rid} is shared by {rec.readers} consumer(s); this consumer asked for it "
+                     f"with {readers}")
+        elif rec.readers is not None and len(rec.claims) >= rec.readers:
+            error = (f"request {rec.rid} is already claimed by {len(rec.claims)} other consumer(s) "
+                     f"({', '.join(sorted(rec.claims))}); expected {rec.readers} reader(s)")
+        if error is not None:
+            self._refuse_want(peer, rec.rid, wire.FailureCode.CLAIMED, error)
+            return
+        rec.readers = readers
+        rec.claims[peer.agent] = peer
+        deadline = self.scheduler.leases.deadline(rec.rid)
+        left = max(0.0, deadline - self.scheduler.leases.now()) if deadline is not None else 0.0
+        asyncio.ensure_future(self._send_export(rec, peer, left))
+
+    async def _send_export(self, rec: _Export, peer: _Peer, left: float) -> None:
+        try:
+            await peer.channel.send(wire.Export(
+                request_id=rec.rid, lease_s=left,
+                blocks=tuple(wire.GroupBlocks(group_id=g, ids=tuple(b.tolist())) for g, b in rec.blocks.items())))
+        except PeerLost:
+            self._peer_lost(peer)
+
+    def _refuse_want(self, peer: _Peer, rid: str, code: wire.FailureCode, detail: str) -> None:
+        self.stats.rejected += 1
+        asyncio.ensure_future(_send_quietly(peer.channel, wire.Failure(request_id=rid, code=code,
+                                                                      detail=detail[: wire.MAX_TEXT])))
+
+    def _reader_ended(self, rec: _Export, agent: str, ok: bool, detail: str | None = None) -> None:
+        """One reader is finished with the blocks; the export ends once every reader is."""
+        rec.ended.setdefault(agent, (ok, detail))
+        if len(rec.ended) < (rec.readers or 1):
+            return
+        bad = [d for o, d in rec.ended.values() if not o]
+        if not bad:
+            self._finish(rec, ok=True, outcome=Outcome.DONE)
+        else:
+            self._finish(rec, ok=False, outcome=Outcome.FAILED, error=bad[0] or "consumer failed the transfer",
+                         tell=wire.Done(request_id=rec.rid, ok=False))
+
+    def _on_import(self, peer: _Peer, msg: wire.Import) -> None:
+        rec = self._exports.get(msg.request_id)
+        if rec is None or rec.peer is not peer or self.config.mode is not wire.Mode.PUSH or rec.xfer is not None:
+            self.stats.rejected += 1
+            return
+        try:
+            wire.check_blocks(msg.blocks, peer.memory.group_bounds(), what=f"import of {msg.request_id}")
+            dst = {g.group_id: np.asarray(g.ids, dtype=np.int64) for g in msg.blocks}
+            li, ri = pair_indices(self.memory, rec.blocks, peer.memory, dst)
+            rec.xfer = self.dp.post(Op.WRITE, peer.agent, li, ri, NOTIF_PREFIX + rec.rid.encode())
+        except Exception as exc:  # bad block lists, NIXL refusal
+            self.stats.rejected += 1
+            self._finish(rec, ok=False, outcome=Outcome.FAILED, error=str(exc),
+                         tell=wire.Failure(request_id=rec.rid, code=wire.FailureCode.TRANSFER_ERROR,
+                                           detail=str(exc)[: wire.MAX_TEXT]))
+            return
+        self._busy += 1
+        asyncio.ensure_future(self._watch_write(rec))
+
+    async def _watch_write(self, rec: _Export) -> None:
+        try:
+            state = await self._wait_xfer(rec.xfer)
+        finally:
+            self._busy -= 1
+        if state is XferState.DONE and not rec.abort_asked:
+            self._finish(rec, ok=True, outcome=Outcome.DONE)
+        elif state is XferState.DONE:
+            # The consumer gave up but the bytes landed; its notification tells it so.
+            self._finish(rec, ok=True, outcome=Outcome.FAILED, error="consumer aborted")
+        else:
+            self._finish(rec, ok=False, outcome=Outcome.FAILED, error="WRITE failed",
+                         tell=wire.Failure(request_id=rec.rid, code=wire.FailureCode.TRANSFER_ERROR,
+                                           detail="WRITE failed"))
+
+    async def export(self, request_id: str, *, peer: str | None = None) -> Result:
+        """Export a finished request (``request_finished(export=True)`` done) and wait until
+        its readers are done with the blocks, failed, or the lease lapsed.
+
+        The request goes to whichever consumer asks for it (``wire.Want``, sent by
+        ``Consumer.fetch``), before or after this call; a claim beyond the readers the
+        first claim announced is refused. ``peer`` names a consumer to offer it to unasked.
+        """
+        sched = self.scheduler
+        target = None
+        if peer is not None:
+            target = self.peers.get(peer)
+            if target is None:
+                raise ValueError(f"peer {peer!r}; expected one of {sorted(self.peers)}")
+        while True:
+            if not sched.has_request(request_id):  # the lease lapsed (poll) before we got here
+                return Result(request_id=request_id, outcome=Outcome.EXPIRED, error="lease expired before export")
+            if sched.export_ready(request_id):
+                break
+            await asyncio.sleep(self.config.pump_idle_s)  # the engine advances the watermark
+        tid = sched.post_export(request_id)
+        if not tid and not isinstance(tid, int):
+            return Result(request_id=request_id, outcome=Outcome.EXPIRED, error=tid.reason.value)
+        blocks = {g.group_id: np.asarray(sched.blocks(request_id, g.group_id), dtype=np.int64)
+                  for g in self.memory.groups}
+        rec = _Export(rid=request_id, tid=tid, blocks=blocks, done=asyncio.get_running_loop().create_future())
+        self._exports[request_id] = rec
+        if target is not None:
+            self._claim(rec, target, 1)
+        for asker, readers in self._wants.pop(request_id, []):
+            if asker.alive:
+                self._claim(rec, asker, readers)
+        return await rec.done
+
+    def _on_notif(self, agent: str, msg: bytes) -> None:
+        rid = _rid_of(msg)
+        seen = f"{agent}\0{rid}"
+        if rid is not None and seen in self._notified:
+            self.stats.duplicates += 1  # a completion repeated: already terminal, ignored
+            return
+        if rid is not None:
+            _remember(self._notified, seen)
+        rec = self._exports.get(rid) if rid is not None else None
+        if rec is None or agent not in rec.claims or self.config.mode is not wire.Mode.PULL:
+            if rid not in self._finished:
+                self.stats.unknown += 1  # never ours (or not from that peer): ignored
+            return
+        self._reader_ended(rec, agent, True)
+
+    def _tick(self) -> None:
+        for rid in self.scheduler.poll():  # lapsed leases: the scheduler dropped the request
+            rec = self._exports.get(rid)
+            if rec is None or rec.xfer is not None:
+                continue  # a WRITE in flight ends through _watch_write
+            self._finish(rec, ok=False, outcome=Outcome.EXPIRED, error="lease expired", tell=wire.Failure(
+                request_id=rid, code=wire.FailureCode.LEASE_EXPIRED, detail="lease expired"))
+
+    def _finish(self, rec: _Export, *, ok: bool, outcome: Outcome, error: str | None = None,
+                tell: wire.Message | None = None) -> None:
+        if self._exports.get(rec.rid) is not rec:
+            return
+        del self._exports[rec.rid]
+        _remember(self._finished, rec.rid)
+        sched = self.scheduler
+        (sched.transfer_landed if ok else sched.transfer_failed)(rec.tid)
+        alive = all(p.alive for p in rec.claims.values())
+        if sched.has_request(rec.rid):
+            if outcome is Outcome.DONE or outcome is Outcome.FAILED and alive:
+                sched.export_done(rec.rid)
+            else:
+                sched.abort(rec.rid)  # a reader gone: held until the lease lapses (it may have been reading)
+        if rec.xfer is not None:
+            self.dp.release(rec.xfer)
+        if tell is not None:
+            for p in rec.claims.values():
+                if p.alive:
+                    asyncio.ensure_future(_send_quietly(p.channel, tell))
+        if not rec.done.done():
+            rec.done.set_result(Result(request_id=rec.rid, outcome=outcome, error=error))
+
+    def _peer_lost(self, peer: _Peer) -> None:
+        if not peer.alive:
+            return
+        peer.alive = False
+        self.peers.pop(peer.agent, None)
+        for rid in [r for r, asks in self._wants.items() if any(p is peer for p, _ in asks)]:
+            self._wants[rid] = [(p, n) for p, n in self._wants[rid] if p is not peer]
+            if not self._wants[rid]:
+                del self._wants[rid]
+        for rec in [r for r in self._exports.values() if r.claims.get(peer.agent) is peer]:
+            if rec.xfer is None:
+                self._reader_ended(rec, peer.agent, False, "consumer lost")
+            else:
+                rec.abort_asked = True
+        try:
+            self.dp.remove_peer(peer.agent)
+        except Exception:
+            pass
+
+    async def close(self) -> None:
+        self._closing = True
+        for peer in list(self.peers.values()):
+            await _send_quietly(peer.channel, wire.Bye(reason="closing"))
+            await peer.channel.close()
+        if self._listener is not None:
+            self._listener.close()
+        await super().close()
+
+
+_REMEMBER = 1 << 16
+
+
+def _remember(seen: OrderedDict, rid: str) -> None:
+    seen[rid] = None
+    if len(seen) > _REMEMBER:
+        seen.popitem(last=False)
+
+
+
+__all__ = ["Producer"]

@@ -1,0 +1,154 @@
+"""What producer and consumer share: the handshake, the pump, and their peers.
+
+:class:`_Side` is the base of :class:`~hybridkv.transport.producer.Producer` and
+:class:`~hybridkv.transport.consumer.Consumer`: it builds and checks the
+``Hello`` (compatibility fields, role, pairing), pumps the NIXL agent on the
+asyncio loop and waits on transfers. The design is in
+:mod:`hybridkv.transport.endpoint`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from hybridkv import wire
+from hybridkv.errors import HandshakeRefused, PeerLost
+from hybridkv.transport import control
+from hybridkv.transport.config import Pairing, Stats, TransportConfig
+from hybridkv.transport.dataplane import DataPlane, Transfer, XferState
+from hybridkv.transport.memory import PAGE_SHAPE_FIELDS, MemoryMap, check_peer_shapes
+
+NOTIF_PREFIX = b"hkv:"
+
+
+@dataclass(eq=False, kw_only=True)
+class _Peer:
+    agent: str
+    channel: control.Channel
+    memory: MemoryMap
+    lease_s: float
+    alive: bool = True
+
+
+def _rid_of(notif: bytes) -> str | None:
+    if not notif.startswith(NOTIF_PREFIX):
+        return None
+    try:
+        return notif[len(NOTIF_PREFIX):].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+class _Side:
+    role: wire.Role
+
+    def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig = TransportConfig()) -> None:
+        self.memory = memory
+        self.scheduler = scheduler
+        self.config = config
+        self.dp = DataPlane(memory, config.dataplane)
+        compat = {**memory.shape_fields(), "protocol": str(wire.PROTOCOL_VERSION), "mode": config.mode.name,
+                  "pairing": config.pairing.name}
+        if config.pairing is Pairing.FIELDS:
+            # Pages may be cut differently; the field tables in the handshake say how.
+            compat = {k: v for k, v in compat.items() if k not in PAGE_SHAPE_FIELDS}
+        self.compat = compat
+        self.stats = Stats()
+        self._pump_task: asyncio.Task | None = None
+        self._busy = 0
+        self._closing = False
+
+    def hello(self) -> wire.Hello:
+        return wire.Hello(
+            agent=self.dp.name, metadata=self.dp.metadata(), role=self.role, mode=self.config.mode,
+            compat=self.compat, compat_hash=wire.compat_hash(self.compat), regions=self.memory.regions,
+            groups=self.memory.groups, lease_s=float(self.scheduler.leases.duration_s),
+            layout=self.memory.table if self.config.pairing is Pairing.FIELDS else None,
+        )
+
+    def check_hello(self, h: wire.Hello) -> MemoryMap:
+        """Refuse an incompatible peer, saying what differs; returns its memory map."""
+        if h.role is self.role:
+            raise HandshakeRefused("both peers have one role", [
+                wire.Difference(field="role", local=self.role.name, remote=h.role.name)])
+        if wire.compat_hash(h.compat) != h.compat_hash:
+            raise HandshakeRefused("the peer's compatibility hash does not match its own fields")
+        diffs = wire.compat_differences(self.compat, h.compat)
+        if diffs:
+            raise HandshakeRefused("incompatible peer", diffs)
+        remote = MemoryMap(regions=h.regions, groups=h.groups, table=h.layout)
+        if self.config.pairing is Pairing.PAGES:
+            check_peer_shapes(self.memory, h.regions, h.groups)
+        elif h.layout is None:
+            raise HandshakeRefused("the peer pairs by fields but sent no field tables", [
+                wire.Difference(field="layout", local="field tables", remote=None)])
+        return remote
+
+    def describe(self) -> dict:
+        """What is in flight, for an operator or a stuck test to print (plain data)."""
+        return {"role": self.role.name, "closing": self._closing, "busy": self._busy,
+                "pump": None if self._pump_task is None else ("done" if self._pump_task.done() else "running"),
+                "peers": {a: p.alive for a, p in self.peers.items()}, "stats": vars(self.stats).copy()}
+
+    def _start_pump(self) -> None:
+        if self._pump_task is None:
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+
+    async def _pump(self) -> None:
+        cfg = self.config
+        while not self._closing:
+            for agent, msgs in self.dp.pump().items():
+                for m in msgs:
+                    self._on_notif(agent, m)
+            self._tick()
+            await asyncio.sleep(cfg.pump_busy_s if self._busy else cfg.pump_idle_s)
+
+    async def _next_message(self, peer) -> wire.Message | None:
+        """The peer's next well-formed message (malformed ones are counted and skipped); None once lost."""
+        while True:
+            try:
+                return await peer.channel.recv()
+            except wire.WireError:
+                self.stats.rejected += 1
+            except PeerLost:
+                return None
+
+    def _on_notif(self, agent: str, msg: bytes) -> None:  # pragma: no cover - overridden
+        pass
+
+    def _tick(self) -> None:
+        pass
+
+    async def _wait_xfer(self, xfer: Transfer, until=None) -> XferState:
+        """The transfer's terminal state, or IN_PROGRESS once ``until()`` (a monotonic time) passed."""
+        self._busy += 1
+        try:
+            while (s := self.dp.state(xfer)) is XferState.IN_PROGRESS:
+                if until is not None and time.monotonic() > until():
+                    return s
+                await asyncio.sleep(0)
+            return s
+        finally:
+            self._busy -= 1
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            try:
+                await self._pump_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.dp.close()
+
+
+async def _send_quietly(ch: control.Channel, msg: wire.Message) -> None:
+    try:
+        await ch.send(msg)
+    except PeerLost:
+        pass
+
+
+__all__ = ["NOTIF_PREFIX"]
