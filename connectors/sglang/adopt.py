@@ -16,6 +16,12 @@ the KV pages; for a Mamba state type its conv tensor(s) and its SSM (temporal)
 tensor(s); the aux row. hybridkv's `ComponentKind` has KV / CONV / SSM, so a
 non-Mamba state type and the aux row are each the single KV-kind component of
 their own group.
+
+Every buffer also records what slice of the model its items hold
+(`shapes.BufferShape`) and the side its `shapes.Parallel` sharding: what the
+field keys of connectors/sglang/pairing.py are built from, so that a decode
+rank of another TP can be matched head by head. The `layout` here keeps the
+buffers as opaque items: it is what NIXL registers.
 """
 
 from __future__ import annotations
@@ -25,12 +31,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from connectors.sglang.shapes import BufferShape, Parallel, Slicing, describe_shape, parse_shape
 from hybridkv.alloc import MemKind
 from hybridkv.fence import PoolLayout, RequestId
-from hybridkv.fields import Component as FieldComponent
-from hybridkv.fields import FieldKey
 from hybridkv.hma import GroupId
-from hybridkv.layout import Buffer, Layout, adopt_buffers
+from hybridkv.layout import Buffer, Layout, RegionId, adopt_buffers
 from hybridkv.request_state import Component, ComponentKind
 
 KV_GROUP = 0
@@ -48,6 +53,11 @@ class AdoptedLayout:
     components: tuple[tuple[Component, frozenset[int]], ...]
     #: per group, how many blocks (pages, slots, rows) every buffer of it holds
     group_blocks: tuple[int, ...]
+    parallel: Parallel
+    #: per buffer key: what its items hold
+    shapes: dict[int, BufferShape]
+    #: per buffer key: (region, byte offset of the item inside the region's page)
+    placement: dict[int, tuple[RegionId, int]]
 
     @property
     def aux_group(self) -> int:
@@ -65,11 +75,17 @@ class AdoptedLayout:
     def components_of(self, group: int) -> tuple[Component, ...]:
         return tuple(c for c, _ in self.components if c.group == group)
 
-    def field_keys(self, component: Component) -> frozenset[FieldKey]:
+    def buffer_keys(self, component: Component) -> frozenset[int]:
         for c, keys in self.components:
             if c == component:
-                return frozenset((FieldComponent.OPAQUE, k, 0) for k in keys)
+                return keys
         raise ValueError(f"component {component} is not in this layout")
+
+    def buffer(self, key: int) -> Buffer:
+        for b in self.buffers:
+            if b.key == key:
+                return b
+        raise ValueError(f"buffer {key} is not in this layout")
 
     def describe(self) -> dict[str, Any]:
         """Plain, msgpack-able form sent to the peer at registration."""
@@ -78,8 +94,10 @@ class AdoptedLayout:
             for f in _BUFFER_FIELDS:
                 v = getattr(b, f)
                 out[f].append(v.value if isinstance(v, MemKind) else int(v))
+        out["shape"] = [describe_shape(self.shapes[b.key]) for b in self.buffers]
         out["num_state_groups"] = self.num_state_groups
         out["components"] = [[c.group, c.kind.value, sorted(keys)] for c, keys in self.components]
+        out["parallel"] = self.parallel.describe()
         return out
 
 
@@ -94,12 +112,17 @@ def from_description(d: Any) -> AdoptedLayout:
             raise ValueError(f"layout field {f!r} is {type(v).__name__}; expected a list")
         cols[f] = v
     n = len(cols["key"])
-    if any(len(v) != n for v in cols.values()):
-        raise ValueError(f"layout fields have lengths {[len(v) for v in cols.values()]}; expected all {n}")
+    shapes_in = d.get("shape")
+    if not isinstance(shapes_in, list):
+        raise ValueError(f"layout field 'shape' is {type(shapes_in).__name__}; expected a list")
+    if any(len(v) != n for v in cols.values()) or len(shapes_in) != n:
+        raise ValueError(f"layout fields have lengths {[len(v) for v in cols.values()] + [len(shapes_in)]}; "
+                         f"expected all {n}")
     nsg = d.get("num_state_groups")
     if not _is_int(nsg) or nsg < 0:
         raise ValueError(f"num_state_groups is {nsg!r}; expected an int >= 0")
     buffers = []
+    shapes = {}
     for i in range(n):
         row = {f: cols[f][i] for f in _BUFFER_FIELDS}
         if not all(_is_int(row[f]) for f in _BUFFER_FIELDS if f != "mem"):
@@ -113,6 +136,7 @@ def from_description(d: Any) -> AdoptedLayout:
         buffers.append(Buffer(key=row["key"], group_id=GroupId(row["group_id"]), addr=row["addr"],
                               item_bytes=row["item_bytes"], num_items=row["num_items"], mem=mem,
                               device_id=row["device_id"]))
+        shapes[row["key"]] = parse_shape(shapes_in[i], f"buffer {row['key']}")
     comps = d.get("components")
     if not isinstance(comps, list):
         raise ValueError(f"layout components are {type(comps).__name__}; expected a list")
@@ -126,7 +150,7 @@ def from_description(d: Any) -> AdoptedLayout:
         except ValueError:
             raise ValueError(f"component kind {entry[1]!r}; expected one of {[k.value for k in ComponentKind]}") from None
         components.append((Component(group=GroupId(entry[0]), kind=kind), frozenset(entry[2])))
-    return _build(buffers, nsg, components)
+    return _build(buffers, nsg, components, Parallel.parse(d.get("parallel")), shapes)
 
 
 def _is_int(v: Any) -> bool:
@@ -142,8 +166,8 @@ def _ints(values: Sequence[Any] | None, what: str) -> list[int]:
     return out
 
 
-def _build(buffers: list[Buffer], num_state_groups: int,
-           components: list[tuple[Component, frozenset[int]]]) -> AdoptedLayout:
+def _build(buffers: list[Buffer], num_state_groups: int, components: list[tuple[Component, frozenset[int]]],
+           parallel: Parallel, shapes: dict[int, BufferShape]) -> AdoptedLayout:
     keys = {b.key for b in buffers}
     blocks = []
     for g in range(2 + num_state_groups):
@@ -154,24 +178,62 @@ def _build(buffers: list[Buffer], num_state_groups: int,
         live = frozenset(k for k in ks if k in keys)
         if live:
             comps.append((c, live))
-    return AdoptedLayout(layout=adopt_buffers(buffers), buffers=tuple(buffers), num_state_groups=num_state_groups,
-                         components=tuple(comps), group_blocks=tuple(blocks))
+    layout = adopt_buffers(buffers)
+    return AdoptedLayout(layout=layout, buffers=tuple(buffers), num_state_groups=num_state_groups,
+                         components=tuple(comps), group_blocks=tuple(blocks), parallel=parallel,
+                         shapes={k: shapes[k] for k in sorted(keys)}, placement=_placement(layout, buffers))
 
 
-def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int) -> AdoptedLayout:
+def _placement(layout: Layout, buffers: list[Buffer]) -> dict[int, tuple[RegionId, int]]:
+    """Where item 0 of each buffer sits: the region adopt_buffers put it in, and the offset in its page."""
+    out = {}
+    for b in buffers:
+        for r in layout.regions:
+            if (r.mem is b.mem and r.device_id == b.device_id and r.stride == b.item_bytes
+                    and r.num_pages == b.num_items and r.base_addr <= b.addr
+                    and b.addr + b.item_bytes <= r.base_addr + r.page_bytes):
+                out[b.key] = (r.region_id, b.addr - r.base_addr)
+                break
+        else:
+            raise RuntimeError(f"buffer {b.key} at {hex(b.addr)} is in no region of its adopted layout")
+    return out
+
+
+def parallel_of(kv_args: Any, *, attn_tp: int = 1, attn_rank: int = 0, state_tp: int | None = None,
+                mla: bool = False) -> Parallel:
+    """The side's sharding, from KVArgs and the attention-TP group (SGLang's ParallelContext)."""
+    local = int(getattr(kv_args, "kv_head_num", 0) or 0)
+    total = int(getattr(kv_args, "total_kv_head_num", 0) or 0) or local * attn_tp
+    return Parallel(attn_tp=attn_tp, attn_rank=attn_rank, state_tp=state_tp or attn_tp,
+                    page_size=int(getattr(kv_args, "page_size", 1) or 1), kv_heads=1 if mla else max(1, total),
+                    mla=bool(mla), kv_layout=getattr(kv_args, "kv_layout", None),
+                    draft_entries=int(getattr(kv_args, "num_draft_entries", 0) or 0))
+
+
+def _per_entry(values: Any, c: int, n: int) -> list[Any] | None:
+    """Entry c of a per-state-type list, if it has one value per buffer."""
+    if not values or c >= len(values) or values[c] is None or len(values[c]) != n:
+        return None
+    return list(values[c])
+
+
+def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int, parallel: Parallel | None = None) -> AdoptedLayout:
     """The layout of an SGLang `KVArgs` (no copy, no allocation)."""
+    parallel = parallel or parallel_of(kv_args)
     buffers: list[Buffer] = []
+    shapes: dict[int, BufferShape] = {}
     components: list[tuple[Component, frozenset[int]]] = []
     dev = gpu_id if device_mem is MemKind.VRAM else 0
     next_key = 0
 
-    def add(group: int, ptrs: list[int], lens: list[int], items: list[int], mem: MemKind, d: int, what: str) -> list[int]:
+    def add(group: int, ptrs: list[int], lens: list[int], items: list[int], mem: MemKind, d: int, what: str,
+            shape_of) -> list[int]:
         nonlocal next_key
         if not len(ptrs) == len(lens) == len(items):
             raise ValueError(f"{what} pointer lists disagree: {len(ptrs)} ptrs, {len(lens)} lens, "
                              f"{len(items)} item lens")
         keys = []
-        for p, n, it in zip(ptrs, lens, items):
+        for i, (p, n, it) in enumerate(zip(ptrs, lens, items)):
             key = next_key
             next_key += 1
             if p < 0 or n < 0 or it < 0:
@@ -182,11 +244,13 @@ def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int) -> AdoptedL
                 raise ValueError(f"{what} buffer {key}: data_len {n} is not a multiple of item_len {it}")
             buffers.append(Buffer(key=key, group_id=GroupId(group), addr=p, item_bytes=it, num_items=n // it,
                                   mem=mem, device_id=d))
+            shapes[key] = shape_of(i, key)
             keys.append(key)
         return keys
 
+    kv_shape = BufferShape(slicing=Slicing.WHOLE if parallel.mla else Slicing.HEADS)
     kv_keys = add(KV_GROUP, _ints(kv_args.kv_data_ptrs, "kv_data_ptrs"), _ints(kv_args.kv_data_lens, "kv_data_lens"),
-                  _ints(kv_args.kv_item_lens, "kv_item_lens"), device_mem, dev, "kv")
+                  _ints(kv_args.kv_item_lens, "kv_item_lens"), device_mem, dev, "kv", lambda i, k: kv_shape)
     components.append((Component(group=GroupId(KV_GROUP), kind=ComponentKind.KV), frozenset(kv_keys)))
     state_ptrs = getattr(kv_args, "state_data_ptrs", None) or []
     state_lens = getattr(kv_args, "state_data_lens", None) or []
@@ -197,13 +261,27 @@ def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int) -> AdoptedL
         group = 1 + c
         ptrs = _ints(ps, "state_data_ptrs")
         first = next_key
-        add(group, ptrs, _ints(state_lens[c] if c < len(state_lens) else None, "state_data_lens"),
-            _ints(state_items[c] if c < len(state_items) else None, "state_item_lens"), device_mem, dev, "state")
-        live = {b.key for b in buffers if b.group_id == group}
         layers = _ints(state_layers[c] if c < len(state_layers) else None, "state_layer_ids")
         kind = getattr(state_types[c], "name", str(state_types[c])) if c < len(state_types) else ""
         per_tensor = len(set(layers)) if layers and len(layers) == len(ptrs) else 0
-        if kind == "MAMBA" and per_tensor and len(ptrs) % per_tensor == 0 and len(ptrs) > per_tensor:
+        mamba = kind == "MAMBA" and per_tensor and len(ptrs) % per_tensor == 0 and len(ptrs) > per_tensor
+        dims = _per_entry(getattr(kv_args, "state_dim_per_tensor", None), c, len(ptrs)) if mamba else None
+        outers = _per_entry(getattr(kv_args, "state_slice_outer_counts", None), c, len(ptrs)) or [1] * len(ptrs)
+        subs = _per_entry(getattr(kv_args, "state_conv_shard_groups", None), c, len(ptrs)) or [None] * len(ptrs)
+
+        def state_shape(i: int, key: int) -> BufferShape:
+            if dims is None:
+                return BufferShape(slicing=Slicing.RANK)
+            if int(dims[i]) == 0:
+                return BufferShape(slicing=Slicing.WHOLE)  # replicated across attention TP
+            return BufferShape(slicing=Slicing.DIMS, dim=int(dims[i]), outer=int(outers[i] or 1),
+                               sub=tuple(int(x) for x in subs[i] or ()), conv=i < per_tensor)
+
+        add(group, ptrs, _ints(state_lens[c] if c < len(state_lens) else None, "state_data_lens"),
+            _ints(state_items[c] if c < len(state_items) else None, "state_item_lens"), device_mem, dev, "state",
+            state_shape)
+        live = {b.key for b in buffers if b.group_id == group}
+        if mamba:
             # SGLang's MambaPool lists its entries tensor-major x layer, conv first,
             # then temporal (SSM) and any extra per-slot tensors.
             conv = frozenset(k for k in range(first, first + per_tensor) if k in live)
@@ -214,27 +292,11 @@ def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int) -> AdoptedL
     aux_group = 1 + len(state_ptrs)
     aux_keys = add(aux_group, _ints(kv_args.aux_data_ptrs, "aux_data_ptrs"),
                    _ints(kv_args.aux_data_lens, "aux_data_lens"), _ints(kv_args.aux_item_lens, "aux_item_lens"),
-                   MemKind.DRAM, 0, "aux")
+                   MemKind.DRAM, 0, "aux", lambda i, k: BufferShape(slicing=Slicing.WHOLE))
     components.append((Component(group=GroupId(aux_group), kind=ComponentKind.KV), frozenset(aux_keys)))
     if not buffers:
         raise ValueError("KVArgs lists no non-empty buffer; expected KV pages at least")
-    return _build(buffers, len(state_ptrs), components)
-
-
-def check_peer(local: AdoptedLayout, peer: AdoptedLayout) -> None:
-    """Equal attention TP: the same buffers (keys, groups, item sizes) and components on both sides."""
-    mine = {b.key: (b.group_id, b.item_bytes) for b in local.buffers}
-    theirs = {b.key: (b.group_id, b.item_bytes) for b in peer.buffers}
-    if mine != theirs:
-        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        k = diff[0]
-        raise ValueError(
-            f"buffer {k} is (group, item bytes) {mine.get(k)} here and {theirs.get(k)} on the peer "
-            f"({len(diff)} buffers differ); heterogeneous TP or a different model is not supported by the "
-            "hybridkv SGLang backend"
-        )
-    if dict(local.components) != dict(peer.components):
-        raise ValueError("the peers split their buffers into different components")
+    return _build(buffers, len(state_ptrs), components, parallel, shapes)
 
 
 def state_blocks(state_indices) -> list[tuple[int, np.ndarray]]:

@@ -30,7 +30,12 @@ leaves to a backend, and runs everything else on hybridkv's core:
     whose reads are terminal only once every handle settled; a sender reports
     its terminal state only after the scheduler dropped the request, i.e. when
     no read of its source pages is queued or running.
-Heterogeneous attention TP is refused at registration with a clear reason.
+Heterogeneous attention TP (prefill TP != decode TP, KV heads and GDN heads):
+the planners come from connectors/sglang/pairing.py, which keys every byte
+range of SGLang's buffers by what it holds (head, state dims) and lets the
+descriptor compiler pair the decode rank's slice with the prefill ranks that
+hold it, each field written by one prefill rank only. A pair that cannot match
+is refused at registration, naming the values.
 """
 
 from __future__ import annotations
@@ -52,12 +57,13 @@ from connectors.sglang.adopt import (
     KV_GROUP,
     AdoptedLayout,
     adopt_kv_args,
-    check_peer,
     from_description,
+    parallel_of,
     state_blocks,
 )
 from connectors.sglang.agent import NixlWriter
 from connectors.sglang.decode_side import DecodeImports, _Import
+from connectors.sglang.pairing import PeerPlan, plan_peer
 from connectors.sglang.prefill_side import PrefillExports, TransferStats
 from descriptors.compiler import TransferPlanner
 from hybridkv.alloc import MemKind
@@ -74,7 +80,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from sglang.srt.runtime_context import get_device
+from sglang.srt.runtime_context import get_device, get_parallel, linear_attn_tp_size
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.network import NetworkAddress
 
@@ -87,7 +93,8 @@ _RECV_POLL_MS = 200
 class _Peer:
     agent_name: str
     layout: AdoptedLayout
-    planners: dict[Component, TransferPlanner]
+    planners: dict[Component, Optional[TransferPlanner]]  # None: another prefill rank writes these fields
+    plan: Optional[PeerPlan]
     rejection: Optional[str]
 
 
@@ -107,7 +114,11 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         # Layout, agent and scheduler exist before the base class registers to
         # the bootstrap server: a decode may connect right after.
         self.mem = MemKind.DRAM if get_device().device == "cpu" else MemKind.VRAM
-        self.adopted = adopt_kv_args(args, device_mem=self.mem, gpu_id=int(getattr(args, "gpu_id", 0) or 0))
+        par = get_parallel()
+        self.adopted = adopt_kv_args(
+            args, device_mem=self.mem, gpu_id=int(getattr(args, "gpu_id", 0) or 0),
+            parallel=parallel_of(args, attn_tp=par.attn_tp_size, attn_rank=par.attn_tp_rank,
+                                 state_tp=linear_attn_tp_size(), mla=bool(is_mla_backend)))
         self.agent = NixlWriter(f"hybridkv-{uuid.uuid4().hex[:12]}", self.adopted.layout)
         self.stats = TransferStats()
         self._stop = threading.Event()
@@ -233,24 +244,22 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
     def _on_register(self, reg: msgs.Register) -> None:
         peer_layout = from_description(reg.layout)
         rejection = None
-        planners: dict[Component, TransferPlanner] = {}
-        if reg.attn_tp_size != self.attn_tp_size:
-            rejection = (
-                f"heterogeneous attention TP (prefill {self.attn_tp_size}, decode {reg.attn_tp_size}) "
-                "is not supported by the hybridkv SGLang backend yet"
-            )
-        else:
-            try:
-                check_peer(self.adopted, peer_layout)
-                for comp, _ in self.adopted.components:
-                    planners[comp] = TransferPlanner(self.adopted.layout, peer_layout.layout,
-                                                     keys=self.adopted.field_keys(comp))
-            except ValueError as e:
-                rejection = f"layouts do not match: {e}"
+        plan = None
+        mine = self.adopted.parallel
+        try:
+            theirs = peer_layout.parallel
+            if (reg.attn_tp_size, reg.attn_tp_rank) != (theirs.attn_tp, theirs.attn_rank):
+                raise ValueError(f"the message says decode rank {reg.attn_tp_rank}/{reg.attn_tp_size}, its layout "
+                                 f"{theirs.attn_rank}/{theirs.attn_tp}")
+            plan = plan_peer(self.adopted, peer_layout)
+        except ValueError as e:
+            rejection = (f"hybridkv cannot pair prefill rank {mine.attn_rank}/{mine.attn_tp} with decode rank "
+                         f"{reg.attn_tp_rank}/{reg.attn_tp_size}: {e}")
         name = self.agent.add_remote(reg.agent_metadata)
         if name != reg.agent_name:
             raise ValueError(f"agent metadata names {name!r} but the message says {reg.agent_name!r}")
-        self.peers[name] = _Peer(agent_name=name, layout=peer_layout, planners=planners, rejection=rejection)
+        self.peers[name] = _Peer(agent_name=name, layout=peer_layout, planners=plan.planners if plan else {},
+                                 plan=plan, rejection=rejection)
         if rejection:
             logger.error("hybridkv: decode %s refused: %s", name, rejection)
 

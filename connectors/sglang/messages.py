@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 
 TAG = b"HYBRIDKV"
-VERSION = 2
+VERSION = 3
 
 
 class MsgType(enum.Enum):

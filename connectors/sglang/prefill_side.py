@@ -172,6 +172,11 @@ class PrefillExports:
         for comp, planner in peer.planners.items():
             if comp.group not in blocks:
                 continue
+            if planner is None:
+                # Another prefill rank writes every field of it (heads this rank
+                # shares with it, replicated state, aux): done here by definition.
+                out.append((comp, None, {}))
+                continue
             src, dst = blocks[comp.group]
             plan = planner.compile({comp.group: src}, {comp.group: dst})
             out.append((comp, plan, split_by_memory(plan, self.adopted.layout, peer.layout.layout)))
@@ -205,8 +210,9 @@ class PrefillExports:
                 for comp, plan, by_mem in comp_plans:
                     for (smem, dmem), (src, dst) in by_mem.items():
                         handles.append(self.agent.post_write(md.agent_name, src, smem, dst, dmem))
-                    self.stats.descriptors += plan.num_descriptors
-                    self.stats.bytes += plan.nbytes
+                    if plan is not None:
+                        self.stats.descriptors += plan.num_descriptors
+                        self.stats.bytes += plan.nbytes
                     if comp not in sent:
                         sent.append(comp)
             self.stats.chunks += 1

@@ -1,33 +1,56 @@
-"""One side of a real PD pair: SGLang's ServerArgs, runtime context, bootstrap
-server and our manager on CPU, with pools shaped like a small hybrid model.
+"""One rank of a real PD pair: SGLang's ServerArgs, runtime context, bootstrap
+server and our manager on CPU, with pools shaped like a small hybrid model
+(tests/sglang/pools.py).
 
-The prefill runs in a child process (spawned) driven over a Pipe; the decode
-runs in the pytest process. Memory is laid out as SGLang allocates it: one
-tensor per full-attention layer for K and for V (item = one page of one
-layer), and per Mamba state tensor one [layers, slots + 1, ...] tensor whose
-per-layer slices are the `state_data_ptrs` (item = one slot).
+A rank runs in a child process driven over a Pipe (`serve`), or in the pytest
+process. Children fork from a forkserver that imported SGLang once (importing
+it costs ~10 s of CPU per process), so several ranks are cheap.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import socket
+import threading
 import time
-from dataclasses import dataclass
+import traceback
 
 import numpy as np
 
-PAGE_SIZE = 4
-NUM_PAGES = 64
-KV_HEADS, HEAD_DIM = 2, 16
-ATTN_LAYERS = (3, 7)  # Qwen3.5-style: every 4th layer is full attention
-GDN_LAYERS = (0, 1, 2, 4, 5, 6)
-CONV_SHAPE = (96, 3)  # (conv_dim, kernel - 1)
-SSM_SHAPE = (4, 8, 8)  # (v heads, dv, dk)
-MAMBA_SLOTS = 8
-AUX_ROWS, AUX_ITEM = 16, 64
+from tests.sglang.pools import (  # noqa: F401 - re-exported for the tests
+    ATTN_LAYERS,
+    AUX_ROWS,
+    GDN_LAYERS,
+    KV_HEADS,
+    MAMBA_SLOTS,
+    NUM_PAGES,
+    PAGE_SIZE,
+    Pools,
+    make_pools,
+)
+
+_PRELOAD = ["tests.sglang.pd_peer", "sglang.srt.disaggregation.common.conn", "sglang.srt.server_args",
+            "sglang.srt.plugins", "connectors.sglang.agent", "descriptors.compiler"]
+_ctx = None
 
 
-def configure(role: str, *, port: int, bootstrap_port: int):
+def context():
+    """The forkserver context every rank process starts from (preloaded once per pytest run)."""
+    global _ctx
+    if _ctx is None:
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(_PRELOAD)
+    return _ctx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def configure(role: str, *, port: int, bootstrap_port: int, tp: int = 1, rank: int = 0):
     os.environ["SGLANG_HOST_IP"] = "127.0.0.1"
     os.environ.setdefault("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "2")
     # Two misses, not one: a loaded CI machine can miss one health check of a live peer.
@@ -35,117 +58,26 @@ def configure(role: str, *, port: int, bootstrap_port: int):
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
     sa = ServerArgs(
         model_path="dummy", device="cpu", host="127.0.0.1", port=port, disaggregation_mode=role,
-        disaggregation_transfer_backend="hybridkv", disaggregation_bootstrap_port=bootstrap_port,
+        disaggregation_transfer_backend="hybridkv", disaggregation_bootstrap_port=bootstrap_port, tp_size=tp,
     )
-    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
-    from sglang.srt.runtime_context import get_parallel
-
-    # One rank, no torch.distributed: the Common* managers only store the
-    # groups (they talk to them when PP > 1), as in SGLang's own unit tests.
-    get_parallel().override_permanently(pp_group=_SingleRankGroup(), tp_group=_SingleRankGroup(),
-                            attn_tp_group=_SingleRankGroup())
+    get_parallel().clear_stamp()  # a rank process may be set up again with another TP
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+    # No torch.distributed: the Common* managers only store the groups (they
+    # talk to them when PP > 1), as in SGLang's own unit tests.
+    group = _RankGroup(tp, rank)
+    get_parallel().override_permanently(pp_group=_RankGroup(1, 0), tp_group=group, attn_tp_group=group)
     return sa
 
 
-class _SingleRankGroup:
-    world_size = 1
-    rank_in_group = 0
-    rank = 0
-
-
-@dataclass
-class Pools:
-    k: list
-    v: list
-    conv: object
-    ssm: object
-    aux: object
-
-    def kv_args(self):
-        from sglang.srt.disaggregation.base.conn import KVArgs, StateType
-
-        a = KVArgs()
-        a.engine_rank = 0
-        bufs = self.k + self.v
-        a.kv_data_ptrs = [t.data_ptr() for t in bufs]
-        a.kv_data_lens = [t.nbytes for t in bufs]
-        a.kv_item_lens = [t[0].nbytes * PAGE_SIZE for t in bufs]
-        a.kv_layer_ids = list(ATTN_LAYERS) * 2
-        a.kv_cache_dtype_str = "bfloat16"
-        a.page_size = PAGE_SIZE
-        a.kv_head_num = a.total_kv_head_num = KV_HEADS
-        a.aux_data_ptrs = [self.aux.data_ptr()]
-        a.aux_data_lens = [self.aux.nbytes]
-        a.aux_item_lens = [self.aux[0].nbytes]
-        state = [self.conv[i] for i in range(len(GDN_LAYERS))] + [self.ssm[i] for i in range(len(GDN_LAYERS))]
-        a.state_types = [StateType.MAMBA]
-        a.state_data_ptrs = [[t.data_ptr() for t in state]]
-        a.state_data_lens = [[t.nbytes for t in state]]
-        a.state_item_lens = [[t[0].nbytes for t in state]]
-        a.state_layer_ids = [list(GDN_LAYERS) * 2]
-        a.state_dim_per_tensor = [[t.shape[1] for t in state]]
-        a.state_slice_outer_counts = [[1] * len(state)]
-        a.state_conv_shard_groups = [[None] * len(state)]
-        a.is_hybrid_mla_backend = False
-        a.swa_kv_cache_layout = None
-        a.ib_device = ""
-        a.gpu_id = 0
-        a.system_dp_rank = 0
-        a.rust_http_port = None
-        a.pp_rank = 0
-        a.prefill_start_layer = 0
-        a.prefill_end_layer = None
-        a.mla_compression_ratios = None
-        return a
-
-    def page_bytes(self, pages) -> list[bytes]:
-        out = []
-        for t in self.k + self.v:
-            for p in pages:
-                out.append(t[p * PAGE_SIZE:(p + 1) * PAGE_SIZE].contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
-        return out
-
-    def slot_bytes(self, slot: int) -> list[bytes]:
-        import torch
-
-        return [t[i, slot].contiguous().view(torch.uint8).numpy().tobytes()
-                for t in (self.conv, self.ssm) for i in range(len(GDN_LAYERS))]
-
-    def zero(self) -> None:
-        for t in self.k + self.v + [self.conv, self.ssm, self.aux]:
-            t.zero_()
-
-    def aux_bytes(self, row: int) -> bytes:
-        return self.aux[row].numpy().tobytes()
-
-
-def make_pools(seed: int | None) -> Pools:
-    """Random contents for a prefill (seed), zeros for a decode (None)."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed or 0)
-
-    def t(*shape, dtype=torch.bfloat16):
-        if seed is None:
-            return torch.zeros(*shape, dtype=dtype)
-        if dtype is torch.uint8:
-            return torch.randint(0, 255, shape, generator=g, dtype=dtype)
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    tokens = (NUM_PAGES + 1) * PAGE_SIZE  # SGLang keeps one padding page
-    return Pools(
-        k=[t(tokens, KV_HEADS, HEAD_DIM) for _ in ATTN_LAYERS],
-        v=[t(tokens, KV_HEADS, HEAD_DIM) for _ in ATTN_LAYERS],
-        conv=t(len(GDN_LAYERS), MAMBA_SLOTS + 1, *CONV_SHAPE),
-        ssm=t(len(GDN_LAYERS), MAMBA_SLOTS + 1, *SSM_SHAPE, dtype=torch.float32) if seed is None
-        else torch.randn(len(GDN_LAYERS), MAMBA_SLOTS + 1, *SSM_SHAPE, generator=g),
-        aux=t(AUX_ROWS, AUX_ITEM, dtype=torch.uint8),
-    )
+class _RankGroup:
+    def __init__(self, size: int, rank: int) -> None:
+        self.world_size = size
+        self.rank_in_group = self.rank = rank
 
 
 def make_manager(role: str, pools: Pools, server_args):
@@ -154,6 +86,12 @@ def make_manager(role: str, pools: Pools, server_args):
     cls = get_kv_class(TransferBackend("hybridkv"), KVClassType.MANAGER)
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
     return cls(pools.kv_args(), mode, server_args, False)
+
+
+def kv_class(kind: str):
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    return get_kv_class(TransferBackend("hybridkv"), getattr(KVClassType, kind))
 
 
 def wait_poll(obj, want, timeout: float = 20.0, step: float = 0.01):
@@ -166,13 +104,31 @@ def wait_poll(obj, want, timeout: float = 20.0, step: float = 0.01):
         time.sleep(step)
 
 
+def failure_of(obj) -> str | None:
+    try:
+        obj.failure_exception()
+    except Exception as e:
+        return str(e)
+    return None
+
+
+def receiver(mgr, addr: str, room: int):
+    """A decode receiver past init(), as SGLang's DecodePreallocQueue makes it."""
+    deadline = time.monotonic() + 20
+    while not mgr.try_ensure_parallel_info(addr):
+        if time.monotonic() > deadline:
+            raise TimeoutError("prefill never registered to its bootstrap server")
+        time.sleep(0.1)
+    r = kv_class("RECEIVER")(mgr, addr, room)
+    r.init(0)
+    return r
+
+
 class BlockingEvent:
     """Stands in for the CUDA event a prefill chunk waits on (device work not
     finished); CPU has no such event, so the test opens it by hand."""
 
     def __init__(self, ctx) -> None:
-        import threading
-
         self._ev = ctx
         self.entered = threading.Event()  # a worker is blocked on it: the chunk is in flight
 
@@ -181,91 +137,171 @@ class BlockingEvent:
         self._ev.wait(30)
 
 
-def prefill_main(conn, port: int, bootstrap_port: int, seed: int) -> None:
-    import traceback
-
-    try:
-        _prefill_main(conn, port, bootstrap_port, seed)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        raise
+# --------------------------------------------------------------------------- child process
 
 
-def _prefill_main(conn, port: int, bootstrap_port: int, seed: int) -> None:
-    import threading
+class Rank:
+    """A child process running `serve`; `call` sends one command and returns its answer."""
 
-    # Imported after configure(): load_plugins() replaces the enum, and a
-    # local bound earlier would keep the old one.
-    sa = configure("prefill", port=port, bootstrap_port=bootstrap_port)
-    from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    def __init__(self) -> None:
+        ctx = context()
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child,), daemon=True)
+        self.proc.start()
 
-    server = get_kv_class(TransferBackend("hybridkv"), KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", bootstrap_port)
-    pools = make_pools(seed)
-    mgr = make_manager("prefill", pools, sa)
-    sender_cls = get_kv_class(TransferBackend("hybridkv"), KVClassType.SENDER)
-    senders = {}
-    gates = {}
-    conn.send(("ready", None))
+    def call(self, cmd, arg=None, timeout: float = 120):
+        self.start(cmd, arg)
+        return self.result(cmd, timeout)
+
+    def start(self, cmd, arg=None) -> None:
+        self.conn.send((cmd, arg))
+
+    def result(self, cmd="?", timeout: float = 120):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"rank process did not answer {cmd!r}")
+        tag, value = self.conn.recv()
+        if tag != "ok":
+            raise RuntimeError(f"rank process failed on {cmd!r}:\n{value}")
+        return value
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit", None))
+                self.conn.poll(30)
+            except Exception:
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def serve(conn) -> None:
+    """Answer commands until "exit"; an exception is sent back, and the loop goes on."""
+    state = _State()
     while True:
         cmd, arg = conn.recv()
         if cmd == "exit":
-            break
-        if cmd == "sender":
-            room = arg
-            senders[room] = sender_cls(mgr, f"127.0.0.1:{bootstrap_port}", room)
-            conn.send(("ok", wait_poll(senders[room], {KVPoll.WaitingForInput, KVPoll.Failed})))
-        elif cmd == "sender_nowait":
-            room = arg
-            senders[room] = sender_cls(mgr, f"127.0.0.1:{bootstrap_port}", room)
-            conn.send(("ok", int(senders[room].poll())))
-        elif cmd == "send":
-            room, pages, slot, aux_row, chunks, gated = arg
-            s = senders[room]
-            s.init(len(pages), aux_row)
-            parts = np.array_split(np.asarray(pages, dtype=np.int32), chunks)
-            for i, part in enumerate(parts):
-                last = i == len(parts) - 1
-                if gated and i == 0:
-                    gates[room] = threading.Event()
-                    s._early_send_wait_event = event = BlockingEvent(gates[room])
-                # slot None: a prefill that drops the Mamba state (as SGLang #23773 did).
-                s.send(part, state_indices=[[slot]] if last and slot is not None else None)
-            if gated and not event.entered.wait(30):
-                raise RuntimeError(f"room {room}: no worker picked up the gated chunk")
+            state.teardown()
             conn.send(("ok", None))
-        elif cmd == "open_gate":
-            gates.pop(arg).set()
-            conn.send(("ok", None))
-        elif cmd == "poll":
-            conn.send(("ok", int(senders[arg].poll())))
-        elif cmd == "wait":
-            room, timeout = arg
-            st = wait_poll(senders[room], {KVPoll.Success, KVPoll.Failed}, timeout)
-            reason = None
-            if st == KVPoll.Failed:
-                try:
-                    senders[room].failure_exception()
-                except Exception as e:
-                    reason = str(e)
-            else:
-                senders[room].clear()
-            conn.send(("ok", (int(st), reason)))
-        elif cmd == "abort":
-            senders[arg].abort()
-            conn.send(("ok", None))
-        elif cmd == "bytes":
-            pages, slot, aux_row = arg
-            conn.send(("ok", (pools.page_bytes(pages), pools.slot_bytes(slot), pools.aux_bytes(aux_row))))
-        elif cmd == "stats":
-            st = mgr.stats
-            with mgr.sched_lock:
-                sched = dict(requests=mgr.sched.requests_in_flight(), transfers=mgr.sched.transfers_in_flight(),
-                             exports={r: len(t) for r, t in mgr._exports.items() if t}, fenced=sorted(mgr.fenced))
-            conn.send(("ok", dict(chunks=st.chunks, handles=st.handles, descriptors=st.descriptors, bytes=st.bytes,
-                                  pages=st.pages, inflight=dict(mgr._inflight), rooms=list(mgr.request_status),
-                                  transfer_infos=list(mgr.transfer_infos), waiters=dict(mgr._drain_waiters),
-                                  exporting=mgr.exporting(arg) if arg is not None else None, **sched)))
-    mgr.close()
-    server.close()
-    conn.send(("bye", None))
+            return
+        try:
+            conn.send(("ok", getattr(state, cmd)(*(arg if isinstance(arg, tuple) else (arg,)))))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+class _State:
+    """A rank's manager and pools; each public method is a command of `serve`."""
+
+    def __init__(self) -> None:
+        self.mgr = self.server = self.pools = None
+        self.peers: dict[int, object] = {}  # room -> sender or receiver
+        self.gates: dict[int, threading.Event] = {}
+
+    def setup(self, role: str, tp: int, rank: int, bootstrap_port: int, seed, host_server: bool,
+              kv_heads: int = KV_HEADS):
+        self.teardown()
+        sa = configure(role, port=free_port(), bootstrap_port=bootstrap_port, tp=tp, rank=rank)
+        if host_server:
+            self.server = kv_class("BOOTSTRAP_SERVER")("127.0.0.1", bootstrap_port)
+        self.pools = make_pools(seed, tp=tp, rank=rank, kv_heads=kv_heads)
+        self.mgr = make_manager(role, self.pools, sa)
+        return self.mgr.agent.name
+
+    def teardown(self, _=None):
+        if self.mgr is not None:
+            self.mgr.close()
+        if self.server is not None:
+            self.server.close()
+        self.mgr = self.server = self.pools = None
+        self.peers.clear()
+
+    # prefill commands
+    def sender(self, room: int, wait: bool = True):
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        s = self.peers[room] = kv_class("SENDER")(self.mgr, f"127.0.0.1:{self.mgr.bootstrap_port}", room)
+        return int(wait_poll(s, {KVPoll.WaitingForInput, KVPoll.Failed}) if wait else s.poll())
+
+    def send(self, room: int, pages, slot, aux_row: int, chunks: int, gated: bool = False, last: bool = True):
+        s = self.peers[room]
+        s.init(len(pages), aux_row)
+        parts = np.array_split(np.asarray(pages, dtype=np.int32), chunks)
+        event = None
+        for i, part in enumerate(parts):
+            is_last = i == len(parts) - 1
+            if is_last and not last:
+                break  # the engine stalls before the last chunk
+            if gated and i == 0:
+                self.gates[room] = threading.Event()
+                s._early_send_wait_event = event = BlockingEvent(self.gates[room])
+            # slot None: a prefill that drops the Mamba state (as SGLang #23773 did).
+            s.send(part, state_indices=[[slot]] if is_last and slot is not None else None)
+        if event is not None and not event.entered.wait(30):
+            raise RuntimeError(f"room {room}: no worker picked up the gated chunk")
+
+    def open_gate(self, room: int):
+        self.gates.pop(room).set()
+
+    def abort(self, room: int):
+        self.peers[room].abort()
+
+    # decode commands
+    def receive(self, room: int, addr: str, pages, aux_row: int, slot: int):
+        r = self.peers[room] = receiver(self.mgr, addr, room)
+        r.send_metadata(np.asarray(pages, dtype=np.int32), aux_row, [[slot]])
+        return int(r.poll())
+
+    # both sides
+    def poll(self, room: int):
+        return int(self.peers[room].poll())
+
+    def wait(self, room: int, timeout: float = 30):
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        p = self.peers[room]
+        st = wait_poll(p, {KVPoll.Success, KVPoll.Failed}, timeout)
+        reason = failure_of(p) if st == KVPoll.Failed else None
+        if st == KVPoll.Success:
+            p.clear()
+        return int(st), reason
+
+    def bytes(self, pages, slot, aux_row):
+        return self.pools.page_bytes(pages), self.pools.slot_bytes(slot), self.pools.aux_bytes(aux_row)
+
+    def named(self, pages, slot, aux_row):
+        return self.pools.named(pages, slot, aux_row)
+
+    def zero(self, _=None):
+        self.pools.zero()
+
+    def patch(self, name: str, value):
+        """Set a manager attribute (timeouts, lease) for a test."""
+        target, attr = self.mgr, name
+        if "." in name:
+            head, attr = name.rsplit(".", 1)
+            for part in head.split("."):
+                target = getattr(target, part)
+        setattr(target, attr, value)
+
+    def stats(self, room=None):
+        mgr = self.mgr
+        st = mgr.stats
+        with mgr.sched_lock:
+            sched = dict(requests=mgr.sched.requests_in_flight(), transfers=mgr.sched.transfers_in_flight(),
+                         exports={r: len(t) for r, t in mgr._exports.items() if t}, fenced=sorted(mgr.fenced),
+                         imports=list(mgr._imports))
+        return dict(chunks=st.chunks, handles=st.handles, descriptors=st.descriptors, bytes=st.bytes,
+                    pages=st.pages, inflight=dict(getattr(mgr, "_inflight", {})), rooms=list(mgr.request_status),
+                    transfer_infos=list(getattr(mgr, "transfer_infos", {})), waiters=dict(mgr._drain_waiters),
+                    exporting=mgr.exporting(room) if room is not None else None,
+                    failures=dict(mgr.failure_records), **sched)
+
+
+def prefill_rank(seed: int = 7) -> tuple[Rank, int]:
+    """A TP-1 prefill rank process hosting its bootstrap server; (rank, bootstrap port)."""
+    r = Rank()
+    port = free_port()
+    r.call("setup", ("prefill", 1, 0, port, seed, True))
+    return r, port

@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from connectors.sglang.adopt import KV_GROUP, adopt_kv_args, check_peer, from_description
+from connectors.sglang.adopt import KV_GROUP, adopt_kv_args, from_description
 from connectors.sglang.agent import registration_rows, split_by_memory
-from descriptors.compiler import TransferPlanner
+from connectors.sglang.pairing import check_pair, plan_peer
 from hybridkv.alloc import MemKind
 from hybridkv.request_state import ComponentKind
-from tests.sglang import pd_peer
+from tests.sglang import pools as pd_peer
 
 
 def test_groups_components_and_registrations_of_a_hybrid_model():
@@ -34,16 +34,17 @@ def test_groups_components_and_registrations_of_a_hybrid_model():
     assert int(rows[:, 1].sum()) == sum(t.nbytes for t in pools.k + pools.v + [pools.conv, pools.ssm, pools.aux])
     back = from_description(a.describe())
     assert back.layout == a.layout and back.components == a.components
-    check_peer(a, back)
+    assert back.shapes == a.shapes and back.parallel == a.parallel and back.placement == a.placement
+    check_pair(a, back)
 
 
-def test_peer_with_other_shard_sizes_is_refused_naming_the_buffer():
+def test_peer_with_other_item_sizes_at_equal_tp_is_refused_naming_the_buffer():
     args = pd_peer.make_pools(None).kv_args()
     a = adopt_kv_args(args, device_mem=MemKind.DRAM, gpu_id=0)
-    args.kv_item_lens = [n // 2 for n in args.kv_item_lens]  # what a TP-2 decode rank would hold
+    args.kv_item_lens = [n // 2 for n in args.kv_item_lens]  # a TP-2 rank's pages, claiming TP 1
     b = adopt_kv_args(args, device_mem=MemKind.DRAM, gpu_id=0)
-    with pytest.raises(ValueError, match="buffer 0 .* heterogeneous TP"):
-        check_peer(a, b)
+    with pytest.raises(ValueError, match="buffer 0: item of 256 bytes on the prefill, 128 on the decode at equal TP 1"):
+        check_pair(a, b)
 
 
 @pytest.mark.parametrize("mutate, match", [
@@ -52,6 +53,8 @@ def test_peer_with_other_shard_sizes_is_refused_naming_the_buffer():
     (lambda d: d.update(group_id=[9] * len(d["group_id"])), "names group 9"),
     (lambda d: d.update(addr=[True] * len(d["addr"])), "non-int"),
     (lambda d: d.update(components=[[0, "bogus", [0]]]), "component kind"),
+    (lambda d: d.update(shape=[["sliced", 0, 1, [], False]] * len(d["shape"])), "slicing 'sliced'"),
+    (lambda d: d["parallel"].update(attn_rank=2), "attn_rank = 2; expected 0..0"),
 ])
 def test_bad_peer_descriptions_are_refused(mutate, match):
     d = adopt_kv_args(pd_peer.make_pools(None).kv_args(), device_mem=MemKind.DRAM, gpu_id=0).describe()
@@ -75,9 +78,8 @@ def test_plan_rows_split_vram_kv_and_state_from_host_aux():
     blocks_s = {KV_GROUP: np.array([4, 5, 6]), src.state_group(0): np.array([1]), src.aux_group: np.array([2])}
     blocks_d = {KV_GROUP: np.array([7, 8, 9]), src.state_group(0): np.array([3]), src.aux_group: np.array([5])}
     rows = {}
-    for comp, _ in src.components:
-        plan = TransferPlanner(src.layout, dst.layout, keys=src.field_keys(comp)).compile(
-            {comp.group: blocks_s[comp.group]}, {comp.group: blocks_d[comp.group]})
+    for comp, planner in plan_peer(src, dst).planners.items():
+        plan = planner.compile({comp.group: blocks_s[comp.group]}, {comp.group: blocks_d[comp.group]})
         for key, (s, d) in split_by_memory(plan, src.layout, dst.layout).items():
             rows.setdefault(key, []).append((comp.kind, comp.group, s, d))
     assert set(rows) == {(MemKind.VRAM, MemKind.VRAM), (MemKind.DRAM, MemKind.DRAM)}

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from connectors.sglang.adopt import KV_GROUP, adopt_kv_args
-from descriptors.compiler import TransferPlanner
+from connectors.sglang.pairing import plan_peer
 from hybridkv.alloc import MemKind
 from sglang.srt.disaggregation.nixl.conn import num_kv_slots, repeat_indices_over_layers
-from tests.sglang import pd_peer
+from tests.sglang import pools as pd_peer
 
 
 def _sides():
@@ -33,7 +33,7 @@ def _plan(planners, blocks_src, blocks_dst, coalesce=True):
 
 
 def _planners(src, dst):
-    return {c: TransferPlanner(src.layout, dst.layout, keys=src.field_keys(c)) for c, _ in src.components}
+    return plan_peer(src, dst).planners
 
 
 def _sglang_nixl_count(args, chunks_src: list[np.ndarray]) -> int:

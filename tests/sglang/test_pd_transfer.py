@@ -4,8 +4,6 @@ backend, and NIXL/UCX moving the bytes."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
 import time
 
 import numpy as np
@@ -16,52 +14,9 @@ from tests.sglang import pd_peer
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Prefill:
-    def __init__(self, seed: int = 7) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.bootstrap_port = _free_port()
-        self.proc = ctx.Process(target=pd_peer.prefill_main, args=(child, _free_port(), self.bootstrap_port, seed),
-                                daemon=True)
-        self.proc.start()
-        assert self.call_raw(timeout=120)[0] == "ready"
-
-    @property
-    def addr(self) -> str:
-        return f"127.0.0.1:{self.bootstrap_port}"
-
-    def call_raw(self, timeout: float = 60):
-        if not self.conn.poll(timeout):
-            raise TimeoutError("prefill child did not answer")
-        return self.conn.recv()
-
-    def call(self, cmd, arg=None, timeout: float = 60):
-        self.conn.send((cmd, arg))
-        tag, value = self.call_raw(timeout)
-        assert tag == "ok", (tag, value)
-        return value
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("exit", None))
-                self.call_raw(30)
-            except Exception:
-                pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
 @pytest.fixture(scope="module")
 def decode():
-    sa = pd_peer.configure("decode", port=_free_port(), bootstrap_port=_free_port())
+    sa = pd_peer.configure("decode", port=pd_peer.free_port(), bootstrap_port=pd_peer.free_port())
     pools = pd_peer.make_pools(None)
     mgr = pd_peer.make_manager("decode", pools, sa)
     yield mgr, pools
@@ -70,21 +25,16 @@ def decode():
 
 @pytest.fixture(scope="module")
 def prefill():
-    p = Prefill()
+    p, port = pd_peer.prefill_rank()
+    p.addr = f"127.0.0.1:{port}"
     yield p
     p.close()
 
 
 def _receiver(mgr, addr: str, room: int):
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
-    deadline = time.monotonic() + 20
-    while not mgr.try_ensure_parallel_info(addr):
-        assert time.monotonic() < deadline, "prefill never registered to its bootstrap server"
-        time.sleep(0.1)
-    r = get_kv_class(TransferBackend("hybridkv"), KVClassType.RECEIVER)(mgr, addr, room)
-    r.init(0)
+    r = pd_peer.receiver(mgr, addr, room)
     assert r.poll() == KVPoll.WaitingForInput
     return r
 
@@ -101,7 +51,7 @@ def _assert_clean_decode(mgr, room):
         assert not mgr.fenced  # every block handed back is reusable again
 
 
-def _assert_clean_prefill(prefill: Prefill, room):
+def _assert_clean_prefill(prefill, room):
     st = prefill.call("stats", room)
     assert room not in st["inflight"] and room not in st["rooms"] and room not in st["transfer_infos"]
     assert room not in st["waiters"]
@@ -247,7 +197,7 @@ def test_failed_transfer_fails_both_sides_with_the_reason(decode, prefill):
     _assert_clean_prefill(prefill, room)
 
     room = 1007
-    assert prefill.call("sender_nowait", room) == KVPoll.Bootstrapping
+    assert prefill.call("sender", (room, False)) == KVPoll.Bootstrapping
     r = _receiver(mgr, prefill.addr, room)
     r.send_metadata(np.asarray([3, pd_peer.NUM_PAGES + 5], dtype=np.int32), DST_AUX, [[DST_SLOT]])
     assert r.poll() == KVPoll.Failed

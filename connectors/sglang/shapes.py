@@ -1,0 +1,118 @@
+"""What the bytes of each SGLang transfer buffer are, per rank: the input of field keys.
+
+SGLang's `KVArgs` says enough to know which slice of the model a rank's item
+holds, and SGLang's own backends slice with exactly this metadata
+(`compute_head_slice_params`, `compute_mamba_state_slice_byte_blocks`):
+
+* a KV buffer's item is one page of one layer, NHD: `[page_size][local heads]
+  [head bytes]`; attention TP shards the `total_kv_head_num` heads (a rank
+  holds `max(1, H // tp)` of them; when tp > H, consecutive ranks share one);
+  an MLA latent page is the same on every rank;
+* a Mamba state item (one slot of one layer of one state tensor) is
+  `[outer][local dims][...]`; `state_dim_per_tensor` is the local size of the
+  sharded axis (0: the item is replicated), `state_slice_outer_counts` the rows
+  before it, `state_conv_shard_groups` the full sizes of the sub-blocks that
+  are sharded independently (GDN conv: `[key_dim, key_dim, value_dim]`);
+* aux rows are the same on every rank;
+* anything else (other state types) is "this rank's bytes", only paired with
+  the same rank of an equal-TP peer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class Slicing(enum.Enum):
+    HEADS = "heads"  # KV page, NHD, heads sharded by attention TP
+    DIMS = "dims"  # state item, one axis sharded by attention TP (optionally in sub-blocks)
+    WHOLE = "whole"  # identical on every rank (aux rows, replicated state, MLA latent pages)
+    RANK = "rank"  # this rank's bytes in an unknown arrangement: equal TP only
+
+
+@dataclass(frozen=True, kw_only=True)
+class BufferShape:
+    slicing: Slicing
+    dim: int = 0  # DIMS: local size of the sharded axis
+    outer: int = 1  # DIMS: rows before the sharded axis
+    sub: tuple[int, ...] = ()  # DIMS: full sizes of independently sharded sub-blocks (empty: one block)
+    conv: bool = False  # DIMS: a conv state (its sub-blocks are GDN's q, k, v)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """How a side is sharded, and what every rank of it has in common."""
+
+    attn_tp: int = 1
+    attn_rank: int = 0
+    state_tp: int = 1  # the width linear attention (GDN) shards its heads over
+    page_size: int = 1
+    kv_heads: int = 1  # total KV heads of the model (1 for MLA)
+    mla: bool = False
+    kv_layout: str | None = None  # None: SGLang's standard NHD pages
+    draft_entries: int = 0  # speculative draft KV buffers appended to the KV lists
+
+    def __post_init__(self) -> None:
+        for name in ("attn_tp", "state_tp", "page_size", "kv_heads"):
+            v = getattr(self, name)
+            if not _is_int(v) or v <= 0:
+                raise ValueError(f"{name} = {v!r}; expected a positive int")
+        if not _is_int(self.attn_rank) or not 0 <= self.attn_rank < self.attn_tp:
+            raise ValueError(f"attn_rank = {self.attn_rank!r}; expected 0..{self.attn_tp - 1}")
+        if not _is_int(self.draft_entries) or self.draft_entries < 0:
+            raise ValueError(f"draft_entries = {self.draft_entries!r}; expected an int >= 0")
+
+    def describe(self) -> dict[str, Any]:
+        return {"attn_tp": self.attn_tp, "attn_rank": self.attn_rank, "state_tp": self.state_tp,
+                "page_size": self.page_size, "kv_heads": self.kv_heads, "mla": self.mla,
+                "kv_layout": self.kv_layout, "draft_entries": self.draft_entries}
+
+    @classmethod
+    def parse(cls, d: Any) -> Parallel:
+        if not isinstance(d, dict):
+            raise ValueError(f"parallel description is {type(d).__name__}; expected a map")
+        if not isinstance(d.get("mla"), bool):
+            raise ValueError(f"parallel field 'mla' is {d.get('mla')!r}; expected a bool")
+        layout = d.get("kv_layout")
+        if layout is not None and not isinstance(layout, str):
+            raise ValueError(f"parallel field 'kv_layout' is {layout!r}; expected a string or None")
+        ints = {}
+        for name in ("attn_tp", "attn_rank", "state_tp", "page_size", "kv_heads", "draft_entries"):
+            if not _is_int(d.get(name)):
+                raise ValueError(f"parallel field {name!r} is {d.get(name)!r}; expected an int")
+            ints[name] = d[name]
+        return cls(mla=d["mla"], kv_layout=layout, **ints)
+
+
+def heads_of_rank(total: int, tp: int, rank: int) -> range:
+    """The global KV heads attention-TP rank `rank` holds (SGLang: max(1, H // tp); GQA
+    replicas when tp > H are consecutive ranks, `compute_head_slice_params`)."""
+    if tp <= total:
+        per = total // tp
+        return range(rank * per, (rank + 1) * per)
+    h = rank // (tp // total)
+    return range(h, h + 1)
+
+
+def describe_shape(s: BufferShape) -> list[Any]:
+    return [s.slicing.value, s.dim, s.outer, list(s.sub), s.conv]
+
+
+def parse_shape(v: Any, what: str) -> BufferShape:
+    if not isinstance(v, list) or len(v) != 5:
+        raise ValueError(f"{what} shape is {v!r}; expected [slicing, dim, outer, [sub], conv]")
+    kind, dim, outer, sub, conv = v
+    try:
+        slicing = Slicing(kind)
+    except ValueError:
+        raise ValueError(f"{what} slicing {kind!r}; expected one of {[s.value for s in Slicing]}") from None
+    if not (_is_int(dim) and dim >= 0 and _is_int(outer) and outer >= 1 and isinstance(sub, list)
+            and all(_is_int(x) and x > 0 for x in sub) and isinstance(conv, bool)):
+        raise ValueError(f"{what} shape {v!r}: expected dim >= 0, outer >= 1, positive sub-block sizes")
+    return BufferShape(slicing=slicing, dim=dim, outer=outer, sub=tuple(sub), conv=conv)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
