@@ -17,6 +17,9 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/hybridkv_device_out}
 SITE=${SITE:-/tmp/site}
 BUDGET=${BUDGET_S:-135}
+# PAIR=0,0 on a one-GPU machine: the "cross" runs become same-GPU runs (forced cuda_ipc READs included)
+# and the separate same-GPU section is not repeated.
+PAIR=${PAIR:-0,1}
 T0=$(date +%s)
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/hkv2gpu.XXXXXX)
@@ -122,7 +125,7 @@ if [ "$DRY" = 1 ]; then
     bench cross 45 -- --layers 4 --tokens 1024
     bench cross_getzcopy 40 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on -- --layers 4 --tokens 1024
 else
-    bench cross 45 -- --mem vram --devices 0,1
+    bench cross 45 -- --mem vram --devices "$PAIR"
     # UCX turns cuda_ipc READs (get_zcopy) off when NVML shows no NVLink; READs then go through TCP
     # ("software emulation"). Forcing them on shows what cuda_ipc itself achieves between the GPUs;
     # skipped when the default run already read through cuda_ipc without emulation.
@@ -132,7 +135,7 @@ t = (r[-1].get("transports") or {}) if r else {}
 sys.exit(0 if t.get("cuda_ipc") and not t.get("software_emulation") else 1)' "$WORK/cross.out" 2>/dev/null; then
         echo "=== [bench-cross_getzcopy] not needed: the default run read through cuda_ipc"
     else
-        bench cross_getzcopy 35 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on -- --mem vram --devices 0,1
+        bench cross_getzcopy 35 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on -- --mem vram --devices "$PAIR"
     fi
 fi
 
@@ -140,7 +143,7 @@ fi
 if [ "$DRY" = 1 ]; then
     STEP_OUT="$OUT/pytest.log" step pytest-cross 50 20 "$PY" -m pytest -q -p no:cacheprovider -rs -v \
         tests/transport/test_vram.py
-else
+elif [ "$PAIR" != "0,0" ]; then
     STEP_OUT="$OUT/pytest.log" step pytest-cross 50 20 "$PY" -m pytest -q -p no:cacheprovider -rs -v -m gpu \
         -k cross-gpu tests/transport/test_vram.py
 fi
@@ -149,6 +152,10 @@ tail -n 15 "$OUT/pytest.log"
 # 5. same GPU for comparison (both processes on cuda:0), as much as the budget allows
 if [ "$DRY" = 1 ]; then
     bench same 35 -- --layers 4 --tokens 1024
+elif [ "$PAIR" = "0,0" ]; then
+    STEP_OUT="$WORK/pytest_same.log" step pytest-same 35 25 "$PY" -m pytest -q -p no:cacheprovider -rs -v \
+        -m gpu -k same-gpu tests/transport/test_vram.py
+    cat "$WORK/pytest_same.log" >>"$OUT/pytest.log" 2>/dev/null && tail -n 6 "$WORK/pytest_same.log"
 else
     bench same 35 -- --mem vram --devices 0,0
     STEP_OUT="$WORK/pytest_same.log" step pytest-same 35 25 "$PY" -m pytest -q -p no:cacheprovider -rs -v \
