@@ -315,3 +315,7 @@ def state_blocks(state_indices) -> list[tuple[int, np.ndarray]]:
 
 def request_id(room: int) -> RequestId:
     return RequestId(f"room-{int(room)}")
+
+
+def room_of(rid: RequestId) -> int:
+    return int(str(rid).removeprefix("room-"))

@@ -118,6 +118,15 @@ class NixlWriter:
         except Exception:
             pass  # an errored handle may refuse release; NIXL finalises it with the agent
 
+    def abort(self, handle) -> bool:
+        """Abort a WRITE still in progress: True when NIXL released it (no byte moves
+        after), False when it refused and the handle may still write."""
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:
+            return False
+        return True
+
     def close(self) -> None:
         with self._lock:
             remotes, self._remotes = list(self._remotes), set()

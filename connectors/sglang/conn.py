@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -130,6 +131,8 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         self._exports: dict[int, set[TransferId]] = defaultdict(set)  # prefill: outbound reads in flight
         self._imports: dict[int, _Import] = {}  # decode
         self._drain_waiters: dict[int, set[tuple[str, int]]] = {}
+        self._stuck: dict[TransferId, object] = {}  # prefill: reads whose WRITEs NIXL would not abort
+        self.transfer_timeout_s = float(os.environ.get("HYBRIDKV_SGLANG_TRANSFER_TIMEOUT_S", "30"))
         #: blocks the engine handed back that the scheduler does not yet let it reuse: (group, block)
         self.fenced: set[tuple[int, int]] = set()
         self.peers: dict[str, _Peer] = {}
@@ -216,15 +219,20 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         ).to_frames()
 
     # ------------------------------------------------------------ prefill side
-    def _recv(self):
+    def _recv(self, tick=None):
         poller = zmq.Poller()
         poller.register(self.server_socket, zmq.POLLIN)
         while not self._stop.is_set():
             if poller.poll(_RECV_POLL_MS):
                 yield self.server_socket.recv_multipart()
+            if tick is not None:
+                try:
+                    tick()
+                except Exception:
+                    logger.exception("hybridkv: periodic check failed")
 
     def _prefill_control_loop(self) -> None:
-        for frames in self._recv():
+        for frames in self._recv(tick=self.tick):
             try:
                 if frames and frames[0] == ABORT_TAG:
                     self._on_abort(frames)
@@ -303,7 +311,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
 
     def _maybe_send_drained(self, room: int) -> None:
         with self.sched_lock:
-            if self._inflight.get(room, 0) > 0:
+            if self._inflight.get(room, 0) > 0 or any(st.room == room for st in self._stuck.values()):
                 return
             waiters = self._drain_waiters.pop(room, None)
         frames = msgs.Drained(room=room, prefill_rank=self._prefill_unique_rank()).to_frames()

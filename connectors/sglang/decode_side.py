@@ -5,7 +5,9 @@ scheduler and posts one import per component before SGLang publishes them; a
 component lands on the writer's LANDED message; imports still open when every
 writer is quiet (KV_STATUS, DRAINED), dead, or past the drain deadline end as
 failed. Blocks the engine hands back (abort, clear) stay out of reuse while an
-import into them is open: `fenced` lists them.
+import into them is open: `fenced` lists them. A writer that said STUCK (NIXL
+would not abort its WRITE) is quiet only on its DRAINED, not on its Failed
+status.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class _Import:
     tids: dict[Component, TransferId]  # imports still in flight
     landed_from: dict[Component, set[int]] = dataclasses.field(default_factory=lambda: defaultdict(set))
     quiet: set[int] = dataclasses.field(default_factory=set)
+    stuck: set[int] = dataclasses.field(default_factory=set)  # ranks whose Failed status is not quiet
     unlanded: list[Component] = dataclasses.field(default_factory=list)  # ended without landing
     cleared: bool = False
 
@@ -132,11 +135,15 @@ class DecodeImports:
                 if len(imp.landed_from[comp]) >= imp.writers:
                     self.sched.transfer_landed(imp.tids.pop(comp))
 
-    def _note_quiet(self, room: int, rank: int) -> None:
+    def _note_quiet(self, room: int, rank: int, *, drained: bool = False) -> None:
         with self.sched_lock:
             imp = self._imports.get(room)
             if imp is None:
                 return
+            if drained:
+                imp.stuck.discard(rank)
+            elif rank in imp.stuck:
+                return  # it said STUCK: a write may still land until its DRAINED
             imp.quiet.add(rank)
             done = len(imp.quiet) >= imp.writers
         if done:
@@ -151,7 +158,13 @@ class DecodeImports:
                         self._on_landed(msgs.Landed.parse(m))
                     elif kind is msgs.MsgType.DRAINED:
                         d = msgs.Drained.parse(m)
-                        self._note_quiet(d.room, d.prefill_rank)
+                        self._note_quiet(d.room, d.prefill_rank, drained=True)
+                    elif kind is msgs.MsgType.STUCK:
+                        st = msgs.Stuck.parse(m)
+                        with self.sched_lock:
+                            imp = self._imports.get(st.room)
+                            if imp is not None:
+                                imp.stuck.add(st.prefill_rank)
                     else:
                         raise ValueError(f"decode got a {kind.value} message")
                     continue

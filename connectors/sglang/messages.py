@@ -24,6 +24,7 @@ class MsgType(enum.Enum):
     METADATA = "metadata"  # decode rank -> prefill rank, once per request
     DRAINED = "drained"  # prefill rank -> decode rank: no write for the room in flight
     LANDED = "landed"  # prefill rank -> decode rank: these components of the room are written
+    STUCK = "stuck"  # prefill rank -> decode rank: a write NIXL would not abort may still land; wait for DRAINED
 
 
 def _field(m: dict, name: str, typ: type | tuple[type, ...]) -> Any:
@@ -158,6 +159,21 @@ class Drained:
 
     @classmethod
     def parse(cls, m: dict) -> Drained:
+        return cls(room=_field(m, "room", int), prefill_rank=_field(m, "prefill_rank", int))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stuck:
+    """Sent before the room's KV_STATUS Failed: that status does not mean this rank is quiet."""
+
+    room: int
+    prefill_rank: int
+
+    def to_frames(self) -> list[bytes]:
+        return encode(MsgType.STUCK, {"room": self.room, "prefill_rank": self.prefill_rank})
+
+    @classmethod
+    def parse(cls, m: dict) -> Stuck:
         return cls(room=_field(m, "room", int), prefill_rank=_field(m, "prefill_rank", int))
 
 

@@ -7,6 +7,11 @@ assigned to the room); a worker waits for the device (SGLang's event), takes a
 posts the WRITEs and settles every handle before the read is terminal. The
 room's export is dropped, and its sender may report a terminal state, only when
 no chunk of it is queued or being read.
+
+Bounded: a chunk's WRITEs get `transfer_timeout_s` (and never past the export
+lease); past it they are aborted, or, where NIXL refuses, kept quarantined
+while the room fails (`_abandon`). The control thread expires export leases
+(`TransferScheduler.poll`) and fails the rooms whose lease lapsed.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any, Optional
 import numpy as np
 
 from connectors.sglang import messages as msgs
-from connectors.sglang.adopt import KV_GROUP, request_id, state_blocks
+from connectors.sglang.adopt import KV_GROUP, request_id, room_of, state_blocks
 from connectors.sglang.agent import XferState, split_by_memory
 from hybridkv.fence import NotYet, TransferId
 from hybridkv.request_state import Component
@@ -30,9 +35,6 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 logger = logging.getLogger(__name__)
 
 _RECV_POLL_MS = 200
-# A handle still PROC this long after a sibling failed is treated as stuck: its
-# read stays counted (source pages fenced) and the room is reported Failed.
-_SETTLE_TIMEOUT_S = 30.0
 
 
 @dataclasses.dataclass
@@ -44,6 +46,15 @@ class _Chunk:
     aux_index: Optional[int]
     state_indices: Optional[list]
     wait_event: Any
+
+
+@dataclasses.dataclass
+class _StuckWrite:
+    """WRITEs NIXL refused to abort: the read stays in flight until they end."""
+
+    room: int
+    handles: list
+    targets: list  # decode endpoints to tell DRAINED
 
 
 @dataclasses.dataclass
@@ -197,15 +208,21 @@ class PrefillExports:
         handles = []
         tid = None
         sent: list[Component] = []
+        error: Optional[Exception] = None
+        deadline = time.monotonic() + self.transfer_timeout_s
         try:
             targets = [(md, self.peers[md.agent_name]) for md in list(infos.values()) if not md.is_dummy]
             plans = [(md, self._plans_for(chunk, md, peer)) for md, peer in targets]
             with self.sched_lock:
                 self.sched.heartbeat(rid)
-                tid = self.sched.post_export(rid)
-                if isinstance(tid, NotYet):
-                    raise RuntimeError(f"the scheduler refused the read of room {room}: {tid.reason.value}")
+                posted = self.sched.post_export(rid)
+                if isinstance(posted, NotYet):
+                    raise RuntimeError(f"the scheduler refused the read of room {room}: {posted.reason.value}")
+                tid = posted
                 self._exports[room].add(tid)
+                lease = self.sched.leases.deadline(rid)
+            # A write past its export lease reads pages that may be released: abort it there.
+            deadline = min(deadline, lease) if lease is not None else deadline
             for md, comp_plans in plans:
                 for comp, plan, by_mem in comp_plans:
                     for (smem, dmem), (src, dst) in by_mem.items():
@@ -218,25 +235,20 @@ class PrefillExports:
             self.stats.chunks += 1
             self.stats.handles += len(handles)
             self.stats.pages += len(chunk.kv_indices)
-            failed = self._settle(handles)
-            if failed:
-                raise RuntimeError(f"NIXL reported an error for {failed} of {len(handles)} handles of room {room}")
         except Exception as e:
-            stuck = self._settle(handles, count_stuck=True) if handles else 0
-            if stuck < 0:
-                # A write may still land: say nothing that lets decode reuse pages,
-                # and keep the read counted so the source is not reused either.
-                self.record_failure(room, str(e))
-                self.update_status(room, KVPoll.Failed)
-                logger.error("hybridkv: room %s failed with a handle still running: %s", room, e)
-                tid = None
-            else:
-                self.conclude_failure(bootstrap_room=room, failure_reason=f"hybridkv transfer failed: {e}")
+            error = e  # handles already posted still settle below
+        failed, running = self._settle(handles, deadline)
+        if running:
+            self._abandon(room, tid, handles, running, error)
+            return
+        for h in handles:
+            self.agent.release(h)
+        if error is None and failed:
+            error = RuntimeError(f"NIXL reported an error for {failed} of {len(handles)} handles of room {room}")
+        if error is not None:
+            self.conclude_failure(bootstrap_room=room, failure_reason=f"hybridkv transfer failed: {error}")
             self._end_export(room, tid, ok=False)
             return
-        finally:
-            for h in handles:
-                self.agent.release(h)
         self._end_export(room, tid, ok=True)
         if chunk.is_last:
             # Every chunk of the room ran on this worker, in order, and settled:
@@ -247,6 +259,79 @@ class PrefillExports:
                 self._push(ip, port, landed, f"LANDED for room {room}")
             self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
             self.transfer_infos.pop(room, None) if self.check_status(room) == KVPoll.Success else None
+
+    def _abandon(self, room: int, tid: Optional[TransferId], handles: list, running: list,
+                 error: Optional[Exception]) -> None:
+        """WRITEs still running past the transfer timeout or the export lease: abort them.
+        Aborted, the room fails like any failed transfer. One NIXL will not abort may still
+        write: its read stays in flight in the scheduler, decode is told (STUCK, before
+        the Failed status) to keep the room's pages until DRAINED, and the room fails now
+        instead of hanging; the watcher ends the read once NIXL settles the handle."""
+        refused = [h for h in running if not self.agent.abort(h)]
+        for h in handles:
+            if h not in running:
+                self.agent.release(h)
+        why = (f"hybridkv: writes of room {room} still running after {self.transfer_timeout_s:.0f} s "
+               f"or past the export lease" + (f" (and: {error})" if error else ""))
+        if not refused:
+            self.conclude_failure(bootstrap_room=room, failure_reason=why + "; aborted")
+            self._end_export(room, tid, ok=False)
+            return
+        targets = self._room_notify_targets(room)
+        with self.sched_lock:
+            # Handles exist only after the read was posted, so tid is set. The room may
+            # end now; the scheduler keeps its source blocks out of reuse until then.
+            self._exports[room].discard(tid)
+            self._stuck[tid] = _StuckWrite(room=room, handles=refused, targets=targets)
+        frames = msgs.Stuck(room=room, prefill_rank=self._prefill_unique_rank()).to_frames()
+        for ip, port in targets:
+            self._push(ip, port, frames, f"STUCK for room {room}")
+        logger.error("hybridkv: room %s: NIXL refused to abort %d write(s); its pages stay quarantined",
+                     room, len(refused))
+        self.conclude_failure(bootstrap_room=room, failure_reason=(
+            why + f"; NIXL refused to abort {len(refused)} of them: the decode pages stay quarantined until "
+            "they end"))
+
+    def tick(self) -> None:
+        """Control thread, every loop: expire export leases, end stuck writes that settled."""
+        self._expire_leases()
+        if self._stuck:
+            self._watch_stuck()
+
+    def _expire_leases(self) -> None:
+        with self.sched_lock:
+            now = self.sched.leases.now()
+            for rid in self.sched.request_ids():
+                d = self.sched.leases.deadline(rid)
+                if d is not None and d < now:
+                    self.fenced.update((g, int(b)) for g in range(self.sched.layout.num_groups)
+                                       for b in self.sched.blocks(rid, g))
+            lapsed = self.sched.poll()  # releases their blocks (a read in flight keeps its own fenced)
+            self._collect_reusable()
+        for rid in lapsed:
+            room = room_of(rid)
+            if self.request_status.get(room) not in (None, KVPoll.Success, KVPoll.Failed):
+                self.conclude_failure(bootstrap_room=room, failure_reason=(
+                    f"hybridkv: the export lease of room {room} lapsed ({self.sched.leases.duration_s:.0f} s "
+                    "without a chunk); its source pages are released"))
+
+    def _watch_stuck(self) -> None:
+        with self.sched_lock:
+            items = list(self._stuck.items())
+        for tid, st in items:
+            if any(self.agent.state(h) is XferState.PROC for h in st.handles):
+                continue
+            for h in st.handles:
+                self.agent.release(h)
+            with self.sched_lock:
+                self._stuck.pop(tid, None)
+                self.sched.transfer_failed(tid)
+                self._collect_reusable()
+            logger.info("hybridkv: room %s: the write NIXL would not abort has ended", st.room)
+            frames = msgs.Drained(room=st.room, prefill_rank=self._prefill_unique_rank()).to_frames()
+            for ip, port in st.targets:
+                self._push(ip, port, frames, f"DRAINED for room {st.room}")
+            self._maybe_send_drained(st.room)
 
     def _end_export(self, room: int, tid: Optional[TransferId], *, ok: bool) -> None:
         if tid is None:
@@ -259,9 +344,8 @@ class PrefillExports:
                 self.sched.transfer_failed(tid)
             self._collect_reusable()
 
-    def _settle(self, handles: list, *, count_stuck: bool = False) -> int:
-        """Wait until no handle is PROC. Returns the number that failed, or -1 if one is stuck."""
-        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+    def _settle(self, handles: list, deadline: float) -> tuple[int, list]:
+        """Wait until no handle is PROC or the deadline passed: (errored, still running)."""
         pending = list(handles)
         failed = 0
         while pending:
@@ -275,6 +359,6 @@ class PrefillExports:
             pending = still
             if pending:
                 if time.monotonic() > deadline:
-                    return -1
+                    return failed, pending
                 time.sleep(0.0005)
-        return failed
+        return failed, []

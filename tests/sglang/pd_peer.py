@@ -285,6 +285,18 @@ class _State:
                 target = getattr(target, part)
         setattr(target, attr, value)
 
+    def fake_stuck(self, abort_ok: bool):
+        """From now on every WRITE reads as still running, and an abort is accepted or
+        refused as asked: a NIXL handle that hangs cannot be caused on one machine."""
+        self.mgr.agent = _StuckAgent(self.mgr.agent, abort_ok)
+
+    def unstick(self, _=None):
+        """The hung WRITEs end (their real state shows again); the fake goes away."""
+        fake = self.mgr.agent
+        fake.stuck = False
+        self.mgr.agent = fake.real
+        return fake.aborts
+
     def stats(self, room=None):
         mgr = self.mgr
         st = mgr.stats
@@ -296,7 +308,31 @@ class _State:
                     pages=st.pages, inflight=dict(getattr(mgr, "_inflight", {})), rooms=list(mgr.request_status),
                     transfer_infos=list(getattr(mgr, "transfer_infos", {})), waiters=dict(mgr._drain_waiters),
                     exporting=mgr.exporting(room) if room is not None else None,
-                    failures=dict(mgr.failure_records), **sched)
+                    failures=dict(mgr.failure_records), stuck=len(getattr(mgr, "_stuck", {})), **sched)
+
+
+class _StuckAgent:
+    """NixlWriter whose handles never leave PROC while `stuck` (the fake of `fake_stuck`)."""
+
+    def __init__(self, real, abort_ok: bool) -> None:
+        self.real, self.abort_ok, self.stuck, self.aborts = real, abort_ok, True, []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def state(self, handle):
+        from connectors.sglang.agent import XferState
+
+        return XferState.PROC if self.stuck else self.real.state(handle)
+
+    def abort(self, handle) -> bool:
+        self.aborts.append(self.abort_ok)
+        if not self.abort_ok:
+            return False
+        while self.real.state(handle).value == "PROC":  # the real WRITE is tiny: let it end, then release
+            time.sleep(0.001)
+        self.real.release(handle)
+        return True
 
 
 def prefill_rank(seed: int = 7) -> tuple[Rank, int]:

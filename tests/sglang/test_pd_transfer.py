@@ -209,6 +209,101 @@ def test_failed_transfer_fails_both_sides_with_the_reason(decode, prefill):
     _assert_clean_prefill(prefill, room)
 
 
+def test_lapsed_export_lease_fails_the_room_and_releases_its_pages(decode, prefill):
+    """The prefill engine sends the first chunk and never the last: nothing renews
+    the room's export lease. When it lapses, the control thread's
+    `TransferScheduler.poll()` releases the source pages and the room fails on
+    both sides, naming the lease, instead of waiting for SGLang's 300 s timeout."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, _ = decode
+    room = 1008
+    prefill.call("patch", ("sched.leases.duration_s", 1.0))
+    try:
+        r = _receiver(mgr, prefill.addr, room)
+        r.send_metadata(np.asarray([40, 41, 42, 43], dtype=np.int32), DST_AUX, [[2]])
+        assert prefill.call("sender", room) == KVPoll.WaitingForInput
+        prefill.call("send", (room, [1, 2, 3, 4], SRC_SLOT, SRC_AUX, 2, False, False))  # no last chunk
+        t0 = time.monotonic()
+        status, reason = prefill.call("wait", (room, 15))
+        assert status == KVPoll.Failed and "export lease of room 1008 lapsed" in reason, reason
+        assert time.monotonic() - t0 < 10
+        assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}) == KVPoll.Failed
+        with pytest.raises(Exception, match="lease"):
+            r.failure_exception()
+    finally:
+        prefill.call("patch", ("sched.leases.duration_s", 300.0))
+    _assert_clean_decode(mgr, room)
+    _assert_clean_prefill(prefill, room)
+
+
+def test_stuck_write_is_aborted_at_its_deadline_fake_nixl_handle(decode, prefill):
+    """A WRITE that never completes (the NIXL handle is faked to stay in progress)
+    is aborted when the transfer timeout passes; NIXL accepts the abort, so no byte
+    can move after it: the room fails on both sides and every page is reusable."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, _ = decode
+    room = 1009
+    prefill.call("patch", ("transfer_timeout_s", 1.0))
+    prefill.call("fake_stuck", True)
+    try:
+        r = _receiver(mgr, prefill.addr, room)
+        r.send_metadata(np.asarray([44, 45], dtype=np.int32), DST_AUX, [[3]])
+        assert prefill.call("sender", room) == KVPoll.WaitingForInput
+        prefill.call("send", (room, [1, 2], SRC_SLOT, SRC_AUX, 1, False))
+        status, reason = prefill.call("wait", (room, 15))
+        assert status == KVPoll.Failed and "still running after 1 s" in reason and "aborted" in reason, reason
+        assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}) == KVPoll.Failed
+        with pytest.raises(Exception, match="aborted"):
+            r.failure_exception()
+    finally:
+        aborts = prefill.call("unstick")
+        prefill.call("patch", ("transfer_timeout_s", 30.0))
+    assert aborts and all(aborts)
+    _assert_clean_decode(mgr, room)
+    _assert_clean_prefill(prefill, room)
+
+
+def test_stuck_write_nixl_will_not_abort_keeps_pages_quarantined_fake_nixl_handle(decode, prefill):
+    """Same hung WRITE, but NIXL refuses the abort (the handle may still write):
+    the room fails at once instead of hanging; the prefill keeps the read in
+    flight (its source blocks fenced) and tells decode STUCK before the Failed
+    status, so decode keeps the room's pages published and out of reuse. When
+    the WRITE ends, the prefill sends DRAINED and both sides come clean."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, _ = decode
+    room = 1010
+    prefill.call("patch", ("transfer_timeout_s", 1.0))
+    prefill.call("fake_stuck", False)
+    try:
+        r = _receiver(mgr, prefill.addr, room)
+        r.send_metadata(np.asarray([46, 47], dtype=np.int32), DST_AUX + 3, [[4]])
+        assert prefill.call("sender", room) == KVPoll.WaitingForInput
+        prefill.call("send", (room, [1, 2], SRC_SLOT, SRC_AUX, 1, False))
+        status, reason = prefill.call("wait", (room, 15))
+        assert status == KVPoll.Failed and "refused to abort" in reason, reason
+        st = prefill.call("stats", room)
+        assert st["stuck"] == 1 and st["transfers"] == 1 and (0, 1) in {tuple(b) for b in st["fenced"]}
+        t_end = time.monotonic() + 1.0
+        while time.monotonic() < t_end:
+            assert r.poll() == KVPoll.Transferring  # a write may still land in these pages
+            time.sleep(0.1)
+        assert mgr.imports_in_flight(room) == 4
+    finally:
+        aborts = prefill.call("unstick")
+    try:
+        assert aborts and not any(aborts)
+        assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}) == KVPoll.Failed
+        with pytest.raises(Exception, match="refused to abort"):
+            r.failure_exception()
+    finally:
+        prefill.call("patch", ("transfer_timeout_s", 30.0))
+    _assert_clean_decode(mgr, room)
+    _assert_clean_prefill(prefill, room)
+
+
 def test_killed_prefill_fails_the_decode_request(decode, prefill):
     """The prefill process dies after decode published its destinations: the
     heartbeat declares it dead, which also proves no write of it is coming, so
