@@ -132,6 +132,8 @@ def test_rows_equal_sglang_nixl_head_and_mamba_slices(tp_p, tp_d):
     ranges SGLang's code computes, one per token per page per K/V layer buffer
     (a head slice of an NHD page is strided) and one per GDN sub-block (q, k, v)
     per conv layer plus one per SSM layer; SGLang adds one per aux buffer."""
+    from sglang.srt.disaggregation.nixl.conn import expand_page_indices_for_slice, num_kv_slots
+
     prefill, decode, written = _run(tp_p, tp_d)
     for (p, d), (plan, rows) in written.items():
         ours = set()
@@ -143,6 +145,12 @@ def test_rows_equal_sglang_nixl_head_and_mamba_slices(tp_p, tp_d):
             count += len(s)
         theirs = _sglang_rows(prefill[p][1], decode[d][1], tp_p, tp_d, d)
         assert ours == theirs and count == len(theirs)
+        # The NIXL backend's prepped slice path indexes the same per-token descriptors.
+        kv_rows = sum(len(s) for c, (s, _) in rows.items() if c.group == KV_GROUP)
+        args = prefill[p][1]
+        assert kv_rows == len(expand_page_indices_for_slice(
+            SRC_PAGES.astype(np.int32), len(args.kv_data_ptrs), num_kv_slots(args.kv_data_lens, args.kv_item_lens),
+            model.PAGE_SIZE))
         tokens = len(SRC_PAGES) * model.PAGE_SIZE
         assert count == tokens * 2 * len(model.ATTN_LAYERS) + (3 + 1) * len(model.GDN_LAYERS)
 
