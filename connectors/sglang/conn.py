@@ -29,7 +29,10 @@ leaves to a backend, and runs everything else on hybridkv's core:
   - prefill: each chunk is an export (`post_export`, lease renewed per chunk)
     whose reads are terminal only once every handle settled; a sender reports
     its terminal state only after the scheduler dropped the request, i.e. when
-    no read of its source pages is queued or running.
+    no read of its source pages is queued or running. The control thread
+    expires leases (`poll`); a chunk's WRITEs are bounded by
+    `transfer_timeout_s` and the lease, then aborted, or quarantined where NIXL
+    will not abort them (prefill_side.py).
 Heterogeneous attention TP (prefill TP != decode TP, KV heads and GDN heads):
 the planners come from connectors/sglang/pairing.py, which keys every byte
 range of SGLang's buffers by what it holds (head, state dims) and lets the

@@ -48,7 +48,7 @@ class _Chunk:
     wait_event: Any
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _StuckWrite:
     """WRITEs NIXL refused to abort: the read stays in flight until they end."""
 
