@@ -204,6 +204,17 @@ def _vllm_033(w: Workload) -> SchemeCount:
 
 def _sglang_nixl(w: Workload) -> SchemeCount:
     fa, sw, gdn = _layer_counts(w)
+    if w.tp_prefill != w.tp_decode:
+        # SGLang's slice path: a head slice of an NHD page is strided, one descriptor per token of
+        # every page per K/V layer buffer (expand_page_indices_for_slice); a GDN state slice is one
+        # per q/k/v sub-block of the conv state plus one for the SSM (compute_mamba_state_slice_byte_blocks).
+        page = w.effective_block_size
+        per_read = 2 * fa * _blocks(w, LayerKind.FULL_ATTENTION) * page
+        if sw:
+            per_read += 2 * sw * _blocks(w, LayerKind.SLIDING_WINDOW) * page
+        per_read += 4 * gdn
+        return SchemeCount(scheme=Scheme.SGLANG_NIXL, descriptors=per_read * w.reads_per_request,
+                           bytes=_useful_bytes(w), regions=2 * (fa + sw + gdn))
     per_read = 2 * fa * _blocks(w, LayerKind.FULL_ATTENTION)
     if sw:
         per_read += 2 * sw * _blocks(w, LayerKind.SLIDING_WINDOW)

@@ -97,3 +97,26 @@ def test_analyzer_sglang_nixl_model_matches_sglang_code_on_a_qwen35_request():
     theirs = len(repeat_indices_over_layers(np.arange(3, 3 + pages, dtype=np.int32), 2 * fa, slots))
     theirs += 2 * gdn  # state_data_ptrs: conv list, then temporal, one entry per mamba layer
     assert count_descriptors(Scheme.SGLANG_NIXL, w).descriptors == theirs
+
+
+def test_analyzer_sglang_nixl_model_matches_sglang_slice_path_at_different_tp():
+    """Prefill TP 1 -> decode TP 2: per (prefill rank, decode rank) pair SGLang's NIXL
+    backend posts its prepped slice path (one index per token of every page per K/V layer
+    buffer) plus one per q/k/v conv sub-block and one per SSM state per GDN layer."""
+    from sglang.srt.disaggregation.nixl.conn import expand_page_indices_for_slice
+
+    from descriptors.schemes import Scheme, Workload, count_descriptors
+    from hybridkv.geometry import LayerKind
+    from hybridkv.presets import get_preset
+
+    geom = get_preset("qwen3.5-0.8b")
+    w = Workload(geometry=geom, tokens=1000, tp_prefill=1, tp_decode=2)
+    fa = len(geom.layer_indices(LayerKind.FULL_ATTENTION))
+    gdn = len(geom.layer_indices(LayerKind.GDN))
+    page = w.effective_block_size
+    pages = -(-w.tokens // page)
+    item = 4096
+    slots = num_kv_slots([item * (pages + 8)] * (2 * fa), [item] * (2 * fa))
+    per_pair = len(expand_page_indices_for_slice(np.arange(3, 3 + pages, dtype=np.int32), 2 * fa, slots, page))
+    per_pair += (3 + 1) * gdn
+    assert count_descriptors(Scheme.SGLANG_NIXL, w).descriptors == per_pair * w.reads_per_request
