@@ -21,7 +21,6 @@ to its own pool.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 
 from hybridkv.fence import FenceTable
 
@@ -29,18 +28,29 @@ from hybridkv.fence import FenceTable
 class BlockPool:
     """Free lists of every physical pool of one worker, over block keys."""
 
-    __slots__ = ("_table", "_fenced", "managed", "_free", "_heap", "_seq", "_quarantine", "_parked", "_reusable")
+    __slots__ = (
+        "_table",
+        "_fenced",
+        "managed",
+        "_free",
+        "_head",
+        "_heap",
+        "_seq",
+        "_quarantine",
+        "_parked",
+        "_reusable",
+    )
 
     def __init__(self, table: FenceTable, *, fenced: bool, managed: bool) -> None:
         self._table = table
         self._fenced = fenced
         self.managed = managed
         npools = len(table.layout.pool_sizes)
-        # Low block ids first: deterministic, and a recently freed block is the
-        # first one reused, which is what makes races show up when unfenced.
-        self._free: list[deque[int]] = [
-            deque(table.pool_keys(p)) if managed else deque() for p in range(npools)
-        ]
+        # Low block ids first, then first freed first reused: deterministic. Each
+        # free list is a queue kept as a list and a head index, so taking n keys
+        # is one slice; the taken prefix is deleted once it is most of the list.
+        self._free: list[list[int]] = [list(table.pool_keys(p)) if managed else [] for p in range(npools)]
+        self._head: list[int] = [0] * npools
         # (fence, seq, keys): one entry per batch of keys freed together.
         self._heap: list[tuple[int, int, list[int]]] = []
         self._seq = 0
@@ -51,7 +61,7 @@ class BlockPool:
 
     # -- queries ------------------------------------------------------------
     def free_count(self, pool: int) -> int:
-        return len(self._free[pool])
+        return len(self._free[pool]) - self._head[pool]
 
     def parked_count(self) -> int:
         return len(self._parked)
@@ -60,16 +70,23 @@ class BlockPool:
         return key in self._parked
 
     def is_free(self, key: int) -> bool:
-        return key in self._free[self._table.pool_of_key(key)]
+        pool = self._table.pool_of_key(key)
+        return key in self._free[pool][self._head[pool] :]
 
     # -- allocation -----------------------------------------------------------
     def take(self, pool: int, n: int) -> list[int] | None:
         """Pop ``n`` reusable keys of ``pool``, or None (nothing taken) if fewer exist."""
         free = self._free[pool]
-        if len(free) < n:
+        head = self._head[pool]
+        end = head + n
+        if end > len(free):
             return None
-        pop = free.popleft
-        return [pop() for _ in range(n)]
+        keys = free[head:end]
+        if end >= 1024 and 2 * end >= len(free):
+            del free[:end]
+            end = 0
+        self._head[pool] = end
+        return keys
 
     def adopt(self, key: int) -> None:
         """An external engine hands out ``key``; it must not be parked."""
@@ -86,11 +103,10 @@ class BlockPool:
 
     def park_many(self, keys: list[int]) -> None:
         """Blocks were freed together (one request's); one heap entry per fence value."""
-        t = self._table
         if not self._fenced:
-            for key in keys:
-                self._release(key)
+            self._release_many(keys)
             return
+        t = self._table
         readers, writers, fence, w = t.readers, t.writers, t.fence, t.watermark
         later: dict[int, list[int]] = {}
         for key in keys:
@@ -108,38 +124,76 @@ class BlockPool:
             self._seq += 1
             heapq.heappush(self._heap, (f, self._seq, batch))
 
+    def park_idle(self, keys: list[int], fence: int) -> None:
+        """:meth:`park_many` of blocks the caller knows are idle (no transfer reads or
+        writes them) and all fenced at ``fence``: one heap entry, no per-block checks."""
+        if not keys:
+            return
+        if not self._fenced or fence <= self._table.watermark:
+            self._release_many(keys)
+            return
+        self._parked.update(keys)
+        self._seq += 1
+        heapq.heappush(self._heap, (fence, self._seq, keys))
+
     def on_watermark(self) -> None:
-        t = self._table
         heap = self._heap
+        if not heap:
+            return
+        t = self._table
         w = t.watermark
         readers, writers = t.readers, t.writers
+        parked = self._parked
         while heap and heap[0][0] <= w:
             _, _, batch = heapq.heappop(heap)
             for key in batch:
                 if readers[key] or writers[key]:
+                    break
+            else:  # the usual case: the whole batch is idle
+                parked.difference_update(batch)
+                self._release_many(batch)
+                continue
+            for key in batch:
+                if readers[key] or writers[key]:
                     self._quarantine.add(key)
                 else:
-                    self._parked.discard(key)
+                    parked.discard(key)
                     self._release(key)
 
     def on_transfer_terminal(self, keys: list[int]) -> None:
-        t = self._table
         q = self._quarantine
+        if not q or q.isdisjoint(keys):
+            return
+        t = self._table
+        readers, writers, fence, w = t.readers, t.writers, t.fence, t.watermark
+        parked = self._parked
         for key in keys:
-            if key in q and not t.readers[key] and not t.writers[key]:
+            if key in q and not readers[key] and not writers[key]:
                 q.discard(key)
-                if t.fence[key] <= t.watermark:
-                    self._parked.discard(key)
+                f = fence[key]
+                if f <= w:
+                    parked.discard(key)
                     self._release(key)
                 else:
                     self._seq += 1
-                    heapq.heappush(self._heap, (t.fence[key], self._seq, [key]))
+                    heapq.heappush(self._heap, (f, self._seq, [key]))
 
     def _release(self, key: int) -> None:
         if self.managed:
             self._free[self._table.pool_of_key(key)].append(key)
         else:
             self._reusable.append(key)
+
+    def _release_many(self, keys: list[int]) -> None:
+        """:meth:`_release` of each key, in order."""
+        if not self.managed:
+            self._reusable.extend(keys)
+        elif len(self._free) == 1:
+            self._free[0].extend(keys)
+        else:
+            free, pool_of = self._free, self._table.pool_of_key
+            for key in keys:
+                free[pool_of(key)].append(key)
 
     def take_reusable(self) -> list[int]:
         """External mode: keys that became reusable since the last call."""

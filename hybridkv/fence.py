@@ -32,6 +32,7 @@ the race simulator and the property tests can show what breaks without fencing.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NewType
 
@@ -133,6 +134,7 @@ class FenceTable:
         "layout",
         "_base",
         "_pool_of_key",
+        "_group_span",
         "fence",
         "readers",
         "writers",
@@ -149,6 +151,8 @@ class FenceTable:
             self._base.append(offset)
             offset += n
         self._pool_of_key = [p for p, n in enumerate(layout.pool_sizes) for _ in range(n)]
+        # (first key, block count) of each group's pool, for :meth:`keys`.
+        self._group_span = [(self._base[p], layout.pool_sizes[p]) for p in layout.group_pools]
         total = offset
         self.fence: list[int] = [NEVER] * total
         self.readers: list[int] = [0] * total
@@ -170,6 +174,22 @@ class FenceTable:
                 f"block {block!r} of group {group}; expected a block id in [0, {size})"
             )
         return self._base[pool] + block
+
+    def keys(self, refs: Iterable[tuple[int, int]]) -> list[int]:
+        """:meth:`key` of every ``(group, block)``, in order; ValueError on the first bad one."""
+        span = self._group_span
+        ngroups = len(span)
+        out = []
+        append = out.append
+        for g, b in refs:
+            # Plain ints in range take the fast path; anything else gets key()'s checks and message.
+            if g.__class__ is int and b.__class__ is int and 0 <= g < ngroups:
+                base, size = span[g]
+                if 0 <= b < size:
+                    append(base + b)
+                    continue
+            append(self.key(g, b))
+        return out
 
     def pool_of_key(self, key: int) -> int:
         return self._pool_of_key[key]

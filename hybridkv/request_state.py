@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any, Self
 
 from hybridkv.fence import NEVER, GroupId, RequestId, TransferId
 
@@ -24,12 +25,39 @@ class ComponentKind(enum.Enum):
     SSM = "ssm"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, init=False)
 class Component:
-    """One separately-arriving piece of a request's cache: (group, kind)."""
+    """One separately-arriving piece of a request's cache: (group, kind).
+
+    Interned: equal fields give the same object, so equality and hashing are by
+    identity. The scheduler builds and compares sets of components on every
+    import call; a dataclass hash (a tuple of an int and an enum, both hashed in
+    Python) made that a measurable share of its per-step cost.
+    """
 
     group: GroupId
     kind: ComponentKind
+
+    def __new__(cls, *, group: GroupId, kind: ComponentKind) -> Self:
+        key = (cls, group, kind)
+        c = _INTERNED.get(key)
+        if c is None:
+            c = object.__new__(cls)
+            object.__setattr__(c, "group", group)
+            object.__setattr__(c, "kind", kind)
+            _INTERNED[key] = c
+        return c
+
+    def __reduce__(self) -> tuple[object, tuple[GroupId, ComponentKind]]:
+        # pickle/copy rebuild through the constructor, so a copy is the interned object.
+        return (_component, (self.group, self.kind))
+
+
+_INTERNED: dict[tuple[type, int, ComponentKind], Any] = {}
+
+
+def _component(group: GroupId, kind: ComponentKind) -> Component:
+    return Component(group=group, kind=kind)
 
 
 def attention_component(group: int) -> Component:

@@ -34,6 +34,17 @@ from hybridkv.request_state import (
     TransferRecord,
 )
 
+# Enum members as module constants: an attribute of an Enum class costs several
+# times a global lookup, and the rules test phases on every call.
+_LOCAL = RequestPhase.LOCAL
+_IMPORTING = RequestPhase.IMPORTING
+_READY = RequestPhase.READY
+_RUNNING = RequestPhase.RUNNING
+_EXPORTING = RequestPhase.EXPORTING
+_FAILED = RequestPhase.FAILED
+_INBOUND = TransferDirection.INBOUND
+_OUTBOUND = TransferDirection.OUTBOUND
+
 _PENDING = NotYet(reason=NotYetReason.PENDING_STEP)
 _BUSY = NotYet(reason=NotYetReason.TRANSFER_IN_FLIGHT)
 _EXHAUSTED = NotYet(reason=NotYetReason.POOL_EXHAUSTED)
@@ -70,6 +81,12 @@ class _SchedulerState:
         # Keys an inbound transfer has been posted into since they were allocated:
         # zeroing them later would erase received bytes (Race B), so it is skipped.
         self._imported: set[int] = set()
+        # First key of each pool, to turn keys back into block ids.
+        self._pool_base = [self.table.pool_keys(p).start for p in range(len(layout.pool_sizes))]
+        # Sorted groups of each component set imports were posted for (components are immutable).
+        self._sorted_groups: dict[frozenset[Component], tuple[int, ...]] = {}
+        # Expectation sets already validated by add_request.
+        self._valid_expect: set[frozenset[Component]] = set()
 
     # ------------------------------------------------------------------ queries
     @property
@@ -105,8 +122,11 @@ class _SchedulerState:
 
     def is_ready(self, request: RequestId) -> bool:
         """Rule 4: may the request join a step now?"""
-        phase = self._get(request).phase
-        return phase is RequestPhase.LOCAL or phase is RequestPhase.READY
+        rec = self._requests.get(request)
+        if rec is None:
+            self._get(request)  # raises, naming the request
+        phase = rec.phase  # type: ignore[union-attr]
+        return phase is _LOCAL or phase is _READY
 
     def free_count(self, pool: int = 0) -> int:
         return self.pool.free_count(pool)
@@ -125,20 +145,34 @@ class _SchedulerState:
     # ----------------------------------------------------------------- records
     def _drop(self, rec: RequestRecord) -> None:
         del self._requests[rec.id]
-        for tid in rec.transfers:
-            self._transfers[tid].orphaned = True
         t = self.table
         # The request is retired (not resident): its blocks' fence is at least its last step.
         hs = rec.last_step
         fence, holder, imported = t.fence, t.holder, self._imported
-        keys = [k for ks in rec.blocks.values() for k in ks]
+        keys: list[int] = []
+        for ks in rec.blocks.values():
+            keys += ks
+        uniform = True  # every block's fence is now hs
         for k in keys:
-            if hs > fence[k]:
+            f = fence[k]
+            if hs > f:
                 fence[k] = hs
+            elif f != hs:
+                uniform = False
             holder[k] = None
         if imported:
             imported.difference_update(keys)
-        self.pool.park_many(keys)
+        if rec.transfers:
+            transfers = self._transfers
+            for tid in rec.transfers:
+                transfers[tid].orphaned = True
+            self.pool.park_many(keys)
+        elif uniform:
+            # Idle: a block stays quarantined (parked) while any transfer reads or
+            # writes it, so a held block's only transfers are its holder's - none here.
+            self.pool.park_idle(keys, hs)
+        else:
+            self.pool.park_many(keys)
         rec.blocks.clear()
 
     # -------------------------------------------------------------- invariants

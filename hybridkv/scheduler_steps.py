@@ -14,8 +14,17 @@ from dataclasses import dataclass
 
 from hybridkv.fence import BlockId, NotYet, RequestId
 from hybridkv.lease import Lease
-from hybridkv.request_state import Component, RequestPhase, RequestRecord
-from hybridkv.scheduler_state import _EXHAUSTED, _SchedulerState
+from hybridkv.request_state import Component, RequestRecord
+from hybridkv.scheduler_state import (
+    _EXHAUSTED,
+    _EXPORTING,
+    _FAILED,
+    _IMPORTING,
+    _LOCAL,
+    _READY,
+    _RUNNING,
+    _SchedulerState,
+)
 
 BlockRef = tuple[int, int]  # (group, block id)
 
@@ -38,18 +47,22 @@ class _RequestSteps(_SchedulerState):
         if request in self._requests:
             raise ValueError(f"request {request!r} already exists; expected a new request id")
         expected = frozenset(expect)
-        for c in expected:
-            if not isinstance(c, Component) or not 0 <= c.group < self.layout.num_groups:
-                raise ValueError(
-                    f"component {c!r} of request {request!r}; expected a Component of a group "
-                    f"in [0, {self.layout.num_groups})"
-                )
-        phase = RequestPhase.IMPORTING if expected else RequestPhase.LOCAL
+        if expected and expected not in self._valid_expect:
+            for c in expected:
+                if not isinstance(c, Component) or not 0 <= c.group < self.layout.num_groups:
+                    raise ValueError(
+                        f"component {c!r} of request {request!r}; expected a Component of a group "
+                        f"in [0, {self.layout.num_groups})"
+                    )
+            self._valid_expect.add(expected)
+        phase = _IMPORTING if expected else _LOCAL
         self._requests[request] = RequestRecord(id=request, phase=phase, expected=expected)
 
     def allocate(self, request: RequestId, group: int, n: int) -> tuple[BlockId, ...] | NotYet:
         """Take ``n`` reusable blocks of ``group`` for ``request`` (all or none)."""
-        rec = self._get(request)
+        rec = self._requests.get(request)
+        if rec is None:
+            rec = self._get(request)  # raises, naming the request
         if not self.pool.managed:
             raise ValueError("allocate() on an engine-owned pool; expected assign()")
         if not isinstance(n, int) or n < 0:
@@ -62,7 +75,9 @@ class _RequestSteps(_SchedulerState):
         if keys is None:
             return _EXHAUSTED
         self._hold(rec, group, keys)
-        base = self.table.pool_keys(pool).start
+        base = self._pool_base[pool]
+        if base == 0:
+            return tuple(keys)  # type: ignore[return-value]
         return tuple([k - base for k in keys])  # type: ignore[return-value]
 
     def assign(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
@@ -84,7 +99,11 @@ class _RequestSteps(_SchedulerState):
         holder = self.table.holder
         for k in keys:
             holder[k] = rec
-        rec.blocks.setdefault(group, []).extend(keys)
+        held = rec.blocks.get(group)
+        if held is None:
+            rec.blocks[group] = list(keys)
+        else:
+            held.extend(keys)
 
     def free_blocks(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
         """Give back some blocks of a live request (sliding-window clipping)."""
@@ -105,10 +124,14 @@ class _RequestSteps(_SchedulerState):
     def request_finished(self, request: RequestId, *, export: bool = False) -> Lease | None:
         """The request left the batch for good. With ``export`` its blocks are held
         for a consumer under a lease (returned); otherwise they are freed."""
-        rec = self._get(request)
-        self._retire(rec)
+        rec = self._requests.get(request)
+        if rec is None:
+            rec = self._get(request)  # raises, naming the request
+        if rec.resident:
+            rec.resident = False
+            rec.last_step = self.table.scheduled
         if export:
-            rec.phase = RequestPhase.EXPORTING
+            rec.phase = _EXPORTING
             return self.leases.grant(request)
         self._drop(rec)
         return None
@@ -121,7 +144,7 @@ class _RequestSteps(_SchedulerState):
         if rec is None:
             return False
         self._retire(rec)
-        if self._fenced and rec.phase is RequestPhase.EXPORTING and self.leases.deadline(request) is not None:
+        if self._fenced and rec.phase is _EXPORTING and self.leases.deadline(request) is not None:
             # The lease is a promise to a consumer that may be reading without
             # telling us (pull): keep the blocks until it lapses, stop renewing.
             rec.abandoned = True
@@ -133,11 +156,11 @@ class _RequestSteps(_SchedulerState):
     def recompute(self, request: RequestId) -> None:
         """A failed import is abandoned: the request computes its prompt locally."""
         rec = self._get(request)
-        if rec.phase is not RequestPhase.FAILED:
+        if rec.phase is not _FAILED:
             raise ValueError(f"request {request!r} is {rec.phase.value}; expected failed")
         if self._fenced and rec.transfers:
             raise ValueError(f"request {request!r} still has transfers in flight; expected none")
-        rec.phase = RequestPhase.LOCAL
+        rec.phase = _LOCAL
 
     def _retire(self, rec: RequestRecord) -> None:
         if rec.resident:
@@ -166,44 +189,58 @@ class _RequestSteps(_SchedulerState):
             raise ValueError(
                 f"step {step!r} scheduled; expected an int greater than {t.scheduled}"
             )
+        fenced = self._fenced
+        requests = self._requests
         joiners = []
         for rid in joined:
-            rec = self._get(rid)
-            if self._fenced and rec.phase is not RequestPhase.LOCAL and rec.phase is not RequestPhase.READY:
+            rec = requests.get(rid)
+            if rec is None:
+                rec = self._get(rid)  # raises, naming the request
+            if fenced and rec.phase is not _LOCAL and rec.phase is not _READY:
                 raise ValueError(
                     f"request {rid!r} joined step {step} while {rec.phase.value}; expected a "
                     "ready request (is_ready)"
                 )
             joiners.append(rec)
-        key = t.key
-        touch_keys = [key(g, b) for g, b in touched]
-        if self._fenced:
-            busy = [t.block_of(k) for k in touch_keys if t.writers[k]]
+        writers = t.writers
+        touch_keys = t.keys(touched)
+        if fenced and touch_keys:
+            busy = [t.block_of(k) for k in touch_keys if writers[k]]
             if busy:
                 raise ValueError(
                     f"step {step} touches blocks {busy} that an inbound transfer is writing; "
                     "expected blocks with no transfer in flight"
                 )
         zero_refs = list(zeroing)
-        zero_keys = [key(g, b) for g, b in zero_refs]
+        zero_keys = t.keys(zero_refs)
         # Everything validated; apply.
         t.scheduled = step
         for rec in joiners:
             rec.resident = True
-            if rec.phase is not RequestPhase.EXPORTING:
-                rec.phase = RequestPhase.RUNNING
+            if rec.phase is not _EXPORTING:
+                rec.phase = _RUNNING
         fence = t.fence
         for k in touch_keys:
             if step > fence[k]:
                 fence[k] = step
         skipped: list[BlockRef] = []
         imported = self._imported
-        writers = t.writers
-        for ref, k in zip(zero_refs, zero_keys):
-            if self._fenced and (k in imported or writers[k]):
-                skipped.append(ref)
-            elif step > fence[k]:
-                fence[k] = step
+        if not fenced:
+            for k in zero_keys:
+                if step > fence[k]:
+                    fence[k] = step
+        elif imported.isdisjoint(zero_keys):
+            for ref, k in zip(zero_refs, zero_keys):
+                if writers[k]:
+                    skipped.append(ref)
+                elif step > fence[k]:
+                    fence[k] = step
+        else:
+            for ref, k in zip(zero_refs, zero_keys):
+                if k in imported or writers[k]:
+                    skipped.append(ref)
+                elif step > fence[k]:
+                    fence[k] = step
         if skipped:
             return StepTicket(step=step, skip_zeroing=tuple(skipped))
         return StepTicket(step=step)

@@ -14,14 +14,34 @@ from hybridkv.fence import NotYet, RequestId, TransferId
 from hybridkv.lease import Lease
 from hybridkv.request_state import (
     Component,
-    RequestPhase,
     RequestRecord,
     TransferDirection,
     TransferOutcome,
     TransferRecord,
     TransferState,
 )
-from hybridkv.scheduler_state import _BUSY, _PENDING, _SHORT, _SchedulerState
+from hybridkv.scheduler_state import (
+    _BUSY,
+    _EXPORTING,
+    _FAILED,
+    _IMPORTING,
+    _INBOUND,
+    _OUTBOUND,
+    _PENDING,
+    _READY,
+    _SHORT,
+    _SchedulerState,
+)
+
+# Enum members as module constants (see scheduler_state).
+_ACCEPTED = TransferOutcome.ACCEPTED
+_DUPLICATE = TransferOutcome.DUPLICATE
+_DISCARDED = TransferOutcome.DISCARDED
+_LATE = TransferOutcome.LATE
+_UNKNOWN = TransferOutcome.UNKNOWN
+_LANDED = TransferState.LANDED
+_TFAILED = TransferState.FAILED
+_NO_COMPONENTS: frozenset[Component] = frozenset()
 
 
 class _TransferRules(_SchedulerState):
@@ -42,9 +62,11 @@ class _TransferRules(_SchedulerState):
         ``blocks`` narrows the target to a subset (default: every block the request
         holds in the components' groups). ``lease_deadline`` is the producer's lease
         in this clock (see :mod:`hybridkv.lease`)."""
-        rec = self._get(request)
+        rec = self._requests.get(request)
+        if rec is None:
+            rec = self._get(request)  # raises, naming the request
         comps = frozenset(components)
-        if rec.phase is not RequestPhase.IMPORTING and rec.phase is not RequestPhase.FAILED:
+        if rec.phase is not _IMPORTING and rec.phase is not _FAILED:
             raise ValueError(
                 f"import into request {request!r} while {rec.phase.value}; expected importing"
             )
@@ -53,44 +75,61 @@ class _TransferRules(_SchedulerState):
                 f"components {sorted(c.kind.value + str(c.group) for c in comps)} for request "
                 f"{request!r}; expected a non-empty subset of what it expects"
             )
-        busy = self._components_in_flight(rec) & comps
-        if busy:
-            raise ValueError(
-                f"components {sorted(c.kind.value + str(c.group) for c in busy)} of request "
-                f"{request!r} already have a transfer in flight; expected one at a time"
-            )
+        if rec.transfers:
+            busy = self._components_in_flight(rec) & comps
+            if busy:
+                raise ValueError(
+                    f"components {sorted(c.kind.value + str(c.group) for c in busy)} of request "
+                    f"{request!r} already have a transfer in flight; expected one at a time"
+                )
         keys = self._target_keys(rec, comps, blocks)
         t = self.table
         if self._fenced:
             if lease_deadline is not None and self._clock() + expected_s > lease_deadline:
                 return _SHORT
-            w = t.watermark
-            for k in keys:
-                if t.readers[k]:
-                    return _BUSY
-                if t.effective_fence(k) > w:
-                    return _PENDING
-        tid = self._new_transfer(rec, TransferDirection.INBOUND, keys, comps, lease_deadline)
+            why = self._not_settled(rec, keys)
+            if why is not None:
+                return why
+        tid = self._new_transfer(rec, _INBOUND, keys, comps, lease_deadline)
         writers = t.writers
         for k in keys:
             writers[k] += 1
         self._imported.update(keys)
-        rec.phase = RequestPhase.IMPORTING
+        rec.phase = _IMPORTING
         return tid
+
+    def _not_settled(self, rec: RequestRecord, keys: list[int]) -> NotYet | None:
+        """Why a transfer may not start on ``keys`` of ``rec`` now (the first key that
+        is read by a transfer or not settled decides), or None if it may."""
+        if not keys:
+            return None
+        t = self.table
+        readers, fence, w = t.readers, t.fence, t.watermark
+        # Every key is held by ``rec`` (audit checks it), so its residency adds one
+        # fence common to all keys: the first key decides.
+        hs = t.scheduled if rec.resident else rec.last_step
+        if hs > w:
+            return _BUSY if readers[keys[0]] else _PENDING
+        for k in keys:
+            if readers[k]:
+                return _BUSY
+            if fence[k] > w:
+                return _PENDING
+        return None
 
     def lease_renewed(self, request: RequestId, deadline: float) -> None:
         """The producer renewed the lease behind this request's inbound reads."""
         rec = self._get(request)
         for tid in rec.transfers:
             tr = self._transfers[tid]
-            if tr.direction is TransferDirection.INBOUND and tr.deadline is not None:
+            if tr.direction is _INBOUND and tr.deadline is not None:
                 tr.deadline = max(tr.deadline, deadline)
 
     def _components_in_flight(self, rec: RequestRecord) -> frozenset[Component]:
         out: set[Component] = set()
         for tid in rec.transfers:
             tr = self._transfers[tid]
-            if tr.direction is TransferDirection.INBOUND:
+            if tr.direction is _INBOUND:
                 out |= tr.components
         return frozenset(out)
 
@@ -100,9 +139,18 @@ class _TransferRules(_SchedulerState):
         comps: frozenset[Component],
         blocks: Mapping[int, Sequence[int]] | None,
     ) -> list[int]:
-        groups = {c.group for c in comps}
         if blocks is None:
-            return [k for g in sorted(groups) for k in rec.blocks.get(g, ())]
+            gs = self._sorted_groups.get(comps)
+            if gs is None:
+                gs = self._sorted_groups[comps] = tuple(sorted({c.group for c in comps}))
+            held = rec.blocks
+            out: list[int] = []
+            for g in gs:
+                ks = held.get(g)
+                if ks:
+                    out += ks
+            return out
+        groups = {c.group for c in comps}
         keys: list[int] = []
         for g, bs in blocks.items():
             if g not in groups:
@@ -122,16 +170,23 @@ class _TransferRules(_SchedulerState):
     # ------------------------------------------------------------ producer side
     def export_ready(self, request: RequestId) -> bool | NotYet:
         """Rule 1: have all writes into the request's blocks completed?"""
-        rec = self._get(request)
-        if rec.phase is not RequestPhase.EXPORTING:
+        rec = self._requests.get(request)
+        if rec is None:
+            rec = self._get(request)  # raises, naming the request
+        if rec.phase is not _EXPORTING:
             raise ValueError(f"request {request!r} is {rec.phase.value}; expected exporting")
         if self._fenced:
             t = self.table
-            w = t.watermark
+            fence, w = t.fence, t.watermark
+            # Every key is held by ``rec`` (audit checks it): its residency is one fence for all.
+            hs = t.scheduled if rec.resident else rec.last_step
             for keys in rec.blocks.values():
-                for k in keys:
-                    if t.effective_fence(k) > w:
+                if keys:
+                    if hs > w:
                         return _PENDING
+                    for k in keys:
+                        if fence[k] > w:
+                            return _PENDING
         return True
 
     def post_export(
@@ -151,9 +206,7 @@ class _TransferRules(_SchedulerState):
             return _SHORT
         gs = sorted(rec.blocks) if groups is None else sorted(set(groups))
         keys = [k for g in gs for k in rec.blocks.get(g, ())]
-        tid = self._new_transfer(
-            rec, TransferDirection.OUTBOUND, keys, frozenset(), self.leases.deadline(request)
-        )
+        tid = self._new_transfer(rec, _OUTBOUND, keys, _NO_COMPONENTS, self.leases.deadline(request))
         readers = self.table.readers
         for k in keys:
             readers[k] += 1
@@ -162,7 +215,7 @@ class _TransferRules(_SchedulerState):
     def heartbeat(self, request: RequestId) -> Lease | None:
         """Renew an export lease; None if it lapsed or the request is gone."""
         rec = self._requests.get(request)
-        if rec is None or rec.phase is not RequestPhase.EXPORTING or rec.abandoned:
+        if rec is None or rec.phase is not _EXPORTING or rec.abandoned:
             return None
         return self.leases.renew(request)
 
@@ -171,7 +224,7 @@ class _TransferRules(_SchedulerState):
         rec = self._requests.get(request)
         if rec is None:
             return False
-        if rec.phase is not RequestPhase.EXPORTING:
+        if rec.phase is not _EXPORTING:
             raise ValueError(f"request {request!r} is {rec.phase.value}; expected exporting")
         self.leases.end(request)
         self._drop(rec)
@@ -180,9 +233,11 @@ class _TransferRules(_SchedulerState):
     def poll(self) -> list[RequestId]:
         """Expire lapsed export leases, releasing their blocks; returns their requests."""
         lapsed = self.leases.expire()
+        if not lapsed:
+            return lapsed
         for rid in lapsed:
             rec = self._requests.get(rid)
-            if rec is not None and rec.phase is RequestPhase.EXPORTING:
+            if rec is not None and rec.phase is _EXPORTING:
                 self._drop(rec)
         return lapsed
 
@@ -213,31 +268,32 @@ class _TransferRules(_SchedulerState):
         tr = self._transfers.pop(tid, None)
         if tr is None:
             if isinstance(tid, int) and 0 <= tid < self._next_tid:
-                return TransferOutcome.DUPLICATE
-            return TransferOutcome.UNKNOWN
+                return _DUPLICATE
+            return _UNKNOWN
         t = self.table
-        counts = t.writers if tr.direction is TransferDirection.INBOUND else t.readers
+        inbound = tr.direction is _INBOUND
+        counts = t.writers if inbound else t.readers
         for k in tr.keys:
             counts[k] -= 1
-        tr.state = TransferState.LANDED if ok else TransferState.FAILED
+        tr.state = _LANDED if ok else _TFAILED
         rec = None if tr.orphaned else self._requests.get(tr.request)
         if rec is not None:
             rec.transfers.discard(tid)
         self.pool.on_transfer_terminal(tr.keys)
         if rec is None:
-            return TransferOutcome.DISCARDED
-        if tr.direction is TransferDirection.OUTBOUND:
-            return TransferOutcome.ACCEPTED
-        outcome = TransferOutcome.ACCEPTED
+            return _DISCARDED
+        if not inbound:
+            return _ACCEPTED
+        outcome = _ACCEPTED
         if ok and self._fenced and tr.deadline is not None and self._clock() > tr.deadline:
-            ok, outcome = False, TransferOutcome.LATE
+            ok, outcome = False, _LATE
         if not ok:
-            rec.phase = RequestPhase.FAILED
+            rec.phase = _FAILED
             return outcome
         rec.arrived |= tr.components
-        if rec.phase is RequestPhase.IMPORTING:
+        if rec.phase is _IMPORTING:
             if not self._fenced or rec.arrived >= rec.expected:
-                rec.phase = RequestPhase.READY
+                rec.phase = _READY
         return outcome
 
 
