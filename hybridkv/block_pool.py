@@ -36,6 +36,7 @@ class BlockPool:
         "_head",
         "_heap",
         "_seq",
+        "_tail",
         "_quarantine",
         "_parked",
         "_reusable",
@@ -54,6 +55,9 @@ class BlockPool:
         # (fence, seq, keys): one entry per batch of keys freed together.
         self._heap: list[tuple[int, int, list[int]]] = []
         self._seq = 0
+        # The entry pushed last, (fence, keys): blocks parked next under the same
+        # fence join it (see park_idle).
+        self._tail: tuple[int, list[int]] | None = None
         self._quarantine: set[int] = set()
         # Every freed key not yet reusable, to reject double frees cheaply.
         self._parked: set[int] = set()
@@ -121,8 +125,7 @@ class BlockPool:
                 self._parked.add(key)
                 later.setdefault(f, []).append(key)
         for f, batch in later.items():
-            self._seq += 1
-            heapq.heappush(self._heap, (f, self._seq, batch))
+            self._push(f, batch)
 
     def park_idle(self, keys: list[int], fence: int) -> None:
         """:meth:`park_many` of blocks the caller knows are idle (no transfer reads or
@@ -133,8 +136,15 @@ class BlockPool:
             self._release_many(keys)
             return
         self._parked.update(keys)
-        self._seq += 1
-        heapq.heappush(self._heap, (fence, self._seq, keys))
+        tail = self._tail
+        if tail is not None and tail[0] == fence:
+            # The last entry has this fence, so it is still in the heap (fence is
+            # above the watermark) and nothing was pushed after it: joining it
+            # releases the same blocks in the same order as an entry of their own.
+            # Requests retired by one step share its fence: one entry per step.
+            tail[1].extend(keys)
+        else:
+            self._push(fence, list(keys))
 
     def on_watermark(self) -> None:
         heap = self._heap
@@ -175,8 +185,12 @@ class BlockPool:
                     parked.discard(key)
                     self._release(key)
                 else:
-                    self._seq += 1
-                    heapq.heappush(self._heap, (f, self._seq, [key]))
+                    self._push(f, [key])
+
+    def _push(self, fence: int, keys: list[int]) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (fence, self._seq, keys))
+        self._tail = (fence, keys)
 
     def _release(self, key: int) -> None:
         if self.managed:

@@ -87,9 +87,17 @@ class _TransferRules(_SchedulerState):
         if self._fenced:
             if lease_deadline is not None and self._clock() + expected_s > lease_deadline:
                 return _SHORT
-            why = self._not_settled(rec, keys)
-            if why is not None:
-                return why
+            if keys:  # the first key read by a transfer or not settled decides
+                readers, fence, w = t.readers, t.fence, t.watermark
+                # Every key is held by ``rec`` (audit checks it), so its residency adds
+                # one fence common to all keys.
+                if (t.scheduled if rec.resident else rec.last_step) > w:
+                    return _BUSY if readers[keys[0]] else _PENDING
+                for k in keys:
+                    if readers[k]:
+                        return _BUSY
+                    if fence[k] > w:
+                        return _PENDING
         tid = self._new_transfer(rec, _INBOUND, keys, comps, lease_deadline)
         writers = t.writers
         for k in keys:
@@ -97,25 +105,6 @@ class _TransferRules(_SchedulerState):
         self._imported.update(keys)
         rec.phase = _IMPORTING
         return tid
-
-    def _not_settled(self, rec: RequestRecord, keys: list[int]) -> NotYet | None:
-        """Why a transfer may not start on ``keys`` of ``rec`` now (the first key that
-        is read by a transfer or not settled decides), or None if it may."""
-        if not keys:
-            return None
-        t = self.table
-        readers, fence, w = t.readers, t.fence, t.watermark
-        # Every key is held by ``rec`` (audit checks it), so its residency adds one
-        # fence common to all keys: the first key decides.
-        hs = t.scheduled if rec.resident else rec.last_step
-        if hs > w:
-            return _BUSY if readers[keys[0]] else _PENDING
-        for k in keys:
-            if readers[k]:
-                return _BUSY
-            if fence[k] > w:
-                return _PENDING
-        return None
 
     def lease_renewed(self, request: RequestId, deadline: float) -> None:
         """The producer renewed the lease behind this request's inbound reads."""
@@ -144,6 +133,8 @@ class _TransferRules(_SchedulerState):
             if gs is None:
                 gs = self._sorted_groups[comps] = tuple(sorted({c.group for c in comps}))
             held = rec.blocks
+            if len(gs) == 1:
+                return list(held.get(gs[0], ()))
             out: list[int] = []
             for g in gs:
                 ks = held.get(g)
@@ -204,8 +195,12 @@ class _TransferRules(_SchedulerState):
         rec = self._requests[request]
         if self._fenced and not self.leases.fits(request, expected_s):
             return _SHORT
-        gs = sorted(rec.blocks) if groups is None else sorted(set(groups))
-        keys = [k for g in gs for k in rec.blocks.get(g, ())]
+        held = rec.blocks
+        keys: list[int] = []
+        for g in sorted(held) if groups is None else sorted(set(groups)):
+            ks = held.get(g)
+            if ks:
+                keys += ks
         tid = self._new_transfer(rec, _OUTBOUND, keys, _NO_COMPONENTS, self.leases.deadline(request))
         readers = self.table.readers
         for k in keys:
@@ -259,12 +254,12 @@ class _TransferRules(_SchedulerState):
         return tid
 
     def transfer_landed(self, tid: TransferId) -> TransferOutcome:
-        return self._terminal(tid, ok=True)
+        return self._terminal(tid, True)
 
     def transfer_failed(self, tid: TransferId) -> TransferOutcome:
-        return self._terminal(tid, ok=False)
+        return self._terminal(tid, False)
 
-    def _terminal(self, tid: TransferId, *, ok: bool) -> TransferOutcome:
+    def _terminal(self, tid: TransferId, ok: bool) -> TransferOutcome:
         tr = self._transfers.pop(tid, None)
         if tr is None:
             if isinstance(tid, int) and 0 <= tid < self._next_tid:

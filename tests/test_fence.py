@@ -103,3 +103,54 @@ def test_lease_grant_renew_fit_expire() -> None:
 def test_not_yet_is_falsy_and_says_why() -> None:
     n = NotYet(reason=NotYetReason.PENDING_STEP)
     assert not n and "not completed" in n.reason.value
+
+
+def test_keys_fast_path_agrees_with_key() -> None:
+    t = FenceTable(PoolLayout.separate(num_blocks=(4, 2)))
+    refs = [(0, 3), (1, 0), (1, 1), (0, 0), (True, 1)]  # a bool group is an int group, as in key()
+    assert t.keys(refs) == [t.key(g, b) for g, b in refs]
+    assert t.keys([]) == []
+    with pytest.raises(ValueError, match="block 2 of group 1"):
+        t.keys([(0, 1), (1, 2)])
+    with pytest.raises(ValueError, match="group -1"):
+        t.keys([(-1, 0)])
+    with pytest.raises(ValueError, match="block 1.5 of group 0"):
+        t.keys([(0, 1.5)])
+
+
+def test_free_list_is_first_in_first_out_across_compaction() -> None:
+    n = 3000
+    t = FenceTable(PoolLayout.shared(num_blocks=n, num_groups=1))
+    pool = BlockPool(t, fenced=True, managed=True)
+    first = pool.take(0, 2000)  # past the point where the taken prefix is dropped
+    assert first == list(range(2000)) and pool.free_count(0) == n - 2000
+    pool.park_many([5, 3, 1999])  # never touched: reusable at once, in this order
+    assert pool.take(0, n - 2000) == list(range(2000, n))
+    assert pool.take(0, 4) is None and pool.take(0, 3) == [5, 3, 1999]
+    assert pool.free_count(0) == 0 and not pool.is_free(5)
+    pool.park(7)
+    assert pool.is_free(7) and pool.free_count(0) == 1
+
+
+def test_idle_batches_of_one_fence_release_in_order_they_were_parked() -> None:
+    t = FenceTable(PoolLayout.shared(num_blocks=12, num_groups=1))
+    pool = BlockPool(t, fenced=True, managed=True)
+    pool.take(0, 12)
+    t.advance_scheduled(4)
+    for k in range(9):
+        t.touch(k, 4)
+    pool.park_idle([3, 1], 4)
+    pool.park_many([5])  # a separate entry of the same fence in between
+    pool.park_idle([0, 2], 4)
+    pool.park_idle([], 4)
+    t.touch(9, 3)
+    pool.park_idle([9], 3)  # an earlier fence comes back first
+    assert pool.parked_count() == 6 and pool.free_count(0) == 0
+    t.advance_watermark(3)
+    pool.on_watermark()
+    assert pool.take(0, 1) == [9]
+    t.advance_watermark(4)
+    pool.on_watermark()
+    assert pool.take(0, 5) == [3, 1, 5, 0, 2] and pool.parked_count() == 0
+    pool.park_idle([6, 8], 4)  # settled already: reusable at once
+    assert pool.take(0, 2) == [6, 8]
