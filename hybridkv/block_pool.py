@@ -176,16 +176,22 @@ class BlockPool:
             return
         t = self._table
         readers, writers, fence, w = t.readers, t.writers, t.fence, t.watermark
-        parked = self._parked
+        settled = []
         for key in keys:
             if key in q and not readers[key] and not writers[key]:
                 q.discard(key)
                 f = fence[key]
                 if f <= w:
-                    parked.discard(key)
-                    self._release(key)
+                    settled.append(key)
                 else:
-                    self._push(f, [key])
+                    tail = self._tail
+                    if tail is not None and tail[0] == f:
+                        tail[1].append(key)  # as in park_idle: the same order as an entry of its own
+                    else:
+                        self._push(f, [key])
+        if settled:
+            self._parked.difference_update(settled)
+            self._release_many(settled)
 
     def _push(self, fence: int, keys: list[int]) -> None:
         self._seq += 1

@@ -74,7 +74,14 @@ class _RequestSteps(_SchedulerState):
         keys = self.pool.take(pool, n)
         if keys is None:
             return _EXHAUSTED
-        self._hold(rec, group, keys)
+        holder = self.table.holder
+        for k in keys:
+            holder[k] = rec
+        held = rec.blocks.get(group)
+        if held is None:
+            rec.blocks[group] = list(keys)
+        else:
+            held.extend(keys)
         base = self._pool_base[pool]
         if base == 0:
             return tuple(keys)  # type: ignore[return-value]
