@@ -74,7 +74,7 @@ class _RequestSteps(_SchedulerState):
         keys = self.pool.take(pool, n)
         if keys is None:
             return _EXHAUSTED
-        holder = self.table.holder
+        holder = self.table.holder  # _hold, inlined: allocate runs several times per request per step
         for k in keys:
             holder[k] = rec
         held = rec.blocks.get(group)
