@@ -74,7 +74,7 @@ main() {
 echo "=== hybridkv two-GPU transfer run, $(date -u +%FT%TZ), dry-run=$DRY, budget ${BUDGET}s, OUT=$OUT"
 echo "=== git: $(git log --oneline -1 2>/dev/null) ($(git status --porcelain 2>/dev/null | wc -l) changed paths)"
 
-# 1. wheels: NIXL (nixl_cu13) and ucxx for CUDA 13, trimmed to fit the carry (.whl/trim_wheels.py)
+# 1. wheels: NIXL (nixl_cu13) and ucxx for CUDA 13, trimmed to fit the carry (built by scripts/device_wheels.sh)
 step install 40 5 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" .whl/*.whl
 export PYTHONPATH="$SITE:$PWD"

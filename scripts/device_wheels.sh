@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Build .whl/ for the device machine (Python 3.12, x86-64, CUDA 13; no network there): NIXL and ucxx with
+# their libraries, trimmed to fit the device call's 64 MiB carry (scripts/trim_wheels.py says what is dropped).
+# Then: run(command="bash scripts/device_2gpu.sh", carry=[".whl"], kind="nvidia-h200-x2").
+# (`hybridkv bench gdn` there also wants fla-core: pip download --no-deps fla-core==0.6.0 -d .whl)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RAW="$(mktemp -d)"
+PLATFORMS=()
+for n in 17 24 27 28; do PLATFORMS+=(--platform "manylinux_2_${n}_x86_64"); done
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${PLATFORMS[@]}" --platform manylinux2014_x86_64 -d "$RAW" \
+    nixl-cu13==1.5.1 ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 librmm-cu13==26.10.0 \
+    rapids-logger==0.3.0
+mkdir -p "$ROOT/.whl"
+python3 "$ROOT/scripts/trim_wheels.py" "$RAW" "$ROOT/.whl"
+rm -rf "$RAW"
+du -sh "$ROOT/.whl"
