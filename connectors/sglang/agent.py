@@ -113,10 +113,7 @@ class NixlWriter:
             return XferState.ERR
 
     def release(self, handle) -> None:
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception:
-            pass  # an errored handle may refuse release; NIXL finalises it with the agent
+        self.abort(handle)  # an errored handle may refuse release; NIXL finalises it with the agent
 
     def abort(self, handle) -> bool:
         """Abort a WRITE still in progress: True when NIXL released it (no byte moves

@@ -422,7 +422,9 @@ class Consumer(_Side):
 
     async def _settle_later(self, tid: int, xfers: list[Transfer]) -> None:
         for x in xfers:
-            await self._wait_xfer(x)
+            # At the idle pace, not _wait_xfer's spin: this READ is already known to hang.
+            while self.dp.state(x) is XferState.IN_PROGRESS:
+                await asyncio.sleep(self.config.pump_idle_s)
             self.dp.release(x)
         self.scheduler.transfer_failed(tid)
 

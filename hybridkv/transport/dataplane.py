@@ -174,10 +174,10 @@ class DataPlane:
         try:
             state = self.agent.transfer(h)
         except Exception as exc:
-            self._release(xfer)
+            self.release(xfer)
             raise TransferError(f"posting to {peer} failed: {type(exc).__name__}: {exc}") from exc
         if state == "ERR":
-            self._release(xfer)
+            self.release(xfer)
             raise TransferError(f"posting to {peer} failed (ERR)")
         return xfer
 
@@ -197,7 +197,9 @@ class DataPlane:
                          xfer_us=int(t.xferDuration))
 
     def release(self, xfer: Transfer) -> None:
-        self._release(xfer)
+        # An active handle cannot always be aborted (anchors/nixl.md §1.1); NIXL keeps
+        # it on a leak list and finalises it with the agent.
+        self.abort(xfer)
 
     def abort(self, xfer: Transfer) -> bool:
         """Abort a transfer in progress; True when NIXL confirmed it (no byte moves after),
@@ -207,14 +209,6 @@ class DataPlane:
         except Exception:
             return False
         return True
-
-    def _release(self, xfer: Transfer) -> None:
-        try:
-            self.agent.release_xfer_handle(xfer.handle)
-        except Exception:
-            # An active handle cannot always be aborted (anchors/nixl.md §1.1); NIXL keeps
-            # it on a leak list and finalises it with the agent.
-            pass
 
     def backend_of(self, xfer: Transfer) -> str:
         return self.agent.query_xfer_backend(xfer.handle)
