@@ -7,6 +7,7 @@
 # default 135 s), and prints what it did; results are copied to $OUT (at most 8 files come back).
 #
 #   bash scripts/device_2gpu.sh            # on the device, wheels in .whl (carry [".whl"])
+#   TESTS=0 bash scripts/device_2gpu.sh   # benchmarks only, no checksum tests
 #   bash scripts/device_2gpu.sh --dry-run  # here, no GPU: DRAM stand-ins for each step, same plumbing
 #     (PYTHON=/path/to/python3.12 to pick the interpreter; the wheels are cp312)
 set +e
@@ -65,7 +66,8 @@ bench() {
     while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
     shift
     STEP_OUT="$WORK/$name.out" step "bench-$name" "$max" 15 env ${envs[@]+"${envs[@]}"} "$PY" \
-        -m hybridkv.transport.bench --json --iters 5 --proto-log "$OUT/ucx_$name.log" "$@"
+        -m hybridkv.transport.bench --json --iters 5 --proto-log "$OUT/ucx_$name.log" \
+        --raw-splits "${RAW_SPLITS:-2,4,8,32}" "$@"
     grep -v '^{' "$WORK/$name.out" | tail -n 25
     grep '^{' "$WORK/$name.out" | tail -n 1
 }
@@ -126,6 +128,8 @@ if [ "$DRY" = 1 ]; then
     bench cross_getzcopy 40 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on -- --layers 4 --tokens 1024
 else
     bench cross 45 -- --mem vram --devices "$PAIR"
+    # hybridkv's READs with a NIXL notification as well (TransportConfig.notify_reads=True)
+    bench cross_notif 30 -- --mem vram --devices "$PAIR" --read-notif on
     # UCX turns cuda_ipc READs (get_zcopy) off when NVML shows no NVLink; READs then go through TCP
     # ("software emulation"). Forcing them on shows what cuda_ipc itself achieves between the GPUs;
     # skipped when the default run already read through cuda_ipc without emulation.
@@ -143,6 +147,8 @@ fi
 if [ "$DRY" = 1 ]; then
     STEP_OUT="$OUT/pytest.log" step pytest-cross 50 20 "$PY" -m pytest -q -p no:cacheprovider -rs -v \
         tests/transport/test_vram.py
+elif [ "${TESTS:-1}" = 0 ]; then
+    echo "=== [pytest-cross] not run: TESTS=0" | tee "$OUT/pytest.log"
 elif [ "$PAIR" != "0,0" ]; then
     STEP_OUT="$OUT/pytest.log" step pytest-cross 50 20 "$PY" -m pytest -q -p no:cacheprovider -rs -v -m gpu \
         -k cross-gpu tests/transport/test_vram.py
@@ -156,6 +162,8 @@ elif [ "$PAIR" = "0,0" ]; then
     STEP_OUT="$WORK/pytest_same.log" step pytest-same 35 25 "$PY" -m pytest -q -p no:cacheprovider -rs -v \
         -m gpu -k same-gpu tests/transport/test_vram.py
     cat "$WORK/pytest_same.log" >>"$OUT/pytest.log" 2>/dev/null && tail -n 6 "$WORK/pytest_same.log"
+elif [ "${TESTS:-1}" = 0 ]; then
+    bench same 35 -- --mem vram --devices 0,0
 else
     bench same 35 -- --mem vram --devices 0,0
     STEP_OUT="$WORK/pytest_same.log" step pytest-same 35 25 "$PY" -m pytest -q -p no:cacheprovider -rs -v \
@@ -179,7 +187,9 @@ try:
 except Exception as exc:  # still report the numbers
     summarize_transports = None
     print("summary: cannot import the transport summary:", exc)
-for name in ("cross", "cross_getzcopy", "same"):
+for name in ("cross", "cross_notif", "cross_getzcopy", "same"):
+    if not os.path.exists(os.path.join(work, name + ".out")):
+        continue
     run = {}
     path = os.path.join(work, name + ".out")
     if os.path.exists(path):
@@ -221,6 +231,12 @@ for name, r in summary["runs"].items():
           f"{' EMULATED' if t.get('software_emulation') else ''}")
     for line in (t.get("data_path") or [])[:6]:
         print(f"{'':<16}  {line}")
+    if t.get("emulated_elsewhere"):
+        print(f"{'':<16}  emulated but not on the READ path: {t['emulated_elsewhere']}")
+    if r.get("raw_notif_GBps"):
+        print(f"{'':<16}  raw one span with a notification: {r['raw_notif_GBps']} GB/s; hybridkv notifies: {r['read_notif']}")
+    if r.get("raw_split_GBps"):
+        print(f"{'':<16}  raw span in N descriptors (GB/s): {r['raw_split_GBps']}")
     print(f"{'':<16}  devices {r.get('devices')}, peer_access {r.get('peer_access')}, copy: {r.get('copy_kind')},"
           f" bytes {r['bytes']:,}")
 print("steps:", " ".join(f"{k}={v['rc']}/{v['seconds']}s" for k, v in steps.items()))

@@ -3,7 +3,8 @@
 Same run, same bytes, same agents and connection:
 (a) hybridkv: the Producer/Consumer path (fenced scheduler, prepped strided
     lists, merged int32 indices), timed from make+post to DONE;
-(b) raw NIXL, one descriptor over a registered span of the same size (the ceiling);
+(b) raw NIXL, one descriptor over a registered span of the same size (the ceiling),
+    timed like (a) from make+post to DONE, busy-polling;
 (c) the descriptor list the vLLM 0.33 scheme would issue for the request: one
     per attention layer per block (K and V packed) plus conv and SSM per GDN
     layer, ids layer-major. Over hybridkv's block-major memory these never
@@ -12,7 +13,8 @@ Same run, same bytes, same agents and connection:
 (d) the physical ceiling: a plain copy of the same bytes in the same run (torch
     ``copy_`` from the producer's GPU to the consumer's, timed with CUDA events;
     numpy memcpy for DRAM).
-Each is repeated and the median taken; variants are interleaved so drift hits all.
+Each is repeated and the median taken; each round runs every variant once, in a shuffled order and
+after a short quiet time, so drift and after-effects hit all alike.
 
 ``--devices P,C`` puts the producer's memory on cuda:P and the consumer's on
 cuda:C (each process sets its own device); ``--proto-log PATH`` turns on UCX's
@@ -28,6 +30,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import random
 import statistics
 import sys
 import time
@@ -44,8 +47,36 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="--mem vram: producer on cuda:P, consumer on cuda:C (default 0,0)")
     parser.add_argument("--proto-log", default=None, metavar="PATH",
                         help="UCX_PROTO_INFO=y in both processes, their console kept in PATH, transports summarised")
+    parser.add_argument("--raw-splits", default="1", metavar="N[,N...]",
+                        help="also post the raw span cut into N equal descriptors, for each N (default 1: only the "
+                             "one-descriptor baseline); shows whether UCX overlaps descriptors")
+    parser.add_argument("--settle-ms", type=float, default=20.0,
+                        help="quiet time before each timed variant, for the control messages of the one before it")
+    parser.add_argument("--read-notif", choices=("on", "off"), default="off",
+                        help="hybridkv's READs carry a NIXL notification (TransportConfig.notify_reads)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
+
+
+def parse_splits(text: str) -> tuple[int, ...]:
+    """The raw span's descriptor counts from "1,2,8": 1 always first (it is the baseline)."""
+    try:
+        ns = [int(p) for p in text.split(",")]
+    except ValueError:
+        ns = []
+    if not ns or any(n < 1 or n > 4096 for n in ns):
+        raise ValueError(f"--raw-splits {text!r}; expected comma-separated descriptor counts from 1 to 4096")
+    return tuple(dict.fromkeys([1, *ns]))
+
+
+def _span_rows(base: int, nbytes: int, device: int, n: int):
+    """n descriptors covering [base, base + nbytes), equal but for the remainder on the last."""
+    import numpy as np
+
+    cut = nbytes // n
+    rows = np.array([[base + i * cut, cut, device] for i in range(n)], np.uint64)
+    rows[-1, 1] = nbytes - cut * (n - 1)
+    return rows
 
 
 def parse_devices(text: str | None, mem: str) -> tuple[int, int]:
@@ -177,9 +208,10 @@ def _vllm_scheme_rows(memory, layout, attn_region: int, gdn_region: int, n_attn:
     return arr
 
 
-def _timed(agent, op: str, lh, li, rh, ri) -> tuple[float, int]:
-    h = agent.make_prepped_xfer(op, lh, li, rh, ri, b"")
+def _timed(agent, op: str, lh, li, rh, ri, notif: bytes = b"") -> tuple[float, int]:
+    # Timed from handle creation, as hybridkv's fetch is: an engine makes a handle per request too.
     t0 = time.perf_counter()
+    h = agent.make_prepped_xfer(op, lh, li, rh, ri, notif)
     agent.transfer(h)
     while (s := agent.check_xfer_state(h)) == "PROC":
         pass
@@ -194,6 +226,9 @@ def _timed(agent, op: str, lh, li, rh, ri) -> tuple[float, int]:
 def run(args: argparse.Namespace) -> int:
     if args.tokens <= 0 or args.iters <= 0:
         raise ValueError(f"--tokens {args.tokens} and --iters {args.iters}; expected positive ints")
+    parse_splits(args.raw_splits)
+    if not 0 <= args.settle_ms <= 10_000:
+        raise ValueError(f"--settle-ms {args.settle_ms}; expected 0 to 10000")
     devices = parse_devices(args.devices, args.mem)
     if args.mem == "vram":
         try:
@@ -302,10 +337,16 @@ def _tables(text: str):
 
 
 def summarize_transports(text: str) -> dict:
-    """Which UCX transports NIXL's agents chose for remote reads/writes (ucxx's control channel left out)."""
+    """Which UCX transports NIXL's agents chose for remote reads/writes (ucxx's control channel left out).
+
+    UCX prints a table for every operation it set up, not only those that moved bytes; the benchmark
+    moves its bytes with READs only, so ``software_emulation`` is judged on the read tables and
+    emulated tables of other operations are listed apart (``emulated_elsewhere``).
+    """
     import re
 
     data_path: list[str] = []
+    elsewhere: list[str] = []
     tls: set[str] = set()
     emulated = False
     for title, rows in _tables(text):
@@ -317,9 +358,13 @@ def summarize_transports(text: str) -> dict:
             if entry not in data_path:
                 data_path.append(entry)
             tls.update(re.findall(r"\b([a-z][a-z0-9_]*)/[^\s,|]+", f"{how} {via}"))
-            emulated |= "emulation" in how
+            if "emulation" in how:
+                if op.startswith("remote memory read"):
+                    emulated = True
+                elif entry not in elsewhere:
+                    elsewhere.append(entry)
     return {"data_path": data_path, "tls": sorted(tls), "cuda_ipc": "cuda_ipc" in tls,
-            "software_emulation": emulated, "proto_lines": text.count("|")}
+            "software_emulation": emulated, "emulated_elsewhere": elsewhere, "proto_lines": text.count("|")}
 
 
 def _copy_ceiling(nbytes: int, devices: tuple[int, int] | None, iters: int) -> dict:
@@ -362,11 +407,12 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     from hybridkv.geometry import LayerKind
     from hybridkv.request_state import attention_component, gdn_components
     from hybridkv.scheduler import TransferScheduler
-    from hybridkv.transport.endpoint import Consumer
+    from hybridkv.transport.endpoint import Consumer, TransportConfig
+    from hybridkv.transport.side import NOTIF_PREFIX
 
-    layout, memory, pools, keep = _side(args, 2, devices[1])  # keep: the raw span's memory
+    layout, memory, pools, raw_span = _side(args, 2, devices[1])  # raw_span: alive until the end (registered)
     sched = TransferScheduler(pools, lease_s=60.0)
-    cons = Consumer(memory, sched)
+    cons = Consumer(memory, sched, TransportConfig(notify_reads=args.read_notif == "on"))
     await cons.connect(*addr)
     comps = []
     for g in layout.groups:
@@ -383,12 +429,12 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     n_attn, n_gdn = len(attn_g.layer_indices), len(gdn_g.layer_indices)
     ar, gr = attn_g.placements[0].region_id, gdn_g.placements[0].region_id
     nbytes = memory.regions[ar].page_bytes * blocks + memory.regions[gr].page_bytes
-    raw_l = agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(
-        [[memory.regions[raw_local].base_addr, nbytes, memory.regions[raw_local].device_id]], np.uint64), mem)
-    raw_r = agent.prep_xfer_dlist(peer.agent, np.array(
-        [[peer.memory.regions[raw_remote].base_addr, nbytes, peer.memory.regions[raw_remote].device_id]], np.uint64),
-        peer.memory.mem.name)
-    one = np.zeros(1, np.int32)
+    splits = parse_splits(args.raw_splits)
+    lr, rr = memory.regions[raw_local], peer.memory.regions[raw_remote]
+    raw_lists = {n: (agent.prep_xfer_dlist("NIXL_INIT_AGENT", _span_rows(lr.base_addr, nbytes, lr.device_id, n), mem),
+                     agent.prep_xfer_dlist(peer.agent, _span_rows(rr.base_addr, nbytes, rr.device_id, n),
+                                           peer.memory.mem.name),
+                     np.arange(n, dtype=np.int32)) for n in splits}
     # (c) the vLLM 0.33 scheme's list over the same pages.
     vl = _vllm_scheme_rows(memory, layout, ar, gr, n_attn, n_gdn, blocks)
     vr = _vllm_scheme_rows(peer.memory, layout, ar, gr, n_attn, n_gdn, blocks)
@@ -397,39 +443,60 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     v_idx = np.arange(len(vl), dtype=np.int32)
     if int(vl[:, 1].sum()) != nbytes:
         raise RuntimeError(f"vLLM-scheme list covers {int(vl[:, 1].sum())} bytes, expected {nbytes}")
-    hyb, raw, vll = [], [], []
+    hyb, vll = [], []
+    raws: dict[int, list[float]] = {n: [] for n in splits}
     desc = idx = None
     r_desc = v_desc = None
+    # Each round runs every variant once, in a fresh seeded order, and lets the control traffic of
+    # the previous one settle first: on the H200s a baseline READ started right after a fetch (its Done
+    # message, the producer's next export) took ~4 ms instead of ~0.2 ms in every round, which a fixed
+    # (or merely rotated) order charged to one variant only.
+    variants = ["hybridkv", *(("raw", n) for n in splits), "raw_notif", "vllm"]
+    raw_notif: list[float] = []
     for i in range(args.iters + 1):
-        rid = f"req{i}"
-        sched.add_request(rid, expect=comps)
-        for g in layout.groups:
-            sched.allocate(rid, g.group_id, pools.pool_sizes[g.group_id])
-        res = await cons.fetch(rid, comps)
-        if res.outcome.name != "READY" or res.nbytes != nbytes:
-            raise RuntimeError(f"fetch {rid}: {res.outcome.name} {res.error} ({res.nbytes} of {nbytes} bytes)")
-        rt, r_desc = _timed(agent, "READ", raw_l, one, raw_r, one)
-        vt, v_desc = _timed(agent, "READ", v_l, v_idx, v_r, v_idx)
-        if i:  # the first round warms connections and caches
-            hyb.append(res.seconds)
-            raw.append(rt)
-            vll.append(vt)
-        desc, idx = res.descriptors, res.indices
-        sched.step_scheduled(i + 1, joined=[rid])
+        kept = i > 0  # the first round warms connections and caches
+        order = variants[:]
+        random.Random(i).shuffle(order)
+        for var in order:
+            await asyncio.sleep(args.settle_ms / 1e3)
+            if var == "hybridkv":
+                rid = f"req{i}"
+                sched.add_request(rid, expect=comps)
+                for g in layout.groups:
+                    sched.allocate(rid, g.group_id, pools.pool_sizes[g.group_id])
+                res = await cons.fetch(rid, comps)
+                if res.outcome.name != "READY" or res.nbytes != nbytes:
+                    raise RuntimeError(f"fetch {rid}: {res.outcome.name} {res.error} ({res.nbytes} of {nbytes} bytes)")
+                hyb += [res.seconds] * kept
+                desc, idx = res.descriptors, res.indices
+            elif var == "raw_notif":  # the one-span READ carrying a notification, as hybridkv's may
+                l_h, r_h, ids = raw_lists[1]
+                raw_notif += [_timed(agent, "READ", l_h, ids, r_h, ids, NOTIF_PREFIX + b"baseline")[0]] * kept
+            elif var == "vllm":
+                vt, v_desc = _timed(agent, "READ", v_l, v_idx, v_r, v_idx)
+                vll += [vt] * kept
+            else:
+                l_h, r_h, ids = raw_lists[var[1]]
+                rt, posted = _timed(agent, "READ", l_h, ids, r_h, ids)
+                r_desc = posted if var[1] == 1 else r_desc
+                raws[var[1]] += [rt] * kept
+        sched.step_scheduled(i + 1, joined=[f"req{i}"])
         sched.step_completed(i + 1)
-        sched.request_finished(rid)
+        sched.request_finished(f"req{i}")
     msg = out.get(timeout=60)
     if msg[0] == "error":
         raise RuntimeError(f"producer failed: {msg[1]}")
     await cons.close()
+    del raw_span  # registered with NIXL: freed only after the agent is done with it
     copy = _copy_ceiling(nbytes, devices if args.mem == "vram" else None, args.iters)
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731
+    raw = raws[1]
     h, r, v = (gbps(statistics.median(ts)) for ts in (hyb, raw, vll))
     c = gbps(copy["copy_s"])
     return {
         "model": geo.name, "tokens": args.tokens, "block_size": args.block_size, "layers": geo.num_layers,
         "mem": args.mem, "devices": list(devices) if args.mem == "vram" else None,
-        "bytes": nbytes, "iters": args.iters, "processes": 2,
+        "bytes": nbytes, "iters": args.iters, "processes": 2, "settle_ms": args.settle_ms,
         "hybridkv_GBps": round(h, 3), "raw_GBps": round(r, 3), "ratio": round(h / r, 3),
         "descriptors": desc, "index_pairs": idx, "raw_posted": r_desc,
         "vllm_scheme_descriptors": int(len(vl)), "vllm_scheme_posted": v_desc,
@@ -438,6 +505,10 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
         "hybridkv_vs_copy": round(h / c, 4), "raw_vs_copy": round(r / c, 4), "vllm_vs_copy": round(v / c, 4),
         "median_s": {"hybridkv": statistics.median(hyb), "raw": statistics.median(raw),
                      "vllm_scheme": statistics.median(vll), "copy": copy["copy_s"]},
+        "read_notif": args.read_notif, "raw_notif_GBps": round(gbps(statistics.median(raw_notif)), 3),
+        "raw_split_GBps": {str(n): round(gbps(statistics.median(ts)), 3) for n, ts in raws.items()},
+        "samples_GBps": {name: [round(gbps(t), 1) for t in ts]
+                         for name, ts in (("hybridkv", hyb), ("raw", raw), ("vllm_scheme", vll))},
     }
 
 
@@ -456,6 +527,11 @@ def _print(rep: dict) -> None:
         print(f"  {name:<26}{posted!s:>8}{g:>10.2f}{xr:>8.2f}{xc:>8.3f}")
     print(f"  hybridkv handed NIXL {rep['index_pairs']} index pairs; NIXL posted {rep['descriptors']} after merging;"
           f" the vllm-0.33 list has {rep['vllm_scheme_descriptors']}; copy: {rep['copy_kind']}")
+    print(f"  raw one span with a NIXL notification: {rep['raw_notif_GBps']:.2f} GB/s"
+          f" (hybridkv's READs carry one: {rep['read_notif']})")
+    if len(rep["raw_split_GBps"]) > 1:
+        print("  raw span cut into N descriptors: " + ", ".join(
+            f"N={n}: {g:.2f} GB/s" for n, g in rep["raw_split_GBps"].items()))
     t = rep.get("transports")
     if t:
         print(f"  UCX transports on NIXL's data path: {', '.join(t['tls']) or 'none seen'}")

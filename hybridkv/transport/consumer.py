@@ -356,7 +356,7 @@ class Consumer(_Side):
 
     async def _pull_parts(self, rid: str, tid: int, work: list[_Work]) -> Result:
         t0 = time.perf_counter()
-        notif = NOTIF_PREFIX + rid.encode()
+        notif = NOTIF_PREFIX + rid.encode() if self.config.notify_reads else b""
         posted: list[Transfer] = []
         error = None
         for w in work:

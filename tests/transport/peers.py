@@ -200,6 +200,7 @@ async def _consumer(opts, out, inbox):
                               handshake_timeout_s=opts.get("handshake_timeout_s", 5.0),
                               export_timeout_s=opts.get("export_timeout_s", 20.0),
                               heartbeat_s=opts.get("heartbeat_s"),
+                              notify_reads=opts.get("notify_reads", False),
                               transfer_timeout_s=opts.get("transfer_timeout_s", 60.0))
         cons = Consumer(memory, sched, cfg)
         if "protocol" in att:

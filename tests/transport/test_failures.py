@@ -190,10 +190,11 @@ def test_read_from_a_stopped_producer_is_abandoned_not_awaited_forever(policy):
 
 
 def test_duplicate_and_unknown_completions_fake_peer():
+    """The READ carries its NIXL notification (notify_reads on); the fake repeats it, then names nothing."""
     prod = producer(requests=ONE, linger_s=1.0)
     try:
         host, port, _ = prod.expect("addr")
-        cons = consumer((host, port), requests=ONE, duplicate_notif_fake=True)
+        cons = consumer((host, port), requests=ONE, duplicate_notif_fake=True, notify_reads=True)
         assert _outcomes(cons.expect("results")) == {"r1": "READY"}
         assert _outcomes(prod.expect("results")) == {"r1": "DONE"}
         state = prod.expect("state")

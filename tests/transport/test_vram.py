@@ -142,3 +142,27 @@ def test_bench_proto_log_reports_transports(tmp_path, capsys):
     assert t["tls"] and not t["cuda_ipc"], t
     assert rep["copy_GBps"] > 0 and rep["raw_posted"] == 1 and rep["devices"] is None
     assert rep["raw_vs_copy"] == pytest.approx(rep["raw_GBps"] / rep["copy_GBps"], rel=0.01)
+
+
+def test_an_emulated_write_table_does_not_flag_the_read_data_path():
+    """The device run's logs: UCX set up put-from-host-to-cuda by tcp emulation, but every byte moved by
+    cuda_ipc READs; the summary must not call that run emulated, and must still show the write apart."""
+    read = _table(11, ["hybridkv-aaaa intra-node cfg#2", "remote memory read by ucp_get*(multi) into cuda/GPU1 "
+                       "from cuda/dev[2]"], [("0..inf", "zero-copy", "cuda_ipc/cuda")])
+    write = _table(11, ["hybridkv-aaaa intra-node cfg#2", "remote memory write by ucp_put* from host memory to "
+                        "cuda/dev[2]"], [("0..inf", "software emulation", "tcp/lo")])
+    rep = bench.summarize_transports("\n".join(write + read))
+    assert rep["cuda_ipc"] and not rep["software_emulation"]
+    assert rep["emulated_elsewhere"] == [
+        "remote memory write by ucp_put* from host memory to cuda/dev[2]: 0..inf software emulation via tcp/lo"]
+
+
+def test_raw_splits_parse_and_cover_the_span_exactly():
+    assert bench.parse_splits("8,2") == (1, 8, 2)
+    assert bench.parse_splits("1") == (1,)
+    for bad in ("0", "x", "", "2,-1", "5000"):
+        with pytest.raises(ValueError, match="--raw-splits"):
+            bench.parse_splits(bad)
+    rows = bench._span_rows(1000, 1003, 3, 4)
+    assert rows[:, 1].sum() == 1003 and rows[0, 0] == 1000 and (rows[:, 2] == 3).all()
+    assert all(rows[i, 0] + rows[i, 1] == rows[i + 1, 0] for i in range(3))
