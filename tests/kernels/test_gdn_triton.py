@@ -83,6 +83,23 @@ def test_chunk_matches_reference(lens, H, HV, batch):
     assert rel_err(st, st_ref) < 2e-2
 
 
+@pytest.mark.parametrize("variant", ["fused", "split", "wu"])
+@pytest.mark.parametrize(("lens", "H", "HV", "batch"), [PREFILL[0], PREFILL[2], PREFILL[6], PREFILL[7]])
+def test_every_chunk_variant_matches_reference(variant, lens, H, HV, batch):
+    """Each way of cutting the sequential part (whichever pick_variant chooses for a shape), v-first too."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=3)
+    N = batch or len(lens)
+    for v_first in (False, True):
+        h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+        o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, v_first,
+                                                        variant=triton_chunk.Variant(variant))
+        o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, v_first)
+        assert rel_err(o, o_ref) < 2e-2
+        assert rel_err(st, st_ref) < 2e-2
+
+
 def test_chunk_state_v_first_and_no_l2norm():
     q, k, v, g, beta, cu = make([300, 77], 2, 4, seed=1)
     k = F.normalize(k.float(), dim=-1).to(k.dtype)

@@ -52,6 +52,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median)")
     parser.add_argument("--no-fla", action="store_true", help="skip the FLA baseline")
     parser.add_argument("--only", choices=("prefill", "decode"), default=None)
+    parser.add_argument("--variants", action="store_true",
+                        help="prefill: also time each way of cutting the sequential part (triton_chunk.Variant) in the same run")
     parser.set_defaults(handler=run)
 
 
@@ -93,11 +95,11 @@ def _load_fla(skip: bool):
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
-def _prefill_rows(fla, iters: int) -> list[Row]:
+def _prefill_rows(fla, iters: int, variants: bool = False) -> list[Row]:
     import torch
     import torch.nn.functional as F
 
-    from hybridkv.kernels.gdn import chunk_gated_delta_rule
+    from hybridkv.kernels.gdn import chunk_gated_delta_rule, triton_chunk
 
     rows = []
     for model, H, HV, lens, batched in PREFILL_SHAPES:
@@ -113,15 +115,21 @@ def _prefill_rows(fla, iters: int) -> list[Row]:
         theirs = None
         if fla is not None:
             theirs = _median_ms(lambda: fla[0](q, k, v, g, beta, **kw), iters)
+        timed = [("prefill", ours)]
+        for var in triton_chunk.Variant if variants else ():
+            call = lambda var=var: triton_chunk.chunk_gated_delta_rule_fwd(  # noqa: E731
+                q, k, v, g, beta, D**-0.5, None, True, cu, True, False, variant=var)
+            timed.append((f"prefill-{var.value}", _median_ms(call, iters)))
         tokens = B * T
         flop = tokens * HV * (6 * D * D + 8 * CHUNK * D)
         nbytes = tokens * (2 * 2 * H * D + 2 * 2 * HV * D + 8 * HV)
         shape = f"{model} H={H} HV={HV} " + (f"{B}x{T}" if batched else f"{len(lens)}x{lens[0]} varlen"
                                               if len(lens) > 1 else f"1x{T}")
-        rows.append(Row(kind="prefill", shape=shape, ms=ours, fla_ms=theirs, tokens_per_s=tokens / ours * 1e3,
-                        tflops=flop / ours / 1e9, gbps=nbytes / ours / 1e6,
-                        fla_gbps=None if theirs is None else nbytes / theirs / 1e6, copy_pct=None,
-                        fla_copy_pct=None))
+        for kind, ms in timed:
+            rows.append(Row(kind=kind, shape=shape, ms=ms, fla_ms=theirs, tokens_per_s=tokens / ms * 1e3,
+                            tflops=flop / ms / 1e9, gbps=nbytes / ms / 1e6,
+                            fla_gbps=None if theirs is None else nbytes / theirs / 1e6, copy_pct=None,
+                            fla_copy_pct=None))
         del q, k, v, g, beta
     return rows
 
@@ -180,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     copy_gbps = _copy_gbps(args.iters)
     rows = []
     if args.only in (None, "prefill"):
-        rows += _prefill_rows(fla, args.iters)
+        rows += _prefill_rows(fla, args.iters, args.variants)
     if args.only in (None, "decode"):
         rows += _decode_rows(fla, args.iters, copy_gbps)
     if args.json:
@@ -190,11 +198,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{torch.cuda.get_device_name()}; device copy {copy_gbps:.0f} GB/s; FLA baseline: "
           f"{'fla-core' if fla else 'not installed'}")
-    head = f"{'kind':8} {'shape':38} {'ms':>8} {'FLA ms':>8} {'x FLA':>6} {'Mtok/s':>8} {'TFLOP/s':>8} " \
+    head = f"{'kind':13} {'shape':38} {'ms':>8} {'FLA ms':>8} {'x FLA':>6} {'Mtok/s':>8} {'TFLOP/s':>8} " \
            f"{'GB/s':>7} {'FLA GB/s':>8} {'%copy':>6} {'FLA %copy':>9}"
     print(head)
     for r in rows:
-        print(f"{r.kind:8} {r.shape:38} {r.ms:8.3f} {_fmt(r.fla_ms, '8.3f')} {_fmt(r.speedup, '6.2f')} "
+        print(f"{r.kind:13} {r.shape:38} {r.ms:8.3f} {_fmt(r.fla_ms, '8.3f')} {_fmt(r.speedup, '6.2f')} "
               f"{r.tokens_per_s / 1e6:8.3f} {_fmt(r.tflops, '8.1f')} {r.gbps:7.0f} {_fmt(r.fla_gbps, '8.0f')} "
               f"{_fmt(r.copy_pct, '6.1f')} {_fmt(r.fla_copy_pct, '9.1f')}")
     return 0
