@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build .whl/ for the device machine (Python 3.12, x86-64, CUDA 13; no network there): NIXL and ucxx with
 # their libraries, trimmed to fit the device call's 64 MiB carry (scripts/trim_wheels.py says what is dropped).
-# Then: run(command="bash scripts/device_2gpu.sh", carry=[".whl"], kind="nvidia-h200-x2").
-# (`hybridkv bench gdn` there also wants fla-core: pip download --no-deps fla-core==0.6.0 -d .whl)
+# Then: run(command="bash scripts/device_2gpu.sh", carry=[".whl"], kind="nvidia-h200-x2"), or for the GDN
+# kernels run(command="bash scripts/device_gdn.sh", carry=[".whl"]) (fla-core, pure Python, is fetched too).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RAW="$(mktemp -d)"
@@ -14,5 +14,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     rapids-logger==0.3.0
 mkdir -p "$ROOT/.whl"
 python3 "$ROOT/scripts/trim_wheels.py" "$RAW" "$ROOT/.whl"
+python3 -m pip download -q --no-deps --only-binary=:all: -d "$ROOT/.whl" fla-core==0.6.0
 rm -rf "$RAW"
 du -sh "$ROOT/.whl"

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue #8 on the device (nvidia-h200), run from the repo root with the wheels in .whl (carry [".whl"]):
+#   the GPU tests of the GDN kernels, then `bench gdn` side by side with fla-core 0.6.0, as JSON in $OUT.
+#
+#   bash scripts/device_gdn.sh                 # tests + prefill variants + decode
+#   ONLY=prefill ITERS=10 bash scripts/device_gdn.sh
+#   TESTS=0 bash scripts/device_gdn.sh         # benchmark only
+# hybridkv is not installed there: the bench runs through its module's own register/handler.
+set -u
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/hybridkv_gdn_out}
+mkdir -p "$OUT"
+"$PY" -m pip install -q --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl 2>&1 | tail -n 1
+"$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
+if [ "${TESTS:-1}" != 0 ]; then
+    timeout "${TEST_S:-200}" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_triton.py \
+        2>&1 | tee "$OUT/pytest.log" | tail -n 4
+fi
+args=(--variants --iters "${ITERS:-20}")
+[ -n "${ONLY:-}" ] && args+=(--only "$ONLY")
+timeout "${BENCH_S:-300}" "$PY" - "${args[@]}" --json >"$OUT/bench_gdn.json" 2>"$OUT/bench_gdn.err" <<'PYEOF'
+import argparse, sys
+from hybridkv.kernels.gdn import bench
+p = argparse.ArgumentParser()
+bench.register(p)
+a = p.parse_args(sys.argv[1:])
+sys.exit(a.handler(a))
+PYEOF
+echo "bench rc=$?"
+"$PY" - "$OUT/bench_gdn.json" <<'PYEOF'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except ValueError as exc:
+    sys.exit(f"no bench JSON: {exc}")
+print(d["device"], "copy", round(d["copy_gbps"]), "GB/s")
+for r in d["rows"]:
+    fla = "-" if r["fla_ms"] is None else f"{r['fla_ms']:.3f}"
+    x = "-" if r["speedup_vs_fla"] is None else f"{r['speedup_vs_fla']:.2f}"
+    print(f"{r['kind']:14} {r['shape']:34} {r['ms']:8.3f} ms  FLA {fla:>7}  x{x}")
+PYEOF
