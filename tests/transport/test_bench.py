@@ -12,7 +12,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_bench_transfer_json(capsys):
-    assert main(["bench", "transfer", "--json", "--layers", "4", "--tokens", "1024", "--iters", "1"]) == 0
+    assert main(["bench", "transfer", "--json", "--layers", "4", "--tokens", "1024", "--iters", "2",
+                 "--raw-splits", "3"]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("hybridkv_GBps", "raw_GBps", "ratio", "descriptors", "vllm_scheme_descriptors",
                 "vllm_scheme_GBps", "processes", "bytes"):
@@ -21,3 +22,7 @@ def test_bench_transfer_json(capsys):
     assert rep["hybridkv_GBps"] > 0 and rep["raw_GBps"] > 0
     # One merged descriptor per region touched, against one per layer per block.
     assert rep["descriptors"] <= 2 < rep["vllm_scheme_descriptors"]
+    # Every timed sample is reported (the medians hide outliers), the split baseline and the notified one too.
+    assert {k: len(v) for k, v in rep["samples_GBps"].items()} == {"hybridkv": 2, "raw": 2, "vllm_scheme": 2}
+    assert set(rep["raw_split_GBps"]) == {"1", "3"} and rep["raw_split_GBps"]["1"] == pytest.approx(rep["raw_GBps"])
+    assert rep["raw_notif_GBps"] > 0 and rep["read_notif"] == "off" and rep["settle_ms"] == 20.0
