@@ -233,6 +233,9 @@ for name, r in summary["runs"].items():
         print(f"{'':<16}  {line}")
     if t.get("emulated_elsewhere"):
         print(f"{'':<16}  emulated but not on the READ path: {t['emulated_elsewhere']}")
+    if r.get("post_us"):
+        print(f"{'':<16}  make+post us (median): {r['post_us']}; totals us: "
+              f"{ {k: round(v * 1e6) for k, v in r['median_s'].items()} }")
     if r.get("raw_notif_GBps"):
         print(f"{'':<16}  raw one span with a notification: {r['raw_notif_GBps']} GB/s; hybridkv notifies: {r['read_notif']}")
     if r.get("raw_split_GBps"):

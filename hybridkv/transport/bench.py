@@ -208,11 +208,13 @@ def _vllm_scheme_rows(memory, layout, attn_region: int, gdn_region: int, n_attn:
     return arr
 
 
-def _timed(agent, op: str, lh, li, rh, ri, notif: bytes = b"") -> tuple[float, int]:
+def _timed(agent, op: str, lh, li, rh, ri, notif: bytes = b"") -> tuple[float, int, float]:
+    """(seconds from handle creation to DONE, descriptors NIXL posted, seconds to make and post)."""
     # Timed from handle creation, as hybridkv's fetch is: an engine makes a handle per request too.
     t0 = time.perf_counter()
     h = agent.make_prepped_xfer(op, lh, li, rh, ri, notif)
     agent.transfer(h)
+    posted_s = time.perf_counter() - t0
     while (s := agent.check_xfer_state(h)) == "PROC":
         pass
     dt = time.perf_counter() - t0
@@ -220,7 +222,7 @@ def _timed(agent, op: str, lh, li, rh, ri, notif: bytes = b"") -> tuple[float, i
         raise RuntimeError(f"baseline transfer ended {s}")
     desc = int(agent.get_xfer_telemetry(h).descCount)
     agent.release_xfer_handle(h)
-    return dt, desc
+    return dt, desc, posted_s
 
 
 def run(args: argparse.Namespace) -> int:
@@ -444,6 +446,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     if int(vl[:, 1].sum()) != nbytes:
         raise RuntimeError(f"vLLM-scheme list covers {int(vl[:, 1].sum())} bytes, expected {nbytes}")
     hyb, vll = [], []
+    posts: dict[str, list[float]] = {"hybridkv": [], "raw": []}  # make + post only
     raws: dict[int, list[float]] = {n: [] for n in splits}
     desc = idx = None
     r_desc = v_desc = None
@@ -468,18 +471,21 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
                 if res.outcome.name != "READY" or res.nbytes != nbytes:
                     raise RuntimeError(f"fetch {rid}: {res.outcome.name} {res.error} ({res.nbytes} of {nbytes} bytes)")
                 hyb += [res.seconds] * kept
+                posts["hybridkv"] += [res.post_seconds] * kept
                 desc, idx = res.descriptors, res.indices
             elif var == "raw_notif":  # the one-span READ carrying a notification, as hybridkv's may
                 l_h, r_h, ids = raw_lists[1]
                 raw_notif += [_timed(agent, "READ", l_h, ids, r_h, ids, NOTIF_PREFIX + b"baseline")[0]] * kept
             elif var == "vllm":
-                vt, v_desc = _timed(agent, "READ", v_l, v_idx, v_r, v_idx)
+                vt, v_desc, _ = _timed(agent, "READ", v_l, v_idx, v_r, v_idx)
                 vll += [vt] * kept
             else:
                 l_h, r_h, ids = raw_lists[var[1]]
-                rt, posted = _timed(agent, "READ", l_h, ids, r_h, ids)
-                r_desc = posted if var[1] == 1 else r_desc
+                rt, posted, post_s = _timed(agent, "READ", l_h, ids, r_h, ids)
                 raws[var[1]] += [rt] * kept
+                if var[1] == 1:
+                    r_desc = posted
+                    posts["raw"] += [post_s] * kept
         sched.step_scheduled(i + 1, joined=[f"req{i}"])
         sched.step_completed(i + 1)
         sched.request_finished(f"req{i}")
@@ -507,6 +513,8 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
                      "vllm_scheme": statistics.median(vll), "copy": copy["copy_s"]},
         "read_notif": args.read_notif, "raw_notif_GBps": round(gbps(statistics.median(raw_notif)), 3),
         "raw_split_GBps": {str(n): round(gbps(statistics.median(ts)), 3) for n, ts in raws.items()},
+        # Where a fixed per-request cost goes: making and posting vs waiting for DONE.
+        "post_us": {name: round(statistics.median(ts) * 1e6, 1) for name, ts in posts.items()},
         "samples_GBps": {name: [round(gbps(t), 1) for t in ts]
                          for name, ts in (("hybridkv", hyb), ("raw", raw), ("vllm_scheme", vll))},
     }
@@ -527,6 +535,8 @@ def _print(rep: dict) -> None:
         print(f"  {name:<26}{posted!s:>8}{g:>10.2f}{xr:>8.2f}{xc:>8.3f}")
     print(f"  hybridkv handed NIXL {rep['index_pairs']} index pairs; NIXL posted {rep['descriptors']} after merging;"
           f" the vllm-0.33 list has {rep['vllm_scheme_descriptors']}; copy: {rep['copy_kind']}")
+    print(f"  make + post (median us): hybridkv {rep['post_us']['hybridkv']:.0f}, raw {rep['post_us']['raw']:.0f}"
+          " (the rest of each time is waiting for DONE)")
     print(f"  raw one span with a NIXL notification: {rep['raw_notif_GBps']:.2f} GB/s"
           f" (hybridkv's READs carry one: {rep['read_notif']})")
     if len(rep["raw_split_GBps"]) > 1:

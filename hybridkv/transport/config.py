@@ -71,6 +71,7 @@ class Result:
     indices: int | None = None  # index pairs handed to NIXL
     nbytes: int = 0
     seconds: float = 0.0  # post -> done
+    post_seconds: float = 0.0  # PULL: of those, making and posting the READs (the rest is waiting)
 
 
 @dataclass(kw_only=True)

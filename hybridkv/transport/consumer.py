@@ -370,6 +370,7 @@ class Consumer(_Side):
             except Exception as exc:
                 error = str(exc)
                 break
+        post_seconds = time.perf_counter() - t0
         # Every posted READ ends before the blocks are judged: bytes may land until then (rule 5).
         # Past the lease the bytes are not trusted anyway; past the timeout the peer or link is stuck.
         give_up_at = time.monotonic() + self.config.transfer_timeout_s
@@ -399,7 +400,7 @@ class Consumer(_Side):
         return Result(request_id=rid, outcome=Outcome.READY,
                       descriptors=None if tel is None else sum(t.descriptors for t in tel),
                       indices=int(sum(w.local.shape[0] for w in work)), nbytes=sum(x.nbytes for x in posted),
-                      seconds=seconds)
+                      seconds=seconds, post_seconds=post_seconds)
 
     async def _abandon(self, rid: str, tid: int, work: list[_Work], posted: list[Transfer],
                        stuck: list[Transfer]) -> Result:
