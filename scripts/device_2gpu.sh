@@ -183,7 +183,7 @@ for line in open(os.path.join(work, "steps")):
     steps[name] = {"rc": rc, "seconds": int(secs)}
 summary = {"steps": steps, "runs": {}}
 try:
-    from hybridkv.transport.bench import summarize_transports
+    from hybridkv.transport.ucx_log import summarize_transports
 except Exception as exc:  # still report the numbers
     summarize_transports = None
     print("summary: cannot import the transport summary:", exc)

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from hybridkv.transport import bench
+from hybridkv.transport import bench, ucx_log
 from tests.transport.harness import consumer, producer
 
 REQUESTS = [("v-long", 300, False), ("v-short", 20, False), ("v-mid", 100, True)]
@@ -117,7 +117,7 @@ def test_transport_summary_reads_ucx_proto_tables():
                       [("0..inf", "zero-copy", "sysv/memory")]))
     mixed = [line for pair in itertools.zip_longest(read, write) for line in pair if line] + noise
     text = "\n".join(["2026-11-29 13:52:33 NIXL INFO    _api.py:281 Initialized NIXL agent: hybridkv-aaaa", *mixed])
-    rep = bench.summarize_transports(text)
+    rep = ucx_log.summarize_transports(text)
     assert rep["tls"] == ["cuda_ipc", "tcp"]
     assert rep["cuda_ipc"] and rep["software_emulation"]
     assert rep["data_path"] == [
@@ -125,7 +125,7 @@ def test_transport_summary_reads_ucx_proto_tables():
         "remote memory write by ucp_put* from cuda/dev[0] to cuda/dev[1]: 0..8K zero-copy via cuda_ipc/cuda",
         "remote memory write by ucp_put* from cuda/dev[0] to cuda/dev[1]: 8193..inf zero-copy via cuda_ipc/cuda",
     ]
-    assert bench.summarize_transports("no tables here")["tls"] == []
+    assert ucx_log.summarize_transports("no tables here")["tls"] == []
 
 
 @pytest.mark.slow
@@ -151,7 +151,7 @@ def test_an_emulated_write_table_does_not_flag_the_read_data_path():
                        "from cuda/dev[2]"], [("0..inf", "zero-copy", "cuda_ipc/cuda")])
     write = _table(11, ["hybridkv-aaaa intra-node cfg#2", "remote memory write by ucp_put* from host memory to "
                         "cuda/dev[2]"], [("0..inf", "software emulation", "tcp/lo")])
-    rep = bench.summarize_transports("\n".join(write + read))
+    rep = ucx_log.summarize_transports("\n".join(write + read))
     assert rep["cuda_ipc"] and not rep["software_emulation"]
     assert rep["emulated_elsewhere"] == [
         "remote memory write by ucp_put* from host memory to cuda/dev[2]: 0..inf software emulation via tcp/lo"]
