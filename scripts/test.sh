@@ -17,6 +17,11 @@ for engine in "${ENGINES[@]}"; do
     bash "scripts/setup_${engine}.sh" > "$LOGS/setup_${engine}.log" 2>&1 || touch "$LOGS/setup_${engine}.failed"
 done
 
+# The property suite at its CI size (>= 10,000 interleavings, issue 3), whoever runs this: not only
+# where a CI variable happens to be set.
+export HYBRIDKV_PROPERTY_EXAMPLES="${HYBRIDKV_PROPERTY_EXAMPLES:-10000}" HYBRIDKV_PROPERTY_MIN="${HYBRIDKV_PROPERTY_MIN:-10000}"
+export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
+
 status=0
 run() { "$@" 2>&1 | tee -a "$LOGS/results.log"; return "${PIPESTATUS[0]}"; }
 run "$ROOT/.venv/bin/python" -m pytest -q --ignore=tests/vllm --ignore=tests/sglang "$@" || status=1
