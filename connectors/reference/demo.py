@@ -66,6 +66,7 @@ class Report:
     mismatched: list[str]
     failed: int
     recomputed: int
+    resent: int  # prefilled again after the decode process holding them was lost (kill-decode)
     leaked_blocks: int
     processes: int
     async_depth: int
@@ -221,9 +222,7 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
                 stats[name] = msg["stats"]
                 break
         w.proc.join(30)
-    report = _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s)
-    report.extra["retried"] = retries and len(alias)
-    return report
+    return _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s, resent=len(alias))
 
 
 def _diagnose(workers) -> str:
@@ -260,7 +259,7 @@ def _next_stats(w: _Worker, deadline: float) -> dict:
     raise TimeoutError("a worker did not report its final state")
 
 
-def _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s) -> Report:
+def _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s, *, resent: int) -> Report:
     from descriptors.schemes import Scheme, Workload, count_descriptors
 
     from .model import TinyConfig
@@ -278,7 +277,7 @@ def _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated
     return Report(
         requests=len(requests), tokens=sum(len(d["output"]) for d in done.values()),
         mismatches=len(mismatched), mismatched=mismatched, failed=len(failed),
-        recomputed=sum(1 for d in done.values() if d["recomputed"]),
+        recomputed=sum(1 for d in done.values() if d["recomputed"]), resent=resent,
         leaked_blocks=sum(s["leaked"] for s in stats.values()), processes=3, async_depth=o.async_depth,
         policy=o.policy, transport="nixl", faults_injected=sum(faults.values()), faults=faults,
         descriptors_per_request=statistics.mean(desc) if desc else 0.0,

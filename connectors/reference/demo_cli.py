@@ -52,7 +52,7 @@ def _print(r) -> None:
     rows = [
         ("requests / tokens", f"{r.requests} / {r.tokens}"),
         ("mismatches vs aggregated", str(r.mismatches)),
-        ("failed / recomputed", f"{r.failed} / {r.recomputed}"),
+        ("failed / recomputed / re-sent", f"{r.failed} / {r.recomputed} / {r.resent}"),
         ("leaked blocks", str(r.leaked_blocks)),
         ("descriptors per request (NIXL posted)", f"{r.descriptors_per_request:.1f}"),
         ("  vllm-0.33 scheme, same requests", f"{r.vllm_033_descriptors_per_request:.1f}"),
