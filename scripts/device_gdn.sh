@@ -2,9 +2,10 @@
 # Issue #8 on the device (nvidia-h200), run from the repo root with the wheels in .whl (carry [".whl"]):
 #   the GPU tests of the GDN kernels, then `bench gdn` side by side with fla-core 0.6.0, as JSON in $OUT.
 #
-#   bash scripts/device_gdn.sh                 # tests + prefill variants + decode
+#   bash scripts/device_gdn.sh                 # tests + prefill + decode
 #   ONLY=prefill ITERS=10 bash scripts/device_gdn.sh
 #   TESTS=0 bash scripts/device_gdn.sh         # benchmark only
+#   BREAKDOWN=1 bash scripts/device_gdn.sh     # first: per-kernel device time vs call time, hybridkv and FLA
 # hybridkv is not installed there: the bench runs through its module's own register/handler.
 set -u
 PY=${PYTHON:-python3}
@@ -16,9 +17,8 @@ if [ "${TESTS:-1}" != 0 ]; then
     timeout "${TEST_S:-200}" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_triton.py \
         2>&1 | tee "$OUT/pytest.log" | tail -n 4
 fi
-args=(--variants --iters "${ITERS:-20}")
-[ -n "${ONLY:-}" ] && args+=(--only "$ONLY")
-timeout "${BENCH_S:-300}" "$PY" - "${args[@]}" --json >"$OUT/bench_gdn.json" 2>"$OUT/bench_gdn.err" <<'PYEOF'
+MAIN=$(mktemp --suffix=.py)
+cat >"$MAIN" <<'PYEOF'
 import argparse, sys
 from hybridkv.kernels.gdn import bench
 p = argparse.ArgumentParser()
@@ -26,6 +26,12 @@ bench.register(p)
 a = p.parse_args(sys.argv[1:])
 sys.exit(a.handler(a))
 PYEOF
+if [ "${BREAKDOWN:-0}" != 0 ]; then
+    PYTHONPATH=. timeout "${BENCH_S:-300}" "$PY" "$MAIN" --breakdown --iters "${ITERS:-20}" 2>&1 | tee "$OUT/breakdown.txt"
+fi
+args=(--iters "${ITERS:-20}")
+[ -n "${ONLY:-}" ] && args+=(--only "$ONLY")
+PYTHONPATH=. timeout "${BENCH_S:-300}" "$PY" "$MAIN" "${args[@]}" --json >"$OUT/bench_gdn.json" 2>"$OUT/bench_gdn.err"
 echo "bench rc=$?"
 "$PY" - "$OUT/bench_gdn.json" <<'PYEOF'
 import json, sys

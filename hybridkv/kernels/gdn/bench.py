@@ -52,8 +52,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median)")
     parser.add_argument("--no-fla", action="store_true", help="skip the FLA baseline")
     parser.add_argument("--only", choices=("prefill", "decode"), default=None)
-    parser.add_argument("--variants", action="store_true",
-                        help="prefill: also time each way of cutting the sequential part (triton_chunk.Variant) in the same run")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="prefill: per-kernel device time and idle time inside each call (torch.profiler), "
+                             "for hybridkv and FLA")
     parser.set_defaults(handler=run)
 
 
@@ -95,11 +96,11 @@ def _load_fla(skip: bool):
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
-def _prefill_rows(fla, iters: int, variants: bool = False) -> list[Row]:
+def _prefill_rows(fla, iters: int) -> list[Row]:
     import torch
     import torch.nn.functional as F
 
-    from hybridkv.kernels.gdn import chunk_gated_delta_rule, triton_chunk
+    from hybridkv.kernels.gdn import chunk_gated_delta_rule
 
     rows = []
     for model, H, HV, lens, batched in PREFILL_SHAPES:
@@ -116,10 +117,6 @@ def _prefill_rows(fla, iters: int, variants: bool = False) -> list[Row]:
         if fla is not None:
             theirs = _median_ms(lambda: fla[0](q, k, v, g, beta, **kw), iters)
         timed = [("prefill", ours)]
-        for var in triton_chunk.Variant if variants else ():
-            call = lambda var=var: triton_chunk.chunk_gated_delta_rule_fwd(  # noqa: E731
-                q, k, v, g, beta, D**-0.5, None, True, cu, True, False, variant=var)
-            timed.append((f"prefill-{var.value}", _median_ms(call, iters)))
         tokens = B * T
         flop = tokens * HV * (6 * D * D + 8 * CHUNK * D)
         nbytes = tokens * (2 * 2 * H * D + 2 * 2 * HV * D + 8 * HV)
@@ -132,6 +129,34 @@ def _prefill_rows(fla, iters: int, variants: bool = False) -> list[Row]:
                             fla_copy_pct=None))
         del q, k, v, g, beta
     return rows
+
+
+def _breakdowns(fla, iters: int, echo: bool) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from hybridkv.kernels.gdn import breakdown, chunk_gated_delta_rule
+
+    out = []
+    for model, H, HV, lens, batched in PREFILL_SHAPES:
+        B, T = (len(lens), lens[0]) if batched else (1, sum(lens))
+        q = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+        g = F.logsigmoid(torch.randn(B, T, HV, device="cuda") + 3.0)
+        beta = torch.rand(B, T, HV, device="cuda")
+        cu = None if batched else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+        kw = dict(output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        rows = [breakdown.measure("hybridkv", lambda: chunk_gated_delta_rule(q, k, v, g, beta, **kw), iters,
+                                  _median_ms)]
+        if fla is not None:
+            rows.append(breakdown.measure("fla", lambda: fla[0](q, k, v, g, beta, **kw), iters, _median_ms))
+        shape = f"{model} H={H} HV={HV} {len(lens)}x{lens[0]}" + ("" if batched else " varlen")
+        if echo:
+            print(breakdown.render(shape, rows), flush=True)
+        out.append({"shape": shape, "rows": [asdict(r) | {"idle_us": r.idle_us} for r in rows]})
+        del q, k, v, g, beta
+    return out
 
 
 def _decode_rows(fla, iters: int, copy_gbps: float) -> list[Row]:
@@ -185,10 +210,15 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("bench gdn needs a CUDA device")
     fla = _load_fla(args.no_fla)
+    if args.breakdown:
+        found = _breakdowns(fla, args.iters, echo=not args.json)
+        if args.json:
+            print(json.dumps({"device": torch.cuda.get_device_name(), "breakdown": found}, indent=1))
+        return 0
     copy_gbps = _copy_gbps(args.iters)
     rows = []
     if args.only in (None, "prefill"):
-        rows += _prefill_rows(fla, args.iters, args.variants)
+        rows += _prefill_rows(fla, args.iters)
     if args.only in (None, "decode"):
         rows += _decode_rows(fla, args.iters, copy_gbps)
     if args.json:
