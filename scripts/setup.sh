@@ -20,4 +20,7 @@ pip install -q --upgrade pip >/dev/null
 # later requirements (nixl depends on torch) from pulling a multi-GB CUDA build.
 pip install -q "torch==2.13.0" 2> >(grep -v "is ignored: it is neither" >&2)
 pip install -q -e ".[dev,transport,sims]" 2> >(grep -v "is ignored: it is neither" >&2)
+# Triton as on the H200 test machine: `hybridkv kernels report` and its tests compile every kernel for
+# sm_90 and sm_100 with Triton's bundled ptxas, no GPU needed.
+pip install -q "triton==3.6.0" 2> >(grep -v "is ignored: it is neither" >&2)
 echo "$want" > "$STAMP"

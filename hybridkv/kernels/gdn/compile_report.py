@@ -1,0 +1,275 @@
+"""`hybridkv kernels report`: compile every Triton kernel of hybridkv for a GPU architecture, on any machine.
+
+No GPU is needed: Triton lowers to PTX and its bundled ptxas assembles the cubin for the target named
+here (sm_90 Hopper, sm_100 Blackwell). The report reads what decides a kernel's speed before any run:
+registers per thread and spills (cuobjdump's resource usage), shared memory, tensor-core instructions
+(wgmma / tcgen05 / mma.sync) and asynchronous copies in the PTX. Device time is scarce; a kernel change
+that spills, loses its tensor-core GEMMs or its pipelined loads shows here first.
+
+Each kernel is compiled the way its host code launches it on Qwen3.5 shapes (dk = dv = 128, bf16
+activations): the same constexprs, warps and stages, and the argument specialisations Triton's launcher
+makes at run time (16-byte-aligned pointers, ints divisible by 16, a stride of 1 as a constant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+
+D = 128  # dk = dv for every Qwen3.5 / Qwen3-Next GDN layer
+
+
+class Arch(enum.IntEnum):
+    """Compute capability as Triton's GPUTarget spells it (major * 10 + minor)."""
+
+    HOPPER = 90
+    BLACKWELL = 100
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """One way the host code launches a kernel."""
+
+    label: str
+    num_warps: int
+    num_stages: int = 3  # Triton's default on NVIDIA
+    constants: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelSpec:
+    name: str
+    module: str
+    attr: str
+    signature: Mapping[str, str]  # runtime arguments: Triton type ("*bf16", "i32", "fp32")
+    constants: Mapping[str, object]  # constexpr arguments (a None pointer is one too)
+    aligned: tuple[str, ...]  # int arguments the launcher sees as multiples of 16
+    launches: tuple[Launch, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    kernel: str
+    launch: str
+    arch: int
+    num_warps: int
+    num_stages: int
+    registers: int
+    spill_bytes: int  # per-thread stack (local memory), where ptxas put what did not fit in registers
+    shared_bytes: int
+    mma_kind: str  # the tensor-core instruction family in the PTX: wgmma, tcgen05, mma.sync, or "-"
+    mma: int  # tensor-core instructions of that family in the PTX (static count)
+    async_copies: int  # cp.async / bulk (TMA) copies into shared memory in the PTX (static count)
+
+
+_MMA = {"wgmma": r"\bwgmma\.mma_async\b", "tcgen05": r"\btcgen05\.mma\b", "mma.sync": r"\bmma\.sync\b"}
+_ASYNC_COPY = r"\bcp\.async\.(?:ca|cg)\.shared|\bcp\.async\.bulk\.(?:tensor\.\w+\.)?shared"
+
+
+def _specs() -> list[KernelSpec]:
+    from hybridkv.kernels.gdn import triton_chunk, triton_recurrent
+
+    chunk = "hybridkv.kernels.gdn.triton_chunk"
+    recurrent = "hybridkv.kernels.gdn.triton_recurrent"
+    conv = "hybridkv.kernels.gdn.triton_conv"
+    state_launches = tuple(
+        Launch(label=f"BV={bv}", num_warps=w, num_stages=s, constants={"BV": bv})
+        for bv, w, s in triton_chunk.STATE_CONFIGS
+    )
+    decode_launches = tuple(
+        Launch(label=f"{dt} state BV={bv}", num_warps=w, constants={"BV": bv, "state": dt})
+        for dt in ("fp32", "bf16") for bv, w in triton_recurrent.DECODE_CONFIGS
+    )
+    recurrent_sig = {
+        "q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "state": "*fp32", "scale": "fp32",
+        "T": "i32", "stride_slot": "i32", "stride_head": "i32", "softplus_beta": "fp32",
+        "softplus_threshold": "fp32", "H": "i32", "HV": "i32",
+    }
+    return [
+        KernelSpec(
+            name="chunk_inverse", module=chunk, attr="_chunk_inverse_kernel",
+            signature={"q": "*bf16", "k": "*bf16", "g": "*fp32", "beta": "*fp32", "A": "*bf16", "R": "*fp32",
+                       "G": "*fp32", "cu_seqlens": "*i32", "chunk_table": "*i32", "scale": "fp32", "H": "i32",
+                       "HV": "i32"},
+            constants={"K": D, "BK": D, "L2NORM": True, "METHOD": triton_chunk.INVERSE_METHOD,
+                       "PREC": triton_chunk.INVERSE_PRECISION},
+            aligned=("H", "HV"),
+            launches=(Launch(label="default", num_warps=triton_chunk.INVERSE_WARPS),),
+        ),
+        KernelSpec(
+            name="chunk_state", module=chunk, attr="_chunk_state_kernel",
+            signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "A": "*bf16", "R": "*fp32", "G": "*fp32",
+                       "o": "*bf16", "h0": "*fp32", "ht": "*fp32", "cu_seqlens": "*i32",
+                       "chunk_offsets": "*i32", "stride_sk": "i32", "H": "i32", "HV": "i32",
+                       "WORK_LOG2": "i32"},
+            constants={"stride_sv": 1, "K": D, "V": D, "BK": D, "HAS_H0": True, "STORE_FINAL": True},
+            aligned=("stride_sk", "H", "HV"),
+            launches=state_launches,
+        ),
+        KernelSpec(
+            name="recurrent_prefill", module=recurrent, attr="_recurrent_kernel",
+            signature={**recurrent_sig, "g": "*fp32", "beta": "*fp32", "state_out": "*fp32",
+                       "cu_seqlens": "*i32"},
+            constants={"a": None, "b": None, "A_log": None, "dt_bias": None, "state_indices": None,
+                       "K": D, "V": D, "BK": D, "BV": 32, "HAS_G": True, "HAS_BETA": True,
+                       "GATE_IN_KERNEL": False, "L2NORM": True, "IS_VARLEN": True, "HAS_STATE": True,
+                       "STORE_STATE": True, "USE_SLOTS": False, "V_FIRST": False, "EVEN": False},
+            aligned=("H", "HV"),
+            launches=(Launch(label="BV=32", num_warps=4),),
+        ),
+        KernelSpec(
+            name="decode", module=recurrent, attr="_recurrent_kernel",
+            signature={**recurrent_sig, "a": "*fp32", "b": "*fp32", "A_log": "*fp32", "dt_bias": "*fp32",
+                       "state_indices": "*i32"},
+            constants={"g": None, "beta": None, "state_out": None, "cu_seqlens": None, "K": D, "V": D,
+                       "BK": D, "HAS_G": False, "HAS_BETA": False, "GATE_IN_KERNEL": True, "L2NORM": True,
+                       "IS_VARLEN": False, "HAS_STATE": True, "STORE_STATE": True, "USE_SLOTS": True,
+                       "V_FIRST": False, "EVEN": True},
+            aligned=("stride_slot", "stride_head", "H", "HV"),
+            launches=decode_launches,
+        ),
+        KernelSpec(
+            name="conv_prefill", module=conv, attr="_conv_out_kernel",
+            signature={"x": "*bf16", "weight": "*bf16", "y": "*bf16", "seq_of_token": "*i32",
+                       "cu_seqlens": "*i32", "conv_state": "*bf16", "state_indices": "*i32", "has_init": "*i8",
+                       "total": "i32", "D": "i32", "stride_slot": "i32"},
+            constants={"bias": None, "W": 4, "BT": 32, "BD": 128, "HAS_BIAS": False, "HAS_STATE": True,
+                       "HAS_INIT_FLAGS": True, "SILU": True},
+            aligned=("D", "stride_slot"),
+            launches=(Launch(label="default", num_warps=4),),
+        ),
+        KernelSpec(
+            name="conv_state", module=conv, attr="_conv_state_kernel",
+            signature={"x": "*bf16", "cu_seqlens": "*i32", "conv_state": "*bf16", "state_indices": "*i32",
+                       "has_init": "*i8", "D": "i32", "stride_slot": "i32"},
+            constants={"W": 4, "BW": 4, "BD": 256, "HAS_INIT_FLAGS": True},
+            aligned=("D", "stride_slot"),
+            launches=(Launch(label="default", num_warps=4),),
+        ),
+        KernelSpec(
+            name="conv_update", module=conv, attr="_conv_update_kernel",
+            signature={"x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16",
+                       "state_indices": "*i32", "D": "i32", "stride_slot": "i32"},
+            constants={"bias": None, "W": 4, "BW": 4, "BD": 256, "HAS_BIAS": False, "SILU": True},
+            aligned=("D", "stride_slot"),
+            launches=(Launch(label="default", num_warps=4),),
+        ),
+    ]
+
+
+def _jit_function(spec: KernelSpec):
+    import importlib
+
+    obj = getattr(importlib.import_module(spec.module), spec.attr)
+    while not hasattr(obj, "arg_names"):  # an autotuner or heuristics wrapper around the JITFunction
+        obj = obj.fn
+    return obj
+
+
+def _tool(name: str) -> str:
+    import triton.backends.nvidia as nv
+
+    path = os.path.join(os.path.dirname(nv.__file__), "bin", name)
+    if not os.path.exists(path):
+        raise ValueError(f"Triton's NVIDIA backend has no {name} at {path}; install a triton wheel with it")
+    return path
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) of the cubin's one kernel, as cuobjdump reports them."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    regs = re.search(r"REG:(\d+)", out)
+    stack = re.search(r"STACK:(\d+)", out)
+    if regs is None or stack is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage:\n{out}")
+    return int(regs.group(1)), int(stack.group(1))
+
+
+def compile_one(spec: KernelSpec, launch: Launch, arch: Arch) -> Report:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _jit_function(spec)
+    constants = {**spec.constants, **launch.constants}
+    signature = dict(spec.signature)
+    state_dtype = constants.pop("state", None)
+    if state_dtype is not None:
+        signature["state"] = f"*{state_dtype}"
+    unknown = set(signature) | set(constants)
+    missing = [a for a in fn.arg_names if a not in unknown]
+    extra = unknown - set(fn.arg_names)
+    if missing or extra:
+        raise ValueError(f"{spec.name}: spec does not match {spec.attr}'s arguments: missing {missing}, "
+                         f"unknown {sorted(extra)}")
+    full = {a: ("constexpr" if a in constants else signature[a]) for a in fn.arg_names}
+    index = {a: i for i, a in enumerate(fn.arg_names)}
+    aligned = [a for a, t in full.items() if t.startswith("*")] + list(spec.aligned)
+    src = ASTSource(fn=fn, signature=full, constexprs={(index[a],): v for a, v in constants.items()},
+                    attrs={(index[a],): [["tt.divisibility", 16]] for a in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", int(arch), 32),
+                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    ptx = compiled.asm["ptx"]
+    registers, spill = _resource_usage(compiled.asm["cubin"])
+    counts = {kind: len(re.findall(pattern, ptx)) for kind, pattern in _MMA.items()}
+    kind = max(counts, key=counts.get)
+    return Report(
+        kernel=spec.name, launch=launch.label, arch=int(arch), num_warps=launch.num_warps,
+        num_stages=launch.num_stages, registers=registers, spill_bytes=spill,
+        shared_bytes=int(compiled.metadata.shared),
+        mma_kind=kind if counts[kind] else "-", mma=counts[kind],
+        async_copies=len(re.findall(_ASYNC_COPY, ptx)),
+    )
+
+
+def reports(archs: tuple[Arch, ...], only: str | None = None) -> Iterator[Report]:
+    specs = _specs()
+    names = [s.name for s in specs]
+    if only is not None and only not in names:
+        raise ValueError(f"--kernel {only!r} is not one of {names}")
+    for arch in archs:
+        for spec in specs:
+            if only is None or spec.name == only:
+                for launch in spec.launches:
+                    yield compile_one(spec, launch, arch)
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.split("\n\n")[0]
+    parser.add_argument("--arch", choices=[a.name.lower() for a in Arch], action="append",
+                        help="target (repeatable); default: hopper and blackwell")
+    parser.add_argument("--kernel", default=None, help="one kernel by name (default: all)")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"kernels report needs Triton (pip install 'hybridkv[kernels]'): {exc}") from exc
+    archs = tuple(Arch[a.upper()] for a in args.arch) if args.arch else (Arch.HOPPER, Arch.BLACKWELL)
+    rows = []
+    if not args.json:
+        print(f"{'kernel':18} {'launch':18} {'sm':>4} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
+              f"{'smem KiB':>8} {'mma':>14} {'async':>5}")
+    for r in reports(archs, args.kernel):
+        rows.append(r)
+        if not args.json:
+            print(f"{r.kernel:18} {r.launch:18} {r.arch:>4} {r.num_warps:>5} {r.num_stages:>6} {r.registers:>5} "
+                  f"{r.spill_bytes:>7} {r.shared_bytes / 1024:>8.1f} {f'{r.mma_kind} {r.mma}':>14} {r.async_copies:>5}",
+                  flush=True)
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0

@@ -1,0 +1,54 @@
+"""CPU: every Triton kernel compiles for Hopper and Blackwell (no GPU: Triton's own ptxas), and keeps what
+its speed rests on: tensor-core GEMMs and pipelined loads where it has them, no spills where it has none."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia")
+
+from hybridkv.kernels.gdn import compile_report as cr  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hopper() -> dict[tuple[str, str, int], cr.Report]:
+    return {(r.kernel, r.launch, r.num_warps): r for r in cr.reports((cr.Arch.HOPPER,))}
+
+
+def test_every_launch_compiles_for_hopper(hopper):
+    want = {(s.name, ln.label, ln.num_warps) for s in cr._specs() for ln in s.launches}
+    assert set(hopper) == want
+
+
+def test_every_kernel_compiles_for_blackwell():
+    for spec in cr._specs():
+        r = cr.compile_one(spec, spec.launches[0], cr.Arch.BLACKWELL)
+        assert r.arch == 100 and r.registers > 0
+        if spec.name.startswith("chunk_state"):
+            assert r.mma_kind == "tcgen05" and r.mma > 0
+
+
+def test_chunk_kernels_keep_tensor_cores_and_pipelined_loads(hopper):
+    states = [r for r in hopper.values() if r.kernel == "chunk_state"]
+    assert states
+    for r in states:
+        assert r.mma_kind == "wgmma" and r.mma > 0, r
+        if r.num_stages >= 2:
+            assert r.async_copies > 0, f"{r}: the next chunk's loads are no longer prefetched"
+    inverse = [r for r in hopper.values() if r.kernel == "chunk_inverse"]
+    assert inverse and all(r.mma > 0 for r in inverse)
+
+
+def test_bandwidth_bound_kernels_do_not_spill(hopper):
+    for r in hopper.values():
+        if r.kernel in ("decode", "recurrent_prefill", "conv_prefill", "conv_state", "conv_update"):
+            assert r.spill_bytes == 0, r
+
+
+def test_a_spec_that_drifts_from_its_kernel_is_named():
+    spec = cr._specs()[0]
+    broken = cr.KernelSpec(name=spec.name, module=spec.module, attr=spec.attr,
+                           signature={k: v for k, v in spec.signature.items() if k != "scale"},
+                           constants=spec.constants, aligned=spec.aligned, launches=spec.launches)
+    with pytest.raises(ValueError, match=r"chunk_inverse: spec does not match .*missing \['scale'\]"):
+        cr.compile_one(broken, spec.launches[0], cr.Arch.HOPPER)
