@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from hybridkv.fence import PoolLayout
 from hybridkv.request_state import Component, attention_component, gdn_components
 from hybridkv.scheduler import TransferScheduler
+from hybridkv.transport.allowlist import PeerAllowlist
 
 from connectors.vllm.metadata import HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder
 
@@ -54,6 +55,16 @@ class _RenewalsReported(TransferScheduler):
         if lease is not None:
             self._on_renew(str(request))
         return lease
+
+
+def _peer_list(value) -> tuple[str, ...]:
+    """``allowed_peers`` from kv_connector_extra_config: a JSON list or a comma-separated string."""
+    if isinstance(value, str):
+        return tuple(p.strip() for p in value.split(",") if p.strip())
+    if isinstance(value, (list, tuple)):
+        return tuple(str(p) for p in value)
+    raise ValueError(f"allowed_peers must be a list of addresses/networks or a comma-separated string, "
+                     f"got {value!r}")
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -83,6 +94,9 @@ class WorkerHalf:
         self.base_port = int(kvt.get_from_extra_config("side_channel_port", 5600))
         self.lease_s = float(kvt.get_from_extra_config("kv_lease_duration", 30))
         self.export_timeout_s = float(kvt.get_from_extra_config("export_timeout_s", 30))
+        self.allowed_peers = _peer_list(kvt.get_from_extra_config("allowed_peers", ()))
+        if self.allowed_peers:
+            PeerAllowlist.parse(self.allowed_peers)  # a bad entry fails at startup, named
         self.transfer_groups = tuple(kv_cache_config.transfer_group_ids)
         comps: list[Component] = []
         for g in self.transfer_groups:
@@ -135,7 +149,8 @@ class WorkerHalf:
         # fields lets a decode instance of another TP size or block size read (the handshake
         # carries each side's field tables); equal shapes still pair page for page.
         return TransportConfig(host=self.host, port=port, failure_policy=FailurePolicy.FAIL,
-                               export_timeout_s=self.export_timeout_s, pairing=Pairing.FIELDS)
+                               export_timeout_s=self.export_timeout_s, pairing=Pairing.FIELDS,
+                               allowed_peers=self.allowed_peers)
 
     async def _start_producer(self) -> None:
         from hybridkv.transport.endpoint import Producer

@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass
 
 from hybridkv import wire
+from hybridkv.transport.allowlist import PeerAllowlist
 from hybridkv.transport.dataplane import DataPlaneConfig
 
 
@@ -59,7 +60,21 @@ class TransportConfig:
     # Done message says the same over the control channel, and on the H200s a READ with a
     # notification ended ~75 us later (320 MB over NVLink: 330 vs 356 GB/s, `bench transfer`).
     notify_reads: bool = False
+    # Producer: peers (addresses or CIDR networks) that may connect; empty means any. The listener
+    # itself is open on every interface (ucxx 0.52), so this is what keeps other networks out.
+    allowed_peers: tuple[str, ...] = ()
     dataplane: DataPlaneConfig = DataPlaneConfig()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.allowed_peers, str):
+            raise ValueError(f"allowed_peers must be a tuple of addresses or networks, got the string "
+                             f"{self.allowed_peers!r}")
+        if self.allowed_peers:
+            PeerAllowlist.parse(self.allowed_peers)  # a bad entry fails here, naming it
+
+    @property
+    def allowlist(self) -> PeerAllowlist | None:
+        return PeerAllowlist.parse(self.allowed_peers) if self.allowed_peers else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +94,7 @@ class Stats:
     duplicates: int = 0  # completions for a transfer already terminal
     unknown: int = 0  # completions for nothing we know
     refused: int = 0  # handshakes refused
+    refused_peers: int = 0  # connections closed unread: the peer is outside TransportConfig.allowed_peers
     rejected: int = 0  # messages refused (malformed, unexported blocks)
     timed_out: int = 0  # transfers abandoned past their lease or the transfer timeout
 

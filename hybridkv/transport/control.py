@@ -7,13 +7,20 @@ interleave. Any transport error surfaces as :class:`hybridkv.errors.PeerLost`.
 
 ucxx 0.52's listener API takes a port only and listens on every interface;
 the configured host is what a producer advertises and a consumer dials.
-Restrict exposure with a firewall or ``UCX_NET_DEVICES`` where that matters.
+:func:`listen` can close connections from outside a
+:class:`~hybridkv.transport.allowlist.PeerAllowlist` before reading them; it
+reads the peer's address from UCX itself (``ucp_ep_query``), which ucxx does
+not expose.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import os
+import socket
+import struct
 
 import numpy as np
 
@@ -76,14 +83,63 @@ class Channel:
             pass
 
 
-def listen(handler, port: int = 0):
-    """Start a ucxx listener; ``handler(Channel)`` runs per incoming connection."""
+def listen(handler, port: int = 0, allow=None, on_refused=None):
+    """Start a ucxx listener; ``handler(Channel)`` runs per incoming connection. With ``allow`` (a
+    PeerAllowlist), a peer it does not allow is closed unread and ``on_refused(address)`` is called."""
     ucxx = _ucxx()
 
     async def on_connect(ep):
+        if allow is not None:
+            address = remote_address(ep)
+            if not allow.allows(address):
+                if on_refused is not None:
+                    on_refused(address)
+                try:
+                    await ep.close()
+                except Exception:
+                    pass
+                return
         await handler(Channel(ep))
 
     return ucxx.create_listener(on_connect, port=port)
+
+
+# ucp_ep_attr_t (ucp.h, UCX 1.21): uint64 field_mask, char name[32], sockaddr_storage local_sockaddr,
+# sockaddr_storage remote_sockaddr, ... ; the buffer is larger than the struct in case it grew.
+_UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR = 1 << 2
+_REMOTE_SOCKADDR_OFFSET = 8 + 32 + 128
+_EP_ATTR_BYTES = 4096
+
+
+@functools.cache
+def _ucp_ep_query():
+    import libucx
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so"))
+    fn = lib.ucp_ep_query
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def remote_address(ep) -> str | None:
+    """The peer's IP address as UCX sees it, or None where it cannot be read."""
+    try:
+        query = _ucp_ep_query()
+        handle = int(ep.ucp_endpoint)
+    except Exception:
+        return None
+    buf = (ctypes.c_uint8 * _EP_ATTR_BYTES)()
+    struct.pack_into("<Q", buf, 0, _UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR)
+    if query(ctypes.c_void_p(handle), buf) != 0:  # UCS_OK
+        return None
+    raw = bytes(buf[_REMOTE_SOCKADDR_OFFSET:_REMOTE_SOCKADDR_OFFSET + 128])
+    family = struct.unpack_from("=H", raw, 0)[0]
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, raw[4:8])
+    if family == socket.AF_INET6:
+        return socket.inet_ntop(socket.AF_INET6, raw[8:24])
+    return None
 
 
 async def dial(host: str, port: int, timeout_s: float) -> Channel:

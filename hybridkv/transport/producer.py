@@ -9,6 +9,7 @@ The design, pull and push, is in :mod:`hybridkv.transport.endpoint`.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ from hybridkv.transport.config import Outcome, Result, TransportConfig
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.memory import MemoryMap, pair_indices
 from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly, _Side
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -66,9 +69,15 @@ class Producer(_Side):
                 "wants_ahead": {r: len(v) for r, v in self._wants.items()}}
 
     async def start(self) -> tuple[str, int]:
-        self._listener = control.listen(self._accept, self.config.port)
+        self._listener = control.listen(self._accept, self.config.port, allow=self.config.allowlist,
+                                        on_refused=self._refused_peer)
         self._start_pump()
         return self.config.host, int(self._listener.port)
+
+    def _refused_peer(self, address: str | None) -> None:
+        self.stats.refused_peers += 1
+        log.warning("closed a control connection from %s: not in allowed_peers %s",
+                    address or "an unreadable address", list(self.config.allowed_peers))
 
     async def wait_peer(self, timeout_s: float) -> None:
         await asyncio.wait_for(self._connected.wait(), timeout_s)

@@ -123,7 +123,8 @@ async def _producer(opts, out, inbox):
     layout, memory, pools = build(1, geo_over=opts.get("geo"), mem=opts.get("mem", "dram"),
                                   device=opts.get("device", 0))
     sched = TransferScheduler(pools, lease_s=opts.get("lease_s", 30.0))
-    cfg = TransportConfig(mode=wire.Mode[opts.get("mode", "PULL")])
+    cfg = TransportConfig(mode=wire.Mode[opts.get("mode", "PULL")],
+                          allowed_peers=tuple(opts.get("allowed_peers", ())))
     prod = Producer(memory, sched, cfg)
     host, port = await prod.start()
     out.put(("addr", (host, port, os.getpid())))

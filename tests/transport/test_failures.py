@@ -202,3 +202,25 @@ def test_duplicate_and_unknown_completions_fake_peer():
         assert state["free"] == state["total"] and state["requests"] == 0
     finally:
         prod.stop()
+
+
+@pytest.mark.parametrize(("allowed", "connects"), [(("10.255.0.0/16",), False), (("10.255.0.0/16", "127.0.0.1"), True)])
+def test_allowed_peers_close_a_connection_from_elsewhere_unread(allowed, connects):
+    """The listener is open on every interface (ucxx 0.52); allowed_peers is what keeps others out."""
+    prod = producer(allowed_peers=allowed)
+    try:
+        host, port, _ = prod.expect("addr")
+        prod.expect("ready")
+        cons = consumer((host, port), handshake_timeout_s=3.0)
+        if connects:
+            assert cons.expect("connected") is None
+        else:
+            kind, text, took = cons.expect("connect_failed")
+            assert kind in ("PeerLost", "HandshakeTimeout"), text
+        cons.expect("finished")
+        prod.send("stop")
+        stats = prod.expect("stats")
+        assert stats["refused_peers"] == (0 if connects else 1)
+        assert stats["refused"] == 0  # no handshake was read from the refused peer
+    finally:
+        prod.stop()

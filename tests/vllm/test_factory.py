@@ -55,3 +55,28 @@ def test_vllm_groups_the_tiny_hybrid_model_as_documented():
     # Page unification: the attention block grew until its page holds a GDN state.
     assert vc.cache_config.block_size == 32
     assert kcc.kv_cache_groups[3].kv_cache_spec.page_size_bytes == kcc.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+
+
+@pytest.mark.parametrize("given", ["10.0.0.0/8, 127.0.0.1", ["10.0.0.0/8", "127.0.0.1"]])
+def test_allowed_peers_reach_the_producer_listener(given):
+    """kv_connector_extra_config["allowed_peers"] (a JSON list or a comma-separated string) becomes the
+    producer's allowlist: its listener is open on every interface, this keeps other networks out."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    vc = h.make_vllm_config(role="kv_producer", extra={"allowed_peers": given})
+    conn = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER,
+                                               kv_cache_config=h.make_kv_cache_config(vc))
+    assert conn.worker.allowed_peers == ("10.0.0.0/8", "127.0.0.1")
+    allow = conn.worker._config().allowlist
+    assert allow.allows("10.9.8.7") and allow.allows("127.0.0.1") and not allow.allows("192.168.0.1")
+
+
+def test_a_bad_allowed_peer_fails_at_startup_named():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    vc = h.make_vllm_config(role="kv_producer", extra={"allowed_peers": "10.0.0.0/8,10.0.0.0/40"})
+    with pytest.raises(ValueError, match=r"allowed peer '10.0.0.0/40' is not an IP address or network"):
+        KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER,
+                                            kv_cache_config=h.make_kv_cache_config(vc))
