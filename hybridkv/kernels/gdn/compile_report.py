@@ -74,9 +74,10 @@ _ASYNC_COPY = r"\bcp\.async\.(?:ca|cg)\.shared|\bcp\.async\.bulk\.(?:tensor\.\w+
 
 
 def _specs() -> list[KernelSpec]:
-    from hybridkv.kernels.gdn import triton_chunk, triton_recurrent
+    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_inverse, triton_recurrent
 
     chunk = "hybridkv.kernels.gdn.triton_chunk"
+    inverse = "hybridkv.kernels.gdn.triton_chunk_inverse"
     recurrent = "hybridkv.kernels.gdn.triton_recurrent"
     conv = "hybridkv.kernels.gdn.triton_conv"
     state_launches = tuple(
@@ -94,14 +95,14 @@ def _specs() -> list[KernelSpec]:
     }
     return [
         KernelSpec(
-            name="chunk_inverse", module=chunk, attr="_chunk_inverse_kernel",
+            name="chunk_inverse", module=inverse, attr="_chunk_inverse_kernel",
             signature={"q": "*bf16", "k": "*bf16", "g": "*fp32", "beta": "*fp32", "A": "*bf16", "R": "*fp32",
                        "G": "*fp32", "cu_seqlens": "*i32", "chunk_table": "*i32", "scale": "fp32", "H": "i32",
                        "HV": "i32"},
-            constants={"K": D, "BK": D, "L2NORM": True, "METHOD": triton_chunk.INVERSE_METHOD,
-                       "PREC": triton_chunk.INVERSE_PRECISION},
+            constants={"K": D, "BK": D, "L2NORM": True, "METHOD": triton_chunk_inverse.INVERSE_METHOD,
+                       "PREC": triton_chunk_inverse.INVERSE_PRECISION},
             aligned=("H", "HV"),
-            launches=(Launch(label="default", num_warps=triton_chunk.INVERSE_WARPS),),
+            launches=(Launch(label="default", num_warps=triton_chunk_inverse.INVERSE_WARPS),),
         ),
         KernelSpec(
             name="chunk_state", module=chunk, attr="_chunk_state_kernel",
