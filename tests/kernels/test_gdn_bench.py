@@ -38,3 +38,12 @@ def test_bench_gdn_refuses_with_a_clear_error(args, message):
     done = _cli(*args)
     assert done.returncode != 0
     assert message in done.stderr
+
+
+def test_tuned_choices_name_each_self_tuning_kernel():
+    pytest.importorskip("triton")
+    from hybridkv.kernels.gdn import bench, triton_chunk, triton_recurrent  # noqa: F401
+
+    tuned = bench._tuned_choices()
+    assert set(tuned) == {"chunk state (H, HV, log2 work, K, V; BV, warps, stages)", "decode (BV, warps)"}
+    assert all(picks == {} for picks in tuned.values())  # nothing ran here

@@ -221,9 +221,10 @@ def run(args: argparse.Namespace) -> int:
         rows += _prefill_rows(fla, args.iters)
     if args.only in (None, "decode"):
         rows += _decode_rows(fla, args.iters, copy_gbps)
+    tuned = _tuned_choices()
     if args.json:
         out = {"device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps, "fla": fla is not None,
-               "rows": [asdict(r) | {"speedup_vs_fla": r.speedup} for r in rows]}
+               "rows": [asdict(r) | {"speedup_vs_fla": r.speedup} for r in rows], "tuned": tuned}
         print(json.dumps(out, indent=1))
         return 0
     print(f"{torch.cuda.get_device_name()}; device copy {copy_gbps:.0f} GB/s; FLA baseline: "
@@ -235,4 +236,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r.kind:13} {r.shape:38} {r.ms:8.3f} {_fmt(r.fla_ms, '8.3f')} {_fmt(r.speedup, '6.2f')} "
               f"{r.tokens_per_s / 1e6:8.3f} {_fmt(r.tflops, '8.1f')} {r.gbps:7.0f} {_fmt(r.fla_gbps, '8.0f')} "
               f"{_fmt(r.copy_pct, '6.1f')} {_fmt(r.fla_copy_pct, '9.1f')}")
+    for name, picks in tuned.items():
+        print(f"{name}: " + "; ".join(f"{key} -> {cfg}" for key, cfg in picks.items()))
     return 0
+
+
+def _tuned_choices() -> dict[str, dict[str, str]]:
+    """What each self-tuning kernel settled on in this run, by its tuning key (the table's numbers
+    are with these)."""
+    import sys
+
+    out = {}
+    chunk = sys.modules.get("hybridkv.kernels.gdn.triton_chunk")
+    if chunk is not None:
+        out["chunk state (H, HV, log2 work, K, V; BV, warps, stages)"] = {
+            str(key): f"BV={cfg.kwargs['BV']} warps={cfg.num_warps} stages={cfg.num_stages}"
+            for key, cfg in chunk._chunk_state_tuned.cache.items()}
+    recurrent = sys.modules.get("hybridkv.kernels.gdn.triton_recurrent")
+    if recurrent is not None:
+        out["decode (BV, warps)"] = {str(key): str(cfg) for key, cfg in recurrent.decode_choices().items()}
+    return out
