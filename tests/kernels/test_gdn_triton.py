@@ -210,3 +210,13 @@ def test_conv1d_prefill_then_update():
     assert rel_err(yt, yt_ref) < 1e-2
     assert torch.equal(yt[1], torch.zeros_like(yt[1]))
     assert torch.equal(pool, want)
+
+
+def test_conv1d_one_sequence_without_offsets():
+    """No cu_seqlens: the kernel's offsets are made on the device (a host list would sync the stream)."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(777, 256, device="cuda", generator=gen).bfloat16()
+    weight = torch.randn(256, 4, device="cuda", generator=gen).bfloat16()
+    y_ref = ref.conv1d_reference(x, weight, None, None, None, None, None, True)
+    y = causal_conv1d_fn(x, weight, None)
+    assert rel_err(y, y_ref) < 1e-2
