@@ -96,13 +96,11 @@ def _load_fla(skip: bool):
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
-def _prefill_rows(fla, iters: int) -> list[Row]:
+def _prefill_cases():
+    """Each prefill shape's inputs, made on the GPU one shape at a time: (label, B, T, H, HV, args, kwargs)."""
     import torch
     import torch.nn.functional as F
 
-    from hybridkv.kernels.gdn import chunk_gated_delta_rule
-
-    rows = []
     for model, H, HV, lens, batched in PREFILL_SHAPES:
         B, T = (len(lens), lens[0]) if batched else (1, sum(lens))
         q = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
@@ -112,50 +110,39 @@ def _prefill_rows(fla, iters: int) -> list[Row]:
         beta = torch.rand(B, T, HV, device="cuda")
         cu = None if batched else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
         kw = dict(output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-        ours = _median_ms(lambda: chunk_gated_delta_rule(q, k, v, g, beta, **kw), iters)
-        theirs = None
-        if fla is not None:
-            theirs = _median_ms(lambda: fla[0](q, k, v, g, beta, **kw), iters)
-        timed = [("prefill", ours)]
+        label = f"{model} H={H} HV={HV} " + (f"{B}x{T}" if batched else f"{len(lens)}x{lens[0]} varlen"
+                                              if len(lens) > 1 else f"1x{T}")
+        yield label, B, T, H, HV, (q, k, v, g, beta), kw
+
+
+def _prefill_rows(fla, iters: int) -> list[Row]:
+    from hybridkv.kernels.gdn import chunk_gated_delta_rule
+
+    rows = []
+    for shape, B, T, H, HV, args, kw in _prefill_cases():
+        ms = _median_ms(lambda: chunk_gated_delta_rule(*args, **kw), iters)
+        theirs = None if fla is None else _median_ms(lambda: fla[0](*args, **kw), iters)
         tokens = B * T
         flop = tokens * HV * (6 * D * D + 8 * CHUNK * D)
         nbytes = tokens * (2 * 2 * H * D + 2 * 2 * HV * D + 8 * HV)
-        shape = f"{model} H={H} HV={HV} " + (f"{B}x{T}" if batched else f"{len(lens)}x{lens[0]} varlen"
-                                              if len(lens) > 1 else f"1x{T}")
-        for kind, ms in timed:
-            rows.append(Row(kind=kind, shape=shape, ms=ms, fla_ms=theirs, tokens_per_s=tokens / ms * 1e3,
-                            tflops=flop / ms / 1e9, gbps=nbytes / ms / 1e6,
-                            fla_gbps=None if theirs is None else nbytes / theirs / 1e6, copy_pct=None,
-                            fla_copy_pct=None))
-        del q, k, v, g, beta
+        rows.append(Row(kind="prefill", shape=shape, ms=ms, fla_ms=theirs, tokens_per_s=tokens / ms * 1e3,
+                        tflops=flop / ms / 1e9, gbps=nbytes / ms / 1e6,
+                        fla_gbps=None if theirs is None else nbytes / theirs / 1e6, copy_pct=None,
+                        fla_copy_pct=None))
     return rows
 
 
 def _breakdowns(fla, iters: int, echo: bool) -> list[dict]:
-    import torch
-    import torch.nn.functional as F
-
     from hybridkv.kernels.gdn import breakdown, chunk_gated_delta_rule
 
     out = []
-    for model, H, HV, lens, batched in PREFILL_SHAPES:
-        B, T = (len(lens), lens[0]) if batched else (1, sum(lens))
-        q = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
-        g = F.logsigmoid(torch.randn(B, T, HV, device="cuda") + 3.0)
-        beta = torch.rand(B, T, HV, device="cuda")
-        cu = None if batched else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
-        kw = dict(output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-        rows = [breakdown.measure("hybridkv", lambda: chunk_gated_delta_rule(q, k, v, g, beta, **kw), iters,
-                                  _median_ms)]
+    for shape, _, _, _, _, args, kw in _prefill_cases():
+        rows = [breakdown.measure("hybridkv", lambda: chunk_gated_delta_rule(*args, **kw), iters, _median_ms)]
         if fla is not None:
-            rows.append(breakdown.measure("fla", lambda: fla[0](q, k, v, g, beta, **kw), iters, _median_ms))
-        shape = f"{model} H={H} HV={HV} {len(lens)}x{lens[0]}" + ("" if batched else " varlen")
+            rows.append(breakdown.measure("fla", lambda: fla[0](*args, **kw), iters, _median_ms))
         if echo:
             print(breakdown.render(shape, rows), flush=True)
         out.append({"shape": shape, "rows": [asdict(r) | {"idle_us": r.idle_us} for r in rows]})
-        del q, k, v, g, beta
     return out
 
 

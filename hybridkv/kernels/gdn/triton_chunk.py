@@ -99,14 +99,10 @@ def _chunk_state_kernel(q, k, v, A, R, G, o, h0, ht, cu_seqlens, chunk_offsets, 
 STATE_CONFIGS = ((64, 4, 2), (64, 8, 2), (64, 4, 1), (32, 4, 2), (128, 8, 2))
 
 
-def _autotuned(kernel, configs, key):
-    """``kernel`` autotuned over (BV, num_warps, num_stages) triples."""
-    return triton.autotune(
-        configs=[triton.Config({"BV": bv}, num_warps=w, num_stages=st) for bv, w, st in configs], key=key,
-    )(kernel)
-
-
-_chunk_state_tuned = _autotuned(_chunk_state_kernel, STATE_CONFIGS, ["H", "HV", "WORK_LOG2", "K", "V"])
+_chunk_state_tuned = triton.autotune(
+    configs=[triton.Config({"BV": bv}, num_warps=w, num_stages=st) for bv, w, st in STATE_CONFIGS],
+    key=["H", "HV", "WORK_LOG2", "K", "V"],
+)(_chunk_state_kernel)
 
 
 def _chunk_tables(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device
