@@ -220,3 +220,86 @@ def test_conv1d_one_sequence_without_offsets():
     y_ref = ref.conv1d_reference(x, weight, None, None, None, None, None, True)
     y = causal_conv1d_fn(x, weight, None)
     assert rel_err(y, y_ref) < 1e-2
+
+
+
+SCHEDULE_CASES = [PREFILL[0], PREFILL[3], PREFILL[4], PREFILL[6], PREFILL[7]]
+
+
+@pytest.mark.parametrize(("lens", "H", "HV", "batch"), SCHEDULE_CASES)
+def test_pipelined_schedule_matches_reference(lens, H, HV, batch):
+    """Segments of the inverse on one stream, the chain on another: every pipeline config, 1 to 8
+    segments (more segments than some sequences have chunks), v-first too."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=8)
+    N = batch or len(lens)
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
+    # Forced configs: the one a call picks (BV=32) and a wider one, which pipelines just as correctly.
+    for config, segments, v_first in [((32, 4, 2), 4, False), ((64, 4, 2), 4, False), ((32, 4, 2), 1, True),
+                                      ((64, 4, 2), 8, True)]:
+        h = h0.transpose(-1, -2).contiguous() if v_first else h0
+        o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h, True, cu, True, v_first,
+                                                        config=config, schedule=triton_chunk.Schedule.PIPELINED,
+                                                        segments=segments)
+        st = st.transpose(-1, -2) if v_first else st
+        assert rel_err(o, o_ref) < 2e-2, (config, segments)
+        assert rel_err(st, st_ref) < 2e-2, (config, segments)
+
+
+def test_pipelined_equals_serial_bit_for_bit_and_repeats():
+    """The pipelined call computes what the serial one does, in the same order: a chain segment that
+    ran before its inverse segment had landed, or a state handed on wrongly, would differ."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    q, k, v, g, beta, cu = make([8192], 16, 32, seed=9)
+    cfg = triton_chunk._pipeline_config(1, 32, 128, triton_chunk._sm_count(torch.cuda.current_device()))
+    assert cfg is not None
+    args = (q, k, v, g, beta, 128**-0.5, None, True, cu, True, False)
+    o0, s0 = triton_chunk.chunk_gated_delta_rule_fwd(*args, config=cfg, schedule=triton_chunk.Schedule.SERIAL)
+    for segments in (2, 4, 8, 4, 4):
+        o, s = triton_chunk.chunk_gated_delta_rule_fwd(*args, config=cfg, schedule=triton_chunk.Schedule.PIPELINED,
+                                                       segments=segments)
+        assert torch.equal(o, o0) and torch.equal(s, s0), segments
+    for _ in range(10):  # auto: pipelined at this config
+        o, s = triton_chunk.chunk_gated_delta_rule_fwd(*args)
+        assert torch.equal(o, o0) and torch.equal(s, s0)
+
+
+def test_pipelined_in_a_cuda_graph():
+    """Engines capture prefill too: the fork onto the side stream and the join are captured, and a
+    replay on new inputs gives what an eager call gives."""
+    q, k, v, g, beta, cu = make([4096], 16, 32, seed=10)
+    chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, st = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)
+    q2, k2, v2, g2, beta2, _ = make([4096], 16, 32, seed=11)
+    for dst, src in ((q, q2), (k, k2), (v, v2), (g, g2), (beta, beta2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    o_e, st_e = chunk_gated_delta_rule(q2, k2, v2, g2, beta2, cu_seqlens=cu, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)
+    assert torch.equal(o, o_e) and torch.equal(st, st_e)
+
+
+def test_pipelined_on_a_side_stream_of_the_caller():
+    """Called from a non-default stream (an engine's compute stream), behind slow work there: the
+    chain still waits for its inputs and the caller's stream for the chain."""
+    q, k, v, g, beta, cu = make([8192], 16, 32, seed=13)  # one 35B sequence: a pipelined call
+    want = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time before the inputs are "ready"
+        v.mul_(1.0)
+        o, st = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)
+        o2 = o.clone()
+    stream.synchronize()
+    assert torch.equal(o2, want[0]) and torch.equal(st, want[1])

@@ -81,11 +81,14 @@ def _specs() -> list[KernelSpec]:
     recurrent = "hybridkv.kernels.gdn.triton_recurrent"
     conv = "hybridkv.kernels.gdn.triton_conv"
     state_launches = tuple(
-        Launch(label=f"BV={bv}", num_warps=w, num_stages=s, constants={"BV": bv})
+        Launch(label=f"BV={bv}", num_warps=w, num_stages=s, constants={"BV": bv, "SEGMENTED": False})
         for bv, w, s in triton_chunk.STATE_CONFIGS
+    ) + tuple(
+        Launch(label=f"segment BV={bv}", num_warps=w, num_stages=s, constants={"BV": bv, "SEGMENTED": True})
+        for bv, w, s in triton_chunk.PIPELINE_CONFIGS
     )
     decode_launches = tuple(
-        Launch(label=f"{dt} state BV={bv}", num_warps=w, constants={"BV": bv, "state": dt})
+        Launch(label=f"{dt} state BV={bv}", num_warps=w, constants={"BV": bv, "state": dt, "STREAM": dt == "bf16"})
         for dt in ("fp32", "bf16") for bv, w in triton_recurrent.DECODE_CONFIGS
     )
     recurrent_sig = {
@@ -97,21 +100,25 @@ def _specs() -> list[KernelSpec]:
         KernelSpec(
             name="chunk_inverse", module=inverse, attr="_chunk_inverse_kernel",
             signature={"q": "*bf16", "k": "*bf16", "g": "*fp32", "beta": "*fp32", "A": "*bf16", "R": "*fp32",
-                       "G": "*fp32", "cu_seqlens": "*i32", "chunk_table": "*i32", "scale": "fp32", "H": "i32",
-                       "HV": "i32"},
+                       "G": "*fp32", "cu_seqlens": "*i32", "chunk_table": "*i32", "row0": "i32",
+                       "c_lo": "i32", "c_hi": "i32", "scale": "fp32", "H": "i32", "HV": "i32"},
             constants={"K": D, "BK": D, "L2NORM": True, "METHOD": triton_chunk_inverse.INVERSE_METHOD,
                        "PREC": triton_chunk_inverse.INVERSE_PRECISION},
             aligned=("H", "HV"),
-            launches=(Launch(label="default", num_warps=triton_chunk_inverse.INVERSE_WARPS),),
+            launches=(Launch(label="default", num_warps=triton_chunk_inverse.INVERSE_WARPS,
+                             constants={"SEGMENTED": False}),
+                      Launch(label="segment", num_warps=triton_chunk_inverse.INVERSE_WARPS,
+                             constants={"SEGMENTED": True})),
         ),
         KernelSpec(
             name="chunk_state", module=chunk, attr="_chunk_state_kernel",
             signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "A": "*bf16", "R": "*fp32", "G": "*fp32",
-                       "o": "*bf16", "h0": "*fp32", "ht": "*fp32", "cu_seqlens": "*i32",
-                       "chunk_offsets": "*i32", "stride_sk": "i32", "H": "i32", "HV": "i32",
-                       "WORK_LOG2": "i32"},
-            constants={"stride_sv": 1, "K": D, "V": D, "BK": D, "HAS_H0": True, "STORE_FINAL": True},
-            aligned=("stride_sk", "H", "HV"),
+                       "o": "*bf16", "h_in": "*fp32", "h_out": "*fp32", "cu_seqlens": "*i32",
+                       "chunk_offsets": "*i32", "c_lo": "i32", "c_hi": "i32", "stride_ik": "i32",
+                       "stride_ok": "i32", "H": "i32", "HV": "i32", "WORK_LOG2": "i32"},
+            constants={"stride_iv": 1, "stride_ov": 1, "K": D, "V": D, "BK": D, "HAS_H_IN": True,
+                       "HAS_H_OUT": True},
+            aligned=("stride_ik", "stride_ok", "H", "HV"),
             launches=state_launches,
         ),
         KernelSpec(
@@ -121,7 +128,7 @@ def _specs() -> list[KernelSpec]:
             constants={"a": None, "b": None, "A_log": None, "dt_bias": None, "state_indices": None,
                        "K": D, "V": D, "BK": D, "BV": 32, "HAS_G": True, "HAS_BETA": True,
                        "GATE_IN_KERNEL": False, "L2NORM": True, "IS_VARLEN": True, "HAS_STATE": True,
-                       "STORE_STATE": True, "USE_SLOTS": False, "V_FIRST": False, "EVEN": False},
+                       "STORE_STATE": True, "USE_SLOTS": False, "V_FIRST": False, "EVEN": False, "STREAM": False},
             aligned=("H", "HV"),
             launches=(Launch(label="BV=32", num_warps=4),),
         ),
@@ -132,7 +139,7 @@ def _specs() -> list[KernelSpec]:
             constants={"g": None, "beta": None, "state_out": None, "cu_seqlens": None, "K": D, "V": D,
                        "BK": D, "HAS_G": False, "HAS_BETA": False, "GATE_IN_KERNEL": True, "L2NORM": True,
                        "IS_VARLEN": False, "HAS_STATE": True, "STORE_STATE": True, "USE_SLOTS": True,
-                       "V_FIRST": False, "EVEN": True},
+                       "V_FIRST": False, "EVEN": True, "STREAM": False},
             aligned=("stride_slot", "stride_head", "H", "HV"),
             launches=decode_launches,
         ),

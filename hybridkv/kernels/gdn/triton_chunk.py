@@ -16,6 +16,9 @@ split, FLA's W/U cut) was slower on every shape; that code is in git history (co
 
 from __future__ import annotations
 
+import enum
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -32,9 +35,12 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import (
 
 
 @triton.jit
-def _chunk_state_kernel(q, k, v, A, R, G, o, h0, ht, cu_seqlens, chunk_offsets, stride_sk, stride_sv,
-                        H, HV, WORK_LOG2, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                        BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr):
+def _chunk_state_kernel(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, c_lo, c_hi,
+                        stride_ik, stride_iv, stride_ok, stride_ov, H, HV, WORK_LOG2, K: tl.constexpr,
+                        V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H_IN: tl.constexpr,
+                        HAS_H_OUT: tl.constexpr, SEGMENTED: tl.constexpr):
+    """Chunks c_lo <= i < c_hi of each sequence (all of them in one call, or one segment of a pipelined
+    call), starting from h_in (zeros without it) and leaving the state in h_out."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -43,16 +49,20 @@ def _chunk_state_kernel(q, k, v, A, R, G, o, h0, ht, cu_seqlens, chunk_offsets, 
     bos = start.to(tl.int64)
     c_first = tl.load(chunk_offsets + i_n).to(tl.int64)
     dt = k.dtype.element_ty
+    # A segment past this sequence's end runs no chunk and only hands its state on (h_in to h_out).
+    t_hi = tl.minimum(tl.cdiv(T, 64), c_hi)
 
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        p_h0 = tl.make_block_ptr(h0 + i_nh.to(tl.int64) * K * V, (K, V), (stride_sk, stride_sv), (0, i_v * BV),
+    if HAS_H_IN:
+        p_h0 = tl.make_block_ptr(h_in + i_nh.to(tl.int64) * K * V, (K, V), (stride_ik, stride_iv), (0, i_v * BV),
                                  (BK, BV), (1, 0))
         b_s = tl.load(p_h0, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
 
     o_i = tl.arange(0, 64)
     causal = o_i[:, None] >= o_i[None, :]
-    for i_t in range(tl.cdiv(T, 64)):
+    # Unsegmented, the loop keeps its constant start: Triton's pipeliner then emits the same code as
+    # before segments existed (a runtime start cost instructions in every chunk, offline sm_90 SASS).
+    for i_t in range(c_lo if SEGMENTED else 0, t_hi if SEGMENTED else tl.cdiv(T, 64)):
         i_ch = (c_first + i_t) * HV + i_hv
         p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * 64, 0), (64, BK), (1, 0))
         p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * 64, 0), (64, BK), (1, 0))
@@ -88,8 +98,8 @@ def _chunk_state_kernel(q, k, v, A, R, G, o, h0, ht, cu_seqlens, chunk_offsets, 
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
         b_s = b_s * e_last + tl.dot(tl.trans(b_k), (b_vn * r_d[:, None]).to(dt))
 
-    if STORE_FINAL:
-        p_ht = tl.make_block_ptr(ht + i_nh.to(tl.int64) * K * V, (K, V), (stride_sk, stride_sv), (0, i_v * BV),
+    if HAS_H_OUT:
+        p_ht = tl.make_block_ptr(h_out + i_nh.to(tl.int64) * K * V, (K, V), (stride_ok, stride_ov), (0, i_v * BV),
                                  (BK, BV), (1, 0))
         tl.store(p_ht, b_s.to(p_ht.dtype.element_ty), boundary_check=(0, 1))
 
@@ -152,9 +162,54 @@ class _TableCache:
 _tables = _TableCache()
 
 
+class Schedule(enum.Enum):
+    """How the two kernels of one call share the GPU."""
+
+    SERIAL = "serial"  # the inverse kernel, then the state kernel
+    # The chunks cut into segments: the inverse of segment j + 1 runs on the caller's stream while the
+    # state chain of segment j runs on a side stream, ordered by events only. No kernel waits on another
+    # (an earlier try spun on per-chunk flags and hung the H200: CUDA does not promise that kernels of
+    # two streams run at once), so this is correct however the GPU schedules them.
+    PIPELINED = "pipelined"
+
+
+# (BV, num_warps, num_stages) of the state kernel in a pipelined call, giving about one program per SM
+# and leaving the rest of each SM to the inverse kernel; and the segments. H200 (scripts/gdn_schedules.py,
+# ms): 35B 1x8192 serial 0.621-0.627, pipelined BV=32 in 2 segments 0.578-0.579, 3 0.631, 4 0.587-0.595,
+# 8 0.635; BV=64 0.659-0.711. 397B 1x8192 serial 0.853, pipelined BV=64 0.852-0.856 (no gain), so a
+# call pipelines only where BV=32 gives no more programs than SMs. The inverse kernel also making the
+# masked scores (one GEMM off the chain) was slower at every setting (0.634-1.03 ms at 35B) and is gone.
+PIPELINE_CONFIGS = ((32, 4, 2),)
+PIPELINE_SEGMENTS = 2
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _side_stream(index: int) -> torch.cuda.Stream:
+    # The state chain's stream: higher priority than a default stream, so its few programs are placed
+    # as soon as inverse programs retire rather than behind the whole inverse grid.
+    return torch.cuda.Stream(device=index, priority=-1)
+
+
+def _pipeline_config(N: int, HV: int, V: int, sms: int) -> tuple[int, int, int] | None:
+    """The state config of a pipelined call, or None where the state kernel alone gives more programs
+    than SMs (batches, many value heads: nothing is left idle for the inverse kernel to fill)."""
+    fits = [c for c in PIPELINE_CONFIGS if triton.cdiv(V, c[0]) * N * HV <= sms]
+    if not fits:
+        return None
+    return min(fits, key=lambda c: (sms - triton.cdiv(V, c[0]) * N * HV, c[0]))
+
+
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                               use_qk_l2norm_in_kernel, state_v_first, config: tuple[int, int, int] | None = None):
-    """``config``: a fixed (BV, num_warps, num_stages) for the state kernel instead of the autotuner."""
+                               use_qk_l2norm_in_kernel, state_v_first, config: tuple[int, int, int] | None = None,
+                               schedule: Schedule | None = None, segments: int | None = None):
+    """``config``: a fixed (BV, num_warps, num_stages) for the state kernel instead of the autotuner.
+    ``schedule``: None picks PIPELINED where `_pipeline_config` finds a config (few state programs: one
+    long sequence), else SERIAL. ``segments``: of a pipelined call (PIPELINE_SEGMENTS)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
@@ -170,24 +225,73 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         if final is not None:
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return o, final
+    on_gpu = q.device.type == "cuda"
+    if schedule is None:
+        auto = _pipeline_config(N, HV, V, _sm_count(q.device.index)) if on_gpu else None
+        schedule = Schedule.SERIAL if auto is None else Schedule.PIPELINED
+        config = config or auto
+    if schedule is not Schedule.SERIAL and config is None:
+        raise ValueError(f"schedule {schedule.value} needs a fixed state config (BV, warps, stages)")
+    segments = 1 if schedule is Schedule.SERIAL else (PIPELINE_SEGMENTS if segments is None else segments)
+    if segments < 1:
+        raise ValueError(f"segments must be >= 1, got {segments}")
     sdt = torch.bfloat16 if q.dtype != torch.float32 else torch.float32
     A = q.new_empty((NC, HV, BT, BT), dtype=sdt)
     R = q.new_empty((NC, HV, _NROW, BT), dtype=torch.float32)
     G = q.new_empty((NC, HV), dtype=torch.float32)
     BK = triton.next_power_of_2(K)
-    _chunk_inverse_kernel[(NC, HV)](q, k, g, beta, A, R, G, cu, chunk_table, scale, H, HV, K=K, BK=BK,
-                                    L2NORM=use_qk_l2norm_in_kernel, METHOD=INVERSE_METHOD,
-                                    PREC=INVERSE_PRECISION, num_warps=INVERSE_WARPS)
     h0 = initial_state.contiguous() if initial_state is not None else None
     # The state kernel indexes K rows and V columns; a V-first state is the transposed view.
-    stride_sk, stride_sv = (1, K) if state_v_first else (V, 1)
-    args = (q, k, v, A, R, G, o, h0, final, cu, chunk_offsets, stride_sk, stride_sv, H, HV,
-            max(N * HV, 1).bit_length())
-    flags = dict(K=K, V=V, BK=BK, HAS_H0=h0 is not None, STORE_FINAL=final is not None)
-    if config is None:
-        _chunk_state_tuned[lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)](*args, **flags)
-    else:
-        bv, warps, stages = config
-        _chunk_state_kernel[(triton.cdiv(V, bv), N * HV)](*args, **flags, BV=bv, num_warps=warps,
-                                                           num_stages=stages)
+    strides = (1, K) if state_v_first else (V, 1)
+    # Segments by chunk index within each sequence; NC bounds every sequence's chunk count. Between
+    # segments the state waits in fp32 scratch, read and written in place by the program that owns it.
+    per = triton.cdiv(NC, segments)
+    bounds = [(j * per, min((j + 1) * per, NC)) for j in range(segments) if j * per < NC]
+    carry = q.new_empty((N, HV, K, V), dtype=torch.float32) if len(bounds) > 1 else None
+    work_log2 = max(N * HV, 1).bit_length()
+
+    def inverse(c_lo, c_hi):
+        # One sequence: its segment is a run of table rows; several: every row, the others return.
+        row0, rows = (c_lo, c_hi - c_lo) if N == 1 else (0, NC)
+        _chunk_inverse_kernel[(rows, HV)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi, scale,
+                                          H, HV, K=K, BK=BK, L2NORM=use_qk_l2norm_in_kernel,
+                                          METHOD=INVERSE_METHOD, PREC=INVERSE_PRECISION,
+                                          SEGMENTED=len(bounds) > 1, num_warps=INVERSE_WARPS)
+
+    def state(j, c_lo, c_hi):
+        first, last = j == 0, j == len(bounds) - 1
+        h_in, s_in = (h0, strides) if first else (carry, (V, 1))
+        h_out, s_out = (final, strides) if last else (carry, (V, 1))
+        args = (q, k, v, A, R, G, o, h_in, h_out, cu, chunk_offsets, c_lo, NC if last else c_hi,
+                *s_in, *s_out, H, HV, work_log2)
+        kw = dict(K=K, V=V, BK=BK, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None,
+                  SEGMENTED=len(bounds) > 1)
+        if config is None:
+            _chunk_state_tuned[lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)](*args, **kw)
+        else:
+            bv, warps, stages = config
+            _chunk_state_kernel[(triton.cdiv(V, bv), N * HV)](*args, **kw, BV=bv, num_warps=warps,
+                                                               num_stages=stages)
+
+    if len(bounds) == 1 or not on_gpu:
+        for lo, hi in bounds:
+            inverse(lo, hi)
+        for j, (lo, hi) in enumerate(bounds):
+            state(j, lo, hi)
+        return o, final
+    # Fork and join: segment j's chain waits for segment j's inverse only; the caller's stream waits for
+    # the last chain, so every tensor made here (scratch, o, final) is reused only after the side
+    # stream is done with it.
+    cur = torch.cuda.current_stream(q.device)
+    side = _side_stream(q.device.index)
+    ready = []
+    for lo, hi in bounds:
+        inverse(lo, hi)
+        ready.append(torch.cuda.Event())
+        ready[-1].record(cur)
+    with torch.cuda.stream(side):
+        for j, (lo, hi) in enumerate(bounds):
+            side.wait_event(ready[j])
+            state(j, lo, hi)
+    cur.wait_stream(side)
     return o, final

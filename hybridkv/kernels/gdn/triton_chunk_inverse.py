@@ -135,20 +135,28 @@ def _store_rows(q, R, bos, T, i_h, row0, sub: tl.constexpr, c, g_last, b, rk, sc
 
 
 @triton.jit
-def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale, H, HV, K: tl.constexpr,
-                          BK: tl.constexpr, L2NORM: tl.constexpr, METHOD: tl.constexpr, PREC: tl.constexpr):
+def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
+                          K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr, METHOD: tl.constexpr,
+                          PREC: tl.constexpr, SEGMENTED: tl.constexpr):
     """T = (I + L)^-1 of one (chunk, value head): the four 16x16 diagonal blocks together
     (`_inv_unit_lower16x4`), the blocks below by block forward substitution,
     T_ij = -T_ii sum_{j <= m < i} L_im T_mj; and the chunk's row scales.
 
     Launched with two warps: the substitution reduces across rows, and with four warps those
     reductions cross warps (measured 1.5x slower on the H200; one warp spills registers).
+    SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of
+    each sequence; otherwise every row, with the grid and code measured before segments existed.
     """
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    if SEGMENTED:
+        i_c += row0
     i_n = tl.load(chunk_table + 2 * i_c)
     if i_n < 0:  # past the last chunk: the table is sized by an upper bound (no host sync)
         return
     i_t = tl.load(chunk_table + 2 * i_c + 1)
+    if SEGMENTED:
+        if (i_t < c_lo) | (i_t >= c_hi):
+            return
     start = tl.load(cu_seqlens + i_n)
     T = tl.load(cu_seqlens + i_n + 1) - start
     bos = start.to(tl.int64)

@@ -1,0 +1,82 @@
+"""Run by test_gdn_interpreted.py in a subprocess: the Triton chunk kernels in Triton's CPU interpreter
+(TRITON_INTERPRET=1, set before Triton is imported) against the pure-torch reference, for every
+schedule. Prints one JSON object: {schedule/l2norm: [o error, state error]}.
+
+Triton 3.6's interpreter has two numpy-2 faults that these kernels hit, patched here (test-only):
+a bf16 tl.dot multiplies the raw uint16 bit patterns, and a one-element array used as a loop bound
+fails int(). Neither touches compiled kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+_dot = interpreter.InterpreterBuilder.create_dot
+
+
+def _as_float(handle):
+    if getattr(handle.dtype, "scalar", handle.dtype) == tl.bfloat16:
+        return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+    return handle
+
+
+def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    return _dot(self, _as_float(a), _as_float(b), d, input_precision, max_num_imprecise_acc)
+
+
+_patch_tensor = interpreter._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope):
+    _patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+
+interpreter.InterpreterBuilder.create_dot = _create_dot
+interpreter._patch_lang_tensor = _patch_lang_tensor
+
+from hybridkv.kernels.gdn import reference, triton_chunk  # noqa: E402
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    out = {}
+    # Three sequences (18 chunks, exactly one, a partial one) in three segments: the short ones hand
+    # their state through the later segments; and one sequence alone, whose segments are row ranges.
+    for lens in ([1100, 64, 30], [700]):
+        H, HV, K = 1, 2, 128
+        T = sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        q = torch.randn(1, T, H, K).bfloat16()
+        k = torch.randn(1, T, H, K).bfloat16()
+        v = torch.randn(1, T, HV, K).bfloat16()
+        g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 3)
+        beta = torch.rand(1, T, HV)
+        h0 = torch.randn(len(lens), HV, K, K) * 0.1
+        for l2 in (True, False):
+            kk = k if l2 else (k.float() / 12).bfloat16()  # unnormalised keys: keep the recurrence stable
+            o_ref, s_ref = reference.chunk_reference(q, kk, v, g, beta, K**-0.5, h0, True, cu, l2)
+            for schedule in triton_chunk.Schedule:
+                o, s = triton_chunk.chunk_gated_delta_rule_fwd(q, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
+                                                               config=(64, 4, 2), schedule=schedule, segments=3)
+                out[f"{len(lens)}seq/{schedule.value}/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
