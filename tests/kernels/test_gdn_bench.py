@@ -24,6 +24,10 @@ def test_breakdown_idle_is_call_time_minus_kernel_time():
     text = render("35B 1x8192", [b])
     assert text.splitlines()[0] == "35B 1x8192"
     assert "call    100.0 us = kernels     85.5 + idle    14.5" in text
+    # A pipelined call's kernels overlap on two streams: said so, not shown as zero idle.
+    piped = Breakdown(name="hybridkv", call_us=480.0, kernels=(("_chunk_state_kernel", 450.0), ("_inv", 145.0)))
+    assert piped.overlap_us == pytest.approx(115.0) and piped.idle_us == 0.0
+    assert "call    480.0 us < kernels    595.0: 115.0 us ran side by side" in render("35B 1x8192", [piped])
     assert "60.0 us  _chunk_state_kernel" in text
 
 

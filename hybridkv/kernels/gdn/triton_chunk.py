@@ -12,6 +12,10 @@ Measured on one H200 (`hybridkv bench gdn --breakdown`, Triton 3.6): the first v
 kernel (inverse and P together, four warps) took 1.6 ms of 2.2 at 35B 4x8192; its row-by-row
 inverse reduced across warps 60 times per chunk. Taking GEMMs off the chain instead (a chain/output
 split, FLA's W/U cut) was slower on every shape; that code is in git history (commit d3329ca).
+
+One call runs the two kernels one after the other (`Schedule.SERIAL`), or, where the state kernel has
+fewer programs than the GPU has SMs (one long sequence), in segments on two streams so the inverse of
+the next segment fills the SMs the chain leaves idle (`Schedule.PIPELINED`).
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ def _chunk_state_kernel(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offs
                         stride_ik, stride_iv, stride_ok, stride_ov, H, HV, WORK_LOG2, K: tl.constexpr,
                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H_IN: tl.constexpr,
                         HAS_H_OUT: tl.constexpr, SEGMENTED: tl.constexpr):
-    """Chunks c_lo <= i < c_hi of each sequence (all of them in one call, or one segment of a pipelined
-    call), starting from h_in (zeros without it) and leaving the state in h_out."""
+    """Every chunk of each sequence, or with SEGMENTED (one segment of a pipelined call) the chunks
+    c_lo <= i < c_hi; the state starts from h_in (zeros without it) and is left in h_out."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
