@@ -58,8 +58,16 @@ def make_vllm_config(
     kvt = KVTransferConfig(kv_connector="HybridKVConnector", kv_connector_module_path="connectors.vllm",
                            kv_role=role, kv_load_failure_policy=policy, engine_id=engine_id,
                            kv_connector_extra_config=dict(extra or {}))
-    vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kvt,
-                    parallel_config=ParallelConfig(tensor_parallel_size=tp))
+    # The configs model a GPU deployment. vLLM's CPU platform, on a host whose CPU has AVX-512 BF16,
+    # switches the GDN state to fp32 for its own CPU GDN kernels ("Reset SSM cache type to float32"),
+    # which changes every page size and block count below; the hosts that run these tests differ in
+    # that flag, so the probe answers "no" while the config is made, as on any GPU host.
+    import torch
+    from unittest import mock
+
+    with mock.patch.object(torch.cpu, "_is_avx512_bf16_supported", return_value=False):
+        vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kvt,
+                        parallel_config=ParallelConfig(tensor_parallel_size=tp))
     # The CPU platform turns async scheduling off; the scheduler code under test
     # is platform-independent, so put it back (vLLM's own tests pick the class too).
     vc.scheduler_config.async_scheduling = async_scheduling
