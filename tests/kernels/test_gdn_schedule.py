@@ -21,7 +21,12 @@ from hybridkv.kernels.gdn import triton_chunk as tc  # noqa: E402
     (34, 1, None),
 ])
 def test_pipelining_only_where_the_chain_leaves_sms_idle(N, HV, want):
-    assert tc._pipeline_config(N, HV, 128, 132) == want
+    assert tc._pipeline_config(N, HV, 128, 132, 128) == want
+
+
+def test_a_short_prompt_stays_serial():
+    assert tc._pipeline_config(1, 32, 128, 132, tc.PIPELINE_MIN_CHUNKS - 1) is None
+    assert tc._pipeline_config(1, 32, 128, 132, tc.PIPELINE_MIN_CHUNKS) == (32, 4, 2)
 
 
 def _inputs(T=200, H=2, HV=4):

@@ -254,7 +254,7 @@ def test_pipelined_equals_serial_bit_for_bit_and_repeats():
     from hybridkv.kernels.gdn import triton_chunk
 
     q, k, v, g, beta, cu = make([8192], 16, 32, seed=9)
-    cfg = triton_chunk._pipeline_config(1, 32, 128, triton_chunk._sm_count(torch.cuda.current_device()))
+    cfg = triton_chunk._pipeline_config(1, 32, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
     assert cfg is not None
     args = (q, k, v, g, beta, 128**-0.5, None, True, cu, True, False)
     o0, s0 = triton_chunk.chunk_gated_delta_rule_fwd(*args, config=cfg, schedule=triton_chunk.Schedule.SERIAL)

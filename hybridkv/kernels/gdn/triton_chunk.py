@@ -185,6 +185,9 @@ class Schedule(enum.Enum):
 # masked scores (one GEMM off the chain) was slower at every setting (0.634-1.03 ms at 35B) and is gone.
 PIPELINE_CONFIGS = ((32, 4, 2),)
 PIPELINE_SEGMENTS = 2
+# Below this many chunk rows a call stays serial: a short prompt's inverse is a few microseconds, less than
+# the second stream's launches and events cost (a floor chosen, not measured; the gain was measured at 128).
+PIPELINE_MIN_CHUNKS = 32
 
 
 @functools.cache
@@ -199,9 +202,12 @@ def _side_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index, priority=-1)
 
 
-def _pipeline_config(N: int, HV: int, V: int, sms: int) -> tuple[int, int, int] | None:
+def _pipeline_config(N: int, HV: int, V: int, sms: int, chunks: int) -> tuple[int, int, int] | None:
     """The state config of a pipelined call, or None where the state kernel alone gives more programs
-    than SMs (batches, many value heads: nothing is left idle for the inverse kernel to fill)."""
+    than SMs (batches, many value heads: nothing is left idle for the inverse kernel to fill) or the
+    call has fewer than PIPELINE_MIN_CHUNKS chunk rows."""
+    if chunks < PIPELINE_MIN_CHUNKS:
+        return None
     fits = [c for c in PIPELINE_CONFIGS if triton.cdiv(V, c[0]) * N * HV <= sms]
     if not fits:
         return None
@@ -231,7 +237,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         return o, final
     on_gpu = q.device.type == "cuda"
     if schedule is None:
-        auto = _pipeline_config(N, HV, V, _sm_count(q.device.index)) if on_gpu else None
+        auto = _pipeline_config(N, HV, V, _sm_count(q.device.index), NC) if on_gpu else None
         schedule = Schedule.SERIAL if auto is None else Schedule.PIPELINED
         config = config or auto
     if schedule is not Schedule.SERIAL and config is None:
