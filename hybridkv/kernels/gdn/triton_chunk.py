@@ -53,8 +53,6 @@ def _chunk_state_kernel(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offs
     bos = start.to(tl.int64)
     c_first = tl.load(chunk_offsets + i_n).to(tl.int64)
     dt = k.dtype.element_ty
-    # A segment past this sequence's end runs no chunk and only hands its state on (h_in to h_out).
-    t_hi = tl.minimum(tl.cdiv(T, 64), c_hi)
 
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H_IN:
@@ -66,7 +64,9 @@ def _chunk_state_kernel(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offs
     causal = o_i[:, None] >= o_i[None, :]
     # Unsegmented, the loop keeps its constant start: Triton's pipeliner then emits the same code as
     # before segments existed (a runtime start cost instructions in every chunk, offline sm_90 SASS).
-    for i_t in range(c_lo if SEGMENTED else 0, t_hi if SEGMENTED else tl.cdiv(T, 64)):
+    # A segment past this sequence's end runs no chunk and only hands its state on (h_in to h_out).
+    n_t = tl.cdiv(T, 64)
+    for i_t in range(c_lo if SEGMENTED else 0, tl.minimum(n_t, c_hi) if SEGMENTED else n_t):
         i_ch = (c_first + i_t) * HV + i_hv
         p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * 64, 0), (64, BK), (1, 0))
         p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * 64, 0), (64, BK), (1, 0))
@@ -256,7 +256,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     # Segments by chunk index within each sequence; NC bounds every sequence's chunk count. Between
     # segments the state waits in fp32 scratch, read and written in place by the program that owns it.
     per = triton.cdiv(NC, segments)
-    bounds = [(j * per, min((j + 1) * per, NC)) for j in range(segments) if j * per < NC]
+    bounds = [(j * per, min((j + 1) * per, NC)) for j in range(segments) if j * per < NC]  # the last ends at NC
     carry = q.new_empty((N, HV, K, V), dtype=torch.float32) if len(bounds) > 1 else None
     work_log2 = max(N * HV, 1).bit_length()
 
@@ -272,8 +272,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         first, last = j == 0, j == len(bounds) - 1
         h_in, s_in = (h0, strides) if first else (carry, (V, 1))
         h_out, s_out = (final, strides) if last else (carry, (V, 1))
-        args = (q, k, v, A, R, G, o, h_in, h_out, cu, chunk_offsets, c_lo, NC if last else c_hi,
-                *s_in, *s_out, H, HV, work_log2)
+        args = (q, k, v, A, R, G, o, h_in, h_out, cu, chunk_offsets, c_lo, c_hi, *s_in, *s_out, H, HV,
+                work_log2)
         kw = dict(K=K, V=V, BK=BK, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None,
                   SEGMENTED=len(bounds) > 1)
         if config is None:

@@ -54,11 +54,9 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
     b_s = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_STATE:
         # EVEN: the tile covers K and V exactly; unmasked, the state moves in full-width vectors.
-        if EVEN and USE_SLOTS and STREAM:
-            # Each slot is read once and written once: keep it out of the way of q, k, v in L2.
-            b_s = tl.load(p_s, mask=live, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        elif EVEN and USE_SLOTS:
-            b_s = tl.load(p_s, mask=live, other=0.0).to(tl.float32)
+        if EVEN and USE_SLOTS:
+            # STREAM: each slot is read once and written once; keep it out of the way of q, k, v in L2.
+            b_s = tl.load(p_s, mask=live, other=0.0, eviction_policy="evict_first" if STREAM else "").to(tl.float32)
         elif EVEN:
             b_s = tl.load(p_s).to(tl.float32)
         else:
@@ -96,10 +94,8 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
         b_o = tl.where(live, b_o, 0.0)
         tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_STATE:
-        if EVEN and USE_SLOTS and STREAM:
-            tl.store(p_s_out, b_s.to(p_s_out.dtype.element_ty), mask=live, cache_modifier=".cs")
-        elif EVEN and USE_SLOTS:
-            tl.store(p_s_out, b_s.to(p_s_out.dtype.element_ty), mask=live)
+        if EVEN and USE_SLOTS:
+            tl.store(p_s_out, b_s.to(p_s_out.dtype.element_ty), mask=live, cache_modifier=".cs" if STREAM else "")
         elif EVEN:
             tl.store(p_s_out, b_s.to(p_s_out.dtype.element_ty))
         else:
