@@ -50,5 +50,8 @@ print(d["device"], "copy", round(d["copy_gbps"]), "GB/s")
 for r in d["rows"]:
     fla = "-" if r["fla_ms"] is None else f"{r['fla_ms']:.3f}"
     x = "-" if r["speedup_vs_fla"] is None else f"{r['speedup_vs_fla']:.2f}"
-    print(f"{r['kind']:14} {r['shape']:34} {r['ms']:8.3f} ms  FLA {fla:>7}  x{x}")
+    host = "" if r.get("host_ms") is None else f"  host {r['host_ms']:.3f}"
+    if r.get("fla_host_ms") is not None:
+        host += f" / FLA {r['fla_host_ms']:.3f}"
+    print(f"{r['kind']:14} {r['shape']:34} {r['ms']:8.3f} ms  FLA {fla:>7}  x{x}{host}")
 PYEOF

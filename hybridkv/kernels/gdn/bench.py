@@ -1,7 +1,7 @@
 """`hybridkv bench gdn`: hybridkv's GDN kernels side by side with FLA (fla-core) in one run.
 
 Times are CUDA-event medians of `--iters` calls after warm-up. Each timed call is queued behind a
-short GPU spin, so the host-side launch cost of either implementation (Python checks, autotuner
+GPU spin longer than twice its host-side queueing time, so the host-side launch cost of either implementation (Python checks, autotuner
 dispatch) is hidden as it would be in a busy stream or a CUDA graph; host syncs still count. Prefill TFLOP/s use one count for both
 implementations, 6 d^2 + 8 C d FLOP per token and value head (the fused formulation, d = 128, C = 64),
 so their ratio is the time ratio. Prefill GB/s count the minimum traffic of a fused kernel (q, k, v,
@@ -13,7 +13,10 @@ measured in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
+import time
 from dataclasses import asdict, dataclass
 
 PREFILL_SHAPES = (  # (model, H, HV, sequence lengths, batched)
@@ -41,6 +44,8 @@ class Row:
     fla_gbps: float | None
     copy_pct: float | None
     fla_copy_pct: float | None
+    host_ms: float | None = None  # host time to queue one call (hidden behind the spin in `ms`)
+    fla_host_ms: float | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -58,16 +63,47 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=run)
 
 
+@functools.cache
+def _ms_per_mcycle() -> float:
+    """GPU time of torch.cuda._sleep(1_000_000), to size the spin that hides host launch cost."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _host_ms(fn) -> float:
+    """Host time to queue one call (median of 5, the GPU drained before each)."""
+    import torch
+
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[2]
+
+
 def _median_ms(fn, iters: int) -> float:
     import torch
 
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    # The spin outlasts twice the host's queueing time: a fixed 0.5 ms spin was shorter than FLA's host
+    # time for one 8192-token sequence, so its event time there measured Python, not the GPU (the
+    # bimodal FLA times of earlier runs).
+    spin = 1_000_000 * max(1, math.ceil((2 * _host_ms(fn) + 0.2) / _ms_per_mcycle()))
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # ~0.5 ms: the host queues fn() while the GPU spins
+        torch.cuda._sleep(spin)  # the host queues fn() while the GPU spins
         start.record()
         fn()
         end.record()
@@ -120,15 +156,18 @@ def _prefill_rows(fla, iters: int) -> list[Row]:
 
     rows = []
     for shape, B, T, H, HV, args, kw in _prefill_cases():
-        ms = _median_ms(lambda: chunk_gated_delta_rule(*args, **kw), iters)
-        theirs = None if fla is None else _median_ms(lambda: fla[0](*args, **kw), iters)
+        ours_fn = lambda: chunk_gated_delta_rule(*args, **kw)  # noqa: E731
+        fla_fn = None if fla is None else (lambda: fla[0](*args, **kw))
+        ms = _median_ms(ours_fn, iters)
+        theirs = None if fla is None else _median_ms(fla_fn, iters)
         tokens = B * T
         flop = tokens * HV * (6 * D * D + 8 * CHUNK * D)
         nbytes = tokens * (2 * 2 * H * D + 2 * 2 * HV * D + 8 * HV)
         rows.append(Row(kind="prefill", shape=shape, ms=ms, fla_ms=theirs, tokens_per_s=tokens / ms * 1e3,
                         tflops=flop / ms / 1e9, gbps=nbytes / ms / 1e6,
                         fla_gbps=None if theirs is None else nbytes / theirs / 1e6, copy_pct=None,
-                        fla_copy_pct=None))
+                        fla_copy_pct=None, host_ms=_host_ms(ours_fn),
+                        fla_host_ms=None if fla is None else _host_ms(fla_fn)))
     return rows
 
 
@@ -217,12 +256,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"{torch.cuda.get_device_name()}; device copy {copy_gbps:.0f} GB/s; FLA baseline: "
           f"{'fla-core' if fla else 'not installed'}")
     head = f"{'kind':13} {'shape':38} {'ms':>8} {'FLA ms':>8} {'x FLA':>6} {'Mtok/s':>8} {'TFLOP/s':>8} " \
-           f"{'GB/s':>7} {'FLA GB/s':>8} {'%copy':>6} {'FLA %copy':>9}"
+           f"{'GB/s':>7} {'FLA GB/s':>8} {'%copy':>6} {'FLA %copy':>9} {'host ms':>7} {'FLA host':>8}"
     print(head)
     for r in rows:
         print(f"{r.kind:13} {r.shape:38} {r.ms:8.3f} {_fmt(r.fla_ms, '8.3f')} {_fmt(r.speedup, '6.2f')} "
               f"{r.tokens_per_s / 1e6:8.3f} {_fmt(r.tflops, '8.1f')} {r.gbps:7.0f} {_fmt(r.fla_gbps, '8.0f')} "
-              f"{_fmt(r.copy_pct, '6.1f')} {_fmt(r.fla_copy_pct, '9.1f')}")
+              f"{_fmt(r.copy_pct, '6.1f')} {_fmt(r.fla_copy_pct, '9.1f')} "
+              f"{_fmt(r.host_ms, '7.3f')} {_fmt(r.fla_host_ms, '8.3f')}")
     for name, picks in tuned.items():
         print(f"{name}: " + "; ".join(f"{key} -> {cfg}" for key, cfg in picks.items()))
     return 0

@@ -79,6 +79,7 @@ def _specs() -> list[KernelSpec]:
     chunk = "hybridkv.kernels.gdn.triton_chunk"
     inverse = "hybridkv.kernels.gdn.triton_chunk_inverse"
     recurrent = "hybridkv.kernels.gdn.triton_recurrent"
+    inv = triton_chunk_inverse.INVERSE_CONFIG
     conv = "hybridkv.kernels.gdn.triton_conv"
     state_launches = tuple(
         Launch(label=f"BV={bv}", num_warps=w, num_stages=s, constants={"BV": bv, "SEGMENTED": False})
@@ -102,13 +103,12 @@ def _specs() -> list[KernelSpec]:
             signature={"q": "*bf16", "k": "*bf16", "g": "*fp32", "beta": "*fp32", "A": "*bf16", "R": "*fp32",
                        "G": "*fp32", "cu_seqlens": "*i32", "chunk_table": "*i32", "row0": "i32",
                        "c_lo": "i32", "c_hi": "i32", "scale": "fp32", "H": "i32", "HV": "i32"},
-            constants={"K": D, "BK": D, "L2NORM": True, "METHOD": triton_chunk_inverse.INVERSE_METHOD,
-                       "PREC": triton_chunk_inverse.INVERSE_PRECISION},
+            constants={"K": D, "BK": D, "BKC": inv.bkc, "L2NORM": True, "METHOD": inv.method,
+                       "PREC": inv.prec, "MPREC": inv.merge_prec},
             aligned=("H", "HV"),
-            launches=(Launch(label="default", num_warps=triton_chunk_inverse.INVERSE_WARPS,
-                             constants={"SEGMENTED": False}),
-                      Launch(label="segment", num_warps=triton_chunk_inverse.INVERSE_WARPS,
-                             constants={"SEGMENTED": True})),
+            launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}", num_warps=inv.warps,
+                                  num_stages=inv.stages, constants={"SEGMENTED": seg, "GROUP": grp})
+                           for seg in (False, True) for grp in sorted({1, inv.group})),
         ),
         KernelSpec(
             name="chunk_state", module=chunk, attr="_chunk_state_kernel",

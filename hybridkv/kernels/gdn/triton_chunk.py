@@ -31,9 +31,8 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import (
     _NROW,
     _R_STRIDE,
     BT,
-    INVERSE_METHOD,
-    INVERSE_PRECISION,
-    INVERSE_WARPS,
+    INVERSE_CONFIG,
+    InverseConfig,
     _chunk_inverse_kernel,
 )
 
@@ -216,10 +215,12 @@ def _pipeline_config(N: int, HV: int, V: int, sms: int, chunks: int) -> tuple[in
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                use_qk_l2norm_in_kernel, state_v_first, config: tuple[int, int, int] | None = None,
-                               schedule: Schedule | None = None, segments: int | None = None):
+                               schedule: Schedule | None = None, segments: int | None = None,
+                               inverse: InverseConfig = INVERSE_CONFIG):
     """``config``: a fixed (BV, num_warps, num_stages) for the state kernel instead of the autotuner.
     ``schedule``: None picks PIPELINED where `_pipeline_config` finds a config (few state programs: one
-    long sequence), else SERIAL. ``segments``: of a pipelined call (PIPELINE_SEGMENTS)."""
+    long sequence), else SERIAL. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how
+    the inverse kernel is launched."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
@@ -260,13 +261,19 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     carry = q.new_empty((N, HV, K, V), dtype=torch.float32) if len(bounds) > 1 else None
     work_log2 = max(N * HV, 1).bit_length()
 
-    def inverse(c_lo, c_hi):
+    group = inverse.group_for(H, HV)
+    bkc = min(inverse.bkc, BK)
+
+    def run_inverse(c_lo, c_hi):
         # One sequence: its segment is a run of table rows; several: every row, the others return.
         row0, rows = (c_lo, c_hi - c_lo) if N == 1 else (0, NC)
-        _chunk_inverse_kernel[(rows, HV)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi, scale,
-                                          H, HV, K=K, BK=BK, L2NORM=use_qk_l2norm_in_kernel,
-                                          METHOD=INVERSE_METHOD, PREC=INVERSE_PRECISION,
-                                          SEGMENTED=len(bounds) > 1, num_warps=INVERSE_WARPS)
+        _chunk_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi,
+                                                   scale, H, HV, K=K, BK=BK, BKC=bkc, GROUP=group,
+                                                   L2NORM=use_qk_l2norm_in_kernel, METHOD=inverse.method,
+                                                   PREC=inverse.prec, MPREC=inverse.merge_prec, SEGMENTED=len(bounds) > 1,
+                                                   num_warps=inverse.warps, num_stages=inverse.stages,
+                                                   **({} if inverse.maxnreg is None else
+                                                      {"maxnreg": inverse.maxnreg}))
 
     def state(j, c_lo, c_hi):
         first, last = j == 0, j == len(bounds) - 1
@@ -285,7 +292,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
 
     if len(bounds) == 1 or not on_gpu:
         for lo, hi in bounds:
-            inverse(lo, hi)
+            run_inverse(lo, hi)
         for j, (lo, hi) in enumerate(bounds):
             state(j, lo, hi)
         return o, final
@@ -296,7 +303,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     side = _side_stream(q.device.index)
     ready = []
     for lo, hi in bounds:
-        inverse(lo, hi)
+        run_inverse(lo, hi)
         ready.append(torch.cuda.Event())
         ready[-1].record(cur)
     with torch.cuda.stream(side):

@@ -7,12 +7,19 @@ substitution. Beside it, the row scales that fold the l2 norms, beta and the dec
 kernel's GEMM epilogues. T goes to chunk-aligned scratch in bf16 (128 B per token and value head), the
 row scales in fp32 (32 B).
 
-Measured on one H200 (35B 4x8192, kernel alone): 531 us with the defaults below; 596 with ieee
-substitution; 1,964 for the first version (inverse and the scores in one four-warp kernel, the four
-diagonal blocks inverted one after another).
+Measured on one H200 (kernel alone, torch.profiler; `scripts/gdn_inverse_probe.py`), us at 35B / 397B
+4x8192: the previous kernel (one value head per program, k held whole, product form and substitution
+in tf32x3) 844 / 1,628; grouped value heads with k in 32 columns, same numerics 813 / 1,590; product
+form tf32x3 with tf32 substitution 669 / 1,188; fp32 forward substitution on the diagonal with tf32
+substitution below it (the default, FLA's numerics) 638 / 1,091. All-tf32 was fastest (519 / 823) but
+turns NaN on the worst case (identical keys, beta = 1): the product form needs fp32 products. A
+register cap (200) or four warps were slower. The first version (inverse and the scores in one
+four-warp kernel) took 1,964 at 35B.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import triton
 import triton.language as tl
@@ -20,11 +27,40 @@ import triton.language as tl
 BT = 64
 _NROW = 8  # row scales per token: sq, sk, sd, beta, gamma (cumulative log decay), scale rq, rk, unused
 _R_STRIDE = tl.constexpr(_NROW * BT)  # floats of row scales per (chunk, value head)
-# The inverse kernel's method, precision and warps, picked on the H200 (see _inv_unit_lower16x4 and
-# the module docstring).
-INVERSE_METHOD = 1
-INVERSE_PRECISION = "tf32x3"
-INVERSE_WARPS = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class InverseConfig:
+    """How the inverse kernel is launched. ``group``: value heads per program, at most this many
+    (a divisor of HV / H is used); ``bkc``: columns of k per gram step; ``method`` and ``prec``: of
+    `_inv_unit_lower16x4` and the block substitution."""
+
+    group: int = 4
+    bkc: int = 32
+    warps: int = 2
+    stages: int = 1
+    method: int = 1
+    prec: str = "tf32x3"
+    merge_prec: str = "tf32x3"
+    maxnreg: int | None = None  # a register cap for ptxas (more programs per SM, maybe spills)
+
+    def __post_init__(self) -> None:
+        if self.group < 1 or self.bkc not in (16, 32, 64, 128) or self.warps not in (1, 2, 4, 8) or self.stages < 1:
+            raise ValueError(f"bad inverse config {self}: group >= 1, bkc in 16/32/64/128, warps in 1/2/4/8, "
+                             "stages >= 1")
+        precs = ("ieee", "tf32x3", "tf32")
+        if self.method not in (0, 1) or self.prec not in precs or self.merge_prec not in precs:
+            raise ValueError(f"bad inverse config {self}: method 0 or 1, prec and merge_prec ieee/tf32x3/tf32")
+
+    def group_for(self, H: int, HV: int) -> int:
+        """The largest divisor of HV / H that is at most ``group``."""
+        per = HV // H
+        return max(d for d in range(1, min(self.group, per) + 1) if per % d == 0)
+
+
+# Picked on the H200 (see the module docstring); worst-case error 2.7% (tf32x3 throughout: 1.8-2.0%,
+# the GPU test allows 5%).
+INVERSE_CONFIG = InverseConfig(method=0, merge_prec="tf32")
 
 
 @triton.jit
@@ -74,35 +110,33 @@ def _unstack4(x):
 
 
 @triton.jit
-def _load_sub(k, g, beta, bos, T, i_h, i_hv, row0, H, HV, K: tl.constexpr,
-              BK: tl.constexpr, L2NORM: tl.constexpr):
-    """One 16-token sub-block: k [16, BK] (l2-normalised if asked) in k's dtype, its inverse row norms,
-    g and beta [16] fp32 (zero past the end)."""
-    p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (row0, 0), (16, BK), (1, 0))
-    b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
-    if L2NORM:
-        kf = b_k.to(tl.float32)
-        rk = tl.rsqrt(tl.sum(kf * kf, 1) + 1e-6)
-        b_k = (kf * rk[:, None]).to(b_k.dtype)
-    else:
-        rk = tl.full([16], 1.0, dtype=tl.float32)
+def _sub_rows(x, bos, T, i_h, row0, i_k, H, K: tl.constexpr, BKC: tl.constexpr):
+    """Columns [i_k BKC, (i_k + 1) BKC) of one 16-token sub-block of q or k (zero past the ends)."""
+    p = tl.make_block_ptr(x + (bos * H + i_h) * K, (T, K), (H * K, 1), (row0, i_k * BKC), (16, BKC), (1, 0))
+    return tl.load(p, boundary_check=(0, 1), padding_option="zero")
+
+
+@triton.jit
+def _gates(g, beta, bos, T, i_hv, row0, HV):
+    """g and beta of one 16-token sub-block, fp32, zero past the end."""
     o_t = row0 + tl.arange(0, 16)
     m_t = o_t < T
     b_g = tl.load(g + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    return b_k, rk, b_g, b_b
+    return b_g, b_b
 
 
 @triton.jit
-def _lower_block(ki, kj, ci, cj, bi, DIAG: tl.constexpr):
-    """L_ij = beta_i e^(gamma_i - gamma_j) k_i . k_j, strictly lower when i == j."""
-    a = tl.dot(ki, tl.trans(kj))
+def _lower_block(gram, ci, cj, bi, ri, rj, DIAG: tl.constexpr):
+    """L_ij = beta_i e^(gamma_i - gamma_j) k_i . k_j / (|k_i| |k_j|) from the raw gram block, strictly
+    lower when i == j."""
     d = ci[:, None] - cj[None, :]
+    a = gram * (bi * ri)[:, None] * rj[None, :]
     if DIAG:
         r = tl.arange(0, 16)
         keep = r[:, None] > r[None, :]
-        return tl.where(keep, bi[:, None] * tl.exp(tl.where(keep, d, 0.0)) * a, 0.0)
-    return bi[:, None] * tl.exp(d) * a
+        return tl.where(keep, tl.exp(tl.where(keep, d, 0.0)) * a, 0.0)
+    return tl.exp(d) * a
 
 
 @triton.jit
@@ -112,15 +146,8 @@ def _store16(p, x, row0: tl.constexpr, col0: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(q, R, bos, T, i_h, row0, sub: tl.constexpr, c, g_last, b, rk, scale, H,
-                K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
+def _store_rows(R, T, row0, sub: tl.constexpr, c, g_last, b, rq, rk, scale):
     """The state kernel's row scales for one 16-token sub-block (zero past the end)."""
-    if L2NORM:
-        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (row0, 0), (16, BK), (1, 0))
-        qf = tl.load(p_q, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-        rq = tl.rsqrt(tl.sum(qf * qf, 1) + 1e-6)
-    else:
-        rq = tl.full([16], 1.0, dtype=tl.float32)
     o = tl.arange(0, 16)
     live = row0 + o < T
     e_c = tl.exp(c)
@@ -136,18 +163,21 @@ def _store_rows(q, R, bos, T, i_h, row0, sub: tl.constexpr, c, g_last, b, rk, sc
 
 @triton.jit
 def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
-                          K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr, METHOD: tl.constexpr,
-                          PREC: tl.constexpr, SEGMENTED: tl.constexpr):
-    """T = (I + L)^-1 of one (chunk, value head): the four 16x16 diagonal blocks together
-    (`_inv_unit_lower16x4`), the blocks below by block forward substitution,
+                          K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, GROUP: tl.constexpr,
+                          L2NORM: tl.constexpr, METHOD: tl.constexpr, PREC: tl.constexpr,
+                          MPREC: tl.constexpr, SEGMENTED: tl.constexpr):
+    """T = (I + L)^-1 of one chunk for GROUP value heads of one key head: the four 16x16 diagonal blocks
+    together (`_inv_unit_lower16x4`), the blocks below by block forward substitution,
     T_ij = -T_ii sum_{j <= m < i} L_im T_mj; and the chunk's row scales.
 
-    Launched with two warps: the substitution reduces across rows, and with four warps those
-    reductions cross warps (measured 1.5x slower on the H200; one warp spills registers).
+    The raw gram K K^T and the q and k norms depend on the key head only: made once, BKC columns at a
+    time (the whole 64 x K block of k never sits in registers), then every value head of the group
+    scales its own copy by beta and the decays. The first version held k whole and redid all of it per
+    value head: 255 registers and spills at two warps, so four programs per SM.
     SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of
-    each sequence; otherwise every row, with the grid and code measured before segments existed.
+    each sequence; otherwise every row.
     """
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_c, i_g = tl.program_id(0), tl.program_id(1)
     if SEGMENTED:
         i_c += row0
     i_n = tl.load(chunk_table + 2 * i_c)
@@ -160,63 +190,104 @@ def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
     start = tl.load(cu_seqlens + i_n)
     T = tl.load(cu_seqlens + i_n + 1) - start
     bos = start.to(tl.int64)
-    i_h = i_hv // (HV // H)
+    hv0 = i_g * GROUP
+    i_h = hv0 // (HV // H)
     r0 = i_t * 64
-    k0, rk0, g0, b0 = _load_sub(k, g, beta, bos, T, i_h, i_hv, r0, H, HV, K, BK, L2NORM)
-    k1, rk1, g1, b1 = _load_sub(k, g, beta, bos, T, i_h, i_hv, r0 + 16, H, HV, K, BK, L2NORM)
-    k2, rk2, g2, b2 = _load_sub(k, g, beta, bos, T, i_h, i_hv, r0 + 32, H, HV, K, BK, L2NORM)
-    k3, rk3, g3, b3 = _load_sub(k, g, beta, bos, T, i_h, i_hv, r0 + 48, H, HV, K, BK, L2NORM)
-    c0 = tl.cumsum(g0, 0)
-    c1 = tl.cumsum(g1, 0) + tl.sum(g0, 0)
-    c2 = tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)
-    c3 = tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)
-    g_last = tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0) + tl.sum(g3, 0)
 
-    i_ch = i_c.to(tl.int64) * HV + i_hv
-    p_r = R + i_ch * _R_STRIDE
-    _store_rows(q, p_r, bos, T, i_h, r0, 0, c0, g_last, b0, rk0, scale, H, K, BK, L2NORM)
-    _store_rows(q, p_r, bos, T, i_h, r0 + 16, 1, c1, g_last, b1, rk1, scale, H, K, BK, L2NORM)
-    _store_rows(q, p_r, bos, T, i_h, r0 + 32, 2, c2, g_last, b2, rk2, scale, H, K, BK, L2NORM)
-    _store_rows(q, p_r, bos, T, i_h, r0 + 48, 3, c3, g_last, b3, rk3, scale, H, K, BK, L2NORM)
-    tl.store(G + i_ch, tl.exp(g_last))
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    a00, a10, a11, a20, a21, a22, a30, a31, a32, a33 = z, z, z, z, z, z, z, z, z, z
+    zr = tl.zeros([16], dtype=tl.float32)
+    sk0, sk1, sk2, sk3, sq0, sq1, sq2, sq3 = zr, zr, zr, zr, zr, zr, zr, zr
+    for i_k in tl.static_range(BK // BKC):
+        k0 = _sub_rows(k, bos, T, i_h, r0, i_k, H, K, BKC)
+        k1 = _sub_rows(k, bos, T, i_h, r0 + 16, i_k, H, K, BKC)
+        k2 = _sub_rows(k, bos, T, i_h, r0 + 32, i_k, H, K, BKC)
+        k3 = _sub_rows(k, bos, T, i_h, r0 + 48, i_k, H, K, BKC)
+        a00 = tl.dot(k0, tl.trans(k0), a00)
+        a10 = tl.dot(k1, tl.trans(k0), a10)
+        a11 = tl.dot(k1, tl.trans(k1), a11)
+        a20 = tl.dot(k2, tl.trans(k0), a20)
+        a21 = tl.dot(k2, tl.trans(k1), a21)
+        a22 = tl.dot(k2, tl.trans(k2), a22)
+        a30 = tl.dot(k3, tl.trans(k0), a30)
+        a31 = tl.dot(k3, tl.trans(k1), a31)
+        a32 = tl.dot(k3, tl.trans(k2), a32)
+        a33 = tl.dot(k3, tl.trans(k3), a33)
+        if L2NORM:
+            sk0 += tl.sum(k0.to(tl.float32) * k0.to(tl.float32), 1)
+            sk1 += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), 1)
+            sk2 += tl.sum(k2.to(tl.float32) * k2.to(tl.float32), 1)
+            sk3 += tl.sum(k3.to(tl.float32) * k3.to(tl.float32), 1)
+            q0 = _sub_rows(q, bos, T, i_h, r0, i_k, H, K, BKC).to(tl.float32)
+            q1 = _sub_rows(q, bos, T, i_h, r0 + 16, i_k, H, K, BKC).to(tl.float32)
+            q2 = _sub_rows(q, bos, T, i_h, r0 + 32, i_k, H, K, BKC).to(tl.float32)
+            q3 = _sub_rows(q, bos, T, i_h, r0 + 48, i_k, H, K, BKC).to(tl.float32)
+            sq0 += tl.sum(q0 * q0, 1)
+            sq1 += tl.sum(q1 * q1, 1)
+            sq2 += tl.sum(q2 * q2, 1)
+            sq3 += tl.sum(q3 * q3, 1)
+    if L2NORM:
+        rk0, rk1, rk2, rk3 = tl.rsqrt(sk0 + 1e-6), tl.rsqrt(sk1 + 1e-6), tl.rsqrt(sk2 + 1e-6), tl.rsqrt(sk3 + 1e-6)
+        rq0, rq1, rq2, rq3 = tl.rsqrt(sq0 + 1e-6), tl.rsqrt(sq1 + 1e-6), tl.rsqrt(sq2 + 1e-6), tl.rsqrt(sq3 + 1e-6)
+    else:
+        one = tl.full([16], 1.0, dtype=tl.float32)
+        rk0, rk1, rk2, rk3, rq0, rq1, rq2, rq3 = one, one, one, one, one, one, one, one
 
-    # All ten blocks of L first, so k's registers are free before the substitution.
-    l10 = _lower_block(k1, k0, c1, c0, b1, False)
-    l20 = _lower_block(k2, k0, c2, c0, b2, False)
-    l21 = _lower_block(k2, k1, c2, c1, b2, False)
-    l30 = _lower_block(k3, k0, c3, c0, b3, False)
-    l31 = _lower_block(k3, k1, c3, c1, b3, False)
-    l32 = _lower_block(k3, k2, c3, c2, b3, False)
-    t00, t11, t22, t33 = _unstack4(_inv_unit_lower16x4(_stack4(
-        _lower_block(k0, k0, c0, c0, b0, True), _lower_block(k1, k1, c1, c1, b1, True),
-        _lower_block(k2, k2, c2, c2, b2, True), _lower_block(k3, k3, c3, c3, b3, True)), METHOD, PREC))
-    t10 = -tl.dot(t11, tl.dot(l10, t00, input_precision=PREC), input_precision=PREC)
-    t21 = -tl.dot(t22, tl.dot(l21, t11, input_precision=PREC), input_precision=PREC)
-    t32 = -tl.dot(t33, tl.dot(l32, t22, input_precision=PREC), input_precision=PREC)
-    t20 = -tl.dot(t22, tl.dot(l20, t00, input_precision=PREC) + tl.dot(l21, t10, input_precision=PREC),
-                  input_precision=PREC)
-    t31 = -tl.dot(t33, tl.dot(l31, t11, input_precision=PREC) + tl.dot(l32, t21, input_precision=PREC),
-                  input_precision=PREC)
-    t30 = -tl.dot(t33, tl.dot(l30, t00, input_precision=PREC) + tl.dot(l31, t10, input_precision=PREC)
-                  + tl.dot(l32, t20, input_precision=PREC), input_precision=PREC)
+    for j in range(GROUP):
+        i_hv = hv0 + j
+        g0, b0 = _gates(g, beta, bos, T, i_hv, r0, HV)
+        g1, b1 = _gates(g, beta, bos, T, i_hv, r0 + 16, HV)
+        g2, b2 = _gates(g, beta, bos, T, i_hv, r0 + 32, HV)
+        g3, b3 = _gates(g, beta, bos, T, i_hv, r0 + 48, HV)
+        s0, s1, s2 = tl.sum(g0, 0), tl.sum(g1, 0), tl.sum(g2, 0)
+        c0 = tl.cumsum(g0, 0)
+        c1 = tl.cumsum(g1, 0) + s0
+        c2 = tl.cumsum(g2, 0) + (s0 + s1)
+        c3 = tl.cumsum(g3, 0) + (s0 + s1 + s2)
+        g_last = s0 + s1 + s2 + tl.sum(g3, 0)
 
-    p = A + i_ch * 4096
-    zero = tl.zeros([16, 16], dtype=tl.float32)
-    _store16(p, t00, 0, 0)
-    _store16(p, zero, 0, 16)
-    _store16(p, zero, 0, 32)
-    _store16(p, zero, 0, 48)
-    _store16(p, t10, 16, 0)
-    _store16(p, t11, 16, 16)
-    _store16(p, zero, 16, 32)
-    _store16(p, zero, 16, 48)
-    _store16(p, t20, 32, 0)
-    _store16(p, t21, 32, 16)
-    _store16(p, t22, 32, 32)
-    _store16(p, zero, 32, 48)
-    _store16(p, t30, 48, 0)
-    _store16(p, t31, 48, 16)
-    _store16(p, t32, 48, 32)
-    _store16(p, t33, 48, 48)
+        i_ch = i_c.to(tl.int64) * HV + i_hv
+        p_r = R + i_ch * _R_STRIDE
+        _store_rows(p_r, T, r0, 0, c0, g_last, b0, rq0, rk0, scale)
+        _store_rows(p_r, T, r0 + 16, 1, c1, g_last, b1, rq1, rk1, scale)
+        _store_rows(p_r, T, r0 + 32, 2, c2, g_last, b2, rq2, rk2, scale)
+        _store_rows(p_r, T, r0 + 48, 3, c3, g_last, b3, rq3, rk3, scale)
+        tl.store(G + i_ch, tl.exp(g_last))
 
+        l10 = _lower_block(a10, c1, c0, b1, rk1, rk0, False)
+        l20 = _lower_block(a20, c2, c0, b2, rk2, rk0, False)
+        l21 = _lower_block(a21, c2, c1, b2, rk2, rk1, False)
+        l30 = _lower_block(a30, c3, c0, b3, rk3, rk0, False)
+        l31 = _lower_block(a31, c3, c1, b3, rk3, rk1, False)
+        l32 = _lower_block(a32, c3, c2, b3, rk3, rk2, False)
+        t00, t11, t22, t33 = _unstack4(_inv_unit_lower16x4(_stack4(
+            _lower_block(a00, c0, c0, b0, rk0, rk0, True), _lower_block(a11, c1, c1, b1, rk1, rk1, True),
+            _lower_block(a22, c2, c2, b2, rk2, rk2, True), _lower_block(a33, c3, c3, b3, rk3, rk3, True)),
+            METHOD, PREC))
+        t10 = -tl.dot(t11, tl.dot(l10, t00, input_precision=MPREC), input_precision=MPREC)
+        t21 = -tl.dot(t22, tl.dot(l21, t11, input_precision=MPREC), input_precision=MPREC)
+        t32 = -tl.dot(t33, tl.dot(l32, t22, input_precision=MPREC), input_precision=MPREC)
+        t20 = -tl.dot(t22, tl.dot(l20, t00, input_precision=MPREC) + tl.dot(l21, t10, input_precision=MPREC),
+                      input_precision=MPREC)
+        t31 = -tl.dot(t33, tl.dot(l31, t11, input_precision=MPREC) + tl.dot(l32, t21, input_precision=MPREC),
+                      input_precision=MPREC)
+        t30 = -tl.dot(t33, tl.dot(l30, t00, input_precision=MPREC) + tl.dot(l31, t10, input_precision=MPREC)
+                      + tl.dot(l32, t20, input_precision=MPREC), input_precision=MPREC)
 
+        p = A + i_ch * 4096
+        _store16(p, t00, 0, 0)
+        _store16(p, z, 0, 16)
+        _store16(p, z, 0, 32)
+        _store16(p, z, 0, 48)
+        _store16(p, t10, 16, 0)
+        _store16(p, t11, 16, 16)
+        _store16(p, z, 16, 32)
+        _store16(p, z, 16, 48)
+        _store16(p, t20, 32, 0)
+        _store16(p, t21, 32, 16)
+        _store16(p, t22, 32, 32)
+        _store16(p, z, 32, 48)
+        _store16(p, t30, 48, 0)
+        _store16(p, t31, 48, 16)
+        _store16(p, t32, 48, 32)
+        _store16(p, t33, 48, 48)

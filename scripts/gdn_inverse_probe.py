@@ -1,0 +1,115 @@
+"""Device probe for issue #8: the inverse kernel's launch variants (value heads per program, k columns
+per gram step, warps, stages, inverse method and precision, a register cap) and a few state configs,
+on the bench's prefill shapes, with the per-kernel device time of each (torch.profiler).
+
+    python3 scripts/gdn_inverse_probe.py [--iters 10] [--json PATH] [--shapes 4x8192]
+
+Each variant's output and final state are compared with the pure-torch reference in fp32 (relative
+RMS error), so a variant that is fast because it is imprecise shows. Run from the repository root on
+a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from hybridkv.kernels.gdn import bench, breakdown, reference, triton_chunk
+from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
+
+VARIANTS = (
+    InverseConfig(group=1, bkc=128, warps=2, stages=3),  # the previous kernel's shape (k held whole)
+    InverseConfig(),
+    InverseConfig(prec="tf32", merge_prec="tf32"),
+    InverseConfig(merge_prec="tf32"),
+    InverseConfig(bkc=64, merge_prec="tf32"),
+    InverseConfig(method=0, merge_prec="tf32"),
+    InverseConfig(method=0),
+    InverseConfig(merge_prec="tf32", maxnreg=200),
+)
+PIPELINED = ((32, 4, 2), (64, 4, 2))
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+
+
+def kernel_us(b: breakdown.Breakdown, name: str) -> float:
+    return sum(us for k, us in b.kernels if name in k)
+
+
+def worst_case() -> list[dict]:
+    """Every key of a chunk the same, beta = 1, no decay (tests/kernels/test_gdn_triton.py's worst case
+    for the inverse; the test allows 5%)."""
+    torch.manual_seed(5)
+    lens, H, HV = [1000, 300], 2, 4
+    T = sum(lens)
+    q = torch.randn(1, T, H, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, T, H, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, T, HV, 128, device="cuda", dtype=torch.bfloat16)
+    k = (k[:, :1] + 1e-3 * k).to(k.dtype)
+    g, beta = torch.zeros(1, T, HV, device="cuda"), torch.ones(1, T, HV, device="cuda")
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    o_ref, s_ref = reference.chunk_reference(q, k, v, g, beta, 128**-0.5, None, True, cu, True)
+    rows = []
+    for inv in VARIANTS:
+        o, s = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
+                                                       schedule=triton_chunk.Schedule.SERIAL, inverse=inv)
+        err = (rel(o, o_ref), rel(s, s_ref))
+        rows.append(dict(shape="worst case", inverse=repr(inv), err=max(err)))
+        print(f"worst case m{inv.method} {inv.prec}/{inv.merge_prec} g{inv.group} bkc{inv.bkc}: o {err[0]:.2e} "
+              f"state {err[1]:.2e}", flush=True)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", default=None)
+    p.add_argument("--shapes", nargs="*", default=[])
+    a = p.parse_args()
+    rows = []
+    print(torch.cuda.get_device_name(), flush=True)
+    rows += worst_case()
+    for shape, B, T, H, HV, args, kw in bench._prefill_cases():
+        if a.shapes and not any(x in shape for x in a.shapes):
+            continue
+        q, k, v, g, beta = args
+        cu = kw["cu_seqlens"]
+        o_ref, s_ref = reference.chunk_reference(q.float(), k.float(), v.float(), g, beta, 128**-0.5, None, True,
+                                                 cu, True)
+
+        def call(inverse, config=None, schedule=triton_chunk.Schedule.SERIAL):  # noqa: B023
+            return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
+                                                           config=config, schedule=schedule, inverse=inverse)
+
+        serial = triton_chunk.Schedule.SERIAL
+        cases = [(inv, None, serial) for inv in VARIANTS]
+        if "1x" in shape:
+            cases += [(inv, cfg, triton_chunk.Schedule.PIPELINED) for inv in VARIANTS[3:6] for cfg in PIPELINED]
+        for inv, cfg, sched in cases:
+            try:
+                o, s = call(inv, cfg, sched)
+            except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result too
+                print(f"{shape:30} {inv} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            err = max(rel(o, o_ref), rel(s, s_ref))
+            b = breakdown.measure("hybridkv", lambda: call(inv, cfg, sched), a.iters, bench._median_ms)
+            row = dict(shape=shape, inverse=repr(inv), state=cfg, schedule=sched.value, call_us=b.call_us,
+                       inverse_us=kernel_us(b, "inverse"), state_us=kernel_us(b, "state"), err=err)
+            rows.append(row)
+            print(f"{shape:30} g{inv.group} bkc{inv.bkc} w{inv.warps} s{inv.stages} m{inv.method} {inv.prec:6} "
+                  f"/{inv.merge_prec:6} reg{inv.maxnreg} {sched.value} {cfg}: call {b.call_us:7.1f} us  inverse {row['inverse_us']:7.1f}  "
+                  f"state {row['state_us']:7.1f}  err {err:.2e}", flush=True)
+        del args, o_ref, s_ref
+    if a.json:
+        json.dump(rows, open(a.json, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
