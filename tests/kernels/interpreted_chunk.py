@@ -45,6 +45,9 @@ interpreter.InterpreterBuilder.create_dot = _create_dot
 interpreter._patch_lang_tensor = _patch_lang_tensor
 
 from hybridkv.kernels.gdn import reference, triton_chunk  # noqa: E402
+from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig  # noqa: E402
+
+PRODUCT_FORM = InverseConfig(group=1, bkc=128, method=1, prec="tf32x3", merge_prec="tf32x3")
 
 
 def rel(a, b) -> float:
@@ -68,12 +71,21 @@ def main() -> int:
         beta = torch.rand(1, T, HV)
         h0 = torch.randn(len(lens), HV, K, K) * 0.1
         for l2 in (True, False):
-            kk = k if l2 else (k.float() / 12).bfloat16()  # unnormalised keys: keep the recurrence stable
-            o_ref, s_ref = reference.chunk_reference(q, kk, v, g, beta, K**-0.5, h0, True, cu, l2)
+            # l2norm on: queries and keys of unequal norms (0.25-4x), so a row's norm used for another's
+            # shows; off: unnormalised keys kept small for a stable recurrence.
+            spread = lambda x: (x.float() * 4 ** (2 * torch.rand(1, T, H, 1) - 1)).bfloat16()  # noqa: E731
+            qq = spread(q) if l2 else q
+            kk = spread(k) if l2 else (k.float() / 12).bfloat16()
+            o_ref, s_ref = reference.chunk_reference(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2)
             for schedule in triton_chunk.Schedule:
-                o, s = triton_chunk.chunk_gated_delta_rule_fwd(q, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
+                o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
                                                                config=(64, 4, 2), schedule=schedule, segments=3)
                 out[f"{len(lens)}seq/{schedule.value}/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
+            # The other inverse path: one value head per program, k whole, the product-form inverse.
+            o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
+                                                           config=(64, 4, 2), schedule=triton_chunk.Schedule.SERIAL,
+                                                           inverse=PRODUCT_FORM)
+            out[f"{len(lens)}seq/serial-product-form/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
     print(json.dumps(out))
     return 0
 

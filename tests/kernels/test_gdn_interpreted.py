@@ -1,6 +1,6 @@
 """CPU: the Triton chunk kernels themselves (not the reference) in Triton's interpreter, every schedule,
 so CI checks the kernels' logic - the inverse, the scores, the segments of a pipelined call and the state
-handed between them - without a GPU. The interpreter runs programs one after another, so it checks
+handed between them, both inverse methods - without a GPU. The interpreter runs programs one after another, so it checks
 what the kernels compute, not how the two streams overlap (the GPU tests do that)."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ def test_chunk_kernels_in_the_interpreter_match_the_reference():
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(errors) == {f"{n}seq/{s}/l2={l2}" for n in (3, 1) for s in ("serial", "pipelined")
+    assert set(errors) == {f"{n}seq/{s}/l2={l2}" for n in (3, 1)
+                           for s in ("serial", "pipelined", "serial-product-form")
                            for l2 in (True, False)}
     for name, (o_err, s_err) in errors.items():
         # bf16 inputs and GEMM operands, as on the GPU (the GPU tests' bound).

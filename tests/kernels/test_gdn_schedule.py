@@ -48,3 +48,27 @@ def test_segments_must_be_positive(segments):
     with pytest.raises(ValueError, match=f"segments must be >= 1, got {segments}"):
         tc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, None, False, None, True, False, config=(32, 4, 2),
                                       schedule=tc.Schedule.PIPELINED, segments=segments)
+
+
+@pytest.mark.parametrize(("group", "H", "HV", "want"), [
+    (4, 16, 64, 4),  # 397B: a program per key head
+    (4, 16, 32, 2),  # 35B
+    (4, 16, 48, 3),  # 27B: three value heads per key head
+    (4, 2, 10, 1),  # five per key head: 5 has no divisor in 2..4
+    (1, 16, 64, 1),
+    (4, 16, 16, 1),
+])
+def test_inverse_groups_value_heads_of_one_key_head(group, H, HV, want):
+    from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
+
+    got = InverseConfig(group=group).group_for(H, HV)
+    assert got == want and (HV // H) % got == 0
+
+
+@pytest.mark.parametrize("bad", [dict(group=0), dict(bkc=48), dict(warps=3), dict(stages=0), dict(method=2),
+                                 dict(prec="fp16"), dict(merge_prec="bf16")])
+def test_a_bad_inverse_config_is_refused_with_its_values(bad):
+    from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
+
+    with pytest.raises(ValueError, match="bad inverse config InverseConfig"):
+        InverseConfig(**bad)
