@@ -182,6 +182,8 @@ class Schedule(enum.Enum):
 # 8 0.635; BV=64 0.659-0.711. 397B 1x8192 serial 0.853, pipelined BV=64 0.852-0.856 (no gain), so a
 # call pipelines only where BV=32 gives no more programs than SMs. The inverse kernel also making the
 # masked scores (one GEMM off the chain) was slower at every setting (0.634-1.03 ms at 35B) and is gone.
+# With the grouped inverse kernel (scripts/gdn_inverse_probe.py): 35B 1x8192 serial 0.578, pipelined BV=32
+# 0.526-0.539; 397B serial 0.755, pipelined 0.778-0.829 (still serial).
 PIPELINE_CONFIGS = ((32, 4, 2),)
 PIPELINE_SEGMENTS = 2
 # Below this many chunk rows a call stays serial: a short prompt's inverse is a few microseconds, less than
