@@ -20,6 +20,8 @@ import torch
 from hybridkv.kernels.gdn import bench, breakdown, reference, triton_chunk
 from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 
+from gdn_schedules import rel  # scripts/ is this script's own directory on sys.path
+
 VARIANTS = (
     InverseConfig(group=1, bkc=128, warps=2, stages=3),  # the previous kernel's shape (k held whole)
     InverseConfig(),
@@ -31,11 +33,6 @@ VARIANTS = (
     InverseConfig(merge_prec="tf32", maxnreg=200),
 )
 PIPELINED = ((32, 4, 2), (64, 4, 2))
-
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12)).item()
 
 
 def kernel_us(b: breakdown.Breakdown, name: str) -> float:
@@ -103,8 +100,8 @@ def main() -> int:
                        inverse_us=kernel_us(b, "inverse"), state_us=kernel_us(b, "state"), err=err)
             rows.append(row)
             print(f"{shape:30} g{inv.group} bkc{inv.bkc} w{inv.warps} s{inv.stages} m{inv.method} {inv.prec:6} "
-                  f"/{inv.merge_prec:6} reg{inv.maxnreg} {sched.value} {cfg}: call {b.call_us:7.1f} us  inverse {row['inverse_us']:7.1f}  "
-                  f"state {row['state_us']:7.1f}  err {err:.2e}", flush=True)
+                  f"/{inv.merge_prec:6} reg{inv.maxnreg} {sched.value} {cfg}: call {b.call_us:7.1f} us  "
+                  f"inverse {row['inverse_us']:7.1f}  state {row['state_us']:7.1f}  err {err:.2e}", flush=True)
         del args, o_ref, s_ref
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)

@@ -1,10 +1,10 @@
 """`hybridkv bench gdn`: hybridkv's GDN kernels side by side with FLA (fla-core) in one run.
 
 Times are CUDA-event medians of `--iters` calls after warm-up. Each timed call is queued behind a
-GPU spin longer than twice its host-side queueing time, so the host-side launch cost of either implementation (Python checks, autotuner
-dispatch) is hidden as it would be in a busy stream or a CUDA graph; host syncs still count. Prefill TFLOP/s use one count for both
-implementations, 6 d^2 + 8 C d FLOP per token and value head (the fused formulation, d = 128, C = 64),
-so their ratio is the time ratio. Prefill GB/s count the minimum traffic of a fused kernel (q, k, v,
+GPU spin longer than twice its host-side queueing time, so the host-side launch cost of either
+implementation (Python checks, autotuner dispatch) is hidden as it would be in a busy stream or a CUDA
+graph; host syncs still count. Prefill TFLOP/s use one count for both implementations, 6 d^2 + 8 C d
+FLOP per token and value head (the fused formulation, d = 128, C = 64), so their ratio is the time ratio. Prefill GB/s count the minimum traffic of a fused kernel (q, k, v,
 g, beta read once, o written once). Decode GB/s count state bytes each implementation moves (FLA
 reads the initial state and writes an fp32 final state); "% copy" divides by a device-to-device copy
 measured in the same run.
@@ -91,7 +91,8 @@ def _host_ms(fn) -> float:
     return sorted(times)[2]
 
 
-def _median_ms(fn, iters: int) -> float:
+def _timed(fn, iters: int) -> tuple[float, float]:
+    """(device ms, host ms) of one call: the median event time behind the spin, and `_host_ms`."""
     import torch
 
     for _ in range(3):
@@ -99,7 +100,8 @@ def _median_ms(fn, iters: int) -> float:
     # The spin outlasts twice the host's queueing time: a fixed 0.5 ms spin was shorter than FLA's host
     # time for one 8192-token sequence, so its event time there measured Python, not the GPU (the
     # bimodal FLA times of earlier runs).
-    spin = 1_000_000 * max(1, math.ceil((2 * _host_ms(fn) + 0.2) / _ms_per_mcycle()))
+    host = _host_ms(fn)
+    spin = 1_000_000 * max(1, math.ceil((2 * host + 0.2) / _ms_per_mcycle()))
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -110,7 +112,11 @@ def _median_ms(fn, iters: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     times.sort()
-    return times[len(times) // 2]
+    return times[len(times) // 2], host
+
+
+def _median_ms(fn, iters: int) -> float:
+    return _timed(fn, iters)[0]
 
 
 def _copy_gbps(iters: int) -> float:
@@ -156,18 +162,15 @@ def _prefill_rows(fla, iters: int) -> list[Row]:
 
     rows = []
     for shape, B, T, H, HV, args, kw in _prefill_cases():
-        ours_fn = lambda: chunk_gated_delta_rule(*args, **kw)  # noqa: E731
-        fla_fn = None if fla is None else (lambda: fla[0](*args, **kw))
-        ms = _median_ms(ours_fn, iters)
-        theirs = None if fla is None else _median_ms(fla_fn, iters)
+        ms, host = _timed(lambda: chunk_gated_delta_rule(*args, **kw), iters)
+        theirs, fla_host = (None, None) if fla is None else _timed(lambda: fla[0](*args, **kw), iters)
         tokens = B * T
         flop = tokens * HV * (6 * D * D + 8 * CHUNK * D)
         nbytes = tokens * (2 * 2 * H * D + 2 * 2 * HV * D + 8 * HV)
         rows.append(Row(kind="prefill", shape=shape, ms=ms, fla_ms=theirs, tokens_per_s=tokens / ms * 1e3,
                         tflops=flop / ms / 1e9, gbps=nbytes / ms / 1e6,
                         fla_gbps=None if theirs is None else nbytes / theirs / 1e6, copy_pct=None,
-                        fla_copy_pct=None, host_ms=_host_ms(ours_fn),
-                        fla_host_ms=None if fla is None else _host_ms(fla_fn)))
+                        fla_copy_pct=None, host_ms=host, fla_host_ms=fla_host))
     return rows
 
 

@@ -272,7 +272,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         _chunk_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi,
                                                    scale, H, HV, K=K, BK=BK, BKC=bkc, GROUP=group,
                                                    L2NORM=use_qk_l2norm_in_kernel, METHOD=inverse.method,
-                                                   PREC=inverse.prec, MPREC=inverse.merge_prec, SEGMENTED=len(bounds) > 1,
+                                                   PREC=inverse.prec, MPREC=inverse.merge_prec,
+                                                   SEGMENTED=len(bounds) > 1,
                                                    num_warps=inverse.warps, num_stages=inverse.stages,
                                                    **({} if inverse.maxnreg is None else
                                                       {"maxnreg": inverse.maxnreg}))
