@@ -1,13 +1,13 @@
 """`hybridkv bench gdn`: hybridkv's GDN kernels side by side with FLA (fla-core) in one run.
 
-Times are CUDA-event medians of `--iters` calls after warm-up. Each timed call is queued behind a
-GPU spin longer than twice its host-side queueing time, so the host-side launch cost of either
+Times are CUDA-event medians of `--iters` calls after warm-up. Each timed call is queued behind a GPU
+spin longer than twice its host-side queueing time, so the host-side launch cost of either
 implementation (Python checks, autotuner dispatch) is hidden as it would be in a busy stream or a CUDA
 graph; host syncs still count. Prefill TFLOP/s use one count for both implementations, 6 d^2 + 8 C d
-FLOP per token and value head (the fused formulation, d = 128, C = 64), so their ratio is the time ratio. Prefill GB/s count the minimum traffic of a fused kernel (q, k, v,
-g, beta read once, o written once). Decode GB/s count state bytes each implementation moves (FLA
-reads the initial state and writes an fp32 final state); "% copy" divides by a device-to-device copy
-measured in the same run.
+FLOP per token and value head (the fused formulation, d = 128, C = 64), so their ratio is the time
+ratio. Prefill GB/s count the minimum traffic of a fused kernel (q, k, v, g, beta read once, o written
+once). Decode GB/s count state bytes each implementation moves (FLA reads the initial state and writes
+an fp32 final state); "% copy" divides by a device-to-device copy measured in the same run.
 """
 
 from __future__ import annotations
