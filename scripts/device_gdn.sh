@@ -7,6 +7,8 @@
 #   TESTS=0 bash scripts/device_gdn.sh         # benchmark only
 #   BREAKDOWN=1 bash scripts/device_gdn.sh     # first: per-kernel device time vs call time, hybridkv and FLA
 #   PROBE=1 BENCH=0 bash scripts/device_gdn.sh # tests, then every chunk schedule/config and decode hint
+#   SPLITPROBE=1 BENCH=0 bash scripts/device_gdn.sh # tests, then the split form and pipeline stages vs fused
+#   SPLITFIRST=1 TESTS=0 BENCH=0 bash scripts/device_gdn.sh # that probe alone
 # hybridkv is not installed there: the bench runs through its module's own register/handler.
 set -u
 PY=${PYTHON:-python3}
@@ -14,6 +16,11 @@ OUT=${OUT:-/tmp/hybridkv_gdn_out}
 mkdir -p "$OUT"
 "$PY" -m pip install -q --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl 2>&1 | tail -n 1
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
+split_probe() {  # the split form and the pipeline stages vs the fused form, with FLA (scripts/gdn_split_probe.py)
+    PYTHONPATH=. PYTHONUNBUFFERED=1 timeout "${PROBE_S:-300}" "$PY" scripts/gdn_split_probe.py --iters "${ITERS:-10}" \
+        --json "$OUT/split.json" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/split.txt"
+}
+[ "${SPLITFIRST:-0}" != 0 ] && split_probe  # before the tests, when device time is short
 if [ "${TESTS:-1}" != 0 ]; then
     PYTHONUNBUFFERED=1 timeout "${TEST_S:-200}" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_triton.py ${TEST_K:+-k "$TEST_K"} \
         2>&1 | tee "$OUT/pytest.log" | tail -n 4
@@ -22,6 +29,10 @@ if [ "${PROBE:-0}" != 0 ]; then
     # Every chunk schedule / state config and the decode cache hints, with FLA (scripts/gdn_schedules.py).
     PYTHONPATH=. PYTHONUNBUFFERED=1 timeout "${PROBE_S:-300}" "$PY" scripts/gdn_schedules.py --iters "${ITERS:-10}" \
         --json "$OUT/schedules.json" ${PROBE_ONLY:+--only "$PROBE_ONLY"} ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | tee "$OUT/schedules.txt"
+    [ "${BENCH:-1}" = 0 ] && exit 0
+fi
+if [ "${SPLITPROBE:-0}" != 0 ]; then
+    split_probe
     [ "${BENCH:-1}" = 0 ] && exit 0
 fi
 MAIN=$(mktemp --suffix=.py)

@@ -11,7 +11,6 @@ a CUDA machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -20,7 +19,7 @@ import torch
 from hybridkv.kernels.gdn import bench, breakdown, reference, triton_chunk
 from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 
-from gdn_schedules import rel  # scripts/ is this script's own directory on sys.path
+from gdn_schedules import probe_args, rel  # scripts/ is this script's own directory on sys.path
 
 VARIANTS = (
     InverseConfig(group=1, bkc=128, warps=2, stages=3),  # the previous kernel's shape (k held whole)
@@ -64,11 +63,7 @@ def worst_case() -> list[dict]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--json", default=None)
-    p.add_argument("--shapes", nargs="*", default=[])
-    a = p.parse_args()
+    a = probe_args(__doc__)
     rows = []
     print(torch.cuda.get_device_name(), flush=True)
     rows += worst_case()

@@ -23,6 +23,16 @@ def rel(a, b) -> float:
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12)).item()
 
 
+def probe_args(doc: str) -> argparse.Namespace:
+    """The other probes' command line: --iters, --json, and --shapes (a prefill shape is kept if its
+    label contains any of them)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", default=None)
+    p.add_argument("--shapes", nargs="*", default=[])
+    return p.parse_args()
+
+
 def prefill(iters: int, fla, shapes: list[str], quick: bool) -> list[dict]:
     rows = []
     for shape, B, T, H, HV, args, kw in bench._prefill_cases():

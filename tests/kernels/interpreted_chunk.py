@@ -81,6 +81,11 @@ def main() -> int:
                 o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
                                                                config=(64, 4, 2), schedule=schedule, segments=3)
                 out[f"{len(lens)}seq/{schedule.value}/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
+            # The split form: W, Q', U, U' made in parallel, three GEMMs per chunk on the chain.
+            o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
+                                                           config=(64, 4, 2), schedule=triton_chunk.Schedule.PIPELINED,
+                                                           segments=3, form=triton_chunk.Form.SPLIT)
+            out[f"{len(lens)}seq/split-pipelined/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
             # The other inverse path: one value head per program, k whole, the product-form inverse.
             o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
                                                            config=(64, 4, 2), schedule=triton_chunk.Schedule.SERIAL,

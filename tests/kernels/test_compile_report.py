@@ -35,6 +35,13 @@ def test_chunk_kernels_keep_tensor_cores_and_pipelined_loads(hopper):
         assert r.mma_kind == "wgmma" and r.mma > 0, r
         if r.num_stages >= 2:
             assert r.async_copies > 0, f"{r}: the next chunk's loads are no longer prefetched"
+    # A pipelined call's chain (one program per SM, nothing to hide a stall behind) keeps a copy group
+    # in flight across chunks: at two stages it waited out a load latency every chunk (35B 1x8192
+    # state kernel 414 us there, 351 at three stages).
+    segments = [r for r in states if r.launch.startswith("segment")]
+    assert segments and all(r.copies_in_flight > 0 for r in segments), segments
+    chains = [r for r in hopper.values() if r.kernel == "chunk_chain" and r.num_stages >= 3]
+    assert chains and all(r.copies_in_flight > 0 for r in chains), chains
     inverse = [r for r in hopper.values() if r.kernel == "chunk_inverse"]
     assert inverse and all(r.mma > 0 for r in inverse)
 

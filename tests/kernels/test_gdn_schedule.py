@@ -12,12 +12,12 @@ from hybridkv.kernels.gdn import triton_chunk as tc  # noqa: E402
 
 
 @pytest.mark.parametrize(("N", "HV", "want"), [
-    (1, 32, (32, 4, 2)),  # 35B, one sequence: 128 programs on 132 SMs
-    (1, 16, (32, 4, 2)),  # 2B
-    (1, 4, (32, 4, 2)),  # a TP-8 shard of 35B
+    (1, 32, (32, 4, 3)),  # 35B, one sequence: 128 programs on 132 SMs
+    (1, 16, (32, 4, 3)),  # 2B
+    (1, 4, (32, 4, 3)),  # a TP-8 shard of 35B
     (1, 64, None),  # 397B: 256 programs already fill the SMs (pipelining measured no gain)
     (4, 32, None),  # a batch
-    (33, 1, (32, 4, 2)),
+    (33, 1, (32, 4, 3)),
     (34, 1, None),
 ])
 def test_pipelining_only_where_the_chain_leaves_sms_idle(N, HV, want):
@@ -26,13 +26,19 @@ def test_pipelining_only_where_the_chain_leaves_sms_idle(N, HV, want):
 
 def test_a_short_prompt_stays_serial():
     assert tc._pipeline_config(1, 32, 128, 132, tc.PIPELINE_MIN_CHUNKS - 1) is None
-    assert tc._pipeline_config(1, 32, 128, 132, tc.PIPELINE_MIN_CHUNKS) == (32, 4, 2)
+    assert tc._pipeline_config(1, 32, 128, 132, tc.PIPELINE_MIN_CHUNKS) == (32, 4, 3)
 
 
 def _inputs(T=200, H=2, HV=4):
     q = torch.randn(1, T, H, 128, dtype=torch.bfloat16)
     v = torch.randn(1, T, HV, 128, dtype=torch.bfloat16)
     return q, q.clone(), v, torch.zeros(1, T, HV), torch.ones(1, T, HV)
+
+
+def test_a_form_that_is_not_a_form_is_refused_with_its_value():
+    q, k, v, g, beta = _inputs()
+    with pytest.raises(ValueError, match="form must be a Form .*got 'split'"):
+        tc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, None, True, None, True, False, form="split")
 
 
 def test_a_pipelined_call_needs_a_config():
@@ -46,7 +52,7 @@ def test_a_pipelined_call_needs_a_config():
 def test_segments_must_be_positive(segments):
     q, k, v, g, beta = _inputs()
     with pytest.raises(ValueError, match=f"segments must be >= 1, got {segments}"):
-        tc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, None, False, None, True, False, config=(32, 4, 2),
+        tc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, None, False, None, True, False, config=(32, 4, 3),
                                       schedule=tc.Schedule.PIPELINED, segments=segments)
 
 

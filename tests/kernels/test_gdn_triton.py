@@ -236,9 +236,10 @@ def test_pipelined_schedule_matches_reference(lens, H, HV, batch):
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
     o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
-    # Forced configs: the one a call picks (BV=32) and a wider one, which pipelines just as correctly.
-    for config, segments, v_first in [((32, 4, 2), 4, False), ((64, 4, 2), 4, False), ((32, 4, 2), 1, True),
-                                      ((64, 4, 2), 8, True)]:
+    # Forced configs: the one a call picks (BV=32, three stages), two stages, and a wider one, which
+    # pipelines just as correctly.
+    for config, segments, v_first in [((32, 4, 3), 4, False), ((32, 4, 2), 4, False), ((64, 4, 2), 4, False),
+                                      ((32, 4, 3), 1, True), ((64, 4, 2), 8, True)]:
         h = h0.transpose(-1, -2).contiguous() if v_first else h0
         o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h, True, cu, True, v_first,
                                                         config=config, schedule=triton_chunk.Schedule.PIPELINED,
@@ -303,3 +304,48 @@ def test_pipelined_on_a_side_stream_of_the_caller():
         o2 = o.clone()
     stream.synchronize()
     assert torch.equal(o2, want[0]) and torch.equal(st, want[1])
+
+
+# triton_chunk.CHAIN_CONFIGS, spelled out as STATE_CONFIGS is.
+CHAIN_CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 8, 2), (16, 4, 2), (32, 4, 3), (16, 4, 3))
+
+
+@pytest.mark.parametrize(("lens", "H", "HV", "batch"), SCHEDULE_CASES + [PREFILL[2]])
+def test_split_form_matches_reference(lens, H, HV, batch):
+    """The split form (W, Q', U, U' made in parallel, three GEMMs per chunk on the chain): serial and
+    pipelined, 1 to 8 segments, v-first too."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    assert triton_chunk.CHAIN_CONFIGS == CHAIN_CONFIGS
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=14)
+    N = batch or len(lens)
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
+    serial, pipelined = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINED
+    # Every chain config on one long sequence; elsewhere the fastest one, pipelined, and v-first.
+    configs = CHAIN_CONFIGS if lens == [8192] and HV == 32 and batch is None else ((32, 4, 3),)
+    cases = [(c, serial, 1, False) for c in configs] + [
+        ((32, 4, 3), pipelined, 3, False), ((64, 4, 2), pipelined, 8, True)]
+    for config, schedule, segments, v_first in cases:
+        h = h0.transpose(-1, -2).contiguous() if v_first else h0
+        o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h, True, cu, True, v_first,
+                                                        config=config, schedule=schedule, segments=segments,
+                                                        form=triton_chunk.Form.SPLIT)
+        st = st.transpose(-1, -2) if v_first else st
+        assert rel_err(o, o_ref) < 2e-2, (config, schedule, segments)
+        assert rel_err(st, st_ref) < 2e-2, (config, schedule, segments)
+
+
+def test_split_form_with_identical_keys_no_decay_full_beta():
+    """The inverse's worst case (see above) through the split form, whose W and U are T times bf16
+    operands rounded once more."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    q, k, v, g, beta, cu = make([1000, 300], 2, 4, seed=5)
+    k = (k[:, :1] + 1e-3 * k).to(k.dtype)
+    g, beta = torch.zeros_like(g), torch.ones_like(beta)
+    o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
+                                                    form=triton_chunk.Form.SPLIT)
+    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, None, True, cu, True)
+    assert rel_err(o, o_ref) < 5e-2
+    assert rel_err(st, st_ref) < 5e-2

@@ -67,6 +67,9 @@ class Report:
     mma_kind: str  # the tensor-core instruction family in the PTX: wgmma, tcgen05, mma.sync, or "-"
     mma: int  # tensor-core instructions of that family in the PTX (static count)
     async_copies: int  # cp.async / bulk (TMA) copies into shared memory in the PTX (static count)
+    # The most copy groups an async_wait leaves in flight (TTGIR). 0 with copies: every wait drains them,
+    # so a loop waits at each step for the copies it issued at the end of the step before (two stages).
+    copies_in_flight: int = 0
 
 
 _MMA = {"wgmma": r"\bwgmma\.mma_async\b", "tcgen05": r"\btcgen05\.mma\b", "mma.sync": r"\bmma\.sync\b"}
@@ -79,6 +82,7 @@ def _specs() -> list[KernelSpec]:
     chunk = "hybridkv.kernels.gdn.triton_chunk"
     inverse = "hybridkv.kernels.gdn.triton_chunk_inverse"
     recurrent = "hybridkv.kernels.gdn.triton_recurrent"
+    split = "hybridkv.kernels.gdn.triton_chunk_wu"
     inv = triton_chunk_inverse.INVERSE_CONFIG
     conv = "hybridkv.kernels.gdn.triton_conv"
     state_launches = tuple(
@@ -120,6 +124,28 @@ def _specs() -> list[KernelSpec]:
                        "HAS_H_OUT": True},
             aligned=("stride_ik", "stride_ok", "H", "HV"),
             launches=state_launches,
+        ),
+        KernelSpec(
+            name="chunk_wu", module=split, attr="_chunk_wu_kernel",
+            signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "A": "*bf16", "R": "*fp32", "WQ": "*bf16",
+                       "UU": "*bf16", "cu_seqlens": "*i32", "chunk_table": "*i32",
+                       "row0": "i32", "c_lo": "i32", "c_hi": "i32", "H": "i32", "HV": "i32"},
+            constants={"K": D, "V": D, "BK": D, "BC": 64},
+            aligned=("H", "HV"),
+            launches=tuple(Launch(label=f"{'segment' if seg else 'default'}", num_warps=4, num_stages=1,
+                                  constants={"SEGMENTED": seg}) for seg in (False, True)),
+        ),
+        KernelSpec(
+            name="chunk_chain", module=split, attr="_chunk_chain_kernel",
+            signature={"k": "*bf16", "WQ": "*bf16", "UU": "*bf16", "R": "*fp32",
+                       "G": "*fp32", "o": "*bf16", "h_in": "*fp32", "h_out": "*fp32", "cu_seqlens": "*i32",
+                       "chunk_offsets": "*i32", "c_lo": "i32", "c_hi": "i32", "stride_ik": "i32",
+                       "stride_ok": "i32", "H": "i32", "HV": "i32", "WORK_LOG2": "i32"},
+            constants={"stride_iv": 1, "stride_ov": 1, "K": D, "V": D, "BK": D, "HAS_H_IN": True,
+                       "HAS_H_OUT": True},
+            aligned=("stride_ik", "stride_ok", "H", "HV"),
+            launches=tuple(Launch(label=f"BV={bv}", num_warps=w, num_stages=st, constants={"BV": bv, "SEGMENTED": False})
+                           for bv, w, st in triton_chunk.CHAIN_CONFIGS),
         ),
         KernelSpec(
             name="recurrent_prefill", module=recurrent, attr="_recurrent_kernel",
@@ -238,6 +264,8 @@ def compile_one(spec: KernelSpec, launch: Launch, arch: Arch) -> Report:
         shared_bytes=int(compiled.metadata.shared),
         mma_kind=kind if counts[kind] else "-", mma=counts[kind],
         async_copies=len(re.findall(_ASYNC_COPY, ptx)),
+        copies_in_flight=max((int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", compiled.asm["ttgir"])),
+                             default=0),
     )
 
 
@@ -271,12 +299,13 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     if not args.json:
         print(f"{'kernel':18} {'launch':18} {'sm':>4} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
-              f"{'smem KiB':>8} {'mma':>14} {'async':>5}")
+              f"{'smem KiB':>8} {'mma':>14} {'async':>5} {'flight':>6}")
     for r in reports(archs, args.kernel):
         rows.append(r)
         if not args.json:
             print(f"{r.kernel:18} {r.launch:18} {r.arch:>4} {r.num_warps:>5} {r.num_stages:>6} {r.registers:>5} "
-                  f"{r.spill_bytes:>7} {r.shared_bytes / 1024:>8.1f} {f'{r.mma_kind} {r.mma}':>14} {r.async_copies:>5}",
+                  f"{r.spill_bytes:>7} {r.shared_bytes / 1024:>8.1f} {f'{r.mma_kind} {r.mma}':>14} {r.async_copies:>5} "
+                  f"{r.copies_in_flight:>6}",
                   flush=True)
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))

@@ -13,6 +13,11 @@ kernel (inverse and P together, four warps) took 1.6 ms of 2.2 at 35B 4x8192; it
 inverse reduced across warps 60 times per chunk. Taking GEMMs off the chain instead (a chain/output
 split, FLA's W/U cut) was slower on every shape; that code is in git history (commit d3329ca).
 
+`triton_chunk_wu` holds a second form of the chain (`Form.SPLIT`, opt-in, never picked by default):
+its parallel kernel makes W, Q', U and U' so that the chain keeps three GEMMs per chunk instead of six.
+Its chain is twice as fast (35B 1x8192: 187 us vs 351), but its parallel kernel (267 us) costs more than
+that saves; see its docstring.
+
 One call runs the two kernels one after the other (`Schedule.SERIAL`), or, where the state kernel has
 fewer programs than the GPU has SMs (one long sequence), in segments on two streams so the inverse of
 the next segment fills the SMs the chain leaves idle (`Schedule.PIPELINED`).
@@ -35,6 +40,8 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import (
     InverseConfig,
     _chunk_inverse_kernel,
 )
+from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program, _initial_state
+from hybridkv.kernels.gdn.triton_chunk_wu import _chunk_chain_kernel, _chunk_wu_kernel
 
 
 @triton.jit
@@ -44,20 +51,9 @@ def _chunk_state_kernel(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offs
                         HAS_H_OUT: tl.constexpr, SEGMENTED: tl.constexpr):
     """Every chunk of each sequence, or with SEGMENTED (one segment of a pipelined call) the chunks
     c_lo <= i < c_hi; the state starts from h_in (zeros without it) and is left in h_out."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    start = tl.load(cu_seqlens + i_n)
-    T = tl.load(cu_seqlens + i_n + 1) - start
-    bos = start.to(tl.int64)
-    c_first = tl.load(chunk_offsets + i_n).to(tl.int64)
+    i_v, i_nh, i_hv, i_h, T, bos, c_first = _chain_program(cu_seqlens, chunk_offsets, H, HV)
     dt = k.dtype.element_ty
-
-    b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H_IN:
-        p_h0 = tl.make_block_ptr(h_in + i_nh.to(tl.int64) * K * V, (K, V), (stride_ik, stride_iv), (0, i_v * BV),
-                                 (BK, BV), (1, 0))
-        b_s = tl.load(p_h0, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    b_s = _initial_state(h_in, i_nh, i_v, stride_ik, stride_iv, K, V, BK, BV, HAS_H_IN)
 
     o_i = tl.arange(0, 64)
     causal = o_i[:, None] >= o_i[None, :]
@@ -117,6 +113,17 @@ _chunk_state_tuned = triton.autotune(
     key=["H", "HV", "WORK_LOG2", "K", "V"],
 )(_chunk_state_kernel)
 
+# Columns of W, Q', U, U' per program of the split form's parallel kernel.
+WU_COLUMNS = 64
+# (BV, num_warps, num_stages) of the split form's chain kernel. No single-stage config: Triton 3.6
+# miscompiles the chain kernel at num_stages=1 (illegal address, or wrong output, on the H200).
+CHAIN_CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 8, 2), (16, 4, 2), (32, 4, 3), (16, 4, 3))
+
+_chunk_chain_tuned = triton.autotune(
+    configs=[triton.Config({"BV": bv}, num_warps=w, num_stages=st) for bv, w, st in CHAIN_CONFIGS],
+    key=["H", "HV", "WORK_LOG2", "K", "V"],
+)(_chunk_chain_kernel)
+
 
 def _chunk_tables(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -165,6 +172,13 @@ class _TableCache:
 _tables = _TableCache()
 
 
+class Form(enum.Enum):
+    """What runs on the chain (`triton_chunk_wu`)."""
+
+    FUSED = "fused"  # `_chunk_state_kernel`: six GEMMs per chunk, nothing but T and row scales in HBM
+    SPLIT = "split"  # W, Q', U, U' made in parallel; three GEMMs per chunk on the chain
+
+
 class Schedule(enum.Enum):
     """How the two kernels of one call share the GPU."""
 
@@ -184,7 +198,13 @@ class Schedule(enum.Enum):
 # masked scores (one GEMM off the chain) was slower at every setting (0.634-1.03 ms at 35B) and is gone.
 # With the grouped inverse kernel (scripts/gdn_inverse_probe.py): 35B 1x8192 serial 0.578, pipelined BV=32
 # 0.526-0.539; 397B serial 0.755, pipelined 0.778-0.829 (still serial).
-PIPELINE_CONFIGS = ((32, 4, 2),)
+# Three stages, not two: at two, Triton's pipeliner issues the next chunk's copies at the end of the
+# current one and waits for them at the top of the next (async_wait num = 0 in the TTGIR), so every chunk
+# waits out a global-load latency; at three one copy group stays in flight. H200, 35B 1x8192
+# (scripts/gdn_split_probe.py, one run): state kernel alone 414 -> 351 us, serial 0.578 -> 0.517 ms,
+# pipelined 0.533 -> 0.462 ms, same error. Batched calls keep two stages: the third stage's 46 KB of
+# shared memory costs programs per SM there (35B 4x8192 serial BV=64: 1.220 -> 1.704 ms).
+PIPELINE_CONFIGS = ((32, 4, 3),)
 PIPELINE_SEGMENTS = 2
 # Below this many chunk rows a call stays serial: a short prompt's inverse is a few microseconds, less than
 # the second stream's launches and events cost (a floor chosen, not measured; the gain was measured at 128).
@@ -218,11 +238,11 @@ def _pipeline_config(N: int, HV: int, V: int, sms: int, chunks: int) -> tuple[in
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                use_qk_l2norm_in_kernel, state_v_first, config: tuple[int, int, int] | None = None,
                                schedule: Schedule | None = None, segments: int | None = None,
-                               inverse: InverseConfig = INVERSE_CONFIG):
+                               inverse: InverseConfig = INVERSE_CONFIG, form: Form | None = None):
     """``config``: a fixed (BV, num_warps, num_stages) for the state kernel instead of the autotuner.
     ``schedule``: None picks PIPELINED where `_pipeline_config` finds a config (few state programs: one
     long sequence), else SERIAL. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how
-    the inverse kernel is launched."""
+    the inverse kernel is launched. ``form``: None picks FUSED."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
@@ -245,6 +265,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         config = config or auto
     if schedule is not Schedule.SERIAL and config is None:
         raise ValueError(f"schedule {schedule.value} needs a fixed state config (BV, warps, stages)")
+    form = Form.FUSED if form is None else form
+    if not isinstance(form, Form):
+        raise ValueError(f"form must be a Form ({', '.join(f.name for f in Form)}), got {form!r}")
     segments = 1 if schedule is Schedule.SERIAL else (PIPELINE_SEGMENTS if segments is None else segments)
     if segments < 1:
         raise ValueError(f"segments must be >= 1, got {segments}")
@@ -252,6 +275,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     A = q.new_empty((NC, HV, BT, BT), dtype=sdt)
     R = q.new_empty((NC, HV, _NROW, BT), dtype=torch.float32)
     G = q.new_empty((NC, HV), dtype=torch.float32)
+    if form is Form.SPLIT:
+        WQ = q.new_empty((NC, HV, 2 * BT, K), dtype=sdt)
+        UU = q.new_empty((NC, HV, 2 * BT, V), dtype=sdt)
     BK = triton.next_power_of_2(K)
     h0 = initial_state.contiguous() if initial_state is not None else None
     # The state kernel indexes K rows and V columns; a V-first state is the transposed view.
@@ -277,21 +303,28 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                                                    num_warps=inverse.warps, num_stages=inverse.stages,
                                                    **({} if inverse.maxnreg is None else
                                                       {"maxnreg": inverse.maxnreg}))
+        if form is Form.SPLIT:
+            bc = min(WU_COLUMNS, BK, triton.next_power_of_2(V))
+            grid = (rows, HV, 2 * triton.cdiv(max(K, V), bc))
+            _chunk_wu_kernel[grid](q, k, v, A, R, WQ, UU, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K, V=V, BK=BK,
+                                   BC=bc, SEGMENTED=len(bounds) > 1, num_warps=4, num_stages=1)
 
     def state(j, c_lo, c_hi):
         first, last = j == 0, j == len(bounds) - 1
         h_in, s_in = (h0, strides) if first else (carry, (V, 1))
         h_out, s_out = (final, strides) if last else (carry, (V, 1))
-        args = (q, k, v, A, R, G, o, h_in, h_out, cu, chunk_offsets, c_lo, c_hi, *s_in, *s_out, H, HV,
-                work_log2)
-        kw = dict(K=K, V=V, BK=BK, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None,
+        tail = (o, h_in, h_out, cu, chunk_offsets, c_lo, c_hi, *s_in, *s_out, H, HV)
+        kw = dict(WORK_LOG2=work_log2, K=K, V=V, BK=BK, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None,
                   SEGMENTED=len(bounds) > 1)
+        if form is Form.SPLIT:
+            args, fixed, tuned = (k, WQ, UU, R, G, *tail), _chunk_chain_kernel, _chunk_chain_tuned
+        else:
+            args, fixed, tuned = (q, k, v, A, R, G, *tail), _chunk_state_kernel, _chunk_state_tuned
         if config is None:
-            _chunk_state_tuned[lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)](*args, **kw)
+            tuned[lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)](*args, **kw)
         else:
             bv, warps, stages = config
-            _chunk_state_kernel[(triton.cdiv(V, bv), N * HV)](*args, **kw, BV=bv, num_warps=warps,
-                                                               num_stages=stages)
+            fixed[(triton.cdiv(V, bv), N * HV)](*args, **kw, BV=bv, num_warps=warps, num_stages=stages)
 
     if len(bounds) == 1 or not on_gpu:
         for lo, hi in bounds:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from hybridkv.kernels.gdn.triton_chunk_rows import _sequence, _table_row
+
 BT = 64
 _NROW = 8  # row scales per token: sq, sk, sd, beta, gamma (cumulative log decay), scale rq, rk, unused
 _R_STRIDE = tl.constexpr(_NROW * BT)  # floats of row scales per (chunk, value head)
@@ -178,18 +180,10 @@ def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
     each sequence; otherwise every row.
     """
     i_c, i_g = tl.program_id(0), tl.program_id(1)
-    if SEGMENTED:
-        i_c += row0
-    i_n = tl.load(chunk_table + 2 * i_c)
-    if i_n < 0:  # past the last chunk: the table is sized by an upper bound (no host sync)
+    i_c, i_n, i_t, live = _table_row(chunk_table, i_c, row0, c_lo, c_hi, SEGMENTED)
+    if not live:
         return
-    i_t = tl.load(chunk_table + 2 * i_c + 1)
-    if SEGMENTED:
-        if (i_t < c_lo) | (i_t >= c_hi):
-            return
-    start = tl.load(cu_seqlens + i_n)
-    T = tl.load(cu_seqlens + i_n + 1) - start
-    bos = start.to(tl.int64)
+    T, bos = _sequence(cu_seqlens, i_n)
     hv0 = i_g * GROUP
     i_h = hv0 // (HV // H)
     r0 = i_t * 64

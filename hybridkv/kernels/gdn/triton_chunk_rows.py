@@ -1,0 +1,53 @@
+"""Index helpers every Triton chunk kernel shares: which chunk a program of a parallel kernel has, where
+its sequence starts, and the state a chain program starts from. Inlined by Triton (offline PTX of every
+chunk kernel launch is unchanged but for the order of two loads in a row's early exit)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _table_row(chunk_table, i_c, row0, c_lo, c_hi, SEGMENTED: tl.constexpr):
+    """(row, sequence, chunk within it, live) of a parallel kernel's program i_c: row i_c of the chunk
+    table, or row0 + i_c in a segment of a pipelined call. Not live: a row past the last chunk (the
+    table is sized by an upper bound, no host sync) or, in a segment, a chunk outside c_lo <= i < c_hi."""
+    if SEGMENTED:
+        i_c += row0
+    i_n = tl.load(chunk_table + 2 * i_c)
+    i_t = tl.load(chunk_table + 2 * i_c + 1)
+    live = i_n >= 0
+    if SEGMENTED:
+        live = live & (i_t >= c_lo) & (i_t < c_hi)
+    return i_c, i_n, i_t, live
+
+
+@triton.jit
+def _sequence(cu_seqlens, i_n):
+    """(length, first token as int64) of sequence i_n."""
+    start = tl.load(cu_seqlens + i_n)
+    return tl.load(cu_seqlens + i_n + 1) - start, start.to(tl.int64)
+
+
+@triton.jit
+def _chain_program(cu_seqlens, chunk_offsets, H, HV):
+    """(V block, sequence x value head, value head, key head, sequence length, first token, first chunk
+    row) of a chain program: grid (V blocks, sequences x value heads)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    T, bos = _sequence(cu_seqlens, i_n)
+    c_first = tl.load(chunk_offsets + i_n).to(tl.int64)
+    return i_v, i_nh, i_hv, i_hv // (HV // H), T, bos, c_first
+
+
+@triton.jit
+def _initial_state(h_in, i_nh, i_v, stride_k, stride_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, HAS_H_IN: tl.constexpr):
+    """The fp32 [BK, BV] state block a chain program starts from: h_in's, or zeros without it."""
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H_IN:
+        p_h0 = tl.make_block_ptr(h_in + i_nh.to(tl.int64) * K * V, (K, V), (stride_k, stride_v), (0, i_v * BV),
+                                 (BK, BV), (1, 0))
+        b_s = tl.load(p_h0, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    return b_s

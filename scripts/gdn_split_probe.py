@@ -1,0 +1,90 @@
+"""Device probe for issue #8: two pipeline stages against three for the fused state kernel, and the split
+form (`triton_chunk_wu`), serial and pipelined, on the bench's prefill shapes, with per-kernel device
+times (torch.profiler) and FLA in the same run.
+
+    python3 scripts/gdn_split_probe.py [--iters 10] [--json PATH] [--shapes 1x8192]
+
+Each variant's output and final state are compared with the pure-torch reference in fp32 (relative RMS
+error). Run from the repository root on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from hybridkv.kernels.gdn import bench, breakdown, reference, triton_chunk
+
+from gdn_inverse_probe import kernel_us  # scripts/ is this script's own directory on sys.path
+from gdn_schedules import probe_args, rel
+
+SPLIT, FUSED = triton_chunk.Form.SPLIT, triton_chunk.Form.FUSED
+SERIAL, PIPELINED = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINED
+
+
+def variants(shape: str):
+    """Three pipeline stages against two: at two, Triton's loop pipeliner waits at the top of every
+    chunk for the copies it issued at the end of the previous one (async_wait num = 0 in the TTGIR),
+    so no load latency is hidden; at three one copy group stays in flight."""
+    yield "fused auto", None, None, None, None
+    for cfg in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3)):
+        yield f"fused serial {cfg}", FUSED, SERIAL, cfg, None
+    if "1x" not in shape:
+        return
+    for cfg in ((32, 4, 2), (32, 4, 3)):
+        yield f"fused pipelined {cfg} x2", FUSED, PIPELINED, cfg, 2
+    for cfg in ((32, 4, 3), (16, 4, 3)):
+        yield f"split serial {cfg}", SPLIT, SERIAL, cfg, None
+    for n in (2, 4):
+        yield f"split pipelined (32, 4, 3) x{n}", SPLIT, PIPELINED, (32, 4, 3), n
+
+
+def main() -> int:
+    a = probe_args(__doc__)
+    rows = []
+    print(torch.cuda.get_device_name(), flush=True)
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+    except ImportError:
+        fla = None
+    for shape, B, T, H, HV, args, kw in bench._prefill_cases():
+        if a.shapes and not any(x in shape for x in a.shapes):
+            continue
+        q, k, v, g, beta = args
+        cu = kw["cu_seqlens"]
+        o_ref, s_ref = reference.chunk_reference(q.float(), k.float(), v.float(), g, beta, 128**-0.5, None, True,
+                                                 cu, True)
+        if fla is not None:
+            b = breakdown.measure("FLA", lambda: fla(*args, **kw), a.iters, bench._median_ms)
+            print(f"{shape:30} FLA: call {b.call_us:7.1f} us  kernels {b.kernel_us:7.1f}", flush=True)
+            rows.append(dict(shape=shape, variant="FLA", call_us=b.call_us, kernels=b.kernels))
+
+        for name, form, sched, cfg, n in variants(shape):
+            def call(form=form, sched=sched, cfg=cfg, n=n):
+                return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
+                                                               False, config=cfg, schedule=sched, segments=n,
+                                                               form=form)
+            try:
+                o, s = call()
+            except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result too
+                print(f"{shape:30} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            err = (rel(o, o_ref), rel(s, s_ref))
+            b = breakdown.measure("hybridkv", call, a.iters, bench._median_ms)
+            row = dict(shape=shape, variant=name, call_us=b.call_us, inverse_us=kernel_us(b, "inverse"),
+                       wu_us=kernel_us(b, "wu"), chain_us=kernel_us(b, "chain") + kernel_us(b, "state"),
+                       o_err=err[0], s_err=err[1])
+            rows.append(row)
+            print(f"{shape:30} {name:34} call {b.call_us:7.1f} us  inverse {row['inverse_us']:6.1f}  wu "
+                  f"{row['wu_us']:6.1f}  chain {row['chain_us']:6.1f}  err o {err[0]:.2e} s {err[1]:.2e}",
+                  flush=True)
+        del args, o_ref, s_ref
+    if a.json:
+        json.dump(rows, open(a.json, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
