@@ -27,7 +27,7 @@ SERIAL, PIPELINED = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINE
 def variants(shape: str):
     """Three pipeline stages against two: at two, Triton's loop pipeliner waits at the top of every
     chunk for the copies it issued at the end of the previous one (async_wait num = 0 in the TTGIR),
-    so no load latency is hidden; at three one copy group stays in flight."""
+    so no load latency is hidden; at three the next chunk's copies stay in flight while one computes."""
     yield "fused auto", None, None, None, None
     for cfg in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3)):
         yield f"fused serial {cfg}", FUSED, SERIAL, cfg, None

@@ -91,6 +91,20 @@ def main() -> int:
                                                            config=(64, 4, 2), schedule=triton_chunk.Schedule.SERIAL,
                                                            inverse=PRODUCT_FORM)
             out[f"{len(lens)}seq/serial-product-form/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
+    # fp16, K != V (64 and 96), one sequence with a partial last chunk, serial: the split form's
+    # unsegmented chain, and its operands kept in k's dtype (fp16 operands meet fp16 k).
+    T, H, HV = 150, 1, 2
+    q, k = (torch.randn(1, T, H, 64).half() for _ in range(2))
+    v = torch.randn(1, T, HV, 96).half()
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 3)
+    beta = torch.rand(1, T, HV)
+    cu = torch.tensor([0, T])
+    o_ref, s_ref = reference.chunk_reference(q, k, v, g, beta, 64**-0.5, None, True, cu, True)
+    for form in triton_chunk.Form:
+        o, s = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 64**-0.5, None, True, cu, True, False,
+                                                       config=(32, 4, 2), schedule=triton_chunk.Schedule.SERIAL,
+                                                       form=form)
+        out[f"fp16-k64-v96/{form.value}"] = [rel(o, o_ref), rel(s, s_ref)]
     print(json.dumps(out))
     return 0
 

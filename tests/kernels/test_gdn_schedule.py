@@ -24,6 +24,12 @@ def test_pipelining_only_where_the_chain_leaves_sms_idle(N, HV, want):
     assert tc._pipeline_config(N, HV, 128, 132, 128) == want
 
 
+def test_four_byte_inputs_pipeline_at_two_stages():
+    """fp32 q, k, v: three stages would need 243.5 KB of shared memory (over 227 KB per program)."""
+    assert tc._pipeline_config(1, 32, 128, 132, 128, itemsize=4) == (32, 4, 2)
+    assert tc._pipeline_config(1, 32, 128, 132, 128, itemsize=2) == (32, 4, 3)
+
+
 def test_a_short_prompt_stays_serial():
     assert tc._pipeline_config(1, 32, 128, 132, tc.PIPELINE_MIN_CHUNKS - 1) is None
     assert tc._pipeline_config(1, 32, 128, 132, tc.PIPELINE_MIN_CHUNKS) == (32, 4, 3)
@@ -39,6 +45,19 @@ def test_a_form_that_is_not_a_form_is_refused_with_its_value():
     q, k, v, g, beta = _inputs()
     with pytest.raises(ValueError, match="form must be a Form .*got 'split'"):
         tc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, None, True, None, True, False, form="split")
+
+
+def test_the_split_form_refuses_a_single_stage_chain_with_its_config():
+    q, k, v, g, beta = _inputs()
+    with pytest.raises(ValueError, match=r"num_stages >= 2 .*got config \(32, 4, 1\)"):
+        tc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, None, True, None, True, False, config=(32, 4, 1),
+                                      form=tc.Form.SPLIT)
+
+
+def test_a_bad_form_is_refused_before_an_empty_call_returns():
+    q, k, v, g, beta = _inputs(T=0)
+    with pytest.raises(ValueError, match="form must be a Form"):
+        tc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, None, True, None, True, False, form=1)
 
 
 def test_a_pipelined_call_needs_a_config():

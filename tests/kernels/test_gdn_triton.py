@@ -349,3 +349,15 @@ def test_split_form_with_identical_keys_no_decay_full_beta():
     o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, None, True, cu, True)
     assert rel_err(o, o_ref) < 5e-2
     assert rel_err(st, st_ref) < 5e-2
+
+
+def test_fp32_inputs_one_long_sequence_auto_schedule():
+    """fp32 q, k, v on a pipelined (one-sequence, 35B-shaped) call: its config drops to two stages, since
+    three would not fit in shared memory (tests/kernels/test_compile_report.py)."""
+    q, k, v, g, beta, cu = make([4096], 16, 32, seed=15, dtype=torch.float32)
+    o, st = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu,
+                                   use_qk_l2norm_in_kernel=True)
+    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, None, True, cu, True)
+    assert o.dtype == torch.float32
+    assert rel_err(o, o_ref) < 2e-2
+    assert rel_err(st, st_ref) < 2e-2

@@ -67,8 +67,9 @@ class Report:
     mma_kind: str  # the tensor-core instruction family in the PTX: wgmma, tcgen05, mma.sync, or "-"
     mma: int  # tensor-core instructions of that family in the PTX (static count)
     async_copies: int  # cp.async / bulk (TMA) copies into shared memory in the PTX (static count)
-    # The most copy groups an async_wait leaves in flight (TTGIR). 0 with copies: every wait drains them,
-    # so a loop waits at each step for the copies it issued at the end of the step before (two stages).
+    # The most copy groups (one per load) an async_wait leaves in flight (TTGIR). 0 with copies: every
+    # wait drains them, so a loop waits at each step for the copies it issued at the end of the step
+    # before (two stages).
     copies_in_flight: int = 0
 
 
@@ -144,8 +145,9 @@ def _specs() -> list[KernelSpec]:
             constants={"stride_iv": 1, "stride_ov": 1, "K": D, "V": D, "BK": D, "HAS_H_IN": True,
                        "HAS_H_OUT": True},
             aligned=("stride_ik", "stride_ok", "H", "HV"),
-            launches=tuple(Launch(label=f"BV={bv}", num_warps=w, num_stages=st, constants={"BV": bv, "SEGMENTED": False})
-                           for bv, w, st in triton_chunk.CHAIN_CONFIGS),
+            launches=tuple(Launch(label=f"{'segment ' if seg else ''}BV={bv} s{st}", num_warps=w, num_stages=st,
+                                  constants={"BV": bv, "SEGMENTED": seg})
+                           for bv, w, st in triton_chunk.CHAIN_CONFIGS for seg in (False, True)),
         ),
         KernelSpec(
             name="recurrent_prefill", module=recurrent, attr="_recurrent_kernel",

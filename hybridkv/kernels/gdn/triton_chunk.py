@@ -200,10 +200,10 @@ class Schedule(enum.Enum):
 # 0.526-0.539; 397B serial 0.755, pipelined 0.778-0.829 (still serial).
 # Three stages, not two: at two, Triton's pipeliner issues the next chunk's copies at the end of the
 # current one and waits for them at the top of the next (async_wait num = 0 in the TTGIR), so every chunk
-# waits out a global-load latency; at three one copy group stays in flight. H200, 35B 1x8192
+# waits out a global-load latency; at three the next chunk's copies stay in flight while this one computes. H200, 35B 1x8192
 # (scripts/gdn_split_probe.py, one run): state kernel alone 414 -> 351 us, serial 0.578 -> 0.517 ms,
-# pipelined 0.533 -> 0.462 ms, same error. Batched calls keep two stages: the third stage's 46 KB of
-# shared memory costs programs per SM there (35B 4x8192 serial BV=64: 1.220 -> 1.704 ms).
+# pipelined 0.533 -> 0.462 ms, same error. Batched calls keep two stages: a third stage's shared memory
+# (46-50 KB per program) costs programs per SM there (35B 4x8192 serial BV=64: 1.220 -> 1.704 ms).
 PIPELINE_CONFIGS = ((32, 4, 3),)
 PIPELINE_SEGMENTS = 2
 # Below this many chunk rows a call stays serial: a short prompt's inverse is a few microseconds, less than
@@ -223,16 +223,19 @@ def _side_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index, priority=-1)
 
 
-def _pipeline_config(N: int, HV: int, V: int, sms: int, chunks: int) -> tuple[int, int, int] | None:
+def _pipeline_config(N: int, HV: int, V: int, sms: int, chunks: int, itemsize: int = 2
+                     ) -> tuple[int, int, int] | None:
     """The state config of a pipelined call, or None where the state kernel alone gives more programs
     than SMs (batches, many value heads: nothing is left idle for the inverse kernel to fill) or the
-    call has fewer than PIPELINE_MIN_CHUNKS chunk rows."""
+    call has fewer than PIPELINE_MIN_CHUNKS chunk rows. ``itemsize``: of q, k, v; 4-byte inputs get two
+    stages (three need 243.5 KB of shared memory there, over the H200's 227 KB per program)."""
     if chunks < PIPELINE_MIN_CHUNKS:
         return None
     fits = [c for c in PIPELINE_CONFIGS if triton.cdiv(V, c[0]) * N * HV <= sms]
     if not fits:
         return None
-    return min(fits, key=lambda c: (sms - triton.cdiv(V, c[0]) * N * HV, c[0]))
+    bv, warps, stages = min(fits, key=lambda c: (sms - triton.cdiv(V, c[0]) * N * HV, c[0]))
+    return bv, warps, stages if itemsize <= 2 else min(stages, 2)
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -247,6 +250,12 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
         raise ValueError(f"head dims up to 256 are supported, got K={K}, V={V}")
+    form = Form.FUSED if form is None else form
+    if not isinstance(form, Form):
+        raise ValueError(f"form must be a Form ({', '.join(f.name for f in Form)}), got {form!r}")
+    if form is Form.SPLIT and config is not None and config[2] < 2:
+        raise ValueError(f"the split form's chain needs num_stages >= 2 (Triton 3.6 miscompiles it at 1), "
+                         f"got config {config}")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     cu, chunk_table, chunk_offsets, NC = _tables.get(cu_seqlens, B, T, q.device)
     N = cu.numel() - 1
@@ -260,14 +269,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         return o, final
     on_gpu = q.device.type == "cuda"
     if schedule is None:
-        auto = _pipeline_config(N, HV, V, _sm_count(q.device.index), NC) if on_gpu else None
+        auto = _pipeline_config(N, HV, V, _sm_count(q.device.index), NC, q.element_size()) if on_gpu else None
         schedule = Schedule.SERIAL if auto is None else Schedule.PIPELINED
         config = config or auto
     if schedule is not Schedule.SERIAL and config is None:
         raise ValueError(f"schedule {schedule.value} needs a fixed state config (BV, warps, stages)")
-    form = Form.FUSED if form is None else form
-    if not isinstance(form, Form):
-        raise ValueError(f"form must be a Form ({', '.join(f.name for f in Form)}), got {form!r}")
     segments = 1 if schedule is Schedule.SERIAL else (PIPELINE_SEGMENTS if segments is None else segments)
     if segments < 1:
         raise ValueError(f"segments must be >= 1, got {segments}")
@@ -275,9 +281,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     A = q.new_empty((NC, HV, BT, BT), dtype=sdt)
     R = q.new_empty((NC, HV, _NROW, BT), dtype=torch.float32)
     G = q.new_empty((NC, HV), dtype=torch.float32)
-    if form is Form.SPLIT:
-        WQ = q.new_empty((NC, HV, 2 * BT, K), dtype=sdt)
-        UU = q.new_empty((NC, HV, 2 * BT, V), dtype=sdt)
+    if form is Form.SPLIT:  # in k's dtype: the chain multiplies them with k (fp16 stays fp16)
+        WQ = q.new_empty((NC, HV, 2 * BT, K), dtype=k.dtype)
+        UU = q.new_empty((NC, HV, 2 * BT, V), dtype=k.dtype)
     BK = triton.next_power_of_2(K)
     h0 = initial_state.contiguous() if initial_state is not None else None
     # The state kernel indexes K rows and V columns; a V-first state is the transposed view.
@@ -304,7 +310,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                                                    **({} if inverse.maxnreg is None else
                                                       {"maxnreg": inverse.maxnreg}))
         if form is Form.SPLIT:
-            bc = min(WU_COLUMNS, BK, triton.next_power_of_2(V))
+            bc = max(16, min(WU_COLUMNS, BK, triton.next_power_of_2(V)))  # tl.dot needs 16 columns
             grid = (rows, HV, 2 * triton.cdiv(max(K, V), bc))
             _chunk_wu_kernel[grid](q, k, v, A, R, WQ, UU, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K, V=V, BK=BK,
                                    BC=bc, SEGMENTED=len(bounds) > 1, num_warps=4, num_stages=1)
