@@ -40,7 +40,7 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import (
     InverseConfig,
     _chunk_inverse_kernel,
 )
-from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program, _initial_state
+from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program, _initial_state, _scores
 from hybridkv.kernels.gdn.triton_chunk_wu import _chunk_chain_kernel, _chunk_wu_kernel
 
 
@@ -56,7 +56,6 @@ def _chunk_state_kernel(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offs
     b_s = _initial_state(h_in, i_nh, i_v, stride_ik, stride_iv, K, V, BK, BV, HAS_H_IN)
 
     o_i = tl.arange(0, 64)
-    causal = o_i[:, None] >= o_i[None, :]
     # Unsegmented, the loop keeps its constant start: Triton's pipeliner then emits the same code as
     # before segments existed (a runtime start cost instructions in every chunk, offline sm_90 SASS).
     # A segment past this sequence's end runs no chunk and only hands its state on (h_in to h_out).
@@ -81,10 +80,7 @@ def _chunk_state_kernel(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offs
         r_kn = tl.load(p_r + 384)
         e_last = tl.load(G + i_ch)
 
-        # P = scale (q_i . k_j) rq_i rk_j e^(gamma_i - gamma_j), j <= i: raw q and k, norms in the epilogue.
-        b_qk = tl.dot(b_q, tl.trans(b_k))
-        decay = tl.exp(tl.where(causal, r_c[:, None] - r_c[None, :], 0.0))
-        b_p = tl.where(causal, b_qk * decay * (r_qn[:, None] * r_kn[None, :]), 0.0).to(dt)
+        b_p = _scores(b_q, b_k, r_c, r_qn, r_kn, dt)
 
         b_sd = b_s.to(dt)
         b_ks = tl.dot(b_k, b_sd)
@@ -200,8 +196,8 @@ class Schedule(enum.Enum):
 # 0.526-0.539; 397B serial 0.755, pipelined 0.778-0.829 (still serial).
 # Three stages, not two: at two, Triton's pipeliner issues the next chunk's copies at the end of the
 # current one and waits for them at the top of the next (async_wait num = 0 in the TTGIR), so every chunk
-# waits out a global-load latency; at three the next chunk's copies stay in flight while this one computes. H200, 35B 1x8192
-# (scripts/gdn_split_probe.py, one run): state kernel alone 414 -> 351 us, serial 0.578 -> 0.517 ms,
+# waits out a global-load latency; at three the next chunk's copies stay in flight while this one
+# computes. H200, 35B 1x8192 (scripts/gdn_split_probe.py, one run): state kernel alone 414 -> 351 us, serial 0.578 -> 0.517 ms,
 # pipelined 0.533 -> 0.462 ms, same error. Batched calls keep two stages: a third stage's shared memory
 # (46-50 KB per program) costs programs per SM there (35B 4x8192 serial BV=64: 1.220 -> 1.704 ms).
 PIPELINE_CONFIGS = ((32, 4, 3),)

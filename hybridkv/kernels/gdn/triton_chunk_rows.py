@@ -1,6 +1,7 @@
-"""Index helpers every Triton chunk kernel shares: which chunk a program of a parallel kernel has, where
-its sequence starts, and the state a chain program starts from. Inlined by Triton (offline PTX of every
-chunk kernel launch is unchanged but for the order of two loads in a row's early exit)."""
+"""Helpers the Triton chunk kernels share: which chunk a program of a parallel kernel has, where its
+sequence starts, the state a chain program starts from, and a chunk's masked scores. Inlined by Triton
+(offline PTX of every chunk kernel launch is unchanged but for the order of two loads in a row's early
+exit)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,14 @@ def _initial_state(h_in, i_nh, i_v, stride_k, stride_v, K: tl.constexpr, V: tl.c
                                  (BK, BV), (1, 0))
         b_s = tl.load(p_h0, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     return b_s
+
+
+@triton.jit
+def _scores(b_q, b_k, r_c, r_qn, r_kn, dt):
+    """P = scale (q_i . k_j) rq_i rk_j e^(gamma_i - gamma_j) for j <= i, else 0, in dt: raw q and k,
+    the norms and the decays in the epilogue."""
+    o_i = tl.arange(0, 64)
+    causal = o_i[:, None] >= o_i[None, :]
+    b_qk = tl.dot(b_q, tl.trans(b_k))
+    decay = tl.exp(tl.where(causal, r_c[:, None] - r_c[None, :], 0.0))
+    return tl.where(causal, b_qk * decay * (r_qn[:, None] * r_kn[None, :]), 0.0).to(dt)

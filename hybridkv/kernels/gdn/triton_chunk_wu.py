@@ -14,8 +14,7 @@ value head, 64 columns), stacked as [W; Q'] and [U; U'] (64 KB per chunk and val
 
 Measured on one H200 (`scripts/gdn_split_probe.py`, kernels alone, us, 35B / 397B 1x8192): the chain
 187 (three stages) / 309-315 (two; the three-stage run was cut short) against the fused state kernel's
-351 / 478, but the parallel kernel 267 / 500 (plus the
-inverse, 162 / 275), so a whole call is slower than the fused form (35B: 0.620 ms serial against 0.517;
+351 / 478, but the parallel kernel 267 / 500 (plus the inverse, 162 / 275), so a whole call is slower than the fused form (35B: 0.620 ms serial against 0.517;
 batched shapes 1.8-1.9x slower), and nothing picks it. Its parallel kernel is the part to fix: 268 MB
 of stores at 35B should take ~70 us, so it is latency-bound (few programs per SM, one chain of
 dependent GEMMs each). Folding it into the inverse kernel, which holds T already, is the next step.
@@ -27,7 +26,7 @@ import triton
 import triton.language as tl
 
 from hybridkv.kernels.gdn.triton_chunk_inverse import _R_STRIDE
-from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program, _initial_state, _sequence, _table_row
+from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program, _initial_state, _scores, _sequence, _table_row
 
 
 @triton.jit
@@ -61,7 +60,6 @@ def _chunk_wu_kernel(q, k, v, A, R, WQ, UU, cu_seqlens, chunk_table, row0, c_lo,
     dt = WQ.dtype.element_ty
 
     o_i = tl.arange(0, 64)
-    causal = o_i[:, None] >= o_i[None, :]
     p_r = R + i_ch * _R_STRIDE + o_i
     base_q, base_k = q + (bos * H + i_h) * K, k + (bos * H + i_h) * K
     p_q = tl.make_block_ptr(base_q, (T, K), (H * K, 1), (i_t * 64, 0), (64, BK), (1, 0))
@@ -72,6 +70,7 @@ def _chunk_wu_kernel(q, k, v, A, R, WQ, UU, cu_seqlens, chunk_table, row0, c_lo,
     r_c = tl.load(p_r + 256)
     r_qn = tl.load(p_r + 320)
     r_kn = tl.load(p_r + 384)
+    b_p = _scores(b_q, b_k, r_c, r_qn, r_kn, dt)
     if i_side == 0:
         p_qb = tl.make_block_ptr(base_q, (T, K), (H * K, 1), (i_t * 64, i_b * BC), (64, BC), (1, 0))
         p_kb = tl.make_block_ptr(base_k, (T, K), (H * K, 1), (i_t * 64, i_b * BC), (64, BC), (1, 0))
@@ -79,9 +78,6 @@ def _chunk_wu_kernel(q, k, v, A, R, WQ, UU, cu_seqlens, chunk_table, row0, c_lo,
         b_kb = tl.load(p_kb, boundary_check=(0, 1), padding_option="zero")
         r_q = tl.load(p_r)
         r_k = tl.load(p_r + 64)
-        b_qk = tl.dot(b_q, tl.trans(b_k))
-        decay = tl.exp(tl.where(causal, r_c[:, None] - r_c[None, :], 0.0))
-        b_p = tl.where(causal, b_qk * decay * (r_qn[:, None] * r_kn[None, :]), 0.0).to(dt)
         # The chain multiplies the stored (rounded) W, so Q' subtracts P times that same W.
         b_w = tl.dot(b_a, (b_kb.to(tl.float32) * r_k[:, None]).to(dt)).to(dt)
         b_qp = b_qb.to(tl.float32) * r_q[:, None] - tl.dot(b_p, b_w)
@@ -94,9 +90,6 @@ def _chunk_wu_kernel(q, k, v, A, R, WQ, UU, cu_seqlens, chunk_table, row0, c_lo,
                                 (1, 0))
         b_v = tl.load(p_v, boundary_check=(0, 1), padding_option="zero")
         r_b = tl.load(p_r + 192)
-        b_qk = tl.dot(b_q, tl.trans(b_k))
-        decay = tl.exp(tl.where(causal, r_c[:, None] - r_c[None, :], 0.0))
-        b_p = tl.where(causal, b_qk * decay * (r_qn[:, None] * r_kn[None, :]), 0.0).to(dt)
         b_u = tl.dot(b_a, (b_v.to(tl.float32) * r_b[:, None]).to(dt)).to(dt)
         b_up = tl.dot(b_p, b_u)
         p_u = tl.make_block_ptr(UU + i_ch * 128 * V, (128, V), (V, 1), (0, i_b * BC), (64, BC), (1, 0))
