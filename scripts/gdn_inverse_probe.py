@@ -19,7 +19,7 @@ import torch
 from hybridkv.kernels.gdn import bench, breakdown, reference, triton_chunk
 from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 
-from gdn_schedules import probe_args, rel  # scripts/ is this script's own directory on sys.path
+from gdn_schedules import probe_args, reference_cases, rel  # scripts/ is this script's own directory on sys.path
 
 VARIANTS = (
     InverseConfig(group=1, bkc=128, warps=2, stages=3),  # the previous kernel's shape (k held whole)
@@ -67,13 +67,9 @@ def main() -> int:
     rows = []
     print(torch.cuda.get_device_name(), flush=True)
     rows += worst_case()
-    for shape, B, T, H, HV, args, kw in bench._prefill_cases():
-        if a.shapes and not any(x in shape for x in a.shapes):
-            continue
+    for shape, args, kw, o_ref, s_ref in reference_cases(a.shapes):
         q, k, v, g, beta = args
         cu = kw["cu_seqlens"]
-        o_ref, s_ref = reference.chunk_reference(q.float(), k.float(), v.float(), g, beta, 128**-0.5, None, True,
-                                                 cu, True)
 
         def call(inverse, config=None, schedule=triton_chunk.Schedule.SERIAL):  # noqa: B023
             return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
@@ -97,7 +93,6 @@ def main() -> int:
             print(f"{shape:30} g{inv.group} bkc{inv.bkc} w{inv.warps} s{inv.stages} m{inv.method} {inv.prec:6} "
                   f"/{inv.merge_prec:6} reg{inv.maxnreg} {sched.value} {cfg}: call {b.call_us:7.1f} us  "
                   f"inverse {row['inverse_us']:7.1f}  state {row['state_us']:7.1f}  err {err:.2e}", flush=True)
-        del args, o_ref, s_ref
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)
     return 0

@@ -33,6 +33,20 @@ def probe_args(doc: str) -> argparse.Namespace:
     return p.parse_args()
 
 
+def reference_cases(shapes: list[str]):
+    """The bench's prefill shapes whose label contains any of ``shapes`` (all without any), each with the
+    pure-torch reference in fp32: (label, args, kwargs, o_ref, state_ref)."""
+    from hybridkv.kernels.gdn import reference
+
+    for shape, _B, _T, _H, _HV, args, kw in bench._prefill_cases():
+        if shapes and not any(x in shape for x in shapes):
+            continue
+        q, k, v, g, beta = args
+        o_ref, s_ref = reference.chunk_reference(q.float(), k.float(), v.float(), g, beta, 128**-0.5, None, True,
+                                                 kw["cu_seqlens"], True)
+        yield shape, args, kw, o_ref, s_ref
+
+
 def prefill(iters: int, fla, shapes: list[str], quick: bool) -> list[dict]:
     rows = []
     for shape, B, T, H, HV, args, kw in bench._prefill_cases():

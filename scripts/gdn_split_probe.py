@@ -15,10 +15,10 @@ import sys
 
 import torch
 
-from hybridkv.kernels.gdn import bench, breakdown, reference, triton_chunk
+from hybridkv.kernels.gdn import bench, breakdown, triton_chunk
 
 from gdn_inverse_probe import kernel_us  # scripts/ is this script's own directory on sys.path
-from gdn_schedules import probe_args, rel
+from gdn_schedules import probe_args, reference_cases, rel
 
 SPLIT, FUSED = triton_chunk.Form.SPLIT, triton_chunk.Form.FUSED
 SERIAL, PIPELINED = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINED
@@ -48,19 +48,12 @@ def main() -> int:
     a = probe_args(__doc__)
     rows = []
     print(torch.cuda.get_device_name(), flush=True)
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
-    except ImportError:
-        fla = None
-    for shape, B, T, H, HV, args, kw in bench._prefill_cases():
-        if a.shapes and not any(x in shape for x in a.shapes):
-            continue
+    fla = bench._load_fla(False)
+    for shape, args, kw, o_ref, s_ref in reference_cases(a.shapes):
         q, k, v, g, beta = args
         cu = kw["cu_seqlens"]
-        o_ref, s_ref = reference.chunk_reference(q.float(), k.float(), v.float(), g, beta, 128**-0.5, None, True,
-                                                 cu, True)
         if fla is not None:
-            b = breakdown.measure("FLA", lambda: fla(*args, **kw), a.iters, bench._median_ms)
+            b = breakdown.measure("FLA", lambda: fla[0](*args, **kw), a.iters, bench._median_ms)
             print(f"{shape:30} FLA: call {b.call_us:7.1f} us  kernels {b.kernel_us:7.1f}", flush=True)
             rows.append(dict(shape=shape, variant="FLA", call_us=b.call_us, kernels=b.kernels))
 
@@ -83,7 +76,6 @@ def main() -> int:
             print(f"{shape:30} {name:34} call {b.call_us:7.1f} us  inverse {row['inverse_us']:6.1f}  wu "
                   f"{row['wu_us']:6.1f}  chain {row['chain_us']:6.1f}  err o {err[0]:.2e} s {err[1]:.2e}",
                   flush=True)
-        del args, o_ref, s_ref
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)
     return 0
