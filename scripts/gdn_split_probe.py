@@ -1,6 +1,7 @@
-"""Device probe for issue #8: two pipeline stages against three for the fused state kernel, and the split
-form (`triton_chunk_wu`), serial and pipelined, on the bench's prefill shapes, with per-kernel device
-times (torch.profiler) and FLA in the same run.
+"""Device probe for issue #8: pipeline stages and segments of the fused state kernel, and the scores form
+(`triton_chunk.Form.SCORES`), serial and pipelined, on the bench's prefill shapes, with per-kernel device
+times (torch.profiler) and FLA in the same run. (The split form's numbers are in `triton_chunk_wu`'s
+docstring; git history has the variants that measured it.)
 
     python3 scripts/gdn_split_probe.py [--iters 10] [--json PATH] [--shapes 1x8192]
 
@@ -20,28 +21,33 @@ from hybridkv.kernels.gdn import bench, breakdown, triton_chunk
 from gdn_inverse_probe import kernel_us  # scripts/ is this script's own directory on sys.path
 from gdn_schedules import probe_args, reference_cases, rel
 
-SPLIT, FUSED = triton_chunk.Form.SPLIT, triton_chunk.Form.FUSED
+FUSED, SCORES = triton_chunk.Form.FUSED, triton_chunk.Form.SCORES
 SERIAL, PIPELINED = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINED
 
 
 def variants(shape: str):
-    """Three pipeline stages against two: at two, Triton's loop pipeliner waits at the top of every
-    chunk for the copies it issued at the end of the previous one (async_wait num = 0 in the TTGIR),
-    so no load latency is hidden; at three the next chunk's copies stay in flight while one computes."""
+    """Three pipeline stages against two and four, more segments, and the scores form (P made in
+    parallel, loaded by the chain: no q k^T or exp on the chain), fused and pipelined, at 35B and 397B;
+    the scores form on batched shapes too (its chain has no spills at BV=64, offline sm_90)."""
     yield "fused auto", None, None, None, None
-    for cfg in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3)):
-        yield f"fused serial {cfg}", FUSED, SERIAL, cfg, None
+    yield "scores auto", SCORES, None, None, None
     if "1x" not in shape:
+        for cfg in ((64, 4, 2), (64, 8, 2), (32, 4, 2)):
+            yield f"fused serial {cfg}", FUSED, SERIAL, cfg, None
+            yield f"scores serial {cfg}", SCORES, SERIAL, cfg, None
         return
-    # The pipelined chain: more segments (less of the first segment's inverse left un-overlapped) and a
-    # fourth stage (~185 KB of shared memory at BV=32, fits); not measured yet at the time of writing.
-    for cfg, segs in (((32, 4, 2), (2,)), ((32, 4, 3), (2, 3, 4)), ((32, 4, 4), (2, 4))):
+    for cfg, segs in (((32, 4, 3), (2, 3, 4)), ((32, 4, 4), (2, 4))):
         for n in segs:
             yield f"fused pipelined {cfg} x{n}", FUSED, PIPELINED, cfg, n
-    for cfg in ((32, 4, 3), (16, 4, 3)):
-        yield f"split serial {cfg}", SPLIT, SERIAL, cfg, None
-    for n in (2, 4):
-        yield f"split pipelined (32, 4, 3) x{n}", SPLIT, PIPELINED, (32, 4, 3), n
+            yield f"scores pipelined {cfg} x{n}", SCORES, PIPELINED, cfg, n
+    yield "scores serial (32, 4, 3)", SCORES, SERIAL, (32, 4, 3), None
+    if "HV=64" in shape:  # BV=64 gives 128 programs there: one per SM
+        for cfg in ((64, 4, 3), (64, 8, 3)):
+            yield f"fused serial {cfg}", FUSED, SERIAL, cfg, None
+            yield f"scores serial {cfg}", SCORES, SERIAL, cfg, None
+            for n in (2, 4):
+                yield f"fused pipelined {cfg} x{n}", FUSED, PIPELINED, cfg, n
+                yield f"scores pipelined {cfg} x{n}", SCORES, PIPELINED, cfg, n
 
 
 def main() -> int:
@@ -70,10 +76,10 @@ def main() -> int:
             err = (rel(o, o_ref), rel(s, s_ref))
             b = breakdown.measure("hybridkv", call, a.iters, bench._median_ms)
             row = dict(shape=shape, variant=name, call_us=b.call_us, inverse_us=kernel_us(b, "inverse"),
-                       wu_us=kernel_us(b, "wu"), chain_us=kernel_us(b, "chain") + kernel_us(b, "state"),
+                       wu_us=kernel_us(b, "wu") + kernel_us(b, "scores"), chain_us=kernel_us(b, "chain") + kernel_us(b, "state"),
                        o_err=err[0], s_err=err[1])
             rows.append(row)
-            print(f"{shape:30} {name:34} call {b.call_us:7.1f} us  inverse {row['inverse_us']:6.1f}  wu "
+            print(f"{shape:30} {name:34} call {b.call_us:7.1f} us  inverse {row['inverse_us']:6.1f}  wu/P "
                   f"{row['wu_us']:6.1f}  chain {row['chain_us']:6.1f}  err o {err[0]:.2e} s {err[1]:.2e}",
                   flush=True)
     if a.json:

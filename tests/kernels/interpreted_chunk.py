@@ -86,6 +86,11 @@ def main() -> int:
                                                            config=(64, 4, 2), schedule=triton_chunk.Schedule.PIPELINED,
                                                            segments=3, form=triton_chunk.Form.SPLIT)
             out[f"{len(lens)}seq/split-pipelined/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
+            # The scores form: P made in parallel, loaded by the chain.
+            o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
+                                                           config=(64, 4, 2), schedule=triton_chunk.Schedule.PIPELINED,
+                                                           segments=3, form=triton_chunk.Form.SCORES)
+            out[f"{len(lens)}seq/scores-pipelined/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
             # The other inverse path: one value head per program, k whole, the product-form inverse.
             o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
                                                            config=(64, 4, 2), schedule=triton_chunk.Schedule.SERIAL,

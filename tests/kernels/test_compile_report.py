@@ -75,7 +75,7 @@ def test_the_pipelined_config_of_fp32_inputs_fits_in_shared_memory():
 
     def smem(st):
         launch = cr.Launch(label="fp32 segment", num_warps=warps, num_stages=st,
-                           constants={"BV": bv, "SEGMENTED": True})
+                           constants={"BV": bv, "SEGMENTED": True, "SCORES_IN": False})
         return cr.compile_one(fp32, launch, cr.Arch.HOPPER).shared_bytes
 
     assert smem(stages) <= 227 * 1024

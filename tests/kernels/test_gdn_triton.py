@@ -361,3 +361,44 @@ def test_fp32_inputs_one_long_sequence_auto_schedule():
     assert o.dtype == torch.float32
     assert rel_err(o, o_ref) < 2e-2
     assert rel_err(st, st_ref) < 2e-2
+
+
+@pytest.mark.parametrize(("lens", "H", "HV", "batch"), SCHEDULE_CASES + [PREFILL[2]])
+def test_scores_form_matches_reference(lens, H, HV, batch):
+    """The scores form (P made in parallel and loaded by the chain): autotuned serial, forced serial and
+    pipelined configs, v-first too; and a pipelined call equals a serial one bit for bit."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=16)
+    N = batch or len(lens)
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
+    serial, pipelined = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINED
+    got = {}
+    for config, schedule, segments, v_first in [(None, serial, 1, False), ((32, 4, 3), serial, 1, False),
+                                                ((32, 4, 3), pipelined, 4, False), ((64, 4, 3), pipelined, 2, True),
+                                                ((64, 4, 2), pipelined, 8, False)]:
+        h = h0.transpose(-1, -2).contiguous() if v_first else h0
+        o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h, True, cu, True, v_first,
+                                                        config=config, schedule=schedule, segments=segments,
+                                                        form=triton_chunk.Form.SCORES)
+        st = st.transpose(-1, -2) if v_first else st
+        assert rel_err(o, o_ref) < 2e-2, (config, schedule, segments)
+        assert rel_err(st, st_ref) < 2e-2, (config, schedule, segments)
+        got[config, schedule] = o, st
+    (o0, s0), (o1, s1) = got[(32, 4, 3), serial], got[(32, 4, 3), pipelined]
+    assert torch.equal(o0, o1) and torch.equal(s0, s1)
+
+
+def test_scores_form_with_identical_keys_no_decay_full_beta():
+    """The inverse's worst case through the scores form (P rounded to bf16 once, as on the chain)."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    q, k, v, g, beta, cu = make([1000, 300], 2, 4, seed=5)
+    k = (k[:, :1] + 1e-3 * k).to(k.dtype)
+    g, beta = torch.zeros_like(g), torch.ones_like(beta)
+    o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
+                                                    form=triton_chunk.Form.SCORES)
+    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, None, True, cu, True)
+    assert rel_err(o, o_ref) < 5e-2
+    assert rel_err(st, st_ref) < 5e-2

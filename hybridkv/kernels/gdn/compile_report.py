@@ -87,11 +87,13 @@ def _specs() -> list[KernelSpec]:
     inv = triton_chunk_inverse.INVERSE_CONFIG
     conv = "hybridkv.kernels.gdn.triton_conv"
     state_launches = tuple(
-        Launch(label=f"BV={bv}", num_warps=w, num_stages=s, constants={"BV": bv, "SEGMENTED": False})
-        for bv, w, s in triton_chunk.STATE_CONFIGS
+        Launch(label=f"BV={bv}{' scores' if sc else ''}", num_warps=w, num_stages=s,
+               constants={"BV": bv, "SEGMENTED": False, "SCORES_IN": sc})
+        for sc in (False, True) for bv, w, s in triton_chunk.STATE_CONFIGS
     ) + tuple(
-        Launch(label=f"segment BV={bv}", num_warps=w, num_stages=s, constants={"BV": bv, "SEGMENTED": True})
-        for bv, w, s in triton_chunk.PIPELINE_CONFIGS
+        Launch(label=f"segment BV={bv}{' scores' if sc else ''}", num_warps=w, num_stages=s,
+               constants={"BV": bv, "SEGMENTED": True, "SCORES_IN": sc})
+        for sc in (False, True) for bv, w, s in triton_chunk.PIPELINE_CONFIGS
     )
     decode_launches = tuple(
         Launch(label=f"{dt} state BV={bv}", num_warps=w, constants={"BV": bv, "state": dt, "STREAM": dt == "bf16"})
@@ -116,9 +118,19 @@ def _specs() -> list[KernelSpec]:
                            for seg in (False, True) for grp in sorted({1, inv.group})),
         ),
         KernelSpec(
+            name="chunk_scores", module=inverse, attr="_chunk_scores_kernel",
+            signature={"q": "*bf16", "k": "*bf16", "R": "*fp32", "P": "*bf16", "cu_seqlens": "*i32",
+                       "chunk_table": "*i32", "row0": "i32", "c_lo": "i32", "c_hi": "i32", "H": "i32",
+                       "HV": "i32"},
+            constants={"K": D, "BK": D},
+            aligned=("H", "HV"),
+            launches=tuple(Launch(label=f"{'segment' if seg else 'default'}", num_warps=4, num_stages=1,
+                                  constants={"SEGMENTED": seg}) for seg in (False, True)),
+        ),
+        KernelSpec(
             name="chunk_state", module=chunk, attr="_chunk_state_kernel",
-            signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "A": "*bf16", "R": "*fp32", "G": "*fp32",
-                       "o": "*bf16", "h_in": "*fp32", "h_out": "*fp32", "cu_seqlens": "*i32",
+            signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "A": "*bf16", "P": "*bf16", "R": "*fp32",
+                       "G": "*fp32", "o": "*bf16", "h_in": "*fp32", "h_out": "*fp32", "cu_seqlens": "*i32",
                        "chunk_offsets": "*i32", "c_lo": "i32", "c_hi": "i32", "stride_ik": "i32",
                        "stride_ok": "i32", "H": "i32", "HV": "i32", "WORK_LOG2": "i32"},
             constants={"stride_iv": 1, "stride_ov": 1, "K": D, "V": D, "BK": D, "HAS_H_IN": True,

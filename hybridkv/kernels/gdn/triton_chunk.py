@@ -39,18 +39,20 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import (
     INVERSE_CONFIG,
     InverseConfig,
     _chunk_inverse_kernel,
+    _chunk_scores_kernel,
 )
 from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program, _initial_state, _scores
 from hybridkv.kernels.gdn.triton_chunk_wu import _chunk_chain_kernel, _chunk_wu_kernel
 
 
 @triton.jit
-def _chunk_state_kernel(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, c_lo, c_hi,
+def _chunk_state_kernel(q, k, v, A, P, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, c_lo, c_hi,
                         stride_ik, stride_iv, stride_ok, stride_ov, H, HV, WORK_LOG2, K: tl.constexpr,
                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H_IN: tl.constexpr,
-                        HAS_H_OUT: tl.constexpr, SEGMENTED: tl.constexpr):
+                        HAS_H_OUT: tl.constexpr, SEGMENTED: tl.constexpr, SCORES_IN: tl.constexpr):
     """Every chunk of each sequence, or with SEGMENTED (one segment of a pipelined call) the chunks
-    c_lo <= i < c_hi; the state starts from h_in (zeros without it) and is left in h_out."""
+    c_lo <= i < c_hi; the state starts from h_in (zeros without it) and is left in h_out. SCORES_IN
+    (`Form.SCORES`): the masked scores are loaded from P (made by the inverse kernel), not made here."""
     i_v, i_nh, i_hv, i_h, T, bos, c_first = _chain_program(cu_seqlens, chunk_offsets, H, HV)
     dt = k.dtype.element_ty
     b_s = _initial_state(h_in, i_nh, i_v, stride_ik, stride_iv, K, V, BK, BV, HAS_H_IN)
@@ -75,12 +77,11 @@ def _chunk_state_kernel(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offs
         r_k = tl.load(p_r + 64)
         r_d = tl.load(p_r + 128)
         r_b = tl.load(p_r + 192)
-        r_c = tl.load(p_r + 256)
-        r_qn = tl.load(p_r + 320)
-        r_kn = tl.load(p_r + 384)
         e_last = tl.load(G + i_ch)
-
-        b_p = _scores(b_q, b_k, r_c, r_qn, r_kn, dt)
+        if SCORES_IN:
+            b_p = tl.load(P + i_ch * 4096 + o_i[:, None] * 64 + o_i[None, :]).to(dt)
+        else:
+            b_p = _scores(b_q, b_k, tl.load(p_r + 256), tl.load(p_r + 320), tl.load(p_r + 384), dt)
 
         b_sd = b_s.to(dt)
         b_ks = tl.dot(b_k, b_sd)
@@ -106,7 +107,7 @@ STATE_CONFIGS = ((64, 4, 2), (64, 8, 2), (64, 4, 1), (32, 4, 2), (128, 8, 2))
 
 _chunk_state_tuned = triton.autotune(
     configs=[triton.Config({"BV": bv}, num_warps=w, num_stages=st) for bv, w, st in STATE_CONFIGS],
-    key=["H", "HV", "WORK_LOG2", "K", "V"],
+    key=["H", "HV", "WORK_LOG2", "K", "V", "SCORES_IN"],
 )(_chunk_state_kernel)
 
 # Columns of W, Q', U, U' per program of the split form's parallel kernel.
@@ -172,6 +173,10 @@ class Form(enum.Enum):
     """What runs on the chain (`triton_chunk_wu`)."""
 
     FUSED = "fused"  # `_chunk_state_kernel`: six GEMMs per chunk, nothing but T and row scales in HBM
+    # The same chain with the masked scores P made in parallel (`_chunk_scores_kernel`, once per value head
+    # instead of once per value head and V block) and loaded: five GEMMs per chunk on the chain, 8 KB
+    # more HBM per chunk and value head.
+    SCORES = "scores"
     SPLIT = "split"  # W, Q', U, U' made in parallel; three GEMMs per chunk on the chain
 
 
@@ -277,7 +282,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     A = q.new_empty((NC, HV, BT, BT), dtype=sdt)
     R = q.new_empty((NC, HV, _NROW, BT), dtype=torch.float32)
     G = q.new_empty((NC, HV), dtype=torch.float32)
-    if form is Form.SPLIT:  # in k's dtype: the chain multiplies them with k (fp16 stays fp16)
+    # In k's dtype: the chain multiplies them with k (fp16 stays fp16).
+    P = q.new_empty((NC, HV, BT, BT), dtype=k.dtype) if form is Form.SCORES else A
+    if form is Form.SPLIT:
         WQ = q.new_empty((NC, HV, 2 * BT, K), dtype=k.dtype)
         UU = q.new_empty((NC, HV, 2 * BT, V), dtype=k.dtype)
     BK = triton.next_power_of_2(K)
@@ -305,6 +312,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                                                    num_warps=inverse.warps, num_stages=inverse.stages,
                                                    **({} if inverse.maxnreg is None else
                                                       {"maxnreg": inverse.maxnreg}))
+        if form is Form.SCORES:
+            _chunk_scores_kernel[(rows, HV)](q, k, R, P, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K, BK=BK,
+                                             SEGMENTED=len(bounds) > 1, num_warps=4, num_stages=1)
         if form is Form.SPLIT:
             bc = max(16, min(WU_COLUMNS, BK, triton.next_power_of_2(V)))  # tl.dot needs 16 columns
             grid = (rows, HV, 2 * triton.cdiv(max(K, V), bc))
@@ -321,7 +331,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         if form is Form.SPLIT:
             args, fixed, tuned = (k, WQ, UU, R, G, *tail), _chunk_chain_kernel, _chunk_chain_tuned
         else:
-            args, fixed, tuned = (q, k, v, A, R, G, *tail), _chunk_state_kernel, _chunk_state_tuned
+            args, fixed, tuned = (q, k, v, A, P, R, G, *tail), _chunk_state_kernel, _chunk_state_tuned
+            kw["SCORES_IN"] = form is Form.SCORES
         if config is None:
             tuned[lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)](*args, **kw)
         else:
