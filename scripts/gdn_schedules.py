@@ -62,7 +62,7 @@ def prefill(iters: int, fla, shapes: list[str], quick: bool) -> list[dict]:
         o_ref, s_ref = call(triton_chunk.Schedule.SERIAL)
         n_seq = B if cu is None else cu.numel() - 1
         sms = triton_chunk._sm_count(q.device.index)
-        auto = triton_chunk._pipeline_config(n_seq, HV, 128, sms, triton_chunk._tables.get(cu, B, T, q.device)[3])
+        auto = triton_chunk._plan(n_seq, HV, 128, sms, triton_chunk._tables.get(cu, B, T, q.device)[3]).config
         variants = [("serial autotuned", triton_chunk.Schedule.SERIAL, None, None), ("auto", None, None, None)]
         if quick:
             cfg = triton_chunk.PIPELINE_CONFIGS[-1]

@@ -26,28 +26,26 @@ SERIAL, PIPELINED = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINE
 
 
 def variants(shape: str):
-    """Three pipeline stages against two and four, more segments, and the scores form (P made in
-    parallel, loaded by the chain: no q k^T or exp on the chain), fused and pipelined, at 35B and 397B;
-    the scores form on batched shapes too (its chain has no spills at BV=64, offline sm_90)."""
-    yield "fused auto", None, None, None, None
-    yield "scores auto", SCORES, None, None, None
+    """The plan (`triton_chunk._plan`) against the fused form autotuned, the scores form's pipeline at
+    BV=32 and BV=64 (at 35B, BV=64 leaves half the SMs wholly to the inverse of the next segment), and
+    the scores form on batched shapes (no spills at BV=64, offline sm_90)."""
+    yield "auto (plan)", None, None, None, None
+    yield "fused serial autotuned", FUSED, SERIAL, None, None
+    yield "scores serial autotuned", SCORES, SERIAL, None, None
     if "1x" not in shape:
-        for cfg in ((64, 4, 2), (64, 8, 2), (32, 4, 2)):
-            yield f"fused serial {cfg}", FUSED, SERIAL, cfg, None
+        for cfg in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 3)):
             yield f"scores serial {cfg}", SCORES, SERIAL, cfg, None
         return
-    for cfg, segs in (((32, 4, 3), (2, 3, 4)), ((32, 4, 4), (2, 4))):
-        for n in segs:
-            yield f"fused pipelined {cfg} x{n}", FUSED, PIPELINED, cfg, n
-            yield f"scores pipelined {cfg} x{n}", SCORES, PIPELINED, cfg, n
-    yield "scores serial (32, 4, 3)", SCORES, SERIAL, (32, 4, 3), None
-    if "HV=64" in shape:  # BV=64 gives 128 programs there: one per SM
-        for cfg in ((64, 4, 3), (64, 8, 3)):
-            yield f"fused serial {cfg}", FUSED, SERIAL, cfg, None
-            yield f"scores serial {cfg}", SCORES, SERIAL, cfg, None
-            for n in (2, 4):
-                yield f"fused pipelined {cfg} x{n}", FUSED, PIPELINED, cfg, n
+    if "HV=32" in shape:
+        yield "fused pipelined (32, 4, 3) x2", FUSED, PIPELINED, (32, 4, 3), 2
+        for cfg, segs in (((32, 4, 3), (2, 4)), ((64, 4, 3), (2, 3, 4)), ((64, 8, 3), (2, 4))):
+            for n in segs:
                 yield f"scores pipelined {cfg} x{n}", SCORES, PIPELINED, cfg, n
+        yield "scores serial (64, 4, 3)", SCORES, SERIAL, (64, 4, 3), None
+    else:
+        yield "scores serial (64, 4, 3)", SCORES, SERIAL, (64, 4, 3), None
+        for n in (2, 3):
+            yield f"scores pipelined (64, 4, 3) x{n}", SCORES, PIPELINED, (64, 4, 3), n
 
 
 def main() -> int:

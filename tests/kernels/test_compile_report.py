@@ -71,7 +71,7 @@ def test_the_pipelined_config_of_fp32_inputs_fits_in_shared_memory():
     fp32 = cr.KernelSpec(name=spec.name, module=spec.module, attr=spec.attr,
                          signature={k: ("*fp32" if t.startswith("*bf16") else t) for k, t in spec.signature.items()},
                          constants=spec.constants, aligned=spec.aligned, launches=spec.launches)
-    bv, warps, stages = triton_chunk._pipeline_config(1, 32, 128, 132, 128, itemsize=4)
+    bv, warps, stages = triton_chunk._plan(1, 32, 128, 132, 128, itemsize=4).config
 
     def smem(st):
         launch = cr.Launch(label="fp32 segment", num_warps=warps, num_stages=st,

@@ -255,17 +255,20 @@ def test_pipelined_equals_serial_bit_for_bit_and_repeats():
     from hybridkv.kernels.gdn import triton_chunk
 
     q, k, v, g, beta, cu = make([8192], 16, 32, seed=9)
-    cfg = triton_chunk._pipeline_config(1, 32, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
-    assert cfg is not None
+    plan = triton_chunk._plan(1, 32, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
+    assert plan.schedule is triton_chunk.Schedule.PIPELINED
     args = (q, k, v, g, beta, 128**-0.5, None, True, cu, True, False)
-    o0, s0 = triton_chunk.chunk_gated_delta_rule_fwd(*args, config=cfg, schedule=triton_chunk.Schedule.SERIAL)
-    for segments in (2, 4, 8, 4, 4):
-        o, s = triton_chunk.chunk_gated_delta_rule_fwd(*args, config=cfg, schedule=triton_chunk.Schedule.PIPELINED,
-                                                       segments=segments)
-        assert torch.equal(o, o0) and torch.equal(s, s0), segments
-    for _ in range(10):  # auto: pipelined at this config
-        o, s = triton_chunk.chunk_gated_delta_rule_fwd(*args)
-        assert torch.equal(o, o0) and torch.equal(s, s0)
+    for form in (plan.form, triton_chunk.Form.FUSED):
+        o0, s0 = triton_chunk.chunk_gated_delta_rule_fwd(*args, config=plan.config, form=form,
+                                                         schedule=triton_chunk.Schedule.SERIAL)
+        for segments in (2, 4, 8, 4, 4):
+            o, s = triton_chunk.chunk_gated_delta_rule_fwd(*args, config=plan.config, form=form, segments=segments,
+                                                           schedule=triton_chunk.Schedule.PIPELINED)
+            assert torch.equal(o, o0) and torch.equal(s, s0), (form, segments)
+        if form is plan.form:
+            for _ in range(10):  # auto: this plan
+                o, s = triton_chunk.chunk_gated_delta_rule_fwd(*args)
+                assert torch.equal(o, o0) and torch.equal(s, s0)
 
 
 def test_pipelined_in_a_cuda_graph():

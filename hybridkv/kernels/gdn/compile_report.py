@@ -94,6 +94,10 @@ def _specs() -> list[KernelSpec]:
         Launch(label=f"segment BV={bv}{' scores' if sc else ''}", num_warps=w, num_stages=s,
                constants={"BV": bv, "SEGMENTED": True, "SCORES_IN": sc})
         for sc in (False, True) for bv, w, s in triton_chunk.PIPELINE_CONFIGS
+    ) + tuple(
+        Launch(label=f"BV={bv} s{s} scores", num_warps=w, num_stages=s,
+               constants={"BV": bv, "SEGMENTED": False, "SCORES_IN": True})
+        for bv, w, s in (triton_chunk.ONE_PER_SM_CONFIG,)
     )
     decode_launches = tuple(
         Launch(label=f"{dt} state BV={bv}", num_warps=w, constants={"BV": bv, "state": dt, "STREAM": dt == "bf16"})
@@ -124,8 +128,9 @@ def _specs() -> list[KernelSpec]:
                        "HV": "i32"},
             constants={"K": D, "BK": D},
             aligned=("H", "HV"),
-            launches=tuple(Launch(label=f"{'segment' if seg else 'default'}", num_warps=4, num_stages=1,
-                                  constants={"SEGMENTED": seg}) for seg in (False, True)),
+            launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}", num_warps=4, num_stages=1,
+                                  constants={"SEGMENTED": seg, "GROUP": grp})
+                           for seg in (False, True) for grp in sorted({1, inv.group})),
         ),
         KernelSpec(
             name="chunk_state", module=chunk, attr="_chunk_state_kernel",

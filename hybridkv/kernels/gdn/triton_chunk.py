@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -207,6 +208,10 @@ class Schedule(enum.Enum):
 # (46-50 KB per program) costs programs per SM there (35B 4x8192 serial BV=64: 1.220 -> 1.704 ms).
 PIPELINE_CONFIGS = ((32, 4, 3),)
 PIPELINE_SEGMENTS = 2
+# The scores form's serial config where BV=64 gives one program per SM (397B, one sequence). H200, 397B
+# 1x8192 (scripts/gdn_split_probe.py, one run, ms): fused autotuned 0.754, fused (64, 4, 3) 0.804,
+# scores (64, 4, 3) 0.625, pipelined in 2 or 4 segments 0.636-0.642, (64, 8, 3) 0.771; FLA 0.882.
+ONE_PER_SM_CONFIG = (64, 4, 3)
 # Below this many chunk rows a call stays serial: a short prompt's inverse is a few microseconds, less than
 # the second stream's launches and events cost (a floor chosen, not measured; the gain was measured at 128).
 PIPELINE_MIN_CHUNKS = 32
@@ -224,19 +229,33 @@ def _side_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index, priority=-1)
 
 
-def _pipeline_config(N: int, HV: int, V: int, sms: int, chunks: int, itemsize: int = 2
-                     ) -> tuple[int, int, int] | None:
-    """The state config of a pipelined call, or None where the state kernel alone gives more programs
-    than SMs (batches, many value heads: nothing is left idle for the inverse kernel to fill) or the
-    call has fewer than PIPELINE_MIN_CHUNKS chunk rows. ``itemsize``: of q, k, v; 4-byte inputs get two
-    stages (three need 243.5 KB of shared memory there, over the H200's 227 KB per program)."""
-    if chunks < PIPELINE_MIN_CHUNKS:
-        return None
-    fits = [c for c in PIPELINE_CONFIGS if triton.cdiv(V, c[0]) * N * HV <= sms]
-    if not fits:
-        return None
-    bv, warps, stages = min(fits, key=lambda c: (sms - triton.cdiv(V, c[0]) * N * HV, c[0]))
-    return bv, warps, stages if itemsize <= 2 else min(stages, 2)
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How a call runs: its form, schedule and fixed state config (None: the autotuner's)."""
+
+    form: Form
+    schedule: Schedule
+    config: tuple[int, int, int] | None
+
+
+def _plan(N: int, HV: int, V: int, sms: int, chunks: int, itemsize: int = 2, form: Form | None = None) -> Plan:
+    """The plan of a call whose caller fixed neither schedule nor config (``form``: None, or the caller's).
+
+    Where BV=32 gives no more chain programs than SMs (one long sequence, few value heads), the chain is
+    the call: the scores form, pipelined from PIPELINE_MIN_CHUNKS chunk rows. Where only BV=64 does
+    (397B's one sequence), the scores form serial at ONE_PER_SM_CONFIG. Elsewhere (batches) the fused
+    form, autotuned. ``itemsize``: of q, k, v; 4-byte inputs get two stages (three need 243.5 KB of
+    shared memory, over the H200's 227 KB per program) and no BV=64 plan (241 KB at two)."""
+    if triton.cdiv(V, 32) * N * HV <= sms:
+        bv, warps, stages = PIPELINE_CONFIGS[0]
+        config = (bv, warps, stages if itemsize <= 2 else min(stages, 2))
+        if chunks >= PIPELINE_MIN_CHUNKS:
+            return Plan(form=form or Form.SCORES, schedule=Schedule.PIPELINED, config=config)
+        if form in (None, Form.SCORES):
+            return Plan(form=Form.SCORES, schedule=Schedule.SERIAL, config=config)
+    elif triton.cdiv(V, 64) * N * HV <= sms and itemsize <= 2 and form in (None, Form.SCORES):
+        return Plan(form=Form.SCORES, schedule=Schedule.SERIAL, config=ONE_PER_SM_CONFIG)
+    return Plan(form=form or Form.FUSED, schedule=Schedule.SERIAL, config=None)
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -244,15 +263,15 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                                schedule: Schedule | None = None, segments: int | None = None,
                                inverse: InverseConfig = INVERSE_CONFIG, form: Form | None = None):
     """``config``: a fixed (BV, num_warps, num_stages) for the state kernel instead of the autotuner.
-    ``schedule``: None picks PIPELINED where `_pipeline_config` finds a config (few state programs: one
-    long sequence), else SERIAL. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how
-    the inverse kernel is launched. ``form``: None picks FUSED."""
+    ``schedule``: SERIAL or PIPELINED (which needs a config). With neither schedule nor config, on a GPU,
+    `_plan` picks the schedule, the config and (``form`` None) the form; otherwise None means SERIAL and
+    FUSED. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how the inverse kernel is
+    launched."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
         raise ValueError(f"head dims up to 256 are supported, got K={K}, V={V}")
-    form = Form.FUSED if form is None else form
-    if not isinstance(form, Form):
+    if form is not None and not isinstance(form, Form):
         raise ValueError(f"form must be a Form ({', '.join(f.name for f in Form)}), got {form!r}")
     if form is Form.SPLIT and config is not None and config[2] < 2:
         raise ValueError(f"the split form's chain needs num_stages >= 2 (Triton 3.6 miscompiles it at 1), "
@@ -269,10 +288,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return o, final
     on_gpu = q.device.type == "cuda"
-    if schedule is None:
-        auto = _pipeline_config(N, HV, V, _sm_count(q.device.index), NC, q.element_size()) if on_gpu else None
-        schedule = Schedule.SERIAL if auto is None else Schedule.PIPELINED
-        config = config or auto
+    if schedule is None and config is None and on_gpu:
+        plan = _plan(N, HV, V, _sm_count(q.device.index), NC, q.element_size(), form)
+        form, schedule, config = plan.form, plan.schedule, plan.config
+    form = Form.FUSED if form is None else form
+    schedule = Schedule.SERIAL if schedule is None else schedule
     if schedule is not Schedule.SERIAL and config is None:
         raise ValueError(f"schedule {schedule.value} needs a fixed state config (BV, warps, stages)")
     segments = 1 if schedule is Schedule.SERIAL else (PIPELINE_SEGMENTS if segments is None else segments)
@@ -313,8 +333,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                                                    **({} if inverse.maxnreg is None else
                                                       {"maxnreg": inverse.maxnreg}))
         if form is Form.SCORES:
-            _chunk_scores_kernel[(rows, HV)](q, k, R, P, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K, BK=BK,
-                                             SEGMENTED=len(bounds) > 1, num_warps=4, num_stages=1)
+            _chunk_scores_kernel[(rows, HV // group)](q, k, R, P, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K,
+                                                      BK=BK, GROUP=group, SEGMENTED=len(bounds) > 1, num_warps=4,
+                                                      num_stages=1)
         if form is Form.SPLIT:
             bc = max(16, min(WU_COLUMNS, BK, triton.next_power_of_2(V)))  # tl.dot needs 16 columns
             grid = (rows, HV, 2 * triton.cdiv(max(K, V), bc))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from hybridkv.kernels.gdn.triton_chunk_rows import _scores, _sequence, _table_row
+from hybridkv.kernels.gdn.triton_chunk_rows import _masked_scores, _sequence, _table_row
 
 BT = 64
 _NROW = 8  # row scales per token: sq, sk, sd, beta, gamma (cumulative log decay), scale rq, rk, unused
@@ -289,22 +289,26 @@ def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
 
 @triton.jit
 def _chunk_scores_kernel(q, k, R, P, cu_seqlens, chunk_table, row0, c_lo, c_hi, H, HV, K: tl.constexpr,
-                         BK: tl.constexpr, SEGMENTED: tl.constexpr):
-    """The masked scores of one (chunk, value head) for `triton_chunk.Form.SCORES`, from the row scales
-    the inverse kernel left in R; the same `_scores` the state kernel would run on its chain. A kernel of
-    its own: beside the inverse's gram, at two warps, its accumulators spilled (176 B, offline sm_90)."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+                         BK: tl.constexpr, GROUP: tl.constexpr, SEGMENTED: tl.constexpr):
+    """The masked scores of one chunk for GROUP value heads of one key head (`triton_chunk.Form.SCORES`),
+    from the row scales the inverse kernel left in R: the `_scores` the state kernel would run on its
+    chain, q k^T made once for the group. A kernel of its own: beside the inverse's gram, at two
+    warps, its accumulators spilled (176 B, offline sm_90)."""
+    i_c, i_g = tl.program_id(0), tl.program_id(1)
     i_c, i_n, i_t, live = _table_row(chunk_table, i_c, row0, c_lo, c_hi, SEGMENTED)
     if not live:
         return
     T, bos = _sequence(cu_seqlens, i_n)
-    i_h = i_hv // (HV // H)
-    i_ch = i_c.to(tl.int64) * HV + i_hv
+    hv0 = i_g * GROUP
+    i_h = hv0 // (HV // H)
     p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * 64, 0), (64, BK), (1, 0))
     p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * 64, 0), (64, BK), (1, 0))
     b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
     b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
+    b_qk = tl.dot(b_q, tl.trans(b_k))
     o_i = tl.arange(0, 64)
-    p_r = R + i_ch * _R_STRIDE + o_i
-    b_p = _scores(b_q, b_k, tl.load(p_r + 256), tl.load(p_r + 320), tl.load(p_r + 384), P.dtype.element_ty)
-    tl.store(P + i_ch * 4096 + o_i[:, None] * 64 + o_i[None, :], b_p)
+    for j in range(GROUP):
+        i_ch = i_c.to(tl.int64) * HV + hv0 + j
+        p_r = R + i_ch * _R_STRIDE + o_i
+        b_p = _masked_scores(b_qk, tl.load(p_r + 256), tl.load(p_r + 320), tl.load(p_r + 384), P.dtype.element_ty)
+        tl.store(P + i_ch * 4096 + o_i[:, None] * 64 + o_i[None, :], b_p)

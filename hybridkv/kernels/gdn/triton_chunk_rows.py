@@ -58,8 +58,13 @@ def _initial_state(h_in, i_nh, i_v, stride_k, stride_v, K: tl.constexpr, V: tl.c
 def _scores(b_q, b_k, r_c, r_qn, r_kn, dt):
     """P = scale (q_i . k_j) rq_i rk_j e^(gamma_i - gamma_j) for j <= i, else 0, in dt: raw q and k,
     the norms and the decays in the epilogue."""
+    return _masked_scores(tl.dot(b_q, tl.trans(b_k)), r_c, r_qn, r_kn, dt)
+
+
+@triton.jit
+def _masked_scores(b_qk, r_c, r_qn, r_kn, dt):
+    """`_scores` from the raw q k^T (shared by the value heads of a key head)."""
     o_i = tl.arange(0, 64)
     causal = o_i[:, None] >= o_i[None, :]
-    b_qk = tl.dot(b_q, tl.trans(b_k))
     decay = tl.exp(tl.where(causal, r_c[:, None] - r_c[None, :], 0.0))
     return tl.where(causal, b_qk * decay * (r_qn[:, None] * r_kn[None, :]), 0.0).to(dt)
