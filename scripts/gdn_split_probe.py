@@ -26,18 +26,26 @@ SERIAL, PIPELINED = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINE
 
 
 def variants(shape: str):
-    """(name, form, schedule, config, segments, fused first): the plan (`triton_chunk._plan`) against
-    the fused form autotuned, and the scores form's pipeline with its first segment fused
-    (PIPELINE_FUSED_FIRST) or scored like the rest, in 2 to 4 segments."""
-    yield "auto (plan)", None, None, None, None, True
-    yield "fused serial autotuned", FUSED, SERIAL, None, None, True
+    """The plan (`triton_chunk._plan`) against the fused form autotuned, the scores form's pipeline at
+    BV=32 and BV=64 (at 35B, BV=64 leaves half the SMs wholly to the inverse of the next segment), and
+    the scores form on batched shapes (no spills at BV=64, offline sm_90)."""
+    yield "auto (plan)", None, None, None, None
+    yield "fused serial autotuned", FUSED, SERIAL, None, None
+    yield "scores serial autotuned", SCORES, SERIAL, None, None
     if "1x" not in shape:
+        for cfg in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 3)):
+            yield f"scores serial {cfg}", SCORES, SERIAL, cfg, None
         return
-    bv32 = (32, 4, 3)
-    yield "scores serial (32, 4, 3)", SCORES, SERIAL, bv32, None, True
-    for n in (2, 3, 4):
-        yield f"scores pipelined {bv32} x{n} fused first", SCORES, PIPELINED, bv32, n, True
-        yield f"scores pipelined {bv32} x{n} all scored", SCORES, PIPELINED, bv32, n, False
+    if "HV=32" in shape:
+        yield "fused pipelined (32, 4, 3) x2", FUSED, PIPELINED, (32, 4, 3), 2
+        for cfg, segs in (((32, 4, 3), (2, 4)), ((64, 4, 3), (2, 3, 4)), ((64, 8, 3), (2, 4))):
+            for n in segs:
+                yield f"scores pipelined {cfg} x{n}", SCORES, PIPELINED, cfg, n
+        yield "scores serial (64, 4, 3)", SCORES, SERIAL, (64, 4, 3), None
+    else:
+        yield "scores serial (64, 4, 3)", SCORES, SERIAL, (64, 4, 3), None
+        for n in (2, 3):
+            yield f"scores pipelined (64, 4, 3) x{n}", SCORES, PIPELINED, (64, 4, 3), n
 
 
 def main() -> int:
@@ -53,9 +61,8 @@ def main() -> int:
             print(f"{shape:30} FLA: call {b.call_us:7.1f} us  kernels {b.kernel_us:7.1f}", flush=True)
             rows.append(dict(shape=shape, variant="FLA", call_us=b.call_us, kernels=b.kernels))
 
-        for name, form, sched, cfg, n, first in variants(shape):
-            def call(form=form, sched=sched, cfg=cfg, n=n, first=first):
-                triton_chunk.PIPELINE_FUSED_FIRST = first
+        for name, form, sched, cfg, n in variants(shape):
+            def call(form=form, sched=sched, cfg=cfg, n=n):
                 return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
                                                                False, config=cfg, schedule=sched, segments=n,
                                                                form=form)
@@ -67,8 +74,8 @@ def main() -> int:
             err = (rel(o, o_ref), rel(s, s_ref))
             b = breakdown.measure("hybridkv", call, a.iters, bench._median_ms)
             row = dict(shape=shape, variant=name, call_us=b.call_us, inverse_us=kernel_us(b, "inverse"),
-                       wu_us=kernel_us(b, "wu") + kernel_us(b, "scores"),
-                       chain_us=kernel_us(b, "chain") + kernel_us(b, "state"), o_err=err[0], s_err=err[1])
+                       wu_us=kernel_us(b, "wu") + kernel_us(b, "scores"), chain_us=kernel_us(b, "chain") + kernel_us(b, "state"),
+                       o_err=err[0], s_err=err[1])
             rows.append(row)
             print(f"{shape:30} {name:34} call {b.call_us:7.1f} us  inverse {row['inverse_us']:6.1f}  wu/P "
                   f"{row['wu_us']:6.1f}  chain {row['chain_us']:6.1f}  err o {err[0]:.2e} s {err[1]:.2e}",

@@ -212,10 +212,6 @@ PIPELINE_SEGMENTS = 2
 # 1x8192 (scripts/gdn_split_probe.py, one run, ms): fused autotuned 0.754, fused (64, 4, 3) 0.804,
 # scores (64, 4, 3) 0.625, pipelined in 2 or 4 segments 0.636-0.642, (64, 8, 3) 0.771; FLA 0.882.
 ONE_PER_SM_CONFIG = (64, 4, 3)
-# A pipelined call of the scores form runs its first segment's chain fused (making its own scores): that
-# chain then starts right after the first inverse, not behind the first scores kernel too, and the later
-# segments' scores are made while it runs. (Module-level so that scripts/gdn_split_probe.py can turn it off.)
-PIPELINE_FUSED_FIRST = True
 # Below this many chunk rows a call stays serial: a short prompt's inverse is a few microseconds, less than
 # the second stream's launches and events cost (a floor chosen, not measured; the gain was measured at 128).
 PIPELINE_MIN_CHUNKS = 32
@@ -325,10 +321,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     group = inverse.group_for(H, HV)
     bkc = min(inverse.bkc, BK)
 
-    def scored(j):  # does segment j's chain load P (see PIPELINE_FUSED_FIRST)
-        return form is Form.SCORES and not (j == 0 and len(bounds) > 1 and PIPELINE_FUSED_FIRST)
-
-    def run_inverse(j, c_lo, c_hi):
+    def run_inverse(c_lo, c_hi):
         # One sequence: its segment is a run of table rows; several: every row, the others return.
         row0, rows = (c_lo, c_hi - c_lo) if N == 1 else (0, NC)
         _chunk_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi,
@@ -339,7 +332,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                                                    num_warps=inverse.warps, num_stages=inverse.stages,
                                                    **({} if inverse.maxnreg is None else
                                                       {"maxnreg": inverse.maxnreg}))
-        if scored(j):
+        if form is Form.SCORES:
             _chunk_scores_kernel[(rows, HV // group)](q, k, R, P, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K,
                                                       BK=BK, GROUP=group, SEGMENTED=len(bounds) > 1, num_warps=4,
                                                       num_stages=1)
@@ -360,7 +353,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             args, fixed, tuned = (k, WQ, UU, R, G, *tail), _chunk_chain_kernel, _chunk_chain_tuned
         else:
             args, fixed, tuned = (q, k, v, A, P, R, G, *tail), _chunk_state_kernel, _chunk_state_tuned
-            kw["SCORES_IN"] = scored(j)
+            kw["SCORES_IN"] = form is Form.SCORES
         if config is None:
             tuned[lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)](*args, **kw)
         else:
@@ -368,8 +361,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             fixed[(triton.cdiv(V, bv), N * HV)](*args, **kw, BV=bv, num_warps=warps, num_stages=stages)
 
     if len(bounds) == 1 or not on_gpu:
-        for j, (lo, hi) in enumerate(bounds):
-            run_inverse(j, lo, hi)
+        for lo, hi in bounds:
+            run_inverse(lo, hi)
         for j, (lo, hi) in enumerate(bounds):
             state(j, lo, hi)
         return o, final
@@ -379,8 +372,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     cur = torch.cuda.current_stream(q.device)
     side = _side_stream(q.device.index)
     ready = []
-    for j, (lo, hi) in enumerate(bounds):
-        run_inverse(j, lo, hi)
+    for lo, hi in bounds:
+        run_inverse(lo, hi)
         ready.append(torch.cuda.Event())
         ready[-1].record(cur)
     with torch.cuda.stream(side):
