@@ -1,7 +1,8 @@
-"""Device probe for issue #8: pipeline stages and segments of the fused state kernel, and the scores form
-(`triton_chunk.Form.SCORES`), serial and pipelined, on the bench's prefill shapes, with per-kernel device
-times (torch.profiler) and FLA in the same run. (The split form's numbers are in `triton_chunk_wu`'s
-docstring; git history has the variants that measured it.)
+"""Device probe for issue #8: the scores form (`triton_chunk.Form.SCORES`) pipelined on one long 35B
+sequence with register caps on the inverse kernel beside it, on the bench's prefill shapes, with per-kernel
+device times (torch.profiler) and FLA in the same run. (Earlier variants - pipeline stages, segments,
+BV=64 pipelines, batched scores, the split form - and their numbers are in triton_chunk's comments and in
+git history.)
 
     python3 scripts/gdn_split_probe.py [--iters 10] [--json PATH] [--shapes 1x8192]
 
@@ -11,6 +12,7 @@ error). Run from the repository root on a CUDA machine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -26,26 +28,23 @@ SERIAL, PIPELINED = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINE
 
 
 def variants(shape: str):
-    """The plan (`triton_chunk._plan`) against the fused form autotuned, the scores form's pipeline at
-    BV=32 and BV=64 (at 35B, BV=64 leaves half the SMs wholly to the inverse of the next segment), and
-    the scores form on batched shapes (no spills at BV=64, offline sm_90)."""
-    yield "auto (plan)", None, None, None, None
-    yield "fused serial autotuned", FUSED, SERIAL, None, None
-    yield "scores serial autotuned", SCORES, SERIAL, None, None
-    if "1x" not in shape:
-        for cfg in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 3)):
-            yield f"scores serial {cfg}", SCORES, SERIAL, cfg, None
+    """(name, form, schedule, config, segments, inverse config): the plan (`triton_chunk._plan`) against
+    the fused form autotuned, and for 35B's one sequence the pipelined scores form with register caps on
+    the inverse kernel. Beside a chain program (188 registers x 128 threads) only two inverse programs
+    (255 x 64) fit on an SM, and the inverse then runs about half as fast as alone, which is what keeps
+    35B 1x8192 at 1.28-1.29x FLA; at 200 registers three fit, at 160 four (spills are the price)."""
+    inv = triton_chunk.INVERSE_CONFIG
+    yield "auto (plan)", None, None, None, None, inv
+    yield "fused serial autotuned", FUSED, SERIAL, None, None, inv
+    if "HV=32" not in shape or "1x" not in shape:
         return
-    if "HV=32" in shape:
-        yield "fused pipelined (32, 4, 3) x2", FUSED, PIPELINED, (32, 4, 3), 2
-        for cfg, segs in (((32, 4, 3), (2, 4)), ((64, 4, 3), (2, 3, 4)), ((64, 8, 3), (2, 4))):
-            for n in segs:
-                yield f"scores pipelined {cfg} x{n}", SCORES, PIPELINED, cfg, n
-        yield "scores serial (64, 4, 3)", SCORES, SERIAL, (64, 4, 3), None
-    else:
-        yield "scores serial (64, 4, 3)", SCORES, SERIAL, (64, 4, 3), None
-        for n in (2, 3):
-            yield f"scores pipelined (64, 4, 3) x{n}", SCORES, PIPELINED, (64, 4, 3), n
+    bv32 = (32, 4, 3)
+    for n in (2, 4):
+        for cap in (None, 200, 160, 128):
+            yield (f"scores pipelined x{n} inverse maxnreg={cap}", SCORES, PIPELINED, bv32, n,
+                   dataclasses.replace(inv, maxnreg=cap))
+    yield "scores pipelined x2 inverse group=1", SCORES, PIPELINED, bv32, 2, dataclasses.replace(inv, group=1)
+    yield "scores serial inverse maxnreg=160", SCORES, SERIAL, bv32, None, dataclasses.replace(inv, maxnreg=160)
 
 
 def main() -> int:
@@ -61,11 +60,11 @@ def main() -> int:
             print(f"{shape:30} FLA: call {b.call_us:7.1f} us  kernels {b.kernel_us:7.1f}", flush=True)
             rows.append(dict(shape=shape, variant="FLA", call_us=b.call_us, kernels=b.kernels))
 
-        for name, form, sched, cfg, n in variants(shape):
-            def call(form=form, sched=sched, cfg=cfg, n=n):
+        for name, form, sched, cfg, n, inv in variants(shape):
+            def call(form=form, sched=sched, cfg=cfg, n=n, inv=inv):
                 return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
                                                                False, config=cfg, schedule=sched, segments=n,
-                                                               form=form)
+                                                               form=form, inverse=inv)
             try:
                 o, s = call()
             except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result too
@@ -74,8 +73,8 @@ def main() -> int:
             err = (rel(o, o_ref), rel(s, s_ref))
             b = breakdown.measure("hybridkv", call, a.iters, bench._median_ms)
             row = dict(shape=shape, variant=name, call_us=b.call_us, inverse_us=kernel_us(b, "inverse"),
-                       wu_us=kernel_us(b, "wu") + kernel_us(b, "scores"), chain_us=kernel_us(b, "chain") + kernel_us(b, "state"),
-                       o_err=err[0], s_err=err[1])
+                       wu_us=kernel_us(b, "wu") + kernel_us(b, "scores"),
+                       chain_us=kernel_us(b, "chain") + kernel_us(b, "state"), o_err=err[0], s_err=err[1])
             rows.append(row)
             print(f"{shape:30} {name:34} call {b.call_us:7.1f} us  inverse {row['inverse_us']:6.1f}  wu/P "
                   f"{row['wu_us']:6.1f}  chain {row['chain_us']:6.1f}  err o {err[0]:.2e} s {err[1]:.2e}",

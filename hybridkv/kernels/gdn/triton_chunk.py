@@ -1,4 +1,4 @@
-"""Triton chunked gated delta rule (forward), two kernels; `reference.chunk_reference` is its oracle.
+"""Triton chunked gated delta rule (forward), two or three kernels; `reference.chunk_reference` is its oracle.
 
 1. `_chunk_inverse_kernel` (`triton_chunk_inverse`), parallel over (chunk, value head): what does not
    depend on the state. T = (I + L)^-1 of the decayed, beta-scaled K K^T, and per-token row scales that
@@ -13,14 +13,20 @@ kernel (inverse and P together, four warps) took 1.6 ms of 2.2 at 35B 4x8192; it
 inverse reduced across warps 60 times per chunk. Taking GEMMs off the chain instead (a chain/output
 split, FLA's W/U cut) was slower on every shape; that code is in git history (commit d3329ca).
 
-`triton_chunk_wu` holds a second form of the chain (`Form.SPLIT`, opt-in, never picked by default):
-its parallel kernel makes W, Q', U and U' so that the chain keeps three GEMMs per chunk instead of six.
-Its chain is twice as fast (35B 1x8192: 187 us vs 351), but its parallel kernel (267 us) costs more than
-that saves; see its docstring.
+Two more forms of the chain (`Form`). `Form.SCORES`: the same state kernel, but the masked scores P come
+from a parallel kernel (`triton_chunk_inverse._chunk_scores_kernel`, q k^T once per key head) instead of
+the chain, which then runs five GEMMs per chunk and no exp; one long sequence takes it (`_plan`). H200,
+`scripts/gdn_split_probe.py`, 35B / 397B 1x8192: chain 217-232 / 265 us against the fused 360-365 / 471,
+for a scores kernel of 50 / 77 us; whole call 0.411-0.414 / 0.621-0.625 ms against the fused form's
+0.460-0.502 / 0.752-0.754 (FLA 0.528-0.530 / 0.882-0.884; two runs).
+On batches it is slower (35B 4x8192 1.356 ms at best against 1.209: the chain there is not the whole
+call, and P costs 174 us), so they stay fused. `Form.SPLIT` (`triton_chunk_wu`, opt-in, never picked)
+makes W, Q', U and U' in parallel so that the chain keeps three GEMMs per chunk: its chain is faster
+still (35B: 187 us), but its parallel kernel (267 us) costs more than that saves; see its docstring.
 
-One call runs the two kernels one after the other (`Schedule.SERIAL`), or, where the state kernel has
-fewer programs than the GPU has SMs (one long sequence), in segments on two streams so the inverse of
-the next segment fills the SMs the chain leaves idle (`Schedule.PIPELINED`).
+One call runs the kernels one after the other (`Schedule.SERIAL`), or, where the state kernel has fewer
+programs than the GPU has SMs (one long sequence), in segments on two streams so the inverse (and scores)
+of the next segment fill the SMs the chain leaves idle (`Schedule.PIPELINED`).
 """
 
 from __future__ import annotations
@@ -174,9 +180,9 @@ class Form(enum.Enum):
     """What runs on the chain (`triton_chunk_wu`)."""
 
     FUSED = "fused"  # `_chunk_state_kernel`: six GEMMs per chunk, nothing but T and row scales in HBM
-    # The same chain with the masked scores P made in parallel (`_chunk_scores_kernel`, once per value head
-    # instead of once per value head and V block) and loaded: five GEMMs per chunk on the chain, 8 KB
-    # more HBM per chunk and value head.
+    # The same chain with the masked scores P made in parallel (`_chunk_scores_kernel`: q k^T once per key
+    # head, not once per value head and V block) and loaded: five GEMMs per chunk on the chain, 8 KB more
+    # HBM per chunk and value head.
     SCORES = "scores"
     SPLIT = "split"  # W, Q', U, U' made in parallel; three GEMMs per chunk on the chain
 
@@ -197,15 +203,22 @@ class Schedule(enum.Enum):
 # ms): 35B 1x8192 serial 0.621-0.627, pipelined BV=32 in 2 segments 0.578-0.579, 3 0.631, 4 0.587-0.595,
 # 8 0.635; BV=64 0.659-0.711. 397B 1x8192 serial 0.853, pipelined BV=64 0.852-0.856 (no gain), so a
 # call pipelines only where BV=32 gives no more programs than SMs. The inverse kernel also making the
-# masked scores (one GEMM off the chain) was slower at every setting (0.634-1.03 ms at 35B) and is gone.
+# masked scores (one GEMM off the chain) was slower then, at two stages (0.634-1.03 ms at 35B); a kernel
+# of their own at three stages is the scores form, faster (below).
 # With the grouped inverse kernel (scripts/gdn_inverse_probe.py): 35B 1x8192 serial 0.578, pipelined BV=32
 # 0.526-0.539; 397B serial 0.755, pipelined 0.778-0.829 (still serial).
 # Three stages, not two: at two, Triton's pipeliner issues the next chunk's copies at the end of the
 # current one and waits for them at the top of the next (async_wait num = 0 in the TTGIR), so every chunk
 # waits out a global-load latency; at three the next chunk's copies stay in flight while this one
-# computes. H200, 35B 1x8192 (scripts/gdn_split_probe.py, one run): state kernel alone 414 -> 351 us, serial 0.578 -> 0.517 ms,
-# pipelined 0.533 -> 0.462 ms, same error. Batched calls keep two stages: a third stage's shared memory
+# computes. H200, 35B 1x8192 (scripts/gdn_split_probe.py, one run): state kernel alone 414 -> 351 us,
+# serial 0.578 -> 0.517 ms, pipelined 0.533 -> 0.462 ms, same error. Batched calls keep two stages: a third stage's shared memory
 # (46-50 KB per program) costs programs per SM there (35B 4x8192 serial BV=64: 1.220 -> 1.704 ms).
+# The scores form (what `_plan` picks here), 35B 1x8192, ms: pipelined in 2 segments 0.411-0.414 (three
+# runs), 4 segments 0.416-0.418, 3 0.463; serial 0.438; pipelined at (64, 4, 3) (half the SMs left wholly
+# to the inverse) 0.433-0.489, (32, 4, 4) 0.473-0.504. Pipelining gains less than the hidden half of the
+# inverse and scores (~105 us) because those run about half as fast beside the chain (its registers leave
+# room for two inverse programs per SM instead of four). Running the first segment's chain fused (so it
+# starts before the first scores kernel) measured 0.414 against 0.412 and was dropped.
 PIPELINE_CONFIGS = ((32, 4, 3),)
 PIPELINE_SEGMENTS = 2
 # The scores form's serial config where BV=64 gives one program per SM (397B, one sequence). H200, 397B
