@@ -62,17 +62,17 @@ def prefill(iters: int, fla, shapes: list[str], quick: bool) -> list[dict]:
         o_ref, s_ref = call(triton_chunk.Schedule.SERIAL)
         n_seq = B if cu is None else cu.numel() - 1
         sms = triton_chunk._sm_count(q.device.index)
-        auto = triton_chunk._plan(n_seq, HV, 128, sms, triton_chunk._tables.get(cu, B, T, q.device)[3]).config
+        plan = triton_chunk._plan(n_seq, HV, 128, 128, sms, triton_chunk._tables.get(cu, B, T, q.device)[3])
+        auto = f"{plan.form.value} {plan.schedule.value} {plan.config}"
         variants = [("serial autotuned", triton_chunk.Schedule.SERIAL, None, None), ("auto", None, None, None)]
         if quick:
-            cfg = triton_chunk.PIPELINE_CONFIGS[-1]
+            cfg = triton_chunk.PIPELINE_CONFIG
             variants += [(f"pipelined {cfg} x{n}", triton_chunk.Schedule.PIPELINED, cfg, n) for n in (2, 4)]
         for cfg in () if quick else triton_chunk.STATE_CONFIGS:
             variants.append((f"serial {cfg}", triton_chunk.Schedule.SERIAL, cfg, None))
         for sched in () if quick else (triton_chunk.Schedule.PIPELINED,):
-            for cfg in triton_chunk.PIPELINE_CONFIGS:
-                if triton_chunk.triton.cdiv(128, cfg[0]) * n_seq * HV > sms:
-                    continue
+            cfg = triton_chunk.PIPELINE_CONFIG
+            if triton_chunk.triton.cdiv(128, cfg[0]) * n_seq * HV <= sms:
                 for segments in (2, 3, 4):
                     variants.append((f"{sched.value} {cfg} x{segments}", sched, cfg, segments))
         fla_ms = None if fla is None else bench._median_ms(lambda: fla[0](*args, **kw), iters)
@@ -81,7 +81,7 @@ def prefill(iters: int, fla, shapes: list[str], quick: bool) -> list[dict]:
             err = max(rel(o, o_ref), rel(s, s_ref))
             ms = bench._median_ms(lambda: call(sched, cfg, segments), iters)
             row = dict(shape=shape, variant=name, ms=ms, fla_ms=fla_ms,
-                       x_fla=None if fla_ms is None else fla_ms / ms, err_vs_serial=err, auto_config=auto)
+                       x_fla=None if fla_ms is None else fla_ms / ms, err_vs_serial=err, auto_plan=auto)
             rows.append(row)
             if name == variants[-1][0] and fla is not None:  # FLA again: how much its own time moves
                 row["fla_ms_again"] = bench._median_ms(lambda: fla[0](*args, **kw), iters)

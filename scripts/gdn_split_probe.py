@@ -73,11 +73,11 @@ def main() -> int:
             err = (rel(o, o_ref), rel(s, s_ref))
             b = breakdown.measure("hybridkv", call, a.iters, bench._median_ms)
             row = dict(shape=shape, variant=name, call_us=b.call_us, inverse_us=kernel_us(b, "inverse"),
-                       wu_us=kernel_us(b, "wu") + kernel_us(b, "scores"),
+                       parallel_us=kernel_us(b, "wu") + kernel_us(b, "scores"),
                        chain_us=kernel_us(b, "chain") + kernel_us(b, "state"), o_err=err[0], s_err=err[1])
             rows.append(row)
             print(f"{shape:30} {name:34} call {b.call_us:7.1f} us  inverse {row['inverse_us']:6.1f}  wu/P "
-                  f"{row['wu_us']:6.1f}  chain {row['chain_us']:6.1f}  err o {err[0]:.2e} s {err[1]:.2e}",
+                  f"{row['parallel_us']:6.1f}  chain {row['chain_us']:6.1f}  err o {err[0]:.2e} s {err[1]:.2e}",
                   flush=True)
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)

@@ -35,16 +35,18 @@ def test_chunk_kernels_keep_tensor_cores_and_pipelined_loads(hopper):
         assert r.mma_kind == "wgmma" and r.mma > 0, r
         if r.num_stages >= 2:
             assert r.async_copies > 0, f"{r}: the next chunk's loads are no longer prefetched"
-    # A pipelined call's chain (one program per SM, nothing to hide a stall behind) keeps copies
-    # in flight across chunks: at two stages it waited out a load latency every chunk (35B 1x8192
-    # state kernel 414 us there, 351 at three stages).
-    segments = [r for r in states if r.launch.startswith("segment")]
-    assert segments and all(r.copies_in_flight > 0 for r in segments), segments
+    # A one-sequence chain (one program per SM, nothing to hide a stall behind: the pipelined segments
+    # and 397B's serial scores config) keeps copies in flight across chunks: at two stages it waited out
+    # a load latency every chunk (35B 1x8192 state kernel 414 us there, 351 at three stages).
+    deep = [r for r in states if r.num_stages >= 3]
+    assert any(r.launch.startswith("segment") for r in deep) and any("scores" in r.launch for r in deep)
+    assert all(r.copies_in_flight > 0 for r in deep), deep
     chains = [r for r in hopper.values() if r.kernel == "chunk_chain" and r.num_stages >= 3]
     assert chains and any(r.launch.startswith("segment") for r in chains)
     assert all(r.copies_in_flight > 0 for r in chains), chains
-    inverse = [r for r in hopper.values() if r.kernel == "chunk_inverse"]
-    assert inverse and all(r.mma > 0 for r in inverse)
+    for name in ("chunk_inverse", "chunk_scores"):
+        parallel = [r for r in hopper.values() if r.kernel == name]
+        assert parallel and all(r.mma > 0 for r in parallel), name
 
 
 def test_bandwidth_bound_kernels_do_not_spill(hopper):
@@ -62,21 +64,25 @@ def test_a_spec_that_drifts_from_its_kernel_is_named():
         cr.compile_one(broken, spec.launches[0], cr.Arch.HOPPER)
 
 
-def test_the_pipelined_config_of_fp32_inputs_fits_in_shared_memory():
-    """The config a pipelined call picks for 4-byte inputs compiles within the H200's 227 KB per program;
-    three stages would not (243.5 KB), which is why fp32 calls get two."""
-    from hybridkv.kernels.gdn import triton_chunk
-
+def _fp32_state_smem(bv: int, warps: int, stages: int, scores: bool) -> int:
     spec = next(s for s in cr._specs() if s.name == "chunk_state")
     fp32 = cr.KernelSpec(name=spec.name, module=spec.module, attr=spec.attr,
                          signature={k: ("*fp32" if t.startswith("*bf16") else t) for k, t in spec.signature.items()},
                          constants=spec.constants, aligned=spec.aligned, launches=spec.launches)
-    bv, warps, stages = triton_chunk._plan(1, 32, 128, 132, 128, itemsize=4).config
+    launch = cr.Launch(label="fp32 segment", num_warps=warps, num_stages=stages,
+                       constants={"BV": bv, "SEGMENTED": True, "SCORES_IN": scores})
+    return cr.compile_one(fp32, launch, cr.Arch.HOPPER).shared_bytes
 
-    def smem(st):
-        launch = cr.Launch(label="fp32 segment", num_warps=warps, num_stages=st,
-                           constants={"BV": bv, "SEGMENTED": True, "SCORES_IN": False})
-        return cr.compile_one(fp32, launch, cr.Arch.HOPPER).shared_bytes
 
-    assert smem(stages) <= 227 * 1024
-    assert smem(3) > 227 * 1024
+def test_the_pipelined_plan_of_fp32_inputs_fits_in_shared_memory():
+    """The plan of a one-sequence call with 4-byte inputs compiles within the H200's 227 KB per program;
+    three stages would not (the fused chain needs 243.5 KB there), which is why fp32 calls get two; and
+    the scores form at BV=64 would not fit even at two, which is why fp32 has no BV=64 plan."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    plan = triton_chunk._plan(1, 32, 128, 128, 132, 128, itemsize=4)
+    bv, warps, stages = plan.config
+    scores = plan.form is triton_chunk.Form.SCORES
+    assert _fp32_state_smem(bv, warps, stages, scores) <= 227 * 1024
+    assert _fp32_state_smem(bv, warps, 3, False) > 227 * 1024
+    assert _fp32_state_smem(64, 4, 2, True) > 227 * 1024

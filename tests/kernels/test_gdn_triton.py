@@ -255,7 +255,7 @@ def test_pipelined_equals_serial_bit_for_bit_and_repeats():
     from hybridkv.kernels.gdn import triton_chunk
 
     q, k, v, g, beta, cu = make([8192], 16, 32, seed=9)
-    plan = triton_chunk._plan(1, 32, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
+    plan = triton_chunk._plan(1, 32, 128, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
     assert plan.schedule is triton_chunk.Schedule.PIPELINED
     args = (q, k, v, g, beta, 128**-0.5, None, True, cu, True, False)
     for form in (plan.form, triton_chunk.Form.FUSED):

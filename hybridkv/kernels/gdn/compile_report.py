@@ -93,7 +93,7 @@ def _specs() -> list[KernelSpec]:
     ) + tuple(
         Launch(label=f"segment BV={bv}{' scores' if sc else ''}", num_warps=w, num_stages=s,
                constants={"BV": bv, "SEGMENTED": True, "SCORES_IN": sc})
-        for sc in (False, True) for bv, w, s in triton_chunk.PIPELINE_CONFIGS
+        for sc in (False, True) for bv, w, s in (triton_chunk.PIPELINE_CONFIG,)
     ) + tuple(
         Launch(label=f"BV={bv} s{s} scores", num_warps=w, num_stages=s,
                constants={"BV": bv, "SEGMENTED": False, "SCORES_IN": True})

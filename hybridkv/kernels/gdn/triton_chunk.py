@@ -19,10 +19,11 @@ the chain, which then runs five GEMMs per chunk and no exp; one long sequence ta
 `scripts/gdn_split_probe.py`, 35B / 397B 1x8192: chain 217-232 / 265 us against the fused 360-365 / 471,
 for a scores kernel of 50 / 77 us; whole call 0.411-0.414 / 0.621-0.625 ms against the fused form's
 0.460-0.502 / 0.752-0.754 (FLA 0.528-0.530 / 0.882-0.884; two runs).
-On batches it is slower (35B 4x8192 1.356 ms at best against 1.209: the chain there is not the whole
-call, and P costs 174 us), so they stay fused. `Form.SPLIT` (`triton_chunk_wu`, opt-in, never picked)
-makes W, Q', U and U' in parallel so that the chain keeps three GEMMs per chunk: its chain is faster
-still (35B: 187 us), but its parallel kernel (267 us) costs more than that saves; see its docstring.
+On batches it is slower (same probe run, 35B 4x8192: 1.356 ms at best against the fused 1.211; 10-12% on
+all four batched shapes: the chain there is not the whole call, and P costs 174 us), so they stay fused.
+`Form.SPLIT` (`triton_chunk_wu`, opt-in, never picked) makes W, Q', U and U' in parallel so that the
+chain keeps three GEMMs per chunk: its chain is faster still (35B: 187 us), but its parallel kernel
+(267 us) costs more than that saves; see its docstring.
 
 One call runs the kernels one after the other (`Schedule.SERIAL`), or, where the state kernel has fewer
 programs than the GPU has SMs (one long sequence), in segments on two streams so the inverse (and scores)
@@ -59,7 +60,7 @@ def _chunk_state_kernel(q, k, v, A, P, R, G, o, h_in, h_out, cu_seqlens, chunk_o
                         HAS_H_OUT: tl.constexpr, SEGMENTED: tl.constexpr, SCORES_IN: tl.constexpr):
     """Every chunk of each sequence, or with SEGMENTED (one segment of a pipelined call) the chunks
     c_lo <= i < c_hi; the state starts from h_in (zeros without it) and is left in h_out. SCORES_IN
-    (`Form.SCORES`): the masked scores are loaded from P (made by the inverse kernel), not made here."""
+    (`Form.SCORES`): the masked scores are loaded from P (made by `_chunk_scores_kernel`), not made here."""
     i_v, i_nh, i_hv, i_h, T, bos, c_first = _chain_program(cu_seqlens, chunk_offsets, H, HV)
     dt = k.dtype.element_ty
     b_s = _initial_state(h_in, i_nh, i_v, stride_ik, stride_iv, K, V, BK, BV, HAS_H_IN)
@@ -86,7 +87,7 @@ def _chunk_state_kernel(q, k, v, A, P, R, G, o, h_in, h_out, cu_seqlens, chunk_o
         r_b = tl.load(p_r + 192)
         e_last = tl.load(G + i_ch)
         if SCORES_IN:
-            b_p = tl.load(P + i_ch * 4096 + o_i[:, None] * 64 + o_i[None, :]).to(dt)
+            b_p = tl.load(P + i_ch * 4096 + o_i[:, None] * 64 + o_i[None, :])
         else:
             b_p = _scores(b_q, b_k, tl.load(p_r + 256), tl.load(p_r + 320), tl.load(p_r + 384), dt)
 
@@ -181,18 +182,19 @@ class Form(enum.Enum):
 
     FUSED = "fused"  # `_chunk_state_kernel`: six GEMMs per chunk, nothing but T and row scales in HBM
     # The same chain with the masked scores P made in parallel (`_chunk_scores_kernel`: q k^T once per key
-    # head, not once per value head and V block) and loaded: five GEMMs per chunk on the chain, 8 KB more
-    # HBM per chunk and value head.
+    # head, not once per value head and V block) and loaded: five GEMMs per chunk on the chain, 4096
+    # elements of q's dtype more HBM per chunk and value head (written once, read once per V block).
     SCORES = "scores"
     SPLIT = "split"  # W, Q', U, U' made in parallel; three GEMMs per chunk on the chain
 
 
 class Schedule(enum.Enum):
-    """How the two kernels of one call share the GPU."""
+    """How the parallel kernels (the inverse, and the scores or W/U by form) and the chain of one call
+    share the GPU."""
 
-    SERIAL = "serial"  # the inverse kernel, then the state kernel
-    # The chunks cut into segments: the inverse of segment j + 1 runs on the caller's stream while the
-    # state chain of segment j runs on a side stream, ordered by events only. No kernel waits on another
+    SERIAL = "serial"  # the parallel kernels, then the chain
+    # The chunks cut into segments: the parallel kernels of segment j + 1 run on the caller's stream while
+    # the state chain of segment j runs on a side stream, ordered by events only. No kernel waits on another
     # (an earlier try spun on per-chunk flags and hung the H200: CUDA does not promise that kernels of
     # two streams run at once), so this is correct however the GPU schedules them.
     PIPELINED = "pipelined"
@@ -211,19 +213,21 @@ class Schedule(enum.Enum):
 # current one and waits for them at the top of the next (async_wait num = 0 in the TTGIR), so every chunk
 # waits out a global-load latency; at three the next chunk's copies stay in flight while this one
 # computes. H200, 35B 1x8192 (scripts/gdn_split_probe.py, one run): state kernel alone 414 -> 351 us,
-# serial 0.578 -> 0.517 ms, pipelined 0.533 -> 0.462 ms, same error. Batched calls keep two stages: a third stage's shared memory
-# (46-50 KB per program) costs programs per SM there (35B 4x8192 serial BV=64: 1.220 -> 1.704 ms).
+# serial 0.578 -> 0.517 ms, pipelined 0.533 -> 0.462 ms, same error. Batched calls keep two stages: a
+# third stage's shared memory (46-50 KB per program) costs programs per SM there (35B 4x8192 serial BV=64:
+# 1.220 -> 1.704 ms).
 # The scores form (what `_plan` picks here), 35B 1x8192, ms: pipelined in 2 segments 0.411-0.414 (three
 # runs), 4 segments 0.416-0.418, 3 0.463; serial 0.438; pipelined at (64, 4, 3) (half the SMs left wholly
 # to the inverse) 0.433-0.489, (32, 4, 4) 0.473-0.504. Pipelining gains less than the hidden half of the
 # inverse and scores (~105 us) because those run about half as fast beside the chain (its registers leave
 # room for two inverse programs per SM instead of four). Running the first segment's chain fused (so it
 # starts before the first scores kernel) measured 0.414 against 0.412 and was dropped.
-PIPELINE_CONFIGS = ((32, 4, 3),)
+PIPELINE_CONFIG = (32, 4, 3)
 PIPELINE_SEGMENTS = 2
 # The scores form's serial config where BV=64 gives one program per SM (397B, one sequence). H200, 397B
-# 1x8192 (scripts/gdn_split_probe.py, one run, ms): fused autotuned 0.754, fused (64, 4, 3) 0.804,
-# scores (64, 4, 3) 0.625, pipelined in 2 or 4 segments 0.636-0.642, (64, 8, 3) 0.771; FLA 0.882.
+# 1x8192 (scripts/gdn_split_probe.py, two runs, ms): fused autotuned 0.752-0.754, fused (64, 4, 3) 0.804,
+# scores (64, 4, 3) 0.621-0.625, pipelined in 2 or 4 segments 0.636-0.642, (64, 8, 3) 0.771; FLA
+# 0.882-0.884.
 ONE_PER_SM_CONFIG = (64, 4, 3)
 # Below this many chunk rows a call stays serial: a short prompt's inverse is a few microseconds, less than
 # the second stream's launches and events cost (a floor chosen, not measured; the gain was measured at 128).
@@ -251,22 +255,25 @@ class Plan:
     config: tuple[int, int, int] | None
 
 
-def _plan(N: int, HV: int, V: int, sms: int, chunks: int, itemsize: int = 2, form: Form | None = None) -> Plan:
+def _plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int = 2,
+          form: Form | None = None) -> Plan:
     """The plan of a call whose caller fixed neither schedule nor config (``form``: None, or the caller's).
 
-    Where BV=32 gives no more chain programs than SMs (one long sequence, few value heads), the chain is
-    the call: the scores form, pipelined from PIPELINE_MIN_CHUNKS chunk rows. Where only BV=64 does
-    (397B's one sequence), the scores form serial at ONE_PER_SM_CONFIG. Elsewhere (batches) the fused
-    form, autotuned. ``itemsize``: of q, k, v; 4-byte inputs get two stages (three need 243.5 KB of
-    shared memory, over the H200's 227 KB per program) and no BV=64 plan (241 KB at two)."""
-    if triton.cdiv(V, 32) * N * HV <= sms:
-        bv, warps, stages = PIPELINE_CONFIGS[0]
-        config = (bv, warps, stages if itemsize <= 2 else min(stages, 2))
-        if chunks >= PIPELINE_MIN_CHUNKS:
-            return Plan(form=form or Form.SCORES, schedule=Schedule.PIPELINED, config=config)
-        if form in (None, Form.SCORES):
-            return Plan(form=Form.SCORES, schedule=Schedule.SERIAL, config=config)
-    elif triton.cdiv(V, 64) * N * HV <= sms and itemsize <= 2 and form in (None, Form.SCORES):
+    Where BV=32 gives no more chain programs than SMs (few sequences and value heads) and the call has
+    PIPELINE_MIN_CHUNKS chunk rows, it is pipelined at PIPELINE_CONFIG. One sequence takes the scores
+    form, there and where only BV=64 gives that few programs (397B: serial at ONE_PER_SM_CONFIG); several
+    keep the fused form (the scores form was measured on one sequence and on 4x8192, where it lost).
+    Elsewhere, and for short prompts, the fused form autotuned. The fixed configs were measured and fit
+    shared memory at K = 128 only, so larger key heads are autotuned (which skips configs that do not
+    fit). ``itemsize``: of q, k, v; 4-byte inputs get two stages (three need 243.5 KB of shared memory,
+    over the H200's 227 KB per program) and no BV=64 plan (241 KB at two; tests/kernels/test_compile_report)."""
+    scores = form is Form.SCORES or (form is None and N == 1)
+    if K <= 128 and triton.cdiv(V, 32) * N * HV <= sms and chunks >= PIPELINE_MIN_CHUNKS:
+        bv, warps, stages = PIPELINE_CONFIG
+        return Plan(form=Form.SCORES if scores else form or Form.FUSED, schedule=Schedule.PIPELINED,
+                    config=(bv, warps, stages if itemsize <= 2 else min(stages, 2)))
+    if (K <= 128 and triton.cdiv(V, 32) * N * HV > sms >= triton.cdiv(V, 64) * N * HV and itemsize <= 2
+            and scores and chunks >= PIPELINE_MIN_CHUNKS):
         return Plan(form=Form.SCORES, schedule=Schedule.SERIAL, config=ONE_PER_SM_CONFIG)
     return Plan(form=form or Form.FUSED, schedule=Schedule.SERIAL, config=None)
 
@@ -302,7 +309,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         return o, final
     on_gpu = q.device.type == "cuda"
     if schedule is None and config is None and on_gpu:
-        plan = _plan(N, HV, V, _sm_count(q.device.index), NC, q.element_size(), form)
+        plan = _plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form)
         form, schedule, config = plan.form, plan.schedule, plan.config
     form = Form.FUSED if form is None else form
     schedule = Schedule.SERIAL if schedule is None else schedule
@@ -315,7 +322,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     A = q.new_empty((NC, HV, BT, BT), dtype=sdt)
     R = q.new_empty((NC, HV, _NROW, BT), dtype=torch.float32)
     G = q.new_empty((NC, HV), dtype=torch.float32)
-    # In k's dtype: the chain multiplies them with k (fp16 stays fp16).
+    # In k's dtype, as the chain's other GEMM operands are (fp16 stays fp16).
     P = q.new_empty((NC, HV, BT, BT), dtype=k.dtype) if form is Form.SCORES else A
     if form is Form.SPLIT:
         WQ = q.new_empty((NC, HV, 2 * BT, K), dtype=k.dtype)
