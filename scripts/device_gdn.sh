@@ -8,7 +8,9 @@
 #   BREAKDOWN=1 bash scripts/device_gdn.sh     # first: per-kernel device time vs call time, hybridkv and FLA
 #   PROBE=1 BENCH=0 bash scripts/device_gdn.sh # tests, then every chunk schedule/config and decode hint
 #   SPLITPROBE=1 BENCH=0 bash scripts/device_gdn.sh # tests, then the split form and pipeline stages vs fused
-#   SPLITFIRST=1 TESTS=0 BENCH=0 bash scripts/device_gdn.sh # that probe alone
+#   SPLITFIRST=1 TESTS=0 BENCH=0 bash scripts/device_gdn.sh # that probe first (BENCH=0 exits only after a probe
+#                                                           # branch: SPLITPROBE or PROBE; else the bench follows)
+#   SCORESFIRST=1 ... bash scripts/device_gdn.sh  # first: the scores kernel alone vs a copy (gdn_scores_probe.py)
 # hybridkv is not installed there: the bench runs through its module's own register/handler.
 set -u
 PY=${PYTHON:-python3}
@@ -20,6 +22,10 @@ split_probe() {  # the split form and the pipeline stages vs the fused form, wit
     PYTHONPATH=. PYTHONUNBUFFERED=1 timeout "${PROBE_S:-300}" "$PY" scripts/gdn_split_probe.py --iters "${ITERS:-10}" \
         --json "$OUT/split.json" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/split.txt"
 }
+if [ "${SCORESFIRST:-0}" != 0 ]; then
+    PYTHONPATH=. PYTHONUNBUFFERED=1 timeout "${SCORES_S:-120}" "$PY" scripts/gdn_scores_probe.py --iters "${ITERS:-20}" \
+        --json "$OUT/scores.json" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/scores.txt"
+fi
 [ "${SPLITFIRST:-0}" != 0 ] && split_probe  # before the tests, when device time is short
 if [ "${TESTS:-1}" != 0 ]; then
     PYTHONUNBUFFERED=1 timeout "${TEST_S:-200}" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_triton.py ${TEST_K:+-k "$TEST_K"} \

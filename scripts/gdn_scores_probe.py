@@ -1,0 +1,70 @@
+"""Device probe for issue #8: the scores kernel alone (`triton_chunk_inverse._chunk_scores_kernel`, the
+parallel half of `triton_chunk.Form.SCORES`) at several value heads per program and warp counts, against
+a device copy of the same bytes in the same run.
+
+    python3 scripts/gdn_scores_probe.py [--iters 20] [--json PATH] [--shapes 1x8192]
+
+Why: on one 35B sequence its first segment sits on the pipelined call's critical path, and it moved ~100 MB
+in 47-53 us (~2 TB/s of the H200's 4.3). The row scales it reads are made up (finite, decaying): its time
+does not depend on their values. Run from the repository root on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from hybridkv.kernels.gdn import bench, triton_chunk
+from hybridkv.kernels.gdn.triton_chunk_inverse import _NROW, BT, _chunk_scores_kernel
+
+from gdn_schedules import probe_args  # scripts/ is this script's own directory on sys.path
+
+
+def row_scales(NC: int, HV: int) -> torch.Tensor:
+    """R as the inverse kernel lays it out: cumulative log decays in row 4, scale rq and rk in rows 5-6."""
+    R = torch.rand(NC, HV, _NROW, BT, device="cuda")
+    R[:, :, 4] = -torch.cumsum(0.05 * torch.rand(NC, HV, BT, device="cuda"), -1)
+    R[:, :, 5:7] = 0.09
+    return R
+
+
+def main() -> int:
+    a = probe_args(__doc__)
+    rows = []
+    print(torch.cuda.get_device_name(), flush=True)
+    for shape, B, T, H, HV, args, kw in bench._prefill_cases():
+        if a.shapes and not any(x in shape for x in a.shapes):
+            continue
+        q, k = args[0], args[1]
+        cu, table, _, NC = triton_chunk._tables.get(kw["cu_seqlens"], B, T, q.device)
+        R = row_scales(NC, HV)
+        P = q.new_empty((NC, HV, BT, BT), dtype=k.dtype)
+        moved = q.numel() * 2 * 2 + P.numel() * 2 + NC * HV * 3 * BT * 4  # q, k once per key head; P; 3 R rows
+        src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        copy_ms = bench._median_ms(lambda: dst.copy_(src), a.iters)  # reads and writes `moved` bytes
+        print(f"{shape:30} copy of {moved / 1e6:.0f} MB: {copy_ms * 1e3:6.1f} us", flush=True)
+        per = HV // H
+        for group in [g for g in (1, 2, 4) if per % g == 0]:
+            for warps in (4, 8):
+                def launch(group=group, warps=warps):
+                    _chunk_scores_kernel[(NC, HV // group)](q, k, R, P, cu, table, 0, 0, 0, H, HV, K=128, BK=128,
+                                                            GROUP=group, SEGMENTED=False, num_warps=warps,
+                                                            num_stages=1)
+                launch()
+                ms = bench._median_ms(launch, a.iters)
+                row = dict(shape=shape, group=group, warps=warps, us=ms * 1e3, copy_us=copy_ms * 1e3,
+                           gbps=moved / ms / 1e6, x_copy=copy_ms / ms)
+                rows.append(row)
+                print(f"{shape:30} group {group} warps {warps}: {row['us']:6.1f} us  {row['gbps']:6.0f} GB/s  "
+                      f"{row['x_copy']:.2f}x copy speed", flush=True)
+        del args, q, k, P, R, src, dst
+    if a.json:
+        json.dump(rows, open(a.json, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
