@@ -113,7 +113,8 @@ def main() -> int:
                                                         GROUP=group, num_warps=4, num_stages=stages)
                 P.fill_(float("nan"))
                 looped()
-                same = bool(torch.equal(P, want))
+                live = table[:, 0] >= 0  # rows past the last chunk are left unwritten by both
+                same = bool(torch.equal(P[live], want[live]))
                 rows.append(timed(shape, f"looped group {group} step {step} stages {stages} same={same}", looped,
                                   moved, copy_ms, a.iters))
         del args, q, k, P, R, src, dst
