@@ -339,16 +339,17 @@ def test_split_form_matches_reference(lens, H, HV, batch):
         assert rel_err(st, st_ref) < 2e-2, (config, schedule, segments)
 
 
-def test_split_form_with_identical_keys_no_decay_full_beta():
+@pytest.mark.parametrize("form", ["SPLIT", "SCORES"])
+def test_other_forms_with_identical_keys_no_decay_full_beta(form):
     """The inverse's worst case (see above) through the split form, whose W and U are T times bf16
-    operands rounded once more."""
+    operands rounded once more, and the scores form (P rounded to bf16 once, as on the chain)."""
     from hybridkv.kernels.gdn import triton_chunk
 
     q, k, v, g, beta, cu = make([1000, 300], 2, 4, seed=5)
     k = (k[:, :1] + 1e-3 * k).to(k.dtype)
     g, beta = torch.zeros_like(g), torch.ones_like(beta)
     o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
-                                                    form=triton_chunk.Form.SPLIT)
+                                                    form=triton_chunk.Form[form])
     o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, None, True, cu, True)
     assert rel_err(o, o_ref) < 5e-2
     assert rel_err(st, st_ref) < 5e-2
@@ -391,17 +392,3 @@ def test_scores_form_matches_reference(lens, H, HV, batch):
         got[config, schedule] = o, st
     (o0, s0), (o1, s1) = got[(32, 4, 3), serial], got[(32, 4, 3), pipelined]
     assert torch.equal(o0, o1) and torch.equal(s0, s1)
-
-
-def test_scores_form_with_identical_keys_no_decay_full_beta():
-    """The inverse's worst case through the scores form (P rounded to bf16 once, as on the chain)."""
-    from hybridkv.kernels.gdn import triton_chunk
-
-    q, k, v, g, beta, cu = make([1000, 300], 2, 4, seed=5)
-    k = (k[:, :1] + 1e-3 * k).to(k.dtype)
-    g, beta = torch.zeros_like(g), torch.ones_like(beta)
-    o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
-                                                    form=triton_chunk.Form.SCORES)
-    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, None, True, cu, True)
-    assert rel_err(o, o_ref) < 5e-2
-    assert rel_err(st, st_ref) < 5e-2
