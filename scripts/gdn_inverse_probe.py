@@ -22,16 +22,11 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 from gdn_schedules import probe_args, reference_cases, rel  # scripts/ is this script's own directory on sys.path
 
 VARIANTS = (
-    InverseConfig(group=1, bkc=128, warps=2, stages=3),  # the previous kernel's shape (k held whole)
-    InverseConfig(),
-    InverseConfig(prec="tf32", merge_prec="tf32"),
-    InverseConfig(merge_prec="tf32"),
-    InverseConfig(bkc=64, merge_prec="tf32"),
-    InverseConfig(method=0, merge_prec="tf32"),
-    InverseConfig(method=0),
-    InverseConfig(merge_prec="tf32", maxnreg=200),
+    triton_chunk.INVERSE_CONFIG,
+    InverseConfig(method=0, merge_prec="tf32"),  # 32 columns of k per gram step
+    InverseConfig(method=0, bkc=64, merge_prec="tf32", group=1),
+    InverseConfig(method=0, bkc=128, merge_prec="tf32"),
 )
-PIPELINED = ((32, 4, 2), (64, 4, 2))
 
 
 def kernel_us(b: breakdown.Breakdown, name: str) -> float:
@@ -77,8 +72,6 @@ def main() -> int:
 
         serial = triton_chunk.Schedule.SERIAL
         cases = [(inv, None, serial) for inv in VARIANTS]
-        if "1x" in shape:
-            cases += [(inv, cfg, triton_chunk.Schedule.PIPELINED) for inv in VARIANTS[3:6] for cfg in PIPELINED]
         for inv, cfg, sched in cases:
             try:
                 o, s = call(inv, cfg, sched)

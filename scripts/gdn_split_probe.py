@@ -1,5 +1,5 @@
-"""Device probe for issue #8: the scores form (`triton_chunk.Form.SCORES`) pipelined on one long 35B
-sequence with register caps on the inverse kernel beside it, on the bench's prefill shapes, with per-kernel
+"""Device probe for issue #8: the plan (`triton_chunk._plan`) on the bench's prefill shapes against the fused
+form, and on one long sequence against the previous inverse and other segment counts, with per-kernel
 device times (torch.profiler) and FLA in the same run. (Earlier variants - pipeline stages, segments,
 BV=64 pipelines, batched scores, the split form - and their numbers are in triton_chunk's comments and in
 git history.)
@@ -28,23 +28,24 @@ SERIAL, PIPELINED = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINE
 
 
 def variants(shape: str):
-    """(name, form, schedule, config, segments, inverse config): the plan (`triton_chunk._plan`) against
-    the fused form autotuned, and for 35B's one sequence the pipelined scores form with register caps on
-    the inverse kernel. Beside a chain program (188 registers x 128 threads) only two inverse programs
-    (255 x 64) fit on an SM, and the inverse then runs about half as fast as alone, which is what keeps
-    35B 1x8192 at 1.28-1.29x FLA; at 200 registers three fit, at 160 four (spills are the price)."""
+    """(name, form, schedule, config, segments, inverse config): the plan (`triton_chunk._plan`) against the fused form
+    autotuned, and on one sequence the plan's inverse against one taking 32 columns of k per gram step (the
+    default before the transposed substitution). Register caps on the inverse beside the pipelined chain (so
+    that three or four inverse programs fit on an SM beside a chain program, not two) were all slower, H200, 35B
+    1x8192, call us: no cap 417.4 / 421.3 (2 / 4 segments), maxnreg 200 430.8 / 443.2, 160 450.9 / 430.1, 128
+    432.8 / 461.5."""
     inv = triton_chunk.INVERSE_CONFIG
     yield "auto (plan)", None, None, None, None, inv
     yield "fused serial autotuned", FUSED, SERIAL, None, None, inv
-    if "HV=32" not in shape or "1x" not in shape:
+    if "1x" not in shape:
         return
-    bv32 = (32, 4, 3)
-    for n in (2, 4):
-        for cap in (None, 200, 160, 128):
-            yield (f"scores pipelined x{n} inverse maxnreg={cap}", SCORES, PIPELINED, bv32, n,
-                   dataclasses.replace(inv, maxnreg=cap))
-    yield "scores pipelined x2 inverse group=1", SCORES, PIPELINED, bv32, 2, dataclasses.replace(inv, group=1)
-    yield "scores serial inverse maxnreg=160", SCORES, SERIAL, bv32, None, dataclasses.replace(inv, maxnreg=160)
+    old = dataclasses.replace(inv, bkc=32)
+    hv = int(shape.split("HV=")[1].split()[0])
+    plan = triton_chunk._plan(1, hv, 128, 128, torch.cuda.get_device_properties(0).multi_processor_count, 128)
+    yield "plan, inverse at 32 k columns", plan.form, plan.schedule, plan.config, None, old
+    if plan.schedule is PIPELINED:
+        yield "plan in 4 segments", plan.form, plan.schedule, plan.config, 4, inv
+        yield "scores serial", SCORES, SERIAL, plan.config, None, inv
 
 
 def main() -> int:

@@ -128,7 +128,8 @@ def _specs() -> list[KernelSpec]:
                        "HV": "i32"},
             constants={"K": D, "BK": D},
             aligned=("H", "HV"),
-            launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}", num_warps=4, num_stages=1,
+            launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}",
+                                  num_warps=triton_chunk_inverse.SCORES_WARPS, num_stages=1,
                                   constants={"SEGMENTED": seg, "GROUP": grp})
                            for seg in (False, True) for grp in sorted({1, inv.group})),
         ),

@@ -18,7 +18,8 @@ from a parallel kernel (`triton_chunk_inverse._chunk_scores_kernel`, q k^T once 
 the chain, which then runs five GEMMs per chunk and no exp; one long sequence takes it (`_plan`). H200,
 `scripts/gdn_split_probe.py`, 35B / 397B 1x8192: chain 217-232 / 265 us against the fused 360-365 / 471,
 for a scores kernel of 50 / 77 us; whole call 0.411-0.414 / 0.621-0.625 ms against the fused form's
-0.460-0.502 / 0.752-0.754 (FLA 0.528-0.530 / 0.882-0.884; two runs).
+0.460-0.502 / 0.752-0.754 (FLA 0.528-0.530 / 0.882-0.884; two runs). With the transposed substitution in the
+inverse and eight-warp scores: 0.387 / 0.570 (one run; FLA 0.532 / 0.882).
 On batches it is slower (same probe run, 35B 4x8192: 1.356 ms at best against the fused 1.211; 10-12% on
 all four batched shapes: the chain there is not the whole call, and P costs 174 us), so they stay fused.
 `Form.SPLIT` (`triton_chunk_wu`, opt-in, never picked) makes W, Q', U and U' in parallel so that the
@@ -45,6 +46,7 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import (
     _R_STRIDE,
     BT,
     INVERSE_CONFIG,
+    SCORES_WARPS,
     InverseConfig,
     _chunk_inverse_kernel,
     _chunk_scores_kernel,
@@ -221,7 +223,10 @@ class Schedule(enum.Enum):
 # to the inverse) 0.433-0.489, (32, 4, 4) 0.473-0.504. Pipelining gains less than the hidden half of the
 # inverse and scores (~105 us) because those run about half as fast beside the chain (its registers leave
 # room for two inverse programs per SM instead of four). Running the first segment's chain fused (so it
-# starts before the first scores kernel) measured 0.414 against 0.412 and was dropped.
+# starts before the first scores kernel) measured 0.414 against 0.412 and was dropped. Register caps on the
+# inverse (three or four programs beside a chain program) were slower (scripts/gdn_split_probe.py). With the
+# faster inverse (transposed substitution, 64 k columns per gram step) and eight-warp scores, one run: 2
+# segments 0.387, 4 segments 0.391, serial 0.405; the same at 32 k columns 0.394.
 PIPELINE_CONFIG = (32, 4, 3)
 PIPELINE_SEGMENTS = 2
 # The scores form's serial config where BV=64 gives one program per SM (397B, one sequence). H200, 397B
@@ -354,8 +359,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                                                       {"maxnreg": inverse.maxnreg}))
         if form is Form.SCORES:
             _chunk_scores_kernel[(rows, HV // group)](q, k, R, P, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K,
-                                                      BK=BK, GROUP=group, SEGMENTED=len(bounds) > 1, num_warps=4,
-                                                      num_stages=1)
+                                                      BK=BK, GROUP=group, SEGMENTED=len(bounds) > 1,
+                                                      num_warps=SCORES_WARPS, num_stages=1)
         if form is Form.SPLIT:
             bc = max(16, min(WU_COLUMNS, BK, triton.next_power_of_2(V)))  # tl.dot needs 16 columns
             grid = (rows, HV, 2 * triton.cdiv(max(K, V), bc))

@@ -11,10 +11,12 @@ Measured on one H200 (kernel alone, torch.profiler; `scripts/gdn_inverse_probe.p
 4x8192: the previous kernel (one value head per program, k held whole, product form and substitution
 in tf32x3) 844 / 1,628; grouped value heads with k in 32 columns, same numerics 813 / 1,590; product
 form tf32x3 with tf32 substitution 669 / 1,188; fp32 forward substitution on the diagonal with tf32
-substitution below it (the default, FLA's numerics) 638 / 1,091. All-tf32 was fastest (519 / 823) but
-turns NaN on the worst case (identical keys, beta = 1): the product form needs fp32 products. A
-register cap (200) or four warps were slower. The first version (inverse and the scores in one
-four-warp kernel) took 1,964 at 35B.
+substitution below it (FLA's numerics) 638 / 1,091. All-tf32 was fastest (519 / 823) but turns NaN on
+the worst case (identical keys, beta = 1): the product form needs fp32 products. A register cap (200)
+or four warps were slower. The first version (inverse and the scores in one four-warp kernel) took
+1,964 at 35B. The forward substitution built transposed (`_inv_unit_lower16x4`), same numerics, in a
+later run: 638 -> 590 / 1,098 -> 988, and at 64 columns of k per gram step 529 / 924 (the default); at 1x8192 161 -> 145
+-> 129 / 273 -> 241 -> 220 (one run, same worst-case error 2.7%).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ _R_STRIDE = tl.constexpr(_NROW * BT)  # floats of row scales per (chunk, value h
 class InverseConfig:
     """How the inverse kernel is launched. ``group``: value heads per program, at most this many
     (a divisor of HV / H is used); ``bkc``: columns of k per gram step; ``method`` and ``prec``: of
-    `_inv_unit_lower16x4` and the block substitution."""
+    `_inv_unit_lower16x4` (0: forward substitution, 1: the product form) and the block substitution."""
 
     group: int = 4
     bkc: int = 32
@@ -61,8 +63,9 @@ class InverseConfig:
 
 
 # Picked on the H200 (see the module docstring); worst-case error 2.7% (tf32x3 throughout: 1.8-2.0%,
-# the GPU test allows 5%).
-INVERSE_CONFIG = InverseConfig(method=0, merge_prec="tf32")
+# the GPU test allows 5%). 64 columns of k per gram step, not 32: with the transposed substitution
+# (METHOD 0 now) it is faster though it spills 120 B (offline sm_90, 88 at 32 columns).
+INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32")
 
 
 @triton.jit
@@ -70,8 +73,12 @@ def _inv_unit_lower16x4(L, METHOD: tl.constexpr, PREC: tl.constexpr):
     """(I + L)^-1 for four strictly lower 16x16 blocks at once ([4, 16, 16]).
 
     METHOD 0, forward substitution: step i reads row i of L and the rows < i of T; batching the four
-    blocks runs the 15 dependent steps once instead of four times. METHOD 1, the nilpotent product
-    (I - L)(I + L^2)(I + L^4)(I + L^8) (L^16 = 0): six batched GEMMs instead of 30 row reductions. Its
+    blocks runs the 15 dependent steps once instead of four times. It builds T transposed: row i of T is
+    column i of T^T, so row i of L (a reduction over L's rows) multiplies T^T's columns in the layout it
+    comes out of the reduction in. Built as T, that row had to move to the other slice layout first, a
+    shared-memory round trip with barriers in each of the 15 steps (offline sm_90 PTX of the inverse
+    kernel: 216 -> 139 bar.sync, 104 -> 95 layout conversions; same arithmetic). METHOD 1, the nilpotent
+    product (I - L)(I + L^2)(I + L^4)(I + L^8) (L^16 = 0): six batched GEMMs instead of 30 row reductions. Its
     terms grow to C(15, 7) = 6435 times the result when every k in a block is the same and beta = 1,
     so it needs fp32 products (ieee or tf32x3; tf32 alone would lose every digit there).
     """
@@ -79,11 +86,13 @@ def _inv_unit_lower16x4(L, METHOD: tl.constexpr, PREC: tl.constexpr):
     rows = r[None, :, None]
     eye = tl.where(rows == r[None, None, :], 1.0, 0.0) + tl.zeros_like(L)
     if METHOD == 0:
-        t = eye
+        t_t = eye
+        cols = r[None, None, :]
         for i in tl.static_range(1, 16):
             l_row = tl.sum(tl.where(rows == i, L, 0.0), 1)
-            corr = tl.sum(l_row[:, :, None] * t, 1)
-            t = tl.where(rows == i, t - corr[:, None, :], t)
+            corr = tl.sum(l_row[:, None, :] * t_t, 2)
+            t_t = tl.where(cols == i, t_t - corr[:, :, None], t_t)
+        t = tl.permute(t_t, (0, 2, 1))
     else:
         l2 = tl.dot(L, L, input_precision=PREC)
         l4 = tl.dot(l2, l2, input_precision=PREC)
@@ -285,6 +294,13 @@ def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
         _store16(p, t31, 48, 16)
         _store16(p, t32, 48, 32)
         _store16(p, t33, 48, 48)
+
+
+# Warps of the scores kernel. H200, kernel alone (scripts/gdn_scores_probe.py), 35B / 397B 1x8192 at the
+# inverse's group (2 / 4 value heads per program), us: 4 warps 52.5 / 80.4, 8 warps 42.1 / 58.1 (a copy of
+# the same bytes 28.0 / 36.6). Programs walking several chunk rows so that Triton pipelines their loads
+# were slower (64.8-113.7 / 99.8-178.9).
+SCORES_WARPS = 8
 
 
 @triton.jit
