@@ -19,7 +19,7 @@ the chain, which then runs five GEMMs per chunk and no exp; one long sequence ta
 `scripts/gdn_split_probe.py`, 35B / 397B 1x8192: chain 217-232 / 265 us against the fused 360-365 / 471,
 for a scores kernel of 50 / 77 us; whole call 0.411-0.414 / 0.621-0.625 ms against the fused form's
 0.460-0.502 / 0.752-0.754 (FLA 0.528-0.530 / 0.882-0.884; two runs). With the transposed substitution in the
-inverse and eight-warp scores: 0.387 / 0.570 (one run; FLA 0.532 / 0.882).
+inverse and eight-warp scores (kernel 42 / 58 us): 0.387 / 0.570 (one run; FLA 0.532 / 0.882).
 On batches it is slower (same probe run, 35B 4x8192: 1.356 ms at best against the fused 1.211; 10-12% on
 all four batched shapes: the chain there is not the whole call, and P costs 174 us), so they stay fused.
 `Form.SPLIT` (`triton_chunk_wu`, opt-in, never picked) makes W, Q', U and U' in parallel so that the
@@ -220,8 +220,8 @@ class Schedule(enum.Enum):
 # 1.220 -> 1.704 ms).
 # The scores form (what `_plan` picks here), 35B 1x8192, ms: pipelined in 2 segments 0.411-0.414 (three
 # runs), 4 segments 0.416-0.418, 3 0.463; serial 0.438; pipelined at (64, 4, 3) (half the SMs left wholly
-# to the inverse) 0.433-0.489, (32, 4, 4) 0.473-0.504. Pipelining gains less than the hidden half of the
-# inverse and scores (~105 us) because those run about half as fast beside the chain (its registers leave
+# to the inverse) 0.433-0.489, (32, 4, 4) 0.473-0.504. Pipelining gained less than the hidden half of the
+# inverse and scores (then ~105 us) because those ran about half as fast beside the chain (its registers left
 # room for two inverse programs per SM instead of four). Running the first segment's chain fused (so it
 # starts before the first scores kernel) measured 0.414 against 0.412 and was dropped. Register caps on the
 # inverse (three or four programs beside a chain program) were slower (scripts/gdn_split_probe.py). With the
