@@ -272,15 +272,17 @@ def _plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int 
     shared memory at K = 128 only, so larger key heads are autotuned (which skips configs that do not
     fit). ``itemsize``: of q, k, v; 4-byte inputs get two stages (three need 243.5 KB of shared memory,
     over the H200's 227 KB per program) and no BV=64 plan (241 KB at two; tests/kernels/test_compile_report)."""
+    autotuned = Plan(form=form or Form.FUSED, schedule=Schedule.SERIAL, config=None)
+    if K > 128 or chunks < PIPELINE_MIN_CHUNKS:
+        return autotuned
     scores = form is Form.SCORES or (form is None and N == 1)
-    if K <= 128 and triton.cdiv(V, 32) * N * HV <= sms and chunks >= PIPELINE_MIN_CHUNKS:
+    if triton.cdiv(V, 32) * N * HV <= sms:
         bv, warps, stages = PIPELINE_CONFIG
         return Plan(form=Form.SCORES if scores else form or Form.FUSED, schedule=Schedule.PIPELINED,
                     config=(bv, warps, stages if itemsize <= 2 else min(stages, 2)))
-    if (K <= 128 and triton.cdiv(V, 32) * N * HV > sms >= triton.cdiv(V, 64) * N * HV and itemsize <= 2
-            and scores and chunks >= PIPELINE_MIN_CHUNKS):
+    if scores and itemsize <= 2 and triton.cdiv(V, 64) * N * HV <= sms:
         return Plan(form=Form.SCORES, schedule=Schedule.SERIAL, config=ONE_PER_SM_CONFIG)
-    return Plan(form=form or Form.FUSED, schedule=Schedule.SERIAL, config=None)
+    return autotuned
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
