@@ -286,6 +286,10 @@ def test_stuck_write_nixl_will_not_abort_keeps_pages_quarantined_fake_nixl_handl
         assert status == KVPoll.Failed and "refused to abort" in reason, reason
         st = prefill.call("stats", room)
         assert st["stuck"] == 1 and st["transfers"] == 1 and (0, 1) in {tuple(b) for b in st["fenced"]}
+        # The prefill's Failed is local; decode learns it (after STUCK, on the
+        # same socket) a moment later and until then still waits for input.
+        want = {KVPoll.Transferring, KVPoll.Failed, KVPoll.Success}
+        assert pd_peer.wait_poll(r, want) == KVPoll.Transferring
         t_end = time.monotonic() + 1.0
         while time.monotonic() < t_end:
             assert r.poll() == KVPoll.Transferring  # a write may still land in these pages
