@@ -12,6 +12,7 @@
 #                                                           # branch: SPLITPROBE or PROBE; else the bench follows)
 #   SCORESFIRST=1 ... bash scripts/device_gdn.sh  # first: the scores kernel alone vs a copy (gdn_scores_probe.py)
 #   INVFIRST=1 ... bash scripts/device_gdn.sh     # then the inverse kernel's variants (gdn_inverse_probe.py)
+#   DECODEFIRST=1 ... bash scripts/device_gdn.sh  # first: persistent and TMA decode candidates (gdn_decode_probe.py)
 # hybridkv is not installed there: the bench runs through its module's own register/handler.
 set -u
 PY=${PYTHON:-python3}
@@ -26,6 +27,10 @@ split_probe() {  # the split form and the pipeline stages vs the fused form, wit
 if [ "${SCORESFIRST:-0}" != 0 ]; then
     PYTHONPATH=. PYTHONUNBUFFERED=1 timeout "${SCORES_S:-120}" "$PY" scripts/gdn_scores_probe.py --iters "${ITERS:-20}" \
         --json "$OUT/scores.json" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/scores.txt"
+fi
+if [ "${DECODEFIRST:-0}" != 0 ]; then
+    PYTHONPATH=. PYTHONUNBUFFERED=1 timeout "${DECODE_S:-240}" "$PY" scripts/gdn_decode_probe.py --iters "${ITERS:-20}" \
+        --json "$OUT/decode.json" 2>&1 | grep -v -i warn | tee "$OUT/decode.txt"
 fi
 if [ "${INVFIRST:-0}" != 0 ]; then  # the inverse kernel's variants, serial, with the worst case's error
     PYTHONPATH=. PYTHONUNBUFFERED=1 timeout "${INV_S:-150}" "$PY" scripts/gdn_inverse_probe.py --iters "${ITERS:-10}" \
