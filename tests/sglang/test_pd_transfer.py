@@ -135,6 +135,13 @@ def test_abort_mid_transfer_keeps_pages_fenced_until_the_write_is_terminal_fake_
         assert prefill.call("stats", room)["exporting"] is True
         time.sleep(0.1)
     assert mgr.fenced == held
+    # The ABORT travels to the prefill over a socket: only once the prefill has
+    # it (it waits to tell decode DRAINED) does the gated chunk find its room
+    # Failed and write nothing; opening the gate before would let it write.
+    deadline = time.monotonic() + 20
+    while room not in prefill.call("stats", room)["waiters"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert room in prefill.call("stats", room)["waiters"], "the prefill never got decode's ABORT"
     prefill.call("open_gate", room)
     assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}) == KVPoll.Failed
     status, reason = prefill.call("wait", (room, 30))
