@@ -197,7 +197,8 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
                     at_decode.discard(rid)
                     if progress is not None:
                         progress(len(done), len(requests))
-        if kill_after is not None and len(done) >= kill_after:
+        # Only while decode holds requests: a crash then loses work that must be redone.
+        if kill_after is not None and len(done) >= kill_after and at_decode:
             kill_after = None
             os.kill(decode.proc.pid, signal.SIGKILL)  # a real crash: no goodbye, no cleanup
             decode.proc.join(10)
