@@ -109,10 +109,11 @@ def test_consumer_killed_producer_releases_at_lease_end():
 
 @pytest.mark.parametrize("heartbeat_s", [None, 0.1])
 def test_lease_expiry_without_renewal(heartbeat_s):
-    prod = producer(requests=ONE, lease_s=0.6, linger_s=0.3)
+    # Twice the lease before the fetch, and ten heartbeats per lease: margins a loaded 2-core CI keeps.
+    prod = producer(requests=ONE, lease_s=1.0, linger_s=0.3)
     try:
         host, port, _ = prod.expect("addr")
-        cons = consumer((host, port), requests=ONE, wait_before_fetch_s=1.2,
+        cons = consumer((host, port), requests=ONE, wait_before_fetch_s=2.0,
                         heartbeat_s=100.0 if heartbeat_s is None else heartbeat_s)
         results = _outcomes(cons.expect("results"))
         cstate = cons.expect("state")
