@@ -14,7 +14,7 @@ Why that should matter, from offline sm_90 compiles (Triton 3.6, HV=32, bf16 sta
 kernel at (BV=32, 4 warps) takes 121 registers, so 4 programs (16 warps) fit an SM and 32 KB of state
 is in flight per SM, about 4.2 MB over the GPU; (128, 8) takes 186 registers, one program per SM, the
 same 32 KB. At ~4.3 TB/s and ~1.5 us of latency, Little's law wants over 6 MB. The register-prefetch
-walk compiles to 255 registers (spilling at BV >= 64): no better. The TMA walk at (32, 4) takes 96
+walk compiles to 255 registers (spilling at BV >= 64): no better. The TMA walk at (32, 4) takes 80
 registers and 25 KB of shared memory at 3 stages: 5 programs per SM, up to 15 tiles (120 KB) in flight.
 
 Not yet run on a GPU (the session that wrote it had no device time left); both candidates match
@@ -39,11 +39,31 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hybridkv.kernels.gdn import bench, gated_delta_rule_decode, triton_recurrent
 
+from gdn_schedules import decode_inputs  # scripts/ is this script's own directory on sys.path
+
+
+@triton.jit
+def _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold, L2NORM: tl.constexpr):
+    """One token on one [BV, K] tile, gating fused: returns (output row, updated tile), both fp32."""
+    f_q = b_q.to(tl.float32)
+    f_k = b_k.to(tl.float32)
+    if L2NORM:
+        f_q = f_q * tl.rsqrt(tl.sum(f_q * f_q, 0) + 1e-6)
+        f_k = f_k * tl.rsqrt(tl.sum(f_k * f_k, 0) + 1e-6)
+    bx = softplus_beta * x
+    sp = tl.where(bx <= softplus_threshold, tl.log(1.0 + tl.exp(bx)) / softplus_beta, x)
+    b_s = raw.to(tl.float32) * tl.exp(neg_a * sp)
+    pred = tl.sum(b_s * f_k[None, :], 1)
+    sq = tl.sum(b_s * f_q[None, :], 1)
+    delta = tl.sigmoid(bb) * (b_v.to(tl.float32) - pred)
+    b_o = (sq + delta * tl.sum(f_k * f_q, 0)) * scale
+    return b_o, b_s + delta[:, None] * f_k[None, :]
+
 
 @triton.jit
 def _tile_loads(t, n_tiles, q, k, v, a, b, A_log, dt_bias, state, state_indices, stride_slot, stride_head,
                 o_k, o_bv, o_s, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BV: tl.constexpr, V_FIRST: tl.constexpr, STREAM: tl.constexpr):
+                BV: tl.constexpr, STREAM: tl.constexpr):
     NV: tl.constexpr = V // BV
     valid = t < n_tiles
     i_v = t % NV
@@ -52,10 +72,7 @@ def _tile_loads(t, n_tiles, q, k, v, a, b, A_log, dt_bias, state, state_indices,
     i_h = i_hv // (HV // H)
     slot = tl.load(state_indices + i_n, mask=valid, other=-1).to(tl.int64)
     live = valid & (slot >= 0)
-    if V_FIRST:
-        base = tl.maximum(slot, 0) * stride_slot + i_hv * stride_head + i_v * (BV * K)
-    else:
-        base = tl.maximum(slot, 0) * stride_slot + i_hv * stride_head + i_v * BV
+    base = tl.maximum(slot, 0) * stride_slot + i_hv * stride_head + i_v * (BV * K)
     raw = tl.load(state + base + o_s, mask=live, other=0.0, eviction_policy="evict_first" if STREAM else "")
     row_h = i_n.to(tl.int64) * H + i_h
     row_hv = i_n.to(tl.int64) * HV + i_hv
@@ -72,37 +89,22 @@ def _tile_loads(t, n_tiles, q, k, v, a, b, A_log, dt_bias, state, state_indices,
 def _decode_persistent(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, N, progs, scale, stride_slot,
                        stride_head, softplus_beta, softplus_threshold, H: tl.constexpr, HV: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                       V_FIRST: tl.constexpr, STREAM: tl.constexpr):
+                       STREAM: tl.constexpr):
+    """V-first pools ([slots, HV, V, K], hybridkv's default), as the bench and the TMA walk."""
     pid = tl.program_id(0)
     n_tiles = N * HV * (V // BV)
     o_k = tl.arange(0, K)
     o_bv = tl.arange(0, BV)
-    if V_FIRST:
-        o_s = o_bv[:, None] * K + o_k[None, :]
-    else:
-        o_s = o_k[None, :] * V + o_bv[:, None]
+    o_s = o_bv[:, None] * K + o_k[None, :]
     raw, b_q, b_k, b_v, x, bb, neg_a, valid, live, base, o_row = _tile_loads(
         pid, n_tiles, q, k, v, a, b, A_log, dt_bias, state, state_indices, stride_slot, stride_head, o_k, o_bv,
-        o_s, H, HV, K, V, BV, V_FIRST, STREAM)
+        o_s, H, HV, K, V, BV, STREAM)
     for t in range(pid, n_tiles, progs):
         # The next tile's loads go out before this tile's arithmetic and stores.
         n_raw, n_q, n_k, n_v, n_x, n_bb, n_neg_a, n_valid, n_live, n_base, n_o_row = _tile_loads(
             t + progs, n_tiles, q, k, v, a, b, A_log, dt_bias, state, state_indices, stride_slot, stride_head,
-            o_k, o_bv, o_s, H, HV, K, V, BV, V_FIRST, STREAM)
-        f_q = b_q.to(tl.float32)
-        f_k = b_k.to(tl.float32)
-        if L2NORM:
-            f_q = f_q * tl.rsqrt(tl.sum(f_q * f_q, 0) + 1e-6)
-            f_k = f_k * tl.rsqrt(tl.sum(f_k * f_k, 0) + 1e-6)
-        bx = softplus_beta * x
-        sp = tl.where(bx <= softplus_threshold, tl.log(1.0 + tl.exp(bx)) / softplus_beta, x)
-        b_s = raw.to(tl.float32) * tl.exp(neg_a * sp)
-        beta = tl.sigmoid(bb)
-        pred = tl.sum(b_s * f_k[None, :], 1)
-        sq = tl.sum(b_s * f_q[None, :], 1)
-        delta = beta * (b_v.to(tl.float32) - pred)
-        b_o = (sq + delta * tl.sum(f_k * f_q, 0)) * scale
-        b_s = b_s + delta[:, None] * f_k[None, :]
+            o_k, o_bv, o_s, H, HV, K, V, BV, STREAM)
+        b_o, b_s = _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold, L2NORM)
         tl.store(o + o_row + o_bv, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=valid)
         tl.store(state + base + o_s, b_s.to(state.dtype.element_ty), mask=live,
                  cache_modifier=".cs" if STREAM else "")
@@ -131,24 +133,13 @@ def _decode_tma(q, k, v, a, b, A_log, dt_bias, o, desc, state_indices, N, progs,
         raw = desc.load([tl.maximum(slot, 0), i_hv, i_v * BV, 0]).reshape(BV, K)  # a pad reads slot 0, unused
         row_h = i_n.to(tl.int64) * H + i_h
         row_hv = i_n.to(tl.int64) * HV + i_hv
-        f_q = tl.load(q + row_h * K + o_k).to(tl.float32)
-        f_k = tl.load(k + row_h * K + o_k).to(tl.float32)
-        b_v = tl.load(v + row_hv * V + i_v * BV + o_bv).to(tl.float32)
+        b_q = tl.load(q + row_h * K + o_k)
+        b_k = tl.load(k + row_h * K + o_k)
+        b_v = tl.load(v + row_hv * V + i_v * BV + o_bv)
         x = tl.load(a + row_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
         bb = tl.load(b + row_hv).to(tl.float32)
         neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        if L2NORM:
-            f_q = f_q * tl.rsqrt(tl.sum(f_q * f_q, 0) + 1e-6)
-            f_k = f_k * tl.rsqrt(tl.sum(f_k * f_k, 0) + 1e-6)
-        bx = softplus_beta * x
-        sp = tl.where(bx <= softplus_threshold, tl.log(1.0 + tl.exp(bx)) / softplus_beta, x)
-        b_s = raw.to(tl.float32) * tl.exp(neg_a * sp)
-        beta = tl.sigmoid(bb)
-        pred = tl.sum(b_s * f_k[None, :], 1)
-        sq = tl.sum(b_s * f_q[None, :], 1)
-        delta = beta * (b_v - pred)
-        b_o = (sq + delta * tl.sum(f_k * f_q, 0)) * scale
-        b_s = b_s + delta[:, None] * f_k[None, :]
+        b_o, b_s = _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold, L2NORM)
         tl.store(o + row_hv * V + i_v * BV + o_bv, tl.where(live, b_o, 0.0).to(o.dtype.element_ty))
         if live:
             desc.store([slot, i_hv, i_v * BV, 0], b_s.to(desc.dtype).reshape(1, 1, BV, K))
@@ -171,7 +162,7 @@ def launch_persistent(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, stream):
     programs = per_sm * torch.cuda.get_device_properties(q.device).multi_processor_count
     _decode_persistent[(programs,)](
         q, k, v, a, b, A_log, dt_bias, o, pool, idx, N, programs, K**-0.5, pool.stride(0), pool.stride(1), 1.0, 20.0,
-        H=H, HV=HV, K=K, V=V, BV=bv, L2NORM=True, V_FIRST=True, STREAM=stream, num_warps=warps)
+        H=H, HV=HV, K=K, V=V, BV=bv, L2NORM=True, STREAM=stream, num_warps=warps)
 
 
 PERSISTENT = tuple((bv, w, s) for bv, w in ((32, 4), (64, 8)) for s in (4, 8))
@@ -184,13 +175,7 @@ def run(iters: int, copy_gbps: float) -> list[dict]:
     for model, H, HV in bench.DECODE_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
-            q = torch.randn(N, H, 128, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(N, H, 128, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn(N, HV, 128, device="cuda", dtype=torch.bfloat16)
-            a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
-            A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
-            pool0 = (torch.randn(2 * N, HV, 128, 128, device="cuda") * 0.1).to(dtype)
-            idx = torch.randperm(2 * N, device="cuda")[:N]
+            q, k, v, a, b, A_log, dt_bias, pool0, idx = decode_inputs(N, H, HV, dtype)
             idx[::17] = -1  # pads: the pool must stay untouched there
             nbytes = int((idx >= 0).sum()) * HV * 128 * 128 * 2 * pool0.element_size()
             stream = dtype == torch.bfloat16
@@ -199,7 +184,6 @@ def run(iters: int, copy_gbps: float) -> list[dict]:
             ref_pool = pool0.clone()
             ref_o = gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, ref_pool, idx)  # also tunes
             pool = pool0.clone()
-            o = torch.empty_like(v)
             ms = bench._median_ms(lambda: gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx), iters)
             shipped_pct = 100 * nbytes / ms / 1e6 / copy_gbps
             rows.append(dict(shape=label, kernel="shipped", cfg=None, ms=ms, pct_copy=shipped_pct, err=0.0))

@@ -93,18 +93,24 @@ def prefill(iters: int, fla, shapes: list[str], quick: bool) -> list[dict]:
     return rows
 
 
+def decode_inputs(N: int, H: int, HV: int, dtype: torch.dtype) -> tuple:
+    """The bench's decode step: (q, k, v, a, b, A_log, dt_bias, pool, idx), N rows on N of 2N slots."""
+    q = torch.randn(N, H, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(N, H, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(N, HV, 128, device="cuda", dtype=torch.bfloat16)
+    a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
+    A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
+    pool = (torch.randn(2 * N, HV, 128, 128, device="cuda") * 0.1).to(dtype)
+    idx = torch.randperm(2 * N, device="cuda")[:N]
+    return q, k, v, a, b, A_log, dt_bias, pool, idx
+
+
 def decode(iters: int, copy_gbps: float) -> list[dict]:
     rows = []
     N = 256
     for model, H, HV in bench.DECODE_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
-            q = torch.randn(N, H, 128, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(N, H, 128, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn(N, HV, 128, device="cuda", dtype=torch.bfloat16)
-            a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
-            A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
-            pool = (torch.randn(2 * N, HV, 128, 128, device="cuda") * 0.1).to(dtype)
-            idx = torch.randperm(2 * N, device="cuda")[:N]
+            q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(N, H, HV, dtype)
             o = torch.empty_like(v)
             nbytes = N * HV * 128 * 128 * 2 * pool.element_size()
             gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)  # tunes
