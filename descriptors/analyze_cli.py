@@ -36,8 +36,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def load_geometry(args: argparse.Namespace):
-    from hybridkv.hf_config import load_hf_config
-    from hybridkv.presets import get_preset
+    from hybridkv.layout.hf_config import load_hf_config
+    from hybridkv.layout.presets import get_preset
 
     if args.config:
         return load_hf_config(args.config, ssm_dtype=args.ssm_dtype)

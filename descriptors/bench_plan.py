@@ -67,10 +67,10 @@ def _median_us(fn, runs: int) -> float:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from hybridkv.alloc import VirtualAllocator
-    from hybridkv.geometry import LayerKind
+    from hybridkv.layout.alloc import VirtualAllocator
+    from hybridkv.layout.geometry import LayerKind
     from hybridkv.layout import plan_layout
-    from hybridkv.presets import get_preset
+    from hybridkv.layout.presets import get_preset
 
     from .compiler import TransferPlanner
     from .schemes import Workload, fragmented_blocks

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridkv.fields import Field, FieldKey
+from hybridkv.layout.fields import Field, FieldKey
 from hybridkv.layout import GroupLayout, Layout
 
 _I64 = np.int64

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridkv.alloc import VirtualAllocator
-from hybridkv.geometry import GDNSpec, LayerKind, ModelGeometry
-from hybridkv.hma import HMAPlan, aligned_block_size, check_block_size, plan_hma
+from hybridkv.layout.alloc import VirtualAllocator
+from hybridkv.layout.geometry import GDNSpec, LayerKind, ModelGeometry
+from descriptors.hma import HMAPlan, aligned_block_size, check_block_size, plan_hma
 from hybridkv.layout import plan_layout
 
 from .compiler import TransferPlan, TransferPlanner, plan_sources

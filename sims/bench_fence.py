@@ -44,9 +44,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from hybridkv.fence import FencePolicy, PoolLayout
-from hybridkv.request_state import attention_component, gdn_components
-from hybridkv.scheduler import TransferScheduler
+from hybridkv.fencing.fence import FencePolicy, PoolLayout
+from hybridkv.fencing.request_state import attention_component, gdn_components
+from hybridkv.fencing.scheduler import TransferScheduler
 
 ATT, GDN = 0, 1
 COMPONENTS = (attention_component(ATT), *gdn_components(GDN))

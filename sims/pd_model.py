@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridkv.geometry import ModelGeometry
-from hybridkv.hma import plan_hma
-from hybridkv.presets import get_preset
+from hybridkv.layout.geometry import ModelGeometry
+from descriptors.hma import plan_hma
+from hybridkv.layout.presets import get_preset
 
 
 @dataclass(frozen=True, kw_only=True)

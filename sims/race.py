@@ -1,7 +1,7 @@
 """The asynchronous-scheduling race simulator.
 
 An engine-step model of a decode worker in a disaggregated pair, driving the
-real :class:`hybridkv.scheduler.TransferScheduler` (not a model of it):
+real :class:`hybridkv.fencing.scheduler.TransferScheduler` (not a model of it):
 remote requests arrive, blocks are allocated from one hybrid pool (attention
 and GDN pages alias the same memory, as in vLLM's hybrid allocator), imports
 are posted and land after a random latency (RDMA, outside the device stream),
@@ -33,9 +33,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hybridkv.fence import FencePolicy, PoolLayout
-from hybridkv.request_state import Component, ComponentKind, RequestPhase, TransferOutcome
-from hybridkv.scheduler import TransferScheduler
+from hybridkv.fencing.fence import FencePolicy, PoolLayout
+from hybridkv.fencing.request_state import Component, ComponentKind, RequestPhase, TransferOutcome
+from hybridkv.fencing.scheduler import TransferScheduler
 
 ATT, GDN = 0, 1
 KV = Component(group=ATT, kind=ComponentKind.KV)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from hybridkv.fence import FencePolicy
+from hybridkv.fencing.fence import FencePolicy
 
 PROGRESS_FROM = 2000  # total simulated requests above which a progress bar is shown
 

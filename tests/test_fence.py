@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.block_pool import BlockPool
-from hybridkv.fence import NEVER, FenceTable, NotYet, NotYetReason, PoolLayout
-from hybridkv.lease import LeaseTable
+from hybridkv.fencing.block_pool import BlockPool
+from hybridkv.fencing.fence import NEVER, FenceTable, NotYet, NotYetReason, PoolLayout
+from hybridkv.fencing.lease import LeaseTable
 
 
 def test_layout_validation() -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hybridkv.cli import main
-from hybridkv.fence import FencePolicy
+from hybridkv.fencing.fence import FencePolicy
 from sims.race import RaceClass, simulate
 
 N = 300

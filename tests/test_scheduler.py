@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.fence import FencePolicy, NotYet, NotYetReason, PoolLayout
-from hybridkv.request_state import (
+from hybridkv.fencing.fence import FencePolicy, NotYet, NotYetReason, PoolLayout
+from hybridkv.fencing.request_state import (
     RequestPhase,
     TransferOutcome,
     attention_component,
     gdn_components,
 )
-from hybridkv.scheduler import TransferScheduler
+from hybridkv.fencing.scheduler import TransferScheduler
 
 KV = attention_component(0)
 CONV, SSM = gdn_components(1)
@@ -276,7 +276,7 @@ def test_components_are_interned_values() -> None:
     import dataclasses
     import pickle
 
-    from hybridkv.request_state import Component, ComponentKind
+    from hybridkv.fencing.request_state import Component, ComponentKind
 
     kv = Component(group=0, kind=ComponentKind.KV)
     assert kv is KV and kv == KV and hash(kv) == hash(KV) and kv != CONV

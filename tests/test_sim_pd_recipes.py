@@ -12,7 +12,7 @@ import yaml
 
 from descriptors.schemes import Scheme, Workload, count_descriptors
 from hybridkv.cli import main
-from hybridkv.presets import get_preset
+from hybridkv.layout.presets import get_preset
 from sims.pd_params import Scheduling
 from sims.pd_recipe import load_recipe, parse_recipe, shipped_recipes
 from sims.pd_sweep import run_sweep

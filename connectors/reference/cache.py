@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.alloc import NumpyAllocator
-from hybridkv.fields import Component, gdn_group_unit_fields, gdn_unit_bytes
-from hybridkv.geometry import AttentionSpec, GDNSpec, LayerKind, ModelGeometry
+from hybridkv.layout.alloc import NumpyAllocator
+from hybridkv.layout.fields import FieldKind, gdn_group_unit_fields, gdn_unit_bytes
+from hybridkv.layout.geometry import AttentionSpec, GDNSpec, LayerKind, ModelGeometry
 from hybridkv.layout import Layout, plan_layout
 
 
@@ -50,14 +50,14 @@ class PagedCache:
             cfg.attention_blocks, attn.num_kv_heads, la, cfg.block_size, 2, attn.head_dim)
         unit = gdn_unit_bytes(gdn) // 4
         self.state = self._region(self.gdn_group).view(cfg.state_slots, gdn.num_k_heads, lg, unit)
-        f: dict[Component, object] = {}
+        f: dict[FieldKind, object] = {}
         for fld in gdn_group_unit_fields(gdn, 0, 0):
             f.setdefault(fld.key[0], fld)  # the first field of each component starts its run
-        self._q = (f[Component.CONV_Q].offset // 4, f[Component.CONV_Q].nbytes // 4)
-        self._k = (f[Component.CONV_K].offset // 4, f[Component.CONV_K].nbytes // 4)
+        self._q = (f[FieldKind.CONV_Q].offset // 4, f[FieldKind.CONV_Q].nbytes // 4)
+        self._k = (f[FieldKind.CONV_K].offset // 4, f[FieldKind.CONV_K].nbytes // 4)
         vpk = gdn.v_heads_per_k_head
-        self._v = (f[Component.CONV_V].offset // 4, vpk * f[Component.CONV_V].nbytes // 4)
-        self._ssm = (f[Component.SSM].offset // 4, vpk * f[Component.SSM].nbytes // 4)
+        self._v = (f[FieldKind.CONV_V].offset // 4, vpk * f[FieldKind.CONV_V].nbytes // 4)
+        self._ssm = (f[FieldKind.SSM].offset // 4, vpk * f[FieldKind.SSM].nbytes // 4)
         self.attn_layer = {layer: i for i, layer in enumerate(self.attn_group.layer_indices)}
         self.gdn_layer = {layer: i for i, layer in enumerate(self.gdn_group.layer_indices)}
 

@@ -23,10 +23,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from hybridkv.fence import FencePolicy, PoolLayout
-from hybridkv.geometry import LayerKind
-from hybridkv.request_state import attention_component, gdn_components
-from hybridkv.scheduler import TransferScheduler
+from hybridkv.fencing.fence import FencePolicy, PoolLayout
+from hybridkv.layout.geometry import LayerKind
+from hybridkv.fencing.request_state import attention_component, gdn_components
+from hybridkv.fencing.scheduler import TransferScheduler
 
 from .cache import CacheConfig, PagedCache
 from .model import TinyHybridModel

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridkv.geometry import AttentionSpec, DType, GDNSpec, ModelGeometry
+from hybridkv.layout.geometry import AttentionSpec, DType, GDNSpec, ModelGeometry
 
 from .cache import KVView, StateView
 

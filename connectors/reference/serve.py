@@ -63,7 +63,7 @@ def worker_main(conn, opts: dict) -> None:
 async def _worker(conn, o: WorkerOptions) -> None:
     import torch
 
-    from hybridkv.fence import FencePolicy
+    from hybridkv.fencing.fence import FencePolicy
     from hybridkv.transport.endpoint import Consumer, FailurePolicy, Producer, TransportConfig
     from hybridkv.transport.memory import from_layout
 

@@ -32,11 +32,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from connectors.sglang.shapes import BufferShape, Parallel, Slicing, describe_shape, parse_shape
-from hybridkv.alloc import MemKind
-from hybridkv.fence import PoolLayout, RequestId
-from hybridkv.hma import GroupId
+from hybridkv.layout.alloc import MemKind
+from hybridkv.fencing.fence import PoolLayout, RequestId
+from descriptors.hma import GroupId
 from hybridkv.layout import Buffer, Layout, RegionId, adopt_buffers
-from hybridkv.request_state import Component, ComponentKind
+from hybridkv.fencing.request_state import Component, ComponentKind
 
 KV_GROUP = 0
 _BUFFER_FIELDS = ("key", "group_id", "addr", "item_bytes", "num_items", "mem", "device_id")

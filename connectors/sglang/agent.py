@@ -17,7 +17,7 @@ import threading
 import numpy as np
 
 from descriptors.compiler import TransferPlan
-from hybridkv.alloc import MemKind
+from hybridkv.layout.alloc import MemKind
 from hybridkv.layout import Layout
 from hybridkv.transport.nixl_shim import load_nixl
 

@@ -12,7 +12,7 @@ leaves to a backend, and runs everything else on hybridkv's core:
   run of pages consecutive on both sides per region (SGLang's NIXL backend: one
   per page per layer buffer);
 * NIXL: the Layout's regions registered once (agent.py), plans posted as WRITEs;
-* fencing: a `hybridkv.scheduler.TransferScheduler` per manager over the
+* fencing: a `hybridkv.fencing.scheduler.TransferScheduler` per manager over the
   engine-owned pools (KV pages, one pool per state type, aux rows):
   - decode: `send_metadata` assigns the request's pages/slots/row and posts one
     import per component (KV; Mamba conv; Mamba SSM; aux) before anything is
@@ -70,10 +70,10 @@ from connectors.sglang.decode_side import DecodeImports, _Import
 from connectors.sglang.pairing import PeerPlan, plan_peer
 from connectors.sglang.prefill_side import PrefillExports, TransferStats
 from descriptors.compiler import TransferPlanner
-from hybridkv.alloc import MemKind
-from hybridkv.fence import RequestId, TransferId
-from hybridkv.request_state import Component
-from hybridkv.scheduler import TransferScheduler
+from hybridkv.layout.alloc import MemKind
+from hybridkv.fencing.fence import RequestId, TransferId
+from hybridkv.fencing.request_state import Component
+from hybridkv.fencing.scheduler import TransferScheduler
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,

@@ -20,8 +20,8 @@ import numpy as np
 
 from connectors.sglang import messages as msgs
 from connectors.sglang.adopt import request_id
-from hybridkv.fence import NotYet, TransferId
-from hybridkv.request_state import Component, ComponentKind
+from hybridkv.fencing.fence import NotYet, TransferId
+from hybridkv.fencing.request_state import Component, ComponentKind
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 logger = logging.getLogger(__name__)

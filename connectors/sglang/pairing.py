@@ -1,7 +1,7 @@
 """Pairing one prefill rank with one decode rank: field keys, who writes what, planners.
 
 Equal or different attention TP, one rule: every byte range of an SGLang
-buffer item becomes a `hybridkv.fields.Field` keyed by what it holds, and
+buffer item becomes a `hybridkv.layout.fields.Field` keyed by what it holds, and
 `descriptors.TransferPlanner` matches the two sides key by key (merging
 pieces that are back to back on both sides, so equal TP still moves whole
 items). Keys, per buffer (the layer slot of a key is the buffer's key: its
@@ -10,7 +10,7 @@ position in SGLang's pointer lists, the same on both sides):
 * a KV page (NHD, `[page_size][local heads][head bytes]`): when both sides hold
   the same number of heads per rank, the whole item, keyed by its first head;
   otherwise one field per (token, run of `u` heads), `u` the smaller per-rank
-  head count, keyed `token * total_heads + first head` (Component.KV);
+  head count, keyed `token * total_heads + first head` (FieldKind.KV);
 * a Mamba state item: the whole item (keyed by rank) when both sides shard
   states alike; otherwise, per outer row and sub-block, one field per unit of
   `full / lcm(tp_p, tp_d)` dims, keyed by the unit's global dim
@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from connectors.sglang.adopt import AdoptedLayout
 from connectors.sglang.shapes import BufferShape, Parallel, Slicing, heads_of_rank
 from descriptors.compiler import TransferPlanner
-from hybridkv.fields import Component as FieldComponent
-from hybridkv.fields import Field, FieldKey
-from hybridkv.hma import GroupId
+from hybridkv.layout.fields import FieldKind
+from hybridkv.layout.fields import Field, FieldKey
+from descriptors.hma import GroupId
 from hybridkv.layout import GroupLayout, Layout, Placement
-from hybridkv.request_state import Component
+from hybridkv.fencing.request_state import Component
 
-_CONV_SUB = (FieldComponent.CONV_Q, FieldComponent.CONV_K, FieldComponent.CONV_V)
+_CONV_SUB = (FieldKind.CONV_Q, FieldKind.CONV_K, FieldKind.CONV_V)
 
 
 def prefill_sources(prefill_tp: int, decode_tp: int, decode_rank: int) -> tuple[tuple[int, ...], int]:
@@ -160,23 +160,23 @@ def buffer_fields(side: AdoptedLayout, key: int, *, rank: int, peer: Parallel) -
     a peer sharded as `peer` (offsets inside the item; `rank` may be another rank of the same side)."""
     par, shape, item = side.parallel, side.shapes[key], side.buffer(key).item_bytes
     if shape.slicing is Slicing.WHOLE:
-        yield Field(key=(FieldComponent.OPAQUE, key, 0), offset=0, nbytes=item)
+        yield Field(key=(FieldKind.OPAQUE, key, 0), offset=0, nbytes=item)
     elif shape.slicing is Slicing.RANK:
-        yield Field(key=(FieldComponent.OPAQUE, key, rank), offset=0, nbytes=item)
+        yield Field(key=(FieldKind.OPAQUE, key, rank), offset=0, nbytes=item)
     elif shape.slicing is Slicing.HEADS:
         heads = heads_of_rank(par.kv_heads, par.attn_tp, rank)
         peer_heads = len(heads_of_rank(par.kv_heads, peer.attn_tp, 0))
         if peer_heads == len(heads):
-            yield Field(key=(FieldComponent.OPAQUE, key, heads.start), offset=0, nbytes=item)
+            yield Field(key=(FieldKind.OPAQUE, key, heads.start), offset=0, nbytes=item)
             return
         unit = min(peer_heads, len(heads))
         hb = item // (par.page_size * len(heads))
         for t in range(par.page_size):
             for g in range(heads.start, heads.stop, unit):
-                yield Field(key=(FieldComponent.KV, key, t * par.kv_heads + g),
+                yield Field(key=(FieldKind.KV, key, t * par.kv_heads + g),
                             offset=(t * len(heads) + g - heads.start) * hb, nbytes=unit * hb)
     elif par.state_tp == peer.state_tp:
-        yield Field(key=(FieldComponent.OPAQUE, key, rank), offset=0, nbytes=item)
+        yield Field(key=(FieldKind.OPAQUE, key, rank), offset=0, nbytes=item)
     else:
         tp = par.state_tp
         blocks = shape.sub or (shape.dim * tp,)
@@ -189,8 +189,8 @@ def buffer_fields(side: AdoptedLayout, key: int, *, rank: int, peer: Parallel) -
             for j, full in enumerate(blocks):
                 mine = full // tp
                 unit = full // lcm
-                comp = (_CONV_SUB[j] if len(blocks) == 3 else FieldComponent.CONV_V) if shape.conv \
-                    else FieldComponent.SSM
+                comp = (_CONV_SUB[j] if len(blocks) == 3 else FieldKind.CONV_V) if shape.conv \
+                    else FieldKind.SSM
                 for g in range(rank * mine, (rank + 1) * mine, unit):
                     yield Field(key=(comp, key, global_base + g),
                                 offset=(local_base + g - rank * mine) * per_dim, nbytes=unit * per_dim)

@@ -27,8 +27,8 @@ import numpy as np
 from connectors.sglang import messages as msgs
 from connectors.sglang.adopt import KV_GROUP, request_id, room_of, state_blocks
 from connectors.sglang.agent import XferState, split_by_memory
-from hybridkv.fence import NotYet, TransferId
-from hybridkv.request_state import Component
+from hybridkv.fencing.fence import NotYet, TransferId
+from hybridkv.fencing.request_state import Component
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode
 

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridkv.alloc import MemKind
-from hybridkv.fields import PageContent
-from hybridkv.geometry import DType, LayerKind
-from hybridkv.hf_config import geometry_from_config
-from hybridkv.hma import GroupId
+from hybridkv.layout.alloc import MemKind
+from hybridkv.layout.fields import PageContent
+from hybridkv.layout.geometry import DType, LayerKind
+from hybridkv.layout.hf_config import geometry_from_config
+from descriptors.hma import GroupId
 from hybridkv.layout import GroupSpec, Layout, LayerBuffer, adopt_layout
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The scheduler half of HybridKVConnector: vLLM's scheduler hooks over hybridkv's fencing.
 
-vLLM owns the block pool; hybridkv's :class:`~hybridkv.scheduler.TransferScheduler`
+vLLM owns the block pool; hybridkv's :class:`~hybridkv.fencing.scheduler.TransferScheduler`
 (engine-owned pool mode) decides *when* a block may be written by an incoming
 transfer, read by an outgoing one, or handed back to vLLM:
 
@@ -26,10 +26,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.fence import FencePolicy, NotYet, PoolLayout, RequestId, TransferId
-from hybridkv.lease import Clock
-from hybridkv.request_state import Component, RequestPhase, TransferOutcome, attention_component, gdn_components
-from hybridkv.scheduler import TransferScheduler
+from hybridkv.fencing.fence import FencePolicy, NotYet, PoolLayout, RequestId, TransferId
+from hybridkv.fencing.lease import Clock
+from hybridkv.fencing.request_state import Component, RequestPhase, TransferOutcome, attention_component, gdn_components
+from hybridkv.fencing.scheduler import TransferScheduler
 
 from connectors.vllm.metadata import BlockIds, HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder
 from connectors.vllm.params import RemotePrefill, producer_params, wants_remote_decode, wants_remote_prefill

@@ -13,7 +13,7 @@ TP mapping) and block sizes pair field by field (connectors/vllm/field_plan.py).
 The *step* fencing happens in the scheduler process (scheduler_half): a load
 order reaches this worker only once no in-flight step touches its blocks, an
 export offer only once every step that wrote the blocks completed. The
-worker-local :class:`~hybridkv.scheduler.TransferScheduler` the transport drives
+worker-local :class:`~hybridkv.fencing.scheduler.TransferScheduler` the transport drives
 keeps the transfer-level rules (transfers in flight, leases, failures).
 """
 
@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from hybridkv.fence import PoolLayout
-from hybridkv.request_state import Component, attention_component, gdn_components
-from hybridkv.scheduler import TransferScheduler
+from hybridkv.fencing.fence import PoolLayout
+from hybridkv.fencing.request_state import Component, attention_component, gdn_components
+from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.transport.allowlist import PeerAllowlist
 
 from connectors.vllm.metadata import HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder

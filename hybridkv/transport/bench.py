@@ -92,8 +92,8 @@ def parse_devices(text: str | None, mem: str) -> tuple[int, int]:
 
 
 def _geometry(model: str, layers: int | None):
-    from hybridkv.geometry import ModelGeometry
-    from hybridkv.presets import get_preset
+    from hybridkv.layout.geometry import ModelGeometry
+    from hybridkv.layout.presets import get_preset
 
     geo = get_preset(model)
     if layers is None or layers == geo.num_layers:
@@ -106,9 +106,9 @@ def _geometry(model: str, layers: int | None):
 def _side(args, seed: int, device: int):
     """Layout for one request, plus a raw span of the request's size, registered with it."""
     from hybridkv import wire
-    from hybridkv.alloc import NumpyAllocator, TorchAllocator
-    from hybridkv.fence import PoolLayout
-    from hybridkv.geometry import LayerKind
+    from hybridkv.layout.alloc import NumpyAllocator, TorchAllocator
+    from hybridkv.fencing.fence import PoolLayout
+    from hybridkv.layout.geometry import LayerKind
     from hybridkv.layout import plan_layout
     from hybridkv.transport.memory import MemoryMap, from_layout
 
@@ -160,7 +160,7 @@ def _producer_main(args_d: dict, out: mp.Queue) -> None:
 
 
 async def _producer(args, out) -> None:
-    from hybridkv.scheduler import TransferScheduler
+    from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Producer
 
     layout, memory, pools, keep = _side(args, 1, parse_devices(args.devices, args.mem)[0])
@@ -318,9 +318,9 @@ def _copy_ceiling(nbytes: int, devices: tuple[int, int] | None, iters: int) -> d
 async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     import numpy as np
 
-    from hybridkv.geometry import LayerKind
-    from hybridkv.request_state import attention_component, gdn_components
-    from hybridkv.scheduler import TransferScheduler
+    from hybridkv.layout.geometry import LayerKind
+    from hybridkv.fencing.request_state import attention_component, gdn_components
+    from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Consumer, TransportConfig
     from hybridkv.transport.side import NOTIF_PREFIX
 

@@ -9,7 +9,7 @@ TP) ends when every reader is done; any other claim on it is refused
 the consumer in :mod:`hybridkv.transport.consumer`, the base they share in
 :mod:`hybridkv.transport.side` and their configuration and results in
 :mod:`hybridkv.transport.config`.
-Both drive their transfers through a :class:`~hybridkv.scheduler.TransferScheduler`:
+Both drive their transfers through a :class:`~hybridkv.fencing.scheduler.TransferScheduler`:
 a transfer is posted only when the fence allows it (``post_export`` /
 ``post_import``) and its end is reported back (``transfer_landed`` /
 ``transfer_failed``), so the fence table stays consistent on every path.

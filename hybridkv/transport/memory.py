@@ -112,10 +112,10 @@ def _codes(enum_cls) -> dict:
 
 def layout_table(layout) -> wire.LayoutTable:
     """The compact field tables of a :class:`hybridkv.layout.Layout` for the handshake."""
-    from hybridkv.fields import Component
-    from hybridkv.geometry import LayerKind
+    from hybridkv.layout.fields import FieldKind
+    from hybridkv.layout.geometry import LayerKind
 
-    comp, kinds = _codes(Component), _codes(LayerKind)
+    comp, kinds = _codes(FieldKind), _codes(LayerKind)
     groups = []
     for g in layout.groups:
         placements = []
@@ -136,15 +136,15 @@ def rebuild_layout(remote: MemoryMap, geometry):
     ``geometry`` is this side's: the compatibility hash already proved both sides run
     the same model. Raises ValueError if the peer sent no field tables or codes we do not know.
     """
-    from hybridkv.alloc import MemKind
-    from hybridkv.fields import Component, Field
-    from hybridkv.geometry import LayerKind
+    from hybridkv.layout.alloc import MemKind
+    from hybridkv.layout.fields import FieldKind, Field
+    from hybridkv.layout.geometry import LayerKind
     from hybridkv.layout import GroupLayout, Layout, Placement, Region
 
     t = remote.table
     if t is None:
         raise ValueError("the peer's handshake carries no layout field tables; expected them for field pairing")
-    comps, kinds = list(Component), list(LayerKind)
+    comps, kinds = list(FieldKind), list(LayerKind)
     regions = tuple(Region(region_id=r.region_id, base_addr=r.base_addr, stride=r.stride, page_bytes=r.page_bytes,
                            num_pages=r.num_pages, mem=MemKind[r.mem.name], device_id=r.device_id)
                     for r in remote.regions)

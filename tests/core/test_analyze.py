@@ -6,8 +6,8 @@ import pytest
 
 from descriptors.schemes import Scheme, Workload, count_all, count_descriptors, runs
 from hybridkv.cli import main
-from hybridkv.geometry import AttentionSpec, GDNSpec, ModelGeometry
-from hybridkv.presets import get_preset
+from hybridkv.layout.geometry import AttentionSpec, GDNSpec, ModelGeometry
+from hybridkv.layout.presets import get_preset
 
 
 def counts(w):

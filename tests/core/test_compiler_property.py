@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from descriptors.compiler import TransferPlan, TransferPlanner, plan_sources
-from hybridkv.alloc import NumpyAllocator
-from hybridkv.fields import PageContent, attention_page_fields, gdn_page_fields
-from hybridkv.geometry import AttentionSpec, DType, GDNSpec, LayerKind, ModelGeometry
+from hybridkv.layout.alloc import NumpyAllocator
+from hybridkv.layout.fields import PageContent, attention_page_fields, gdn_page_fields
+from hybridkv.layout.geometry import AttentionSpec, DType, GDNSpec, LayerKind, ModelGeometry
 from hybridkv.layout import GroupSpec, LayerBuffer, Layout, adopt_layout, plan_layout
 
 from .memory import execute, expected_mismatches, fill, region_array

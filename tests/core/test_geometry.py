@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from hybridkv.geometry import AttentionSpec, ConvLayout, DType, GDNSpec, LayerKind, kv_heads_of_rank
-from hybridkv.hf_config import geometry_from_config, load_hf_config
-from hybridkv.presets import PRESET_NAMES, get_preset
+from hybridkv.layout.geometry import AttentionSpec, ConvLayout, DType, GDNSpec, LayerKind, kv_heads_of_rank
+from hybridkv.layout.hf_config import geometry_from_config, load_hf_config
+from hybridkv.layout.presets import PRESET_NAMES, get_preset
 
 
 def test_gdn_byte_math_qwen35_397b():

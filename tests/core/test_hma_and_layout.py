@@ -2,12 +2,12 @@ import numpy as np
 import pytest
 
 from descriptors.compiler import TransferPlanner
-from hybridkv.alloc import NumpyAllocator, VirtualAllocator
-from hybridkv.fields import PageContent
-from hybridkv.geometry import LayerKind
-from hybridkv.hma import plan_hma
+from hybridkv.layout.alloc import NumpyAllocator, VirtualAllocator
+from hybridkv.layout.fields import PageContent
+from hybridkv.layout.geometry import LayerKind
+from descriptors.hma import plan_hma
 from hybridkv.layout import GroupSpec, LayerBuffer, Layout, adopt_layout, plan_layout
-from hybridkv.presets import get_preset
+from hybridkv.layout.presets import get_preset
 
 
 def test_gemma_hma_groups_like_vllm():
@@ -172,7 +172,7 @@ def test_core_imports_need_neither_torch_nor_nixl():
             "        if name.split('.')[0] in ('torch', 'nixl', 'nixl_cu12', 'nixl_cu13', 'ucxx', 'triton'):\n"
             "            raise ImportError('blocked ' + name)\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import hybridkv.geometry, hybridkv.layout, hybridkv.hma, hybridkv.presets, descriptors\n"
+            "import hybridkv.layout.geometry, hybridkv.layout, descriptors.hma, hybridkv.layout.presets, descriptors\n"
             "import descriptors.schemes, descriptors.analyze_cli\n"
             "from hybridkv.cli import main\n"
             "raise SystemExit(main(['analyze', '--model', 'qwen3.5-0.8b', '--json']))\n")

@@ -1,7 +1,7 @@
 """Shadow memory model for the fencing property tests.
 
 Two workers, a producer P (prefill) and a consumer D (decode), each with a
-real :class:`~hybridkv.scheduler.TransferScheduler`, a device that runs
+real :class:`~hybridkv.fencing.scheduler.TransferScheduler`, a device that runs
 scheduled steps in order up to ``depth`` steps behind its scheduler, and a
 memory of *cells*: ``(block key, part)`` -> value, where part is ``kv`` for
 an attention page and ``conv`` / ``ssm`` for the two halves of a GDN page.
@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hybridkv.fence import FencePolicy, PoolLayout
-from hybridkv.request_state import Component, ComponentKind
-from hybridkv.scheduler import TransferScheduler
+from hybridkv.fencing.fence import FencePolicy, PoolLayout
+from hybridkv.fencing.request_state import Component, ComponentKind
+from hybridkv.fencing.scheduler import TransferScheduler
 
 ATT, GDN = 0, 1
 KV = Component(group=ATT, kind=ComponentKind.KV)

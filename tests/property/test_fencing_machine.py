@@ -24,8 +24,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from hybridkv.fence import FencePolicy
-from hybridkv.request_state import RequestPhase, TransferOutcome
+from hybridkv.fencing.fence import FencePolicy
+from hybridkv.fencing.request_state import RequestPhase, TransferOutcome
 from tests.property import counter
 from tests.property.shadow import (
     ATT,

@@ -11,8 +11,8 @@ import pytest
 from connectors.sglang.adopt import KV_GROUP, adopt_kv_args, from_description
 from connectors.sglang.agent import registration_rows, split_by_memory
 from connectors.sglang.pairing import check_pair, plan_peer
-from hybridkv.alloc import MemKind
-from hybridkv.request_state import ComponentKind
+from hybridkv.layout.alloc import MemKind
+from hybridkv.fencing.request_state import ComponentKind
 from tests.sglang import pools as pd_peer
 
 

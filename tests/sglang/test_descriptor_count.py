@@ -11,7 +11,7 @@ import numpy as np
 
 from connectors.sglang.adopt import KV_GROUP, adopt_kv_args
 from connectors.sglang.pairing import plan_peer
-from hybridkv.alloc import MemKind
+from hybridkv.layout.alloc import MemKind
 from sglang.srt.disaggregation.nixl.conn import num_kv_slots, repeat_indices_over_layers
 from tests.sglang import pools as pd_peer
 
@@ -83,8 +83,8 @@ def test_analyzer_sglang_nixl_model_matches_sglang_code_on_a_qwen35_request():
     SGLang's own helpers give for the same request: every page of every K and V
     layer buffer, plus one per (conv | temporal) x GDN layer state buffer."""
     from descriptors.schemes import Scheme, Workload, count_descriptors
-    from hybridkv.geometry import LayerKind
-    from hybridkv.presets import get_preset
+    from hybridkv.layout.geometry import LayerKind
+    from hybridkv.layout.presets import get_preset
 
     geom = get_preset("qwen3.5-0.8b")
     w = Workload(geometry=geom, tokens=1000)
@@ -106,8 +106,8 @@ def test_analyzer_sglang_nixl_model_matches_sglang_slice_path_at_different_tp():
     from sglang.srt.disaggregation.nixl.conn import expand_page_indices_for_slice
 
     from descriptors.schemes import Scheme, Workload, count_descriptors
-    from hybridkv.geometry import LayerKind
-    from hybridkv.presets import get_preset
+    from hybridkv.layout.geometry import LayerKind
+    from hybridkv.layout.presets import get_preset
 
     geom = get_preset("qwen3.5-0.8b")
     w = Workload(geometry=geom, tokens=1000, tp_prefill=1, tp_decode=2)

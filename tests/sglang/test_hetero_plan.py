@@ -17,8 +17,8 @@ import pytest
 
 from connectors.sglang.adopt import KV_GROUP, adopt_kv_args, parallel_of
 from connectors.sglang.pairing import plan_peer, prefill_sources
-from hybridkv.alloc import MemKind
-from hybridkv.request_state import ComponentKind
+from hybridkv.layout.alloc import MemKind
+from hybridkv.fencing.request_state import ComponentKind
 from tests.sglang import pools as model
 
 SRC_PAGES = np.array([5, 6, 7, 20, 21, 9])

@@ -38,7 +38,7 @@ def _counts(layout, tokens):
 
 
 def _pools(layout):
-    from hybridkv.fence import PoolLayout
+    from hybridkv.fencing.fence import PoolLayout
 
     return PoolLayout.separate(num_blocks=tuple(layout.regions[g.placements[0].region_id].num_pages
                                                 for g in layout.groups))
@@ -53,7 +53,7 @@ def producer_main(opts, out, inbox) -> None:
 
 
 async def _producer(opts, out, inbox):
-    from hybridkv.scheduler import TransferScheduler
+    from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Pairing, Producer, TransportConfig
 
     tp, rank = opts["tp"], opts["rank"]
@@ -89,7 +89,7 @@ def consumer_main(opts, out, inbox) -> None:
 
 async def _consumer(opts, out, inbox):
     from connectors.vllm.field_plan import FieldPlan
-    from hybridkv.scheduler import TransferScheduler
+    from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
 
     tp, rank = opts["tp"], opts["rank"]

@@ -23,16 +23,16 @@ NUM_BLOCKS = {"attn": 64, "gdn": 8}
 
 
 def geometry(**over):
-    from hybridkv.presets import qwen_hybrid
+    from hybridkv.layout.presets import qwen_hybrid
 
     return qwen_hybrid("test-hybrid", **{**SMALL, **over})
 
 
 def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram", tp: int = 1, rank: int = 0,
           block: int = BLOCK, device: int = 0):
-    from hybridkv.alloc import NumpyAllocator, TorchAllocator
-    from hybridkv.fence import PoolLayout
-    from hybridkv.geometry import LayerKind
+    from hybridkv.layout.alloc import NumpyAllocator, TorchAllocator
+    from hybridkv.fencing.fence import PoolLayout
+    from hybridkv.layout.geometry import LayerKind
     from hybridkv.layout import plan_layout
     from hybridkv.transport.memory import from_layout
 
@@ -62,8 +62,8 @@ def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram", tp: in
 
 
 def components(layout):
-    from hybridkv.geometry import LayerKind
-    from hybridkv.request_state import attention_component, gdn_components
+    from hybridkv.layout.geometry import LayerKind
+    from hybridkv.fencing.request_state import attention_component, gdn_components
 
     out = []
     for g in layout.groups:
@@ -116,7 +116,7 @@ def producer_main(opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
 
 
 async def _producer(opts, out, inbox):
-    from hybridkv.scheduler import TransferScheduler
+    from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Producer, TransportConfig
     from hybridkv import wire
 
@@ -187,7 +187,7 @@ def consumer_main(opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
 async def _consumer(opts, out, inbox):
     from hybridkv import wire
     from hybridkv.errors import HandshakeRefused, HybridKVError
-    from hybridkv.scheduler import TransferScheduler
+    from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Consumer, FailurePolicy, TransportConfig
 
     host, port = opts["addr"]

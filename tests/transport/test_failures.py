@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from hybridkv.geometry import DType
+from hybridkv.layout.geometry import DType
 from tests.transport.harness import consumer, producer
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hybridkv import wire
-from hybridkv.alloc import NumpyAllocator
-from hybridkv.geometry import LayerKind
+from hybridkv.layout.alloc import NumpyAllocator
+from hybridkv.layout.geometry import LayerKind
 from hybridkv.layout import plan_layout
 from hybridkv.transport.memory import MemoryMap, from_layout, rebuild_layout
 from tests.transport.peers import geometry

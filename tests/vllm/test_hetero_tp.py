@@ -79,7 +79,7 @@ class Rank:
 def _analyzer(p_tp: int, d_tp: int, tokens: int) -> int:
     """The analyzer's count for hybridkv over vLLM pages (scheme hybridkv-vllm) on this config."""
     from descriptors.schemes import Scheme, Workload, count_descriptors
-    from hybridkv.hf_config import geometry_from_config
+    from hybridkv.layout.hf_config import geometry_from_config
 
     hf = json.loads((ROOT / "tests/vllm/qwen3_next_tiny/config.json").read_text())
     w = Workload(geometry=geometry_from_config(hf, name="tiny"), tokens=tokens, block_size=32, tp_prefill=p_tp,

@@ -21,7 +21,7 @@ def _adopt(*, ssm_dtype="auto", supported=None):
 
 @pytest.mark.parametrize("ssm_dtype", ["auto", "float32"])
 def test_block_outermost_pages_become_one_region(ssm_dtype):
-    from hybridkv.fields import Component
+    from hybridkv.layout.fields import FieldKind
 
     vc, kcc, kv, layout = _adopt(ssm_dtype=ssm_dtype)
     assert vc.cache_config.kv_cache_layout == "BLHNC"
@@ -34,16 +34,16 @@ def test_block_outermost_pages_become_one_region(ssm_dtype):
     # GDN groups: conv Q|K|V rows and the SSM state of each layer, at vLLM's offsets.
     for g in layout.groups[:3]:
         keys = {f.key[0] for p in g.placements for f in p.fields}
-        assert keys == {Component.CONV_Q, Component.CONV_K, Component.CONV_V, Component.SSM}
+        assert keys == {FieldKind.CONV_Q, FieldKind.CONV_K, FieldKind.CONV_V, FieldKind.SSM}
         layers = sorted({f.key[1] for p in g.placements for f in p.fields})
         assert layers == [int(n.split(".")[2]) for n in kcc.kv_cache_groups[g.group_id].layer_names]
-        ssm = [f for p in g.placements for f in p.fields if f.key[0] is Component.SSM]
+        ssm = [f for p in g.placements for f in p.fields if f.key[0] is FieldKind.SSM]
         conv_bytes = kcc.kv_cache_groups[g.group_id].kv_cache_spec.shapes[0]
         conv_bytes = conv_bytes[0] * conv_bytes[1] * 2  # bf16 conv state
         first_layer_ssm = min(f.offset for f in ssm)
         assert first_layer_ssm == conv_bytes  # SSM state right after the conv state, as vLLM packs it
     attn = layout.groups[3]
-    assert {f.key[0] for p in attn.placements for f in p.fields} == {Component.KV}
+    assert {f.key[0] for p in attn.placements for f in p.fields} == {FieldKind.KV}
 
 
 def test_fallback_layout_is_adopted_per_layer_slot(caplog):

@@ -36,7 +36,7 @@ def test_analyzer_vllm_033_count_matches_nixl_connector(tokens, kernel_block, ss
     from vllm.v1.worker.utils import allocate_kv_cache
 
     from descriptors.schemes import Scheme, Workload, count_descriptors
-    from hybridkv.hf_config import load_hf_config
+    from hybridkv.layout.hf_config import load_hf_config
 
     vc = h.make_vllm_config(role="kv_consumer", num_blocks=64, ssm_dtype=ssm_dtype)
     vc.cache_config.kv_cache_layout = "LBHNC"  # what NixlConnector.get_required_kvcache_layout forces

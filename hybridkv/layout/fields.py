@@ -11,10 +11,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .geometry import AttentionSpec, ConvLayout, GDNSpec, k_heads_of_rank, kv_heads_of_rank
+from hybridkv.layout.geometry import AttentionSpec, ConvLayout, GDNSpec, k_heads_of_rank, kv_heads_of_rank
 
 
-class Component(enum.Enum):
+class FieldKind(enum.Enum):
     KV = "kv"                    # K|V of one head, head-outer page (vLLM HND / LBHNC)
     KV_TOKEN_MAJOR = "kv_nhd"    # all local heads, token-outer page (vLLM NHD): not head-splittable
     CONV_Q = "conv_q"            # DS conv rows of one key head's Q channels
@@ -25,7 +25,7 @@ class Component(enum.Enum):
     OPAQUE = "opaque"            # an engine buffer's item moved as bytes (see layout.adopt_buffers)
 
 
-FieldKey = tuple[Component, int, int]  # (component, layer, global head; first head for whole-rank fields)
+FieldKey = tuple[FieldKind, int, int]  # (component, layer, global head; first head for whole-rank fields)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,12 +53,12 @@ def attention_page_fields(spec: AttentionSpec, layer: int, *, tp: int, rank: int
     heads = kv_heads_of_rank(spec, tp, rank)
     tb = spec.head_bytes_per_token
     if content is PageContent.ATTN_NHD:
-        return (Field(key=(Component.KV_TOKEN_MAJOR, layer, heads.start), offset=0,
+        return (Field(key=(FieldKind.KV_TOKEN_MAJOR, layer, heads.start), offset=0,
                       nbytes=block_size * tb * len(heads), token_bytes=tb * len(heads)),)
     if content is not PageContent.ATTN_HND:
         raise ValueError(f"attention pages are ATTN_HND or ATTN_NHD, got {content}")
     head_page = block_size * tb
-    return tuple(Field(key=(Component.KV, layer, h), offset=i * head_page, nbytes=head_page, token_bytes=tb)
+    return tuple(Field(key=(FieldKind.KV, layer, h), offset=i * head_page, nbytes=head_page, token_bytes=tb)
                  for i, h in enumerate(heads))
 
 
@@ -71,18 +71,18 @@ def gdn_group_unit_fields(spec: GDNSpec, layer: int, k_head: int, *, offset: int
     row = (spec.conv_kernel - 1) * spec.conv_dtype.itemsize
     vpk = spec.v_heads_per_k_head
     fields = [
-        Field(key=(Component.CONV_Q, layer, k_head), offset=offset, nbytes=spec.head_k_dim * row),
-        Field(key=(Component.CONV_K, layer, k_head), offset=offset + spec.head_k_dim * row,
+        Field(key=(FieldKind.CONV_Q, layer, k_head), offset=offset, nbytes=spec.head_k_dim * row),
+        Field(key=(FieldKind.CONV_K, layer, k_head), offset=offset + spec.head_k_dim * row,
               nbytes=spec.head_k_dim * row),
     ]
     at = offset + 2 * spec.head_k_dim * row
     for j in range(vpk):
-        fields.append(Field(key=(Component.CONV_V, layer, k_head * vpk + j), offset=at, nbytes=spec.head_v_dim * row))
+        fields.append(Field(key=(FieldKind.CONV_V, layer, k_head * vpk + j), offset=at, nbytes=spec.head_v_dim * row))
         at += spec.head_v_dim * row
     at = align(at, 16)
     ssm = spec.head_v_dim * spec.head_k_dim * spec.ssm_dtype.itemsize
     for j in range(vpk):
-        fields.append(Field(key=(Component.SSM, layer, k_head * vpk + j), offset=at, nbytes=ssm))
+        fields.append(Field(key=(FieldKind.SSM, layer, k_head * vpk + j), offset=at, nbytes=ssm))
         at += ssm
     return tuple(fields)
 
@@ -104,23 +104,23 @@ def gdn_page_fields(spec: GDNSpec, layer: int, *, tp: int, rank: int) -> tuple[F
     conv_bytes = local_conv_dim * state_len * itemsize
     fields: list[Field] = []
     if spec.conv_layout is ConvLayout.SD:
-        fields.append(Field(key=(Component.CONV_SD, layer, kheads.start), offset=0, nbytes=conv_bytes))
+        fields.append(Field(key=(FieldKind.CONV_SD, layer, kheads.start), offset=0, nbytes=conv_bytes))
     else:
         row = state_len * itemsize
         for i, kh in enumerate(kheads):
-            fields.append(Field(key=(Component.CONV_Q, layer, kh), offset=i * spec.head_k_dim * row,
+            fields.append(Field(key=(FieldKind.CONV_Q, layer, kh), offset=i * spec.head_k_dim * row,
                                 nbytes=spec.head_k_dim * row))
         k_base = local_k * spec.head_k_dim * row
         for i, kh in enumerate(kheads):
-            fields.append(Field(key=(Component.CONV_K, layer, kh), offset=k_base + i * spec.head_k_dim * row,
+            fields.append(Field(key=(FieldKind.CONV_K, layer, kh), offset=k_base + i * spec.head_k_dim * row,
                                 nbytes=spec.head_k_dim * row))
         v_base = 2 * k_base
         for j in range(local_v):
-            fields.append(Field(key=(Component.CONV_V, layer, kheads.start * vpk + j),
+            fields.append(Field(key=(FieldKind.CONV_V, layer, kheads.start * vpk + j),
                                 offset=v_base + j * spec.head_v_dim * row, nbytes=spec.head_v_dim * row))
     ssm = spec.head_v_dim * spec.head_k_dim * spec.ssm_dtype.itemsize
     for j in range(local_v):
-        fields.append(Field(key=(Component.SSM, layer, kheads.start * vpk + j), offset=conv_bytes + j * ssm,
+        fields.append(Field(key=(FieldKind.SSM, layer, kheads.start * vpk + j), offset=conv_bytes + j * ssm,
                             nbytes=ssm))
     return tuple(fields)
 

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NewType
 
-from .geometry import AttentionSpec, GDNSpec, LayerKind, ModelGeometry
+from hybridkv.ids import GroupId
+from hybridkv.layout.geometry import AttentionSpec, GDNSpec, LayerKind, ModelGeometry
+from hybridkv.layout.regions import KERNEL_ALIGNMENT, check_block_size
 
-GroupId = NewType("GroupId", int)
 
-KERNEL_ALIGNMENT = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,11 +64,6 @@ class HMAPlan:
     def blocks_per_group(self, tokens: int) -> dict[GroupId, int]:
         return {g.group_id: g.blocks_for_tokens(tokens) for g in self.groups}
 
-
-def check_block_size(block_size: int, alignment: int = KERNEL_ALIGNMENT) -> None:
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0 \
-            or block_size % alignment:
-        raise ValueError(f"block size must be a positive multiple of {alignment}, got {block_size!r}")
 
 
 def aligned_block_size(geometry: ModelGeometry, block_size: int | None = None,

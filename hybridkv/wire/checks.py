@@ -14,7 +14,7 @@ from typing import Any
 import msgpack
 
 from hybridkv.errors import Difference
-from hybridkv.wire_messages import GroupBlocks, WireError
+from hybridkv.wire.messages import GroupBlocks, WireError
 
 
 # ---------------------------------------------------------------- checks against what a peer has

@@ -2,17 +2,17 @@
 
 A transfer is posted only when the fence allows it (``post_import`` /
 ``post_export``) and its end is reported back (``transfer_landed`` /
-``transfer_failed``). Part of :class:`~hybridkv.scheduler.TransferScheduler`;
-the design is in :mod:`hybridkv.scheduler`.
+``transfer_failed``). Part of :class:`~hybridkv.fencing.scheduler.TransferScheduler`;
+the design is in :mod:`hybridkv.fencing.scheduler`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from hybridkv.fence import NotYet, RequestId, TransferId
-from hybridkv.lease import Lease
-from hybridkv.request_state import (
+from hybridkv.fencing.fence import NotYet, RequestId, TransferId
+from hybridkv.fencing.lease import LeaseGrant
+from hybridkv.fencing.request_state import (
     Component,
     RequestRecord,
     TransferDirection,
@@ -20,7 +20,7 @@ from hybridkv.request_state import (
     TransferRecord,
     TransferState,
 )
-from hybridkv.scheduler_state import (
+from hybridkv.fencing.scheduler_state import (
     _BUSY,
     _EXPORTING,
     _FAILED,
@@ -45,7 +45,7 @@ _NO_COMPONENTS: frozenset[Component] = frozenset()
 
 
 class _TransferRules(_SchedulerState):
-    """Imports, exports, leases and transfer ends of :class:`~hybridkv.scheduler.TransferScheduler`."""
+    """Imports, exports, leases and transfer ends of :class:`~hybridkv.fencing.scheduler.TransferScheduler`."""
 
     # ------------------------------------------------------------ consumer side
     def post_import(
@@ -61,7 +61,7 @@ class _TransferRules(_SchedulerState):
         now? On yes, the transfer is recorded as posted and its id returned.
         ``blocks`` narrows the target to a subset (default: every block the request
         holds in the components' groups). ``lease_deadline`` is the producer's lease
-        in this clock (see :mod:`hybridkv.lease`)."""
+        in this clock (see :mod:`hybridkv.fencing.lease`)."""
         rec = self._requests.get(request)
         if rec is None:
             rec = self._get(request)  # raises, naming the request
@@ -207,7 +207,7 @@ class _TransferRules(_SchedulerState):
             readers[k] += 1
         return tid
 
-    def heartbeat(self, request: RequestId) -> Lease | None:
+    def heartbeat(self, request: RequestId) -> LeaseGrant | None:
         """Renew an export lease; None if it lapsed or the request is gone."""
         rec = self._requests.get(request)
         if rec is None or rec.phase is not _EXPORTING or rec.abandoned:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .geometry import AttentionSpec, DType, GDNSpec, LayerKind, LayerSpec, ModelGeometry
+from hybridkv.layout.geometry import AttentionSpec, DType, GDNSpec, LayerKind, LayerSpec, ModelGeometry
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,13 +19,13 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hybridkv.fence import RequestId
+from hybridkv.fencing.fence import RequestId
 
 Clock = Callable[[], float]
 
 
 @dataclass(frozen=True, kw_only=True)
-class Lease:
+class LeaseGrant:
     """A granted or renewed lease: the holder may use the blocks until ``deadline``."""
 
     request: RequestId
@@ -49,13 +49,13 @@ class LeaseTable:
     def now(self) -> float:
         return self._clock()
 
-    def grant(self, request: RequestId) -> Lease:
+    def grant(self, request: RequestId) -> LeaseGrant:
         deadline = self._clock() + self.duration_s
         self._deadline[request] = deadline
         heapq.heappush(self._heap, (deadline, request))
-        return Lease(request=request, deadline=deadline)
+        return LeaseGrant(request=request, deadline=deadline)
 
-    def renew(self, request: RequestId) -> Lease | None:
+    def renew(self, request: RequestId) -> LeaseGrant | None:
         """Extend a live lease; None if it is unknown or already lapsed."""
         old = self._deadline.get(request)
         now = self._clock()

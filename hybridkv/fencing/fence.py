@@ -5,11 +5,11 @@ ahead of the device, and RDMA transfers bypass the device stream entirely.
 A block is therefore safe to hand to someone else only once every step that
 may still touch it has finished on the device and no transfer reads or writes
 it. This module holds that bookkeeping and nothing else; the rules that use it
-live in :mod:`hybridkv.scheduler`.
+live in :mod:`hybridkv.fencing.scheduler`.
 
 Vocabulary (engine-agnostic):
 
-* **step** – a scheduler step number, strictly increasing (:data:`StepId`).
+* **step** – a scheduler step number, strictly increasing (an ``int``).
 * **fence** – per block, the last scheduled step that may read or write it.
 * **watermark** – the last step whose device work has completed, reported by
   the worker. A block is *settled* when ``watermark >= fence``.
@@ -34,14 +34,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NewType
 
-StepId = NewType("StepId", int)
-BlockId = NewType("BlockId", int)
-GroupId = NewType("GroupId", int)
-PoolId = NewType("PoolId", int)
-RequestId = NewType("RequestId", str)
-TransferId = NewType("TransferId", int)
+from hybridkv.ids import BlockId, GroupId, RequestId, TransferId
 
 #: Fence of a block nobody has touched yet: settled under any watermark.
 NEVER = -1

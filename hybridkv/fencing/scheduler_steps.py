@@ -3,8 +3,8 @@
 Blocks enter a request (``add_request``, ``allocate``, ``assign``), steps fence
 them (``step_scheduled``, ``step_completed``) and blocks leave it
 (``free_blocks``, ``request_finished``, ``abort``, ``recompute``). Part of
-:class:`~hybridkv.scheduler.TransferScheduler`; the design is in
-:mod:`hybridkv.scheduler`.
+:class:`~hybridkv.fencing.scheduler.TransferScheduler`; the design is in
+:mod:`hybridkv.fencing.scheduler`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from hybridkv.fence import BlockId, NotYet, RequestId
-from hybridkv.lease import Lease
-from hybridkv.request_state import Component, RequestRecord
-from hybridkv.scheduler_state import (
+from hybridkv.fencing.fence import BlockId, NotYet, RequestId
+from hybridkv.fencing.lease import LeaseGrant
+from hybridkv.fencing.request_state import Component, RequestRecord
+from hybridkv.fencing.scheduler_state import (
     _EXHAUSTED,
     _EXPORTING,
     _FAILED,
@@ -39,7 +39,7 @@ class StepTicket:
 
 
 class _RequestSteps(_SchedulerState):
-    """Request lifecycle and step fencing of :class:`~hybridkv.scheduler.TransferScheduler`."""
+    """Request lifecycle and step fencing of :class:`~hybridkv.fencing.scheduler.TransferScheduler`."""
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: RequestId, *, expect: Iterable[Component] = ()) -> None:
@@ -128,7 +128,7 @@ class _RequestSteps(_SchedulerState):
         for k in keys:
             self._release_key(k)
 
-    def request_finished(self, request: RequestId, *, export: bool = False) -> Lease | None:
+    def request_finished(self, request: RequestId, *, export: bool = False) -> LeaseGrant | None:
         """The request left the batch for good. With ``export`` its blocks are held
         for a consumer under a lease (returned); otherwise they are freed."""
         rec = self._requests.get(request)

@@ -22,25 +22,25 @@ from __future__ import annotations
 # module: `from hybridkv import wire; wire.Hello`.
 from hybridkv.errors import Difference as Difference
 from hybridkv.errors import HybridKVError as HybridKVError
-from hybridkv.wire_checks import check_blocks, compat_differences, compat_hash
-from hybridkv.wire_codec import decode, encode
-from hybridkv.wire_messages import _KIND_OF as _KIND_OF
-from hybridkv.wire_messages import FIELD_COLUMNS as FIELD_COLUMNS
-from hybridkv.wire_messages import MAX_ADDR as MAX_ADDR
-from hybridkv.wire_messages import MAX_BLOCKS_PER_GROUP as MAX_BLOCKS_PER_GROUP
-from hybridkv.wire_messages import MAX_COMPAT_FIELDS as MAX_COMPAT_FIELDS
-from hybridkv.wire_messages import MAX_FIELDS as MAX_FIELDS
-from hybridkv.wire_messages import MAX_GROUPS as MAX_GROUPS
-from hybridkv.wire_messages import MAX_I32 as MAX_I32
-from hybridkv.wire_messages import MAX_LEASE_S as MAX_LEASE_S
-from hybridkv.wire_messages import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
-from hybridkv.wire_messages import MAX_METADATA_BYTES as MAX_METADATA_BYTES
-from hybridkv.wire_messages import MAX_NAME as MAX_NAME
-from hybridkv.wire_messages import MAX_READERS as MAX_READERS
-from hybridkv.wire_messages import MAX_REGIONS as MAX_REGIONS
-from hybridkv.wire_messages import MAX_REQUESTS_PER_HEARTBEAT as MAX_REQUESTS_PER_HEARTBEAT
-from hybridkv.wire_messages import MAX_TEXT as MAX_TEXT
-from hybridkv.wire_messages import (
+from hybridkv.wire.checks import check_blocks, compat_differences, compat_hash
+from hybridkv.wire.codec import decode, encode
+from hybridkv.wire.messages import _KIND_OF as _KIND_OF
+from hybridkv.wire.messages import FIELD_COLUMNS as FIELD_COLUMNS
+from hybridkv.wire.messages import MAX_ADDR as MAX_ADDR
+from hybridkv.wire.messages import MAX_BLOCKS_PER_GROUP as MAX_BLOCKS_PER_GROUP
+from hybridkv.wire.messages import MAX_COMPAT_FIELDS as MAX_COMPAT_FIELDS
+from hybridkv.wire.messages import MAX_FIELDS as MAX_FIELDS
+from hybridkv.wire.messages import MAX_GROUPS as MAX_GROUPS
+from hybridkv.wire.messages import MAX_I32 as MAX_I32
+from hybridkv.wire.messages import MAX_LEASE_S as MAX_LEASE_S
+from hybridkv.wire.messages import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
+from hybridkv.wire.messages import MAX_METADATA_BYTES as MAX_METADATA_BYTES
+from hybridkv.wire.messages import MAX_NAME as MAX_NAME
+from hybridkv.wire.messages import MAX_READERS as MAX_READERS
+from hybridkv.wire.messages import MAX_REGIONS as MAX_REGIONS
+from hybridkv.wire.messages import MAX_REQUESTS_PER_HEARTBEAT as MAX_REQUESTS_PER_HEARTBEAT
+from hybridkv.wire.messages import MAX_TEXT as MAX_TEXT
+from hybridkv.wire.messages import (
     PROTOCOL_VERSION,
     Bye,
     Done,

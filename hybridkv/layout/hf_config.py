@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .geometry import AttentionSpec, DType, GDNSpec, LayerKind, LayerSpec, ModelGeometry
+from hybridkv.layout.geometry import AttentionSpec, DType, GDNSpec, LayerKind, LayerSpec, ModelGeometry
 
 _MISSING = object()
 

@@ -3,7 +3,7 @@
 Each takes a decoded msgpack value and the field's name, and returns it typed or
 raises :class:`~hybridkv.wire.WireError` naming the field and what was expected
 (type, range, length, distinct ids, pages inside the address space). The message
-decoder (:mod:`hybridkv.wire_codec`) is built from them.
+decoder (:mod:`hybridkv.wire.codec`) is built from them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.wire_messages import (
+from hybridkv.wire.messages import (
     FIELD_COLUMNS,
     MAX_ADDR,
     MAX_BLOCKS_PER_GROUP,

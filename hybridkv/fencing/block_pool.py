@@ -3,7 +3,7 @@
 A freed block is not reusable at once: a step that is already dispatched may
 still rewrite it (GDN state is rewritten in full by every step), and a
 transfer may still read or write it. :class:`BlockPool` parks freed blocks
-until the :class:`~hybridkv.fence.FenceTable` says they are settled and idle:
+until the :class:`~hybridkv.fencing.fence.FenceTable` says they are settled and idle:
 
 * blocks waiting only for the watermark sit in a heap ordered by fence, so a
   watermark advance releases them in O(released · log n);
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 
-from hybridkv.fence import FenceTable
+from hybridkv.fencing.fence import FenceTable
 
 
 class BlockPool:

@@ -21,11 +21,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import NewType
 
-from .alloc import Allocation, Allocator, MemKind
-from .fields import (
-    Component,
+from hybridkv.layout.alloc import Allocation, Allocator, MemKind
+from hybridkv.layout.fields import (
+    FieldKind,
     Field,
     PageContent,
     attention_page_fields,
@@ -33,11 +32,17 @@ from .fields import (
     gdn_page_fields,
     gdn_unit_bytes,
 )
-from .geometry import AttentionSpec, GDNSpec, LayerKind, ModelGeometry, k_heads_of_rank, kv_heads_of_rank
-from .hma import GroupId, check_block_size
+from hybridkv.layout.geometry import AttentionSpec, GDNSpec, LayerKind, ModelGeometry, k_heads_of_rank, kv_heads_of_rank
+from hybridkv.ids import BlockId, GroupId, RegionId
 
-RegionId = NewType("RegionId", int)
-BlockId = NewType("BlockId", int)
+#: Attention kernels take block sizes in multiples of this many tokens.
+KERNEL_ALIGNMENT = 16
+
+
+def check_block_size(block_size: int, alignment: int = KERNEL_ALIGNMENT) -> None:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0 \
+            or block_size % alignment:
+        raise ValueError(f"block size must be a positive multiple of {alignment}, got {block_size!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +171,7 @@ def _block_fields(spec, layers: tuple[int, ...], *, tp: int, rank: int, block_si
         head_page = block_size * tb
         for h in kv_heads_of_rank(spec, tp, rank):
             for layer in layers:
-                out.append(Field(key=(Component.KV, layer, h), offset=at, nbytes=head_page, token_bytes=tb))
+                out.append(Field(key=(FieldKind.KV, layer, h), offset=at, nbytes=head_page, token_bytes=tb))
                 at += head_page
         return tuple(out), at
     assert isinstance(spec, GDNSpec)
@@ -350,7 +355,7 @@ def adopt_buffers(buffers: Iterable[Buffer], *, name: str = "opaque") -> Layout:
             raise ValueError(f"buffers at {hex(b.addr)} alias with different item sizes")
         slices[slot] = b.item_bytes
         members.setdefault(slot, {}).setdefault(b.group_id, []).append(
-            Field(key=(Component.OPAQUE, b.key, 0), offset=0, nbytes=b.item_bytes))
+            Field(key=(FieldKind.OPAQUE, b.key, 0), offset=0, nbytes=b.item_bytes))
     if not keys:
         raise ValueError("no buffers given; expected at least one")
     regions, placements = _merge_slices(slices, members)

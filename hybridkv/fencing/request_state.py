@@ -6,7 +6,7 @@ KV), and for a GDN/Mamba group the conv state and the SSM state, which
 engines move as separate transfers (SGLang #39846 declared a request complete
 after its first component). :class:`Component` names one.
 
-Records are mutable internal state of :class:`~hybridkv.scheduler.TransferScheduler`;
+Records are mutable internal state of :class:`~hybridkv.fencing.scheduler.TransferScheduler`;
 engines read them through the scheduler's query methods.
 """
 
@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from hybridkv.fence import NEVER, GroupId, RequestId, TransferId
+from hybridkv.fencing.fence import NEVER, GroupId, RequestId, TransferId
 
 
 class ComponentKind(enum.Enum):

@@ -2,7 +2,7 @@
 
 :class:`TransferScheduler` is the one object an engine connector talks to
 about *when* blocks may be read, written, reused or computed on. It enforces
-the six fencing rules of DESIGN.md over a :class:`~hybridkv.fence.FenceTable`:
+the six fencing rules of DESIGN.md over a :class:`~hybridkv.fencing.fence.FenceTable`:
 
 1. *export*: an outbound transfer reads a block only once the step that wrote
    it completed (``watermark >= fence``);
@@ -21,9 +21,9 @@ the six fencing rules of DESIGN.md over a :class:`~hybridkv.fence.FenceTable`:
    that lands after it is not trusted.
 
 Engine-shaped, non-blocking API (every call returns at once; a call that
-cannot proceed returns a falsy :class:`~hybridkv.fence.NotYet` and the engine
+cannot proceed returns a falsy :class:`~hybridkv.fencing.fence.NotYet` and the engine
 asks again on a later step). Block ids are ints per KV-cache group; groups map
-onto physical pools through :class:`~hybridkv.fence.PoolLayout`.
+onto physical pools through :class:`~hybridkv.fencing.fence.PoolLayout`.
 
 Both sides::
 
@@ -33,7 +33,7 @@ Both sides::
     step_scheduled(step, joined=..., touched=..., zeroing=...) -> StepTicket
     step_completed(step)                           # the worker's watermark
     free_blocks(rid, group, blocks)                # e.g. sliding-window tail clipping
-    request_finished(rid, export=False) -> Lease | None
+    request_finished(rid, export=False) -> LeaseGrant | None
     abort(rid)
     transfer_landed(tid) / transfer_failed(tid) -> TransferOutcome
     poll()                                         # lease expiry; call once per step
@@ -46,11 +46,11 @@ Consumer (decode) side::
 Producer (prefill) side::
 
     export_ready(rid) -> True | NotYet;  post_export(rid, expected_s=...) -> tid | NotYet
-    heartbeat(rid) -> Lease | None;  export_done(rid)
+    heartbeat(rid) -> LeaseGrant | None;  export_done(rid)
 
 A request joins the running batch through ``step_scheduled(joined=...)`` and
 stays *resident* (touched by every later step) until it finishes or aborts;
-see :mod:`hybridkv.fence` for why. The per-step cost is therefore
+see :mod:`hybridkv.fencing.fence` for why. The per-step cost is therefore
 proportional to what changed in the step, not to the batch size.
 
 ``FencePolicy.NONE`` answers yes to every check: frees are immediate, imports
@@ -62,9 +62,9 @@ Nothing here imports torch or an engine.
 
 from __future__ import annotations
 
-from hybridkv.fence import GroupId
-from hybridkv.scheduler_steps import BlockRef, StepTicket, _RequestSteps  # noqa: F401 - BlockRef: re-exported
-from hybridkv.scheduler_transfers import _TransferRules
+from hybridkv.fencing.fence import GroupId
+from hybridkv.fencing.scheduler_steps import BlockRef, StepTicket, _RequestSteps  # noqa: F401 - BlockRef: re-exported
+from hybridkv.fencing.scheduler_transfers import _TransferRules
 
 # The class is assembled from its parts, one module each: records and queries
 # (scheduler_state), requests and steps (scheduler_steps), transfers and leases

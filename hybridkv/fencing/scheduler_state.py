@@ -1,11 +1,11 @@
 """The scheduler's records and its read-only queries.
 
-:class:`_SchedulerState` holds what a :class:`~hybridkv.scheduler.TransferScheduler`
+:class:`_SchedulerState` holds what a :class:`~hybridkv.fencing.scheduler.TransferScheduler`
 knows: the fence table, the block pool, the export leases, and a record per live
 request and per transfer in flight. The rules that change them live beside it:
-:mod:`hybridkv.scheduler_steps` (requests and steps) and
-:mod:`hybridkv.scheduler_transfers` (imports, exports, leases). The design, and
-the API in one page, is in :mod:`hybridkv.scheduler`.
+:mod:`hybridkv.fencing.scheduler_steps` (requests and steps) and
+:mod:`hybridkv.fencing.scheduler_transfers` (imports, exports, leases). The design, and
+the API in one page, is in :mod:`hybridkv.fencing.scheduler`.
 
 Nothing here imports torch or an engine.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 
-from hybridkv.block_pool import BlockPool
-from hybridkv.fence import (
+from hybridkv.fencing.block_pool import BlockPool
+from hybridkv.fencing.fence import (
     BlockId,
     FencePolicy,
     FenceTable,
@@ -25,8 +25,8 @@ from hybridkv.fence import (
     RequestId,
     TransferId,
 )
-from hybridkv.lease import Clock, LeaseTable
-from hybridkv.request_state import (
+from hybridkv.fencing.lease import Clock, LeaseTable
+from hybridkv.fencing.request_state import (
     Component,
     RequestPhase,
     RequestRecord,

@@ -3,7 +3,7 @@
 :func:`encode` writes ``{"v": version, "k": kind, "b": body}``; :func:`decode`
 reads bytes from an untrusted peer and returns a typed message or raises
 :class:`~hybridkv.wire.WireError` (see :mod:`hybridkv.wire` for what it
-refuses). Field validators live in :mod:`hybridkv.wire_validate`.
+refuses). Field validators live in :mod:`hybridkv.wire.validate`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import msgpack
 import numpy as np
 
 from hybridkv.errors import Difference
-from hybridkv.wire_messages import (
+from hybridkv.wire.messages import (
     _KIND_OF,
     MAX_BLOCKS_PER_GROUP,
     MAX_COMPAT_FIELDS,
@@ -49,7 +49,7 @@ from hybridkv.wire_messages import (
     Want,
     WireError,
 )
-from hybridkv.wire_validate import (
+from hybridkv.wire.validate import (
     _blocks_in,
     _bytes,
     _enum,

@@ -1,0 +1,31 @@
+"""Block fencing and async-safe transfer scheduling: the request lifecycle on both sides.
+
+:class:`TransferScheduler` is the one object an engine connector asks *when* a block may be read,
+written, reused or computed on (the fencing rules of ``docs/design.md``). Underneath it:
+
+- :mod:`~hybridkv.fencing.fence`: per-block fences, readers and writers, the worker's watermark;
+- :mod:`~hybridkv.fencing.block_pool`: free blocks, returned only once settled;
+- :mod:`~hybridkv.fencing.lease`: renewable leases on exported blocks;
+- :mod:`~hybridkv.fencing.request_state`: request and transfer records, and :class:`Component`,
+  one separately-arriving piece of a request's cache.
+"""
+
+from hybridkv.fencing.fence import NEVER, FencePolicy, FenceTable, NotYet, NotYetReason, PoolLayout
+from hybridkv.fencing.lease import Clock, LeaseGrant, LeaseTable
+from hybridkv.fencing.request_state import (
+    Component,
+    ComponentKind,
+    RequestPhase,
+    TransferDirection,
+    TransferOutcome,
+    TransferState,
+    attention_component,
+    gdn_components,
+)
+from hybridkv.fencing.scheduler import StepTicket, TransferScheduler
+
+__all__ = [
+    "NEVER", "Clock", "Component", "ComponentKind", "FencePolicy", "FenceTable", "LeaseGrant", "LeaseTable",
+    "NotYet", "NotYetReason", "PoolLayout", "RequestPhase", "StepTicket", "TransferDirection",
+    "TransferOutcome", "TransferScheduler", "TransferState", "attention_component", "gdn_components",
+]
