@@ -16,56 +16,37 @@ refusal says why.
 
 from __future__ import annotations
 
-# The protocol is split by what each part holds: message types and limits
-# (wire_messages), encoding and decoding (wire_codec, over the field validators
-# of wire_validate), and checks against a peer (wire_checks). Callers use this
-# module: `from hybridkv import wire; wire.Hello`.
+# The protocol is split by what each part holds: limits and enums; field codecs
+# (fields) and the declaration machinery (schema); the types, each declared once
+# with its wire form (regions, layout_table, messages); the generic framing
+# (codec); and checks against a peer (checks). Callers use this package:
+# `from hybridkv import wire; wire.Hello`.
 from hybridkv.errors import Difference as Difference
 from hybridkv.errors import HybridKVError as HybridKVError
 from hybridkv.wire.checks import check_blocks, compat_differences, compat_hash
 from hybridkv.wire.codec import decode, encode
-from hybridkv.wire.messages import _KIND_OF as _KIND_OF
-from hybridkv.wire.messages import FIELD_COLUMNS as FIELD_COLUMNS
-from hybridkv.wire.messages import MAX_ADDR as MAX_ADDR
-from hybridkv.wire.messages import MAX_BLOCKS_PER_GROUP as MAX_BLOCKS_PER_GROUP
-from hybridkv.wire.messages import MAX_COMPAT_FIELDS as MAX_COMPAT_FIELDS
-from hybridkv.wire.messages import MAX_FIELDS as MAX_FIELDS
-from hybridkv.wire.messages import MAX_GROUPS as MAX_GROUPS
-from hybridkv.wire.messages import MAX_I32 as MAX_I32
-from hybridkv.wire.messages import MAX_LEASE_S as MAX_LEASE_S
-from hybridkv.wire.messages import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
-from hybridkv.wire.messages import MAX_METADATA_BYTES as MAX_METADATA_BYTES
-from hybridkv.wire.messages import MAX_NAME as MAX_NAME
-from hybridkv.wire.messages import MAX_READERS as MAX_READERS
-from hybridkv.wire.messages import MAX_REGIONS as MAX_REGIONS
-from hybridkv.wire.messages import MAX_REQUESTS_PER_HEARTBEAT as MAX_REQUESTS_PER_HEARTBEAT
-from hybridkv.wire.messages import MAX_TEXT as MAX_TEXT
-from hybridkv.wire.messages import (
-    PROTOCOL_VERSION,
-    Bye,
-    Done,
-    Export,
-    Failure,
-    FailureCode,
-    GroupBlocks,
-    GroupInfo,
-    GroupTable,
-    Heartbeat,
-    Hello,
-    Import,
-    Kind,
-    LayoutTable,
-    Lease,
-    Mem,
-    Message,
-    Mode,
-    PlacementTable,
-    Refuse,
-    RegionInfo,
-    Role,
-    Want,
-    WireError,
-)
+from hybridkv.wire.enums import FailureCode, Kind, Mem, Mode, Role
+from hybridkv.wire.layout_table import FIELD_COLUMNS as FIELD_COLUMNS
+from hybridkv.wire.layout_table import GroupTable, LayoutTable, PlacementTable
+from hybridkv.wire.limits import MAX_ADDR as MAX_ADDR
+from hybridkv.wire.limits import MAX_BLOCKS_PER_GROUP as MAX_BLOCKS_PER_GROUP
+from hybridkv.wire.limits import MAX_COMPAT_FIELDS as MAX_COMPAT_FIELDS
+from hybridkv.wire.limits import MAX_FIELDS as MAX_FIELDS
+from hybridkv.wire.limits import MAX_GROUPS as MAX_GROUPS
+from hybridkv.wire.limits import MAX_I32 as MAX_I32
+from hybridkv.wire.limits import MAX_LEASE_S as MAX_LEASE_S
+from hybridkv.wire.limits import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
+from hybridkv.wire.limits import MAX_METADATA_BYTES as MAX_METADATA_BYTES
+from hybridkv.wire.limits import MAX_NAME as MAX_NAME
+from hybridkv.wire.limits import MAX_READERS as MAX_READERS
+from hybridkv.wire.limits import MAX_REGIONS as MAX_REGIONS
+from hybridkv.wire.limits import MAX_REQUESTS_PER_HEARTBEAT as MAX_REQUESTS_PER_HEARTBEAT
+from hybridkv.wire.limits import MAX_TEXT as MAX_TEXT
+from hybridkv.wire.limits import PROTOCOL_VERSION, WireError
+from hybridkv.wire.messages import Bye, Done, Export, Failure, Heartbeat, Hello, Import, Lease, Refuse, Want
+from hybridkv.wire.regions import GroupBlocks, GroupInfo, RegionInfo
+from hybridkv.wire.schema import KIND_OF as _KIND_OF
+from hybridkv.wire.schema import Message
 
 __all__ = [
     "Bye", "Done", "Export", "Failure", "FailureCode", "GroupBlocks", "GroupInfo", "Heartbeat", "Hello",

@@ -14,7 +14,8 @@ from typing import Any
 import msgpack
 
 from hybridkv.errors import Difference
-from hybridkv.wire.messages import GroupBlocks, WireError
+from hybridkv.wire.limits import WireError
+from hybridkv.wire.regions import GroupBlocks
 
 
 # ---------------------------------------------------------------- checks against what a peer has

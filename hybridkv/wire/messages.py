@@ -1,242 +1,150 @@
-"""Control-plane message types, and the limits a message from a peer must respect.
+"""Control-plane messages: each one frozen dataclass, declared once with its kind and
+how every field travels and is validated.
 
-These frozen dataclasses are what :func:`hybridkv.wire.decode` returns and
-:func:`hybridkv.wire.encode` takes. The design (framing, strict validation, the
-compatibility hash) is in :mod:`hybridkv.wire`, which re-exports everything here.
+These are what :func:`hybridkv.wire.decode` returns and :func:`hybridkv.wire.encode`
+takes. To add a message: a member of :class:`~hybridkv.wire.Kind` and a class here,
+``@message(Kind.X)`` over a dataclass whose fields are declared with ``on_wire``.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
+from hybridkv.errors import Difference
+from hybridkv.wire.enums import FailureCode, Kind, Mode, Role
+from hybridkv.wire.fields import Blob, Choice, Digest, Flag, Float, Int, ListOf, Named, Nullable, Text, TextMap
+from hybridkv.wire.layout_table import LayoutTable
+from hybridkv.wire.limits import (
+    MAX_COMPAT_FIELDS,
+    MAX_COMPAT_NAME,
+    MAX_I63,
+    MAX_LEASE_S,
+    MAX_METADATA_BYTES,
+    MAX_NAME,
+    MAX_READERS,
+    MAX_REQUESTS_PER_HEARTBEAT,
+    MAX_TEXT,
+    WireError,
+)
+from hybridkv.wire.regions import BLOCKS, GROUPS, REGIONS, GroupBlocks, GroupInfo, RegionInfo
+from hybridkv.wire.schema import Message, Record, Spec, message, on_wire, record_of, require_every_kind
 
-from hybridkv.errors import Difference, HybridKVError
-
-PROTOCOL_VERSION = 1
-
-MAX_MESSAGE_BYTES = 16 << 20
-MAX_METADATA_BYTES = 4 << 20
-MAX_NAME = 256
-MAX_TEXT = 4096
-MAX_COMPAT_FIELDS = 64
-MAX_REGIONS = 4096
-MAX_GROUPS = 1024
-MAX_BLOCKS_PER_GROUP = 1 << 22
-MAX_REQUESTS_PER_HEARTBEAT = 65536
-MAX_ADDR = (1 << 64) - 1
-MAX_I32 = (1 << 31) - 1
-MAX_LEASE_S = 86400.0
-
-
-class WireError(ValueError, HybridKVError):
-    """Bytes from a peer that are not a valid message."""
-
-
-class Kind(enum.IntEnum):
-    HELLO = 1
-    REFUSE = 2
-    EXPORT = 3
-    IMPORT = 4
-    DONE = 5
-    FAILURE = 6
-    HEARTBEAT = 7
-    LEASE = 8
-    BYE = 9
-    WANT = 10
+REQUEST_ID = Named(label="request id", inner=Text(limit=MAX_NAME))
+LEASE_S = Float(lo=0.0, hi=MAX_LEASE_S)
+_MAYBE_NAME = Nullable(inner=Text(limit=MAX_NAME, empty=True))
+# Difference is the error hierarchy's type (hybridkv.errors), so its wire form is given here.
+_DIFFERENCE = Record(cls=Difference, specs=(
+    ("field", Spec(key="field", codec=Text(limit=MAX_COMPAT_NAME))),
+    ("local", Spec(key="local", codec=_MAYBE_NAME)),
+    ("remote", Spec(key="remote", codec=_MAYBE_NAME)),
+))
 
 
-class Role(enum.IntEnum):
-    PRODUCER = 1  # prefill: owns the blocks to be read / pushes them
-    CONSUMER = 2  # decode: pulls them / offers blocks to be written
-
-
-class Mode(enum.IntEnum):
-    PULL = 1  # consumer READs (default)
-    PUSH = 2  # producer WRITEs
-
-
-class Mem(enum.IntEnum):
-    DRAM = 1
-    VRAM = 2
-
-
-class FailureCode(enum.IntEnum):
-    TRANSFER_ERROR = 1
-    LEASE_EXPIRED = 2
-    UNKNOWN_REQUEST = 3
-    ABORTED = 4
-    PROTOCOL = 5
-    CLAIMED = 6  # another consumer already reads the request
-
-
+@message(Kind.HELLO)
 @dataclass(frozen=True, kw_only=True)
-class RegionInfo:
-    """A registered region as the peer sees it: page p at base_addr + p*stride."""
+class Hello(Message):
+    agent: str = on_wire("agent", Text(limit=MAX_NAME))
+    metadata: bytes = on_wire("metadata", Blob(limit=MAX_METADATA_BYTES))
+    role: Role = on_wire("role", Choice(enum=Role))
+    mode: Mode = on_wire("mode", Choice(enum=Mode))
+    compat: Mapping[str, str] = on_wire("compat", TextMap(limit=MAX_COMPAT_FIELDS, key=Text(limit=MAX_COMPAT_NAME),
+                                                          value=Text(limit=MAX_NAME, empty=True)))
+    compat_hash: bytes = on_wire("hash", Digest())
+    regions: tuple[RegionInfo, ...] = on_wire("regions", REGIONS)
+    groups: tuple[GroupInfo, ...] = on_wire("groups", GROUPS)
+    lease_s: float = on_wire("lease_s", LEASE_S)
+    layout: LayoutTable | None = on_wire("layout", Nullable(inner=record_of(LayoutTable)), default=None)
 
-    region_id: int
-    base_addr: int
-    stride: int
-    page_bytes: int
-    num_pages: int
-    mem: Mem
-    device_id: int
+    def _check(self, name: str) -> None:
+        # Groups and field tables name regions and groups by id: only ones this hello lists,
+        # or the receiver would index memory the peer never registered.
+        regions = {r.region_id: r for r in self.regions}
+        for i, g in enumerate(self.groups):
+            unknown = sorted(set(g.region_ids) - regions.keys())
+            if unknown:
+                raise WireError(f"{name}.groups[{i}] names regions {unknown} that the hello does not list")
+        if self.layout is not None:
+            self.layout.check_refs(regions, {g.group_id for g in self.groups}, f"{name}.layout")
 
 
+@message(Kind.REFUSE)
 @dataclass(frozen=True, kw_only=True)
-class GroupInfo:
-    """Logical block b of the group is page b of each of these regions."""
-
-    group_id: int
-    region_ids: tuple[int, ...]
+class Refuse(Message):
+    reason: str = on_wire("reason", Text(limit=MAX_TEXT))
+    differences: tuple[Difference, ...] = on_wire("diffs", ListOf(item=_DIFFERENCE, limit=MAX_COMPAT_FIELDS))
 
 
+@message(Kind.EXPORT)
 @dataclass(frozen=True, kw_only=True)
-class GroupBlocks:
-    group_id: int
-    ids: tuple[int, ...]
-
-
-FIELD_COLUMNS = 6  # component code, layer, head, offset, nbytes, token_bytes
-MAX_FIELDS = 1 << 20
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlacementTable:
-    """The fields inside page b of one region for one group: int64 rows of
-    (component code, layer, global head, offset, nbytes, token_bytes), little-endian."""
-
-    region_id: int
-    rows: bytes
-
-    def array(self) -> np.ndarray:
-        return np.frombuffer(self.rows, dtype="<i8").reshape(-1, FIELD_COLUMNS)
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupTable:
-    group_id: int
-    kind: int  # layer-kind code (0: opaque); the codes are the transport's (memory.py)
-    block_tokens: int  # 0: a state group (one block holds one state)
-    window: int  # 0: no sliding window
-    layers: tuple[int, ...]
-    placements: tuple[PlacementTable, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayoutTable:
-    """What a peer needs to rebuild the sender's layout field by field (heterogeneous TP,
-    different block sizes): its TP shard and every group's field tables."""
-
-    tp: int
-    rank: int
-    groups: tuple[GroupTable, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Hello:
-    agent: str
-    metadata: bytes
-    role: Role
-    mode: Mode
-    compat: Mapping[str, str]
-    compat_hash: bytes
-    regions: tuple[RegionInfo, ...]
-    groups: tuple[GroupInfo, ...]
-    lease_s: float
-    layout: LayoutTable | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Refuse:
-    reason: str
-    differences: tuple[Difference, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Export:
+class Export(Message):
     """Producer -> consumer (pull): these blocks hold the request; read them within the lease."""
 
-    request_id: str
-    blocks: tuple[GroupBlocks, ...]
-    lease_s: float
+    request_id: str = on_wire("rid", REQUEST_ID)
+    blocks: tuple[GroupBlocks, ...] = on_wire("blocks", BLOCKS)
+    lease_s: float = on_wire("lease_s", LEASE_S)
 
 
+@message(Kind.IMPORT)
 @dataclass(frozen=True, kw_only=True)
-class Import:
+class Import(Message):
     """Consumer -> producer (push): write the request into these blocks of mine."""
 
-    request_id: str
-    blocks: tuple[GroupBlocks, ...]
+    request_id: str = on_wire("rid", REQUEST_ID)
+    blocks: tuple[GroupBlocks, ...] = on_wire("blocks", BLOCKS)
 
 
+@message(Kind.DONE)
 @dataclass(frozen=True, kw_only=True)
-class Done:
+class Done(Message):
     """The sender is finished with the request's transfer (ok or not)."""
 
-    request_id: str
-    ok: bool
+    request_id: str = on_wire("rid", REQUEST_ID)
+    ok: bool = on_wire("ok", Flag())
 
 
+@message(Kind.FAILURE)
 @dataclass(frozen=True, kw_only=True)
-class Failure:
-    request_id: str
-    code: FailureCode
-    detail: str
+class Failure(Message):
+    request_id: str = on_wire("rid", REQUEST_ID)
+    code: FailureCode = on_wire("code", Choice(enum=FailureCode))
+    detail: str = on_wire("detail", Text(limit=MAX_TEXT, empty=True))
 
 
+@message(Kind.HEARTBEAT)
 @dataclass(frozen=True, kw_only=True)
-class Heartbeat:
+class Heartbeat(Message):
     """Liveness, and lease renewal for the listed requests."""
 
-    seq: int
-    request_ids: tuple[str, ...]
+    seq: int = on_wire("seq", Int(lo=0, hi=MAX_I63))
+    request_ids: tuple[str, ...] = on_wire("rids", ListOf(item=REQUEST_ID, limit=MAX_REQUESTS_PER_HEARTBEAT))
 
 
+@message(Kind.LEASE)
 @dataclass(frozen=True, kw_only=True)
-class Lease:
+class Lease(Message):
     """Reply to a renewal: remaining lease in seconds; 0 means it is gone."""
 
-    request_id: str
-    lease_s: float
+    request_id: str = on_wire("rid", REQUEST_ID)
+    lease_s: float = on_wire("lease_s", LEASE_S)
 
 
+@message(Kind.BYE)
 @dataclass(frozen=True, kw_only=True)
-class Bye:
-    reason: str
+class Bye(Message):
+    reason: str = on_wire("reason", Text(limit=MAX_TEXT, empty=True))
 
 
+@message(Kind.WANT)
 @dataclass(frozen=True, kw_only=True)
-class Want:
+class Want(Message):
     """Consumer -> producer: export this request to me. ``readers`` consumers share it
     (decode ranks reading different heads of one producer rank); any other claim is refused."""
 
-    request_id: str
-    readers: int = 1
+    request_id: str = on_wire("rid", REQUEST_ID)
+    readers: int = on_wire("readers", Int(lo=1, hi=MAX_READERS), default=1)
 
 
-MAX_READERS = 1024
+require_every_kind()
 
-Message = Hello | Refuse | Export | Import | Done | Failure | Heartbeat | Lease | Bye | Want
-
-_KIND_OF: dict[type, Kind] = {
-    Hello: Kind.HELLO,
-    Refuse: Kind.REFUSE,
-    Export: Kind.EXPORT,
-    Import: Kind.IMPORT,
-    Done: Kind.DONE,
-    Failure: Kind.FAILURE,
-    Heartbeat: Kind.HEARTBEAT,
-    Lease: Kind.LEASE,
-    Bye: Kind.BYE,
-    Want: Kind.WANT,
-}
-
-
-__all__ = [
-    "Bye", "Done", "Export", "Failure", "FailureCode", "GroupBlocks", "GroupInfo", "Heartbeat", "Hello",
-    "Import", "Kind", "Lease", "Mem", "Message", "Mode", "PROTOCOL_VERSION", "Refuse", "RegionInfo", "Role",
-    "GroupTable", "LayoutTable", "PlacementTable", "Want", "WireError",
-]
+__all__ = ["Bye", "Done", "Export", "Failure", "Heartbeat", "Hello", "Import", "Lease", "Message", "Refuse", "Want"]

@@ -54,6 +54,62 @@ def test_round_trip(msg):
     assert wire.decode(wire.encode(msg)) == msg
 
 
+def test_every_kind_has_one_message_type():
+    assert sorted(wire._KIND_OF.values()) == sorted(wire.Kind)
+    assert {wire._KIND_OF[type(m)] for m in SAMPLES} == set(wire.Kind)
+
+
+def test_a_kind_cannot_be_declared_twice():
+    from dataclasses import dataclass
+
+    from hybridkv.wire.fields import Flag
+    from hybridkv.wire.schema import Message, message, on_wire
+
+    @dataclass(frozen=True, kw_only=True)
+    class Other(Message):
+        ok: bool = on_wire("ok", Flag())
+
+    with pytest.raises(TypeError, match="declared twice"):
+        message(wire.Kind.DONE)(Other)
+    assert type(wire.decode(wire.encode(wire.Done(request_id="r", ok=True)))) is wire.Done
+
+
+# The exact bytes of a few messages, as the protocol has sent them since version 1: a peer
+# built from another commit must read them, so any change here is a protocol change.
+_PINNED_HELLO = wire.Hello(
+    agent="p0", metadata=b"m", role=wire.Role.PRODUCER, mode=wire.Mode.PUSH, compat={"protocol": "1"},
+    compat_hash=bytes(range(32)),
+    regions=(wire.RegionInfo(region_id=0, base_addr=4096, stride=64, page_bytes=64, num_pages=2, mem=wire.Mem.VRAM,
+                             device_id=1),),
+    groups=(wire.GroupInfo(group_id=0, region_ids=(0,)),), lease_s=30.0,
+    layout=wire.LayoutTable(tp=2, rank=1, groups=(wire.GroupTable(
+        group_id=0, kind=1, block_tokens=8, window=0, layers=(3,),
+        placements=(wire.PlacementTable(region_id=0, rows=np.array([(1, 3, 0, 0, 32, 4)], "<i8").tobytes()),)),)))
+PINNED = [
+    (wire.Done(request_id="r1", ok=True), "83a17601a16b05a16282a3726964a27231a26f6bc3"),
+    (wire.Export(request_id="r1", blocks=(wire.GroupBlocks(group_id=0, ids=(3, 1, 2)),
+                                          wire.GroupBlocks(group_id=1, ids=(7,))), lease_s=12.5),
+     "83a17601a16b03a16283a3726964a27231a6626c6f636b73929200c40c0300000001000000020000009201c40407000000a76c6561"
+     "73655f73cb4029000000000000"),
+    (wire.Refuse(reason="incompatible", differences=(Difference(field="dtype", local="bf16", remote=None),)),
+     "83a17601a16b02a16282a6726561736f6eac696e636f6d70617469626c65a564696666739193a56474797065a462663136c0"),
+    (wire.Failure(request_id="r1", code=wire.FailureCode.CLAIMED, detail="taken"),
+     "83a17601a16b06a16283a3726964a27231a4636f646506a664657461696ca574616b656e"),
+    (_PINNED_HELLO,
+     "83a17601a16b01a1628aa56167656e74a27030a86d65746164617461c4016da4726f6c6501a46d6f646502a6636f6d70617481a870"
+     "726f746f636f6ca131a468617368c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa7726567"
+     "696f6e73919700cd10004040020201a667726f7570739192009100a76c656173655f73cb403e000000000000a66c61796f757493"
+     "0201919600010800c40403000000919200c4300100000000000000030000000000000000000000000000000000000000000000"
+     "20000000000000000400000000000000"),
+]
+
+
+@pytest.mark.parametrize("msg,hex_", PINNED, ids=[type(m).__name__ for m, _ in PINNED])
+def test_encoding_is_pinned(msg, hex_):
+    assert wire.encode(msg).hex() == hex_
+    assert wire.decode(bytes.fromhex(hex_)) == msg
+
+
 def _raw(kind, body, v=wire.PROTOCOL_VERSION):
     return msgpack.packb({"v": v, "k": int(kind), "b": body}, use_bin_type=True)
 
@@ -94,6 +150,8 @@ BAD = {
     "want no readers": _raw(wire.Kind.WANT, {"rid": "r", "readers": 0}),
     "want huge readers": _raw(wire.Kind.WANT, {"rid": "r", "readers": wire.MAX_READERS + 1}),
     "layout field past page": _raw(wire.Kind.HELLO, {**_body(_hello(layout=_layout(((1, 3, 0, 40, 32, 4),))))}),
+    # offset + nbytes wraps an int64: the end check must not see it as ending early
+    "layout field end wraps": _raw(wire.Kind.HELLO, {**_body(_hello(layout=_layout(((1, 3, 0, 2**63 - 1, 4, 4),))))}),
     "layout negative field": _raw(wire.Kind.HELLO, {**_body(_hello(layout=_layout(((1, -3, 0, 0, 32, 4),))))}),
     "layout ragged fields": _raw(wire.Kind.HELLO, {**_body(_hello()), "layout": [1, 0, [[0, 1, 8, 0, b"", [[0, b"x" * 47]]]]]}),
     "layout unknown region": _raw(wire.Kind.HELLO, {**_body(_hello()), "layout": [1, 0, [[0, 1, 8, 0, b"", [[5, b""]]]]]}),
@@ -107,6 +165,34 @@ BAD = {
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_malformed_is_wire_error(name):
     with pytest.raises(WireError):
+        wire.decode(BAD[name])
+
+
+# A refusal names the field, the bad value and what was expected.
+REASONS = {
+    "missing key": r"^done body has keys \['rid'\]; expected \['ok', 'rid'\]$",
+    "wrong type": r"^done\.ok is int; expected a bool$",
+    "empty rid": r"^request id has length 0; expected 1\.\.256$",
+    "unknown kind": r"^kind = 99; expected one of \[1, 2, 3, 4, 5, 6, 7, 8, 9, 10\]$",
+    "unknown version": r"^protocol version 2; expected 1$",
+    "negative block id": r"^import\.blocks\[0\]\.ids has negative id -1; expected ids >= 0$",
+    "repeated group": r"^import\.blocks lists group 0 twice; expected each group once$",
+    "nan lease": r"^lease\.lease_s = nan; expected a finite number in 0\.0\.\.86400\.0$",
+    "unknown mem": r"^hello\.regions\[0\]\.mem = 7; expected one of \[1, 2\]$",
+    "overlapping pages": r"^hello\.regions\[0\]: stride 32 < page_bytes 64; expected pages not to overlap$",
+    "group names unknown region": r"^hello\.groups\[0\] names regions \[3\] that the hello does not list$",
+    "short hash": r"^hello\.hash has 3 bytes; expected 32 \(sha256\)$",
+    "layout field past page": r"^hello\.layout\.groups\[0\]\.placements\[0\]\.fields end at byte 72, past the page",
+    "layout field end wraps": r"^hello\.layout\.groups\[0\]\.placements\[0\]\.fields end at byte 9223372036854775811, past",
+    "layout unknown region": r"^hello\.layout\.groups\[0\]\.placements\[0\] names region 5 that the hello",
+    "layout rank past tp": r"^hello\.layout\.rank = 2; expected 0\.\.1$",
+    "layout ragged fields": r"^hello\.layout\.groups\[0\]\.placements\[0\]\.fields has 47 bytes; expected rows of 6",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REASONS))
+def test_refusal_says_why(name):
+    with pytest.raises(WireError, match=REASONS[name]):
         wire.decode(BAD[name])
 
 

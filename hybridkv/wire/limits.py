@@ -1,0 +1,42 @@
+"""The protocol version, the limits a message from a peer must stay within, and
+:class:`WireError`, raised for bytes that do not.
+
+Every length a peer controls has a bound here, so a hostile message costs at
+most what these allow before it is refused.
+"""
+
+from __future__ import annotations
+
+from hybridkv.errors import HybridKVError
+
+PROTOCOL_VERSION = 1
+
+MAX_MESSAGE_BYTES = 16 << 20
+MAX_METADATA_BYTES = 4 << 20
+MAX_NAME = 256
+MAX_TEXT = 4096
+MAX_COMPAT_FIELDS = 64
+MAX_COMPAT_NAME = 64  # a compatibility field's name (also in a refusal's differences)
+MAX_REGIONS = 4096
+MAX_GROUPS = 1024
+MAX_BLOCKS_PER_GROUP = 1 << 22
+MAX_REQUESTS_PER_HEARTBEAT = 65536
+MAX_READERS = 1024
+MAX_TP = 1 << 16
+MAX_LAYERS = 65536
+MAX_FIELDS = 1 << 20  # rows of all of a layout's field tables together
+MAX_ADDR = (1 << 64) - 1
+MAX_I32 = (1 << 31) - 1
+MAX_I63 = (1 << 63) - 1
+MAX_LEASE_S = 86400.0
+
+
+class WireError(ValueError, HybridKVError):
+    """Bytes from a peer that are not a valid message."""
+
+
+__all__ = [
+    "MAX_ADDR", "MAX_BLOCKS_PER_GROUP", "MAX_COMPAT_FIELDS", "MAX_COMPAT_NAME", "MAX_FIELDS", "MAX_GROUPS",
+    "MAX_I32", "MAX_I63", "MAX_LAYERS", "MAX_LEASE_S", "MAX_MESSAGE_BYTES", "MAX_METADATA_BYTES", "MAX_NAME",
+    "MAX_READERS", "MAX_REGIONS", "MAX_REQUESTS_PER_HEARTBEAT", "MAX_TEXT", "MAX_TP", "PROTOCOL_VERSION", "WireError",
+]
