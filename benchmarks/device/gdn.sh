@@ -2,17 +2,17 @@
 # Issue #8 on the device (nvidia-h200), run from the repo root with the wheels in .whl (carry [".whl"]):
 #   the GPU tests of the GDN kernels, then `bench gdn` side by side with fla-core 0.6.0, as JSON in $OUT.
 #
-#   bash scripts/device_gdn.sh                 # tests + prefill + decode
-#   ONLY=prefill ITERS=10 bash scripts/device_gdn.sh
-#   TESTS=0 bash scripts/device_gdn.sh         # benchmark only
-#   BREAKDOWN=1 bash scripts/device_gdn.sh     # first: per-kernel device time vs call time, hybridkv and FLA
-#   PROBE=1 BENCH=0 bash scripts/device_gdn.sh # tests, then every chunk schedule/config and decode hint
-#   SPLITPROBE=1 BENCH=0 bash scripts/device_gdn.sh # tests, then the split form and pipeline stages vs fused
-#   SPLITFIRST=1 TESTS=0 BENCH=0 bash scripts/device_gdn.sh # that probe first (BENCH=0 exits only after a probe
+#   bash benchmarks/device/gdn.sh                 # tests + prefill + decode
+#   ONLY=prefill ITERS=10 bash benchmarks/device/gdn.sh
+#   TESTS=0 bash benchmarks/device/gdn.sh         # benchmark only
+#   BREAKDOWN=1 bash benchmarks/device/gdn.sh     # first: per-kernel device time vs call time, hybridkv and FLA
+#   PROBE=1 BENCH=0 bash benchmarks/device/gdn.sh # tests, then every chunk schedule/config and decode hint
+#   SPLITPROBE=1 BENCH=0 bash benchmarks/device/gdn.sh # tests, then the split form and pipeline stages vs fused
+#   SPLITFIRST=1 TESTS=0 BENCH=0 bash benchmarks/device/gdn.sh # that probe first (BENCH=0 exits only after a probe
 #                                                           # branch: SPLITPROBE or PROBE; else the bench follows)
-#   SCORESFIRST=1 ... bash scripts/device_gdn.sh  # first: the scores kernel alone vs a copy (gdn_scores_probe.py)
-#   INVFIRST=1 ... bash scripts/device_gdn.sh     # then the inverse kernel's variants (gdn_inverse_probe.py)
-#   DECODEFIRST=1 ... bash scripts/device_gdn.sh  # first: persistent and TMA decode candidates (gdn_decode_probe.py)
+#   SCORESFIRST=1 ... bash benchmarks/device/gdn.sh  # first: the scores kernel alone vs a copy (benchmarks/gdn/scores_probe.py)
+#   INVFIRST=1 ... bash benchmarks/device/gdn.sh     # then the inverse kernel's variants (benchmarks/gdn/inverse_probe.py)
+#   DECODEFIRST=1 ... bash benchmarks/device/gdn.sh  # first: persistent and TMA decode candidates (benchmarks/gdn/decode_probe.py)
 # hybridkv is not installed there: the bench runs through its module's own register/handler.
 set -u
 PY=${PYTHON:-python3}
@@ -20,20 +20,20 @@ OUT=${OUT:-/tmp/hybridkv_gdn_out}
 mkdir -p "$OUT"
 "$PY" -m pip install -q --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl 2>&1 | tail -n 1
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
-split_probe() {  # the split form and the pipeline stages vs the fused form, with FLA (scripts/gdn_split_probe.py)
-    PYTHONPATH=. PYTHONUNBUFFERED=1 timeout "${PROBE_S:-300}" "$PY" scripts/gdn_split_probe.py --iters "${ITERS:-10}" \
+split_probe() {  # the split form and the pipeline stages vs the fused form, with FLA (benchmarks/gdn/split_probe.py)
+    PYTHONUNBUFFERED=1 timeout "${PROBE_S:-300}" "$PY" -m benchmarks.gdn.split_probe --iters "${ITERS:-10}" \
         --json "$OUT/split.json" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/split.txt"
 }
 if [ "${SCORESFIRST:-0}" != 0 ]; then
-    PYTHONPATH=. PYTHONUNBUFFERED=1 timeout "${SCORES_S:-120}" "$PY" scripts/gdn_scores_probe.py --iters "${ITERS:-20}" \
+    PYTHONUNBUFFERED=1 timeout "${SCORES_S:-120}" "$PY" -m benchmarks.gdn.scores_probe --iters "${ITERS:-20}" \
         --json "$OUT/scores.json" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/scores.txt"
 fi
 if [ "${DECODEFIRST:-0}" != 0 ]; then
-    PYTHONPATH=. PYTHONUNBUFFERED=1 timeout "${DECODE_S:-240}" "$PY" scripts/gdn_decode_probe.py --iters "${ITERS:-20}" \
+    PYTHONUNBUFFERED=1 timeout "${DECODE_S:-240}" "$PY" -m benchmarks.gdn.decode_probe --iters "${ITERS:-20}" \
         --json "$OUT/decode.json" 2>&1 | grep -v -i warn | tee "$OUT/decode.txt"
 fi
 if [ "${INVFIRST:-0}" != 0 ]; then  # the inverse kernel's variants, serial, with the worst case's error
-    PYTHONPATH=. PYTHONUNBUFFERED=1 timeout "${INV_S:-150}" "$PY" scripts/gdn_inverse_probe.py --iters "${ITERS:-10}" \
+    PYTHONUNBUFFERED=1 timeout "${INV_S:-150}" "$PY" -m benchmarks.gdn.inverse_probe --iters "${ITERS:-10}" \
         --json "$OUT/inverse.json" ${INV_SHAPES:+--shapes $INV_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/inverse.txt"
 fi
 [ "${SPLITFIRST:-0}" != 0 ] && split_probe  # before the tests, when device time is short
@@ -42,8 +42,8 @@ if [ "${TESTS:-1}" != 0 ]; then
         2>&1 | tee "$OUT/pytest.log" | tail -n 4
 fi
 if [ "${PROBE:-0}" != 0 ]; then
-    # Every chunk schedule / state config and the decode cache hints, with FLA (scripts/gdn_schedules.py).
-    PYTHONPATH=. PYTHONUNBUFFERED=1 timeout "${PROBE_S:-300}" "$PY" scripts/gdn_schedules.py --iters "${ITERS:-10}" \
+    # Every chunk schedule / state config and the decode cache hints, with FLA (benchmarks/gdn/schedules.py).
+    PYTHONUNBUFFERED=1 timeout "${PROBE_S:-300}" "$PY" -m benchmarks.gdn.schedules --iters "${ITERS:-10}" \
         --json "$OUT/schedules.json" ${PROBE_ONLY:+--only "$PROBE_ONLY"} ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | tee "$OUT/schedules.txt"
     [ "${BENCH:-1}" = 0 ] && exit 0
 fi

@@ -6,9 +6,9 @@
 # Every step is independent (set +e), bounded by `timeout` and by a shared wall-clock budget (BUDGET_S,
 # default 135 s), and prints what it did; results are copied to $OUT (at most 8 files come back).
 #
-#   bash scripts/device_2gpu.sh            # on the device, wheels in .whl (carry [".whl"])
-#   TESTS=0 bash scripts/device_2gpu.sh   # benchmarks only, no checksum tests
-#   bash scripts/device_2gpu.sh --dry-run  # here, no GPU: DRAM stand-ins for each step, same plumbing
+#   bash benchmarks/device/transfer_2gpu.sh            # on the device, wheels in .whl (carry [".whl"])
+#   TESTS=0 bash benchmarks/device/transfer_2gpu.sh   # benchmarks only, no checksum tests
+#   bash benchmarks/device/transfer_2gpu.sh --dry-run  # here, no GPU: DRAM stand-ins for each step, same plumbing
 #     (PYTHON=/path/to/python3.12 to pick the interpreter; the wheels are cp312)
 set +e
 set -u
@@ -76,7 +76,7 @@ main() {
 echo "=== hybridkv two-GPU transfer run, $(date -u +%FT%TZ), dry-run=$DRY, budget ${BUDGET}s, OUT=$OUT"
 echo "=== git: $(git log --oneline -1 2>/dev/null) ($(git status --porcelain 2>/dev/null | wc -l) changed paths)"
 
-# 1. wheels: NIXL (nixl_cu13) and ucxx for CUDA 13, trimmed to fit the carry (built by scripts/device_wheels.sh)
+# 1. wheels: NIXL (nixl_cu13) and ucxx for CUDA 13, trimmed to fit the carry (built by benchmarks/device/wheels.sh)
 step install 40 5 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" .whl/*.whl
 export PYTHONPATH="$SITE:$PWD"

@@ -5,7 +5,8 @@ Kept: Python code, NIXL core + the UCX backend plugin, the UCX transport modules
 shared libraries. Dropped: nixl_ep (expert-parallel extension, ~95 MB), the other
 NIXL plugins (GDS, POSIX, object stores, libfabric, ...) and their libraries,
 InfiniBand UCX modules, static libraries, headers, perftest binaries.
-RECORD keeps the original hashes of the kept files. Usage: trim_wheels.py SRC_DIR DST_DIR
+RECORD keeps the original hashes of the kept files. Usage: python3 benchmarks/device/trim_wheels.py SRC_DIR DST_DIR
+(benchmarks/device/wheels.sh runs it)
 """
 import fnmatch, os, re, subprocess, sys, tempfile, zipfile
 

@@ -17,11 +17,11 @@ same 32 KB. At ~4.3 TB/s and ~1.5 us of latency, Little's law wants over 6 MB. T
 walk compiles to 255 registers (spilling at BV >= 64): no better. The TMA walk at (32, 4) takes 80
 registers and 25 KB of shared memory at 3 stages: 5 programs per SM, up to 15 tiles (120 KB) in flight.
 
-Not yet run on a GPU (the session that wrote it had no device time left); both candidates match
+Not yet run on a GPU; both candidates match
 `reference.decode_reference` in Triton's interpreter (pads included).
 
-    python3 scripts/gdn_decode_probe.py [--iters 20] [--json PATH]
-    DECODEFIRST=1 TESTS=0 ONLY=decode bash scripts/device_gdn.sh   # on the device, then the decode bench
+    python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH]
+    DECODEFIRST=1 TESTS=0 ONLY=decode bash benchmarks/device/gdn.sh   # on the device, then the decode bench
 
 Each candidate's output and updated pool are compared with the shipped kernel's on the same inputs.
 Run from the repository root on a CUDA machine.
@@ -39,7 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hybridkv.kernels.gdn import bench, gated_delta_rule_decode, triton_recurrent
 
-from gdn_schedules import decode_inputs  # scripts/ is this script's own directory on sys.path
+from benchmarks.gdn.schedules import decode_inputs
 
 
 @triton.jit

@@ -1,10 +1,10 @@
 """Device probe for issue #8: the inverse kernel's launch variants (k columns per gram step, value heads per
 program) in serial calls on the bench's prefill shapes, with the per-kernel device time of each
 (torch.profiler), and every variant's error on the worst case. Earlier variants (warps, stages, the
-product form, precisions, a register cap, the substitution built as T) and their numbers are in
-`triton_chunk_inverse`'s docstring and in git history.
+product form, precisions, a register cap, the substitution built as T): their numbers are in
+benchmarks/gdn/README.md, their code in git history.
 
-    python3 scripts/gdn_inverse_probe.py [--iters 10] [--json PATH] [--shapes 4x8192]
+    python -m benchmarks.gdn.inverse_probe [--iters 10] [--json PATH] [--shapes 4x8192]
 
 Each variant's output and final state are compared with the pure-torch reference in fp32 (relative
 RMS error), so a variant that is fast because it is imprecise shows. Run from the repository root on
@@ -21,7 +21,7 @@ import torch
 from hybridkv.kernels.gdn import bench, breakdown, reference, triton_chunk
 from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 
-from gdn_schedules import probe_args, reference_cases, rel  # scripts/ is this script's own directory on sys.path
+from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 
 VARIANTS = (
     triton_chunk.INVERSE_CONFIG,

@@ -1,7 +1,7 @@
 """Device probe for issue #8: every chunk schedule and state config on the bench's prefill shapes, and
 the decode kernel with and without streaming cache hints, side by side with FLA in one run.
 
-    python3 scripts/gdn_schedules.py [--iters 10] [--json PATH]
+    python -m benchmarks.gdn.schedules [--iters 10] [--json PATH]
 
 Each variant's output is compared with the serial, autotuned call (relative RMS error) so a variant
 that is fast because it is wrong shows. Run from the repository root on a CUDA machine.

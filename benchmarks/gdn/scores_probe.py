@@ -2,7 +2,7 @@
 parallel half of `triton_chunk.Form.SCORES`) at several value heads per program and warp counts, against
 a device copy of the same bytes in the same run.
 
-    python3 scripts/gdn_scores_probe.py [--iters 20] [--json PATH] [--shapes 1x8192]
+    python -m benchmarks.gdn.scores_probe [--iters 20] [--json PATH] [--shapes 1x8192]
 
 Why: on one 35B sequence its first segment sits on the pipelined call's critical path, and it moved ~100 MB
 in 47-53 us (~2 TB/s of the H200's 4.3) at four warps; eight are faster (`SCORES_WARPS`). A looped candidate
@@ -21,7 +21,7 @@ import torch
 from hybridkv.kernels.gdn import bench, triton_chunk
 from hybridkv.kernels.gdn.triton_chunk_inverse import _NROW, BT, _chunk_scores_kernel
 
-from gdn_schedules import probe_args  # scripts/ is this script's own directory on sys.path
+from benchmarks.gdn.schedules import probe_args
 
 
 def row_scales(NC: int, HV: int) -> torch.Tensor:

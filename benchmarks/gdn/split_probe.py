@@ -1,10 +1,10 @@
 """Device probe for issue #8: the plan (`triton_chunk._plan`) on the bench's prefill shapes against the fused
 form, and on one long sequence against the previous inverse and other segment counts, with per-kernel
 device times (torch.profiler) and FLA in the same run. (Earlier variants - pipeline stages, segments,
-BV=64 pipelines, batched scores, the split form - and their numbers are in triton_chunk's comments and in
-git history.)
+BV=64 pipelines, batched scores, the split form - have their numbers in benchmarks/gdn/README.md and
+their code in git history.)
 
-    python3 scripts/gdn_split_probe.py [--iters 10] [--json PATH] [--shapes 1x8192]
+    python -m benchmarks.gdn.split_probe [--iters 10] [--json PATH] [--shapes 1x8192]
 
 Each variant's output and final state are compared with the pure-torch reference in fp32 (relative RMS
 error). Run from the repository root on a CUDA machine.
@@ -20,8 +20,8 @@ import torch
 
 from hybridkv.kernels.gdn import bench, breakdown, triton_chunk
 
-from gdn_inverse_probe import kernel_us  # scripts/ is this script's own directory on sys.path
-from gdn_schedules import probe_args, reference_cases, rel
+from benchmarks.gdn.inverse_probe import kernel_us
+from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 
 FUSED, SCORES = triton_chunk.Form.FUSED, triton_chunk.Form.SCORES
 SERIAL, PIPELINED = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINED

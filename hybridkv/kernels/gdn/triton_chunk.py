@@ -1,34 +1,37 @@
-"""Triton chunked gated delta rule (forward), two or three kernels; `reference.chunk_reference` is its oracle.
+"""Triton chunked gated delta rule, forward, on 64-token chunks; `reference.chunk_reference` is its oracle.
 
-1. `_chunk_inverse_kernel` (`triton_chunk_inverse`), parallel over (chunk, value head): what does not
-   depend on the state. T = (I + L)^-1 of the decayed, beta-scaled K K^T, and per-token row scales that
-   fold the l2 norms, beta and the decays into the state kernel's GEMM epilogues.
+q, k `[B, T, H, K]`, v `[B, T, HV, V]`, g (log decay) and beta `[B, T, HV]`, varlen `cu_seqlens` `[N + 1]`
+(B = 1); returns o `[B, T, HV, V]` and the fp32 final state `[N, HV, K, V]` (`[N, HV, V, K]` V-first).
+NC below is the number of chunk rows over all sequences (an upper bound with varlen, `_chunk_tables`).
+
+The recurrence across chunks is the one part that cannot run in parallel, so a call cuts the work in two:
+
+1. `_chunk_inverse_kernel` (`triton_chunk_inverse`), parallel over (chunk, value-head group): everything
+   that does not depend on the state. T = (I + L)^-1 `[NC, HV, 64, 64]` of the decayed, beta-scaled
+   K K^T, and per-token row scales `[NC, HV, 8, 64]` that fold the l2 norms, beta and the decays into the
+   state kernel's GEMM epilogues, so that kernel multiplies raw q and k.
 2. `_chunk_state_kernel`, sequential over the chunks of one (sequence, value head, V block) with the
-   state in registers. Per chunk: K S and Q S, V' = T (beta V - sk K S), the masked, decayed Q K^T,
-   O = sq Q S + P V', S = e^g_last S + K^T (sd V'). Raw q and k go straight into the GEMMs (shared
-   by the value heads of a key head, so mostly L2 hits); no w, u, h, v_new or P in HBM.
+   `[K, BV]` state in fp32 registers. Per chunk: K S and Q S, V' = T (beta V - sk K S), the masked,
+   decayed Q K^T (P), O = sq Q S + P V', S = e^g_last S + K^T (sd V'). q and k are read as they are
+   (shared by the value heads of a key head, so mostly L2 hits); w, u, h, v_new and P never go to HBM.
+   Taking GEMMs off the chain by storing FLA's W/U intermediates instead was slower on every benchmark
+   shape: the extra HBM traffic and launches cost more than the shorter chain saved.
 
-Measured on one H200 (`hybridkv bench gdn --breakdown`, Triton 3.6): the first version's single prep
-kernel (inverse and P together, four warps) took 1.6 ms of 2.2 at 35B 4x8192; its row-by-row
-inverse reduced across warps 60 times per chunk. Taking GEMMs off the chain instead (a chain/output
-split, FLA's W/U cut) was slower on every shape; that code is in git history (commit d3329ca).
+Two more forms of the chain (`Form`):
 
-Two more forms of the chain (`Form`). `Form.SCORES`: the same state kernel, but the masked scores P come
-from a parallel kernel (`triton_chunk_inverse._chunk_scores_kernel`, q k^T once per key head) instead of
-the chain, which then runs five GEMMs per chunk and no exp; one long sequence takes it (`_plan`). H200,
-`scripts/gdn_split_probe.py`, 35B / 397B 1x8192: chain 217-232 / 265 us against the fused 360-365 / 471,
-for a scores kernel of 50 / 77 us; whole call 0.411-0.414 / 0.621-0.625 ms against the fused form's
-0.460-0.502 / 0.752-0.754 (FLA 0.528-0.530 / 0.882-0.884; two runs). With the transposed substitution in the
-inverse and eight-warp scores (kernel 42 / 58 us): 0.387 / 0.570 (one run; FLA 0.532 / 0.882).
-On batches it is slower (same probe run, 35B 4x8192: 1.356 ms at best against the fused 1.211; 10-12% on
-all four batched shapes: the chain there is not the whole call, and P costs 174 us), so they stay fused.
-`Form.SPLIT` (`triton_chunk_wu`, opt-in, never picked) makes W, Q', U and U' in parallel so that the
-chain keeps three GEMMs per chunk: its chain is faster still (35B: 187 us), but its parallel kernel
-(267 us) costs more than that saves; see its docstring.
+- `Form.SCORES`: the same state kernel, but P comes from a parallel kernel
+  (`triton_chunk_inverse._chunk_scores_kernel`, q k^T once per key head) and is loaded, so the chain runs
+  five GEMMs per chunk and no exp. `_plan` picks it for one long sequence, whose chain is the whole
+  call's critical path. Batches stay fused: there the chain is not the whole call, and P's extra HBM
+  traffic (written once, read once per V block) costs more than the shorter chain saves.
+- `Form.SPLIT` (`triton_chunk_wu`, opt-in, never picked) makes W, Q', U and U' in parallel so that the
+  chain keeps three GEMMs per chunk; its parallel kernel costs more than that saves (see its docstring).
 
 One call runs the kernels one after the other (`Schedule.SERIAL`), or, where the state kernel has fewer
-programs than the GPU has SMs (one long sequence), in segments on two streams so the inverse (and scores)
-of the next segment fill the SMs the chain leaves idle (`Schedule.PIPELINED`).
+programs than the GPU has SMs (one long sequence), in segments on two streams so that the inverse (and
+scores) of the next segment fill the SMs the chain leaves idle (`Schedule.PIPELINED`).
+
+Measurements behind these choices, with the commands that made them: benchmarks/gdn/README.md.
 """
 
 from __future__ import annotations
@@ -60,17 +63,21 @@ def _chunk_state_kernel(q, k, v, A, P, R, G, o, h_in, h_out, cu_seqlens, chunk_o
                         stride_ik, stride_iv, stride_ok, stride_ov, H, HV, WORK_LOG2, K: tl.constexpr,
                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H_IN: tl.constexpr,
                         HAS_H_OUT: tl.constexpr, SEGMENTED: tl.constexpr, SCORES_IN: tl.constexpr):
-    """Every chunk of each sequence, or with SEGMENTED (one segment of a pipelined call) the chunks
-    c_lo <= i < c_hi; the state starts from h_in (zeros without it) and is left in h_out. SCORES_IN
-    (`Form.SCORES`): the masked scores are loaded from P (made by `_chunk_scores_kernel`), not made here."""
+    """The state chain of one (sequence, value head, V block): grid (cdiv(V, BV), N * HV).
+
+    Walks every chunk of the sequence, or with SEGMENTED (one segment of a pipelined call) the chunks
+    c_lo <= i < c_hi; the `[K, BV]` state starts from h_in (zeros without it) and is left in h_out.
+    Writes o `[B, T, HV, V]`. A (T, `[NC, HV, 64, 64]`), R (row scales, `[NC, HV, 8, 64]`) and G (e^g_last,
+    `[NC, HV]`) come from `_chunk_inverse_kernel`. SCORES_IN (`Form.SCORES`): the masked scores are loaded
+    from P `[NC, HV, 64, 64]` (made by `_chunk_scores_kernel`), not made here."""
     i_v, i_nh, i_hv, i_h, T, bos, c_first = _chain_program(cu_seqlens, chunk_offsets, H, HV)
     dt = k.dtype.element_ty
     b_s = _initial_state(h_in, i_nh, i_v, stride_ik, stride_iv, K, V, BK, BV, HAS_H_IN)
 
     o_i = tl.arange(0, 64)
-    # Unsegmented, the loop keeps its constant start: Triton's pipeliner then emits the same code as
-    # before segments existed (a runtime start cost instructions in every chunk, offline sm_90 SASS).
-    # A segment past this sequence's end runs no chunk and only hands its state on (h_in to h_out).
+    # Unsegmented, the loop starts at the constant 0: with a runtime start Triton's pipeliner emits extra
+    # instructions in every chunk (sm_90 SASS). A segment past this sequence's end runs no chunk and only
+    # hands its state on (h_in to h_out).
     n_t = tl.cdiv(T, 64)
     for i_t in range(c_lo if SEGMENTED else 0, tl.minimum(n_t, c_hi) if SEGMENTED else n_t):
         i_ch = (c_first + i_t) * HV + i_hv
@@ -197,45 +204,31 @@ class Schedule(enum.Enum):
     SERIAL = "serial"  # the parallel kernels, then the chain
     # The chunks cut into segments: the parallel kernels of segment j + 1 run on the caller's stream while
     # the state chain of segment j runs on a side stream, ordered by events only. No kernel waits on another
-    # (an earlier try spun on per-chunk flags and hung the H200: CUDA does not promise that kernels of
-    # two streams run at once), so this is correct however the GPU schedules them.
+    # inside the GPU (spinning on per-chunk flags can hang: CUDA does not promise that kernels of two
+    # streams run at the same time), so this is correct however the GPU schedules them.
     PIPELINED = "pipelined"
 
 
-# (BV, num_warps, num_stages) of the state kernel in a pipelined call, giving about one program per SM
-# and leaving the rest of each SM to the inverse kernel; and the segments. H200 (scripts/gdn_schedules.py,
-# ms): 35B 1x8192 serial 0.621-0.627, pipelined BV=32 in 2 segments 0.578-0.579, 3 0.631, 4 0.587-0.595,
-# 8 0.635; BV=64 0.659-0.711. 397B 1x8192 serial 0.853, pipelined BV=64 0.852-0.856 (no gain), so a
-# call pipelines only where BV=32 gives no more programs than SMs. The inverse kernel also making the
-# masked scores (one GEMM off the chain) was slower then, at two stages (0.634-1.03 ms at 35B); a kernel
-# of their own at three stages is the scores form, faster (below).
-# With the grouped inverse kernel (scripts/gdn_inverse_probe.py): 35B 1x8192 serial 0.578, pipelined BV=32
-# 0.526-0.539; 397B serial 0.755, pipelined 0.778-0.829 (still serial).
+# (BV, num_warps, num_stages) of the state kernel in a pipelined call. BV=32 gives about one chain program
+# per SM for one sequence of 35B-shaped heads (HV=32) and leaves the rest of each SM to the inverse and
+# scores kernels. A call pipelines only where BV=32 gives no more chain programs than SMs: with more
+# (397B-shaped heads, HV=64) the chain fills the GPU and pipelining gained nothing over serial.
 # Three stages, not two: at two, Triton's pipeliner issues the next chunk's copies at the end of the
-# current one and waits for them at the top of the next (async_wait num = 0 in the TTGIR), so every chunk
-# waits out a global-load latency; at three the next chunk's copies stay in flight while this one
-# computes. H200, 35B 1x8192 (scripts/gdn_split_probe.py, one run): state kernel alone 414 -> 351 us,
-# serial 0.578 -> 0.517 ms, pipelined 0.533 -> 0.462 ms, same error. Batched calls keep two stages: a
-# third stage's shared memory (46-50 KB per program) costs programs per SM there (35B 4x8192 serial BV=64:
-# 1.220 -> 1.704 ms).
-# The scores form (what `_plan` picks here), 35B 1x8192, ms: pipelined in 2 segments 0.411-0.414 (three
-# runs), 4 segments 0.416-0.418, 3 0.463; serial 0.438; pipelined at (64, 4, 3) (half the SMs left wholly
-# to the inverse) 0.433-0.489, (32, 4, 4) 0.473-0.504. Pipelining gained less than the hidden half of the
-# inverse and scores (then ~105 us) because those ran about half as fast beside the chain (its registers left
-# room for two inverse programs per SM instead of four). Running the first segment's chain fused (so it
-# starts before the first scores kernel) measured 0.414 against 0.412 and was dropped. Register caps on the
-# inverse (three or four programs beside a chain program) were slower (scripts/gdn_split_probe.py). With the
-# faster inverse (transposed substitution, 64 k columns per gram step) and eight-warp scores, one run: 2
-# segments 0.387, 4 segments 0.391, serial 0.405; the same at 32 k columns 0.394.
+# current one and waits for them at the top of the next (async_wait num = 0 in the TTGIR; column `flight`
+# of `hybridkv kernels report`), so every chunk waits out a global-load latency; at three the next chunk's
+# copies stay in flight while this one computes. Batched calls keep two stages (autotuned): a third
+# stage's shared memory (46-50 KB per program) costs programs per SM there.
+# Two segments: more add launches and events without hiding more work. Pipelining hides less than the
+# whole inverse and scores time, because those run more slowly beside a chain program (its registers leave
+# room for two inverse programs on its SM instead of four).
 PIPELINE_CONFIG = (32, 4, 3)
 PIPELINE_SEGMENTS = 2
-# The scores form's serial config where BV=64 gives one program per SM (397B, one sequence). H200, 397B
-# 1x8192 (scripts/gdn_split_probe.py, two runs, ms): fused autotuned 0.752-0.754, fused (64, 4, 3) 0.804,
-# scores (64, 4, 3) 0.621-0.625, pipelined in 2 or 4 segments 0.636-0.642, (64, 8, 3) 0.771; FLA
-# 0.882-0.884.
+# The scores form's serial config where BV=64 gives one chain program per SM (397B-shaped heads, one
+# sequence): the chain already fills the GPU, so pipelining does not pay, and three stages keep the next
+# chunk's copies in flight as above. Four warps: eight were slower here.
 ONE_PER_SM_CONFIG = (64, 4, 3)
-# Below this many chunk rows a call stays serial: a short prompt's inverse is a few microseconds, less than
-# the second stream's launches and events cost (a floor chosen, not measured; the gain was measured at 128).
+# Below this many chunk rows a call stays serial: a short prompt's inverse takes a few microseconds, less
+# than the second stream's launches and events cost (a chosen floor, not a measured crossover).
 PIPELINE_MIN_CHUNKS = 32
 
 
@@ -267,11 +260,11 @@ def _plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int 
     Where BV=32 gives no more chain programs than SMs (few sequences and value heads) and the call has
     PIPELINE_MIN_CHUNKS chunk rows, it is pipelined at PIPELINE_CONFIG. One sequence takes the scores
     form, there and where only BV=64 gives that few programs (397B: serial at ONE_PER_SM_CONFIG); several
-    keep the fused form (the scores form was measured on one sequence and on 4x8192, where it lost).
-    Elsewhere, and for short prompts, the fused form autotuned. The fixed configs were measured and fit
-    shared memory at K = 128 only, so larger key heads are autotuned (which skips configs that do not
-    fit). ``itemsize``: of q, k, v; 4-byte inputs get two stages (three need 243.5 KB of shared memory,
-    over the H200's 227 KB per program) and no BV=64 plan (241 KB at two; tests/kernels/test_compile_report)."""
+    keep the fused form (their chain is not the whole call, see the module docstring). Elsewhere, and for
+    short prompts, the fused form autotuned. The fixed configs were tuned for, and fit shared memory at,
+    K = 128 only, so larger key heads are autotuned (which skips configs that do not fit). ``itemsize``:
+    of q, k, v; 4-byte inputs get two stages (three need 243.5 KB of shared memory, over the H200's 227 KB
+    per program) and no BV=64 plan (241 KB at two; tests/kernels/test_compile_report)."""
     autotuned = Plan(form=form or Form.FUSED, schedule=Schedule.SERIAL, config=None)
     if K > 128 or chunks < PIPELINE_MIN_CHUNKS:
         return autotuned
@@ -289,7 +282,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                                use_qk_l2norm_in_kernel, state_v_first, config: tuple[int, int, int] | None = None,
                                schedule: Schedule | None = None, segments: int | None = None,
                                inverse: InverseConfig = INVERSE_CONFIG, form: Form | None = None):
-    """``config``: a fixed (BV, num_warps, num_stages) for the state kernel instead of the autotuner.
+    """o `[B, T, HV, V]` and the fp32 final state (None unless ``output_final_state``) of
+    `api.chunk_gated_delta_rule`, whose arguments come first (validated there).
+
+    ``config``: a fixed (BV, num_warps, num_stages) for the state kernel instead of the autotuner.
     ``schedule``: SERIAL or PIPELINED (which needs a config). With neither schedule nor config, on a GPU,
     `_plan` picks the schedule, the config and (``form`` None) the form; otherwise None means SERIAL and
     FUSED. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how the inverse kernel is

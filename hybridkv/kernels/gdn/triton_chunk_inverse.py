@@ -4,19 +4,24 @@ state. Its oracle is `reference.chunk_reference` (through `triton_chunk`, which 
 T = (I + L)^-1 of L = the decayed, beta-scaled, strictly lower K K^T of a 64-token chunk, in 16x16
 blocks: the four diagonal blocks together (`_inv_unit_lower16x4`), the six below by block forward
 substitution. Beside it, the row scales that fold the l2 norms, beta and the decays into the state
-kernel's GEMM epilogues. T goes to chunk-aligned scratch in bf16 (128 B per token and value head), the
-row scales in fp32 (32 B).
+kernel's GEMM epilogues. Outputs, NC chunk rows: A = T `[NC, HV, 64, 64]` (bf16, fp32 for fp32 inputs;
+128 B per token and value head in bf16), R = row scales `[NC, HV, 8, 64]` fp32 (32 B per token), G =
+e^g_last `[NC, HV]` fp32.
 
-Measured on one H200 (kernel alone, torch.profiler; `scripts/gdn_inverse_probe.py`), us at 35B / 397B
-4x8192: the previous kernel (one value head per program, k held whole, product form and substitution
-in tf32x3) 844 / 1,628; grouped value heads with k in 32 columns, same numerics 813 / 1,590; product
-form tf32x3 with tf32 substitution 669 / 1,188; fp32 forward substitution on the diagonal with tf32
-substitution below it (FLA's numerics) 638 / 1,091. All-tf32 was fastest (519 / 823) but turns NaN on
-the worst case (identical keys, beta = 1): the product form needs fp32 products. A register cap (200)
-or four warps were slower. The first version (inverse and the scores in one four-warp kernel) took
-1,964 at 35B. The forward substitution built transposed (`_inv_unit_lower16x4`), same numerics, in a
-later run: 638 -> 590 / 1,098 -> 988, and at 64 columns of k per gram step 529 / 924 (the default); at 1x8192 161 -> 145
--> 129 / 273 -> 241 -> 220 (one run, same worst-case error 2.7%).
+Why it is built this way:
+
+- One program takes every value head of a group that shares a key head (`InverseConfig.group`): the raw
+  gram K K^T and the q and k norms depend on the key head only, so they are made once per group and
+  each value head then applies its own beta and decays.
+- The gram is accumulated BKC columns of k at a time, so the whole 64 x K block of k never sits in
+  registers (held whole, the kernel spills at two warps and fits fewer programs per SM).
+- Numerics are FLA's: fp32 forward substitution on the diagonal blocks, tf32 for the blocks below
+  (`INVERSE_CONFIG`). All-tf32 is faster but turns NaN on the worst case (every key of a chunk the same,
+  beta = 1); the nilpotent product form (METHOD 1) needs fp32 products for the same reason.
+- The forward substitution is built transposed (see `_inv_unit_lower16x4`), which keeps every step in
+  the layout a reduction leaves it in.
+
+Every variant measured, with the command: benchmarks/gdn/README.md.
 """
 
 from __future__ import annotations
@@ -62,9 +67,10 @@ class InverseConfig:
         return max(d for d in range(1, min(self.group, per) + 1) if per % d == 0)
 
 
-# Picked on the H200 (see the module docstring); worst-case error 2.7% (tf32x3 throughout: 1.8-2.0%,
-# the GPU test allows 5%). 64 columns of k per gram step, not 32: with the transposed substitution
-# (METHOD 0 now) it is faster though it spills 120 B (offline sm_90, 88 at 32 columns).
+# The shipped launch: fp32 forward substitution on the diagonal blocks and tf32 below (FLA's numerics),
+# faster than the product form at tf32x3 and within the GPU test's 5% on the worst case (tf32x3 throughout
+# is more precise and slower). 64 columns of k per gram step rather than 32: fewer, larger gram GEMMs were
+# faster with the transposed substitution, although the kernel spills a little more (sm_90).
 INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32")
 
 
@@ -75,9 +81,8 @@ def _inv_unit_lower16x4(L, METHOD: tl.constexpr, PREC: tl.constexpr):
     METHOD 0, forward substitution: step i reads row i of L and the rows < i of T; batching the four
     blocks runs the 15 dependent steps once instead of four times. It builds T transposed: row i of T is
     column i of T^T, so row i of L (a reduction over L's rows) multiplies T^T's columns in the layout it
-    comes out of the reduction in. Built as T, that row had to move to the other slice layout first, a
-    shared-memory round trip with barriers in each of the 15 steps (offline sm_90 PTX of the inverse
-    kernel: 216 -> 139 bar.sync, 104 -> 95 layout conversions; same arithmetic). METHOD 1, the nilpotent
+    comes out of the reduction in. Built as T, that row would have to move to the other slice layout
+    first: a shared-memory round trip with barriers in each of the 15 steps. METHOD 1, the nilpotent
     product (I - L)(I + L^2)(I + L^4)(I + L^8) (L^16 = 0): six batched GEMMs instead of 30 row reductions. Its
     terms grow to C(15, 7) = 6435 times the result when every k in a block is the same and beta = 1,
     so it needs fp32 products (ieee or tf32x3; tf32 alone would lose every digit there).
@@ -179,12 +184,12 @@ def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
                           MPREC: tl.constexpr, SEGMENTED: tl.constexpr):
     """T = (I + L)^-1 of one chunk for GROUP value heads of one key head: the four 16x16 diagonal blocks
     together (`_inv_unit_lower16x4`), the blocks below by block forward substitution,
-    T_ij = -T_ii sum_{j <= m < i} L_im T_mj; and the chunk's row scales.
+    T_ij = -T_ii sum_{j <= m < i} L_im T_mj; and the chunk's row scales. Grid (chunk rows, HV // GROUP).
 
-    The raw gram K K^T and the q and k norms depend on the key head only: made once, BKC columns at a
-    time (the whole 64 x K block of k never sits in registers), then every value head of the group
-    scales its own copy by beta and the decays. The first version held k whole and redid all of it per
-    value head: 255 registers and spills at two warps, so four programs per SM.
+    Reads q, k `[B, T, H, K]` and g, beta `[B, T, HV]`; writes A `[NC, HV, 64, 64]`, R `[NC, HV, 8, 64]`
+    and G `[NC, HV]` at the chunk's row. The raw gram K K^T and the q and k norms depend on the key head
+    only: made once, BKC columns at a time (the whole 64 x K block of k never sits in registers), then
+    every value head of the group scales its own copy by beta and the decays.
     SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of
     each sequence; otherwise every row.
     """
@@ -296,10 +301,8 @@ def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
         _store16(p, t33, 48, 48)
 
 
-# Warps of the scores kernel. H200, kernel alone (scripts/gdn_scores_probe.py), 35B / 397B 1x8192 at the
-# inverse's group (2 / 4 value heads per program), us: 4 warps 52.5 / 80.4, 8 warps 42.1 / 58.1 (a copy of
-# the same bytes 28.0 / 36.6). Programs walking several chunk rows so that Triton pipelines their loads
-# were slower (64.8-113.7 / 99.8-178.9).
+# Warps of the scores kernel. It moves q, k and P at well under copy bandwidth (bound by load latency, not
+# bytes), and eight warps keep more loads in flight per program than four.
 SCORES_WARPS = 8
 
 
@@ -308,8 +311,9 @@ def _chunk_scores_kernel(q, k, R, P, cu_seqlens, chunk_table, row0, c_lo, c_hi, 
                          BK: tl.constexpr, GROUP: tl.constexpr, SEGMENTED: tl.constexpr):
     """The masked scores of one chunk for GROUP value heads of one key head (`triton_chunk.Form.SCORES`),
     from the row scales the inverse kernel left in R: the `_scores` the state kernel would run on its
-    chain, q k^T made once for the group. A kernel of its own: beside the inverse's gram, at two
-    warps, its accumulators spilled (176 B, offline sm_90)."""
+    chain, q k^T made once for the group. Writes P `[NC, HV, 64, 64]` in k's dtype; grid (chunk rows,
+    HV // GROUP). A kernel of its own rather than a part of the inverse kernel: there, beside the gram's
+    accumulators at two warps, its q k^T accumulators would spill (sm_90)."""
     i_c, i_g = tl.program_id(0), tl.program_id(1)
     i_c, i_n, i_t, live = _table_row(chunk_table, i_c, row0, c_lo, c_hi, SEGMENTED)
     if not live:

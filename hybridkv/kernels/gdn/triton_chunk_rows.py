@@ -1,7 +1,6 @@
 """Helpers the Triton chunk kernels share: which chunk a program of a parallel kernel has, where its
-sequence starts, the state a chain program starts from, and a chunk's masked scores. Inlined by Triton
-(offline PTX of every chunk kernel launch is unchanged but for the order of two loads in a row's early
-exit)."""
+sequence starts, the state a chain program starts from, and a chunk's masked scores. Triton inlines
+them, so sharing them costs the kernels nothing."""
 
 from __future__ import annotations
 

@@ -9,16 +9,15 @@ T the chunk's inverse and the row scales of `triton_chunk_inverse` (rq, rk, rb, 
     O  = rq Q S + P V' = (rq Q - P W) S + P U = Q' S + U'
 
 so W, Q', U and U' depend on the inputs only. `_chunk_wu_kernel` makes them in parallel over (chunk,
-value head, 64 columns), stacked as [W; Q'] and [U; U'] (64 KB per chunk and value head in bf16);
+value head, 64 columns), stacked as [W; Q'] `[NC, HV, 128, K]` and [U; U'] `[NC, HV, 128, V]` (64 KB per
+chunk and value head in bf16);
 `_chunk_chain_kernel` multiplies [W; Q'] S in one GEMM, then K^T (rd V') into the state.
 
-Measured on one H200 (`scripts/gdn_split_probe.py`, kernels alone, us, 35B / 397B 1x8192): the chain 187
-(three stages) / 309-315 (two; the three-stage run was cut short) against the fused state kernel's 351 /
-478, but the parallel kernel 267 / 500 (plus the inverse, 162 / 275), so a whole call is slower than the
-fused form (35B: 0.620 ms serial against 0.517; batched shapes 1.8-1.9x slower), and nothing picks it.
-Its parallel kernel is the part to fix: 268 MB of stores at 35B should take ~70 us, so it is
-latency-bound (few programs per SM, one chain of dependent GEMMs each). Folding it into the inverse
-kernel, which holds T already, is the next step.
+Why nothing picks it: its chain is shorter than the fused state kernel's, but the parallel kernel costs
+more than the chain saves, so a whole call is slower than the fused form on every benchmark shape
+(benchmarks/gdn/README.md). That kernel is latency-bound, not bandwidth-bound: few programs per SM, each
+one chain of dependent GEMMs. Folding it into the inverse kernel, which holds T already, is the open
+next step.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ def _conv_out_kernel(x, weight, bias, y, seq_of_token, cu_seqlens, conv_state, s
                      total, D, stride_slot, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
                      SILU: tl.constexpr):
+    """y `[T, D]` for BT tokens x BD channels: grid (cdiv(T, BT), cdiv(D, BD)). A tap before a sequence's
+    first token reads that sequence's conv state (when it has one and has_init says so), else zero."""
     i_t, i_d = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -59,6 +61,9 @@ def _conv_out_kernel(x, weight, bias, y, seq_of_token, cu_seqlens, conv_state, s
 @triton.jit
 def _conv_state_kernel(x, cu_seqlens, conv_state, state_indices, has_init, D, stride_slot, W: tl.constexpr,
                        BW: tl.constexpr, BD: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr):
+    """Sequence i_n's last W - 1 inputs into its slot `[D, W - 1]` (a sequence shorter than that keeps the
+    newest entries of its initial state, or zeros): grid (N, cdiv(D, BD)). Launched after
+    `_conv_out_kernel`, which reads the initial states this overwrites."""
     i_n, i_d = tl.program_id(0), tl.program_id(1)
     slot = tl.load(state_indices + i_n).to(tl.int64)
     live = slot >= 0
@@ -84,6 +89,8 @@ def _conv_state_kernel(x, cu_seqlens, conv_state, state_indices, has_init, D, st
 @triton.jit
 def _conv_update_kernel(x, conv_state, weight, bias, y, state_indices, D, stride_slot, W: tl.constexpr,
                         BW: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """One decode token per sequence: y `[N, D]` from the slot's W - 1 inputs and x, then the slot shifted
+    by one in place: grid (N, cdiv(D, BD)). Slot -1: pool untouched, output zero."""
     i_n, i_d = tl.program_id(0), tl.program_id(1)
     slot = tl.load(state_indices + i_n).to(tl.int64)
     live = slot >= 0

@@ -1,9 +1,14 @@
 """Triton token-by-token gated delta rule: FLA-style fused recurrent and the in-place slot decode.
 
+Fused recurrent: q, k `[B, T, H, K]`, v `[B, T, HV, V]`, g and beta `[B, T, HV]` (either may be absent),
+states `[N, HV, K, V]` (`[N, HV, V, K]` V-first). Decode: one token per sequence, q, k `[N, H, K]`,
+v `[N, HV, V]`, raw gate inputs a, b `[N, HV]`, and a slot pool `[slots, HV, V, K]` updated in place.
+
 One kernel serves both; `reference.recurrent_reference` and `reference.decode_reference` are its
 oracles. A program owns a [BV, K] tile of one (sequence, value head) state in fp32 registers and walks
 that sequence's tokens. Decode reads the tile from its slot and writes it back to the same place, so
-the state crosses HBM exactly once each way, in its own dtype.
+the state crosses HBM exactly once each way, in its own dtype. Decode is bound by those state bytes,
+so its tile shape is tuned against copy bandwidth (`_tune_decode`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,13 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
                       L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_STATE: tl.constexpr,
                       STORE_STATE: tl.constexpr, USE_SLOTS: tl.constexpr, V_FIRST: tl.constexpr,
                       EVEN: tl.constexpr, STREAM: tl.constexpr = False):
+    """The gated delta rule over one sequence's tokens for one [BV, K] state tile: grid
+    (cdiv(V, BV), N * HV). Per token, with S `[K, V]`: S = e^g S, S = S + k (beta (v - S^T k))^T,
+    o = scale S^T q (q and k l2-normed first with L2NORM).
+
+    USE_SLOTS (decode): the state is read from and written back to slot state_indices[n] of the pool
+    (-1: pool untouched, output zero); otherwise it comes from ``state`` (if HAS_STATE) and goes to
+    ``state_out``. GATE_IN_KERNEL: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -106,8 +118,8 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
 # dtype and head count. Triton's autotuner would clone the whole pool around every timed call
 # (restore_value), which both costs a pool-sized copy and swamps the timings, so decode tunes itself
 # once per key on a scratch pool instead. The key carries the batch size rounded up to a power of two
-# (at most DECODE_TUNE_ROWS): the best tile moved with it (H200, 397B bf16 state: tuned on 128 rows it
-# kept (32, 2), 76.7-77.0% of copy bandwidth at 256 rows; (128, 8) reached 80.8%).
+# (at most DECODE_TUNE_ROWS) because the best tile moves with it: a tile tuned on a small batch can be
+# several points of copy bandwidth short on a large one.
 DECODE_TUNE_ROWS = 256
 DECODE_CONFIGS = ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8))  # (BV, num_warps)
 _DEFAULT_DECODE = (32, 4)
@@ -125,6 +137,8 @@ def _block_v(V: int) -> int:
 
 def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                         use_qk_l2norm_in_kernel, state_v_first):
+    """o `[B, T, HV, V]` and the fp32 final state (None unless asked) of
+    `api.fused_recurrent_gated_delta_rule`, whose arguments these are (validated there)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     q, k, v = (x.contiguous() for x in (q, k, v))
@@ -150,8 +164,9 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_sta
 
 def _launch_decode(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, v_first,
                    softplus_beta, softplus_threshold, stream: bool | None = None):
-    """``stream``: streaming cache hints on the state (evict-first loads, .cs stores); None: for 16-bit
-    states, where the H200 measured them 2-8 points of copy bandwidth faster (fp32: within noise)."""
+    """One decode launch at ``cfg`` = (BV, num_warps). ``stream``: streaming cache hints on the state
+    (evict-first loads, .cs stores); None: for 16-bit states, where they were faster (fp32: no gain).
+    Each slot is read once and written once, so keeping it out of L2 leaves room for q, k and v."""
     if stream is None:
         stream = ssm_state.element_size() == 2
     N, H, K = q.shape
@@ -179,8 +194,8 @@ def _tune_decode(args, rows: int) -> tuple[int, int]:
     for cfg in DECODE_CONFIGS:  # compile and warm every config before any is timed
         _launch_decode(cfg, *sub)
     torch.cuda.synchronize()
-    # Three rounds over all configs, best of each. One timed pass in a fixed order kept (32, 2) for 397B
-    # bf16 on the H200 (77.0% of copy bandwidth in the bench); with rounds it keeps (128, 8) (80.8%).
+    # Three rounds over all configs, best of each: a single timed pass in a fixed order can favour a config
+    # for where it falls in the order rather than for its speed, and picked a slower tile.
     best_ms = {cfg: float("inf") for cfg in DECODE_CONFIGS}
     for _ in range(3):
         for cfg in DECODE_CONFIGS:
@@ -196,6 +211,8 @@ def _tune_decode(args, rows: int) -> tuple[int, int]:
 
 def decode_fwd(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, scale, use_qk_l2norm_in_kernel,
                state_v_first, softplus_beta, softplus_threshold):
+    """o `[N, HV, V]` of `api.gated_delta_rule_decode` (arguments validated there); ssm_state is updated in
+    place. The tile is tuned on the first eager call per key (`_tune_decode`)."""
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     q, k, v, a, b = (x.contiguous() for x in (q, k, v, a, b))
