@@ -21,7 +21,9 @@ Every buffer also records what slice of the model its items hold
 (`shapes.BufferShape`) and the side its `shapes.Parallel` sharding: what the
 field keys of connectors/sglang/pairing.py are built from, so that a decode
 rank of another TP can be matched head by head. The `layout` here keeps the
-buffers as opaque items: it is what NIXL registers.
+buffers as opaque items: it is what NIXL registers, and what the peer gets
+(`AdoptedLayout.peer_view`, rebuilt by `from_peer`) as hybridkv's own region list
+and layout tables plus what SGLang says about the buffers in them.
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from connectors.sglang.shapes import BufferShape, Parallel, Slicing, describe_shape, parse_shape
+from connectors.sglang.messages import ComponentKeys, PeerLayout, ShapeOf
+from connectors.sglang.shapes import BufferShape, Parallel, Slicing
 from hybridkv.layout.alloc import MemKind
 from hybridkv.fencing.fence import PoolLayout, RequestId
-from descriptors.hma import GroupId
+from hybridkv.ids import GroupId
 from hybridkv.layout import Buffer, Layout, RegionId, adopt_buffers
+from hybridkv.layout.fields import FieldKind
+from hybridkv.transport.memory import MemoryMap, from_layout, rebuild_layout
 from hybridkv.fencing.request_state import Component, ComponentKind
 
 KV_GROUP = 0
-_BUFFER_FIELDS = ("key", "group_id", "addr", "item_bytes", "num_items", "mem", "device_id")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +62,8 @@ class AdoptedLayout:
     shapes: dict[int, BufferShape]
     #: per buffer key: (region, byte offset of the item inside the region's page)
     placement: dict[int, tuple[RegionId, int]]
+    #: the layout as the transport registers and sends it (regions, groups, field tables)
+    memory: MemoryMap
 
     @property
     def aux_group(self) -> int:
@@ -87,74 +93,55 @@ class AdoptedLayout:
                 return b
         raise ValueError(f"buffer {key} is not in this layout")
 
-    def describe(self) -> dict[str, Any]:
-        """Plain, msgpack-able form sent to the peer at registration."""
-        out: dict[str, Any] = {f: [] for f in _BUFFER_FIELDS}
-        for b in self.buffers:
-            for f in _BUFFER_FIELDS:
-                v = getattr(b, f)
-                out[f].append(v.value if isinstance(v, MemKind) else int(v))
-        out["shape"] = [describe_shape(self.shapes[b.key]) for b in self.buffers]
-        out["num_state_groups"] = self.num_state_groups
-        out["components"] = [[c.group, c.kind.value, sorted(keys)] for c, keys in self.components]
-        out["parallel"] = self.parallel.describe()
-        return out
+    def peer_view(self) -> PeerLayout:
+        """This layout as the peer gets it (a wire record: see connectors/sglang/messages.py)."""
+        m = self.memory
+        return PeerLayout(
+            regions=m.regions, groups=m.groups, table=m.table, num_state_groups=self.num_state_groups,
+            shapes=tuple(ShapeOf(key=k, shape=s) for k, s in sorted(self.shapes.items())),
+            components=tuple(ComponentKeys(component=c, keys=tuple(sorted(keys))) for c, keys in self.components),
+            parallel=self.parallel)
 
 
-def from_description(d: Any) -> AdoptedLayout:
-    """Rebuild a peer's layout from :meth:`AdoptedLayout.describe`, validating every field."""
-    if not isinstance(d, dict):
-        raise ValueError(f"layout description is {type(d).__name__}; expected a map")
-    cols = {}
-    for f in _BUFFER_FIELDS:
-        v = d.get(f)
-        if not isinstance(v, list):
-            raise ValueError(f"layout field {f!r} is {type(v).__name__}; expected a list")
-        cols[f] = v
-    n = len(cols["key"])
-    shapes_in = d.get("shape")
-    if not isinstance(shapes_in, list):
-        raise ValueError(f"layout field 'shape' is {type(shapes_in).__name__}; expected a list")
-    if any(len(v) != n for v in cols.values()) or len(shapes_in) != n:
-        raise ValueError(f"layout fields have lengths {[len(v) for v in cols.values()] + [len(shapes_in)]}; "
-                         f"expected all {n}")
-    nsg = d.get("num_state_groups")
-    if not _is_int(nsg) or nsg < 0:
-        raise ValueError(f"num_state_groups is {nsg!r}; expected an int >= 0")
-    buffers = []
-    shapes = {}
-    for i in range(n):
-        row = {f: cols[f][i] for f in _BUFFER_FIELDS}
-        if not all(_is_int(row[f]) for f in _BUFFER_FIELDS if f != "mem"):
-            raise ValueError(f"buffer {i} of the layout holds a non-int: {row}")
-        try:
-            mem = MemKind(row["mem"])
-        except ValueError:
-            raise ValueError(f"buffer {i} has memory kind {row['mem']!r}; expected DRAM or VRAM") from None
-        if not 0 <= row["group_id"] <= 1 + nsg:
-            raise ValueError(f"buffer {i} names group {row['group_id']}; expected 0..{1 + nsg}")
-        buffers.append(Buffer(key=row["key"], group_id=GroupId(row["group_id"]), addr=row["addr"],
-                              item_bytes=row["item_bytes"], num_items=row["num_items"], mem=mem,
-                              device_id=row["device_id"]))
-        shapes[row["key"]] = parse_shape(shapes_in[i], f"buffer {row['key']}")
-    comps = d.get("components")
-    if not isinstance(comps, list):
-        raise ValueError(f"layout components are {type(comps).__name__}; expected a list")
-    components = []
-    for entry in comps:
-        if (not isinstance(entry, list) or len(entry) != 3 or not _is_int(entry[0])
-                or not isinstance(entry[2], list) or not all(_is_int(k) for k in entry[2])):
-            raise ValueError(f"layout component {entry!r}; expected [group, kind, [keys]]")
-        try:
-            kind = ComponentKind(entry[1])
-        except ValueError:
-            raise ValueError(f"component kind {entry[1]!r}; expected one of {[k.value for k in ComponentKind]}") from None
-        components.append((Component(group=GroupId(entry[0]), kind=kind), frozenset(entry[2])))
-    return _build(buffers, nsg, components, Parallel.parse(d.get("parallel")), shapes)
+def from_peer(view: PeerLayout) -> AdoptedLayout:
+    """A peer's layout from the view it sent (the wire checked every field);
+    ValueError naming what does not fit together."""
+    layout = rebuild_layout(MemoryMap(regions=view.regions, groups=view.groups, table=view.table), None)
+    buffers = _buffers_of(layout)
+    nsg = view.num_state_groups
+    for b in buffers:
+        if not 0 <= b.group_id <= 1 + nsg:
+            raise ValueError(f"buffer {b.key} is in group {b.group_id}; expected 0..{1 + nsg}")
+    shapes = {s.key: s.shape for s in view.shapes}
+    keys = {b.key for b in buffers}
+    if set(shapes) != keys:
+        raise ValueError(f"the peer sends shapes of buffers {sorted(set(shapes) ^ keys)[:8]} that its layout tables "
+                         "do not hold (or the reverse); expected one shape per buffer")
+    components = [(c.component, frozenset(c.keys)) for c in view.components]
+    adopted = _build(buffers, nsg, components, view.parallel, shapes)
+    if adopted.layout != layout:
+        raise ValueError("the peer's regions are not those its buffers make; expected the layout adopt_buffers "
+                         "builds from them")
+    return adopted
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _buffers_of(layout: Layout) -> list[Buffer]:
+    """The buffers an opaque layout was adopted from: each field is one buffer's item."""
+    out = []
+    for g in layout.groups:
+        for p in g.placements:
+            r = layout.region(p.region_id)
+            for f in p.fields:
+                kind, key, index = f.key
+                if kind is not FieldKind.OPAQUE or index != 0 or f.token_bytes:
+                    raise ValueError(f"group {g.group_id} holds field {kind.value} {key}/{index}; expected the "
+                                     "opaque buffer items of an adopted SGLang layout")
+                if r.stride != f.nbytes and r.num_pages > 1:
+                    raise ValueError(f"buffer {key} has items of {f.nbytes} bytes every {r.stride} bytes; expected "
+                                     "packed items (SGLang's pools are)")
+                out.append(Buffer(key=key, group_id=g.group_id, addr=r.base_addr + f.offset, item_bytes=f.nbytes,
+                                  num_items=r.num_pages, mem=r.mem, device_id=r.device_id))
+    return sorted(out, key=lambda b: b.key)
 
 
 def _ints(values: Sequence[Any] | None, what: str) -> list[int]:
@@ -181,7 +168,8 @@ def _build(buffers: list[Buffer], num_state_groups: int, components: list[tuple[
     layout = adopt_buffers(buffers)
     return AdoptedLayout(layout=layout, buffers=tuple(buffers), num_state_groups=num_state_groups,
                          components=tuple(comps), group_blocks=tuple(blocks), parallel=parallel,
-                         shapes={k: shapes[k] for k in sorted(keys)}, placement=_placement(layout, buffers))
+                         shapes={k: shapes[k] for k in sorted(keys)}, placement=_placement(layout, buffers),
+                         memory=from_layout(layout))
 
 
 def _placement(layout: Layout, buffers: list[Buffer]) -> dict[int, tuple[RegionId, int]]:

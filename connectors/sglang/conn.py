@@ -11,7 +11,8 @@ leaves to a backend, and runs everything else on hybridkv's core:
   registration; each chunk is `compile()`d into (addr, len, dev) rows, one per
   run of pages consecutive on both sides per region (SGLang's NIXL backend: one
   per page per layer buffer);
-* NIXL: the Layout's regions registered once (agent.py), plans posted as WRITEs;
+* NIXL: hybridkv's `DataPlane` registers the Layout's regions once and posts
+  each chunk's plans as WRITEs (rows, one NIXL handle per pair of memory kinds);
 * fencing: a `hybridkv.fencing.scheduler.TransferScheduler` per manager over the
   engine-owned pools (KV pages, one pool per state type, aux rows):
   - decode: `send_metadata` assigns the request's pages/slots/row and posts one
@@ -45,11 +46,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
-import uuid
 from collections import defaultdict
 from typing import Optional
 
@@ -61,16 +60,17 @@ from connectors.sglang.adopt import (
     KV_GROUP,
     AdoptedLayout,
     adopt_kv_args,
-    from_description,
+    from_peer,
     parallel_of,
     state_blocks,
 )
-from connectors.sglang.agent import NixlWriter
+from connectors.sglang.config import SGLangConfig
 from connectors.sglang.decode_side import DecodeImports, _Import
 from connectors.sglang.pairing import PeerPlan, plan_peer
 from connectors.sglang.prefill_side import PrefillExports, TransferStats
 from descriptors.compiler import TransferPlanner
 from hybridkv.layout.alloc import MemKind
+from hybridkv.transport.dataplane import DataPlane
 from hybridkv.fencing.fence import RequestId, TransferId
 from hybridkv.fencing.request_state import Component
 from hybridkv.fencing.scheduler import TransferScheduler
@@ -90,8 +90,6 @@ from sglang.srt.utils.network import NetworkAddress
 
 logger = logging.getLogger(__name__)
 
-_RECV_POLL_MS = 200
-
 
 @dataclasses.dataclass
 class _Peer:
@@ -106,7 +104,6 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
     kv_status_msg_tag = b"KV_STATUS"
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
-    num_workers = 2
 
     def __init__(
         self,
@@ -117,13 +114,14 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
     ):
         # Layout, agent and scheduler exist before the base class registers to
         # the bootstrap server: a decode may connect right after.
+        self.config = SGLangConfig.from_server_args(server_args)
         self.mem = MemKind.DRAM if get_device().device == "cpu" else MemKind.VRAM
         par = get_parallel()
         self.adopted = adopt_kv_args(
             args, device_mem=self.mem, gpu_id=int(getattr(args, "gpu_id", 0) or 0),
             parallel=parallel_of(args, attn_tp=par.attn_tp_size, attn_rank=par.attn_tp_rank,
                                  state_tp=linear_attn_tp_size(), mla=bool(is_mla_backend)))
-        self.agent = NixlWriter(f"hybridkv-{uuid.uuid4().hex[:12]}", self.adopted.layout)
+        self.dp = DataPlane(self.adopted.memory, self.config.dataplane())
         self.stats = TransferStats()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -135,16 +133,16 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         self._imports: dict[int, _Import] = {}  # decode
         self._drain_waiters: dict[int, set[tuple[str, int]]] = {}
         self._stuck: dict[TransferId, object] = {}  # prefill: reads whose WRITEs NIXL would not abort
-        self.transfer_timeout_s = float(os.environ.get("HYBRIDKV_SGLANG_TRANSFER_TIMEOUT_S", "30"))
+        self.transfer_timeout_s = self.config.transfer_timeout_s  # an attribute: tests shorten it
         #: blocks the engine handed back that the scheduler does not yet let it reuse: (group, block)
         self.fenced: set[tuple[int, int]] = set()
         self.peers: dict[str, _Peer] = {}
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        self.drain_timeout_s = float(getattr(self, "waiting_timeout", 300.0))
+        self.drain_timeout_s = self.config.drain_timeout(getattr(self, "waiting_timeout", None))
         self.sched = TransferScheduler(self.adopted.pool_layout(), managed_pool=False,
-                                       lease_s=max(self.drain_timeout_s, 60.0))
+                                       lease_s=self.config.lease_s(self.drain_timeout_s))
         if disaggregation_mode == DisaggregationMode.PREFILL:
-            self._queues = [queue.Queue() for _ in range(self.num_workers)]
+            self._queues = [queue.Queue() for _ in range(self.config.workers)]
             for i, q in enumerate(self._queues):
                 self._spawn(self._worker_loop, f"hybridkv-worker-{i}", q)
             self._spawn(self._prefill_control_loop, "hybridkv-control")
@@ -165,7 +163,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
             self._heartbeat_shutdown.set()
         for t in self._threads:
             t.join(timeout=5)
-        self.agent.close()
+        self.dp.close()
         for sock in list(self._socket_cache.values()) + list(self._monitor_cache.values()):
             sock.close(linger=0)
         self.server_socket.close(linger=0)
@@ -198,8 +196,8 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
     # ------------------------------------------------------------ decode -> prefill messages
     def build_receiver_registration_message(self) -> list[bytes]:
         return msgs.Register(
-            endpoint=self.local_ip, port=self.rank_port, agent_name=self.agent.name,
-            agent_metadata=self.agent.metadata(), layout=self.adopted.describe(),
+            endpoint=self.local_ip, port=self.rank_port, agent_name=self.dp.name, agent_metadata=self.dp.metadata(),
+            layout=self.adopted.peer_view(),
             attn_tp_size=self.attn_tp_size, attn_tp_rank=self.attn_tp_rank,
             state_types=tuple(str(getattr(s, "value", s)) for s in (getattr(self.kv_args, "state_types", None) or [])),
             fingerprint=self.fingerprint(),
@@ -213,7 +211,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
             None if s is None else np.asarray(s, dtype=np.int32).ravel() for s in (state_indices or [])
         )
         return msgs.Metadata(
-            room=int(bootstrap_room), endpoint=self.local_ip, port=self.rank_port, agent_name=self.agent.name,
+            room=int(bootstrap_room), endpoint=self.local_ip, port=self.rank_port, agent_name=self.dp.name,
             kv_indices=np.asarray(kv_indices if not is_dummy else [], dtype=np.int32),
             aux_index=int(aux_index if aux_index is not None else -1),
             state_indices=states if not is_dummy else (),
@@ -226,7 +224,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         poller = zmq.Poller()
         poller.register(self.server_socket, zmq.POLLIN)
         while not self._stop.is_set():
-            if poller.poll(_RECV_POLL_MS):
+            if poller.poll(int(self.config.poll_interval_s * 1000)):
                 yield self.server_socket.recv_multipart()
             if tick is not None:
                 try:
@@ -240,20 +238,20 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
                 if frames and frames[0] == ABORT_TAG:
                     self._on_abort(frames)
                 elif frames and frames[0] == msgs.TAG:
-                    kind, m = msgs.decode(frames)
-                    if kind is msgs.MsgType.REGISTER:
-                        self._on_register(msgs.Register.parse(m))
-                    elif kind is msgs.MsgType.METADATA:
-                        self._on_metadata(msgs.Metadata.parse(m))
+                    m = msgs.decode(frames)
+                    if isinstance(m, msgs.Register):
+                        self._on_register(m)
+                    elif isinstance(m, msgs.Metadata):
+                        self._on_metadata(m)
                     else:
-                        raise ValueError(f"prefill got a {kind.value} message")
+                        raise ValueError(f"prefill got a {type(m).__name__} message")
                 else:
                     raise ValueError(f"unknown control message tag {frames[0][:16]!r}")
             except Exception:
                 logger.exception("hybridkv: dropped a control message")
 
     def _on_register(self, reg: msgs.Register) -> None:
-        peer_layout = from_description(reg.layout)
+        peer_layout = from_peer(reg.layout)
         rejection = None
         plan = None
         mine = self.adopted.parallel
@@ -266,7 +264,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         except ValueError as e:
             rejection = (f"hybridkv cannot pair prefill rank {mine.attn_rank}/{mine.attn_tp} with decode rank "
                          f"{reg.attn_tp_rank}/{reg.attn_tp_size}: {e}")
-        name = self.agent.add_remote(reg.agent_metadata)
+        name = self.dp.add_peer(reg.agent_metadata, peer_layout.memory)
         if name != reg.agent_name:
             raise ValueError(f"agent metadata names {name!r} but the message says {reg.agent_name!r}")
         self.peers[name] = _Peer(agent_name=name, layout=peer_layout, planners=plan.planners if plan else {},

@@ -21,7 +21,7 @@ import numpy as np
 from connectors.sglang import messages as msgs
 from connectors.sglang.adopt import request_id
 from hybridkv.fencing.fence import NotYet, TransferId
-from hybridkv.fencing.request_state import Component, ComponentKind
+from hybridkv.fencing.request_state import Component
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 logger = logging.getLogger(__name__)
@@ -127,8 +127,7 @@ class DecodeImports:
             imp = self._imports.get(landed.room)
             if imp is None:
                 return
-            for group, kind in landed.components:
-                comp = Component(group=group, kind=ComponentKind(kind))
+            for comp in landed.components:
                 if comp not in imp.tids:
                     continue
                 imp.landed_from[comp].add(landed.prefill_rank)
@@ -153,20 +152,18 @@ class DecodeImports:
         for frames in self._recv():
             try:
                 if frames and frames[0] == msgs.TAG:
-                    kind, m = msgs.decode(frames)
-                    if kind is msgs.MsgType.LANDED:
-                        self._on_landed(msgs.Landed.parse(m))
-                    elif kind is msgs.MsgType.DRAINED:
-                        d = msgs.Drained.parse(m)
-                        self._note_quiet(d.room, d.prefill_rank, drained=True)
-                    elif kind is msgs.MsgType.STUCK:
-                        st = msgs.Stuck.parse(m)
+                    m = msgs.decode(frames)
+                    if isinstance(m, msgs.Landed):
+                        self._on_landed(m)
+                    elif isinstance(m, msgs.Drained):
+                        self._note_quiet(m.room, m.prefill_rank, drained=True)
+                    elif isinstance(m, msgs.Stuck):
                         with self.sched_lock:
-                            imp = self._imports.get(st.room)
+                            imp = self._imports.get(m.room)
                             if imp is not None:
-                                imp.stuck.add(st.prefill_rank)
+                                imp.stuck.add(m.prefill_rank)
                     else:
-                        raise ValueError(f"decode got a {kind.value} message")
+                        raise ValueError(f"decode got a {type(m).__name__} message")
                     continue
                 if self.handle_abort_ack_message(frames):
                     continue

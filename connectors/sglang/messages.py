@@ -1,9 +1,13 @@
-"""Control messages of the hybridkv SGLang backend.
+"""Control messages of the hybridkv SGLang backend, declared with hybridkv's wire schema.
 
 They ride SGLang's ZMQ PUSH/PULL sockets (the Common* layer owns those) as two
-frames: a tag and one msgpack map. No pickle; every field is type-checked on
-receipt and a bad message raises ValueError naming the field. The version
-lets an old peer be refused with a clear reason instead of a misparse.
+frames: a tag and one msgpack array ``[version, type, body]``. Each message type
+is one frozen dataclass whose fields are declared with ``hybridkv.wire``'s
+``on_wire`` codecs: that declaration is its encoder and its validator (a
+``Record``), and the bounded unpacker is the wire's too, so a message from a
+peer is checked exactly as hybridkv's own are. No pickle; a bad message raises
+``WireError`` (a ValueError) naming the field. The version lets an old peer be
+refused with a clear reason instead of a misparse.
 """
 
 from __future__ import annotations
@@ -15,8 +19,18 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from connectors.sglang.shapes import BufferShape, Parallel, Slicing
+from hybridkv import wire
+from hybridkv.fencing.request_state import Component, ComponentKind
+from hybridkv.wire.codec import unpack
+from hybridkv.wire.fields import Blob, Flag, Int, Int32s, ListOf, Nullable, Text, expect_list
+from hybridkv.wire.limits import MAX_BLOCKS_PER_GROUP, MAX_FIELDS, MAX_GROUPS, MAX_I32, MAX_METADATA_BYTES, MAX_NAME, \
+    MAX_TP
+from hybridkv.wire.regions import GROUP_ID, GROUPS, REGIONS
+from hybridkv.wire.schema import Record, Spec, on_wire, record_of
+
 TAG = b"HYBRIDKV"
-VERSION = 3
+VERSION = 4
 
 
 class MsgType(enum.Enum):
@@ -27,175 +41,166 @@ class MsgType(enum.Enum):
     STUCK = "stuck"  # prefill rank -> decode rank: a write NIXL would not abort may still land; wait for DRAINED
 
 
-def _field(m: dict, name: str, typ: type | tuple[type, ...]) -> Any:
-    if name not in m:
-        raise ValueError(f"message lacks field {name!r}")
-    v = m[name]
-    if isinstance(v, bool) and typ is int:
-        raise ValueError(f"field {name!r} is {v!r}; expected int")
-    if not isinstance(v, typ):
-        raise ValueError(f"field {name!r} is {type(v).__name__}; expected {typ}")
-    return v
+# ---------------------------------------------------------------- codecs the wire has no need of itself
+@dataclass(frozen=True, kw_only=True)
+class EnumValue:
+    """A member of a string-valued enum, sent as its value."""
 
+    enum: type[enum.Enum]
 
-def _int_list(m: dict, name: str) -> np.ndarray:
-    v = _field(m, name, (bytes, list))
-    if isinstance(v, bytes):
-        if len(v) % 4:
-            raise ValueError(f"field {name!r} has {len(v)} bytes; expected int32 array")
-        return np.frombuffer(v, dtype=np.int32).astype(np.int64)
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise ValueError(f"field {name!r} holds a non-int")
-    return np.asarray(v, dtype=np.int64)
+    def encode(self, value: Any) -> Any:
+        return value.value
 
-
-def encode(kind: MsgType, body: dict[str, Any]) -> list[bytes]:
-    return [TAG, msgpack.packb({"v": VERSION, "type": kind.value, **body}, use_bin_type=True)]
-
-
-def decode(frames: list[bytes]) -> tuple[MsgType, dict[str, Any]]:
-    if len(frames) != 2 or frames[0] != TAG:
-        raise ValueError(f"not a hybridkv message: {len(frames)} frames, tag {frames[0][:16]!r}")
-    try:
-        m = msgpack.unpackb(frames[1], raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types
-        raise ValueError(f"undecodable hybridkv message: {e}") from None
-    if not isinstance(m, dict):
-        raise ValueError(f"hybridkv message is {type(m).__name__}; expected a map")
-    v = m.get("v")
-    if v != VERSION:
-        raise ValueError(f"hybridkv message version {v!r}; this side speaks {VERSION}")
-    try:
-        kind = MsgType(m.get("type"))
-    except ValueError:
-        raise ValueError(f"hybridkv message type {m.get('type')!r}; expected one of {[t.value for t in MsgType]}") from None
-    return kind, m
+    def decode(self, raw: Any, name: str) -> enum.Enum:
+        try:
+            return self.enum(raw)
+        except (ValueError, TypeError):
+            raise wire.WireError(f"{name} = {raw!r:.40}; expected one of {[m.value for m in self.enum]}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
-class Register:
-    endpoint: str
-    port: int
-    agent_name: str
-    agent_metadata: bytes
-    layout: dict[str, Any]
-    attn_tp_size: int
-    attn_tp_rank: int
-    state_types: tuple[str, ...]
-    fingerprint: str
+class Indices:
+    """Block ids as an int32 array on the wire, an int64 numpy array here (the planners' input)."""
 
+    inner: Int32s = Int32s(limit=MAX_BLOCKS_PER_GROUP, what="index", distinct=False)
+
+    def encode(self, value: Any) -> bytes:
+        return self.inner.encode(value)
+
+    def decode(self, raw: Any, name: str) -> np.ndarray:
+        return np.asarray(self.inner.decode(raw, name), dtype=np.int64)
+
+
+def _record(cls: type, **codecs: Any) -> Record:
+    """The wire form of a type declared outside the wire (shapes.py, hybridkv's fencing)."""
+    return Record(cls=cls, specs=tuple((attr, Spec(key=attr, codec=c)) for attr, c in codecs.items()))
+
+
+COUNT = Int(lo=0, hi=MAX_I32)
+POSITIVE = Int(lo=1, hi=MAX_I32)
+ROOM = Int(lo=0, hi=(1 << 64) - 1)
+RANK = Int(lo=0, hi=MAX_I32)
+PORT = Int(lo=0, hi=65535)
+NAME = Text(limit=MAX_NAME)
+TP = Int(lo=1, hi=MAX_TP)
+_PARALLEL = _record(Parallel, attn_tp=TP, attn_rank=Int(lo=0, hi=MAX_TP - 1), state_tp=TP, page_size=POSITIVE,
+                    kv_heads=POSITIVE, mla=Flag(), kv_layout=Nullable(inner=NAME), draft_entries=COUNT)
+_SHAPE = _record(BufferShape, slicing=EnumValue(enum=Slicing), dim=COUNT, outer=POSITIVE,
+                 sub=ListOf(item=POSITIVE, limit=64), conv=Flag())
+_COMPONENT = _record(Component, group=GROUP_ID, kind=EnumValue(enum=ComponentKind))
+
+
+# ---------------------------------------------------------------- the adopted layout, as its peer gets it
+@dataclass(frozen=True, kw_only=True)
+class ShapeOf:
+    key: int = on_wire("key", COUNT)  # the buffer's position in SGLang's pointer lists
+    shape: BufferShape = on_wire("shape", _SHAPE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComponentKeys:
+    component: Component = on_wire("component", _COMPONENT)
+    keys: tuple[int, ...] = on_wire("keys", Int32s(limit=MAX_FIELDS, what="buffer key", distinct=True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerLayout:
+    """A side's adopted layout: the regions, groups and field tables hybridkv's core sends
+    for any layout (`hybridkv.transport.memory.from_layout`), and what SGLang says about
+    the buffers in them (see `connectors.sglang.adopt.from_peer`)."""
+
+    regions: tuple[wire.RegionInfo, ...] = on_wire("regions", REGIONS)
+    groups: tuple[wire.GroupInfo, ...] = on_wire("groups", GROUPS)
+    table: wire.LayoutTable = on_wire("table", record_of(wire.LayoutTable))
+    num_state_groups: int = on_wire("state_groups", Int(lo=0, hi=MAX_GROUPS - 2))
+    shapes: tuple[ShapeOf, ...] = on_wire("shapes", ListOf(item=record_of(ShapeOf), limit=MAX_FIELDS, distinct="key"))
+    components: tuple[ComponentKeys, ...] = on_wire("components", ListOf(item=record_of(ComponentKeys),
+                                                                         limit=3 * MAX_GROUPS))
+    parallel: Parallel = on_wire("parallel", _PARALLEL)
+
+    def _check(self, name: str) -> None:
+        # The field tables name regions and groups by id: only ones listed here.
+        self.table.check_refs({r.region_id: r for r in self.regions}, {g.group_id for g in self.groups},
+                              f"{name}.table")
+
+
+# ---------------------------------------------------------------- messages
+class Message:
     def to_frames(self) -> list[bytes]:
-        return encode(MsgType.REGISTER, {
-            "endpoint": self.endpoint, "port": self.port, "agent_name": self.agent_name,
-            "agent_metadata": self.agent_metadata, "layout": self.layout,
-            "attn_tp_size": self.attn_tp_size, "attn_tp_rank": self.attn_tp_rank,
-            "state_types": list(self.state_types), "fingerprint": self.fingerprint,
-        })
-
-    @classmethod
-    def parse(cls, m: dict) -> Register:
-        st = _field(m, "state_types", list)
-        if not all(isinstance(s, str) for s in st):
-            raise ValueError("field 'state_types' holds a non-string")
-        return cls(
-            endpoint=_field(m, "endpoint", str), port=_field(m, "port", int),
-            agent_name=_field(m, "agent_name", str), agent_metadata=_field(m, "agent_metadata", bytes),
-            layout=_field(m, "layout", dict), attn_tp_size=_field(m, "attn_tp_size", int),
-            attn_tp_rank=_field(m, "attn_tp_rank", int), state_types=tuple(st),
-            fingerprint=_field(m, "fingerprint", str),
-        )
+        return encode(self)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Metadata:
-    room: int
-    endpoint: str
-    port: int
-    agent_name: str
-    kv_indices: np.ndarray
-    aux_index: int
-    state_indices: tuple[np.ndarray | None, ...]
-    required_dst_info_num: int
-    decode_prefix_len: int
-    is_dummy: bool
-
-    def to_frames(self) -> list[bytes]:
-        return encode(MsgType.METADATA, {
-            "room": self.room, "endpoint": self.endpoint, "port": self.port,
-            "agent_name": self.agent_name,
-            "kv_indices": np.ascontiguousarray(self.kv_indices, dtype=np.int32).tobytes(),
-            "aux_index": self.aux_index,
-            "state_indices": [None if s is None else np.ascontiguousarray(s, dtype=np.int32).tobytes()
-                              for s in self.state_indices],
-            "required_dst_info_num": self.required_dst_info_num,
-            "decode_prefix_len": self.decode_prefix_len, "is_dummy": self.is_dummy,
-        })
-
-    @classmethod
-    def parse(cls, m: dict) -> Metadata:
-        raw_states = _field(m, "state_indices", list)
-        states = []
-        for i, s in enumerate(raw_states):
-            states.append(None if s is None else _int_list({f"state_indices[{i}]": s}, f"state_indices[{i}]"))
-        required = _field(m, "required_dst_info_num", int)
-        if required < 1:
-            raise ValueError(f"field 'required_dst_info_num' is {required}; expected >= 1")
-        return cls(
-            room=_field(m, "room", int), endpoint=_field(m, "endpoint", str), port=_field(m, "port", int),
-            agent_name=_field(m, "agent_name", str), kv_indices=_int_list(m, "kv_indices"),
-            aux_index=_field(m, "aux_index", int), state_indices=tuple(states),
-            required_dst_info_num=required, decode_prefix_len=_field(m, "decode_prefix_len", int),
-            is_dummy=_field(m, "is_dummy", bool),
-        )
+class Register(Message):
+    endpoint: str = on_wire("endpoint", NAME)
+    port: int = on_wire("port", PORT)
+    agent_name: str = on_wire("agent", NAME)
+    agent_metadata: bytes = on_wire("metadata", Blob(limit=MAX_METADATA_BYTES))
+    layout: PeerLayout = on_wire("layout", record_of(PeerLayout))
+    attn_tp_size: int = on_wire("attn_tp", TP)
+    attn_tp_rank: int = on_wire("attn_rank", Int(lo=0, hi=MAX_TP - 1))
+    state_types: tuple[str, ...] = on_wire("state_types", ListOf(item=NAME, limit=MAX_GROUPS))
+    fingerprint: str = on_wire("fingerprint", NAME)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Drained:
-    room: int
-    prefill_rank: int
-
-    def to_frames(self) -> list[bytes]:
-        return encode(MsgType.DRAINED, {"room": self.room, "prefill_rank": self.prefill_rank})
-
-    @classmethod
-    def parse(cls, m: dict) -> Drained:
-        return cls(room=_field(m, "room", int), prefill_rank=_field(m, "prefill_rank", int))
+class Metadata(Message):
+    room: int = on_wire("room", ROOM)
+    endpoint: str = on_wire("endpoint", NAME)
+    port: int = on_wire("port", PORT)
+    agent_name: str = on_wire("agent", NAME)
+    kv_indices: np.ndarray = on_wire("kv", Indices())
+    aux_index: int = on_wire("aux", Int(lo=-1, hi=MAX_I32))  # -1: none
+    state_indices: tuple[np.ndarray | None, ...] = on_wire("states", ListOf(item=Nullable(inner=Indices()),
+                                                                            limit=MAX_GROUPS))
+    required_dst_info_num: int = on_wire("required", POSITIVE)
+    decode_prefix_len: int = on_wire("prefix_len", COUNT)
+    is_dummy: bool = on_wire("dummy", Flag())
 
 
 @dataclass(frozen=True, kw_only=True)
-class Stuck:
+class Drained(Message):
+    room: int = on_wire("room", ROOM)
+    prefill_rank: int = on_wire("rank", RANK)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stuck(Message):
     """Sent before the room's KV_STATUS Failed: that status does not mean this rank is quiet."""
 
-    room: int
-    prefill_rank: int
-
-    def to_frames(self) -> list[bytes]:
-        return encode(MsgType.STUCK, {"room": self.room, "prefill_rank": self.prefill_rank})
-
-    @classmethod
-    def parse(cls, m: dict) -> Stuck:
-        return cls(room=_field(m, "room", int), prefill_rank=_field(m, "prefill_rank", int))
+    room: int = on_wire("room", ROOM)
+    prefill_rank: int = on_wire("rank", RANK)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Landed:
+class Landed(Message):
     """Every write of these components of the room completed (NIXL DONE on the writer)."""
 
-    room: int
-    prefill_rank: int
-    components: tuple[tuple[int, str], ...]  # (group, ComponentKind value)
+    room: int = on_wire("room", ROOM)
+    prefill_rank: int = on_wire("rank", RANK)
+    components: tuple[Component, ...] = on_wire("components", ListOf(item=_COMPONENT, limit=3 * MAX_GROUPS))
 
-    def to_frames(self) -> list[bytes]:
-        return encode(MsgType.LANDED, {"room": self.room, "prefill_rank": self.prefill_rank,
-                                       "components": [list(c) for c in self.components]})
 
-    @classmethod
-    def parse(cls, m: dict) -> Landed:
-        comps = _field(m, "components", list)
-        out = []
-        for c in comps:
-            if (not isinstance(c, list) or len(c) != 2 or not isinstance(c[0], int) or isinstance(c[0], bool)
-                    or not isinstance(c[1], str)):
-                raise ValueError(f"field 'components' holds {c!r}; expected [group, kind]")
-            out.append((c[0], c[1]))
-        return cls(room=_field(m, "room", int), prefill_rank=_field(m, "prefill_rank", int), components=tuple(out))
+_TYPES: dict[MsgType, type] = {MsgType.REGISTER: Register, MsgType.METADATA: Metadata, MsgType.DRAINED: Drained,
+                               MsgType.LANDED: Landed, MsgType.STUCK: Stuck}
+_TYPE_OF = {cls: t for t, cls in _TYPES.items()}
+_RECORDS = {t: record_of(cls) for t, cls in _TYPES.items()}
+_MSG_TYPE = EnumValue(enum=MsgType)
+
+
+def encode(msg: Message) -> list[bytes]:
+    t = _TYPE_OF[type(msg)]
+    return [TAG, msgpack.packb([VERSION, t.value, _RECORDS[t].encode(msg)], use_bin_type=True)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Two frames from a peer -> a typed message, or WireError (a ValueError) naming what is wrong."""
+    if len(frames) != 2 or frames[0] != TAG:
+        raise wire.WireError(f"not a hybridkv message: {len(frames)} frames, tag {frames[0][:16]!r}")
+    top = expect_list(unpack(frames[1]), "hybridkv message", 3)
+    if len(top) != 3:
+        raise wire.WireError(f"hybridkv message has {len(top)} entries; expected [version, type, body]")
+    if top[0] != VERSION:
+        raise wire.WireError(f"hybridkv message version {top[0]!r:.20}; this side speaks {VERSION}")
+    t = _MSG_TYPE.decode(top[1], "hybridkv message type")
+    return _RECORDS[t].decode(top[2], t.value)

@@ -35,7 +35,7 @@ from connectors.sglang.shapes import BufferShape, Parallel, Slicing, heads_of_ra
 from descriptors.compiler import TransferPlanner
 from hybridkv.layout.fields import FieldKind
 from hybridkv.layout.fields import Field, FieldKey
-from descriptors.hma import GroupId
+from hybridkv.ids import GroupId
 from hybridkv.layout import GroupLayout, Layout, Placement
 from hybridkv.fencing.request_state import Component
 

@@ -4,7 +4,8 @@ Each chunk SGLang hands over joins the room's export in the fencing scheduler
 (its source pages, and with the last chunk the state slots and aux row, are
 assigned to the room); a worker waits for the device (SGLang's event), takes a
 `post_export` read, compiles one plan per component with the peer's planners,
-posts the WRITEs and settles every handle before the read is terminal. The
+posts them as one WRITE per decode peer (`DataPlane.post_rows`: one NIXL handle
+per pair of memory kinds) and settles every one before the read is terminal. The
 room's export is dropped, and its sender may report a terminal state, only when
 no chunk of it is queued or being read.
 
@@ -26,15 +27,14 @@ import numpy as np
 
 from connectors.sglang import messages as msgs
 from connectors.sglang.adopt import KV_GROUP, request_id, room_of, state_blocks
-from connectors.sglang.agent import XferState, split_by_memory
+from descriptors.compiler import TransferPlan
 from hybridkv.fencing.fence import NotYet, TransferId
 from hybridkv.fencing.request_state import Component
+from hybridkv.transport.dataplane import Op, Transfer, XferState
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 logger = logging.getLogger(__name__)
-
-_RECV_POLL_MS = 200
 
 
 @dataclasses.dataclass
@@ -53,7 +53,7 @@ class _StuckWrite:
     """WRITEs NIXL refused to abort: the read stays in flight until they end."""
 
     room: int
-    handles: list
+    transfers: list[Transfer]
     targets: list  # decode endpoints to tell DRAINED
 
 
@@ -62,7 +62,7 @@ class TransferStats:
     """Counters a test or a benchmark reads; only worker threads write them."""
 
     chunks: int = 0
-    handles: int = 0
+    handles: int = 0  # NIXL handles posted
     descriptors: int = 0
     bytes: int = 0
     pages: int = 0
@@ -148,7 +148,7 @@ class PrefillExports:
     def _worker_loop(self, q: queue.Queue) -> None:
         while not self._stop.is_set():
             try:
-                chunk = q.get(timeout=_RECV_POLL_MS / 1000)
+                chunk = q.get(timeout=self.config.poll_interval_s)
             except queue.Empty:
                 continue
             try:
@@ -163,8 +163,8 @@ class PrefillExports:
                 self.retire_export(chunk.room)
                 self._maybe_send_drained(chunk.room)
 
-    def _plans_for(self, chunk: _Chunk, md: msgs.Metadata, peer):
-        """Per component, the compiled plan split by memory kind. Raises ValueError before anything is posted."""
+    def _plans_for(self, chunk: _Chunk, md: msgs.Metadata, peer) -> list[tuple[Component, Optional[TransferPlan]]]:
+        """Per component, the compiled plan. Raises ValueError before anything is posted."""
         dst_pages = md.kv_indices[chunk.index_slice]
         if len(dst_pages) != len(chunk.kv_indices):
             raise ValueError(
@@ -186,11 +186,10 @@ class PrefillExports:
             if planner is None:
                 # Another prefill rank writes every field of it (heads this rank
                 # shares with it, replicated state, aux): done here by definition.
-                out.append((comp, None, {}))
+                out.append((comp, None))
                 continue
             src, dst = blocks[comp.group]
-            plan = planner.compile({comp.group: src}, {comp.group: dst})
-            out.append((comp, plan, split_by_memory(plan, self.adopted.layout, peer.layout.layout)))
+            out.append((comp, planner.compile({comp.group: src}, {comp.group: dst})))
         return out
 
     def _process(self, chunk: _Chunk) -> None:
@@ -205,7 +204,7 @@ class PrefillExports:
             if self.request_status.get(room) in (None, KVPoll.Failed):
                 return  # aborted while the device was still writing the source
         self.update_status(room, KVPoll.Transferring)
-        handles = []
+        xfers: list[Transfer] = []
         tid = None
         sent: list[Component] = []
         error: Optional[Exception] = None
@@ -224,27 +223,28 @@ class PrefillExports:
             # A write past its export lease reads pages that may be released: abort it there.
             deadline = min(deadline, lease) if lease is not None else deadline
             for md, comp_plans in plans:
-                for comp, plan, by_mem in comp_plans:
-                    for (smem, dmem), (src, dst) in by_mem.items():
-                        handles.append(self.agent.post_write(md.agent_name, src, smem, dst, dmem))
-                    if plan is not None:
-                        self.stats.descriptors += plan.num_descriptors
-                        self.stats.bytes += plan.nbytes
+                plan = TransferPlan.concat([p for _, p in comp_plans if p is not None and p.num_descriptors])
+                if plan.num_descriptors:
+                    xfer = self.dp.post_rows(Op.WRITE, md.agent_name, plan.src, plan.dst)
+                    xfers.append(xfer)
+                    self.stats.handles += len(xfer.handles)
+                    self.stats.descriptors += plan.num_descriptors
+                    self.stats.bytes += plan.nbytes
+                for comp, _ in comp_plans:
                     if comp not in sent:
                         sent.append(comp)
             self.stats.chunks += 1
-            self.stats.handles += len(handles)
             self.stats.pages += len(chunk.kv_indices)
         except Exception as e:
-            error = e  # handles already posted still settle below
-        failed, running = self._settle(handles, deadline)
+            error = e  # WRITEs already posted still settle below
+        failed, running = self._settle(xfers, deadline)
         if running:
-            self._abandon(room, tid, handles, running, error)
+            self._abandon(room, tid, xfers, running, error)
             return
-        for h in handles:
-            self.agent.release(h)
+        for x in xfers:
+            self.dp.release(x)
         if error is None and failed:
-            error = RuntimeError(f"NIXL reported an error for {failed} of {len(handles)} handles of room {room}")
+            error = RuntimeError(f"NIXL reported an error for {failed} of {len(xfers)} WRITEs of room {room}")
         if error is not None:
             self.conclude_failure(bootstrap_room=room, failure_reason=f"hybridkv transfer failed: {error}")
             self._end_export(room, tid, ok=False)
@@ -254,23 +254,23 @@ class PrefillExports:
             # Every chunk of the room ran on this worker, in order, and settled:
             # the KV component is complete with this one.
             landed = msgs.Landed(room=room, prefill_rank=self._prefill_unique_rank(),
-                                 components=tuple((c.group, c.kind.value) for c in sent)).to_frames()
+                                 components=tuple(sent)).to_frames()
             for ip, port in self._room_notify_targets(room):
                 self._push(ip, port, landed, f"LANDED for room {room}")
             self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
             self.transfer_infos.pop(room, None) if self.check_status(room) == KVPoll.Success else None
 
-    def _abandon(self, room: int, tid: Optional[TransferId], handles: list, running: list,
+    def _abandon(self, room: int, tid: Optional[TransferId], xfers: list[Transfer], running: list[Transfer],
                  error: Optional[Exception]) -> None:
         """WRITEs still running past the transfer timeout or the export lease: abort them.
         Aborted, the room fails like any failed transfer. One NIXL will not abort may still
         write: its read stays in flight in the scheduler, decode is told (STUCK, before
         the Failed status) to keep the room's pages until DRAINED, and the room fails now
         instead of hanging; the watcher ends the read once NIXL settles the handle."""
-        refused = [h for h in running if not self.agent.abort(h)]
-        for h in handles:
-            if h not in running:
-                self.agent.release(h)
+        refused = [x for x in running if not self.dp.abort(x)]
+        for x in xfers:
+            if x not in running:
+                self.dp.release(x)
         why = (f"hybridkv: writes of room {room} still running after {self.transfer_timeout_s:.0f} s "
                f"or past the export lease" + (f" (and: {error})" if error else ""))
         if not refused:
@@ -282,7 +282,7 @@ class PrefillExports:
             # Handles exist only after the read was posted, so tid is set. The room may
             # end now; the scheduler keeps its source blocks out of reuse until then.
             self._exports[room].discard(tid)
-            self._stuck[tid] = _StuckWrite(room=room, handles=refused, targets=targets)
+            self._stuck[tid] = _StuckWrite(room=room, transfers=refused, targets=targets)
         frames = msgs.Stuck(room=room, prefill_rank=self._prefill_unique_rank()).to_frames()
         for ip, port in targets:
             self._push(ip, port, frames, f"STUCK for room {room}")
@@ -319,10 +319,10 @@ class PrefillExports:
         with self.sched_lock:
             items = list(self._stuck.items())
         for tid, st in items:
-            if any(self.agent.state(h) is XferState.PROC for h in st.handles):
+            if any(self.dp.state(x) is XferState.IN_PROGRESS for x in st.transfers):
                 continue
-            for h in st.handles:
-                self.agent.release(h)
+            for x in st.transfers:
+                self.dp.release(x)
             with self.sched_lock:
                 self._stuck.pop(tid, None)
                 self.sched.transfer_failed(tid)
@@ -344,21 +344,21 @@ class PrefillExports:
                 self.sched.transfer_failed(tid)
             self._collect_reusable()
 
-    def _settle(self, handles: list, deadline: float) -> tuple[int, list]:
-        """Wait until no handle is PROC or the deadline passed: (errored, still running)."""
-        pending = list(handles)
+    def _settle(self, xfers: list[Transfer], deadline: float) -> tuple[int, list[Transfer]]:
+        """Wait until no WRITE is in progress or the deadline passed: (errored, still running)."""
+        pending = list(xfers)
         failed = 0
         while pending:
             still = []
-            for h in pending:
-                s = self.agent.state(h)
-                if s is XferState.PROC:
-                    still.append(h)
-                elif s is XferState.ERR:
+            for x in pending:
+                s = self.dp.state(x)
+                if s is XferState.IN_PROGRESS:
+                    still.append(x)
+                elif s is XferState.ERROR:
                     failed += 1
             pending = still
             if pending:
                 if time.monotonic() > deadline:
                     return failed, pending
-                time.sleep(0.0005)
+                time.sleep(self.config.settle_poll_s)
         return failed, []

@@ -64,27 +64,6 @@ class Parallel:
         if not _is_int(self.draft_entries) or self.draft_entries < 0:
             raise ValueError(f"draft_entries = {self.draft_entries!r}; expected an int >= 0")
 
-    def describe(self) -> dict[str, Any]:
-        return {"attn_tp": self.attn_tp, "attn_rank": self.attn_rank, "state_tp": self.state_tp,
-                "page_size": self.page_size, "kv_heads": self.kv_heads, "mla": self.mla,
-                "kv_layout": self.kv_layout, "draft_entries": self.draft_entries}
-
-    @classmethod
-    def parse(cls, d: Any) -> Parallel:
-        if not isinstance(d, dict):
-            raise ValueError(f"parallel description is {type(d).__name__}; expected a map")
-        if not isinstance(d.get("mla"), bool):
-            raise ValueError(f"parallel field 'mla' is {d.get('mla')!r}; expected a bool")
-        layout = d.get("kv_layout")
-        if layout is not None and not isinstance(layout, str):
-            raise ValueError(f"parallel field 'kv_layout' is {layout!r}; expected a string or None")
-        ints = {}
-        for name in ("attn_tp", "attn_rank", "state_tp", "page_size", "kv_heads", "draft_entries"):
-            if not _is_int(d.get(name)):
-                raise ValueError(f"parallel field {name!r} is {d.get(name)!r}; expected an int")
-            ints[name] = d[name]
-        return cls(mla=d["mla"], kv_layout=layout, **ints)
-
 
 def heads_of_rank(total: int, tp: int, rank: int) -> range:
     """The global KV heads attention-TP rank `rank` holds (SGLang: max(1, H // tp); GQA
@@ -94,24 +73,6 @@ def heads_of_rank(total: int, tp: int, rank: int) -> range:
         return range(rank * per, (rank + 1) * per)
     h = rank // (tp // total)
     return range(h, h + 1)
-
-
-def describe_shape(s: BufferShape) -> list[Any]:
-    return [s.slicing.value, s.dim, s.outer, list(s.sub), s.conv]
-
-
-def parse_shape(v: Any, what: str) -> BufferShape:
-    if not isinstance(v, list) or len(v) != 5:
-        raise ValueError(f"{what} shape is {v!r}; expected [slicing, dim, outer, [sub], conv]")
-    kind, dim, outer, sub, conv = v
-    try:
-        slicing = Slicing(kind)
-    except ValueError:
-        raise ValueError(f"{what} slicing {kind!r}; expected one of {[s.value for s in Slicing]}") from None
-    if not (_is_int(dim) and dim >= 0 and _is_int(outer) and outer >= 1 and isinstance(sub, list)
-            and all(_is_int(x) and x > 0 for x in sub) and isinstance(conv, bool)):
-        raise ValueError(f"{what} shape {v!r}: expected dim >= 0, outer >= 1, positive sub-block sizes")
-    return BufferShape(slicing=slicing, dim=dim, outer=outer, sub=tuple(sub), conv=conv)
 
 
 def _is_int(v: Any) -> bool:

@@ -1,10 +1,22 @@
 """NIXL (UCX backend) data plane: one agent, regions registered once, prepped lists per peer.
 
-A transfer costs two int32 index arrays: the local side's strided list (one
-Nx5 row per region) is prepped once, and each peer's list once at handshake.
-``make_prepped_xfer`` merges consecutive indices that are back to back on both
-sides (anchors/nixl.md §1), which :func:`~hybridkv.transport.memory.pair_indices`
-arranges; telemetry reports how many descriptors NIXL actually posted.
+Two ways to post, one agent:
+
+- :meth:`DataPlane.post`, the fast path for whole pages: a transfer costs two int32
+  index arrays. The local side's strided list (one Nx5 row per region) is prepped
+  once, and each peer's list once at handshake. ``make_prepped_xfer`` merges
+  consecutive indices that are back to back on both sides (docs/background/nixl.md §1.1),
+  which the planner arranges (pairs ordered by local index); telemetry reports
+  how many descriptors NIXL actually posted. A prepped list has one memory kind,
+  so this path needs both sides' regions in one kind.
+- :meth:`DataPlane.post_rows`, arbitrary (addr, len, dev) rows (field-level plans,
+  SGLang's state slots and aux rows). Either side's rows may span memory kinds (on
+  a GPU server SGLang keeps its aux rows in host memory): rows are grouped by
+  (local kind, remote kind), one NIXL handle per pair, and the :class:`Transfer`
+  covers them all.
+
+Memory is registered once per memory kind, regions that touch or overlap merged
+into one span (:class:`MemorySpans`); rows are classified by the span they lie in.
 
 Threading: with the progress thread off (the default: it slowed small
 descriptors on small machines), the *target* agent must be progressed or an
@@ -17,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,16 +75,91 @@ class Telemetry:
     xfer_us: int
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class MemorySpans:
+    """What one side registers: per memory kind, (addr, len, dev) spans covering its regions,
+    spans that touch or overlap on one device merged (one registration holds them)."""
+
+    rows: dict[wire.Mem, np.ndarray]
+    # every span sorted by address, for classifying rows: start, end, memory-kind code
+    _start: np.ndarray
+    _end: np.ndarray
+    _kind: np.ndarray
+
+    @classmethod
+    def of(cls, regions: Sequence[wire.RegionInfo]) -> MemorySpans:
+        rows: dict[wire.Mem, np.ndarray] = {}
+        for mem in wire.Mem:
+            spans = sorted((r.device_id, r.base_addr, r.base_addr + r.stride * (r.num_pages - 1) + r.page_bytes)
+                           for r in regions if r.mem is mem)
+            merged: list[list[int]] = []
+            for dev, start, end in spans:
+                if merged and merged[-1][2] == dev and start <= merged[-1][0] + merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], end - merged[-1][0])
+                else:
+                    merged.append([start, end - start, dev])
+            if merged:
+                rows[mem] = np.asarray(merged, dtype=np.uint64)
+        flat = [(int(a), int(a) + int(n), int(mem)) for mem, rs in rows.items() for a, n, _ in rs]
+        flat.sort()
+        a = np.asarray(flat, dtype=np.int64).reshape(-1, 3)
+        return cls(rows=rows, _start=a[:, 0].copy(), _end=a[:, 1].copy(), _kind=a[:, 2].copy())
+
+    @property
+    def single(self) -> wire.Mem | None:
+        """The one memory kind, or None where the side mixes kinds (or registers nothing)."""
+        return next(iter(self.rows)) if len(self.rows) == 1 else None
+
+    def kinds(self, rows: np.ndarray, *, side: str = "local") -> np.ndarray:
+        """The wire.Mem code of each (addr, len, dev) row; ValueError for a row in no span."""
+        addr = rows[:, 0].astype(np.int64)
+        end = addr + rows[:, 1].astype(np.int64)
+        i = np.searchsorted(self._start, addr, side="right") - 1
+        ok = (i >= 0) & (end <= self._end[np.maximum(i, 0)])
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise ValueError(f"{side} row {bad} ({hex(int(addr[bad]))}, {int(rows[bad, 1])} bytes) lies in no "
+                             f"registered region; expected rows inside the {side} side's regions")
+        return self._kind[i]
+
+
+def group_by_kind(local_rows: np.ndarray, local: MemorySpans, remote_rows: np.ndarray,
+                  remote: MemorySpans) -> dict[tuple[wire.Mem, wire.Mem], tuple[np.ndarray, np.ndarray]]:
+    """Rows paired i <-> i, grouped by (local kind, remote kind) in row order: one NIXL handle each."""
+    if local.single is not None and remote.single is not None:
+        return {(local.single, remote.single): (local_rows, remote_rows)}
+    lk = local.kinds(local_rows, side="local") if local.single is None \
+        else np.full(len(local_rows), int(local.single))
+    rk = remote.kinds(remote_rows, side="remote") if remote.single is None \
+        else np.full(len(remote_rows), int(remote.single))
+    out = {}
+    for lm in wire.Mem:
+        for rm in wire.Mem:
+            sel = (lk == int(lm)) & (rk == int(rm))
+            if sel.any():
+                out[(lm, rm)] = (local_rows[sel], remote_rows[sel])
+    return out
+
+
 class Transfer:
-    """One posted transfer; poll with :meth:`DataPlane.state`."""
+    """One posted transfer (one NIXL handle, or one per pair of memory kinds); poll with
+    :meth:`DataPlane.state`. ``handles`` holds those NIXL has not released yet."""
 
-    __slots__ = ("handle", "peer", "indices", "nbytes")
+    __slots__ = ("handles", "peer", "indices", "nbytes", "failed")
 
-    def __init__(self, handle, peer: str, indices: int, nbytes: int) -> None:
-        self.handle = handle
+    def __init__(self, handles: list, peer: str, indices: int, nbytes: int) -> None:
+        self.handles = handles
         self.peer = peer
         self.indices = indices
         self.nbytes = nbytes
+        self.failed = False  # a handle failed to post after others were running
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Peer:
+    prepped: object | None  # the peer's prepped region list; None where its regions mix memory kinds
+    memory: MemoryMap
+    spans: MemorySpans
 
 
 class DataPlane:
@@ -79,7 +167,7 @@ class DataPlane:
         api = load_nixl()
         self._api = api
         self.memory = memory
-        self.mem_name = memory.mem.name
+        self.spans = MemorySpans.of(memory.regions)
         self.name = config.name or f"hybridkv-{uuid.uuid4().hex[:12]}"
         self.config = config
         cfg = api.nixl_agent_config(
@@ -90,9 +178,12 @@ class DataPlane:
         )
         self.agent = api.nixl_agent(self.name, cfg)
         self.agent.create_backend("UCX", dict(config.ucx_params))
-        self._reg = self.agent.register_memory(memory.reg_rows(), self.mem_name)
-        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", memory.strided_rows(), self.mem_name)
-        self._peers: dict[str, tuple[object, MemoryMap]] = {}
+        self._regs = [self.agent.register_memory(rows, mem.name) for mem, rows in self.spans.rows.items()]
+        mem = self.spans.single
+        # A prepped list has one memory kind: a side that mixes kinds posts rows only.
+        self._local = None if mem is None else \
+            self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", memory.strided_rows(), mem.name)
+        self._peers: dict[str, _Peer] = {}
         self._page_bytes = np.concatenate(
             [np.full(r.num_pages, r.page_bytes, np.int64) for r in memory.regions]) if memory.regions else np.zeros(0)
         self._closed = False
@@ -102,15 +193,17 @@ class DataPlane:
         return self.agent.get_agent_metadata()
 
     def add_peer(self, metadata: bytes, remote: MemoryMap) -> str:
-        """Load a peer's agent metadata and prep its region list once; returns its agent name."""
+        """Load a peer's agent metadata; returns its agent name. Its region list is prepped
+        once for :meth:`post` where its regions are of one memory kind (else only
+        :meth:`post_rows` reaches it)."""
         name = self.agent.add_remote_agent(metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name in self._peers:
             return name
-        if remote.mem is not wire.Mem.DRAM and remote.mem is not wire.Mem.VRAM:
-            raise ValueError(f"peer memory {remote.mem}; expected DRAM or VRAM")
-        handle = self.agent.prep_xfer_dlist(name, remote.strided_rows(), remote.mem.name)
-        self._peers[name] = (handle, remote)
+        spans = MemorySpans.of(remote.regions)
+        mem = spans.single
+        prepped = None if mem is None else self.agent.prep_xfer_dlist(name, remote.strided_rows(), mem.name)
+        self._peers[name] = _Peer(prepped=prepped, memory=remote, spans=spans)
         return name
 
     def connect(self, peer: str) -> None:
@@ -121,14 +214,15 @@ class DataPlane:
         if entry is None:
             return
         try:
-            self.agent.release_dlist_handle(entry[0])
+            if entry.prepped is not None:
+                self.agent.release_dlist_handle(entry.prepped)
         finally:
             self.agent.remove_remote_agent(peer)
 
     def peer_memory(self, peer: str) -> MemoryMap:
-        return self._peer(peer)[1]
+        return self._peer(peer).memory
 
-    def _peer(self, peer: str):
+    def _peer(self, peer: str) -> _Peer:
         entry = self._peers.get(peer)
         if entry is None:
             raise ValueError(f"peer {peer!r} is not connected; expected one of {sorted(self._peers)}")
@@ -137,81 +231,116 @@ class DataPlane:
     # ---------------------------------------------------------------- transfers
     def post(self, op: Op, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes = b"") -> Transfer:
         """Make and post a transfer of local_idx[i] <-> remote_idx[i]; raises TransferError on refusal."""
-        remote_handle, _ = self._peer(peer)
+        entry = self._peer(peer)
+        if self._local is None or entry.prepped is None:
+            side = "this side's" if self._local is None else f"peer {peer}'s"
+            raise ValueError(f"{side} regions mix memory kinds, so they have no prepped list; "
+                             "expected post_rows for them")
         li = np.ascontiguousarray(local_idx, dtype=np.int32)
         ri = np.ascontiguousarray(remote_idx, dtype=np.int32)
         if li.shape != ri.shape or li.ndim != 1 or li.size == 0:
             raise ValueError(f"index arrays of shapes {li.shape} and {ri.shape}; expected equal non-empty 1-D")
         nbytes = int(self._page_bytes[li].sum())
         try:
-            h = self.agent.make_prepped_xfer(op.value, self._local, li, remote_handle, ri, notif)
+            h = self.agent.make_prepped_xfer(op.value, self._local, li, entry.prepped, ri, notif)
         except Exception as exc:  # nixl raises its own typed errors (nixlInvalidParamError, ...)
             raise TransferError(f"NIXL refused the transfer to {peer}: {type(exc).__name__}: {exc}") from exc
-        return self._start(Transfer(h, peer, li.size, nbytes))
+        return self._start(Transfer([h], peer, li.size, nbytes))
 
     def post_rows(self, op: Op, peer: str, local_rows: np.ndarray, remote_rows: np.ndarray,
                   notif: bytes = b"") -> Transfer:
         """Make and post a transfer of (addr, len, dev) rows: local_rows[i] <-> remote_rows[i].
 
-        For field-level plans (heterogeneous TP, different block sizes), whose rows are
-        not whole pages. ``initialize_xfer`` checks each row against the registrations and
-        does not merge rows, so the plan arrives merged already."""
-        _, remote = self._peer(peer)
+        For field-level plans (heterogeneous TP, different block sizes) and engines whose
+        items are not whole pages. ``initialize_xfer`` checks each row against the
+        registrations and does not merge rows, so the plan arrives merged already. Rows
+        may span memory kinds on either side: one NIXL handle per (local, remote) pair
+        of kinds, every one made before any is posted, so a refusal (TransferError)
+        leaves nothing running. Should a later handle fail to post while earlier ones
+        run, the transfer is returned and settles as ERROR."""
+        entry = self._peer(peer)
         lr = np.ascontiguousarray(local_rows, dtype=np.uint64)
         rr = np.ascontiguousarray(remote_rows, dtype=np.uint64)
         if lr.shape != rr.shape or lr.ndim != 2 or lr.shape[1] != 3 or lr.shape[0] == 0:
             raise ValueError(f"row arrays of shapes {lr.shape} and {rr.shape}; expected equal non-empty Nx3")
+        groups = group_by_kind(lr, self.spans, rr, entry.spans)
+        handles = []
         try:
-            ld = self.agent.get_xfer_descs(lr, self.mem_name)
-            rd = self.agent.get_xfer_descs(rr, remote.mem.name)
-            h = self.agent.initialize_xfer(op.value, ld, rd, peer, notif)
+            for (lm, rm), (l_part, r_part) in groups.items():
+                ld = self.agent.get_xfer_descs(l_part, lm.name)
+                rd = self.agent.get_xfer_descs(r_part, rm.name)
+                handles.append(self.agent.initialize_xfer(op.value, ld, rd, peer, notif))
         except Exception as exc:
+            self._release_all(handles)
             raise TransferError(f"NIXL refused the transfer to {peer}: {type(exc).__name__}: {exc}") from exc
-        return self._start(Transfer(h, peer, lr.shape[0], int(lr[:, 1].sum())))
+        return self._start(Transfer(handles, peer, lr.shape[0], int(lr[:, 1].sum())))
 
     def _start(self, xfer: Transfer) -> Transfer:
-        h, peer = xfer.handle, xfer.peer
-        try:
-            state = self.agent.transfer(h)
-        except Exception as exc:
-            self.release(xfer)
-            raise TransferError(f"posting to {peer} failed: {type(exc).__name__}: {exc}") from exc
-        if state == "ERR":
-            self.release(xfer)
-            raise TransferError(f"posting to {peer} failed (ERR)")
+        peer = xfer.peer
+        for i, h in enumerate(xfer.handles):
+            try:
+                state = self.agent.transfer(h)
+                error = None if state != "ERR" else "ERR"
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            if error is None:
+                continue
+            if i == 0:
+                self.release(xfer)
+                raise TransferError(f"posting to {peer} failed ({error})")
+            # Earlier handles are running: the caller must still see them settle.
+            self._release_all(xfer.handles[i:])
+            xfer.handles = xfer.handles[:i]
+            xfer.failed = True
+            break
         return xfer
 
-    def repost(self, xfer: Transfer, notif: bytes = b"") -> None:
-        if self.agent.transfer(xfer.handle, notif) == "ERR":
-            raise TransferError(f"reposting to {xfer.peer} failed (ERR)")
-
     def state(self, xfer: Transfer) -> XferState:
+        """IN_PROGRESS while any of its handles runs; then ERROR if one failed, else DONE."""
+        if len(xfer.handles) == 1 and not xfer.failed:
+            return self._state(xfer.handles[0])
+        states = [self._state(h) for h in xfer.handles]
+        if XferState.IN_PROGRESS in states:
+            return XferState.IN_PROGRESS
+        return XferState.ERROR if xfer.failed or XferState.ERROR in states else XferState.DONE
+
+    def _state(self, handle) -> XferState:
         try:
-            return XferState(self.agent.check_xfer_state(xfer.handle))
+            return XferState(self.agent.check_xfer_state(handle))
         except Exception:
             return XferState.ERROR
 
     def telemetry(self, xfer: Transfer) -> Telemetry:
-        t = self.agent.get_xfer_telemetry(xfer.handle)
-        return Telemetry(descriptors=int(t.descCount), nbytes=int(t.totalBytes), post_us=int(t.postDuration),
-                         xfer_us=int(t.xferDuration))
+        ts = [self.agent.get_xfer_telemetry(h) for h in xfer.handles]
+        return Telemetry(descriptors=sum(int(t.descCount) for t in ts), nbytes=sum(int(t.totalBytes) for t in ts),
+                         post_us=sum(int(t.postDuration) for t in ts),
+                         xfer_us=max((int(t.xferDuration) for t in ts), default=0))
 
     def release(self, xfer: Transfer) -> None:
-        # An active handle cannot always be aborted (anchors/nixl.md §1.1); NIXL keeps
+        # An active handle cannot always be aborted (docs/background/nixl.md §1.1); NIXL keeps
         # it on a leak list and finalises it with the agent.
         self.abort(xfer)
 
     def abort(self, xfer: Transfer) -> bool:
-        """Abort a transfer in progress; True when NIXL confirmed it (no byte moves after),
-        False when the handle is still active and its memory must stay untouched."""
+        """Abort a transfer in progress; True when NIXL confirmed it for every handle (no
+        byte moves after), False when a handle is still active and its memory must stay
+        untouched (the transfer then keeps only those handles)."""
+        xfer.handles = [h for h in xfer.handles if not self._release(h)]
+        return not xfer.handles
+
+    def _release(self, handle) -> bool:
         try:
-            self.agent.release_xfer_handle(xfer.handle)
+            self.agent.release_xfer_handle(handle)
         except Exception:
             return False
         return True
 
+    def _release_all(self, handles: list) -> None:
+        for h in handles:
+            self._release(h)
+
     def backend_of(self, xfer: Transfer) -> str:
-        return self.agent.query_xfer_backend(xfer.handle)
+        return self.agent.query_xfer_backend(xfer.handles[0])
 
     # ---------------------------------------------------------------- notifications / progress
     def pump(self) -> dict[str, list[bytes]]:
@@ -231,7 +360,12 @@ class DataPlane:
             except Exception:
                 pass
         try:
-            self.agent.release_dlist_handle(self._local)
-            self.agent.deregister_memory(self._reg)
+            if self._local is not None:
+                self.agent.release_dlist_handle(self._local)
         except Exception:
             pass
+        for reg in self._regs:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception:
+                pass

@@ -9,29 +9,18 @@ needs only the Python API (``nixl_agent``, ``nixl_agent_config``,
 from __future__ import annotations
 
 import importlib
-import os
 from types import ModuleType
+
+from hybridkv.transport.env import apply_ucx_defaults
 
 _CANDIDATES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 
 
-#: UCX enables cuda_ipc READs (get_zcopy) only where NVML reports NVLink ("auto"); on PCIe hosts and
-#: in VMs that hide NVLink, a pull of GPU memory then falls back to TCP software emulation. Measured on
-#: one H200 VM, two processes, a 320 MB Qwen3.5-9B request: 0.5 GB/s by default, 1,223 GB/s with "on"
-#: (checksums equal). A value the operator set (e.g. "auto") is kept.
-CUDA_IPC_READS_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
-
-
-def prefer_cuda_ipc_reads() -> None:
-    """Turn cuda_ipc READs on unless the environment already says; UCX reads it when an agent's
-    backend is created, so this runs before any agent exists (``load_nixl`` calls it)."""
-    os.environ.setdefault(CUDA_IPC_READS_ENV, "on")
-
-
 def load_nixl() -> ModuleType:
-    """The NIXL ``_api`` module; ImportError saying how to install it otherwise. Also sets
-    hybridkv's UCX defaults (:func:`prefer_cuda_ipc_reads`)."""
-    prefer_cuda_ipc_reads()
+    """The NIXL ``_api`` module; ImportError saying how to install it otherwise. Also applies hybridkv's
+    UCX defaults (:func:`hybridkv.transport.env.apply_ucx_defaults`): UCX reads them when an agent's
+    backend is created, and every agent is made from the module this returns."""
+    apply_ucx_defaults()
     errors = []
     for name in _CANDIDATES:
         try:

@@ -48,6 +48,19 @@ def _reject_ext(code: int, data: bytes) -> Any:
 
 def decode(data: bytes) -> Message:
     """Bytes from a peer -> a typed message, or :class:`WireError`."""
+    top = unpack(data)
+    try:
+        return _decode_top(top)
+    except WireError:
+        raise
+    except RecursionError:
+        raise WireError("message nests too deeply") from None
+
+
+def unpack(data: bytes) -> Any:
+    """Bytes from a peer -> the msgpack value, within the wire's limits, or :class:`WireError`.
+    Also the framing of messages declared outside this package (a connector's own, built
+    from the same field codecs and records)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"data is {type(data).__name__}; expected bytes")
     if len(data) > MAX_MESSAGE_BYTES:
@@ -63,12 +76,7 @@ def decode(data: bytes) -> Message:
         raise
     except Exception as exc:  # msgpack raises many types (ExtraData, StackError, UnicodeDecodeError, ...)
         raise WireError(f"not a msgpack message: {type(exc).__name__}: {exc}") from None
-    try:
-        return _decode_top(top)
-    except WireError:
-        raise
-    except RecursionError:
-        raise WireError("message nests too deeply") from None
+    return top
 
 
 def _decode_top(top: Any) -> Message:
@@ -80,4 +88,4 @@ def _decode_top(top: Any) -> Message:
     return SCHEMAS[kind].from_body(t["b"])
 
 
-__all__ = ["decode", "encode"]
+__all__ = ["decode", "encode", "unpack"]

@@ -31,7 +31,7 @@ from tests.sglang.pools import (  # noqa: F401 - re-exported for the tests
 )
 
 _PRELOAD = ["tests.sglang.pd_peer", "sglang.srt.disaggregation.common.conn", "sglang.srt.server_args",
-            "sglang.srt.plugins", "connectors.sglang.agent", "descriptors.compiler"]
+            "sglang.srt.plugins", "hybridkv.transport.dataplane", "descriptors.compiler"]
 _ctx = None
 
 
@@ -207,7 +207,7 @@ class _State:
             self.server = kv_class("BOOTSTRAP_SERVER")("127.0.0.1", bootstrap_port)
         self.pools = make_pools(seed, tp=tp, rank=rank, kv_heads=kv_heads)
         self.mgr = make_manager(role, self.pools, sa)
-        return self.mgr.agent.name
+        return self.mgr.dp.name
 
     def teardown(self, _=None):
         if self.mgr is not None:
@@ -288,13 +288,13 @@ class _State:
     def fake_stuck(self, abort_ok: bool):
         """From now on every WRITE reads as still running, and an abort is accepted or
         refused as asked: a NIXL handle that hangs cannot be caused on one machine."""
-        self.mgr.agent = _StuckAgent(self.mgr.agent, abort_ok)
+        self.mgr.dp = _StuckPlane(self.mgr.dp, abort_ok)
 
     def unstick(self, _=None):
         """The hung WRITEs end (their real state shows again); the fake goes away."""
-        fake = self.mgr.agent
+        fake = self.mgr.dp
         fake.stuck = False
-        self.mgr.agent = fake.real
+        self.mgr.dp = fake.real
         return fake.aborts
 
     def stats(self, room=None):
@@ -311,8 +311,8 @@ class _State:
                     failures=dict(mgr.failure_records), stuck=len(getattr(mgr, "_stuck", {})), **sched)
 
 
-class _StuckAgent:
-    """NixlWriter whose handles never leave PROC while `stuck` (the fake of `fake_stuck`)."""
+class _StuckPlane:
+    """DataPlane whose transfers never leave IN_PROGRESS while `stuck` (the fake of `fake_stuck`)."""
 
     def __init__(self, real, abort_ok: bool) -> None:
         self.real, self.abort_ok, self.stuck, self.aborts = real, abort_ok, True, []
@@ -320,18 +320,20 @@ class _StuckAgent:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def state(self, handle):
-        from connectors.sglang.agent import XferState
+    def state(self, xfer):
+        from hybridkv.transport.dataplane import XferState
 
-        return XferState.PROC if self.stuck else self.real.state(handle)
+        return XferState.IN_PROGRESS if self.stuck else self.real.state(xfer)
 
-    def abort(self, handle) -> bool:
+    def abort(self, xfer) -> bool:
+        from hybridkv.transport.dataplane import XferState
+
         self.aborts.append(self.abort_ok)
         if not self.abort_ok:
             return False
-        while self.real.state(handle).value == "PROC":  # the real WRITE is tiny: let it end, then release
+        while self.real.state(xfer) is XferState.IN_PROGRESS:  # the real WRITE is tiny: let it end, then release
             time.sleep(0.001)
-        self.real.release(handle)
+        self.real.release(xfer)
         return True
 
 

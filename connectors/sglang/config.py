@@ -1,0 +1,102 @@
+"""Settings of the hybridkv SGLang backend: defaults here, environment read once, here."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hybridkv.transport.dataplane import DataPlaneConfig
+
+_ENV_PREFIX = "HYBRIDKV_SGLANG_"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangConfig:
+    """One manager's settings. Each key can be set by the environment variable
+    ``HYBRIDKV_SGLANG_<KEY>`` (upper case), read once by :meth:`from_server_args`.
+
+    Keys:
+
+    * ``transfer_timeout_s`` (30): how long a prefill chunk's WRITEs may run before
+      they are aborted (never past the room's export lease).
+    * ``drain_timeout_s`` (unset): how long a decode room whose prefill failed waits
+      for every writer to say it is quiet before its pages are released anyway.
+      Unset: SGLang's waiting timeout (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``,
+      300 s; a prefill manager has none and uses 300 s).
+    * ``min_lease_s`` (60): the shortest export/import lease of the fencing
+      scheduler; the lease is the larger of this and the drain timeout.
+    * ``workers`` (2): prefill threads that post and settle chunks (a room's chunks
+      always go to one of them, in order).
+    * ``poll_interval_s`` (0.2): how often the control threads wake without a
+      message (stop flag, lease expiry, stuck writes).
+    * ``settle_poll_s`` (0.0005): how often a worker polls the WRITEs it waits for.
+    * ``progress_thread`` (true): NIXL's progress thread. The decode agent is only
+      ever a write target and nothing else progresses it.
+    """
+
+    transfer_timeout_s: float = 30.0
+    drain_timeout_s: float | None = None
+    min_lease_s: float = 60.0
+    workers: int = 2
+    poll_interval_s: float = 0.2
+    settle_poll_s: float = 0.0005
+    progress_thread: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "progress_thread":
+                if not isinstance(v, bool):
+                    raise ValueError(f"{f.name} = {v!r}; expected a bool")
+            elif f.name == "workers":
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"workers = {v!r}; expected an int >= 1")
+            elif v is not None or f.name != "drain_timeout_s":
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                    raise ValueError(f"{f.name} = {v!r}; expected a number > 0")
+
+    @classmethod
+    def from_server_args(cls, server_args: Any = None, environ: Mapping[str, str] = os.environ) -> SGLangConfig:
+        """Defaults, overridden by ``HYBRIDKV_SGLANG_*`` variables; ValueError naming a
+        variable whose value does not parse. ``server_args`` (SGLang's ``ServerArgs``)
+        carries nothing of ours yet: the signature is where a CLI flag would come in."""
+        del server_args
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            var = _ENV_PREFIX + f.name.upper()
+            raw = environ.get(var)
+            if raw is None or raw.strip() == "":
+                continue
+            values[f.name] = _parse(var, raw.strip(), f.name)
+        try:
+            return cls(**values)
+        except ValueError as e:
+            raise ValueError(f"{e} (from the {_ENV_PREFIX}* environment)") from None
+
+    def drain_timeout(self, sglang_waiting_timeout: float | None) -> float:
+        return self.drain_timeout_s if self.drain_timeout_s is not None else float(sglang_waiting_timeout or 300.0)
+
+    def lease_s(self, drain_timeout_s: float) -> float:
+        return max(drain_timeout_s, self.min_lease_s)
+
+    def dataplane(self) -> DataPlaneConfig:
+        # NIXL's own defaults for an engine agent (progress thread on, no telemetry);
+        # "peer" error handling makes a WRITE to a dead process fail instead of hang.
+        return DataPlaneConfig(progress_thread=self.progress_thread, telemetry=False)
+
+
+def _parse(var: str, raw: str, key: str) -> Any:
+    if key == "progress_thread":
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ValueError(f"{var}={raw!r}; expected one of {sorted(_TRUE | _FALSE)}")
+    try:
+        return int(raw) if key == "workers" else float(raw)
+    except ValueError:
+        raise ValueError(f"{var}={raw!r}; expected {'an int' if key == 'workers' else 'a number'}") from None
