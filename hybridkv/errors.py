@@ -1,7 +1,7 @@
 """The hybridkv exception hierarchy for peer and transfer failures.
 
 Bad input stays a plain ``ValueError`` and a broken invariant a
-``RuntimeError`` (DESIGN.md); what is here are the failures that come from the
+``RuntimeError`` (docs/design.md, Conventions); what is here are the failures that come from the
 other side of a connection or from the data path, which a caller handles by
 policy (fail the request, or recompute it locally).
 """
@@ -65,16 +65,11 @@ class TransferError(HybridKVError):
         super().__init__(message if request_id is None else f"request {request_id!r}: {message}")
 
 
-class LeaseExpired(TransferError):
-    """The producer's lease on a request's blocks lapsed before the transfer finished."""
-
-
 __all__ = [
     "Difference",
     "HandshakeRefused",
     "HandshakeTimeout",
     "HybridKVError",
-    "LeaseExpired",
     "PeerError",
     "PeerLost",
     "ProtocolViolation",

@@ -44,7 +44,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from hybridkv.fencing.fence import FencePolicy, PoolLayout
+from hybridkv.fencing.fence import FencePolicy, NotYet, PoolLayout
 from hybridkv.fencing.request_state import attention_component, gdn_components
 from hybridkv.fencing.scheduler import TransferScheduler
 
@@ -177,7 +177,7 @@ def _worker(v: Variant, *, seed: int) -> Iterator[tuple[int, int]]:
         for rid in prefill_done:
             sched.request_finished(rid, export=True)
         for rid in to_read:
-            if sched.export_ready(rid):
+            if not isinstance(sched.export_ready(rid), NotYet):
                 reads.append(sched.post_export(rid))  # type: ignore[arg-type]
         landed_reads = reads[:-PREFILL_CHURN] if len(reads) > PREFILL_CHURN else []  # consumers' reads end
         for tid in landed_reads:
@@ -187,10 +187,10 @@ def _worker(v: Variant, *, seed: int) -> Iterator[tuple[int, int]]:
         still = []
         for rid in waiting:  # the connector retries posts the fence said "not yet" to
             tid = sched.post_import(rid, components=COMPONENTS)
-            if isinstance(tid, int):
-                importing[rid] = tid
-            else:
+            if isinstance(tid, NotYet):
                 still.append(rid)
+            else:
+                importing[rid] = tid
         sched.step_completed(step - 1)
         sched.poll()
         if v.touch_all:

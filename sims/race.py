@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hybridkv.fencing.fence import FencePolicy, PoolLayout
+from hybridkv.fencing.fence import FencePolicy, NotYet, PoolLayout
 from hybridkv.fencing.request_state import Component, ComponentKind, RequestPhase, TransferOutcome
 from hybridkv.fencing.scheduler import TransferScheduler
 
@@ -283,7 +283,7 @@ def simulate(
                 continue
             for comps in list(r.to_post):
                 tid = sched.post_import(str(r.uid), components=comps)
-                if isinstance(tid, int):
+                if not isinstance(tid, NotYet):
                     r.to_post.discard(comps)
                     latency = rng.randint(1, async_depth + 2)
                     if scen.split_components:

@@ -31,19 +31,20 @@ def test_shared_pool_is_one_namespace_separate_pools_are_not() -> None:
 
 
 def test_watermark_and_steps() -> None:
-    t = FenceTable(PoolLayout.shared(num_blocks=2, num_groups=1))
-    assert t.watermark == NEVER and t.settled(0)
+    t = FenceTable(PoolLayout.shared(num_blocks=3, num_groups=1))
+    assert t.watermark == NEVER and t.fence == [NEVER] * 3
     t.advance_scheduled(0)
     t.advance_scheduled(3)
     with pytest.raises(ValueError, match="step 3 scheduled"):
         t.advance_scheduled(3)
     with pytest.raises(ValueError, match="step 4 completed"):
         t.advance_watermark(4)
-    t.touch(0, 3)
-    assert not t.settled(0)
-    assert t.advance_watermark(2) and not t.settled(0)
+    t.touch([0, 1], 3)
+    t.touch([1], 2)  # a fence never moves back
+    assert t.fence == [3, 3, NEVER]
+    assert t.advance_watermark(2)
     assert not t.advance_watermark(1)  # late report ignored
-    assert t.advance_watermark(3) and t.settled(0)
+    assert t.advance_watermark(3) and t.watermark == 3
 
 
 def test_pool_defers_reuse_until_settled_and_idle() -> None:
@@ -52,7 +53,7 @@ def test_pool_defers_reuse_until_settled_and_idle() -> None:
     keys = pool.take(0, 3)
     assert keys == [0, 1, 2] and pool.take(0, 1) is None
     t.advance_scheduled(5)
-    t.touch(0, 5)
+    t.touch([0], 5)
     t.readers[1] += 1
     for k in keys:
         pool.park(k)
@@ -70,7 +71,7 @@ def test_unfenced_pool_reuses_at_once() -> None:
     pool = BlockPool(t, fenced=False, managed=True)
     (k,) = pool.take(0, 1)
     t.advance_scheduled(9)
-    t.touch(k, 9)
+    t.touch([k], 9)
     t.writers[k] += 1
     pool.park(k)
     assert pool.free_count(0) == 1
@@ -100,9 +101,11 @@ def test_lease_grant_renew_fit_expire() -> None:
         LeaseTable(duration_s=0, clock=lambda: 0.0)
 
 
-def test_not_yet_is_falsy_and_says_why() -> None:
+def test_not_yet_has_no_truth_value_and_says_why() -> None:
     n = NotYet(reason=NotYetReason.PENDING_STEP)
-    assert not n and "not completed" in n.reason.value
+    assert isinstance(n, NotYet) and "not completed" in n.reason.value
+    with pytest.raises(TypeError, match="NotYet\\(PENDING_STEP\\).*expected isinstance\\(x, NotYet\\)"):
+        bool(n)  # a transfer id 0 is falsy too: truth tests read "not yet" into a yes
 
 
 def test_keys_fast_path_agrees_with_key() -> None:
@@ -137,13 +140,12 @@ def test_idle_batches_of_one_fence_release_in_order_they_were_parked() -> None:
     pool = BlockPool(t, fenced=True, managed=True)
     pool.take(0, 12)
     t.advance_scheduled(4)
-    for k in range(9):
-        t.touch(k, 4)
+    t.touch(range(9), 4)
     pool.park_idle([3, 1], 4)
     pool.park_many([5])  # a separate entry of the same fence in between
     pool.park_idle([0, 2], 4)
     pool.park_idle([], 4)
-    t.touch(9, 3)
+    t.touch([9], 3)
     pool.park_idle([9], 3)  # an earlier fence comes back first
     assert pool.parked_count() == 6 and pool.free_count(0) == 0
     t.advance_watermark(3)

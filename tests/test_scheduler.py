@@ -1,4 +1,4 @@
-"""One test per fencing rule of DESIGN.md, each under both policies where it matters."""
+"""One test per fencing rule of docs/design.md, each under both policies where it matters."""
 
 from __future__ import annotations
 
@@ -53,9 +53,9 @@ def test_rule2_free_waits_for_in_flight_steps(policy: FencePolicy) -> None:
     if policy is FENCED:
         assert got == NotYet(reason=NotYetReason.POOL_EXHAUSTED)
         s.step_completed(1)
-        assert s.allocate("r", 1, 1)
+        assert not isinstance(s.allocate("r", 1, 1), NotYet)
     else:
-        assert got  # reused under the stale step: the race
+        assert not isinstance(got, NotYet)  # reused under the stale step: the race
     s.audit()
 
 
@@ -66,7 +66,7 @@ def test_rule1_export_waits_for_writer() -> None:
     lease = s.request_finished("p", export=True)
     assert lease is not None and lease.deadline == 10.0
     assert s.export_ready("p") == NotYet(reason=NotYetReason.PENDING_STEP)
-    assert not s.post_export("p")
+    assert s.post_export("p") == NotYet(reason=NotYetReason.PENDING_STEP)
     s.step_completed(0)
     assert s.export_ready("p") is True
     tid = s.post_export("p")
@@ -249,6 +249,64 @@ def test_bad_input_is_rejected_without_side_effects() -> None:
         s.add_request("b", expect=ALL)
         s.step_scheduled(1, joined=["a", "b"])
     assert s.phase("a") is RequestPhase.LOCAL  # not half applied
+    s.audit()
+
+
+def test_rejected_step_applies_nothing() -> None:
+    s = make()
+    running(s, "a", 0)
+    s.add_request("b", expect=ALL)
+    with pytest.raises(ValueError, match="step 0 scheduled"):
+        s.add_request("c")
+        s.step_scheduled(0, joined=["c"], zeroing=[(0, 3)])  # the step is checked last
+    assert s.scheduled_step == 0 and s.phase("c") is RequestPhase.LOCAL
+    assert s.step_scheduled(1, joined=["c"]).step == 1 and s.phase("c") is RequestPhase.RUNNING
+
+
+def test_transfer_id_zero_is_a_posted_transfer() -> None:
+    s = make()
+    s.add_request("r", expect=ALL)
+    s.allocate("r", 0, 1)
+    s.allocate("r", 1, 1)
+    assert s.allocate("r", 0, 0) == ()  # an empty allocation is not "not yet" either
+    tid = s.post_import("r", components=ALL)
+    assert tid == 0 and not isinstance(tid, NotYet)
+    assert s.transfers_in_flight() == 1
+
+
+def test_add_request_checks_expected_components() -> None:
+    from hybridkv.fencing.request_state import Component, ComponentKind
+
+    s = make()
+    bad = (Component(group=5, kind=ComponentKind.KV),)
+    for _ in range(2):  # a refused tuple is not remembered
+        with pytest.raises(ValueError, match="expected a Component of a group in \\[0, 2\\)"):
+            s.add_request("x", expect=bad)
+    with pytest.raises(ValueError, match="component 'kv' of request 'x'"):
+        s.add_request("x", expect=["kv"])
+    assert not s.has_request("x")
+    s.add_request("x", expect=ALL)
+    s.add_request("y", expect=list(ALL))
+    s.add_request("z", expect=ALL)
+    assert all(s.phase(r) is RequestPhase.IMPORTING for r in ("x", "y", "z"))
+
+
+def test_component_sets_are_checked_for_each_request() -> None:
+    # Posts are remembered by the caller's tuple; each request's expectation is still checked.
+    s = make(blocks=8)
+    s.add_request("a", expect=ALL)
+    s.add_request("b", expect=(KV,))
+    for rid in ("a", "b"):
+        s.allocate(rid, 0, 1)
+        s.allocate(rid, 1, 1)
+    t_a = s.post_import("a", components=ALL)
+    with pytest.raises(ValueError, match="expected a non-empty subset"):
+        s.post_import("b", components=ALL)
+    with pytest.raises(ValueError, match="already have a transfer in flight"):
+        s.post_import("a", components=[SSM])  # a list: not remembered, the same checks
+    t_b = s.post_import("b", components=(KV,))
+    assert s.transfer_landed(t_a) is TransferOutcome.ACCEPTED and s.is_ready("a")
+    assert s.transfer_landed(t_b) is TransferOutcome.ACCEPTED and s.is_ready("b")
     s.audit()
 
 

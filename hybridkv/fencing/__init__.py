@@ -8,6 +8,11 @@ written, reused or computed on (the fencing rules of ``docs/design.md``). Undern
 - :mod:`~hybridkv.fencing.lease`: renewable leases on exported blocks;
 - :mod:`~hybridkv.fencing.request_state`: request and transfer records, and :class:`Component`,
   one separately-arriving piece of a request's cache.
+
+The scheduler is composed of its records (:mod:`~hybridkv.fencing.records`) and two sets of
+rules over them, each in its own module: requests and steps (:mod:`~hybridkv.fencing.steps`),
+transfers and leases (:mod:`~hybridkv.fencing.transfers`). Those three are internal; the names
+below are the API.
 """
 
 from hybridkv.fencing.fence import NEVER, FencePolicy, FenceTable, NotYet, NotYetReason, PoolLayout

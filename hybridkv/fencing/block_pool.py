@@ -1,4 +1,4 @@
-"""Free lists with deferred reuse (DESIGN.md rule 2, vLLM Race A).
+"""Free lists with deferred reuse (fencing rule 2 of docs/design.md, vLLM Race A).
 
 A freed block is not reusable at once: a step that is already dispatched may
 still rewrite it (GDN state is rewritten in full by every step), and a

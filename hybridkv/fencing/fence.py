@@ -55,20 +55,24 @@ class NotYetReason(enum.Enum):
     TRANSFER_IN_FLIGHT = "another transfer still reads or writes the block"
     POOL_EXHAUSTED = "not enough reusable blocks in the pool"
     LEASE_TOO_SHORT = "the read cannot finish inside the lease"
-    INCOMPLETE = "not every component of every group has arrived"
 
 
 @dataclass(frozen=True, kw_only=True)
 class NotYet:
     """The answer of a non-blocking call that cannot proceed now.
 
-    It is falsy, so ``if not (x := sched.allocate(...)):`` reads naturally.
+    Test for it with ``isinstance(x, NotYet)``. It has no truth value: the answers
+    it stands beside are falsy at times (transfer id 0, no blocks allocated), so a
+    truth test would read "not yet" into a yes.
     """
 
     reason: NotYetReason
 
     def __bool__(self) -> bool:
-        return False
+        raise TypeError(
+            f"truth value of NotYet({self.reason.name}) tested; expected isinstance(x, NotYet): "
+            "a posted transfer id may be 0 and an allocation may be empty, both falsy"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,37 +200,26 @@ class FenceTable:
         return range(base, base + self.layout.pool_sizes[pool])
 
     # -- fences ---------------------------------------------------------------
-    def effective_fence(self, key: int) -> int:
-        """Last step that may touch the block, counting its holder's residency."""
-        f = self.fence[key]
-        h = self.holder[key]
-        if h is not None:
-            hs = h.last_step  # type: ignore[attr-defined]
-            if h.resident:  # type: ignore[attr-defined]
-                hs = self.scheduled
-            if hs > f:
-                return hs
-        return f
-
-    def settled(self, key: int) -> bool:
-        """Every step that may touch the block has completed on the device."""
-        return self.effective_fence(key) <= self.watermark
-
-    def idle(self, key: int) -> bool:
-        """No transfer reads or writes the block."""
-        return self.readers[key] == 0 and self.writers[key] == 0
-
-    def touch(self, key: int, step: int) -> None:
-        if step > self.fence[key]:
-            self.fence[key] = step
+    def touch(self, keys: Iterable[int], step: int) -> None:
+        """``step`` may read or write these blocks: their fence is at least ``step``."""
+        fence = self.fence
+        for k in keys:
+            if step > fence[k]:
+                fence[k] = step
 
     def release_holder(self, key: int) -> None:
-        """Freeze the holder's contribution into the block's own fence."""
-        self.fence[key] = self.effective_fence(key)
+        """Freeze the holder's residency (see the module doc) into the block's own fence."""
+        h = self.holder[key]
+        if h is None:
+            return
+        hs = self.scheduled if h.resident else h.last_step  # type: ignore[attr-defined]
+        if hs > self.fence[key]:
+            self.fence[key] = hs
         self.holder[key] = None
 
     # -- steps ----------------------------------------------------------------
     def advance_scheduled(self, step: int) -> None:
+        """Record that ``step`` was scheduled; steps strictly increase."""
         if not isinstance(step, int) or step <= self.scheduled:
             raise ValueError(
                 f"step {step!r} scheduled; expected an int greater than the last scheduled "

@@ -1,4 +1,4 @@
-"""Renewable leases on exported blocks (DESIGN.md rule 6).
+"""Renewable leases on exported blocks (fencing rule 6 of docs/design.md).
 
 A producer keeps a finished request's blocks for its consumer only under a
 lease: the consumer renews it with heartbeats, and when it lapses the blocks

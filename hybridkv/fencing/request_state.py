@@ -6,8 +6,9 @@ KV), and for a GDN/Mamba group the conv state and the SSM state, which
 engines move as separate transfers (SGLang #39846 declared a request complete
 after its first component). :class:`Component` names one.
 
-Records are mutable internal state of :class:`~hybridkv.fencing.scheduler.TransferScheduler`;
-engines read them through the scheduler's query methods.
+Records are mutable internal state of :class:`~hybridkv.fencing.scheduler.TransferScheduler`
+(kept in :class:`~hybridkv.fencing.records.SchedulerRecords`); engines read them through the
+scheduler's query methods.
 """
 
 from __future__ import annotations
@@ -112,9 +113,6 @@ class RequestRecord:
     arrived: set[Component] = field(default_factory=set)
     transfers: set[TransferId] = field(default_factory=set)
     abandoned: bool = False  # aborted while exporting: held until the lease ends, never renewed
-
-    def all_keys(self) -> list[int]:
-        return [k for keys in self.blocks.values() for k in keys]
 
 
 @dataclass(slots=True, kw_only=True, eq=False)

@@ -2,7 +2,7 @@
 
 :class:`TransferScheduler` is the one object an engine connector talks to
 about *when* blocks may be read, written, reused or computed on. It enforces
-the six fencing rules of DESIGN.md over a :class:`~hybridkv.fencing.fence.FenceTable`:
+fencing rules 1-6 of docs/design.md over a :class:`~hybridkv.fencing.fence.FenceTable`:
 
 1. *export*: an outbound transfer reads a block only once the step that wrote
    it completed (``watermark >= fence``);
@@ -21,8 +21,9 @@ the six fencing rules of DESIGN.md over a :class:`~hybridkv.fencing.fence.FenceT
    that lands after it is not trusted.
 
 Engine-shaped, non-blocking API (every call returns at once; a call that
-cannot proceed returns a falsy :class:`~hybridkv.fencing.fence.NotYet` and the engine
-asks again on a later step). Block ids are ints per KV-cache group; groups map
+cannot proceed returns a :class:`~hybridkv.fencing.fence.NotYet` - test it with
+``isinstance(x, NotYet)``, it has no truth value - and the engine asks again on a
+later step). Block ids are ints per KV-cache group; groups map
 onto physical pools through :class:`~hybridkv.fencing.fence.PoolLayout`.
 
 Both sides::
@@ -57,22 +58,224 @@ proportional to what changed in the step, not to the batch size.
 post at once, a request is ready after its first component, leases are not
 checked. It exists to show what breaks.
 
+The scheduler is composed of three parts, one module each, and delegates to them:
+its state (:mod:`hybridkv.fencing.records`), the rules of requests and steps
+(:mod:`hybridkv.fencing.steps`) and those of transfers and leases
+(:mod:`hybridkv.fencing.transfers`). The read-only queries are its own.
+
 Nothing here imports torch or an engine.
 """
 
 from __future__ import annotations
 
-from hybridkv.fencing.fence import GroupId
-from hybridkv.fencing.scheduler_steps import BlockRef, StepTicket, _RequestSteps  # noqa: F401 - BlockRef: re-exported
-from hybridkv.fencing.scheduler_transfers import _TransferRules
+import time
+from collections.abc import Iterable, Mapping, Sequence
 
-# The class is assembled from its parts, one module each: records and queries
-# (scheduler_state), requests and steps (scheduler_steps), transfers and leases
-# (scheduler_transfers). They share one set of records, so they are one object.
+from hybridkv.fencing.fence import BlockId, FencePolicy, NotYet, PoolLayout, RequestId, TransferId
+from hybridkv.fencing.lease import Clock, LeaseGrant
+from hybridkv.fencing.records import SchedulerRecords
+from hybridkv.fencing.request_state import Component, RequestPhase, TransferOutcome
+from hybridkv.fencing.steps import BlockRef, RequestSteps, StepTicket
+from hybridkv.fencing.transfers import TransferRules
+
+# Enum members as module constants: is_ready runs per request per step.
+_LOCAL = RequestPhase.LOCAL
+_READY = RequestPhase.READY
 
 
-class TransferScheduler(_TransferRules, _RequestSteps):
-    """Fencing rules for one worker (one rank) of either side. Not thread-safe."""
+class TransferScheduler:
+    """Fencing rules for one worker (one rank) of either side. Not thread-safe.
+
+    ``layout`` and ``policy`` are what it was built with; ``table`` (the
+    :class:`~hybridkv.fencing.fence.FenceTable`), ``pool`` (the
+    :class:`~hybridkv.fencing.block_pool.BlockPool`) and ``leases`` (the
+    :class:`~hybridkv.fencing.lease.LeaseTable`) are the parts its rules share, exposed for
+    engines and tests: read them, never rebind them.
+    """
+
+    def __init__(
+        self,
+        layout: PoolLayout,
+        *,
+        policy: FencePolicy = FencePolicy.FENCED,
+        lease_s: float = 30.0,
+        clock: Clock = time.monotonic,
+        managed_pool: bool = True,
+    ) -> None:
+        records = SchedulerRecords(layout, policy=policy, lease_s=lease_s, clock=clock, managed_pool=managed_pool)
+        self._records = records
+        self._requests = records.requests
+        self._steps = RequestSteps(records)
+        self._rules = TransferRules(records)
+        self.layout = records.layout
+        self.policy = records.policy
+        self.table = records.table
+        self.pool = records.pool
+        self.leases = records.leases
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def watermark(self) -> int:
+        return self.table.watermark
+
+    @property
+    def scheduled_step(self) -> int:
+        return self.table.scheduled
+
+    def has_request(self, request: RequestId) -> bool:
+        return request in self._requests
+
+    def phase(self, request: RequestId) -> RequestPhase:
+        return self._records.require(request).phase
+
+    def blocks(self, request: RequestId, group: int) -> tuple[BlockId, ...]:
+        rec = self._records.require(request)
+        b = self.table.block_of
+        return tuple(BlockId(b(k)) for k in rec.blocks.get(group, ()))
+
+    def request_ids(self) -> list[RequestId]:
+        return list(self._requests)
+
+    def arrived(self, request: RequestId) -> frozenset[Component]:
+        """Components of the request whose inbound transfer landed."""
+        return frozenset(self._records.require(request).arrived)
+
+    def holder(self, group: int, block: int) -> RequestId | None:
+        """The live request holding a block, or None (free, or fenced after a free)."""
+        h = self.table.holder[self.table.key(group, block)]
+        return None if h is None else h.id  # type: ignore[attr-defined]
+
+    def is_ready(self, request: RequestId) -> bool:
+        """Rule 4: may the request join a step now?"""
+        rec = self._requests.get(request)
+        if rec is None:
+            rec = self._records.require(request)  # raises, naming the request
+        phase = rec.phase
+        return phase is _LOCAL or phase is _READY
+
+    def free_count(self, pool: int = 0) -> int:
+        return self.pool.free_count(pool)
+
+    def transfers_in_flight(self) -> int:
+        return len(self._records.transfers)
+
+    def requests_in_flight(self) -> int:
+        return len(self._requests)
+
+    def take_reusable(self) -> list[tuple[int, BlockId]]:
+        """Engine-owned pools: (pool, block) pairs now safe to hand out again."""
+        t = self.table
+        return [(t.pool_of_key(k), BlockId(t.block_of(k))) for k in self.pool.take_reusable()]
+
+    def audit(self) -> None:
+        """Check internal consistency; RuntimeError on a broken invariant."""
+        self._records.audit()
+
+    # ----------------------------------------------------- requests and steps
+    def add_request(self, request: RequestId, *, expect: Iterable[Component] = ()) -> None:
+        """Register a request; ``expect`` lists the components that must arrive first."""
+        self._steps.add_request(request, expect)
+
+    def allocate(self, request: RequestId, group: int, n: int) -> tuple[BlockId, ...] | NotYet:
+        """Take ``n`` reusable blocks of ``group`` for ``request`` (all or none)."""
+        return self._steps.allocate(request, group, n)
+
+    def assign(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
+        """Engine-owned pool: the engine gave ``blocks`` of ``group`` to ``request``."""
+        self._steps.assign(request, group, blocks)
+
+    def free_blocks(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
+        """Give back some blocks of a live request (sliding-window clipping)."""
+        self._steps.free_blocks(request, group, blocks)
+
+    def request_finished(self, request: RequestId, *, export: bool = False) -> LeaseGrant | None:
+        """The request left the batch for good. With ``export`` its blocks are held
+        for a consumer under a lease (returned); otherwise they are freed."""
+        return self._steps.request_finished(request, export)
+
+    def abort(self, request: RequestId) -> bool:
+        """Drop a request anywhere in its life; False if it is unknown (already gone).
+        Blocks with transfers in flight stay quarantined until those are terminal;
+        an exporting request keeps its blocks until its lease lapses (no renewals)."""
+        return self._steps.abort(request)
+
+    def recompute(self, request: RequestId) -> None:
+        """A failed import is abandoned: the request computes its prompt locally."""
+        self._steps.recompute(request)
+
+    def step_scheduled(
+        self,
+        step: int,
+        *,
+        joined: Iterable[RequestId] = (),
+        touched: Iterable[BlockRef] = (),
+        zeroing: Iterable[BlockRef] = (),
+    ) -> StepTicket:
+        """The engine scheduled ``step``. ``joined`` requests enter the running batch
+        (they must be ready); ``touched`` blocks are read or written by the step
+        beyond what resident requests hold; ``zeroing`` blocks are initialised by it.
+        A step rejected (ValueError) leaves nothing applied."""
+        return self._steps.step_scheduled(step, joined, touched, zeroing)
+
+    def step_completed(self, step: int) -> bool:
+        """The worker finished ``step`` (and every earlier one). False if stale."""
+        return self._steps.step_completed(step)
+
+    # ------------------------------------------------------------ consumer side
+    def post_import(
+        self,
+        request: RequestId,
+        *,
+        components: Iterable[Component],
+        blocks: Mapping[int, Sequence[int]] | None = None,
+        lease_deadline: float | None = None,
+        expected_s: float = 0.0,
+    ) -> TransferId | NotYet:
+        """May an inbound transfer of ``components`` into the request's blocks start
+        now? On yes, the transfer is recorded as posted and its id returned.
+        ``blocks`` narrows the target to a subset (default: every block the request
+        holds in the components' groups). ``lease_deadline`` is the producer's lease
+        in this clock (see :mod:`hybridkv.fencing.lease`)."""
+        return self._rules.post_import(request, components, blocks, lease_deadline, expected_s)
+
+    def lease_renewed(self, request: RequestId, deadline: float) -> None:
+        """The producer renewed the lease behind this request's inbound reads."""
+        self._rules.lease_renewed(request, deadline)
+
+    # ------------------------------------------------------------ producer side
+    def export_ready(self, request: RequestId) -> bool | NotYet:
+        """Rule 1: have all writes into the request's blocks completed? True or NotYet."""
+        return self._rules.export_ready(request)
+
+    def post_export(
+        self,
+        request: RequestId,
+        *,
+        groups: Iterable[int] | None = None,
+        expected_s: float = 0.0,
+    ) -> TransferId | NotYet:
+        """May an outbound read of the request's blocks (all, or of ``groups``)
+        start now? It must be settled (rule 1) and finish inside the lease (rule 6)."""
+        return self._rules.post_export(request, groups, expected_s)
+
+    def heartbeat(self, request: RequestId) -> LeaseGrant | None:
+        """Renew an export lease; None if it lapsed or the request is gone."""
+        return self._rules.heartbeat(request)
+
+    def export_done(self, request: RequestId) -> bool:
+        """The consumer is done with the request: free its blocks. False if gone."""
+        return self._rules.export_done(request)
+
+    def poll(self) -> list[RequestId]:
+        """Expire lapsed export leases, releasing their blocks; returns their requests."""
+        return self._rules.poll()
+
+    # ---------------------------------------------------------------- transfers
+    def transfer_landed(self, tid: TransferId) -> TransferOutcome:
+        return self._rules.terminal(tid, True)
+
+    def transfer_failed(self, tid: TransferId) -> TransferOutcome:
+        return self._rules.terminal(tid, False)
 
 
-__all__ = ["GroupId", "StepTicket", "TransferScheduler"]
+__all__ = ["BlockRef", "StepTicket", "TransferScheduler"]

@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from hybridkv.fencing.fence import FencePolicy
+from hybridkv.fencing.fence import FencePolicy, NotYet
 from hybridkv.fencing.request_state import RequestPhase, TransferOutcome
 from tests.property import counter
 from tests.property.shadow import (
@@ -138,8 +138,8 @@ class FencingMachine(RuleBasedStateMachine):
         s = self.D.sched
         s.add_request(uid, expect=COMPONENTS)
         att = s.allocate(uid, ATT, len(src.att))
-        gdn = s.allocate(uid, GDN, 1) if att else att
-        if not att or not gdn:
+        gdn = att if isinstance(att, NotYet) else s.allocate(uid, GDN, 1)
+        if isinstance(gdn, NotYet):  # att's NotYet, or gdn's own
             s.abort(uid)
             return
         w = self.D
@@ -179,16 +179,16 @@ class FencingMachine(RuleBasedStateMachine):
         if not comps:
             return
         # The producer sends the block list only once its writes are settled (rule 1).
-        if not P.sched.export_ready(uid):
+        if isinstance(P.sched.export_ready(uid), NotYet):
             return
         deadline = P.sched.leases.deadline(uid)
         ptid = None
         if aware:
             ptid = P.sched.post_export(uid, expected_s=expected_s)
-            if not isinstance(ptid, int):
+            if isinstance(ptid, NotYet):
                 return
         dtid = D.sched.post_import(uid, components=comps, lease_deadline=deadline, expected_s=expected_s)
-        if not isinstance(dtid, int):
+        if isinstance(dtid, NotYet):
             if ptid is not None:
                 P.sched.transfer_failed(ptid)  # never started
             return
@@ -295,7 +295,7 @@ class FencingMachine(RuleBasedStateMachine):
             return
         uid = res[i % len(res)]
         got = self.D.sched.allocate(uid, ATT, 1)
-        if got:
+        if not isinstance(got, NotYet):
             k = self.D.key(ATT, got[0])
             self.D.reqs[uid].app.append(k)
             self.D.zero_next.append(k)

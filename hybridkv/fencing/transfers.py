@@ -2,38 +2,37 @@
 
 A transfer is posted only when the fence allows it (``post_import`` /
 ``post_export``) and its end is reported back (``transfer_landed`` /
-``transfer_failed``). Part of :class:`~hybridkv.fencing.scheduler.TransferScheduler`;
-the design is in :mod:`hybridkv.fencing.scheduler`.
+``transfer_failed``). :class:`TransferRules` applies them to a
+:class:`~hybridkv.fencing.records.SchedulerRecords` on behalf of
+:class:`~hybridkv.fencing.scheduler.TransferScheduler`, which documents them; the design
+is in :mod:`hybridkv.fencing.scheduler`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from hybridkv.fencing.fence import NotYet, RequestId, TransferId
+from hybridkv.fencing.fence import NotYet, NotYetReason, RequestId, TransferId
 from hybridkv.fencing.lease import LeaseGrant
+from hybridkv.fencing.records import SchedulerRecords
 from hybridkv.fencing.request_state import (
     Component,
+    RequestPhase,
     RequestRecord,
     TransferDirection,
     TransferOutcome,
     TransferRecord,
     TransferState,
 )
-from hybridkv.fencing.scheduler_state import (
-    _BUSY,
-    _EXPORTING,
-    _FAILED,
-    _IMPORTING,
-    _INBOUND,
-    _OUTBOUND,
-    _PENDING,
-    _READY,
-    _SHORT,
-    _SchedulerState,
-)
 
-# Enum members as module constants (see scheduler_state).
+# Enum members as module constants: an attribute of an Enum class costs several
+# times a global lookup, and the rules test them on every call.
+_IMPORTING = RequestPhase.IMPORTING
+_READY = RequestPhase.READY
+_EXPORTING = RequestPhase.EXPORTING
+_FAILED = RequestPhase.FAILED
+_INBOUND = TransferDirection.INBOUND
+_OUTBOUND = TransferDirection.OUTBOUND
 _ACCEPTED = TransferOutcome.ACCEPTED
 _DUPLICATE = TransferOutcome.DUPLICATE
 _DISCARDED = TransferOutcome.DISCARDED
@@ -41,49 +40,102 @@ _LATE = TransferOutcome.LATE
 _UNKNOWN = TransferOutcome.UNKNOWN
 _LANDED = TransferState.LANDED
 _TFAILED = TransferState.FAILED
+
+_PENDING = NotYet(reason=NotYetReason.PENDING_STEP)
+_BUSY = NotYet(reason=NotYetReason.TRANSFER_IN_FLIGHT)
+_SHORT = NotYet(reason=NotYetReason.LEASE_TOO_SHORT)
 _NO_COMPONENTS: frozenset[Component] = frozenset()
 
 
-class _TransferRules(_SchedulerState):
-    """Imports, exports, leases and transfer ends of :class:`~hybridkv.fencing.scheduler.TransferScheduler`."""
+def _names(comps: Iterable[Component]) -> list[str]:
+    return sorted(c.kind.value + str(c.group) for c in comps)
+
+
+class TransferRules:
+    """Imports, exports, leases and transfer ends over one set of records."""
+
+    __slots__ = (
+        "_records",
+        "_requests",
+        "_transfers",
+        "_table",
+        "_pool",
+        "_leases",
+        "_imported",
+        "_clock",
+        "_fenced",
+        "_component_sets",
+    )
+
+    def __init__(self, records: SchedulerRecords) -> None:
+        self._records = records
+        # The records' containers, one attribute lookup away (they are never replaced).
+        self._requests = records.requests
+        self._transfers = records.transfers
+        self._table = records.table
+        self._pool = records.pool
+        self._leases = records.leases
+        self._imported = records.imported
+        self._clock = records.clock
+        self._fenced = records.fenced
+        # (the set, its sorted groups) of each component set imports were asked for, by
+        # the set and by the tuple the caller passed: a connector retries a post with the
+        # same tuple every step until the fence allows it, and building the set is most
+        # of a "not yet". Components are interned and immutable, so neither goes stale.
+        self._component_sets: dict[
+            tuple[Component, ...] | frozenset[Component], tuple[frozenset[Component], tuple[int, ...]]
+        ] = {}
 
     # ------------------------------------------------------------ consumer side
     def post_import(
         self,
         request: RequestId,
-        *,
         components: Iterable[Component],
-        blocks: Mapping[int, Sequence[int]] | None = None,
-        lease_deadline: float | None = None,
-        expected_s: float = 0.0,
+        blocks: Mapping[int, Sequence[int]] | None,
+        lease_deadline: float | None,
+        expected_s: float,
     ) -> TransferId | NotYet:
-        """May an inbound transfer of ``components`` into the request's blocks start
-        now? On yes, the transfer is recorded as posted and its id returned.
-        ``blocks`` narrows the target to a subset (default: every block the request
-        holds in the components' groups). ``lease_deadline`` is the producer's lease
-        in this clock (see :mod:`hybridkv.fencing.lease`)."""
         rec = self._requests.get(request)
         if rec is None:
-            rec = self._get(request)  # raises, naming the request
-        comps = frozenset(components)
+            rec = self._records.require(request)  # raises, naming the request
+        known = self._component_sets.get(components) if components.__class__ is tuple else None
+        comps = frozenset(components) if known is None else known[0]
         if rec.phase is not _IMPORTING and rec.phase is not _FAILED:
-            raise ValueError(
-                f"import into request {request!r} while {rec.phase.value}; expected importing"
-            )
+            raise ValueError(f"import into request {request!r} while {rec.phase.value}; expected importing")
         if not comps or not comps <= rec.expected:
             raise ValueError(
-                f"components {sorted(c.kind.value + str(c.group) for c in comps)} for request "
-                f"{request!r}; expected a non-empty subset of what it expects"
+                f"components {_names(comps)} for request {request!r}; "
+                "expected a non-empty subset of what it expects"
             )
         if rec.transfers:
             busy = self._components_in_flight(rec) & comps
             if busy:
                 raise ValueError(
-                    f"components {sorted(c.kind.value + str(c.group) for c in busy)} of request "
-                    f"{request!r} already have a transfer in flight; expected one at a time"
+                    f"components {_names(busy)} of request {request!r} already have a transfer "
+                    "in flight; expected one at a time"
                 )
-        keys = self._target_keys(rec, comps, blocks)
-        t = self.table
+        if blocks is None:
+            # Every block the request holds in the components' groups.
+            if known is None:
+                sets = self._component_sets
+                known = sets.get(comps)
+                if known is None:
+                    known = sets[comps] = (comps, tuple(sorted({c.group for c in comps})))
+                if components.__class__ is tuple:  # valid (a subset of what is expected)
+                    sets[components] = known
+            gs = known[1]
+            held = rec.blocks
+            if len(gs) == 1:
+                keys = list(held.get(gs[0], ()))
+            else:
+                keys = []
+                for g in gs:
+                    ks = held.get(g)
+                    if ks:
+                        keys += ks
+        else:
+            keys = self._chosen_keys(rec, comps, blocks)
+        t = self._table
         if self._fenced:
             if lease_deadline is not None and self._clock() + expected_s > lease_deadline:
                 return _SHORT
@@ -107,8 +159,7 @@ class _TransferRules(_SchedulerState):
         return tid
 
     def lease_renewed(self, request: RequestId, deadline: float) -> None:
-        """The producer renewed the lease behind this request's inbound reads."""
-        rec = self._get(request)
+        rec = self._records.require(request)
         for tid in rec.transfers:
             tr = self._transfers[tid]
             if tr.direction is _INBOUND and tr.deadline is not None:
@@ -122,26 +173,12 @@ class _TransferRules(_SchedulerState):
                 out |= tr.components
         return frozenset(out)
 
-    def _target_keys(
-        self,
-        rec: RequestRecord,
-        comps: frozenset[Component],
-        blocks: Mapping[int, Sequence[int]] | None,
+    def _chosen_keys(
+        self, rec: RequestRecord, comps: frozenset[Component], blocks: Mapping[int, Sequence[int]]
     ) -> list[int]:
-        if blocks is None:
-            gs = self._sorted_groups.get(comps)
-            if gs is None:
-                gs = self._sorted_groups[comps] = tuple(sorted({c.group for c in comps}))
-            held = rec.blocks
-            if len(gs) == 1:
-                return list(held.get(gs[0], ()))
-            out: list[int] = []
-            for g in gs:
-                ks = held.get(g)
-                if ks:
-                    out += ks
-            return out
+        """Keys of an import narrowed to ``blocks``; each must be the request's own, in a component's group."""
         groups = {c.group for c in comps}
+        key = self._table.key
         keys: list[int] = []
         for g, bs in blocks.items():
             if g not in groups:
@@ -150,7 +187,7 @@ class _TransferRules(_SchedulerState):
                 )
             held = rec.blocks.get(g, [])
             for b in bs:
-                k = self.table.key(g, b)
+                k = key(g, b)
                 if k not in held:
                     raise ValueError(
                         f"block {b} of group {g} is not held by request {rec.id!r}; expected its own blocks"
@@ -160,14 +197,13 @@ class _TransferRules(_SchedulerState):
 
     # ------------------------------------------------------------ producer side
     def export_ready(self, request: RequestId) -> bool | NotYet:
-        """Rule 1: have all writes into the request's blocks completed?"""
         rec = self._requests.get(request)
         if rec is None:
-            rec = self._get(request)  # raises, naming the request
+            rec = self._records.require(request)  # raises, naming the request
         if rec.phase is not _EXPORTING:
             raise ValueError(f"request {request!r} is {rec.phase.value}; expected exporting")
         if self._fenced:
-            t = self.table
+            t = self._table
             fence, w = t.fence, t.watermark
             # Every key is held by ``rec`` (audit checks it): its residency is one fence for all.
             hs = t.scheduled if rec.resident else rec.last_step
@@ -180,20 +216,13 @@ class _TransferRules(_SchedulerState):
                             return _PENDING
         return True
 
-    def post_export(
-        self,
-        request: RequestId,
-        *,
-        groups: Iterable[int] | None = None,
-        expected_s: float = 0.0,
-    ) -> TransferId | NotYet:
-        """May an outbound read of the request's blocks (all, or of ``groups``)
-        start now? It must be settled (rule 1) and finish inside the lease (rule 6)."""
+    def post_export(self, request: RequestId, groups: Iterable[int] | None, expected_s: float) -> TransferId | NotYet:
         ready = self.export_ready(request)
-        if not ready:
+        if ready is not True:
             return ready
         rec = self._requests[request]
-        if self._fenced and not self.leases.fits(request, expected_s):
+        leases = self._leases
+        if self._fenced and not leases.fits(request, expected_s):
             return _SHORT
         held = rec.blocks
         keys: list[int] = []
@@ -201,39 +230,37 @@ class _TransferRules(_SchedulerState):
             ks = held.get(g)
             if ks:
                 keys += ks
-        tid = self._new_transfer(rec, _OUTBOUND, keys, _NO_COMPONENTS, self.leases.deadline(request))
-        readers = self.table.readers
+        tid = self._new_transfer(rec, _OUTBOUND, keys, _NO_COMPONENTS, leases.deadline(request))
+        readers = self._table.readers
         for k in keys:
             readers[k] += 1
         return tid
 
     def heartbeat(self, request: RequestId) -> LeaseGrant | None:
-        """Renew an export lease; None if it lapsed or the request is gone."""
         rec = self._requests.get(request)
         if rec is None or rec.phase is not _EXPORTING or rec.abandoned:
             return None
-        return self.leases.renew(request)
+        return self._leases.renew(request)
 
     def export_done(self, request: RequestId) -> bool:
-        """The consumer is done with the request: free its blocks. False if gone."""
         rec = self._requests.get(request)
         if rec is None:
             return False
         if rec.phase is not _EXPORTING:
             raise ValueError(f"request {request!r} is {rec.phase.value}; expected exporting")
-        self.leases.end(request)
-        self._drop(rec)
+        self._leases.end(request)
+        self._records.drop(rec)
         return True
 
     def poll(self) -> list[RequestId]:
-        """Expire lapsed export leases, releasing their blocks; returns their requests."""
-        lapsed = self.leases.expire()
+        lapsed = self._leases.expire()
         if not lapsed:
             return lapsed
+        requests = self._requests
         for rid in lapsed:
-            rec = self._requests.get(rid)
+            rec = requests.get(rid)
             if rec is not None and rec.phase is _EXPORTING:
-                self._drop(rec)
+                self._records.drop(rec)
         return lapsed
 
     # ---------------------------------------------------------------- transfers
@@ -245,27 +272,23 @@ class _TransferRules(_SchedulerState):
         comps: frozenset[Component],
         deadline: float | None,
     ) -> TransferId:
-        tid = TransferId(self._next_tid)
-        self._next_tid += 1
+        records = self._records
+        tid = TransferId(records.next_tid)
+        records.next_tid = tid + 1
         self._transfers[tid] = TransferRecord(
             id=tid, request=rec.id, direction=direction, keys=keys, components=comps, deadline=deadline
         )
         rec.transfers.add(tid)
         return tid
 
-    def transfer_landed(self, tid: TransferId) -> TransferOutcome:
-        return self._terminal(tid, True)
-
-    def transfer_failed(self, tid: TransferId) -> TransferOutcome:
-        return self._terminal(tid, False)
-
-    def _terminal(self, tid: TransferId, ok: bool) -> TransferOutcome:
+    def terminal(self, tid: TransferId, ok: bool) -> TransferOutcome:
+        """A transfer ended: landed (``ok``) or failed. What the scheduler made of it."""
         tr = self._transfers.pop(tid, None)
         if tr is None:
-            if isinstance(tid, int) and 0 <= tid < self._next_tid:
+            if isinstance(tid, int) and 0 <= tid < self._records.next_tid:
                 return _DUPLICATE
             return _UNKNOWN
-        t = self.table
+        t = self._table
         inbound = tr.direction is _INBOUND
         counts = t.writers if inbound else t.readers
         for k in tr.keys:
@@ -274,7 +297,7 @@ class _TransferRules(_SchedulerState):
         rec = None if tr.orphaned else self._requests.get(tr.request)
         if rec is not None:
             rec.transfers.discard(tid)
-        self.pool.on_transfer_terminal(tr.keys)
+        self._pool.on_transfer_terminal(tr.keys)
         if rec is None:
             return _DISCARDED
         if not inbound:
@@ -292,4 +315,4 @@ class _TransferRules(_SchedulerState):
         return outcome
 
 
-__all__: list[str] = []
+__all__ = ["TransferRules"]

@@ -1,0 +1,147 @@
+"""What a transfer scheduler knows: its fence table, block pool, leases, and a record per
+live request and per transfer in flight.
+
+:class:`SchedulerRecords` holds that state and the operations every rule shares: finding
+a request (:meth:`~SchedulerRecords.require`), retiring one's blocks
+(:meth:`~SchedulerRecords.drop`) and checking the whole for consistency
+(:meth:`~SchedulerRecords.audit`). The rules that change it are its collaborators:
+:class:`~hybridkv.fencing.steps.RequestSteps` (requests and steps) and
+:class:`~hybridkv.fencing.transfers.TransferRules` (imports, exports, leases). The design,
+and the API in one page, is in :mod:`hybridkv.fencing.scheduler`.
+
+Nothing here imports torch or an engine.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hybridkv.fencing.block_pool import BlockPool
+from hybridkv.fencing.fence import FencePolicy, FenceTable, PoolLayout, RequestId, TransferId
+from hybridkv.fencing.lease import Clock, LeaseTable
+from hybridkv.fencing.request_state import RequestRecord, TransferDirection, TransferRecord
+
+_INBOUND = TransferDirection.INBOUND
+
+
+class SchedulerRecords:
+    """The state of one :class:`~hybridkv.fencing.scheduler.TransferScheduler`, shared by its rules.
+
+    The rules keep references to the containers (they are never replaced) so a hot
+    path reads them in one attribute lookup; only ``next_tid`` is rebound.
+    """
+
+    __slots__ = (
+        "layout",
+        "policy",
+        "fenced",
+        "clock",
+        "table",
+        "pool",
+        "leases",
+        "requests",
+        "transfers",
+        "next_tid",
+        "imported",
+        "pool_base",
+    )
+
+    def __init__(
+        self,
+        layout: PoolLayout,
+        *,
+        policy: FencePolicy = FencePolicy.FENCED,
+        lease_s: float = 30.0,
+        clock: Clock = time.monotonic,
+        managed_pool: bool = True,
+    ) -> None:
+        if not isinstance(layout, PoolLayout):
+            raise ValueError(f"layout {layout!r}; expected a PoolLayout")
+        if not isinstance(policy, FencePolicy):
+            raise ValueError(f"policy {policy!r}; expected a FencePolicy")
+        self.layout = layout
+        self.policy = policy
+        self.fenced = policy is FencePolicy.FENCED
+        self.clock = clock
+        self.table = FenceTable(layout)
+        self.pool = BlockPool(self.table, fenced=self.fenced, managed=managed_pool)
+        self.leases = LeaseTable(duration_s=lease_s, clock=clock)
+        self.requests: dict[RequestId, RequestRecord] = {}
+        self.transfers: dict[TransferId, TransferRecord] = {}
+        self.next_tid = 0
+        # Keys an inbound transfer has been posted into since they were allocated:
+        # zeroing them later would erase received bytes (Race B), so it is skipped.
+        self.imported: set[int] = set()
+        # First key of each pool, to turn keys back into block ids.
+        self.pool_base = [self.table.pool_keys(p).start for p in range(len(layout.pool_sizes))]
+
+    def require(self, request: RequestId) -> RequestRecord:
+        """The live request's record; ValueError naming it if there is none."""
+        rec = self.requests.get(request)
+        if rec is None:
+            raise ValueError(f"request {request!r} is unknown; expected a live request id")
+        return rec
+
+    def drop(self, rec: RequestRecord) -> None:
+        """Forget a request; its blocks go back to the pool once the rules allow."""
+        del self.requests[rec.id]
+        t = self.table
+        # The request is retired (not resident): its blocks' fence is at least its last step.
+        hs = rec.last_step
+        fence, holder, imported = t.fence, t.holder, self.imported
+        keys: list[int] = []
+        for ks in rec.blocks.values():
+            keys += ks
+        uniform = True  # every block's fence is now hs
+        for k in keys:
+            f = fence[k]
+            if hs > f:
+                fence[k] = hs
+            elif f != hs:
+                uniform = False
+            holder[k] = None
+        if imported:
+            imported.difference_update(keys)
+        if rec.transfers:
+            transfers = self.transfers
+            for tid in rec.transfers:
+                transfers[tid].orphaned = True
+            self.pool.park_many(keys)
+        elif uniform:
+            # Idle: a block stays quarantined (parked) while any transfer reads or
+            # writes it, so a held block's only transfers are its holder's - none here.
+            self.pool.park_idle(keys, hs)
+        else:
+            self.pool.park_many(keys)
+        rec.blocks.clear()
+
+    def audit(self) -> None:
+        """Check internal consistency; RuntimeError on a broken invariant."""
+        t = self.table
+        total = self.layout.total_blocks
+        held = [0] * total
+        for rec in self.requests.values():
+            for g, keys in rec.blocks.items():
+                for k in keys:
+                    held[k] += 1
+                    if t.holder[k] is not rec:
+                        raise RuntimeError(f"block key {k} of group {g} listed by {rec.id!r} but held by another")
+        readers = [0] * total
+        writers = [0] * total
+        for tr in self.transfers.values():
+            c = writers if tr.direction is _INBOUND else readers
+            for k in tr.keys:
+                c[k] += 1
+        if readers != t.readers or writers != t.writers:
+            raise RuntimeError("transfer reader/writer counts disagree with the fence table")
+        if self.pool.managed:
+            for k in range(total):
+                states = held[k] + self.pool.is_parked(k) + self.pool.is_free(k)
+                if states != 1:
+                    raise RuntimeError(
+                        f"block key {k}: held {held[k]}, parked {self.pool.is_parked(k)}, "
+                        f"free {self.pool.is_free(k)}; expected exactly one"
+                    )
+
+
+__all__ = ["SchedulerRecords"]
