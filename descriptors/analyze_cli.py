@@ -6,7 +6,7 @@ import argparse
 import json
 
 # Per-descriptor cost and link bandwidth of the transfer-time estimate: NIXL/UCX over
-# CMA on a 2-vCPU machine, unmerged descriptors (anchors/nixl.md section 2.1).
+# CMA on a 2-vCPU machine, unmerged descriptors (docs/background/nixl.md section 2.1).
 DEFAULT_PER_DESC_US = 2.0
 DEFAULT_LINK_GBPS = 10.0
 

@@ -1,95 +1,45 @@
 """The descriptor compiler: (src layout, src blocks) x (dst layout, dst blocks) -> (addr, len, dev) arrays.
 
 Work is split the way a transfer engine wants it:
-- once per peer (`TransferPlanner`): match the fields of every group key by key
-  (this is where heterogeneous TP and different block sizes are resolved) into a
-  small *piece table* per group, already merged wherever two pieces of one block
-  pair are back to back on both sides;
+- once per peer (`TransferPlanner`): the piece tables of descriptors/pieces.py,
+  matched by fields (heterogeneous TP, different block sizes) or, with
+  `TransferPlanner.pages`, whole pages of two sides that cut pages alike;
 - once per request (`TransferPlanner.compile`): a few numpy operations turn the
   block lists into addresses and merge consecutive blocks that are adjacent on
-  both sides. No per-block Python loop.
-A super-pair is lcm(src block, dst block) tokens: the smallest stretch after
-which the pairing of src and dst blocks repeats.
+  both sides. No per-block Python loop. Page tables also yield NIXL prepped-list
+  index pairs (the plan's index form): the pairs are ordered by dst index, so the
+  rows merge exactly where NIXL's `make_prepped_xfer` merges the pairs, and
+  `TransferPlan.num_descriptors` is NIXL's descriptor count.
+
+Block lists of unequal length (the alignment rule; `src` is the producer):
+- state groups (and pages of unknown content) pair one to one: the lengths must match;
+- token groups of one block size: a dst list shorter than the src list pairs with the
+  src list's *tail*. A decode side with a prefix-cache hit holds the first blocks
+  already and loads only the missing suffix, which is the end of the producer's
+  list (NixlConnector aligns the same way). A dst list longer than the src list is
+  refused: it would wait for tokens the producer does not hold;
+- token groups of different block sizes: both lists start at token 0 and must cover
+  the same tokens up to each side's block rounding (some T with ceil(T/bs) src and
+  ceil(T/bd) dst blocks); a prefix hit cannot be placed across block sizes, so any
+  other pair of lengths is refused.
+Refusals are ValueErrors naming the group and both lengths.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from hybridkv.layout.fields import Field, FieldKey
-from hybridkv.layout import GroupLayout, Layout
+from hybridkv.layout import Layout
+from hybridkv.layout.fields import FieldKey
+from hybridkv.transport.plan import TransferPlan
+
+from . import pieces as pc
+from .pieces import PieceTable
 
 _I64 = np.int64
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class TransferPlan:
-    """Descriptor arrays, row i of `src` moves to row i of `dst`: columns (addr, len, device)."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    src_region: np.ndarray
-    dst_region: np.ndarray
-
-    @property
-    def num_descriptors(self) -> int:
-        return int(self.src.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.src[:, 1].sum())
-
-    @staticmethod
-    def concat(plans: Sequence[TransferPlan]) -> TransferPlan:
-        if not plans:
-            return _empty_plan()
-        return TransferPlan(
-            src=np.concatenate([p.src for p in plans]), dst=np.concatenate([p.dst for p in plans]),
-            src_region=np.concatenate([p.src_region for p in plans]),
-            dst_region=np.concatenate([p.dst_region for p in plans]),
-        )
-
-
-def _empty_plan() -> TransferPlan:
-    z3 = np.zeros((0, 3), dtype=_I64)
-    z = np.zeros(0, dtype=_I64)
-    return TransferPlan(src=z3, dst=z3.copy(), src_region=z, dst_region=z.copy())
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class PieceTable:
-    """Static pairing of one group's block content: one row per piece of a super-pair."""
-
-    group_id: int
-    is_state: bool
-    src_blocks_per_pair: int
-    dst_blocks_per_pair: int
-    pair_tokens: int
-    src_block_tokens: int
-    dst_block_tokens: int
-    s_k: np.ndarray       # src block index inside the super-pair
-    d_k: np.ndarray
-    s_base: np.ndarray    # region base address of the piece's src region
-    s_stride: np.ndarray
-    s_off: np.ndarray     # offset inside the src page
-    s_region: np.ndarray
-    s_pages: np.ndarray
-    s_dev: np.ndarray
-    d_base: np.ndarray
-    d_stride: np.ndarray
-    d_off: np.ndarray
-    d_region: np.ndarray
-    d_pages: np.ndarray
-    d_dev: np.ndarray
-    length: np.ndarray
-
-    @property
-    def num_pieces(self) -> int:
-        return int(self.length.shape[0])
 
 
 class TransferPlanner:
@@ -97,19 +47,18 @@ class TransferPlanner:
 
     def __init__(self, src: Layout, dst: Layout, *, keys: Collection[FieldKey] | None = None,
                  bridge_padding: bool = False) -> None:
-        """`bridge_padding`: also merge pieces separated by the same gap on both sides when the dst
-        gap holds no field (engine page padding, e.g. vLLM's padded GDN state pages). Fewer, larger
-        descriptors at the price of moving the padding bytes."""
+        """Pair field by field. `keys`: only these fields (a share of a heterogeneous-TP read,
+        see plan_sources). `bridge_padding`: also merge pieces separated by the same gap on
+        both sides when the dst gap holds no field (engine page padding, e.g. vLLM's padded
+        GDN state pages). Fewer, larger descriptors at the price of moving the padding bytes."""
         if (src.geometry is None) != (dst.geometry is None) or (
                 src.geometry is not None and src.geometry.layers != dst.geometry.layers):
             raise ValueError(
                 f"src model {getattr(src.geometry, 'name', None)!r} and dst model "
                 f"{getattr(dst.geometry, 'name', None)!r} differ in their layers"
             )
-        self.src, self.dst = src, dst
-        self._keys = None if keys is None else frozenset(keys)
-        self.tables: dict[int, PieceTable] = {}
-        self._raw: dict[int, PieceTable] = {}
+        keys = None if keys is None else frozenset(keys)
+        raw, tables = {}, {}
         for dg in dst.groups:
             sg = src.group(dg.group_id)
             if sg.kind is not dg.kind or sg.layer_indices != dg.layer_indices:
@@ -117,11 +66,30 @@ class TransferPlanner:
                     f"group {dg.group_id}: src holds {sg.kind.value} layers {sg.layer_indices}, "
                     f"dst holds {dg.kind.value} layers {dg.layer_indices}"
                 )
-            self._raw[dg.group_id] = _piece_table(src, sg, dst, dg, self._keys)
-            free_gaps = _field_starts(dg) if bridge_padding else None
-            self.tables[dg.group_id] = _merge_table(self._raw[dg.group_id], free_gaps)
-        self._affine = _affine_constants(self.tables)
-        self._affine_index = {g: i for i, g in enumerate(self.tables)}
+            raw[dg.group_id] = pc.field_table(src, sg, dst, dg, keys)
+            tables[dg.group_id] = pc.merge_table(raw[dg.group_id], pc.field_starts(dg) if bridge_padding else None)
+        self._setup(src, dst, raw, tables)
+
+    @classmethod
+    def pages(cls, src, dst, regions: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> TransferPlanner:
+        """Pair whole pages of two :class:`~hybridkv.transport.memory.MemoryMap`s that cut pages
+        alike (every dst group, region by region, equal page bytes; ValueError otherwise).
+        `regions`: per group, which src region feeds which dst region (default: in order).
+        Plans carry the index form: the pages' indices into each side's prepped list."""
+        tokens = pc.group_tokens(dst, src)
+        tables = {int(g.group_id): pc.page_table(src, dst, int(g.group_id), tokens.get(int(g.group_id)),
+                                                 None if regions is None else regions[int(g.group_id)])
+                  for g in dst.groups}
+        self = cls.__new__(cls)
+        self._setup(src, dst, tables, tables)
+        return self
+
+    def _setup(self, src, dst, raw: dict[int, PieceTable], tables: dict[int, PieceTable]) -> None:
+        self.src, self.dst = src, dst
+        self._raw, self.tables = raw, tables
+        self.indexed = bool(tables) and all(t.s_first is not None for t in tables.values())
+        self._affine = pc.affine_constants(tables)
+        self._affine_index = {g: i for i, g in enumerate(tables)}
 
     def _compile_affine(self, src_blocks, dst_blocks) -> TransferPlan:
         """Every group moves one span per block pair: one pass over all groups' blocks."""
@@ -133,35 +101,43 @@ class TransferPlanner:
         sbs = [_blocks(src_blocks[g], "src", g) for g in gids]
         dbs = [_blocks(dst_blocks[g], "dst", g) for g in gids]
         counts = []
-        for g, sb, db in zip(gids, sbs, dbs):
-            ns, nd = sb.shape[0], db.shape[0]
-            if ns != nd and self.tables[g].is_state:
-                raise ValueError(f"group {g} holds state: src has {ns} blocks, dst {nd}; they pair one to one")
-            counts.append(ns if ns <= nd else nd)
-        sb = np.concatenate([b[:n] for b, n in zip(sbs, counts)]) if len(gids) > 1 else sbs[0][: counts[0]]
-        db = np.concatenate([b[:n] for b, n in zip(dbs, counts)]) if len(gids) > 1 else dbs[0][: counts[0]]
+        for i, g in enumerate(gids):
+            if sbs[i].shape[0] != dbs[i].shape[0]:
+                sbs[i], dbs[i] = _align(self.tables[g], sbs[i], dbs[i])
+            counts.append(dbs[i].shape[0])
+        sb = np.concatenate(sbs) if len(gids) > 1 else sbs[0]
+        db = np.concatenate(dbs) if len(gids) > 1 else dbs[0]
         c = np.repeat(self._affine[order], counts, axis=0)
         # Bounds: every block id inside its region, checked on the whole batch at once.
-        if ((sb < 0) | (sb >= c[:, 10]) | (db < 0) | (db >= c[:, 11])).any():
-            for g, b_s, b_d, n in zip(gids, sbs, dbs, counts):
-                _check_pages(b_s[:n], self.tables[g].s_pages, "src", g)
-                _check_pages(b_d[:n], self.tables[g].d_pages, "dst", g)
-        s_addr = sb * c[:, 0] + c[:, 1]
-        d_addr = db * c[:, 2] + c[:, 3]
-        length = c[:, 4]
+        if ((sb < 0) | (sb >= c[:, pc.S_PAGES]) | (db < 0) | (db >= c[:, pc.D_PAGES])).any():
+            for g, b_s, b_d in zip(gids, sbs, dbs):
+                _check_pages(b_s, self.tables[g].s_pages, "src", g)
+                _check_pages(b_d, self.tables[g].d_pages, "dst", g)
+        s_addr = sb * c[:, pc.S_STRIDE] + c[:, pc.S_ADDR]
+        d_addr = db * c[:, pc.D_STRIDE] + c[:, pc.D_ADDR]
+        s_idx = d_idx = None
+        if self.indexed:
+            s_idx, d_idx = sb + c[:, pc.S_FIRST], db + c[:, pc.D_FIRST]
+            if d_idx.shape[0] > 1 and (d_idx[1:] < d_idx[:-1]).any():
+                # By dst index, as NIXL merges runs of pairs consecutive on both sides: every run is
+                # found (dst indices are distinct), whatever order the allocators handed blocks out in.
+                by = np.argsort(d_idx, kind="stable")
+                s_idx, d_idx, s_addr, d_addr, c = s_idx[by], d_idx[by], s_addr[by], d_addr[by], c[by]
+        length = c[:, pc.LEN]
         if length.shape[0] > 1:
-            # Column 5 tags (src region, dst region): rows of different regions never merge.
+            tag = c[:, pc.TAG]
             cont = ((s_addr[1:] == s_addr[:-1] + length[:-1]) & (d_addr[1:] == d_addr[:-1] + length[:-1])
-                    & (c[1:, 5] == c[:-1, 5]))
+                    & (tag[1:] == tag[:-1]))
             if cont.any():
                 starts = np.flatnonzero(np.concatenate(([True], ~cont)))
                 length = np.add.reduceat(length, starts)
                 s_addr, d_addr, c = s_addr[starts], d_addr[starts], c[starts]
         src = np.empty((length.shape[0], 3), dtype=_I64)
         dst = np.empty_like(src)
-        src[:, 0], src[:, 1], src[:, 2] = s_addr, length, c[:, 6]
-        dst[:, 0], dst[:, 1], dst[:, 2] = d_addr, length, c[:, 7]
-        return TransferPlan(src=src, dst=dst, src_region=c[:, 8], dst_region=c[:, 9])
+        src[:, 0], src[:, 1], src[:, 2] = s_addr, length, c[:, pc.S_DEV]
+        dst[:, 0], dst[:, 1], dst[:, 2] = d_addr, length, c[:, pc.D_DEV]
+        return TransferPlan(src=src, dst=dst, src_region=c[:, pc.S_REG], dst_region=c[:, pc.D_REG],
+                            src_index=_i32(s_idx), dst_index=_i32(d_idx))
 
     def compile(
         self,
@@ -170,6 +146,8 @@ class TransferPlanner:
         *,
         coalesce: bool = True,
     ) -> TransferPlan:
+        """The plan for one request: every group's src blocks to its dst blocks (the
+        alignment rule in the module docstring says how lists of unequal length pair)."""
         if set(src_blocks) != set(dst_blocks):
             raise ValueError(f"src groups {sorted(src_blocks)} and dst groups {sorted(dst_blocks)} differ")
         if coalesce and self._affine is not None:
@@ -182,7 +160,7 @@ class TransferPlanner:
             c = _compile_group(table, _blocks(src_blocks[gid], "src", gid), _blocks(dst_blocks[gid], "dst", gid))
             if c is not None:
                 cols.append(c)
-        return _finish(cols, coalesce)
+        return _finish(cols, coalesce, self.indexed)
 
 
 def compile_transfer(
@@ -220,125 +198,6 @@ def plan_sources(src_ranks: Sequence[Layout], dst: Layout) -> dict[int, frozense
     return {i: frozenset(k) for i, k in assigned.items()}
 
 
-# --------------------------------------------------------------------------- static part
-
-
-def _fields_by_key(layout: Layout, group: GroupLayout) -> dict[FieldKey, tuple[int, Field]]:
-    out: dict[FieldKey, tuple[int, Field]] = {}
-    for p in group.placements:
-        for f in p.fields:
-            if f.key in out:
-                raise ValueError(f"group {group.group_id} places field {f.key} twice")
-            out[f.key] = (p.region_id, f)
-    return out
-
-
-def _piece_table(src: Layout, sg: GroupLayout, dst: Layout, dg: GroupLayout, keys) -> PieceTable:
-    sf, df = _fields_by_key(src, sg), _fields_by_key(dst, dg)
-    is_state = dg.block_tokens is None
-    if (sg.block_tokens is None) != is_state:
-        raise ValueError(f"group {dg.group_id}: one side is token-indexed, the other holds state")
-    bs = sg.block_tokens or 1
-    bd = dg.block_tokens or 1
-    g = math.gcd(bs, bd)
-    pair = bs * bd // g
-    rows: list[tuple[int, int, int, int, int, int, int]] = []  # s_k, s_reg, s_off, d_k, d_reg, d_off, len
-    for key, (d_reg, d) in df.items():
-        if keys is not None and key not in keys:
-            continue
-        hit = sf.get(key)
-        if hit is None:
-            if keys is None:
-                raise ValueError(f"group {dg.group_id}: src rank {src.rank}/{src.tp} does not hold field {key}; "
-                                 "use plan_sources() to split the read across src ranks")
-            raise ValueError(f"group {dg.group_id}: field {key} was assigned to a src rank that lacks it")
-        s_reg, s = hit
-        if is_state or not d.token_bytes:
-            if s.nbytes != d.nbytes or s.token_bytes != d.token_bytes:
-                raise ValueError(f"field {key}: src has {s.nbytes} bytes, dst {d.nbytes}")
-            if not is_state and (bs != bd):
-                raise ValueError(f"field {key} cannot be split by tokens but block sizes differ ({bs} vs {bd})")
-            rows.append((0, s_reg, s.offset, 0, d_reg, d.offset, d.nbytes))
-            continue
-        if s.token_bytes != d.token_bytes:
-            raise ValueError(f"field {key}: src holds {s.token_bytes} bytes per token, dst {d.token_bytes}")
-        tb = d.token_bytes
-        for u in range(pair // g):
-            t = u * g
-            rows.append((t // bs, s_reg, s.offset + (t % bs) * tb, t // bd, d_reg, d.offset + (t % bd) * tb, g * tb))
-    # Sort so pieces that are back to back on the src side are neighbours.
-    rows.sort(key=lambda r: (r[0], r[3], r[1], r[4], r[2]))
-    arr = np.array(rows, dtype=_I64).reshape(-1, 7)
-    s_reg, d_reg = arr[:, 1], arr[:, 4]
-    sr, dr = src.regions, dst.regions
-    pick = lambda regions, idx, attr: np.array([getattr(regions[i], attr) for i in idx], dtype=_I64)  # noqa: E731
-    return PieceTable(
-        group_id=dg.group_id, is_state=is_state,
-        src_blocks_per_pair=pair // bs, dst_blocks_per_pair=pair // bd, pair_tokens=pair,
-        src_block_tokens=bs, dst_block_tokens=bd,
-        s_k=arr[:, 0], d_k=arr[:, 3], s_off=arr[:, 2], d_off=arr[:, 5], length=arr[:, 6],
-        s_region=s_reg, d_region=d_reg,
-        s_base=pick(sr, s_reg, "base_addr"), s_stride=pick(sr, s_reg, "stride"),
-        s_pages=pick(sr, s_reg, "num_pages"), s_dev=pick(sr, s_reg, "device_id"),
-        d_base=pick(dr, d_reg, "base_addr"), d_stride=pick(dr, d_reg, "stride"),
-        d_pages=pick(dr, d_reg, "num_pages"), d_dev=pick(dr, d_reg, "device_id"),
-    )
-
-
-def _field_starts(group: GroupLayout) -> dict[int, np.ndarray]:
-    """Sorted field start offsets per region of a group's placements."""
-    return {p.region_id: np.sort(np.array([f.offset for f in p.fields], dtype=_I64)) for p in group.placements}
-
-
-def _merge_table(t: PieceTable, dst_field_starts: dict[int, np.ndarray] | None = None) -> PieceTable:
-    """Merge pieces of one block pair that are back to back on both sides (or, with
-    `dst_field_starts`, separated by equal gaps that hold no dst field: padding)."""
-    n = t.num_pieces
-    if n <= 1:
-        return t
-    s_end = t.s_off[:-1] + t.length[:-1]
-    d_end = t.d_off[:-1] + t.length[:-1]
-    same = ((t.s_k[1:] == t.s_k[:-1]) & (t.d_k[1:] == t.d_k[:-1])
-            & (t.s_region[1:] == t.s_region[:-1]) & (t.d_region[1:] == t.d_region[:-1]))
-    gap_s, gap_d = t.s_off[1:] - s_end, t.d_off[1:] - d_end
-    cont = same & (gap_s == 0) & (gap_d == 0)
-    if dst_field_starts is not None:
-        bridge = same & (gap_s == gap_d) & (gap_d > 0)
-        for i in np.flatnonzero(bridge):
-            starts_in_region = dst_field_starts[int(t.d_region[i])]
-            lo = np.searchsorted(starts_in_region, d_end[i])
-            hi = np.searchsorted(starts_in_region, t.d_off[i + 1])
-            bridge[i] = lo == hi
-        cont |= bridge
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    ends = np.concatenate((starts[1:], [n])) - 1
-    length = t.s_off[ends] + t.length[ends] - t.s_off[starts]
-    pick = lambda a: a[starts]  # noqa: E731
-    return PieceTable(
-        group_id=t.group_id, is_state=t.is_state, src_blocks_per_pair=t.src_blocks_per_pair,
-        dst_blocks_per_pair=t.dst_blocks_per_pair, pair_tokens=t.pair_tokens,
-        src_block_tokens=t.src_block_tokens, dst_block_tokens=t.dst_block_tokens,
-        s_k=pick(t.s_k), d_k=pick(t.d_k), s_base=pick(t.s_base), s_stride=pick(t.s_stride), s_off=pick(t.s_off),
-        s_region=pick(t.s_region), s_pages=pick(t.s_pages), s_dev=pick(t.s_dev),
-        d_base=pick(t.d_base), d_stride=pick(t.d_stride), d_off=pick(t.d_off), d_region=pick(t.d_region),
-        d_pages=pick(t.d_pages), d_dev=pick(t.d_dev), length=length,
-    )
-
-
-def _affine_constants(tables: Mapping[int, PieceTable]) -> np.ndarray | None:
-    """Per group [s_stride, s_base+off, d_stride, d_base+off, len, region tag, s_dev, d_dev, s_reg, d_reg,
-    s_pages, d_pages]."""
-    rows = []
-    for t in tables.values():
-        if t.num_pieces != 1 or t.src_blocks_per_pair != 1 or t.dst_blocks_per_pair != 1:
-            return None
-        tag = (int(t.s_region[0]) << 32) | int(t.d_region[0])
-        rows.append([t.s_stride[0], t.s_base[0] + t.s_off[0], t.d_stride[0], t.d_base[0] + t.d_off[0],
-                     t.length[0], tag, t.s_dev[0], t.d_dev[0], t.s_region[0], t.d_region[0],
-                     t.s_pages[0], t.d_pages[0]])
-    return np.array(rows, dtype=_I64) if rows else None
-
-
 # --------------------------------------------------------------------------- per request
 
 
@@ -351,6 +210,8 @@ class _Columns:
     d_dev: np.ndarray
     s_reg: np.ndarray
     d_reg: np.ndarray
+    s_idx: np.ndarray | None = None
+    d_idx: np.ndarray | None = None
 
 
 def _blocks(blocks, side: str, gid: int) -> np.ndarray:
@@ -364,11 +225,37 @@ def _blocks(blocks, side: str, gid: int) -> np.ndarray:
     return arr.astype(_I64, copy=False)
 
 
-def _compile_group(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> _Columns | None:
+def _i32(a: np.ndarray | None) -> np.ndarray | None:
+    return None if a is None else a.astype(np.int32)
+
+
+def _align(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The two block lists of one group as they pair (the alignment rule, module docstring)."""
     ns, nd = sb.shape[0], db.shape[0]
+    g = t.group_id
     if t.is_state:
         if ns != nd:
-            raise ValueError(f"group {t.group_id} holds state: src has {ns} blocks, dst {nd}; they pair one to one")
+            raise ValueError(f"group {g} holds state (or pages of unknown content): src has {ns} blocks, dst {nd}; "
+                             "they pair one to one")
+        return sb, db
+    bs, bd = t.src_block_tokens, t.dst_block_tokens
+    if bs == bd:
+        if ns < nd:
+            raise ValueError(f"group {g}: dst lists {nd} blocks but src only {ns}; a dst list pairs with the src "
+                             "list's tail (a prefix-cache hit) and never holds more blocks than the src")
+        return (sb[ns - nd:], db) if ns > nd else (sb, db)
+    # Both from token 0: some T must give ceil(T/bs) == ns and ceil(T/bd) == nd (none when dst is empty).
+    if nd and (ns == 0 or max((ns - 1) * bs, (nd - 1) * bd) >= min(ns * bs, nd * bd)):
+        raise ValueError(f"group {g}: src lists {ns} blocks of {bs} tokens, dst {nd} blocks of {bd}; with different "
+                         "block sizes both lists start at token 0 and must end in the same block-rounded token")
+    return sb, db
+
+
+def _compile_group(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> _Columns | None:
+    if sb.shape[0] != db.shape[0] or t.src_block_tokens != t.dst_block_tokens:
+        sb, db = _align(t, sb, db)
+    ns, nd = sb.shape[0], db.shape[0]
+    if t.is_state:
         pairs = ns
     else:
         covered = min(ns * t.src_block_tokens, nd * t.dst_block_tokens)
@@ -385,6 +272,8 @@ def _compile_group(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> _Columns | 
             length=np.full(pairs, t.length[0], dtype=_I64), s_dev=np.full(pairs, t.s_dev[0], dtype=_I64),
             d_dev=np.full(pairs, t.d_dev[0], dtype=_I64), s_reg=np.full(pairs, t.s_region[0], dtype=_I64),
             d_reg=np.full(pairs, t.d_region[0], dtype=_I64),
+            s_idx=None if t.s_first is None else sb[:pairs] + t.s_first[0],
+            d_idx=None if t.d_first is None else db[:pairs] + t.d_first[0],
         )
     s = np.arange(pairs, dtype=_I64)
     # Piece-major order: the same piece of consecutive blocks are neighbours, so
@@ -399,6 +288,8 @@ def _compile_group(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> _Columns | 
         s_addr=t.s_base[p] + t.s_off[p] + sb[i_s] * t.s_stride[p],
         d_addr=t.d_base[p] + t.d_off[p] + db[i_d] * t.d_stride[p],
         length=t.length[p], s_dev=t.s_dev[p], d_dev=t.d_dev[p], s_reg=t.s_region[p], d_reg=t.d_region[p],
+        s_idx=None if t.s_first is None else t.s_first[p] + sb[i_s],
+        d_idx=None if t.d_first is None else t.d_first[p] + db[i_d],
     )
 
 
@@ -412,18 +303,28 @@ def _check_pages(pages: np.ndarray, limits: np.ndarray, side: str, gid: int) -> 
         raise ValueError(f"{side} block {bad} of group {gid} is outside its region (valid 0..{limit - 1})")
 
 
-def _finish(cols: list[_Columns], coalesce: bool) -> TransferPlan:
+_NAMES = ("s_addr", "d_addr", "length", "s_dev", "d_dev", "s_reg", "d_reg")
+
+
+def _finish(cols: list[_Columns], coalesce: bool, indexed: bool) -> TransferPlan:
     """Concatenate the groups and merge rows that continue each other on both sides, in one region each."""
     if not cols:
-        return _empty_plan()
+        if not indexed:
+            return TransferPlan.empty()
+        z = np.zeros(0, dtype=np.int32)
+        e = TransferPlan.empty()
+        return TransferPlan(src=e.src, dst=e.dst, src_region=e.src_region, dst_region=e.dst_region,
+                            src_index=z, dst_index=z.copy())
+    names = _NAMES + (("s_idx", "d_idx") if indexed else ())
     if len(cols) == 1:
-        c = cols[0]
-        s_addr, d_addr, length, s_dev, d_dev, s_reg, d_reg = (
-            c.s_addr, c.d_addr, c.length, c.s_dev, c.d_dev, c.s_reg, c.d_reg)
+        arrs = [getattr(cols[0], n) for n in names]
     else:
-        s_addr, d_addr, length, s_dev, d_dev, s_reg, d_reg = (
-            np.concatenate([getattr(c, n) for c in cols])
-            for n in ("s_addr", "d_addr", "length", "s_dev", "d_dev", "s_reg", "d_reg"))
+        arrs = [np.concatenate([getattr(c, n) for c in cols]) for n in names]
+    if indexed and arrs[8].shape[0] > 1 and (arrs[8][1:] < arrs[8][:-1]).any():
+        by = np.argsort(arrs[8], kind="stable")  # by dst index: see _compile_affine
+        arrs = [a[by] for a in arrs]
+    s_addr, d_addr, length, s_dev, d_dev, s_reg, d_reg = arrs[:7]
+    s_idx, d_idx = (arrs[7], arrs[8]) if indexed else (None, None)
     if coalesce and length.shape[0] > 1:
         cont = (
             (s_addr[1:] == s_addr[:-1] + length[:-1]) & (d_addr[1:] == d_addr[:-1] + length[:-1])
@@ -436,5 +337,8 @@ def _finish(cols: list[_Columns], coalesce: bool) -> TransferPlan:
             s_reg, d_reg = s_reg[starts], d_reg[starts]
     return TransferPlan(
         src=np.stack([s_addr, length, s_dev], axis=1), dst=np.stack([d_addr, length, d_dev], axis=1),
-        src_region=s_reg, dst_region=d_reg,
+        src_region=s_reg, dst_region=d_reg, src_index=_i32(s_idx), dst_index=_i32(d_idx),
     )
+
+
+__all__ = ["PieceTable", "TransferPlan", "TransferPlanner", "compile_transfer", "plan_sources"]

@@ -1,7 +1,7 @@
 """Hybrid-allocator grouping and page-size unification, as vLLM 0.33 does it.
 
 vLLM puts layers of different kinds into KV-cache groups of one page size so one
-pool serves all (anchors/vllm.md section 3):
+pool serves all (docs/background/vllm.md section 3):
 - group_size = the smallest per-kind layer count (the largest if max < 1.5 * min);
 - each kind's layers are split as layers[i::num_groups], the last group padded;
 - the attention block size is raised to the smallest multiple of the kernel

@@ -2,9 +2,10 @@
 
 Every scheme sees the same workload: one request of `tokens` prompt tokens, the
 same engine block size, the same TP pair. The engine schemes are closed-form
-models of their code (anchors/vllm.md sections 2-4 and 9, anchors/sglang.md);
+models of their code (docs/background/vllm.md sections 2-4 and 9, docs/background/sglang.md section 3);
 `hybridkv` is not a model: it plans real layouts (virtual addresses) and runs
-the descriptor compiler.
+the planner the transport runs (descriptors/planning.py: the same pairing
+decision and compiler), so its count is what NIXL posts for that request.
 
 Counts are totals over all (prefill rank -> decode rank) reads of the request.
 """
@@ -22,7 +23,10 @@ from hybridkv.layout.geometry import GDNSpec, LayerKind, ModelGeometry
 from descriptors.hma import HMAPlan, aligned_block_size, check_block_size, plan_hma
 from hybridkv.layout import plan_layout
 
-from .compiler import TransferPlan, TransferPlanner, plan_sources
+from hybridkv.transport.memory import from_layout
+
+from .compiler import TransferPlan
+from .planning import DescriptorPlanner, source_ranks
 
 
 class Scheme(enum.Enum):
@@ -35,7 +39,7 @@ class Scheme(enum.Enum):
     HYBRIDKV = "hybridkv"            # planned layout + coalescing (real compiler)
 
 
-# GDN sub-reads per state block in vLLM 0.33: conv Q, K, V runs (DS layout) + SSM (anchors/vllm.md #41869).
+# GDN sub-reads per state block in vLLM 0.33: conv Q, K, V runs (DS layout) + SSM (docs/background/vllm.md section 4, #41869).
 GDN_SUB_READS = 4
 
 
@@ -257,7 +261,8 @@ def _hybridkv_vllm(w: Workload) -> SchemeCount:
 
 
 def hybridkv_plans(w: Workload) -> list[TransferPlan]:
-    """The real plans hybridkv compiles for this workload: one per (src rank, dst rank) read."""
+    """The real plans hybridkv's transport posts for this workload: one per (src rank, dst rank)
+    read, the src ranks of each dst rank as a connector picks them (source_ranks)."""
     g = w.geometry
     bs, bd = w.effective_block_size, w.decode_block_size
     blocks_needed = {}
@@ -276,17 +281,22 @@ def hybridkv_plans(w: Workload) -> list[TransferPlan]:
     alloc = VirtualAllocator()
     srcs = [plan_layout(g, block_size=bs, num_blocks=pages, allocator=alloc, tp=w.tp_prefill, rank=r)
             for r in range(w.tp_prefill)]
+    src_maps = [from_layout(s) for s in srcs]
+    planner = DescriptorPlanner()
     plans = []
     for d in range(w.tp_decode):
         dst = plan_layout(g, block_size=bd, num_blocks=pages, allocator=alloc, tp=w.tp_decode, rank=d)
-        for s, keys in sorted(plan_sources(srcs, dst).items()):
-            planner = TransferPlanner(srcs[s], dst, keys=keys)
-            sb, db = {}, {}
-            for grp in dst.groups:
-                ns, nd = blocks_needed[grp.kind]
-                sb[grp.group_id] = fragmented_blocks(ns, w.fragmentation)
-                db[grp.group_id] = fragmented_blocks(nd, w.fragmentation)
-            plans.append(planner.compile(sb, db))
+        ranks, _ = source_ranks(w.tp_decode, d, w.tp_prefill)
+        prepared = planner.prepare([src_maps[r] for r in ranks], from_layout(dst))
+        sb, db = {}, {}
+        for grp in dst.groups:
+            ns, nd = blocks_needed[grp.kind]
+            sb[grp.group_id] = fragmented_blocks(ns, w.fragmentation)
+            db[grp.group_id] = fragmented_blocks(nd, w.fragmentation)
+        for i in range(len(ranks)):
+            plan = prepared.plan(i, sb, db)
+            if plan.num_descriptors:  # a rank that feeds none of this rank's fields is not read
+                plans.append(plan)
     return plans
 
 

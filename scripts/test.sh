@@ -2,19 +2,45 @@
 # Set up every environment the tests need, then run the whole test suite:
 # the core suite in .venv, and the engine connector suites each in the
 # environment that holds the real engine package (pinned versions).
+# Set-up output (pip's) goes to .logs/setup*.log, the suites' output to the terminal
+# and .logs/results.log; each run overwrites the logs of the one before.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-bash scripts/setup.sh || exit 1
-LOGS="$(mktemp -d)"
+LOGS=".logs"
+mkdir -p "$LOGS"
+: > "$LOGS/results.log"
+
+# One line when a set-up starts and one when it ends: an engine's first build takes minutes, and
+# nothing on the terminal for that long looks like a hang.
+setup_env() {  # $1: the environment's directory, $2: its set-up script; status: the script's
+    local venv="$1" script="$2" log="$LOGS/$(basename "$2" .sh).log" t0=$SECONDS before after
+    # The script rewrites its stamp only when it installed something: an unchanged stamp is a skip.
+    before="$(cat "$venv/.hybridkv-stamp" 2>/dev/null)"
+    echo "setting up $venv (log: $log) ..."
+    if ! bash "$script" > "$log" 2>&1; then
+        echo "setting up $venv failed after $((SECONDS - t0)) s; the end of $log:"
+        tail -40 "$log"
+        return 1
+    fi
+    after="$(cat "$venv/.hybridkv-stamp" 2>/dev/null)"
+    if [[ -n "$before" && "$before" == "$after" ]]; then
+        echo "$venv: up to date"
+    else
+        echo "$venv: done in $((SECONDS - t0)) s"
+    fi
+}
+
+setup_env .venv scripts/setup.sh || exit 1
 ENGINES=()
 for engine in vllm sglang; do
     [[ -f "scripts/setup_${engine}.sh" && -d "tests/${engine}" ]] && ENGINES+=("$engine")
 done
 # Built first, not beside the core suite: the multi-process tests are timing-sensitive and
 # a heavy install next to them made a demo test hang once.
+FAILED=()
 for engine in "${ENGINES[@]}"; do
-    bash "scripts/setup_${engine}.sh" > "$LOGS/setup_${engine}.log" 2>&1 || touch "$LOGS/setup_${engine}.failed"
+    setup_env ".venv-${engine}" "scripts/setup_${engine}.sh" || FAILED+=("$engine")
 done
 
 # The property suite at its CI size (>= 10,000 interleavings, issue 3), whoever runs this: not only
@@ -26,8 +52,8 @@ status=0
 run() { "$@" 2>&1 | tee -a "$LOGS/results.log"; return "${PIPESTATUS[0]}"; }
 run "$ROOT/.venv/bin/python" -m pytest -q --ignore=tests/vllm --ignore=tests/sglang "$@" || status=1
 for engine in "${ENGINES[@]}"; do
-    if [[ -f "$LOGS/setup_${engine}.failed" ]]; then
-        echo "setting up .venv-${engine} failed:"; tail -40 "$LOGS/setup_${engine}.log"
+    if [[ " ${FAILED[*]-} " == *" $engine "* ]]; then
+        echo "tests/${engine} not run: setting up .venv-${engine} failed (log: $LOGS/setup_${engine}.log)"
         status=1
         continue
     fi

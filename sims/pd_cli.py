@@ -25,6 +25,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:
+        # The plot comes last: a missing matplotlib must stop the run before minutes of simulation.
+        import matplotlib  # noqa: F401
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -10,6 +10,7 @@ over NIXL (UCX), through hybridkv's layout, fencing and transport.
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import random
@@ -19,6 +20,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .serve import WorkerOptions, recv, send, worker_main
+
+
+#: Measured with the default 32 requests: clean at depth 8 (sim race's limit too); at 16 the
+#: disaggregated run fails 3 requests, and at 48 the aggregated engine's 96 attention blocks run dry.
+MAX_ASYNC_DEPTH = 8
 
 
 class Fault:
@@ -43,14 +49,18 @@ class DemoOptions:
     max_running: int = 8
     state_slots: int = 10
     attention_blocks: int = 96
-    timeout_s: float = 240.0
+    timeout_s: float = 240.0  # the whole run: the aggregated baseline and the disaggregated run
     lease_s: float = 4.0  # short, so blocks of a killed consumer's exports come back within the demo
 
     def __post_init__(self) -> None:
         if self.requests < 1:
             raise ValueError(f"--requests must be >= 1, got {self.requests}")
-        if self.async_depth < 0:
-            raise ValueError(f"--async-depth must be >= 0, got {self.async_depth}")
+        if not 0 <= self.async_depth <= MAX_ASYNC_DEPTH:
+            # Deeper, the demo's fixed pools fail requests or run dry (the reference engine does
+            # not preempt): say so here rather than as a pool error naming no flag.
+            raise ValueError(f"--async-depth {self.async_depth}; expected 0 to {MAX_ASYNC_DEPTH}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout {self.timeout_s}; expected > 0 seconds")
         bad = [f for f in self.inject if f not in Fault.ALL]
         if bad:
             raise ValueError(f"--inject {bad[0]!r} is not one of {', '.join(Fault.ALL)}")
@@ -95,7 +105,8 @@ def make_requests(o: DemoOptions) -> list[tuple[str, list[int], int]]:
 
 
 def run_aggregated(o: DemoOptions, requests) -> dict[str, list[int]]:
-    """The reference: one engine doing prefill and decode, same model, same async depth."""
+    """The reference: one engine doing prefill and decode, same model, same async depth.
+    It runs first, so it may take the whole --timeout; past that a TimeoutError says what it holds."""
     import torch
 
     from .cache import CacheConfig
@@ -109,7 +120,15 @@ def run_aggregated(o: DemoOptions, requests) -> dict[str, list[int]]:
     engine = Engine(TinyHybridModel(), cfg, on_finished=lambda r: done.__setitem__(r.rid, list(r.output)))
     for rid, prompt, n in requests:
         engine.submit(rid, prompt, n)
-    asyncio.run(engine.drain(timeout_s=o.timeout_s))
+    limit = o.timeout_s
+    try:
+        # wait_for besides drain's own check between steps: a step that never returns is caught too.
+        asyncio.run(asyncio.wait_for(engine.drain(timeout_s=limit), limit))
+    except TimeoutError:
+        raise TimeoutError(
+            f"the aggregated baseline timed out after {limit:.1f} s with {len(done)}/{len(requests)} requests "
+            f"done (--timeout covers it and the disaggregated run)\n"
+            f"aggregated: {json.dumps(engine.describe(), default=str)}") from None
     if engine.leaked_blocks():
         raise RuntimeError(f"the aggregated baseline leaked {engine.leaked_blocks()} blocks")
     return done
@@ -117,6 +136,7 @@ def run_aggregated(o: DemoOptions, requests) -> dict[str, list[int]]:
 
 class _Worker:
     def __init__(self, ctx, role: str, o: DemoOptions, **extra) -> None:
+        self.role = role
         self.conn, child = ctx.Pipe()
         opts = asdict(WorkerOptions(role=role, async_depth=o.async_depth, policy=o.policy,
                                     failure_policy=o.failure_policy, max_running=o.max_running,
@@ -127,7 +147,8 @@ class _Worker:
 
     def expect(self, op: str, timeout_s: float = 60.0) -> dict:
         if not self.conn.poll(timeout_s):
-            raise TimeoutError(f"no {op!r} from {self.proc.name} in {timeout_s} s")
+            raise TimeoutError(f"no {op!r} from the {self.role} worker in {timeout_s:.1f} s "
+                               "(--timeout covers the whole run)")
         msg = recv(self.conn)
         if msg["op"] == "error":
             raise RuntimeError(f"worker failed: {msg['error']}\n{msg.get('trace', '')}")
@@ -140,6 +161,8 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
     requests = make_requests(o)
     by_rid = {rid: (prompt, n) for rid, prompt, n in requests}
     t0 = time.perf_counter()
+    # One budget for the whole run, so that --timeout bounds what the user waits for.
+    run_deadline = time.monotonic() + o.timeout_s
     expected = run_aggregated(o, requests)
     aggregated_s = time.perf_counter() - t0
 
@@ -150,12 +173,12 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
     ctx = mp.get_context("spawn")
     t_start = time.perf_counter()
     prefill = _Worker(ctx, "prefill", o)
-    addr = prefill.expect("addr")
+    addr = prefill.expect("addr", _left(run_deadline))
 
     def start_decode() -> _Worker:
         d = _Worker(ctx, "decode", o, fail_rids=fail_rids, late_completion_s=late_s)
         send(d.conn, {"op": "connect", "host": addr["host"], "port": addr["port"]})
-        d.expect("connected")
+        d.expect("connected", _left(run_deadline))
         return d
 
     decode = start_decode()
@@ -172,10 +195,10 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
     for rid, prompt, n in requests:
         sent_at[rid] = time.perf_counter()
         send(prefill.conn, {"op": "req", "rid": rid, "prompt": prompt, "max_tokens": 1})
-    deadline = time.monotonic() + o.timeout_s
     while len(done) < len(requests):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"demo timed out with {len(done)}/{len(requests)} requests done\n"
+        if time.monotonic() > run_deadline:
+            raise TimeoutError(f"demo timed out after {o.timeout_s:.1f} s with {len(done)}/{len(requests)} "
+                               "requests done; what each worker holds:\n"
                                + _diagnose((("prefill", prefill), ("decode", decode))))
         for w in (prefill, decode):
             while w.conn.poll():
@@ -226,24 +249,32 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
     return _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s, resent=len(alias))
 
 
+def _left(deadline: float, most_s: float = 60.0) -> float:
+    """Seconds a worker handshake may wait: at most `most_s`, never past the run's deadline."""
+    return max(0.1, min(most_s, deadline - time.monotonic()))
+
+
 def _diagnose(workers) -> str:
     """Ask each worker what it holds (and make it print its stacks): a timeout says why."""
-    import json
-
     lines = []
     for name, w in workers:
         if not w.proc.is_alive():
             lines.append(f"{name}: process exited with {w.proc.exitcode}")
             continue
-        os.kill(w.proc.pid, signal.SIGUSR1)
-        send(w.conn, {"op": "dump"})
-        t_end = time.monotonic() + 5
         got = None
-        while got is None and time.monotonic() < t_end:
-            if w.conn.poll(0.1):
-                msg = recv(w.conn)
-                if msg["op"] == "dump":
-                    got = msg
+        try:
+            os.kill(w.proc.pid, signal.SIGUSR1)
+            send(w.conn, {"op": "dump"})
+            t_end = time.monotonic() + 5
+            while got is None and time.monotonic() < t_end:
+                if w.conn.poll(0.1):
+                    msg = recv(w.conn)
+                    if msg["op"] == "dump":
+                        got = msg
+        except (OSError, EOFError) as exc:
+            # It died between the check above and now: the dump reports that, it must not replace it.
+            lines.append(f"{name}: gone while asked for a dump ({type(exc).__name__}: {exc})")
+            continue
         lines.append(f"{name}: " + ("no answer to a dump in 5 s (its loop is blocked; stacks on stderr)"
                                     if got is None else json.dumps(got, default=str)))
     return "\n".join(lines)

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from hybridkv.fencing.fence import FencePolicy, PoolLayout
+from hybridkv.fencing.fence import FencePolicy, NotYet, PoolLayout
 from hybridkv.layout.geometry import LayerKind
 from hybridkv.fencing.request_state import attention_component, gdn_components
 from hybridkv.fencing.scheduler import TransferScheduler
@@ -164,7 +164,7 @@ class Engine:
         if need <= 0:
             return
         more = self.sched.allocate(r.rid, self.attn_gid, need)
-        if not more:
+        if isinstance(more, NotYet):
             raise RuntimeError(f"attention pool exhausted growing {r.rid!r} ({more}); the reference engine "
                                "does not preempt: give it more attention_blocks")
         r.attn_blocks.extend(more)
@@ -179,8 +179,8 @@ class Engine:
             remote = self.cfg.role is Role.DECODE and not r.recompute
             self.sched.add_request(rid, expect=self.components if remote else ())
             attn = self.sched.allocate(rid, self.attn_gid, self._blocks_for(len(r.prompt)))
-            slot = self.sched.allocate(rid, self.gdn_gid, 1) if attn else attn
-            if not attn or not slot:
+            slot = attn if isinstance(attn, NotYet) else self.sched.allocate(rid, self.gdn_gid, 1)
+            if isinstance(slot, NotYet):  # attn's NotYet, or slot's own
                 self.sched.abort(rid)  # all or none: give back what was taken
                 break
             self.waiting.popleft()

@@ -41,10 +41,14 @@ def recv(conn) -> dict:
 
 
 def worker_main(conn, opts: dict) -> None:
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import faulthandler
     import logging
     import signal
+
+    from hybridkv.transport.env import apply_ucx_defaults
+
+    # This process's endpoint is about to start both planes (and so both UCX contexts).
+    apply_ucx_defaults()
 
     # The router sends SIGUSR1 when a run is stuck: every thread's stack goes to stderr,
     # even if the asyncio loop itself is blocked and cannot answer a "dump".
@@ -63,8 +67,9 @@ def worker_main(conn, opts: dict) -> None:
 async def _worker(conn, o: WorkerOptions) -> None:
     import torch
 
-    from hybridkv.fencing.fence import FencePolicy
-    from hybridkv.transport.endpoint import Consumer, FailurePolicy, Producer, TransportConfig
+    from hybridkv.fencing.fence import FencePolicy, NotYet
+    from descriptors.planning import DescriptorPlanner
+    from hybridkv.transport.endpoint import Consumer, FailurePolicy, Pairing, Producer, TransportConfig
     from hybridkv.transport.memory import from_layout
 
     from .cache import CacheConfig
@@ -79,6 +84,7 @@ async def _worker(conn, o: WorkerOptions) -> None:
     model = TinyHybridModel(TinyConfig(seed=o.model_seed))
     results: dict[str, dict] = {}
     tcfg = TransportConfig(failure_policy=FailurePolicy(o.failure_policy))
+    planner = DescriptorPlanner(pairing=Pairing.PAGES)  # both instances cut pages alike
     engine: Engine | None = None
 
     first_tokens: dict[str, int] = {}
@@ -105,7 +111,7 @@ async def _worker(conn, o: WorkerOptions) -> None:
             # wrote them completed), as a P/D proxy does when prefill returns: decode then
             # allocates and reads at once, the timing in which vLLM's races fired.
             sched = engine.sched
-            while sched.has_request(rid) and not sched.export_ready(rid):
+            while sched.has_request(rid) and isinstance(sched.export_ready(rid), NotYet):
                 await asyncio.sleep(0.0005)
             send(conn, {"op": "first", "rid": rid, "token": first_tokens.pop(rid), "t": time.time()})
             # The request goes to whichever consumer asks for it (a restarted one included).
@@ -115,7 +121,7 @@ async def _worker(conn, o: WorkerOptions) -> None:
             return result
 
         engine = Engine(model, cfg, exporter=exporter, on_first_token=first_token)
-        prod = Producer(from_layout(engine.cache.layout), engine.sched, tcfg)
+        prod = Producer(from_layout(engine.cache.layout), engine.sched, tcfg, planner=planner)
         holder["p"] = prod
         host, port = await prod.start()
         send(conn, {"op": "addr", "host": host, "port": port, "pid": os.getpid()})
@@ -130,7 +136,8 @@ async def _worker(conn, o: WorkerOptions) -> None:
             return result
 
         engine = Engine(model, cfg, fetcher=fetcher, on_finished=finished)
-        cons = _FaultyConsumer(from_layout(engine.cache.layout), engine.sched, tcfg, fail_rids=set(o.fail_rids))
+        cons = _FaultyConsumer(from_layout(engine.cache.layout), engine.sched, tcfg, planner=planner,
+                               fail_rids=set(o.fail_rids))
         holder["c"] = cons
         msg = recv(conn)
         await cons.connect(msg["host"], msg["port"])
@@ -160,6 +167,10 @@ async def _worker(conn, o: WorkerOptions) -> None:
 
 
 def _faulty_consumer_class():
+    import dataclasses
+
+    import numpy as np
+
     from hybridkv.transport.endpoint import Consumer
 
     class FaultyConsumer(Consumer):
@@ -171,11 +182,14 @@ def _faulty_consumer_class():
             self.fail_rids = fail_rids
             self.injected = 0
 
-        async def _pull(self, imp, tid, li, ri):
-            if imp.rid in self.fail_rids:
+        def _post(self, w, notif):
+            if w.part.rid in self.fail_rids:
                 self.injected += 1
-                ri = ri + (1 << 30)
-            return await super()._pull(imp, tid, li, ri)
+                p = w.plan
+                p = (dataclasses.replace(p, src_index=p.src_index + (1 << 30)) if p.indexed else
+                     dataclasses.replace(p, src=p.src + np.array([1 << 50, 0, 0], dtype=p.src.dtype)))
+                w = dataclasses.replace(w, plan=p)
+            return super()._post(w, notif)
 
     return FaultyConsumer
 

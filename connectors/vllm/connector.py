@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: The block-outermost layout we ask vLLM for: one logical block of a group is
-#: one contiguous span over all the group's layers (anchors/vllm.md section 9),
+#: one contiguous span over all the group's layers (docs/background/vllm.md section 9),
 #: so a request moves with about one descriptor per block per group.
 REQUESTED_LAYOUT = "BLHNC"
 

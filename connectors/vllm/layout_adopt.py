@@ -23,7 +23,7 @@ from hybridkv.layout.alloc import MemKind
 from hybridkv.layout.fields import PageContent
 from hybridkv.layout.geometry import DType, LayerKind
 from hybridkv.layout.hf_config import geometry_from_config
-from descriptors.hma import GroupId
+from hybridkv.ids import GroupId
 from hybridkv.layout import GroupSpec, Layout, LayerBuffer, adopt_layout
 
 if TYPE_CHECKING:

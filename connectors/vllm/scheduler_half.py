@@ -26,11 +26,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.fencing.fence import FencePolicy, NotYet, PoolLayout, RequestId, TransferId
+from hybridkv.fencing.fence import NotYet, PoolLayout, RequestId, TransferId
 from hybridkv.fencing.lease import Clock
 from hybridkv.fencing.request_state import Component, RequestPhase, TransferOutcome, attention_component, gdn_components
 from hybridkv.fencing.scheduler import TransferScheduler
 
+from connectors.vllm.config import HybridKVVllmConfig
 from connectors.vllm.metadata import BlockIds, HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder
 from connectors.vllm.params import RemotePrefill, producer_params, wants_remote_decode, wants_remote_prefill
 
@@ -61,17 +62,17 @@ class SchedulerHalf:
     ) -> None:
         from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
-        kvt = vllm_config.kv_transfer_config
+        self.config = cfg = HybridKVVllmConfig.from_vllm_config(vllm_config)
         self.engine_id = engine_id
         self.kv_cache_config = kv_cache_config
         self.transfer_groups: tuple[int, ...] = tuple(kv_cache_config.transfer_group_ids)
-        self.lease_s = float(kvt.get_from_extra_config("kv_lease_duration", 30))
+        self.lease_s = cfg.kv_lease_duration
         # The workers' transport enforces the lease the consumer sees; the blocks
         # go back to vLLM on this longer one, so that a worker can never still
         # serve a read of blocks vLLM already reallocated.
         self.hold_s = self.lease_s * LEASE_HOLD_FACTOR
-        self.side_host = str(kvt.get_from_extra_config("side_channel_host", "127.0.0.1"))
-        self.side_port = int(kvt.get_from_extra_config("side_channel_port", 5600)) + (
+        self.side_host = cfg.side_channel_host
+        self.side_port = cfg.side_channel_port + (
             vllm_config.parallel_config.data_parallel_index
         )
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -91,7 +92,7 @@ class SchedulerHalf:
             comps.extend(gdn_components(g) if g in self._mamba_spec_blocks else (attention_component(g),))
         self.components = frozenset(comps)
         # Only the race tests turn fencing off, to show what breaks without it.
-        policy = FencePolicy(str(kvt.get_from_extra_config("hybridkv_fence_policy", "fenced")))
+        policy = cfg.hybridkv_fence_policy
         # vLLM's hybrid allocator: one pool, block b of every group is page b.
         self.ts = TransferScheduler(
             PoolLayout.shared(num_blocks=self.num_blocks, num_groups=len(groups)),
@@ -272,7 +273,7 @@ class SchedulerHalf:
             self._inflight[rid] = tid
             meta.recvs.append(RecvOrder(request_id=rid, transfer_id=int(tid), local_block_ids=local, remote=remote))
         for rid in list(self._exports):
-            if self.ts.export_ready(RequestId(rid)) is True:
+            if not isinstance(self.ts.export_ready(RequestId(rid)), NotYet):
                 meta.exports_ready[rid] = self._exports.pop(rid)
                 self._offered.add(rid)
         for rid in self.ts.poll():

@@ -7,8 +7,10 @@ listening on ``side_channel_port + tp_rank`` on a prefill instance, a
 :class:`~hybridkv.transport.endpoint.Consumer` dialing the producer rank(s) named in
 the request's ``kv_transfer_params`` on a decode instance (both for ``kv_both``).
 A consumer asks for the request it wants, so one prefill instance serves any
-number of decode instances. Different TP sizes (either way, as NixlConnector's
-TP mapping) and block sizes pair field by field (connectors/vllm/field_plan.py).
+number of decode instances. Both endpoints get descriptors' planner, which alone
+decides how blocks pair: whole pages where both sides cut them alike, field by
+field for different TP sizes (either way, as NixlConnector's TP mapping) and
+block sizes (descriptors/planning.py).
 
 The *step* fencing happens in the scheduler process (scheduler_half): a load
 order reaches this worker only once no in-flight step touches its blocks, an
@@ -30,8 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from hybridkv.fencing.fence import PoolLayout
 from hybridkv.fencing.request_state import Component, attention_component, gdn_components
 from hybridkv.fencing.scheduler import TransferScheduler
-from hybridkv.transport.allowlist import PeerAllowlist
 
+from connectors.vllm.config import HybridKVVllmConfig
 from connectors.vllm.metadata import HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder
 
 if TYPE_CHECKING:
@@ -57,20 +59,9 @@ class _RenewalsReported(TransferScheduler):
         return lease
 
 
-def _peer_list(value) -> tuple[str, ...]:
-    """``allowed_peers`` from kv_connector_extra_config: a JSON list or a comma-separated string."""
-    if isinstance(value, str):
-        return tuple(p.strip() for p in value.split(",") if p.strip())
-    if isinstance(value, (list, tuple)):
-        return tuple(str(p) for p in value)
-    raise ValueError(f"allowed_peers must be a list of addresses/networks or a comma-separated string, "
-                     f"got {value!r}")
-
-
-def _tp_rank(vllm_config: VllmConfig) -> int:
-    extra = vllm_config.kv_transfer_config.get_from_extra_config("tp_rank", None)
-    if extra is not None:
-        return int(extra)
+def _tp_rank(cfg: HybridKVVllmConfig) -> int:
+    if cfg.tp_rank is not None:
+        return cfg.tp_rank
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -84,19 +75,18 @@ class WorkerHalf:
         from vllm.v1.kv_cache_interface import MambaSpec
 
         kvt = vllm_config.kv_transfer_config
+        self.config = cfg = HybridKVVllmConfig.from_vllm_config(vllm_config)
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.engine_id = engine_id
         self.role = kvt.kv_role
         self.tp = vllm_config.parallel_config.tensor_parallel_size
-        self.rank = _tp_rank(vllm_config)
-        self.host = str(kvt.get_from_extra_config("side_channel_host", "127.0.0.1"))
-        self.base_port = int(kvt.get_from_extra_config("side_channel_port", 5600))
-        self.lease_s = float(kvt.get_from_extra_config("kv_lease_duration", 30))
-        self.export_timeout_s = float(kvt.get_from_extra_config("export_timeout_s", 30))
-        self.allowed_peers = _peer_list(kvt.get_from_extra_config("allowed_peers", ()))
-        if self.allowed_peers:
-            PeerAllowlist.parse(self.allowed_peers)  # a bad entry fails at startup, named
+        self.rank = _tp_rank(cfg)
+        self.host = cfg.side_channel_host
+        self.base_port = cfg.side_channel_port
+        self.lease_s = cfg.kv_lease_duration
+        self.export_timeout_s = cfg.export_timeout_s
+        self.allowed_peers = cfg.allowed_peers  # checked by the config: a bad entry fails at startup, named
         self.transfer_groups = tuple(kv_cache_config.transfer_group_ids)
         comps: list[Component] = []
         for g in self.transfer_groups:
@@ -118,7 +108,6 @@ class WorkerHalf:
         self._consumer = None  # one per worker: one NIXL agent, connected to every producer rank it reads
         self._agents: dict[tuple[str, int], str] = {}  # (host, port) -> producer agent
         self._connecting: dict[tuple[str, int], asyncio.Future] = {}
-        self._plans: dict[tuple[str, ...], Any] = {}  # producer agents -> field plan (None: pages pair)
         self.listen_port: int | None = None
         #: request -> the transport's result of its load (descriptors posted, bytes, seconds)
         self.load_results: dict[str, Any] = {}
@@ -143,19 +132,28 @@ class WorkerHalf:
             self._call(self._start_producer()).result()
 
     def _config(self, port: int = 0):
-        from hybridkv.transport.endpoint import FailurePolicy, Pairing, TransportConfig
+        from hybridkv.transport.endpoint import FailurePolicy, TransportConfig
 
-        # vLLM applies kv_load_failure_policy itself; the transport only reports. Pairing by
-        # fields lets a decode instance of another TP size or block size read (the handshake
-        # carries each side's field tables); equal shapes still pair page for page.
+        # vLLM applies kv_load_failure_policy itself; the transport only reports.
         return TransportConfig(host=self.host, port=port, failure_policy=FailurePolicy.FAIL,
-                               export_timeout_s=self.export_timeout_s, pairing=Pairing.FIELDS,
-                               allowed_peers=self.allowed_peers)
+                               export_timeout_s=self.export_timeout_s, allowed_peers=self.allowed_peers)
+
+    @staticmethod
+    def _planner():
+        from hybridkv.transport.endpoint import Pairing
+
+        from connectors.vllm.field_plan import DescriptorPlanner
+
+        # Pairing by fields lets a decode instance of another TP size or block size read (the
+        # handshake carries each side's field tables); the planner still pairs whole pages
+        # wherever both sides cut them alike. It alone decides, per set of producer ranks.
+        return DescriptorPlanner(pairing=Pairing.FIELDS)
 
     async def _start_producer(self) -> None:
         from hybridkv.transport.endpoint import Producer
 
-        self._producer = Producer(self.memory, self._ts, self._config(self.base_port + self.rank))
+        self._producer = Producer(self.memory, self._ts, self._config(self.base_port + self.rank),
+                                  planner=self._planner())
         _, self.listen_port = await self._producer.start()
 
     def _call(self, coro) -> Future:
@@ -179,7 +177,7 @@ class WorkerHalf:
         if key in self._agents:
             return self._agents[key]
         if self._consumer is None:
-            self._consumer = Consumer(self.memory, self._ts, self._config())
+            self._consumer = Consumer(self.memory, self._ts, self._config(), planner=self._planner())
         pending = self._connecting.get(key)
         if pending is None:
             pending = asyncio.get_running_loop().create_future()
@@ -197,26 +195,6 @@ class WorkerHalf:
             return agent
         return await pending
 
-    def _plan_for(self, agents: tuple[str, ...], remote_tp: int):
-        """None where pages pair one to one (same TP, same page shapes); else a field plan."""
-        from hybridkv.errors import HandshakeRefused
-        from hybridkv.transport.memory import check_peer_shapes
-
-        from connectors.vllm.field_plan import FieldPlan
-
-        if agents not in self._plans:
-            plan = None
-            if len(agents) > 1 or remote_tp != self.tp:
-                plan = FieldPlan(self.layout, [self._consumer.peer_layout(a) for a in agents])
-            else:
-                peer = self._consumer.peers[agents[0]]
-                try:
-                    check_peer_shapes(self.memory, peer.memory.regions, peer.memory.groups)
-                except HandshakeRefused:  # another block size: pair by fields
-                    plan = FieldPlan(self.layout, [self._consumer.peer_layout(agents[0])])
-            self._plans[agents] = plan
-        return self._plans[agents]
-
     async def _load(self, order: RecvOrder) -> None:
         from hybridkv.transport.endpoint import Outcome
 
@@ -229,11 +207,10 @@ class WorkerHalf:
             # Which producer ranks hold this rank's heads, and how many decode ranks share each.
             ranks, readers = source_ranks(self.tp, self.rank, remote.tp_size)
             agents = tuple([await self._agent_for(remote.host, remote.port + r) for r in ranks])
-            plan = self._plan_for(agents, remote.tp_size)
             self._ts.add_request(prid, expect=self.components)
             for g, ids in zip(self.transfer_groups, order.local_block_ids):
                 self._ts.assign(prid, g, ids)
-            result = await self._consumer.fetch(prid, self.components, peers=agents, readers=readers, plan=plan)
+            result = await self._consumer.fetch(prid, self.components, peers=agents, readers=readers)
             self.load_results[rid] = result
             ok, error = result.outcome is Outcome.READY, result.error
         except Exception as exc:  # handshake refused, peer lost, bad block lists, TP sizes that do not divide

@@ -23,7 +23,6 @@ from hybridkv.fencing.request_state import (
     RequestPhase,
     TransferDirection,
     TransferOutcome,
-    TransferState,
     attention_component,
     gdn_components,
 )
@@ -32,5 +31,5 @@ from hybridkv.fencing.scheduler import StepTicket, TransferScheduler
 __all__ = [
     "NEVER", "Clock", "Component", "ComponentKind", "FencePolicy", "FenceTable", "LeaseGrant", "LeaseTable",
     "NotYet", "NotYetReason", "PoolLayout", "RequestPhase", "StepTicket", "TransferDirection",
-    "TransferOutcome", "TransferScheduler", "TransferState", "attention_component", "gdn_components",
+    "TransferOutcome", "TransferScheduler", "attention_component", "gdn_components",
 ]

@@ -86,12 +86,6 @@ class TransferDirection(enum.Enum):
     OUTBOUND = "outbound"  # reads local blocks
 
 
-class TransferState(enum.Enum):
-    POSTED = "posted"
-    LANDED = "landed"
-    FAILED = "failed"
-
-
 class TransferOutcome(enum.Enum):
     """What the scheduler made of a completion report."""
 
@@ -123,5 +117,4 @@ class TransferRecord:
     keys: list[int]
     components: frozenset[Component]
     deadline: float | None
-    state: TransferState = TransferState.POSTED
     orphaned: bool = False  # its request was aborted or released meanwhile

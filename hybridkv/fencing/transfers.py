@@ -22,7 +22,6 @@ from hybridkv.fencing.request_state import (
     TransferDirection,
     TransferOutcome,
     TransferRecord,
-    TransferState,
 )
 
 # Enum members as module constants: an attribute of an Enum class costs several
@@ -38,8 +37,6 @@ _DUPLICATE = TransferOutcome.DUPLICATE
 _DISCARDED = TransferOutcome.DISCARDED
 _LATE = TransferOutcome.LATE
 _UNKNOWN = TransferOutcome.UNKNOWN
-_LANDED = TransferState.LANDED
-_TFAILED = TransferState.FAILED
 
 _PENDING = NotYet(reason=NotYetReason.PENDING_STEP)
 _BUSY = NotYet(reason=NotYetReason.TRANSFER_IN_FLIGHT)
@@ -293,7 +290,6 @@ class TransferRules:
         counts = t.writers if inbound else t.readers
         for k in tr.keys:
             counts[k] -= 1
-        tr.state = _LANDED if ok else _TFAILED
         rec = None if tr.orphaned else self._requests.get(tr.request)
         if rec is not None:
             rec.transfers.discard(tid)

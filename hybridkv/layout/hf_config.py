@@ -85,6 +85,11 @@ def _layer_kinds(cfg: dict[str, Any], names: dict[str, LayerKind], *, every_key:
     kinds = _layer_kinds_from_types(cfg, n, names)
     if cfg.get(every_key) is not None:
         every = _int(cfg, every_key)
+        if every > n:
+            # Read literally it gives a model without a single full-attention layer, which no
+            # config means: more likely the layer count or the interval is wrong.
+            raise ValueError(f"config key '{every_key}' is {every}, more than num_hidden_layers {n}; "
+                             f"expected 1 to {n}")
         by_every = [LayerKind.FULL_ATTENTION if (i + 1) % every == 0 else other for i in range(n)]
         if kinds is not None and kinds != by_every:
             raise ValueError(f"config keys 'layer_types' and '{every_key}'={every} contradict each other")

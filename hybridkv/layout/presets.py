@@ -1,6 +1,6 @@
 """Geometries of the models hybridkv is measured on.
 
-Qwen3.5 / Qwen3-Next values: anchors/gdn.md section 2 (dk = dv = 128, conv kernel 4,
+Qwen3.5 / Qwen3-Next values: docs/background/gdn.md section 2 (dk = dv = 128, conv kernel 4,
 full_attention_interval 4, full-attention head_dim 256). gemma-3-4b-it: 34 layers,
 every 6th full attention, the rest sliding window 1024, 4 KV heads, head_dim 256.
 """

@@ -1,8 +1,9 @@
 """`hybridkv bench transfer`: one request between two processes over NIXL (UCX), three ways.
 
 Same run, same bytes, same agents and connection:
-(a) hybridkv: the Producer/Consumer path (fenced scheduler, prepped strided
-    lists, merged int32 indices), timed from make+post to DONE;
+(a) hybridkv: the Producer/Consumer path (fenced scheduler, the planner's
+    int32 index pairs on prepped strided lists, merged by NIXL), timed from
+    make+post to DONE;
 (b) raw NIXL, one descriptor over a registered span of the same size (the ceiling),
     timed like (a) from make+post to DONE, busy-polling;
 (c) the descriptor list the vLLM 0.33 scheme would issue for the request: one
@@ -152,20 +153,25 @@ def _finish_request(sched, rid: str, step: int, *, export: bool) -> None:
 
 
 def _producer_main(args_d: dict, out: mp.Queue) -> None:
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    from hybridkv.transport.env import apply_ucx_defaults
+
+    apply_ucx_defaults()
     try:
         asyncio.run(_producer(argparse.Namespace(**args_d), out))
+    except ValueError as exc:  # bad input: the parent raises it as such (one line, no traceback)
+        out.put(("invalid", str(exc)))
     except BaseException as exc:  # surface in the parent rather than hang it
         out.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
 async def _producer(args, out) -> None:
     from hybridkv.fencing.scheduler import TransferScheduler
+    from hybridkv.transport.config import Outcome
     from hybridkv.transport.endpoint import Producer
 
     layout, memory, pools, keep = _side(args, 1, parse_devices(args.devices, args.mem)[0])
     sched = TransferScheduler(pools, lease_s=60.0)
-    prod = Producer(memory, sched)
+    prod = Producer(memory, sched, planner=args.planner)
     host, port = await prod.start()
     out.put(("addr", (host, port)))
     await prod.wait_peer(60.0)
@@ -176,7 +182,7 @@ async def _producer(args, out) -> None:
             sched.allocate(rid, g.group_id, pools.pool_sizes[g.group_id])
         _finish_request(sched, rid, i + 1, export=True)
         res = await prod.export(rid)
-        if res.outcome.name != "DONE":
+        if res.outcome is not Outcome.DONE:
             out.put(("error", f"export {rid}: {res.outcome.name} {res.error}"))
             return
     out.put(("done", None))
@@ -225,11 +231,20 @@ def _timed(agent, op: str, lh, li, rh, ri, notif: bytes = b"") -> tuple[float, i
 
 
 def run(args: argparse.Namespace) -> int:
+    # The transport pairs nothing itself; the planner (descriptors/, a layer up) comes with the command.
+    if getattr(args, "planner", None) is None:
+        raise ValueError("no planner to pair the blocks; run `hybridkv bench transfer` (registered by "
+                         "descriptors/bench_transfer.py, which gives it hybridkv's planner)")
     if args.tokens <= 0 or args.iters <= 0:
         raise ValueError(f"--tokens {args.tokens} and --iters {args.iters}; expected positive ints")
+    if args.block_size <= 0:
+        raise ValueError(f"--block-size {args.block_size}; expected a positive number of tokens")
     parse_splits(args.raw_splits)
     if not 0 <= args.settle_ms <= 10_000:
         raise ValueError(f"--settle-ms {args.settle_ms}; expected 0 to 10000")
+    # Here as well as in the producer: a bad --model or --layers is said at once, as one line,
+    # not after a process start as the producer's failure.
+    _geometry(args.model, args.layers)
     devices = parse_devices(args.devices, args.mem)
     if args.mem == "vram":
         try:
@@ -242,8 +257,10 @@ def run(args: argparse.Namespace) -> int:
         if max(devices) >= n:
             raise ValueError(f"--devices {args.devices!r}; only {n} CUDA device(s) visible (indices 0..{n - 1})")
     from hybridkv.transport import ucx_log
+    from hybridkv.transport.env import apply_ucx_defaults
 
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    # In the parent, so that the spawned producer inherits the same environment as the consumer.
+    apply_ucx_defaults()
     set_proto = bool(args.proto_log) and "UCX_PROTO_INFO" not in os.environ
     if set_proto:
         os.environ["UCX_PROTO_INFO"] = "y"  # before either process creates a UCX context
@@ -255,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
             proc.start()
             try:
                 kind, addr = out.get(timeout=120)
+                if kind == "invalid":
+                    raise ValueError(addr)
                 if kind == "error":
                     raise RuntimeError(f"producer failed: {addr}")
                 report = asyncio.run(_measure(args, addr, out, devices))
@@ -321,12 +340,13 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     from hybridkv.layout.geometry import LayerKind
     from hybridkv.fencing.request_state import attention_component, gdn_components
     from hybridkv.fencing.scheduler import TransferScheduler
+    from hybridkv.transport.config import Outcome
     from hybridkv.transport.endpoint import Consumer, TransportConfig
     from hybridkv.transport.side import NOTIF_PREFIX
 
     layout, memory, pools, raw_span = _side(args, 2, devices[1])  # raw_span: alive until the end (registered)
     sched = TransferScheduler(pools, lease_s=60.0)
-    cons = Consumer(memory, sched, TransportConfig(notify_reads=args.read_notif == "on"))
+    cons = Consumer(memory, sched, TransportConfig(notify_reads=args.read_notif == "on"), planner=args.planner)
     await cons.connect(*addr)
     comps = []
     for g in layout.groups:
@@ -360,7 +380,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     hyb, vll = [], []
     posts: dict[str, list[float]] = {"hybridkv": [], "raw": []}  # make + post only
     raws: dict[int, list[float]] = {n: [] for n in splits}
-    desc = idx = None
+    desc = idx = planned = None
     r_desc = v_desc = None
     # Each round runs every variant once, in a fresh seeded order, and lets the control traffic of
     # the previous one settle first: on the H200s a baseline READ started right after a fetch (its Done
@@ -380,11 +400,11 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
                 for g in layout.groups:
                     sched.allocate(rid, g.group_id, pools.pool_sizes[g.group_id])
                 res = await cons.fetch(rid, comps)
-                if res.outcome.name != "READY" or res.nbytes != nbytes:
+                if res.outcome is not Outcome.READY or res.nbytes != nbytes:
                     raise RuntimeError(f"fetch {rid}: {res.outcome.name} {res.error} ({res.nbytes} of {nbytes} bytes)")
                 hyb += [res.seconds] * kept
                 posts["hybridkv"] += [res.post_seconds] * kept
-                desc, idx = res.descriptors, res.indices
+                desc, idx, planned = res.descriptors, res.indices, res.planned
             elif var == "raw_notif":  # the one-span READ carrying a notification, as hybridkv's may
                 l_h, r_h, ids = raw_lists[1]
                 raw_notif += [_timed(agent, "READ", l_h, ids, r_h, ids, NOTIF_PREFIX + b"baseline")[0]] * kept
@@ -416,7 +436,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
         "mem": args.mem, "devices": list(devices) if args.mem == "vram" else None,
         "bytes": nbytes, "iters": args.iters, "processes": 2, "settle_ms": args.settle_ms,
         "hybridkv_GBps": round(h, 3), "raw_GBps": round(r, 3), "ratio": round(h / r, 3),
-        "descriptors": desc, "index_pairs": idx, "raw_posted": r_desc,
+        "descriptors": desc, "planned_descriptors": planned, "index_pairs": idx, "raw_posted": r_desc,
         "vllm_scheme_descriptors": int(len(vl)), "vllm_scheme_posted": v_desc,
         "vllm_scheme_GBps": round(v, 3), "vllm_ratio": round(v / r, 3),
         "copy_GBps": round(c, 3), "copy_kind": copy["copy_kind"], "peer_access": copy["peer_access"],

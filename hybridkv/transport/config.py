@@ -1,8 +1,9 @@
 """What an endpoint is told, and what it reports.
 
-:class:`TransportConfig` (with :class:`FailurePolicy` and :class:`Pairing`) sets
-up a :class:`~hybridkv.transport.endpoint.Producer` or
-:class:`~hybridkv.transport.endpoint.Consumer`; :class:`Result` (with
+:class:`TransportConfig` (with :class:`FailurePolicy`) sets up a
+:class:`~hybridkv.transport.endpoint.Producer` or
+:class:`~hybridkv.transport.endpoint.Consumer`, :class:`Pairing` is what a planner's
+handshake promises; :class:`Result` (with
 :class:`Outcome`) is how one request's transfer ended and :class:`Stats` counts
 what an endpoint refused or ignored. The design is in
 :mod:`hybridkv.transport.endpoint`, which re-exports these.
@@ -26,10 +27,11 @@ class FailurePolicy(enum.Enum):
 
 
 class Pairing(enum.Enum):
-    """How a consumer matches its blocks to the producer's."""
+    """How blocks pair. A planner (:mod:`hybridkv.transport.plan`) says which its side's
+    handshake promises; the planner alone decides how each import pairs."""
 
     PAGES = "pages"  # page for page: both sides cut pages alike (same TP, block size, page format)
-    FIELDS = "fields"  # field by field through a plan the connector injects (heterogeneous TP, block sizes)
+    FIELDS = "fields"  # field by field where pages differ (heterogeneous TP, block sizes): field tables travel
 
 
 class Outcome(enum.Enum):
@@ -52,7 +54,6 @@ class TransportConfig:
     failure_policy: FailurePolicy = FailurePolicy.FAIL
     pump_busy_s: float = 0.0002
     pump_idle_s: float = 0.005
-    pairing: Pairing = Pairing.PAGES
     # A posted READ still in progress after this long (or past its lease) is aborted: a stuck
     # peer or link must end as a failure the policy handles, never as an import that waits forever.
     transfer_timeout_s: float = 60.0
@@ -83,7 +84,8 @@ class Result:
     outcome: Outcome
     error: str | None = None
     descriptors: int | None = None  # what NIXL posted (telemetry)
-    indices: int | None = None  # index pairs handed to NIXL
+    planned: int | None = None  # what the planner said NIXL would post (TransferPlan.num_descriptors)
+    indices: int | None = None  # index pairs (or rows) handed to NIXL
     nbytes: int = 0
     seconds: float = 0.0  # post -> done
     post_seconds: float = 0.0  # PULL: of those, making and posting the READs (the rest is waiting)

@@ -5,33 +5,30 @@ rank it needs); one import then has a *part* per producer and lands only when
 every part landed: the scheduler sees one transfer for the whole request, so
 its components become visible together (rule 4) or not at all.
 
-Blocks pair page for page (:func:`~hybridkv.transport.memory.pair_indices`,
-prepped lists, NIXL merges back-to-back pages) unless the caller injects a
-:data:`Plan`: then the plan turns the producer's layout (rebuilt from its
-handshake field tables) and both block lists into ``(addr, len, dev)`` rows,
-field by field, which is how different TP sizes and block sizes are bridged.
+The consumer never pairs blocks itself: its :class:`~hybridkv.transport.plan.Planner`
+(given at construction) is prepared once per set of producers and turns each
+import's block lists into a :class:`~hybridkv.transport.plan.TransferPlan`. A plan
+of whole pages is posted as prepped-list index pairs (NIXL merges back-to-back
+pages), any other as ``(addr, len, dev)`` rows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, HandshakeTimeout, HybridKVError, PeerError, PeerLost, ProtocolViolation
+from hybridkv.fencing import NotYet, NotYetReason, TransferOutcome
 from hybridkv.transport import control
 from hybridkv.transport.config import FailurePolicy, Outcome, Result, TransportConfig
 from hybridkv.transport.dataplane import Op, Transfer, XferState
-from hybridkv.transport.memory import check_peer_shapes, pair_indices, rebuild_layout
+from hybridkv.transport.plan import PeerPlanner, Planner, TransferPlan
 from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly, _Side
-
-#: (peer layout, local layout, peer blocks per group, local blocks per group)
-#:   -> (local rows Nx3, remote rows Nx3) of (addr, len, dev); row i of one side moves to row i of the other.
-Plan = Callable[[object, object, Mapping[int, np.ndarray], Mapping[int, np.ndarray]], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass(eq=False, kw_only=True)
@@ -52,9 +49,7 @@ class _Part:
 @dataclass(eq=False, kw_only=True)
 class _Work:
     part: _Part
-    rows: bool  # (addr, len, dev) rows, else prepped-list indices
-    local: np.ndarray
-    remote: np.ndarray
+    plan: TransferPlan  # src: the producer's side, dst: ours
 
 
 class Consumer(_Side):
@@ -62,14 +57,15 @@ class Consumer(_Side):
 
     role = wire.Role.CONSUMER
 
-    def __init__(self, memory, scheduler, config=None) -> None:
-        super().__init__(memory, scheduler, config or TransportConfig())
+    def __init__(self, memory, scheduler, config=None, *, planner: Planner) -> None:
+        super().__init__(memory, scheduler, config or TransportConfig(), planner)
         self.peers: dict[str, _Peer] = {}
         self._parts: dict[tuple[str, str], _Part] = {}
         self._tasks: list[asyncio.Task] = []
         self._hb_sent: dict[str, float] = {}
         self._seq = 0
-        self._layouts: dict[str, object] = {}
+        #: the planner prepared per set of producers (agent names, in the order read)
+        self.plans: dict[tuple[str, ...], PeerPlanner] = {}
 
     def describe(self) -> dict:
         return {**super().describe(),
@@ -118,14 +114,14 @@ class Consumer(_Side):
         self._start_pump()
         return agent
 
-    def peer_layout(self, agent: str):
-        """The producer's :class:`hybridkv.layout.Layout`, rebuilt from its handshake."""
-        if agent not in self._layouts:
-            local = self.memory.layout
-            if local is None:
-                raise ValueError("this consumer's memory map has no layout; expected one made by from_layout")
-            self._layouts[agent] = rebuild_layout(self._peer(agent).memory, local.geometry)
-        return self._layouts[agent]
+    def prepared(self, agents: Sequence[str]) -> PeerPlanner:
+        """The planner prepared for an import from these producers (made on first use)."""
+        key = tuple(agents)
+        prepared = self.plans.get(key)
+        if prepared is None:
+            prepared = self.planner.prepare(tuple(self._peer(a).memory for a in key), self.memory)
+            self.plans[key] = prepared
+        return prepared
 
     def _peer(self, agent: str | None) -> _Peer:
         if agent is None:
@@ -248,21 +244,22 @@ class Consumer(_Side):
 
     # ------------------------------------------------------------ imports
     async def fetch(self, request_id: str, components: Iterable, *, peers: Sequence[str] | None = None,
-                    readers: int = 1, plan: Plan | None = None) -> Result:
+                    readers: int = 1) -> Result:
         """Import a request whose blocks the engine allocated (scheduler.add_request(expect=...)).
 
         Asks each producer in ``peers`` (default: the only one connected) for the
-        request, waits for their Exports, posts the transfer when the fence allows,
-        and ends in a defined state: READY once every part landed, or per the failure
-        policy RECOMPUTE or FAILED. ``plan`` pairs by fields (see :data:`Plan`);
-        without it pages pair one to one. ``readers``: consumers sharing each producer's copy.
+        request, waits for their Exports, posts the transfer the planner made when
+        the fence allows, and ends in a defined state: READY once every part landed,
+        or per the failure policy RECOMPUTE or FAILED. ``readers``: consumers sharing
+        each producer's copy.
         """
         comps = tuple(components)
         targets = [self._peer(a) for a in peers] if peers else [self._peer(None)]
         if len({p.agent for p in targets}) != len(targets):
             raise ValueError(f"producers {[p.agent for p in targets]} repeat; expected distinct ones")
-        if len(targets) > 1 and (plan is None or self.config.mode is not wire.Mode.PULL):
-            raise ValueError(f"{len(targets)} producers for one request; expected a plan and pull mode")
+        if len(targets) > 1 and self.config.mode is not wire.Mode.PULL:
+            raise ValueError(f"{len(targets)} producers for one request in {self.config.mode.name} mode; "
+                             "expected pull mode")
         parts = [self._part(request_id, p) for p in targets]
         async def ask_and_wait():
             for p in targets:
@@ -279,7 +276,7 @@ class Consumer(_Side):
             except HybridKVError as exc:  # lost, or refused (claimed by another consumer)
                 await self._tell_parts(parts, str(exc))
                 return self._give_up(request_id, comps, str(exc))
-            return await self._import(request_id, parts, got, comps, plan)
+            return await self._import(request_id, parts, got, comps)
         finally:
             for p in targets:
                 self._parts.pop((p.agent, request_id), None)
@@ -291,37 +288,24 @@ class Consumer(_Side):
                 await _send_quietly(part.peer.channel, wire.Failure(
                     request_id=part.rid, code=wire.FailureCode.ABORTED, detail=detail[: wire.MAX_TEXT]))
 
-    def _work(self, part: _Part, export: wire.Export, mine: dict[int, np.ndarray], plan: Plan | None,
-              single: bool) -> _Work:
-        peer = part.peer
-        wire.check_blocks(export.blocks, peer.memory.group_bounds(), what=f"export of {part.rid}")
+    def _work(self, part: _Part, export: wire.Export, mine: dict[int, np.ndarray], planned: PeerPlanner,
+              source: int) -> _Work:
+        wire.check_blocks(export.blocks, part.peer.memory.group_bounds(), what=f"export of {part.rid}")
         theirs = {g.group_id: np.asarray(g.ids, dtype=np.int64) for g in export.blocks}
-        if plan is None:
-            if not single:
-                raise ValueError("several producers; expected a plan")
-            try:
-                check_peer_shapes(self.memory, peer.memory.regions, peer.memory.groups)
-            except HandshakeRefused as exc:
-                raise ValueError(f"pages do not pair one to one ({exc}); expected a field plan") from None
-            m = {g: b for g, b in mine.items() if b.size or g in theirs}
-            li, ri = pair_indices(self.memory, m, peer.memory, theirs)
-            return _Work(part=part, rows=False, local=li, remote=ri)
-        lrows, rrows = plan(self.peer_layout(peer.agent), self.memory.layout, theirs, mine)
-        lrows = np.ascontiguousarray(lrows, dtype=np.int64).reshape(-1, 3)
-        rrows = np.ascontiguousarray(rrows, dtype=np.int64).reshape(-1, 3)
-        if lrows.shape != rrows.shape or not np.array_equal(lrows[:, 1], rrows[:, 1]) or (lrows[:, 1] <= 0).any():
-            raise ValueError(f"plan gave {lrows.shape[0]} local and {rrows.shape[0]} remote rows; expected "
-                             "equal counts with equal positive lengths row by row")
-        return _Work(part=part, rows=True, local=lrows, remote=rrows)
+        plan = planned.plan(source, theirs, mine)
+        plan.check()
+        return _Work(part=part, plan=plan)
 
-    async def _import(self, rid: str, parts: list[_Part], got, comps, plan: Plan | None) -> Result:
+    async def _import(self, rid: str, parts: list[_Part], got, comps) -> Result:
         sched = self.scheduler
         for part, (export, received) in zip(parts, got):
             if part.deadline == float("inf"):
                 part.deadline = received + export.lease_s * (1 - self.config.lease_margin)
         mine = {g.group_id: np.asarray(sched.blocks(rid, g.group_id), dtype=np.int64) for g in self.memory.groups}
         try:
-            work = [self._work(part, export, mine, plan, len(parts) == 1) for part, (export, _) in zip(parts, got)]
+            # Push mode posts the producer's plan; planning here too refuses a mismatched export early.
+            planned = self.prepared([p.peer.agent for p in parts])
+            work = [self._work(part, export, mine, planned, i) for i, (part, (export, _)) in enumerate(zip(parts, got))]
         except ValueError as exc:
             self.stats.rejected += 1
             for part in parts:
@@ -334,15 +318,13 @@ class Consumer(_Side):
                 await self._tell_parts(parts, failed or "lease lost")
                 return self._give_up(rid, comps, failed or "lease lost before the transfer started")
             tid = sched.post_import(rid, components=comps, lease_deadline=min(p.deadline for p in parts))
-            if tid or isinstance(tid, int):
+            if not isinstance(tid, NotYet):
                 break
-            if tid.reason.name == "LEASE_TOO_SHORT":
+            if tid.reason is NotYetReason.LEASE_TOO_SHORT:
                 await self._tell_parts(parts, "lease too short")
                 return self._give_up(rid, comps, "lease expired before the transfer could start")
             await asyncio.sleep(self.config.pump_idle_s)
         if self.config.mode is wire.Mode.PULL:
-            if len(work) == 1 and not work[0].rows:
-                return await self._pull(work[0].part, tid, work[0].local, work[0].remote)
             return await self._pull_parts(rid, tid, work)
         return await self._push(parts[0], tid)
 
@@ -350,9 +332,12 @@ class Consumer(_Side):
         for w in work:
             await _send_quietly(w.part.peer.channel, wire.Done(request_id=w.part.rid, ok=ok))
 
-    async def _pull(self, part: _Part, tid: int, li: np.ndarray, ri: np.ndarray) -> Result:
-        """One producer, pages paired by prepped-list indices (the 1:1 case)."""
-        return await self._pull_parts(part.rid, tid, [_Work(part=part, rows=False, local=li, remote=ri)])
+    def _post(self, w: _Work, notif: bytes) -> Transfer:
+        """Post one producer's READ: index pairs where the plan has them, else rows."""
+        p, agent = w.plan, w.part.peer.agent
+        if p.src_index is not None:
+            return self.dp.post(Op.READ, agent, p.dst_index, p.src_index, notif)
+        return self.dp.post_rows(Op.READ, agent, p.dst, p.src, notif)
 
     async def _pull_parts(self, rid: str, tid: int, work: list[_Work]) -> Result:
         t0 = time.perf_counter()
@@ -360,13 +345,10 @@ class Consumer(_Side):
         posted: list[Transfer] = []
         error = None
         for w in work:
-            if w.local.shape[0] == 0:
+            if w.plan.num_descriptors == 0:
                 continue  # nothing of this producer's is needed here (GQA duplicate): Done tells it
             try:
-                if w.rows:
-                    posted.append(self.dp.post_rows(Op.READ, w.part.peer.agent, w.local, w.remote, notif))
-                else:
-                    posted.append(self.dp.post(Op.READ, w.part.peer.agent, w.local, w.remote, notif))
+                posted.append(self._post(w, notif))
             except Exception as exc:
                 error = str(exc)
                 break
@@ -395,11 +377,12 @@ class Consumer(_Side):
             return self._policy(rid, "lease lapsed during the READ: bytes not trusted")
         outcome = self.scheduler.transfer_landed(tid)
         await self._end_parts(work, True)
-        if outcome.name != "ACCEPTED":
+        if outcome is not TransferOutcome.ACCEPTED:
             return self._policy(rid, f"transfer {outcome.value}")
         return Result(request_id=rid, outcome=Outcome.READY,
                       descriptors=None if tel is None else sum(t.descriptors for t in tel),
-                      indices=int(sum(w.local.shape[0] for w in work)), nbytes=sum(x.nbytes for x in posted),
+                      planned=sum(w.plan.num_descriptors for w in work),
+                      indices=sum(w.plan.num_indices for w in work), nbytes=sum(x.nbytes for x in posted),
                       seconds=seconds, post_seconds=post_seconds)
 
     async def _abandon(self, rid: str, tid: int, work: list[_Work], posted: list[Transfer],
@@ -454,7 +437,7 @@ class Consumer(_Side):
         seconds = time.perf_counter() - t0
         if part.notified and not part.lease_lost:
             outcome = sched.transfer_landed(tid)  # LATE if past the deadline
-            if outcome.name == "ACCEPTED":
+            if outcome is TransferOutcome.ACCEPTED:
                 return Result(request_id=rid, outcome=Outcome.READY, seconds=seconds)
             return self._policy(rid, f"transfer {outcome.value}")
         sched.transfer_failed(tid)
@@ -475,7 +458,7 @@ class Consumer(_Side):
             # The scheduler moves an import to FAILED (from which it may recompute) only
             # through a failed transfer; record one that never reached NIXL.
             tid = sched.post_import(rid, components=comps) if comps else None
-            if tid is not None and (tid or isinstance(tid, int)):
+            if tid is not None and not isinstance(tid, NotYet):
                 sched.transfer_failed(tid)
                 sched.recompute(rid)
                 return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)

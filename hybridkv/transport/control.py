@@ -26,11 +26,13 @@ import numpy as np
 
 from hybridkv import wire
 from hybridkv.errors import PeerLost
-
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+from hybridkv.transport.env import apply_ucx_defaults
 
 
 def _ucxx():
+    # Here, not at import: ucxx's UCX context reads the environment when the first listen or dial
+    # creates it, and importing hybridkv must leave os.environ alone.
+    apply_ucx_defaults()
     try:
         import ucxx
     except ImportError as exc:  # pragma: no cover - depends on the install

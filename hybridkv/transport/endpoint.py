@@ -24,7 +24,7 @@ the notification, on the producer's word that it will not write (``Done``/
 land in the blocks otherwise (rule 5).
 
 Everything runs on one asyncio loop, which also pumps the NIXL agent (the
-progress thread is off by default; anchors/nixl.md §1.3).
+progress thread is off by default; docs/background/nixl.md §1.3).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from __future__ import annotations
 # (config), the base both sides share (side), the producer (producer) and the
 # consumer (consumer). Callers import from here.
 from hybridkv.transport.config import FailurePolicy, Outcome, Pairing, Result, Stats, TransportConfig
-from hybridkv.transport.consumer import Consumer, Plan
+from hybridkv.transport.consumer import Consumer
+from hybridkv.transport.plan import PeerPlanner, Planner, TransferPlan
 from hybridkv.transport.producer import Producer
 from hybridkv.transport.side import NOTIF_PREFIX as NOTIF_PREFIX
 from hybridkv.transport.side import _Peer as _Peer
@@ -41,5 +42,5 @@ from hybridkv.transport.side import _rid_of as _rid_of
 from hybridkv.transport.side import _send_quietly as _send_quietly
 from hybridkv.transport.side import _Side as _Side
 
-__all__ = ["Consumer", "FailurePolicy", "Outcome", "Pairing", "Plan", "Producer", "Result", "Stats",
-           "TransportConfig"]
+__all__ = ["Consumer", "FailurePolicy", "Outcome", "Pairing", "PeerPlanner", "Planner", "Producer", "Result", "Stats",
+           "TransferPlan", "TransportConfig"]

@@ -3,8 +3,10 @@
 :class:`MemoryMap` is the transport's view of a :class:`hybridkv.layout.Layout`
 (read through attributes only, so the transport does not depend on how the
 layout was made): regions as :class:`~hybridkv.wire.RegionInfo` and, per
-KV-cache group, the regions its block b lives in (page b of each). Block ids
-become flat int32 descriptor indices here, with one vectorised numpy pass.
+KV-cache group, the regions its block b lives in (page b of each). Page b of
+region r is entry ``offsets[r] + b`` of the side's prepped list
+(:meth:`MemoryMap.strided_rows`); which pages pair is a planner's business
+(:mod:`hybridkv.transport.plan`), never this module's.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def from_layout(layout) -> MemoryMap:
     fields_repr = repr(tuple((g.group_id, g.kind, g.block_tokens, g.placements) for g in layout.groups))
     compat = {
         "geometry": hashlib.sha256(repr(geo).encode()).hexdigest()[:16],
-        "dtypes": ",".join(sorted({_dtypes(spec) for spec in geo.layers})),
+        # An opaque layout (adopt_buffers) has no geometry: its buffers' sizes say it all.
+        "dtypes": ",".join(sorted({_dtypes(spec) for spec in (geo.layers if geo is not None else ())})),
         "tp": str(layout.tp),
         "page_format": hashlib.sha256(fields_repr.encode()).hexdigest()[:16],
     }
@@ -186,50 +189,3 @@ def check_peer_shapes(local: MemoryMap, remote: Sequence[wire.RegionInfo], remot
                                 remote=str(sorted(rg))))
     if diffs:
         raise HandshakeRefused("page shapes differ", diffs)
-
-
-def pair_indices(
-    local: MemoryMap,
-    local_blocks: Mapping[int, np.ndarray],
-    remote: MemoryMap,
-    remote_blocks: Mapping[int, np.ndarray],
-) -> tuple[np.ndarray, np.ndarray]:
-    """int32 (local, remote) descriptor indices for moving block i of each group's list.
-
-    Pairs are ordered by local index, so wherever both sides' pages are back to
-    back the indices are consecutive on both sides and ``make_prepped_xfer``
-    merges them into one descriptor.
-    """
-    lo, ro = local.offsets, remote.offsets
-    li, ri = [], []
-    for gid, lb in local_blocks.items():
-        rb = remote_blocks.get(gid)
-        lb = np.asarray(lb, dtype=np.int64)
-        if rb is None or len(rb) != len(lb):
-            raise ValueError(f"group {gid}: {len(lb)} local blocks vs "
-                             f"{None if rb is None else len(rb)} remote; expected equal counts")
-        rb = np.asarray(rb, dtype=np.int64)
-        lg, rg = local.group(gid), remote.group(gid)
-        for lr, rr in zip(lg.region_ids, rg.region_ids, strict=True):
-            if lb.size and (lb.min() < 0 or lb.max() >= local.regions[lr].num_pages):
-                raise ValueError(f"group {gid}: local block ids outside 0..{local.regions[lr].num_pages - 1}")
-            if rb.size and (rb.min() < 0 or rb.max() >= remote.regions[rr].num_pages):
-                raise ValueError(f"group {gid}: remote block ids outside 0..{remote.regions[rr].num_pages - 1}")
-            li.append(lo[lr] + lb)
-            ri.append(ro[rr] + rb)
-    if set(remote_blocks) - set(local_blocks):
-        raise ValueError(f"remote groups {sorted(set(remote_blocks) - set(local_blocks))} have no local blocks")
-    if not li:
-        return np.zeros(0, np.int32), np.zeros(0, np.int32)
-    l_all, r_all = np.concatenate(li), np.concatenate(ri)
-    order = np.argsort(l_all, kind="stable")
-    return l_all[order].astype(np.int32), r_all[order].astype(np.int32)
-
-
-def count_runs(a: np.ndarray, b: np.ndarray, la: np.ndarray, lb: np.ndarray) -> int:
-    """How many descriptors remain after merging index pairs consecutive on both sides
-    (a predictor of NIXL's own count; ``la``/``lb`` say whether index i+1 follows i in memory)."""
-    if a.size == 0:
-        return 0
-    step = (np.diff(a) == 1) & (np.diff(b) == 1) & la[a[:-1]] & lb[b[:-1]]
-    return int(a.size - step.sum())

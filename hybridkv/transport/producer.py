@@ -17,10 +17,12 @@ import numpy as np
 
 from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, PeerLost, ProtocolViolation
+from hybridkv.fencing import NotYet
 from hybridkv.transport import control
 from hybridkv.transport.config import Outcome, Result, TransportConfig
 from hybridkv.transport.dataplane import Op, Transfer, XferState
-from hybridkv.transport.memory import MemoryMap, pair_indices
+from hybridkv.transport.memory import MemoryMap
+from hybridkv.transport.plan import PeerPlanner, Planner
 from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly, _Side
 
 log = logging.getLogger(__name__)
@@ -49,8 +51,10 @@ class Producer(_Side):
 
     role = wire.Role.PRODUCER
 
-    def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig = TransportConfig()) -> None:
-        super().__init__(memory, scheduler, config)
+    def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig = TransportConfig(), *,
+                 planner: Planner) -> None:
+        super().__init__(memory, scheduler, config, planner)
+        self._plans: dict[str, PeerPlanner] = {}  # push: the planner prepared per consumer
         self.peers: dict[str, _Peer] = {}
         self._exports: dict[str, _Export] = {}
         self._connected = asyncio.Event()
@@ -228,8 +232,16 @@ class Producer(_Side):
         try:
             wire.check_blocks(msg.blocks, peer.memory.group_bounds(), what=f"import of {msg.request_id}")
             dst = {g.group_id: np.asarray(g.ids, dtype=np.int64) for g in msg.blocks}
-            li, ri = pair_indices(self.memory, rec.blocks, peer.memory, dst)
-            rec.xfer = self.dp.post(Op.WRITE, peer.agent, li, ri, NOTIF_PREFIX + rec.rid.encode())
+            prepared = self._plans.get(peer.agent)
+            if prepared is None:
+                prepared = self._plans[peer.agent] = self.planner.prepare((self.memory,), peer.memory)
+            plan = prepared.plan(0, rec.blocks, dst)
+            plan.check()
+            notif = NOTIF_PREFIX + rec.rid.encode()
+            if plan.src_index is not None:
+                rec.xfer = self.dp.post(Op.WRITE, peer.agent, plan.src_index, plan.dst_index, notif)
+            else:
+                rec.xfer = self.dp.post_rows(Op.WRITE, peer.agent, plan.src, plan.dst, notif)
         except Exception as exc:  # bad block lists, NIXL refusal
             self.stats.rejected += 1
             self._finish(rec, ok=False, outcome=Outcome.FAILED, error=str(exc),
@@ -271,11 +283,11 @@ class Producer(_Side):
         while True:
             if not sched.has_request(request_id):  # the lease lapsed (poll) before we got here
                 return Result(request_id=request_id, outcome=Outcome.EXPIRED, error="lease expired before export")
-            if sched.export_ready(request_id):
+            if not isinstance(sched.export_ready(request_id), NotYet):
                 break
             await asyncio.sleep(self.config.pump_idle_s)  # the engine advances the watermark
         tid = sched.post_export(request_id)
-        if not tid and not isinstance(tid, int):
+        if isinstance(tid, NotYet):
             return Result(request_id=request_id, outcome=Outcome.EXPIRED, error=tid.reason.value)
         blocks = {g.group_id: np.asarray(sched.blocks(request_id, g.group_id), dtype=np.int64)
                   for g in self.memory.groups}
@@ -339,6 +351,7 @@ class Producer(_Side):
             return
         peer.alive = False
         self.peers.pop(peer.agent, None)
+        self._plans.pop(peer.agent, None)
         for rid in [r for r, asks in self._wants.items() if any(p is peer for p, _ in asks)]:
             self._wants[rid] = [(p, n) for p, n in self._wants[rid] if p is not peer]
             if not self._wants[rid]:

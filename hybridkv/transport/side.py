@@ -2,8 +2,9 @@
 
 :class:`_Side` is the base of :class:`~hybridkv.transport.producer.Producer` and
 :class:`~hybridkv.transport.consumer.Consumer`: it builds and checks the
-``Hello`` (compatibility fields, role, pairing), pumps the NIXL agent on the
-asyncio loop and waits on transfers. The design is in
+``Hello`` (compatibility fields, role, and what the side's planner promises:
+pages cut alike, or field tables for pairing by fields), pumps the NIXL agent on
+the asyncio loop and waits on transfers. The design is in
 :mod:`hybridkv.transport.endpoint`.
 """
 
@@ -19,6 +20,7 @@ from hybridkv.transport import control
 from hybridkv.transport.config import Pairing, Stats, TransportConfig
 from hybridkv.transport.dataplane import DataPlane, Transfer, XferState
 from hybridkv.transport.memory import PAGE_SHAPE_FIELDS, MemoryMap, check_peer_shapes
+from hybridkv.transport.plan import Planner
 
 NOTIF_PREFIX = b"hkv:"
 
@@ -44,14 +46,16 @@ def _rid_of(notif: bytes) -> str | None:
 class _Side:
     role: wire.Role
 
-    def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig = TransportConfig()) -> None:
+    def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig, planner: Planner) -> None:
         self.memory = memory
         self.scheduler = scheduler
         self.config = config
+        self.planner = planner
+        self.pairing = planner.pairing
         self.dp = DataPlane(memory, config.dataplane)
         compat = {**memory.shape_fields(), "protocol": str(wire.PROTOCOL_VERSION), "mode": config.mode.name,
-                  "pairing": config.pairing.name}
-        if config.pairing is Pairing.FIELDS:
+                  "pairing": self.pairing.name}
+        if self.pairing is Pairing.FIELDS:
             # Pages may be cut differently; the field tables in the handshake say how.
             compat = {k: v for k, v in compat.items() if k not in PAGE_SHAPE_FIELDS}
         self.compat = compat
@@ -65,7 +69,7 @@ class _Side:
             agent=self.dp.name, metadata=self.dp.metadata(), role=self.role, mode=self.config.mode,
             compat=self.compat, compat_hash=wire.compat_hash(self.compat), regions=self.memory.regions,
             groups=self.memory.groups, lease_s=float(self.scheduler.leases.duration_s),
-            layout=self.memory.table if self.config.pairing is Pairing.FIELDS else None,
+            layout=self.memory.table if self.pairing is Pairing.FIELDS else None,
         )
 
     def check_hello(self, h: wire.Hello) -> MemoryMap:
@@ -79,7 +83,7 @@ class _Side:
         if diffs:
             raise HandshakeRefused("incompatible peer", diffs)
         remote = MemoryMap(regions=h.regions, groups=h.groups, table=h.layout)
-        if self.config.pairing is Pairing.PAGES:
+        if self.pairing is Pairing.PAGES:
             check_peer_shapes(self.memory, h.regions, h.groups)
         elif h.layout is None:
             raise HandshakeRefused("the peer pairs by fields but sent no field tables", [

@@ -11,7 +11,7 @@ def test_gdn_byte_math_qwen35_397b():
     spec = get_preset("qwen3.5-397b-a17b").spec_of(LayerKind.GDN)
     assert spec.conv_dim == 2 * 16 * 128 + 64 * 128 == 12288
     assert spec.conv_shape == (12288, 3)
-    assert spec.conv_bytes == 36_864 * 2  # 72 KiB bf16 (anchors/gdn.md table)
+    assert spec.conv_bytes == 36_864 * 2  # 72 KiB bf16 (docs/background/gdn.md section 2)
     assert spec.ssm_shape == (64, 128, 128)
     assert spec.ssm_bytes == 1_048_576 * 4  # 4 MiB fp32
     assert get_preset("qwen3.5-397b-a17b", ssm_dtype="bfloat16").spec_of(LayerKind.GDN).ssm_bytes == 2 * 2**20

@@ -56,12 +56,13 @@ def test_import_that_lands_while_the_engine_is_idle_is_still_scheduled(model):
     RECOMPUTE after the engine went idle). The worker loop asks `busy` before stepping; it
     must stay true for a landed-but-not-joined request, or the engine idles forever (a demo
     run hung exactly so, with 4 landed requests and an idle engine)."""
+    from hybridkv.fencing import NotYet
     from hybridkv.transport.endpoint import Outcome, Result
 
     async def fetcher(rid, comps):
         await asyncio.sleep(0.05)  # the engine has nothing else to do meanwhile
         sched = engine.sched
-        while not isinstance(tid := sched.post_import(rid, components=comps), int):  # what Consumer._give_up records
+        while isinstance(tid := sched.post_import(rid, components=comps), NotYet):  # what Consumer._give_up records
             await asyncio.sleep(0.001)  # fenced until the step that zeroes the blocks completed
         sched.transfer_failed(tid)
         sched.recompute(rid)

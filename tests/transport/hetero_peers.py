@@ -53,13 +53,14 @@ def producer_main(opts, out, inbox) -> None:
 
 
 async def _producer(opts, out, inbox):
+    from descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
-    from hybridkv.transport.endpoint import Pairing, Producer, TransportConfig
+    from hybridkv.transport.endpoint import Pairing, Producer
 
     tp, rank = opts["tp"], opts["rank"]
     layout, memory, _ = build(10 + rank, tp=tp, rank=rank, block=opts["block"])
     sched = TransferScheduler(_pools(layout), lease_s=30.0)
-    prod = Producer(memory, sched, TransportConfig(pairing=Pairing.FIELDS))
+    prod = Producer(memory, sched, planner=DescriptorPlanner(pairing=Pairing.FIELDS))
     out.put(("addr", await prod.start()))
     plans = {}
     for step, (rid, tokens) in enumerate(opts["requests"], 1):
@@ -88,16 +89,16 @@ def consumer_main(opts, out, inbox) -> None:
 
 
 async def _consumer(opts, out, inbox):
-    from connectors.vllm.field_plan import FieldPlan
+    from descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
-    from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
+    from hybridkv.transport.endpoint import Consumer, Pairing
 
     tp, rank = opts["tp"], opts["rank"]
     layout, memory, _ = build(50 + rank, tp=tp, rank=rank, block=opts["block"])
     sched = TransferScheduler(_pools(layout), lease_s=30.0)
-    cons = Consumer(memory, sched, TransportConfig(pairing=Pairing.FIELDS))
+    cons = Consumer(memory, sched, planner=DescriptorPlanner(pairing=Pairing.FIELDS))
     agents = [await cons.connect(host, port) for host, port in opts["addrs"]]
-    plan = FieldPlan(layout, [cons.peer_layout(a) for a in agents])
+    plan = cons.prepared(agents)
     comps = components(layout)
     plans = {}
     for rid, tokens in opts["requests"]:
@@ -106,10 +107,11 @@ async def _consumer(opts, out, inbox):
         for g in _counts(layout, tokens):
             sched.allocate(rid + "-pad", g, 1)
         plans[rid] = {g: list(sched.allocate(rid, g, n)) for g, n in _counts(layout, tokens).items()}
-    results = await asyncio.gather(*(cons.fetch(rid, comps, peers=agents, readers=opts["readers"], plan=plan)
+    results = await asyncio.gather(*(cons.fetch(rid, comps, peers=agents, readers=opts["readers"])
                                      for rid in plans))
     sched.audit()
-    out.put(("results", [(r.request_id, r.outcome.name, r.error, r.descriptors, r.nbytes) for r in results]))
+    out.put(("results", [(r.request_id, r.outcome.name, r.error, r.descriptors, r.nbytes, r.planned)
+                         for r in results]))
     out.put(("fields", {rid: field_digests(layout, plans[rid], t) for rid, t in opts["requests"]}))
     out.put(("sources", {r: sorted(f"{k[0].value}/{k[1]}/{k[2]}" for k in keys) for r, keys in plan.sources.items()}))
     out.put(("state", {"phases": {rid: sched.phase(rid).name for rid in plans},

@@ -99,6 +99,20 @@ def counts(layout, tokens: int) -> dict[int, int]:
     return {g.group_id: (1 if g.block_tokens is None else -(-tokens // g.block_tokens)) for g in layout.groups}
 
 
+def _take(sched, layout, rid: str, group: int, n: int, spec: dict | None) -> list[int]:
+    """n blocks of a group for a request: the pool's next ones, or (``spec`` given) the analyzer's
+    block ids for fragmentation ``spec["f"]`` (descriptors.schemes.fragmented_blocks) from block
+    ``spec["start"]``; a state group's one block is ``spec["slot"]``."""
+    if spec is None:
+        return list(sched.allocate(rid, group, n))
+    from descriptors.schemes import fragmented_blocks
+
+    start = spec["slot"] if layout.group(group).block_tokens is None else spec["start"]
+    ids = [int(b) for b in fragmented_blocks(n, spec["f"], start=start)]
+    sched.assign(rid, group, ids)
+    return ids
+
+
 def _quiet():
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import logging
@@ -116,16 +130,18 @@ def producer_main(opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
 
 
 async def _producer(opts, out, inbox):
+    from descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
-    from hybridkv.transport.endpoint import Producer, TransportConfig
+    from hybridkv.transport.endpoint import Pairing, Producer, TransportConfig
     from hybridkv import wire
 
     layout, memory, pools = build(1, geo_over=opts.get("geo"), mem=opts.get("mem", "dram"),
-                                  device=opts.get("device", 0))
-    sched = TransferScheduler(pools, lease_s=opts.get("lease_s", 30.0))
+                                  device=opts.get("device", 0), block=opts.get("block", BLOCK))
+    # Blocks named by the test (``fragmentation``) come from an engine-owned pool, as vLLM's do.
+    sched = TransferScheduler(pools, lease_s=opts.get("lease_s", 30.0), managed_pool=not opts.get("fragmentation"))
     cfg = TransportConfig(mode=wire.Mode[opts.get("mode", "PULL")],
                           allowed_peers=tuple(opts.get("allowed_peers", ())))
-    prod = Producer(memory, sched, cfg)
+    prod = Producer(memory, sched, cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
     host, port = await prod.start()
     out.put(("addr", (host, port, os.getpid())))
     requests = opts.get("requests", [])
@@ -135,7 +151,7 @@ async def _producer(opts, out, inbox):
         sched.add_request(rid)
         blocks = {}
         for g, n in counts(layout, tokens).items():
-            blocks[g] = list(sched.allocate(rid, g, n))
+            blocks[g] = _take(sched, layout, rid, g, n, opts.get("fragmentation", {}).get(rid))
         step += 1
         sched.step_scheduled(step, joined=[rid])
         sched.step_completed(step)
@@ -185,17 +201,18 @@ def consumer_main(opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
 
 
 async def _consumer(opts, out, inbox):
+    from descriptors.planning import DescriptorPlanner
     from hybridkv import wire
     from hybridkv.errors import HandshakeRefused, HybridKVError
     from hybridkv.fencing.scheduler import TransferScheduler
-    from hybridkv.transport.endpoint import Consumer, FailurePolicy, TransportConfig
+    from hybridkv.transport.endpoint import Consumer, FailurePolicy, Pairing, TransportConfig
 
     host, port = opts["addr"]
     attempts = opts.get("attempts") or [{}]
     for att in attempts:  # handshake variants: each a fresh consumer
         layout, memory, pools = build(2, geo_over=att.get("geo"), mem=opts.get("mem", "dram"),
-                                      device=opts.get("device", 0))
-        sched = TransferScheduler(pools, lease_s=30.0)
+                                      device=opts.get("device", 0), block=opts.get("block", BLOCK))
+        sched = TransferScheduler(pools, lease_s=30.0, managed_pool=not opts.get("fragmentation"))
         cfg = TransportConfig(mode=wire.Mode[att.get("mode", opts.get("mode", "PULL"))],
                               failure_policy=FailurePolicy[opts.get("policy", "FAIL")],
                               handshake_timeout_s=opts.get("handshake_timeout_s", 5.0),
@@ -203,7 +220,7 @@ async def _consumer(opts, out, inbox):
                               heartbeat_s=opts.get("heartbeat_s"),
                               notify_reads=opts.get("notify_reads", False),
                               transfer_timeout_s=opts.get("transfer_timeout_s", 60.0))
-        cons = Consumer(memory, sched, cfg)
+        cons = Consumer(memory, sched, cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
         if "protocol" in att:
             cons.compat["protocol"] = att["protocol"]
         try:
@@ -237,7 +254,7 @@ async def _run_requests(opts, out, inbox, layout, sched, cons):
             for g in counts(layout, tokens):
                 sched.allocate(rid + "-pad", g, 1)
         for g, n in counts(layout, tokens).items():
-            blocks[g] = list(sched.allocate(rid, g, n))
+            blocks[g] = _take(sched, layout, rid, g, n, opts.get("fragmentation", {}).get(rid))
         plans[rid] = blocks
     if opts.get("wait_before_fetch_s"):
         for rid in plans:  # asked for up front: the Export (and its lease) comes while we are slow
@@ -259,7 +276,7 @@ async def _run_requests(opts, out, inbox, layout, sched, cons):
         cons.dp.notify(cons.peer.agent, b"hkv:never-exported")
         await asyncio.sleep(0.3)
     sched.audit()
-    out.put(("results", [(r.request_id, r.outcome.name, r.error, r.descriptors, r.indices, r.nbytes)
+    out.put(("results", [(r.request_id, r.outcome.name, r.error, r.descriptors, r.indices, r.nbytes, r.planned)
                          for r in results]))
     out.put(("digests", digests))
     out.put(("state", {"free": [sched.free_count(p) for p in range(len(sched.layout.pool_sizes))],

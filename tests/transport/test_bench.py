@@ -22,6 +22,7 @@ def test_bench_transfer_json(capsys):
     assert rep["hybridkv_GBps"] > 0 and rep["raw_GBps"] > 0
     # One merged descriptor per region touched, against one per layer per block.
     assert rep["descriptors"] <= 2 < rep["vllm_scheme_descriptors"]
+    assert rep["planned_descriptors"] == rep["descriptors"]  # the planner said what NIXL would post
     # Every timed sample is reported (the medians hide outliers), the split baseline and the notified one too.
     assert {k: len(v) for k, v in rep["samples_GBps"].items()} == {"hybridkv": 2, "raw": 2, "vllm_scheme": 2}
     assert set(rep["raw_split_GBps"]) == {"1", "3"} and rep["raw_split_GBps"]["1"] == pytest.approx(rep["raw_GBps"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.vllm.field_plan import source_ranks
+from descriptors.planning import source_ranks
 from tests.transport import hetero_peers
 from tests.transport.harness import Proc
 
@@ -51,8 +51,9 @@ def test_hetero_tp_field_by_field(p_tp, d_tp, p_block, d_block, capsys):
                 assert set(owner) == set(got[rid])  # every field of this rank came from some producer rank
                 for key, digest in got[rid].items():
                     assert digest == sent[owner[key]][rid][key], (rid, key, owner[key])
-            for rid, _, _, desc, nbytes in results:
+            for rid, _, _, desc, nbytes, planned in results:
                 assert desc and nbytes > 0
+                assert desc == planned, (rid, desc, planned)  # NIXL posted what the planner said
                 measured[rid] += desc
             state = cons.expect("state")
             assert set(state["phases"].values()) == {"READY"} and state["in_flight"] == 0

@@ -30,9 +30,11 @@ def test_round_trip_checksums(mode):
         assert pstate["free"] == pstate["total"]  # the producer freed every exported block
         assert pstate["in_flight"] == 0 and pstate["requests"] == 0
         if mode == "PULL":
-            # NIXL merged back-to-back pages: far fewer descriptors posted than index pairs.
-            for rid, _, _, desc, idx, nbytes in results:
+            # NIXL merged back-to-back pages: far fewer descriptors posted than index pairs, and
+            # exactly as many as the planner said (r-mid's blocks sit elsewhere than the source's).
+            for rid, _, _, desc, idx, nbytes, planned in results:
                 assert desc is not None and desc < idx or idx <= 2, (rid, desc, idx)
+                assert desc == planned, (rid, desc, planned)
                 assert nbytes > 0
         cons.expect("finished")
     finally:

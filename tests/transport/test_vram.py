@@ -60,8 +60,10 @@ def test_vram_round_trip_checksums(mode, devices):
 
 
 def _bench_args(*argv: str) -> argparse.Namespace:
+    from descriptors import bench_transfer
+
     parser = argparse.ArgumentParser()
-    bench.register(parser)
+    bench_transfer.register(parser)  # the bench's options, and the planner `hybridkv bench transfer` runs with
     return parser.parse_args(list(argv))
 
 

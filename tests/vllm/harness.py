@@ -1,6 +1,6 @@
 """Build vLLM 0.33.0's real config, KV cache config and scheduler for a tiny hybrid model on CPU.
 
-Everything here is vLLM's own code path (anchors/vllm.md section 8): a
+Everything here is vLLM's own code path (docs/background/vllm.md section 8): a
 ``VllmConfig`` from a weightless Qwen3-Next ``config.json``, the platform's
 hybrid block-size alignment, per-layer KV cache specs as the model's layers
 declare them, vLLM's grouping and tensor planning, vLLM's layout resolution
@@ -239,6 +239,7 @@ class Driver:
 
     def step(self) -> None:
         from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import RequestStatus
 
         so = self.sched.schedule()
         self.steps += 1
@@ -248,7 +249,7 @@ class Driver:
                               for rid in so.num_scheduled_tokens}
         self.zeroed[step] = set(so.new_block_ids_to_zero or ())
         for rid, req in self.sched.requests.items():
-            if req.status.name == "WAITING_FOR_REMOTE_KVS":
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.load_alloc_step.setdefault(rid, step)
         req_ids, kv_out = self.worker.execute(so)
         sampling = {rid for rid in req_ids if not self.sched.requests[rid].is_prefill_chunk}

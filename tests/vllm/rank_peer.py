@@ -125,8 +125,8 @@ def main() -> int:
         fields = {rid: _field_digests(layout, dict(zip(kcc.transfer_group_ids, ids)), tokens)
                   for rid, (ids, tokens) in local.items()}
         sources = {}
-        for plan in conn.worker._plans.values():
-            for rank, keys in (plan.sources.items() if plan is not None else ()):
+        for plan in conn.worker._consumer.plans.values():  # a page plan reads one rank whole: no field split
+            for rank, keys in getattr(plan, "sources", {}).items():
                 sources[rank] = sorted(f"{k[0].value}/{k[1]}/{k[2]}" for k in keys)
         print(json.dumps({"results": results, "fields": fields, "sources": sources}), flush=True)
     conn.shutdown()

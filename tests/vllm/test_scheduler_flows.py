@@ -37,19 +37,22 @@ def assert_all_returned(sched, driver) -> None:
 
 @pytest.mark.parametrize("async_scheduling", MODES)
 def test_decode_loads_then_runs(async_scheduling):
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+
     sched, worker, d = setup(role="kv_consumer", async_scheduling=async_scheduling)
     worker.fates["r1"] = h.LoadFate(after_steps=3)
     sched.add_request(h.make_request("r1", prompt_len=100, max_tokens=4,
                                      params=h.remote_prefill_params("r1", groups=GROUPS)))
     d.run(until=lambda: bool(worker.orders))
-    assert sched.requests["r1"].status.name == "WAITING_FOR_REMOTE_KVS"
+    assert sched.requests["r1"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
     [(step, rid)] = worker.orders
     assert rid == "r1"
     held = usable(sched) - h.free_blocks(sched)
     assert held == 4 + GROUPS - 1  # 99 tokens loaded: 4 attention blocks + one state block per GDN group
     d.run()
     reason, _ = d.finished["r1"]
-    assert reason.name == "LENGTH"
+    assert reason is FinishReason.LENGTH
     # Race B: vLLM zeroes newly allocated blocks of hybrid models, but never the
     # blocks a load writes (get_loaded_kv_cache_group_ids names every group).
     loaded = worker.order_blocks["r1"]
@@ -61,12 +64,14 @@ def test_decode_loads_then_runs(async_scheduling):
 
 @pytest.mark.parametrize("async_scheduling", MODES)
 def test_prefill_exports_and_frees_only_after_the_read(async_scheduling):
+    from vllm.v1.engine import FinishReason
+
     sched, worker, d = setup(role="kv_producer", async_scheduling=async_scheduling)
     worker.consumer_reads = False
     sched.add_request(h.make_request("p1", prompt_len=100, max_tokens=16, params={"do_remote_decode": True}))
     d.run(until=lambda: "p1" in d.finished)
     reason, params = d.finished["p1"]
-    assert reason.name == "LENGTH"  # max_tokens forced to 1 on the producer
+    assert reason is FinishReason.LENGTH  # max_tokens forced to 1 on the producer
     assert params["do_remote_prefill"] is True and params["remote_request_id"] == "p1"
     assert params["remote_engine_id"] == "engine-test" and params["remote_port"] == 5600
     blocks = params["remote_block_ids"]
@@ -128,13 +133,15 @@ def test_export_held_while_the_consumer_renews_its_lease():
 @pytest.mark.parametrize("async_scheduling", MODES)
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_failed_load_honours_the_policy(async_scheduling, policy):
+    from vllm.v1.engine import FinishReason
+
     sched, worker, d = setup(role="kv_consumer", async_scheduling=async_scheduling, policy=policy)
     worker.fates["r1"] = h.LoadFate(after_steps=2, fail=True)
     sched.add_request(h.make_request("r1", prompt_len=100, max_tokens=3,
                                      params=h.remote_prefill_params("r1", groups=GROUPS)))
     d.run()
     reason, _ = d.finished["r1"]
-    assert reason.name == ("ERROR" if policy == "fail" else "LENGTH")
+    assert reason is (FinishReason.ERROR if policy == "fail" else FinishReason.LENGTH)
     if policy == "recompute":
         # The whole prompt was recomputed locally: a full prefill was scheduled.
         prefill = [s for s, reqs in d.touched.items() if "r1" in reqs]
@@ -143,12 +150,14 @@ def test_failed_load_honours_the_policy(async_scheduling, policy):
 
 
 def test_unusable_transfer_params_compute_locally():
+    from vllm.v1.engine import FinishReason
+
     sched, worker, d = setup(role="kv_consumer", async_scheduling=False)
     params = h.remote_prefill_params("r1", groups=GROUPS)
     del params["remote_port"]
     sched.add_request(h.make_request("r1", prompt_len=100, max_tokens=2, params=params))
     d.run()
-    assert d.finished["r1"][0].name == "LENGTH" and not worker.orders
+    assert d.finished["r1"][0] is FinishReason.LENGTH and not worker.orders
     assert_all_returned(sched, d)
 
 
@@ -177,6 +186,8 @@ def test_import_waits_for_the_step_that_still_touches_a_reused_block(fence_polic
     the step already dispatched after it still runs on its blocks, and vLLM hands
     those blocks to a request that loads remote KV. hybridkv's fence, not vLLM,
     must hold the load back until that step completed. (Fails with --fence-policy none.)"""
+    from vllm.v1.engine import FinishReason
+
     sched, worker, d = setup(role="kv_consumer", async_scheduling=True, num_blocks=8,
                              extra={"hybridkv_fence_policy": fence_policy_name})
     sched.defer_block_free = False
@@ -184,7 +195,7 @@ def test_import_waits_for_the_step_that_still_touches_a_reused_block(fence_polic
     sched.add_request(h.make_request("r", prompt_len=60, max_tokens=2,
                                      params=h.remote_prefill_params("r", groups=GROUPS)))
     d.run()
-    assert d.finished["q"][0].name == "STOP" and d.finished["r"][0].name == "LENGTH"
+    assert d.finished["q"][0] is FinishReason.STOP and d.finished["r"][0] is FinishReason.LENGTH
     [(order_step, rid)] = worker.orders
     assert rid == "r"
     alloc = d.load_alloc_step["r"]

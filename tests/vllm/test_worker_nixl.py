@@ -48,6 +48,8 @@ def _read(proc, timeout: float) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [pytest.param(True, id="async")])
 def test_request_moves_between_two_worker_processes(tmp_path, async_scheduling):
+    from vllm.v1.engine import FinishReason
+
     port = _free_port()
     log = open(tmp_path / "peer.log", "w")
     peer = subprocess.Popen(
@@ -69,7 +71,7 @@ def test_request_moves_between_two_worker_processes(tmp_path, async_scheduling):
         # What a P/D proxy does: forward the producer's kv_transfer_params to decode.
         sched.add_request(h.make_request("d1", prompt_len=100, max_tokens=4, params=params))
         d.run_for(60, until=lambda: "d1" in d.finished)
-        assert d.finished["d1"][0].name == "LENGTH", runner.failed
+        assert d.finished["d1"][0] is FinishReason.LENGTH, runner.failed
         assert not runner.failed
         sent = msgpack.unpackb(pages_path.read_bytes(), raw=False)
         got = runner.snapshots["d1"]
@@ -105,6 +107,8 @@ def test_request_moves_between_two_worker_processes(tmp_path, async_scheduling):
 def test_failed_load_by_policy_recompute_recovers(fault):
     """Real faults, no fake: the producer named in kv_transfer_params is not there
     (with TP 2 there, this decode rank dials both of its producer ranks: neither answers)."""
+    from vllm.v1.engine import FinishReason
+
     vc = h.make_vllm_config(role="kv_consumer", policy="recompute", engine_id="decode-engine")
     kcc = h.make_kv_cache_config(vc)
     sched = h.make_scheduler(vc, kcc, async_scheduling=False)
@@ -119,7 +123,7 @@ def test_failed_load_by_policy_recompute_recovers(fault):
     try:
         d.run_for(60, until=lambda: "d1" in d.finished)
         assert runner.failed == {"d1"}
-        assert d.finished["d1"][0].name == "LENGTH"  # recomputed locally
+        assert d.finished["d1"][0] is FinishReason.LENGTH  # recomputed locally
         d.drain()
         assert h.free_blocks(sched) == kcc.num_blocks - 1
         assert sched.connector.scheduler.idle()

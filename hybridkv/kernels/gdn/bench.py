@@ -97,9 +97,8 @@ def _timed(fn, iters: int) -> tuple[float, float]:
 
     for _ in range(3):
         fn()
-    # The spin outlasts twice the host's queueing time: a fixed 0.5 ms spin was shorter than FLA's host
-    # time for one 8192-token sequence, so its event time there measured Python, not the GPU (the
-    # bimodal FLA times of earlier runs).
+    # The spin outlasts twice the host's queueing time: a spin shorter than the host time (FLA's for one
+    # 8192-token sequence is over 0.5 ms) would leave the event time measuring Python, not the GPU.
     host = _host_ms(fn)
     spin = 1_000_000 * max(1, math.ceil((2 * host + 0.2) / _ms_per_mcycle()))
     times = []

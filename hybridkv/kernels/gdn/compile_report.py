@@ -293,7 +293,12 @@ def reports(archs: tuple[Arch, ...], only: str | None = None) -> Iterator[Report
     specs = _specs()
     names = [s.name for s in specs]
     if only is not None and only not in names:
+        # Here, not in the generator below: a bad name is refused before the table's header prints.
         raise ValueError(f"--kernel {only!r} is not one of {names}")
+    return _compile_all(archs, specs, only)
+
+
+def _compile_all(archs: tuple[Arch, ...], specs, only: str | None) -> Iterator[Report]:
     for arch in archs:
         for spec in specs:
             if only is None or spec.name == only:
@@ -302,7 +307,6 @@ def reports(archs: tuple[Arch, ...], only: str | None = None) -> Iterator[Report
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("--arch", choices=[a.name.lower() for a in Arch], action="append",
                         help="target (repeatable); default: hopper and blackwell")
     parser.add_argument("--kernel", default=None, help="one kernel by name (default: all)")
@@ -311,16 +315,15 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        raise ValueError(f"kernels report needs Triton (pip install 'hybridkv[kernels]'): {exc}") from exc
+    import triton  # noqa: F401  (missing, hybridkv.cli names the extra that installs it)
+
     archs = tuple(Arch[a.upper()] for a in args.arch) if args.arch else (Arch.HOPPER, Arch.BLACKWELL)
+    found = reports(archs, args.kernel)
     rows = []
     if not args.json:
         print(f"{'kernel':18} {'launch':18} {'sm':>4} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
               f"{'smem KiB':>8} {'mma':>14} {'async':>5} {'flight':>6}")
-    for r in reports(archs, args.kernel):
+    for r in found:
         rows.append(r)
         if not args.json:
             print(f"{r.kernel:18} {r.launch:18} {r.arch:>4} {r.num_warps:>5} {r.num_stages:>6} {r.registers:>5} "

@@ -1,0 +1,185 @@
+"""The vLLM connector's settings: every ``kv_connector_extra_config`` key it reads, in one place.
+
+Both halves (the scheduler process and every worker) build the same
+:class:`HybridKVVllmConfig` with :meth:`HybridKVVllmConfig.from_vllm_config`, so
+a key has one default and one parser, and a bad value fails at start-up naming
+the key. This module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hybridkv.fencing.fence import FencePolicy
+from hybridkv.transport.allowlist import PeerAllowlist
+
+log = logging.getLogger(__name__)
+
+#: Keys of this prefix are hybridkv's own, so one it does not know is a typo, never another
+#: connector's setting: refused rather than warned about.
+OWN_PREFIX = "hybridkv_"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridKVVllmConfig:
+    """What ``--kv-transfer-config``'s ``kv_connector_extra_config`` may set; each field is the key of
+    the same name, and its default applies when the key is absent.
+
+    ``side_channel_host`` (str, ``"127.0.0.1"``)
+        Address the prefill instance advertises in ``kv_transfer_params`` (``remote_host``) and
+        a decode instance dials. Set it to an address decode can reach.
+    ``side_channel_port`` (int, ``5600``)
+        Base control port: worker (TP rank) r of a prefill instance listens on port + r; the
+        scheduler advertises port + data-parallel index. 1..65535.
+    ``kv_lease_duration`` (float seconds, ``30``)
+        How long a finished request's blocks stay held for a reader that has not finished; decode
+        heartbeats renew it. The scheduler hands the blocks back to vLLM only after 1.5 x this.
+    ``export_timeout_s`` (float seconds, ``30``)
+        Decode side: how long a worker waits for the producer's Export of a request it asked for
+        before the load fails (then ``kv_load_failure_policy`` applies).
+    ``allowed_peers`` (list of str, or one comma-separated str; ``()``)
+        Prefill side: addresses or CIDR networks that may open a control channel. The listener is
+        open on every interface (ucxx 0.52), so this keeps other networks out. Empty: any peer.
+    ``tp_rank`` (int or null, ``null``)
+        This worker's TP rank, where vLLM's distributed group does not exist (a worker built
+        outside vLLM's executor, as the tests do). Null: asked of vLLM, 0 without a group.
+    ``hybridkv_fence_policy`` (``"fenced"`` or ``"none"``, ``"fenced"``)
+        Whether the scheduler half enforces hybridkv's fencing rules. ``"none"`` exists only to
+        show what breaks without them (the race tests); never set it in a deployment.
+
+    Keys it does not know: a ``hybridkv_*`` key is refused (a typo of one of ours); any other is
+    logged as a warning and ignored. vLLM's NixlConnector ignores unknown keys silently, and
+    deployments moving from it keep its keys (``backends``, ``num_threads``, ...) in the same dict,
+    so refusing those would break a drop-in switch; the warning still shows a misspelt key.
+    """
+
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    kv_lease_duration: float = 30.0
+    export_timeout_s: float = 30.0
+    allowed_peers: tuple[str, ...] = ()
+    tp_rank: int | None = None
+    hybridkv_fence_policy: FencePolicy = FencePolicy.FENCED
+
+    def __post_init__(self) -> None:
+        # The same checks whether built from vLLM's dict or directly (tests, other front ends).
+        _check(isinstance(self.side_channel_host, str) and self.side_channel_host.strip() != "",
+               "side_channel_host", self.side_channel_host, "a non-empty host name or address")
+        _check(_is_int(self.side_channel_port) and 0 < self.side_channel_port < 65536,
+               "side_channel_port", self.side_channel_port, "a TCP port, 1..65535")
+        for key in ("kv_lease_duration", "export_timeout_s"):
+            v = getattr(self, key)
+            _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+                   key, v, "a positive number of seconds")
+        _check(isinstance(self.allowed_peers, tuple) and all(isinstance(p, str) for p in self.allowed_peers),
+               "allowed_peers", self.allowed_peers, "a tuple of addresses or CIDR networks")
+        if self.allowed_peers:
+            try:
+                PeerAllowlist.parse(self.allowed_peers)
+            except ValueError as exc:
+                raise ValueError(f"kv_connector_extra_config['allowed_peers']: {exc}") from None
+        _check(self.tp_rank is None or (_is_int(self.tp_rank) and self.tp_rank >= 0),
+               "tp_rank", self.tp_rank, "null or a non-negative int")
+        _check(isinstance(self.hybridkv_fence_policy, FencePolicy), "hybridkv_fence_policy",
+               self.hybridkv_fence_policy, "a FencePolicy")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> HybridKVVllmConfig:
+        """Parse ``kv_connector_extra_config`` (absent keys take the defaults above)."""
+        extra = {} if extra is None else extra
+        if not isinstance(extra, Mapping):
+            raise ValueError(f"kv_connector_extra_config = {extra!r}; expected a JSON object")
+        known = set(cls.keys())
+        unknown = sorted(str(k) for k in extra if k not in known)
+        ours = [k for k in unknown if k.startswith(OWN_PREFIX)]
+        if ours:
+            raise ValueError(f"kv_connector_extra_config has unknown hybridkv key(s) {ours}; "
+                             f"expected one of {sorted(known)}")
+        if unknown:
+            log.warning("HybridKVConnector ignores kv_connector_extra_config key(s) %s; it reads %s",
+                        unknown, sorted(known))
+        parsers = {
+            "side_channel_host": _host,
+            "side_channel_port": _int,
+            "kv_lease_duration": _seconds,
+            "export_timeout_s": _seconds,
+            "allowed_peers": _peers,
+            "tp_rank": _optional_int,
+            "hybridkv_fence_policy": _fence_policy,
+        }
+        return cls(**{k: parsers[k](k, extra[k]) for k in cls.keys() if k in extra})
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> HybridKVVllmConfig:
+        """From a ``VllmConfig``: its ``kv_transfer_config.kv_connector_extra_config``."""
+        kvt = getattr(vllm_config, "kv_transfer_config", None)
+        if kvt is None:
+            raise ValueError("vllm_config.kv_transfer_config is None; expected a KVTransferConfig "
+                             "naming HybridKVConnector")
+        return cls.from_extra_config(kvt.kv_connector_extra_config)
+
+
+def _check(ok: bool, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}; expected {expected}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# The parsers accept what the keys' earlier int()/float() reads accepted from JSON (numbers, and
+# numbers written as strings, as templated configs do), and nothing looser: no bools, no 5600.5.
+def _host(key: str, v: Any) -> str:
+    _check(isinstance(v, str) and v.strip() != "", key, v, "a non-empty host name or address")
+    return v.strip()
+
+
+def _int(key: str, v: Any) -> int:
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            pass
+    elif isinstance(v, float) and v.is_integer():
+        return int(v)
+    _check(_is_int(v), key, v, "an int")
+    return v
+
+
+def _optional_int(key: str, v: Any) -> int | None:
+    return None if v is None else _int(key, v)
+
+
+def _seconds(key: str, v: Any) -> float:
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            pass
+    _check(isinstance(v, (int, float)) and not isinstance(v, bool), key, v, "a positive number of seconds")
+    return float(v)
+
+
+def _peers(key: str, v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):
+        return tuple(p.strip() for p in v.split(",") if p.strip())
+    _check(isinstance(v, (list, tuple)) and all(isinstance(p, str) for p in v), key, v,
+           "a list of addresses/CIDR networks or one comma-separated string")
+    return tuple(p.strip() for p in v)
+
+
+def _fence_policy(key: str, v: Any) -> FencePolicy:
+    if isinstance(v, FencePolicy):
+        return v
+    by_value = {p.value: p for p in FencePolicy}
+    _check(isinstance(v, str) and v.strip().lower() in by_value, key, v, f"one of {sorted(by_value)}")
+    return by_value[v.strip().lower()]

@@ -1,0 +1,177 @@
+"""The vLLM connector's one configuration object: every extra-config key, its default, its checks."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from connectors.vllm.config import HybridKVVllmConfig
+from hybridkv.fencing.fence import FencePolicy
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DEFAULTS = {
+    "side_channel_host": "127.0.0.1",
+    "side_channel_port": 5600,
+    "kv_lease_duration": 30.0,
+    "export_timeout_s": 30.0,
+    "allowed_peers": (),
+    "tp_rank": None,
+    "hybridkv_fence_policy": FencePolicy.FENCED,
+}
+
+
+def test_defaults_live_in_one_place():
+    """An empty (or absent) extra config is the dataclass's defaults, and those are the documented ones."""
+    assert set(HybridKVVllmConfig.keys()) == set(DEFAULTS)
+    for extra in (None, {}):
+        cfg = HybridKVVllmConfig.from_extra_config(extra)
+        assert cfg == HybridKVVllmConfig()
+        assert {k: getattr(cfg, k) for k in DEFAULTS} == DEFAULTS
+
+
+@pytest.mark.parametrize(("key", "given", "parsed"), [
+    ("side_channel_host", "10.0.0.1", "10.0.0.1"),
+    ("side_channel_host", " node-a ", "node-a"),
+    ("side_channel_port", 5700, 5700),
+    ("side_channel_port", "5700", 5700),  # templated configs write numbers as strings
+    ("kv_lease_duration", 2, 2.0),
+    ("kv_lease_duration", "0.5", 0.5),
+    ("export_timeout_s", 7.5, 7.5),
+    ("allowed_peers", "10.0.0.0/8, 127.0.0.1", ("10.0.0.0/8", "127.0.0.1")),
+    ("allowed_peers", ["10.0.0.0/8", "fd00::/8"], ("10.0.0.0/8", "fd00::/8")),
+    ("allowed_peers", "", ()),
+    ("tp_rank", 3, 3),
+    ("tp_rank", None, None),
+    ("hybridkv_fence_policy", "none", FencePolicy.NONE),
+    ("hybridkv_fence_policy", "FENCED", FencePolicy.FENCED),
+])
+def test_each_key_parses(key, given, parsed):
+    cfg = HybridKVVllmConfig.from_extra_config({key: given})
+    assert getattr(cfg, key) == parsed
+    # every other key keeps its default
+    assert all(getattr(cfg, k) == v for k, v in DEFAULTS.items() if k != key)
+
+
+@pytest.mark.parametrize(("key", "bad", "expected"), [
+    ("side_channel_host", "", "a non-empty host name or address"),
+    ("side_channel_host", 10, "a non-empty host name or address"),
+    ("side_channel_port", True, "an int"),
+    ("side_channel_port", "http", "an int"),
+    ("side_channel_port", 5600.5, "an int"),
+    ("side_channel_port", 0, "a TCP port, 1..65535"),
+    ("side_channel_port", 65536, "a TCP port, 1..65535"),
+    ("kv_lease_duration", 0, "a positive number of seconds"),
+    ("kv_lease_duration", -1, "a positive number of seconds"),
+    ("kv_lease_duration", "inf", "a positive number of seconds"),
+    ("kv_lease_duration", "30s", "a positive number of seconds"),
+    ("export_timeout_s", None, "a positive number of seconds"),
+    ("allowed_peers", 10, "a list of addresses/CIDR networks or one comma-separated string"),
+    ("allowed_peers", ["10.0.0.1", 5], "a list of addresses/CIDR networks or one comma-separated string"),
+    ("tp_rank", -1, "null or a non-negative int"),
+    ("tp_rank", "first", "an int"),
+    ("hybridkv_fence_policy", "off", "one of ['fenced', 'none']"),
+    ("hybridkv_fence_policy", False, "one of ['fenced', 'none']"),
+])
+def test_a_bad_value_names_the_key_the_value_and_what_was_expected(key, bad, expected):
+    with pytest.raises(ValueError) as err:
+        HybridKVVllmConfig.from_extra_config({key: bad})
+    msg = str(err.value)
+    assert f"kv_connector_extra_config[{key!r}]" in msg
+    assert msg.endswith(f"expected {expected}")
+
+
+def test_a_bad_allowed_peer_is_named():
+    with pytest.raises(ValueError, match=r"\['allowed_peers'\]: allowed peer '10.0.0.0/40' is not an IP address"):
+        HybridKVVllmConfig.from_extra_config({"allowed_peers": "10.0.0.0/8,10.0.0.0/40"})
+
+
+def test_direct_construction_is_checked_too():
+    with pytest.raises(ValueError, match=r"\['side_channel_port'\] = 0; expected a TCP port"):
+        HybridKVVllmConfig(side_channel_port=0)
+    with pytest.raises(ValueError, match=r"\['hybridkv_fence_policy'\] = 'fenced'; expected a FencePolicy"):
+        HybridKVVllmConfig(hybridkv_fence_policy="fenced")
+
+
+def test_an_unknown_hybridkv_key_is_refused():
+    """hybridkv_* is our namespace: an unknown key there is a typo, never another connector's setting."""
+    with pytest.raises(ValueError, match=r"unknown hybridkv key\(s\) \['hybridkv_fence'\]; expected one of"):
+        HybridKVVllmConfig.from_extra_config({"hybridkv_fence": "none"})
+
+
+def test_other_unknown_keys_warn_and_are_ignored(caplog):
+    """NixlConnector's keys (or a misspelt one of ours) do not stop the engine, but are named in the log."""
+    with caplog.at_level(logging.WARNING, logger="connectors.vllm.config"):
+        cfg = HybridKVVllmConfig.from_extra_config({"backends": ["UCX"], "kv_lease_duraton": 5})
+    assert cfg == HybridKVVllmConfig()
+    [rec] = [r for r in caplog.records if r.name == "connectors.vllm.config"]
+    assert "['backends', 'kv_lease_duraton']" in rec.getMessage()
+
+
+def test_extra_config_must_be_a_mapping():
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config = \['x'\]; expected a JSON object"):
+        HybridKVVllmConfig.from_extra_config(["x"])
+
+
+def test_every_key_is_documented():
+    """In the class docstring (what an engineer reading the code sees) and the README (what an operator sees)."""
+    doc = HybridKVVllmConfig.__doc__
+    readme = (ROOT / "README.md").read_text()
+    for key in HybridKVVllmConfig.keys():
+        assert f"``{key}``" in doc, key
+        assert re.search(rf"`{key}`", readme), f"README.md does not document {key}"
+
+
+def test_importable_without_vllm():
+    """The config module is engine-independent: importing it does not import vLLM."""
+    code = "import sys, connectors.vllm.config; assert 'vllm' not in sys.modules, 'vllm imported'"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+# ------------------------------------------------------------ through vLLM's own config and factory
+def test_from_vllm_config_reads_kv_transfer_config():
+    from tests.vllm import harness as h
+
+    vc = h.make_vllm_config(role="kv_producer", extra={"side_channel_port": 5611, "kv_lease_duration": 12,
+                                                       "hybridkv_fence_policy": "none"})
+    cfg = HybridKVVllmConfig.from_vllm_config(vc)
+    assert (cfg.side_channel_port, cfg.kv_lease_duration, cfg.hybridkv_fence_policy) == (5611, 12.0, FencePolicy.NONE)
+
+
+def test_both_halves_build_the_same_config():
+    """The scheduler process and a worker read every key through the one object: no second set of defaults."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tests.vllm import harness as h
+
+    extra = {"side_channel_host": "10.1.2.3", "side_channel_port": "5620", "kv_lease_duration": 4,
+             "export_timeout_s": 9, "allowed_peers": ["10.0.0.0/8"], "tp_rank": 0, "hybridkv_fence_policy": "fenced"}
+    vc = h.make_vllm_config(role="kv_both", extra=extra)
+    kcc = h.make_kv_cache_config(vc)
+    sched = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.SCHEDULER, kv_cache_config=kcc)
+    work = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER, kv_cache_config=kcc)
+    assert sched.scheduler.config == work.worker.config == HybridKVVllmConfig.from_extra_config(extra)
+    s, w = sched.scheduler, work.worker
+    assert (s.side_host, s.side_port, s.lease_s, s.hold_s) == ("10.1.2.3", 5620, 4.0, 6.0)
+    assert (w.host, w.base_port, w.lease_s, w.export_timeout_s, w.allowed_peers, w.rank) == (
+        "10.1.2.3", 5620, 4.0, 9.0, ("10.0.0.0/8",), 0)
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_a_bad_key_stops_either_half_at_startup(role):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tests.vllm import harness as h
+
+    vc = h.make_vllm_config(role="kv_both", extra={"kv_lease_duration": "soon"})
+    with pytest.raises(ValueError, match=r"\['kv_lease_duration'\] = 'soon'; expected a positive number"):
+        KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole[role],
+                                            kv_cache_config=h.make_kv_cache_config(vc))
