@@ -149,12 +149,12 @@ def test_a_missing_optional_dependency_names_its_extra(capsys, monkeypatch, argv
 
 
 def test_missing_matplotlib_stops_sim_pd_before_simulating(capsys, monkeypatch, tmp_path):
-    import sims.pd_sweep
+    import sims.pd.sweep
 
     def never(*_a, **_k):
         raise AssertionError("simulated although the plot could not be drawn")
 
-    monkeypatch.setattr(sims.pd_sweep, "run_variant", never)
+    monkeypatch.setattr(sims.pd.sweep, "run_variant", never)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     rc, _, err = _main(capsys, "sim", "pd", "--recipe", "seed-6xdep2-1xdep8", "--plot", str(tmp_path / "p.png"))
     assert rc == 1 and "pip install 'hybridkv[sims]'" in _one_error_line(err)

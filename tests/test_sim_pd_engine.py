@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from sims.pd_engine import simulate_point
-from sims.pd_params import (DecodeSpec, LinkSpec, PrefillSpec, RequestSpec, Scheduling, SimConfig,
+from sims.pd.engine import simulate_point
+from sims.pd.params import (DecodeSpec, LinkSpec, PrefillSpec, RequestSpec, Scheduling, SimConfig,
                             StepCost)
-from sims.pd_sweep import run_sweep
+from sims.pd.sweep import run_sweep
 
 
 def config(*, isl=100, osl=10, budget=100, prefill_cost=None, decode_cost=None, ranks=1,

@@ -13,9 +13,9 @@ import yaml
 from descriptors.schemes import Scheme, Workload, count_descriptors
 from hybridkv.cli import main
 from hybridkv.layout.presets import get_preset
-from sims.pd_params import Scheduling
-from sims.pd_recipe import load_recipe, parse_recipe, shipped_recipes
-from sims.pd_sweep import run_sweep
+from sims.pd.params import Scheduling
+from sims.pd.recipe import load_recipe, parse_recipe, shipped_recipes
+from sims.pd.sweep import run_sweep
 
 RECIPES = shipped_recipes()
 
@@ -142,7 +142,7 @@ def test_scheduling_override_is_applied():
 
 
 def test_one_variant_per_recipe_and_compare_names_carry_the_recipe():
-    from sims.pd_sweep import variants
+    from sims.pd.sweep import variants
 
     four, eight = load_recipe("seed-4xdep2-1xdep8"), load_recipe("seed-8xdep2-1xdep8")
     assert [v.name for v in variants([four, eight], compare_schemes=False)] == [four.name, eight.name]

@@ -18,7 +18,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .pd_params import PointResult, Scheduling, SimConfig
+from .params import PointResult, Scheduling, SimConfig
 
 Event = Callable[[float], None]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .pd_engine import simulate_point
-from .pd_params import PointResult, Scheduling, SimConfig
-from .pd_recipe import Recipe
+from .engine import simulate_point
+from .params import PointResult, Scheduling, SimConfig
+from .recipe import Recipe
 
 # The two descriptor schemes the seed's ~7% claim is about: vLLM 0.33's NIXL connector
 # and hybridkv's block-major layout.

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .pd_sweep import SweepResult
+from .sweep import SweepResult
 
 
 def _ms(seconds: float) -> str:

@@ -31,9 +31,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .pd_recipe import load_recipe
-    from .pd_report import as_json, plot_pareto, print_report
-    from .pd_sweep import run_variant, variants
+    from .recipe import load_recipe
+    from .report import as_json, plot_pareto, print_report
+    from .sweep import run_variant, variants
 
     recipes = [load_recipe(p) for p in args.recipe]
     if args.concurrency:

@@ -14,11 +14,11 @@ from typing import Any
 
 import yaml
 
-from .pd_params import (DecodeSpec, LinkSpec, PrefillSpec, RequestSpec, Scheduling, SimConfig,
+from .params import (DecodeSpec, LinkSpec, PrefillSpec, RequestSpec, Scheduling, SimConfig,
                         StepCost)
 
 SOURCE_KINDS = ("cited", "measured", "derived", "assumed")
-RECIPE_DIR = Path(__file__).parent / "recipes"
+RECIPE_DIR = Path(__file__).parent.parent / "recipes"
 _COST_KEYS = ("cpu_base_s", "cpu_per_request_s", "device_base_s", "device_per_request_s",
               "device_per_token_s", "device_per_context_token_s")
 
@@ -139,7 +139,7 @@ class Recipe:
 
     def sim_config(self, *, scheme: str | None = None, scheduling: Scheduling | None = None) -> SimConfig:
         """Resolve the model and the analyzer's descriptor count into plain numbers."""
-        from .pd_model import decode_memory, model_geometry, request_transfer
+        from .model import decode_memory, model_geometry, request_transfer
 
         geometry = model_geometry(self.preset, self.ssm_dtype)
         transfer = request_transfer(scheme or self.scheme, geometry, tokens=self.isl,

@@ -1,7 +1,7 @@
 """What the disaggregated-serving simulator is given: plain numbers, no model knowledge.
 
-A recipe (sims/pd_recipe.py) turns a model, a descriptor scheme and hardware figures
-into these; the engine (sims/pd_engine.py) only ever sees seconds, bytes and counts.
+A recipe (sims/pd/recipe.py) turns a model, a descriptor scheme and hardware figures
+into these; the engine (sims/pd/engine.py) only ever sees seconds, bytes and counts.
 """
 
 from __future__ import annotations
