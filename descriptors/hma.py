@@ -22,8 +22,6 @@ from hybridkv.layout.geometry import AttentionSpec, GDNSpec, LayerKind, ModelGeo
 from hybridkv.layout.regions import KERNEL_ALIGNMENT, check_block_size
 
 
-
-
 @dataclass(frozen=True, kw_only=True)
 class KVCacheGroup:
     group_id: GroupId
@@ -58,12 +56,8 @@ class HMAPlan:
         """Shared physical tensors: tensor i is layer i of every group."""
         return self.group_size
 
-    def groups_of(self, kind: LayerKind) -> tuple[KVCacheGroup, ...]:
-        return tuple(g for g in self.groups if g.kind is kind)
-
     def blocks_per_group(self, tokens: int) -> dict[GroupId, int]:
         return {g.group_id: g.blocks_for_tokens(tokens) for g in self.groups}
-
 
 
 def aligned_block_size(geometry: ModelGeometry, block_size: int | None = None,

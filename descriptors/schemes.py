@@ -18,14 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridkv.layout import check_block_size, plan_layout
 from hybridkv.layout.alloc import VirtualAllocator
 from hybridkv.layout.geometry import GDNSpec, LayerKind, ModelGeometry
-from descriptors.hma import HMAPlan, aligned_block_size, check_block_size, plan_hma
-from hybridkv.layout import plan_layout
-
 from hybridkv.transport.memory import from_layout
+from hybridkv.transport.plan import TransferPlan
 
-from .compiler import TransferPlan
+from .hma import HMAPlan, aligned_block_size, plan_hma
 from .planning import DescriptorPlanner, source_ranks
 
 

@@ -76,9 +76,6 @@ class PagedCache:
         if blocks:
             self.kv[torch.tensor(blocks)] = 0.0
 
-    def zero_slot(self, slot: int) -> None:
-        self.state[slot] = 0.0
-
 
 @dataclass(frozen=True, kw_only=True)
 class KVView:

@@ -23,10 +23,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from hybridkv.fencing.fence import FencePolicy, NotYet, PoolLayout
-from hybridkv.layout.geometry import LayerKind
-from hybridkv.fencing.request_state import attention_component, gdn_components
-from hybridkv.fencing.scheduler import TransferScheduler
+from hybridkv.fencing import FencePolicy, NotYet, TransferScheduler, scheduler_inputs
 
 from .cache import CacheConfig, PagedCache
 from .model import TinyHybridModel
@@ -114,11 +111,9 @@ class Engine:
         layout = self.cache.layout
         self.attn_gid = self.cache.attn_group.group_id
         self.gdn_gid = self.cache.gdn_group.group_id
-        sizes = tuple(layout.regions[g.placements[0].region_id].num_pages for g in layout.groups)
-        self.sched = TransferScheduler(PoolLayout.separate(num_blocks=sizes), policy=cfg.policy, lease_s=cfg.lease_s)
-        self.components = tuple(
-            c for g in layout.groups
-            for c in (gdn_components(g.group_id) if g.kind is LayerKind.GDN else (attention_component(g.group_id),)))
+        inputs = scheduler_inputs(layout)
+        self.sched = TransferScheduler(inputs.pools, policy=cfg.policy, lease_s=cfg.lease_s)
+        self.components = inputs.components
         self.fetcher, self.exporter = fetcher, exporter
         self.on_first_token, self.on_finished = on_first_token, on_finished
         self.requests: dict[str, Request] = {}

@@ -36,8 +36,8 @@ import numpy as np
 from connectors.sglang.messages import ComponentKeys, PeerLayout, ShapeOf
 from connectors.sglang.shapes import BufferShape, Parallel, Slicing
 from hybridkv.layout.alloc import MemKind
-from hybridkv.fencing.fence import PoolLayout, RequestId
-from hybridkv.ids import GroupId
+from hybridkv.fencing.fence import PoolLayout
+from hybridkv.ids import GroupId, RequestId
 from hybridkv.layout import Buffer, Layout, RegionId, adopt_buffers
 from hybridkv.layout.fields import FieldKind
 from hybridkv.transport.memory import MemoryMap, from_layout, rebuild_layout
@@ -80,12 +80,6 @@ class AdoptedLayout:
 
     def components_of(self, group: int) -> tuple[Component, ...]:
         return tuple(c for c, _ in self.components if c.group == group)
-
-    def buffer_keys(self, component: Component) -> frozenset[int]:
-        for c, keys in self.components:
-            if c == component:
-                return keys
-        raise ValueError(f"component {component} is not in this layout")
 
     def buffer(self, key: int) -> Buffer:
         for b in self.buffers:

@@ -71,9 +71,9 @@ from connectors.sglang.prefill_side import PrefillExports, TransferStats
 from descriptors.compiler import TransferPlanner
 from hybridkv.layout.alloc import MemKind
 from hybridkv.transport.dataplane import DataPlane
-from hybridkv.fencing.fence import RequestId, TransferId
 from hybridkv.fencing.request_state import Component
 from hybridkv.fencing.scheduler import TransferScheduler
+from hybridkv.ids import RequestId, TransferId
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,

@@ -20,8 +20,9 @@ import numpy as np
 
 from connectors.sglang import messages as msgs
 from connectors.sglang.adopt import request_id
-from hybridkv.fencing.fence import NotYet, TransferId
+from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
+from hybridkv.ids import TransferId
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 logger = logging.getLogger(__name__)

@@ -27,10 +27,11 @@ import numpy as np
 
 from connectors.sglang import messages as msgs
 from connectors.sglang.adopt import KV_GROUP, request_id, room_of, state_blocks
-from descriptors.compiler import TransferPlan
-from hybridkv.fencing.fence import NotYet, TransferId
+from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
+from hybridkv.ids import TransferId
 from hybridkv.transport.dataplane import Op, Transfer, XferState
+from hybridkv.transport.plan import TransferPlan
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode
 

@@ -26,10 +26,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.fencing.fence import NotYet, PoolLayout, RequestId, TransferId
+from hybridkv.fencing.fence import NotYet, PoolLayout
 from hybridkv.fencing.lease import Clock
 from hybridkv.fencing.request_state import Component, RequestPhase, TransferOutcome, attention_component, gdn_components
 from hybridkv.fencing.scheduler import TransferScheduler
+from hybridkv.ids import RequestId, TransferId
 
 from connectors.vllm.config import HybridKVVllmConfig
 from connectors.vllm.metadata import BlockIds, HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder

@@ -142,7 +142,7 @@ class WorkerHalf:
     def _planner():
         from hybridkv.transport.endpoint import Pairing
 
-        from connectors.vllm.field_plan import DescriptorPlanner
+        from descriptors.planning import DescriptorPlanner
 
         # Pairing by fields lets a decode instance of another TP size or block size read (the
         # handshake carries each side's field tables); the planner still pairs whole pages
@@ -198,7 +198,7 @@ class WorkerHalf:
     async def _load(self, order: RecvOrder) -> None:
         from hybridkv.transport.endpoint import Outcome
 
-        from connectors.vllm.field_plan import source_ranks
+        from descriptors.planning import source_ranks
 
         rid, remote = order.request_id, order.remote
         prid = remote.request_id

@@ -8,6 +8,8 @@ written, reused or computed on (the fencing rules of ``docs/design.md``). Undern
 - :mod:`~hybridkv.fencing.lease`: renewable leases on exported blocks;
 - :mod:`~hybridkv.fencing.request_state`: request and transfer records, and :class:`Component`,
   one separately-arriving piece of a request's cache.
+- :mod:`~hybridkv.fencing.pools`: :func:`~hybridkv.fencing.pools.scheduler_inputs`, a layout ->
+  the scheduler's pools and components (exported by ``hybridkv``, not here: it imports this package).
 
 The scheduler is composed of its records (:mod:`~hybridkv.fencing.records`) and two sets of
 rules over them, each in its own module: requests and steps (:mod:`~hybridkv.fencing.steps`),
@@ -28,8 +30,11 @@ from hybridkv.fencing.request_state import (
 )
 from hybridkv.fencing.scheduler import StepTicket, TransferScheduler
 
+# Last: pools builds on the names above (it imports them from this package).
+from hybridkv.fencing.pools import SchedulerInputs, scheduler_inputs  # noqa: E402
+
 __all__ = [
     "NEVER", "Clock", "Component", "ComponentKind", "FencePolicy", "FenceTable", "LeaseGrant", "LeaseTable",
-    "NotYet", "NotYetReason", "PoolLayout", "RequestPhase", "StepTicket", "TransferDirection",
-    "TransferOutcome", "TransferScheduler", "attention_component", "gdn_components",
+    "NotYet", "NotYetReason", "PoolLayout", "SchedulerInputs", "RequestPhase", "StepTicket", "TransferDirection",
+    "TransferOutcome", "TransferScheduler", "attention_component", "gdn_components", "scheduler_inputs",
 ]

@@ -35,8 +35,6 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hybridkv.ids import BlockId, GroupId, RequestId, TransferId
-
 #: Fence of a block nobody has touched yet: settled under any watermark.
 NEVER = -1
 

@@ -19,7 +19,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hybridkv.fencing.fence import RequestId
+from hybridkv.ids import RequestId
 
 Clock = Callable[[], float]
 

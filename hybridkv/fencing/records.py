@@ -17,9 +17,10 @@ from __future__ import annotations
 import time
 
 from hybridkv.fencing.block_pool import BlockPool
-from hybridkv.fencing.fence import FencePolicy, FenceTable, PoolLayout, RequestId, TransferId
+from hybridkv.fencing.fence import FencePolicy, FenceTable, PoolLayout
 from hybridkv.fencing.lease import Clock, LeaseTable
 from hybridkv.fencing.request_state import RequestRecord, TransferDirection, TransferRecord
+from hybridkv.ids import RequestId, TransferId
 
 _INBOUND = TransferDirection.INBOUND
 

@@ -17,7 +17,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from hybridkv.fencing.fence import NEVER, GroupId, RequestId, TransferId
+from hybridkv.fencing.fence import NEVER
+from hybridkv.ids import GroupId, RequestId, TransferId
 
 
 class ComponentKind(enum.Enum):

@@ -71,12 +71,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from hybridkv.fencing.fence import BlockId, FencePolicy, NotYet, PoolLayout, RequestId, TransferId
+from hybridkv.fencing.fence import FencePolicy, NotYet, PoolLayout
 from hybridkv.fencing.lease import Clock, LeaseGrant
 from hybridkv.fencing.records import SchedulerRecords
 from hybridkv.fencing.request_state import Component, RequestPhase, TransferOutcome
 from hybridkv.fencing.steps import BlockRef, RequestSteps, StepTicket
 from hybridkv.fencing.transfers import TransferRules
+from hybridkv.ids import BlockId, RequestId, TransferId
 
 # Enum members as module constants: is_ready runs per request per step.
 _LOCAL = RequestPhase.LOCAL

@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from hybridkv.fencing.fence import BlockId, NotYet, NotYetReason, RequestId
+from hybridkv.fencing.fence import NotYet, NotYetReason
 from hybridkv.fencing.lease import LeaseGrant
 from hybridkv.fencing.records import SchedulerRecords
 from hybridkv.fencing.request_state import Component, RequestPhase, RequestRecord
+from hybridkv.ids import BlockId, RequestId
 
 BlockRef = tuple[int, int]  # (group, block id)
 

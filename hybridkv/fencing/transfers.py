@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from hybridkv.fencing.fence import NotYet, NotYetReason, RequestId, TransferId
+from hybridkv.fencing.fence import NotYet, NotYetReason
 from hybridkv.fencing.lease import LeaseGrant
 from hybridkv.fencing.records import SchedulerRecords
 from hybridkv.fencing.request_state import (
@@ -23,6 +23,7 @@ from hybridkv.fencing.request_state import (
     TransferOutcome,
     TransferRecord,
 )
+from hybridkv.ids import RequestId, TransferId
 
 # Enum members as module constants: an attribute of an Enum class costs several
 # times a global lookup, and the rules test them on every call.

@@ -108,7 +108,7 @@ def _side(args, seed: int, device: int):
     """Layout for one request, plus a raw span of the request's size, registered with it."""
     from hybridkv import wire
     from hybridkv.layout.alloc import NumpyAllocator, TorchAllocator
-    from hybridkv.fencing.fence import PoolLayout
+    from hybridkv.fencing import scheduler_inputs
     from hybridkv.layout.geometry import LayerKind
     from hybridkv.layout import plan_layout
     from hybridkv.transport.memory import MemoryMap, from_layout
@@ -132,8 +132,7 @@ def _side(args, seed: int, device: int):
     regions = (*mm.regions, wire.RegionInfo(region_id=len(mm.regions), base_addr=raw.addr, stride=total,
                                             page_bytes=total, num_pages=1, mem=mm.mem, device_id=raw.device_id))
     memory = MemoryMap(regions=regions, groups=mm.groups, compat=mm.compat)
-    pools = PoolLayout.separate(num_blocks=tuple(layout.regions[g.placements[0].region_id].num_pages
-                                                 for g in layout.groups))
+    pools = scheduler_inputs(layout).pools
     return layout, memory, pools, raw
 
 
@@ -338,7 +337,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     import numpy as np
 
     from hybridkv.layout.geometry import LayerKind
-    from hybridkv.fencing.request_state import attention_component, gdn_components
+    from hybridkv.fencing import scheduler_inputs
     from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.config import Outcome
     from hybridkv.transport.endpoint import Consumer, TransportConfig
@@ -348,9 +347,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     sched = TransferScheduler(pools, lease_s=60.0)
     cons = Consumer(memory, sched, TransportConfig(notify_reads=args.read_notif == "on"), planner=args.planner)
     await cons.connect(*addr)
-    comps = []
-    for g in layout.groups:
-        comps.extend(gdn_components(g.group_id) if g.kind is LayerKind.GDN else [attention_component(g.group_id)])
+    comps = scheduler_inputs(layout).components
     peer = cons.peer
     agent = cons.dp.agent
     mem = memory.mem.name

@@ -333,11 +333,8 @@ class Consumer(_Side):
             await _send_quietly(w.part.peer.channel, wire.Done(request_id=w.part.rid, ok=ok))
 
     def _post(self, w: _Work, notif: bytes) -> Transfer:
-        """Post one producer's READ: index pairs where the plan has them, else rows."""
-        p, agent = w.plan, w.part.peer.agent
-        if p.src_index is not None:
-            return self.dp.post(Op.READ, agent, p.dst_index, p.src_index, notif)
-        return self.dp.post_rows(Op.READ, agent, p.dst, p.src, notif)
+        """Post one producer's READ (the demo's fault injection overrides this)."""
+        return self.dp.post_plan(Op.READ, w.part.peer.agent, w.plan, notif)
 
     async def _pull_parts(self, rid: str, tid: int, work: list[_Work]) -> Result:
         t0 = time.perf_counter()

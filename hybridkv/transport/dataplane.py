@@ -6,7 +6,7 @@ Two ways to post, one agent:
   index arrays. The local side's strided list (one Nx5 row per region) is prepped
   once, and each peer's list once at handshake. ``make_prepped_xfer`` merges
   consecutive indices that are back to back on both sides (docs/background/nixl.md §1.1),
-  which the planner arranges (pairs ordered by local index); telemetry reports
+  which the planner arranges (pairs ordered by the consumer's index); telemetry reports
   how many descriptors NIXL actually posted. A prepped list has one memory kind,
   so this path needs both sides' regions in one kind.
 - :meth:`DataPlane.post_rows`, arbitrary (addr, len, dev) rows (field-level plans,
@@ -38,6 +38,7 @@ from hybridkv import wire
 from hybridkv.errors import TransferError
 from hybridkv.transport.memory import MemoryMap
 from hybridkv.transport.nixl_shim import load_nixl
+from hybridkv.transport.plan import TransferPlan
 
 
 class SyncMode(enum.Enum):
@@ -219,9 +220,6 @@ class DataPlane:
         finally:
             self.agent.remove_remote_agent(peer)
 
-    def peer_memory(self, peer: str) -> MemoryMap:
-        return self._peer(peer).memory
-
     def _peer(self, peer: str) -> _Peer:
         entry = self._peers.get(peer)
         if entry is None:
@@ -229,6 +227,18 @@ class DataPlane:
         return entry
 
     # ---------------------------------------------------------------- transfers
+    def post_plan(self, op: Op, peer: str, plan: TransferPlan, notif: bytes = b"") -> Transfer:
+        """Post a planned transfer: its prepped-list index pairs where it has them, else its rows.
+
+        A plan's ``src`` is the producer's side, so this agent's side is ``dst`` when it READs
+        (the consumer pulls) and ``src`` when it WRITEs (the producer pushes)."""
+        reading = op is Op.READ
+        if plan.indexed:
+            local, remote = (plan.dst_index, plan.src_index) if reading else (plan.src_index, plan.dst_index)
+            return self.post(op, peer, local, remote, notif)
+        local, remote = (plan.dst, plan.src) if reading else (plan.src, plan.dst)
+        return self.post_rows(op, peer, local, remote, notif)
+
     def post(self, op: Op, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes = b"") -> Transfer:
         """Make and post a transfer of local_idx[i] <-> remote_idx[i]; raises TransferError on refusal."""
         entry = self._peer(peer)
@@ -338,9 +348,6 @@ class DataPlane:
     def _release_all(self, handles: list) -> None:
         for h in handles:
             self._release(h)
-
-    def backend_of(self, xfer: Transfer) -> str:
-        return self.agent.query_xfer_backend(xfer.handles[0])
 
     # ---------------------------------------------------------------- notifications / progress
     def pump(self) -> dict[str, list[bytes]]:

@@ -2,7 +2,7 @@
 
 UCX reads its ``UCX_*`` variables when a context is created: ucxx's on the first
 listen or dial of the control plane, NIXL's when an agent's UCX backend is
-created (:class:`~hybridkv.transport.dataplane.DataPlane`, the SGLang agent). So
+created (:class:`~hybridkv.transport.dataplane.DataPlane`, which the SGLang backend uses too). So
 the defaults must be in the environment before whichever of those comes first,
 and not earlier: importing hybridkv (or an engine that imports the connector)
 leaves ``os.environ`` alone. Every start path calls :func:`apply_ucx_defaults`;

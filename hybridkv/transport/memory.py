@@ -47,10 +47,6 @@ class MemoryMap:
         n = np.array([r.num_pages for r in self.regions], dtype=np.int64)
         return np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64)
 
-    @property
-    def total_pages(self) -> int:
-        return int(sum(r.num_pages for r in self.regions))
-
     def group(self, group_id: int) -> wire.GroupInfo:
         for g in self.groups:
             if g.group_id == group_id:
@@ -65,10 +61,6 @@ class MemoryMap:
         """One Nx5 row per region (addr, len, dev, stride, count): NIXL's compact prepped list."""
         return np.array([[r.base_addr, r.page_bytes, r.device_id, r.stride, r.num_pages] for r in self.regions],
                         dtype=np.uint64)
-
-    def reg_rows(self) -> np.ndarray:
-        return np.array([[r.base_addr, r.stride * (r.num_pages - 1) + r.page_bytes, r.device_id]
-                         for r in self.regions], dtype=np.uint64)
 
     @property
     def mem(self) -> wire.Mem:

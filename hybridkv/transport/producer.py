@@ -238,10 +238,7 @@ class Producer(_Side):
             plan = prepared.plan(0, rec.blocks, dst)
             plan.check()
             notif = NOTIF_PREFIX + rec.rid.encode()
-            if plan.src_index is not None:
-                rec.xfer = self.dp.post(Op.WRITE, peer.agent, plan.src_index, plan.dst_index, notif)
-            else:
-                rec.xfer = self.dp.post_rows(Op.WRITE, peer.agent, plan.src, plan.dst, notif)
+            rec.xfer = self.dp.post_plan(Op.WRITE, peer.agent, plan, notif)
         except Exception as exc:  # bad block lists, NIXL refusal
             self.stats.rejected += 1
             self._finish(rec, ok=False, outcome=Outcome.FAILED, error=str(exc),
