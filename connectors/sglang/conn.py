@@ -104,6 +104,11 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
     kv_status_msg_tag = b"KV_STATUS"
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
+    # SGLang's deferred decode KV release (decode.py, DecodeTransferQueue): a request
+    # that fails on any decode TP rank (polls are MIN-reduced) is held on every rank
+    # until each rank's is_abort_release_safe() says no write can land (decode_side.py),
+    # instead of its pages going back to the allocator at once.
+    supports_deferred_decode_kv_release = True
 
     def __init__(
         self,
@@ -132,6 +137,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         self._exports: dict[int, set[TransferId]] = defaultdict(set)  # prefill: outbound reads in flight
         self._imports: dict[int, _Import] = {}  # decode
         self._drain_waiters: dict[int, set[tuple[str, int]]] = {}
+        self._held_since: dict[int, float] = {}  # decode: rooms SGLang holds for a deferred release
         self._stuck: dict[TransferId, object] = {}  # prefill: reads whose WRITEs NIXL would not abort
         self.transfer_timeout_s = self.config.transfer_timeout_s  # an attribute: tests shorten it
         #: blocks the engine handed back that the scheduler does not yet let it reuse: (group, block)
@@ -147,6 +153,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
                 self._spawn(self._worker_loop, f"hybridkv-worker-{i}", q)
             self._spawn(self._prefill_control_loop, "hybridkv-control")
         else:
+            self._check_deferred_release()
             self._spawn(self._decode_listener_loop, "hybridkv-listener")
             self._heartbeat_thread = self._start_heartbeat_checker_thread()
 

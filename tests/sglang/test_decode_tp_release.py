@@ -68,7 +68,6 @@ def _reached(aux, st):
     return back + ([("aux", aux)] if aux in st["free_aux"] else [])
 
 
-@pytest.mark.xfail(strict=True, reason="hybridkv does not opt into SGLang's deferred decode KV release")
 def test_decode_tp2_held_write_on_one_rank_keeps_pages_out_of_the_free_list_fake_nixl_handle(ranks):
     p0, p1, d0, d1 = ranks
     decode = (d0, d1)
