@@ -26,7 +26,12 @@ leaves to a backend, and runs everything else on hybridkv's core:
     writer is declared dead, or the drain deadline passed (#24527). The
     receiver reports Failed, which lets SGLang free the pages, only then; a
     page SGLang hands out while still fenced fails that new request before its
-    destinations are published;
+    destinations are published. At decode TP > 1 SGLang MIN-reduces the ranks'
+    polls, so one rank's Failed fails the request on every rank while another
+    rank's write may still land: the manager opts into SGLang's deferred decode
+    KV release, which holds the request's pages on every rank until each rank's
+    `is_abort_release_safe` (the scheduler: no import of the room in flight)
+    says so (decode_side.py);
   - prefill: each chunk is an export (`post_export`, lease renewed per chunk)
     whose reads are terminal only once every handle settled; a sender reports
     its terminal state only after the scheduler dropped the request, i.e. when
