@@ -26,7 +26,12 @@ leaves to a backend, and runs everything else on hybridkv's core:
     writer is declared dead, or the drain deadline passed (#24527). The
     receiver reports Failed, which lets SGLang free the pages, only then; a
     page SGLang hands out while still fenced fails that new request before its
-    destinations are published;
+    destinations are published. At decode TP > 1 SGLang MIN-reduces the ranks'
+    polls, so one rank's Failed fails the request on every rank while another
+    rank's write may still land: the manager opts into SGLang's deferred decode
+    KV release, which holds the request's pages on every rank until each rank's
+    `is_abort_release_safe` (the scheduler: no import of the room in flight)
+    says so (decode_side.py);
   - prefill: each chunk is an export (`post_export`, lease renewed per chunk)
     whose reads are terminal only once every handle settled; a sender reports
     its terminal state only after the scheduler dropped the request, i.e. when
@@ -104,6 +109,11 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
     kv_status_msg_tag = b"KV_STATUS"
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
+    # SGLang's deferred decode KV release (decode.py, DecodeTransferQueue): a request
+    # that fails on any decode TP rank (polls are MIN-reduced) is held on every rank
+    # until each rank's is_abort_release_safe() says no write can land (decode_side.py),
+    # instead of its pages going back to the allocator at once.
+    supports_deferred_decode_kv_release = True
 
     def __init__(
         self,
@@ -132,6 +142,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         self._exports: dict[int, set[TransferId]] = defaultdict(set)  # prefill: outbound reads in flight
         self._imports: dict[int, _Import] = {}  # decode
         self._drain_waiters: dict[int, set[tuple[str, int]]] = {}
+        self._held_since: dict[int, float] = {}  # decode: rooms SGLang holds for a deferred release
         self._stuck: dict[TransferId, object] = {}  # prefill: reads whose WRITEs NIXL would not abort
         self.transfer_timeout_s = self.config.transfer_timeout_s  # an attribute: tests shorten it
         #: blocks the engine handed back that the scheduler does not yet let it reuse: (group, block)
@@ -147,6 +158,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
                 self._spawn(self._worker_loop, f"hybridkv-worker-{i}", q)
             self._spawn(self._prefill_control_loop, "hybridkv-control")
         else:
+            self._check_deferred_release()
             self._spawn(self._decode_listener_loop, "hybridkv-listener")
             self._heartbeat_thread = self._start_heartbeat_checker_thread()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -24,6 +25,7 @@ from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
 from hybridkv.ids import TransferId
 from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.environ import envs
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,62 @@ class DecodeImports:
             if imp.cleared:
                 self._imports.pop(room, None)
             self._collect_reusable()
+
+    # ------------------------------------------------------------ SGLang's deferred decode KV release
+    # decode.py: when the MIN-reduced poll of a request is Failed, every decode rank
+    # arms the ABORT (ensure_abort_notified) and holds the request (its pages, Mamba
+    # slot and metadata row) instead of freeing them; every scheduler iteration,
+    # resolve_deferred_releases asks kv_mgr.is_abort_release_safe on each rank and
+    # MIN-reduces the answers, so the ranks release together, then calls
+    # kv_mgr.clear_deferred_abort_state and receiver.clear(). SGLang releases anyway
+    # once SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT passed.
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """True once no import into the room's blocks is in flight in hybridkv's scheduler:
+        every writer is quiet (KV_STATUS, DRAINED, a STUCK write ended), dead, or the
+        drain deadline passed. SGLang's count of ABORT_ACKs (`required_acks`) is not
+        needed: DRAINED says the same, and a STUCK writer's Failed status does not."""
+        room = bootstrap_room
+        with self.sched_lock:
+            imp = self._imports.get(room)
+            if imp is None or not imp.tids:
+                return True
+            since = self._held_since.setdefault(room, time.monotonic())
+        if time.monotonic() - since < self.drain_timeout_s:
+            return False
+        logger.error("hybridkv: room %s released after %.0fs without a drain answer", room, time.monotonic() - since)
+        self.settle_imports(room, "drain deadline passed")
+        return True
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        super().clear_deferred_abort_state(bootstrap_room)
+        with self.sched_lock:
+            self._held_since.pop(bootstrap_room, None)
+        if self.imports_in_flight(bootstrap_room):
+            # SGLang's release timeout passed first: the pages go back to its allocator.
+            # The scheduler keeps them fenced (a new transfer into them is refused), but
+            # the engine may hand them to a running request while a write may land.
+            logger.error(
+                "hybridkv: SGLang released room %s after its deferred-release timeout with %d import(s) in "
+                "flight; set SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT >= the drain timeout "
+                "(%.0f s)", bootstrap_room, self.imports_in_flight(bootstrap_room), self.drain_timeout_s)
+
+    def _check_deferred_release(self) -> None:
+        """Say at start-up where SGLang's deferred release cannot keep a decode TP > 1 room's pages."""
+        if self.attn_tp_size <= 1:
+            return  # the receiver itself reports Transferring while a write may land
+        if not self.enable_deferred_decode_kv_release:
+            logger.warning(
+                "hybridkv: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE is off: with decode TP %d a request "
+                "that fails on one rank frees its pages on every rank while a write into another rank's pages "
+                "may still land (hybridkv only refuses to publish them again)", self.attn_tp_size)
+            return
+        timeout = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
+        if timeout < self.drain_timeout_s:
+            logger.warning(
+                "hybridkv: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (%.0f s) is shorter than the "
+                "drain timeout (%.0f s): SGLang may free a held room's pages while a write may still land",
+                timeout, self.drain_timeout_s)
 
     def _on_landed(self, landed: msgs.Landed) -> None:
         with self.sched_lock:

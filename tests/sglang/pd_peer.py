@@ -12,9 +12,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
+import types
 
 import numpy as np
 
@@ -198,6 +200,8 @@ class _State:
         self.mgr = self.server = self.pools = None
         self.peers: dict[int, object] = {}  # room -> sender or receiver
         self.gates: dict[int, threading.Event] = {}
+        self.queue = None  # decode: SGLang's DecodeTransferQueue (join_tp_group)
+        self.free: set[tuple[str, int]] = set()  # decode: what that queue handed back to the allocator
 
     def setup(self, role: str, tp: int, rank: int, bootstrap_port: int, seed, host_server: bool,
               kv_heads: int = KV_HEADS):
@@ -210,6 +214,12 @@ class _State:
         return self.mgr.dp.name
 
     def teardown(self, _=None):
+        if self.queue is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.queue = None
+            self.free.clear()
         if self.mgr is not None:
             self.mgr.close()
         if self.server is not None:
@@ -297,6 +307,66 @@ class _State:
         self.mgr.dp = fake.real
         return fake.aborts
 
+    def hold_writes(self, _=None):
+        """From now on every WRITE is held back (not posted, reads as running, NIXL refuses
+        to abort it) until `release_held`: a handle that hangs cannot be caused on one machine."""
+        self.mgr.dp = _HeldPlane(self.mgr.dp)
+
+    def held(self, _=None):
+        return len(self.mgr.dp.held)
+
+    def release_held(self, _=None):
+        """The held WRITEs are posted for real (a late write), wait for them to land; the fake stays
+        until the watcher released them (it calls the fake's release), then goes away."""
+        fake = self.mgr.dp
+        fake.post_held()
+        deadline = time.monotonic() + 20
+        while any(x.real is not None for x in fake.held) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.mgr.dp = fake.real
+        return len(fake.held)
+
+    # decode: SGLang's own DecodeTransferQueue (decode.py) over this rank's receivers,
+    # its TP group a real gloo group across the decode rank processes
+    def join_tp_group(self, port: int, rank: int, world: int):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        self.queue = _decode_transfer_queue(self)
+        self.free.clear()
+
+    def enqueue(self, room: int, addr: str, pages, slot: int):
+        """As DecodePreallocQueue does: a metadata row (the aux row), send_metadata, then
+        the request joins the transfer queue. Returns the aux row."""
+        from sglang.srt.disaggregation.decode import DecodeRequest
+
+        q = self.queue
+        idx = q.req_to_metadata_buffer_idx_allocator.alloc()
+        r = self.peers[room] = receiver(self.mgr, addr, room)
+        r.send_metadata(np.asarray(pages, dtype=np.int32), idx, [[slot]])
+        req = types.SimpleNamespace(rid=f"req-{room}", bootstrap_room=room, return_logprob=False,
+                                    finished_reason=None, pages=[int(p) for p in pages], slot=int(slot))
+        q.add(DecodeRequest(req=req, kv_receiver=r, metadata_buffer_index=idx))
+        return idx
+
+    def step(self, _=None):
+        """One scheduler iteration of the transfer queue: pop_transferred (poll, MIN all-reduce
+        over the TP group, failure handling and release or hold) and resolve_deferred_releases.
+        Every decode rank must run it at once (collectives)."""
+        q = self.queue
+        q.pop_transferred()
+        q.resolve_deferred_releases()
+        return dict(free=sorted(self.free), free_aux=sorted(q.req_to_metadata_buffer_idx_allocator.free_slots),
+                    queued=len(q.queue), held=q.num_pending_deferred_releases())
+
+    def fill(self, pages, slot: int, value: int):
+        """A running request the allocator handed these blocks to writes them."""
+        for t in self.pools.k + self.pools.v:
+            for p in pages:
+                t[p * PAGE_SIZE:(p + 1) * PAGE_SIZE].fill_(value)
+        self.pools.conv[:, slot].fill_(value)
+        self.pools.ssm[:, slot].fill_(value)
+
     def stats(self, room=None):
         mgr = self.mgr
         st = mgr.stats
@@ -335,6 +405,95 @@ class _StuckPlane:
             time.sleep(0.001)
         self.real.release(xfer)
         return True
+
+
+class _HeldXfer:
+    handles = ()
+
+    def __init__(self, args) -> None:
+        self.args, self.real = args, None
+
+
+class _HeldPlane:
+    """DataPlane whose WRITEs are held: `post_rows` records them and returns a stand-in that
+    reads as IN_PROGRESS and that NIXL refuses to abort; `post_held` posts them for real
+    (the fake of `hold_writes`)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.held, self.aborts = real, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def post_rows(self, *args, **kwargs):
+        x = _HeldXfer((args, kwargs))
+        self.held.append(x)
+        return x
+
+    def post_held(self) -> None:
+        from hybridkv.transport.dataplane import XferState
+
+        for x in self.held:
+            args, kwargs = x.args
+            real = self.real.post_rows(*args, **kwargs)
+            while self.real.state(real) is XferState.IN_PROGRESS:
+                time.sleep(0.001)
+            x.real = real
+
+    def state(self, xfer):
+        from hybridkv.transport.dataplane import XferState
+
+        if isinstance(xfer, _HeldXfer):
+            return XferState.IN_PROGRESS if xfer.real is None else self.real.state(xfer.real)
+        return self.real.state(xfer)
+
+    def abort(self, xfer) -> bool:
+        self.aborts.append(False)
+        return False
+
+    def release(self, xfer) -> None:
+        if isinstance(xfer, _HeldXfer):
+            real, xfer.real = xfer.real, None
+            if real is not None:
+                self.real.release(real)
+            return
+        self.real.release(xfer)
+
+
+def _decode_transfer_queue(state: _State):
+    """SGLang's DecodeTransferQueue built by its own __init__, with stand-ins for what it
+    reads of the scheduler on the transfer path. Its releases land in `state.free`:
+    release_kv_cache (what frees a request's pages and Mamba slot to the allocator)
+    is replaced by one that records them; metadata rows (the aux row) go back to
+    SGLang's own ReqToMetadataIdxAllocator."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        import einops  # noqa: F401
+    except ImportError:
+        # Placeholder, named so: decode.py imports einops through the expert-distribution
+        # metrics module, which the transfer path never calls; the test venv lacks it.
+        sys.modules["einops"] = types.ModuleType("einops")
+    from sglang.srt.disaggregation import decode as sg_decode
+    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().attn_tp_group.cpu_group = dist.group.WORLD
+
+    def release_kv_cache(req, tree_cache, checkpoint=False):
+        state.free.update(("page", p) for p in req.pages)
+        state.free.add(("slot", req.slot))
+
+    sg_decode.release_kv_cache = release_kv_cache
+    ns = types.SimpleNamespace
+    scheduler = ns(enable_decode_hicache=False, enable_hisparse=False, kv_checksum_computer=None,
+                   spec_algorithm=None, disagg_decode_prealloc_queue=None,
+                   metrics_reporter=ns(enable_metrics=False),
+                   output_streamer=ns(stream_output=lambda reqs, return_logprob: None))
+    metadata = ns(bootstrap_room=torch.zeros((AUX_ROWS, 1), dtype=torch.int64), clear_slot=lambda idx: None)
+    tree_cache = ns(unlock=lambda lock: None)
+    return sg_decode.DecodeTransferQueue(ReqToMetadataIdxAllocator(AUX_ROWS), metadata, scheduler, tree_cache)
 
 
 def prefill_rank(seed: int = 7) -> tuple[Rank, int]:
