@@ -145,6 +145,10 @@ class TransferScheduler:
         h = self.table.holder[self.table.key(group, block)]
         return None if h is None else h.id  # type: ignore[attr-defined]
 
+    def holders(self, group: int, block: int) -> tuple[RequestId, ...]:
+        """Rule 7: every live request holding a block (several for a shared prefix)."""
+        return tuple(h.id for h in self.table.holders(self.table.key(group, block)))  # type: ignore[attr-defined]
+
     def is_ready(self, request: RequestId) -> bool:
         """Rule 4: may the request join a step now?"""
         rec = self._requests.get(request)
@@ -181,8 +185,15 @@ class TransferScheduler:
         return self._steps.allocate(request, group, n)
 
     def assign(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
-        """Engine-owned pool: the engine gave ``blocks`` of ``group`` to ``request``."""
+        """Engine-owned pool: the engine gave ``blocks`` of ``group`` to ``request``. A block
+        another live request holds gets one more hold (rule 7)."""
         self._steps.assign(request, group, blocks)
+
+    def share(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
+        """Rule 7: ``request`` holds ``blocks`` of ``group`` too (a cached prefix, or a read
+        hold for an export). Holds are counted: a block is reused only once its last holder
+        released it and it settled. A parked block (freed, not yet reusable) leaves the pool."""
+        self._steps.share(request, group, blocks)
 
     def free_blocks(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
         """Give back some blocks of a live request (sliding-window clipping)."""
