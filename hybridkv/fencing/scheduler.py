@@ -2,7 +2,7 @@
 
 :class:`TransferScheduler` is the one object an engine connector talks to
 about *when* blocks may be read, written, reused or computed on. It enforces
-fencing rules 1-6 of docs/design.md over a :class:`~hybridkv.fencing.fence.FenceTable`:
+fencing rules 1-7 of docs/design.md over a :class:`~hybridkv.fencing.fence.FenceTable`:
 
 1. *export*: an outbound transfer reads a block only once the step that wrote
    it completed (``watermark >= fence``);
@@ -18,7 +18,10 @@ fencing rules 1-6 of docs/design.md over a :class:`~hybridkv.fencing.fence.Fence
    transfer is terminal (SGLang #24527);
 6. *lease*: exported blocks live under a renewable lease; expiry releases
    them; a read that cannot finish inside its lease is never started, and one
-   that lands after it is not trusted.
+   that lands after it is not trusted;
+7. *sharing*: holds are counted (``share``; ``assign`` of a held block); a
+   block is parked only at its last holder's release; an export is a read
+   hold; an import never writes a block another request holds.
 
 Engine-shaped, non-blocking API (every call returns at once; a call that
 cannot proceed returns a :class:`~hybridkv.fencing.fence.NotYet` - test it with
