@@ -155,4 +155,22 @@ class SchedulerRecords:
                     )
 
 
-__all__ = ["SchedulerRecords"]
+
+class RecordsView:
+    """A part of the scheduler that applies rules to one set of records.
+
+    The records' containers are copied onto the part, one attribute lookup away on the
+    per-step paths (they are never replaced, so the copies cannot go stale)."""
+
+    __slots__ = ("_records", "_requests", "_table", "_pool", "_leases", "_imported", "_fenced")
+
+    def __init__(self, records: SchedulerRecords) -> None:
+        self._records = records
+        self._requests = records.requests
+        self._table = records.table
+        self._pool = records.pool
+        self._leases = records.leases
+        self._imported = records.imported
+        self._fenced = records.fenced
+
+__all__ = ["RecordsView", "SchedulerRecords"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hybridkv.fencing.fence import NotYet, NotYetReason
 from hybridkv.fencing.lease import LeaseGrant
-from hybridkv.fencing.records import SchedulerRecords
+from hybridkv.fencing.records import RecordsView, SchedulerRecords
 from hybridkv.fencing.request_state import Component, RequestPhase, RequestRecord
 from hybridkv.ids import BlockId, RequestId
 
@@ -33,6 +33,14 @@ _FAILED = RequestPhase.FAILED
 _EXHAUSTED = NotYet(reason=NotYetReason.POOL_EXHAUSTED)
 
 
+def _extend_held(rec: RequestRecord, group: int, keys: list[int]) -> None:
+    held = rec.blocks.get(group)
+    if held is None:
+        rec.blocks[group] = keys
+    else:
+        held.extend(keys)
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepTicket:
     """What the engine must know about a step it just scheduled."""
@@ -42,35 +50,16 @@ class StepTicket:
     skip_zeroing: tuple[BlockRef, ...] = ()
 
 
-class RequestSteps:
+class RequestSteps(RecordsView):
     """Request lifecycle and step fencing over one set of records."""
 
-    __slots__ = (
-        "_records",
-        "_requests",
-        "_table",
-        "_pool",
-        "_leases",
-        "_imported",
-        "_pool_base",
-        "_group_pools",
-        "_managed",
-        "_fenced",
-        "_expect_sets",
-    )
+    __slots__ = ("_pool_base", "_group_pools", "_managed", "_expect_sets")
 
     def __init__(self, records: SchedulerRecords) -> None:
-        self._records = records
-        # The records' containers, one attribute lookup away (they are never replaced).
-        self._requests = records.requests
-        self._table = records.table
-        self._pool = records.pool
-        self._leases = records.leases
-        self._imported = records.imported
+        super().__init__(records)
         self._pool_base = records.pool_base
         self._group_pools = records.layout.group_pools
         self._managed = records.pool.managed
-        self._fenced = records.fenced
         # Expectation sets add_request validated, by the set and by the tuple the caller
         # passed (a connector passes one tuple for every remote request): one shared set
         # per expectation, and no set built or checked again.
@@ -151,11 +140,7 @@ class RequestSteps:
                 )
         for k in keys:
             t.add_hold(k, rec)
-        held = rec.blocks.get(group)
-        if held is None:
-            rec.blocks[group] = keys
-        else:
-            held.extend(keys)
+        _extend_held(rec, group, keys)
 
     def share(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
         """Rule 7, a read hold: ``request`` holds these blocks too. Each is held by a live
@@ -183,11 +168,7 @@ class RequestSteps:
             if t.holder[k] is None and pool.is_parked(k):
                 pool.unpark(k)
             t.add_hold(k, rec)
-        held = rec.blocks.get(group)
-        if held is None:
-            rec.blocks[group] = keys
-        else:
-            held.extend(keys)
+        _extend_held(rec, group, keys)
 
     def free_blocks(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
         rec = self._records.require(request)

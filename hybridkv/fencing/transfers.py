@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from hybridkv.fencing.fence import NotYet, NotYetReason
 from hybridkv.fencing.lease import LeaseGrant
-from hybridkv.fencing.records import SchedulerRecords
+from hybridkv.fencing.records import RecordsView, SchedulerRecords
 from hybridkv.fencing.request_state import (
     Component,
     RequestPhase,
@@ -49,33 +49,15 @@ def _names(comps: Iterable[Component]) -> list[str]:
     return sorted(c.kind.value + str(c.group) for c in comps)
 
 
-class TransferRules:
+class TransferRules(RecordsView):
     """Imports, exports, leases and transfer ends over one set of records."""
 
-    __slots__ = (
-        "_records",
-        "_requests",
-        "_transfers",
-        "_table",
-        "_pool",
-        "_leases",
-        "_imported",
-        "_clock",
-        "_fenced",
-        "_component_sets",
-    )
+    __slots__ = ("_transfers", "_clock", "_component_sets")
 
     def __init__(self, records: SchedulerRecords) -> None:
-        self._records = records
-        # The records' containers, one attribute lookup away (they are never replaced).
-        self._requests = records.requests
+        super().__init__(records)
         self._transfers = records.transfers
-        self._table = records.table
-        self._pool = records.pool
-        self._leases = records.leases
-        self._imported = records.imported
         self._clock = records.clock
-        self._fenced = records.fenced
         # (the set, its sorted groups) of each component set imports were asked for, by
         # the set and by the tuple the caller passed: a connector retries a post with the
         # same tuple every step until the fence allows it, and building the set is most
