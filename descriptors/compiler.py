@@ -309,12 +309,7 @@ _NAMES = ("s_addr", "d_addr", "length", "s_dev", "d_dev", "s_reg", "d_reg")
 def _finish(cols: list[_Columns], coalesce: bool, indexed: bool) -> TransferPlan:
     """Concatenate the groups and merge rows that continue each other on both sides, in one region each."""
     if not cols:
-        if not indexed:
-            return TransferPlan.empty()
-        z = np.zeros(0, dtype=np.int32)
-        e = TransferPlan.empty()
-        return TransferPlan(src=e.src, dst=e.dst, src_region=e.src_region, dst_region=e.dst_region,
-                            src_index=z, dst_index=z.copy())
+        return TransferPlan.empty(indexed=indexed)
     names = _NAMES + (("s_idx", "d_idx") if indexed else ())
     if len(cols) == 1:
         arrs = [getattr(cols[0], n) for n in names]

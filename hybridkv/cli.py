@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from importlib.metadata import PackageNotFoundError, entry_points, version
+from importlib.metadata import entry_points
+
+import hybridkv
 
 ENTRY_POINT_GROUP = "hybridkv.commands"
 
@@ -56,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hybridkv",
         description="Cache transfer for hybrid LLMs in disaggregated serving.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {hybridkv.__version__}")
     commands = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     nested: dict[str, argparse._SubParsersAction] = {}
@@ -95,13 +97,6 @@ def command_summary(register) -> str:
     first = doc.splitlines()[0].strip() if doc else ""
     m = _SUMMARY.match(first)
     return m.group("text") if m else first.rstrip(".")
-
-
-def _version() -> str:
-    try:
-        return version("hybridkv")
-    except PackageNotFoundError:
-        return "(not installed: no package metadata)"
 
 
 def _unavailable(exc: ImportError):

@@ -82,10 +82,13 @@ class TransferPlan:
                              f"{s.shape[0]} rows; expected equal 1-D arrays, at least one pair per row")
 
     @staticmethod
-    def empty() -> TransferPlan:
+    def empty(*, indexed: bool = False) -> TransferPlan:
+        """No rows; ``indexed``: with an (empty) index form too."""
         z3 = np.zeros((0, 3), dtype=_I64)
         z = np.zeros(0, dtype=_I64)
-        return TransferPlan(src=z3, dst=z3.copy(), src_region=z, dst_region=z.copy())
+        zi = np.zeros(0, dtype=np.int32) if indexed else None
+        return TransferPlan(src=z3, dst=z3.copy(), src_region=z, dst_region=z.copy(), src_index=zi,
+                            dst_index=None if zi is None else zi.copy())
 
     @staticmethod
     def concat(plans: Sequence[TransferPlan]) -> TransferPlan:
