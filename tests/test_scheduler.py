@@ -315,14 +315,19 @@ def test_external_pool_assign_and_take_reusable() -> None:
     s.add_request("a")
     s.assign("a", 0, [1, 2])
     s.assign("a", 1, [1])
-    with pytest.raises(ValueError, match="held by another request"):
-        s.add_request("b")
+    s.add_request("b")
+    s.assign("b", 0, [2])  # rule 7: a block another request holds gets a second hold
+    assert s.holders(0, 2) == ("a", "b")
+    with pytest.raises(ValueError, match="already held by request 'b'"):
         s.assign("b", 0, [2])
     s.step_scheduled(0, joined=["a"])
     s.free_blocks("a", 0, [2])  # sliding-window clipping
+    assert s.take_reusable() == [] and s.holders(0, 2) == ("b",)
+    s.request_finished("b")  # the last hold: a's step 0 still fences it
     assert s.take_reusable() == []
+    s.add_request("c")
     with pytest.raises(ValueError, match="still fenced"):
-        s.assign("b", 0, [2])
+        s.assign("c", 0, [2])
     s.step_completed(0)
     assert s.take_reusable() == [(0, 2)]
     s.request_finished("a")

@@ -78,6 +78,17 @@ class SchedulerHalf:
         )
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.has_mamba = bool(kv_cache_config.has_mamba_layers)
+        mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
+        if self.has_mamba and (mode != "none" or vllm_config.cache_config.enable_prefix_caching):
+            # vLLM 0.33 turns prefix caching on a Mamba/GDN model into mamba_cache_mode='align':
+            # state checkpoints per block, cached and shared. hybridkv moves one running-state
+            # slot per GDN group and cannot yet tell a checkpoint block from it.
+            raise ValueError(
+                f"hybridkv does not support prefix caching on a model with Mamba/GDN layers "
+                f"(enable_prefix_caching={vllm_config.cache_config.enable_prefix_caching}, "
+                f"mamba_cache_mode={mode!r}, which vLLM sets to 'align' for prefix caching); expected "
+                "--no-enable-prefix-caching (mamba_cache_mode='none') for a hybrid model"
+            )
         self.num_blocks = kv_cache_config.num_blocks
         groups = kv_cache_config.kv_cache_groups
         self._mamba_spec_blocks: dict[int, int] = {}
@@ -118,7 +129,7 @@ class SchedulerHalf:
         self._ended: list[str] = []
         # requests whose hybridkv blocks must settle before vLLM may free them
         self._releasing: dict[str, set[int]] = {}
-        self._owner: dict[int, str] = {}
+        self._owner: dict[int, set[str]] = {}  # a shared block may be waited on by several requests
         self._inject_sending: set[str] = set()
         # Reported to vLLM by us; a late worker report of the same id must not
         # reach vLLM, which asserts the request still exists.
@@ -211,8 +222,16 @@ class SchedulerHalf:
             return False, None
         r = RequestId(rid)
         self.ts.add_request(r)
-        for g, ids in zip(self.transfer_groups, clipped):
-            self.ts.assign(r, g, ids)
+        try:
+            # Rule 7: an export is a read hold. With prefix caching a block may be held by
+            # another exporting request too, or be parked (released, not yet reusable).
+            for g, ids in zip(self.transfer_groups, clipped):
+                self.ts.share(r, g, ids)
+        except ValueError as e:
+            # Never crash the engine on one request: it finishes without a transfer.
+            log.warning("request %s: not exporting its KV: %s", rid, e)
+            self.ts.abort(r)
+            return False, None
         self.ts.request_finished(r, export=True)
         self._exports[rid] = clipped
         self._export_blocks[rid] = [b for ids in clipped for b in ids]
@@ -368,14 +387,18 @@ class SchedulerHalf:
 
     def _hold_until_reusable(self, rid: str, blocks: list[int]) -> None:
         pending = self._releasing.setdefault(rid, set())
+        owner = self._owner
         for b in blocks:
             pending.add(b)
-            self._owner[b] = rid
+            ws = owner.get(b)
+            if ws is None:
+                owner[b] = {rid}
+            else:
+                ws.add(rid)
 
     def _drain_reusable(self) -> None:
         for _, b in self.ts.take_reusable():
-            rid = self._owner.pop(int(b), None)
-            if rid is not None:
+            for rid in self._owner.pop(int(b), ()):
                 self._releasing[rid].discard(int(b))
         for rid in [r for r, s in self._releasing.items() if not s]:
             del self._releasing[rid]

@@ -40,6 +40,7 @@ class BlockPool:
         "_quarantine",
         "_parked",
         "_reusable",
+        "_stale",
     )
 
     def __init__(self, table: FenceTable, *, fenced: bool, managed: bool) -> None:
@@ -62,6 +63,11 @@ class BlockPool:
         # Every freed key not yet reusable, to reject double frees cheaply.
         self._parked: set[int] = set()
         self._reusable: list[int] = []
+        # Heap occurrences of keys taken back out of the pool by a new holder (rule 7,
+        # :meth:`unpark`): key -> how many of its next occurrences to skip. A key's
+        # fence never decreases and a later entry has a higher sequence number, so its
+        # stale occurrences pop before a live one.
+        self._stale: dict[int, int] = {}
 
     # -- queries ------------------------------------------------------------
     def free_count(self, pool: int) -> int:
@@ -99,6 +105,18 @@ class BlockPool:
                 f"block {self._table.block_of(key)} of pool {self._table.pool_of_key(key)} "
                 "is still fenced (freed, not yet reusable); expected a reusable block"
             )
+
+    def unpark(self, key: int) -> None:
+        """A parked block gets a holder again (rule 7: a prefix-cache hit on a block
+        whose last holder released it): it leaves the pool's waiting lists. Its fence
+        stays, and applies again when its new holders release it."""
+        if key not in self._parked:
+            raise ValueError(f"block key {key} is not parked; expected a freed, not yet reusable block")
+        self._parked.discard(key)
+        if key in self._quarantine:
+            self._quarantine.discard(key)  # no heap occurrence while quarantined
+        else:
+            self._stale[key] = self._stale.get(key, 0) + 1
 
     # -- release --------------------------------------------------------------
     def park(self, key: int) -> None:
@@ -156,6 +174,8 @@ class BlockPool:
         parked = self._parked
         while heap and heap[0][0] <= w:
             _, _, batch = heapq.heappop(heap)
+            if self._stale:
+                batch = self._live(batch)
             for key in batch:
                 if readers[key] or writers[key]:
                     break
@@ -192,6 +212,20 @@ class BlockPool:
         if settled:
             self._parked.difference_update(settled)
             self._release_many(settled)
+
+    def _live(self, batch: list[int]) -> list[int]:
+        """``batch`` less its stale occurrences (keys re-held since they were parked)."""
+        stale = self._stale
+        out = []
+        for key in batch:
+            n = stale.get(key)
+            if n is None:
+                out.append(key)
+            elif n == 1:
+                del stale[key]
+            else:
+                stale[key] = n - 1
+        return out
 
     def _push(self, fence: int, keys: list[int]) -> None:
         self._seq += 1

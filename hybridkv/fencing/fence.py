@@ -135,6 +135,7 @@ class FenceTable:
         "readers",
         "writers",
         "holder",
+        "sharers",
         "watermark",
         "scheduled",
     )
@@ -155,6 +156,11 @@ class FenceTable:
         self.writers: list[int] = [0] * total
         # The request record whose residency extends the fence (see module doc), or None.
         self.holder: list[object | None] = [None] * total
+        # Rule 7 (sharing): the holders of a block beyond ``holder``, for the few blocks
+        # several live requests hold (a cached prefix, an export of a block a running
+        # request also holds). Empty unless something is shared, so the hot paths test
+        # it once and keep their single-holder code.
+        self.sharers: dict[int, list[object]] = {}
         self.watermark: int = NEVER
         self.scheduled: int = NEVER
 
@@ -210,10 +216,49 @@ class FenceTable:
         h = self.holder[key]
         if h is None:
             return
-        hs = self.scheduled if h.resident else h.last_step  # type: ignore[attr-defined]
+        self.release_hold(key, h)
+
+    # -- holds (rule 7) -------------------------------------------------------
+    def holders(self, key: int) -> list[object]:
+        """Every live holder of the block, the first one first."""
+        h = self.holder[key]
+        if h is None:
+            return []
+        more = self.sharers.get(key)
+        return [h] if more is None else [h, *more]
+
+    def hold_count(self, key: int) -> int:
+        h = self.holder[key]
+        if h is None:
+            return 0
+        more = self.sharers.get(key)
+        return 1 if more is None else 1 + len(more)
+
+    def add_hold(self, key: int, rec: object) -> None:
+        """``rec`` holds the block too (one hold per request; the caller checks)."""
+        if self.holder[key] is None:
+            self.holder[key] = rec
+        else:
+            self.sharers.setdefault(key, []).append(rec)
+
+    def release_hold(self, key: int, rec: object) -> bool:
+        """``rec`` lets go of the block: its residency is frozen into the block's fence
+        (rule 7: rules 1-5 apply per holder). True when that was the last hold."""
+        hs = self.scheduled if rec.resident else rec.last_step  # type: ignore[attr-defined]
         if hs > self.fence[key]:
             self.fence[key] = hs
-        self.holder[key] = None
+        more = self.sharers.get(key)
+        if more is None:
+            if self.holder[key] is rec:
+                self.holder[key] = None
+            return True
+        if self.holder[key] is rec:
+            self.holder[key] = more.pop(0)
+        else:
+            more.remove(rec)
+        if not more:
+            del self.sharers[key]
+        return False
 
     # -- steps ----------------------------------------------------------------
     def advance_scheduled(self, step: int) -> None:

@@ -93,6 +93,10 @@ class SchedulerRecords:
         keys: list[int] = []
         for ks in rec.blocks.values():
             keys += ks
+        if t.sharers:
+            # Rule 7: blocks another request still holds lose this hold only.
+            release_hold = t.release_hold
+            keys = [k for k in keys if release_hold(k, rec)]
         uniform = True  # every block's fence is now hs
         for k in keys:
             f = fence[k]
@@ -125,8 +129,14 @@ class SchedulerRecords:
             for g, keys in rec.blocks.items():
                 for k in keys:
                     held[k] += 1
-                    if t.holder[k] is not rec:
-                        raise RuntimeError(f"block key {k} of group {g} listed by {rec.id!r} but held by another")
+                    if not any(h is rec for h in t.holders(k)):
+                        raise RuntimeError(f"block key {k} of group {g} listed by {rec.id!r} but held by others")
+        for k in range(total):
+            if t.hold_count(k) != held[k]:
+                raise RuntimeError(f"block key {k}: {t.hold_count(k)} holds recorded, {held[k]} listed by requests")
+        for k, more in t.sharers.items():
+            if not more or t.holder[k] is None:
+                raise RuntimeError(f"block key {k}: sharers {more!r} without a first holder")
         readers = [0] * total
         writers = [0] * total
         for tr in self.transfers.values():
@@ -137,7 +147,7 @@ class SchedulerRecords:
             raise RuntimeError("transfer reader/writer counts disagree with the fence table")
         if self.pool.managed:
             for k in range(total):
-                states = held[k] + self.pool.is_parked(k) + self.pool.is_free(k)
+                states = (held[k] > 0) + self.pool.is_parked(k) + self.pool.is_free(k)
                 if states != 1:
                     raise RuntimeError(
                         f"block key {k}: held {held[k]}, parked {self.pool.is_parked(k)}, "

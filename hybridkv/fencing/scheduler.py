@@ -2,7 +2,7 @@
 
 :class:`TransferScheduler` is the one object an engine connector talks to
 about *when* blocks may be read, written, reused or computed on. It enforces
-fencing rules 1-6 of docs/design.md over a :class:`~hybridkv.fencing.fence.FenceTable`:
+fencing rules 1-7 of docs/design.md over a :class:`~hybridkv.fencing.fence.FenceTable`:
 
 1. *export*: an outbound transfer reads a block only once the step that wrote
    it completed (``watermark >= fence``);
@@ -18,7 +18,10 @@ fencing rules 1-6 of docs/design.md over a :class:`~hybridkv.fencing.fence.Fence
    transfer is terminal (SGLang #24527);
 6. *lease*: exported blocks live under a renewable lease; expiry releases
    them; a read that cannot finish inside its lease is never started, and one
-   that lands after it is not trusted.
+   that lands after it is not trusted;
+7. *sharing*: holds are counted (``share``; ``assign`` of a held block); a
+   block is parked only at its last holder's release; an export is a read
+   hold; an import never writes a block another request holds.
 
 Engine-shaped, non-blocking API (every call returns at once; a call that
 cannot proceed returns a :class:`~hybridkv.fencing.fence.NotYet` - test it with
@@ -146,6 +149,10 @@ class TransferScheduler:
         h = self.table.holder[self.table.key(group, block)]
         return None if h is None else h.id  # type: ignore[attr-defined]
 
+    def holders(self, group: int, block: int) -> tuple[RequestId, ...]:
+        """Rule 7: every live request holding a block (several for a shared prefix)."""
+        return tuple(h.id for h in self.table.holders(self.table.key(group, block)))  # type: ignore[attr-defined]
+
     def is_ready(self, request: RequestId) -> bool:
         """Rule 4: may the request join a step now?"""
         rec = self._requests.get(request)
@@ -182,8 +189,15 @@ class TransferScheduler:
         return self._steps.allocate(request, group, n)
 
     def assign(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
-        """Engine-owned pool: the engine gave ``blocks`` of ``group`` to ``request``."""
+        """Engine-owned pool: the engine gave ``blocks`` of ``group`` to ``request``. A block
+        another live request holds gets one more hold (rule 7)."""
         self._steps.assign(request, group, blocks)
+
+    def share(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
+        """Rule 7: ``request`` holds ``blocks`` of ``group`` too (a cached prefix, or a read
+        hold for an export). Holds are counted: a block is reused only once its last holder
+        released it and it settled. A parked block (freed, not yet reusable) leaves the pool."""
+        self._steps.share(request, group, blocks)
 
     def free_blocks(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
         """Give back some blocks of a live request (sliding-window clipping)."""

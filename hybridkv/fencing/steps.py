@@ -33,6 +33,14 @@ _FAILED = RequestPhase.FAILED
 _EXHAUSTED = NotYet(reason=NotYetReason.POOL_EXHAUSTED)
 
 
+def _extend_held(rec: RequestRecord, group: int, keys: list[int]) -> None:
+    held = rec.blocks.get(group)
+    if held is None:
+        rec.blocks[group] = keys
+    else:
+        held.extend(keys)
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepTicket:
     """What the engine must know about a step it just scheduled."""
@@ -114,21 +122,53 @@ class RequestSteps(RecordsView):
         keys = [t.key(group, b) for b in blocks]
         if len(set(keys)) != len(keys):
             raise ValueError(f"blocks {list(blocks)!r}; expected distinct block ids")
-        for k in keys:
-            if t.holder[k] is not None:
-                raise ValueError(
-                    f"block {t.block_of(k)} of group {group} is held by another "
-                    "request; expected a free block"
-                )
-            self._pool.adopt(k)
         holder = t.holder
+        pool = self._pool
+        mine: set[int] | None = None
         for k in keys:
-            holder[k] = rec
-        held = rec.blocks.get(group)
-        if held is None:
-            rec.blocks[group] = keys
-        else:
-            held.extend(keys)
+            h = holder[k]
+            if h is None:
+                pool.adopt(k)  # free (or parked: raises)
+                continue
+            # Rule 7: a block another live request holds (a cached prefix) gets one more hold.
+            if mine is None:
+                mine = {k for ks in rec.blocks.values() for k in ks}
+            if k in mine:
+                raise ValueError(
+                    f"block {t.block_of(k)} of group {group} is already held by request {request!r}; "
+                    "expected a block it does not hold"
+                )
+        for k in keys:
+            t.add_hold(k, rec)
+        _extend_held(rec, group, keys)
+
+    def share(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
+        """Rule 7, a read hold: ``request`` holds these blocks too. Each is held by a live
+        request, or freed and parked (a prefix-cache hit on a block not yet reusable: it
+        leaves the pool's waiting lists), or, in an engine-owned pool, the engine's."""
+        rec = self._records.require(request)
+        t = self._table
+        keys = [t.key(group, b) for b in blocks]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"blocks {list(blocks)!r}; expected distinct block ids")
+        mine = {k for ks in rec.blocks.values() for k in ks}
+        pool = self._pool
+        for k in keys:
+            if k in mine:
+                raise ValueError(
+                    f"block {t.block_of(k)} of group {group} is already held by request {request!r}; "
+                    "expected a block it does not hold"
+                )
+            if self._managed and t.holder[k] is None and not pool.is_parked(k):
+                raise ValueError(
+                    f"block {t.block_of(k)} of group {group} is neither held nor parked; expected a "
+                    "block another request holds or released (a cached prefix)"
+                )
+        for k in keys:
+            if t.holder[k] is None and pool.is_parked(k):
+                pool.unpark(k)
+            t.add_hold(k, rec)
+        _extend_held(rec, group, keys)
 
     def free_blocks(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
         rec = self._records.require(request)
@@ -144,9 +184,9 @@ class RequestSteps(RecordsView):
         drop = set(keys)
         rec.blocks[group] = [k for k in held if k not in drop]
         for k in keys:
-            self._imported.discard(k)
-            t.release_holder(k)
-            self._pool.park(k)
+            if t.release_hold(k, rec):
+                self._imported.discard(k)
+                self._pool.park(k)
 
     def request_finished(self, request: RequestId, export: bool) -> LeaseGrant | None:
         rec = self._requests.get(request)

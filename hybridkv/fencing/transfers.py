@@ -116,6 +116,14 @@ class TransferRules(RecordsView):
         else:
             keys = self._chosen_keys(rec, comps, blocks)
         t = self._table
+        if t.sharers and keys:
+            sharers = t.sharers
+            shared = [t.block_of(k) for k in keys if k in sharers]
+            if shared:
+                raise ValueError(
+                    f"import into blocks {shared} of request {request!r}, which other requests hold too "
+                    "(rule 7); expected blocks it holds alone (load only the missing suffix)"
+                )
         if self._fenced:
             if lease_deadline is not None and self._clock() + expected_s > lease_deadline:
                 return _SHORT

@@ -55,6 +55,10 @@ class Req:
     att: list[int]
     gdn: int
     app: list[int] = field(default_factory=list)  # decode-side appended attention blocks
+    # Rule 7: a cached prefix shared with another live request (read, never written by this one),
+    # and that request's uid.
+    pre: list[int] = field(default_factory=list)
+    pre_from: str | None = None
     v: int = 0  # GDN versions written so far (producer) / expected next read (consumer)
     steps_in: int = 0  # scheduled steps that include the request
     chunks: int = 1  # steps before the request is finished (prefill chunks / decode steps)

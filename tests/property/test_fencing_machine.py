@@ -29,6 +29,7 @@ from hybridkv.fencing.request_state import RequestPhase, TransferOutcome
 from tests.property import counter
 from tests.property.shadow import (
     ATT,
+    KV,
     BLOCKS,
     COMPONENTS,
     GARBAGE,
@@ -58,6 +59,7 @@ class FencingMachine(RuleBasedStateMachine):
         self.uid = 0
         self.final: dict[str, dict] = {}  # uid -> producer's final cells (what D must receive)
         self.xfers: list[Xfer] = []
+        self.computed: dict[str, Req] = {}  # producer requests that computed their prompt KV
 
     @initialize(depth=st.integers(min_value=1, max_value=3))
     def set_depth(self, depth: int) -> None:
@@ -86,12 +88,64 @@ class FencingMachine(RuleBasedStateMachine):
         w = self.P
         w.reqs[uid] = Req(uid=uid, att=[w.key(ATT, b) for b in att], gdn=w.key(GDN, gdn[0]), chunks=chunks)
 
+    def _cached(self) -> list[Req]:
+        """Producer requests (live, or finished with their blocks not yet reusable) whose
+        computed attention blocks a new request may hit as a cached prefix."""
+        P = self.P
+        pool, t = P.sched.pool, P.sched.table
+        out = []
+        for uid, r in sorted(self.computed.items()):
+            k = r.att[0]
+            if P.mem.get((k, "kv")) != (uid, "kv", 0):
+                continue
+            if uid in P.sched.holders(ATT, t.block_of(k)) or pool.is_parked(k) and not P.sched.holders(ATT, t.block_of(k)):
+                out.append(r)
+        return out
+
+    @precondition(lambda self: self._cached())
+    @rule(i=st.integers(min_value=0, max_value=7), m=st.integers(min_value=1, max_value=2),
+          n=st.integers(min_value=1, max_value=2), chunks=st.integers(min_value=1, max_value=2))
+    def p_prefix_hit(self, i: int, m: int, n: int, chunks: int) -> None:
+        """Rule 7: a new request shares the cached prefix of a live one (prefix caching) and
+        computes only its own suffix; the prefix blocks now have two holders."""
+        cand = self._cached()
+        if not cand:
+            return
+        # Half the time prefer a prompt the decode side already received: a local hit there.
+        on_d = [r for r in cand if r.uid in self.D.reqs and KV in self.D.sched.arrived(r.uid)]
+        if on_d and i % 2 == 0:
+            cand = on_d
+        o = cand[i % len(cand)]
+        s, w = self.P.sched, self.P
+        if s.free_count() < n + 1:
+            return
+        pre = o.att[:1] if m == 1 or len(o.att) == 1 else o.att[:2]
+        if len(pre) == 2 and not (
+            w.mem.get((pre[1], "kv")) == (o.uid, "kv", 1)
+            and (o.uid in s.holders(ATT, s.table.block_of(pre[1]))
+                 or s.pool.is_parked(pre[1]) and not s.holders(ATT, s.table.block_of(pre[1])))
+        ):
+            pre = pre[:1]
+        self.uid += 1
+        uid = f"r{self.uid}"
+        s.add_request(uid)
+        s.share(uid, ATT, [s.table.block_of(k) for k in pre])
+        att = s.allocate(uid, ATT, n)
+        gdn = s.allocate(uid, GDN, 1)
+        r = Req(uid=uid, att=[w.key(ATT, b) for b in att], gdn=w.key(GDN, gdn[0]), chunks=chunks,
+                pre=list(pre), pre_from=o.uid)
+        for j, k in enumerate(pre):
+            r.expect[(k, "kv")] = (o.uid, "kv", j)  # computed by o: read, never rewritten
+        w.reqs[uid] = r
+
     @precondition(lambda self: self.P.pending)
     @rule()
     def p_execute(self) -> None:
         # Processing the step's output is when the engine learns a prefill is done;
         # by then later steps that still include the request may be scheduled.
         for r in self.P.execute():
+            if not r.pre:
+                self.computed.setdefault(r.uid, r)
             if r.v >= r.chunks and r.uid not in self.final:
                 self._finish(r)
 
@@ -99,7 +153,8 @@ class FencingMachine(RuleBasedStateMachine):
         self.P.sched.request_finished(r.uid, export=True)
         self.P.resident.pop(r.uid, None)
         r.live = False
-        cells = {(k, "kv"): (r.uid, "kv", j) for j, k in enumerate(r.att)}
+        cells = {(k, "kv"): r.expect[(k, "kv")] for k in r.pre}
+        cells.update({(k, "kv"): (r.uid, "kv", j) for j, k in enumerate(r.att)})
         cells[(r.gdn, "conv")] = (r.uid, "conv", r.steps_in)
         cells[(r.gdn, "ssm")] = (r.uid, "ssm", r.steps_in)
         self.final[r.uid] = cells
@@ -136,17 +191,29 @@ class FencingMachine(RuleBasedStateMachine):
     def d_new(self, uid: str) -> None:
         src = self.P.reqs[uid]
         s = self.D.sched
+        w = self.D
         s.add_request(uid, expect=COMPONENTS)
-        att = s.allocate(uid, ATT, len(src.att))
+        src_all = src.pre + src.att
+        # Rule 7, decode side: a local prefix hit when the request the prompt shares its
+        # prefix with already received it here; then only the missing suffix is loaded.
+        hit: list[int] = []
+        o = w.reqs.get(src.pre_from) if src.pre_from is not None else None
+        if o is not None and not o.pre and len(o.att) >= len(src.pre) and KV in s.arrived(o.uid) \
+                and s.phase(o.uid) in (RequestPhase.READY, RequestPhase.RUNNING):
+            hit = o.att[: len(src.pre)]
+            s.share(uid, ATT, [s.table.block_of(k) for k in hit])
+        att = s.allocate(uid, ATT, len(src_all) - len(hit))
         gdn = att if isinstance(att, NotYet) else s.allocate(uid, GDN, 1)
         if isinstance(gdn, NotYet):  # att's NotYet, or gdn's own
             s.abort(uid)
             return
-        w = self.D
-        r = Req(uid=uid, att=[w.key(ATT, b) for b in att], gdn=w.key(GDN, gdn[0]), chunks=1 + len(src.att))
+        r = Req(uid=uid, att=[w.key(ATT, b) for b in att], gdn=w.key(GDN, gdn[0]), chunks=1 + len(src_all),
+                pre=hit, pre_from=None if not hit else src.pre_from)
         r.v = self.final[uid][(src.gdn, "ssm")][2]
         final = self.final[uid]
-        for sk, dk in zip(src.att, r.att):
+        for sk, dk in zip(src_all, hit):
+            r.expect[(dk, "kv")] = final[(sk, "kv")]
+        for sk, dk in zip(src_all[len(hit):], r.att):  # the suffix, paired on the producer's tail
             r.expect[(dk, "kv")] = final[(sk, "kv")]
         r.expect[(r.gdn, "conv")] = final[(src.gdn, "conv")]
         r.expect[(r.gdn, "ssm")] = final[(src.gdn, "ssm")]
@@ -187,16 +254,22 @@ class FencingMachine(RuleBasedStateMachine):
             ptid = P.sched.post_export(uid, expected_s=expected_s)
             if isinstance(ptid, NotYet):
                 return
-        dtid = D.sched.post_import(uid, components=comps, lease_deadline=deadline, expected_s=expected_s)
+        src, dst = P.reqs[uid], D.reqs[uid]
+        blocks = None
+        if dst.pre:  # a local prefix hit: load only the blocks the request holds alone
+            t = D.sched.table
+            blocks = {c.group: [t.block_of(k) for k in (dst.att if c.group == ATT else [dst.gdn])] for c in comps}
+        dtid = D.sched.post_import(uid, components=comps, blocks=blocks, lease_deadline=deadline,
+                                   expected_s=expected_s)
         if isinstance(dtid, NotYet):
             if ptid is not None:
                 P.sched.transfer_failed(ptid)  # never started
             return
-        src, dst = P.reqs[uid], D.reqs[uid]
         cells = []
         for c in comps:
             if c.group == ATT:
-                cells += [((sk, "kv"), (dk, "kv")) for sk, dk in zip(src.att, dst.att)]
+                src_all = src.pre + src.att
+                cells += [((sk, "kv"), (dk, "kv")) for sk, dk in zip(src_all[len(src_all) - len(dst.att):], dst.att)]
             else:
                 cells.append(((src.gdn, PART[c]), (dst.gdn, PART[c])))
         dst_keys = {d[0] for _, d in cells}
@@ -210,6 +283,19 @@ class FencingMachine(RuleBasedStateMachine):
     @staticmethod
     def _ref(table, key: int) -> tuple[int, int]:
         return ATT, table.block_of(key)  # one shared pool: any group names the page
+
+    def _overwritten(self, uid: str, cell: tuple[int, str]) -> bool:
+        """Was the producer's source cell handed to a request that writes it (reused)?"""
+        P = self.P
+        key = cell[0]
+        if P.sched.pool.is_free(key):
+            return True
+        owner = self.final[uid][cell][0]  # who wrote the bytes the consumer must get
+        for h in P.sched.holders(*self._ref(P.sched.table, key)):
+            r = P.reqs.get(h)
+            if h not in (uid, owner) and r is not None and (key in r.att or key == r.gdn):
+                return True
+        return False
 
     def _flying(self) -> list[Xfer]:
         return [x for x in self.xfers if not x.done]
@@ -229,11 +315,7 @@ class FencingMachine(RuleBasedStateMachine):
             dst_keys = {d[0] for _, d in x.cells}
             if dst_keys & D.pending_keys():
                 raise Violation(f"D: transfer for {x.uid} lands into blocks a pending step writes")
-            t = P.sched.table
-            freed = any(
-                P.sched.holder(*self._ref(t, s[0])) not in (None, x.uid) or P.sched.pool.is_free(s[0])
-                for s, _ in x.cells
-            )
+            freed = any(self._overwritten(x.uid, s) for s, _ in x.cells)
             for s, d in x.cells:
                 D.mem[d] = P.mem.get(s)
             out = D.sched.transfer_landed(x.dtid)

@@ -42,6 +42,7 @@ def make_vllm_config(
     tp: int = 1,
     model: Path = TINY_MODEL,
     ssm_dtype: str = "auto",
+    prefix_caching: bool = False,
 ):
     """``ssm_dtype="float32"`` gives the GDN state Qwen3.5 asks for (vLLM turns its
     HF ``mamba_ssm_dtype`` into exactly this cache setting); vLLM's Qwen3.5 model
@@ -51,7 +52,7 @@ def make_vllm_config(
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
     mc = ModelConfig(model=str(model), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN)
-    cc = CacheConfig(block_size=16, mamba_cache_mode="none", enable_prefix_caching=False,
+    cc = CacheConfig(block_size=16, mamba_cache_mode="none", enable_prefix_caching=prefix_caching,
                      num_gpu_blocks_override=num_blocks, mamba_ssm_cache_dtype=ssm_dtype)
     sc = SchedulerConfig(max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False, max_num_seqs=8,
                          max_num_batched_tokens=512, async_scheduling=async_scheduling)
