@@ -73,6 +73,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     # ------------------------------------------------------------ scheduler side
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        # A decode-side prefix hit that reaches deeper in full attention than in the GDN groups is
+        # completed by the load: it moves the attention suffix and always the running GDN state
+        # (docs/design.md, rule 7), so vLLM may report the attention hit as the local prefix.
+        return True
+
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._sched().bind_kv_cache_manager(kv_cache_manager)

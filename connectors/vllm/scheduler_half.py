@@ -78,17 +78,6 @@ class SchedulerHalf:
         )
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.has_mamba = bool(kv_cache_config.has_mamba_layers)
-        mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
-        if self.has_mamba and (mode != "none" or vllm_config.cache_config.enable_prefix_caching):
-            # vLLM 0.33 turns prefix caching on a Mamba/GDN model into mamba_cache_mode='align':
-            # state checkpoints per block, cached and shared. hybridkv moves one running-state
-            # slot per GDN group and cannot yet tell a checkpoint block from it.
-            raise ValueError(
-                f"hybridkv does not support prefix caching on a model with Mamba/GDN layers "
-                f"(enable_prefix_caching={vllm_config.cache_config.enable_prefix_caching}, "
-                f"mamba_cache_mode={mode!r}, which vLLM sets to 'align' for prefix caching); expected "
-                "--no-enable-prefix-caching (mamba_cache_mode='none') for a hybrid model"
-            )
         self.num_blocks = kv_cache_config.num_blocks
         groups = kv_cache_config.kv_cache_groups
         self._mamba_spec_blocks: dict[int, int] = {}

@@ -60,6 +60,10 @@ class FencingMachine(RuleBasedStateMachine):
         self.final: dict[str, dict] = {}  # uid -> producer's final cells (what D must receive)
         self.xfers: list[Xfer] = []
         self.computed: dict[str, Req] = {}  # producer requests that computed their prompt KV
+        # Block key -> the request whose prompt KV it caches. Allocating the block to another
+        # request evicts that entry (as vLLM drops a block's hash when it hands the block out
+        # again), even while a step of the new owner that rewrites it is still in flight.
+        self.cached_by: dict[int, str] = {}
 
     @initialize(depth=st.integers(min_value=1, max_value=3))
     def set_depth(self, depth: int) -> None:
@@ -85,8 +89,13 @@ class FencingMachine(RuleBasedStateMachine):
         s.add_request(uid)
         att = s.allocate(uid, ATT, n)
         gdn = s.allocate(uid, GDN, 1)
+        self._evict(att, gdn)
         w = self.P
         w.reqs[uid] = Req(uid=uid, att=[w.key(ATT, b) for b in att], gdn=w.key(GDN, gdn[0]), chunks=chunks)
+
+    def _evict(self, att: list[int], gdn: list[int]) -> None:
+        for k in [*(self.P.key(ATT, b) for b in att), *(self.P.key(GDN, b) for b in gdn)]:
+            self.cached_by.pop(k, None)
 
     def _cached(self) -> list[Req]:
         """Producer requests (live, or finished with their blocks not yet reusable) whose
@@ -96,7 +105,7 @@ class FencingMachine(RuleBasedStateMachine):
         out = []
         for uid, r in sorted(self.computed.items()):
             k = r.att[0]
-            if P.mem.get((k, "kv")) != (uid, "kv", 0):
+            if self.cached_by.get(k) != uid or P.mem.get((k, "kv")) != (uid, "kv", 0):
                 continue
             if uid in P.sched.holders(ATT, t.block_of(k)) or pool.is_parked(k) and not P.sched.holders(ATT, t.block_of(k)):
                 out.append(r)
@@ -121,7 +130,8 @@ class FencingMachine(RuleBasedStateMachine):
             return
         pre = o.att[:1] if m == 1 or len(o.att) == 1 else o.att[:2]
         if len(pre) == 2 and not (
-            w.mem.get((pre[1], "kv")) == (o.uid, "kv", 1)
+            self.cached_by.get(pre[1]) == o.uid
+            and w.mem.get((pre[1], "kv")) == (o.uid, "kv", 1)
             and (o.uid in s.holders(ATT, s.table.block_of(pre[1]))
                  or s.pool.is_parked(pre[1]) and not s.holders(ATT, s.table.block_of(pre[1])))
         ):
@@ -132,6 +142,7 @@ class FencingMachine(RuleBasedStateMachine):
         s.share(uid, ATT, [s.table.block_of(k) for k in pre])
         att = s.allocate(uid, ATT, n)
         gdn = s.allocate(uid, GDN, 1)
+        self._evict(att, gdn)
         r = Req(uid=uid, att=[w.key(ATT, b) for b in att], gdn=w.key(GDN, gdn[0]), chunks=chunks,
                 pre=list(pre), pre_from=o.uid)
         for j, k in enumerate(pre):
@@ -144,8 +155,9 @@ class FencingMachine(RuleBasedStateMachine):
         # Processing the step's output is when the engine learns a prefill is done;
         # by then later steps that still include the request may be scheduled.
         for r in self.P.execute():
-            if not r.pre:
-                self.computed.setdefault(r.uid, r)
+            if not r.pre and r.uid not in self.computed:
+                self.computed[r.uid] = r
+                self.cached_by.update((k, r.uid) for k in r.att)
             if r.v >= r.chunks and r.uid not in self.final:
                 self._finish(r)
 

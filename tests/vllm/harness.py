@@ -137,7 +137,8 @@ def make_scheduler(vc, kv_cache_config, *, async_scheduling: bool):
 
 
 def make_request(rid: str, *, prompt_len: int, max_tokens: int, params: dict[str, Any] | None = None,
-                 stop_on_first: bool = False):
+                 stop_on_first: bool = False, suffix_seed: int | None = None, prefix_len: int = 0,
+                 sched=None):
     """A request; ``stop_on_first`` makes it stop at its first sampled token, which
     the scheduler cannot foresee (as with EOS), unlike a length cap."""
     from vllm.sampling_params import SamplingParams
@@ -147,7 +148,23 @@ def make_request(rid: str, *, prompt_len: int, max_tokens: int, params: dict[str
                         stop_token_ids=[SAMPLED_TOKEN] if stop_on_first else None,
                         extra_args={"kv_transfer_params": params} if params is not None else None)
     tokens = [(7 * i + 3) % 1000 for i in range(prompt_len)]
-    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None)
+    if suffix_seed is not None:
+        # Prompts that share their first ``prefix_len`` tokens and differ after (prefix caching).
+        tokens[prefix_len:] = [(13 * i + 5 + 101 * suffix_seed) % 1000 for i in range(prefix_len, prompt_len)]
+    hasher = None if sched is None else block_hasher(sched)
+    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None,
+                   block_hasher=hasher)
+
+
+def block_hasher(sched):
+    """The block hasher vLLM's engine core gives every request (prefix caching needs it)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    vc = sched.vllm_config
+    fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+    init_none_hash(fn)
+    return get_request_block_hasher(sched.kv_cache_config.hash_block_size, fn, vc.num_hash_lookahead_tokens)
 
 
 def remote_prefill_params(rid: str, *, groups: int, blocks_per_group: int = 2) -> dict[str, Any]:
@@ -311,7 +328,10 @@ class RealWorker:
     bytes, as a prefill would overwrite them.
     """
 
-    def __init__(self, connector, kv_caches, sched, *, writes: bool, seed: int = 0) -> None:
+    def __init__(self, connector, kv_caches, sched, *, writes: bool, seed: int = 0, only_new: bool = False) -> None:
+        """``only_new``: a step writes only the attention blocks of the tokens it computes and each
+        GDN group's running-state slot, as a model does; blocks of a cached prefix stay as they are
+        (prefix caching). Otherwise it writes every block the request holds."""
         import torch
 
         self.conn = connector
@@ -323,6 +343,9 @@ class RealWorker:
         self.order_blocks: dict[str, tuple[tuple[int, ...], ...]] = {}
         self.snapshots: dict[str, dict[str, list[bytes]]] = {}  # request -> layer -> page bytes, at arrival
         self.failed: set[str] = set()
+        self.only_new = only_new
+        self.tables: dict[str, tuple[list[int], ...]] = {}  # request -> its block table when its load landed
+        self.table_pages: dict[str, dict[str, list[bytes]]] = {}  # request -> layer -> that table's page bytes
 
     def execute(self, so):
         from vllm.v1.outputs import KVConnectorOutput
@@ -342,6 +365,10 @@ class RealWorker:
         for rid in res.finished_recving:
             if rid in self.order_blocks and rid not in res.failed_recving:
                 self.snapshots[rid] = self.pages(self.order_blocks[rid])
+                table = tuple(list(ids) for ids in self.sched.kv_cache_manager.get_block_ids(rid))
+                self.tables[rid] = table
+                kcc = self.sched.kv_cache_config
+                self.table_pages[rid] = self.pages(tuple([b for b in table[g] if b != 0] for g in kcc.transfer_group_ids))
         self.failed |= res.failed_recving
         kv_out = KVConnectorOutput(finished_sending=res.finished_sending, finished_recving=res.finished_recving,
                                    failed_recving=res.failed_recving, kv_connector_worker_meta=wmeta)
@@ -352,15 +379,36 @@ class RealWorker:
 
         mgr = self.sched.kv_cache_manager
         kcc = self.sched.kv_cache_config
-        for rid in so.num_scheduled_tokens:
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            end = req.num_computed_tokens  # schedule() already advanced it past this step's tokens
             for gid, ids in enumerate(mgr.get_block_ids(rid)):
+                if self.only_new:
+                    writes = self._new_blocks(gid, ids, end - n, end, req.all_token_ids)
+                else:
+                    writes = [(b, None) for b in ids]
                 for name in kcc.kv_cache_groups[gid].layer_names:
                     t = self.kv_caches[name]
-                    for b in ids:
+                    for b, tokens in writes:
                         page = t[b]
-                        n = page.numel() * page.element_size()
-                        rnd = torch.randint(-128, 128, (n,), dtype=torch.int8, generator=self.gen)
+                        nbytes = page.numel() * page.element_size()
+                        gen = self.gen if tokens is None else _content_generator(name, tokens)
+                        rnd = torch.randint(-128, 128, (nbytes,), dtype=torch.int8, generator=gen)
                         page.copy_(rnd.view(page.dtype).view(page.shape))
+
+    def _new_blocks(self, gid: int, ids: list[int], start: int, end: int, tokens) -> list[tuple[int, tuple]]:
+        """The pages a step computing tokens [start, end) writes, each with the tokens its content
+        depends on: as in a model, equal prompts give equal pages (what prefix caching relies on)."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        spec = self.sched.kv_cache_config.kv_cache_groups[gid].kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            live = [b for b in ids[: len(ids) - spec.num_speculative_blocks] if b != 0]
+            return [(live[-1], tuple(tokens[:end]))] if live else []  # the running-state slot
+        bs = spec.block_size
+        first, last = start // bs, -(-end // bs)
+        return [(b, tuple(tokens[: min((i + 1) * bs, end)]))
+                for i, b in enumerate(ids[first:last], start=first) if b != 0]
 
     def pages(self, block_ids) -> dict[str, list[bytes]]:
         """Bytes of each layer's page of the given per-transfer-group block lists."""
@@ -375,6 +423,15 @@ class RealWorker:
 
     def pending(self) -> bool:
         return False
+
+
+def _content_generator(layer: str, tokens: tuple):
+    import hashlib
+
+    import torch
+
+    digest = hashlib.blake2b(repr((layer, tokens)).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def make_worker(vc, kcc):

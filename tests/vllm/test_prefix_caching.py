@@ -1,25 +1,36 @@
-"""Prefix caching with the real vLLM 0.33.0 scheduler: what hybridkv supports, and what it refuses.
+"""Prefix caching with the real vLLM 0.33.0 scheduler (vLLM's default), at both ends.
 
-vLLM 0.33 turns prefix caching on a Mamba/GDN model into ``mamba_cache_mode='align'``
-(per-block state checkpoints, cached and shared); hybridkv moves one running-state slot per
-GDN group, so the connector refuses that configuration at start-up, naming it, instead of
-failing on a request. Blocks shared by several finished requests (rule 7) never crash the
-engine: an export is a read hold, and a block goes back to vLLM only after its last holder.
+vLLM 0.33 turns prefix caching on a Mamba/GDN model into ``mamba_cache_mode='align'``. On the
+prefill side, requests that share a prefix share its cached blocks: each export is a read hold
+(rule 7 of docs/design.md), and a block goes back to vLLM only after its last holder. On the
+decode side the connector accepts vLLM's divergent hybrid hits (the full-attention hit reported
+as the local prefix): a load moves only the attention suffix the decode does not hold, paired
+with the tail of the producer's list, and always the running GDN state.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
 import pytest
 
 from tests.vllm import harness as h
+from tests.vllm.test_worker_nixl import _free_port, _read
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_prefix_caching_on_a_hybrid_model_is_refused_at_start_up_naming_it():
+def test_prefix_caching_on_a_hybrid_model_starts_in_align_mode():
     vc = h.make_vllm_config(role="kv_producer", prefix_caching=True)
     assert vc.cache_config.mamba_cache_mode == "align"  # vLLM's own choice for prefix caching
     kcc = h.make_kv_cache_config(vc)
-    with pytest.raises(ValueError, match=r"prefix caching on a model with Mamba/GDN layers.*mamba_cache_mode='align'"):
-        h.make_scheduler(vc, kcc, async_scheduling=False)
+    sched = h.make_scheduler(vc, kcc, async_scheduling=True)
+    assert sched.connector.supports_divergent_local_hybrid_hits
 
 
 def test_requests_that_share_a_block_export_it_under_counted_holds():
@@ -29,7 +40,7 @@ def test_requests_that_share_a_block_export_it_under_counted_holds():
 
     from connectors.vllm.metadata import HybridKVWorkerMetadata
 
-    vc = h.make_vllm_config(role="kv_producer")
+    vc = h.make_vllm_config(role="kv_producer", prefix_caching=True)
     kcc = h.make_kv_cache_config(vc)
     sched = h.make_scheduler(vc, kcc, async_scheduling=False)
     half = sched.connector.scheduler
@@ -57,3 +68,84 @@ def test_requests_that_share_a_block_export_it_under_counted_holds():
     half.update_connector_output(out)
     assert out.finished_sending == {"a", "b"}
     assert half.idle()
+
+
+# a: the common prefix alone; b: the prefix and a suffix of its own; c: a's prompt again.
+PROMPTS = [("a", 128, 1, 128), ("b", 170, 2, 128), ("c", 128, 1, 128)]
+
+
+@pytest.mark.slow
+def test_prefix_caching_at_both_ends_moves_only_the_missing_suffix(tmp_path):
+    from vllm.v1.engine import FinishReason
+
+    port = _free_port()
+    log = open(tmp_path / "peer.log", "w")
+    peer = subprocess.Popen([sys.executable, "-m", "tests.vllm.prefix_peer", str(port)], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        vc = h.make_vllm_config(role="kv_consumer", async_scheduling=True, engine_id="decode-engine",
+                                prefix_caching=True)
+        kcc = h.make_kv_cache_config(vc)
+        sched = h.make_scheduler(vc, kcc, async_scheduling=True)
+        conn, kv_caches = h.make_worker(vc, kcc)
+        # Decode's steps write what they compute (the last prompt token, the decoded ones), as a model does.
+        runner = h.RealWorker(conn, kv_caches, sched, writes=True, only_new=True, seed=1)
+        d = h.Driver(sched, runner, async_scheduling=True)
+        assert _read(peer, 120)["ready"] == port
+        pages_path = tmp_path / "pages.msgpack"
+        peer.stdin.write(json.dumps({"requests": PROMPTS, "pages": str(pages_path)}) + "\n")
+        peer.stdin.flush()
+        params = _read(peer, 120)["params"]
+        sent = msgpack.unpackb(pages_path.read_bytes(), raw=False)
+        half = sched.connector.scheduler
+        (att,) = [i for i, g in enumerate(half.transfer_groups) if g not in half._mamba_spec_blocks]
+        remote = {rid: params[rid]["remote_block_ids"] for rid, *_ in PROMPTS}
+        # Prefill: b and c hit a's cached blocks; their exports hold them together.
+        assert set(remote["a"][att]) & set(remote["b"][att]) and set(remote["a"][att]) & set(remote["c"][att])
+        att_layers = set(kcc.kv_cache_groups[half.transfer_groups[att]].layer_names)
+
+        def load(rid, n, seed, prefix):
+            # What a P/D proxy does: forward the producer's kv_transfer_params to decode.
+            sched.add_request(h.make_request(rid, prompt_len=n, max_tokens=4, params=dict(params[rid]),
+                                             suffix_seed=seed, prefix_len=prefix, sched=sched))
+            d.run_for(60, until=lambda: rid in d.finished)
+            assert d.finished[rid][0] is FinishReason.LENGTH and not runner.failed, runner.failed
+
+        load(*PROMPTS[0])  # a: nothing cached on decode yet, every block moves
+        for p in PROMPTS[1:]:
+            load(*p)
+        for rid, *_ in PROMPTS:
+            order = runner.order_blocks[rid]
+            # The request's whole attention table on decode, when its load landed, holds what prefill
+            # computed: the prefix from decode's own cache (an earlier load, completed by decode's
+            # own steps), the suffix from this load.
+            for name in att_layers:
+                assert runner.table_pages[rid][name] == sent[rid][name], f"{rid} layer {name}: bytes differ"
+            # What moved: the GDN state and the attention suffix only, paired with prefill's tail.
+            got = runner.snapshots[rid]
+            for name, pages in got.items():
+                want = sent[rid][name][-len(pages):] if name in att_layers else sent[rid][name]
+                assert pages == want, f"{rid} layer {name}: bytes differ"
+            moved = len(order[att])
+            if rid == "a":
+                assert moved == len(remote[rid][att])
+            else:
+                assert 0 < moved < len(remote[rid][att]), (rid, moved, remote[rid][att])
+        # Bytes on the wire: every load moves the same GDN state (whole, padded pages); beyond
+        # that, exactly the attention blocks it loaded.
+        block_bytes = sum(len(sent["a"][name][0]) for name in att_layers)
+        base = conn.worker.load_results["a"].nbytes - len(remote["a"][att]) * block_bytes
+        for rid, *_ in PROMPTS:
+            assert conn.worker.load_results[rid].nbytes == base + len(runner.order_blocks[rid][att]) * block_bytes
+        end = _read(peer, 90)
+        assert end["freed"], end  # every shared block went back to prefill's vLLM after its last reader
+        d.run_for(10, until=lambda: h.free_blocks(sched) == kcc.num_blocks - 1)
+        d.drain()
+        assert half.idle()
+        conn.shutdown()
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+        peer.wait(10)
+        log.close()
