@@ -104,3 +104,35 @@ def test_dp_attention_2_to_2_any_prefill_dp_rank_to_any_decode_dp_rank(ranks):
     for r in decode:
         s = r.call("stats")
         assert s["requests"] == 0 and s["transfers"] == 0 and not s["fenced"] and not s["imports"]
+
+
+def test_dp_attention_prefill_to_tp2_decode(ranks):
+    """DP attention on the prefill only (two DP groups of attention TP 1), plain TP 2 on
+    the decode: both decode ranks read the one prefill DP rank of the room (SGLang's
+    required_dst_info_num = 2), each its KV head and its half of the GDN heads."""
+    p0, p1, d0, d1 = ranks
+    port = pd_peer.free_port()
+    p0.call("setup", ("prefill", 2, 0, port, SEEDS[0], True, 2, 2))
+    for r, args in ((p1, ("prefill", 2, 1, port, SEEDS[1], False, 2, 2)),
+                    (d0, ("decode", 2, 0, pd_peer.free_port(), None, False, 2, 1)),
+                    (d1, ("decode", 2, 1, pd_peer.free_port(), None, False, 2, 1))):
+        r.start("setup", args)
+    for r in (p1, d0, d1):
+        r.result("setup")
+    addr = f"127.0.0.1:{port}"
+    room = 4004
+    assert p1.call("sender", (room, False)) == 1
+    for d in (d0, d1):
+        assert d.call("query_dp_rank", (addr, room)) == 1
+        d.call("receive", (room, addr, DST_PAGES, DST_AUX, DST_SLOT, 1))
+    assert _wait_for(p1, room, WAITING_FOR_INPUT) == WAITING_FOR_INPUT  # both decode ranks' metadata arrived
+    p1.call("send", (room, SRC_PAGES, SRC_SLOT, SRC_AUX, 3))
+    assert p1.call("wait", room) == (SUCCESS, None)
+    for rank, d in enumerate((d0, d1)):
+        assert d.call("wait", room) == (SUCCESS, None)
+        got = d.call("named", (DST_PAGES, DST_SLOT, DST_AUX))
+        want = make_pools(SEEDS[1], tp=2, rank=rank).named(SRC_PAGES, SRC_SLOT, SRC_AUX)
+        assert got.keys() == want.keys()
+        bad = [k for k in want if got[k] != want[k]]
+        assert not bad, f"decode rank {rank}/2: {len(bad)} of {len(want)} fields differ, first {bad[:3]}"
+    assert [r.call("stats")["peers"] for r in (p0, p1)] == [0, 2]
