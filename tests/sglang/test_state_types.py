@@ -6,8 +6,8 @@ the prefill ranks hold.
 
 * SWA pages of an MHA model: head-sliced when TP differs, the byte ranges of
   SGLang's `_send_swa_state_slice` (`_get_mha_head_slice_blocks`);
-* DSA index-K pages: the same on every rank, moved between any TP sizes, each
-  written once;
+* DSA index-K pages, and on an MLA model SWA, SWA ring, c128 state, block scales
+  (...): the same on every rank, moved between any TP sizes, each written once;
 * a type SGLang moves at equal TP only (MiniMax index K): moved whole at equal TP,
   refused at different TP with the type and the TP pair named."""
 
@@ -33,14 +33,16 @@ SWA_LAYERS = (1, 5)
 INDEX_BYTES = 24  # DSA / MiniMax index K per token
 
 
-def _side(seed, tp, rank, extra):
+def _side(seed, tp, rank, extra, mla=False):
     """A rank's pools plus one state component per name in `extra`, drawn from one global
-    state (head-sharded for SWA, replicated for DSA, this rank's own for MiniMax)."""
+    state (head-sharded for SWA on MHA, replicated for DSA and for any type on MLA, this
+    rank's own for MiniMax). `mla`: an MLA-shaped model (one latent KV "head", the same on
+    every rank)."""
     import torch
     from sglang.srt.disaggregation.base.conn import StateType
     from sglang.srt.disaggregation.utils import append_state_component
 
-    pools = model.make_pools(seed, tp=tp, rank=rank)
+    pools = model.make_pools(seed, tp=tp, rank=rank, kv_heads=1 if mla else model.KV_HEADS)
     args = pools.kv_args()
     args.swa_kv_cache_layout = "nhd"
     g = torch.Generator().manual_seed((seed or 0) + 1)
@@ -51,12 +53,12 @@ def _side(seed, tp, rank, extra):
             t = torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)
             return t if seed is not None else torch.zeros_like(t)
 
-        if name == "swa":
+        if name == "swa" and not mla:
             heads = model.kv_heads_of(model.KV_HEADS, tp, rank)
             bufs = [draw(tokens, model.KV_HEADS, 2 * model.HEAD_DIM)[:, heads.start:heads.stop].contiguous()
                     for _ in range(2 * len(SWA_LAYERS))]  # K of each SWA layer, then V
             items = [b[0].nbytes * model.PAGE_SIZE for b in bufs]
-        elif name == "dsa":
+        elif name == "dsa" or mla:
             bufs = [draw(tokens, INDEX_BYTES) for _ in model.ATTN_LAYERS]
             items = [b[0].nbytes * model.PAGE_SIZE for b in bufs]
         else:
@@ -65,7 +67,7 @@ def _side(seed, tp, rank, extra):
         append_state_component(args, StateType(name), [b.data_ptr() for b in bufs], [b.nbytes for b in bufs], items)
         keep[name] = bufs
     adopted = adopt_kv_args(args, device_mem=MemKind.DRAM, gpu_id=0,
-                            parallel=parallel_of(args, attn_tp=tp, attn_rank=rank))
+                            parallel=parallel_of(args, attn_tp=tp, attn_rank=rank, mla=mla))
     return types.SimpleNamespace(pools=pools, args=args, adopted=adopted, bufs=keep, extra=tuple(extra))
 
 
@@ -77,9 +79,9 @@ def _blocks(side, pages, slot, aux):
     return out
 
 
-def _run(tp_p, tp_d, extra):
-    prefill = [_side(7, tp_p, r, extra) for r in range(tp_p)]
-    decode = [_side(None, tp_d, r, extra) for r in range(tp_d)]
+def _run(tp_p, tp_d, extra, mla=False):
+    prefill = [_side(7, tp_p, r, extra, mla) for r in range(tp_p)]
+    decode = [_side(None, tp_d, r, extra, mla) for r in range(tp_d)]
     rows = {}
     for d, dst in enumerate(decode):
         for p in prefill_sources(tp_p, tp_d, d)[0]:
@@ -141,12 +143,17 @@ def _sglang_swa_rows(src, dst, tp_p, tp_d, d):
     return out
 
 
+@pytest.mark.parametrize("name, mla", [("dsa", False), ("swa", True), ("swa_ring", True), ("block_scale", True),
+                                       ("c128_state", True)])
 @pytest.mark.parametrize("tp_p, tp_d", [(2, 1), (1, 2)])
-def test_dsa_index_pages_move_between_any_tp_written_once(tp_p, tp_d):
-    prefill, decode, rows = _run(tp_p, tp_d, ["dsa"])
+def test_replicated_state_moves_between_any_tp_written_once(tp_p, tp_d, name, mla):
+    """DSA index K (any model) and, on an MLA model, the types SGLang's NIXL backend moves
+    between any TP sizes there: the same on every rank, written by one prefill rank."""
+    prefill, decode, rows = _run(tp_p, tp_d, [name], mla)
     group = prefill[0].adopted.state_group(1)
+    assert all(prefill[0].adopted.shapes[k].slicing is Slicing.WHOLE for k in prefill[0].adopted.components[-2][1])
     for d, side in enumerate(decode):
-        for src_buf, dst_buf in zip(prefill[0].bufs["dsa"], side.bufs["dsa"]):
+        for src_buf, dst_buf in zip(prefill[0].bufs[name], side.bufs[name]):
             for sp, dp in zip(SRC_PAGES, DST_PAGES):
                 assert dst_buf[dp * model.PAGE_SIZE:(dp + 1) * model.PAGE_SIZE].equal(
                     src_buf[sp * model.PAGE_SIZE:(sp + 1) * model.PAGE_SIZE])
