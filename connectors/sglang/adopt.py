@@ -35,6 +35,7 @@ import numpy as np
 
 from connectors.sglang.messages import ComponentKeys, PeerLayout, ShapeOf
 from connectors.sglang.shapes import BufferShape, Parallel, Slicing
+from connectors.sglang.startup import state_type_name
 from hybridkv.layout.alloc import MemKind
 from hybridkv.fencing.fence import PoolLayout
 from hybridkv.ids import GroupId, RequestId
@@ -64,6 +65,13 @@ class AdoptedLayout:
     placement: dict[int, tuple[RegionId, int]]
     #: the layout as the transport registers and sends it (regions, groups, field tables)
     memory: MemoryMap
+    #: SGLang's StateType value of each state group, in order ("mamba", "swa", ...); empty for a peer's view
+    state_types: tuple[str, ...] = ()
+
+    def state_type_of(self, group: int) -> str:
+        """The StateType value of a state group ("?" where not known)."""
+        i = group - 1
+        return self.state_types[i] if 0 <= i < len(self.state_types) else "?"
 
     @property
     def aux_group(self) -> int:
@@ -148,7 +156,7 @@ def _ints(values: Sequence[Any] | None, what: str) -> list[int]:
 
 
 def _build(buffers: list[Buffer], num_state_groups: int, components: list[tuple[Component, frozenset[int]]],
-           parallel: Parallel, shapes: dict[int, BufferShape]) -> AdoptedLayout:
+           parallel: Parallel, shapes: dict[int, BufferShape], state_types: tuple[str, ...] = ()) -> AdoptedLayout:
     keys = {b.key for b in buffers}
     blocks = []
     for g in range(2 + num_state_groups):
@@ -163,7 +171,7 @@ def _build(buffers: list[Buffer], num_state_groups: int, components: list[tuple[
     return AdoptedLayout(layout=layout, buffers=tuple(buffers), num_state_groups=num_state_groups,
                          components=tuple(comps), group_blocks=tuple(blocks), parallel=parallel,
                          shapes={k: shapes[k] for k in sorted(keys)}, placement=_placement(layout, buffers),
-                         memory=from_layout(layout))
+                         memory=from_layout(layout), state_types=state_types)
 
 
 def _placement(layout: Layout, buffers: list[Buffer]) -> dict[int, tuple[RegionId, int]]:
@@ -239,12 +247,15 @@ def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int, parallel: P
     state_items = getattr(kv_args, "state_item_lens", None) or []
     state_layers = getattr(kv_args, "state_layer_ids", None) or []
     state_types = getattr(kv_args, "state_types", None) or []
+    type_names = tuple(state_type_name(st) for st in state_types)
+    swa_nhd = getattr(kv_args, "swa_kv_cache_layout", None) == "nhd"
     for c, ps in enumerate(state_ptrs):
         group = 1 + c
         ptrs = _ints(ps, "state_data_ptrs")
         first = next_key
         layers = _ints(state_layers[c] if c < len(state_layers) else None, "state_layer_ids")
         kind = getattr(state_types[c], "name", str(state_types[c])) if c < len(state_types) else ""
+        other = _other_state_shape(type_names[c] if c < len(type_names) else "", mla=parallel.mla, swa_nhd=swa_nhd)
         per_tensor = len(set(layers)) if layers and len(layers) == len(ptrs) else 0
         mamba = kind == "MAMBA" and per_tensor and len(ptrs) % per_tensor == 0 and len(ptrs) > per_tensor
         dims = _per_entry(getattr(kv_args, "state_dim_per_tensor", None), c, len(ptrs)) if mamba else None
@@ -253,7 +264,7 @@ def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int, parallel: P
 
         def state_shape(i: int, key: int) -> BufferShape:
             if dims is None:
-                return BufferShape(slicing=Slicing.RANK)
+                return other
             if int(dims[i]) == 0:
                 return BufferShape(slicing=Slicing.WHOLE)  # replicated across attention TP
             return BufferShape(slicing=Slicing.DIMS, dim=int(dims[i]), outer=int(outers[i] or 1),
@@ -278,7 +289,28 @@ def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int, parallel: P
     components.append((Component(group=GroupId(aux_group), kind=ComponentKind.KV), frozenset(aux_keys)))
     if not buffers:
         raise ValueError("KVArgs lists no non-empty buffer; expected KV pages at least")
-    return _build(buffers, len(state_ptrs), components, parallel, shapes)
+    return _build(buffers, len(state_ptrs), components, parallel, shapes, type_names)
+
+
+# State types whose items are the same on every attention-TP rank of an MLA model
+# (SGLang's NIXL backend moves them between any TP sizes there, and at equal TP
+# otherwise: maybe_send_extra).
+_WHOLE_ON_MLA = frozenset({"swa", "swa_ring", "c128_state", "request_row", "block_scale", "block_scale_swa",
+                           "qsa_pending", "qsa_compressed"})
+
+
+def _other_state_shape(name: str, *, mla: bool, swa_nhd: bool) -> BufferShape:
+    """What an item of a non-Mamba state type holds, as SGLang 0.5.23's NIXL backend
+    moves it (nixl/conn.py maybe_send_extra): DSA index-K pages are the same on every
+    rank (moved between any TP sizes); SWA pages of an MHA model are NHD KV pages
+    (head-sliced like KV when TP differs, SGLang's `_send_swa_state_slice`, NHD only);
+    on MLA models the types above are replicated; everything else is this rank's
+    bytes, moved at equal TP only."""
+    if name == "dsa" or (mla and name in _WHOLE_ON_MLA):
+        return BufferShape(slicing=Slicing.WHOLE)
+    if name == "swa" and not mla and swa_nhd:
+        return BufferShape(slicing=Slicing.HEADS)
+    return BufferShape(slicing=Slicing.RANK)
 
 
 def state_blocks(state_indices) -> list[tuple[int, np.ndarray]]:

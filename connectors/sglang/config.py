@@ -25,8 +25,13 @@ class SGLangConfig:
       they are aborted (never past the room's export lease).
     * ``drain_timeout_s`` (unset): how long a decode room whose prefill failed waits
       for every writer to say it is quiet before its pages are released anyway.
-      Unset: SGLang's waiting timeout (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``,
-      300 s; a prefill manager has none and uses 300 s).
+      Unset: SGLang's deferred decode KV release timeout
+      (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``, 30 s), after
+      which SGLang frees a held request's pages whatever the backend says; set
+      longer than that, the decode manager refuses to start (startup.py). With
+      that release off (decode TP 1 only), SGLang's waiting timeout
+      (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, 300 s); a prefill manager uses
+      300 s (its lease).
     * ``min_lease_s`` (60): the shortest export/import lease of the fencing
       scheduler; the lease is the larger of this and the drain timeout.
     * ``workers`` (2): prefill threads that post and settle chunks (a room's chunks

@@ -61,6 +61,7 @@ import numpy as np
 import zmq
 
 from connectors.sglang import messages as msgs
+from connectors.sglang import startup
 from connectors.sglang.adopt import (
     KV_GROUP,
     AdoptedLayout,
@@ -89,6 +90,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_device, get_parallel, linear_attn_tp_size
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.network import NetworkAddress
@@ -125,8 +127,19 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         # Layout, agent and scheduler exist before the base class registers to
         # the bootstrap server: a decode may connect right after.
         self.config = SGLangConfig.from_server_args(server_args)
-        self.mem = MemKind.DRAM if get_device().device == "cpu" else MemKind.VRAM
         par = get_parallel()
+        decode = disaggregation_mode == DisaggregationMode.DECODE
+        # Refused or settled before anything is registered or bound (startup.py).
+        startup.check_parallel(pp_size=par.pp_size, attn_cp_size=par.attn_cp_size,
+                               role="decode" if decode else "prefill")
+        startup.check_state_types(getattr(args, "state_types", None))
+        self.drain_timeout_s = startup.drain_timeout(
+            self.config, decode=decode, waiting_timeout=envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get(),
+            deferred_release=bool(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()
+                                  and self.supports_deferred_decode_kv_release),
+            deferred_timeout=envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get(),
+            attn_tp_size=par.attn_tp_size)
+        self.mem = MemKind.DRAM if get_device().device == "cpu" else MemKind.VRAM
         self.adopted = adopt_kv_args(
             args, device_mem=self.mem, gpu_id=int(getattr(args, "gpu_id", 0) or 0),
             parallel=parallel_of(args, attn_tp=par.attn_tp_size, attn_rank=par.attn_tp_rank,
@@ -149,7 +162,6 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         self.fenced: set[tuple[int, int]] = set()
         self.peers: dict[str, _Peer] = {}
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        self.drain_timeout_s = self.config.drain_timeout(getattr(self, "waiting_timeout", None))
         self.sched = TransferScheduler(self.adopted.pool_layout(), managed_pool=False,
                                        lease_s=self.config.lease_s(self.drain_timeout_s))
         if disaggregation_mode == DisaggregationMode.PREFILL:
@@ -158,7 +170,6 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
                 self._spawn(self._worker_loop, f"hybridkv-worker-{i}", q)
             self._spawn(self._prefill_control_loop, "hybridkv-control")
         else:
-            self._check_deferred_release()
             self._spawn(self._decode_listener_loop, "hybridkv-listener")
             self._heartbeat_thread = self._start_heartbeat_checker_thread()
 
@@ -211,7 +222,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
             endpoint=self.local_ip, port=self.rank_port, agent_name=self.dp.name, agent_metadata=self.dp.metadata(),
             layout=self.adopted.peer_view(),
             attn_tp_size=self.attn_tp_size, attn_tp_rank=self.attn_tp_rank,
-            state_types=tuple(str(getattr(s, "value", s)) for s in (getattr(self.kv_args, "state_types", None) or [])),
+            state_types=self.adopted.state_types,
             fingerprint=self.fingerprint(),
         ).to_frames()
 
@@ -272,6 +283,9 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
             if (reg.attn_tp_size, reg.attn_tp_rank) != (theirs.attn_tp, theirs.attn_rank):
                 raise ValueError(f"the message says decode rank {reg.attn_tp_rank}/{reg.attn_tp_size}, its layout "
                                  f"{theirs.attn_rank}/{theirs.attn_tp}")
+            if tuple(reg.state_types) != self.adopted.state_types:
+                raise ValueError(f"state types {list(self.adopted.state_types)} on the prefill, "
+                                 f"{list(reg.state_types)} on the decode; expected the same model")
             plan = plan_peer(self.adopted, peer_layout)
         except ValueError as e:
             rejection = (f"hybridkv cannot pair prefill rank {mine.attn_rank}/{mine.attn_tp} with decode rank "

@@ -25,7 +25,6 @@ from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
 from hybridkv.ids import TransferId
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.environ import envs
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +131,16 @@ class DecodeImports:
     # resolve_deferred_releases asks kv_mgr.is_abort_release_safe on each rank and
     # MIN-reduces the answers, so the ranks release together, then calls
     # kv_mgr.clear_deferred_abort_state and receiver.clear(). SGLang releases anyway
-    # once SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT passed.
+    # once SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT passed since it
+    # began holding; the drain timeout is never longer (startup.py), and hybridkv's
+    # hold clock starts when the ABORT is armed (register_deferred_abort_room), which
+    # SGLang does before it starts its own, so hybridkv's deadline comes first.
+
+    def register_deferred_abort_room(self, bootstrap_room: int) -> int:
+        generation = super().register_deferred_abort_room(bootstrap_room)
+        with self.sched_lock:
+            self._held_since.setdefault(bootstrap_room, time.monotonic())
+        return generation
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """True once no import into the room's blocks is in flight in hybridkv's scheduler:
@@ -156,30 +164,12 @@ class DecodeImports:
         with self.sched_lock:
             self._held_since.pop(bootstrap_room, None)
         if self.imports_in_flight(bootstrap_room):
-            # SGLang's release timeout passed first: the pages go back to its allocator.
-            # The scheduler keeps them fenced (a new transfer into them is refused), but
-            # the engine may hand them to a running request while a write may land.
+            # Not expected (the drain timeout is never longer than SGLang's): the pages go
+            # back to its allocator. The scheduler keeps them fenced (a new transfer into
+            # them is refused), but the engine may hand them to a running request.
             logger.error(
-                "hybridkv: SGLang released room %s after its deferred-release timeout with %d import(s) in "
-                "flight; set SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT >= the drain timeout "
-                "(%.0f s)", bootstrap_room, self.imports_in_flight(bootstrap_room), self.drain_timeout_s)
-
-    def _check_deferred_release(self) -> None:
-        """Say at start-up where SGLang's deferred release cannot keep a decode TP > 1 room's pages."""
-        if self.attn_tp_size <= 1:
-            return  # the receiver itself reports Transferring while a write may land
-        if not self.enable_deferred_decode_kv_release:
-            logger.warning(
-                "hybridkv: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE is off: with decode TP %d a request "
-                "that fails on one rank frees its pages on every rank while a write into another rank's pages "
-                "may still land (hybridkv only refuses to publish them again)", self.attn_tp_size)
-            return
-        timeout = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
-        if timeout < self.drain_timeout_s:
-            logger.warning(
-                "hybridkv: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (%.0f s) is shorter than the "
-                "drain timeout (%.0f s): SGLang may free a held room's pages while a write may still land",
-                timeout, self.drain_timeout_s)
+                "hybridkv: SGLang released room %s with %d import(s) in flight before the drain timeout (%.0f s) "
+                "ended them", bootstrap_room, self.imports_in_flight(bootstrap_room), self.drain_timeout_s)
 
     def _on_landed(self, landed: msgs.Landed) -> None:
         with self.sched_lock:

@@ -110,8 +110,11 @@ def _check_hetero(prefill: AdoptedLayout, decode: AdoptedLayout) -> None:
     for b in prefill.buffers:
         sp, sd, other = prefill.shapes[b.key], decode.shapes[b.key], decode.buffer(b.key)
         if sp.slicing is Slicing.RANK:
-            raise ValueError(f"{what}: buffer {b.key} (group {b.group_id}) holds a state type whose slicing "
-                             "SGLang does not describe; expected equal TP for it")
+            kind = (f"state type {prefill.state_type_of(b.group_id)!r}" if 0 < b.group_id <= prefill.num_state_groups
+                    else "a buffer")
+            raise ValueError(f"{what}: {kind} (group {b.group_id}, buffer {b.key}) is moved at equal attention TP "
+                             "only (SGLang gives no slicing for it on this model); expected prefill and decode "
+                             "attention TP equal")
         if sp.slicing is Slicing.WHOLE:
             if b.item_bytes != other.item_bytes:
                 raise ValueError(f"{what}: buffer {b.key} is the same on every rank but its item has "

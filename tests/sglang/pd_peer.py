@@ -52,7 +52,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def configure(role: str, *, port: int, bootstrap_port: int, tp: int = 1, rank: int = 0):
+def configure(role: str, *, port: int, bootstrap_port: int, tp: int = 1, rank: int = 0, dp: int = 1, pp: int = 1):
+    """SGLang's runtime context of TP rank `rank` of `tp` (of PP stage 0); `dp` > 1 is
+    DP attention (`--enable-dp-attention --dp-size dp`: attention TP is tp // dp)."""
     os.environ["SGLANG_HOST_IP"] = "127.0.0.1"
     os.environ.setdefault("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "2")
     # Two misses, not one: a loaded CI machine can miss one health check of a live peer.
@@ -63,16 +65,20 @@ def configure(role: str, *, port: int, bootstrap_port: int, tp: int = 1, rank: i
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
+    dp_attention = dict(dp_size=dp, enable_dp_attention=True) if dp > 1 else {}
     sa = ServerArgs(
         model_path="dummy", device="cpu", host="127.0.0.1", port=port, disaggregation_mode=role,
         disaggregation_transfer_backend="hybridkv", disaggregation_bootstrap_port=bootstrap_port, tp_size=tp,
+        pp_size=pp, **dp_attention,
     )
     get_parallel().clear_stamp()  # a rank process may be set up again with another TP
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
     # No torch.distributed: the Common* managers only store the groups (they
     # talk to them when PP > 1), as in SGLang's own unit tests.
-    group = _RankGroup(tp, rank)
-    get_parallel().override_permanently(pp_group=_RankGroup(1, 0), tp_group=group, attn_tp_group=group)
+    par = get_parallel()
+    get_parallel().override_permanently(pp_group=_RankGroup(par.pp_size, par.pp_rank),
+                                        tp_group=_RankGroup(tp, par.tp_rank),
+                                        attn_tp_group=_RankGroup(par.attn_tp_size, par.attn_tp_rank))
     return sa
 
 
@@ -114,7 +120,7 @@ def failure_of(obj) -> str | None:
     return None
 
 
-def receiver(mgr, addr: str, room: int):
+def receiver(mgr, addr: str, room: int, prefill_dp_rank: int = 0):
     """A decode receiver past init(), as SGLang's DecodePreallocQueue makes it."""
     deadline = time.monotonic() + 20
     while not mgr.try_ensure_parallel_info(addr):
@@ -122,7 +128,7 @@ def receiver(mgr, addr: str, room: int):
             raise TimeoutError("prefill never registered to its bootstrap server")
         time.sleep(0.1)
     r = kv_class("RECEIVER")(mgr, addr, room)
-    r.init(0)
+    r.init(prefill_dp_rank)
     return r
 
 
@@ -204,14 +210,65 @@ class _State:
         self.free: set[tuple[str, int]] = set()  # decode: what that queue handed back to the allocator
 
     def setup(self, role: str, tp: int, rank: int, bootstrap_port: int, seed, host_server: bool,
-              kv_heads: int = KV_HEADS):
+              kv_heads: int = KV_HEADS, dp: int = 1):
+        """`dp` > 1: DP attention; the pools are this rank's attention-TP slice (attention TP tp // dp)."""
         self.teardown()
-        sa = configure(role, port=free_port(), bootstrap_port=bootstrap_port, tp=tp, rank=rank)
+        sa = configure(role, port=free_port(), bootstrap_port=bootstrap_port, tp=tp, rank=rank, dp=dp)
         if host_server:
             self.server = kv_class("BOOTSTRAP_SERVER")("127.0.0.1", bootstrap_port)
-        self.pools = make_pools(seed, tp=tp, rank=rank, kv_heads=kv_heads)
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        self.pools = make_pools(seed, tp=par.attn_tp_size, rank=par.attn_tp_rank, kv_heads=kv_heads)
         self.mgr = make_manager(role, self.pools, sa)
-        return self.mgr.dp.name
+        return dict(agent=self.mgr.dp.name, attn_tp=par.attn_tp_size, attn_tp_rank=par.attn_tp_rank,
+                    attn_dp_rank=par.attn_dp_rank, num_dp_ranks=par.num_dp_ranks)
+
+    def start_manager(self, role: str, env: dict, tp: int = 1, pp: int = 1, extra_state: str | None = None):
+        """Build a manager as SGLang's scheduler would, with `env` set (TP rank 0 of `tp`, PP size
+        `pp`, one more state component of type `extra_state`), then close it:
+        {"error": what stopped it or None, "drain_timeout_s": its drain timeout}."""
+        self.teardown()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        mgr = None
+        try:
+            sa = configure(role, port=free_port(), bootstrap_port=free_port(), tp=tp, pp=pp)
+            self.pools = make_pools(None, tp=tp)
+            args = self.pools.kv_args()
+            if extra_state is not None:
+                from sglang.srt.disaggregation.base.conn import StateType
+
+                t = self.pools.aux  # any registered host buffer: the refusal comes before registration
+                args.state_types.append(StateType(extra_state))
+                for name, value in (("state_data_ptrs", t.data_ptr()), ("state_data_lens", t.nbytes),
+                                    ("state_item_lens", t[0].nbytes), ("state_layer_ids", 0),
+                                    ("state_dim_per_tensor", 0), ("state_slice_outer_counts", 1),
+                                    ("state_conv_shard_groups", None)):
+                    getattr(args, name).append([value])
+            from sglang.srt.disaggregation.utils import DisaggregationMode
+
+            mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+            mgr = kv_class("MANAGER")(args, mode, sa, False)
+            return dict(error=None, drain_timeout_s=mgr.drain_timeout_s)
+        except Exception as e:
+            return dict(error=f"{type(e).__name__}: {e}", drain_timeout_s=None)
+        finally:
+            if mgr is not None:
+                mgr.close()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def setenv(self, env: dict):
+        """Set (value) or unset (None) environment variables of this rank process."""
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
     def teardown(self, _=None):
         if self.queue is not None:
@@ -229,6 +286,8 @@ class _State:
 
     # prefill commands
     def sender(self, room: int, wait: bool = True):
+        """SGLang's sender for the room; under DP attention its __init__ registers this DP
+        rank for the room with the bootstrap server (/register_dp_rank)."""
         from sglang.srt.disaggregation.base.conn import KVPoll
 
         s = self.peers[room] = kv_class("SENDER")(self.mgr, f"127.0.0.1:{self.mgr.bootstrap_port}", room)
@@ -258,10 +317,23 @@ class _State:
         self.peers[room].abort()
 
     # decode commands
-    def receive(self, room: int, addr: str, pages, aux_row: int, slot: int):
-        r = self.peers[room] = receiver(self.mgr, addr, room)
+    def receive(self, room: int, addr: str, pages, aux_row: int, slot: int, prefill_dp_rank: int = 0):
+        r = self.peers[room] = receiver(self.mgr, addr, room, prefill_dp_rank)
         r.send_metadata(np.asarray(pages, dtype=np.int32), aux_row, [[slot]])
         return int(r.poll())
+
+    def query_dp_rank(self, addr: str, room: int, timeout: float = 20):
+        """The prefill DP rank of the room, as SGLang's DecodePreallocQueue resolves it where
+        rooms do not name it (CommonKVReceiver.query_prefill_dp_ranks, /query_dp_ranks)."""
+        from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = CommonKVReceiver.query_prefill_dp_ranks(addr, [room]).get(str(room))
+            if got is not None:
+                return int(got)
+            time.sleep(0.05)
+        raise TimeoutError(f"no prefill DP rank registered room {room}")
 
     # both sides
     def poll(self, room: int):
@@ -377,7 +449,7 @@ class _State:
         return dict(chunks=st.chunks, handles=st.handles, descriptors=st.descriptors, bytes=st.bytes,
                     pages=st.pages, inflight=dict(getattr(mgr, "_inflight", {})), rooms=list(mgr.request_status),
                     transfer_infos=list(getattr(mgr, "transfer_infos", {})), waiters=dict(mgr._drain_waiters),
-                    exporting=mgr.exporting(room) if room is not None else None,
+                    exporting=mgr.exporting(room) if room is not None else None, peers=len(mgr.peers),
                     failures=dict(mgr.failure_records), stuck=len(getattr(mgr, "_stuck", {})), **sched)
 
 

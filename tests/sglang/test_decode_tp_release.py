@@ -134,3 +134,57 @@ def test_decode_tp2_held_write_on_one_rank_keeps_pages_out_of_the_free_list_fake
         assert st["requests"] == 0 and st["transfers"] == 0 and not st["fenced"] and not st["imports"]
     st = p1.call("stats", room)
     assert st["stuck"] == 0 and st["exporting"] is False and st["transfers"] == 0 and not st["fenced"]
+
+
+def test_decode_tp2_write_held_past_sglang_release_timeout_ends_in_hybridkv_first_fake_nixl_handle(ranks):
+    """The same held write, never released: SGLang's deferred release gives up after
+    SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (3 s here) whatever the
+    backend says. hybridkv's drain timeout follows it (startup.py), and its hold clock
+    starts when SGLang arms the ABORT, before SGLang's own: when SGLang releases the
+    blocks, hybridkv has already ended the import (nothing in flight, nothing fenced),
+    so the allocator and the fence agree. With the old 300 s drain timeout SGLang
+    released with the import still in flight."""
+    p0, p1, d0, d1 = ranks
+    decode = (d0, d1)
+    timeout = 3.0
+    for d in decode:
+        d.call("setenv", {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(timeout)})
+    try:
+        addr = _setup(ranks)
+        room = 3002
+        p1.call("patch", ("transfer_timeout_s", 1.0))
+        p1.call("hold_writes")
+        aux = [d.call("enqueue", (room, addr, DST_PAGES, DST_SLOT)) for d in decode][0]
+        assert p0.call("sender", room) == WAITING_FOR_INPUT and p1.call("sender", room) == WAITING_FOR_INPUT
+        p0.call("send", (room, [1, NUM_PAGES + 5], SRC_SLOT, SRC_AUX, 1))  # refused: decode rank 0 fails
+        p1.call("send", (room, SRC_PAGES, SRC_SLOT, SRC_AUX, 1))  # held: decode rank 1 waits for it
+        deadline = time.monotonic() + 20
+        while p1.call("held") == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t_held = None
+        deadline = time.monotonic() + timeout + 20
+        while time.monotonic() < deadline:
+            steps = _step(decode)
+            if t_held is None and all(st["held"] == 1 for st in steps):
+                t_held = time.monotonic()
+            if t_held is not None and any(st["held"] == 0 for st in steps):
+                break
+            time.sleep(0.05)
+        assert t_held is not None, "SGLang never held the failed request"
+        assert [st["held"] for st in steps] == [0, 0]
+        assert time.monotonic() - t_held >= timeout - 0.5  # released at the timeout, not before
+        for st in steps:
+            assert sorted(_reached(aux, st)) == sorted([("page", p) for p in DST_PAGES] + [("slot", DST_SLOT)]
+                                                       + [("aux", aux)])
+        for d in decode:
+            st = d.call("stats")  # when SGLang released: no import in flight, nothing fenced
+            assert st["requests"] == 0 and st["transfers"] == 0 and not st["fenced"] and not st["imports"], st
+    finally:
+        for d in decode:
+            d.call("setenv", {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": None})
+        p1.call("release_held")  # let the prefill side end; its write lands in released pages (a timeout's risk)
+    deadline = time.monotonic() + 20
+    while p1.call("stats", room)["stuck"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    st = p1.call("stats", room)
+    assert st["stuck"] == 0 and st["exporting"] is False and st["transfers"] == 0 and not st["fenced"]
