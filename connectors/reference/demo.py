@@ -209,6 +209,11 @@ class _Worker:
 
 
 def run_demo(o: DemoOptions, progress=None) -> Report:
+    if o.device == "cuda":
+        # The GDN chunk kernels are autotuned by timing; a tie broken differently in another process
+        # could pick another tile and so other roundings. Cached on disk, the aggregated run's choice
+        # is the one every worker (spawned after it, same environment) loads.
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     requests = make_requests(o)
     by_rid = {rid: (prompt, n) for rid, prompt, n in requests}
     t0 = time.perf_counter()

@@ -177,9 +177,9 @@ class TinyHybridModel:
                                  has_initial_state=self._init[start > 0])
         st.write_conv(pool[0])
         qd, vd = c.k_heads * c.head_k_dim, c.v_heads * c.head_v_dim
-        q = mixed[:, :qd].reshape(1, t, c.k_heads, c.head_k_dim)
-        k = mixed[:, qd: 2 * qd].reshape(1, t, c.k_heads, c.head_k_dim)
-        v = mixed[:, 2 * qd:].reshape(1, t, c.v_heads, c.head_v_dim)
+        q = mixed[:, :qd].reshape(1, t, c.k_heads, c.head_k_dim).contiguous()
+        k = mixed[:, qd: 2 * qd].reshape(1, t, c.k_heads, c.head_k_dim).contiguous()
+        v = mixed[:, 2 * qd:].reshape(1, t, c.v_heads, c.head_v_dim).contiguous()
         a, b = (h @ p["wa"]).float(), (h @ p["wb"]).float()
         g = (-torch.exp(p["A_log"]) * F.softplus(a + p["dt_bias"]))[None]
         beta = torch.sigmoid(b)[None]
