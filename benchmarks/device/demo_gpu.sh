@@ -42,7 +42,7 @@ run() {  # run NAME MAX_S ARGS...: one demo, its text and JSON in $OUT/NAME.log
     tail -n 20 "$OUT/$name.err" | grep -v "NIXL INFO" | tail -n 8
 }
 run fenced "${FENCED_S:-200}" ${DEMO_ARGS:-}
-run fenced_json "${FENCED_S:-200}" --json ${DEMO_ARGS:-}
+[ "${JSON_RUN:-1}" = 1 ] && run fenced_json "${FENCED_S:-200}" --json ${DEMO_ARGS:-}
 run none "${NONE_S:-150}" --policy none --json ${DEMO_ARGS:-}
 if [ "${TESTS:-1}" = 1 ]; then
     echo "=== [pytest] $(($(date +%s) - T0))s"
