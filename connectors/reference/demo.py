@@ -118,7 +118,9 @@ class Report:
     aggregated: dict = field(default_factory=dict)  # the same figures for the aggregated run
     transfer_GBps_each: dict = field(default_factory=dict)  # per READ: min / median / max
     fence_wait_ms: dict = field(default_factory=dict)  # per import: mean / max time the fence held it
-    steps_overlapped: dict = field(default_factory=dict)  # per engine: steps enqueued before the last one's results
+    # per engine, "A/O/N": of N steps launched, A were enqueued before the previous step's results were taken
+    # back, O while the previous step's kernels were still running
+    steps_overlapped: dict = field(default_factory=dict)
 
 
 def make_requests(o: DemoOptions) -> list[tuple[str, list[int], int]]:
@@ -177,7 +179,8 @@ def run_aggregated(o: DemoOptions, requests, figures: dict | None = None) -> dic
         figures.update(ttft_ms=statistics.mean(firsts) * 1e3 if firsts else 0.0,
                        itl_ms=statistics.mean(gaps) * 1e3 if gaps else 0.0,
                        tokens_per_s=sum(len(v) for v in done.values()) / wall, wall_s=wall,
-                       steps_overlapped=engine.steps_overlapped, steps_launched=engine.steps_launched)
+                       steps_ahead=engine.steps_ahead, steps_overlapped=engine.steps_overlapped,
+                       steps_launched=engine.steps_launched)
     del engine
     if device != "cpu":
         torch.cuda.empty_cache()  # the workers start next, on the same GPU
@@ -414,13 +417,15 @@ def _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated
         itl_ms=statistics.mean(gaps) * 1e3 if gaps else 0.0, wall_s=wall_s, aggregated_s=aggregated_s,
         extra={"stats": stats, "failed_ids": sorted(failed),
                "expected_lengths": {rid: len(expected[rid]) for rid, _, _ in requests},
-               "byte_mismatched": byte_bad},
+               "byte_mismatched": byte_bad,
+               "recomputed_ids": sorted(rid for rid, d in done.items() if d["recomputed"]),
+               "errors": {rid: done[rid]["error"] for rid in sorted(failed)}},
         model=o.model, device=o.device if o.device == "cpu" else f"cuda {o.devices[0]},{o.devices[1]}",
         byte_mismatches=len(byte_bad), pages_checked=pages_checked, pages_mismatched=pages_bad,
         tokens_per_s=sum(len(d["output"]) for d in done.values()) / wall_s if wall_s else 0.0,
         aggregated={k: round(v, 3) if isinstance(v, float) else v for k, v in aggregated.items()},
         transfer_GBps_each=_spread([x["nbytes"] / x["seconds"] / 1e9 for x in xfers if x["seconds"] > 0]),
         fence_wait_ms=_spread([x.get("fence_wait_s", 0.0) for x in xfers], 1e3),
-        steps_overlapped={name: f"{s.get('steps_overlapped', 0)}/{s.get('steps_launched', 0)}"
+        steps_overlapped={name: f"{s.get('steps_ahead', 0)}/{s.get('steps_overlapped', 0)}/{s.get('steps_launched', 0)}"
                           for name, s in stats.items()},
     )

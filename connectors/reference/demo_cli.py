@@ -91,7 +91,9 @@ def _device_options(args: argparse.Namespace) -> dict:
         # Room for every running request's longest prompt and output twice over (frees are
         # deferred behind in-flight steps); the CPU demo keeps its small pools, where races show.
         per_request = -(-(max_prompt + 17) // 16)
-        opts.update(attention_blocks=max(96, 2 * 8 * per_request), min_prompt=16)
+        # Steps are longer than the tiny model's: a 4 s lease (the CPU demo's, short for kill-decode)
+        # would lapse while the decode side still waits its turn.
+        opts.update(attention_blocks=max(96, 2 * 8 * per_request), min_prompt=16, lease_s=20.0)
     return opts
 
 
@@ -132,12 +134,13 @@ def _print(r) -> None:
     if r.fence_wait_ms:
         f = r.fence_wait_ms
         rows += [("fence wait per import (mean / max)", f"{f['mean']} ms / {f['max']} ms")]
-    rows += [("steps enqueued before the previous step's results", str(r.steps_overlapped))]
+    rows += [("steps: ahead of results / overlapping / launched", str(r.steps_overlapped))]
     for k, v in rows:
         t.add_row(k, v)
     Console().print(t)
     if r.mismatches:
         Console().print(f"[red]mismatched requests: {', '.join(r.mismatched)}[/red]")
+        Console().print(f"recomputed: {r.extra['recomputed_ids']}; failed: {r.extra['errors']}")
     if r.byte_mismatches:
         Console().print(f"[red]requests whose imported bytes differ from the export: "
                         f"{', '.join(r.extra['byte_mismatched'])}[/red]")

@@ -177,7 +177,8 @@ class Engine:
         self.launched: deque[Launched] = deque()
         self._last_token: dict[str, torch.Tensor] = {}  # a request's newest token, on the device
         self.steps_launched = 0
-        self.steps_overlapped = 0  # enqueued while the previous step's results were not back yet
+        self.steps_ahead = 0  # enqueued before the previous step's results were taken back
+        self.steps_overlapped = 0  # enqueued while the previous step was still running on the device
         self.step_seconds: list[float] = []  # launch -> results back, per step
 
     # ------------------------------------------------------------------ intake
@@ -378,8 +379,10 @@ class Engine:
 
     def _launch(self, plan: StepPlan) -> Launched:
         """The worker: enqueues whatever was planned, finished requests included (it cannot know)."""
+        if self.launched:
+            self.steps_ahead += 1  # the previous step's results were not taken back yet
         if any(not x.done() for x in self.launched):
-            self.steps_overlapped += 1
+            self.steps_overlapped += 1  # ... and its kernels were still running
         self.steps_launched += 1
         t0 = time.perf_counter()
         with self._on_stream():

@@ -83,8 +83,16 @@ def model_config(name: str, *, seed: int = 1234) -> TinyConfig:
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def _sdpa_backends():
+    """Flash, memory-efficient or math SDPA, not cuDNN's: cuDNN builds an execution plan per new key
+    length, and a decode step has a new one every time (11 ms of host time per call, measured on the
+    H200 with benchmarks/device/profile_demo_engine.py)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class TinyHybridModel:
@@ -163,7 +171,8 @@ class TinyHybridModel:
         values = values.to(q.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)[None]
         # A decode token sees every key; a prompt chunk is causal from its own positions on.
         mask = None if t == 1 else (torch.arange(start + t, device=h.device)[None, :] <= pos[:, None])
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask)
+        with _sdpa_backends():
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask)
         out = out[0].transpose(0, 1).reshape(t, -1)
         return (out * torch.sigmoid(h @ p["wgate"])) @ p["wo"]
 

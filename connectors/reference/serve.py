@@ -172,7 +172,7 @@ async def _worker(conn, o: WorkerOptions) -> None:
     stats = engine.stats()
     steps = sorted(engine.step_seconds)
     stats.update(leaked=engine.leaked_blocks(), role=role.value, steps_launched=engine.steps_launched,
-                 steps_overlapped=engine.steps_overlapped,
+                 steps_overlapped=engine.steps_overlapped, steps_ahead=engine.steps_ahead,
                  step_ms_median=steps[len(steps) // 2] * 1e3 if steps else 0.0)
     send(conn, {"op": "stats", "stats": stats})
     await endpoint.close()
