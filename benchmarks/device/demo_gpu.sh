@@ -42,8 +42,12 @@ run() {  # run NAME MAX_S ARGS...: one demo, its text and JSON in $OUT/NAME.log
     tail -n 20 "$OUT/$name.err" | grep -v "NIXL INFO" | tail -n 8
 }
 # WARMUP=1: one small run first, so that Triton's compiles and autotuning (cached on disk) are out of the figures
-[ "${WARMUP:-0}" = 1 ] && REQUESTS_SAVED=$REQUESTS && REQUESTS=8 && run warmup 150 --json ${DEMO_ARGS:-} \
-    && REQUESTS=$REQUESTS_SAVED
+if [ "${WARMUP:-0}" = 1 ]; then
+    SAVED=$REQUESTS
+    REQUESTS=8
+    run warmup 150 --json ${DEMO_ARGS:-}
+    REQUESTS=$SAVED
+fi
 [ "${TABLE_RUN:-1}" = 1 ] && run fenced "${FENCED_S:-200}" ${DEMO_ARGS:-}
 [ "${JSON_RUN:-1}" = 1 ] && run fenced_json "${FENCED_S:-200}" --json ${DEMO_ARGS:-}
 [ "${NONE_RUN:-1}" = 1 ] && run none "${NONE_S:-150}" --policy none --json ${DEMO_ARGS:-}
