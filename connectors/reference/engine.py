@@ -83,7 +83,7 @@ class Entry:
     prefill: bool
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Checksums:
     """Checksums enqueued on the compute stream, copied to host memory behind it."""
     host: torch.Tensor
@@ -98,7 +98,7 @@ class Checksums:
         return [int(x) for x in self.host.tolist()]
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Launched:
     """A step enqueued on the compute stream whose results may not be back yet."""
     plan: StepPlan

@@ -18,7 +18,7 @@ compute, not what moves between the processes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -77,8 +77,6 @@ MODELS = {
 def model_config(name: str, *, seed: int = 1234) -> TinyConfig:
     if name not in MODELS:
         raise ValueError(f"model {name!r}; expected one of {', '.join(MODELS)}")
-    from dataclasses import replace
-
     return replace(MODELS[name], seed=seed)
 
 
