@@ -20,14 +20,17 @@ export PYTHONPATH="$SITE:$PWD"
 # `hybridkv demo` finds its subcommands through the package's entry points: install hybridkv (no deps, offline).
 "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . >"$OUT/install_hkv.log" 2>&1 \
     || { echo "editable install failed:"; tail -n 5 "$OUT/install_hkv.log"; }
-CLI=("$PY" -m hybridkv.cli demo)
+# main() imported rather than `-m hybridkv.cli`: as __main__ its CommandError is not the one the demo raises,
+# so a --timeout would end in a traceback instead of the error line.
+CLI=("$PY" -c 'import sys; from hybridkv.cli import main; sys.exit(main())' demo)
 if ! "${CLI[@]}" -h >/dev/null 2>&1; then
     echo "hybridkv.cli has no demo subcommand here: calling the demo's CLI module directly"
     CLI=("$PY" -c 'import argparse, sys; from connectors.reference import demo_cli
 p = argparse.ArgumentParser(prog="hybridkv demo"); demo_cli.register(p); a = p.parse_args(); sys.exit(a.handler(a))')
 fi
 nvidia-smi -L
-"$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.device_count(), "GPU")'
+"$PY" -c 'import torch, triton
+print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.device_count(), "GPU")'
 
 run() {  # run NAME MAX_S ARGS...: one demo, its text and JSON in $OUT/NAME.log
     local name=$1 max=$2
