@@ -51,6 +51,10 @@ class DemoOptions:
     attention_blocks: int = 96
     timeout_s: float = 240.0  # the whole run: the aggregated baseline and the disaggregated run
     lease_s: float = 4.0  # short, so blocks of a killed consumer's exports come back within the demo
+    chunk_size: int = 32
+    model: str = "tiny"
+    device: str = "cpu"  # "cuda": the model, KV pages and GDN states in VRAM, NIXL between GPUs' memory
+    devices: tuple[int, int] = (0, 0)  # CUDA devices of prefill and decode (the aggregated run uses prefill's)
 
     def __post_init__(self) -> None:
         if self.requests < 1:
@@ -66,6 +70,18 @@ class DemoOptions:
             raise ValueError(f"--inject {bad[0]!r} is not one of {', '.join(Fault.ALL)}")
         if not 1 <= self.min_prompt <= self.max_prompt or not 1 <= self.min_tokens <= self.max_tokens:
             raise ValueError("prompt and token ranges must be non-empty and positive")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}; expected cpu or cuda")
+        if len(self.devices) != 2 or min(self.devices) < 0:
+            raise ValueError(f"--devices {self.devices}; expected two CUDA device indices P,D")
+        if self.chunk_size < 1:
+            raise ValueError(f"--chunk-size {self.chunk_size}; expected >= 1")
+
+    def device_of(self, role: str) -> str:
+        """Where a process computes: the CPU, or its CUDA device (aggregated runs on prefill's)."""
+        if self.device == "cpu":
+            return "cpu"
+        return f"cuda:{self.devices[1] if role == 'decode' else self.devices[0]}"
 
 
 @dataclass(kw_only=True)
@@ -93,6 +109,18 @@ class Report:
     wall_s: float
     aggregated_s: float
     extra: dict = field(default_factory=dict)
+    model: str = "tiny"
+    device: str = "cpu"
+    byte_mismatches: int = 0  # requests whose imported pages differ from what the producer exported
+    pages_checked: int = 0  # attention pages + state pages compared byte for byte (by checksum)
+    pages_mismatched: int = 0
+    tokens_per_s: float = 0.0  # output tokens over the disaggregated run's wall time
+    aggregated: dict = field(default_factory=dict)  # the same figures for the aggregated run
+    transfer_GBps_each: dict = field(default_factory=dict)  # per READ: min / median / max
+    fence_wait_ms: dict = field(default_factory=dict)  # per import: mean / max time the fence held it
+    # per engine, "A/O/N": of N steps launched, A were enqueued before the previous step's results were taken
+    # back, O while the previous step's kernels were still running
+    steps_overlapped: dict = field(default_factory=dict)
 
 
 def make_requests(o: DemoOptions) -> list[tuple[str, list[int], int]]:
@@ -104,20 +132,35 @@ def make_requests(o: DemoOptions) -> list[tuple[str, list[int], int]]:
     return out
 
 
-def run_aggregated(o: DemoOptions, requests) -> dict[str, list[int]]:
+def run_aggregated(o: DemoOptions, requests, figures: dict | None = None) -> dict[str, list[int]]:
     """The reference: one engine doing prefill and decode, same model, same async depth.
-    It runs first, so it may take the whole --timeout; past that a TimeoutError says what it holds."""
+    It runs first, so it may take the whole --timeout; past that a TimeoutError says what it holds.
+    `figures` gets its TTFT, inter-token latency and output tokens/s."""
     import torch
 
     from .cache import CacheConfig
     from .engine import Engine, EngineConfig, Role
-    from .model import TinyHybridModel
+    from .model import TinyHybridModel, model_config
 
     torch.set_num_threads(1)
+    device = o.device_of("aggregated")
+    if device != "cpu":
+        torch.cuda.set_device(device)
     done: dict[str, list[int]] = {}
+    firsts: list[float] = []
+    gaps: list[float] = []
+
+    def finished(r) -> None:
+        done[r.rid] = list(r.output)
+        if r.token_times:
+            firsts.append(r.token_times[0] - r.arrived_s)
+            gaps.extend(b - a for a, b in zip(r.token_times, r.token_times[1:]))
+
     cfg = EngineConfig(role=Role.AGGREGATED, async_depth=o.async_depth, max_running=o.max_running,
+                       chunk_size=o.chunk_size, device=device,
                        cache=CacheConfig(attention_blocks=o.attention_blocks, state_slots=o.state_slots))
-    engine = Engine(TinyHybridModel(), cfg, on_finished=lambda r: done.__setitem__(r.rid, list(r.output)))
+    engine = Engine(TinyHybridModel(model_config(o.model), device=device), cfg, on_finished=finished)
+    t0 = time.perf_counter()
     for rid, prompt, n in requests:
         engine.submit(rid, prompt, n)
     limit = o.timeout_s
@@ -131,6 +174,16 @@ def run_aggregated(o: DemoOptions, requests) -> dict[str, list[int]]:
             f"aggregated: {json.dumps(engine.describe(), default=str)}") from None
     if engine.leaked_blocks():
         raise RuntimeError(f"the aggregated baseline leaked {engine.leaked_blocks()} blocks")
+    if figures is not None:
+        wall = time.perf_counter() - t0
+        figures.update(ttft_ms=statistics.mean(firsts) * 1e3 if firsts else 0.0,
+                       itl_ms=statistics.mean(gaps) * 1e3 if gaps else 0.0,
+                       tokens_per_s=sum(len(v) for v in done.values()) / wall, wall_s=wall,
+                       steps_ahead=engine.steps_ahead, steps_overlapped=engine.steps_overlapped,
+                       steps_launched=engine.steps_launched)
+    del engine
+    if device != "cpu":
+        torch.cuda.empty_cache()  # the workers start next, on the same GPU
     return done
 
 
@@ -141,7 +194,8 @@ class _Worker:
         opts = asdict(WorkerOptions(role=role, async_depth=o.async_depth, policy=o.policy,
                                     failure_policy=o.failure_policy, max_running=o.max_running,
                                     attention_blocks=o.attention_blocks, state_slots=o.state_slots,
-                                    lease_s=o.lease_s, **extra))
+                                    lease_s=o.lease_s, chunk_size=o.chunk_size, model=o.model,
+                                    device=o.device_of(role), **extra))
         self.proc = ctx.Process(target=worker_main, args=(child, opts), daemon=True)
         self.proc.start()
 
@@ -158,12 +212,18 @@ class _Worker:
 
 
 def run_demo(o: DemoOptions, progress=None) -> Report:
+    if o.device == "cuda":
+        # The GDN chunk kernels are autotuned by timing; a tie broken differently in another process
+        # could pick another tile and so other roundings. Cached on disk, the aggregated run's choice
+        # is the one every worker (spawned after it, same environment) loads.
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     requests = make_requests(o)
     by_rid = {rid: (prompt, n) for rid, prompt, n in requests}
     t0 = time.perf_counter()
     # One budget for the whole run, so that --timeout bounds what the user waits for.
     run_deadline = time.monotonic() + o.timeout_s
-    expected = run_aggregated(o, requests)
+    agg_figures: dict = {}
+    expected = run_aggregated(o, requests, agg_figures)
     aggregated_s = time.perf_counter() - t0
 
     rng = random.Random(o.seed + 1)
@@ -185,6 +245,7 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
     sent_at: dict[str, float] = {}
     ttft: dict[str, float] = {}
     done: dict[str, dict] = {}
+    exported: dict[str, dict] = {}  # by prefill id: what the producer's pages held (checksums)
     at_decode: set[str] = set()
     alias: dict[str, str] = {}  # prefill id -> request id (re-sent after a decode restart)
     faults = {f: 0 for f in Fault.ALL}
@@ -214,6 +275,8 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
                     send(decode.conn, {"op": "req", "rid": msg["rid"], "prompt": prompt, "max_tokens": n,
                                        "first_token": msg["token"]})
                     at_decode.add(rid)
+                elif op == "exported":
+                    exported[msg["rid"]] = msg
                 elif op == "done":
                     rid = alias.get(msg["rid"], msg["rid"])
                     done[rid] = msg
@@ -241,12 +304,13 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
     for name, w in (("prefill", prefill), ("decode", decode)):
         deadline = time.monotonic() + 90
         while True:
-            msg = w.expect_any(deadline) if hasattr(w, "expect_any") else _next_stats(w, deadline)
+            msg = _next_stats(w, deadline, exported)
             if msg is not None:
                 stats[name] = msg["stats"]
                 break
         w.proc.join(30)
-    return _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s, resent=len(alias))
+    return _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s, resent=len(alias),
+                   exported=exported, aggregated=agg_figures)
 
 
 def _left(deadline: float, most_s: float = 60.0) -> float:
@@ -280,27 +344,61 @@ def _diagnose(workers) -> str:
     return "\n".join(lines)
 
 
-def _next_stats(w: _Worker, deadline: float) -> dict:
+def _next_stats(w: _Worker, deadline: float, exported: dict[str, dict]) -> dict:
     while time.monotonic() < deadline:
         if w.conn.poll(0.1):
             msg = recv(w.conn)
             if msg["op"] == "stats":
                 return msg
+            if msg["op"] == "exported":  # an export that ended after its request's decode
+                exported[msg["rid"]] = msg
             if msg["op"] == "error":
                 raise RuntimeError(f"worker failed: {msg['error']}\n{msg.get('trace', '')}")
     raise TimeoutError("a worker did not report its final state")
 
 
-def _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s, *, resent: int) -> Report:
+def _byte_check(done: dict[str, dict], exported: dict[str, dict]) -> tuple[list[str], int, int]:
+    """Requests whose imported pages (checksummed on the decode side before their first use)
+    differ from what the prefill exported; pages compared; pages that differ."""
+    bad, checked, differ = [], 0, 0
+    for rid, d in done.items():
+        got = d.get("checksums")
+        if got is None:
+            continue  # not imported (recomputed or failed)
+        want = exported.get(d["rid"], {}).get("checksums")
+        if want is None or len(want) != len(got):
+            bad.append(rid)  # an import with no export to match is a mismatch, not a pass
+            differ += len(got)
+            checked += len(got)
+            continue
+        n = sum(1 for a, b in zip(want, got) if a != b)
+        checked += len(got)
+        differ += n
+        if n:
+            bad.append(rid)
+    return sorted(bad), checked, differ
+
+
+def _spread(values: list[float], scale: float = 1.0) -> dict:
+    if not values:
+        return {}
+    v = sorted(values)
+    return {"min": round(v[0] * scale, 3), "median": round(v[len(v) // 2] * scale, 3),
+            "max": round(v[-1] * scale, 3), "mean": round(statistics.mean(v) * scale, 3)}
+
+
+def _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s, *, resent: int,
+            exported: dict[str, dict], aggregated: dict) -> Report:
     from descriptors.schemes import Scheme, Workload, count_descriptors
 
-    from .model import TinyConfig
+    from .model import model_config
 
     mismatched = sorted(rid for rid, _, _ in requests if done[rid]["output"] != expected[rid])
     failed = [rid for rid in done if done[rid]["status"] == "failed"]
     xfers = [d["transfer"] for d in done.values() if d["transfer"] and d["transfer"]["outcome"] == "ready"]
     desc = [x["descriptors"] for x in xfers if x["descriptors"] is not None]
-    geometry = TinyConfig().geometry()
+    geometry = model_config(o.model).geometry()
+    byte_bad, pages_checked, pages_bad = _byte_check(done, exported)
     vllm = [count_descriptors(Scheme.VLLM_033, Workload(geometry=geometry, tokens=len(p), block_size=16)).descriptors
             for rid, p, _ in requests]
     nbytes = sum(x["nbytes"] for x in xfers)
@@ -318,5 +416,16 @@ def _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated
         ttft_ms=statistics.mean(ttft.values()) * 1e3 if ttft else 0.0,
         itl_ms=statistics.mean(gaps) * 1e3 if gaps else 0.0, wall_s=wall_s, aggregated_s=aggregated_s,
         extra={"stats": stats, "failed_ids": sorted(failed),
-               "expected_lengths": {rid: len(expected[rid]) for rid, _, _ in requests}},
+               "expected_lengths": {rid: len(expected[rid]) for rid, _, _ in requests},
+               "byte_mismatched": byte_bad,
+               "recomputed_ids": sorted(rid for rid, d in done.items() if d["recomputed"]),
+               "errors": {rid: done[rid]["error"] for rid in sorted(failed)}},
+        model=o.model, device=o.device if o.device == "cpu" else f"cuda {o.devices[0]},{o.devices[1]}",
+        byte_mismatches=len(byte_bad), pages_checked=pages_checked, pages_mismatched=pages_bad,
+        tokens_per_s=sum(len(d["output"]) for d in done.values()) / wall_s if wall_s else 0.0,
+        aggregated={k: round(v, 3) if isinstance(v, float) else v for k, v in aggregated.items()},
+        transfer_GBps_each=_spread([x["nbytes"] / x["seconds"] / 1e9 for x in xfers if x["seconds"] > 0]),
+        fence_wait_ms=_spread([x.get("fence_wait_s", 0.0) for x in xfers], 1e3),
+        steps_overlapped={name: f"{s.get('steps_ahead', 0)}/{s.get('steps_overlapped', 0)}/{s.get('steps_launched', 0)}"
+                          for name, s in stats.items()},
     )

@@ -9,6 +9,11 @@ hybridkv fences against are live here: the fence table decides when a freed bloc
 may be reused (Race A), when an import may write a block a queued zeroing will
 touch (Race B), and when an export may read what a step wrote.
 
+On a GPU the worker is asynchronous too: a step is enqueued on the engine's compute stream
+and step k+1 is enqueued before step k's tokens are back (its decode inputs are step k's
+outputs on the device); a step completes, for the fences, when its CUDA event has fired,
+so a NIXL import into VRAM races the kernels still queued ahead of it.
+
 The engine talks to hybridkv only through what every connector uses: the planned
 layout, `TransferScheduler`, and the producer/consumer endpoints (given as callables
 so this module also runs without a peer, as the aggregated baseline).
@@ -17,11 +22,14 @@ so this module also runs without a peer, as the aggregated baseline).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from hybridkv.fencing import FencePolicy, NotYet, TransferScheduler, scheduler_inputs
 
@@ -58,6 +66,9 @@ class Request:
     arrived_s: float = 0.0
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    imported: tuple[list[int], int] | None = None  # (attention blocks, slot) a landed import wrote
+    import_check: Checksums | None = None  # their checksums, taken before the first step that reads them
+    export_check: Checksums | None = None  # prefill: checksums of what it exports, taken when it finished
 
     @property
     def prefill_done(self) -> bool:
@@ -70,6 +81,33 @@ class Entry:
     start: int
     n: int
     prefill: bool
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Checksums:
+    """Checksums enqueued on the compute stream, copied to host memory behind it."""
+    host: torch.Tensor
+    event: object | None  # torch.cuda.Event; None on the CPU (computed at once)
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def values(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return [int(x) for x in self.host.tolist()]
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Launched:
+    """A step enqueued on the compute stream whose results may not be back yet."""
+    plan: StepPlan
+    host: torch.Tensor  # the entries' next tokens, landing here behind the step
+    event: object | None
+    launched_s: float
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
 
 
 @dataclass(eq=False, kw_only=True)
@@ -95,6 +133,11 @@ class EngineConfig:
     settle_transfers_s: float = 0.5
     lease_s: float = 30.0  # how long exported blocks wait for a consumer (renewed by its heartbeats)
     import_launch_s: float = 0.05  # how long a step waits for the imports admitted with it to post
+    # "cpu" computes each step when it is launched; on "cuda:N" a step is only enqueued on the
+    # engine's compute stream, and up to `async_depth` launched steps may still be running when
+    # the next is enqueued (their tokens feed the next step on the device, as vLLM's async
+    # scheduling does). A step counts as completed (the fence watermark) when its event fired.
+    device: str = "cpu"
 
 
 Fetcher = Callable[[str, tuple], Awaitable[object]]
@@ -107,7 +150,13 @@ class Engine:
         if cfg.async_depth < 0:
             raise ValueError(f"async_depth must be >= 0, got {cfg.async_depth}")
         self.model, self.cfg = model, cfg
-        self.cache = PagedCache(model.cfg.geometry(), cfg.cache)
+        self.device = torch.device(cfg.device)
+        self.cache = PagedCache(model.cfg.geometry(), cfg.cache, device=cfg.device)
+        self.stream = None
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=self.device)
+            # The pools and the weights were made on the default stream; the compute stream starts after them.
+            torch.cuda.synchronize(self.device)
         layout = self.cache.layout
         self.attn_gid = self.cache.attn_group.group_id
         self.gdn_gid = self.cache.gdn_group.group_id
@@ -125,6 +174,12 @@ class Engine:
         self.tasks: set[asyncio.Task] = set()
         self.skipped_zeroing = 0
         self._fresh_imports: list[Request] = []
+        self.launched: deque[Launched] = deque()
+        self._last_token: dict[str, torch.Tensor] = {}  # a request's newest token, on the device
+        self.steps_launched = 0
+        self.steps_ahead = 0  # enqueued before the previous step's results were taken back
+        self.steps_overlapped = 0  # enqueued while the previous step was still running on the device
+        self.step_seconds: list[float] = []  # launch -> results back, per step
 
     # ------------------------------------------------------------------ intake
     def submit(self, rid: str, prompt: list[int], max_tokens: int, *, first_token: int | None = None) -> None:
@@ -145,7 +200,7 @@ class Engine:
     def busy(self) -> bool:
         # An import that landed between steps leaves its request RUNNING but not yet joined:
         # that is work too (missing it once left a decode engine idle with 4 landed requests).
-        return bool(self.queue or self.tasks or self._has_work() or any(
+        return bool(self.queue or self.launched or self.tasks or self._has_work() or any(
             r.status is Status.IMPORTING for r in self.requests.values()))
 
     # --------------------------------------------------------------- admission
@@ -206,6 +261,7 @@ class Engine:
         r.import_result = result
         if result.outcome is Outcome.READY:
             r.status = Status.RUNNING
+            r.imported = (list(r.attn_blocks), r.slot)
             r.scheduled = len(r.prompt)  # the prompt's KV and state arrived
         elif result.outcome is Outcome.RECOMPUTE:
             r.recompute, r.status = True, Status.RUNNING  # prefill here; the scheduler made it local
@@ -256,7 +312,8 @@ class Engine:
 
     # ---------------------------------------------------------------- the loop
     async def run_step(self) -> bool:
-        """Plan ahead, let transfers progress, execute the oldest planned step. False when idle."""
+        """Plan ahead, let transfers progress, launch the oldest planned step and take back the
+        launched steps whose results are in. False when idle."""
         in_flight = self.sched.transfers_in_flight()
         while len(self.queue) <= self.cfg.async_depth and self._has_work():
             self._schedule()
@@ -274,30 +331,98 @@ class Engine:
         t_end = time.monotonic() + self.cfg.settle_transfers_s
         while self.sched.transfers_in_flight() and time.monotonic() < t_end:
             await asyncio.sleep(0.0005)
-        if not self.queue:
+        if self.queue:
+            self.launched.append(self._launch(self.queue.popleft()))
+            ahead = self.cfg.async_depth if self.stream is not None else 0
+        elif not self.launched:
             return self.busy
-        plan = self.queue.popleft()
-        outputs = self._execute(plan)
-        self.sched.step_completed(plan.step)
-        self.sched.poll()  # once per step: lapsed export leases give their blocks back
-        self._process(plan, outputs)
+        else:
+            ahead = 0  # nothing more to enqueue: take what the stream holds
+        await self._collect(ahead)
         return True
 
     def _has_work(self) -> bool:
         return bool(self.running or self.waiting or any(
             r.status is Status.RUNNING and not r.joined for r in self.requests.values()))
 
-    def _execute(self, plan: StepPlan) -> list[int]:
-        """The worker: runs whatever was planned, finished requests included (it cannot know)."""
-        self.cache.zero_blocks(plan.zero_blocks)
-        out = []
-        for e in plan.entries:
-            r = self.requests[e.rid]
-            tokens = r.prompt[e.start: e.start + e.n] if e.prefill else [r.output[-1]]
-            kv = {layer: self.cache.kv_view(layer, r.attn_blocks) for layer in self.cache.attn_layer}
-            st = {layer: self.cache.state_view(layer, r.slot) for layer in self.cache.gdn_layer}
-            out.append(self.model.forward(tokens, e.start, kv, st))
-        return out
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.stream is None:
+            return t
+        # Pinned, so the copy is queued behind the stream's work instead of waiting for it.
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        if self.stream is None:
+            return t, None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return host, event
+
+    def checksums(self, blocks: list[int], slot: int) -> Checksums:
+        """Enqueue checksums of these pages behind everything on the compute stream (so they see
+        what the steps before them wrote and nothing a later step writes)."""
+        with self._on_stream():
+            host, event = self._to_host(self.cache.checksums(blocks, slot))
+        return Checksums(host=host, event=event)
+
+    @staticmethod
+    async def wait_for(sums: Checksums) -> list[int]:
+        while not sums.ready():
+            await asyncio.sleep(0.0002)
+        return sums.values()
+
+    def _launch(self, plan: StepPlan) -> Launched:
+        """The worker: enqueues whatever was planned, finished requests included (it cannot know)."""
+        if self.launched:
+            self.steps_ahead += 1  # the previous step's results were not taken back yet
+        if any(not x.done() for x in self.launched):
+            self.steps_overlapped += 1  # ... and its kernels were still running
+        self.steps_launched += 1
+        t0 = time.perf_counter()
+        with self._on_stream():
+            self.cache.zero_blocks(plan.zero_blocks)
+            out = []
+            for e in plan.entries:
+                r = self.requests[e.rid]
+                if r.imported is not None and r.import_check is None:
+                    # The imported bytes as the first step that reads them will find them.
+                    r.import_check = self.checksums(*r.imported)
+                if e.prefill:
+                    tokens = self._to_device(r.prompt[e.start: e.start + e.n])
+                else:
+                    tokens = self._last_token.get(r.rid)
+                    if tokens is None:  # the prefill's first token, from the host
+                        tokens = self._to_device([r.output[-1]])
+                table = self.cache.block_table(r.attn_blocks)
+                kv = {layer: self.cache.kv_view(layer, table) for layer in self.cache.attn_layer}
+                st = {layer: self.cache.state_view(layer, r.slot) for layer in self.cache.gdn_layer}
+                tok = self.model.forward(tokens, e.start, kv, st)
+                # The token the next decode step reads, where `_process` will take it as an output.
+                if not e.prefill or (e.start + e.n >= len(r.prompt) and not (r.recompute and r.output)):
+                    self._last_token[r.rid] = tok
+                out.append(tok)
+            tokens = torch.cat(out) if out else torch.empty(0, dtype=torch.int64, device=self.device)
+            host, event = self._to_host(tokens)
+        return Launched(plan=plan, host=host, event=event, launched_s=t0)
+
+    async def _collect(self, ahead: int) -> None:
+        """Take back every step whose results are in, and wait for the oldest while more than
+        `ahead` are still running. Only now is a step completed for the fences."""
+        while self.launched and (self.launched[0].done() or len(self.launched) > ahead):
+            step = self.launched[0]
+            while not step.done():
+                await asyncio.sleep(0.0002)  # transfers and the endpoint progress meanwhile
+            self.launched.popleft()
+            self.step_seconds.append(time.perf_counter() - step.launched_s)
+            self.sched.step_completed(step.plan.step)
+            self.sched.poll()  # once per step: lapsed export leases give their blocks back
+            self._process(step.plan, [int(x) for x in step.host.tolist()])
 
     def _process(self, plan: StepPlan, outputs: list[int]) -> None:
         now = time.perf_counter()
@@ -321,7 +446,11 @@ class Engine:
             r.status = Status.FINISHED
         if r.rid in self.running:
             self.running.remove(r.rid)
+        self._last_token.pop(r.rid, None)
         if self.cfg.role is Role.PREFILL and not failed:
+            # Enqueued before the pages can be handed to anyone else (fenced or not), behind the
+            # steps that wrote them: what the export should deliver.
+            r.export_check = self.checksums(list(r.attn_blocks), r.slot)
             self.sched.request_finished(r.rid, export=True)
             if self.exporter is not None:
                 self._spawn(self.exporter(r.rid))

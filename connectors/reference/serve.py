@@ -30,6 +30,8 @@ class WorkerOptions:
     late_completion_s: float = 0.0        # inject: completions reported this late
     model_seed: int = 1234
     lease_s: float = 30.0
+    model: str = "tiny"
+    device: str = "cpu"                   # "cuda:N": model, KV pages and GDN states in that GPU's memory
 
 
 def send(conn, msg: dict) -> None:
@@ -74,14 +76,16 @@ async def _worker(conn, o: WorkerOptions) -> None:
 
     from .cache import CacheConfig
     from .engine import Engine, EngineConfig, Role
-    from .model import TinyConfig, TinyHybridModel
+    from .model import TinyHybridModel, model_config
 
     torch.set_num_threads(1)
+    if o.device.startswith("cuda"):
+        torch.cuda.set_device(o.device)
     role = Role(o.role)
     cfg = EngineConfig(role=role, async_depth=o.async_depth, chunk_size=o.chunk_size, max_running=o.max_running,
-                       policy=FencePolicy[o.policy.upper()], lease_s=o.lease_s,
+                       policy=FencePolicy[o.policy.upper()], lease_s=o.lease_s, device=o.device,
                        cache=CacheConfig(attention_blocks=o.attention_blocks, state_slots=o.state_slots))
-    model = TinyHybridModel(TinyConfig(seed=o.model_seed))
+    model = TinyHybridModel(model_config(o.model, seed=o.model_seed), device=o.device)
     results: dict[str, dict] = {}
     tcfg = TransportConfig(failure_policy=FailurePolicy(o.failure_policy))
     planner = DescriptorPlanner(pairing=Pairing.PAGES)  # both instances cut pages alike
@@ -96,11 +100,15 @@ async def _worker(conn, o: WorkerOptions) -> None:
     def finished(r) -> None:
         if role is Role.DECODE:
             res = getattr(r, "import_result", None)
+            # Taken before the first step that read the imported pages; that step's results are in,
+            # so the checksums (earlier on the same stream) are too.
+            sums = r.import_check.values() if r.import_check is not None else None
             send(conn, {"op": "done", "rid": r.rid, "output": r.output, "status": r.status.value,
                         "error": r.error, "token_times": r.token_times, "recomputed": r.recompute,
+                        "checksums": sums,
                         "transfer": None if res is None else {
                             "outcome": res.outcome.value, "error": res.error, "descriptors": res.descriptors,
-                            "indices": res.indices,
+                            "indices": res.indices, "fence_wait_s": res.fence_wait_seconds,
                             "nbytes": res.nbytes, "seconds": res.seconds}})
 
     if role is Role.PREFILL:
@@ -117,7 +125,8 @@ async def _worker(conn, o: WorkerOptions) -> None:
             # The request goes to whichever consumer asks for it (a restarted one included).
             result = await holder["p"].export(rid)
             results[rid] = {"outcome": result.outcome.value, "error": result.error}
-            send(conn, {"op": "exported", "rid": rid, "outcome": result.outcome.value, "error": result.error})
+            send(conn, {"op": "exported", "rid": rid, "outcome": result.outcome.value, "error": result.error,
+                        "checksums": await engine.wait_for(engine.requests[rid].export_check)})
             return result
 
         engine = Engine(model, cfg, exporter=exporter, on_first_token=first_token)
@@ -161,7 +170,10 @@ async def _worker(conn, o: WorkerOptions) -> None:
             await asyncio.sleep(0.002)
     await engine.drain()
     stats = engine.stats()
-    stats.update(leaked=engine.leaked_blocks(), role=role.value)
+    steps = sorted(engine.step_seconds)
+    stats.update(leaked=engine.leaked_blocks(), role=role.value, steps_launched=engine.steps_launched,
+                 steps_overlapped=engine.steps_overlapped, steps_ahead=engine.steps_ahead,
+                 step_ms_median=steps[len(steps) // 2] * 1e3 if steps else 0.0)
     send(conn, {"op": "stats", "stats": stats})
     await endpoint.close()
 

@@ -89,6 +89,7 @@ class Result:
     nbytes: int = 0
     seconds: float = 0.0  # post -> done
     post_seconds: float = 0.0  # PULL: of those, making and posting the READs (the rest is waiting)
+    fence_wait_seconds: float = 0.0  # export in hand -> the fence let the import post (rule 3)
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,7 @@ pages), any other as ``(addr, len, dev)`` rows.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -312,6 +313,7 @@ class Consumer(_Side):
                 await _send_quietly(part.peer.channel, wire.Failure(
                     request_id=rid, code=wire.FailureCode.PROTOCOL, detail=str(exc)[: wire.MAX_TEXT]))
             return self._give_up(rid, comps, f"export does not match the request: {exc}")
+        fenced_from = time.perf_counter()
         while True:
             failed = next((p.failed for p in parts if p.failed), None)
             if failed or any(p.lease_lost for p in parts):
@@ -324,9 +326,12 @@ class Consumer(_Side):
                 await self._tell_parts(parts, "lease too short")
                 return self._give_up(rid, comps, "lease expired before the transfer could start")
             await asyncio.sleep(self.config.pump_idle_s)
+        fence_wait = time.perf_counter() - fenced_from
         if self.config.mode is wire.Mode.PULL:
-            return await self._pull_parts(rid, tid, work)
-        return await self._push(parts[0], tid)
+            result = await self._pull_parts(rid, tid, work)
+        else:
+            result = await self._push(parts[0], tid)
+        return dataclasses.replace(result, fence_wait_seconds=fence_wait)
 
     async def _end_parts(self, work: Sequence[_Work], ok: bool) -> None:
         for w in work:

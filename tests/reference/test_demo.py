@@ -17,6 +17,7 @@ SMALL = dict(requests=8, max_prompt=70, min_tokens=4, max_tokens=8)
 
 def _assert_clean(report) -> None:
     assert report.mismatches == 0, report.mismatched
+    assert report.byte_mismatches == 0, report.extra["byte_mismatched"]
     assert report.leaked_blocks == 0
     assert report.transport == "nixl" and report.processes == 3
 
@@ -28,6 +29,8 @@ def test_disaggregated_is_token_exact_request_by_request():
     assert report.tokens == sum(n for n in report.extra["expected_lengths"].values())
     assert 0 < report.descriptors_per_request < report.vllm_033_descriptors_per_request
     assert report.bytes_moved > 0
+    # every imported request's pages were compared with the export: its attention pages and its state page
+    assert report.pages_checked >= 2 * report.requests
 
 
 def test_drop_transfer_recovers_by_recompute():
@@ -62,6 +65,8 @@ def test_without_fencing_the_corruption_is_real():
     zeroing runs over landed KV, so outputs differ: the equality above is not luck."""
     report = run_demo(DemoOptions(requests=10, max_prompt=70, min_tokens=6, max_tokens=10, policy="none"))
     assert report.mismatches > 0
+    # ... and the byte check sees it where it happens: imported pages differ from what was exported
+    assert report.byte_mismatches > 0 and report.pages_mismatched > 0
 
 
 def test_cli_json_last_line_and_exit_code():

@@ -88,3 +88,45 @@ def test_import_that_lands_while_the_engine_is_idle_is_still_scheduled(model):
     asyncio.run(worker_loop())
     assert done == expected, engine.describe()
     assert engine.leaked_blocks() == 0
+
+
+def test_checksums_see_one_changed_byte_and_moved_words(model):
+    """The demo's byte check: per-page checksums of the attention pages and the state page, as a
+    transfer moves them. One flipped byte, or two words swapped, changes its page's sum only."""
+    e = Engine(model, EngineConfig())
+    pages = e.cache.attn_pages
+    torch = pytest.importorskip("torch")
+    pages.copy_(torch.randint(0, 256, pages.shape, dtype=torch.uint8))
+    e.cache.state_pages.copy_(torch.randint(0, 256, e.cache.state_pages.shape, dtype=torch.uint8))
+    before = e.checksums([3, 5], 1).values()
+    assert len(before) == 3 and e.checksums([3, 5], 1).values() == before
+    pages[5, 17] ^= 1
+    after = e.checksums([3, 5], 1).values()
+    assert after[0] == before[0] and after[1] != before[1] and after[2] == before[2]
+    words = e.cache.state_pages[1].view(torch.int32)
+    a, b = int(words[0]), int(words[1])
+    if a != b:
+        words[0], words[1] = b, a
+        assert e.checksums([3, 5], 1).values()[2] != before[2]
+
+
+def test_qwen_presets_have_hybridkvs_cache_geometry():
+    """The GPU demo's model moves exactly the caches hybridkv plans for the real model."""
+    from connectors.reference.model import model_config
+    from hybridkv.layout.presets import get_preset
+
+    for name in ("qwen3.5-0.8b", "qwen3.5-2b"):
+        assert model_config(name).geometry() == get_preset(name)
+    with pytest.raises(ValueError, match="expected one of"):
+        model_config("qwen3.5-7b")
+
+
+def test_demo_options_refuse_bad_devices():
+    from connectors.reference.demo import DemoOptions
+
+    with pytest.raises(ValueError, match="--device 'tpu'"):
+        DemoOptions(device="tpu")
+    with pytest.raises(ValueError, match="--devices"):
+        DemoOptions(device="cuda", devices=(0,))
+    assert DemoOptions(device="cuda", devices=(0, 1)).device_of("decode") == "cuda:1"
+    assert DemoOptions(device="cuda", devices=(0, 1)).device_of("aggregated") == "cuda:0"
