@@ -166,4 +166,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as `python -m hybridkv.cli`, this file is `__main__`, a second copy of the module: the
+    # commands raise hybridkv.cli's CommandError, which this copy's `main` would not catch.
+    from hybridkv.cli import main as _main
+
+    sys.exit(_main())
