@@ -42,7 +42,7 @@ def make_vllm_config(
     tp: int = 1,
     model: Path = TINY_MODEL,
     ssm_dtype: str = "auto",
-    prefix_caching: bool = False,
+    prefix_caching: bool = True,
 ):
     """``ssm_dtype="float32"`` gives the GDN state Qwen3.5 asks for (vLLM turns its
     HF ``mamba_ssm_dtype`` into exactly this cache setting); vLLM's Qwen3.5 model
@@ -131,9 +131,21 @@ def make_scheduler(vc, kv_cache_config, *, async_scheduling: bool):
 
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vc)
     cls = AsyncScheduler if async_scheduling else Scheduler
-    return cls(vllm_config=vc, kv_cache_config=kv_cache_config,
-               structured_output_manager=StructuredOutputManager(vc),
-               block_size=block_size, hash_block_size=hash_block_size, log_stats=False)
+    sched = cls(vllm_config=vc, kv_cache_config=kv_cache_config,
+                structured_output_manager=StructuredOutputManager(vc),
+                block_size=block_size, hash_block_size=hash_block_size, log_stats=False)
+    if vc.cache_config.enable_prefix_caching:
+        # The engine core gives every request its block hasher before the scheduler sees it.
+        hasher, add = block_hasher(sched), sched.add_request
+
+        def add_request(request):
+            if request._block_hasher is None:
+                request._block_hasher = hasher
+                request.update_block_hashes()
+            return add(request)
+
+        sched.add_request = add_request
+    return sched
 
 
 def make_request(rid: str, *, prompt_len: int, max_tokens: int, params: dict[str, Any] | None = None,

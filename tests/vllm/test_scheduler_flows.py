@@ -188,7 +188,9 @@ def test_import_waits_for_the_step_that_still_touches_a_reused_block(fence_polic
     must hold the load back until that step completed. (Fails with --fence-policy none.)"""
     from vllm.v1.engine import FinishReason
 
-    sched, worker, d = setup(role="kv_consumer", async_scheduling=True, num_blocks=8,
+    # 12 blocks: room for one of the two requests at a time with prefix caching on (align mode gives
+    # every GDN group a slot per block of tokens), so r can only get q's blocks.
+    sched, worker, d = setup(role="kv_consumer", async_scheduling=True, num_blocks=12,
                              extra={"hybridkv_fence_policy": fence_policy_name})
     sched.defer_block_free = False
     sched.add_request(h.make_request("q", prompt_len=60, max_tokens=50, stop_on_first=True))
@@ -216,7 +218,7 @@ def test_import_waits_for_the_step_that_still_touches_a_reused_block(fence_polic
 def test_abort_while_the_fence_holds_the_load_back():
     from vllm.v1.request import RequestStatus
 
-    sched, worker, d = setup(role="kv_consumer", async_scheduling=True, num_blocks=8)
+    sched, worker, d = setup(role="kv_consumer", async_scheduling=True, num_blocks=12)  # as above
     sched.defer_block_free = False
     sched.add_request(h.make_request("q", prompt_len=60, max_tokens=50, stop_on_first=True))
     sched.add_request(h.make_request("r", prompt_len=60, max_tokens=2,
