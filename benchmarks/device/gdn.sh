@@ -27,9 +27,10 @@ if [ "${QLA:-0}" != 0 ]; then
         2>&1 | tail -n 2
     ln -sf libz3.so.4.15 .pkgs/z3/lib/libz3.so  # trim_qla_wheels.py keeps one copy of the library, for both names
     export PYTHONPATH="$PWD/.pkgs${PYTHONPATH:+:$PYTHONPATH}"
-    if [ -z "${CUDA_HOME:-}" ]; then  # TileLang's JIT runs nvcc
-        for d in "$(dirname "$(dirname "$(command -v nvcc || echo /none/bin/nvcc)")")" /usr/local/cuda /usr/local/cuda-13*; do
-            [ -x "$d/bin/nvcc" ] && export CUDA_HOME="$d" && break
+    if [ -z "${CUDA_HOME:-}" ]; then  # TileLang's JIT runs nvcc and includes the toolkit's headers
+        nvcc_at=$(readlink -f "$(command -v nvcc || echo /none/bin/nvcc)")
+        for d in /usr/local/cuda "$(dirname "$(dirname "$nvcc_at")")" /usr/local/cuda-13*; do
+            [ -x "$d/bin/nvcc" ] && [ -f "$d/include/cuda_runtime.h" ] && export CUDA_HOME="$d" && break
         done
     fi
     export PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH" TILELANG_CACHE_DIR="${TILELANG_CACHE_DIR:-/tmp/tilelang_cache}"
