@@ -15,15 +15,16 @@
 #   DECODEFIRST=1 ... bash benchmarks/device/gdn.sh  # first: persistent and TMA decode candidates (benchmarks/gdn/decode_probe.py)
 #   QLA=1 bash benchmarks/device/gdn.sh  # FlashQLA beside FLA's Triton path (issue 23), carry [".whl-qla"] built here by
 #                                        # benchmarks/device/flashqla_wheels.sh (fla-core is in it); prefill only, no
-#                                        # tests unless ONLY= / TESTS=1 say otherwise; about 7 minutes at most
+#                                        # tests unless ONLY= / TESTS=1 say otherwise; QLA_BUDGET_S (420 s) in all
 # hybridkv is not installed there: the bench runs through its module's own register/handler.
 set -u
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/hybridkv_gdn_out}
 mkdir -p "$OUT"
 if [ "${QLA:-0}" != 0 ]; then
+    qla_t0=$SECONDS  # the whole QLA run stays inside QLA_BUDGET_S: the bench gets what the set-up left
     # Into .pkgs, not the image's site-packages: tilelang's libraries find tvm_ffi and z3 beside it by RUNPATH.
-    timeout 120 "$PY" -m pip install -q --no-deps --no-index --no-compile --target .pkgs "${QLA_DIR:-.whl-qla}"/*.whl \
+    timeout 90 "$PY" -m pip install -q --no-deps --no-index --no-compile --target .pkgs "${QLA_DIR:-.whl-qla}"/*.whl \
         2>&1 | tail -n 2
     ln -sf libz3.so.4.15 .pkgs/z3/lib/libz3.so  # trim_qla_wheels.py keeps one copy of the library, for both names
     export PYTHONPATH="$PWD/.pkgs${PYTHONPATH:+:$PYTHONPATH}"
@@ -35,9 +36,12 @@ if [ "${QLA:-0}" != 0 ]; then
     fi
     export PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH" TILELANG_CACHE_DIR="${TILELANG_CACHE_DIR:-/tmp/tilelang_cache}"
     echo "CUDA_HOME=${CUDA_HOME:-not found}: $(nvcc --version 2>&1 | tail -n 1)"
-    timeout 120 "$PY" -c 'import fla, flash_qla, tilelang; print("fla-core", fla.__version__, "flash-qla",
+    timeout 60 "$PY" -c 'import fla, flash_qla, tilelang; print("fla-core", fla.__version__, "flash-qla",
         flash_qla.__version__, "tilelang", tilelang.__version__)' 2>&1 | grep -v -i warn | tail -n 3
-    TESTS=${TESTS:-0} ONLY=${ONLY-prefill} BENCH_S=${BENCH_S:-390}
+    TESTS=${TESTS:-0} ONLY=${ONLY-prefill} BENCH_S=${BENCH_S:-$(( ${QLA_BUDGET_S:-420} - 10 - (SECONDS - qla_t0) ))}
+    # Warm-ups (TileLang compiles) first; the timing after them takes well under 150 s.
+    WARM_S=${WARM_S:-$(( BENCH_S - 150 < 240 ? (BENCH_S - 150 > 60 ? BENCH_S - 150 : 60) : 240 ))}
+    echo "set-up took $((SECONDS - qla_t0)) s; bench timeout $BENCH_S s, warm-ups $WARM_S s"
 else
     "$PY" -m pip install -q --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl 2>&1 | tail -n 1
 fi
@@ -91,7 +95,7 @@ if [ "${QLA:-0}" != 0 ]; then
     # The table (hybridkv, FLA's Triton path, FlashQLA; errors vs the fp32 reference; first calls) to stdout; the JSON
     # file is rewritten after each shape, so a run cut short by the timeout keeps the shapes it finished.
     PYTHONUNBUFFERED=1 PYTHONPATH=".:$PYTHONPATH" timeout "$BENCH_S" "$PY" "$MAIN" "${args[@]}" \
-        --warm-timeout "${WARM_S:-240}" --json-file "$OUT/bench_gdn.json" 2>"$OUT/bench_gdn.err" | tee "$OUT/bench_gdn.txt"
+        --warm-timeout "$WARM_S" --json-file "$OUT/bench_gdn.json" 2>"$OUT/bench_gdn.err" | tee "$OUT/bench_gdn.txt"
     echo "bench rc=${PIPESTATUS[0]}"
     grep -v -i warn "$OUT/bench_gdn.err" | tail -n 12
     exit 0
