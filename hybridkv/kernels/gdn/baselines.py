@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -102,4 +103,6 @@ def load_flash_qla() -> Loaded:
     def auto_cp(*args: Any, **kwargs: Any) -> Any:
         return chunk(*args, auto_cp=True, **kwargs)
 
-    return Loaded(name="flash_qla", fn=auto_cp, note=f"flash-qla {_version(flash_qla)}, auto_cp=True")
+    tilelang = sys.modules.get("tilelang")
+    with_tilelang = "" if tilelang is None else f" (tilelang {_version(tilelang)})"
+    return Loaded(name="flash_qla", fn=auto_cp, note=f"flash-qla {_version(flash_qla)}{with_tilelang}, auto_cp=True")
