@@ -13,12 +13,38 @@
 #   SCORESFIRST=1 ... bash benchmarks/device/gdn.sh  # first: the scores kernel alone vs a copy (benchmarks/gdn/scores_probe.py)
 #   INVFIRST=1 ... bash benchmarks/device/gdn.sh     # then the inverse kernel's variants (benchmarks/gdn/inverse_probe.py)
 #   DECODEFIRST=1 ... bash benchmarks/device/gdn.sh  # first: persistent and TMA decode candidates (benchmarks/gdn/decode_probe.py)
+#   QLA=1 bash benchmarks/device/gdn.sh  # FlashQLA beside FLA's Triton path (issue 23), carry [".whl-qla"] built here by
+#                                        # benchmarks/device/flashqla_wheels.sh (fla-core is in it); prefill only, no
+#                                        # tests unless ONLY= / TESTS=1 say otherwise; QLA_BUDGET_S (420 s) in all
 # hybridkv is not installed there: the bench runs through its module's own register/handler.
 set -u
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/hybridkv_gdn_out}
 mkdir -p "$OUT"
-"$PY" -m pip install -q --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl 2>&1 | tail -n 1
+if [ "${QLA:-0}" != 0 ]; then
+    qla_t0=$SECONDS  # the whole QLA run stays inside QLA_BUDGET_S: the bench gets what the set-up left
+    # Into .pkgs, not the image's site-packages: tilelang's libraries find tvm_ffi and z3 beside it by RUNPATH.
+    timeout 90 "$PY" -m pip install -q --no-deps --no-index --no-compile --target .pkgs "${QLA_DIR:-.whl-qla}"/*.whl \
+        2>&1 | tail -n 2
+    ln -sf libz3.so.4.15 .pkgs/z3/lib/libz3.so  # trim_qla_wheels.py keeps one copy of the library, for both names
+    export PYTHONPATH="$PWD/.pkgs${PYTHONPATH:+:$PYTHONPATH}"
+    if [ -z "${CUDA_HOME:-}" ]; then  # TileLang's JIT runs nvcc and includes the toolkit's headers
+        nvcc_at=$(readlink -f "$(command -v nvcc || echo /none/bin/nvcc)")
+        for d in /usr/local/cuda "$(dirname "$(dirname "$nvcc_at")")" /usr/local/cuda-13*; do
+            [ -x "$d/bin/nvcc" ] && [ -f "$d/include/cuda_runtime.h" ] && export CUDA_HOME="$d" && break
+        done
+    fi
+    export PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH" TILELANG_CACHE_DIR="${TILELANG_CACHE_DIR:-/tmp/tilelang_cache}"
+    echo "CUDA_HOME=${CUDA_HOME:-not found}: $(nvcc --version 2>&1 | tail -n 1)"
+    timeout 60 "$PY" -c 'import fla, flash_qla, tilelang; print("fla-core", fla.__version__, "flash-qla",
+        flash_qla.__version__, "tilelang", tilelang.__version__)' 2>&1 | grep -v -i warn | tail -n 3
+    TESTS=${TESTS:-0} ONLY=${ONLY-prefill} BENCH_S=${BENCH_S:-$(( ${QLA_BUDGET_S:-420} - 10 - (SECONDS - qla_t0) ))}
+    # Warm-ups (TileLang compiles) first; the timing after them takes well under 150 s.
+    WARM_S=${WARM_S:-$(( BENCH_S - 150 < 240 ? (BENCH_S - 150 > 60 ? BENCH_S - 150 : 60) : 240 ))}
+    echo "set-up took $((SECONDS - qla_t0)) s; bench timeout $BENCH_S s, warm-ups $WARM_S s"
+else
+    "$PY" -m pip install -q --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl 2>&1 | tail -n 1
+fi
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 split_probe() {  # the split form and the pipeline stages vs the fused form, with FLA (benchmarks/gdn/split_probe.py)
     PYTHONUNBUFFERED=1 timeout "${PROBE_S:-300}" "$PY" -m benchmarks.gdn.split_probe --iters "${ITERS:-10}" \
@@ -61,11 +87,21 @@ a = p.parse_args(sys.argv[1:])
 sys.exit(a.handler(a))
 PYEOF
 if [ "${BREAKDOWN:-0}" != 0 ]; then
-    PYTHONPATH=. timeout "${BENCH_S:-300}" "$PY" "$MAIN" --breakdown --iters "${ITERS:-20}" 2>&1 | tee "$OUT/breakdown.txt"
+    PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "${BENCH_S:-300}" "$PY" "$MAIN" --breakdown --iters "${ITERS:-20}" 2>&1 | tee "$OUT/breakdown.txt"
 fi
 args=(--iters "${ITERS:-20}")
 [ -n "${ONLY:-}" ] && args+=(--only "$ONLY")
-PYTHONPATH=. timeout "${BENCH_S:-300}" "$PY" "$MAIN" "${args[@]}" --json >"$OUT/bench_gdn.json" 2>"$OUT/bench_gdn.err"
+if [ "${QLA:-0}" != 0 ]; then
+    # The table (hybridkv, FLA's Triton path, FlashQLA; errors vs the fp32 reference; first calls) to stdout; the JSON
+    # file is rewritten after each shape, so a run cut short by the timeout keeps the shapes it finished.
+    PYTHONUNBUFFERED=1 PYTHONPATH=".:$PYTHONPATH" timeout "$BENCH_S" "$PY" "$MAIN" "${args[@]}" \
+        --warm-timeout "$WARM_S" --json-file "$OUT/bench_gdn.json" 2>"$OUT/bench_gdn.err" | tee "$OUT/bench_gdn.txt"
+    echo "bench rc=${PIPESTATUS[0]}"
+    grep -v -i warn "$OUT/bench_gdn.err" | tail -n 12
+    exit 0
+fi
+PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "${BENCH_S:-300}" "$PY" "$MAIN" "${args[@]}" --json \
+    >"$OUT/bench_gdn.json" 2>"$OUT/bench_gdn.err"
 echo "bench rc=$?"
 "$PY" - "$OUT/bench_gdn.json" <<'PYEOF'
 import json, sys

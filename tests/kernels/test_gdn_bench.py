@@ -34,6 +34,8 @@ def test_breakdown_idle_is_call_time_minus_kernel_time():
 @pytest.mark.parametrize(("args", "message"), [
     (("--iters", "0"), "--iters must be >= 1, got 0"),
     (("--breakdown",), "bench gdn needs a CUDA device"),
+    (("--warm-jobs", "-1"), "--warm-jobs must be >= 0, got -1"),
+    (("--shape", "1x9"), "--shape ['1x9'] matches no prefill shape; the shapes are: 397B H=16 HV=64 1x8192;"),
 ])
 def test_bench_gdn_refuses_with_a_clear_error(args, message):
     torch = pytest.importorskip("torch")
@@ -51,3 +53,302 @@ def test_tuned_choices_name_each_self_tuning_kernel():
     tuned = bench._tuned_choices()
     assert set(tuned) == {"chunk state (H, HV, log2 work, K, V; BV, warps, stages)", "decode (BV, warps)"}
     assert all(picks == {} for picks in tuned.values())  # nothing ran here
+
+
+# --- FlashQLA beside FLA (issue 23): which function each column calls, and what the run reports ---------------------
+
+@pytest.fixture
+def faked_fla(monkeypatch):
+    """fla-core 0.6.0's dispatch as far as the bench relies on it: a backend registry that picks FlashQLA while
+    `flash_qla` is installed unless FLA_FLASH_QLA=0, read at every call (fla/backends.py)."""
+    import os
+    import types
+
+    calls: list[str] = []
+    state = {"honours_switch": True}
+
+    class Registry:
+        def get_active(self):
+            if state["honours_switch"] and os.environ.get("FLA_FLASH_QLA", "1") == "0":
+                return None
+            return types.SimpleNamespace(backend_type="flash_qla")
+
+    registry = Registry()
+
+    def load(operation):
+        assert operation == "gated_delta_rule"
+        return registry
+
+    def chunk(*args, **kwargs):
+        calls.append("triton" if registry.get_active() is None else "flash_qla")
+        return calls[-1]
+
+    fla = types.ModuleType("fla")
+    fla.__version__ = "0.6.0"
+    fla.backends = types.ModuleType("fla.backends")
+    fla.backends._load_operation_registry = load
+    fla.ops = types.ModuleType("fla.ops")
+    fla.ops.gated_delta_rule = types.ModuleType("fla.ops.gated_delta_rule")
+    fla.ops.gated_delta_rule.chunk_gated_delta_rule = chunk
+    fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule = lambda *a, **k: "recurrent"
+    for name, module in (("fla", fla), ("fla.backends", fla.backends), ("fla.ops", fla.ops),
+                         ("fla.ops.gated_delta_rule", fla.ops.gated_delta_rule)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    return types.SimpleNamespace(calls=calls, state=state)
+
+
+def test_fla_column_bypasses_the_flash_qla_dispatch_faked_fla_modules(faked_fla):
+    import os
+
+    from hybridkv.kernels.gdn import baselines
+
+    assert baselines.fla_default_backend() == "flash_qla"  # what a plain FLA call would time
+    loaded = baselines.load_fla_chunk()
+    assert loaded.fn is not None
+    assert loaded.note == "fla-core 0.6.0, Triton path (FLA_FLASH_QLA=0; default would be flash_qla)"
+    assert loaded.fn("q", "k", "v", "g", "beta", cu_seqlens=None) == "triton"
+    assert faked_fla.calls == ["triton"]
+    assert "FLA_FLASH_QLA" not in os.environ  # the switch is set only for the call
+    # ... and put back as it was when the caller had set it.
+    os.environ["FLA_FLASH_QLA"] = "1"
+    try:
+        assert loaded.fn() == "triton" and os.environ["FLA_FLASH_QLA"] == "1"
+    finally:
+        del os.environ["FLA_FLASH_QLA"]
+    # The probes' loader hands out the same function.
+    from hybridkv.kernels.gdn import bench
+
+    chunk, recurrent = bench._load_fla(False)
+    assert chunk() == "triton" and recurrent() == "recurrent"
+
+
+def test_fla_column_left_empty_when_the_switch_does_not_bypass_the_dispatch_faked_fla_modules(faked_fla):
+    from hybridkv.kernels.gdn import baselines, bench
+
+    faked_fla.state["honours_switch"] = False  # a later FLA that renamed its switch
+    loaded = baselines.load_fla_chunk()
+    assert loaded.fn is None
+    assert loaded.note == "FLA_FLASH_QLA=0 leaves FLA's dispatch on backend 'flash_qla', not its Triton path"
+    assert bench._load_fla(False) is None
+
+
+def test_flash_qla_is_called_through_its_own_api_with_auto_cp_faked_flash_qla_module(monkeypatch):
+    import types
+
+    from hybridkv.kernels.gdn import baselines
+
+    seen = {}
+    qla = types.ModuleType("flash_qla")
+    qla.__version__ = "0.1.3"
+    qla.chunk_gated_delta_rule = lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs) or "qla"
+    monkeypatch.setitem(sys.modules, "flash_qla", qla)
+    loaded = baselines.load_flash_qla()
+    assert loaded.note == "flash-qla 0.1.3, auto_cp=True"
+    assert loaded.fn("q", "k", output_final_state=True, cu_seqlens=None) == "qla"
+    assert seen == {"args": ("q", "k"), "kwargs": {"auto_cp": True, "output_final_state": True, "cu_seqlens": None}}
+
+
+def test_flash_qla_absent_or_broken_leaves_its_column_empty(monkeypatch, tmp_path):
+    from hybridkv.kernels.gdn import baselines
+
+    monkeypatch.setitem(sys.modules, "flash_qla", None)  # not installed
+    loaded = baselines.load_flash_qla()
+    assert loaded.fn is None and loaded.note.startswith("not installed (ModuleNotFoundError")
+    # Installed, but TileLang cannot start (no GPU, no nvcc): the bench goes on without it.
+    monkeypatch.delitem(sys.modules, "flash_qla")
+    (tmp_path / "flash_qla").mkdir()
+    (tmp_path / "flash_qla" / "__init__.py").write_text("raise ValueError('No CUDA architecture was specified')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    loaded = baselines.load_flash_qla()
+    assert loaded.fn is None
+    assert loaded.note == "failed to import (ValueError: No CUDA architecture was specified)"
+
+
+def test_prefill_shapes_are_issue_23s_table_and_shape_selection():
+    from hybridkv.kernels.gdn import bench
+
+    assert [s.label for s in bench.PREFILL_SHAPES] == [
+        "397B H=16 HV=64 1x8192", "397B H=16 HV=64 4x8192", "397B H=16 HV=64 1x32768", "397B TP8 H=2 HV=8 1x8192",
+        "397B H=16 HV=64 16x2048 varlen", "35B H=16 HV=32 1x8192", "35B H=16 HV=32 4x8192",
+        "35B H=16 HV=32 16x2048 varlen", "35B H=16 HV=32 varlen 5000,1237,1955,3"]
+    assert [i for i, _ in bench._select(["TP8", "varlen 5000"])] == [3, 8]
+    with pytest.raises(ValueError, match=r"--shape \['1x9'\] matches no prefill shape; the shapes are: 397B H=16"):
+        bench._select(["1x9"])
+
+
+def test_rotations_give_every_implementation_each_place_in_turn():
+    from hybridkv.kernels.gdn import bench
+
+    assert list(bench._rotations(["a", "b", "c"], 4)) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                          ["a", "b", "c"]]
+
+
+@pytest.fixture
+def faked_cuda_on_cpu(monkeypatch):
+    """torch.cuda's timing calls on the CPU (host clock events, no spin) and two small prefill shapes, so that the
+    bench's bookkeeping runs here: hybridkv's entry runs its pure-torch reference on CPU tensors."""
+    torch = pytest.importorskip("torch")
+    import time
+
+    from hybridkv.kernels.gdn import bench
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            self.t = 0.0
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "faked CPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "_ms_per_mcycle", lambda: 1.0)
+    monkeypatch.setattr(bench, "_copy_gbps", lambda iters: 1000.0)
+    monkeypatch.setattr(bench, "B2B_CALLS", 2)
+    monkeypatch.setattr(bench, "PREFILL_SHAPES", (bench.PrefillShape(model="tiny", H=1, HV=2, lens=(70,)),
+                                                  bench.PrefillShape(model="tiny", H=1, HV=2, lens=(40, 30))))
+    return bench
+
+
+def test_timed_calls_interleave_round_by_round_faked_cuda_on_cpu(faked_cuda_on_cpu):
+    bench = faked_cuda_on_cpu
+    log: list[str] = []
+    fns = {name: (lambda name=name: log.append(name)) for name in ("a", "b", "c")}
+    timed = bench._interleaved(fns, iters=4)
+    assert set(timed) == {"a", "b", "c"}
+    warm = 3 + 5  # warm-up calls and host timing, one implementation after the other
+    assert log[:3 * warm] == ["a"] * warm + ["b"] * warm + ["c"] * warm
+    assert "".join(log[3 * warm:3 * warm + 12]) == "abcbcacababc"
+    b2b = "".join(log[3 * warm + 12:])  # 2 calls back to back per turn, rounds rotated too
+    assert b2b == "aabbccbbccaaccaabb"
+
+
+def _bench_args(*args: str):
+    import argparse
+
+    from hybridkv.kernels.gdn import bench
+
+    parser = argparse.ArgumentParser()
+    bench.register(parser)
+    return parser.parse_args(list(args))
+
+
+def test_bench_checks_every_column_against_the_fp32_reference_faked_cuda_and_baselines(faked_cuda_on_cpu, monkeypatch,
+                                                                                         tmp_path, capsys):
+    import json
+
+    import torch
+
+    from hybridkv.kernels.gdn import baselines, chunk_gated_delta_rule
+
+    bench = faked_cuda_on_cpu
+    monkeypatch.setattr(bench, "B2B_ROUNDS", 1)
+
+    def broken_qla(q, k, v, g, beta, **kw):  # right shapes, wrong numbers; refuses varlen
+        if kw["cu_seqlens"] is not None:
+            raise RuntimeError("varlen is not supported here")
+        o, state = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        return torch.zeros_like(o), state
+
+    monkeypatch.setattr(baselines, "load_fla_chunk",
+                        lambda: baselines.Loaded(name="fla", fn=chunk_gated_delta_rule, note="faked FLA"))
+    monkeypatch.setattr(baselines, "load_fla_recurrent", lambda: None)
+    monkeypatch.setattr(baselines, "load_flash_qla",
+                        lambda: baselines.Loaded(name="flash_qla", fn=broken_qla, note="faked FlashQLA"))
+    out = tmp_path / "bench.json"
+    assert bench.run(_bench_args("--only", "prefill", "--iters", "3", "--warm-jobs", "0",
+                                 "--json-file", str(out))) == 0
+    blob = json.loads(out.read_text())
+    assert blob["fla"] and blob["flash_qla"] and blob["flash_qla_note"] == "faked FlashQLA"
+    one, varlen = blob["rows"]
+    assert (one["shape"], varlen["shape"]) == ("tiny H=1 HV=2 1x70", "tiny H=1 HV=2 varlen 40,30")
+    # hybridkv and "FLA" here are the reference rounded to bf16: small errors, not zero (the reference is fp32).
+    for key in ("err", "fla_err"):
+        assert 0 < one[key] < 0.05 and 0 < varlen[key] < 0.05
+    assert one["state_err"] < 1e-5 and one["fla_state_err"] < 1e-5
+    # A wrong output shows as a large error, and a failing call as an empty column with its reason.
+    assert one["qla_err"] > 10 * one["fla_err"] and one["qla_ms"] is not None and one["speedup_vs_qla"] is not None
+    assert varlen["qla_ms"] is None and varlen["qla_err"] is None and varlen["speedup_vs_qla"] is None
+    assert varlen["notes"] == ["FlashQLA: RuntimeError: varlen is not supported here"]
+    assert all(r[k] is not None for r in (one, varlen) for k in ("ms", "fla_ms", "b2b_ms", "fla_b2b_ms",
+                                                                  "first_call_s", "fla_first_call_s"))
+    assert blob["first_calls"] == "in this process"
+    table = capsys.readouterr().out
+    assert table.startswith("faked CPU; device copy 1000 GB/s; FLA: faked FLA; FlashQLA: faked FlashQLA; first calls "
+                            "in this process")
+    varlen_line = next(line for line in table.splitlines() if line.startswith("prefill  tiny H=1 HV=2 varlen"))
+    assert varlen_line.split()[9:11] == ["-", "-"]  # QLA ms, x QLA
+    assert "  tiny H=1 HV=2 varlen 40,30: FlashQLA: RuntimeError: varlen is not supported here" in table
+    # A warm-up process reports the same in the one JSON line `_warm_parallel` reads.
+    assert bench._warm_main(["1", "hybridkv", "flash_qla"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["index"] == 1 and set(line["first_call_s"]) == {"hybridkv"}
+    assert line["failed"] == {"flash_qla": "FlashQLA: RuntimeError: varlen is not supported here"}
+
+
+def test_bench_without_flash_qla_shows_its_columns_empty_faked_cuda(faked_cuda_on_cpu, monkeypatch, capsys):
+    import json
+
+    from hybridkv.kernels.gdn import baselines
+
+    bench = faked_cuda_on_cpu
+    monkeypatch.setattr(bench, "B2B_ROUNDS", 1)
+    monkeypatch.setattr(baselines, "load_fla_chunk",
+                        lambda: baselines.Loaded(name="fla", fn=None, note="not installed (No module named 'fla')"))
+    monkeypatch.setitem(sys.modules, "flash_qla", None)
+    assert bench.run(_bench_args("--only", "prefill", "--iters", "2", "--json")) == 0
+    blob = json.loads(capsys.readouterr().out)
+    assert not blob["fla"] and not blob["flash_qla"]
+    assert blob["flash_qla_note"].startswith("not installed (ModuleNotFoundError")
+    for r in blob["rows"]:
+        assert r["err"] is not None and r["ms"] > 0
+        assert all(r[k] is None for k in ("fla_ms", "qla_ms", "fla_err", "qla_err", "speedup_vs_fla",
+                                          "speedup_vs_qla", "qla_first_call_s"))
+    text = bench.render("header", [bench.Row(**{k: v for k, v in blob["rows"][0].items()
+                                                if k not in ("speedup_vs_fla", "speedup_vs_qla", "notes")})], {})
+    line = next(line for line in text.splitlines() if line.startswith("prefill  tiny"))
+    assert line.split()[6:10] == ["-", "-", "-", "-"]  # FLA ms, x FLA, QLA ms, x QLA
+
+
+def test_warm_up_processes_feed_first_call_times_faked_subprocesses(monkeypatch):
+    import subprocess
+
+    from hybridkv.kernels.gdn import bench
+
+    class Proc:
+        def __init__(self, cmd, **kw):
+            assert cmd[1:4] == ["-m", "hybridkv.kernels.gdn.bench", cmd[3]]
+            self.index = int(cmd[3])
+            self.returncode = 0 if self.index != 2 else 1
+
+        def communicate(self, timeout=None):
+            if self.index == 1 and timeout is not None:
+                raise subprocess.TimeoutExpired("bench", timeout)
+            if self.index == 0:
+                return ('tilelang says hi\n{"index": 0, "first_call_s": {"hybridkv": 1.5, "flash_qla": 41.0}, '
+                        '"failed": {"fla": "FLA: boom"}}\n', "")
+            return "", "Traceback\nImportError: libz3.so.4.15"
+
+        def kill(self):
+            self.killed = True
+
+    monkeypatch.setattr(subprocess, "Popen", Proc)
+    shapes = tuple(enumerate(bench.PREFILL_SHAPES[:3]))
+    warmed = bench._warm_parallel(shapes, ["hybridkv", "fla", "flash_qla"], jobs=3, timeout=5.0)
+    assert warmed.first_call_s == {(0, "hybridkv"): 1.5, (0, "flash_qla"): 41.0}
+    # A warm-up that hung or died costs FlashQLA its column on that shape (it would compile in the timed process);
+    # hybridkv and FLA compile in seconds there.
+    assert warmed.failed == {(0, "fla"): "FLA: boom",
+                             (1, "flash_qla"): "FlashQLA: warm-up did not finish in 5 s",
+                             (2, "flash_qla"): "FlashQLA: warm-up exited 1: Traceback | ImportError: libz3.so.4.15"}

@@ -1,0 +1,108 @@
+"""The prefill implementations `hybridkv bench gdn` measures beside hybridkv's: FLA's own Triton path and FlashQLA.
+
+fla-core 0.6.0 dispatches `chunk_gated_delta_rule` to FlashQLA (Qwen's TileLang kernels) whenever the `flash_qla`
+package can be found, so with both installed a plain FLA call times FlashQLA twice. The FLA column therefore calls
+FLA with `FLA_FLASH_QLA=0` set for the duration of each call (FLA reads it per call, `fla/backends.py`), after checking
+that FLA's backend registry then picks no backend at all, i.e. its Triton path; FlashQLA is called through its own API
+with `auto_cp=True`, as FLA's backend calls it. docs/background/gdn.md section 3 has both packages' facts.
+
+Nothing here imports torch, FLA or FlashQLA until a loader runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+# FLA's switch for its FlashQLA backend (FlashQLABackend.env_var, also FLA_<backend_type>).
+FLA_FLASH_QLA_ENV = "FLA_FLASH_QLA"
+GDN_OPERATION = "gated_delta_rule"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loaded:
+    """One baseline: its callable (None when it cannot run here) and why not, or which version runs."""
+
+    name: str
+    fn: Callable[..., Any] | None
+    note: str
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def fla_default_backend() -> str | None:
+    """The backend FLA's `chunk_gated_delta_rule` dispatches to on this machine before per-call checks (its
+    `backend_type`, e.g. "flash_qla"), or None for its own Triton path (also FLA before 0.6, which had no dispatch)."""
+    try:
+        from fla.backends import _load_operation_registry
+    except ImportError:
+        return None
+    active = _load_operation_registry(GDN_OPERATION).get_active()
+    return None if active is None else active.backend_type
+
+
+def _version(module: Any) -> str:
+    return str(getattr(module, "__version__", "unknown version"))
+
+
+def load_fla_chunk() -> Loaded:
+    """FLA's chunked prefill on its own Triton path, whatever else is installed."""
+    try:
+        import fla
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as exc:
+        return Loaded(name="fla", fn=None, note=f"not installed ({exc})")
+    default = fla_default_backend()
+    with _env(FLA_FLASH_QLA_ENV, "0"):
+        bypassed = fla_default_backend()
+    if bypassed is not None:
+        # Timing this would time another backend under FLA's name.
+        return Loaded(name="fla", fn=None,
+                      note=f"{FLA_FLASH_QLA_ENV}=0 leaves FLA's dispatch on backend {bypassed!r}, not its Triton path")
+
+    def triton_path(*args: Any, **kwargs: Any) -> Any:
+        with _env(FLA_FLASH_QLA_ENV, "0"):
+            return chunk_gated_delta_rule(*args, **kwargs)
+
+    route = "Triton path" if default is None else f"Triton path ({FLA_FLASH_QLA_ENV}=0; default would be {default})"
+    return Loaded(name="fla", fn=triton_path, note=f"fla-core {_version(fla)}, {route}")
+
+
+def load_fla_recurrent() -> Callable[..., Any] | None:
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+    return fused_recurrent_gated_delta_rule
+
+
+def load_flash_qla() -> Loaded:
+    """FlashQLA's chunked prefill through its own API, with automatic intra-card context parallelism."""
+    try:
+        import flash_qla
+    except Exception as exc:  # noqa: BLE001 - tilelang can fail at import in many ways (no nvcc, GPU arch, libs)
+        kind = "not installed" if isinstance(exc, ImportError) else "failed to import"
+        return Loaded(name="flash_qla", fn=None, note=f"{kind} ({type(exc).__name__}: {exc})")
+    chunk = flash_qla.chunk_gated_delta_rule
+
+    def auto_cp(*args: Any, **kwargs: Any) -> Any:
+        return chunk(*args, auto_cp=True, **kwargs)
+
+    tilelang = sys.modules.get("tilelang")
+    with_tilelang = "" if tilelang is None else f" (tilelang {_version(tilelang)})"
+    return Loaded(name="flash_qla", fn=auto_cp, note=f"flash-qla {_version(flash_qla)}{with_tilelang}, auto_cp=True")
