@@ -54,6 +54,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="quiet time before each timed variant, for the control messages of the one before it")
     parser.add_argument("--read-notif", choices=("on", "off"), default="off",
                         help="hybridkv's READs carry a NIXL notification (TransportConfig.notify_reads)")
+    parser.add_argument("--probe-bytes", type=int, default=64,
+                        help="bytes per descriptor of the posting probe (the vllm-0.33 list and one descriptor, "
+                             "posted with this length each, CPU of the posting thread timed; default 64)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -270,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
     if args.block_size <= 0:
         raise ValueError(f"--block-size {args.block_size}; expected a positive number of tokens")
     parse_splits(args.raw_splits)
+    if not 1 <= args.probe_bytes <= 1 << 20:
+        raise ValueError(f"--probe-bytes {args.probe_bytes}; expected 1 to 1048576")
     if not 0 <= args.settle_ms <= 10_000:
         raise ValueError(f"--settle-ms {args.settle_ms}; expected 0 to 10000")
     # Here as well as in the producer: a bad --model or --layers is said at once, as one line,
@@ -403,6 +408,15 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     v_l = agent.prep_xfer_dlist("NIXL_INIT_AGENT", vl, mem)
     v_r = agent.prep_xfer_dlist(peer.agent, vr, peer.memory.mem.name)
     v_idx = np.arange(len(vl), dtype=np.int32)
+    # The posting probe: the same lists with every descriptor cut to --probe-bytes, so that what the
+    # posting thread spends is handling descriptors, not moving bytes (UCX's CMA path over DRAM copies
+    # inside the post call).
+    tiny = lambda rows: np.concatenate([rows[:, :1], np.full((len(rows), 1), args.probe_bytes, np.uint64),  # noqa: E731
+                                        rows[:, 2:]], axis=1)
+    t_vl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", tiny(vl), mem)
+    t_vr = agent.prep_xfer_dlist(peer.agent, tiny(vr), peer.memory.mem.name)
+    t_rl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", tiny(vl[:1]), mem)
+    t_rr = agent.prep_xfer_dlist(peer.agent, tiny(vr[:1]), peer.memory.mem.name)
     if int(vl[:, 1].sum()) != nbytes:
         raise RuntimeError(f"vLLM-scheme list covers {int(vl[:, 1].sum())} bytes, expected {nbytes}")
     hyb, vll = [], []
@@ -419,7 +433,8 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     # the previous one settle first: on the H200s a baseline READ started right after a fetch (its Done
     # message, the producer's next export) took ~4 ms instead of ~0.2 ms in every round, which a fixed
     # (or merely rotated) order charged to one variant only.
-    variants = ["hybridkv", *(("raw", n) for n in splits), "raw_notif", "vllm"]
+    variants = ["hybridkv", *(("raw", n) for n in splits), "raw_notif", "vllm", "probe_one", "probe_vllm"]
+    probe: dict[str, list[tuple[int, float]]] = {"probe_one": [], "probe_vllm": []}
     raw_notif: list[float] = []
     for i in range(args.iters + 1):
         kept = i > 0  # the first round warms connections and caches
@@ -441,6 +456,12 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
             elif var == "raw_notif":  # the one-span READ carrying a notification, as hybridkv's may
                 l_h, r_h, ids = raw_lists[1]
                 raw_notif += [_timed(agent, "READ", l_h, ids, r_h, ids, NOTIF_PREFIX + b"baseline")[0]] * kept
+            elif var == "probe_one":
+                _, n, _, c = _timed(agent, "READ", t_rl, np.zeros(1, np.int32), t_rr, np.zeros(1, np.int32))
+                probe[var] += [(n, c)] * kept
+            elif var == "probe_vllm":
+                _, n, _, c = _timed(agent, "READ", t_vl, None, t_vr, None, build=v_build)
+                probe[var] += [(n, c)] * kept
             elif var == "vllm":
                 vt, v_desc, v_post, v_cpu = _timed(agent, "READ", v_l, None, v_r, None, build=v_build)
                 vll += [vt] * kept
@@ -469,8 +490,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     med = statistics.median
     # Posting (CPU in the posting thread) and the wire (the rest, to DONE) per descriptor, each
     # from the same run's one-span READ and vLLM list: the simulator charges them separately.
-    post_per, post_fixed = posting_fit({"raw": (r_desc, med(cpu["raw"])),
-                                        "vllm_scheme": (v_desc, med(cpu["vllm_scheme"]))})
+    post_per, post_fixed = posting_fit({k: (v[0][0], med(c for _, c in v)) for k, v in probe.items()})
     wire_per, wire_fixed = posting_fit({
         "raw": (r_desc, med(t - p for t, p in zip(raw, posts["raw"]))),
         "vllm_scheme": (v_desc, med(t - p for t, p in zip(vll, posts["vllm_scheme"])))})
@@ -494,7 +514,9 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
         "post_cpu_us": {name: round(statistics.median(ts) * 1e6, 1) for name, ts in cpu.items()},
         "posting": {"per_descriptor_us": round(post_per * 1e6, 4), "fixed_us": round(post_fixed * 1e6, 1),
                     "wire_per_descriptor_us": round(wire_per * 1e6, 4), "wire_fixed_us": round(wire_fixed * 1e6, 1),
-                    "from": f"one-span READ ({r_desc} posted) vs vllm-0.33 list ({v_desc} posted), medians"},
+                    "from": f"posting: {args.probe_bytes}-byte descriptors, 1 vs the vllm-0.33 list's "
+                            f"{probe['probe_vllm'][0][0]} (ids built per post), thread CPU; wire: one-span READ "
+                            f"({r_desc} posted) vs the vllm-0.33 list ({v_desc} posted), time to DONE after the post"},
         "samples_GBps": {name: [round(gbps(t), 1) for t in ts]
                          for name, ts in (("hybridkv", hyb), ("raw", raw), ("vllm_scheme", vll))},
     }
