@@ -240,6 +240,12 @@ def test_open_loop_throughput_is_the_arrival_rate_below_capacity():
     mean = sum(r.tokens_per_s_per_gpu for r in runs) / 3
     assert mean == pytest.approx(20 * 110 / 2, rel=0.06)
     assert len({r.tokens_per_s_per_gpu for r in runs}) == 3
+    assert all(abs(r.backlog_growth) < 50 for r in runs)
+    # Past capacity the queue only grows. The link moves 50 prompts/s (20 ms each) and prefill holds
+    # each prompt's blocks until its transfer ends, so prefill too is held to 50/s.
+    over = simulate_point(cfg, 200.0, arrivals=Arrivals.OPEN, seed=0)
+    assert over.backlog_growth > 0.3 * over.completed
+    assert over.tokens_per_s_per_gpu == pytest.approx(50 * 110 / 2, rel=0.08)
 
 
 def test_bad_inputs_are_rejected_with_the_value():

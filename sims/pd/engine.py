@@ -450,7 +450,7 @@ class _PointSim:
         self.window_open = self.warmup == 0
         self.t_open = 0.0
         self.t_close = math.nan
-        self.in_system_at_open = 0
+        self.in_system_at_open = self.in_system_at_close = 0
         self.in_system = 0
         self.stats = _Stats()
         block = cfg.sizing.block_tokens
@@ -547,6 +547,7 @@ class _PointSim:
                 self.stats.reqs.append(req)
                 if len(self.stats.reqs) >= self.measure:
                     self.t_close = t
+                    self.in_system_at_close = self.in_system
         elif self.completed >= self.warmup:
             self.window_open = True
             self.t_open = t
@@ -595,6 +596,7 @@ class _PointSim:
             transfer_share=xfer / ttft if ttft > 0 else 0.0,
             decode_wait_s=wait, prefill_wait_s=pwait, preemptions=self.stats.preemptions,
             capacity_bound=self.stats.waited, completed=n,
+            backlog_growth=self.in_system_at_close - self.in_system_at_open,
         )
 
 

@@ -321,7 +321,8 @@ class SimConfig:
 
 
 METRICS = ("tokens_per_s_per_gpu", "output_tokens_per_s_per_gpu", "tokens_per_s_per_user", "ttft_s", "itl_s",
-           "transfer_s", "posting_s", "transfer_share", "decode_wait_s", "prefill_wait_s", "preemptions")
+           "transfer_s", "posting_s", "transfer_share", "decode_wait_s", "prefill_wait_s", "preemptions",
+           "backlog_growth")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -348,6 +349,9 @@ class PointResult:
     # Some request waited for decode blocks inside the measurement window.
     capacity_bound: bool
     completed: int
+    # Requests in the system at the window's close minus at its open: an open loop past capacity
+    # keeps growing its queue (its TTFT then depends on how long it ran).
+    backlog_growth: int
 
     def value(self, metric: str) -> float:
         return float(getattr(self, metric))

@@ -34,7 +34,10 @@ def sweep_table(result: SweepResult) -> Table:
                 "xfer/TTFT", "preempt", "note"):
         table.add_column(col, justify="left" if col == "note" else "right")
     for p in result.points:
-        note = "decode cache full: requests waited" if p.capacity_bound else ""
+        notes = ["decode cache full: requests waited"] if p.capacity_bound else []
+        if result.arrivals is Arrivals.OPEN and p.mean("backlog_growth") > 0.05 * p.runs[0].completed:
+            notes.append(f"overloaded: the queue grew by {p.mean('backlog_growth'):,.0f} in the window")
+        note = "; ".join(notes)
         table.add_row(_load(result.arrivals, p.load), _pm(p, "tokens_per_s_per_gpu", ",.0f"),
                       _pm(p, "output_tokens_per_s_per_gpu", ",.0f"), _pm(p, "tokens_per_s_per_user", ",.1f"),
                       _pm(p, "ttft_s", ",.1f", 1e3), _pm(p, "itl_s", ".2f", 1e3), _pm(p, "transfer_s", ",.2f", 1e3),
