@@ -16,16 +16,13 @@ events are keyed by step, with an epoch per request so that a preemption voids i
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from collections import defaultdict, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .loop import Clock, Link, Stepper
 from .params import Arrivals, PointResult, Scheduling, SimConfig
-
-Event = Callable[[float], None]
 
 
 class _Req:
@@ -49,78 +46,6 @@ class _Req:
         self.preempted = 0
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Event]] = []
-        self._seq = 0
-        self.now = 0.0
-
-    def at(self, t: float, event: Event) -> None:
-        if t < self.now:
-            raise RuntimeError(f"event scheduled in the past: {t} < {self.now}")
-        # seq breaks ties in scheduling order: a step's completion, scheduled when the
-        # step was formed, runs before a later formation at the same instant.
-        heapq.heappush(self._heap, (t, self._seq, event))
-        self._seq += 1
-
-    def run(self, stop: Callable[[], bool]) -> None:
-        while self._heap and not stop():
-            t, _, event = heapq.heappop(self._heap)
-            self.now = t
-            event(t)
-
-
-class _Stepper:
-    """A step loop: form a batch, spend CPU time, then device time.
-
-    SYNC forms the next step when this one's output is processed. ASYNC forms it as soon
-    as this step is on the device, so at most one step is prepared ahead (one step of
-    overlap); the next device phase starts when both its CPU work and this step are done.
-    """
-
-    def __init__(self, clock: _Clock, scheduling: Scheduling) -> None:
-        self.clock = clock
-        self.scheduling = scheduling
-        self.device_free_at = 0.0
-        self.active = False
-
-    def wake(self, t: float) -> None:
-        if not self.active:
-            self.active = True
-            self.clock.at(t, self._form)
-
-    def _form(self, t: float) -> None:
-        batch = self.take_batch(t)
-        if batch is None:
-            self.active = False
-            self.on_idle(t)
-            return
-        cpu, device = self.cost(batch)
-        start = max(t + cpu, self.device_free_at)
-        end = start + device
-        self.device_free_at = end
-        if self.scheduling is Scheduling.ASYNC:
-            self.clock.at(end, lambda now: self.finish(batch, now))
-            self.clock.at(start, self._form)
-        else:
-            def done(now: float) -> None:
-                self.finish(batch, now)
-                self._form(now)
-            self.clock.at(end, done)
-
-    def take_batch(self, t: float):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def cost(self, batch) -> tuple[float, float]:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def finish(self, batch, t: float) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def on_idle(self, t: float) -> None:
-        pass
-
-
 @dataclass
 class _PrefillBatch:
     tokens: int
@@ -129,7 +54,7 @@ class _PrefillBatch:
     done: list[_Req]
 
 
-class _Prefill(_Stepper):
+class _Prefill(Stepper):
     def __init__(self, sim: _PointSim, index: int) -> None:
         super().__init__(sim.clock, sim.cfg.scheduling)
         self.sim = sim
@@ -201,49 +126,6 @@ class _Prefill(_Stepper):
             self.sim.decode_admit(req, t)
 
 
-class _Link:
-    """One node's link, shared by processor sharing among the transfers in flight."""
-
-    def __init__(self, sim: _PointSim) -> None:
-        self.sim = sim
-        self.spec = sim.cfg.link
-        self.left: dict[_Req, float] = {}  # link-seconds of work still to do, at full rate
-        self.last = 0.0
-        self.version = 0
-
-    def _advance(self, t: float) -> None:
-        if self.left:
-            done = (t - self.last) / len(self.left)
-            for req in self.left:
-                self.left[req] -= done
-        self.last = t
-
-    def start(self, req: _Req, t: float) -> None:
-        self._advance(t)
-        self.left[req] = self.spec.work_s(req.descriptors, req.nbytes)
-        self._schedule(t)
-
-    def _schedule(self, t: float) -> None:
-        self.version += 1
-        if not self.left:
-            return
-        version = self.version
-        first = min(self.left.values())
-        self.sim.clock.at(t + max(first, 0.0) * len(self.left), lambda now: self._end(now, version))
-
-    def _end(self, t: float, version: int) -> None:
-        if version != self.version:
-            return  # the set changed since: a later event holds the right time
-        self._advance(t)
-        # Float residue: whatever is within a nanosecond of done is done.
-        ended = [r for r, w in self.left.items() if w <= 1e-12]
-        for req in ended:
-            del self.left[req]
-        self._schedule(t)
-        for req in ended:
-            self.sim.clock.at(t + self.spec.latency_s, lambda now, r=req: self.sim.transferred(r, now))
-
-
 @dataclass
 class _DecodeBatch:
     step: int
@@ -264,8 +146,8 @@ class _Rank:
     recompute_pairs: float = 0.0
 
 
-class _Decode(_Stepper):
-    def __init__(self, sim: _PointSim, index: int, links: list[_Link]) -> None:
+class _Decode(Stepper):
+    def __init__(self, sim: _PointSim, index: int, links: list[Link]) -> None:
         super().__init__(sim.clock, sim.cfg.scheduling)
         self.sim = sim
         self.index = index
@@ -296,7 +178,7 @@ class _Decode(_Stepper):
                 req.posting_s = posting.seconds(req.descriptors)
                 spent += req.posting_s
                 # The wire starts when this transfer's post returns, inside the step's CPU time.
-                self.sim.clock.at(t + spent, lambda now, r=req, lk=rank.link: lk.start(r, now))
+                self.sim.clock.at(t + spent, lambda now, r=req, lk=rank.link: self.sim.start_wire(lk, r, now))
             rank.to_post = []
             most = max(most, spent)
         return most
@@ -435,11 +317,12 @@ class _PointSim:
         self.arrivals = arrivals
         self.seed = seed
         self.rng = random.Random(seed)
-        self.clock = _Clock()
+        self.clock = Clock()
         spec = cfg.decode
         nodes = -(-spec.ranks // spec.ranks_per_node)
         self.prefills = [_Prefill(self, i) for i in range(cfg.prefill.endpoints)]
-        self.decodes = [_Decode(self, i, [_Link(self) for _ in range(nodes)]) for i in range(spec.endpoints)]
+        self.decodes = [_Decode(self, i, [Link(self.clock, cfg.link.latency_s, self.transferred) for _ in range(nodes)])
+                        for i in range(spec.endpoints)]
         self.waiting: deque[_Req] = deque()
         self.completed = 0
         users = int(load) if arrivals is Arrivals.CLOSED else 0
@@ -521,8 +404,11 @@ class _PointSim:
         else:
             req.posting_s = posting.seconds(req.descriptors)
             rank.post_free_at = max(t, rank.post_free_at) + req.posting_s
-            self.clock.at(rank.post_free_at, lambda now: rank.link.start(req, now))
+            self.clock.at(rank.post_free_at, lambda now: self.start_wire(rank.link, req, now))
         return True
+
+    def start_wire(self, link: Link, req: _Req, t: float) -> None:
+        link.start(req, t, self.cfg.link.work_s(req.descriptors, req.nbytes))
 
     def transferred(self, req: _Req, t: float) -> None:
         self.prefills[req.prefill].release(req, t)
