@@ -14,7 +14,7 @@ from descriptors.schemes import Scheme, Workload, count_descriptors
 from hybridkv.cli import main
 from hybridkv.layout.presets import get_preset
 from sims.pd.params import Scheduling
-from sims.pd.recipe import load_recipe, parse_recipe, shipped_recipes
+from sims.pd.recipe import RECIPE_DIR, load_recipe, parse_recipe, shipped_recipes
 from sims.pd.sweep import run_sweep
 
 RECIPES = shipped_recipes()
@@ -36,11 +36,14 @@ def test_recipe_loads_with_a_source_for_every_parameter(path: Path):
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_recipe_runs_a_reduced_sweep(path: Path):
-    recipe = load_recipe(path).with_sweep((64, 512), warmup_requests=128, measure_requests=256)
+    recipe = load_recipe(path)
+    low_load, high_load = recipe.sweep.loads[0], recipe.sweep.loads[len(recipe.sweep.loads) // 2]
+    recipe = recipe.with_sweep((low_load, high_load), warmup_requests=64, measure_requests=128)
     config = recipe.sim_config()
-    points, skipped = run_sweep(config, recipe.sweep.concurrency, stop_at_capacity=True)
-    assert [p.concurrency for p in points] == [64, 512] and skipped == ()
-    low, high = points
+    points, skipped = run_sweep(config, recipe.sweep.loads, arrivals=recipe.sweep.arrivals, seeds=(0,),
+                                stop_at_capacity=True)
+    assert [p.load for p in points] == [low_load, high_load] and skipped == ()
+    low, high = (p.runs[0] for p in points)
     assert 0 < low.tokens_per_s_per_gpu < high.tokens_per_s_per_gpu
     assert low.tokens_per_s_per_user > high.tokens_per_s_per_user
     assert 0 < low.transfer_share < 1
@@ -49,25 +52,46 @@ def test_recipe_runs_a_reduced_sweep(path: Path):
 def test_descriptor_counts_come_from_the_analyzer():
     recipe = load_recipe("seed-6xdep2-1xdep8")
     geometry = get_preset(recipe.preset, ssm_dtype=recipe.ssm_dtype)
+    isl = recipe.traffic.isl.low
     for scheme in ("vllm-0.33", "hybridkv"):
         config = recipe.sim_config(scheme=scheme)
         expected = count_descriptors(Scheme(scheme), Workload(
-            geometry=geometry, tokens=recipe.isl, block_size=recipe.block_size,
+            geometry=geometry, tokens=isl, block_size=recipe.block_size,
             fragmentation=recipe.fragmentation))
-        assert config.request.transfer_descriptors == expected.descriptors
-        assert config.request.transfer_bytes == expected.bytes
-    assert (recipe.sim_config(scheme="vllm-0.33").request.transfer_descriptors
-            > recipe.sim_config(scheme="hybridkv").request.transfer_descriptors)
+        assert config.sizing.transfer(isl) == (expected.descriptors, expected.bytes)
+    assert (recipe.sim_config(scheme="vllm-0.33").sizing.transfer(isl)[0]
+            > recipe.sim_config(scheme="hybridkv").sizing.transfer(isl)[0])
+
+
+def test_the_pr35758_recipe_moves_the_prs_descriptor_counts():
+    # 63 blocks of 64 tokens on gemma-3-4b-it: 4,284 descriptors without HMA, 1,650 with (the PR's text).
+    recipe = load_recipe("pr35758-1p1d-gemma3-4b")
+    assert recipe.sim_config(scheme="vllm-legacy").sizing.transfer(4032)[0] == 4284
+    assert recipe.sim_config().sizing.transfer(4032)[0] == 1650
 
 
 def test_decode_capacity_follows_the_hybrid_allocator():
-    # Qwen3.5-397B, bf16 SSM: 1072-token blocks; 9216 tokens = 9 attention blocks + 3 GDN groups.
+    # Qwen3.5-397B, bf16 SSM: 1072-token blocks; 9216 tokens = 9 attention blocks + 3 GDN groups,
+    # grown from the prompt's 8 + 3 as decoding passes 8,576 tokens.
     config = load_recipe("seed-4xdep2-1xdep8").sim_config()
-    assert config.request.decode_blocks == 12
+    assert config.sizing.decode_blocks(9216) == 12
+    assert config.sizing.decode_blocks(8192) == 11
+    assert config.sizing.block_tokens == 1072
+
+
+def test_decode_capacity_depends_on_the_scheme():
+    # gemma-3-4b-it: without HMA (vllm-legacy) every sliding-window layer keeps every block, so a
+    # 4,032-token request takes far more cache than under HMA's clipped tails.
+    recipe = load_recipe("pr35758-1p1d-gemma3-4b")
+    legacy, hma = recipe.sim_config(scheme="vllm-legacy"), recipe.sim_config(scheme="vllm-hma")
+    bytes_of = lambda c: c.sizing.decode_blocks(4032 + 256) * recipe.cache_bytes_per_rank / c.decode.blocks_per_rank  # noqa: E731
+    assert bytes_of(legacy) > 2 * bytes_of(hma)
+    # Every HMA scheme stores the request alike; only what moves differs.
+    assert recipe.sim_config(scheme="hybridkv").decode.blocks_per_rank == hma.decode.blocks_per_rank
 
 
 def _seed_data() -> dict:
-    return yaml.safe_load(Path(RECIPES[0]).read_text())
+    return yaml.safe_load((RECIPE_DIR / "seed-4xdep2-1xdep8.yaml").read_text())
 
 
 def test_a_parameter_without_a_source_is_rejected():
@@ -103,29 +127,83 @@ def test_unknown_keys_and_bad_values_are_rejected():
 
 def test_cli_json_has_points_and_compare_groups_by_variant(tmp_path, capsys):
     plot = tmp_path / "pareto.png"
-    rc = main(["sim", "pd", "--recipe", "seed-8xdep2-1xdep8", "--concurrency", "64", "--json",
-               "--compare-schemes", "--plot", str(plot)])
+    small = _small_recipe(tmp_path)
+    rc = main(["sim", "pd", "--recipe", str(small), "--concurrency", "64", "--json", "--seeds", "2",
+               "--compare-schemes", "vllm-0.33,vllm-legacy,hybridkv", "--plot", str(plot)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["points"][0]) >= {"concurrency", "tokens_per_s_per_gpu", "tokens_per_s_per_user",
-                                     "ttft_s", "itl_s"}
+    point = out["points"][0]
+    assert point["load"] == 64 and point["seeds"] == [0, 1]
+    assert set(point["mean"]) >= {"tokens_per_s_per_gpu", "tokens_per_s_per_user", "ttft_s", "itl_s"}
+    assert set(point["mean"]) == set(point["spread"])
     variants = {v["name"]: v for v in out["variants"]}
-    assert set(variants) == {"vllm-0.33 async", "vllm-0.33 sync", "hybridkv async", "hybridkv sync"}
-    # `points` is the recipe's own configuration (vllm-0.33, async on).
-    assert out["points"] == variants["vllm-0.33 async"]["points"]
-    assert variants["hybridkv sync"]["descriptors_per_request"] < variants["vllm-0.33 sync"]["descriptors_per_request"]
-    # At 64 users decode is CPU-heavy, so hiding the CPU behind the device shows.
-    on = variants["vllm-0.33 async"]["points"][0]
-    off = variants["vllm-0.33 sync"]["points"][0]
-    assert on["itl_s"] < off["itl_s"]
+    assert list(variants) == ["vllm-0.33", "vllm-legacy", "hybridkv"]
+    # `points` is the first scheme's, the baseline of every ratio.
+    assert out["points"] == variants["vllm-0.33"]["points"]
+    assert variants["vllm-0.33"]["ratio_to_first"]["64"] == {"mean": 1.0, "spread": 0.0}
+    assert variants["hybridkv"]["descriptors_per_request"] < variants["vllm-0.33"]["descriptors_per_request"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_table_for_one_recipe(capsys):
-    rc = main(["sim", "pd", "--recipe", "seed-4xdep2-1xdep8", "--concurrency", "64"])
+def _small_recipe(tmp_path: Path, edit=None) -> Path:
+    """The seed recipe with short outputs and a short window, so a CLI run takes a second."""
+    data = _seed_data()
+    data["workload"]["osl"] = 64
+    data["sweep"]["warmup_requests"] = 32
+    data["sweep"]["measure_requests"] = 48
+    data["sources"]["sweep.warmup_requests"] = "assumed: short window for a test"
+    data["sources"]["sweep.measure_requests"] = "assumed: short window for a test"
+    if edit is not None:
+        edit(data)
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_cli_open_loop_and_sensitivity(tmp_path, capsys):
+    small = _small_recipe(tmp_path)
+    assert main(["sim", "pd", "--recipe", str(small), "--request-rate", "2", "--seeds", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["variants"][0]["arrivals"] == "open" and out["points"][0]["load"] == 2
+    assert main(["sim", "pd", "--recipe", str(small), "--concurrency", "64", "--seeds", "1", "--json",
+                 "--compare-schemes", "vllm-0.33,hybridkv", "--sensitivity"]) == 0
+    rows = json.loads(capsys.readouterr().out)["sensitivity"]
+    knobs = {r["knob"] for r in rows}
+    assert knobs == {"", "posting", "wire", "bandwidth", "scheduling"}
+    # Free posting and free wire descriptors leave nothing for fewer descriptors to win, but bytes:
+    # both schemes move the same bytes, so the gain is 1 up to the scheme's other differences.
+    assert all(r["gain"]["mean"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d["decode"].update(cache_bytes_per_rank=float("inf")), "decode.cache_bytes_per_rank=inf"),
+    (lambda d: d["transfer"]["link"].update(bytes_per_s=float("nan")), "transfer.link.bytes_per_s=nan"),
+    (lambda d: d["transfer"]["link"].update(bytes_per_s=0), "transfer.link.bytes_per_s=0"),
+    (lambda d: d["decode"].update(cost={k: 0.0 for k in d["decode"]["cost"]}), "decode.cost: every term is zero"),
+    (lambda d: d["prefill"].update(cost={k: 0.0 for k in d["prefill"]["cost"]}), "prefill.cost: every term is zero"),
+    (lambda d: d["transfer"]["link"].pop("latency_s"), "missing 'transfer.link.latency_s'"),
+    (lambda d: d["decode"]["cost"].pop("device_per_token_s"), "missing 'decode.cost.device_per_token_s'"),
+    (lambda d: d["transfer"]["posting"].update(per_descriptor_s=-1e-6), "per_descriptor_s=-1e-06"),
+    (lambda d: d["decode"].update(cache_bytes_per_rank=1.0), "holds no block"),
+    (lambda d: d["workload"].update(isl={"distribution": "uniform", "low": 9000, "high": 8000}), "high=8000"),
+    (lambda d: d["sweep"].update(request_rate=[1.0]), "exactly one of 'concurrency'"),
+    (lambda d: d["transfer"].update(scheme="carrier-pigeon"), "carrier-pigeon"),
+], ids=["inf-cache", "nan-bandwidth", "zero-bandwidth", "zero-decode", "zero-prefill", "no-latency",
+        "no-cost-key", "negative-posting", "tiny-cache", "bad-lengths", "two-sweeps", "bad-scheme"])
+def test_degenerate_recipes_are_one_line_errors(tmp_path, capsys, edit, message):
+    # The sources stay as they are: the values themselves are refused, before any simulation.
+    path = _small_recipe(tmp_path, edit)
+    assert main(["sim", "pd", "--recipe", str(path), "--concurrency", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridkv: error: ") and message in err, err
+    assert "Traceback" not in err
+
+
+def test_cli_table_for_one_recipe(tmp_path, capsys):
+    rc = main(["sim", "pd", "--recipe", str(_small_recipe(tmp_path)), "--concurrency", "64", "--seeds", "2"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "seed-4xdep2-1xdep8" in out and "tok/s/GPU" in out and "TTFT" in out
+    assert "seed-4xdep2-1xdep8" in out and "tok/s/GPU" in out and "TTFT" in out and " ± " in out
 
 
 def test_cli_reports_bad_recipe_as_usage_error(tmp_path, capsys):
@@ -142,10 +220,13 @@ def test_scheduling_override_is_applied():
 
 
 def test_one_variant_per_recipe_and_compare_names_carry_the_recipe():
-    from sims.pd.sweep import variants
+    from sims.pd.sweep import parse_schemes, variants
 
     four, eight = load_recipe("seed-4xdep2-1xdep8"), load_recipe("seed-8xdep2-1xdep8")
-    assert [v.name for v in variants([four, eight], compare_schemes=False)] == [four.name, eight.name]
-    names = [v.name for v in variants([four, eight], compare_schemes=True)]
-    assert len(names) == 8 and names[0] == f"{four.name} vllm-0.33 async"
-    assert len(set(names)) == 8
+    assert [v.name for v in variants([four, eight])] == [four.name, eight.name]
+    names = [v.name for v in variants([four, eight], schemes=("vllm-0.33", "hybridkv"))]
+    assert names == [f"{four.name} vllm-0.33", f"{four.name} hybridkv", f"{eight.name} vllm-0.33",
+                     f"{eight.name} hybridkv"]
+    for bad in ("hybridkv", "hybridkv,hybridkv", "vllm-0.33,nope", "vllm-0.33,"):
+        with pytest.raises(ValueError):
+            parse_schemes(bad)

@@ -54,6 +54,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="quiet time before each timed variant, for the control messages of the one before it")
     parser.add_argument("--read-notif", choices=("on", "off"), default="off",
                         help="hybridkv's READs carry a NIXL notification (TransportConfig.notify_reads)")
+    parser.add_argument("--probe-bytes", type=int, default=64,
+                        help="bytes per descriptor of the posting probe (the vllm-0.33 list and one descriptor, "
+                             "posted with this length each, CPU of the posting thread timed; default 64)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -212,13 +215,22 @@ def _vllm_scheme_rows(memory, layout, attn_region: int, gdn_region: int, n_attn:
     return arr
 
 
-def _timed(agent, op: str, lh, li, rh, ri, notif: bytes = b"") -> tuple[float, int, float]:
-    """(seconds from handle creation to DONE, descriptors NIXL posted, seconds to make and post)."""
+def _timed(agent, op: str, lh, li, rh, ri, notif: bytes = b"", build=None) -> tuple[float, int, float, float]:
+    """(seconds from handle creation to DONE, descriptors NIXL posted, seconds to build, make and post,
+    CPU seconds this thread spent building, making and posting).
+
+    `build`, if given, makes the index arrays (li, ri are then ignored): an engine computes its
+    descriptor ids per request, in the thread that posts, so that is part of what posting costs it.
+    """
     # Timed from handle creation, as hybridkv's fetch is: an engine makes a handle per request too.
+    c0 = time.thread_time()
     t0 = time.perf_counter()
+    if build is not None:
+        li, ri = build()
     h = agent.make_prepped_xfer(op, lh, li, rh, ri, notif)
     agent.transfer(h)
     posted_s = time.perf_counter() - t0
+    posted_cpu = time.thread_time() - c0
     while (s := agent.check_xfer_state(h)) == "PROC":
         pass
     dt = time.perf_counter() - t0
@@ -226,7 +238,29 @@ def _timed(agent, op: str, lh, li, rh, ri, notif: bytes = b"") -> tuple[float, i
         raise RuntimeError(f"baseline transfer ended {s}")
     desc = int(agent.get_xfer_telemetry(h).descCount)
     agent.release_xfer_handle(h)
-    return dt, desc, posted_s
+    return dt, desc, posted_s, posted_cpu
+
+
+def _vllm_ids(region_rows: int, blocks: "np.ndarray", tail: int):
+    """Descriptor ids of one request the way vLLM 0.33's worker computes them per transfer
+    (`_get_block_descs_ids`: region-major ids region * num_blocks + block, vectorised, then the
+    GDN state rows): the per-request id work that rides with every post."""
+    import numpy as np
+
+    ids = (np.arange(region_rows, dtype=np.int64)[:, None] * len(blocks) + blocks[None, :]).ravel()
+    first = region_rows * len(blocks)
+    ids = np.concatenate([ids, np.arange(first, first + tail, dtype=np.int64)]).astype(np.int32)
+    return ids, ids
+
+
+def posting_fit(points: dict[str, tuple[int, float]]) -> tuple[float, float]:
+    """(seconds per descriptor, fixed seconds) through the (descriptors, seconds) of the two most
+    different descriptor counts: the slope between the one-span READ and the vLLM list."""
+    (n0, t0), (n1, t1) = min(points.values()), max(points.values())
+    if n1 == n0:
+        raise ValueError(f"posting fit needs two descriptor counts, got {sorted(points.values())}")
+    slope = (t1 - t0) / (n1 - n0)
+    return slope, t0 - slope * n0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -239,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
     if args.block_size <= 0:
         raise ValueError(f"--block-size {args.block_size}; expected a positive number of tokens")
     parse_splits(args.raw_splits)
+    if not 1 <= args.probe_bytes <= 1 << 20:
+        raise ValueError(f"--probe-bytes {args.probe_bytes}; expected 1 to 1048576")
     if not 0 <= args.settle_ms <= 10_000:
         raise ValueError(f"--settle-ms {args.settle_ms}; expected 0 to 10000")
     # Here as well as in the producer: a bad --model or --layers is said at once, as one line,
@@ -372,10 +408,24 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     v_l = agent.prep_xfer_dlist("NIXL_INIT_AGENT", vl, mem)
     v_r = agent.prep_xfer_dlist(peer.agent, vr, peer.memory.mem.name)
     v_idx = np.arange(len(vl), dtype=np.int32)
+    # The posting probe: the same lists with every descriptor cut to --probe-bytes, so that what the
+    # posting thread spends is handling descriptors, not moving bytes (UCX's CMA path over DRAM copies
+    # inside the post call).
+    tiny = lambda rows: np.concatenate([rows[:, :1], np.full((len(rows), 1), args.probe_bytes, np.uint64),  # noqa: E731
+                                        rows[:, 2:]], axis=1)
+    t_vl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", tiny(vl), mem)
+    t_vr = agent.prep_xfer_dlist(peer.agent, tiny(vr), peer.memory.mem.name)
+    t_rl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", tiny(vl[:1]), mem)
+    t_rr = agent.prep_xfer_dlist(peer.agent, tiny(vr[:1]), peer.memory.mem.name)
     if int(vl[:, 1].sum()) != nbytes:
         raise RuntimeError(f"vLLM-scheme list covers {int(vl[:, 1].sum())} bytes, expected {nbytes}")
     hyb, vll = [], []
-    posts: dict[str, list[float]] = {"hybridkv": [], "raw": []}  # make + post only
+    posts: dict[str, list[float]] = {"hybridkv": [], "raw": [], "vllm_scheme": []}  # (build,) make + post only
+    cpu: dict[str, list[float]] = {"raw": [], "vllm_scheme": []}  # the same, CPU time of the posting thread
+    block_ids = np.arange(blocks, dtype=np.int64)
+    v_build = lambda: _vllm_ids(n_attn, block_ids, 2 * n_gdn)  # noqa: E731
+    if not np.array_equal(v_build()[0], v_idx):
+        raise RuntimeError("the vLLM-style id build does not index the vLLM-scheme list in order")
     raws: dict[int, list[float]] = {n: [] for n in splits}
     desc = idx = planned = None
     r_desc = v_desc = None
@@ -383,7 +433,8 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     # the previous one settle first: on the H200s a baseline READ started right after a fetch (its Done
     # message, the producer's next export) took ~4 ms instead of ~0.2 ms in every round, which a fixed
     # (or merely rotated) order charged to one variant only.
-    variants = ["hybridkv", *(("raw", n) for n in splits), "raw_notif", "vllm"]
+    variants = ["hybridkv", *(("raw", n) for n in splits), "raw_notif", "vllm", "probe_one", "probe_vllm"]
+    probe: dict[str, list[tuple[int, float]]] = {"probe_one": [], "probe_vllm": []}
     raw_notif: list[float] = []
     for i in range(args.iters + 1):
         kept = i > 0  # the first round warms connections and caches
@@ -405,16 +456,25 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
             elif var == "raw_notif":  # the one-span READ carrying a notification, as hybridkv's may
                 l_h, r_h, ids = raw_lists[1]
                 raw_notif += [_timed(agent, "READ", l_h, ids, r_h, ids, NOTIF_PREFIX + b"baseline")[0]] * kept
+            elif var == "probe_one":
+                _, n, _, c = _timed(agent, "READ", t_rl, np.zeros(1, np.int32), t_rr, np.zeros(1, np.int32))
+                probe[var] += [(n, c)] * kept
+            elif var == "probe_vllm":
+                _, n, _, c = _timed(agent, "READ", t_vl, None, t_vr, None, build=v_build)
+                probe[var] += [(n, c)] * kept
             elif var == "vllm":
-                vt, v_desc, _ = _timed(agent, "READ", v_l, v_idx, v_r, v_idx)
+                vt, v_desc, v_post, v_cpu = _timed(agent, "READ", v_l, None, v_r, None, build=v_build)
                 vll += [vt] * kept
+                posts["vllm_scheme"] += [v_post] * kept
+                cpu["vllm_scheme"] += [v_cpu] * kept
             else:
                 l_h, r_h, ids = raw_lists[var[1]]
-                rt, posted, post_s = _timed(agent, "READ", l_h, ids, r_h, ids)
+                rt, posted, post_s, post_cpu = _timed(agent, "READ", l_h, ids, r_h, ids)
                 raws[var[1]] += [rt] * kept
                 if var[1] == 1:
                     r_desc = posted
                     posts["raw"] += [post_s] * kept
+                    cpu["raw"] += [post_cpu] * kept
         sched.step_scheduled(i + 1, joined=[f"req{i}"])
         sched.step_completed(i + 1)
         sched.request_finished(f"req{i}")
@@ -427,6 +487,13 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731
     raw = raws[1]
     h, r, v = (gbps(statistics.median(ts)) for ts in (hyb, raw, vll))
+    med = statistics.median
+    # Posting (CPU in the posting thread) and the wire (the rest, to DONE) per descriptor, each
+    # from the same run's one-span READ and vLLM list: the simulator charges them separately.
+    post_per, post_fixed = posting_fit({k: (v[0][0], med(c for _, c in v)) for k, v in probe.items()})
+    wire_per, wire_fixed = posting_fit({
+        "raw": (r_desc, med(t - p for t, p in zip(raw, posts["raw"]))),
+        "vllm_scheme": (v_desc, med(t - p for t, p in zip(vll, posts["vllm_scheme"])))})
     c = gbps(copy["copy_s"])
     return {
         "model": geo.name, "tokens": args.tokens, "block_size": args.block_size, "layers": geo.num_layers,
@@ -444,6 +511,12 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
         "raw_split_GBps": {str(n): round(gbps(statistics.median(ts)), 3) for n, ts in raws.items()},
         # Where a fixed per-request cost goes: making and posting vs waiting for DONE.
         "post_us": {name: round(statistics.median(ts) * 1e6, 1) for name, ts in posts.items()},
+        "post_cpu_us": {name: round(statistics.median(ts) * 1e6, 1) for name, ts in cpu.items()},
+        "posting": {"per_descriptor_us": round(post_per * 1e6, 4), "fixed_us": round(post_fixed * 1e6, 1),
+                    "wire_per_descriptor_us": round(wire_per * 1e6, 4), "wire_fixed_us": round(wire_fixed * 1e6, 1),
+                    "from": f"posting: {args.probe_bytes}-byte descriptors, 1 vs the vllm-0.33 list's "
+                            f"{probe['probe_vllm'][0][0]} (ids built per post), thread CPU; wire: one-span READ "
+                            f"({r_desc} posted) vs the vllm-0.33 list ({v_desc} posted), time to DONE after the post"},
         "samples_GBps": {name: [round(gbps(t), 1) for t in ts]
                          for name, ts in (("hybridkv", hyb), ("raw", raw), ("vllm_scheme", vll))},
     }
@@ -464,8 +537,13 @@ def _print(rep: dict) -> None:
         print(f"  {name:<26}{posted!s:>8}{g:>10.2f}{xr:>8.2f}{xc:>8.3f}")
     print(f"  hybridkv handed NIXL {rep['index_pairs']} index pairs; NIXL posted {rep['descriptors']} after merging;"
           f" the vllm-0.33 list has {rep['vllm_scheme_descriptors']}; copy: {rep['copy_kind']}")
-    print(f"  make + post (median us): hybridkv {rep['post_us']['hybridkv']:.0f}, raw {rep['post_us']['raw']:.0f}"
+    print(f"  make + post (median us): hybridkv {rep['post_us']['hybridkv']:.0f}, raw {rep['post_us']['raw']:.0f},"
+          f" vllm-0.33 list with its id build {rep['post_us']['vllm_scheme']:.0f}"
           " (the rest of each time is waiting for DONE)")
+    ps = rep["posting"]
+    print(f"  posting thread CPU: {ps['per_descriptor_us']:.3f} us per descriptor + {ps['fixed_us']:.0f} us per"
+          f" transfer; wire after posting: {ps['wire_per_descriptor_us']:.3f} us per descriptor"
+          f" ({ps['from']})")
     print(f"  raw one span with a NIXL notification: {rep['raw_notif_GBps']:.2f} GB/s"
           f" (hybridkv's READs carry one: {rep['read_notif']})")
     if len(rep["raw_split_GBps"]) > 1:

@@ -9,18 +9,28 @@ import sys
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Simulate prefill endpoints, KV/state transfers and decode endpoints over a closed-loop "
-        "concurrency sweep; descriptor counts come from the descriptor analyzer.")
+        "Simulate prefill endpoints, KV/state transfers and decode endpoints over a load sweep "
+        "(closed-loop users or open-loop request rates), several seeds per point; descriptor counts "
+        "come from the descriptor analyzer.")
     parser.add_argument("--recipe", action="append", required=True, metavar="FILE",
                         help="recipe YAML (or the name of a shipped one, e.g. seed-6xdep2-1xdep8); "
                              "repeat for one curve per recipe")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--plot", metavar="OUT.png", help="write a Pareto plot (tokens/s/GPU vs tokens/s/user)")
-    parser.add_argument("--compare-schemes", action="store_true",
-                        help="run vllm-0.33 and hybridkv descriptor schemes, each with async scheduling "
-                             "on and off")
-    parser.add_argument("--concurrency", type=int, nargs="+", metavar="N",
-                        help="override the recipe's sweep concurrencies")
+    parser.add_argument("--compare-schemes", metavar="A,B[,...]",
+                        help="run each recipe once per descriptor scheme (the first is the baseline of the "
+                             "ratios), e.g. vllm-0.33,hybridkv")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="with --compare-schemes: move one cost at a time (posting and wire cost per "
+                             "descriptor, bandwidth, async scheduling) and report each scheme and the gain")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, nargs="+", metavar="N",
+                      help="closed loop: these user counts instead of the recipe's sweep")
+    load.add_argument("--request-rate", type=float, nargs="+", metavar="R",
+                      help="open loop: Poisson arrivals at these requests per second instead of the recipe's sweep")
+    parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    parser.add_argument("--seeds", type=int, default=None, metavar="N",
+                        help="seeds per point, S..S+N-1 (default: the recipe's sweep.seeds, else 3)")
     parser.set_defaults(handler=run)
 
 
@@ -31,43 +41,70 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from .params import Arrivals
     from .recipe import load_recipe
-    from .report import as_json, plot_pareto, print_report
-    from .sweep import run_variant, variants
+    from .report import as_json, plot_pareto, print_report, sensitivity_json, sensitivity_table
+    from .sweep import parse_schemes, run_variant, sensitivity, settings, variants
 
+    if args.seeds is not None and args.seeds < 1:
+        raise ValueError(f"--seeds {args.seeds}: expected an integer >= 1")
+    schemes = parse_schemes(args.compare_schemes) if args.compare_schemes else None
+    if args.sensitivity and (schemes is None or len(args.recipe) != 1 or args.plot):
+        raise ValueError("--sensitivity needs --compare-schemes A,B[,...] and one --recipe (and no --plot)")
     recipes = [load_recipe(p) for p in args.recipe]
     if args.concurrency:
-        recipes = [r.with_sweep(tuple(args.concurrency)) for r in recipes]
-    chosen = variants(recipes, compare_schemes=args.compare_schemes)
+        recipes = [r.with_sweep(tuple(args.concurrency), arrivals=Arrivals.CLOSED) for r in recipes]
+    elif args.request_rate:
+        recipes = [r.with_sweep(tuple(args.request_rate), arrivals=Arrivals.OPEN) for r in recipes]
+    if args.seeds is not None:
+        recipes = [r.with_sweep(seeds=args.seeds) for r in recipes]
+    # Resolve every configuration before simulating: a degenerate recipe fails in a second, as one line.
+    chosen = variants(recipes, schemes=schemes)
+    for v in chosen:
+        v.recipe.sim_config(scheme=v.scheme, scheduling=v.scheduling)
     # Tables go to stdout unless --json owns it; the progress bar always goes to stderr.
     err = Console(stderr=True)
     out = Console(stderr=args.json)
     if not out.is_terminal:
         # Piped or captured: do not squeeze the tables into 80 columns.
-        out = Console(stderr=args.json, width=170)
-    total = sum(len(v.recipe.sweep.concurrency) for v in chosen)
-    results = []
+        out = Console(stderr=args.json, width=200)
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=err, transient=True) as progress:
-            task = progress.add_task("simulating", total=total)
-            for v in chosen:
-                progress.update(task, description=f"{v.name}")
-                done_before = progress.tasks[0].completed
-                result = run_variant(v, on_point=lambda _p: progress.advance(task))
-                # Points cut by the capacity limit still count as done for the bar.
-                progress.update(task, completed=done_before + len(v.recipe.sweep.concurrency))
-                results.append(result)
+            if args.sensitivity:
+                recipe = recipes[0]
+                total = len(settings(recipe)) * len(recipe.sweep.loads) * len(schemes)
+                task = progress.add_task("sensitivity", total=total)
+                rows = sensitivity(recipe, schemes, recipe.sweep.loads, seed=args.seed,
+                                   on_point=lambda: progress.advance(task))
+            else:
+                total = sum(len(v.recipe.sweep.loads) for v in chosen)
+                task = progress.add_task("simulating", total=total)
+                results = []
+                for v in chosen:
+                    progress.update(task, description=f"{v.name}")
+                    done_before = progress.tasks[0].completed
+                    result = run_variant(v, seed=args.seed, on_point=lambda _p: progress.advance(task))
+                    # Points cut by the capacity limit still count as done for the bar.
+                    progress.update(task, completed=done_before + len(v.recipe.sweep.loads))
+                    results.append(result)
     except RuntimeError as exc:
         if "descriptor analyzer" not in str(exc):
             raise
         print(f"hybridkv: {exc}", file=sys.stderr)
         return 1
+    if args.sensitivity:
+        if args.json:
+            print(json.dumps(sensitivity_json(rows, schemes), indent=2, allow_nan=False))
+        else:
+            out.print(sensitivity_table(rows, schemes, recipes[0].sweep.arrivals))
+        return 0
     if args.plot:
         path = plot_pareto(results, args.plot)
         err.print(f"wrote {path}")
     if args.json:
-        print(json.dumps(as_json(results), indent=2))
+        # allow_nan=False: a non-finite figure is a bug to see, never `Infinity` in the output.
+        print(json.dumps(as_json(results), indent=2, allow_nan=False))
     else:
         print_report(results, out)
     return 0

@@ -1,9 +1,11 @@
 """What the simulator needs from the model and the descriptor analyzer, in one place.
 
 `request_transfer` is the only call into the descriptor analyzer: the simulator never
-holds a descriptor count of its own. `request_blocks` / `blocks_per_rank` size the decode
-cache the way vLLM's hybrid allocator does (one block of any group takes one page in
-each of the group_size shared tensors).
+holds a descriptor count of its own. `cache_model` sizes a cache the way the scheme's engine
+allocates it: vLLM's hybrid allocator (one block of any group takes one page in each of the
+group_size shared tensors; sliding-window groups keep only their tail) for every scheme but
+`vllm-legacy`, which predates HMA and keeps every block of every attention layer, sliding
+window included (docs/background/vllm.md section 4, PR #35758's non-HMA path).
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridkv.layout.geometry import ModelGeometry
 from descriptors.hma import plan_hma
+from hybridkv.layout.geometry import AttentionSpec, GDNSpec, LayerKind, ModelGeometry
 from hybridkv.layout.presets import get_preset
+
+from .params import Sizing
+
+NON_HMA_SCHEMES = ("vllm-legacy",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +31,19 @@ class TransferCount:
 
 def model_geometry(preset: str, ssm_dtype: str | None) -> ModelGeometry:
     return get_preset(preset, ssm_dtype=ssm_dtype)
+
+
+def scheme_names() -> tuple[str, ...]:
+    from descriptors.schemes import Scheme
+
+    return tuple(s.value for s in Scheme)
+
+
+def check_scheme(scheme: str) -> str:
+    names = scheme_names()
+    if scheme not in names:
+        raise ValueError(f"transfer scheme {scheme!r}: expected one of {', '.join(names)}")
+    return scheme
 
 
 def request_transfer(scheme: str, geometry: ModelGeometry, *, tokens: int,
@@ -39,11 +58,7 @@ def request_transfer(scheme: str, geometry: ModelGeometry, *, tokens: int,
     except ImportError as exc:
         raise RuntimeError(
             f"the descriptor analyzer (descriptors.schemes) is not available: {exc}") from exc
-    try:
-        chosen = Scheme(scheme)
-    except ValueError:
-        names = ", ".join(s.value for s in Scheme)
-        raise ValueError(f"transfer scheme {scheme!r}: expected one of {names}") from None
+    chosen = Scheme(check_scheme(scheme))
     count = count_descriptors(chosen, Workload(
         geometry=geometry, tokens=tokens, block_size=block_size, tp_prefill=1, tp_decode=1,
         fragmentation=fragmentation))
@@ -51,23 +66,70 @@ def request_transfer(scheme: str, geometry: ModelGeometry, *, tokens: int,
 
 
 @dataclass(frozen=True, kw_only=True)
-class DecodeMemory:
+class CacheModel:
+    """How a scheme's engine stores one request: blocks of `block_bytes`, `block_size` tokens each."""
+
+    scheme: str
     block_size: int
     block_bytes: int
-    request_blocks: int
-    blocks_per_rank: int
+    # Per group: (is GDN, sliding window or None); `blocks(tokens)` sums over them.
+    groups: tuple[tuple[bool, int | None], ...]
+
+    def blocks(self, tokens: int) -> int:
+        if tokens <= 0:
+            raise ValueError(f"tokens={tokens}: expected a positive count")
+        n = math.ceil(tokens / self.block_size)
+        total = 0
+        for gdn, window in self.groups:
+            if gdn:
+                total += 1
+            elif window is not None:
+                total += min(n, math.ceil(window / self.block_size) + 1)
+            else:
+                total += n
+        return total
+
+    def per_rank(self, cache_bytes: float, what: str) -> int:
+        blocks = math.floor(cache_bytes / self.block_bytes)
+        if blocks < 1:
+            raise ValueError(f"{what}={cache_bytes!r} holds no block of {self.block_bytes} B")
+        return blocks
 
 
-def decode_memory(geometry: ModelGeometry, *, tokens: int, cache_bytes_per_rank: float,
-                  block_size: int | None) -> DecodeMemory:
-    """Blocks a request holds at `tokens` tokens and blocks a rank's cache holds."""
+def cache_model(geometry: ModelGeometry, scheme: str, *, block_size: int | None) -> CacheModel:
     plan = plan_hma(geometry, block_size=block_size)
-    block_bytes = plan.page_bytes * plan.num_tensors
-    request_blocks = sum(plan.blocks_per_group(tokens).values())
-    per_rank = math.floor(cache_bytes_per_rank / block_bytes)
-    if per_rank < request_blocks:
-        raise ValueError(
-            f"decode cache of {cache_bytes_per_rank / 2**30:.2f} GiB per rank holds {per_rank} blocks of "
-            f"{block_bytes} B; one request of {tokens} tokens needs {request_blocks}")
-    return DecodeMemory(block_size=plan.block_size, block_bytes=block_bytes,
-                        request_blocks=request_blocks, blocks_per_rank=per_rank)
+    if scheme not in NON_HMA_SCHEMES:
+        return CacheModel(scheme=scheme, block_size=plan.block_size, block_bytes=plan.page_bytes * plan.num_tensors,
+                          groups=tuple((g.kind is LayerKind.GDN, g.window if g.kind is LayerKind.SLIDING_WINDOW
+                                        else None) for g in plan.groups))
+    # No HMA: one block holds `block_size` tokens of every attention layer, all of them kept
+    # (no window clipping); GDN state, where a model has it, stays one padded page per layer.
+    attn = [s for s in geometry.layers if isinstance(s, AttentionSpec)]
+    gdn = [s for s in geometry.layers if isinstance(s, GDNSpec)]
+    block_bytes = sum(s.page_bytes(plan.block_size) for s in attn)
+    groups: list[tuple[bool, int | None]] = [(False, None)]
+    if gdn:
+        state_blocks = math.ceil(sum(s.state_bytes for s in gdn) / block_bytes)
+        groups += [(True, None)] * state_blocks
+    return CacheModel(scheme=scheme, block_size=plan.block_size, block_bytes=block_bytes, groups=tuple(groups))
+
+
+def sizing(geometry: ModelGeometry, scheme: str, *, block_size: int | None, fragmentation: float,
+           decode: CacheModel, prefill: CacheModel) -> Sizing:
+    # Whole blocks move, so one analyzer count per block count serves every prompt length (and
+    # every point and seed of a sweep: hybridkv's count runs the real compiler).
+    counts: dict[int, tuple[int, int]] = {}
+
+    def transfer(isl: int) -> tuple[int, int]:
+        blocks = math.ceil(isl / decode.block_size)
+        got = counts.get(blocks)
+        if got is None:
+            count = request_transfer(scheme, geometry, tokens=isl, block_size=block_size,
+                                     fragmentation=fragmentation)
+            got = counts[blocks] = (count.descriptors, count.bytes)
+        return got
+
+    if decode.block_size != prefill.block_size:
+        raise ValueError(f"prefill block size {prefill.block_size} != decode block size {decode.block_size}")
+    return Sizing(transfer=transfer, decode_blocks=decode.blocks, prefill_blocks=prefill.blocks,
+                  block_tokens=decode.block_size)

@@ -8,19 +8,20 @@ without a source is an error, so a recipe cannot quietly carry an unexplained nu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .params import (DecodeSpec, LinkSpec, PrefillSpec, RequestSpec, Scheduling, SimConfig,
-                        StepCost)
+from .params import (Arrivals, DecodeSpec, Distribution, Lengths, LinkSpec, PostingSpec, PrefillSpec,
+                     Scheduling, SimConfig, StepCost, Traffic, check_int, check_number)
 
 SOURCE_KINDS = ("cited", "measured", "derived", "assumed")
 RECIPE_DIR = Path(__file__).parent.parent / "recipes"
-_COST_KEYS = ("cpu_base_s", "cpu_per_request_s", "device_base_s", "device_per_request_s",
-              "device_per_token_s", "device_per_context_token_s")
+# Seeds per point when a recipe's sweep does not say (sweep.seeds): enough for a spread.
+DEFAULT_SEEDS = 3
 
 
 class _Reader:
@@ -63,6 +64,7 @@ class _Reader:
                 raise ValueError(f"{self._key(key)}={value!r}: expected a number") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{self._key(key)}={value!r}: expected a number")
+        check_number(self._key(key), float(value))
         return float(value)
 
     def integer(self, key: str, default: Any = ...) -> int:
@@ -92,17 +94,54 @@ class _Reader:
 
 
 def _cost(reader: _Reader) -> StepCost:
-    cost = StepCost(**{k: reader.number(k, 0.0) for k in _COST_KEYS})
+    # Every term is required: a cost left out is not silently free.
+    cost = StepCost(**{k: reader.number(k) for k in StepCost.KEYS})
     reader.done()
     return cost
 
 
+def _lengths(reader: _Reader, key: str) -> Lengths:
+    name = reader._key(key)
+    value = reader.raw(key)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return Lengths.fixed(name, value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={value!r}: expected a token count or a mapping with 'distribution'")
+    spec = _Reader(value, name, [])
+    kind_text = spec.text("distribution")
+    try:
+        kind = Distribution(kind_text)
+    except ValueError:
+        names = ", ".join(d.value for d in Distribution if d is not Distribution.FIXED)
+        raise ValueError(f"{name}.distribution={kind_text!r}: expected one of {names}") from None
+    if kind is Distribution.UNIFORM:
+        low, high = spec.integer("low"), spec.integer("high")
+        out = Lengths(name=name, kind=kind, mean=(low + high) / 2, low=low, high=high)
+    elif kind is Distribution.LOGNORMAL:
+        out = Lengths(name=name, kind=kind, mean=spec.number("mean"), cv=spec.number("cv"),
+                      low=spec.integer("low"), high=spec.integer("high"))
+    else:
+        raise ValueError(f"{name}: a fixed length is written as a plain integer")
+    spec.done()
+    return out
+
+
+def _positive_bytes(reader: _Reader, key: str) -> float:
+    value = reader.number(key)
+    if not value > 0:
+        raise ValueError(f"{reader._key(key)}={value!r}: expected a positive number of bytes")
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sweep:
-    concurrency: tuple[int, ...]
+    arrivals: Arrivals
+    # Users (closed loop) or requests per second (open loop), increasing.
+    loads: tuple[float, ...]
     stop_at_capacity: bool
     warmup_requests: int | None
     measure_requests: int | None
+    seeds: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,62 +151,80 @@ class Recipe:
     preset: str
     ssm_dtype: str | None
     block_size: int | None
-    isl: int
-    osl: int
-    prefill: PrefillSpec
+    traffic: Traffic
+    prefill_endpoints: int
+    prefill_ranks: int
+    prefill_max_batched_tokens: int
+    prefill_cache_bytes_per_rank: float
+    prefill_cost: StepCost
     decode_endpoints: int
     decode_ranks: int
+    decode_ranks_per_node: int
     cache_bytes_per_rank: float
     decode_cost: StepCost
     scheme: str
     fragmentation: float
-    per_descriptor_s: float
-    bytes_per_s: float
-    latency_s: float
-    posting_on_step: bool
+    posting: PostingSpec
+    link: LinkSpec
     scheduling: Scheduling
     sweep: Sweep
     sources: dict[str, str]
 
-    def with_sweep(self, concurrency: tuple[int, ...], *, warmup_requests: int | None = None,
-                   measure_requests: int | None = None) -> Recipe:
-        """The same recipe over fewer points or a shorter window (CI's reduced sweep)."""
-        sweep = replace(self.sweep, concurrency=_concurrencies(list(concurrency)),
-                        warmup_requests=warmup_requests if warmup_requests is not None else self.sweep.warmup_requests,
-                        measure_requests=measure_requests if measure_requests is not None else self.sweep.measure_requests)
+    def with_sweep(self, loads: tuple[float, ...] | None = None, *, arrivals: Arrivals | None = None,
+                   warmup_requests: int | None = None, measure_requests: int | None = None,
+                   seeds: int | None = None) -> Recipe:
+        """The same recipe over other loads, a shorter window or other seeds (CLI overrides, CI's reduced sweep)."""
+        arrivals = arrivals or self.sweep.arrivals
+        sweep = replace(
+            self.sweep, arrivals=arrivals,
+            loads=_loads(list(loads), arrivals) if loads is not None else self.sweep.loads,
+            warmup_requests=warmup_requests if warmup_requests is not None else self.sweep.warmup_requests,
+            measure_requests=measure_requests if measure_requests is not None else self.sweep.measure_requests,
+            seeds=seeds if seeds is not None else self.sweep.seeds)
+        if loads is None and arrivals is not self.sweep.arrivals:
+            raise ValueError(f"the recipe sweeps {self.sweep.arrivals.value}-loop loads; give the "
+                             f"{arrivals.value}-loop ones (--concurrency or --request-rate)")
+        check_int("seeds", sweep.seeds)
         return replace(self, sweep=sweep)
 
     def sim_config(self, *, scheme: str | None = None, scheduling: Scheduling | None = None) -> SimConfig:
-        """Resolve the model and the analyzer's descriptor count into plain numbers."""
-        from .model import decode_memory, model_geometry, request_transfer
+        """Resolve the model, the scheme's cache layout and the analyzer's counts into plain numbers."""
+        from .model import cache_model, model_geometry, sizing
 
+        scheme = scheme or self.scheme
         geometry = model_geometry(self.preset, self.ssm_dtype)
-        transfer = request_transfer(scheme or self.scheme, geometry, tokens=self.isl,
-                                    block_size=self.block_size, fragmentation=self.fragmentation)
-        memory = decode_memory(geometry, tokens=self.isl + self.osl,
-                               cache_bytes_per_rank=self.cache_bytes_per_rank, block_size=self.block_size)
+        decode = cache_model(geometry, scheme, block_size=self.block_size)
+        size = sizing(geometry, scheme, block_size=self.block_size, fragmentation=self.fragmentation,
+                      decode=decode, prefill=decode)
         return SimConfig(
-            prefill=self.prefill,
+            prefill=PrefillSpec(endpoints=self.prefill_endpoints, ranks=self.prefill_ranks,
+                                max_batched_tokens=self.prefill_max_batched_tokens,
+                                blocks_per_rank=decode.per_rank(self.prefill_cache_bytes_per_rank,
+                                                                "prefill.cache_bytes_per_rank"),
+                                cost=self.prefill_cost),
             decode=DecodeSpec(endpoints=self.decode_endpoints, ranks=self.decode_ranks,
-                              blocks_per_rank=memory.blocks_per_rank, cost=self.decode_cost),
-            link=LinkSpec(per_descriptor_s=self.per_descriptor_s, bytes_per_s=self.bytes_per_s,
-                          latency_s=self.latency_s, posting_on_step=self.posting_on_step),
-            request=RequestSpec(isl=self.isl, osl=self.osl, transfer_descriptors=transfer.descriptors,
-                                transfer_bytes=transfer.bytes, decode_blocks=memory.request_blocks),
+                              ranks_per_node=self.decode_ranks_per_node,
+                              blocks_per_rank=decode.per_rank(self.cache_bytes_per_rank, "decode.cache_bytes_per_rank"),
+                              cost=self.decode_cost),
+            posting=self.posting, link=self.link, sizing=size, traffic=self.traffic,
             scheduling=scheduling or self.scheduling,
             warmup_requests=self.sweep.warmup_requests,
             measure_requests=self.sweep.measure_requests,
         )
 
 
-def _concurrencies(values: Any) -> tuple[int, ...]:
+def _loads(values: Any, arrivals: Arrivals) -> tuple[float, ...]:
+    key = "sweep.concurrency" if arrivals is Arrivals.CLOSED else "sweep.request_rate"
     if not isinstance(values, list) or not values:
-        raise ValueError(f"sweep.concurrency={values!r}: expected a non-empty list of integers")
+        raise ValueError(f"{key}={values!r}: expected a non-empty list")
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"sweep.concurrency has {v!r}: expected integers >= 1")
+        if arrivals is Arrivals.CLOSED:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{key} has {v!r}: expected integers >= 1")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{key} has {v!r}: expected finite request rates > 0 (requests per second)")
     if list(values) != sorted(set(values)):
-        raise ValueError(f"sweep.concurrency={values!r}: expected strictly increasing values")
+        raise ValueError(f"{key}={values!r}: expected strictly increasing values")
     return tuple(values)
 
 
@@ -198,36 +255,51 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
     block_size = model.optional_int("block_size")
     model.done()
     workload = top.section("workload")
-    isl, osl = workload.integer("isl"), workload.integer("osl")
+    traffic = Traffic(isl=_lengths(workload, "isl"), osl=_lengths(workload, "osl"),
+                      ramp_s=workload.number("ramp_s"))
     workload.done()
     pre = top.section("prefill")
-    prefill = PrefillSpec(endpoints=pre.integer("endpoints"), ranks=pre.integer("ranks"),
-                          max_batched_tokens=pre.integer("max_batched_tokens"), cost=_cost(pre.section("cost")))
+    prefill = dict(endpoints=pre.integer("endpoints"), ranks=pre.integer("ranks"),
+                   max_batched_tokens=pre.integer("max_batched_tokens"),
+                   cache=_positive_bytes(pre, "cache_bytes_per_rank"), cost=_cost(pre.section("cost")))
     pre.done()
     dec = top.section("decode")
-    decode_endpoints, decode_ranks = dec.integer("endpoints"), dec.integer("ranks")
-    cache = dec.number("cache_bytes_per_rank")
-    decode_cost = _cost(dec.section("cost"))
+    decode = dict(endpoints=dec.integer("endpoints"), ranks=dec.integer("ranks"),
+                  ranks_per_node=dec.integer("ranks_per_node"), cache=_positive_bytes(dec, "cache_bytes_per_rank"),
+                  cost=_cost(dec.section("cost")))
     dec.done()
     xfer = top.section("transfer")
     scheme = xfer.text("scheme")
-    fragmentation = xfer.number("fragmentation", 1.0)
+    fragmentation = xfer.number("fragmentation")
     if not 0.0 <= fragmentation <= 1.0:
         raise ValueError(f"transfer.fragmentation={fragmentation!r}: expected a fraction in [0, 1]")
-    per_desc, bw = xfer.number("per_descriptor_s"), xfer.number("bytes_per_s")
-    latency = xfer.number("latency_s", 0.0)
-    posting = xfer.raw("posting_on_step", False)
+    post = xfer.section("posting")
+    posting = PostingSpec(per_descriptor_s=post.number("per_descriptor_s"),
+                          per_transfer_s=post.number("per_transfer_s"), on_step=post.raw("on_step"))
+    post.done()
+    wire = xfer.section("link")
+    link = LinkSpec(per_descriptor_s=wire.number("per_descriptor_s"), bytes_per_s=wire.number("bytes_per_s"),
+                    latency_s=wire.number("latency_s"))
+    wire.done()
     xfer.done()
     sched = top.section("scheduling")
     scheduling = Scheduling.parse(sched.raw("async"))
     sched.done()
     sw = top.section("sweep")
-    stop = sw.raw("stop_at_capacity", True)
+    stop = sw.raw("stop_at_capacity")
     if not isinstance(stop, bool):
         raise ValueError(f"sweep.stop_at_capacity={stop!r}: expected true or false")
-    sweep = Sweep(concurrency=_concurrencies(sw.raw("concurrency")), stop_at_capacity=stop,
+    closed, opened = "concurrency" in sw.data, "request_rate" in sw.data
+    if closed == opened:
+        raise ValueError("recipe sweep needs exactly one of 'concurrency' (closed loop, users) and "
+                         "'request_rate' (open loop, requests per second)")
+    arrivals = Arrivals.CLOSED if closed else Arrivals.OPEN
+    loads = _loads(sw.raw("concurrency" if closed else "request_rate"), arrivals)
+    seeds = sw.integer("seeds", DEFAULT_SEEDS)
+    check_int("sweep.seeds", seeds)
+    sweep = Sweep(arrivals=arrivals, loads=loads, stop_at_capacity=stop,
                   warmup_requests=sw.optional_int("warmup_requests"),
-                  measure_requests=sw.optional_int("measure_requests"))
+                  measure_requests=sw.optional_int("measure_requests"), seeds=seeds)
     sw.done()
     sources = _sources(top.raw("sources", leaf=False), leaves)
     top.done()
@@ -237,19 +309,22 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
         raise ValueError(f"model.preset={preset!r}: expected a preset name")
     if not isinstance(scheme, str):
         raise ValueError(f"transfer.scheme={scheme!r}: expected a scheme name")
-    # Validate the numeric parts now, not at the first simulated point.
-    LinkSpec(per_descriptor_s=per_desc, bytes_per_s=bw, latency_s=latency, posting_on_step=posting)
-    RequestSpec(isl=isl, osl=osl, transfer_descriptors=0, transfer_bytes=0, decode_blocks=1)
-    if not cache > 0:
-        raise ValueError(f"decode.cache_bytes_per_rank={cache!r}: expected a positive number")
-    for label, value in (("decode.endpoints", decode_endpoints), ("decode.ranks", decode_ranks)):
-        if value < 1:
-            raise ValueError(f"{label}={value!r}: expected an integer >= 1")
-    return Recipe(name=name, path=path, preset=preset, ssm_dtype=ssm_dtype, block_size=block_size,
-                  isl=isl, osl=osl, prefill=prefill, decode_endpoints=decode_endpoints,
-                  decode_ranks=decode_ranks, cache_bytes_per_rank=cache, decode_cost=decode_cost,
-                  scheme=scheme, fragmentation=fragmentation, per_descriptor_s=per_desc, bytes_per_s=bw, latency_s=latency,
-                  posting_on_step=posting, scheduling=scheduling, sweep=sweep, sources=sources)
+    from .model import check_scheme
+
+    check_scheme(scheme)
+    # Validate the counts now, not at the first simulated point (blocks come with the model).
+    PrefillSpec(endpoints=prefill["endpoints"], ranks=prefill["ranks"], max_batched_tokens=prefill["max_batched_tokens"],
+                blocks_per_rank=1, cost=prefill["cost"])
+    DecodeSpec(endpoints=decode["endpoints"], ranks=decode["ranks"], ranks_per_node=decode["ranks_per_node"],
+               blocks_per_rank=1, cost=decode["cost"])
+    return Recipe(name=name, path=path, preset=preset, ssm_dtype=ssm_dtype, block_size=block_size, traffic=traffic,
+                  prefill_endpoints=prefill["endpoints"], prefill_ranks=prefill["ranks"],
+                  prefill_max_batched_tokens=prefill["max_batched_tokens"],
+                  prefill_cache_bytes_per_rank=prefill["cache"], prefill_cost=prefill["cost"],
+                  decode_endpoints=decode["endpoints"], decode_ranks=decode["ranks"],
+                  decode_ranks_per_node=decode["ranks_per_node"], cache_bytes_per_rank=decode["cache"],
+                  decode_cost=decode["cost"], scheme=scheme, fragmentation=fragmentation, posting=posting,
+                  link=link, scheduling=scheduling, sweep=sweep, sources=sources)
 
 
 def load_recipe(path: str | Path) -> Recipe:

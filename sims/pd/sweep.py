@@ -1,17 +1,48 @@
-"""Concurrency sweeps of one configuration, and the variants `--compare-schemes` runs."""
+"""Load sweeps of one configuration over several seeds, the variants `--compare-schemes` runs,
+and the sensitivity table (posting cost, wire cost, bandwidth, async on/off)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .engine import simulate_point
-from .params import PointResult, Scheduling, SimConfig
+from .params import Arrivals, PointResult, Scheduling, SimConfig
 from .recipe import Recipe
 
-# The two descriptor schemes the seed's ~7% claim is about: vLLM 0.33's NIXL connector
-# and hybridkv's block-major layout.
-COMPARE_SCHEMES = ("vllm-0.33", "hybridkv")
+
+@dataclass(frozen=True, kw_only=True)
+class PointSummary:
+    """One load, run once per seed: every figure is reported as the mean and the spread
+    (sample standard deviation) over the seeds."""
+
+    load: float
+    runs: tuple[PointResult, ...]
+
+    def values(self, metric: str) -> list[float]:
+        return [r.value(metric) for r in self.runs]
+
+    def mean(self, metric: str) -> float:
+        return statistics.fmean(self.values(metric))
+
+    def spread(self, metric: str) -> float:
+        vals = self.values(metric)
+        return statistics.stdev(vals) if len(vals) > 1 else 0.0
+
+    @property
+    def capacity_bound(self) -> bool:
+        return any(r.capacity_bound for r in self.runs)
+
+
+def paired_ratio(a: PointSummary, b: PointSummary, metric: str = "tokens_per_s_per_gpu") -> tuple[float, float]:
+    """Mean and spread over seeds of b / a, seed by seed: the same seed draws the same requests and
+    arrivals for both, so the ratio's spread is the comparison's own noise."""
+    ra = {r.seed: r.value(metric) for r in a.runs}
+    ratios = [r.value(metric) / ra[r.seed] for r in b.runs if r.seed in ra and ra[r.seed] > 0]
+    if not ratios:
+        raise ValueError("no common seed to compare")
+    return statistics.fmean(ratios), (statistics.stdev(ratios) if len(ratios) > 1 else 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,31 +51,39 @@ class SweepResult:
     recipe: str
     scheme: str
     config: SimConfig
-    points: tuple[PointResult, ...]
-    # Concurrency values not run because an earlier point already ran out of decode cache.
-    skipped: tuple[int, ...]
+    arrivals: Arrivals
+    points: tuple[PointSummary, ...]
+    # Loads not run because an earlier point already ran out of decode cache.
+    skipped: tuple[float, ...]
 
     @property
-    def cut_at(self) -> int | None:
-        """The first concurrency at which requests waited for decode cache, if any."""
+    def cut_at(self) -> float | None:
+        """The first load at which requests waited for decode cache, if any."""
         for p in self.points:
             if p.capacity_bound:
-                return p.concurrency
+                return p.load
         return None
 
 
-def run_sweep(config: SimConfig, concurrency: Sequence[int], *, stop_at_capacity: bool,
-              on_point: Callable[[PointResult], None] | None = None) -> tuple[tuple[PointResult, ...], tuple[int, ...]]:
-    """Run each concurrency in order; with `stop_at_capacity`, stop after the first point
-    whose requests had to wait for decode blocks (more users would only queue longer)."""
-    points: list[PointResult] = []
-    for i, c in enumerate(concurrency):
-        point = simulate_point(config, c)
+def run_point(config: SimConfig, load: float, *, arrivals: Arrivals, seeds: Sequence[int]) -> PointSummary:
+    return PointSummary(load=load, runs=tuple(simulate_point(config, load, arrivals=arrivals, seed=s)
+                                              for s in seeds))
+
+
+def run_sweep(config: SimConfig, loads: Sequence[float], *, arrivals: Arrivals = Arrivals.CLOSED,
+              seeds: Sequence[int] = (0,), stop_at_capacity: bool,
+              on_point: Callable[[PointSummary], None] | None = None,
+              ) -> tuple[tuple[PointSummary, ...], tuple[float, ...]]:
+    """Run each load in order; with `stop_at_capacity`, stop after the first point where a
+    request had to wait for decode blocks (more load would only queue longer)."""
+    points: list[PointSummary] = []
+    for i, load in enumerate(loads):
+        point = run_point(config, load, arrivals=arrivals, seeds=seeds)
         points.append(point)
         if on_point is not None:
             on_point(point)
         if stop_at_capacity and point.capacity_bound:
-            return tuple(points), tuple(concurrency[i + 1:])
+            return tuple(points), tuple(loads[i + 1:])
     return tuple(points), ()
 
 
@@ -56,30 +95,96 @@ class Variant:
     name: str
 
 
-def variants(recipes: Sequence[Recipe], *, compare_schemes: bool) -> list[Variant]:
-    """One variant per recipe, or per recipe x scheme x async on/off with the recipe's own
-    setting first (it is the one reported under `points`)."""
+def parse_schemes(text: str) -> tuple[str, ...]:
+    """`--compare-schemes A,B[,...]`: two or more known schemes, the first being the baseline."""
+    from .model import check_scheme
+
+    names = tuple(p.strip() for p in text.split(","))
+    if len(names) < 2 or any(not n for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"--compare-schemes {text!r}: expected two or more different schemes, A,B[,...]")
+    for n in names:
+        check_scheme(n)
+    return names
+
+
+def variants(recipes: Sequence[Recipe], *, schemes: Sequence[str] | None = None) -> list[Variant]:
+    """One variant per recipe, or per recipe x scheme (the first scheme is the baseline), each
+    with the recipe's own scheduling."""
     out: list[Variant] = []
     for recipe in recipes:
         prefix = f"{recipe.name} " if len(recipes) > 1 else ""
-        if not compare_schemes:
-            out.append(Variant(recipe=recipe, scheme=recipe.scheme, scheduling=recipe.scheduling,
-                               name=recipe.name))
+        if not schemes:
+            out.append(Variant(recipe=recipe, scheme=recipe.scheme, scheduling=recipe.scheduling, name=recipe.name))
             continue
-        combos = [(s, a) for s in COMPARE_SCHEMES for a in (Scheduling.SYNC, Scheduling.ASYNC)]
-        own = (recipe.scheme, recipe.scheduling)
-        combos = [own] + [c for c in combos if c != own]
-        for scheme, sched in combos:
-            label = "async" if sched is Scheduling.ASYNC else "sync"
-            out.append(Variant(recipe=recipe, scheme=scheme, scheduling=sched,
-                               name=f"{prefix}{scheme} {label}"))
+        for scheme in schemes:
+            out.append(Variant(recipe=recipe, scheme=scheme, scheduling=recipe.scheduling,
+                               name=f"{prefix}{scheme}"))
     return out
 
 
-def run_variant(variant: Variant, *, on_point: Callable[[PointResult], None] | None = None) -> SweepResult:
+def seeds_of(recipe: Recipe, base: int) -> tuple[int, ...]:
+    return tuple(range(base, base + recipe.sweep.seeds))
+
+
+def run_variant(variant: Variant, *, seed: int = 0,
+                on_point: Callable[[PointSummary], None] | None = None) -> SweepResult:
     recipe = variant.recipe
     config = recipe.sim_config(scheme=variant.scheme, scheduling=variant.scheduling)
-    points, skipped = run_sweep(config, recipe.sweep.concurrency,
-                                stop_at_capacity=recipe.sweep.stop_at_capacity, on_point=on_point)
+    points, skipped = run_sweep(config, recipe.sweep.loads, arrivals=recipe.sweep.arrivals,
+                                seeds=seeds_of(recipe, seed), stop_at_capacity=recipe.sweep.stop_at_capacity,
+                                on_point=on_point)
     return SweepResult(name=variant.name, recipe=recipe.name, scheme=variant.scheme, config=config,
-                       points=points, skipped=skipped)
+                       arrivals=recipe.sweep.arrivals, points=points, skipped=skipped)
+
+
+# --- sensitivity ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    label: str
+    # Which knob moved, for the reader: "posting", "wire", "bandwidth", "scheduling" or "" (as given).
+    knob: str
+    factor: float
+    recipe: Recipe
+
+
+def settings(recipe: Recipe) -> list[Setting]:
+    """The recipe as given, then one knob moved at a time."""
+    out = [Setting(label="as given", knob="", factor=1.0, recipe=recipe)]
+    for f in (0.0, 0.5, 2.0, 4.0):
+        out.append(Setting(label=f"posting per descriptor x{f:g}", knob="posting", factor=f, recipe=replace(
+            recipe, posting=replace(recipe.posting, per_descriptor_s=recipe.posting.per_descriptor_s * f))))
+    for f in (0.0, 2.0, 4.0):
+        out.append(Setting(label=f"wire per descriptor x{f:g}", knob="wire", factor=f, recipe=replace(
+            recipe, link=replace(recipe.link, per_descriptor_s=recipe.link.per_descriptor_s * f))))
+    for f in (0.25, 0.5, 2.0, 10.0):
+        out.append(Setting(label=f"bandwidth x{f:g}", knob="bandwidth", factor=f, recipe=replace(
+            recipe, link=replace(recipe.link, bytes_per_s=recipe.link.bytes_per_s * f))))
+    flipped = Scheduling.SYNC if recipe.scheduling is Scheduling.ASYNC else Scheduling.ASYNC
+    out.append(Setting(label=f"scheduling {flipped.value}", knob="scheduling", factor=1.0,
+                       recipe=replace(recipe, scheduling=flipped)))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class SensitivityRow:
+    setting: Setting
+    load: float
+    # One summary per scheme, in the order compared.
+    points: tuple[PointSummary, ...]
+
+
+def sensitivity(recipe: Recipe, schemes: Sequence[str], loads: Sequence[float], *, seed: int = 0,
+                on_point: Callable[[], None] | None = None) -> list[SensitivityRow]:
+    rows = []
+    seeds = seeds_of(recipe, seed)
+    for s in settings(recipe):
+        configs = [s.recipe.sim_config(scheme=scheme) for scheme in schemes]
+        for load in loads:
+            pts = []
+            for cfg in configs:
+                pts.append(run_point(cfg, load, arrivals=recipe.sweep.arrivals, seeds=seeds))
+                if on_point is not None:
+                    on_point()
+            rows.append(SensitivityRow(setting=s, load=load, points=tuple(pts)))
+    return rows
