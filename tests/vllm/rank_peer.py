@@ -10,7 +10,8 @@ metadata it would emit (exports ready / load orders). One JSON object per line:
   <- {"sent": [rid, ...]}                 once every export ended (then it exits)
   -> {"role": "consumer", "tp", "rank", "remote_port"?, "remote_tp"?}
   <- {"ready": true}
-  -> {"requests": [[rid, tokens, blocks], ...], "remote_port"?, "remote_tp"?, "remote_ranks"?: [[host, port, agent], ...]}
+  -> {"requests": [[rid, tokens, blocks], ...], "remote_port"?, "remote_tp"?,
+      "remote_ranks"?: [[host, port, agent], ...]}
   <- {"results": {rid: [failed, descriptors, nbytes]}, "fields": ..., "sources": {rank: [field, ...]}}
 """
 
