@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+
+#: How long a producer waits for its side-channel port at start-up (a restarted engine's
+#: previous incarnation may still hold it for a moment).
+PORT_WAIT_S = 30.0
 
 
 class _RenewalsReported(TransferScheduler):
@@ -171,7 +176,19 @@ class WorkerHalf:
         from hybridkv.transport.endpoint import Producer
 
         self._producer = Producer(self.memory, self._ts, self._config(self.port), planner=self._planner())
-        _, self.listen_port = await self._producer.start()
+        # A restarted engine may find its port still held for a moment (the previous incarnation's
+        # connections closing): wait for it rather than fail start-up, within a bound.
+        deadline = time.monotonic() + PORT_WAIT_S
+        while True:
+            try:
+                _, self.listen_port = await self._producer.start()
+                break
+            except Exception as exc:  # ucxx.UCXXBusyError; ucxx is imported by the transport only
+                if "Busy" not in type(exc).__name__ or time.monotonic() > deadline:
+                    raise RuntimeError(f"HybridKVConnector cannot listen on side-channel port {self.port} "
+                                       f"(TP rank {self.rank} of DP engine {self.dp_index}): {exc}") from exc
+                log.warning("side-channel port %d is busy; retrying for up to %.0f s", self.port, PORT_WAIT_S)
+                await asyncio.sleep(0.5)
         self.advertised = RankAddress(host=resolve_host(self.host), port=self.listen_port,
                                       agent=self._producer.dp.name)
 

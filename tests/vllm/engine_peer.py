@@ -73,13 +73,17 @@ def main() -> int:
     prefills: set[str] = set()
     decodes: dict[str, float] = {}  # request -> when it was queued
     wait_free: tuple[float, float] | None = None  # (since, deadline)
-    while True:
-        try:
-            msg = q.get_nowait()
-        except queue.Empty:
-            msg = None
-        if msg is not None:
+    stop = False
+    while not stop:
+        msgs = []
+        while True:  # every message that came since the last step
+            try:
+                msgs.append(q.get_nowait())
+            except queue.Empty:
+                break
+        for msg in msgs:
             if msg.get("stop"):
+                stop = True
                 break
             for rid, n in msg.get("prefill", ()):
                 sched.add_request(h.make_request(rid, prompt_len=n, max_tokens=8, params={"do_remote_decode": True}))
