@@ -30,11 +30,13 @@ class HybridKVVllmConfig:
     the same name, and its default applies when the key is absent.
 
     ``side_channel_host`` (str, ``"127.0.0.1"``)
-        Address the prefill instance advertises in ``kv_transfer_params`` (``remote_host``) and
-        a decode instance dials. Set it to an address decode can reach.
+        Address each prefill worker advertises in ``kv_transfer_params`` (``remote_ranks``) and
+        a decode instance dials. Set it to an address decode can reach, or ``"auto"``: each
+        worker advertises its own node's address (vLLM's ``VLLM_HOST_IP`` or default route), as
+        a TP group spread over nodes needs.
     ``side_channel_port`` (int, ``5600``)
-        Base control port: worker (TP rank) r of a prefill instance listens on port + r; the
-        scheduler advertises port + data-parallel index. 1..65535.
+        Base control port: worker (TP rank) r of DP engine d listens on
+        port + d x tensor_parallel_size + r, so DP engines on one host never collide. 1..65535.
     ``kv_lease_duration`` (float seconds, ``30``)
         How long a finished request's blocks stay held for a reader that has not finished; decode
         heartbeats renew it. The scheduler hands the blocks back to vLLM only after 1.5 x this.
@@ -120,6 +122,14 @@ class HybridKVVllmConfig:
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> HybridKVVllmConfig:
         """From a ``VllmConfig``: its ``kv_transfer_config.kv_connector_extra_config``."""
+        parallel = getattr(vllm_config, "parallel_config", None)
+        for key in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+            n = getattr(parallel, key, 1)
+            if n != 1:
+                # Each worker adopts and serves its own TP shard of every layer; a PP stage holds only
+                # some layers and a context-parallel rank only some tokens, which no pairing covers.
+                raise ValueError(f"HybridKVConnector does not support {key} = {n}; expected 1 "
+                                 "(use tensor and data parallelism)")
         kvt = getattr(vllm_config, "kv_transfer_config", None)
         if kvt is None:
             raise ValueError("vllm_config.kv_transfer_config is None; expected a KVTransferConfig "

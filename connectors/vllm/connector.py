@@ -110,6 +110,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        # The engine core hands over every worker's address and incarnation (pp_rank 0 only:
+        # the base class refuses others, and the config refuses PP at start-up).
+        self._sched().set_xfer_handshake_metadata(metadata)
+
     def has_pending_block_frees(self) -> bool:
         return self._sched().has_pending_block_frees()
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
+from connectors.vllm.addressing import RankAddress
 from connectors.vllm.params import RemotePrefill
 
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per transfer group
@@ -38,8 +40,12 @@ class HybridKVConnectorMetadata(KVConnectorMetadata):
     exports_ready: dict[str, BlockIds] = field(default_factory=dict)
     #: Prefill side: requests whose export ended (read done, lease lapsed, abort).
     exports_ended: list[str] = field(default_factory=list)
-    #: Decode side: requests whose producer lease the worker should renew.
-    heartbeats: list[str] = field(default_factory=list)
+    #: Decode side: requests queued since the last step: the worker asks their producer ranks
+    #: for them now and renews their leases until it reads them (leases run from arrival).
+    heartbeats: dict[str, RemotePrefill] = field(default_factory=dict)
+    #: Decode side: queued requests this engine will not read (aborted, nothing left to load):
+    #: the worker tells their producer ranks, which free the blocks at once.
+    releases: dict[str, RemotePrefill] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -58,3 +64,12 @@ class HybridKVWorkerMetadata(KVConnectorWorkerMetadata):
         # A step is complete only once every rank completed it; a lease lives on
         # while any rank's reader still renews it.
         return HybridKVWorkerMetadata(step=min(self.step, other.step), renewed=self.renewed | other.renewed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridKVHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler once at start-up (vLLM's handshake metadata path): where this
+    producer rank listens and which incarnation it is."""
+
+    tp_rank: int
+    address: RankAddress

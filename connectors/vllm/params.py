@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from connectors.vllm.addressing import RankAddress
+
 #: Keys that must all be present for a decode-side load.
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
 
@@ -28,6 +30,17 @@ class RemotePrefill:
     block_ids: tuple[tuple[int, ...], ...]
     tp_size: int = 1
     num_tokens: int = 0
+    #: Every producer TP rank's address and incarnation (``remote_ranks``); empty in params of
+    #: older producers, whose rank r is taken to listen on ``host:port + r``.
+    ranks: tuple[RankAddress, ...] = ()
+
+    def rank_address(self, rank: int) -> RankAddress:
+        """Where producer TP rank ``rank`` listens, and which incarnation the request names there."""
+        if not 0 <= rank < self.tp_size:
+            raise ValueError(f"producer rank {rank}; expected 0..{self.tp_size - 1}")
+        if self.ranks:
+            return self.ranks[rank]
+        return RankAddress(host=self.host, port=self.port + rank)
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> RemotePrefill:
@@ -51,6 +64,12 @@ class RemotePrefill:
         tp = params.get("tp_size", 1)
         if not isinstance(tp, int) or tp <= 0:
             raise ValueError(f"tp_size = {tp!r}; expected a positive int")
+        raw_ranks = params.get("remote_ranks") or ()
+        if not isinstance(raw_ranks, Sequence) or isinstance(raw_ranks, (str, bytes)):
+            raise ValueError(f"remote_ranks = {raw_ranks!r}; expected one [host, port, agent] per producer TP rank")
+        ranks = tuple(RankAddress.from_json(a, what=f"remote_ranks[{i}]") for i, a in enumerate(raw_ranks))
+        if ranks and len(ranks) != tp:
+            raise ValueError(f"remote_ranks lists {len(ranks)} rank(s); expected tp_size = {tp}")
         return cls(
             engine_id=str(params["remote_engine_id"]),
             request_id=str(params["remote_request_id"]),
@@ -59,6 +78,7 @@ class RemotePrefill:
             block_ids=tuple(groups),
             tp_size=tp,
             num_tokens=int(params.get("remote_num_tokens") or 0),
+            ranks=ranks,
         )
 
 
@@ -82,8 +102,10 @@ def producer_params(
     tp_size: int,
     num_tokens: int,
     lease_s: float,
+    ranks: Sequence[RankAddress] = (),
 ) -> dict[str, Any]:
-    """What the prefill instance returns for the decode instance (NixlConnector's keys)."""
+    """What the prefill instance returns for the decode instance (NixlConnector's keys, plus
+    ``remote_ranks``: every TP rank's [host, port, agent])."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -97,4 +119,5 @@ def producer_params(
         "remote_lease_s": lease_s,
         "transfer_mode": "pull",
         "transfer_backend": "hybridkv",
+        "remote_ranks": [a.to_json() for a in ranks],
     }

@@ -32,6 +32,7 @@ from hybridkv.fencing.request_state import Component, RequestPhase, TransferOutc
 from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.ids import RequestId, TransferId
 
+from connectors.vllm.addressing import RankAddress, listen_port, ranks_from_handshake, resolve_host
 from connectors.vllm.config import HybridKVVllmConfig
 from connectors.vllm.metadata import BlockIds, HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder
 from connectors.vllm.params import RemotePrefill, producer_params, wants_remote_decode, wants_remote_prefill
@@ -72,11 +73,13 @@ class SchedulerHalf:
         # go back to vLLM on this longer one, so that a worker can never still
         # serve a read of blocks vLLM already reallocated.
         self.hold_s = self.lease_s * LEASE_HOLD_FACTOR
-        self.side_host = cfg.side_channel_host
-        self.side_port = cfg.side_channel_port + (
-            vllm_config.parallel_config.data_parallel_index
-        )
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.dp_index = vllm_config.parallel_config.data_parallel_index
+        self.side_host = cfg.side_channel_host
+        self.side_port = listen_port(cfg.side_channel_port, dp_index=self.dp_index, tp_size=self.tp_size, tp_rank=0)
+        # Every rank's address and incarnation, once the engine core hands over what the workers
+        # reported (set_xfer_handshake_metadata); until then, where the workers are configured to listen.
+        self._ranks: tuple[RankAddress, ...] | None = None
         self.has_mamba = bool(kv_cache_config.has_mamba_layers)
         self.num_blocks = kv_cache_config.num_blocks
         groups = kv_cache_config.kv_cache_groups
@@ -111,6 +114,10 @@ class SchedulerHalf:
         self._failed: set[str] = set()
         self._held_back: set[str] = set()  # landed, but not every component arrived yet
         self._inject_recving: set[str] = set()  # aborted before the load started: vLLM waits for this
+        # Queued, not yet allocated: the worker renews their producer leases from arrival (rule 6).
+        self._intents: dict[str, RemotePrefill] = {}
+        self._new_intents: dict[str, RemotePrefill] = {}
+        self._releases: dict[str, RemotePrefill] = {}  # to be told to the producer: we will not read them
         # prefill side
         self._exports: dict[str, BlockIds] = {}  # exporting, not yet offered to readers
         self._offered: set[str] = set()
@@ -135,8 +142,35 @@ class SchedulerHalf:
         # Mamba/GDN: the decoder needs h(N-1) to compute token N itself.
         return 1 if self.has_mamba else 0
 
+    def set_xfer_handshake_metadata(self, by_rank: dict[int, Any]) -> None:
+        """What every worker reported at start-up (vLLM's engine core collects it): the addresses
+        and incarnations request_finished names in kv_transfer_params."""
+        if not by_rank:
+            return  # a consumer-only engine: its workers listen nowhere
+        self._ranks = ranks_from_handshake(by_rank, tp_size=self.tp_size)
+        log.info("HybridKVConnector DP engine %d serves from %s", self.dp_index,
+                 ", ".join(f"{a.host}:{a.port} ({a.agent})" for a in self._ranks))
+
+    def rank_addresses(self) -> tuple[RankAddress, ...]:
+        if self._ranks is not None:
+            return self._ranks
+        host = resolve_host(self.side_host)
+        return tuple(RankAddress(host=host, port=listen_port(self.config.side_channel_port, dp_index=self.dp_index,
+                                                             tp_size=self.tp_size, tp_rank=r))
+                     for r in range(self.tp_size))
+
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
+        if wants_remote_prefill(params):
+            try:
+                remote = RemotePrefill.from_params(params)
+            except ValueError:
+                return  # get_num_new_matched_tokens says why and computes the prompt locally
+            # Renewed from now on, not from when a load can start: a queue longer than the
+            # producer's lease must not lose the request (rule 6).
+            self._intents[request.request_id] = remote
+            self._new_intents[request.request_id] = remote
+            return
         if not wants_remote_decode(params) or params.get("_hybridkv_truncated"):
             return
         back = self._backoff()
@@ -173,7 +207,9 @@ class SchedulerHalf:
         rid = request.request_id
         params["do_remote_prefill"] = False  # one load per request
         if num_external_tokens <= 0:
+            self._release(rid)  # nothing to read (a local hit covers it): the producer may free now
             return
+        self._intents.pop(rid, None)  # the load takes over
         try:
             remote = RemotePrefill.from_params(params)
         except ValueError as e:
@@ -187,10 +223,13 @@ class SchedulerHalf:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
+        if rid in self._intents:
+            self._release(rid)  # finished (aborted) while queued: never allocated, never read
         if rid in self._pending:
             # Aborted before its load was allowed to start: vLLM holds the blocks
-            # until it hears the load finished, so tell it.
-            del self._pending[rid]
+            # until it hears the load finished, so tell it; and the producer, which frees at once.
+            remote, _ = self._pending.pop(rid)
+            self._releases[rid] = remote
             self.ts.abort(RequestId(rid))
             self._inject_recving.add(rid)
             return False, None
@@ -224,16 +263,26 @@ class SchedulerHalf:
         self.ts.request_finished(r, export=True)
         self._exports[rid] = clipped
         self._export_blocks[rid] = [b for ids in clipped for b in ids]
+        ranks = self.rank_addresses()
         return True, producer_params(
             engine_id=self.engine_id,
             request_id=rid,
-            host=self.side_host,
-            port=self.side_port,
+            host=ranks[0].host,
+            port=ranks[0].port,
             block_ids=clipped,
             tp_size=self.tp_size,
             num_tokens=request.num_computed_tokens,
             lease_s=self.lease_s,
+            ranks=ranks,
         )
+
+    def _release(self, rid: str) -> None:
+        remote = self._intents.pop(rid, None)
+        if remote is None:
+            return
+        # Told even if the worker never asked for it: the producer has exported it already.
+        self._new_intents.pop(rid, None)
+        self._releases[rid] = remote
 
     def _clip(self, block_ids: tuple[tuple[int, ...], ...]) -> BlockIds:
         """The transferable blocks of each transfer group: no null padding, only a
@@ -288,6 +337,8 @@ class SchedulerHalf:
         for rid in self.ts.poll():
             self._export_released(rid)
         meta.exports_ended, self._ended = self._ended, []
+        meta.heartbeats, self._new_intents = self._new_intents, {}
+        meta.releases, self._releases = self._releases, {}
         return meta
 
     def _touched(self, scheduler_output: SchedulerOutput) -> set[int]:
@@ -407,6 +458,7 @@ class SchedulerHalf:
             and self.ts.transfers_in_flight() == 0
             and not (self._pending or self._inflight or self._held_back or self._releasing or self._exports)
             and not (self._offered or self._inject_recving or self._inject_sending)
+            and not (self._intents or self._new_intents or self._releases)
         )
 
     def phase(self, rid: str) -> RequestPhase | None:

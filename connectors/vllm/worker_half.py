@@ -3,9 +3,14 @@
 Each vLLM worker (one TP rank) adopts the tensors vLLM hands to
 ``register_kv_caches`` into a hybridkv layout and runs a hybridkv transport
 endpoint on a background asyncio thread: a :class:`~hybridkv.transport.endpoint.Producer`
-listening on ``side_channel_port + tp_rank`` on a prefill instance, a
-:class:`~hybridkv.transport.endpoint.Consumer` dialing the producer rank(s) named in
-the request's ``kv_transfer_params`` on a decode instance (both for ``kv_both``).
+listening on its own port on a prefill instance (``connectors/vllm/addressing.py``:
+unique per DP engine and TP rank, reported with its incarnation to the scheduler
+through vLLM's handshake metadata), a :class:`~hybridkv.transport.endpoint.Consumer`
+dialing the producer rank(s) named in the request's ``kv_transfer_params`` on a
+decode instance (both for ``kv_both``). A decode worker asks for a request as soon
+as its engine queues it and renews its lease until it reads it; a producer that
+answers at a known address under another incarnation (restarted) replaces the old
+one, and requests naming a gone incarnation fail at once.
 A consumer asks for the request it wants, so one prefill instance serves any
 number of decode instances. Both endpoints get descriptors' planner, which alone
 decides how blocks pair: whole pages where both sides cut them alike, field by
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -31,10 +37,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from hybridkv.fencing.fence import PoolLayout
 from hybridkv.fencing.request_state import Component, attention_component, gdn_components
+from hybridkv.errors import PeerError
 from hybridkv.fencing.scheduler import TransferScheduler
 
+from connectors.vllm.addressing import RankAddress, listen_port, resolve_host
 from connectors.vllm.config import HybridKVVllmConfig
-from connectors.vllm.metadata import HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder
+from connectors.vllm.metadata import (
+    HybridKVConnectorMetadata,
+    HybridKVHandshakeMetadata,
+    HybridKVWorkerMetadata,
+    RecvOrder,
+)
+from connectors.vllm.params import RemotePrefill
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +56,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+
+#: How long a producer waits for its side-channel port at start-up (a restarted engine's
+#: previous incarnation may still hold it for a moment).
+PORT_WAIT_S = 30.0
 
 
 class _RenewalsReported(TransferScheduler):
@@ -84,6 +102,9 @@ class WorkerHalf:
         self.rank = _tp_rank(cfg)
         self.host = cfg.side_channel_host
         self.base_port = cfg.side_channel_port
+        self.dp_index = vllm_config.parallel_config.data_parallel_index
+        #: The port this rank listens on when it produces: unique per DP engine and TP rank.
+        self.port = listen_port(cfg.side_channel_port, dp_index=self.dp_index, tp_size=self.tp, tp_rank=self.rank)
         self.lease_s = cfg.kv_lease_duration
         self.export_timeout_s = cfg.export_timeout_s
         self.allowed_peers = cfg.allowed_peers  # checked by the config: a bad entry fails at startup, named
@@ -106,8 +127,10 @@ class WorkerHalf:
         self._ts: TransferScheduler | None = None
         self._producer = None
         self._consumer = None  # one per worker: one NIXL agent, connected to every producer rank it reads
-        self._agents: dict[tuple[str, int], str] = {}  # (host, port) -> producer agent
+        self._agents: dict[tuple[str, int], str] = {}  # (host, port) -> producer agent (incarnation) there
         self._connecting: dict[tuple[str, int], asyncio.Future] = {}
+        self._gone: dict[str, None] = {}  # incarnations replaced at their address or found dead (bounded)
+        self._intents: dict[str, Future] = {}  # request -> its early ask (leases from arrival)
         self.listen_port: int | None = None
         #: request -> the transport's result of its load (descriptors posted, bytes, seconds)
         self.load_results: dict[str, Any] = {}
@@ -152,9 +175,22 @@ class WorkerHalf:
     async def _start_producer(self) -> None:
         from hybridkv.transport.endpoint import Producer
 
-        self._producer = Producer(self.memory, self._ts, self._config(self.base_port + self.rank),
-                                  planner=self._planner())
-        _, self.listen_port = await self._producer.start()
+        self._producer = Producer(self.memory, self._ts, self._config(self.port), planner=self._planner())
+        # A restarted engine may find its port still held for a moment (the previous incarnation's
+        # connections closing): wait for it rather than fail start-up, within a bound.
+        deadline = time.monotonic() + PORT_WAIT_S
+        while True:
+            try:
+                _, self.listen_port = await self._producer.start()
+                break
+            except Exception as exc:  # ucxx.UCXXBusyError; ucxx is imported by the transport only
+                if "Busy" not in type(exc).__name__ or time.monotonic() > deadline:
+                    raise RuntimeError(f"HybridKVConnector cannot listen on side-channel port {self.port} "
+                                       f"(TP rank {self.rank} of DP engine {self.dp_index}): {exc}") from exc
+                log.warning("side-channel port %d is busy; retrying for up to %.0f s", self.port, PORT_WAIT_S)
+                await asyncio.sleep(0.5)
+        self.advertised = RankAddress(host=resolve_host(self.host), port=self.listen_port,
+                                      agent=self._producer.dp.name)
 
     def _call(self, coro) -> Future:
         if self._loop is None:
@@ -164,49 +200,104 @@ class WorkerHalf:
     # ------------------------------------------------------------ per step
     def start_step(self, meta: HybridKVConnectorMetadata) -> None:
         self._step = meta.step
+        for rid, remote in meta.heartbeats.items():
+            self._intents[rid] = self._call(self._intend(rid, remote))
+        for rid, remote in meta.releases.items():
+            self._call(self._release(rid, remote))
         for order in meta.recvs:
             self._call(self._load(order))
         for rid, blocks in meta.exports_ready.items():
             self._call(self._export(rid, blocks))
 
-    async def _agent_for(self, host: str, port: int) -> str:
-        """The producer agent at host:port, dialled once (concurrent loads share the dial)."""
+    async def _agent_for(self, address: RankAddress) -> str:
+        """The producer agent at the address, dialled once (concurrent loads share the dial) and
+        again when its connection died or a request names another incarnation there. Raises
+        PeerError at once when the incarnation the request names is gone."""
         from hybridkv.transport.endpoint import Consumer
 
-        key = (host, port)
-        if key in self._agents:
-            return self._agents[key]
+        key = (address.host, address.port)
+        want = address.agent
+        if want is not None and want in self._gone:
+            raise PeerError(f"producer {want} at {address.host}:{address.port} is gone (restarted or stopped); "
+                            f"this request was prefilled by it")
         if self._consumer is None:
             self._consumer = Consumer(self.memory, self._ts, self._config(), planner=self._planner())
+        current = self._agents.get(key)
+        if current is not None and self._consumer.alive(current) and want in (None, current):
+            return current
+        agent = await self._dial(key)
+        if want is not None and agent != want:
+            _remember(self._gone, want)
+            raise PeerError(f"producer at {address.host}:{address.port} is now {agent}; this request names {want}, "
+                            "an earlier incarnation (restarted): its blocks are gone")
+        return agent
+
+    async def _dial(self, key: tuple[str, int]) -> str:
         pending = self._connecting.get(key)
-        if pending is None:
-            pending = asyncio.get_running_loop().create_future()
-            self._connecting[key] = pending
-            try:
-                agent = await self._consumer.connect(host, port)
-            except Exception as exc:
-                del self._connecting[key]
-                pending.set_exception(exc)
-                pending.exception()  # consumed here; waiters re-raise it
-                raise
+        if pending is not None:
+            return await pending
+        pending = asyncio.get_running_loop().create_future()
+        self._connecting[key] = pending
+        try:
+            old = self._agents.pop(key, None)
+            if old is not None and not self._consumer.alive(old):
+                await self._consumer.forget(old)  # NIXL drops its agent; a new one may answer there
+            agent = await self._consumer.connect(*key)
+            if old is not None and old != agent:
+                # Another incarnation answers at this address: the old one is gone for good.
+                _remember(self._gone, old)
+                await self._consumer.forget(old)
+                log.warning("hybridkv: producer at %s:%d restarted (%s -> %s); loads naming %s fail", *key, old,
+                            agent, old)
             self._agents[key] = agent
+        except Exception as exc:
+            pending.set_exception(exc)
+            pending.exception()  # consumed here; waiters re-raise it
+            raise
+        finally:
             del self._connecting[key]
-            pending.set_result(agent)
-            return agent
-        return await pending
+        pending.set_result(agent)
+        return agent
+
+    async def _producer_agents(self, remote: RemotePrefill) -> tuple[tuple[str, ...], int]:
+        from descriptors.planning import source_ranks
+
+        # Which producer ranks hold this rank's heads, and how many decode ranks share each.
+        ranks, readers = source_ranks(self.tp, self.rank, remote.tp_size)
+        return tuple([await self._agent_for(remote.rank_address(r)) for r in ranks]), readers
+
+    async def _intend(self, rid: str, remote: RemotePrefill) -> None:
+        """The engine queued the request: ask its producer rank(s) for it now, so their leases are
+        renewed while it waits for room here (the Export comes ahead; heartbeats renew it)."""
+        try:
+            agents, readers = await self._producer_agents(remote)
+            for agent in agents:
+                await self._consumer.want(remote.request_id, peer=agent, readers=readers)
+        except Exception as exc:  # the load, when it comes, fails and says why
+            log.debug("hybridkv: early ask for %s (remote %s) failed: %s", rid, remote.request_id, exc)
+
+    async def _release(self, rid: str, remote: RemotePrefill) -> None:
+        """The engine will not read the request (aborted while queued, or nothing to load):
+        tell its producer rank(s), which free the blocks now rather than after the lease."""
+        asked = self._intents.pop(rid, None)
+        if asked is not None:
+            await asyncio.wrap_future(asked)  # its Want goes out before the release
+        try:
+            agents, _ = await self._producer_agents(remote)
+            for agent in agents:
+                await self._consumer.release(remote.request_id, peer=agent)
+        except Exception as exc:  # the producer is gone: nothing of it to free
+            log.debug("hybridkv: release of %s (remote %s) not delivered: %s", rid, remote.request_id, exc)
 
     async def _load(self, order: RecvOrder) -> None:
         from hybridkv.transport.endpoint import Outcome
 
-        from descriptors.planning import source_ranks
-
         rid, remote = order.request_id, order.remote
         prid = remote.request_id
+        self._intents.pop(rid, None)  # its early ask (if any) is the fetch's ask
         ok, error = False, None
         try:
-            # Which producer ranks hold this rank's heads, and how many decode ranks share each.
-            ranks, readers = source_ranks(self.tp, self.rank, remote.tp_size)
-            agents = tuple([await self._agent_for(remote.host, remote.port + r) for r in ranks])
+            agents, readers = await self._producer_agents(remote)
             self._ts.add_request(prid, expect=self.components)
             for g, ids in zip(self.transfer_groups, order.local_block_ids):
                 self._ts.assign(prid, g, ids)
@@ -262,8 +353,12 @@ class WorkerHalf:
             renewed, self._renewed = self._renewed, set()
         return HybridKVWorkerMetadata(step=self._step, renewed=renewed)
 
-    def handshake_metadata(self):
-        return None  # the transport handshakes on its own control channel
+    def handshake_metadata(self) -> HybridKVHandshakeMetadata | None:
+        """A producer rank's address and incarnation, for the scheduler's kv_transfer_params (the
+        transport itself handshakes on its own control channel). None on a consumer-only rank."""
+        if self._producer is None:
+            return None
+        return HybridKVHandshakeMetadata(tp_rank=self.rank, address=self.advertised)
 
     def shutdown(self) -> None:
         if self._loop is None:
@@ -282,3 +377,12 @@ class WorkerHalf:
             if self._thread is not None:
                 self._thread.join(timeout=10)
             self._loop = None
+
+
+_GONE_REMEMBERED = 4096
+
+
+def _remember(seen: dict[str, None], agent: str) -> None:
+    seen[agent] = None
+    while len(seen) > _GONE_REMEMBERED:
+        del seen[next(iter(seen))]

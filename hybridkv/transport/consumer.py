@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,10 @@ from hybridkv.transport.config import FailurePolicy, Outcome, Result, TransportC
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.plan import PeerPlanner, Planner, TransferPlan
 from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly, _Side
+
+
+#: How many released requests a consumer remembers (an Export for one may still be on its way).
+_REMEMBER = 1 << 16
 
 
 @dataclass(eq=False, kw_only=True)
@@ -65,6 +70,9 @@ class Consumer(_Side):
         self._tasks: list[asyncio.Task] = []
         self._hb_sent: dict[str, float] = {}
         self._seq = 0
+        # (agent, request) this consumer released: an Export arriving after is refused at
+        # once, not renewed for a reader that will never come (bounded).
+        self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
         #: the planner prepared per set of producers (agent names, in the order read)
         self.plans: dict[tuple[str, ...], PeerPlanner] = {}
 
@@ -169,6 +177,10 @@ class Consumer(_Side):
                 self._lost(peer)
                 return
             if isinstance(msg, wire.Export):
+                if (peer.agent, msg.request_id) in self._released:
+                    await _send_quietly(peer.channel, wire.Failure(
+                        request_id=msg.request_id, code=wire.FailureCode.ABORTED, detail="released by the consumer"))
+                    continue
                 part = self._part(msg.request_id, peer)
                 if not part.export.done():
                     part.export.set_result((msg, time.monotonic()))
@@ -200,6 +212,48 @@ class Consumer(_Side):
             if not part.export.done():
                 part.export.set_exception(PeerLost("producer lost"))
             part.landed.set()
+
+    def alive(self, agent: str) -> bool:
+        """Whether the producer ``agent`` is connected and its control channel works."""
+        peer = self.peers.get(agent)
+        return peer is not None and peer.alive
+
+    async def release(self, request_id: str, *, peer: str, detail: str = "released by the consumer") -> None:
+        """This consumer will not read the request (asked for or not): the producer frees its
+        blocks now instead of when the lease lapses. A fetch of it in progress fails."""
+        p = self._peer(peer)
+        self._released[(p.agent, request_id)] = None
+        while len(self._released) > _REMEMBER:
+            self._released.popitem(last=False)
+        part = self._parts.pop((p.agent, request_id), None)
+        if part is not None:
+            part.failed = part.failed or detail
+            if not part.export.done():
+                part.export.set_exception(PeerError(f"{request_id}: {detail}"))
+                part.export.exception()  # retrieved: nobody may wait on it
+            part.landed.set()
+        if p.alive:
+            await _send_quietly(p.channel, wire.Failure(request_id=request_id, code=wire.FailureCode.ABORTED,
+                                                        detail=detail[: wire.MAX_TEXT]))
+
+    async def forget(self, agent: str) -> None:
+        """Drop a producer (a restarted one answers under a new agent name at the same address):
+        its parts fail, its channel closes, NIXL unloads its agent (``remove_remote_agent``)."""
+        peer = self.peers.pop(agent, None)
+        if peer is None:
+            return
+        was_alive = peer.alive
+        self._lost(peer)
+        if was_alive:
+            await _send_quietly(peer.channel, wire.Bye(reason="forgotten"))
+        await peer.channel.close()
+        for key in [k for k in self.plans if agent in k]:
+            del self.plans[key]
+        self._hb_sent.pop(agent, None)
+        try:
+            self.dp.remove_peer(agent)
+        except Exception:  # NIXL may already have dropped a dead peer; nothing else refers to it
+            pass
 
     def _on_lease(self, peer: _Peer, msg: wire.Lease) -> None:
         part = self._parts.get((peer.agent, msg.request_id))

@@ -65,6 +65,9 @@ class Producer(_Side):
         self._notified: OrderedDict[str, None] = OrderedDict()
         # Wants that came before the request was exported (the consumer may be first).
         self._wants: dict[str, list[tuple[_Peer, int]]] = {}
+        # Requests a consumer released before they were exported (it will never read them):
+        # their export ends as soon as it starts, so the blocks are freed at once (bounded).
+        self._released: OrderedDict[str, None] = OrderedDict()
 
     def describe(self) -> dict:
         return {**super().describe(),
@@ -136,6 +139,14 @@ class Producer(_Side):
             self._on_import(peer, msg)
         elif isinstance(msg, (wire.Done, wire.Failure)):
             rec = self._exports.get(msg.request_id)
+            if isinstance(msg, wire.Failure) and msg.code is wire.FailureCode.ABORTED \
+                    and (rec is None or not rec.claims):
+                # Released by a consumer that never claimed it: it will not be read.
+                if rec is not None:
+                    self._finish(rec, ok=False, outcome=Outcome.FAILED, error="released by its consumer")
+                elif msg.request_id not in self._finished:
+                    self._released_ahead(peer, msg.request_id)
+                return
             if rec is None or rec.claims.get(peer.agent) is not peer:
                 if msg.request_id not in self._finished:
                     self.stats.unknown += 1
@@ -155,6 +166,16 @@ class Producer(_Side):
             self._peer_lost(peer)
         else:
             self.stats.rejected += 1
+
+    def _released_ahead(self, peer: _Peer, rid: str) -> None:
+        """A consumer will not read a request not yet exported (the decode engine aborted it while
+        it queued, or found nothing to load): forget its ask, and end the export when it starts."""
+        asks = [(p, n) for p, n in self._wants.get(rid, []) if p is not peer]
+        if asks:
+            self._wants[rid] = asks
+            return  # another reader still wants it
+        self._wants.pop(rid, None)
+        _remember(self._released, rid)
 
     def _on_want(self, peer: _Peer, msg: wire.Want) -> None:
         rid = msg.request_id
@@ -290,6 +311,10 @@ class Producer(_Side):
                   for g in self.memory.groups}
         rec = _Export(rid=request_id, tid=tid, blocks=blocks, done=asyncio.get_running_loop().create_future())
         self._exports[request_id] = rec
+        if request_id in self._released:
+            del self._released[request_id]
+            self._finish(rec, ok=False, outcome=Outcome.FAILED, error="released by its consumer before the export")
+            return await rec.done
         if target is not None:
             self._claim(rec, target, 1)
         for asker, readers in self._wants.pop(request_id, []):

@@ -43,6 +43,9 @@ def make_vllm_config(
     model: Path = TINY_MODEL,
     ssm_dtype: str = "auto",
     prefix_caching: bool = True,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    max_num_seqs: int = 8,
 ):
     """``ssm_dtype="float32"`` gives the GDN state Qwen3.5 asks for (vLLM turns its
     HF ``mamba_ssm_dtype`` into exactly this cache setting); vLLM's Qwen3.5 model
@@ -54,7 +57,7 @@ def make_vllm_config(
     mc = ModelConfig(model=str(model), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN)
     cc = CacheConfig(block_size=16, mamba_cache_mode="none", enable_prefix_caching=prefix_caching,
                      num_gpu_blocks_override=num_blocks, mamba_ssm_cache_dtype=ssm_dtype)
-    sc = SchedulerConfig(max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False, max_num_seqs=8,
+    sc = SchedulerConfig(max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=512, async_scheduling=async_scheduling)
     kvt = KVTransferConfig(kv_connector="HybridKVConnector", kv_connector_module_path="connectors.vllm",
                            kv_role=role, kv_load_failure_policy=policy, engine_id=engine_id,
@@ -68,7 +71,9 @@ def make_vllm_config(
 
     with mock.patch.object(torch.cpu, "_is_avx512_bf16_supported", return_value=False):
         vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kvt,
-                        parallel_config=ParallelConfig(tensor_parallel_size=tp))
+                        parallel_config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp_size,
+                                                       data_parallel_rank=dp_rank,
+                                                       enable_expert_parallel=dp_size > 1))
     # The CPU platform turns async scheduling off; the scheduler code under test
     # is platform-independent, so put it back (vLLM's own tests pick the class too).
     vc.scheduler_config.async_scheduling = async_scheduling

@@ -4,13 +4,14 @@ vLLM 0.33.0's real config for the rank's TP size, KV tensors from vLLM's own
 ``allocate_kv_cache``, our connector's worker half from vLLM's factory. There is
 no scheduler here: the test plays the scheduler half and hands each rank the
 metadata it would emit (exports ready / load orders). One JSON object per line:
-  -> {"role": "producer", "tp", "rank", "port", "requests": [[rid, tokens], ...]}
-  <- {"ready": port, "blocks": {rid: per-group ids}, "fields": {rid: {field: sha256}}}
+  -> {"role": "producer", "tp", "rank", "port", "host"?, "requests": [[rid, tokens], ...]}
+  <- {"ready": port, "address": [host, port, agent], "blocks": {rid: per-group ids}, "fields": {rid: {field: sha256}}}
   -> "go"                                 (the requests finish: exports offered, leases start)
   <- {"sent": [rid, ...]}                 once every export ended (then it exits)
-  -> {"role": "consumer", "tp", "rank", "remote_port", "remote_tp"}
+  -> {"role": "consumer", "tp", "rank", "remote_port"?, "remote_tp"?}
   <- {"ready": true}
-  -> {"requests": [[rid, tokens, blocks], ...]}
+  -> {"requests": [[rid, tokens, blocks], ...], "remote_port"?, "remote_tp"?,
+      "remote_ranks"?: [[host, port, agent], ...]}
   <- {"results": {rid: [failed, descriptors, nbytes]}, "fields": ..., "sources": {rank: [field, ...]}}
 """
 
@@ -72,11 +73,13 @@ def main() -> int:
     extra = {"tp_rank": cmd["rank"], "kv_lease_duration": 60}
     if role == "producer":
         extra["side_channel_port"] = cmd["port"]
+        extra["side_channel_host"] = cmd.get("host", "127.0.0.1")
     vc = h.make_vllm_config(role="kv_producer" if role == "producer" else "kv_consumer", tp=cmd["tp"],
                             extra=extra, engine_id=f"{role}-engine")
     kcc = h.make_kv_cache_config(vc)
     conn, kv = h.make_worker(vc, kcc)
     layout = conn.worker.layout
+    from connectors.vllm.addressing import RankAddress
     from connectors.vllm.metadata import HybridKVConnectorMetadata, RecvOrder
     from connectors.vllm.params import RemotePrefill
 
@@ -94,7 +97,9 @@ def main() -> int:
                         page.copy_(rnd.view(page.dtype).view(page.shape))
             blocks[rid] = ids
             fields[rid] = _field_digests(layout, dict(zip(kcc.transfer_group_ids, ids)), tokens)
-        print(json.dumps({"ready": conn.worker.listen_port, "blocks": blocks, "fields": fields}), flush=True)
+        address = conn.get_handshake_metadata().address.to_json()  # what vLLM's engine core collects
+        print(json.dumps({"ready": conn.worker.listen_port, "address": address, "blocks": blocks, "fields": fields}),
+              flush=True)
         sys.stdin.readline()  # go
         meta = HybridKVConnectorMetadata(step=1, exports_ready={rid: tuple(tuple(g) for g in b)
                                                                 for rid, b in blocks.items()})
@@ -106,12 +111,16 @@ def main() -> int:
     else:
         print(json.dumps({"ready": True}), flush=True)
         orders, local = [], {}
-        for i, (rid, tokens, remote_blocks) in enumerate(json.loads(sys.stdin.readline())["requests"]):
+        work = json.loads(sys.stdin.readline())
+        cmd.update({k: work[k] for k in ("remote_port", "remote_tp", "remote_ranks") if k in work})
+        for i, (rid, tokens, remote_blocks) in enumerate(work["requests"]):
             ids = _blocks(kcc, i, tokens, base=30)
             local[rid] = (ids, tokens)
             remote = RemotePrefill(engine_id="producer-engine", request_id=rid, host="127.0.0.1",
                                    port=cmd["remote_port"], block_ids=tuple(tuple(g) for g in remote_blocks),
-                                   tp_size=cmd["remote_tp"])
+                                   tp_size=cmd["remote_tp"],
+                                   ranks=tuple(RankAddress.from_json(a, what="remote_ranks")
+                                               for a in cmd.get("remote_ranks", ())))
             orders.append(RecvOrder(request_id=rid, transfer_id=i + 1, local_block_ids=tuple(tuple(g) for g in ids),
                                     remote=remote))
         conn.bind_connector_metadata(HybridKVConnectorMetadata(step=1, recvs=orders))

@@ -5,7 +5,10 @@ Each rank: vLLM 0.33.0's config for its TP size, tensors from vLLM's
 P TP 1 -> D TP 2: both decode ranks read their head slice of the one prefill rank
 (two readers of one request). P TP 2 -> D TP 1: each of two decode instances
 reads a different request, from both prefill ranks (one prefill instance, many
-decode instances; several producer ranks per decode rank).
+decode instances; several producer ranks per decode rank); the two prefill ranks
+stand for two nodes: rank 1 advertises ``side_channel_host: "auto"`` (this host's
+address as vLLM finds it, not 127.0.0.1) and a port off the rank-0-plus-r pattern,
+and decode dials what ``remote_ranks`` names.
 """
 
 from __future__ import annotations
@@ -97,22 +100,29 @@ def _analyzer(p_tp: int, d_tp: int, tokens: int) -> int:
 ])
 def test_hetero_tp_vllm_ranks(tmp_path, p_tp, d_tp, instances, capsys):
     port = _free_port_pair()
+    from vllm.utils.network_utils import get_ip
+
+    # Prefill rank 0 at 127.0.0.1, ranks r > 0 "on another node": this host's own address, through
+    # "auto", each at its own base + r (as on separate hosts, whose ports need not follow rank 0's).
+    bases = [port] + [_free_port_pair() for _ in range(1, p_tp)]
+    hosts = ["127.0.0.1"] + ["auto"] * (p_tp - 1)
+    advertised = ["127.0.0.1"] + [get_ip()] * (p_tp - 1)
     requests = [[f"r{i}", 100 + 37 * i] for i in range(instances)]
     log = open(tmp_path / "ranks.log", "w")
     ranks: list[Rank] = []
     try:
         # Every rank starts at once (importing vLLM is most of the time); leases start at "go".
-        prods = [Rank({"role": "producer", "tp": p_tp, "rank": r, "port": port, "requests": requests}, log)
-                 for r in range(p_tp)]
+        prods = [Rank({"role": "producer", "tp": p_tp, "rank": r, "port": bases[r], "host": hosts[r],
+                       "requests": requests}, log) for r in range(p_tp)]
         ranks += prods
         decodes = []  # (instance, rank, process): instance i reads request i
         for i in range(len(requests)):
             for d in range(d_tp):
-                decodes.append((i, d, Rank({"role": "consumer", "tp": d_tp, "rank": d, "remote_port": port,
-                                            "remote_tp": p_tp}, log)))
+                decodes.append((i, d, Rank({"role": "consumer", "tp": d_tp, "rank": d}, log)))
         ranks += [r for _, _, r in decodes]
         ready = [p.read() for p in prods]
-        assert [r["ready"] for r in ready] == [port + r for r in range(p_tp)]
+        assert [r["ready"] for r in ready] == [bases[r] + r for r in range(p_tp)]
+        assert [r["address"][:2] for r in ready] == [[advertised[r], bases[r] + r] for r in range(p_tp)]
         for _, _, proc in decodes:
             assert proc.read()["ready"]
         blocks = ready[0]["blocks"]  # one scheduler: every prefill rank holds the request in the same blocks
@@ -120,7 +130,9 @@ def test_hetero_tp_vllm_ranks(tmp_path, p_tp, d_tp, instances, capsys):
             p.send("go")
         for i, _, proc in decodes:
             rid, tokens = requests[i]
-            proc.send({"requests": [[rid, tokens, blocks[rid]]]})
+            # What kv_transfer_params carry: every prefill rank's host, port and incarnation.
+            proc.send({"requests": [[rid, tokens, blocks[rid]]], "remote_port": port, "remote_tp": p_tp,
+                       "remote_ranks": [r["address"] for r in ready]})
         descriptors = {rid: 0 for rid, _ in requests}
         for i, d, proc in decodes:
             rid = requests[i][0]
