@@ -46,7 +46,6 @@ def test_running_requests_preempt_while_an_export_waits_for_its_reader(async_sch
     for rid in ("r2", "r3"):
         sched.add_request(h.make_request(rid, prompt_len=60, max_tokens=160))
     d.run(max_steps=600, until=lambda: {"r2", "r3"} <= set(d.finished))
-    assert sched.num_preemptions if hasattr(sched, "num_preemptions") else True
     # The export was never read: its blocks stayed held the whole time.
     assert not worker._reads and usable(sched) - h.free_blocks(sched) == held
     worker._reads["p1"] = 1
