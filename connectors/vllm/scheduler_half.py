@@ -386,6 +386,7 @@ class SchedulerHalf:
 
     def _export_released(self, rid: str) -> None:
         """A lapsed lease released the request's blocks inside hybridkv."""
+        self.metrics.lease_expired()  # the scheduler's hold lapsed: the worker never reported the export ended
         self._exports.pop(rid, None)
         self._offered.discard(rid)
         self._ended.append(rid)
