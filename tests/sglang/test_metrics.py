@@ -84,7 +84,8 @@ def test_bytes_descriptors_and_latency_of_a_room(decode, prefill):
     # The sglang:hybridkv_* series: one observation per chunk.
     engine = {"engine_type": "prefill"}
     assert delta(before, after, "sglang:hybridkv_num_descriptors_count", **engine) == chunks
-    assert delta(before, after, "sglang:hybridkv_num_descriptors_sum", **engine) == st["descriptors"] - st0["descriptors"]
+    descriptors = st["descriptors"] - st0["descriptors"]
+    assert delta(before, after, "sglang:hybridkv_num_descriptors_sum", **engine) == descriptors
     assert delta(before, after, "sglang:hybridkv_transfer_mb_sum", **engine) == pytest.approx(sent / 2**20)
     assert delta(before, after, "sglang:hybridkv_transfer_latency_ms_count", **engine) == chunks
     assert delta(before, after, "sglang:hybridkv_transfer_latency_ms_sum", **engine) > 0
