@@ -26,7 +26,7 @@ import pytest
 from tests.vllm import harness as h
 
 ROOT = Path(__file__).resolve().parents[2]
-LEASE_S = 3.0
+LEASE_S = 8.0  # a loaded 2-core machine may take seconds between the prefill and the decode asking
 
 
 def _free_port() -> int:
