@@ -416,7 +416,7 @@ class HybridKVReceiver(CommonKVReceiver):
                 mgr.begin_import(self.bootstrap_room, self.bootstrap_addr, self._writers_expected(), blocks)
             except ValueError as e:
                 # Nothing was published: failing here frees nothing a write can reach.
-                mgr.metrics.failure(FailureKind.PROTOCOL)
+                mgr.metrics.failure(FailureKind.FENCED)
                 mgr.record_failure(self.bootstrap_room, f"hybridkv refused the destinations: {e}")
                 mgr.update_status(self.bootstrap_room, KVPoll.Failed)
                 self.ensure_abort_notified()  # the prefill ranks stop waiting for this room

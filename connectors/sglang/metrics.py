@@ -45,7 +45,7 @@ def _collectors() -> dict:
             labelnames=names, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1000, 4000, 20000)),
         "failed": Counter(
             name="sglang:hybridkv_transfer_failed",
-            documentation="Failed hybridkv transfers by kind (transfer, timeout, incomplete, protocol, ...).",
+            documentation="Failed hybridkv transfers by kind (transfer, timeout, incomplete, fenced, ...).",
             labelnames=[*names, "kind"]),
         "expired": Counter(
             name="sglang:hybridkv_lease_expired",

@@ -112,7 +112,7 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):
         self._failed = counter(
             name="vllm:hybridkv_num_failed_transfers",
             documentation="Failed hybridkv KV cache transfers, by kind (handshake, no_export, refused, peer_lost, "
-                          "protocol, lease, transfer, timeout, incomplete). Lease expiries on the producer are "
+                          "protocol, lease, transfer, timeout). Lease expiries on the producer are "
                           "counted in vllm:hybridkv_num_kv_expired_reqs.",
             labelnames=[*labelnames, "kind"])
         self.expired = each(counter(

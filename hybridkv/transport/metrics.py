@@ -39,6 +39,7 @@ class FailureKind(enum.Enum):
     TRANSFER = "transfer"  # NIXL reported an error (or refused to post)
     TIMEOUT = "timeout"  # a transfer still running past its deadline: aborted, or quarantined
     INCOMPLETE = "incomplete"  # the peer reported success but a component never landed
+    FENCED = "fenced"  # a destination block is still fenced (a write of an earlier request may reach it)
 
 
 _LISTS = ("transfer_seconds", "post_seconds", "bytes", "descriptors", "fence_wait_steps")

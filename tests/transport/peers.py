@@ -232,6 +232,7 @@ async def _consumer(opts, out, inbox):
             continue
         except HybridKVError as exc:
             out.put(("connect_failed", (type(exc).__name__, str(exc), time.monotonic() - t0)))
+            out.put(("connect_metrics", cons.metrics.take().to_dict()))
             await cons.close()
             continue
         out.put(("connected", att.get("name")))

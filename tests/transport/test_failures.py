@@ -64,6 +64,7 @@ def test_handshake_timeout_against_a_stopped_producer():
         kind, text, took = cons.expect("connect_failed")
         assert kind == "HandshakeTimeout", text
         assert took < 5
+        assert cons.expect("connect_metrics")["failures"] == {"handshake": 1}
         cons.expect("finished")
     finally:
         prod.signal(signal.SIGCONT)

@@ -219,3 +219,4 @@ def test_unabortable_stuck_read_keeps_blocks_until_it_ends_faked_stuck_read(peer
     finally:
         stuck["on"] = False
         conn.shutdown()
+
