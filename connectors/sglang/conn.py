@@ -72,11 +72,13 @@ from connectors.sglang.adopt import (
 )
 from connectors.sglang.config import SGLangConfig
 from connectors.sglang.decode_side import DecodeImports, _Import
+from connectors.sglang.metrics import HybridKVSGLangMetrics
 from connectors.sglang.pairing import PeerPlan, plan_peer
 from connectors.sglang.prefill_side import PrefillExports, TransferStats
 from descriptors.compiler import TransferPlanner
 from hybridkv.layout.alloc import MemKind
 from hybridkv.transport.dataplane import DataPlane
+from hybridkv.transport.metrics import FailureKind, TransferMetrics
 from hybridkv.fencing.request_state import Component
 from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.ids import RequestId, TransferId
@@ -146,6 +148,18 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
                                  state_tp=linear_attn_tp_size(), mla=bool(is_mla_backend)))
         self.dp = DataPlane(self.adopted.memory, self.config.dataplane())
         self.stats = TransferStats()
+        #: what moved, failed and was quarantined; the control thread observes it into the
+        #: sglang:hybridkv_* series (metrics.py) and starts over
+        self.metrics = TransferMetrics()
+        try:
+            self.prom: Optional[HybridKVSGLangMetrics] = HybridKVSGLangMetrics({
+                "model_name": server_args.served_model_name or server_args.model_path,
+                "engine_type": DisaggregationMode.to_engine_type(disaggregation_mode.value),
+                "tp_rank": par.attn_tp_rank})
+        except ImportError as e:  # sglang requires prometheus-client; a stripped install may lack it
+            logger.warning("hybridkv: no sglang:hybridkv_* metrics (%s); pip install prometheus-client", e)
+            self.prom = None
+        self._room_bytes: dict[int, int] = {}  # prefill: bytes this rank wrote per room (get_transfer_metric)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         # The scheduler is not thread-safe: SGLang's thread, the workers, the
@@ -254,6 +268,13 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
                     tick()
                 except Exception:
                     logger.exception("hybridkv: periodic check failed")
+            self.publish_metrics()
+
+    def publish_metrics(self) -> None:
+        """Observe what was counted since the last call into the sglang:hybridkv_* series."""
+        snap = self.metrics.take()
+        if self.prom is not None and not snap.is_empty():
+            self.prom.observe(snap)
 
     def _prefill_control_loop(self) -> None:
         for frames in self._recv(tick=self.tick):
@@ -355,10 +376,15 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
 class HybridKVSender(CommonKVSender):
     kv_mgr: HybridKVManager
 
+    _sent_bytes: Optional[int] = None
+
     def poll(self) -> KVPoll:
         status = super().poll()
         if status in (KVPoll.Success, KVPoll.Failed):
             self.kv_mgr.retire_export(self.bootstrap_room)
+            sent = self.kv_mgr.take_room_bytes(self.bootstrap_room)
+            if sent is not None:
+                self._sent_bytes = (self._sent_bytes or 0) + sent
             if self.kv_mgr.exporting(self.bootstrap_room):
                 # The scheduler frees source pages on a terminal state; an
                 # outbound read of them is still queued or running.
@@ -368,6 +394,15 @@ class HybridKVSender(CommonKVSender):
     def abort(self) -> None:
         super().abort()
         self.kv_mgr.retire_export(self.bootstrap_room)
+        self.kv_mgr.take_room_bytes(self.bootstrap_room)
+
+    def get_transfer_metric(self):
+        """SGLang's KVTransferMetric, with the bytes this rank's WRITEs moved for the room (SGLang's
+        own figure is pages x item sizes, which counts what hybridkv does not move, e.g. padding)."""
+        metric = super().get_transfer_metric()
+        if self._sent_bytes is not None:
+            metric.transfer_total_bytes = self._sent_bytes
+        return metric
 
 
 class HybridKVReceiver(CommonKVReceiver):
@@ -395,6 +430,7 @@ class HybridKVReceiver(CommonKVReceiver):
                 mgr.begin_import(self.bootstrap_room, self.bootstrap_addr, self._writers_expected(), blocks)
             except ValueError as e:
                 # Nothing was published: failing here frees nothing a write can reach.
+                mgr.metrics.failure(FailureKind.FENCED)
                 mgr.record_failure(self.bootstrap_room, f"hybridkv refused the destinations: {e}")
                 mgr.update_status(self.bootstrap_room, KVPoll.Failed)
                 self.ensure_abort_notified()  # the prefill ranks stop waiting for this room
@@ -420,6 +456,7 @@ class HybridKVReceiver(CommonKVReceiver):
             mgr.settle_imports(room, "prefill reported success")
             mgr.end_import(room, landed=False)
             names = ", ".join(f"{c.kind.value}@group{c.group}" for c in missing) or "?"
+            mgr.metrics.failure(FailureKind.INCOMPLETE)
             mgr.record_failure(room, f"prefill reported success but components [{names}] never landed")
             mgr.update_status(room, KVPoll.Failed)
             self.conclude_state = KVPoll.Failed

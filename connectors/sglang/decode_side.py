@@ -41,6 +41,7 @@ class _Import:
     stuck: set[int] = dataclasses.field(default_factory=set)  # ranks whose Failed status is not quiet
     unlanded: list[Component] = dataclasses.field(default_factory=list)  # ended without landing
     cleared: bool = False
+    quarantined: int = 0  # blocks held out of reuse since a writer said STUCK (for the metrics)
 
 
 class DecodeImports:
@@ -120,6 +121,9 @@ class DecodeImports:
                 self.sched.transfer_failed(tid)
                 imp.unlanded.append(comp)
             imp.tids.clear()
+            if imp.quarantined:
+                self.metrics.quarantine_released(imp.quarantined)
+                imp.quarantined = 0
             if imp.cleared:
                 self._imports.pop(room, None)
             self._collect_reusable()
@@ -211,6 +215,13 @@ class DecodeImports:
                             imp = self._imports.get(m.room)
                             if imp is not None:
                                 imp.stuck.add(m.prefill_rank)
+                                rid = request_id(m.room)
+                                if not imp.quarantined and imp.tids and self.sched.has_request(rid):
+                                    # A write NIXL would not abort may still land: the room's blocks
+                                    # stay out of reuse until that writer drains.
+                                    imp.quarantined = sum(len(self.sched.blocks(rid, g))
+                                                          for g in range(self.sched.layout.num_groups))
+                                    self.metrics.quarantined(imp.quarantined)
                     else:
                         raise ValueError(f"decode got a {type(m).__name__} message")
                     continue

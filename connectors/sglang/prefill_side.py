@@ -31,6 +31,7 @@ from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
 from hybridkv.ids import TransferId
 from hybridkv.transport.dataplane import Op, Transfer, XferState
+from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.plan import TransferPlan
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -56,6 +57,7 @@ class _StuckWrite:
     room: int
     transfers: list[Transfer]
     targets: list  # decode endpoints to tell DRAINED
+    blocks: int = 0  # source blocks kept out of reuse until they end (for the metrics)
 
 
 @dataclasses.dataclass
@@ -142,6 +144,11 @@ class PrefillExports:
             if status is None or status in (KVPoll.Success, KVPoll.Failed):
                 self._drop_request(request_id(room), export=True)
 
+    def take_room_bytes(self, room: int) -> Optional[int]:
+        """Bytes this rank wrote for the room (every chunk), once; None if it wrote none."""
+        with self.sched_lock:
+            return self._room_bytes.pop(room, None)
+
     def exporting(self, room: int) -> bool:
         with self.sched_lock:
             return self.sched.has_request(request_id(room))
@@ -210,6 +217,9 @@ class PrefillExports:
         sent: list[Component] = []
         error: Optional[Exception] = None
         deadline = time.monotonic() + self.transfer_timeout_s
+        t0 = time.perf_counter()
+        nbytes = descriptors = 0
+        post_seconds = 0.0
         try:
             targets = [(md, self.peers[md.agent_name]) for md in list(infos.values()) if not md.is_dummy]
             plans = [(md, self._plans_for(chunk, md, peer)) for md, peer in targets]
@@ -231,11 +241,14 @@ class PrefillExports:
                     self.stats.handles += len(xfer.handles)
                     self.stats.descriptors += plan.num_descriptors
                     self.stats.bytes += plan.nbytes
+                    nbytes += plan.nbytes
+                    descriptors += plan.num_descriptors
                 for comp, _ in comp_plans:
                     if comp not in sent:
                         sent.append(comp)
             self.stats.chunks += 1
             self.stats.pages += len(chunk.kv_indices)
+            post_seconds = time.perf_counter() - t0
         except Exception as e:
             error = e  # WRITEs already posted still settle below
         failed, running = self._settle(xfers, deadline)
@@ -246,7 +259,13 @@ class PrefillExports:
             self.dp.release(x)
         if error is None and failed:
             error = RuntimeError(f"NIXL reported an error for {failed} of {len(xfers)} WRITEs of room {room}")
+        if error is None and xfers:
+            self.metrics.transfer(nbytes=nbytes, descriptors=descriptors, seconds=time.perf_counter() - t0,
+                                  post_seconds=post_seconds)
+            with self.sched_lock:
+                self._room_bytes[room] = self._room_bytes.get(room, 0) + nbytes
         if error is not None:
+            self.metrics.failure(FailureKind.TRANSFER)
             self.conclude_failure(bootstrap_room=room, failure_reason=f"hybridkv transfer failed: {error}")
             self._end_export(room, tid, ok=False)
             return
@@ -268,6 +287,7 @@ class PrefillExports:
         write: its read stays in flight in the scheduler, decode is told (STUCK, before
         the Failed status) to keep the room's pages until DRAINED, and the room fails now
         instead of hanging; the watcher ends the read once NIXL settles the handle."""
+        self.metrics.failure(FailureKind.TIMEOUT)
         refused = [x for x in running if not self.dp.abort(x)]
         for x in xfers:
             if x not in running:
@@ -283,7 +303,11 @@ class PrefillExports:
             # Handles exist only after the read was posted, so tid is set. The room may
             # end now; the scheduler keeps its source blocks out of reuse until then.
             self._exports[room].discard(tid)
-            self._stuck[tid] = _StuckWrite(room=room, transfers=refused, targets=targets)
+            rid = request_id(room)
+            held = sum(len(self.sched.blocks(rid, g)) for g in range(self.sched.layout.num_groups)
+                       ) if self.sched.has_request(rid) else 0
+            self._stuck[tid] = _StuckWrite(room=room, transfers=refused, targets=targets, blocks=held)
+        self.metrics.quarantined(held)
         frames = msgs.Stuck(room=room, prefill_rank=self._prefill_unique_rank()).to_frames()
         for ip, port in targets:
             self._push(ip, port, frames, f"STUCK for room {room}")
@@ -310,6 +334,7 @@ class PrefillExports:
             lapsed = self.sched.poll()  # releases their blocks (a read in flight keeps its own fenced)
             self._collect_reusable()
         for rid in lapsed:
+            self.metrics.lease_expired()
             room = room_of(rid)
             if self.request_status.get(room) not in (None, KVPoll.Success, KVPoll.Failed):
                 self.conclude_failure(bootstrap_room=room, failure_reason=(
@@ -328,6 +353,7 @@ class PrefillExports:
                 self._stuck.pop(tid, None)
                 self.sched.transfer_failed(tid)
                 self._collect_reusable()
+            self.metrics.quarantine_released(st.blocks)
             logger.info("hybridkv: room %s: the write NIXL would not abort has ended", st.room)
             frames = msgs.Drained(room=st.room, prefill_rank=self._prefill_unique_rank()).to_frames()
             for ip, port in st.targets:

@@ -24,9 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connectors.vllm.metadata import HybridKVConnectorMetadata
+from connectors.vllm.stats import HybridKVConnectorStats, HybridKVPromMetrics
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -155,6 +157,24 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._work().handshake_metadata()
+
+    # ------------------------------------------------------------ metrics (both roles)
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # Workers report transfers; the scheduler reports fence waits and its quarantines.
+        # vLLM aggregates the workers' and joins the scheduler's (connectors/vllm/stats.py).
+        half = self.worker if self.worker is not None else self.scheduler
+        snapshot = half.metrics_snapshot()
+        return None if snapshot.is_empty() else HybridKVConnectorStats.of(snapshot)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return HybridKVConnectorStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> HybridKVPromMetrics:
+        return HybridKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

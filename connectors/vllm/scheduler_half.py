@@ -31,6 +31,7 @@ from hybridkv.fencing.lease import Clock
 from hybridkv.fencing.request_state import Component, RequestPhase, TransferOutcome, attention_component, gdn_components
 from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.ids import RequestId, TransferId
+from hybridkv.transport.metrics import MetricsSnapshot, TransferMetrics
 
 from connectors.vllm.addressing import RankAddress, listen_port, ranks_from_handshake, resolve_host
 from connectors.vllm.config import HybridKVVllmConfig
@@ -81,6 +82,11 @@ class SchedulerHalf:
         # reported (set_xfer_handshake_metadata); until then, where the workers are configured to listen.
         self._ranks: tuple[RankAddress, ...] | None = None
         self.has_mamba = bool(kv_cache_config.has_mamba_layers)
+        # Trailing prompt tokens the producer leaves to the decoder (NixlConnector's _prefill_backoff):
+        # Mamba/GDN needs h(N-1) to compute token N itself, and multi-module MTP keeps its whole
+        # lookahead window off the producer (its drafts would otherwise sit unverified in the MTP
+        # layers' KV, and decode never rebuilds them).
+        self.prefill_backoff = max(1 if self.has_mamba else 0, vllm_config.num_prefill_lookahead_tokens - 1)
         self.num_blocks = kv_cache_config.num_blocks
         groups = kv_cache_config.kv_cache_groups
         self._mamba_spec_blocks: dict[int, int] = {}
@@ -131,6 +137,10 @@ class SchedulerHalf:
         # reach vLLM, which asserts the request still exists.
         self._reported_sending: dict[str, None] = {}
         self._warned_no_watermark = False
+        #: fence waits and quarantines seen here; the workers count the transfers (stats.py)
+        self.metrics = TransferMetrics()
+        self._first_step: dict[str, int] = {}  # pending load -> the first step it could have started in
+        self._quarantined: dict[str, int] = {}  # aborted during its load -> blocks held until the load ends
 
     # ------------------------------------------------------------ binding
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
@@ -139,8 +149,7 @@ class SchedulerHalf:
 
     # ------------------------------------------------------------ requests
     def _backoff(self) -> int:
-        # Mamba/GDN: the decoder needs h(N-1) to compute token N itself.
-        return 1 if self.has_mamba else 0
+        return self.prefill_backoff
 
     def set_xfer_handshake_metadata(self, by_rank: dict[int, Any]) -> None:
         """What every worker reported at start-up (vLLM's engine core collects it): the addresses
@@ -218,6 +227,7 @@ class SchedulerHalf:
         local = self._clip(tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups()))
         self.ts.add_request(RequestId(rid), expect=self.components)
         self._pending[rid] = (remote, local)
+        self._first_step[rid] = self._step + 1
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -230,12 +240,16 @@ class SchedulerHalf:
             # until it hears the load finished, so tell it; and the producer, which frees at once.
             remote, _ = self._pending.pop(rid)
             self._releases[rid] = remote
+            self._first_step.pop(rid, None)
             self.ts.abort(RequestId(rid))
             self._inject_recving.add(rid)
             return False, None
         if rid in self._inflight:
             # vLLM keeps the blocks until the worker reports the (now ignored)
             # load finished; hybridkv quarantines them until it is terminal.
+            held = sum(len(self.ts.blocks(RequestId(rid), g)) for g in self.transfer_groups)
+            self._quarantined[rid] = held
+            self.metrics.quarantined(held)
             self.ts.abort(RequestId(rid))
             return False, None
         if self.ts.has_request(RequestId(rid)):
@@ -329,6 +343,7 @@ class SchedulerHalf:
                 continue
             del self._pending[rid]
             self._inflight[rid] = tid
+            self.metrics.fence_wait(max(0, step - self._first_step.pop(rid, step)))
             meta.recvs.append(RecvOrder(request_id=rid, transfer_id=int(tid), local_block_ids=local, remote=remote))
         for rid in list(self._exports):
             if not isinstance(self.ts.export_ready(RequestId(rid)), NotYet):
@@ -367,6 +382,7 @@ class SchedulerHalf:
             tid = self._inflight.pop(rid, None)
             if tid is not None:
                 self.ts.transfer_failed(tid)
+                self._load_ended(rid)
                 self._failed.add(rid)
         recving = set(output.finished_recving or ())
         for rid in list(recving):
@@ -379,6 +395,7 @@ class SchedulerHalf:
             if tid is None:
                 continue
             outcome = self.ts.transfer_landed(tid)
+            self._load_ended(rid)
             if outcome is TransferOutcome.DISCARDED:
                 continue  # aborted while in flight; vLLM frees the blocks now
             if outcome is not TransferOutcome.ACCEPTED:
@@ -418,8 +435,17 @@ class SchedulerHalf:
         output.finished_recving = recving
         output.finished_sending = sending
 
+    def _load_ended(self, rid: str) -> None:
+        held = self._quarantined.pop(rid, None)
+        if held is not None:
+            self.metrics.quarantine_released(held)
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        return self.metrics.take()
+
     def _export_released(self, rid: str) -> None:
         """A lapsed lease released the request's blocks inside hybridkv."""
+        self.metrics.lease_expired()  # the scheduler's hold lapsed: the worker never reported the export ended
         self._exports.pop(rid, None)
         self._offered.discard(rid)
         self._ended.append(rid)
@@ -449,7 +475,10 @@ class SchedulerHalf:
         return self.transfer_groups
 
     def has_pending_block_frees(self) -> bool:
-        return bool(self._releasing or self._offered or self._exports)
+        # Only blocks whose export already ended come back soon (once the steps that touched them
+        # completed). An export still waiting for its reader may hold its blocks for a whole lease:
+        # saying True for it would stop vLLM from preempting for that long.
+        return bool(self._releasing)
 
     def idle(self) -> bool:
         """Nothing tracked: every block is vLLM's again."""

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from hybridkv.fencing.fence import PoolLayout
 from hybridkv.fencing.request_state import Component, attention_component, gdn_components
 from hybridkv.errors import PeerError
 from hybridkv.fencing.scheduler import TransferScheduler
+from hybridkv.transport.metrics import MetricsSnapshot
 
 from connectors.vllm.addressing import RankAddress, listen_port, resolve_host
 from connectors.vllm.config import HybridKVVllmConfig
@@ -88,6 +90,27 @@ def _tp_rank(cfg: HybridKVVllmConfig) -> int:
         return 0  # no distributed group: a single worker
 
 
+class RecentResults(OrderedDict):
+    """The last ``limit`` entries only: a worker serves requests for ever, and a result nobody
+    reads must not be kept for ever."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit = {limit}; expected >= 1")
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+#: How many load results a worker keeps for inspection (tests, an operator's debugger).
+LOAD_RESULTS_KEPT = 1024
+
+
 class WorkerHalf:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, engine_id: str) -> None:
         from vllm.v1.kv_cache_interface import MambaSpec
@@ -132,8 +155,9 @@ class WorkerHalf:
         self._gone: dict[str, None] = {}  # incarnations replaced at their address or found dead (bounded)
         self._intents: dict[str, Future] = {}  # request -> its early ask (leases from arrival)
         self.listen_port: int | None = None
-        #: request -> the transport's result of its load (descriptors posted, bytes, seconds)
-        self.load_results: dict[str, Any] = {}
+        #: request -> the transport's result of its load (descriptors posted, bytes, seconds); the
+        #: latest LOAD_RESULTS_KEPT only. The metrics (get_kv_connector_stats) count every load.
+        self.load_results: RecentResults = RecentResults(LOAD_RESULTS_KEPT)
 
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -304,6 +328,12 @@ class WorkerHalf:
             result = await self._consumer.fetch(prid, self.components, peers=agents, readers=readers)
             self.load_results[rid] = result
             ok, error = result.outcome is Outcome.READY, result.error
+            if not ok and self._consumer.settling(prid):
+                # A READ NIXL would not abort may still write the blocks: reported finished (and
+                # failed), vLLM would free them now. It hears of the load only once the READ ended.
+                log.warning("hybridkv load of %s failed, but its READ could not be aborted: holding the blocks "
+                            "until it ends", rid)
+                await self._consumer.settled(prid)
         except Exception as exc:  # handshake refused, peer lost, bad block lists, TP sizes that do not divide
             error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -352,6 +382,14 @@ class WorkerHalf:
         with self._lock:
             renewed, self._renewed = self._renewed, set()
         return HybridKVWorkerMetadata(step=self._step, renewed=renewed)
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        """What this worker's transport counted since the last call (both endpoints)."""
+        snap = MetricsSnapshot()
+        for side in (self._consumer, self._producer):
+            if side is not None:
+                snap = snap.merge(side.metrics.take())
+        return snap
 
     def handshake_metadata(self) -> HybridKVHandshakeMetadata | None:
         """A producer rank's address and incarnation, for the scheduler's kv_transfer_params (the

@@ -29,6 +29,7 @@ from hybridkv.fencing import NotYet, NotYetReason, TransferOutcome
 from hybridkv.transport import control
 from hybridkv.transport.config import FailurePolicy, Outcome, Result, TransportConfig
 from hybridkv.transport.dataplane import Op, Transfer, XferState
+from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.plan import PeerPlanner, Planner, TransferPlan
 from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly, _Side
 
@@ -47,6 +48,7 @@ class _Part:
     deadline: float = float("inf")
     landed: asyncio.Event = field(default_factory=asyncio.Event)
     failed: str | None = None  # the producer will not write / the blocks are gone / it refused
+    kind: FailureKind | None = None  # why, for the metrics
     lease_lost: bool = False
     notified: bool = False
     wanted: bool = False
@@ -75,6 +77,8 @@ class Consumer(_Side):
         self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
         #: the planner prepared per set of producers (agent names, in the order read)
         self.plans: dict[tuple[str, ...], PeerPlanner] = {}
+        #: requests whose READ NIXL would not abort: ends when the READ does (see settled())
+        self._settling: dict[str, asyncio.Task] = {}
 
     def describe(self) -> dict:
         return {**super().describe(),
@@ -90,6 +94,13 @@ class Consumer(_Side):
     async def connect(self, host: str, port: int) -> str:
         """Handshake; returns the producer's agent name. Raises HandshakeRefused (saying
         what differs), HandshakeTimeout or PeerLost."""
+        try:
+            return await self._handshake(host, port)
+        except Exception:
+            self.metrics.failure(FailureKind.HANDSHAKE)
+            raise
+
+    async def _handshake(self, host: str, port: int) -> str:
         timeout = self.config.handshake_timeout_s
         try:
             async with asyncio.timeout(timeout):
@@ -192,6 +203,8 @@ class Consumer(_Side):
                     self.stats.unknown += 1
                 elif not (isinstance(msg, wire.Done) and msg.ok):
                     part.failed = msg.detail if isinstance(msg, wire.Failure) else "producer failed"
+                    part.kind = _KIND_OF_CODE.get(msg.code, FailureKind.REFUSED) if isinstance(
+                        msg, wire.Failure) else FailureKind.TRANSFER
                     if not part.export.done():  # refused before any Export (claimed, unknown)
                         part.export.set_exception(PeerError(f"producer refused {msg.request_id}: {part.failed}"))
                     part.landed.set()
@@ -208,7 +221,8 @@ class Consumer(_Side):
         for (agent, _), part in self._parts.items():
             if agent != peer.agent:
                 continue
-            part.failed = part.failed or "producer lost"
+            if part.failed is None:
+                part.failed, part.kind = "producer lost", FailureKind.PEER_LOST
             if not part.export.done():
                 part.export.set_exception(PeerLost("producer lost"))
             part.landed.set()
@@ -327,11 +341,18 @@ class Consumer(_Side):
                 got = await asyncio.wait_for(ask_and_wait(), self.config.export_timeout_s)
             except asyncio.TimeoutError:
                 await self._tell_parts(parts, "no export from every producer in time")
-                return self._give_up(request_id, comps, "no export from the producer in time")
+                return self._give_up(request_id, comps, "no export from the producer in time",
+                                     kind=FailureKind.NO_EXPORT)
             except HybridKVError as exc:  # lost, or refused (claimed by another consumer)
                 await self._tell_parts(parts, str(exc))
-                return self._give_up(request_id, comps, str(exc))
-            return await self._import(request_id, parts, got, comps)
+                kind = FailureKind.PEER_LOST if isinstance(exc, PeerLost) else next(
+                    (p.kind for p in parts if p.kind is not None), FailureKind.REFUSED)
+                return self._give_up(request_id, comps, str(exc), kind=kind)
+            result = await self._import(request_id, parts, got, comps)
+            if result.outcome is Outcome.READY and result.planned is not None:  # pull: this side posted
+                self.metrics.transfer(nbytes=result.nbytes, seconds=result.seconds, post_seconds=result.post_seconds,
+                                      descriptors=result.planned if result.descriptors is None else result.descriptors)
+            return result
         finally:
             for p in targets:
                 self._parts.pop((p.agent, request_id), None)
@@ -366,19 +387,21 @@ class Consumer(_Side):
             for part in parts:
                 await _send_quietly(part.peer.channel, wire.Failure(
                     request_id=rid, code=wire.FailureCode.PROTOCOL, detail=str(exc)[: wire.MAX_TEXT]))
-            return self._give_up(rid, comps, f"export does not match the request: {exc}")
+            return self._give_up(rid, comps, f"export does not match the request: {exc}", kind=FailureKind.PROTOCOL)
         fenced_from = time.perf_counter()
         while True:
             failed = next((p.failed for p in parts if p.failed), None)
             if failed or any(p.lease_lost for p in parts):
                 await self._tell_parts(parts, failed or "lease lost")
-                return self._give_up(rid, comps, failed or "lease lost before the transfer started")
+                kind = next((p.kind for p in parts if p.failed), None) or FailureKind.LEASE
+                return self._give_up(rid, comps, failed or "lease lost before the transfer started", kind=kind)
             tid = sched.post_import(rid, components=comps, lease_deadline=min(p.deadline for p in parts))
             if not isinstance(tid, NotYet):
                 break
             if tid.reason is NotYetReason.LEASE_TOO_SHORT:
                 await self._tell_parts(parts, "lease too short")
-                return self._give_up(rid, comps, "lease expired before the transfer could start")
+                return self._give_up(rid, comps, "lease expired before the transfer could start",
+                                     kind=FailureKind.LEASE)
             await asyncio.sleep(self.config.pump_idle_s)
         fence_wait = time.perf_counter() - fenced_from
         if self.config.mode is wire.Mode.PULL:
@@ -426,15 +449,15 @@ class Consumer(_Side):
         if not ok:
             self.scheduler.transfer_failed(tid)
             await self._end_parts(work, False)
-            return self._policy(rid, error or "READ failed")
+            return self._policy(rid, error or "READ failed", kind=FailureKind.TRANSFER)
         if any(w.part.lease_lost for w in work):
             self.scheduler.transfer_failed(tid)
             await self._end_parts(work, False)
-            return self._policy(rid, "lease lapsed during the READ: bytes not trusted")
+            return self._policy(rid, "lease lapsed during the READ: bytes not trusted", kind=FailureKind.LEASE)
         outcome = self.scheduler.transfer_landed(tid)
         await self._end_parts(work, True)
         if outcome is not TransferOutcome.ACCEPTED:
-            return self._policy(rid, f"transfer {outcome.value}")
+            return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
         return Result(request_id=rid, outcome=Outcome.READY,
                       descriptors=None if tel is None else sum(t.descriptors for t in tel),
                       planned=sum(w.plan.num_descriptors for w in work),
@@ -447,6 +470,7 @@ class Consumer(_Side):
         import failed like any other; not abortable, its blocks are quarantined until NIXL
         ends the READ (it may still write them) and the request fails."""
         self.stats.timed_out += 1
+        self.metrics.failure(FailureKind.TIMEOUT)
         unabortable = [x for x in stuck if not self.dp.abort(x)]
         for x in posted:
             if x not in stuck:
@@ -455,18 +479,38 @@ class Consumer(_Side):
         why = f"READ of {rid} not done within its lease or {self.config.transfer_timeout_s} s"
         if not unabortable:
             self.scheduler.transfer_failed(tid)
-            return self._policy(rid, why + "; aborted")
+            return self._policy(rid, why + "; aborted", kind=None)
+        blocks = sum(len(self.scheduler.blocks(rid, g.group_id)) for g in self.memory.groups)
+        self.metrics.quarantined(blocks)
         self.scheduler.abort(rid)  # rule 5: the blocks stay out of the pool while the READ is active
-        self._tasks.append(asyncio.get_running_loop().create_task(self._settle_later(tid, unabortable)))
+        task = asyncio.get_running_loop().create_task(self._settle_later(rid, tid, unabortable, blocks))
+        self._tasks.append(task)
+        self._settling[rid] = task
         return Result(request_id=rid, outcome=Outcome.FAILED, error=why + "; could not abort, blocks quarantined")
 
-    async def _settle_later(self, tid: int, xfers: list[Transfer]) -> None:
-        for x in xfers:
-            # At the idle pace, not _wait_xfer's spin: this READ is already known to hang.
-            while self.dp.state(x) is XferState.IN_PROGRESS:
-                await asyncio.sleep(self.config.pump_idle_s)
-            self.dp.release(x)
-        self.scheduler.transfer_failed(tid)
+    async def _settle_later(self, rid: str, tid: int, xfers: list[Transfer], blocks: int) -> None:
+        try:
+            for x in xfers:
+                # At the idle pace, not _wait_xfer's spin: this READ is already known to hang.
+                while self.dp.state(x) is XferState.IN_PROGRESS:
+                    await asyncio.sleep(self.config.pump_idle_s)
+                self.dp.release(x)
+            self.scheduler.transfer_failed(tid)
+            self.metrics.quarantine_released(blocks)
+        finally:
+            if self._settling.get(rid) is asyncio.current_task():
+                del self._settling[rid]
+
+    def settling(self, request_id: str) -> bool:
+        """Whether a READ of the request that NIXL would not abort may still write its blocks."""
+        return request_id in self._settling
+
+    async def settled(self, request_id: str) -> None:
+        """Wait until no READ of the request may still write its blocks: a failed import whose
+        READ NIXL would not abort ends only when that READ does (rule 5). At once otherwise."""
+        task = self._settling.get(request_id)
+        if task is not None:
+            await asyncio.shield(task)
 
     async def _push(self, part: _Part, tid: int) -> Result:
         rid, peer, sched = part.rid, part.peer, self.scheduler
@@ -495,20 +539,24 @@ class Consumer(_Side):
             outcome = sched.transfer_landed(tid)  # LATE if past the deadline
             if outcome is TransferOutcome.ACCEPTED:
                 return Result(request_id=rid, outcome=Outcome.READY, seconds=seconds)
-            return self._policy(rid, f"transfer {outcome.value}")
+            return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
         sched.transfer_failed(tid)
-        return self._policy(rid, part.failed or "lease lapsed")
+        return self._policy(rid, part.failed or "lease lapsed", kind=part.kind or FailureKind.LEASE)
 
-    def _policy(self, rid: str, error: str) -> Result:
-        """The import failed after a transfer was posted: apply the failure policy."""
+    def _policy(self, rid: str, error: str, *, kind: FailureKind | None = FailureKind.TRANSFER) -> Result:
+        """The import failed after a transfer was posted: apply the failure policy (``kind``: why,
+        for the metrics; None where it was counted already)."""
+        if kind is not None:
+            self.metrics.failure(kind)
         if self.config.failure_policy is FailurePolicy.RECOMPUTE and self.scheduler.has_request(rid):
             self.scheduler.recompute(rid)
             return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
         self.scheduler.abort(rid)
         return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
 
-    def _give_up(self, rid: str, comps, error: str) -> Result:
+    def _give_up(self, rid: str, comps, error: str, *, kind: FailureKind = FailureKind.TRANSFER) -> Result:
         """Failed before any transfer was posted: nothing is in flight."""
+        self.metrics.failure(kind)
         sched = self.scheduler
         if self.config.failure_policy is FailurePolicy.RECOMPUTE and sched.has_request(rid):
             # The scheduler moves an import to FAILED (from which it may recompute) only
@@ -530,3 +578,19 @@ class Consumer(_Side):
                 await _send_quietly(peer.channel, wire.Bye(reason="closing"))
                 await peer.channel.close()
         await super().close()
+
+
+#: What a producer's Failure says, as a failure kind.
+_KIND_OF_CODE = {
+    wire.FailureCode.TRANSFER_ERROR: FailureKind.TRANSFER,
+    wire.FailureCode.LEASE_EXPIRED: FailureKind.LEASE,
+    wire.FailureCode.UNKNOWN_REQUEST: FailureKind.REFUSED,
+    wire.FailureCode.ABORTED: FailureKind.REFUSED,
+    wire.FailureCode.PROTOCOL: FailureKind.PROTOCOL,
+    wire.FailureCode.CLAIMED: FailureKind.REFUSED,
+}
+
+
+def _kind_of_outcome(outcome: TransferOutcome) -> FailureKind:
+    # LATE: landed past the lease, bytes not trusted; anything else is a transfer the scheduler refused.
+    return FailureKind.LEASE if outcome is TransferOutcome.LATE else FailureKind.TRANSFER

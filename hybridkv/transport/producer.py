@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from hybridkv.transport import control
 from hybridkv.transport.config import Outcome, Result, TransportConfig
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.memory import MemoryMap
+from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.plan import PeerPlanner, Planner
 from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly, _Side
 
@@ -39,6 +41,8 @@ class _Export:
     ended: dict[str, tuple[bool, str | None]] = field(default_factory=dict)  # agent -> (ok, detail)
     xfer: Transfer | None = None
     abort_asked: bool = False
+    descriptors: int = 0  # push: what the WRITE posted, and when (for the metrics)
+    posted_at: float = 0.0
 
     @property
     def peer(self) -> _Peer | None:
@@ -259,9 +263,12 @@ class Producer(_Side):
             plan = prepared.plan(0, rec.blocks, dst)
             plan.check()
             notif = NOTIF_PREFIX + rec.rid.encode()
+            rec.posted_at = time.perf_counter()
             rec.xfer = self.dp.post_plan(Op.WRITE, peer.agent, plan, notif)
+            rec.descriptors = plan.num_descriptors
         except Exception as exc:  # bad block lists, NIXL refusal
             self.stats.rejected += 1
+            self.metrics.failure(FailureKind.PROTOCOL if isinstance(exc, ValueError) else FailureKind.TRANSFER)
             self._finish(rec, ok=False, outcome=Outcome.FAILED, error=str(exc),
                          tell=wire.Failure(request_id=rec.rid, code=wire.FailureCode.TRANSFER_ERROR,
                                            detail=str(exc)[: wire.MAX_TEXT]))
@@ -274,6 +281,11 @@ class Producer(_Side):
             state = await self._wait_xfer(rec.xfer)
         finally:
             self._busy -= 1
+        if state is XferState.DONE:
+            self.metrics.transfer(nbytes=rec.xfer.nbytes, descriptors=rec.descriptors,
+                                  seconds=time.perf_counter() - rec.posted_at)
+        else:
+            self.metrics.failure(FailureKind.TRANSFER)
         if state is XferState.DONE and not rec.abort_asked:
             self._finish(rec, ok=True, outcome=Outcome.DONE)
         elif state is XferState.DONE:
@@ -340,6 +352,7 @@ class Producer(_Side):
     def _tick(self) -> None:
         for rid in self.scheduler.poll():  # lapsed leases: the scheduler dropped the request
             rec = self._exports.get(rid)
+            self.metrics.lease_expired()
             if rec is None or rec.xfer is not None:
                 continue  # a WRITE in flight ends through _watch_write
             self._finish(rec, ok=False, outcome=Outcome.EXPIRED, error="lease expired", tell=wire.Failure(

@@ -20,6 +20,7 @@ from hybridkv.transport import control
 from hybridkv.transport.config import Pairing, Stats, TransportConfig
 from hybridkv.transport.dataplane import DataPlane, Transfer, XferState
 from hybridkv.transport.memory import PAGE_SHAPE_FIELDS, MemoryMap, check_peer_shapes
+from hybridkv.transport.metrics import TransferMetrics
 from hybridkv.transport.plan import Planner
 
 NOTIF_PREFIX = b"hkv:"
@@ -60,6 +61,8 @@ class _Side:
             compat = {k: v for k, v in compat.items() if k not in PAGE_SHAPE_FIELDS}
         self.compat = compat
         self.stats = Stats()
+        #: what moved, failed and waited, taken by the connector that reports it (metrics.py)
+        self.metrics = TransferMetrics()
         self._pump_task: asyncio.Task | None = None
         self._busy = 0
         self._closing = False

@@ -439,6 +439,21 @@ class _State:
         self.pools.conv[:, slot].fill_(value)
         self.pools.ssm[:, slot].fill_(value)
 
+    def metrics(self, _=None):
+        """Every sglang:hybridkv_* sample of this process's Prometheus registry, after the
+        manager observed what it counted: {"name{label=value,...}": value}."""
+        self.mgr.publish_metrics()
+        return hybridkv_samples()
+
+    def transfer_metric(self, room: int):
+        """SGLang's own path for a finished room: the sender's KVTransferMetric, computed as the
+        prefill scheduler does (SchedulerReqTimeStats.compute_and_observe_kv_transfer_metrics)."""
+        from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
+
+        metric = self.peers[room].get_transfer_metric()
+        return dict(bytes=metric.transfer_total_bytes, latency_s=metric.transfer_latency_s,
+                    computed=SchedulerReqTimeStats().compute_and_observe_kv_transfer_metrics(metric))
+
     def stats(self, room=None):
         mgr = self.mgr
         st = mgr.stats
@@ -574,3 +589,15 @@ def prefill_rank(seed: int = 7) -> tuple[Rank, int]:
     port = free_port()
     r.call("setup", ("prefill", 1, 0, port, seed, True))
     return r, port
+
+
+def hybridkv_samples() -> dict[str, float]:
+    from prometheus_client import REGISTRY
+
+    out = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.startswith("sglang:hybridkv_") and not sample.name.endswith("_created"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out

@@ -175,7 +175,7 @@ async def _producer(opts, out, inbox):
     out.put(("state", {"free": [sched.free_count(p) for p in range(len(pools.pool_sizes))],
                        "total": list(pools.pool_sizes), "in_flight": sched.transfers_in_flight(),
                        "requests": sched.requests_in_flight(), "stats": vars(prod.stats),
-                       "placement": placement(layout)}))
+                       "metrics": prod.metrics.take().to_dict(), "placement": placement(layout)}))
     await _await_inbox(inbox, "stop", prod)
     await prod.close()
 
@@ -232,6 +232,7 @@ async def _consumer(opts, out, inbox):
             continue
         except HybridKVError as exc:
             out.put(("connect_failed", (type(exc).__name__, str(exc), time.monotonic() - t0)))
+            out.put(("connect_metrics", cons.metrics.take().to_dict()))
             await cons.close()
             continue
         out.put(("connected", att.get("name")))
@@ -282,4 +283,5 @@ async def _run_requests(opts, out, inbox, layout, sched, cons):
     out.put(("state", {"free": [sched.free_count(p) for p in range(len(sched.layout.pool_sizes))],
                        "total": list(sched.layout.pool_sizes), "in_flight": sched.transfers_in_flight(),
                        "phases": {rid: (sched.phase(rid).name if sched.has_request(rid) else None) for rid in plans},
-                       "stats": vars(cons.stats), "placement": placement(layout)}))
+                       "stats": vars(cons.stats), "metrics": cons.metrics.take().to_dict(),
+                       "placement": placement(layout)}))

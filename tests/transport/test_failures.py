@@ -64,6 +64,7 @@ def test_handshake_timeout_against_a_stopped_producer():
         kind, text, took = cons.expect("connect_failed")
         assert kind == "HandshakeTimeout", text
         assert took < 5
+        assert cons.expect("connect_metrics")["failures"] == {"handshake": 1}
         cons.expect("finished")
     finally:
         prod.signal(signal.SIGCONT)
@@ -83,6 +84,7 @@ def test_producer_killed_before_the_read(policy):
     (rid, outcome, error, *_rest), = results
     state = cons.expect("state")
     assert state["in_flight"] == 0
+    assert state["metrics"]["failures"] == {"peer_lost": 1}, state["metrics"]
     if policy == "FAIL":
         assert outcome == "FAILED", results
         assert state["free"] == state["total"]  # nothing leaked
@@ -124,6 +126,8 @@ def test_lease_expiry_without_renewal(heartbeat_s):
         if heartbeat_s is None:  # nobody renewed: the producer released, the consumer gave up
             assert pres == {"r1": "EXPIRED"} and results == {"r1": "FAILED"}
             assert cstate["free"] == cstate["total"]
+            assert pstate["metrics"]["lease_expiries"] == 1
+            assert cstate["metrics"]["failures"] == {"lease": 1}, cstate["metrics"]
         else:  # heartbeats renewed the lease past the slow start
             assert pres == {"r1": "DONE"} and results == {"r1": "READY"}
             assert cons.expect("digests") == prod.expect("digests")
@@ -176,6 +180,7 @@ def test_read_from_a_stopped_producer_is_abandoned_not_awaited_forever(policy):
         assert took < 10, took
         assert "not done within" in error, error
         assert state["stats"]["timed_out"] == 1
+        assert state["metrics"]["failures"] == {"timeout": 1}, state["metrics"]
         if "quarantined" in error:  # NIXL could not abort: the blocks wait for the READ to end
             assert outcome == "FAILED"
         else:

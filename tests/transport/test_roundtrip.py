@@ -29,6 +29,13 @@ def test_round_trip_checksums(mode):
         pstate = prod.expect("state")
         assert pstate["free"] == pstate["total"]  # the producer freed every exported block
         assert pstate["in_flight"] == 0 and pstate["requests"] == 0
+        # The metrics: every transfer counted once, on the side that posted it (pull: the consumer).
+        poster, other = (cstate, pstate) if mode == "PULL" else (pstate, cstate)
+        assert len(poster["metrics"]["bytes"]) == len(REQUESTS) and all(poster["metrics"]["bytes"])
+        assert not other["metrics"]["bytes"] and not poster["metrics"]["failures"] and not other["metrics"]["failures"]
+        if mode == "PULL":
+            assert sorted(poster["metrics"]["bytes"]) == sorted(r[5] for r in results)
+            assert sorted(poster["metrics"]["descriptors"]) == sorted(r[3] for r in results)
         if mode == "PULL":
             # NIXL merged back-to-back pages: far fewer descriptors posted than index pairs, and
             # exactly as many as the planner said (r-mid's blocks sit elsewhere than the source's).

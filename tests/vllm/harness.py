@@ -128,7 +128,7 @@ def make_kv_cache_config(vc, *, supported_layouts: list[str] | None = None):
     return kcc
 
 
-def make_scheduler(vc, kv_cache_config, *, async_scheduling: bool):
+def make_scheduler(vc, kv_cache_config, *, async_scheduling: bool, log_stats: bool = False):
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -138,7 +138,7 @@ def make_scheduler(vc, kv_cache_config, *, async_scheduling: bool):
     cls = AsyncScheduler if async_scheduling else Scheduler
     sched = cls(vllm_config=vc, kv_cache_config=kv_cache_config,
                 structured_output_manager=StructuredOutputManager(vc),
-                block_size=block_size, hash_block_size=hash_block_size, log_stats=False)
+                block_size=block_size, hash_block_size=hash_block_size, log_stats=log_stats)
     if vc.cache_config.enable_prefix_caching:
         # The engine core gives every request its block hasher before the scheduler sees it.
         hasher, add = block_hasher(sched), sched.add_request
@@ -271,6 +271,8 @@ class Driver:
         self.zeroed: dict[int, set[int]] = {}
         #: request -> the step whose schedule() allocated its blocks for a load
         self.load_alloc_step: dict[str, int] = {}
+        #: the SchedulerStats update_from_output returned (make_scheduler(log_stats=True))
+        self.scheduler_stats: list[Any] = []
 
     def step(self) -> None:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -300,6 +302,8 @@ class Driver:
         self.completed_at[so.kv_connector_metadata.step] = self.steps
         outs = self.sched.update_from_output(so, mro)
         for eco in outs.values():
+            if eco.scheduler_stats is not None:
+                self.scheduler_stats.append(eco.scheduler_stats)
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = (o.finish_reason, o.kv_transfer_params)
@@ -388,7 +392,8 @@ class RealWorker:
                 self.table_pages[rid] = self.pages(tuple([b for b in table[g] if b != 0] for g in kcc.transfer_group_ids))
         self.failed |= res.failed_recving
         kv_out = KVConnectorOutput(finished_sending=res.finished_sending, finished_recving=res.finished_recving,
-                                   failed_recving=res.failed_recving, kv_connector_worker_meta=wmeta)
+                                   failed_recving=res.failed_recving, kv_connector_worker_meta=wmeta,
+                                   kv_connector_stats=self.conn.get_kv_connector_stats())
         return list(so.num_scheduled_tokens), kv_out
 
     def _forward(self, so) -> None:

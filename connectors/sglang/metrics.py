@@ -1,0 +1,102 @@
+"""The hybridkv backend's metrics in SGLang's conventions.
+
+SGLang's own transfer metrics stay as they are: the sender's ``get_transfer_metric()``
+(a ``KVTransferMetric``: latency, and here the bytes hybridkv actually wrote for the
+room) feeds ``sglang:kv_transfer_latency_ms`` / ``kv_transfer_total_mb`` /
+``kv_transfer_speed_gb_s`` in the prefill scheduler, and a failed room counts in
+``sglang:num_transfer_failed_reqs_total``. What SGLang has no series for (descriptors,
+failures by kind, quarantined pages, lease expiries) is registered here as
+``sglang:hybridkv_*``, with labels of SGLang's scheduler metrics, in the process's
+Prometheus registry (SGLang's ``/metrics`` serves it with ``--enable-metrics``). The figures are hybridkv's own
+(:mod:`hybridkv.transport.metrics`), counted by the manager's threads; the manager's
+control thread observes them here.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+from hybridkv.transport.metrics import FailureKind, MetricsSnapshot
+
+
+#: The labels of SGLang's scheduler metrics this backend's series carry.
+LABELS = ("model_name", "engine_type", "tp_rank")
+
+
+@functools.cache
+def _collectors() -> dict:
+    """One set per process (a process may build several managers: tests, a role switch)."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    names = list(LABELS)
+    return {
+        "latency": Histogram(
+            name="sglang:hybridkv_transfer_latency_ms",
+            documentation="Histogram of hybridkv chunk transfer latency (post to every WRITE done) in ms.",
+            labelnames=names, buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)),
+        "mb": Histogram(
+            name="sglang:hybridkv_transfer_mb",
+            documentation="Histogram of bytes written per hybridkv chunk transfer, in MB.",
+            labelnames=names, buckets=(0.1, 1, 5, 10, 50, 100, 500, 1000, 5000, 10000)),
+        "descriptors": Histogram(
+            name="sglang:hybridkv_num_descriptors",
+            documentation="Histogram of NIXL descriptors posted per hybridkv chunk transfer.",
+            labelnames=names, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1000, 4000, 20000)),
+        "failed": Counter(
+            name="sglang:hybridkv_transfer_failed",
+            documentation="Failed hybridkv transfers by kind (transfer, timeout, incomplete, fenced, ...).",
+            labelnames=[*names, "kind"]),
+        "expired": Counter(
+            name="sglang:hybridkv_lease_expired",
+            documentation="Prefill exports whose lease lapsed (no chunk, no heartbeat) before they ended.",
+            labelnames=names),
+        "quarantined": Counter(
+            name="sglang:hybridkv_quarantined_pages",
+            documentation="Pages and slots kept out of reuse because a write into or out of them could not "
+                          "be stopped.", labelnames=names),
+        "released": Counter(
+            name="sglang:hybridkv_quarantine_released_pages",
+            documentation="Quarantined pages and slots whose write has since ended.", labelnames=names),
+        "now": Gauge(
+            name="sglang:hybridkv_quarantined_pages_current",
+            documentation="Pages and slots in quarantine now.", labelnames=names, multiprocess_mode="livesum"),
+    }
+
+
+class HybridKVSGLangMetrics:
+    """The ``sglang:hybridkv_*`` series of one manager (one rank of one engine)."""
+
+    def __init__(self, labels: Mapping[str, object]) -> None:
+        if set(labels) != set(LABELS):
+            raise ValueError(f"metric labels {sorted(labels)}; expected {sorted(LABELS)}")
+        self.labels = {k: str(v) for k, v in labels.items()}
+        c = _collectors()
+        self.transfer_latency_ms = c["latency"].labels(**self.labels)
+        self.transfer_mb = c["mb"].labels(**self.labels)
+        self.descriptors = c["descriptors"].labels(**self.labels)
+        self._failed = c["failed"]
+        self.lease_expired = c["expired"].labels(**self.labels)
+        self.quarantined = c["quarantined"].labels(**self.labels)
+        self.released = c["released"].labels(**self.labels)
+        self.quarantined_now = c["now"].labels(**self.labels)
+
+    def failed(self, kind: FailureKind):
+        return self._failed.labels(**self.labels, kind=kind.value)
+
+    def observe(self, s: MetricsSnapshot) -> None:
+        for secs, nbytes, descs in zip(s.transfer_seconds, s.bytes, s.descriptors):
+            self.transfer_latency_ms.observe(secs * 1e3)
+            self.transfer_mb.observe(nbytes / 2**20)
+            self.descriptors.observe(descs)
+        for kind, n in s.failures.items():
+            self.failed(kind).inc(n)
+        if s.lease_expiries:
+            self.lease_expired.inc(s.lease_expiries)
+        if s.quarantined_blocks or s.released_blocks:
+            self.quarantined.inc(s.quarantined_blocks)
+            self.released.inc(s.released_blocks)
+            self.quarantined_now.inc(s.quarantined_blocks - s.released_blocks)
+
+
+__all__ = ["HybridKVSGLangMetrics"]
