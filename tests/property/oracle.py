@@ -53,6 +53,7 @@ RENEW = "renew"  # (RENEW, i): the producer renewed the lease behind request i's
 HEARTBEAT = "heartbeat"  # (HEARTBEAT, i): the consumer of export i renews its lease
 DONE = "done"  # (DONE, i): the consumer of export i is done with the blocks
 TICK = "tick"  # (TICK, dt): time passes; poll() expires lapsed leases
+WAIT = "wait"  # (WAIT, dt): time passes, nobody polls yet (a heartbeat may come first)
 RECOMPUTE = "recompute"  # (RECOMPUTE, i): a failed import computes locally
 GRAB = "grab"  # (GRAB,): hand every free block to a new request at once, then free it
 
@@ -376,6 +377,9 @@ class Oracle:
             r = self.reqs.get(rid)
             if r is not None and r.phase == "exporting":
                 self._release(r)
+
+    def _op_wait(self, dt: float) -> None:
+        self.clock.now += dt
 
     def _op_recompute(self, i: int) -> None:
         r = self._pick(i, lambda r: r.phase == "failed" and not any(

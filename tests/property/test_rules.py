@@ -14,7 +14,7 @@ import os
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 
 from hybridkv.fencing.fence import FencePolicy
 from tests.property import counter
@@ -34,13 +34,18 @@ from tests.property.oracle import (
     RENEW,
     STEP,
     TICK,
+    WAIT,
     Oracle,
     Violation,
 )
 
 CI = bool(os.environ.get("CI"))
 # Per test; the CI run (HYBRIDKV_PROPERTY_EXAMPLES=10000) gives each rule a fifth of the machine's.
-EXAMPLES = max(50, int(os.environ.get("HYBRIDKV_PROPERTY_EXAMPLES", 10_000 if CI else 300)) // 5)
+# 0: the fixed corpus alone (the mutation check's quick mode).
+_ASKED = int(os.environ.get("HYBRIDKV_PROPERTY_EXAMPLES", 10_000 if CI else 300))
+EXAMPLES = max(50, _ASKED // 5)
+# 0: generated examples alone (the mutation check's --generated-only: does the search find each bug?)
+_CORPUS = os.environ.get("HYBRIDKV_PROPERTY_CORPUS", "1") != "0"
 
 i8 = st.integers(min_value=0, max_value=7)
 OPS = {
@@ -62,6 +67,7 @@ OPS = {
     HEARTBEAT: st.tuples(st.just(HEARTBEAT), i8),
     DONE: st.tuples(st.just(DONE), i8),
     TICK: st.tuples(st.just(TICK), st.sampled_from([0.5, 1.5, 3.0, 5.0])),
+    WAIT: st.tuples(st.just(WAIT), st.sampled_from([0.5, 1.5, 3.0, 5.0])),
     RECOMPUTE: st.tuples(st.just(RECOMPUTE), i8),
     GRAB: st.tuples(st.just(GRAB)),
 }
@@ -73,6 +79,8 @@ def scenarios(*names: str):
 
 def rule_settings():
     return settings(max_examples=EXAMPLES, deadline=None,
+                    phases=(Phase.explicit,) if _ASKED == 0 else tuple(Phase) if _CORPUS else
+                    tuple(p for p in Phase if p is not Phase.explicit),
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
@@ -136,10 +144,10 @@ def test_rule5_abort_quarantines_imports(policy: FencePolicy, ops) -> None:
 
 # Rule 6: leases expire (and only then), renew only while live and wanted, bound when a read may start,
 # and an import that lands past its lease is not trusted.
-@given(ops=scenarios(NEW, STEP, COMPLETE, "finish_export", HEARTBEAT, TICK, EXPORT, LAND, ABORT, DONE,
+@given(ops=scenarios(NEW, STEP, COMPLETE, "finish_export", HEARTBEAT, TICK, WAIT, EXPORT, LAND, ABORT, DONE,
                      IMPORT, RENEW, GRAB))
 @example(ops=[(NEW, 1, False), (FINISH, 0, True), (TICK, 5.0), (GRAB,)])
-@example(ops=[(NEW, 1, False), (FINISH, 0, True), (TICK, 5.0), (HEARTBEAT, 0)])
+@example(ops=[(NEW, 1, False), (FINISH, 0, True), (WAIT, 5.0), (HEARTBEAT, 0), (TICK, 0.5), (GRAB,)])
 @example(ops=[(NEW, 1, False), (FINISH, 0, True), (TICK, 3.0), (HEARTBEAT, 0), (TICK, 3.0), (GRAB,)])
 @example(ops=[(NEW, 1, False), (FINISH, 0, True), (ABORT, 0), (HEARTBEAT, 0)])
 @example(ops=[(NEW, 1, False), (FINISH, 0, True), (EXPORT, 0, 5.0)])
@@ -156,6 +164,7 @@ def test_rule6_leases(policy: FencePolicy, ops) -> None:
 @given(ops=scenarios(*(n for n in OPS if n not in ("new_local", "new_remote", "finish_free", "finish_export"))))
 @example(ops=[(NEW, 1, False), (STEP, 1), (FINISH, 0, True), (EXPORT, 0, 0.0)])
 @example(ops=[(NEW, 1, False), (STEP, 1), (FINISH, 0, True), (COMPLETE,), (EXPORT, 0, 0.0)])
+@example(ops=[(NEW, 1, False), (STEP, 0), (COMPLETE,), (STEP, 1), (FINISH, 0, True), (EXPORT, 0, 0.0)])
 @rule_settings()
 def test_rules_together(policy: FencePolicy, ops) -> None:
     check(policy, ops)
