@@ -15,6 +15,7 @@ pages), any other as ``(addr, len, dev)`` rows.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,11 @@ from hybridkv.transport.config import FailurePolicy, Outcome, Result, TransportC
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.plan import PeerPlanner, Planner, TransferPlan
 from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly, _Side
+
+log = logging.getLogger(__name__)
+
+#: How long a handshake that timed out may go on in the background before UCX itself gives up on it.
+_LATE_TRY_LIMIT_S = 600.0
 
 
 @dataclass(eq=False, kw_only=True)
@@ -63,6 +69,7 @@ class Consumer(_Side):
         self._parts: dict[tuple[str, str], _Part] = {}
         self._tasks: list[asyncio.Task] = []
         self._hb_sent: dict[str, float] = {}
+        self._late_tries: set[asyncio.Task] = set()  # handshakes that timed out, still ending (connect)
         self._seq = 0
         #: the planner prepared per set of producers (agent names, in the order read)
         self.plans: dict[tuple[str, ...], PeerPlanner] = {}
@@ -79,16 +86,42 @@ class Consumer(_Side):
         return next(iter(self.peers.values()), None)
 
     async def connect(self, host: str, port: int) -> str:
-        """Handshake; returns the producer's agent name. Raises HandshakeRefused (saying
-        what differs), HandshakeTimeout or PeerLost."""
+        """Handshake; returns the producer's agent name. A timeout or an unreachable producer is
+        retried (``TransportConfig.handshake_retries``, with backoff). Raises HandshakeRefused
+        (saying what differs, never retried), HandshakeTimeout or PeerLost once the tries are spent."""
+        cfg = self.config
+        for attempt in range(cfg.handshake_retries + 1):
+            try:
+                return await self._connect_once(host, port)
+            except (HandshakeTimeout, PeerLost) as exc:
+                if attempt == cfg.handshake_retries:
+                    tries = cfg.handshake_retries + 1
+                    raise type(exc)(f"{exc} ({tries} tr{'y' if tries == 1 else 'ies'})") from exc
+                log.warning("handshake with %s:%d failed (%s); trying again in %.1f s", host, port, exc,
+                            cfg.handshake_backoff_s * 2 ** attempt)
+                await asyncio.sleep(cfg.handshake_backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    async def _connect_once(self, host: str, port: int) -> str:
         timeout = self.config.handshake_timeout_s
+        # Waited for, never cancelled: ucxx's endpoint creation and receives post UCX requests into
+        # buffers that a cancellation frees while the request stays posted, so a producer that
+        # answers after a cancelled try (one resumed from a stall) writes into freed memory (a
+        # segfault on the next try, seen with a SIGSTOPped producer). A try that times out is left
+        # to end in the background, and its channel closed then.
+        attempt = asyncio.get_running_loop().create_task(self._exchange_hellos(host, port))
         try:
-            async with asyncio.timeout(timeout):
-                ch = await control.dial(host, port, timeout)
-                await ch.send(self.hello())
-                reply = await ch.recv()
-        except (asyncio.TimeoutError, TimeoutError) as exc:
-            raise HandshakeTimeout(f"no handshake from {host}:{port} within {timeout} s") from exc
+            done, _ = await asyncio.wait({attempt}, timeout=timeout)
+        except asyncio.CancelledError:
+            done = ()
+            raise
+        finally:
+            if not done:
+                self._late_tries.add(attempt)
+                attempt.add_done_callback(self._close_late_try)
+        if not done:
+            raise HandshakeTimeout(f"no handshake from {host}:{port} within {timeout} s")
+        ch, reply = attempt.result()
         if isinstance(reply, wire.Refuse):
             await ch.close()
             raise HandshakeRefused(f"refused by {host}:{port}: {reply.reason}", reply.differences)
@@ -113,6 +146,18 @@ class Consumer(_Side):
         self._tasks += [loop.create_task(self._serve(peer)), loop.create_task(self._heartbeats(peer))]
         self._start_pump()
         return agent
+
+    async def _exchange_hellos(self, host: str, port: int) -> tuple[control.Channel, wire.Message]:
+        # The dial's own limit is far out: _connect_once bounds the wait without cancelling (see there).
+        ch = await control.dial(host, port, _LATE_TRY_LIMIT_S)
+        await ch.send(self.hello())
+        return ch, await ch.recv()
+
+    def _close_late_try(self, attempt: asyncio.Task) -> None:
+        self._late_tries.discard(attempt)
+        if not attempt.cancelled() and attempt.exception() is None:
+            ch, _ = attempt.result()
+            self._tasks.append(asyncio.ensure_future(ch.close()))
 
     def prepared(self, agents: Sequence[str]) -> PeerPlanner:
         """The planner prepared for an import from these producers (made on first use)."""
@@ -449,22 +494,19 @@ class Consumer(_Side):
         return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
 
     def _give_up(self, rid: str, comps, error: str) -> Result:
-        """Failed before any transfer was posted: nothing is in flight."""
+        """Failed before any transfer was posted: nothing is in flight. Under RECOMPUTE the request
+        computes locally even while steps touching its blocks are pending (a stalled decode): a load
+        that can no longer complete degrades, it does not fail."""
         sched = self.scheduler
         if self.config.failure_policy is FailurePolicy.RECOMPUTE and sched.has_request(rid):
-            # The scheduler moves an import to FAILED (from which it may recompute) only
-            # through a failed transfer; record one that never reached NIXL.
-            tid = sched.post_import(rid, components=comps) if comps else None
-            if tid is not None and not isinstance(tid, NotYet):
-                sched.transfer_failed(tid)
-                sched.recompute(rid)
-                return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
+            sched.recompute(rid)
+            return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
         sched.abort(rid)
         return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
 
     async def close(self) -> None:
         self._closing = True
-        for t in self._tasks:
+        for t in [*self._tasks, *self._late_tries]:
             t.cancel()
         for peer in self.peers.values():
             if peer.alive:

@@ -54,7 +54,7 @@ HEARTBEAT = "heartbeat"  # (HEARTBEAT, i): the consumer of export i renews its l
 DONE = "done"  # (DONE, i): the consumer of export i is done with the blocks
 TICK = "tick"  # (TICK, dt): time passes; poll() expires lapsed leases
 WAIT = "wait"  # (WAIT, dt): time passes, nobody polls yet (a heartbeat may come first)
-RECOMPUTE = "recompute"  # (RECOMPUTE, i): a failed import computes locally
+RECOMPUTE = "recompute"  # (RECOMPUTE, i): a failed (or given-up) import computes locally
 GRAB = "grab"  # (GRAB,): hand every free block to a new request at once, then free it
 
 
@@ -162,6 +162,8 @@ class Oracle:
     def apply(self, op: tuple) -> None:
         getattr(self, "_op_" + op[0])(*op[1:])
         self.s.audit()
+        # What GRAB would hand out next: a block back in the free list too early is caught at once.
+        self._fresh([b for b in range(BLOCKS) if self.s.pool.is_free(b)], "the free list")
 
     def run(self, ops) -> None:
         for op in ops:
@@ -382,7 +384,8 @@ class Oracle:
         self.clock.now += dt
 
     def _op_recompute(self, i: int) -> None:
-        r = self._pick(i, lambda r: r.phase == "failed" and not any(
+        # Failed, or importing with nothing in flight (given up before a post, e.g. a lapsed lease).
+        r = self._pick(i, lambda r: r.phase in ("failed", "importing") and not any(
             x.rid == r.rid and not x.orphaned for x in self.xfers.values()))
         if r is not None:
             self.s.recompute(r.rid)
