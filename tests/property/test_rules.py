@@ -74,7 +74,8 @@ OPS = {
 
 
 def scenarios(*names: str):
-    return st.lists(st.one_of([OPS[n] for n in names]), min_size=1, max_size=40)
+    # Long enough that the few operations a rule's bug needs, in order, come together often.
+    return st.lists(st.one_of([OPS[n] for n in names]), min_size=12, max_size=50)
 
 
 def rule_settings():
