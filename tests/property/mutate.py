@@ -239,8 +239,8 @@ def check(mutants, *, examples: int, seed: int, machine: bool, corpus: bool = Tr
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.property.mutate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--examples", type=int, default=1000,
-                    help="HYBRIDKV_PROPERTY_EXAMPLES for each run (the rule tests take a fifth each; default 1000)")
+    ap.add_argument("--examples", type=int, default=2000,
+                    help="HYBRIDKV_PROPERTY_EXAMPLES for each run (the rule tests take a tenth each; default 2000)")
     ap.add_argument("--corpus-only", action="store_true", help="only the fixed @example corpus (no generated examples)")
     ap.add_argument("--generated-only", action="store_true",
                     help="leave the @example corpus out: does the random search alone find each bug?")

@@ -40,10 +40,10 @@ from tests.property.oracle import (
 )
 
 CI = bool(os.environ.get("CI"))
-# Per test; the CI run (HYBRIDKV_PROPERTY_EXAMPLES=10000) gives each rule a fifth of the machine's.
+# Per test; the CI run (HYBRIDKV_PROPERTY_EXAMPLES=10000) gives each rule a tenth of the machine's.
 # 0: the fixed corpus alone (the mutation check's quick mode).
 _ASKED = int(os.environ.get("HYBRIDKV_PROPERTY_EXAMPLES", 10_000 if CI else 300))
-EXAMPLES = max(50, _ASKED // 5)
+EXAMPLES = max(50, _ASKED // 10)
 # 0: generated examples alone (the mutation check's --generated-only: does the search find each bug?)
 _CORPUS = os.environ.get("HYBRIDKV_PROPERTY_CORPUS", "1") != "0"
 
