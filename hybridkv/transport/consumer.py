@@ -33,7 +33,7 @@ from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly,
 
 log = logging.getLogger(__name__)
 
-#: How long a handshake that timed out may go on in the background before UCX itself gives up on it.
+#: How long a handshake that timed out may stay in flight (the next try waits on it) before UCX gives up.
 _LATE_TRY_LIMIT_S = 600.0
 
 
@@ -69,7 +69,7 @@ class Consumer(_Side):
         self._parts: dict[tuple[str, str], _Part] = {}
         self._tasks: list[asyncio.Task] = []
         self._hb_sent: dict[str, float] = {}
-        self._late_tries: set[asyncio.Task] = set()  # handshakes that timed out, still ending (connect)
+        self._dialing: dict[tuple[str, int], asyncio.Task] = {}  # a handshake in flight per producer address
         self._seq = 0
         #: the planner prepared per set of producers (agent names, in the order read)
         self.plans: dict[tuple[str, ...], PeerPlanner] = {}
@@ -88,7 +88,8 @@ class Consumer(_Side):
     async def connect(self, host: str, port: int) -> str:
         """Handshake; returns the producer's agent name. A timeout or an unreachable producer is
         retried (``TransportConfig.handshake_retries``, with backoff). Raises HandshakeRefused
-        (saying what differs, never retried), HandshakeTimeout or PeerLost once the tries are spent."""
+        (saying what differs, never retried), HandshakeTimeout or PeerLost once the tries are spent.
+        Callers connecting to one address at once share one call (as the connectors do)."""
         cfg = self.config
         for attempt in range(cfg.handshake_retries + 1):
             try:
@@ -107,20 +108,16 @@ class Consumer(_Side):
         # Waited for, never cancelled: ucxx's endpoint creation and receives post UCX requests into
         # buffers that a cancellation frees while the request stays posted, so a producer that
         # answers after a cancelled try (one resumed from a stall) writes into freed memory (a
-        # segfault on the next try, seen with a SIGSTOPped producer). A try that times out is left
-        # to end in the background, and its channel closed then.
-        attempt = asyncio.get_running_loop().create_task(self._exchange_hellos(host, port))
-        try:
-            done, _ = await asyncio.wait({attempt}, timeout=timeout)
-        except asyncio.CancelledError:
-            done = ()
-            raise
-        finally:
-            if not done:
-                self._late_tries.add(attempt)
-                attempt.add_done_callback(self._close_late_try)
+        # segfault on the next try, seen with a SIGSTOPped producer). A try that times out stays in
+        # flight, and the next try waits on it rather than dialling again: one dial per producer.
+        key = (host, port)
+        attempt = self._dialing.get(key)
+        if attempt is None:
+            attempt = self._dialing[key] = asyncio.get_running_loop().create_task(self._exchange_hellos(host, port))
+        done, _ = await asyncio.wait({attempt}, timeout=timeout)
         if not done:
             raise HandshakeTimeout(f"no handshake from {host}:{port} within {timeout} s")
+        self._dialing.pop(key, None)
         ch, reply = attempt.result()
         if isinstance(reply, wire.Refuse):
             await ch.close()
@@ -152,12 +149,6 @@ class Consumer(_Side):
         ch = await control.dial(host, port, _LATE_TRY_LIMIT_S)
         await ch.send(self.hello())
         return ch, await ch.recv()
-
-    def _close_late_try(self, attempt: asyncio.Task) -> None:
-        self._late_tries.discard(attempt)
-        if not attempt.cancelled() and attempt.exception() is None:
-            ch, _ = attempt.result()
-            self._tasks.append(asyncio.ensure_future(ch.close()))
 
     def prepared(self, agents: Sequence[str]) -> PeerPlanner:
         """The planner prepared for an import from these producers (made on first use)."""
@@ -506,8 +497,14 @@ class Consumer(_Side):
 
     async def close(self) -> None:
         self._closing = True
-        for t in [*self._tasks, *self._late_tries]:
+        for t in self._tasks:
             t.cancel()
+        dialing, self._dialing = list(self._dialing.values()), {}
+        for t in dialing:  # handshakes nobody waits for any more: ended here, their channels closed
+            t.cancel()
+        for result in await asyncio.gather(*dialing, return_exceptions=True):
+            if isinstance(result, tuple):
+                await result[0].close()
         for peer in self.peers.values():
             if peer.alive:
                 await _send_quietly(peer.channel, wire.Bye(reason="closing"))
