@@ -360,12 +360,8 @@ class Producer(_Side):
         if not peer.alive:
             return
         peer.alive = False
-        # A consumer whose handshake timed out tries again; the channel of its late first try may go
-        # after its second one replaced it here: that agent's registration belongs to the newer one.
-        current = self.peers.get(peer.agent) is peer
-        if current:
-            self.peers.pop(peer.agent, None)
-            self._plans.pop(peer.agent, None)
+        self.peers.pop(peer.agent, None)
+        self._plans.pop(peer.agent, None)
         for rid in [r for r, asks in self._wants.items() if any(p is peer for p, _ in asks)]:
             self._wants[rid] = [(p, n) for p, n in self._wants[rid] if p is not peer]
             if not self._wants[rid]:
@@ -375,8 +371,6 @@ class Producer(_Side):
                 self._reader_ended(rec, peer.agent, False, "consumer lost")
             else:
                 rec.abort_asked = True
-        if not current:
-            return
         try:
             self.dp.remove_peer(peer.agent)
         except Exception:

@@ -159,7 +159,8 @@ def run_suite(root: Path, *, examples: int, seed: int, machine: bool, timeout_s:
     """The property tests on the copy at ``root``, in a fresh interpreter (see :func:`_child`);
     (exit status: 0 passed, 1 failed, else broken; its output)."""
     env = {**os.environ, "PYTHONPATH": str(root), "HYBRIDKV_PROPERTY_SEED": str(seed),
-           "HYBRIDKV_PROPERTY_EXAMPLES": str(examples), "HYBRIDKV_PROPERTY_CORPUS": "1" if corpus else "0"}
+           "HYBRIDKV_PROPERTY_EXAMPLES": str(examples), "HYBRIDKV_PROPERTY_CORPUS": "1" if corpus else "0",
+           "HYBRIDKV_PROPERTY_SHRINK": "0"}
     cmd = [sys.executable, "-m", "tests.property.mutate", "--child"] + (["--machine"] if machine else [])
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
     return proc.returncode, proc.stdout + proc.stderr

@@ -46,6 +46,10 @@ _ASKED = int(os.environ.get("HYBRIDKV_PROPERTY_EXAMPLES", 10_000 if CI else 300)
 EXAMPLES = max(50, _ASKED // 10)
 # 0: generated examples alone (the mutation check's --generated-only: does the search find each bug?)
 _CORPUS = os.environ.get("HYBRIDKV_PROPERTY_CORPUS", "1") != "0"
+# The mutation check only asks whether a test fails: it sets 0, and a failure is not shrunk.
+_SHRINK = os.environ.get("HYBRIDKV_PROPERTY_SHRINK", "1") != "0"
+_PHASES = tuple(p for p in Phase if (p is Phase.explicit and _CORPUS) or (
+    p is not Phase.explicit and _ASKED != 0 and (p is not Phase.shrink or _SHRINK)))
 
 i8 = st.integers(min_value=0, max_value=7)
 OPS = {
@@ -80,8 +84,7 @@ def scenarios(*names: str):
 
 def rule_settings():
     return settings(max_examples=EXAMPLES, deadline=None,
-                    phases=(Phase.explicit,) if _ASKED == 0 else tuple(Phase) if _CORPUS else
-                    tuple(p for p in Phase if p is not Phase.explicit),
+                    phases=_PHASES,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
