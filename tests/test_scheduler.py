@@ -182,6 +182,25 @@ def test_rule5_failure_then_retry_or_recompute() -> None:
     assert s.is_ready("r")
 
 
+def test_rule5_import_given_up_before_any_post_recomputes_under_a_pending_step() -> None:
+    # A stalled decode: the lease lapsed before the read could start, and the zeroing step of the
+    # request's blocks is still pending (post_import would answer not yet): recompute, not fail.
+    s = make()
+    s.add_request("r", expect=ALL)
+    s.allocate("r", 0, 1)
+    s.allocate("r", 1, 1)
+    s.step_scheduled(0, zeroing=[(0, b) for b in s.blocks("r", 0)])
+    assert isinstance(s.post_import("r", components=ALL), NotYet)
+    s.recompute("r")
+    assert s.is_ready("r") and s.phase("r") is RequestPhase.LOCAL
+    s.add_request("q", expect=ALL)
+    s.allocate("q", 0, 1)
+    s.allocate("q", 1, 1)
+    s.post_import("q", components=ALL)
+    with pytest.raises(ValueError, match="in flight"):
+        s.recompute("q")  # a transfer still writes its blocks
+
+
 # Rule 6: leases.
 def test_rule6_lease_bounds_reads_and_expiry_releases() -> None:
     clock = Clock()

@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -31,7 +32,12 @@ class Fault:
     DROP_TRANSFER = "drop-transfer"
     KILL_DECODE = "kill-decode"
     LATE_COMPLETION = "late-completion"
-    ALL = (DROP_TRANSFER, KILL_DECODE, LATE_COMPLETION)
+    STALL_PREFILL = "stall-prefill"
+    ALL = (DROP_TRANSFER, KILL_DECODE, LATE_COMPLETION, STALL_PREFILL)
+
+#: --inject stall-prefill: the prefill process is SIGSTOPped this long while the decode handshakes,
+#: longer than one handshake try (5 s): the decode's retry waits it out.
+STALL_PREFILL_S = 8.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,14 +235,20 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
     rng = random.Random(o.seed + 1)
     fail_rids = tuple(sorted(rng.sample(sorted(by_rid), k=max(1, o.requests // 8)))) \
         if Fault.DROP_TRANSFER in o.inject else ()
-    late_s = 0.05 if Fault.LATE_COMPLETION in o.inject else 0.0
+    # The decode stalls past the lease once the READ of one request landed: its completion is late.
+    late_rids = tuple(random.Random(o.seed + 2).sample(sorted(by_rid), k=1)) \
+        if Fault.LATE_COMPLETION in o.inject else ()
+    late_s = 1.25 * o.lease_s if late_rids else 0.0
     ctx = mp.get_context("spawn")
     t_start = time.perf_counter()
     prefill = _Worker(ctx, "prefill", o)
     addr = prefill.expect("addr", _left(run_deadline))
+    if Fault.STALL_PREFILL in o.inject:  # a real stall of the whole prefill process, during the handshake
+        os.kill(prefill.proc.pid, signal.SIGSTOP)
+        threading.Timer(STALL_PREFILL_S, os.kill, (prefill.proc.pid, signal.SIGCONT)).start()
 
     def start_decode() -> _Worker:
-        d = _Worker(ctx, "decode", o, fail_rids=fail_rids, late_completion_s=late_s)
+        d = _Worker(ctx, "decode", o, fail_rids=fail_rids, late_completion_s=late_s, late_rids=late_rids)
         send(d.conn, {"op": "connect", "host": addr["host"], "port": addr["port"]})
         d.expect("connected", _left(run_deadline))
         return d
@@ -250,7 +262,8 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
     alias: dict[str, str] = {}  # prefill id -> request id (re-sent after a decode restart)
     faults = {f: 0 for f in Fault.ALL}
     faults[Fault.DROP_TRANSFER] = len(fail_rids)
-    faults[Fault.LATE_COMPLETION] = 1 if late_s else 0
+    faults[Fault.LATE_COMPLETION] = len(late_rids)
+    faults[Fault.STALL_PREFILL] = 1 if Fault.STALL_PREFILL in o.inject else 0
     kill_after = o.requests // 3 if Fault.KILL_DECODE in o.inject else None
     retries = 0
     for rid, prompt, n in requests:
@@ -390,6 +403,7 @@ def _spread(values: list[float], scale: float = 1.0) -> dict:
 def _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s, *, resent: int,
             exported: dict[str, dict], aggregated: dict) -> Report:
     from descriptors.schemes import Scheme, Workload, count_descriptors
+    from hybridkv.fencing import TransferOutcome
 
     from .model import model_config
 
@@ -416,6 +430,9 @@ def _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated
         ttft_ms=statistics.mean(ttft.values()) * 1e3 if ttft else 0.0,
         itl_ms=statistics.mean(gaps) * 1e3 if gaps else 0.0, wall_s=wall_s, aggregated_s=aggregated_s,
         extra={"stats": stats, "failed_ids": sorted(failed),
+               # imports whose completion came past their lease: not trusted, recomputed (rule 6)
+               "late": sorted(rid for rid, d in done.items()
+                              if d["transfer"] and d["transfer"]["error"] == f"transfer {TransferOutcome.LATE.value}"),
                "expected_lengths": {rid: len(expected[rid]) for rid, _, _ in requests},
                "byte_mismatched": byte_bad,
                "recomputed_ids": sorted(rid for rid, d in done.items() if d["recomputed"]),

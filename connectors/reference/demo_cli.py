@@ -9,7 +9,7 @@ from hybridkv.cli import CommandError
 
 from .demo import MAX_ASYNC_DEPTH
 
-FAULTS = ("drop-transfer", "kill-decode", "late-completion")
+FAULTS = ("drop-transfer", "kill-decode", "late-completion", "stall-prefill")
 
 
 def register(parser: argparse.ArgumentParser) -> None:

@@ -27,7 +27,8 @@ class WorkerOptions:
     attention_blocks: int = 96
     state_slots: int = 8
     fail_rids: tuple[str, ...] = ()       # inject: the READs of these requests fail in NIXL
-    late_completion_s: float = 0.0        # inject: completions reported this late
+    late_completion_s: float = 0.0        # inject: the decode stalls this long once a READ of late_rids landed
+    late_rids: tuple[str, ...] = ()
     model_seed: int = 1234
     lease_s: float = 30.0
     model: str = "tiny"
@@ -138,19 +139,31 @@ async def _worker(conn, o: WorkerOptions) -> None:
     else:
         holder = {}
 
+        async def connected() -> str | None:
+            """The producer's handshake, shared by the requests that need it; None once connected,
+            else why not. A failed one (its retries spent) is tried again by the next request."""
+            task = holder.get("dial")
+            if task is None or task.done() and task.exception() is not None:
+                task = holder["dial"] = asyncio.ensure_future(cons.connect(*holder["addr"]))
+            try:
+                await asyncio.shield(task)
+            except Exception as exc:  # the producer stayed away: its requests degrade, the worker lives
+                return f"{type(exc).__name__}: {exc}"
+            return None
+
         async def fetcher(rid: str, comps):
-            result = await holder["c"].fetch(rid, comps)
-            if o.late_completion_s:
-                await asyncio.sleep(o.late_completion_s)
-            return result
+            error = await connected()
+            if error is not None:
+                return cons.give_up(rid, comps, f"no handshake with the producer: {error}")
+            return await cons.fetch(rid, comps)
 
         engine = Engine(model, cfg, fetcher=fetcher, on_finished=finished)
         cons = _FaultyConsumer(from_layout(engine.cache.layout), engine.sched, tcfg, planner=planner,
-                               fail_rids=set(o.fail_rids))
+                               fail_rids=set(o.fail_rids), late_rids=set(o.late_rids), late_s=o.late_completion_s)
         holder["c"] = cons
         msg = recv(conn)
-        await cons.connect(msg["host"], msg["port"])
-        send(conn, {"op": "connected", "pid": os.getpid()})
+        holder["addr"] = (msg["host"], msg["port"])
+        send(conn, {"op": "connected", "pid": os.getpid(), "error": await connected()})
         endpoint = cons
 
     stop = False
@@ -187,12 +200,22 @@ def _faulty_consumer_class():
 
     class FaultyConsumer(Consumer):
         """A consumer whose READs for chosen requests point past the peer's descriptor list,
-        so NIXL itself refuses them: a real data-plane failure, handled by the real path."""
+        so NIXL itself refuses them: a real data-plane failure, handled by the real path.
+        And one that stalls (the whole process: no heartbeats, no messages) right after a READ of
+        another chosen request landed, past the lease, so that its completion is reported late:
+        the scheduler answers LATE and the request recomputes."""
 
-        def __init__(self, *args, fail_rids: set[str], **kw) -> None:
+        def __init__(self, *args, fail_rids: set[str], late_rids: set[str] = frozenset(), late_s: float = 0.0,
+                     **kw) -> None:
             super().__init__(*args, **kw)
             self.fail_rids = fail_rids
+            self.late_rids, self.late_s = set(late_rids), late_s
+            self._late: set = set()
             self.injected = 0
+
+        def give_up(self, rid, comps, error):
+            """An import that cannot start (no handshake): recomputed or failed per the policy."""
+            return self._give_up(rid, comps, error)
 
         def _post(self, w, notif):
             if w.part.rid in self.fail_rids:
@@ -201,7 +224,19 @@ def _faulty_consumer_class():
                 p = (dataclasses.replace(p, src_index=p.src_index + (1 << 30)) if p.indexed else
                      dataclasses.replace(p, src=p.src + np.array([1 << 50, 0, 0], dtype=p.src.dtype)))
                 w = dataclasses.replace(w, plan=p)
-            return super()._post(w, notif)
+            xfer = super()._post(w, notif)
+            if w.part.rid in self.late_rids:
+                self.late_rids.discard(w.part.rid)
+                self._late.add(xfer)
+            return xfer
+
+        async def _wait_xfer(self, xfer, until=None):
+            state = await super()._wait_xfer(xfer, until)
+            if xfer in self._late:
+                self._late.discard(xfer)
+                self.injected += 1
+                time.sleep(self.late_s)  # the loop itself stops: the bytes landed, nobody says so in time
+            return state
 
     return FaultyConsumer
 

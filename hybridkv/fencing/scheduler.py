@@ -215,7 +215,8 @@ class TransferScheduler:
         return self._steps.abort(request)
 
     def recompute(self, request: RequestId) -> None:
-        """A failed import is abandoned: the request computes its prompt locally."""
+        """A failed import, or one given up with no transfer in flight, is abandoned: the request
+        computes its prompt locally."""
         self._steps.recompute(request)
 
     def step_scheduled(

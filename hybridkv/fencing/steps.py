@@ -219,8 +219,10 @@ class RequestSteps(RecordsView):
 
     def recompute(self, request: RequestId) -> None:
         rec = self._records.require(request)
-        if rec.phase is not _FAILED:
-            raise ValueError(f"request {request!r} is {rec.phase.value}; expected failed")
+        # Importing too: an import given up before any transfer was posted (no export in time, the
+        # lease lapsed during a stall) recomputes as a failed one does, whatever steps are pending.
+        if rec.phase is not _FAILED and rec.phase is not _IMPORTING:
+            raise ValueError(f"request {request!r} is {rec.phase.value}; expected failed or importing")
         if self._fenced and rec.transfers:
             raise ValueError(f"request {request!r} still has transfers in flight; expected none")
         rec.phase = _LOCAL

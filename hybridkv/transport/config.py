@@ -48,6 +48,11 @@ class TransportConfig:
     port: int = 0
     mode: wire.Mode = wire.Mode.PULL
     handshake_timeout_s: float = 5.0
+    # Consumer: a handshake that times out (or cannot reach the producer) is tried again this many
+    # times, after handshake_backoff_s, doubled each time: a producer stalled for a few seconds (a
+    # long GC pause, a busy host) is waited out, one that stays away fails its dial, not the worker.
+    handshake_retries: int = 2
+    handshake_backoff_s: float = 0.5
     export_timeout_s: float = 30.0  # consumer: how long to wait for the producer's Export
     heartbeat_s: float | None = None  # default: lease / 6 (vLLM's choice)
     lease_margin: float = 0.1  # fraction of a granted lease the consumer does not rely on
@@ -72,6 +77,10 @@ class TransportConfig:
                              f"{self.allowed_peers!r}")
         if self.allowed_peers:
             PeerAllowlist.parse(self.allowed_peers)  # a bad entry fails here, naming it
+        if not isinstance(self.handshake_retries, int) or self.handshake_retries < 0:
+            raise ValueError(f"handshake_retries {self.handshake_retries!r}; expected an int >= 0")
+        if not self.handshake_backoff_s >= 0:
+            raise ValueError(f"handshake_backoff_s {self.handshake_backoff_s!r}; expected seconds >= 0")
 
     @property
     def allowlist(self) -> PeerAllowlist | None:

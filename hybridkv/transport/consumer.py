@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -32,6 +33,11 @@ from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.plan import PeerPlanner, Planner, TransferPlan
 from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly, _Side
+
+log = logging.getLogger(__name__)
+
+#: How long a handshake that timed out may stay in flight (the next try waits on it) before UCX gives up.
+_LATE_TRY_LIMIT_S = 600.0
 
 
 #: How many released requests a consumer remembers (an Export for one may still be on its way).
@@ -71,6 +77,7 @@ class Consumer(_Side):
         self._parts: dict[tuple[str, str], _Part] = {}
         self._tasks: list[asyncio.Task] = []
         self._hb_sent: dict[str, float] = {}
+        self._dialing: dict[tuple[str, int], asyncio.Task] = {}  # a handshake in flight per producer address
         self._seq = 0
         # (agent, request) this consumer released: an Export arriving after is refused at
         # once, not renewed for a reader that will never come (bounded).
@@ -92,23 +99,46 @@ class Consumer(_Side):
         return next(iter(self.peers.values()), None)
 
     async def connect(self, host: str, port: int) -> str:
-        """Handshake; returns the producer's agent name. Raises HandshakeRefused (saying
-        what differs), HandshakeTimeout or PeerLost."""
+        """Handshake; returns the producer's agent name. A timeout or an unreachable producer is
+        retried (``TransportConfig.handshake_retries``, with backoff). Raises HandshakeRefused
+        (saying what differs, never retried), HandshakeTimeout or PeerLost once the tries are spent.
+        Callers connecting to one address at once share one call (as the connectors do)."""
         try:
-            return await self._handshake(host, port)
+            return await self._connect_retrying(host, port)
         except Exception:
             self.metrics.failure(FailureKind.HANDSHAKE)
             raise
 
-    async def _handshake(self, host: str, port: int) -> str:
+    async def _connect_retrying(self, host: str, port: int) -> str:
+        cfg = self.config
+        for attempt in range(cfg.handshake_retries + 1):
+            try:
+                return await self._connect_once(host, port)
+            except (HandshakeTimeout, PeerLost) as exc:
+                if attempt == cfg.handshake_retries:
+                    tries = cfg.handshake_retries + 1
+                    raise type(exc)(f"{exc} ({tries} tr{'y' if tries == 1 else 'ies'})") from exc
+                log.warning("handshake with %s:%d failed (%s); trying again in %.1f s", host, port, exc,
+                            cfg.handshake_backoff_s * 2 ** attempt)
+                await asyncio.sleep(cfg.handshake_backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    async def _connect_once(self, host: str, port: int) -> str:
         timeout = self.config.handshake_timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                ch = await control.dial(host, port, timeout)
-                await ch.send(self.hello())
-                reply = await ch.recv()
-        except (asyncio.TimeoutError, TimeoutError) as exc:
-            raise HandshakeTimeout(f"no handshake from {host}:{port} within {timeout} s") from exc
+        # Waited for, never cancelled: ucxx's endpoint creation and receives post UCX requests into
+        # buffers that a cancellation frees while the request stays posted, so a producer that
+        # answers after a cancelled try (one resumed from a stall) writes into freed memory (a
+        # segfault on the next try, seen with a SIGSTOPped producer). A try that times out stays in
+        # flight, and the next try waits on it rather than dialling again: one dial per producer.
+        key = (host, port)
+        attempt = self._dialing.get(key)
+        if attempt is None:
+            attempt = self._dialing[key] = asyncio.get_running_loop().create_task(self._exchange_hellos(host, port))
+        done, _ = await asyncio.wait({attempt}, timeout=timeout)
+        if not done:
+            raise HandshakeTimeout(f"no handshake from {host}:{port} within {timeout} s")
+        self._dialing.pop(key, None)
+        ch, reply = attempt.result()
         if isinstance(reply, wire.Refuse):
             await ch.close()
             raise HandshakeRefused(f"refused by {host}:{port}: {reply.reason}", reply.differences)
@@ -133,6 +163,12 @@ class Consumer(_Side):
         self._tasks += [loop.create_task(self._serve(peer)), loop.create_task(self._heartbeats(peer))]
         self._start_pump()
         return agent
+
+    async def _exchange_hellos(self, host: str, port: int) -> tuple[control.Channel, wire.Message]:
+        # The dial's own limit is far out: _connect_once bounds the wait without cancelling (see there).
+        ch = await control.dial(host, port, _LATE_TRY_LIMIT_S)
+        await ch.send(self.hello())
+        return ch, await ch.recv()
 
     def prepared(self, agents: Sequence[str]) -> PeerPlanner:
         """The planner prepared for an import from these producers (made on first use)."""
@@ -555,17 +591,14 @@ class Consumer(_Side):
         return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
 
     def _give_up(self, rid: str, comps, error: str, *, kind: FailureKind = FailureKind.TRANSFER) -> Result:
-        """Failed before any transfer was posted: nothing is in flight."""
+        """Failed before any transfer was posted: nothing is in flight. Under RECOMPUTE the request
+        computes locally even while steps touching its blocks are pending (a stalled decode): a load
+        that can no longer complete degrades, it does not fail."""
         self.metrics.failure(kind)
         sched = self.scheduler
         if self.config.failure_policy is FailurePolicy.RECOMPUTE and sched.has_request(rid):
-            # The scheduler moves an import to FAILED (from which it may recompute) only
-            # through a failed transfer; record one that never reached NIXL.
-            tid = sched.post_import(rid, components=comps) if comps else None
-            if tid is not None and not isinstance(tid, NotYet):
-                sched.transfer_failed(tid)
-                sched.recompute(rid)
-                return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
+            sched.recompute(rid)
+            return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
         sched.abort(rid)
         return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
 
@@ -573,6 +606,12 @@ class Consumer(_Side):
         self._closing = True
         for t in self._tasks:
             t.cancel()
+        dialing, self._dialing = list(self._dialing.values()), {}
+        for t in dialing:  # handshakes nobody waits for any more: ended here, their channels closed
+            t.cancel()
+        for result in await asyncio.gather(*dialing, return_exceptions=True):
+            if isinstance(result, tuple):
+                await result[0].close()
         for peer in self.peers.values():
             if peer.alive:
                 await _send_quietly(peer.channel, wire.Bye(reason="closing"))

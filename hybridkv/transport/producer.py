@@ -312,6 +312,7 @@ class Producer(_Side):
                 raise ValueError(f"peer {peer!r}; expected one of {sorted(self.peers)}")
         while True:
             if not sched.has_request(request_id):  # the lease lapsed (poll) before we got here
+                self._expired_before_export(request_id)
                 return Result(request_id=request_id, outcome=Outcome.EXPIRED, error="lease expired before export")
             if not isinstance(sched.export_ready(request_id), NotYet):
                 break
@@ -353,10 +354,22 @@ class Producer(_Side):
         for rid in self.scheduler.poll():  # lapsed leases: the scheduler dropped the request
             rec = self._exports.get(rid)
             self.metrics.lease_expired()
-            if rec is None or rec.xfer is not None:
+            if rec is None:
+                self._expired_before_export(rid)
+                continue
+            if rec.xfer is not None:
                 continue  # a WRITE in flight ends through _watch_write
             self._finish(rec, ok=False, outcome=Outcome.EXPIRED, error="lease expired", tell=wire.Failure(
                 request_id=rid, code=wire.FailureCode.LEASE_EXPIRED, detail="lease expired"))
+
+    def _expired_before_export(self, rid: str) -> None:
+        """The lease lapsed before export() (a stalled prefill): every consumer that asked for the
+        request hears so now, not after its export timeout, and a later ask is refused at once."""
+        _remember(self._finished, rid)
+        for peer, _ in self._wants.pop(rid, []):
+            if peer.alive:
+                asyncio.ensure_future(_send_quietly(peer.channel, wire.Failure(
+                    request_id=rid, code=wire.FailureCode.LEASE_EXPIRED, detail="lease expired before export")))
 
     def _finish(self, rec: _Export, *, ok: bool, outcome: Outcome, error: str | None = None,
                 tell: wire.Message | None = None) -> None:

@@ -54,10 +54,23 @@ def test_killed_decode_is_restarted_and_its_requests_redone():
     assert report.resent >= 1  # the requests the dead process held were prefilled again
 
 
-def test_late_completion_keeps_requests_out_until_landed():
+def test_late_completion_reaches_the_late_path_and_recomputes():
+    """The decode stalls (its whole process) past the lease right after one READ landed: the scheduler
+    answers LATE for that import (rule 6: bytes that land after the lease are not trusted), the request
+    recomputes, and every output still matches."""
     report = run_demo(DemoOptions(**SMALL, inject=("late-completion",)))
     _assert_clean(report)
     assert report.faults["late-completion"] == 1
+    assert report.extra["late"], report.extra  # the late path was reached, not just a slow completion
+    assert report.recomputed >= len(report.extra["late"]) and report.failed == 0
+
+
+def test_prefill_stalled_during_the_handshake_is_waited_out():
+    """The prefill process is SIGSTOPped for 8 s while the decode handshakes (one try gives up at 5 s):
+    the decode retries instead of dying, and the run completes token-exact."""
+    report = run_demo(DemoOptions(**SMALL, inject=("stall-prefill",)))
+    _assert_clean(report)
+    assert report.faults["stall-prefill"] == 1 and report.failed == 0
 
 
 def test_without_fencing_the_corruption_is_real():

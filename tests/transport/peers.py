@@ -163,8 +163,14 @@ async def _producer(opts, out, inbox):
         await prod.close()
         return
     await prod.wait_peer(opts.get("peer_timeout_s", 20.0))
+    if opts.get("stall_before_export_s"):  # the consumer asks first: its Want waits in the queue
+        t_end = time.monotonic() + 10
+        while set(prod.describe()["wants_ahead"]) < set(plans) and time.monotonic() < t_end:
+            await asyncio.sleep(0.01)
     for rid in plans:  # the lease starts when the request finishes, with the consumer known
         sched.request_finished(rid, export=True)
+    if opts.get("stall_before_export_s"):
+        time.sleep(opts["stall_before_export_s"])  # the whole process stalls (loop blocked): a stuck prefill
     out.put(("digests", {rid: digest(layout, b) for rid, b in plans.items()}))
     results = await asyncio.gather(*(prod.export(rid) for rid in plans))
     for _ in range(int(opts.get("linger_s", 0) / 0.01)):
@@ -219,12 +225,15 @@ async def _consumer(opts, out, inbox):
                               export_timeout_s=opts.get("export_timeout_s", 20.0),
                               heartbeat_s=opts.get("heartbeat_s"),
                               notify_reads=opts.get("notify_reads", False),
-                              transfer_timeout_s=opts.get("transfer_timeout_s", 60.0))
+                              transfer_timeout_s=opts.get("transfer_timeout_s", 60.0),
+                              handshake_retries=opts.get("handshake_retries", 2),
+                              handshake_backoff_s=opts.get("handshake_backoff_s", 0.5))
         cons = Consumer(memory, sched, cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
         if "protocol" in att:
             cons.compat["protocol"] = att["protocol"]
         try:
             t0 = time.monotonic()
+            out.put(("dialing", None))
             await cons.connect(host, port)
         except HandshakeRefused as exc:
             out.put(("refused", (att.get("name"), sorted(exc.fields), str(exc))))
@@ -257,6 +266,10 @@ async def _run_requests(opts, out, inbox, layout, sched, cons):
         for g, n in counts(layout, tokens).items():
             blocks[g] = _take(sched, layout, rid, g, n, opts.get("fragmentation", {}).get(rid))
         plans[rid] = blocks
+    if opts.get("pending_step"):
+        # A step that zeroes the new blocks is scheduled and never completes (a stalled decode's
+        # device): an import into them answers "not yet" for as long as the test runs.
+        sched.step_scheduled(1, zeroing=[(g, b) for bl in plans.values() for g, bs in bl.items() for b in bs])
     if opts.get("wait_before_fetch_s"):
         for rid in plans:  # asked for up front: the Export (and its lease) comes while we are slow
             await cons.want(rid)

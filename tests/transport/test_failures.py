@@ -60,7 +60,7 @@ def test_handshake_timeout_against_a_stopped_producer():
         host, port, _ = prod.expect("addr")
         prod.expect("ready")
         prod.signal(signal.SIGSTOP)
-        cons = consumer((host, port), handshake_timeout_s=1.5)
+        cons = consumer((host, port), handshake_timeout_s=1.5, handshake_retries=0)  # retries: test_stalls.py
         kind, text, took = cons.expect("connect_failed")
         assert kind == "HandshakeTimeout", text
         assert took < 5
@@ -217,7 +217,7 @@ def test_allowed_peers_close_a_connection_from_elsewhere_unread(allowed, connect
     try:
         host, port, _ = prod.expect("addr")
         prod.expect("ready")
-        cons = consumer((host, port), handshake_timeout_s=3.0)
+        cons = consumer((host, port), handshake_timeout_s=3.0, handshake_retries=0)
         if connects:
             assert cons.expect("connected") is None
         else:
