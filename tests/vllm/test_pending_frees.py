@@ -38,7 +38,7 @@ def test_an_export_waiting_for_its_reader_does_not_block_preemption(async_schedu
 def test_running_requests_preempt_while_an_export_waits_for_its_reader(async_scheduling):
     """A pool too small for two growing requests and an unread export: vLLM must preempt one
     request and finish both, not wait a whole lease for the export's blocks."""
-    sched, worker, d = setup(role="kv_producer", async_scheduling=async_scheduling, num_blocks=20)
+    sched, worker, d = setup(role="kv_producer", async_scheduling=async_scheduling, num_blocks=28)
     worker.consumer_reads = False
     sched.add_request(h.make_request("p1", prompt_len=100, max_tokens=1, params={"do_remote_decode": True}))
     d.run(until=lambda: "p1" in d.finished)
