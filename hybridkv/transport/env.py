@@ -39,10 +39,17 @@ CUDA_IPC_READS_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 #: settings) is "unused" by the other, and UCX would warn about it on every context.
 WARN_UNUSED_ENV = "UCX_WARN_UNUSED_ENV_VARS"
 
+#: A producer restarted at its address must bind its control port again while connections of its previous
+#: run are still in TIME_WAIT (up to 60 s on Linux): UCX's listener binds without SO_REUSEADDR unless this
+#: is set (a restarted vLLM prefill failed to listen for over 30 s without it). On Linux SO_REUSEADDR never
+#: lets two live listeners share a port.
+REUSE_ADDR_ENV = "UCX_TCP_CM_REUSEADDR"
+
 #: Every UCX default hybridkv applies: variable -> value, set only where the environment lacks it.
 UCX_DEFAULTS: MappingProxyType[str, str] = MappingProxyType({
     WARN_UNUSED_ENV: "n",
     CUDA_IPC_READS_ENV: "on",
+    REUSE_ADDR_ENV: "y",
 })
 
 

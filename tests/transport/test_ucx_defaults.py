@@ -47,7 +47,8 @@ def test_an_empty_setting_is_the_operators_too():
 
 
 def test_the_defaults_are_the_documented_ones():
-    assert dict(UCX_DEFAULTS) == {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+    assert dict(UCX_DEFAULTS) == {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
+                                  "UCX_TCP_CM_REUSEADDR": "y"}
 
 
 # ------------------------------------------------------------ import leaves os.environ alone

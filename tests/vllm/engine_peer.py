@@ -29,6 +29,7 @@ import queue
 import sys
 import threading
 import time
+import zlib
 
 
 def _digests(pages: dict[str, list[bytes]]) -> dict[str, str]:
@@ -44,6 +45,12 @@ def _reader(q: queue.Queue) -> None:
 
 def _say(obj) -> None:
     print(json.dumps(obj), flush=True)
+
+
+def _prompt_seed(rid: str) -> int:
+    """A prompt of its own per request (the same on both sides): with prefix caching on, equal prompts
+    would hit each other's blocks, and these tests are about which rank serves a request."""
+    return zlib.crc32(rid.encode()) % 1000
 
 
 def main() -> int:
@@ -86,12 +93,14 @@ def main() -> int:
                 stop = True
                 break
             for rid, n in msg.get("prefill", ()):
-                sched.add_request(h.make_request(rid, prompt_len=n, max_tokens=8, params={"do_remote_decode": True}))
+                sched.add_request(h.make_request(rid, prompt_len=n, max_tokens=8, params={"do_remote_decode": True},
+                                                 suffix_seed=_prompt_seed(rid)))
                 prefills.add(rid)
             for rid, n, max_tokens in msg.get("local", ()):
                 sched.add_request(h.make_request(rid, prompt_len=n, max_tokens=max_tokens))
             for rid, n, max_tokens, params in msg.get("decode", ()):
-                sched.add_request(h.make_request(rid, prompt_len=n, max_tokens=max_tokens, params=params))
+                sched.add_request(h.make_request(rid, prompt_len=n, max_tokens=max_tokens, params=params,
+                                                 suffix_seed=_prompt_seed(params.get("remote_request_id", rid))))
                 decodes[rid] = time.monotonic()
             if msg.get("abort"):
                 from vllm.v1.request import RequestStatus
