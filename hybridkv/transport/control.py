@@ -59,13 +59,15 @@ class Channel:
                 self.closed = True
                 raise PeerLost(f"control channel send failed: {type(exc).__name__}: {exc}") from exc
 
-    async def recv(self) -> wire.Message:
+    async def recv(self, limit: int = wire.MAX_MESSAGE_BYTES) -> wire.Message:
+        """The next message; a frame longer than ``limit`` is a WireError before anything is
+        allocated for it (the caller closes the channel: its body is still queued)."""
         header = np.zeros(1, dtype="<u8")
         try:
             await self._ep.recv(header)
             n = int(header[0])
-            if not 0 < n <= wire.MAX_MESSAGE_BYTES:
-                raise wire.WireError(f"frame of {n} bytes; expected 1..{wire.MAX_MESSAGE_BYTES}")
+            if not 0 < n <= limit:
+                raise wire.WireError(f"frame of {n} bytes; expected 1..{limit}")
             body = np.empty(n, dtype=np.uint8)
             await self._ep.recv(body)
         except wire.WireError:

@@ -11,6 +11,7 @@ the asyncio loop and waits on transfers. The design is in
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from hybridkv.transport.plan import Planner
 
 NOTIF_PREFIX = b"hkv:"
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(eq=False, kw_only=True)
 class _Peer:
@@ -32,6 +35,8 @@ class _Peer:
     memory: MemoryMap
     lease_s: float
     alive: bool = True
+    wants: int = 0  # producer: this peer's Wants waiting for their export
+    renewing: bool = False  # producer: the Lease replies to this peer's last Heartbeat are still being sent
 
 
 def _rid_of(notif: bytes) -> str | None:
@@ -89,6 +94,14 @@ class _Side:
             raise HandshakeRefused("the peer pairs by fields but sent no field tables", [
                 wire.Difference(field="layout", local="field tables", remote=None)])
         return remote
+
+    def _warn_if_open(self, where: str) -> None:
+        """Unauthenticated mode is for a lab: say so once, when the endpoint starts."""
+        if self.config.secret is None:
+            log.warning("hybridkv %s %s runs WITHOUT a shared secret: any peer that reaches it gets its NIXL "
+                        "metadata and one-sided access to the registered KV cache. Set TransportConfig.secret "
+                        "(from a file or environment variable) on both sides; see README 'Security'.",
+                        self.role.name.lower(), where)
 
     def describe(self) -> dict:
         """What is in flight, for an operator or a stuck test to print (plain data)."""
