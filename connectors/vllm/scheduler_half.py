@@ -31,6 +31,7 @@ from hybridkv.fencing.lease import Clock
 from hybridkv.fencing.request_state import Component, RequestPhase, TransferOutcome, attention_component, gdn_components
 from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.ids import RequestId, TransferId
+from hybridkv.transport.auth import new_token
 
 from connectors.vllm.config import HybridKVVllmConfig
 from connectors.vllm.metadata import BlockIds, HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder
@@ -113,6 +114,7 @@ class SchedulerHalf:
         self._inject_recving: set[str] = set()  # aborted before the load started: vLLM waits for this
         # prefill side
         self._exports: dict[str, BlockIds] = {}  # exporting, not yet offered to readers
+        self._capabilities: dict[str, bytes] = {}  # their tokens, until offered
         self._offered: set[str] = set()
         self._export_blocks: dict[str, list[int]] = {}
         self._ended: list[str] = []
@@ -216,7 +218,11 @@ class SchedulerHalf:
         self.ts.request_finished(r, export=True)
         self._exports[rid] = clipped
         self._export_blocks[rid] = [b for ids in clipped for b in ids]
+        # Issued here, where kv_transfer_params are made: the decode instance the router hands
+        # them to presents it; no other peer can claim, renew or end the export.
+        token = self._capabilities[rid] = new_token()
         return True, producer_params(
+            token=token,
             engine_id=self.engine_id,
             request_id=rid,
             host=self.side_host,
@@ -276,6 +282,7 @@ class SchedulerHalf:
         for rid in list(self._exports):
             if not isinstance(self.ts.export_ready(RequestId(rid)), NotYet):
                 meta.exports_ready[rid] = self._exports.pop(rid)
+                meta.capabilities[rid] = self._capabilities.pop(rid)
                 self._offered.add(rid)
         for rid in self.ts.poll():
             self._export_released(rid)
@@ -346,6 +353,7 @@ class SchedulerHalf:
             sending.discard(rid)
             self._offered.discard(rid)
             self._exports.pop(rid, None)
+            self._capabilities.pop(rid, None)
             if self.ts.export_done(RequestId(rid)):
                 self._hold_until_reusable(rid, self._export_blocks.pop(rid, []))
                 self._ended.append(rid)
@@ -362,6 +370,7 @@ class SchedulerHalf:
     def _export_released(self, rid: str) -> None:
         """A lapsed lease released the request's blocks inside hybridkv."""
         self._exports.pop(rid, None)
+        self._capabilities.pop(rid, None)
         self._offered.discard(rid)
         self._ended.append(rid)
         self._hold_until_reusable(rid, self._export_blocks.pop(rid, []))

@@ -87,6 +87,7 @@ class WorkerHalf:
         self.lease_s = cfg.kv_lease_duration
         self.export_timeout_s = cfg.export_timeout_s
         self.allowed_peers = cfg.allowed_peers  # checked by the config: a bad entry fails at startup, named
+        self.secret = cfg.secret()  # read once, here: a missing file or variable fails at start-up, named
         self.transfer_groups = tuple(kv_cache_config.transfer_group_ids)
         comps: list[Component] = []
         for g in self.transfer_groups:
@@ -136,7 +137,8 @@ class WorkerHalf:
 
         # vLLM applies kv_load_failure_policy itself; the transport only reports.
         return TransportConfig(host=self.host, port=port, failure_policy=FailurePolicy.FAIL,
-                               export_timeout_s=self.export_timeout_s, allowed_peers=self.allowed_peers)
+                               export_timeout_s=self.export_timeout_s, allowed_peers=self.allowed_peers,
+                               secret=self.secret)
 
     @staticmethod
     def _planner():
@@ -167,7 +169,7 @@ class WorkerHalf:
         for order in meta.recvs:
             self._call(self._load(order))
         for rid, blocks in meta.exports_ready.items():
-            self._call(self._export(rid, blocks))
+            self._call(self._export(rid, blocks, meta.capabilities[rid]))
 
     async def _agent_for(self, host: str, port: int) -> str:
         """The producer agent at host:port, dialled once (concurrent loads share the dial)."""
@@ -210,7 +212,8 @@ class WorkerHalf:
             self._ts.add_request(prid, expect=self.components)
             for g, ids in zip(self.transfer_groups, order.local_block_ids):
                 self._ts.assign(prid, g, ids)
-            result = await self._consumer.fetch(prid, self.components, peers=agents, readers=readers)
+            result = await self._consumer.fetch(prid, self.components, token=remote.token, peers=agents,
+                                                readers=readers)
             self.load_results[rid] = result
             ok, error = result.outcome is Outcome.READY, result.error
         except Exception as exc:  # handshake refused, peer lost, bad block lists, TP sizes that do not divide
@@ -227,7 +230,7 @@ class WorkerHalf:
             if not ok:
                 self._failed.add(rid)
 
-    async def _export(self, rid: str, blocks) -> None:
+    async def _export(self, rid: str, blocks, token: bytes) -> None:
         ts = self._ts
         try:
             ts.add_request(rid)
@@ -235,7 +238,7 @@ class WorkerHalf:
                 ts.assign(rid, g, ids)
             ts.request_finished(rid, export=True)
             # Whichever decode rank(s) ask for it (wire.Want) read it; the lease bounds the wait.
-            result = await self._producer.export(rid)
+            result = await self._producer.export(rid, token=token)
             log.debug("hybridkv export of %s: %s (%s)", rid, result.outcome.value, result.error)
         except Exception as exc:
             log.warning("hybridkv export of %s failed: %s", rid, exc)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import os
 import sys
 import time
 
@@ -69,7 +70,9 @@ def main() -> int:
 
     cmd = json.loads(sys.stdin.readline())
     role = cmd["role"]
-    extra = {"tp_rank": cmd["rank"], "kv_lease_duration": 60}
+    # Every rank proves one shared secret, read from the environment as a deployment would.
+    os.environ["HYBRIDKV_TEST_SECRET"] = "rank-peers-shared-secret-0123456789"
+    extra = {"tp_rank": cmd["rank"], "kv_lease_duration": 60, "secret_env": "HYBRIDKV_TEST_SECRET"}
     if role == "producer":
         extra["side_channel_port"] = cmd["port"]
     vc = h.make_vllm_config(role="kv_producer" if role == "producer" else "kv_consumer", tp=cmd["tp"],
@@ -97,7 +100,8 @@ def main() -> int:
         print(json.dumps({"ready": conn.worker.listen_port, "blocks": blocks, "fields": fields}), flush=True)
         sys.stdin.readline()  # go
         meta = HybridKVConnectorMetadata(step=1, exports_ready={rid: tuple(tuple(g) for g in b)
-                                                                for rid, b in blocks.items()})
+                                                                for rid, b in blocks.items()},
+                                         capabilities={rid: h.token(rid) for rid in blocks})
         conn.bind_connector_metadata(meta)
         conn.start_load_kv(None)
         conn.clear_connector_metadata()
@@ -111,7 +115,7 @@ def main() -> int:
             local[rid] = (ids, tokens)
             remote = RemotePrefill(engine_id="producer-engine", request_id=rid, host="127.0.0.1",
                                    port=cmd["remote_port"], block_ids=tuple(tuple(g) for g in remote_blocks),
-                                   tp_size=cmd["remote_tp"])
+                                   token=h.token(rid), tp_size=cmd["remote_tp"])
             orders.append(RecvOrder(request_id=rid, transfer_id=i + 1, local_block_ids=tuple(tuple(g) for g in ids),
                                     remote=remote))
         conn.bind_connector_metadata(HybridKVConnectorMetadata(step=1, recvs=orders))
