@@ -30,6 +30,7 @@ class WorkerOptions:
     late_completion_s: float = 0.0        # inject: completions reported this late
     model_seed: int = 1234
     lease_s: float = 30.0
+    secret: bytes | None = None            # both workers prove it in the handshake (a fresh one per run)
 
 
 def send(conn, msg: dict) -> None:
@@ -83,7 +84,10 @@ async def _worker(conn, o: WorkerOptions) -> None:
                        cache=CacheConfig(attention_blocks=o.attention_blocks, state_slots=o.state_slots))
     model = TinyHybridModel(TinyConfig(seed=o.model_seed))
     results: dict[str, dict] = {}
-    tcfg = TransportConfig(failure_policy=FailurePolicy(o.failure_policy))
+    from hybridkv.transport.auth import new_token
+
+    tcfg = TransportConfig(failure_policy=FailurePolicy(o.failure_policy), secret=o.secret)
+    capabilities: dict[str, bytes] = {}  # decode: each request's token, from the router
     planner = DescriptorPlanner(pairing=Pairing.PAGES)  # both instances cut pages alike
     engine: Engine | None = None
 
@@ -113,9 +117,11 @@ async def _worker(conn, o: WorkerOptions) -> None:
             sched = engine.sched
             while sched.has_request(rid) and isinstance(sched.export_ready(rid), NotYet):
                 await asyncio.sleep(0.0005)
-            send(conn, {"op": "first", "rid": rid, "token": first_tokens.pop(rid), "t": time.time()})
+            token = new_token()  # the request's capability: only the decode worker it is handed to reads it
+            send(conn, {"op": "first", "rid": rid, "token": first_tokens.pop(rid), "t": time.time(),
+                        "capability": token.hex()})
             # The request goes to whichever consumer asks for it (a restarted one included).
-            result = await holder["p"].export(rid)
+            result = await holder["p"].export(rid, token=token)
             results[rid] = {"outcome": result.outcome.value, "error": result.error}
             send(conn, {"op": "exported", "rid": rid, "outcome": result.outcome.value, "error": result.error})
             return result
@@ -130,7 +136,7 @@ async def _worker(conn, o: WorkerOptions) -> None:
         holder = {}
 
         async def fetcher(rid: str, comps):
-            result = await holder["c"].fetch(rid, comps)
+            result = await holder["c"].fetch(rid, comps, token=capabilities.pop(rid))
             if o.late_completion_s:
                 await asyncio.sleep(o.late_completion_s)
             return result
@@ -149,6 +155,8 @@ async def _worker(conn, o: WorkerOptions) -> None:
         while conn.poll():
             msg = recv(conn)
             if msg["op"] == "req":
+                if "capability" in msg:
+                    capabilities[msg["rid"]] = bytes.fromhex(msg["capability"])
                 engine.submit(msg["rid"], msg["prompt"], msg["max_tokens"], first_token=msg.get("first_token"))
             elif msg["op"] == "stop":
                 stop = True
