@@ -5,6 +5,11 @@ the length is checked against :data:`hybridkv.wire.MAX_MESSAGE_BYTES` before
 anything is allocated. Sends are serialised per channel so frames never
 interleave. Any transport error surfaces as :class:`hybridkv.errors.PeerLost`.
 
+UCX queues a tag message nobody has asked for until someone receives it, and ucxx tags are
+the sender's to choose: :class:`Drainer` discards what is queued under tags no live channel
+receives (a closed channel's leftovers, or a flood under made-up tags), so that costs a peer its
+bytes, not the listener its memory.
+
 ucxx 0.52's listener API takes a port only and listens on every interface;
 the configured host is what a producer advertises and a consumer dials.
 :func:`listen` can close connections from outside a
@@ -21,6 +26,7 @@ import functools
 import os
 import socket
 import struct
+import time
 
 import numpy as np
 
@@ -41,11 +47,24 @@ def _ucxx():
     return ucxx
 
 
+# The ucxx tags live channels receive under (this process's one ucxx context): anything queued
+# under another tag is nobody's, and Drainer discards it.
+_LIVE_TAGS: set[int] = set()
+
+
+def _recv_tag(endpoint) -> int | None:
+    tags = getattr(endpoint, "_tags", None)  # ucxx's Endpoint: {"msg_send": ..., "msg_recv": ...}
+    return None if not tags else int(tags["msg_recv"])
+
+
 class Channel:
     def __init__(self, endpoint) -> None:
         self._ep = endpoint
         self._send_lock = asyncio.Lock()
         self.closed = False
+        self._tag = _recv_tag(endpoint)
+        if self._tag is not None:
+            _LIVE_TAGS.add(self._tag)
 
     async def send(self, msg: wire.Message) -> None:
         data = wire.encode(msg)
@@ -78,6 +97,7 @@ class Channel:
         return wire.decode(body.tobytes())
 
     async def close(self) -> None:
+        _LIVE_TAGS.discard(self._tag)  # what is still queued for it is nobody's now
         if self.closed:
             return
         self.closed = True
@@ -85,6 +105,59 @@ class Channel:
             await self._ep.close()
         except Exception:
             pass
+
+
+class Drainer:
+    """Receives and drops messages queued under ucxx tags no live channel receives.
+
+    Called from the producer's pump. UCX shows only the oldest queued message (a probe with an
+    empty mask), so a message under an unknown tag blocks the view of those behind it; one is
+    drained only after such a message has stood at the front for ``grace_s``: a new connection's
+    first message may arrive a moment before its channel exists (the listener's handler runs on
+    the loop), and in normal operation nothing under an unknown tag is ever queued at all.
+    """
+
+    def __init__(self, *, grace_s: float = 0.25, budget: int = 4096, max_pending: int = 1024) -> None:
+        self.grace_s, self.budget, self.max_pending = grace_s, budget, max_pending
+        self._since: float | None = None
+        self._pending: list[tuple] = []  # (request, Array, buffer): kept alive until UCX is done with them
+
+    def __call__(self) -> int:
+        """Messages dropped now."""
+        ucxx = _ucxx()
+        from ucxx._lib.arr import Array
+        from ucxx._lib.libucxx import UCXXTag, UCXXTagMask
+
+        try:
+            worker = ucxx.core._get_ctx().worker  # the context the listener and channels use
+        except Exception:
+            return 0
+        self._pending = [p for p in self._pending if not p[0].completed]
+        any_tag, any_mask = UCXXTag(0), UCXXTagMask(0)
+        probe = worker.tag_probe(any_tag, any_mask, remove=False)
+        if not probe.matched or probe.sender_tag.value in _LIVE_TAGS:
+            self._since = None
+            return 0
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        if now - self._since < self.grace_s:
+            return 0
+        dropped = 0
+        while dropped < self.budget and len(self._pending) < self.max_pending:
+            probe = worker.tag_probe(any_tag, any_mask, remove=False)
+            if not probe.matched or probe.sender_tag.value in _LIVE_TAGS:
+                break
+            probe = worker.tag_probe(probe.sender_tag, remove=True)
+            if not probe.matched:
+                break
+            # Up to 1 MiB received whole (and dropped); a longer one truncated, which ends it too.
+            buf = np.empty(max(1, min(probe.length, 1 << 20)), dtype=np.uint8)
+            arr = Array(buf)
+            self._pending.append((worker.tag_recv_with_handle(arr, probe), arr, buf))
+            dropped += 1
+        self._since = None
+        return dropped
 
 
 def listen(handler, port: int = 0, allow=None, on_refused=None):

@@ -71,6 +71,7 @@ class Producer(_Side):
         self._wants: dict[str, list[tuple[_Peer, int, bytes]]] = {}
         self._want_count = 0
         self._handshaking = 0
+        self._drain = control.Drainer()
 
     def describe(self) -> dict:
         return {**super().describe(),
@@ -102,8 +103,13 @@ class Producer(_Side):
             await ch.close()
             return
         self._handshaking += 1
+        proven: list[bool] = []  # the handshake appends once the peer proved the secret
         try:
-            got = await asyncio.wait_for(self._handshake(ch), self.config.handshake_timeout_s)
+            got = await asyncio.wait_for(self._handshake(ch, proven), self.config.handshake_timeout_s)
+        except asyncio.TimeoutError:
+            self.stats.unauthenticated += not proven
+            log.info("refused a control connection: no handshake within %s s", self.config.handshake_timeout_s)
+            got = None
         except _Unproven as exc:
             self.stats.unauthenticated += 1
             got = None
@@ -114,7 +120,7 @@ class Producer(_Side):
                 log.warning("refused a consumer's handshake: %s", exc)
                 exc = HandshakeRefused(_REFUSED)
             got = exc
-        except (asyncio.TimeoutError, PeerLost, ProtocolViolation, wire.WireError) as exc:
+        except (PeerLost, ProtocolViolation, wire.WireError) as exc:
             log.info("refused a control connection: handshake failed: %s", exc)
             got = None
         except Exception as exc:  # nothing a peer sends may end the listener's task with a traceback
@@ -139,7 +145,7 @@ class Producer(_Side):
         self._connected.set()
         await self._serve(peer)
 
-    async def _handshake(self, ch: control.Channel) -> tuple[wire.Hello, MemoryMap]:
+    async def _handshake(self, ch: control.Channel, proven: list) -> tuple[wire.Hello, MemoryMap]:
         """Auth both ways, then the consumer's Hello; its NIXL agent is added only once both
         held. Raises _Unproven (the peer learns "refused"), HandshakeRefused (an authenticated
         peer learns what differs) or a transport error."""
@@ -155,6 +161,7 @@ class Producer(_Side):
             raise _Unproven(f"second message is {type(answer).__name__}; expected Auth")
         if secret is not None and not auth.proven(auth.consumer_proof(secret, knock.nonce, nonce), answer.proof):
             raise _Unproven("the peer did not prove the shared secret")
+        proven.append(True)
         msg = await ch.recv()
         if not isinstance(msg, wire.Hello):
             raise ProtocolViolation(f"message after Auth is {type(msg).__name__}; expected Hello")
@@ -413,6 +420,9 @@ class Producer(_Side):
             else:
                 self.stats.forbidden += 1  # asked with a guessed token: no answer
         return await rec.done
+
+    def _drain_queued(self) -> None:
+        self.stats.drained += self._drain()
 
     def _on_notif(self, agent: str, msg: bytes) -> None:
         rid = _rid_of(msg)

@@ -98,10 +98,10 @@ class _Side:
     def _warn_if_open(self, where: str) -> None:
         """Unauthenticated mode is for a lab: say so once, when the endpoint starts."""
         if self.config.secret is None:
-            log.warning("hybridkv %s %s runs WITHOUT a shared secret: any peer that reaches it gets its NIXL "
+            log.warning("hybridkv %s%s runs WITHOUT a shared secret: any peer that reaches it gets its NIXL "
                         "metadata and one-sided access to the registered KV cache. Set TransportConfig.secret "
                         "(from a file or environment variable) on both sides; see README 'Security'.",
-                        self.role.name.lower(), where)
+                        self.role.name.lower(), f" {where}" if where else "")
 
     def describe(self) -> dict:
         """What is in flight, for an operator or a stuck test to print (plain data)."""
@@ -119,6 +119,7 @@ class _Side:
             for agent, msgs in self.dp.pump().items():
                 for m in msgs:
                     self._on_notif(agent, m)
+            self._drain_queued()
             self._tick()
             await asyncio.sleep(cfg.pump_busy_s if self._busy else cfg.pump_idle_s)
 
@@ -137,6 +138,9 @@ class _Side:
 
     def _tick(self) -> None:
         pass
+
+    def _drain_queued(self) -> None:
+        """Drop control messages queued for nobody (the producer's listener is what gets flooded)."""
 
     async def _wait_xfer(self, xfer: Transfer, until=None) -> XferState:
         """The transfer's terminal state, or IN_PROGRESS once ``until()`` (a monotonic time) passed."""
