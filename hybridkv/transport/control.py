@@ -156,7 +156,6 @@ class Drainer:
             arr = Array(buf)
             self._pending.append((worker.tag_recv_with_handle(arr, probe), arr, buf))
             dropped += 1
-        self._since = None
         return dropped
 
 

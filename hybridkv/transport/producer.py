@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -71,6 +72,7 @@ class Producer(_Side):
         self._wants: dict[str, list[tuple[_Peer, int, bytes]]] = {}
         self._want_count = 0
         self._handshaking = 0
+        self._unproven: dict[control.Channel, float] = {}  # channels in their handshake -> when they opened
         self._drain = control.Drainer()
 
     def describe(self) -> dict:
@@ -103,6 +105,7 @@ class Producer(_Side):
             await ch.close()
             return
         self._handshaking += 1
+        self._unproven[ch] = time.monotonic()
         proven: list[bool] = []  # the handshake appends once the peer proved the secret
         try:
             got = await asyncio.wait_for(self._handshake(ch, proven), self.config.handshake_timeout_s)
@@ -128,6 +131,7 @@ class Producer(_Side):
             got = None
         finally:
             self._handshaking -= 1
+            self._unproven.pop(ch, None)
         if not isinstance(got, tuple):
             self.stats.refused += 1
             reason, diffs = (str(got), got.differences) if isinstance(got, HandshakeRefused) else (_REFUSED, ())
@@ -162,6 +166,7 @@ class Producer(_Side):
         if secret is not None and not auth.proven(auth.consumer_proof(secret, knock.nonce, nonce), answer.proof):
             raise _Unproven("the peer did not prove the shared secret")
         proven.append(True)
+        self._unproven.pop(ch, None)
         msg = await ch.recv()
         if not isinstance(msg, wire.Hello):
             raise ProtocolViolation(f"message after Auth is {type(msg).__name__}; expected Hello")
@@ -422,7 +427,20 @@ class Producer(_Side):
         return await rec.done
 
     def _drain_queued(self) -> None:
-        self.stats.drained += self._drain()
+        dropped = self._drain()
+        self.stats.drained += dropped
+        if dropped < _FLOOD_MESSAGES:
+            return  # a closed channel's leftovers, not a flood
+        # Messages under made-up tags come from a peer that bypasses the channel; UCX cannot say
+        # which, and its buffers grow faster than they drain. A consumer proves the secret within
+        # milliseconds of connecting, so a connection still unproven this long into a flood is
+        # closed: the flood costs the flooder its connection.
+        now = time.monotonic()
+        for ch, opened in list(self._unproven.items()):
+            if now - opened > _FLOOD_UNPROVEN_S:
+                del self._unproven[ch]
+                self.stats.cut_off += 1
+                asyncio.ensure_future(ch.close())
 
     def _on_notif(self, agent: str, msg: bytes) -> None:
         rid = _rid_of(msg)
@@ -508,6 +526,8 @@ _REMEMBER = 1 << 16
 
 
 _REFUSED = "refused"  # all an unauthenticated peer is told
+_FLOOD_MESSAGES = 32  # dropped in one pump tick: a flood under made-up tags is going on
+_FLOOD_UNPROVEN_S = 0.5  # then connections unproven for longer than this are closed
 
 
 class _Unproven(Exception):

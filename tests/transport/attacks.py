@@ -178,9 +178,10 @@ async def _unknown_tags(opts) -> dict:
         ch = await _dial()
         stop = time.monotonic() + seconds
         try:
-            while time.monotonic() < stop:
-                await asyncio.wait_for(ch._ep.send(buf, tag=secrets.randbits(63), force_tag=True), 1.0)
-                sent[0] += size
+            while time.monotonic() < stop:  # 64 sends in flight at a time: as fast as UCX takes them
+                await asyncio.wait_for(asyncio.gather(*(ch._ep.send(buf, tag=secrets.randbits(63), force_tag=True)
+                                                        for _ in range(64))), 2.0)
+                sent[0] += 64 * size
         except Exception:
             pass
         await ch.close()
@@ -341,12 +342,13 @@ class Monitor(threading.Thread):
         self.join(2)
 
 
-def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: float = 2.0) -> dict:
+def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: float = 2.0, **over) -> dict:
     """Producer, attacks, then the legitimate consumer; what the producer paid and what the
     consumer got. Raises AssertionError (with the processes' words) where a process failed."""
     knobs = {k: (v * scale if k in ("connections", "heartbeats", "wants") else v) for k, v in SMALL.items()}
     if scale > 1:
         knobs["wants"] = max(knobs["wants"], 65536)
+    knobs.update(over)
     prod = harness.producer(requests=REQUESTS, handshake_timeout_s=handshake_timeout_s, peer_timeout_s=120.0,
                             linger_s=0.5, max_wants_per_peer=SMALL_WANTS_PER_PEER if scale == 1 else 4096)
     try:
@@ -400,12 +402,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", type=int, default=8, help="multiplies connections, heartbeats and wants (default 8)")
     ap.add_argument("--attack", action="append", choices=ATTACKS, help="run only these (default: every one)")
+    ap.add_argument("--tag-bytes", type=int, default=SMALL["tag_bytes"], help="unknown_tags: bytes per message")
+    ap.add_argument("--tag-seconds", type=float, default=SMALL["tag_seconds"], help="unknown_tags: how long each sends")
+    ap.add_argument("--tag-connections", type=int, help="unknown_tags: connections (default: 8 x scale)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rows = []
     for name in args.attack or ATTACKS:
         t0 = time.monotonic()
-        r = run([name], scale=args.scale)
+        over = {"tag_bytes": args.tag_bytes, "tag_seconds": args.tag_seconds}
+        if name == "unknown_tags" and args.tag_connections:
+            over["connections"] = args.tag_connections
+        r = run([name], scale=args.scale, handshake_timeout_s=max(2.0, args.tag_seconds + 1), **over)
         r["wall_s"] = time.monotonic() - t0
         rows.append((name, r))
         if args.json:

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 
 
@@ -70,9 +71,11 @@ def main() -> int:
 
     cmd = json.loads(sys.stdin.readline())
     role = cmd["role"]
-    # Every rank proves one shared secret, read from the environment as a deployment would.
-    os.environ["HYBRIDKV_TEST_SECRET"] = "rank-peers-shared-secret-0123456789"
-    extra = {"tp_rank": cmd["rank"], "kv_lease_duration": 60, "secret_env": "HYBRIDKV_TEST_SECRET"}
+    # Every rank proves one shared secret, read from a file as a deployment would (each rank its own copy).
+    secret_file = os.path.join(tempfile.mkdtemp(prefix="hkv-rank-peer-"), "secret")
+    with open(secret_file, "w") as f:
+        f.write("rank-peers-shared-secret-0123456789\n")
+    extra = {"tp_rank": cmd["rank"], "kv_lease_duration": 60, "secret_file": secret_file}
     if role == "producer":
         extra["side_channel_port"] = cmd["port"]
     vc = h.make_vllm_config(role="kv_producer" if role == "producer" else "kv_consumer", tp=cmd["tp"],
