@@ -201,9 +201,9 @@ class Producer(_Side):
 
     def _on_message(self, peer: _Peer, msg: wire.Message) -> None:
         if isinstance(msg, wire.Heartbeat):
-            if peer.renewing:
-                # The answers to its last renewal are still going out: a consumer renews every
-                # lease/6 s, so this is a flood: dropped, never queued.
+            if len(peer.lease_replies) >= _MAX_LEASE_BATCHES:
+                # Its earlier renewals are still being answered: a consumer renews every lease/6 s
+                # (in batches of up to 1,024 ids), so this is a flood: dropped, not queued.
                 self.stats.rejected += 1
                 return
             leases = []
@@ -215,8 +215,10 @@ class Producer(_Side):
                 lease = self.scheduler.heartbeat(t.request_id) if ok else None
                 left = 0.0 if lease is None else max(0.0, lease.deadline - self.scheduler.leases.now())
                 leases.append(wire.Lease(request_id=t.request_id, lease_s=left))
-            peer.renewing = True
-            asyncio.ensure_future(self._send_leases(peer, leases))
+            peer.lease_replies.append(leases)
+            if not peer.renewing:
+                peer.renewing = True  # one task per peer sends every batch, never one per id
+                asyncio.ensure_future(self._send_leases(peer))
         elif isinstance(msg, wire.Want):
             self._on_want(peer, msg)
         elif isinstance(msg, wire.Import):
@@ -245,14 +247,18 @@ class Producer(_Side):
         else:
             self.stats.rejected += 1
 
-    async def _send_leases(self, peer: _Peer, leases: list[wire.Lease]) -> None:
+    async def _send_leases(self, peer: _Peer) -> None:
         try:
-            for lease in leases:
-                await peer.channel.send(lease)
+            while peer.lease_replies and peer.alive:
+                for lease in peer.lease_replies[0]:
+                    await peer.channel.send(lease)
+                peer.lease_replies.pop(0)
         except PeerLost:
             self._peer_lost(peer)
         finally:
             peer.renewing = False
+            if not peer.alive:
+                peer.lease_replies.clear()
 
     def _on_want(self, peer: _Peer, msg: wire.Want) -> None:
         rid = msg.request_id
@@ -526,6 +532,7 @@ _REMEMBER = 1 << 16
 
 
 _REFUSED = "refused"  # all an unauthenticated peer is told
+_MAX_LEASE_BATCHES = 8  # Heartbeats per peer whose Lease replies may wait to be sent (8,192 ids)
 _FLOOD_MESSAGES = 32  # dropped in one pump tick: a flood under made-up tags is going on
 _FLOOD_UNPROVEN_S = 0.5  # then connections unproven for longer than this are closed
 

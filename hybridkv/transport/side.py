@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, PeerLost
@@ -36,7 +36,10 @@ class _Peer:
     lease_s: float
     alive: bool = True
     wants: int = 0  # producer: this peer's Wants waiting for their export
-    renewing: bool = False  # producer: the Lease replies to this peer's last Heartbeat are still being sent
+    # producer: Lease replies to this peer's Heartbeats not yet sent (one batch per Heartbeat), and
+    # whether a task is sending them
+    lease_replies: list = field(default_factory=list)
+    renewing: bool = False
 
 
 def _rid_of(notif: bytes) -> str | None:

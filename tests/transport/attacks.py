@@ -405,12 +405,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tag-bytes", type=int, default=SMALL["tag_bytes"], help="unknown_tags: bytes per message")
     ap.add_argument("--tag-seconds", type=float, default=SMALL["tag_seconds"], help="unknown_tags: how long each sends")
     ap.add_argument("--tag-connections", type=int, help="unknown_tags: connections (default: 8 x scale)")
+    ap.add_argument("--hold-s", type=float, default=SMALL["hold_s"], help="raw_tcp: how long the connections stay open")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rows = []
     for name in args.attack or ATTACKS:
         t0 = time.monotonic()
-        over = {"tag_bytes": args.tag_bytes, "tag_seconds": args.tag_seconds}
+        over = {"tag_bytes": args.tag_bytes, "tag_seconds": args.tag_seconds, "hold_s": args.hold_s}
         if name == "unknown_tags" and args.tag_connections:
             over["connections"] = args.tag_connections
         r = run([name], scale=args.scale, handshake_timeout_s=max(2.0, args.tag_seconds + 1), **over)
