@@ -75,11 +75,16 @@ class TransportConfig:
     max_handshakes: int = 64
     max_wants_per_peer: int = 4096
     max_wants: int = 65536
+    # Producer: a TCP connection to the listener's port that has not become a control channel after
+    # this long (a raw socket UCX accepted and waits on for ever) is shut down.
+    idle_connection_s: float = 10.0
     dataplane: DataPlaneConfig = DataPlaneConfig()
 
     def __post_init__(self) -> None:
         if self.secret is not None:
             auth.check_secret(self.secret, "TransportConfig.secret")
+        if not isinstance(self.idle_connection_s, (int, float)) or not self.idle_connection_s > 0:
+            raise ValueError(f"TransportConfig.idle_connection_s = {self.idle_connection_s!r}; expected seconds > 0")
         for key in ("max_handshakes", "max_wants_per_peer", "max_wants"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -118,6 +123,7 @@ class Stats:
     cut_off: int = 0  # peers disconnected for flooding (Wants past their share, renewals faster than answered)
     forbidden: int = 0  # messages naming a request with a token that is not its capability (of `rejected`)
     drained: int = 0  # queued UCX messages nobody would receive, discarded
+    swept: int = 0  # TCP connections to the listener port shut down for never becoming a channel
     rejected: int = 0  # messages refused (malformed, unexported blocks)
     timed_out: int = 0  # transfers abandoned past their lease or the transfer timeout
 

@@ -65,6 +65,8 @@ class Channel:
         self._tag = _recv_tag(endpoint)
         if self._tag is not None:
             _LIVE_TAGS.add(self._tag)
+        # The connection UCX accepted for it: StrayConnections leaves it alone.
+        self.peer = remote_sockaddr(endpoint) if hasattr(endpoint, "ucp_endpoint") else None
 
     async def send(self, msg: wire.Message) -> None:
         data = wire.encode(msg)
@@ -200,6 +202,12 @@ def _ucp_ep_query():
 
 def remote_address(ep) -> str | None:
     """The peer's IP address as UCX sees it, or None where it cannot be read."""
+    peer = remote_sockaddr(ep)
+    return None if peer is None else peer[0]
+
+
+def remote_sockaddr(ep) -> tuple[str, int] | None:
+    """The peer's (IP address, port) of the connection UCX accepted, or None where it cannot be read."""
     try:
         query = _ucp_ep_query()
         handle = int(ep.ucp_endpoint)
@@ -211,11 +219,88 @@ def remote_address(ep) -> str | None:
         return None
     raw = bytes(buf[_REMOTE_SOCKADDR_OFFSET:_REMOTE_SOCKADDR_OFFSET + 128])
     family = struct.unpack_from("=H", raw, 0)[0]
+    port = struct.unpack_from("!H", raw, 2)[0]
     if family == socket.AF_INET:
-        return socket.inet_ntop(socket.AF_INET, raw[4:8])
+        return socket.inet_ntop(socket.AF_INET, raw[4:8]), port
     if family == socket.AF_INET6:
-        return socket.inet_ntop(socket.AF_INET6, raw[8:24])
+        return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
     return None
+
+
+class StrayConnections:
+    """Shuts down TCP connections to the listener's port that never became a channel.
+
+    UCX accepts every TCP connection on the listener's port itself and waits, with no timeout, for
+    a UCX connection request on it: a raw connection that never sends one (or sends garbage and
+    stays) holds a file descriptor for as long as its peer keeps it open, below anything hybridkv
+    sees. Linux only: the listener's established connections are read from /proc; each whose peer
+    is not a live channel's (``remote_sockaddr``) for ``idle_s`` is shut down (``shutdown(2)`` on a
+    duplicate of UCX's fd, which UCX then sees end and closes). Nothing is swept while some live
+    channel's address cannot be read (it could not be told apart from a stray one).
+    """
+
+    def __init__(self, port: int, *, idle_s: float) -> None:
+        self.port, self.idle_s = port, idle_s
+        self._seen: dict[int, float] = {}  # socket inode -> first seen stray
+
+    def __call__(self, live: set[tuple[str, int] | None]) -> int:
+        """Connections shut down now."""
+        if None in live or not os.path.isdir("/proc/self/fd"):
+            return 0
+        fds: dict[int, int] = {}  # socket inode -> fd
+        try:
+            for name in os.listdir("/proc/self/fd"):
+                try:
+                    target = os.readlink(f"/proc/self/fd/{name}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    fds[int(target[8:-1])] = int(name)
+        except OSError:
+            return 0
+        now, swept, strays = time.monotonic(), 0, set()
+        for inode, peer in _established(self.port):
+            if inode not in fds or peer in live or _mapped(peer) in live:
+                continue
+            strays.add(inode)
+            first = self._seen.setdefault(inode, now)
+            if now - first < self.idle_s:
+                continue
+            try:
+                with socket.socket(fileno=os.dup(fds[inode])) as s:
+                    s.shutdown(socket.SHUT_RDWR)
+                swept += 1
+            except OSError:
+                pass
+        self._seen = {i: t for i, t in self._seen.items() if i in strays}
+        return swept
+
+
+def _mapped(peer: tuple[str, int]) -> tuple[str, int]:
+    """An IPv4 peer as a dual-stack socket names it, or the other way round."""
+    ip, port = peer
+    return (ip[7:], port) if ip.startswith("::ffff:") else (f"::ffff:{ip}", port)
+
+
+def _established(port: int):
+    """(inode, (peer ip, peer port)) of this process's namespace's established TCP connections on local ``port``."""
+    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            with open(path) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) < 10 or cols[3] != "01":  # TCP_ESTABLISHED
+                continue
+            local, remote = cols[1].split(":"), cols[2].split(":")
+            if int(local[1], 16) != port:
+                continue
+            raw = bytes.fromhex(remote[0])
+            # /proc prints the address as 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            yield int(cols[9]), (socket.inet_ntop(family, raw), int(remote[1], 16))
 
 
 async def dial(host: str, port: int, timeout_s: float) -> Channel:

@@ -74,6 +74,9 @@ class Producer(_Side):
         self._handshaking = 0
         self._unproven: dict[control.Channel, float] = {}  # channels in their handshake -> when they opened
         self._drain = control.Drainer()
+        self._channels: set[control.Channel] = set()  # every control channel open now
+        self._strays: control.StrayConnections | None = None
+        self._next_sweep = 0.0
 
     def describe(self) -> dict:
         return {**super().describe(),
@@ -85,6 +88,7 @@ class Producer(_Side):
         self._warn_if_open(f"listening on port {self.config.port or '(any)'}")
         self._listener = control.listen(self._accept, self.config.port, allow=self.config.allowlist,
                                         on_refused=self._refused_peer)
+        self._strays = control.StrayConnections(int(self._listener.port), idle_s=self.config.idle_connection_s)
         self._start_pump()
         return self.config.host, int(self._listener.port)
 
@@ -97,6 +101,13 @@ class Producer(_Side):
         await asyncio.wait_for(self._connected.wait(), timeout_s)
 
     async def _accept(self, ch: control.Channel) -> None:
+        self._channels.add(ch)
+        try:
+            await self._accept_channel(ch)
+        finally:
+            self._channels.discard(ch)
+
+    async def _accept_channel(self, ch: control.Channel) -> None:
         if self._handshaking >= self.config.max_handshakes:
             # A flood of connections that never finish the handshake: each costs a task and a UCX
             # endpoint until its timeout, so past the bound a new one is closed unread.
@@ -433,6 +444,10 @@ class Producer(_Side):
         return await rec.done
 
     def _drain_queued(self) -> None:
+        now = time.monotonic()
+        if self._strays is not None and now >= self._next_sweep:
+            self._next_sweep = now + min(1.0, self.config.idle_connection_s / 2)
+            self.stats.swept += self._strays({ch.peer for ch in self._channels})
         dropped = self._drain()
         self.stats.drained += dropped
         if dropped < _FLOOD_MESSAGES:

@@ -201,9 +201,17 @@ async def _raw_tcp(opts) -> dict:
         except OSError:
             break
     await asyncio.sleep(hold)
-    for s in socks:
+    ended = 0
+    for s in socks:  # did the producer's side end the connection while we held it open?
+        s.setblocking(False)
+        try:
+            ended += s.recv(1 << 16) == b""
+        except BlockingIOError:
+            pass
+        except OSError:
+            ended += 1
         s.close()
-    return {"connections": len(socks)}
+    return {"connections": len(socks), "ended_by_producer": ended}
 
 
 async def _authenticated():
@@ -342,7 +350,8 @@ class Monitor(threading.Thread):
         self.join(2)
 
 
-def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: float = 2.0, **over) -> dict:
+def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: float = 2.0,
+        idle_connection_s: float = 0.5, **over) -> dict:
     """Producer, attacks, then the legitimate consumer; what the producer paid and what the
     consumer got. Raises AssertionError (with the processes' words) where a process failed."""
     knobs = {k: (v * scale if k in ("connections", "heartbeats", "wants") else v) for k, v in SMALL.items()}
@@ -350,7 +359,8 @@ def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: 
         knobs["wants"] = max(knobs["wants"], 65536)
     knobs.update(over)
     prod = harness.producer(requests=REQUESTS, handshake_timeout_s=handshake_timeout_s, peer_timeout_s=120.0,
-                            linger_s=0.5, max_wants_per_peer=SMALL_WANTS_PER_PEER if scale == 1 else 4096)
+                            linger_s=0.5, max_wants_per_peer=SMALL_WANTS_PER_PEER if scale == 1 else 4096,
+                            idle_connection_s=idle_connection_s)
     try:
         host, port, pid = prod.expect("addr")
         mon = Monitor(pid)

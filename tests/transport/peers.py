@@ -152,7 +152,8 @@ async def _producer(opts, out, inbox):
     cfg = TransportConfig(mode=wire.Mode[opts.get("mode", "PULL")],
                           allowed_peers=tuple(opts.get("allowed_peers", ())), secret=opts.get("secret", SECRET),
                           handshake_timeout_s=opts.get("handshake_timeout_s", 5.0),
-                          max_wants_per_peer=opts.get("max_wants_per_peer", 4096))
+                          max_wants_per_peer=opts.get("max_wants_per_peer", 4096),
+                          idle_connection_s=opts.get("idle_connection_s", 10.0))
     prod = Producer(memory, sched, cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
     host, port = await prod.start()
     out.put(("addr", (host, port, os.getpid())))

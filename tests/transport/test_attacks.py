@@ -25,6 +25,9 @@ def test_every_attack_class_costs_the_attacker_not_the_producer():
     assert a["forged_hello"]["said"] == [REFUSED, "Auth", REFUSED]  # the producer's Auth carries no metadata
     assert a["big_frames"]["said"] == [REFUSED]
     assert stats["unauthenticated"] >= 3 + a["big_frames"]["connections"]
+    # Raw TCP connections that never became a channel were ended by the producer while held open.
+    raw = a["raw_tcp"]
+    assert raw["ended_by_producer"] == raw["connections"] > 0 and stats["swept"] >= raw["connections"], raw
     # Messages under tags nobody receives were drained, not kept.
     assert a["unknown_tags"]["sent_mb"] > 0 and stats["drained"] > 0
     # An insider without the request's token: renewals say "gone" for a live id and an unknown one
