@@ -103,9 +103,18 @@ class Consumer(_Side):
                                                f"({'no proof' if not reply.proof else 'a wrong proof'}); expected "
                                                "a producer configured with the same TransportConfig.secret")
                     proof = auth.consumer_proof(secret, nonce, reply.nonce) if secret is not None else b""
-                    await ch.send(wire.Auth(nonce=b"", proof=proof))
-                    await ch.send(self.hello())
-                    reply = await ch.recv()
+                    try:
+                        await ch.send(wire.Auth(nonce=b"", proof=proof))
+                        await ch.send(self.hello())
+                    except PeerLost as lost:
+                        # A producer that refused our proof closes at once: its Refuse may be
+                        # here before our Hello could leave, and says more than the reset.
+                        try:
+                            reply = await ch.recv(limit=wire.MAX_PREAUTH_BYTES)
+                        except (PeerLost, wire.WireError):
+                            raise lost from None
+                    else:
+                        reply = await ch.recv()
         except (asyncio.TimeoutError, TimeoutError) as exc:
             if ch is not None:
                 await ch.close()

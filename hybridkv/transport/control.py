@@ -119,7 +119,7 @@ class Drainer:
     the loop), and in normal operation nothing under an unknown tag is ever queued at all.
     """
 
-    def __init__(self, *, grace_s: float = 0.25, budget: int = 4096, max_pending: int = 1024) -> None:
+    def __init__(self, *, grace_s: float = 0.1, budget: int = 4096, max_pending: int = 1024) -> None:
         self.grace_s, self.budget, self.max_pending = grace_s, budget, max_pending
         self._since: float | None = None
         self._pending: list[tuple] = []  # (request, Array, buffer): kept alive until UCX is done with them

@@ -12,16 +12,16 @@ import asyncio
 import dataclasses
 import hmac
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hybridkv import wire
-from hybridkv.errors import HandshakeRefused, PeerLost, ProtocolViolation
+from hybridkv.errors import PeerLost
 from hybridkv.fencing import NotYet
 from hybridkv.transport import auth, control
+from hybridkv.transport.admission import _Admission
 from hybridkv.transport.config import Outcome, Result, TransportConfig
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.memory import MemoryMap
@@ -50,7 +50,7 @@ class _Export:
         return next(iter(self.claims.values())) if len(self.claims) == 1 else None
 
 
-class Producer(_Side):
+class Producer(_Admission, _Side):
     """Prefill side: exports finished requests to connected consumers."""
 
     role = wire.Role.PRODUCER
@@ -71,12 +71,7 @@ class Producer(_Side):
         # token each asker holds; bounded per peer and in total (TransportConfig.max_wants*).
         self._wants: dict[str, list[tuple[_Peer, int, bytes]]] = {}
         self._want_count = 0
-        self._handshaking = 0
-        self._unproven: dict[control.Channel, float] = {}  # channels in their handshake -> when they opened
-        self._drain = control.Drainer()
-        self._channels: set[control.Channel] = set()  # every control channel open now
-        self._strays: control.StrayConnections | None = None
-        self._next_sweep = 0.0
+        self._init_admission()
 
     def describe(self) -> dict:
         return {**super().describe(),
@@ -99,108 +94,6 @@ class Producer(_Side):
 
     async def wait_peer(self, timeout_s: float) -> None:
         await asyncio.wait_for(self._connected.wait(), timeout_s)
-
-    async def _accept(self, ch: control.Channel) -> None:
-        self._channels.add(ch)
-        try:
-            await self._accept_channel(ch)
-        finally:
-            self._channels.discard(ch)
-
-    async def _accept_channel(self, ch: control.Channel) -> None:
-        if self._handshaking >= self.config.max_handshakes:
-            # A flood of connections that never finish the handshake: each costs a task and a UCX
-            # endpoint until its timeout, so past the bound a new one is closed unread.
-            self.stats.refused += 1
-            self.stats.unauthenticated += 1
-            await ch.close()
-            return
-        self._handshaking += 1
-        self._unproven[ch] = time.monotonic()
-        proven: list[bool] = []  # the handshake appends once the peer proved the secret
-        try:
-            got = await asyncio.wait_for(self._handshake(ch, proven), self.config.handshake_timeout_s)
-        except asyncio.TimeoutError:
-            self.stats.unauthenticated += not proven
-            log.info("refused a control connection: no handshake within %s s", self.config.handshake_timeout_s)
-            got = None
-        except _Unproven as exc:
-            self.stats.unauthenticated += 1
-            got = None
-            log.info("refused a control connection before authentication: %s", exc)
-        except HandshakeRefused as exc:
-            if self.config.secret is None:
-                # Unauthenticated peers learn nothing of ours: the differences are logged here only.
-                log.warning("refused a consumer's handshake: %s", exc)
-                exc = HandshakeRefused(_REFUSED)
-            got = exc
-        except (PeerLost, ProtocolViolation, wire.WireError) as exc:
-            log.info("refused a control connection: handshake failed: %s", exc)
-            got = None
-        except Exception as exc:  # nothing a peer sends may end the listener's task with a traceback
-            log.warning("refused a control connection: handshake failed: %s: %s", type(exc).__name__, exc)
-            got = None
-        finally:
-            self._handshaking -= 1
-            self._unproven.pop(ch, None)
-        if not isinstance(got, tuple):
-            self.stats.refused += 1
-            reason, diffs = (str(got), got.differences) if isinstance(got, HandshakeRefused) else (_REFUSED, ())
-            await _send_quietly(ch, wire.Refuse(reason=reason[: wire.MAX_TEXT], differences=diffs))
-            await ch.close()
-            return
-        msg, remote = got
-        peer = _Peer(agent=msg.agent, channel=ch, memory=remote, lease_s=msg.lease_s)
-        self.peers[peer.agent] = peer
-        try:
-            await ch.send(self.hello())
-        except PeerLost:
-            self._peer_lost(peer)
-            return
-        self._connected.set()
-        await self._serve(peer)
-
-    async def _handshake(self, ch: control.Channel, proven: list) -> tuple[wire.Hello, MemoryMap]:
-        """Auth both ways, then the consumer's Hello; its NIXL agent is added only once both
-        held. Raises _Unproven (the peer learns "refused"), HandshakeRefused (an authenticated
-        peer learns what differs) or a transport error."""
-        secret = self.config.secret
-        knock = await _recv_unproven(ch)
-        if not isinstance(knock, wire.Auth) or len(knock.nonce) != wire.NONCE_BYTES:
-            raise _Unproven(f"first message is {type(knock).__name__}; expected Auth with a nonce")
-        nonce = auth.new_nonce()
-        proof = auth.producer_proof(secret, knock.nonce, nonce) if secret is not None else b""
-        await ch.send(wire.Auth(nonce=nonce, proof=proof))
-        answer = await _recv_unproven(ch)
-        if not isinstance(answer, wire.Auth):
-            raise _Unproven(f"second message is {type(answer).__name__}; expected Auth")
-        if secret is not None and not auth.proven(auth.consumer_proof(secret, knock.nonce, nonce), answer.proof):
-            raise _Unproven("the peer did not prove the shared secret")
-        proven.append(True)
-        self._unproven.pop(ch, None)
-        msg = await ch.recv()
-        if not isinstance(msg, wire.Hello):
-            raise ProtocolViolation(f"message after Auth is {type(msg).__name__}; expected Hello")
-        remote = self.check_hello(msg)
-        if msg.agent in self.peers or msg.agent == self.dp.name:
-            raise HandshakeRefused("a peer of that NIXL agent name is already connected", [
-                wire.Difference(field="agent", local=None, remote=msg.agent)])
-        try:
-            agent = self.dp.add_peer(msg.metadata, remote)
-        except Exception as exc:  # NIXL refused the metadata (forged, or of another build)
-            raise HandshakeRefused(f"NIXL refused the peer's metadata: {type(exc).__name__}") from exc
-        if agent != msg.agent:
-            if agent not in self.peers:
-                self._drop_agent(agent)
-            raise HandshakeRefused("the peer's NIXL metadata names another agent than its Hello", [
-                wire.Difference(field="agent", local=agent, remote=msg.agent)])
-        return msg, remote
-
-    def _drop_agent(self, agent: str) -> None:
-        try:
-            self.dp.remove_peer(agent)
-        except Exception:
-            pass
 
     async def _serve(self, peer: _Peer) -> None:
         while not self._closing:
@@ -443,26 +336,6 @@ class Producer(_Side):
                 self.stats.forbidden += 1  # asked with a guessed token: no answer
         return await rec.done
 
-    def _drain_queued(self) -> None:
-        now = time.monotonic()
-        if self._strays is not None and now >= self._next_sweep:
-            self._next_sweep = now + min(1.0, self.config.idle_connection_s / 2)
-            self.stats.swept += self._strays({ch.peer for ch in self._channels})
-        dropped = self._drain()
-        self.stats.drained += dropped
-        if dropped < _FLOOD_MESSAGES:
-            return  # a closed channel's leftovers, not a flood
-        # Messages under made-up tags come from a peer that bypasses the channel; UCX cannot say
-        # which, and its buffers grow faster than they drain. A consumer proves the secret within
-        # milliseconds of connecting, so a connection still unproven this long into a flood is
-        # closed: the flood costs the flooder its connection.
-        now = time.monotonic()
-        for ch, opened in list(self._unproven.items()):
-            if now - opened > _FLOOD_UNPROVEN_S:
-                del self._unproven[ch]
-                self.stats.cut_off += 1
-                asyncio.ensure_future(ch.close())
-
     def _on_notif(self, agent: str, msg: bytes) -> None:
         rid = _rid_of(msg)
         seen = f"{agent}\0{rid}"
@@ -544,23 +417,7 @@ class Producer(_Side):
 
 
 _REMEMBER = 1 << 16
-
-
-_REFUSED = "refused"  # all an unauthenticated peer is told
 _MAX_LEASE_BATCHES = 8  # Heartbeats per peer whose Lease replies may wait to be sent (8,192 ids)
-_FLOOD_MESSAGES = 32  # dropped in one pump tick: a flood under made-up tags is going on
-_FLOOD_UNPROVEN_S = 0.5  # then connections unproven for longer than this are closed
-
-
-class _Unproven(Exception):
-    """The peer did not authenticate: it is told "refused" and nothing more."""
-
-
-async def _recv_unproven(ch: control.Channel) -> wire.Message:
-    try:
-        return await ch.recv(limit=wire.MAX_PREAUTH_BYTES)
-    except wire.WireError as exc:  # a long frame or garbage before any proof
-        raise _Unproven(str(exc)) from None
 
 
 def _remember(seen: OrderedDict, rid: str, value=None) -> None:

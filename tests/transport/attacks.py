@@ -41,7 +41,7 @@ ATTACKS = ("no_secret", "forged_hello", "big_frames", "unknown_tags", "raw_tcp",
 REQUESTS = [("r-legit", 200, False), ("r-legit2", 60, True)]
 
 #: per attack, at scale 1 (CI); the table multiplies the counts by --scale
-SMALL = {"connections": 8, "tag_seconds": 1.5, "tag_bytes": 4096, "heartbeats": 40, "wants": 600, "hold_s": 1.0}
+SMALL = {"connections": 8, "tag_seconds": 1.5, "tag_bytes": 4096, "heartbeats": 40, "wants": 600, "hold_s": 3.0}
 #: the producer's Want bound per peer at scale 1 (its default, 4096, at larger scales)
 SMALL_WANTS_PER_PEER = 256
 
@@ -351,7 +351,7 @@ class Monitor(threading.Thread):
 
 
 def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: float = 2.0,
-        idle_connection_s: float = 0.5, **over) -> dict:
+        idle_connection_s: float = 1.5, **over) -> dict:
     """Producer, attacks, then the legitimate consumer; what the producer paid and what the
     consumer got. Raises AssertionError (with the processes' words) where a process failed."""
     knobs = {k: (v * scale if k in ("connections", "heartbeats", "wants") else v) for k, v in SMALL.items()}
