@@ -14,6 +14,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import secrets
 import signal
 import statistics
 import threading
@@ -240,15 +241,18 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
         if Fault.LATE_COMPLETION in o.inject else ()
     late_s = 1.25 * o.lease_s if late_rids else 0.0
     ctx = mp.get_context("spawn")
+    # The workers authenticate each other with a secret of this run, handed over through the spawn.
+    secret = secrets.token_bytes(32)
     t_start = time.perf_counter()
-    prefill = _Worker(ctx, "prefill", o)
+    prefill = _Worker(ctx, "prefill", o, secret=secret)
     addr = prefill.expect("addr", _left(run_deadline))
     if Fault.STALL_PREFILL in o.inject:  # a real stall of the whole prefill process, during the handshake
         os.kill(prefill.proc.pid, signal.SIGSTOP)
         threading.Timer(STALL_PREFILL_S, os.kill, (prefill.proc.pid, signal.SIGCONT)).start()
 
     def start_decode() -> _Worker:
-        d = _Worker(ctx, "decode", o, fail_rids=fail_rids, late_completion_s=late_s, late_rids=late_rids)
+        d = _Worker(ctx, "decode", o, fail_rids=fail_rids, late_completion_s=late_s, late_rids=late_rids,
+                    secret=secret)
         send(d.conn, {"op": "connect", "host": addr["host"], "port": addr["port"]})
         d.expect("connected", _left(run_deadline))
         return d
@@ -285,8 +289,9 @@ def run_demo(o: DemoOptions, progress=None) -> Report:
                     ttft.setdefault(rid, time.perf_counter() - sent_at[rid])
                     prompt, n = by_rid[rid]
                     # Decode imports what prefill exported: the prefill's id names the export.
+                    # With the request's capability, as a P/D proxy forwards kv_transfer_params.
                     send(decode.conn, {"op": "req", "rid": msg["rid"], "prompt": prompt, "max_tokens": n,
-                                       "first_token": msg["token"]})
+                                       "first_token": msg["token"], "capability": msg["capability"]})
                     at_decode.add(rid)
                 elif op == "exported":
                     exported[msg["rid"]] = msg

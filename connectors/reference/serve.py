@@ -33,6 +33,7 @@ class WorkerOptions:
     lease_s: float = 30.0
     model: str = "tiny"
     device: str = "cpu"                   # "cuda:N": model, KV pages and GDN states in that GPU's memory
+    secret: bytes | None = None            # both workers prove it in the handshake (a fresh one per run)
 
 
 def send(conn, msg: dict) -> None:
@@ -88,7 +89,10 @@ async def _worker(conn, o: WorkerOptions) -> None:
                        cache=CacheConfig(attention_blocks=o.attention_blocks, state_slots=o.state_slots))
     model = TinyHybridModel(model_config(o.model, seed=o.model_seed), device=o.device)
     results: dict[str, dict] = {}
-    tcfg = TransportConfig(failure_policy=FailurePolicy(o.failure_policy))
+    from hybridkv.transport.auth import new_token
+
+    tcfg = TransportConfig(failure_policy=FailurePolicy(o.failure_policy), secret=o.secret)
+    capabilities: dict[str, bytes] = {}  # decode: each request's token, from the router
     planner = DescriptorPlanner(pairing=Pairing.PAGES)  # both instances cut pages alike
     engine: Engine | None = None
 
@@ -122,9 +126,11 @@ async def _worker(conn, o: WorkerOptions) -> None:
             sched = engine.sched
             while sched.has_request(rid) and isinstance(sched.export_ready(rid), NotYet):
                 await asyncio.sleep(0.0005)
-            send(conn, {"op": "first", "rid": rid, "token": first_tokens.pop(rid), "t": time.time()})
+            token = new_token()  # the request's capability: only the decode worker it is handed to reads it
+            send(conn, {"op": "first", "rid": rid, "token": first_tokens.pop(rid), "t": time.time(),
+                        "capability": token.hex()})
             # The request goes to whichever consumer asks for it (a restarted one included).
-            result = await holder["p"].export(rid)
+            result = await holder["p"].export(rid, token=token)
             results[rid] = {"outcome": result.outcome.value, "error": result.error}
             send(conn, {"op": "exported", "rid": rid, "outcome": result.outcome.value, "error": result.error,
                         "checksums": await engine.wait_for(engine.requests[rid].export_check)})
@@ -153,9 +159,10 @@ async def _worker(conn, o: WorkerOptions) -> None:
 
         async def fetcher(rid: str, comps):
             error = await connected()
+            token = capabilities.pop(rid)
             if error is not None:
                 return cons.give_up(rid, comps, f"no handshake with the producer: {error}")
-            return await cons.fetch(rid, comps)
+            return await cons.fetch(rid, comps, token=token)
 
         engine = Engine(model, cfg, fetcher=fetcher, on_finished=finished)
         cons = _FaultyConsumer(from_layout(engine.cache.layout), engine.sched, tcfg, planner=planner,
@@ -171,6 +178,8 @@ async def _worker(conn, o: WorkerOptions) -> None:
         while conn.poll():
             msg = recv(conn)
             if msg["op"] == "req":
+                if "capability" in msg:
+                    capabilities[msg["rid"]] = bytes.fromhex(msg["capability"])
                 engine.submit(msg["rid"], msg["prompt"], msg["max_tokens"], first_token=msg.get("first_token"))
             elif msg["op"] == "stop":
                 stop = True

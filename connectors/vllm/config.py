@@ -46,6 +46,12 @@ class HybridKVVllmConfig:
     ``allowed_peers`` (list of str, or one comma-separated str; ``()``)
         Prefill side: addresses or CIDR networks that may open a control channel. The listener is
         open on every interface (ucxx 0.52), so this keeps other networks out. Empty: any peer.
+    ``secret_file`` (str path or null, ``null``) / ``secret_env`` (str or null, ``null``)
+        Where the shared secret both sides prove in the handshake is read from: a file, or the
+        environment variable of that name (at most one of the two; the secret itself never goes in
+        this config, which travels on a command line). Read once at start-up; unreadable, unset or
+        shorter than 16 bytes fails there, naming the key. Neither: unauthenticated (a warning
+        at start-up); see the README's "Security".
     ``tp_rank`` (int or null, ``null``)
         This worker's TP rank, where vLLM's distributed group does not exist (a worker built
         outside vLLM's executor, as the tests do). Null: asked of vLLM, 0 without a group.
@@ -64,6 +70,8 @@ class HybridKVVllmConfig:
     kv_lease_duration: float = 30.0
     export_timeout_s: float = 30.0
     allowed_peers: tuple[str, ...] = ()
+    secret_file: str | None = None
+    secret_env: str | None = None
     tp_rank: int | None = None
     hybridkv_fence_policy: FencePolicy = FencePolicy.FENCED
 
@@ -84,10 +92,28 @@ class HybridKVVllmConfig:
                 PeerAllowlist.parse(self.allowed_peers)
             except ValueError as exc:
                 raise ValueError(f"kv_connector_extra_config['allowed_peers']: {exc}") from None
+        for key in ("secret_file", "secret_env"):
+            v = getattr(self, key)
+            _check(v is None or (isinstance(v, str) and v.strip() != ""), key, v, "null or a non-empty string")
+        if self.secret_file is not None and self.secret_env is not None:
+            raise ValueError("kv_connector_extra_config sets both 'secret_file' and 'secret_env'; expected at "
+                             "most one source of the shared secret")
         _check(self.tp_rank is None or (_is_int(self.tp_rank) and self.tp_rank >= 0),
                "tp_rank", self.tp_rank, "null or a non-negative int")
         _check(isinstance(self.hybridkv_fence_policy, FencePolicy), "hybridkv_fence_policy",
                self.hybridkv_fence_policy, "a FencePolicy")
+
+    def secret(self) -> bytes | None:
+        """The shared secret, read from its file or environment variable (None: unauthenticated)."""
+        if self.secret_file is None and self.secret_env is None:
+            return None
+        from hybridkv.transport.auth import load_secret
+
+        key = "secret_file" if self.secret_file is not None else "secret_env"
+        try:
+            return load_secret(file=self.secret_file, env=self.secret_env)
+        except ValueError as exc:
+            raise ValueError(f"kv_connector_extra_config[{key!r}]: {exc}") from None
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -114,6 +140,8 @@ class HybridKVVllmConfig:
             "kv_lease_duration": _seconds,
             "export_timeout_s": _seconds,
             "allowed_peers": _peers,
+            "secret_file": _optional_str,
+            "secret_env": _optional_str,
             "tp_rank": _optional_int,
             "hybridkv_fence_policy": _fence_policy,
         }
@@ -163,6 +191,11 @@ def _int(key: str, v: Any) -> int:
         return int(v)
     _check(_is_int(v), key, v, "an int")
     return v
+
+
+def _optional_str(key: str, v: Any) -> str | None:
+    _check(v is None or isinstance(v, str), key, v, "null or a string")
+    return None if v is None else v.strip()
 
 
 def _optional_int(key: str, v: Any) -> int | None:

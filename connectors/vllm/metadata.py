@@ -38,6 +38,9 @@ class HybridKVConnectorMetadata(KVConnectorMetadata):
     #: Prefill side: requests whose blocks every write has landed in (export rule):
     #: the worker may now serve reads of them.
     exports_ready: dict[str, BlockIds] = field(default_factory=dict)
+    #: Prefill side: the capability token of each request in ``exports_ready`` (the one
+    #: returned in its kv_transfer_params): readers must present it.
+    capabilities: dict[str, bytes] = field(default_factory=dict)
     #: Prefill side: requests whose export ended (read done, lease lapsed, abort).
     exports_ended: list[str] = field(default_factory=list)
     #: Decode side: requests queued since the last step: the worker asks their producer ranks

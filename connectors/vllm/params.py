@@ -10,13 +10,16 @@ and write exactly those keys so those routers work unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from connectors.vllm.addressing import RankAddress
 
-#: Keys that must all be present for a decode-side load.
-REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
+#: Keys that must all be present for a decode-side load. ``remote_capability`` is hybridkv's own:
+#: the request's capability token (hex), without which the producer serves no read of it.
+REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids",
+               "remote_capability")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +31,7 @@ class RemotePrefill:
     host: str
     port: int
     block_ids: tuple[tuple[int, ...], ...]
+    token: bytes = dataclasses.field(repr=False)
     tp_size: int = 1
     num_tokens: int = 0
     #: Every producer TP rank's address and incarnation (``remote_ranks``); empty in params of
@@ -61,6 +65,9 @@ class RemotePrefill:
         port = params["remote_port"]
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"remote_port = {port!r}; expected a TCP port")
+        from hybridkv.transport.auth import token_from_hex
+
+        token = token_from_hex(params["remote_capability"], "remote_capability")
         tp = params.get("tp_size", 1)
         if not isinstance(tp, int) or tp <= 0:
             raise ValueError(f"tp_size = {tp!r}; expected a positive int")
@@ -76,6 +83,7 @@ class RemotePrefill:
             host=str(params["remote_host"]),
             port=port,
             block_ids=tuple(groups),
+            token=token,
             tp_size=tp,
             num_tokens=int(params.get("remote_num_tokens") or 0),
             ranks=ranks,
@@ -103,6 +111,7 @@ def producer_params(
     num_tokens: int,
     lease_s: float,
     ranks: Sequence[RankAddress] = (),
+    token: bytes,
 ) -> dict[str, Any]:
     """What the prefill instance returns for the decode instance (NixlConnector's keys, plus
     ``remote_ranks``: every TP rank's [host, port, agent])."""
@@ -117,6 +126,7 @@ def producer_params(
         "tp_size": tp_size,
         "remote_num_tokens": num_tokens,
         "remote_lease_s": lease_s,
+        "remote_capability": token.hex(),
         "transfer_mode": "pull",
         "transfer_backend": "hybridkv",
         "remote_ranks": [a.to_json() for a in ranks],

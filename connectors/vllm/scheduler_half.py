@@ -32,6 +32,7 @@ from hybridkv.fencing.request_state import Component, RequestPhase, TransferOutc
 from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.ids import RequestId, TransferId
 from hybridkv.transport.metrics import MetricsSnapshot, TransferMetrics
+from hybridkv.transport.auth import new_token
 
 from connectors.vllm.addressing import RankAddress, listen_port, ranks_from_handshake, resolve_host
 from connectors.vllm.config import HybridKVVllmConfig
@@ -126,6 +127,7 @@ class SchedulerHalf:
         self._releases: dict[str, RemotePrefill] = {}  # to be told to the producer: we will not read them
         # prefill side
         self._exports: dict[str, BlockIds] = {}  # exporting, not yet offered to readers
+        self._capabilities: dict[str, bytes] = {}  # their tokens, until offered
         self._offered: set[str] = set()
         self._export_blocks: dict[str, list[int]] = {}
         self._ended: list[str] = []
@@ -278,7 +280,11 @@ class SchedulerHalf:
         self._exports[rid] = clipped
         self._export_blocks[rid] = [b for ids in clipped for b in ids]
         ranks = self.rank_addresses()
+        # Issued here, where kv_transfer_params are made: the decode instance the router hands
+        # them to presents it; no other peer can claim, renew or end the export.
+        token = self._capabilities[rid] = new_token()
         return True, producer_params(
+            token=token,
             engine_id=self.engine_id,
             request_id=rid,
             host=ranks[0].host,
@@ -348,6 +354,7 @@ class SchedulerHalf:
         for rid in list(self._exports):
             if not isinstance(self.ts.export_ready(RequestId(rid)), NotYet):
                 meta.exports_ready[rid] = self._exports.pop(rid)
+                meta.capabilities[rid] = self._capabilities.pop(rid)
                 self._offered.add(rid)
         for rid in self.ts.poll():
             self._export_released(rid)
@@ -422,6 +429,7 @@ class SchedulerHalf:
             sending.discard(rid)
             self._offered.discard(rid)
             self._exports.pop(rid, None)
+            self._capabilities.pop(rid, None)
             if self.ts.export_done(RequestId(rid)):
                 self._hold_until_reusable(rid, self._export_blocks.pop(rid, []))
                 self._ended.append(rid)
@@ -447,6 +455,7 @@ class SchedulerHalf:
         """A lapsed lease released the request's blocks inside hybridkv."""
         self.metrics.lease_expired()  # the scheduler's hold lapsed: the worker never reported the export ended
         self._exports.pop(rid, None)
+        self._capabilities.pop(rid, None)
         self._offered.discard(rid)
         self._ended.append(rid)
         self._hold_until_reusable(rid, self._export_blocks.pop(rid, []))

@@ -131,6 +131,7 @@ class WorkerHalf:
         self.lease_s = cfg.kv_lease_duration
         self.export_timeout_s = cfg.export_timeout_s
         self.allowed_peers = cfg.allowed_peers  # checked by the config: a bad entry fails at startup, named
+        self.secret = cfg.secret()  # read once, here: a missing file or variable fails at start-up, named
         self.transfer_groups = tuple(kv_cache_config.transfer_group_ids)
         comps: list[Component] = []
         for g in self.transfer_groups:
@@ -183,7 +184,8 @@ class WorkerHalf:
 
         # vLLM applies kv_load_failure_policy itself; the transport only reports.
         return TransportConfig(host=self.host, port=port, failure_policy=FailurePolicy.FAIL,
-                               export_timeout_s=self.export_timeout_s, allowed_peers=self.allowed_peers)
+                               export_timeout_s=self.export_timeout_s, allowed_peers=self.allowed_peers,
+                               secret=self.secret)
 
     @staticmethod
     def _planner():
@@ -231,7 +233,7 @@ class WorkerHalf:
         for order in meta.recvs:
             self._call(self._load(order))
         for rid, blocks in meta.exports_ready.items():
-            self._call(self._export(rid, blocks))
+            self._call(self._export(rid, blocks, meta.capabilities[rid]))
 
     async def _agent_for(self, address: RankAddress) -> str:
         """The producer agent at the address, dialled once (concurrent loads share the dial) and
@@ -296,7 +298,7 @@ class WorkerHalf:
         try:
             agents, readers = await self._producer_agents(remote)
             for agent in agents:
-                await self._consumer.want(remote.request_id, peer=agent, readers=readers)
+                await self._consumer.want(remote.request_id, token=remote.token, peer=agent, readers=readers)
         except Exception as exc:  # the load, when it comes, fails and says why
             log.debug("hybridkv: early ask for %s (remote %s) failed: %s", rid, remote.request_id, exc)
 
@@ -309,7 +311,7 @@ class WorkerHalf:
         try:
             agents, _ = await self._producer_agents(remote)
             for agent in agents:
-                await self._consumer.release(remote.request_id, peer=agent)
+                await self._consumer.release(remote.request_id, token=remote.token, peer=agent)
         except Exception as exc:  # the producer is gone: nothing of it to free
             log.debug("hybridkv: release of %s (remote %s) not delivered: %s", rid, remote.request_id, exc)
 
@@ -325,7 +327,8 @@ class WorkerHalf:
             self._ts.add_request(prid, expect=self.components)
             for g, ids in zip(self.transfer_groups, order.local_block_ids):
                 self._ts.assign(prid, g, ids)
-            result = await self._consumer.fetch(prid, self.components, peers=agents, readers=readers)
+            result = await self._consumer.fetch(prid, self.components, token=remote.token, peers=agents,
+                                                readers=readers)
             self.load_results[rid] = result
             ok, error = result.outcome is Outcome.READY, result.error
             if not ok and self._consumer.settling(prid):
@@ -348,7 +351,7 @@ class WorkerHalf:
             if not ok:
                 self._failed.add(rid)
 
-    async def _export(self, rid: str, blocks) -> None:
+    async def _export(self, rid: str, blocks, token: bytes) -> None:
         ts = self._ts
         try:
             ts.add_request(rid)
@@ -356,7 +359,7 @@ class WorkerHalf:
                 ts.assign(rid, g, ids)
             ts.request_finished(rid, export=True)
             # Whichever decode rank(s) ask for it (wire.Want) read it; the lease bounds the wait.
-            result = await self._producer.export(rid)
+            result = await self._producer.export(rid, token=token)
             log.debug("hybridkv export of %s: %s (%s)", rid, result.outcome.value, result.error)
         except Exception as exc:
             log.warning("hybridkv export of %s failed: %s", rid, exc)

@@ -31,6 +31,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -169,11 +170,11 @@ def _producer_main(args_d: dict, out: mp.Queue) -> None:
 async def _producer(args, out) -> None:
     from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.config import Outcome
-    from hybridkv.transport.endpoint import Producer
+    from hybridkv.transport.endpoint import Producer, TransportConfig
 
     layout, memory, pools, keep = _side(args, 1, parse_devices(args.devices, args.mem)[0])
     sched = TransferScheduler(pools, lease_s=60.0)
-    prod = Producer(memory, sched, planner=args.planner)
+    prod = Producer(memory, sched, TransportConfig(secret=args.secret), planner=args.planner)
     host, port = await prod.start()
     out.put(("addr", (host, port)))
     await prod.wait_peer(60.0)
@@ -183,7 +184,7 @@ async def _producer(args, out) -> None:
         for g in layout.groups:
             sched.allocate(rid, g.group_id, pools.pool_sizes[g.group_id])
         _finish_request(sched, rid, i + 1, export=True)
-        res = await prod.export(rid)
+        res = await prod.export(rid, token=args.capabilities[i])
         if res.outcome is not Outcome.DONE:
             out.put(("error", f"export {rid}: {res.outcome.name} {res.error}"))
             return
@@ -299,6 +300,12 @@ def run(args: argparse.Namespace) -> int:
     set_proto = bool(args.proto_log) and "UCX_PROTO_INFO" not in os.environ
     if set_proto:
         os.environ["UCX_PROTO_INFO"] = "y"  # before either process creates a UCX context
+    from hybridkv.transport.auth import new_token
+
+    # Both processes are this run's: a fresh secret and one capability per request, handed over
+    # in the spawn arguments (never a command line).
+    args.secret = secrets.token_bytes(32)
+    args.capabilities = [new_token() for _ in range(args.iters + 1)]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     try:
@@ -381,7 +388,8 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
 
     layout, memory, pools, raw_span = _side(args, 2, devices[1])  # raw_span: alive until the end (registered)
     sched = TransferScheduler(pools, lease_s=60.0)
-    cons = Consumer(memory, sched, TransportConfig(notify_reads=args.read_notif == "on"), planner=args.planner)
+    cons = Consumer(memory, sched, TransportConfig(notify_reads=args.read_notif == "on", secret=args.secret),
+                    planner=args.planner)
     await cons.connect(*addr)
     comps = scheduler_inputs(layout).components
     peer = cons.peer
@@ -447,7 +455,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
                 sched.add_request(rid, expect=comps)
                 for g in layout.groups:
                     sched.allocate(rid, g.group_id, pools.pool_sizes[g.group_id])
-                res = await cons.fetch(rid, comps)
+                res = await cons.fetch(rid, comps, token=args.capabilities[i])
                 if res.outcome is not Outcome.READY or res.nbytes != nbytes:
                     raise RuntimeError(f"fetch {rid}: {res.outcome.name} {res.error} ({res.nbytes} of {nbytes} bytes)")
                 hyb += [res.seconds] * kept

@@ -12,9 +12,10 @@ what an endpoint refused or ignored. The design is in
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridkv import wire
+from hybridkv.transport import auth
 from hybridkv.transport.allowlist import PeerAllowlist
 from hybridkv.transport.dataplane import DataPlaneConfig
 
@@ -69,9 +70,30 @@ class TransportConfig:
     # Producer: peers (addresses or CIDR networks) that may connect; empty means any. The listener
     # itself is open on every interface (ucxx 0.52), so this is what keeps other networks out.
     allowed_peers: tuple[str, ...] = ()
+    # The shared secret both peers prove in the handshake (hybridkv.transport.auth; read it with
+    # auth.load_secret from a file or an environment variable). None: any peer that reaches the
+    # port is served, and the endpoint logs a warning when it starts. Kept out of repr().
+    secret: bytes | None = field(default=None, repr=False)
+    # Producer bounds, per peer and in total: connections still in their handshake (each costs a
+    # task and a UCX endpoint until handshake_timeout_s), and Wants that came before their export
+    # (a peer past its share is disconnected; it alone loses, never a consumer within its share).
+    max_handshakes: int = 64
+    max_wants_per_peer: int = 4096
+    max_wants: int = 65536
+    # Producer: a TCP connection to the listener's port that has not become a control channel after
+    # this long (a raw socket UCX accepted and waits on for ever) is shut down.
+    idle_connection_s: float = 10.0
     dataplane: DataPlaneConfig = DataPlaneConfig()
 
     def __post_init__(self) -> None:
+        if self.secret is not None:
+            auth.check_secret(self.secret, "TransportConfig.secret")
+        if not isinstance(self.idle_connection_s, (int, float)) or not self.idle_connection_s > 0:
+            raise ValueError(f"TransportConfig.idle_connection_s = {self.idle_connection_s!r}; expected seconds > 0")
+        for key in ("max_handshakes", "max_wants_per_peer", "max_wants"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"TransportConfig.{key} = {v!r}; expected an int >= 1")
         if isinstance(self.allowed_peers, str):
             raise ValueError(f"allowed_peers must be a tuple of addresses or networks, got the string "
                              f"{self.allowed_peers!r}")
@@ -107,6 +129,11 @@ class Stats:
     unknown: int = 0  # completions for nothing we know
     refused: int = 0  # handshakes refused
     refused_peers: int = 0  # connections closed unread: the peer is outside TransportConfig.allowed_peers
+    unauthenticated: int = 0  # handshakes refused before the peer proved the shared secret (of `refused`)
+    cut_off: int = 0  # peers disconnected for flooding (Wants past their share, renewals faster than answered)
+    forbidden: int = 0  # messages naming a request with a token that is not its capability (of `rejected`)
+    drained: int = 0  # queued UCX messages nobody would receive, discarded
+    swept: int = 0  # TCP connections to the listener port shut down for never becoming a channel
     rejected: int = 0  # messages refused (malformed, unexported blocks)
     timed_out: int = 0  # transfers abandoned past their lease or the transfer timeout
 

@@ -27,7 +27,7 @@ import numpy as np
 from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, HandshakeTimeout, HybridKVError, PeerError, PeerLost, ProtocolViolation
 from hybridkv.fencing import NotYet, NotYetReason, TransferOutcome
-from hybridkv.transport import control
+from hybridkv.transport import auth, control
 from hybridkv.transport.config import FailurePolicy, Outcome, Result, TransportConfig
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.metrics import FailureKind
@@ -51,6 +51,7 @@ class _Part:
     rid: str
     peer: _Peer
     export: asyncio.Future  # -> (wire.Export, receipt time)
+    token: bytes  # the request's capability, as the producer side issued it
     deadline: float = float("inf")
     landed: asyncio.Event = field(default_factory=asyncio.Event)
     failed: str | None = None  # the producer will not write / the blocks are gone / it refused
@@ -81,11 +82,12 @@ class Consumer(_Side):
         self._seq = 0
         # (agent, request) this consumer released: an Export arriving after is refused at
         # once, not renewed for a reader that will never come (bounded).
-        self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._released: OrderedDict[tuple[str, str], bytes] = OrderedDict()  # -> the request's token
         #: the planner prepared per set of producers (agent names, in the order read)
         self.plans: dict[tuple[str, ...], PeerPlanner] = {}
         #: requests whose READ NIXL would not abort: ends when the READ does (see settled())
         self._settling: dict[str, asyncio.Task] = {}
+        self._warn_if_open("")
 
     def describe(self) -> dict:
         return {**super().describe(),
@@ -167,8 +169,34 @@ class Consumer(_Side):
     async def _exchange_hellos(self, host: str, port: int) -> tuple[control.Channel, wire.Message]:
         # The dial's own limit is far out: _connect_once bounds the wait without cancelling (see there).
         ch = await control.dial(host, port, _LATE_TRY_LIMIT_S)
-        await ch.send(self.hello())
-        return ch, await ch.recv()
+        secret = self.config.secret
+        # Both sides prove the secret before either sends its metadata (auth.py).
+        nonce = auth.new_nonce()
+        await ch.send(wire.Auth(nonce=nonce, proof=b""))
+        reply = await ch.recv()
+        if isinstance(reply, wire.Auth):
+            if len(reply.nonce) != wire.NONCE_BYTES:
+                await ch.close()
+                raise ProtocolViolation(f"{host}:{port} answered Auth without a nonce")
+            if secret is not None and not auth.proven(auth.producer_proof(secret, nonce, reply.nonce), reply.proof):
+                await ch.close()
+                raise HandshakeRefused(f"{host}:{port} did not prove the shared secret "
+                                       f"({'no proof' if not reply.proof else 'a wrong proof'}); expected "
+                                       "a producer configured with the same TransportConfig.secret")
+            proof = auth.consumer_proof(secret, nonce, reply.nonce) if secret is not None else b""
+            try:
+                await ch.send(wire.Auth(nonce=b"", proof=proof))
+                await ch.send(self.hello())
+            except PeerLost as lost:
+                # A producer that refused our proof closes at once: its Refuse may be
+                # here before our Hello could leave, and says more than the reset.
+                try:
+                    reply = await ch.recv(limit=wire.MAX_PREAUTH_BYTES)
+                except (PeerLost, wire.WireError):
+                    raise lost from None
+            else:
+                reply = await ch.recv()
+        return ch, reply
 
     def prepared(self, agents: Sequence[str]) -> PeerPlanner:
         """The planner prepared for an import from these producers (made on first use)."""
@@ -189,25 +217,30 @@ class Consumer(_Side):
             raise ValueError(f"producer {agent!r}; expected one of {sorted(self.peers)}")
         return peer
 
-    def _part(self, rid: str, peer: _Peer) -> _Part:
+    def _part(self, rid: str, peer: _Peer, token: bytes) -> _Part:
         part = self._parts.get((peer.agent, rid))
         if part is None:
-            part = _Part(rid=rid, peer=peer, export=asyncio.get_running_loop().create_future())
+            part = _Part(rid=rid, peer=peer, export=asyncio.get_running_loop().create_future(), token=token)
             self._parts[(peer.agent, rid)] = part
+        elif part.token != token:
+            raise ValueError(f"request {rid!r} was asked for with another capability token; expected the one "
+                             "the producer side issued with it")
         return part
 
-    async def want(self, request_id: str, *, peer: str | None = None, readers: int = 1) -> None:
+    async def want(self, request_id: str, *, token: bytes, peer: str | None = None, readers: int = 1) -> None:
         """Ask a producer for a request (``fetch`` does this; calling it earlier lets the
-        Export arrive ahead). ``readers``: how many consumers read it together."""
+        Export arrive ahead). ``token``: the request's capability, issued by the producer side
+        with the request. ``readers``: how many consumers read it together."""
         if not 1 <= readers <= wire.MAX_READERS:
             raise ValueError(f"readers = {readers}; expected 1..{wire.MAX_READERS}")
+        auth.check_token(token, f"request {request_id!r}: token")
         p = self._peer(peer)
-        part = self._part(request_id, p)
+        part = self._part(request_id, p, token)
         if part.wanted:
             return
         part.wanted = True
         try:
-            await p.channel.send(wire.Want(request_id=request_id, readers=readers))
+            await p.channel.send(wire.Want(request_id=request_id, token=token, readers=readers))
         except PeerLost:
             self._lost(p)
 
@@ -224,18 +257,22 @@ class Consumer(_Side):
                 self._lost(peer)
                 return
             if isinstance(msg, wire.Export):
-                if (peer.agent, msg.request_id) in self._released:
+                token = self._released.get((peer.agent, msg.request_id))
+                if token is not None:
                     await _send_quietly(peer.channel, wire.Failure(
-                        request_id=msg.request_id, code=wire.FailureCode.ABORTED, detail="released by the consumer"))
+                        request_id=msg.request_id, code=wire.FailureCode.ABORTED, detail="released by the consumer",
+                        token=token))
                     continue
-                part = self._part(msg.request_id, peer)
-                if not part.export.done():
+                part = self._parts.get((peer.agent, msg.request_id))
+                if part is None:
+                    self.stats.unknown += 1  # never asked for (an Export comes only after a Want)
+                elif not part.export.done():
                     part.export.set_result((msg, time.monotonic()))
             elif isinstance(msg, wire.Lease):
                 self._on_lease(peer, msg)
             elif isinstance(msg, (wire.Failure, wire.Done)):
                 part = self._parts.get((peer.agent, msg.request_id))
-                if part is None:
+                if part is None or msg.token != part.token:
                     self.stats.unknown += 1
                 elif not (isinstance(msg, wire.Done) and msg.ok):
                     part.failed = msg.detail if isinstance(msg, wire.Failure) else "producer failed"
@@ -268,11 +305,13 @@ class Consumer(_Side):
         peer = self.peers.get(agent)
         return peer is not None and peer.alive
 
-    async def release(self, request_id: str, *, peer: str, detail: str = "released by the consumer") -> None:
+    async def release(self, request_id: str, *, token: bytes, peer: str,
+                      detail: str = "released by the consumer") -> None:
         """This consumer will not read the request (asked for or not): the producer frees its
-        blocks now instead of when the lease lapses. A fetch of it in progress fails."""
+        blocks now instead of when the lease lapses. A fetch of it in progress fails. ``token``:
+        the request's capability (the producer ignores a release without it)."""
         p = self._peer(peer)
-        self._released[(p.agent, request_id)] = None
+        self._released[(p.agent, request_id)] = token
         while len(self._released) > _REMEMBER:
             self._released.popitem(last=False)
         part = self._parts.pop((p.agent, request_id), None)
@@ -284,7 +323,7 @@ class Consumer(_Side):
             part.landed.set()
         if p.alive:
             await _send_quietly(p.channel, wire.Failure(request_id=request_id, code=wire.FailureCode.ABORTED,
-                                                        detail=detail[: wire.MAX_TEXT]))
+                                                        detail=detail[: wire.MAX_TEXT], token=token))
 
     async def forget(self, agent: str) -> None:
         """Drop a producer (a restarted one answers under a new agent name at the same address):
@@ -326,11 +365,15 @@ class Consumer(_Side):
         period = self.config.heartbeat_s or max(0.05, peer.lease_s / 6)
         while not self._closing and peer.alive:
             await asyncio.sleep(period)
-            rids = tuple(r for (a, r), p in self._parts.items() if a == peer.agent and p.export.done())
+            tickets = [wire.Ticket(request_id=r, token=p.token) for (a, r), p in self._parts.items()
+                       if a == peer.agent and p.export.done()]
             self._seq += 1
             self._hb_sent[peer.agent] = time.monotonic()
             try:
-                await peer.channel.send(wire.Heartbeat(seq=self._seq, request_ids=rids))
+                # In pieces the wire allows; the producer answers one before it reads the next.
+                for i in range(0, max(len(tickets), 1), wire.MAX_REQUESTS_PER_HEARTBEAT):
+                    await peer.channel.send(wire.Heartbeat(
+                        seq=self._seq, tickets=tuple(tickets[i:i + wire.MAX_REQUESTS_PER_HEARTBEAT])))
             except PeerLost:
                 self._lost(peer)
                 return
@@ -348,16 +391,18 @@ class Consumer(_Side):
         part.landed.set()
 
     # ------------------------------------------------------------ imports
-    async def fetch(self, request_id: str, components: Iterable, *, peers: Sequence[str] | None = None,
-                    readers: int = 1) -> Result:
+    async def fetch(self, request_id: str, components: Iterable, *, token: bytes,
+                    peers: Sequence[str] | None = None, readers: int = 1) -> Result:
         """Import a request whose blocks the engine allocated (scheduler.add_request(expect=...)).
 
         Asks each producer in ``peers`` (default: the only one connected) for the
         request, waits for their Exports, posts the transfer the planner made when
         the fence allows, and ends in a defined state: READY once every part landed,
-        or per the failure policy RECOMPUTE or FAILED. ``readers``: consumers sharing
-        each producer's copy.
+        or per the failure policy RECOMPUTE or FAILED. ``token``: the request's capability,
+        issued by the producer side with the request. ``readers``: consumers sharing each
+        producer's copy.
         """
+        auth.check_token(token, f"request {request_id!r}: token")
         comps = tuple(components)
         targets = [self._peer(a) for a in peers] if peers else [self._peer(None)]
         if len({p.agent for p in targets}) != len(targets):
@@ -365,10 +410,10 @@ class Consumer(_Side):
         if len(targets) > 1 and self.config.mode is not wire.Mode.PULL:
             raise ValueError(f"{len(targets)} producers for one request in {self.config.mode.name} mode; "
                              "expected pull mode")
-        parts = [self._part(request_id, p) for p in targets]
+        parts = [self._part(request_id, p, token) for p in targets]
         async def ask_and_wait():
             for p in targets:
-                await self.want(request_id, peer=p.agent, readers=readers)
+                await self.want(request_id, token=token, peer=p.agent, readers=readers)
             return await asyncio.gather(*(asyncio.shield(x.export) for x in parts))
 
         try:
@@ -398,7 +443,8 @@ class Consumer(_Side):
         for part in parts:
             if part.export.done() and not part.export.cancelled() and part.export.exception() is None:
                 await _send_quietly(part.peer.channel, wire.Failure(
-                    request_id=part.rid, code=wire.FailureCode.ABORTED, detail=detail[: wire.MAX_TEXT]))
+                    request_id=part.rid, code=wire.FailureCode.ABORTED, detail=detail[: wire.MAX_TEXT],
+                    token=part.token))
 
     def _work(self, part: _Part, export: wire.Export, mine: dict[int, np.ndarray], planned: PeerPlanner,
               source: int) -> _Work:
@@ -422,7 +468,8 @@ class Consumer(_Side):
             self.stats.rejected += 1
             for part in parts:
                 await _send_quietly(part.peer.channel, wire.Failure(
-                    request_id=rid, code=wire.FailureCode.PROTOCOL, detail=str(exc)[: wire.MAX_TEXT]))
+                    request_id=rid, code=wire.FailureCode.PROTOCOL, detail=str(exc)[: wire.MAX_TEXT],
+                    token=part.token))
             return self._give_up(rid, comps, f"export does not match the request: {exc}", kind=FailureKind.PROTOCOL)
         fenced_from = time.perf_counter()
         while True:
@@ -448,7 +495,7 @@ class Consumer(_Side):
 
     async def _end_parts(self, work: Sequence[_Work], ok: bool) -> None:
         for w in work:
-            await _send_quietly(w.part.peer.channel, wire.Done(request_id=w.part.rid, ok=ok))
+            await _send_quietly(w.part.peer.channel, wire.Done(request_id=w.part.rid, ok=ok, token=w.part.token))
 
     def _post(self, w: _Work, notif: bytes) -> Transfer:
         """Post one producer's READ (the demo's fault injection overrides this)."""
@@ -565,7 +612,8 @@ class Consumer(_Side):
                 # until it confirms or the write lands (it may be in flight).
                 told = True
                 await _send_quietly(peer.channel, wire.Failure(request_id=rid, code=wire.FailureCode.LEASE_EXPIRED,
-                                                               detail="consumer lease deadline passed"))
+                                                               detail="consumer lease deadline passed",
+                                                               token=part.token))
             try:
                 await asyncio.wait_for(part.landed.wait(), max(left, 0.05) if not told else None)
             except asyncio.TimeoutError:

@@ -5,6 +5,11 @@ the length is checked against :data:`hybridkv.wire.MAX_MESSAGE_BYTES` before
 anything is allocated. Sends are serialised per channel so frames never
 interleave. Any transport error surfaces as :class:`hybridkv.errors.PeerLost`.
 
+UCX queues a tag message nobody has asked for until someone receives it, and ucxx tags are
+the sender's to choose: :class:`Drainer` discards what is queued under tags no live channel
+receives (a closed channel's leftovers, or a flood under made-up tags), so that costs a peer its
+bytes, not the listener its memory.
+
 ucxx 0.52's listener API takes a port only and listens on every interface;
 the configured host is what a producer advertises and a consumer dials.
 :func:`listen` can close connections from outside a
@@ -21,6 +26,7 @@ import functools
 import os
 import socket
 import struct
+import time
 
 import numpy as np
 
@@ -41,11 +47,26 @@ def _ucxx():
     return ucxx
 
 
+# The ucxx tags live channels receive under (this process's one ucxx context): anything queued
+# under another tag is nobody's, and Drainer discards it.
+_LIVE_TAGS: set[int] = set()
+
+
+def _recv_tag(endpoint) -> int | None:
+    tags = getattr(endpoint, "_tags", None)  # ucxx's Endpoint: {"msg_send": ..., "msg_recv": ...}
+    return None if not tags else int(tags["msg_recv"])
+
+
 class Channel:
     def __init__(self, endpoint) -> None:
         self._ep = endpoint
         self._send_lock = asyncio.Lock()
         self.closed = False
+        self._tag = _recv_tag(endpoint)
+        if self._tag is not None:
+            _LIVE_TAGS.add(self._tag)
+        # The connection UCX accepted for it: StrayConnections leaves it alone.
+        self.peer = remote_sockaddr(endpoint) if hasattr(endpoint, "ucp_endpoint") else None
 
     async def send(self, msg: wire.Message) -> None:
         data = wire.encode(msg)
@@ -59,13 +80,15 @@ class Channel:
                 self.closed = True
                 raise PeerLost(f"control channel send failed: {type(exc).__name__}: {exc}") from exc
 
-    async def recv(self) -> wire.Message:
+    async def recv(self, limit: int = wire.MAX_MESSAGE_BYTES) -> wire.Message:
+        """The next message; a frame longer than ``limit`` is a WireError before anything is
+        allocated for it (the caller closes the channel: its body is still queued)."""
         header = np.zeros(1, dtype="<u8")
         try:
             await self._ep.recv(header)
             n = int(header[0])
-            if not 0 < n <= wire.MAX_MESSAGE_BYTES:
-                raise wire.WireError(f"frame of {n} bytes; expected 1..{wire.MAX_MESSAGE_BYTES}")
+            if not 0 < n <= limit:
+                raise wire.WireError(f"frame of {n} bytes; expected 1..{limit}")
             body = np.empty(n, dtype=np.uint8)
             await self._ep.recv(body)
         except wire.WireError:
@@ -76,6 +99,7 @@ class Channel:
         return wire.decode(body.tobytes())
 
     async def close(self) -> None:
+        _LIVE_TAGS.discard(self._tag)  # what is still queued for it is nobody's now
         if self.closed:
             return
         self.closed = True
@@ -83,6 +107,58 @@ class Channel:
             await self._ep.close()
         except Exception:
             pass
+
+
+class Drainer:
+    """Receives and drops messages queued under ucxx tags no live channel receives.
+
+    Called from the producer's pump. UCX shows only the oldest queued message (a probe with an
+    empty mask), so a message under an unknown tag blocks the view of those behind it; one is
+    drained only after such a message has stood at the front for ``grace_s``: a new connection's
+    first message may arrive a moment before its channel exists (the listener's handler runs on
+    the loop), and in normal operation nothing under an unknown tag is ever queued at all.
+    """
+
+    def __init__(self, *, grace_s: float = 0.1, budget: int = 4096, max_pending: int = 1024) -> None:
+        self.grace_s, self.budget, self.max_pending = grace_s, budget, max_pending
+        self._since: float | None = None
+        self._pending: list[tuple] = []  # (request, Array, buffer): kept alive until UCX is done with them
+
+    def __call__(self) -> int:
+        """Messages dropped now."""
+        ucxx = _ucxx()
+        from ucxx._lib.arr import Array
+        from ucxx._lib.libucxx import UCXXTag, UCXXTagMask
+
+        try:
+            worker = ucxx.core._get_ctx().worker  # the context the listener and channels use
+        except Exception:
+            return 0
+        self._pending = [p for p in self._pending if not p[0].completed]
+        any_tag, any_mask = UCXXTag(0), UCXXTagMask(0)
+        probe = worker.tag_probe(any_tag, any_mask, remove=False)
+        if not probe.matched or probe.sender_tag.value in _LIVE_TAGS:
+            self._since = None
+            return 0
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        if now - self._since < self.grace_s:
+            return 0
+        dropped = 0
+        while dropped < self.budget and len(self._pending) < self.max_pending:
+            probe = worker.tag_probe(any_tag, any_mask, remove=False)
+            if not probe.matched or probe.sender_tag.value in _LIVE_TAGS:
+                break
+            probe = worker.tag_probe(probe.sender_tag, remove=True)
+            if not probe.matched:
+                break
+            # Up to 1 MiB received whole (and dropped); a longer one truncated, which ends it too.
+            buf = np.empty(max(1, min(probe.length, 1 << 20)), dtype=np.uint8)
+            arr = Array(buf)
+            self._pending.append((worker.tag_recv_with_handle(arr, probe), arr, buf))
+            dropped += 1
+        return dropped
 
 
 def listen(handler, port: int = 0, allow=None, on_refused=None):
@@ -126,6 +202,12 @@ def _ucp_ep_query():
 
 def remote_address(ep) -> str | None:
     """The peer's IP address as UCX sees it, or None where it cannot be read."""
+    peer = remote_sockaddr(ep)
+    return None if peer is None else peer[0]
+
+
+def remote_sockaddr(ep) -> tuple[str, int] | None:
+    """The peer's (IP address, port) of the connection UCX accepted, or None where it cannot be read."""
     try:
         query = _ucp_ep_query()
         handle = int(ep.ucp_endpoint)
@@ -137,11 +219,88 @@ def remote_address(ep) -> str | None:
         return None
     raw = bytes(buf[_REMOTE_SOCKADDR_OFFSET:_REMOTE_SOCKADDR_OFFSET + 128])
     family = struct.unpack_from("=H", raw, 0)[0]
+    port = struct.unpack_from("!H", raw, 2)[0]
     if family == socket.AF_INET:
-        return socket.inet_ntop(socket.AF_INET, raw[4:8])
+        return socket.inet_ntop(socket.AF_INET, raw[4:8]), port
     if family == socket.AF_INET6:
-        return socket.inet_ntop(socket.AF_INET6, raw[8:24])
+        return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
     return None
+
+
+class StrayConnections:
+    """Shuts down TCP connections to the listener's port that never became a channel.
+
+    UCX accepts every TCP connection on the listener's port itself and waits, with no timeout, for
+    a UCX connection request on it: a raw connection that never sends one (or sends garbage and
+    stays) holds a file descriptor for as long as its peer keeps it open, below anything hybridkv
+    sees. Linux only: the listener's established connections are read from /proc; each whose peer
+    is not a live channel's (``remote_sockaddr``) for ``idle_s`` is shut down (``shutdown(2)`` on a
+    duplicate of UCX's fd, which UCX then sees end and closes). Nothing is swept while some live
+    channel's address cannot be read (it could not be told apart from a stray one).
+    """
+
+    def __init__(self, port: int, *, idle_s: float) -> None:
+        self.port, self.idle_s = port, idle_s
+        self._seen: dict[int, float] = {}  # socket inode -> first seen stray
+
+    def __call__(self, live: set[tuple[str, int] | None]) -> int:
+        """Connections shut down now."""
+        if None in live or not os.path.isdir("/proc/self/fd"):
+            return 0
+        fds: dict[int, int] = {}  # socket inode -> fd
+        try:
+            for name in os.listdir("/proc/self/fd"):
+                try:
+                    target = os.readlink(f"/proc/self/fd/{name}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    fds[int(target[8:-1])] = int(name)
+        except OSError:
+            return 0
+        now, swept, strays = time.monotonic(), 0, set()
+        for inode, peer in _established(self.port):
+            if inode not in fds or peer in live or _mapped(peer) in live:
+                continue
+            strays.add(inode)
+            first = self._seen.setdefault(inode, now)
+            if now - first < self.idle_s:
+                continue
+            try:
+                with socket.socket(fileno=os.dup(fds[inode])) as s:
+                    s.shutdown(socket.SHUT_RDWR)
+                swept += 1
+            except OSError:
+                pass
+        self._seen = {i: t for i, t in self._seen.items() if i in strays}
+        return swept
+
+
+def _mapped(peer: tuple[str, int]) -> tuple[str, int]:
+    """An IPv4 peer as a dual-stack socket names it, or the other way round."""
+    ip, port = peer
+    return (ip[7:], port) if ip.startswith("::ffff:") else (f"::ffff:{ip}", port)
+
+
+def _established(port: int):
+    """(inode, (peer ip, peer port)) of this process's namespace's established TCP connections on local ``port``."""
+    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            with open(path) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) < 10 or cols[3] != "01":  # TCP_ESTABLISHED
+                continue
+            local, remote = cols[1].split(":"), cols[2].split(":")
+            if int(local[1], 16) != port:
+                continue
+            raw = bytes.fromhex(remote[0])
+            # /proc prints the address as 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            yield int(cols[9]), (socket.inet_ntop(family, raw), int(remote[1], 16))
 
 
 async def dial(host: str, port: int, timeout_s: float) -> Channel:

@@ -9,6 +9,8 @@ The design, pull and push, is in :mod:`hybridkv.transport.endpoint`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hmac
 import logging
 import time
 from collections import OrderedDict
@@ -17,9 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridkv import wire
-from hybridkv.errors import HandshakeRefused, PeerLost, ProtocolViolation
+from hybridkv.errors import PeerLost
 from hybridkv.fencing import NotYet
-from hybridkv.transport import control
+from hybridkv.transport import auth, control
+from hybridkv.transport.admission import _Admission
 from hybridkv.transport.config import Outcome, Result, TransportConfig
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.memory import MemoryMap
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 class _Export:
     rid: str
     tid: int
+    token: bytes  # the request's capability: every message about it must carry this
     blocks: dict[int, np.ndarray]
     done: asyncio.Future
     readers: int | None = None  # how many consumers share it (set by the first claim)
@@ -50,7 +54,7 @@ class _Export:
         return next(iter(self.claims.values())) if len(self.claims) == 1 else None
 
 
-class Producer(_Side):
+class Producer(_Admission, _Side):
     """Prefill side: exports finished requests to connected consumers."""
 
     role = wire.Role.PRODUCER
@@ -63,15 +67,18 @@ class Producer(_Side):
         self._exports: dict[str, _Export] = {}
         self._connected = asyncio.Event()
         self._listener = None
-        # Recently terminal requests and completion notifications seen, so a repeated
-        # or crossing completion is told apart from a stray one (bounded).
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        # Recently terminal requests (with their tokens) and completion notifications seen, so a
+        # repeated or crossing completion is told apart from a stray one (bounded).
+        self._finished: OrderedDict[str, bytes] = OrderedDict()
         self._notified: OrderedDict[str, None] = OrderedDict()
-        # Wants that came before the request was exported (the consumer may be first).
-        self._wants: dict[str, list[tuple[_Peer, int]]] = {}
-        # Requests a consumer released before they were exported (it will never read them):
-        # their export ends as soon as it starts, so the blocks are freed at once (bounded).
-        self._released: OrderedDict[str, None] = OrderedDict()
+        # Wants that came before the request was exported (the consumer may be first), with the
+        # token each asker holds; bounded per peer and in total (TransportConfig.max_wants*).
+        self._wants: dict[str, list[tuple[_Peer, int, bytes]]] = {}
+        self._want_count = 0
+        self._init_admission()
+        # Requests a consumer released before they were exported (it will never read them), with the
+        # token it released them with: their export ends as soon as it starts if the tokens match.
+        self._released: OrderedDict[str, bytes] = OrderedDict()
 
     def describe(self) -> dict:
         return {**super().describe(),
@@ -80,8 +87,10 @@ class Producer(_Side):
                 "wants_ahead": {r: len(v) for r, v in self._wants.items()}}
 
     async def start(self) -> tuple[str, int]:
+        self._warn_if_open(f"listening on port {self.config.port or '(any)'}")
         self._listener = control.listen(self._accept, self.config.port, allow=self.config.allowlist,
                                         on_refused=self._refused_peer)
+        self._strays = control.StrayConnections(int(self._listener.port), idle_s=self.config.idle_connection_s)
         self._start_pump()
         return self.config.host, int(self._listener.port)
 
@@ -93,33 +102,6 @@ class Producer(_Side):
     async def wait_peer(self, timeout_s: float) -> None:
         await asyncio.wait_for(self._connected.wait(), timeout_s)
 
-    async def _accept(self, ch: control.Channel) -> None:
-        try:
-            msg = await asyncio.wait_for(ch.recv(), self.config.handshake_timeout_s)
-            if not isinstance(msg, wire.Hello):
-                raise ProtocolViolation(f"first message is {type(msg).__name__}; expected Hello")
-            remote = self.check_hello(msg)
-        except HandshakeRefused as exc:
-            self.stats.refused += 1
-            await _send_quietly(ch, wire.Refuse(reason=str(exc)[: wire.MAX_TEXT], differences=exc.differences))
-            await ch.close()
-            return
-        except (asyncio.TimeoutError, PeerLost, ProtocolViolation, wire.WireError) as exc:
-            self.stats.refused += 1
-            await _send_quietly(ch, wire.Refuse(reason=f"handshake failed: {exc}"[: wire.MAX_TEXT], differences=()))
-            await ch.close()
-            return
-        agent = self.dp.add_peer(msg.metadata, remote)
-        peer = _Peer(agent=agent, channel=ch, memory=remote, lease_s=msg.lease_s)
-        self.peers[agent] = peer
-        try:
-            await ch.send(self.hello())
-        except PeerLost:
-            self._peer_lost(peer)
-            return
-        self._connected.set()
-        await self._serve(peer)
-
     async def _serve(self, peer: _Peer) -> None:
         while not self._closing:
             msg = await self._next_message(peer)
@@ -130,13 +112,24 @@ class Producer(_Side):
 
     def _on_message(self, peer: _Peer, msg: wire.Message) -> None:
         if isinstance(msg, wire.Heartbeat):
+            if len(peer.lease_replies) >= _MAX_LEASE_BATCHES:
+                # Its earlier renewals are still being answered: a consumer renews every lease/6 s
+                # (in batches of up to 1,024 ids), so this is a flood: dropped, not queued.
+                self.stats.rejected += 1
+                return
             leases = []
-            for rid in msg.request_ids:
-                lease = self.scheduler.heartbeat(rid) if rid in self._exports else None
+            for t in msg.tickets:
+                # Only a reader holding the token renews; anyone else hears "gone" (0), which
+                # is also what an unknown id gets: nothing tells ids that exist from ones that don't.
+                rec = self._exports.get(t.request_id)
+                ok = rec is not None and rec.claims.get(peer.agent) is peer and hmac.compare_digest(rec.token, t.token)
+                lease = self.scheduler.heartbeat(t.request_id) if ok else None
                 left = 0.0 if lease is None else max(0.0, lease.deadline - self.scheduler.leases.now())
-                leases.append(wire.Lease(request_id=rid, lease_s=left))
-            for lease in leases:
-                asyncio.ensure_future(_send_quietly(peer.channel, lease))
+                leases.append(wire.Lease(request_id=t.request_id, lease_s=left))
+            peer.lease_replies.append(leases)
+            if not peer.renewing:
+                peer.renewing = True  # one task per peer sends every batch, never one per id
+                asyncio.ensure_future(self._send_leases(peer))
         elif isinstance(msg, wire.Want):
             self._on_want(peer, msg)
         elif isinstance(msg, wire.Import):
@@ -147,11 +140,16 @@ class Producer(_Side):
                     and (rec is None or not rec.claims):
                 # Released by a consumer that never claimed it: it will not be read.
                 if rec is not None:
-                    self._finish(rec, ok=False, outcome=Outcome.FAILED, error="released by its consumer")
+                    if hmac.compare_digest(rec.token, msg.token):
+                        self._finish(rec, ok=False, outcome=Outcome.FAILED, error="released by its consumer")
+                    else:
+                        self.stats.forbidden += 1
                 elif msg.request_id not in self._finished:
-                    self._released_ahead(peer, msg.request_id)
+                    self._released_ahead(peer, msg.request_id, msg.token)
                 return
-            if rec is None or rec.claims.get(peer.agent) is not peer:
+            if rec is None or rec.claims.get(peer.agent) is not peer or not hmac.compare_digest(rec.token, msg.token):
+                if rec is not None:
+                    self.stats.forbidden += 1
                 if msg.request_id not in self._finished:
                     self.stats.unknown += 1
                 return
@@ -171,37 +169,79 @@ class Producer(_Side):
         else:
             self.stats.rejected += 1
 
-    def _released_ahead(self, peer: _Peer, rid: str) -> None:
+    def _released_ahead(self, peer: _Peer, rid: str, token: bytes) -> None:
         """A consumer will not read a request not yet exported (the decode engine aborted it while
-        it queued, or found nothing to load): forget its ask, and end the export when it starts."""
-        asks = [(p, n) for p, n in self._wants.get(rid, []) if p is not peer]
-        if asks:
-            self._wants[rid] = asks
+        it queued, or found nothing to load): forget its ask, and end the export when it starts
+        (checked then against the token the export is made with)."""
+        asks = self._wants.get(rid, [])
+        rest = [a for a in asks if a[0] is not peer]
+        dropped = len(asks) - len(rest)
+        peer.wants -= dropped
+        self._want_count -= dropped
+        if rest:
+            self._wants[rid] = rest
             return  # another reader still wants it
         self._wants.pop(rid, None)
-        _remember(self._released, rid)
+        _remember(self._released, rid, token)
+
+    async def _send_leases(self, peer: _Peer) -> None:
+        try:
+            while peer.lease_replies and peer.alive:
+                for lease in peer.lease_replies[0]:
+                    await peer.channel.send(lease)
+                peer.lease_replies.pop(0)
+        except PeerLost:
+            self._peer_lost(peer)
+        finally:
+            peer.renewing = False
+            if not peer.alive:
+                peer.lease_replies.clear()
 
     def _on_want(self, peer: _Peer, msg: wire.Want) -> None:
         rid = msg.request_id
         rec = self._exports.get(rid)
         if rec is not None:
-            self._claim(rec, peer, msg.readers)
+            if hmac.compare_digest(rec.token, msg.token):
+                self._claim(rec, peer, msg.readers, msg.token)
+            else:
+                self.stats.forbidden += 1  # no answer: a refusal would say the request exists
             return
-        if rid in self._finished:
+        if rid in self._finished and self._finished[rid] is None:
+            # Its lease lapsed before export() (a stalled prefill): no token was ever issued here to
+            # check against, and the asker should not wait out its export timeout for nothing.
+            self._refuse_want(peer, rid, wire.FailureCode.LEASE_EXPIRED, "lease expired before export", msg.token)
+            return
+        ended = self._finished.get(rid)
+        if ended is not None and hmac.compare_digest(ended, msg.token):
             self._refuse_want(peer, rid, wire.FailureCode.UNKNOWN_REQUEST,
-                              f"request {rid} was already exported and its export has ended")
+                              f"request {rid} was already exported and its export has ended", msg.token)
             return
-        pending = self._wants.setdefault(rid, [])
-        if any(p is peer for p, _ in pending):
+        if any(p is peer for p, _, _ in self._wants.get(rid, ())):
             self.stats.duplicates += 1
             return
-        if len(self._wants) > _REMEMBER:
-            self._wants.pop(rid, None)
-            self._refuse_want(peer, rid, wire.FailureCode.UNKNOWN_REQUEST, "too many requests asked for ahead")
+        if peer.wants >= self.config.max_wants_per_peer:
+            self._cut_off(peer, f"more than {self.config.max_wants_per_peer} requests asked for ahead of their export")
             return
-        pending.append((peer, msg.readers))
+        if self._want_count >= self.config.max_wants:
+            # Full: the peer holding the most waiting Wants goes (a flooder has them), not the asker.
+            worst = max({id(p): p for asks in self._wants.values() for p, _, _ in asks}.values(),
+                        key=lambda p: p.wants)
+            self._cut_off(worst, f"{worst.wants} requests asked for ahead, the most of any peer, with "
+                                 f"{self._want_count} waiting in total")
+            if worst is peer:
+                return
+        pending = self._wants.setdefault(rid, [])
+        pending.append((peer, msg.readers, msg.token))
+        peer.wants += 1
+        self._want_count += 1
 
-    def _claim(self, rec: _Export, peer: _Peer, readers: int) -> None:
+    def _cut_off(self, peer: _Peer, why: str) -> None:
+        """A peer flooding the producer loses its connection (and every claim it holds)."""
+        self.stats.cut_off += 1
+        log.warning("disconnected consumer %s: %s", peer.agent, why)
+        self._peer_lost(peer)  # which closes its channel and removes its NIXL agent
+
+    def _claim(self, rec: _Export, peer: _Peer, readers: int, token: bytes) -> None:
         """Give the request to a consumer that asked for it, or refuse it clearly."""
         if peer.agent in rec.claims:
             self.stats.duplicates += 1  # asked twice by the same consumer: it has its Export
@@ -213,10 +253,11 @@ class Producer(_Side):
             error = (f"request {rec.rid} is shared by {rec.readers} consumer(s); this consumer asked for it "
                      f"with {readers}")
         elif rec.readers is not None and len(rec.claims) >= rec.readers:
-            error = (f"request {rec.rid} is already claimed by {len(rec.claims)} other consumer(s) "
-                     f"({', '.join(sorted(rec.claims))}); expected {rec.readers} reader(s)")
+            # Who the other readers are is theirs to know.
+            error = (f"request {rec.rid} is already claimed by {len(rec.claims)} other consumer(s); "
+                     f"expected {rec.readers} reader(s)")
         if error is not None:
-            self._refuse_want(peer, rec.rid, wire.FailureCode.CLAIMED, error)
+            self._refuse_want(peer, rec.rid, wire.FailureCode.CLAIMED, error, token)
             return
         rec.readers = readers
         rec.claims[peer.agent] = peer
@@ -232,10 +273,10 @@ class Producer(_Side):
         except PeerLost:
             self._peer_lost(peer)
 
-    def _refuse_want(self, peer: _Peer, rid: str, code: wire.FailureCode, detail: str) -> None:
+    def _refuse_want(self, peer: _Peer, rid: str, code: wire.FailureCode, detail: str, token: bytes) -> None:
         self.stats.rejected += 1
         asyncio.ensure_future(_send_quietly(peer.channel, wire.Failure(request_id=rid, code=code,
-                                                                      detail=detail[: wire.MAX_TEXT])))
+                                                                      detail=detail[: wire.MAX_TEXT], token=token)))
 
     def _reader_ended(self, rec: _Export, agent: str, ok: bool, detail: str | None = None) -> None:
         """One reader is finished with the blocks; the export ends once every reader is."""
@@ -296,14 +337,18 @@ class Producer(_Side):
                          tell=wire.Failure(request_id=rec.rid, code=wire.FailureCode.TRANSFER_ERROR,
                                            detail="WRITE failed"))
 
-    async def export(self, request_id: str, *, peer: str | None = None) -> Result:
+    async def export(self, request_id: str, *, token: bytes, peer: str | None = None) -> Result:
         """Export a finished request (``request_finished(export=True)`` done) and wait until
         its readers are done with the blocks, failed, or the lease lapsed.
 
         The request goes to whichever consumer asks for it (``wire.Want``, sent by
         ``Consumer.fetch``), before or after this call; a claim beyond the readers the
-        first claim announced is refused. ``peer`` names a consumer to offer it to unasked.
+        first claim announced is refused. ``token`` is the request's capability
+        (:func:`hybridkv.transport.auth.new_token`, handed to the decode side with the request):
+        a Want, Heartbeat, Done or Failure without it is ignored. ``peer`` names a consumer to
+        offer it to unasked.
         """
+        auth.check_token(token, f"export of {request_id!r}: token")
         sched = self.scheduler
         target = None
         if peer is not None:
@@ -322,17 +367,26 @@ class Producer(_Side):
             return Result(request_id=request_id, outcome=Outcome.EXPIRED, error=tid.reason.value)
         blocks = {g.group_id: np.asarray(sched.blocks(request_id, g.group_id), dtype=np.int64)
                   for g in self.memory.groups}
-        rec = _Export(rid=request_id, tid=tid, blocks=blocks, done=asyncio.get_running_loop().create_future())
+        rec = _Export(rid=request_id, tid=tid, token=token, blocks=blocks,
+                      done=asyncio.get_running_loop().create_future())
         self._exports[request_id] = rec
-        if request_id in self._released:
-            del self._released[request_id]
-            self._finish(rec, ok=False, outcome=Outcome.FAILED, error="released by its consumer before the export")
-            return await rec.done
+        released = self._released.pop(request_id, None)
+        if released is not None:
+            if hmac.compare_digest(token, released):
+                self._finish(rec, ok=False, outcome=Outcome.FAILED, error="released by its consumer before the export")
+                return await rec.done
+            self.stats.forbidden += 1  # released with a guessed token: ignored
         if target is not None:
-            self._claim(rec, target, 1)
-        for asker, readers in self._wants.pop(request_id, []):
-            if asker.alive:
-                self._claim(rec, asker, readers)
+            self._claim(rec, target, 1, token)
+        for asker, readers, held in self._wants.pop(request_id, []):
+            asker.wants -= 1
+            self._want_count -= 1
+            if not asker.alive:
+                continue
+            if hmac.compare_digest(token, held):
+                self._claim(rec, asker, readers, held)
+            else:
+                self.stats.forbidden += 1  # asked with a guessed token: no answer
         return await rec.done
 
     def _on_notif(self, agent: str, msg: bytes) -> None:
@@ -366,17 +420,20 @@ class Producer(_Side):
         """The lease lapsed before export() (a stalled prefill): every consumer that asked for the
         request hears so now, not after its export timeout, and a later ask is refused at once."""
         _remember(self._finished, rid)
-        for peer, _ in self._wants.pop(rid, []):
+        for peer, _, held in self._wants.pop(rid, []):
+            peer.wants -= 1
+            self._want_count -= 1
             if peer.alive:
                 asyncio.ensure_future(_send_quietly(peer.channel, wire.Failure(
-                    request_id=rid, code=wire.FailureCode.LEASE_EXPIRED, detail="lease expired before export")))
+                    request_id=rid, code=wire.FailureCode.LEASE_EXPIRED, detail="lease expired before export",
+                    token=held)))
 
     def _finish(self, rec: _Export, *, ok: bool, outcome: Outcome, error: str | None = None,
                 tell: wire.Message | None = None) -> None:
         if self._exports.get(rec.rid) is not rec:
             return
         del self._exports[rec.rid]
-        _remember(self._finished, rec.rid)
+        _remember(self._finished, rec.rid, rec.token)
         sched = self.scheduler
         (sched.transfer_landed if ok else sched.transfer_failed)(rec.tid)
         alive = all(p.alive for p in rec.claims.values())
@@ -388,6 +445,7 @@ class Producer(_Side):
         if rec.xfer is not None:
             self.dp.release(rec.xfer)
         if tell is not None:
+            tell = dataclasses.replace(tell, token=rec.token)  # the readers hold it; nobody else is told
             for p in rec.claims.values():
                 if p.alive:
                     asyncio.ensure_future(_send_quietly(p.channel, tell))
@@ -400,19 +458,22 @@ class Producer(_Side):
         peer.alive = False
         self.peers.pop(peer.agent, None)
         self._plans.pop(peer.agent, None)
-        for rid in [r for r, asks in self._wants.items() if any(p is peer for p, _ in asks)]:
-            self._wants[rid] = [(p, n) for p, n in self._wants[rid] if p is not peer]
-            if not self._wants[rid]:
-                del self._wants[rid]
+        if peer.wants:
+            for rid in [r for r, asks in self._wants.items() if any(p is peer for p, _, _ in asks)]:
+                self._wants[rid] = [a for a in self._wants[rid] if a[0] is not peer]
+                if not self._wants[rid]:
+                    del self._wants[rid]
+            self._want_count -= peer.wants
+            peer.wants = 0
         for rec in [r for r in self._exports.values() if r.claims.get(peer.agent) is peer]:
             if rec.xfer is None:
                 self._reader_ended(rec, peer.agent, False, "consumer lost")
             else:
                 rec.abort_asked = True
-        try:
-            self.dp.remove_peer(peer.agent)
-        except Exception:
-            pass
+        # Its NIXL agent goes with it (remove_remote_agent disconnects too), and so does the channel.
+        self._drop_agent(peer.agent)
+        if not self._closing:
+            asyncio.ensure_future(peer.channel.close())
 
     async def close(self) -> None:
         self._closing = True
@@ -425,12 +486,14 @@ class Producer(_Side):
 
 
 _REMEMBER = 1 << 16
+_MAX_LEASE_BATCHES = 8  # Heartbeats per peer whose Lease replies may wait to be sent (8,192 ids)
 
 
-def _remember(seen: OrderedDict, rid: str) -> None:
-    seen[rid] = None
+def _remember(seen: OrderedDict, rid: str, value=None) -> None:
+    seen[rid] = value
     if len(seen) > _REMEMBER:
         seen.popitem(last=False)
+
 
 
 

@@ -11,8 +11,9 @@ the asyncio loop and waits on transfers. The design is in
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, PeerLost
@@ -25,6 +26,8 @@ from hybridkv.transport.plan import Planner
 
 NOTIF_PREFIX = b"hkv:"
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(eq=False, kw_only=True)
 class _Peer:
@@ -33,6 +36,11 @@ class _Peer:
     memory: MemoryMap
     lease_s: float
     alive: bool = True
+    wants: int = 0  # producer: this peer's Wants waiting for their export
+    # producer: Lease replies to this peer's Heartbeats not yet sent (one batch per Heartbeat), and
+    # whether a task is sending them
+    lease_replies: list = field(default_factory=list)
+    renewing: bool = False
 
 
 def _rid_of(notif: bytes) -> str | None:
@@ -93,6 +101,14 @@ class _Side:
                 wire.Difference(field="layout", local="field tables", remote=None)])
         return remote
 
+    def _warn_if_open(self, where: str) -> None:
+        """Unauthenticated mode is for a lab: say so once, when the endpoint starts."""
+        if self.config.secret is None:
+            log.warning("hybridkv %s%s runs WITHOUT a shared secret: any peer that reaches it gets its NIXL "
+                        "metadata and one-sided access to the registered KV cache. Set TransportConfig.secret "
+                        "(from a file or environment variable) on both sides; see README 'Security'.",
+                        self.role.name.lower(), f" {where}" if where else "")
+
     def describe(self) -> dict:
         """What is in flight, for an operator or a stuck test to print (plain data)."""
         return {"role": self.role.name, "closing": self._closing, "busy": self._busy,
@@ -109,6 +125,7 @@ class _Side:
             for agent, msgs in self.dp.pump().items():
                 for m in msgs:
                     self._on_notif(agent, m)
+            self._drain_queued()
             self._tick()
             await asyncio.sleep(cfg.pump_busy_s if self._busy else cfg.pump_idle_s)
 
@@ -127,6 +144,9 @@ class _Side:
 
     def _tick(self) -> None:
         pass
+
+    def _drain_queued(self) -> None:
+        """Drop control messages queued for nobody (the producer's listener is what gets flooded)."""
 
     async def _wait_xfer(self, xfer: Transfer, until=None) -> XferState:
         """The transfer's terminal state, or IN_PROGRESS once ``until()`` (a monotonic time) passed."""

@@ -40,16 +40,20 @@ from hybridkv.wire.limits import MAX_METADATA_BYTES as MAX_METADATA_BYTES
 from hybridkv.wire.limits import MAX_NAME as MAX_NAME
 from hybridkv.wire.limits import MAX_READERS as MAX_READERS
 from hybridkv.wire.limits import MAX_REGIONS as MAX_REGIONS
+from hybridkv.wire.limits import MAX_PREAUTH_BYTES as MAX_PREAUTH_BYTES
 from hybridkv.wire.limits import MAX_REQUESTS_PER_HEARTBEAT as MAX_REQUESTS_PER_HEARTBEAT
+from hybridkv.wire.limits import NONCE_BYTES as NONCE_BYTES
+from hybridkv.wire.limits import PROOF_BYTES as PROOF_BYTES
+from hybridkv.wire.limits import TOKEN_BYTES as TOKEN_BYTES
 from hybridkv.wire.limits import MAX_TEXT as MAX_TEXT
 from hybridkv.wire.limits import PROTOCOL_VERSION, WireError
-from hybridkv.wire.messages import Bye, Done, Export, Failure, Heartbeat, Hello, Import, Lease, Refuse, Want
+from hybridkv.wire.messages import Auth, Bye, Done, Export, Failure, Heartbeat, Hello, Import, Lease, Refuse, Ticket, Want
 from hybridkv.wire.regions import GroupBlocks, GroupInfo, RegionInfo
 from hybridkv.wire.schema import KIND_OF as _KIND_OF
 from hybridkv.wire.schema import Message
 
 __all__ = [
-    "Bye", "Done", "Export", "Failure", "FailureCode", "GroupBlocks", "GroupInfo", "Heartbeat", "Hello",
+    "Auth", "Bye", "Done", "Export", "Failure", "FailureCode", "GroupBlocks", "GroupInfo", "Heartbeat", "Hello",
     "Import", "Kind", "Lease", "Mem", "Message", "Mode", "PROTOCOL_VERSION", "Refuse", "RegionInfo", "Role",
-    "GroupTable", "LayoutTable", "PlacementTable", "Want", "WireError", "check_blocks", "compat_differences", "compat_hash", "decode", "encode",
+    "GroupTable", "LayoutTable", "PlacementTable", "Ticket", "Want", "WireError", "check_blocks", "compat_differences", "compat_hash", "decode", "encode",
 ]

@@ -22,6 +22,7 @@ class Kind(enum.IntEnum):
     LEASE = 8
     BYE = 9
     WANT = 10
+    AUTH = 11  # protocol 2: before any Hello
 
 
 class Role(enum.IntEnum):

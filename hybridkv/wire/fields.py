@@ -162,6 +162,23 @@ class Digest:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Exact:
+    """Bytes of exactly ``size`` (or none, where ``empty``): a nonce, a proof, a capability token."""
+
+    size: int
+    empty: bool = False
+
+    def encode(self, value: Any) -> bytes:
+        return bytes(value)
+
+    def decode(self, raw: Any, name: str) -> bytes:
+        b = Blob(limit=self.size).decode(raw, name)
+        if len(b) != self.size and not (self.empty and not b):
+            raise WireError(f"{name} has {len(b)} bytes; expected {'0 or ' if self.empty else ''}{self.size}")
+        return b
+
+
+@dataclass(frozen=True, kw_only=True)
 class Int32s:
     """Non-negative ints as one little-endian int32 array: compact, and validated in one
     vectorised pass (a block list can hold millions)."""
@@ -262,6 +279,6 @@ class TextMap:
 
 
 __all__ = [
-    "Blob", "Choice", "Codec", "Digest", "Flag", "Float", "Int", "Int32s", "ListOf", "Named", "Nullable", "Text",
+    "Blob", "Choice", "Codec", "Digest", "Exact", "Flag", "Float", "Int", "Int32s", "ListOf", "Named", "Nullable", "Text",
     "TextMap", "expect_list", "expect_map",
 ]

@@ -9,9 +9,17 @@ from __future__ import annotations
 
 from hybridkv.errors import HybridKVError
 
-PROTOCOL_VERSION = 1
+# 2: the handshake authenticates both peers (Auth) before any Hello, and every message about one
+# request carries that request's capability token.
+PROTOCOL_VERSION = 2
 
 MAX_MESSAGE_BYTES = 16 << 20
+# Frames a peer may send before it proved the shared secret (its Auth messages): a few KiB,
+# so an unauthenticated connection costs the listener next to nothing.
+MAX_PREAUTH_BYTES = 4 << 10
+NONCE_BYTES = 32
+PROOF_BYTES = 32  # HMAC-SHA256
+TOKEN_BYTES = 16  # a request's capability: secrets.token_bytes, 128 bits
 MAX_METADATA_BYTES = 4 << 20
 MAX_NAME = 256
 MAX_TEXT = 4096
@@ -20,7 +28,7 @@ MAX_COMPAT_NAME = 64  # a compatibility field's name (also in a refusal's differ
 MAX_REGIONS = 4096
 MAX_GROUPS = 1024
 MAX_BLOCKS_PER_GROUP = 1 << 22
-MAX_REQUESTS_PER_HEARTBEAT = 65536
+MAX_REQUESTS_PER_HEARTBEAT = 1024  # a consumer renews more in several heartbeats
 MAX_READERS = 1024
 MAX_TP = 1 << 16
 MAX_LAYERS = 65536
@@ -37,6 +45,6 @@ class WireError(ValueError, HybridKVError):
 
 __all__ = [
     "MAX_ADDR", "MAX_BLOCKS_PER_GROUP", "MAX_COMPAT_FIELDS", "MAX_COMPAT_NAME", "MAX_FIELDS", "MAX_GROUPS",
-    "MAX_I32", "MAX_I63", "MAX_LAYERS", "MAX_LEASE_S", "MAX_MESSAGE_BYTES", "MAX_METADATA_BYTES", "MAX_NAME",
+    "MAX_I32", "MAX_I63", "MAX_LAYERS", "MAX_LEASE_S", "MAX_MESSAGE_BYTES", "MAX_METADATA_BYTES", "MAX_NAME", "MAX_PREAUTH_BYTES", "NONCE_BYTES", "PROOF_BYTES", "TOKEN_BYTES",
     "MAX_READERS", "MAX_REGIONS", "MAX_REQUESTS_PER_HEARTBEAT", "MAX_TEXT", "MAX_TP", "PROTOCOL_VERSION", "WireError",
 ]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from hybridkv.errors import Difference
 from hybridkv.wire.enums import FailureCode, Kind, Mode, Role
-from hybridkv.wire.fields import Blob, Choice, Digest, Flag, Float, Int, ListOf, Named, Nullable, Text, TextMap
+from hybridkv.wire.fields import Blob, Choice, Digest, Exact, Flag, Float, Int, ListOf, Named, Nullable, Text, TextMap
 from hybridkv.wire.layout_table import LayoutTable
 from hybridkv.wire.limits import (
     MAX_COMPAT_FIELDS,
@@ -25,6 +25,9 @@ from hybridkv.wire.limits import (
     MAX_READERS,
     MAX_REQUESTS_PER_HEARTBEAT,
     MAX_TEXT,
+    NONCE_BYTES,
+    PROOF_BYTES,
+    TOKEN_BYTES,
     WireError,
 )
 from hybridkv.wire.regions import BLOCKS, GROUPS, REGIONS, GroupBlocks, GroupInfo, RegionInfo
@@ -32,6 +35,11 @@ from hybridkv.wire.schema import Message, Record, Spec, message, on_wire, record
 
 REQUEST_ID = Named(label="request id", inner=Text(limit=MAX_NAME))
 LEASE_S = Float(lo=0.0, hi=MAX_LEASE_S)
+# A request's capability: whoever sends a message about a request must hold its token.
+TOKEN = Named(label="capability token", inner=Exact(size=TOKEN_BYTES))
+# Done and Failure may leave it empty in code (the producer stamps its own before sending); a
+# receiver still compares it with the request's, so an empty one names no request.
+_MAYBE_TOKEN = Named(label="capability token", inner=Exact(size=TOKEN_BYTES, empty=True))
 _MAYBE_NAME = Nullable(inner=Text(limit=MAX_NAME, empty=True))
 # Difference is the error hierarchy's type (hybridkv.errors), so its wire form is given here.
 _DIFFERENCE = Record(cls=Difference, specs=(
@@ -39,6 +47,25 @@ _DIFFERENCE = Record(cls=Difference, specs=(
     ("local", Spec(key="local", codec=_MAYBE_NAME)),
     ("remote", Spec(key="remote", codec=_MAYBE_NAME)),
 ))
+
+
+@message(Kind.AUTH)
+@dataclass(frozen=True, kw_only=True)
+class Auth(Message):
+    """The handshake's first messages, before any Hello: a fresh nonce, and an HMAC over both
+    nonces proving the shared secret (empty where the sender has none, or has nothing to prove
+    yet). Small: a listener reads at most ``MAX_PREAUTH_BYTES`` from an unproven peer."""
+
+    nonce: bytes = on_wire("nonce", Exact(size=NONCE_BYTES, empty=True))
+    proof: bytes = on_wire("proof", Exact(size=PROOF_BYTES, empty=True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ticket:
+    """A request named together with its capability token (a Heartbeat renews a list of them)."""
+
+    request_id: str = on_wire("rid", REQUEST_ID)
+    token: bytes = on_wire("token", TOKEN)
 
 
 @message(Kind.HELLO)
@@ -101,6 +128,7 @@ class Done(Message):
 
     request_id: str = on_wire("rid", REQUEST_ID)
     ok: bool = on_wire("ok", Flag())
+    token: bytes = on_wire("token", _MAYBE_TOKEN, default=b"")
 
 
 @message(Kind.FAILURE)
@@ -109,15 +137,16 @@ class Failure(Message):
     request_id: str = on_wire("rid", REQUEST_ID)
     code: FailureCode = on_wire("code", Choice(enum=FailureCode))
     detail: str = on_wire("detail", Text(limit=MAX_TEXT, empty=True))
+    token: bytes = on_wire("token", _MAYBE_TOKEN, default=b"")
 
 
 @message(Kind.HEARTBEAT)
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat(Message):
-    """Liveness, and lease renewal for the listed requests."""
+    """Liveness, and lease renewal for the listed requests (each with its token)."""
 
     seq: int = on_wire("seq", Int(lo=0, hi=MAX_I63))
-    request_ids: tuple[str, ...] = on_wire("rids", ListOf(item=REQUEST_ID, limit=MAX_REQUESTS_PER_HEARTBEAT))
+    tickets: tuple[Ticket, ...] = on_wire("tickets", ListOf(item=record_of(Ticket), limit=MAX_REQUESTS_PER_HEARTBEAT))
 
 
 @message(Kind.LEASE)
@@ -142,9 +171,10 @@ class Want(Message):
     (decode ranks reading different heads of one producer rank); any other claim is refused."""
 
     request_id: str = on_wire("rid", REQUEST_ID)
+    token: bytes = on_wire("token", TOKEN)
     readers: int = on_wire("readers", Int(lo=1, hi=MAX_READERS), default=1)
 
 
 require_every_kind()
 
-__all__ = ["Bye", "Done", "Export", "Failure", "Heartbeat", "Hello", "Import", "Lease", "Message", "Refuse", "Want"]
+__all__ = ["Auth", "Bye", "Done", "Export", "Failure", "Heartbeat", "Hello", "Import", "Lease", "Message", "Refuse", "Ticket", "Want"]

@@ -15,7 +15,7 @@ import traceback
 
 import numpy as np
 
-from tests.transport.peers import _await_inbox, _quiet, build, components
+from tests.transport.peers import SECRET, _await_inbox, _quiet, build, components, token
 
 
 def field_digests(layout, blocks: dict[int, list[int]], tokens: int) -> dict[str, str]:
@@ -55,12 +55,12 @@ def producer_main(opts, out, inbox) -> None:
 async def _producer(opts, out, inbox):
     from descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
-    from hybridkv.transport.endpoint import Pairing, Producer
+    from hybridkv.transport.endpoint import Pairing, Producer, TransportConfig
 
     tp, rank = opts["tp"], opts["rank"]
     layout, memory, _ = build(10 + rank, tp=tp, rank=rank, block=opts["block"])
     sched = TransferScheduler(_pools(layout), lease_s=30.0)
-    prod = Producer(memory, sched, planner=DescriptorPlanner(pairing=Pairing.FIELDS))
+    prod = Producer(memory, sched, TransportConfig(secret=SECRET), planner=DescriptorPlanner(pairing=Pairing.FIELDS))
     out.put(("addr", await prod.start()))
     plans = {}
     for step, (rid, tokens) in enumerate(opts["requests"], 1):
@@ -70,7 +70,7 @@ async def _producer(opts, out, inbox):
         sched.step_completed(step)
         sched.request_finished(rid, export=True)
     out.put(("fields", {rid: field_digests(layout, plans[rid], t) for rid, t in opts["requests"]}))
-    results = await asyncio.gather(*(prod.export(rid) for rid in plans))
+    results = await asyncio.gather(*(prod.export(rid, token=token(rid)) for rid in plans))
     sched.audit()
     out.put(("results", [(r.request_id, r.outcome.name, r.error) for r in results]))
     pools = sched.layout.pool_sizes
@@ -91,12 +91,12 @@ def consumer_main(opts, out, inbox) -> None:
 async def _consumer(opts, out, inbox):
     from descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
-    from hybridkv.transport.endpoint import Consumer, Pairing
+    from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
 
     tp, rank = opts["tp"], opts["rank"]
     layout, memory, _ = build(50 + rank, tp=tp, rank=rank, block=opts["block"])
     sched = TransferScheduler(_pools(layout), lease_s=30.0)
-    cons = Consumer(memory, sched, planner=DescriptorPlanner(pairing=Pairing.FIELDS))
+    cons = Consumer(memory, sched, TransportConfig(secret=SECRET), planner=DescriptorPlanner(pairing=Pairing.FIELDS))
     agents = [await cons.connect(host, port) for host, port in opts["addrs"]]
     plan = cons.prepared(agents)
     comps = components(layout)
@@ -107,7 +107,7 @@ async def _consumer(opts, out, inbox):
         for g in _counts(layout, tokens):
             sched.allocate(rid + "-pad", g, 1)
         plans[rid] = {g: list(sched.allocate(rid, g, n)) for g, n in _counts(layout, tokens).items()}
-    results = await asyncio.gather(*(cons.fetch(rid, comps, peers=agents, readers=opts["readers"])
+    results = await asyncio.gather(*(cons.fetch(rid, comps, token=token(rid), peers=agents, readers=opts["readers"])
                                      for rid in plans))
     sched.audit()
     out.put(("results", [(r.request_id, r.outcome.name, r.error, r.descriptors, r.nbytes, r.planned)

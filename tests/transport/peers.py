@@ -17,6 +17,16 @@ import traceback
 
 import numpy as np
 
+# Both peers prove this secret unless a test passes ``secret=None`` (unauthenticated) or another one.
+SECRET = b"hybridkv-tests-shared-secret-0123"
+
+
+def token(rid: str) -> bytes:
+    """The request's capability token, as a router would hand it over: here both processes derive
+    it the same way (a test fixture; a deployment issues auth.new_token() per request)."""
+    return hashlib.sha256(b"hybridkv-test-token:" + rid.encode()).digest()[:16]
+
+
 SMALL = dict(num_layers=4, num_kv_heads=1, num_k_heads=2, num_v_heads=2, head_dim=64, head_k_dim=32, head_v_dim=32)
 BLOCK = 16
 NUM_BLOCKS = {"attn": 64, "gdn": 8}
@@ -140,7 +150,10 @@ async def _producer(opts, out, inbox):
     # Blocks named by the test (``fragmentation``) come from an engine-owned pool, as vLLM's do.
     sched = TransferScheduler(pools, lease_s=opts.get("lease_s", 30.0), managed_pool=not opts.get("fragmentation"))
     cfg = TransportConfig(mode=wire.Mode[opts.get("mode", "PULL")],
-                          allowed_peers=tuple(opts.get("allowed_peers", ())))
+                          allowed_peers=tuple(opts.get("allowed_peers", ())), secret=opts.get("secret", SECRET),
+                          handshake_timeout_s=opts.get("handshake_timeout_s", 5.0),
+                          max_wants_per_peer=opts.get("max_wants_per_peer", 4096),
+                          idle_connection_s=opts.get("idle_connection_s", 10.0))
     prod = Producer(memory, sched, cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
     host, port = await prod.start()
     out.put(("addr", (host, port, os.getpid())))
@@ -172,7 +185,7 @@ async def _producer(opts, out, inbox):
     if opts.get("stall_before_export_s"):
         time.sleep(opts["stall_before_export_s"])  # the whole process stalls (loop blocked): a stuck prefill
     out.put(("digests", {rid: digest(layout, b) for rid, b in plans.items()}))
-    results = await asyncio.gather(*(prod.export(rid) for rid in plans))
+    results = await asyncio.gather(*(prod.export(rid, token=token(rid)) for rid in plans))
     for _ in range(int(opts.get("linger_s", 0) / 0.01)):
         await asyncio.sleep(0.01)  # let late notifications/leases arrive
     sched.poll()
@@ -227,7 +240,8 @@ async def _consumer(opts, out, inbox):
                               notify_reads=opts.get("notify_reads", False),
                               transfer_timeout_s=opts.get("transfer_timeout_s", 60.0),
                               handshake_retries=opts.get("handshake_retries", 2),
-                              handshake_backoff_s=opts.get("handshake_backoff_s", 0.5))
+                              handshake_backoff_s=opts.get("handshake_backoff_s", 0.5),
+                              secret=att.get("secret", opts.get("secret", SECRET)))
         cons = Consumer(memory, sched, cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
         if "protocol" in att:
             cons.compat["protocol"] = att["protocol"]
@@ -272,16 +286,16 @@ async def _run_requests(opts, out, inbox, layout, sched, cons):
         sched.step_scheduled(1, zeroing=[(g, b) for bl in plans.values() for g, bs in bl.items() for b in bs])
     if opts.get("wait_before_fetch_s"):
         for rid in plans:  # asked for up front: the Export (and its lease) comes while we are slow
-            await cons.want(rid)
+            await cons.want(rid, token=token(rid))
         await asyncio.sleep(opts["wait_before_fetch_s"])
     if opts.get("signal_before_fetch"):
         for rid in plans:
-            await cons.want(rid)
+            await cons.want(rid, token=token(rid))
         while not all(cons.exported(rid) for rid in plans):
             await asyncio.sleep(0.01)  # every Export arrived: the producer is committed
         out.put(("about_to_fetch", None))
         await _await_inbox(inbox, "go", cons)
-    results = await asyncio.gather(*(cons.fetch(rid, comps) for rid in plans))
+    results = await asyncio.gather(*(cons.fetch(rid, comps, token=token(rid)) for rid in plans))
     digests = {r.request_id: digest(layout, plans[r.request_id]) for r in results}
     if opts.get("duplicate_notif_fake"):
         # A misbehaving peer: completions repeated and for unknown requests.

@@ -33,7 +33,7 @@ def test_handshake_refused_on_each_mismatch():
             {"name": "dtype", "geo": {"ssm_dtype": DType.BFLOAT16}},
             {"name": "page_format", "geo": {"head_dim": 128}},
             {"name": "mode", "mode": "PUSH"},
-            {"name": "protocol_fake_peer", "protocol": "2"},
+            {"name": "protocol_fake_peer", "protocol": "1"},
             {"name": "compatible"},
         ]
         cons = consumer((host, port), attempts=attempts)

@@ -33,17 +33,21 @@ def _layout(rows=((1, 3, 0, 0, 32, 4), (1, 3, 1, 32, 32, 4))):
         placements=(wire.PlacementTable(region_id=0, rows=table),)),))
 
 
+TOKEN = bytes(range(16))
+
 SAMPLES = [
     _hello(),
     _hello(layout=_layout()),
-    wire.Want(request_id="r1", readers=2),
+    wire.Auth(nonce=bytes(32), proof=b""),
+    wire.Auth(nonce=b"", proof=b"\x01" * 32),
+    wire.Want(request_id="r1", token=TOKEN, readers=2),
     wire.Refuse(reason="incompatible", differences=(Difference(field="dtype", local="bf16", remote=None),)),
     wire.Export(request_id="r1", blocks=(wire.GroupBlocks(group_id=0, ids=(3, 1, 2)),
                                          wire.GroupBlocks(group_id=1, ids=(7,))), lease_s=12.5),
     wire.Import(request_id="r1", blocks=(wire.GroupBlocks(group_id=0, ids=()),)),
-    wire.Done(request_id="r1", ok=True),
-    wire.Failure(request_id="r1", code=wire.FailureCode.LEASE_EXPIRED, detail="late"),
-    wire.Heartbeat(seq=5, request_ids=("a", "b")),
+    wire.Done(request_id="r1", ok=True, token=TOKEN),
+    wire.Failure(request_id="r1", code=wire.FailureCode.LEASE_EXPIRED, detail="late", token=TOKEN),
+    wire.Heartbeat(seq=5, tickets=(wire.Ticket(request_id="a", token=TOKEN), wire.Ticket(request_id="b", token=TOKEN))),
     wire.Lease(request_id="r1", lease_s=0.0),
     wire.Bye(reason=""),
 ]
@@ -74,8 +78,10 @@ def test_a_kind_cannot_be_declared_twice():
     assert type(wire.decode(wire.encode(wire.Done(request_id="r", ok=True)))) is wire.Done
 
 
-# The exact bytes of a few messages, as the protocol has sent them since version 1: a peer
-# built from another commit must read them, so any change here is a protocol change.
+# The exact bytes of a few messages, as the protocol has sent them since version 2: a peer
+# built from another commit must read them, so any change here is a protocol change. Version 2
+# (from 1): "v" is 2, Done/Failure/Want carry the request's capability token (appended last),
+# Heartbeat carries (id, token) tickets, and Auth (kind 11) comes before any Hello.
 _PINNED_HELLO = wire.Hello(
     agent="p0", metadata=b"m", role=wire.Role.PRODUCER, mode=wire.Mode.PUSH, compat={"protocol": "1"},
     compat_hash=bytes(range(32)),
@@ -86,17 +92,26 @@ _PINNED_HELLO = wire.Hello(
         group_id=0, kind=1, block_tokens=8, window=0, layers=(3,),
         placements=(wire.PlacementTable(region_id=0, rows=np.array([(1, 3, 0, 0, 32, 4)], "<i8").tobytes()),)),)))
 PINNED = [
-    (wire.Done(request_id="r1", ok=True), "83a17601a16b05a16282a3726964a27231a26f6bc3"),
+    (wire.Done(request_id="r1", ok=True, token=TOKEN),
+     "83a17602a16b05a16283a3726964a27231a26f6bc3a5746f6b656ec410000102030405060708090a0b0c0d0e0f"),
     (wire.Export(request_id="r1", blocks=(wire.GroupBlocks(group_id=0, ids=(3, 1, 2)),
                                           wire.GroupBlocks(group_id=1, ids=(7,))), lease_s=12.5),
-     "83a17601a16b03a16283a3726964a27231a6626c6f636b73929200c40c0300000001000000020000009201c40407000000a76c6561"
+     "83a17602a16b03a16283a3726964a27231a6626c6f636b73929200c40c0300000001000000020000009201c40407000000a76c6561"
      "73655f73cb4029000000000000"),
     (wire.Refuse(reason="incompatible", differences=(Difference(field="dtype", local="bf16", remote=None),)),
-     "83a17601a16b02a16282a6726561736f6eac696e636f6d70617469626c65a564696666739193a56474797065a462663136c0"),
-    (wire.Failure(request_id="r1", code=wire.FailureCode.CLAIMED, detail="taken"),
-     "83a17601a16b06a16283a3726964a27231a4636f646506a664657461696ca574616b656e"),
+     "83a17602a16b02a16282a6726561736f6eac696e636f6d70617469626c65a564696666739193a56474797065a462663136c0"),
+    (wire.Failure(request_id="r1", code=wire.FailureCode.CLAIMED, detail="taken", token=TOKEN),
+     "83a17602a16b06a16284a3726964a27231a4636f646506a664657461696ca574616b656ea5746f6b656ec410000102030405060708"
+     "090a0b0c0d0e0f"),
+    (wire.Want(request_id="r1", token=TOKEN, readers=2),
+     "83a17602a16b0aa16283a3726964a27231a5746f6b656ec410000102030405060708090a0b0c0d0e0fa77265616465727302"),
+    (wire.Heartbeat(seq=5, tickets=(wire.Ticket(request_id="a", token=TOKEN),)),
+     "83a17602a16b07a16282a373657105a77469636b6574739192a161c410000102030405060708090a0b0c0d0e0f"),
+    (wire.Auth(nonce=bytes(range(32)), proof=b""),
+     "83a17602a16b0ba16282a56e6f6e6365c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa57072"
+     "6f6f66c400"),
     (_PINNED_HELLO,
-     "83a17601a16b01a1628aa56167656e74a27030a86d65746164617461c4016da4726f6c6501a46d6f646502a6636f6d70617481a870"
+     "83a17602a16b01a1628aa56167656e74a27030a86d65746164617461c4016da4726f6c6501a46d6f646502a6636f6d70617481a870"
      "726f746f636f6ca131a468617368c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa7726567"
      "696f6e73919700cd10004040020201a667726f7570739192009100a76c656173655f73cb403e000000000000a66c61796f757493"
      "0201919600010800c40403000000919200c4300100000000000000030000000000000000000000000000000000000000000000"
@@ -124,20 +139,20 @@ BAD = {
     "trailing bytes": wire.encode(SAMPLES[4]) + b"\x00",
     "not a map": msgpack.packb([1, 2, 3]),
     "extra top key": msgpack.packb({"v": 1, "k": 5, "b": {"rid": "r", "ok": True}, "x": 1}),
-    "unknown version": _raw(wire.Kind.DONE, {"rid": "r", "ok": True}, v=2),
+    "unknown version": _raw(wire.Kind.DONE, {"rid": "r", "ok": True}, v=1),
     "unknown kind": _raw(99, {}),
     "bool kind": msgpack.packb({"v": 1, "k": True, "b": {}}),
     "missing key": _raw(wire.Kind.DONE, {"rid": "r"}),
-    "wrong type": _raw(wire.Kind.DONE, {"rid": "r", "ok": 1}),
-    "empty rid": _raw(wire.Kind.DONE, {"rid": "", "ok": True}),
-    "oversized rid": _raw(wire.Kind.DONE, {"rid": "x" * 1000, "ok": True}),
+    "wrong type": _raw(wire.Kind.DONE, {"rid": "r", "ok": 1, "token": TOKEN}),
+    "empty rid": _raw(wire.Kind.DONE, {"rid": "", "ok": True, "token": TOKEN}),
+    "oversized rid": _raw(wire.Kind.DONE, {"rid": "x" * 1000, "ok": True, "token": TOKEN}),
     "negative block id": _raw(wire.Kind.IMPORT, {"rid": "r", "blocks": [[0, np.array([-1], "<i4").tobytes()]]}),
     "ragged block ids": _raw(wire.Kind.IMPORT, {"rid": "r", "blocks": [[0, b"\x00\x00\x00"]]}),
     "repeated block id": _raw(wire.Kind.IMPORT, {"rid": "r", "blocks": [[0, np.array([1, 1], "<i4").tobytes()]]}),
     "repeated group": _raw(wire.Kind.IMPORT, {"rid": "r", "blocks": [[0, b""], [0, b""]]}),
     "negative lease": _raw(wire.Kind.LEASE, {"rid": "r", "lease_s": -1.0}),
     "nan lease": _raw(wire.Kind.LEASE, {"rid": "r", "lease_s": float("nan")}),
-    "huge seq": _raw(wire.Kind.HEARTBEAT, {"seq": 1 << 64 - 1, "rids": []}),
+    "huge seq": _raw(wire.Kind.HEARTBEAT, {"seq": 1 << 64 - 1, "tickets": []}),
     "hostile nesting": b"\x91" * 100_000 + b"\xc0",
     "ext type": msgpack.packb(msgpack.ExtType(5, b"xx")),
     "bad utf8": b"\x81\xa1v\xa2\xff\xfe",
@@ -147,8 +162,17 @@ BAD = {
     "region past 2^64": _raw(wire.Kind.HELLO, {**_body(_hello()), "regions": [[0, (1 << 64) - 64, 64, 64, 10, 1, 0]]}),
     "group names unknown region": _raw(wire.Kind.HELLO, {**_body(_hello()), "groups": [[0, [3]]]}),
     "short hash": _raw(wire.Kind.HELLO, {**_body(_hello()), "hash": b"abc"}),
-    "want no readers": _raw(wire.Kind.WANT, {"rid": "r", "readers": 0}),
-    "want huge readers": _raw(wire.Kind.WANT, {"rid": "r", "readers": wire.MAX_READERS + 1}),
+    "want no readers": _raw(wire.Kind.WANT, {"rid": "r", "token": TOKEN, "readers": 0}),
+    "want huge readers": _raw(wire.Kind.WANT, {"rid": "r", "token": TOKEN, "readers": wire.MAX_READERS + 1}),
+    "want without token": _raw(wire.Kind.WANT, {"rid": "r", "readers": 1}),
+    "want empty token": _raw(wire.Kind.WANT, {"rid": "r", "token": b"", "readers": 1}),
+    "want short token": _raw(wire.Kind.WANT, {"rid": "r", "token": TOKEN[:15], "readers": 1}),
+    "done long token": _raw(wire.Kind.DONE, {"rid": "r", "ok": True, "token": TOKEN + b"x"}),
+    "heartbeat ticket without token": _raw(wire.Kind.HEARTBEAT, {"seq": 1, "tickets": [["a"]]}),
+    "heartbeat too many tickets": _raw(wire.Kind.HEARTBEAT, {
+        "seq": 1, "tickets": [["a", TOKEN]] * (wire.MAX_REQUESTS_PER_HEARTBEAT + 1)}),
+    "auth short nonce": _raw(wire.Kind.AUTH, {"nonce": b"x" * 31, "proof": b""}),
+    "auth short proof": _raw(wire.Kind.AUTH, {"nonce": b"", "proof": b"x" * 31}),
     "layout field past page": _raw(wire.Kind.HELLO, {**_body(_hello(layout=_layout(((1, 3, 0, 40, 32, 4),))))}),
     # offset + nbytes wraps an int64: the end check must not see it as ending early
     "layout field end wraps": _raw(wire.Kind.HELLO, {**_body(_hello(layout=_layout(((1, 3, 0, 2**63 - 1, 4, 4),))))}),
@@ -170,11 +194,11 @@ def test_malformed_is_wire_error(name):
 
 # A refusal names the field, the bad value and what was expected.
 REASONS = {
-    "missing key": r"^done body has keys \['rid'\]; expected \['ok', 'rid'\]$",
+    "missing key": r"^done body has keys \['rid'\]; expected \['ok', 'rid', 'token'\]$",
     "wrong type": r"^done\.ok is int; expected a bool$",
     "empty rid": r"^request id has length 0; expected 1\.\.256$",
-    "unknown kind": r"^kind = 99; expected one of \[1, 2, 3, 4, 5, 6, 7, 8, 9, 10\]$",
-    "unknown version": r"^protocol version 2; expected 1$",
+    "unknown kind": r"^kind = 99; expected one of \[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11\]$",
+    "unknown version": r"^protocol version 1; expected 2$",
     "negative block id": r"^import\.blocks\[0\]\.ids has negative id -1; expected ids >= 0$",
     "repeated group": r"^import\.blocks lists group 0 twice; expected each group once$",
     "nan lease": r"^lease\.lease_s = nan; expected a finite number in 0\.0\.\.86400\.0$",

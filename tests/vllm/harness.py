@@ -190,7 +190,15 @@ def remote_prefill_params(rid: str, *, groups: int, blocks_per_group: int = 2) -
         "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-engine",
         "remote_request_id": f"p-{rid}", "remote_host": "127.0.0.1", "remote_port": 5600,
         "remote_block_ids": [list(range(1, 1 + blocks_per_group))] * groups, "tp_size": 1,
+        "remote_capability": token(f"p-{rid}").hex(),
     }
+
+
+def token(rid: str) -> bytes:
+    """A request's capability token, the same in every test process (a deployment issues a random one)."""
+    import hashlib
+
+    return hashlib.sha256(b"hybridkv-test-token:" + rid.encode()).digest()[:16]
 
 
 @dataclass

@@ -20,7 +20,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import os
 import sys
+import tempfile
 import time
 
 
@@ -70,7 +72,11 @@ def main() -> int:
 
     cmd = json.loads(sys.stdin.readline())
     role = cmd["role"]
-    extra = {"tp_rank": cmd["rank"], "kv_lease_duration": 60}
+    # Every rank proves one shared secret, read from a file as a deployment would (each rank its own copy).
+    secret_file = os.path.join(tempfile.mkdtemp(prefix="hkv-rank-peer-"), "secret")
+    with open(secret_file, "w") as f:
+        f.write("rank-peers-shared-secret-0123456789\n")
+    extra = {"tp_rank": cmd["rank"], "kv_lease_duration": 60, "secret_file": secret_file}
     if role == "producer":
         extra["side_channel_port"] = cmd["port"]
         extra["side_channel_host"] = cmd.get("host", "127.0.0.1")
@@ -102,7 +108,8 @@ def main() -> int:
               flush=True)
         sys.stdin.readline()  # go
         meta = HybridKVConnectorMetadata(step=1, exports_ready={rid: tuple(tuple(g) for g in b)
-                                                                for rid, b in blocks.items()})
+                                                                for rid, b in blocks.items()},
+                                         capabilities={rid: h.token(rid) for rid in blocks})
         conn.bind_connector_metadata(meta)
         conn.start_load_kv(None)
         conn.clear_connector_metadata()
@@ -118,7 +125,7 @@ def main() -> int:
             local[rid] = (ids, tokens)
             remote = RemotePrefill(engine_id="producer-engine", request_id=rid, host="127.0.0.1",
                                    port=cmd["remote_port"], block_ids=tuple(tuple(g) for g in remote_blocks),
-                                   tp_size=cmd["remote_tp"],
+                                   token=h.token(rid), tp_size=cmd["remote_tp"],
                                    ranks=tuple(RankAddress.from_json(a, what="remote_ranks")
                                                for a in cmd.get("remote_ranks", ())))
             orders.append(RecvOrder(request_id=rid, transfer_id=i + 1, local_block_ids=tuple(tuple(g) for g in ids),

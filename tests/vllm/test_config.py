@@ -21,6 +21,8 @@ DEFAULTS = {
     "kv_lease_duration": 30.0,
     "export_timeout_s": 30.0,
     "allowed_peers": (),
+    "secret_file": None,
+    "secret_env": None,
     "tp_rank": None,
     "hybridkv_fence_policy": FencePolicy.FENCED,
 }
@@ -46,6 +48,8 @@ def test_defaults_live_in_one_place():
     ("allowed_peers", "10.0.0.0/8, 127.0.0.1", ("10.0.0.0/8", "127.0.0.1")),
     ("allowed_peers", ["10.0.0.0/8", "fd00::/8"], ("10.0.0.0/8", "fd00::/8")),
     ("allowed_peers", "", ()),
+    ("secret_file", "/etc/hybridkv/secret", "/etc/hybridkv/secret"),
+    ("secret_env", " HYBRIDKV_SECRET ", "HYBRIDKV_SECRET"),
     ("tp_rank", 3, 3),
     ("tp_rank", None, None),
     ("hybridkv_fence_policy", "none", FencePolicy.NONE),
@@ -175,3 +179,29 @@ def test_a_bad_key_stops_either_half_at_startup(role):
     with pytest.raises(ValueError, match=r"\['kv_lease_duration'\] = 'soon'; expected a positive number"):
         KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole[role],
                                             kv_cache_config=h.make_kv_cache_config(vc))
+
+
+def test_the_secret_comes_from_a_file_or_an_environment_variable(tmp_path, monkeypatch):
+    path = tmp_path / "secret"
+    path.write_bytes(b"0123456789abcdef-file\n")
+    assert HybridKVVllmConfig.from_extra_config({"secret_file": str(path)}).secret() == b"0123456789abcdef-file"
+    monkeypatch.setenv("HKV_TEST_SECRET", "0123456789abcdef-env")
+    assert HybridKVVllmConfig.from_extra_config({"secret_env": "HKV_TEST_SECRET"}).secret() == b"0123456789abcdef-env"
+    assert HybridKVVllmConfig().secret() is None  # unauthenticated: the transport warns at start-up
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"secret_file": "/nonexistent/hkv-secret"}, r"\['secret_file'\]: secret file '/nonexistent/hkv-secret' cannot be read"),
+    ({"secret_env": "HKV_UNSET_SECRET"}, r"\['secret_env'\]: environment variable 'HKV_UNSET_SECRET' is not set"),
+    ({"secret_env": "HKV_SHORT_SECRET"}, r"has 5 bytes; expected at least 16"),
+])
+def test_an_unusable_secret_fails_at_start_up_naming_its_key(extra, message, monkeypatch):
+    monkeypatch.delenv("HKV_UNSET_SECRET", raising=False)
+    monkeypatch.setenv("HKV_SHORT_SECRET", "short")
+    with pytest.raises(ValueError, match=message):
+        HybridKVVllmConfig.from_extra_config(extra).secret()
+
+
+def test_both_secret_sources_are_refused():
+    with pytest.raises(ValueError, match="sets both 'secret_file' and 'secret_env'"):
+        HybridKVVllmConfig.from_extra_config({"secret_file": "/a", "secret_env": "B"})

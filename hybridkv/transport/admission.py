@@ -1,0 +1,185 @@
+"""Who the producer lets in: its side of the handshake, and the listener's bounds.
+
+:class:`_Admission` is a base of :class:`~hybridkv.transport.producer.Producer`. A connection
+first proves the shared secret (:mod:`hybridkv.transport.auth`), reading at most
+``wire.MAX_PREAUTH_BYTES`` per frame until it has, then sends its Hello; only then is its NIXL
+agent added and the producer's Hello (metadata, region table) sent. A peer that has not proved the
+secret is told "refused" and nothing more. Around that, from the producer's pump: messages queued
+under ucxx tags nobody receives are drained (a flood of them closes every connection still
+unproven), and TCP connections on the listener port that never become a channel are shut down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from hybridkv import wire
+from hybridkv.errors import HandshakeRefused, PeerLost, ProtocolViolation
+from hybridkv.transport import auth, control
+from hybridkv.transport.memory import MemoryMap
+from hybridkv.transport.side import _Peer, _send_quietly
+
+log = logging.getLogger(__name__)
+
+
+class _Admission:
+    """The producer's admission: mixed into Producer, which provides peers, stats, config, dp,
+    hello(), check_hello(), _serve() and _peer_lost()."""
+
+    def _init_admission(self) -> None:
+        self._handshaking = 0
+        self._unproven: dict[control.Channel, float] = {}  # channels in their handshake -> when they opened
+        self._drain = control.Drainer()
+        self._channels: set[control.Channel] = set()  # every control channel open now
+        self._strays: control.StrayConnections | None = None
+        self._next_sweep = 0.0
+
+    async def _accept(self, ch: control.Channel) -> None:
+        self._channels.add(ch)
+        try:
+            await self._accept_channel(ch)
+        finally:
+            self._channels.discard(ch)
+
+    async def _accept_channel(self, ch: control.Channel) -> None:
+        if self._handshaking >= self.config.max_handshakes:
+            # A flood of connections that never finish the handshake: each costs a task and a UCX
+            # endpoint until its timeout, so past the bound a new one is closed unread.
+            self.stats.refused += 1
+            self.stats.unauthenticated += 1
+            await ch.close()
+            return
+        self._handshaking += 1
+        self._unproven[ch] = time.monotonic()
+        try:
+            got = await self._handshake_or_refusal(ch)
+            if not isinstance(got, tuple):
+                self.stats.refused += 1
+                reason, diffs = (str(got), got.differences) if isinstance(got, HandshakeRefused) else (_REFUSED, ())
+                await _send_quietly(ch, wire.Refuse(reason=reason[: wire.MAX_TEXT], differences=diffs))
+                # A moment before closing, in the handshake's slot: a consumer that sent its Hello
+                # right behind its proof reads the refusal instead of a reset.
+                await asyncio.sleep(_REFUSE_LINGER_S)
+                await ch.close()
+                return
+        finally:
+            self._handshaking -= 1
+            self._unproven.pop(ch, None)
+        msg, remote = got
+        peer = _Peer(agent=msg.agent, channel=ch, memory=remote, lease_s=msg.lease_s)
+        self.peers[peer.agent] = peer
+        try:
+            await ch.send(self.hello())
+        except PeerLost:
+            self._peer_lost(peer)
+            return
+        self._connected.set()
+        await self._serve(peer)
+
+    async def _handshake_or_refusal(self, ch: control.Channel):
+        """(Hello, memory map) of a peer let in; else what to refuse it with: a HandshakeRefused
+        (an authenticated peer hears what differs) or None ("refused", nothing more)."""
+        proven: list[bool] = []  # the handshake appends once the peer proved the secret
+        try:
+            return await asyncio.wait_for(self._handshake(ch, proven), self.config.handshake_timeout_s)
+        except asyncio.TimeoutError:
+            self.stats.unauthenticated += not proven
+            log.info("refused a control connection: no handshake within %s s", self.config.handshake_timeout_s)
+        except _Unproven as exc:
+            self.stats.unauthenticated += 1
+            log.info("refused a control connection before authentication: %s", exc)
+        except HandshakeRefused as exc:
+            if self.config.secret is None:
+                # Unauthenticated peers learn nothing of ours: the differences are logged here only.
+                log.warning("refused a consumer's handshake: %s", exc)
+                return HandshakeRefused(_REFUSED)
+            return exc
+        except (PeerLost, ProtocolViolation, wire.WireError) as exc:
+            log.info("refused a control connection: handshake failed: %s", exc)
+        except Exception as exc:  # nothing a peer sends may end the listener's task with a traceback
+            log.warning("refused a control connection: handshake failed: %s: %s", type(exc).__name__, exc)
+        return None
+
+    async def _handshake(self, ch: control.Channel, proven: list) -> tuple[wire.Hello, MemoryMap]:
+        """Auth both ways, then the consumer's Hello; its NIXL agent is added only once both
+        held. Raises _Unproven (the peer learns "refused"), HandshakeRefused (an authenticated
+        peer learns what differs) or a transport error."""
+        secret = self.config.secret
+        knock = await _recv_unproven(ch)
+        if not isinstance(knock, wire.Auth) or len(knock.nonce) != wire.NONCE_BYTES:
+            raise _Unproven(f"first message is {type(knock).__name__}; expected Auth with a nonce")
+        nonce = auth.new_nonce()
+        proof = auth.producer_proof(secret, knock.nonce, nonce) if secret is not None else b""
+        await ch.send(wire.Auth(nonce=nonce, proof=proof))
+        answer = await _recv_unproven(ch)
+        if not isinstance(answer, wire.Auth):
+            raise _Unproven(f"second message is {type(answer).__name__}; expected Auth")
+        if secret is not None and not auth.proven(auth.consumer_proof(secret, knock.nonce, nonce), answer.proof):
+            raise _Unproven("the peer did not prove the shared secret")
+        proven.append(True)
+        self._unproven.pop(ch, None)
+        msg = await ch.recv()
+        if not isinstance(msg, wire.Hello):
+            raise ProtocolViolation(f"message after Auth is {type(msg).__name__}; expected Hello")
+        remote = self.check_hello(msg)
+        if msg.agent in self.peers or msg.agent == self.dp.name:
+            raise HandshakeRefused("a peer of that NIXL agent name is already connected", [
+                wire.Difference(field="agent", local=None, remote=msg.agent)])
+        try:
+            agent = self.dp.add_peer(msg.metadata, remote)
+        except Exception as exc:  # NIXL refused the metadata (forged, or of another build)
+            raise HandshakeRefused(f"NIXL refused the peer's metadata: {type(exc).__name__}") from exc
+        if agent != msg.agent:
+            if agent not in self.peers:
+                self._drop_agent(agent)
+            raise HandshakeRefused("the peer's NIXL metadata names another agent than its Hello", [
+                wire.Difference(field="agent", local=agent, remote=msg.agent)])
+        return msg, remote
+
+    def _drop_agent(self, agent: str) -> None:
+        try:
+            self.dp.remove_peer(agent)
+        except Exception:
+            pass
+
+    def _drain_queued(self) -> None:
+        now = time.monotonic()
+        if self._strays is not None and now >= self._next_sweep:
+            self._next_sweep = now + min(1.0, self.config.idle_connection_s / 4)
+            self.stats.swept += self._strays({ch.peer for ch in self._channels})
+        dropped = self._drain()
+        self.stats.drained += dropped
+        if dropped < _FLOOD_MESSAGES:
+            return  # a closed channel's leftovers, not a flood
+        # Messages under made-up tags come from a peer that bypasses the channel; UCX cannot say
+        # which, and its buffers grow faster than they drain. A consumer proves the secret within
+        # milliseconds of connecting, so a connection still unproven this long into a flood is
+        # closed: the flood costs the flooder its connection.
+        now = time.monotonic()
+        for ch, opened in list(self._unproven.items()):
+            if now - opened > _FLOOD_UNPROVEN_S:
+                del self._unproven[ch]
+                self.stats.cut_off += 1
+                asyncio.ensure_future(ch.close())
+
+
+_REFUSED = "refused"  # all an unauthenticated peer is told
+_REFUSE_LINGER_S = 0.2
+_FLOOD_MESSAGES = 32  # dropped in one pump tick: a flood under made-up tags is going on
+_FLOOD_UNPROVEN_S = 0.25  # then connections unproven for longer than this are closed
+
+
+class _Unproven(Exception):
+    """The peer did not authenticate: it is told "refused" and nothing more."""
+
+
+async def _recv_unproven(ch: control.Channel) -> wire.Message:
+    try:
+        return await ch.recv(limit=wire.MAX_PREAUTH_BYTES)
+    except wire.WireError as exc:  # a long frame or garbage before any proof
+        raise _Unproven(str(exc)) from None
+
+
+__all__: list[str] = []

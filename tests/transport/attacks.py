@@ -1,0 +1,449 @@
+"""Attacks on a producer from the same host (issue 26), and the table of what each cost it.
+
+A real producer process exports real requests; an attacker process (ucxx, NIXL and raw sockets,
+loopback only) runs one or more attacks; then a legitimate consumer fetches every request and
+must get it byte for byte while the producer frees every block. A monitor thread samples the
+producer's RSS, open file descriptors and CPU time throughout.
+
+    python -m tests.transport.attacks [--scale N] [--json]     # the table for the closing note
+
+``tests/transport/test_attacks.py`` runs every attack at a small scale against one producer in CI.
+
+Attacks (``ATTACKS``):
+- ``no_secret``: a real consumer without the secret, then one with a wrong secret, asks to connect.
+- ``forged_hello``: a valid Hello (real NIXL metadata) as the first frame, then after an Auth with a
+  forged proof.
+- ``big_frames``: connections that each announce and send a 16 MiB frame before any Hello.
+- ``unknown_tags``: connections that never handshake and send messages under ucxx tags nobody receives.
+- ``raw_tcp``: plain TCP connections sending garbage to the listener port, held open a while.
+- ``claim``: an authenticated peer asks for, renews and ends the legitimate consumer's request with
+  a guessed token, and renews ids that do not exist.
+- ``heartbeat_flood``: an authenticated peer sends Heartbeats of 1,024 guessed tickets as fast as it can.
+- ``want_flood``: an authenticated peer sends Wants for random ids (65,536 at full scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+import traceback
+
+from tests.transport import harness, peers
+
+ATTACKS = ("no_secret", "forged_hello", "big_frames", "unknown_tags", "raw_tcp", "claim", "heartbeat_flood",
+           "want_flood")
+REQUESTS = [("r-legit", 200, False), ("r-legit2", 60, True)]
+
+#: per attack, at scale 1 (CI); the table multiplies the counts by --scale
+SMALL = {"connections": 8, "tag_seconds": 1.5, "tag_bytes": 4096, "heartbeats": 40, "wants": 600, "hold_s": 3.0}
+#: the producer's Want bound per peer at scale 1 (its default, 4096, at larger scales)
+SMALL_WANTS_PER_PEER = 256
+
+
+# ============================================================== the attacker process
+def attacker_main(opts: dict, out, inbox) -> None:
+    peers._quiet()
+    try:
+        out.put(("report", asyncio.run(_attack_all(opts))))
+    except BaseException as exc:
+        out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+async def _attack_all(opts: dict) -> dict:
+    reports = {}
+    for name in opts["attacks"]:
+        t0 = time.monotonic()
+        reports[name] = await _ATTACKS[name](opts)
+        reports[name]["seconds"] = round(time.monotonic() - t0, 2)
+    for cons in [*_CONSUMERS.values(), *_INSIDERS]:
+        await cons.close()
+    return reports
+
+
+_CONSUMERS: dict = {}
+_INSIDERS: list = []
+
+
+def _consumer(secret):
+    """A consumer endpoint (layout, NIXL agent) per secret, made once: its Hello is what a real one sends."""
+    if secret not in _CONSUMERS:
+        _CONSUMERS[secret] = _new_consumer(secret)
+    return _CONSUMERS[secret]
+
+
+def _new_consumer(secret):
+    from descriptors.planning import DescriptorPlanner
+    from hybridkv.fencing.scheduler import TransferScheduler
+    from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
+
+    layout, memory, pools = peers.build(3)
+    cfg = TransportConfig(secret=secret, handshake_timeout_s=5.0)
+    return Consumer(memory, TransferScheduler(pools, lease_s=30.0), cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
+
+
+async def _no_secret(opts) -> dict:
+    from hybridkv.errors import HybridKVError
+
+    said = []
+    for secret in (None, b"not-the-shared-secret-0123456789"):
+        cons = _consumer(secret)
+        try:
+            await cons.connect(*opts["addr"])
+            said.append("connected")
+        except HybridKVError as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+        _CONSUMERS.pop(secret)
+        await cons.close()  # connect() may have started its pump: not reused
+    return {"said": said}
+
+
+async def _dial():
+    from hybridkv.transport import control
+
+    return await control.dial(*_ADDR, timeout_s=5.0)
+
+
+async def _reply(ch, timeout_s=3.0):
+    from hybridkv.errors import PeerLost
+
+    try:
+        return await asyncio.wait_for(ch.recv(), timeout_s)
+    except (asyncio.TimeoutError, PeerLost) as exc:
+        return type(exc).__name__
+
+
+def _describe(msg) -> str:
+    from hybridkv import wire
+
+    if isinstance(msg, wire.Refuse):
+        return f"Refuse({msg.reason!r}, differences={len(msg.differences)})"
+    return msg if isinstance(msg, str) else type(msg).__name__
+
+
+async def _forged_hello(opts) -> dict:
+    from hybridkv import wire
+
+    cons = _consumer(None)
+    hello = cons.hello()
+    said = []
+    ch = await _dial()
+    await ch.send(hello)  # a Hello first, as protocol 1 had it
+    said.append(_describe(await _reply(ch)))
+    await ch.close()
+    ch = await _dial()
+    await ch.send(wire.Auth(nonce=secrets.token_bytes(32), proof=b""))
+    said.append(_describe(await _reply(ch)))
+    await ch.send(wire.Auth(nonce=b"", proof=secrets.token_bytes(32)))  # a guessed proof
+    await ch.send(hello)
+    said.append(_describe(await _reply(ch)))
+    await ch.close()
+    return {"said": said}
+
+
+async def _big_frames(opts) -> dict:
+    import numpy as np
+
+    from hybridkv import wire
+
+    n = opts["connections"]
+    body = np.zeros(wire.MAX_MESSAGE_BYTES, dtype=np.uint8)
+
+    async def one():
+        ch = await _dial()
+        await ch._ep.send(np.array([wire.MAX_MESSAGE_BYTES], dtype="<u8"))
+        sent = asyncio.ensure_future(ch._ep.send(body))
+        got = _describe(await _reply(ch))
+        sent.cancel()
+        await ch.close()
+        return got
+
+    said = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+    return {"said": sorted({str(s) for s in said}), "connections": n}
+
+
+async def _unknown_tags(opts) -> dict:
+    import numpy as np
+
+    n, size, seconds = opts["connections"], opts["tag_bytes"], opts["tag_seconds"]
+    buf = np.ones(size, dtype=np.uint8)
+    sent = [0]
+
+    async def one():
+        ch = await _dial()
+        stop = time.monotonic() + seconds
+        try:
+            while time.monotonic() < stop:  # 64 sends in flight at a time: as fast as UCX takes them
+                await asyncio.wait_for(asyncio.gather(*(ch._ep.send(buf, tag=secrets.randbits(63), force_tag=True)
+                                                        for _ in range(64))), 2.0)
+                sent[0] += 64 * size
+        except Exception:
+            pass
+        await ch.close()
+
+    await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+    return {"sent_mb": round(sent[0] / 1e6, 1), "connections": n}
+
+
+async def _raw_tcp(opts) -> dict:
+    n, hold = opts["connections"] * 8, opts["hold_s"]
+    socks = []
+    for _ in range(n):
+        try:
+            s = socket.create_connection(_ADDR, timeout=2.0)
+            s.sendall(secrets.token_bytes(256))
+            socks.append(s)
+        except OSError:
+            break
+    await asyncio.sleep(hold)
+    ended = 0
+    for s in socks:  # did the producer's side end the connection while we held it open?
+        s.setblocking(False)
+        try:
+            ended += s.recv(1 << 16) == b""
+        except BlockingIOError:
+            pass
+        except OSError:
+            ended += 1
+        s.close()
+    return {"connections": len(socks), "ended_by_producer": ended}
+
+
+async def _authenticated():
+    """A raw channel that passed the handshake with the shared secret (an insider)."""
+    from hybridkv import wire
+    from hybridkv.transport import auth
+
+    cons = _new_consumer(peers.SECRET)  # its own agent name: a name already connected is refused
+    _INSIDERS.append(cons)
+    ch = await _dial()
+    nonce = auth.new_nonce()
+    await ch.send(wire.Auth(nonce=nonce, proof=b""))
+    r = await ch.recv()
+    await ch.send(wire.Auth(nonce=b"", proof=auth.consumer_proof(peers.SECRET, nonce, r.nonce)))
+    await ch.send(cons.hello())
+    hello = await ch.recv()
+    if not isinstance(hello, wire.Hello):
+        raise RuntimeError(f"the insider's handshake failed: {hello}")
+    return cons, ch
+
+
+async def _collect(ch, seconds: float) -> list:
+    got = []
+    stop = time.monotonic() + seconds
+    while time.monotonic() < stop:
+        msg = await _reply(ch, max(0.05, stop - time.monotonic()))
+        if isinstance(msg, str):
+            if msg != "TimeoutError":
+                got.append(msg)
+                break
+            continue
+        got.append(msg)
+    return got
+
+
+async def _claim(opts) -> dict:
+    from hybridkv import wire
+
+    cons, ch = await _authenticated()
+    rid = REQUESTS[0][0]
+    guess = secrets.token_bytes(16)
+    await ch.send(wire.Want(request_id=rid, token=guess))
+    await asyncio.sleep(1.0)  # the export starts meanwhile (the producer saw a peer)
+    await ch.send(wire.Want(request_id=REQUESTS[1][0], token=guess))
+    await ch.send(wire.Heartbeat(seq=1, tickets=(wire.Ticket(request_id=rid, token=guess),
+                                                 wire.Ticket(request_id="never-existed", token=guess))))
+    await ch.send(wire.Done(request_id=rid, ok=False, token=guess))
+    await ch.send(wire.Failure(request_id=rid, code=wire.FailureCode.ABORTED, detail="x", token=guess))
+    got = await _collect(ch, 1.0)
+    await ch.close()
+    leases = {m.request_id: m.lease_s for m in got if isinstance(m, wire.Lease)}
+    return {"replies": sorted(_describe(m) for m in got), "leases": leases}
+
+
+async def _heartbeat_flood(opts) -> dict:
+    from hybridkv import wire
+
+    cons, ch = await _authenticated()
+    tickets = tuple(wire.Ticket(request_id=f"guess-{i}", token=secrets.token_bytes(16))
+                    for i in range(wire.MAX_REQUESTS_PER_HEARTBEAT))
+    sent = 0
+    for i in range(opts["heartbeats"]):
+        try:
+            await asyncio.wait_for(ch.send(wire.Heartbeat(seq=i, tickets=tickets)), 2.0)
+            sent += 1
+        except Exception:
+            break
+    await asyncio.sleep(0.5)
+    await ch.close()
+    return {"heartbeats": sent, "ids": sent * len(tickets)}
+
+
+async def _want_flood(opts) -> dict:
+    from hybridkv import wire
+
+    cons, ch = await _authenticated()
+    token = secrets.token_bytes(16)
+    sent = 0
+    reader = asyncio.ensure_future(_collect(ch, 30.0))
+    for i in range(opts["wants"]):
+        if reader.done():
+            break  # the producer closed the channel
+        try:
+            await asyncio.wait_for(ch.send(wire.Want(request_id=f"flood-{i}", token=token)), 2.0)
+            sent += 1
+        except Exception:
+            break
+    got = await asyncio.wait_for(reader, 35.0)
+    await ch.close()
+    return {"wants_sent": sent, "ended_with": _describe(got[-1]) if got else None}
+
+
+_ATTACKS = {"no_secret": _no_secret, "forged_hello": _forged_hello, "big_frames": _big_frames,
+            "unknown_tags": _unknown_tags, "raw_tcp": _raw_tcp, "claim": _claim,
+            "heartbeat_flood": _heartbeat_flood, "want_flood": _want_flood}
+_ADDR: tuple[str, int] = ("127.0.0.1", 0)
+
+
+def _attacker_entry(opts: dict, out, inbox) -> None:
+    global _ADDR
+    _ADDR = tuple(opts["addr"])
+    attacker_main(opts, out, inbox)
+
+
+# ============================================================== the producer, watched
+def _sample(pid: int) -> dict:
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return {"rss": rss, "fds": fds, "cpu": cpu, "t": time.monotonic()}
+
+
+class Monitor(threading.Thread):
+    def __init__(self, pid: int, every_s: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every_s = pid, every_s
+        self.samples: list[dict] = [_sample(pid)]
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.every_s):
+            try:
+                self.samples.append(_sample(self.pid))
+            except (OSError, StopIteration):
+                return
+
+    def mark(self) -> int:
+        self.samples.append(_sample(self.pid))
+        return len(self.samples) - 1
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(2)
+
+
+def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: float = 2.0,
+        idle_connection_s: float = 1.5, **over) -> dict:
+    """Producer, attacks, then the legitimate consumer; what the producer paid and what the
+    consumer got. Raises AssertionError (with the processes' words) where a process failed."""
+    knobs = {k: (v * scale if k in ("connections", "heartbeats", "wants") else v) for k, v in SMALL.items()}
+    if scale > 1:
+        knobs["wants"] = max(knobs["wants"], 65536)
+    knobs.update(over)
+    prod = harness.producer(requests=REQUESTS, handshake_timeout_s=handshake_timeout_s, peer_timeout_s=120.0,
+                            linger_s=0.5, max_wants_per_peer=SMALL_WANTS_PER_PEER if scale == 1 else 4096,
+                            idle_connection_s=idle_connection_s)
+    try:
+        host, port, pid = prod.expect("addr")
+        mon = Monitor(pid)
+        mon.start()
+        time.sleep(0.3)
+        before = mon.mark()
+        cpu0 = mon.samples[before]
+        att = harness.Proc(_attacker_entry, {"attacks": list(attacks), "addr": (host, port), **knobs})
+        try:
+            reports = att.expect("report", 120.0)
+        finally:
+            att.p.join(20)
+            if att.p.is_alive():
+                att.p.kill()
+        attacked = mon.mark()
+        time.sleep(settle_s)
+        settled = mon.mark()
+        cons = harness.consumer((host, port), requests=REQUESTS)
+        sent = prod.expect("digests")
+        results = cons.expect("results")
+        got = cons.expect("digests")
+        cstate = cons.expect("state")
+        presults = prod.expect("results")
+        pstate = prod.expect("state")
+        cons.expect("finished")
+        after = mon.mark()
+        mon.stop()
+        window = mon.samples[before:attacked + 1]
+        s = mon.samples
+        return {
+            "attacks": reports,
+            "rss_mb": {"before": s[before]["rss"] / 1e6, "peak": max(x["rss"] for x in s[before:]) / 1e6,
+                       "after_attack": s[settled]["rss"] / 1e6, "after": s[after]["rss"] / 1e6},
+            "fds": {"before": s[before]["fds"], "peak": max(x["fds"] for x in s[before:]),
+                    "after_attack": s[settled]["fds"], "after": s[after]["fds"]},
+            "cpu_pct_during_attack": 100 * (window[-1]["cpu"] - cpu0["cpu"]) / max(1e-6, window[-1]["t"] - cpu0["t"]),
+            "legit": {rid: outcome for rid, outcome, *_ in results},
+            "byte_exact": got == {rid: sent[rid] for rid, _, _ in REQUESTS},
+            "producer": {rid: outcome for rid, outcome, _ in presults},
+            "consumer_in_flight": cstate["in_flight"],
+            "producer_free": pstate["free"] == pstate["total"], "producer_in_flight": pstate["in_flight"],
+            "producer_requests": pstate["requests"], "stats": pstate["stats"],
+        }
+    finally:
+        prod.stop()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", type=int, default=8, help="multiplies connections, heartbeats and wants (default 8)")
+    ap.add_argument("--attack", action="append", choices=ATTACKS, help="run only these (default: every one)")
+    ap.add_argument("--tag-bytes", type=int, default=SMALL["tag_bytes"], help="unknown_tags: bytes per message")
+    ap.add_argument("--tag-seconds", type=float, default=SMALL["tag_seconds"], help="unknown_tags: how long each sends")
+    ap.add_argument("--tag-connections", type=int, help="unknown_tags: connections (default: 8 x scale)")
+    ap.add_argument("--hold-s", type=float, default=SMALL["hold_s"], help="raw_tcp: how long the connections stay open")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = []
+    for name in args.attack or ATTACKS:
+        t0 = time.monotonic()
+        over = {"tag_bytes": args.tag_bytes, "tag_seconds": args.tag_seconds, "hold_s": args.hold_s}
+        if name == "unknown_tags" and args.tag_connections:
+            over["connections"] = args.tag_connections
+        r = run([name], scale=args.scale, handshake_timeout_s=max(2.0, args.tag_seconds + 1), **over)
+        r["wall_s"] = time.monotonic() - t0
+        rows.append((name, r))
+        if args.json:
+            print(json.dumps({"attack": name, **r}, default=str), flush=True)
+    if not args.json:
+        print(f"{'attack':16} {'what the attacker did / was told':58} {'RSS MB before/peak/after':>25} "
+              f"{'fds before/peak/after':>22} {'CPU%':>5}  legit")
+        for name, r in rows:
+            a = r["attacks"][name]
+            what = {k: v for k, v in a.items() if k != "seconds"}
+            rss, fds = r["rss_mb"], r["fds"]
+            legit = "byte-exact" if r["byte_exact"] and set(r["legit"].values()) == {"READY"} else f"FAILED {r['legit']}"
+            print(f"{name:16} {json.dumps(what, default=str)[:58]:58} "
+                  f"{rss['before']:7.0f}/{rss['peak']:5.0f}/{rss['after_attack']:5.0f}  "
+                  f"{fds['before']:8d}/{fds['peak']:4d}/{fds['after_attack']:4d}  {r['cpu_pct_during_attack']:5.0f}  "
+                  f"{legit}; producer freed all: {r['producer_free']}")
+            print(f"{'':16} stats {r['stats']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""The shared secret, the handshake's proofs and request capabilities (hybridkv.transport.auth)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv import wire
+from hybridkv.transport import auth
+from hybridkv.transport.config import TransportConfig
+
+SECRET = b"0123456789abcdef0123"
+
+
+def test_the_secret_comes_from_a_file_or_an_environment_variable(tmp_path, monkeypatch):
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")  # as `echo` or `base64` write it
+    assert auth.load_secret(file=path) == SECRET
+    monkeypatch.setenv("HKV_SECRET", SECRET.decode())
+    assert auth.load_secret(env="HKV_SECRET") == SECRET
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({}, "expected exactly one of the two"),
+    ({"file": "/a", "env": "B"}, "expected exactly one of the two"),
+    ({"file": "/nonexistent/hkv"}, r"secret file '/nonexistent/hkv' cannot be read"),
+    ({"env": "HKV_UNSET"}, r"environment variable 'HKV_UNSET' is not set"),
+    ({"env": "HKV_SHORT"}, r"environment variable 'HKV_SHORT' has 5 bytes; expected at least 16"),
+])
+def test_an_unusable_secret_is_named(kw, message, monkeypatch):
+    monkeypatch.delenv("HKV_UNSET", raising=False)
+    monkeypatch.setenv("HKV_SHORT", "short")
+    with pytest.raises(ValueError, match=message):
+        auth.load_secret(**kw)
+
+
+def test_config_checks_the_secret_and_keeps_it_out_of_repr():
+    with pytest.raises(ValueError, match="TransportConfig.secret has 3 bytes; expected at least 16"):
+        TransportConfig(secret=b"abc")
+    with pytest.raises(ValueError, match="TransportConfig.secret is str; expected bytes"):
+        TransportConfig(secret=SECRET.decode())  # type: ignore[arg-type]
+    assert SECRET.decode() not in repr(TransportConfig(secret=SECRET))
+    for key in ("max_handshakes", "max_wants_per_peer", "max_wants"):
+        with pytest.raises(ValueError, match=f"TransportConfig.{key} = 0; expected an int >= 1"):
+            TransportConfig(**{key: 0})
+
+
+def test_proofs_bind_both_nonces_the_role_and_the_secret():
+    a, b = auth.new_nonce(), auth.new_nonce()
+    p = auth.producer_proof(SECRET, a, b)
+    assert len(p) == wire.PROOF_BYTES and len(a) == wire.NONCE_BYTES
+    assert auth.proven(p, auth.producer_proof(SECRET, a, b))
+    # A producer's proof is no consumer's (no reflection), and any other input changes it.
+    assert p != auth.consumer_proof(SECRET, a, b)
+    assert p != auth.producer_proof(SECRET, b, a)
+    assert p != auth.producer_proof(SECRET + b"x", a, b)
+    assert not auth.proven(p, b"")
+
+
+def test_tokens_are_random_and_travel_as_hex():
+    tokens = {auth.new_token() for _ in range(1000)}
+    assert len(tokens) == 1000 and {len(t) for t in tokens} == {wire.TOKEN_BYTES}
+    t = tokens.pop()
+    assert auth.token_from_hex(t.hex()) == t
+    for bad in (None, 5, "zz" * 16, t.hex()[:-2], t.hex() + "00"):
+        with pytest.raises(ValueError, match="expected 32 hex digits"):
+            auth.token_from_hex(bad)
+    with pytest.raises(ValueError, match="expected 16 bytes"):
+        auth.check_token(t[:8])
