@@ -289,7 +289,7 @@ import connectors.reference.demo as demo
 from hybridkv.cli import main
 
 # No baseline: all of --timeout goes to the disaggregated run, which 500 requests cannot finish in it.
-demo.run_aggregated = lambda o, requests: {}
+demo.run_aggregated = lambda o, requests, figures=None: {}
 sys.exit(main(["demo", "--requests", "500", "--timeout", "20"]))
 """
 

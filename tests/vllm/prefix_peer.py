@@ -6,10 +6,11 @@ its cache, so several exports hold those blocks at once (rule 7). The forward pa
 only the blocks of the tokens it computes and each GDN group's running-state slot.
 Protocol on stdin/stdout, one JSON object per line:
   <- {"ready": port}
-  -> {"requests": [[rid, prompt_len, suffix_seed, prefix_len], ...], "pages": path}
+  -> {"requests": [[rid, prompt_len, suffix_seed, prefix_len], ...], "pages": path, "free_within": s}
   <- {"params": {rid: kv_transfer_params}}
      (page bytes of each request's exported blocks saved at path, as {rid: {layer: [page]}})
-  <- {"freed": bool, "free": n, "usable": m}   once the consumer read them all
+  <- {"freed": bool, "free": n, "usable": m}   once the consumer read (or released) them all, or after
+                                               free_within seconds (default 60)
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main() -> int:
         f.write(msgpack.packb(pages, use_bin_type=True))
     print(json.dumps({"params": params}), flush=True)
     usable = kcc.num_blocks - 1
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + cmd.get("free_within", 60)
     # With prefix caching, freed blocks stay cached but count as free in vLLM's pool.
     while (h.free_blocks(sched) < usable or not sched.connector.scheduler.idle()) and time.monotonic() < deadline:
         d.step()

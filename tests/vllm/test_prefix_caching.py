@@ -72,6 +72,9 @@ def test_requests_that_share_a_block_export_it_under_counted_holds():
 
 # a: the common prefix alone; b: the prefix and a suffix of its own; c: a's prompt again.
 PROMPTS = [("a", 128, 1, 128), ("b", 170, 2, 128), ("c", 128, 1, 128)]
+# d: a's prompt and one token more. Decode holds all of it but the token it computes itself (as after
+# any load): a zero-token load, which decode tells the prefill instead of loading.
+ZERO = ("d", 129, 1, 129)
 
 
 @pytest.mark.slow
@@ -94,7 +97,9 @@ def test_prefix_caching_at_both_ends_moves_only_the_missing_suffix(tmp_path):
         d = h.Driver(sched, runner, async_scheduling=True)
         assert _read(peer, 120)["ready"] == port
         pages_path = tmp_path / "pages.msgpack"
-        peer.stdin.write(json.dumps({"requests": PROMPTS, "pages": str(pages_path)}) + "\n")
+        # Every export is read or released within 20 s; an unreleased one would be held for the lease (30 s).
+        peer.stdin.write(json.dumps({"requests": [*PROMPTS, ZERO], "pages": str(pages_path),
+                                     "free_within": 20}) + "\n")
         peer.stdin.flush()
         params = _read(peer, 120)["params"]
         sent = msgpack.unpackb(pages_path.read_bytes(), raw=False)
@@ -115,6 +120,8 @@ def test_prefix_caching_at_both_ends_moves_only_the_missing_suffix(tmp_path):
         load(*PROMPTS[0])  # a: nothing cached on decode yet, every block moves
         for p in PROMPTS[1:]:
             load(*p)
+        load(*ZERO)
+        assert "d" not in runner.order_blocks  # nothing to load: released to the prefill instead
         for rid, *_ in PROMPTS:
             order = runner.order_blocks[rid]
             # The request's whole attention table on decode, when its load landed, holds what prefill
