@@ -10,6 +10,8 @@ hashes of the kept files. Usage: python3 benchmarks/device/trim_qla_wheels.py SR
 """
 import fnmatch, os, shutil, sys, zipfile
 
+from wheel_repack import repack
+
 SRC, DST = sys.argv[1], sys.argv[2]
 
 DROP = {  # wheel name prefix -> globs of files to leave out
@@ -29,18 +31,6 @@ for whl in sorted(os.listdir(SRC)):
         continue
     with zipfile.ZipFile(src) as z:
         infos = z.infolist()
-        keep = {i.filename for i in infos if not any(fnmatch.fnmatch(i.filename, g) for g in globs)}
-        record = next(i.filename for i in infos if i.filename.endswith(".dist-info/RECORD"))
-        keep.add(record)
-        rec_lines = [line for line in z.read(record).decode().splitlines() if line.split(",")[0] in keep]
-        with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as o:
-            for i in infos:
-                if i.filename not in keep:
-                    continue
-                data = "\n".join(rec_lines).encode() + b"\n" if i.filename == record else z.read(i)
-                zi = zipfile.ZipInfo(i.filename, date_time=i.date_time)
-                zi.external_attr = i.external_attr
-                zi.compress_type = zipfile.ZIP_DEFLATED
-                o.writestr(zi, data, compresslevel=9)
-    print(f"{whl}: {len(infos)} -> {len(keep)} files, {os.path.getsize(src) / 2**20:.1f} -> "
+        kept = repack(z, {i.filename for i in infos if not any(fnmatch.fnmatch(i.filename, g) for g in globs)}, out)
+    print(f"{whl}: {len(infos)} -> {kept} files, {os.path.getsize(src) / 2**20:.1f} -> "
           f"{os.path.getsize(out) / 2**20:.1f} MiB")

@@ -10,6 +10,8 @@ RECORD keeps the original hashes of the kept files. Usage: python3 benchmarks/de
 """
 import fnmatch, os, re, subprocess, sys, tempfile, zipfile
 
+from wheel_repack import repack
+
 SRC, DST = sys.argv[1], sys.argv[2]
 
 def needed(path):
@@ -66,18 +68,6 @@ for whl in sorted(os.listdir(SRC)):
                 closure = elf_closure(tmp, elf_roots(files))
             is_elf = lambda f: re.search(r"\.so($|\.)", f) is not None
             keep = {f for f in keep if not is_elf(f) or f in closure}
-        record = next(f for f in files if f.endswith(".dist-info/RECORD"))
-        keep.add(record)
-        rec_lines = z.read(record).decode().splitlines()
-        rec_lines = [l for l in rec_lines if l.split(",")[0] in keep]
         out = os.path.join(DST, whl)
-        with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as o:
-            for i in infos:
-                if i.filename not in keep:
-                    continue
-                data = "\n".join(rec_lines).encode() + b"\n" if i.filename == record else z.read(i)
-                zi = zipfile.ZipInfo(i.filename, date_time=i.date_time)
-                zi.external_attr = i.external_attr
-                zi.compress_type = zipfile.ZIP_DEFLATED
-                o.writestr(zi, data, compresslevel=9)
-    print(f"{whl}: {len(files)} -> {len(keep)} files, {os.path.getsize(src)/2**20:.1f} -> {os.path.getsize(out)/2**20:.1f} MiB")
+        kept = repack(z, keep, out)
+    print(f"{whl}: {len(files)} -> {kept} files, {os.path.getsize(src)/2**20:.1f} -> {os.path.getsize(out)/2**20:.1f} MiB")
