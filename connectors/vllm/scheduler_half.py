@@ -150,9 +150,6 @@ class SchedulerHalf:
         self._null_block = manager.block_pool.null_block.block_id
 
     # ------------------------------------------------------------ requests
-    def _backoff(self) -> int:
-        return self.prefill_backoff
-
     def set_xfer_handshake_metadata(self, by_rank: dict[int, Any]) -> None:
         """What every worker reported at start-up (vLLM's engine core collects it): the addresses
         and incarnations request_finished names in kv_transfer_params."""
@@ -184,7 +181,7 @@ class SchedulerHalf:
             return
         if not wants_remote_decode(params) or params.get("_hybridkv_truncated"):
             return
-        back = self._backoff()
+        back = self.prefill_backoff
         if back and request.num_prompt_tokens > back and request.prompt_token_ids is not None:
             del request.prompt_token_ids[-back:]
             del request._all_token_ids[-back:]
@@ -205,7 +202,7 @@ class SchedulerHalf:
             params["do_remote_prefill"] = False
             return 0, False
         n = len(request.prompt_token_ids or ())
-        back = self._backoff()
+        back = self.prefill_backoff
         if back and n > back:
             n -= back
         count = n - num_computed_tokens

@@ -32,16 +32,12 @@ from hybridkv.transport.config import FailurePolicy, Outcome, Result, TransportC
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.plan import PeerPlanner, Planner, TransferPlan
-from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly, _Side
+from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _remember, _rid_of, _send_quietly, _Side
 
 log = logging.getLogger(__name__)
 
 #: How long a handshake that timed out may stay in flight (the next try waits on it) before UCX gives up.
 _LATE_TRY_LIMIT_S = 600.0
-
-
-#: How many released requests a consumer remembers (an Export for one may still be on its way).
-_REMEMBER = 1 << 16
 
 
 @dataclass(eq=False, kw_only=True)
@@ -311,9 +307,7 @@ class Consumer(_Side):
         blocks now instead of when the lease lapses. A fetch of it in progress fails. ``token``:
         the request's capability (the producer ignores a release without it)."""
         p = self._peer(peer)
-        self._released[(p.agent, request_id)] = token
-        while len(self._released) > _REMEMBER:
-            self._released.popitem(last=False)
+        _remember(self._released, (p.agent, request_id), token)
         part = self._parts.pop((p.agent, request_id), None)
         if part is not None:
             part.failed = part.failed or detail

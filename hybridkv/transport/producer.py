@@ -28,7 +28,7 @@ from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.memory import MemoryMap
 from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.plan import PeerPlanner, Planner
-from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _rid_of, _send_quietly, _Side
+from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _remember, _rid_of, _send_quietly, _Side
 
 log = logging.getLogger(__name__)
 
@@ -485,14 +485,7 @@ class Producer(_Admission, _Side):
         await super().close()
 
 
-_REMEMBER = 1 << 16
 _MAX_LEASE_BATCHES = 8  # Heartbeats per peer whose Lease replies may wait to be sent (8,192 ids)
-
-
-def _remember(seen: OrderedDict, rid: str, value=None) -> None:
-    seen[rid] = value
-    if len(seen) > _REMEMBER:
-        seen.popitem(last=False)
 
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from hybridkv import wire
@@ -41,6 +42,17 @@ class _Peer:
     # whether a task is sending them
     lease_replies: list = field(default_factory=list)
     renewing: bool = False
+
+
+#: How many finished / released request ids an endpoint remembers (to answer late or repeated messages).
+_REMEMBER = 1 << 16
+
+
+def _remember(seen: OrderedDict, key, value=None) -> None:
+    """Record ``key`` in a bounded, oldest-first memory of ids."""
+    seen[key] = value
+    if len(seen) > _REMEMBER:
+        seen.popitem(last=False)
 
 
 def _rid_of(notif: bytes) -> str | None:
