@@ -154,8 +154,7 @@ def make_scheduler(vc, kv_cache_config, *, async_scheduling: bool, log_stats: bo
 
 
 def make_request(rid: str, *, prompt_len: int, max_tokens: int, params: dict[str, Any] | None = None,
-                 stop_on_first: bool = False, suffix_seed: int | None = None, prefix_len: int = 0,
-                 sched=None):
+                 stop_on_first: bool = False, suffix_seed: int | None = None, prefix_len: int = 0):
     """A request; ``stop_on_first`` makes it stop at its first sampled token, which
     the scheduler cannot foresee (as with EOS), unlike a length cap."""
     from vllm.sampling_params import SamplingParams
@@ -168,9 +167,8 @@ def make_request(rid: str, *, prompt_len: int, max_tokens: int, params: dict[str
     if suffix_seed is not None:
         # Prompts that share their first ``prefix_len`` tokens and differ after (prefix caching).
         tokens[prefix_len:] = [(13 * i + 5 + 101 * suffix_seed) % 1000 for i in range(prefix_len, prompt_len)]
-    hasher = None if sched is None else block_hasher(sched)
-    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None,
-                   block_hasher=hasher)
+    # The scheduler make_scheduler builds gives it its block hasher, as vLLM's engine core does.
+    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None)
 
 
 def block_hasher(sched):

@@ -38,7 +38,7 @@ def main() -> int:
     params, pages = {}, {}
     for rid, n, seed, prefix in cmd["requests"]:
         req = h.make_request(rid, prompt_len=n, max_tokens=8, params={"do_remote_decode": True},
-                             suffix_seed=seed, prefix_len=prefix, sched=sched)
+                             suffix_seed=seed, prefix_len=prefix)
         sched.add_request(req)
         d.run(until=lambda: rid in d.finished)
         params[rid] = d.finished[rid][1]

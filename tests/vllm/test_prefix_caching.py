@@ -113,7 +113,7 @@ def test_prefix_caching_at_both_ends_moves_only_the_missing_suffix(tmp_path):
         def load(rid, n, seed, prefix):
             # What a P/D proxy does: forward the producer's kv_transfer_params to decode.
             sched.add_request(h.make_request(rid, prompt_len=n, max_tokens=4, params=dict(params[rid]),
-                                             suffix_seed=seed, prefix_len=prefix, sched=sched))
+                                             suffix_seed=seed, prefix_len=prefix))
             d.run_for(60, until=lambda: rid in d.finished)
             assert d.finished[rid][0] is FinishReason.LENGTH and not runner.failed, runner.failed
 
