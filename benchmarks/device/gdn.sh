@@ -13,6 +13,7 @@
 #   SCORESFIRST=1 ... bash benchmarks/device/gdn.sh  # first: the scores kernel alone vs a copy (benchmarks/gdn/scores_probe.py)
 #   INVFIRST=1 ... bash benchmarks/device/gdn.sh     # then the inverse kernel's variants (benchmarks/gdn/inverse_probe.py)
 #   DECODEFIRST=1 ... bash benchmarks/device/gdn.sh  # first: persistent and TMA decode candidates (benchmarks/gdn/decode_probe.py)
+#   SCANFIRST=1 ... bash benchmarks/device/gdn.sh    # first: the scan schedule vs pipelined, TP-sharded heads (scan_probe.py)
 #   QLA=1 bash benchmarks/device/gdn.sh  # FlashQLA beside FLA's Triton path (issue 23), carry [".whl-qla"] built here by
 #                                        # benchmarks/device/flashqla_wheels.sh (fla-core is in it); prefill only, no
 #                                        # tests unless ONLY= / TESTS=1 say otherwise; QLA_BUDGET_S (420 s) in all
@@ -54,6 +55,10 @@ if [ "${SCORESFIRST:-0}" != 0 ]; then
     PYTHONUNBUFFERED=1 timeout "${SCORES_S:-120}" "$PY" -m benchmarks.gdn.scores_probe --iters "${ITERS:-20}" \
         --json "$OUT/scores.json" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/scores.txt"
 fi
+if [ "${SCANFIRST:-0}" != 0 ]; then  # the scan schedule vs the pipelined one, TP-sharded heads (benchmarks/gdn/scan_probe.py)
+    PYTHONUNBUFFERED=1 timeout "${SCAN_S:-240}" "$PY" -m benchmarks.gdn.scan_probe --iters "${ITERS:-20}" \
+        --json "$OUT/scan.json" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/scan.txt"
+fi
 if [ "${DECODEFIRST:-0}" != 0 ]; then
     PYTHONUNBUFFERED=1 timeout "${DECODE_S:-240}" "$PY" -m benchmarks.gdn.decode_probe --iters "${ITERS:-20}" \
         --json "$OUT/decode.json" 2>&1 | grep -v -i warn | tee "$OUT/decode.txt"
@@ -87,8 +92,10 @@ a = p.parse_args(sys.argv[1:])
 sys.exit(a.handler(a))
 PYEOF
 if [ "${BREAKDOWN:-0}" != 0 ]; then
-    PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "${BENCH_S:-300}" "$PY" "$MAIN" --breakdown --iters "${ITERS:-20}" 2>&1 | tee "$OUT/breakdown.txt"
+    PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "${BENCH_S:-300}" "$PY" "$MAIN" --breakdown --iters "${ITERS:-20}" \
+        ${ONLY:+--only "$ONLY"} 2>&1 | tee "$OUT/breakdown.txt"
 fi
+[ "${BENCH:-1}" = 0 ] && exit 0  # the probes and tests asked for ran; no bench
 args=(--iters "${ITERS:-20}")
 [ -n "${ONLY:-}" ] && args+=(--only "$ONLY")
 if [ "${QLA:-0}" != 0 ]; then

@@ -12,13 +12,14 @@ from hybridkv.kernels.gdn import triton_chunk as tc  # noqa: E402
 
 
 SCORES, FUSED = tc.Form.SCORES, tc.Form.FUSED
-PIPELINED, SERIAL = tc.Schedule.PIPELINED, tc.Schedule.SERIAL
+PIPELINED, SERIAL, SCAN = tc.Schedule.PIPELINED, tc.Schedule.SERIAL, tc.Schedule.SCAN
 
 
 @pytest.mark.parametrize(("N", "HV", "want"), [
     (1, 32, (SCORES, PIPELINED, (32, 4, 3))),  # 35B, one sequence: 128 programs on 132 SMs
-    (1, 16, (SCORES, PIPELINED, (32, 4, 3))),  # 2B
-    (1, 4, (SCORES, PIPELINED, (32, 4, 3))),  # a TP-8 shard of 35B
+    (1, 16, (SCORES, SCAN, (32, 4, 3))),  # 2B, or 35B at TP2: 64 programs leave half the SMs idle
+    (1, 8, (SCORES, SCAN, (32, 4, 3))),  # 397B at TP8
+    (1, 4, (SCORES, SCAN, (32, 4, 3))),  # 35B at TP8
     (1, 64, (SCORES, SERIAL, (64, 4, 3))),  # 397B: 128 programs at BV=64 (pipelining measured no gain)
     (1, 132, (FUSED, SERIAL, None)),  # 264 programs even at BV=64
     (2, 32, (FUSED, SERIAL, None)),  # a batch: the scores form was measured on one sequence only
@@ -38,6 +39,28 @@ def test_four_byte_inputs_pipeline_at_two_stages_and_skip_the_bv64_plan():
     assert tc._plan(1, 32, 128, 128, 132, 128, itemsize=4).config == (32, 4, 2)
     assert tc._plan(1, 32, 128, 128, 132, 128, itemsize=2).config == (32, 4, 3)
     assert tc._plan(1, 64, 128, 128, 132, 128, itemsize=4) == tc.Plan(form=FUSED, schedule=SERIAL, config=None)
+
+
+def test_a_scan_needs_two_segments_of_chunks_and_one_sequence():
+    floor = max(tc.PIPELINE_MIN_CHUNKS, 2 * tc.SCAN_MIN_SEGMENT_CHUNKS)
+    assert tc._plan(1, 8, 128, 128, 132, floor).schedule is SCAN
+    assert tc._plan(1, 8, 128, 128, 132, floor - 1).schedule is not SCAN
+    assert tc._plan(2, 8, 128, 128, 132, 128).schedule is PIPELINED
+
+
+def test_scan_segments_fill_one_wave_of_the_output_chain():
+    assert tc._scan_segments(32, 132, 128) == 4  # 397B TP8: 32 chain programs
+    assert tc._scan_segments(16, 132, 128) == tc.SCAN_MAX_SEGMENTS
+    assert tc._scan_segments(32, 132, 16) == 2  # two segments of the minimum length
+    assert tc._scan_segments(100, 132, 128) == 2  # never fewer than two
+
+
+def test_a_scan_refuses_the_split_form():
+    q = torch.zeros(1, 64, 1, 64)
+    v, g = torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1)
+    with pytest.raises(ValueError, match="scan.*split"):
+        tc.chunk_gated_delta_rule_fwd(q, q, v, g, g, 1.0, None, False, None, False, False, config=(32, 4, 2),
+                                      schedule=SCAN, form=tc.Form.SPLIT)
 
 
 def test_a_short_prompt_stays_serial_and_autotuned():

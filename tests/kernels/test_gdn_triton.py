@@ -392,3 +392,58 @@ def test_scores_form_matches_reference(lens, H, HV, batch):
         got[config, schedule] = o, st
     (o0, s0), (o1, s1) = got[(32, 4, 3), serial], got[(32, 4, 3), pipelined]
     assert torch.equal(o0, o1) and torch.equal(s0, s1)
+
+
+SCAN_CASES = [pytest.param([8192], 2, 8, None, id="397B-TP8-1x8192"), PREFILL[0], PREFILL[4], PREFILL[6],
+              PREFILL[7]]
+
+
+@pytest.mark.parametrize(("lens", "H", "HV", "batch"), SCAN_CASES)
+def test_scan_schedule_matches_reference(lens, H, HV, batch):
+    """Segments of every sequence at once from scanned start states (`triton_chunk_scan`): both forms,
+    1 to 16 segments (more segments than some sequences have chunks), v-first, with and without an
+    initial state."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=21)
+    N = batch or len(lens)
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    scan = triton_chunk.Schedule.SCAN
+    for form, config, segments, v_first, init in [
+            (triton_chunk.Form.SCORES, (32, 4, 3), 4, False, True), (triton_chunk.Form.SCORES, (32, 4, 3), 16, True, True),
+            (triton_chunk.Form.FUSED, (64, 4, 2), 2, False, False), (triton_chunk.Form.FUSED, (32, 4, 2), 1, True, True),
+            (triton_chunk.Form.SCORES, (64, 4, 3), 8, False, False)]:
+        h = h0 if init else None
+        o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h, True, cu, True)
+        if v_first and h is not None:
+            h = h.transpose(-1, -2).contiguous()
+        o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h, True, cu, True, v_first,
+                                                        config=config, schedule=scan, segments=segments, form=form)
+        st = st.transpose(-1, -2) if v_first else st
+        assert rel_err(o, o_ref) < 2e-2, (form, config, segments)
+        assert rel_err(st, st_ref) < 2e-2, (form, config, segments)
+
+
+def test_scan_is_the_plan_for_tp8_heads_and_matches_reference_in_a_cuda_graph():
+    """397B at TP8 (H=2, HV=8), one 8192-token prompt: the plan is the scan, and a captured call replayed
+    on new inputs gives what an eager call gives."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    plan = triton_chunk._plan(1, 8, 128, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
+    assert plan.schedule is triton_chunk.Schedule.SCAN, plan
+    q, k, v, g, beta, cu = make([8192], 2, 8, seed=22)
+    kw = dict(cu_seqlens=cu, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, None, True, cu, True)
+    o, st = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    assert rel_err(o, o_ref) < 2e-2 and rel_err(st, st_ref) < 2e-2
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, st = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    q2, k2, v2, g2, beta2, _ = make([8192], 2, 8, seed=23)
+    for dst, src in ((q, q2), (k, k2), (v, v2), (g, g2), (beta, beta2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    o_e, st_e = chunk_gated_delta_rule(q2, k2, v2, g2, beta2, **kw)
+    assert torch.equal(o, o_e) and torch.equal(st, st_e)

@@ -78,12 +78,13 @@ _ASYNC_COPY = r"\bcp\.async\.(?:ca|cg)\.shared|\bcp\.async\.bulk\.(?:tensor\.\w+
 
 
 def _specs() -> list[KernelSpec]:
-    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_inverse, triton_recurrent
+    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_inverse, triton_chunk_scan, triton_recurrent
 
     chunk = "hybridkv.kernels.gdn.triton_chunk"
     inverse = "hybridkv.kernels.gdn.triton_chunk_inverse"
     recurrent = "hybridkv.kernels.gdn.triton_recurrent"
     split = "hybridkv.kernels.gdn.triton_chunk_wu"
+    scan = "hybridkv.kernels.gdn.triton_chunk_scan"
     inv = triton_chunk_inverse.INVERSE_CONFIG
     conv = "hybridkv.kernels.gdn.triton_conv"
     state_launches = tuple(
@@ -98,6 +99,10 @@ def _specs() -> list[KernelSpec]:
         Launch(label=f"BV={bv} s{s} scores", num_warps=w, num_stages=s,
                constants={"BV": bv, "SEGMENTED": False, "SCORES_IN": True})
         for bv, w, s in (triton_chunk.ONE_PER_SM_CONFIG,)
+    ) + tuple(
+        Launch(label=f"scan BV={bv}{' scores' if sc else ''}", num_warps=w, num_stages=s,
+               constants={"BV": bv, "SEGMENTED": False, "SCORES_IN": sc, "SCAN": True})
+        for sc in (False, True) for bv, w, s in (triton_chunk.PIPELINE_CONFIG,)
     )
     decode_launches = tuple(
         Launch(label=f"{dt} state BV={bv}", num_warps=w, constants={"BV": bv, "state": dt, "STREAM": dt == "bf16"})
@@ -140,9 +145,27 @@ def _specs() -> list[KernelSpec]:
                        "chunk_offsets": "*i32", "c_lo": "i32", "c_hi": "i32", "stride_ik": "i32",
                        "stride_ok": "i32", "H": "i32", "HV": "i32", "WORK_LOG2": "i32"},
             constants={"stride_iv": 1, "stride_ov": 1, "K": D, "V": D, "BK": D, "HAS_H_IN": True,
-                       "HAS_H_OUT": True},
+                       "HAS_H_OUT": True, "SCAN": False},
             aligned=("stride_ik", "stride_ok", "H", "HV"),
             launches=state_launches,
+        ),
+        KernelSpec(
+            name="scan_summary", module=scan, attr="_segment_summary_kernel",
+            signature={"k": "*bf16", "v": "*bf16", "A": "*bf16", "R": "*fp32", "G": "*fp32", "summary": "*fp32",
+                       "cu_seqlens": "*i32", "chunk_offsets": "*i32", "seg_chunks": "i32", "H": "i32", "HV": "i32"},
+            constants={"K": D, "V": D, "BK": D},
+            aligned=("H", "HV"),
+            launches=tuple(Launch(label=f"BV={bv}", num_warps=w, num_stages=st, constants={"BV": bv})
+                           for bv, w, st in (triton_chunk_scan.SUMMARY_CONFIG,)),
+        ),
+        KernelSpec(
+            name="scan_starts", module=scan, attr="_segment_scan_kernel",
+            signature={"summary": "*fp32", "h_in": "*fp32", "starts": "*fp32", "stride_ik": "i32", "n_seg": "i32",
+                       "NH": "i32", "W": "i32", "MCOL": "i32"},
+            constants={"stride_iv": 1, "K": D, "V": D, "BK": D, "HAS_H_IN": True},
+            aligned=("stride_ik", "W", "MCOL"),
+            launches=(Launch(label=f"BV={triton_chunk_scan.SCAN_BV}", num_warps=4, num_stages=1,
+                             constants={"BV": triton_chunk_scan.SCAN_BV, "SLAB": triton_chunk_scan.SCAN_SLAB}),),
         ),
         KernelSpec(
             name="chunk_wu", module=split, attr="_chunk_wu_kernel",

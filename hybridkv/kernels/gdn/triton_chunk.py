@@ -62,24 +62,37 @@ from hybridkv.kernels.gdn.triton_chunk_wu import _chunk_chain_kernel, _chunk_wu_
 def _chunk_state_kernel(q, k, v, A, P, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, c_lo, c_hi,
                         stride_ik, stride_iv, stride_ok, stride_ov, H, HV, WORK_LOG2, K: tl.constexpr,
                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H_IN: tl.constexpr,
-                        HAS_H_OUT: tl.constexpr, SEGMENTED: tl.constexpr, SCORES_IN: tl.constexpr):
+                        HAS_H_OUT: tl.constexpr, SEGMENTED: tl.constexpr, SCORES_IN: tl.constexpr,
+                        SCAN: tl.constexpr = False):
     """The state chain of one (sequence, value head, V block): grid (cdiv(V, BV), N * HV).
 
     Walks every chunk of the sequence, or with SEGMENTED (one segment of a pipelined call) the chunks
     c_lo <= i < c_hi; the `[K, BV]` state starts from h_in (zeros without it) and is left in h_out.
     Writes o `[B, T, HV, V]`. A (T, `[NC, HV, 64, 64]`), R (row scales, `[NC, HV, 8, 64]`) and G (e^g_last,
     `[NC, HV]`) come from `_chunk_inverse_kernel`. SCORES_IN (`Form.SCORES`): the masked scores are loaded
-    from P `[NC, HV, 64, 64]` (made by `_chunk_scores_kernel`), not made here."""
+    from P `[NC, HV, 64, 64]` (made by `_chunk_scores_kernel`), not made here.
+
+    SCAN (`Schedule.SCAN`, `triton_chunk_scan`): grid (cdiv(V, BV), N * HV, segments); program_id(2) is the
+    segment, which walks chunks [i c_hi, (i + 1) c_hi) (c_hi is the chunks per segment) from its start
+    state h_in `[segments, N * HV, K, V]`; only the last segment writes h_out."""
     i_v, i_nh, i_hv, i_h, T, bos, c_first = _chain_program(cu_seqlens, chunk_offsets, H, HV)
     dt = k.dtype.element_ty
-    b_s = _initial_state(h_in, i_nh, i_v, stride_ik, stride_iv, K, V, BK, BV, HAS_H_IN)
+    i_state = i_nh
+    last = True
+    if SCAN:
+        i_seg = tl.program_id(2)
+        c_lo = i_seg * c_hi
+        c_hi = c_lo + c_hi
+        i_state = i_seg * tl.num_programs(1) + i_nh
+        last = i_seg == tl.num_programs(2) - 1
+    b_s = _initial_state(h_in, i_state, i_v, stride_ik, stride_iv, K, V, BK, BV, HAS_H_IN)
 
     o_i = tl.arange(0, 64)
     # Unsegmented, the loop starts at the constant 0: with a runtime start Triton's pipeliner emits extra
     # instructions in every chunk (sm_90 SASS). A segment past this sequence's end runs no chunk and only
     # hands its state on (h_in to h_out).
     n_t = tl.cdiv(T, 64)
-    for i_t in range(c_lo if SEGMENTED else 0, tl.minimum(n_t, c_hi) if SEGMENTED else n_t):
+    for i_t in range(c_lo if SEGMENTED or SCAN else 0, tl.minimum(n_t, c_hi) if SEGMENTED or SCAN else n_t):
         i_ch = (c_first + i_t) * HV + i_hv
         p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * 64, 0), (64, BK), (1, 0))
         p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * 64, 0), (64, BK), (1, 0))
@@ -112,9 +125,10 @@ def _chunk_state_kernel(q, k, v, A, P, R, G, o, h_in, h_out, cu_seqlens, chunk_o
         b_s = b_s * e_last + tl.dot(tl.trans(b_k), (b_vn * r_d[:, None]).to(dt))
 
     if HAS_H_OUT:
-        p_ht = tl.make_block_ptr(h_out + i_nh.to(tl.int64) * K * V, (K, V), (stride_ok, stride_ov), (0, i_v * BV),
-                                 (BK, BV), (1, 0))
-        tl.store(p_ht, b_s.to(p_ht.dtype.element_ty), boundary_check=(0, 1))
+        if last:
+            p_ht = tl.make_block_ptr(h_out + i_nh.to(tl.int64) * K * V, (K, V), (stride_ok, stride_ov),
+                                     (0, i_v * BV), (BK, BV), (1, 0))
+            tl.store(p_ht, b_s.to(p_ht.dtype.element_ty), boundary_check=(0, 1))
 
 
 # (BV, num_warps, num_stages) of the state kernel. The kernel only writes o and the final state, so
@@ -207,6 +221,11 @@ class Schedule(enum.Enum):
     # inside the GPU (spinning on per-chunk flags can hang: CUDA does not promise that kernels of two
     # streams run at the same time), so this is correct however the GPU schedules them.
     PIPELINED = "pipelined"
+    # The chunks of every sequence cut into segments whose chains run at the same time: a summary of each
+    # segment (its M and B, `triton_chunk_scan`), a short scan over segments for their start states, then
+    # the state kernel over every segment at once. For one sequence with few value heads (TP-sharded),
+    # whose chain is the whole call and leaves most SMs idle.
+    SCAN = "scan"
 
 
 # (BV, num_warps, num_stages) of the state kernel in a pipelined call. BV=32 gives about one chain program
@@ -230,6 +249,10 @@ ONE_PER_SM_CONFIG = (64, 4, 3)
 # Below this many chunk rows a call stays serial: a short prompt's inverse takes a few microseconds, less
 # than the second stream's launches and events cost (a chosen floor, not a measured crossover).
 PIPELINE_MIN_CHUNKS = 32
+# Segments of a scan call: at most this many, of at least this many chunks each (summaries, the scan and
+# three launches cost a few microseconds; a segment of a few chunks hides less than that).
+SCAN_MAX_SEGMENTS = 8
+SCAN_MIN_SEGMENT_CHUNKS = 8
 
 
 @functools.cache
@@ -257,6 +280,8 @@ def _plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int 
           form: Form | None = None) -> Plan:
     """The plan of a call whose caller fixed neither schedule nor config (``form``: None, or the caller's).
 
+    One sequence whose chain programs at BV=32 fill at most half the SMs (TP-sharded heads) is scanned
+    (`Schedule.SCAN`, scores form, PIPELINE_CONFIG) where it has two segments' worth of chunks.
     Where BV=32 gives no more chain programs than SMs (few sequences and value heads) and the call has
     PIPELINE_MIN_CHUNKS chunk rows, it is pipelined at PIPELINE_CONFIG. One sequence takes the scores
     form, there and where only BV=64 gives that few programs (397B: serial at ONE_PER_SM_CONFIG); several
@@ -269,13 +294,54 @@ def _plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int 
     if K > 128 or chunks < PIPELINE_MIN_CHUNKS:
         return autotuned
     scores = form is Form.SCORES or (form is None and N == 1)
-    if triton.cdiv(V, 32) * N * HV <= sms:
+    programs = triton.cdiv(V, PIPELINE_CONFIG[0]) * N * HV
+    if (N == 1 and form is not Form.SPLIT and 2 * programs <= sms
+            and chunks >= 2 * SCAN_MIN_SEGMENT_CHUNKS):
+        bv, warps, stages = PIPELINE_CONFIG
+        return Plan(form=Form.SCORES if scores else form or Form.FUSED, schedule=Schedule.SCAN,
+                    config=(bv, warps, stages if itemsize <= 2 else min(stages, 2)))
+    if programs <= sms:
         bv, warps, stages = PIPELINE_CONFIG
         return Plan(form=Form.SCORES if scores else form or Form.FUSED, schedule=Schedule.PIPELINED,
                     config=(bv, warps, stages if itemsize <= 2 else min(stages, 2)))
     if scores and itemsize <= 2 and triton.cdiv(V, 64) * N * HV <= sms:
         return Plan(form=Form.SCORES, schedule=Schedule.SERIAL, config=ONE_PER_SM_CONFIG)
     return autotuned
+
+
+def _scan_segments(programs: int, sms: int, chunks: int) -> int:
+    """Segments of a scan call: as many as keep the output chain within one wave of the SMs, with at least
+    SCAN_MIN_SEGMENT_CHUNKS chunks each, and at least two."""
+    return max(2, min(sms // max(programs, 1), chunks // SCAN_MIN_SEGMENT_CHUNKS, SCAN_MAX_SEGMENTS))
+
+
+def _scan_call(k, v, A, P, R, G, q, o, h0, final, strides, cu, chunk_offsets, NC, N, H, HV, K, V, BK, segments,
+               config, scores_in, work_log2):
+    """Steps 1-3 of `triton_chunk_scan` after the inverse (and scores): summaries, the scan, the output
+    chain over every segment at once."""
+    from hybridkv.kernels.gdn import triton_chunk_scan as scan
+
+    seg_chunks = triton.cdiv(NC, segments)  # NC bounds every sequence's chunk count
+    NH = N * HV
+    sbv, swarps, sstages = scan.SUMMARY_CONFIG
+    n_vb, n_mb = triton.cdiv(V, sbv), triton.cdiv(BK, sbv)
+    W = (n_vb + n_mb) * sbv
+    starts = q.new_empty((segments, NH, K, V), dtype=torch.float32)
+    if segments > 1:
+        summary = q.new_empty((segments - 1, NH, BK, W), dtype=torch.float32)
+        scan._segment_summary_kernel[(n_vb + n_mb, NH, segments - 1)](
+            k, v, A, R, G, summary, cu, chunk_offsets, seg_chunks, H, HV, K=K, V=V, BK=BK, BV=sbv,
+            num_warps=swarps, num_stages=sstages)
+    else:
+        summary = starts  # never read: no segment follows the first
+    scan._segment_scan_kernel[(triton.cdiv(V, scan.SCAN_BV), NH)](
+        summary, h0, starts, *strides, segments, NH, W, n_vb * sbv, K=K, V=V, BK=BK, BV=scan.SCAN_BV,
+        SLAB=min(scan.SCAN_SLAB, BK), HAS_H_IN=h0 is not None, num_warps=4, num_stages=1)
+    bv, warps, stages = config
+    _chunk_state_kernel[(triton.cdiv(V, bv), NH, segments)](
+        q, k, v, A, P, R, G, o, starts, final, cu, chunk_offsets, 0, seg_chunks, V, 1, *strides, H, HV,
+        WORK_LOG2=work_log2, K=K, V=V, BK=BK, BV=bv, HAS_H_IN=True, HAS_H_OUT=final is not None,
+        SEGMENTED=False, SCORES_IN=scores_in, SCAN=True, num_warps=warps, num_stages=stages)
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -318,9 +384,15 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     schedule = Schedule.SERIAL if schedule is None else schedule
     if schedule is not Schedule.SERIAL and config is None:
         raise ValueError(f"schedule {schedule.value} needs a fixed state config (BV, warps, stages)")
-    segments = 1 if schedule is Schedule.SERIAL else (PIPELINE_SEGMENTS if segments is None else segments)
+    if schedule is Schedule.SERIAL:
+        segments = 1
+    elif segments is None:
+        segments = PIPELINE_SEGMENTS if schedule is Schedule.PIPELINED else _scan_segments(N * HV * triton.cdiv(
+            V, config[0]), _sm_count(q.device.index) if on_gpu else 132, NC)
     if segments < 1:
         raise ValueError(f"segments must be >= 1, got {segments}")
+    if schedule is Schedule.SCAN and form is Form.SPLIT:
+        raise ValueError("schedule scan runs the fused or scores form's state kernel; got form split")
     sdt = torch.bfloat16 if q.dtype != torch.float32 else torch.float32
     A = q.new_empty((NC, HV, BT, BT), dtype=sdt)
     R = q.new_empty((NC, HV, _NROW, BT), dtype=torch.float32)
@@ -336,7 +408,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     strides = (1, K) if state_v_first else (V, 1)
     # Segments by chunk index within each sequence; NC bounds every sequence's chunk count. Between
     # segments the state waits in fp32 scratch, read and written in place by the program that owns it.
-    per = triton.cdiv(NC, segments)
+    per = triton.cdiv(NC, 1 if schedule is Schedule.SCAN else segments)
     bounds = [(j * per, min((j + 1) * per, NC)) for j in range(segments) if j * per < NC]  # the last ends at NC
     carry = q.new_empty((N, HV, K, V), dtype=torch.float32) if len(bounds) > 1 else None
     work_log2 = max(N * HV, 1).bit_length()
@@ -383,6 +455,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             bv, warps, stages = config
             fixed[(triton.cdiv(V, bv), N * HV)](*args, **kw, BV=bv, num_warps=warps, num_stages=stages)
 
+    if schedule is Schedule.SCAN:
+        run_inverse(0, NC)
+        _scan_call(k, v, A, P, R, G, q, o, h0, final, strides, cu, chunk_offsets, NC, N, H, HV, K, V, BK,
+                   segments, config, form is Form.SCORES, work_log2)
+        return o, final
     if len(bounds) == 1 or not on_gpu:
         for lo, hi in bounds:
             run_inverse(lo, hi)
