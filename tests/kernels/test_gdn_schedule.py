@@ -17,7 +17,7 @@ PIPELINED, SERIAL, SCAN = tc.Schedule.PIPELINED, tc.Schedule.SERIAL, tc.Schedule
 
 @pytest.mark.parametrize(("N", "HV", "want"), [
     (1, 32, (SCORES, PIPELINED, (32, 4, 3))),  # 35B, one sequence: 128 programs on 132 SMs
-    (1, 16, (SCORES, SCAN, (32, 4, 3))),  # 2B, or 35B at TP2: 64 programs leave half the SMs idle
+    (1, 16, (SCORES, SCAN, (64, 4, 3))),  # 2B, 35B at TP2: half the SMs idle; BV=64 lets four segments fit
     (1, 8, (SCORES, SCAN, (32, 4, 3))),  # 397B at TP8
     (1, 4, (SCORES, SCAN, (32, 4, 3))),  # 35B at TP8
     (1, 64, (SCORES, SERIAL, (64, 4, 3))),  # 397B: 128 programs at BV=64 (pipelining measured no gain)
@@ -46,6 +46,12 @@ def test_a_scan_needs_two_segments_of_chunks_and_one_sequence():
     assert tc._plan(1, 8, 128, 128, 132, floor).schedule is SCAN
     assert tc._plan(1, 8, 128, 128, 132, floor - 1).schedule is not SCAN
     assert tc._plan(2, 8, 128, 128, 132, 128).schedule is PIPELINED
+
+
+def test_a_wide_scan_plan_is_for_two_byte_inputs_only():
+    """fp32 inputs: the scores form at BV=64 does not fit shared memory (see the test below)."""
+    assert tc._plan(1, 16, 128, 128, 132, 128, itemsize=4).config == (32, 4, 2)
+    assert tc._plan(1, 8, 128, 128, 132, 128, itemsize=4).config == (32, 4, 2)
 
 
 def test_scan_segments_fill_one_wave_of_the_output_chain():

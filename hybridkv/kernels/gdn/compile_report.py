@@ -102,7 +102,8 @@ def _specs() -> list[KernelSpec]:
     ) + tuple(
         Launch(label=f"scan BV={bv}{' scores' if sc else ''}", num_warps=w, num_stages=s,
                constants={"BV": bv, "SEGMENTED": False, "SCORES_IN": sc, "SCAN": True})
-        for sc in (False, True) for bv, w, s in (triton_chunk.PIPELINE_CONFIG,)
+        for sc, (bv, w, s) in ((False, triton_chunk.PIPELINE_CONFIG), (True, triton_chunk.PIPELINE_CONFIG),
+                               (True, triton_chunk.SCAN_WIDE_CONFIG))
     )
     decode_launches = tuple(
         Launch(label=f"{dt} state BV={bv}", num_warps=w, constants={"BV": bv, "state": dt, "STREAM": dt == "bf16"})

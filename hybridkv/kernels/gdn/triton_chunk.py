@@ -253,6 +253,11 @@ PIPELINE_MIN_CHUNKS = 32
 # three launches cost a few microseconds; a segment of a few chunks hides less than that).
 SCAN_MAX_SEGMENTS = 8
 SCAN_MIN_SEGMENT_CHUNKS = 8
+# The scan's output chain where BV=32 would leave room for fewer than four segments in one wave (HV = 16
+# on 132 SMs): BV=64 halves its programs, so four segments fit. H200, one 8192-token prompt, scores form
+# (benchmarks/gdn/scan_probe.py): HV=16 0.239 ms at (64, 4, 3) x4 against 0.274 at (32, 4, 3) x4 and 0.288
+# pipelined; at HV <= 8, (32, 4, 3) with sms // programs segments was best or within 0.01 ms of it.
+SCAN_WIDE_CONFIG = (64, 4, 3)
 
 
 @functools.cache
@@ -281,7 +286,8 @@ def _plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int 
     """The plan of a call whose caller fixed neither schedule nor config (``form``: None, or the caller's).
 
     One sequence whose chain programs at BV=32 fill at most half the SMs (TP-sharded heads) is scanned
-    (`Schedule.SCAN`, scores form, PIPELINE_CONFIG) where it has two segments' worth of chunks.
+    (`Schedule.SCAN`, scores form) where it has two segments' worth of chunks: at PIPELINE_CONFIG, or
+    SCAN_WIDE_CONFIG where BV=32 leaves room for fewer than four segments per wave (2-byte inputs).
     Where BV=32 gives no more chain programs than SMs (few sequences and value heads) and the call has
     PIPELINE_MIN_CHUNKS chunk rows, it is pipelined at PIPELINE_CONFIG. One sequence takes the scores
     form, there and where only BV=64 gives that few programs (397B: serial at ONE_PER_SM_CONFIG); several
@@ -297,7 +303,8 @@ def _plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int 
     programs = triton.cdiv(V, PIPELINE_CONFIG[0]) * N * HV
     if (N == 1 and form is not Form.SPLIT and 2 * programs <= sms
             and chunks >= 2 * SCAN_MIN_SEGMENT_CHUNKS):
-        bv, warps, stages = PIPELINE_CONFIG
+        wide = 4 * programs > sms and itemsize <= 2
+        bv, warps, stages = SCAN_WIDE_CONFIG if wide else PIPELINE_CONFIG
         return Plan(form=Form.SCORES if scores else form or Form.FUSED, schedule=Schedule.SCAN,
                     config=(bv, warps, stages if itemsize <= 2 else min(stages, 2)))
     if programs <= sms:
