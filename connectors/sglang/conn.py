@@ -45,6 +45,11 @@ range of SGLang's buffers by what it holds (head, state dims) and lets the
 descriptor compiler pair the decode rank's slice with the prefill ranks that
 hold it, each field written by one prefill rank only. A pair that cannot match
 is refused at registration, naming the values.
+Authentication (with HYBRIDKV_SGLANG_SECRET_FILE / _SECRET_ENV): a decode rank
+proves the shared secret to each prefill rank before its REGISTER, and every
+message after that, both ways, is sealed to that session (sessions.py); the
+prefill adds NIXL agents, takes METADATA and ABORTs, and pushes statuses only
+within proven sessions, and binds each room to the decode agent that claimed it.
 """
 
 from __future__ import annotations
