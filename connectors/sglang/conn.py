@@ -600,7 +600,8 @@ class HybridKVReceiver(CommonKVReceiver):
         prefill = (bootstrap_info["rank_ip"], int(bootstrap_info["rank_port"]))
         session = keys.session(prefill)
         if session is None:
-            raise zmq.ZMQError(zmq.EHOSTUNREACH, f"no authenticated session with prefill rank {prefill[0]}:{prefill[1]}")
+            raise zmq.ZMQError(zmq.EHOSTUNREACH,
+                               f"no authenticated session with prefill rank {prefill[0]}:{prefill[1]}")
         return _Sealing(sock, session), lock
 
     def _writers_expected(self) -> int:

@@ -335,8 +335,10 @@ class DecodeKeys:
         self.stats = stats
         self._lock = threading.Lock()
         self._pending: dict[bytes, _Pending] = {}
-        self.by_sid: dict[bytes, Session] = {}
-        self.by_peer: dict[tuple[str, int], Session] = {}
+        # Older sessions with a prefill rank stay open (oldest dropped past MAX_SESSIONS): a REGISTER
+        # again (SGLang re-registers per bootstrap key) must not orphan a room's LANDED still sealed with one.
+        self.by_sid: collections.OrderedDict[bytes, Session] = collections.OrderedDict()
+        self.by_peer: dict[tuple[str, int], Session] = {}  # the newest, which this rank seals with
 
     def handshake(self, prefill: tuple[str, int], timeout_s: float) -> Session:
         """A fresh session with the prefill rank at `prefill`; ValueError saying why there is none."""
@@ -391,11 +393,10 @@ class DecodeKeys:
         s = Session(sid=m.decode_nonce + m.prefill_nonce, key=_session_key(self._secret, *transcript),
                     peer=p.prefill, prefill_side=False)
         with self._lock:
-            old = self.by_peer.pop(p.prefill, None)
-            if old is not None:
-                self.by_sid.pop(old.sid, None)
             self.by_sid[s.sid] = s
             self.by_peer[p.prefill] = s
+            while len(self.by_sid) > MAX_SESSIONS:
+                self.by_sid.popitem(last=False)
         self.stats.sessions += 1
         self._send(*p.prefill, msgs.Proof(decode_nonce=m.decode_nonce, prefill_nonce=m.prefill_nonce,
                                           endpoint=self._local[0], port=self._local[1], proof=proof).to_frames())
