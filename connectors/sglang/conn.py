@@ -82,7 +82,6 @@ from connectors.sglang.pairing import PeerPlan, plan_peer
 from connectors.sglang.prefill_side import PrefillExports, TransferStats
 from connectors.sglang.sessions import AuthStats, DecodeKeys, PrefillGate, ReplySockets, Session
 from descriptors.compiler import TransferPlanner
-from hybridkv import wire
 from hybridkv.layout.alloc import MemKind
 from hybridkv.transport.dataplane import DataPlane
 from hybridkv.transport.metrics import FailureKind, TransferMetrics
@@ -242,9 +241,6 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
     # ------------------------------------------------------------ authentication (sessions.py)
     def _start_auth(self, secret: bytes, *, decode: bool) -> None:
         local = (self.local_ip, int(self.rank_port))
-        # ZMQ reads a whole frame before the backend sees it: past the largest message the wire
-        # allows, the connection is dropped by ZMQ itself (new connections; the socket is bound).
-        self.server_socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         if decode:
             self.keys = DecodeKeys(secret=secret, local=local, send=self._push_to_prefill, stats=self.auth_stats)
         else:
