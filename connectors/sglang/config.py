@@ -7,11 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hybridkv.transport.auth import load_secret
 from hybridkv.transport.dataplane import DataPlaneConfig
 
 _ENV_PREFIX = "HYBRIDKV_SGLANG_"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
+_SECRET_KEYS = frozenset({"secret_file", "secret_env"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +43,13 @@ class SGLangConfig:
     * ``settle_poll_s`` (0.0005): how often a worker polls the WRITEs it waits for.
     * ``progress_thread`` (true): NIXL's progress thread. The decode agent is only
       ever a write target and nothing else progresses it.
+    * ``secret_file`` / ``secret_env`` (unset): where the shared secret prefill and
+      decode ranks prove before any NIXL metadata travels is read from: a file, or the
+      environment variable of that name (at most one; 16 bytes or more). The secret
+      itself is never a value of these keys: they name where it is. Neither: the
+      backend runs unauthenticated, as before, and warns at start-up (a lab).
+    * ``handshake_timeout_s`` (5): how long a decode rank waits for a prefill rank to
+      answer its authentication handshake before the request fails.
     """
 
     transfer_timeout_s: float = 30.0
@@ -50,11 +59,17 @@ class SGLangConfig:
     poll_interval_s: float = 0.2
     settle_poll_s: float = 0.0005
     progress_thread: bool = True
+    secret_file: str | None = None
+    secret_env: str | None = None
+    handshake_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "progress_thread":
+            if f.name in _SECRET_KEYS:
+                if v is not None and (not isinstance(v, str) or v.strip() == ""):
+                    raise ValueError(f"{f.name} = {v!r}; expected unset or a non-empty string")
+            elif f.name == "progress_thread":
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name} = {v!r}; expected a bool")
             elif f.name == "workers":
@@ -63,6 +78,20 @@ class SGLangConfig:
             elif v is not None or f.name != "drain_timeout_s":
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                     raise ValueError(f"{f.name} = {v!r}; expected a number > 0")
+        if self.secret_file is not None and self.secret_env is not None:
+            raise ValueError(f"secret_file = {self.secret_file!r} and secret_env = {self.secret_env!r} are both set; "
+                             "expected at most one source of the shared secret")
+
+    def secret(self) -> bytes | None:
+        """The shared secret, read from its file or environment variable now (None: unauthenticated).
+        ValueError naming the key and what is wrong (unreadable, unset, shorter than 16 bytes)."""
+        if self.secret_file is None and self.secret_env is None:
+            return None
+        key = "secret_file" if self.secret_file is not None else "secret_env"
+        try:
+            return load_secret(file=self.secret_file, env=self.secret_env)
+        except ValueError as e:
+            raise ValueError(f"{_ENV_PREFIX}{key.upper()}: {e}") from None
 
     @classmethod
     def from_server_args(cls, server_args: Any = None, environ: Mapping[str, str] = os.environ) -> SGLangConfig:
@@ -95,6 +124,8 @@ class SGLangConfig:
 
 
 def _parse(var: str, raw: str, key: str) -> Any:
+    if key in _SECRET_KEYS:
+        return raw  # a path or a variable name, never the secret itself
     if key == "progress_thread":
         if raw.lower() in _TRUE:
             return True

@@ -45,6 +45,11 @@ range of SGLang's buffers by what it holds (head, state dims) and lets the
 descriptor compiler pair the decode rank's slice with the prefill ranks that
 hold it, each field written by one prefill rank only. A pair that cannot match
 is refused at registration, naming the values.
+Authentication (with HYBRIDKV_SGLANG_SECRET_FILE / _SECRET_ENV): a decode rank
+proves the shared secret to each prefill rank before its REGISTER, and every
+message after that, both ways, is sealed to that session (sessions.py); the
+prefill adds NIXL agents, takes METADATA and ABORTs, and pushes statuses only
+within proven sessions, and binds each room to the decode agent that claimed it.
 """
 
 from __future__ import annotations
@@ -54,14 +59,14 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Optional
 
 import numpy as np
 import zmq
 
 from connectors.sglang import messages as msgs
-from connectors.sglang import startup
+from connectors.sglang import sessions, startup
 from connectors.sglang.adopt import (
     KV_GROUP,
     AdoptedLayout,
@@ -75,6 +80,7 @@ from connectors.sglang.decode_side import DecodeImports, _Import
 from connectors.sglang.metrics import HybridKVSGLangMetrics
 from connectors.sglang.pairing import PeerPlan, plan_peer
 from connectors.sglang.prefill_side import PrefillExports, TransferStats
+from connectors.sglang.sessions import AuthStats, DecodeKeys, PrefillGate, ReplySockets, Session
 from descriptors.compiler import TransferPlanner
 from hybridkv.layout.alloc import MemKind
 from hybridkv.transport.dataplane import DataPlane
@@ -84,7 +90,9 @@ from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.ids import RequestId, TransferId
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
+    ABORT_ACK_TAG,
     ABORT_TAG,
+    AbortAck,
     AbortNotification,
     CommonKVBootstrapServer,
     CommonKVManager,
@@ -131,6 +139,20 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         self.config = SGLangConfig.from_server_args(server_args)
         par = get_parallel()
         decode = disaggregation_mode == DisaggregationMode.DECODE
+        # Read before anything is bound: a secret that cannot be read stops the server here.
+        secret = self.config.secret()
+        if secret is None:
+            logger.warning(
+                "hybridkv: no shared secret (HYBRIDKV_SGLANG_SECRET_FILE or HYBRIDKV_SGLANG_SECRET_ENV): this %s rank "
+                "accepts REGISTER/METADATA/ABORT from any process that reaches its ZMQ port, which can then have KV "
+                "written into memory it controls; unauthenticated mode is for a lab only",
+                "decode" if decode else "prefill")
+        #: what the authentication let in and dropped (sessions.py)
+        self.auth_stats = AuthStats()
+        self.gate: Optional[PrefillGate] = None
+        self.keys: Optional[DecodeKeys] = None
+        # decode: the prefill ranks (ip, port) each room's receiver expects to hear from, oldest first
+        self._room_writers: OrderedDict[int, frozenset[tuple[str, int]]] = OrderedDict()
         # Refused or settled before anything is registered or bound (startup.py).
         startup.check_parallel(pp_size=par.pp_size, attn_cp_size=par.attn_cp_size,
                                role="decode" if decode else "prefill")
@@ -176,6 +198,8 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         self.fenced: set[tuple[int, int]] = set()
         self.peers: dict[str, _Peer] = {}
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if secret is not None:
+            self._start_auth(secret, decode=decode)
         self.sched = TransferScheduler(self.adopted.pool_layout(), managed_pool=False,
                                        lease_s=self.config.lease_s(self.drain_timeout_s))
         if disaggregation_mode == DisaggregationMode.PREFILL:
@@ -201,6 +225,8 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         for t in self._threads:
             t.join(timeout=5)
         self.dp.close()
+        if getattr(self, "_reply_socks", None) is not None:
+            self._reply_socks.close()
         for sock in list(self._socket_cache.values()) + list(self._monitor_cache.values()):
             sock.close(linger=0)
         self.server_socket.close(linger=0)
@@ -211,6 +237,75 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
 
     def fingerprint(self) -> str:
         return self.adopted.layout.shape_fingerprint
+
+    # ------------------------------------------------------------ authentication (sessions.py)
+    def _start_auth(self, secret: bytes, *, decode: bool) -> None:
+        local = (self.local_ip, int(self.rank_port))
+        if decode:
+            self.keys = DecodeKeys(secret=secret, local=local, send=self._push_to_prefill, stats=self.auth_stats)
+        else:
+            self._reply_socks = ReplySockets(self._zmq_ctx)
+            self.gate = PrefillGate(secret=secret, local=local, send=self._reply_unproven,
+                                    tcp_of=lambda ip, port: NetworkAddress(ip, port).to_tcp(), stats=self.auth_stats)
+
+    def _push_to_prefill(self, ip: str, port: int, frames: list[bytes]) -> None:
+        # The socket SGLang's REGISTER and METADATA take to that rank: the Proof arrives before them.
+        na = NetworkAddress(ip, port)
+        sock, lock = CommonKVReceiver._connect(na.to_tcp(), is_ipv6=na.is_ipv6)
+        with lock:
+            sock.send_multipart(frames)
+
+    def _reply_unproven(self, ip: str, port: int, frames: list[bytes]) -> None:
+        try:
+            na = NetworkAddress(ip, port)
+            self._reply_socks.send(na.to_tcp(), frames)
+        except Exception as e:  # an address a forged Hello made up
+            logger.info("hybridkv: no handshake reply to %s:%s: %s", ip, port, e)
+
+    def _send_multipart_locked(self, endpoint: str, parts: list[bytes], is_ipv6: bool = False):
+        """Every push of this prefill rank (SGLang's KV_STATUS, LANDED, DRAINED, STUCK) goes sealed, and only
+        to a decode rank that proved the secret."""
+        if self.gate is None:
+            return super()._send_multipart_locked(endpoint, parts, is_ipv6=is_ipv6)
+        session = self.gate.by_peer.get(endpoint)
+        if session is None:
+            raise RuntimeError(f"no authenticated session with {endpoint}; nothing is sent to it")
+        sock = self._connect(endpoint, is_ipv6=is_ipv6)
+        with self._socket_send_locks[endpoint]:
+            sock.send_multipart(session.seal(parts))  # sealed under the lock: sequence numbers leave in order
+
+    def expect_writers(self, room: int, prefills: frozenset[tuple[str, int]]) -> None:
+        """Decode: the prefill ranks the room's receiver fetched; only their sealed messages touch the room."""
+        with self.sched_lock:
+            self._room_writers.pop(room, None)
+            self._room_writers[room] = prefills
+            while len(self._room_writers) > _MAX_ROOM_WRITERS:
+                self._room_writers.popitem(last=False)
+
+    def _unproven_message(self, frames: list[bytes]) -> Optional[tuple[Optional[Session], list[bytes]]]:
+        """The frames to act on and the session they came in (None without a secret), or None: dropped."""
+        auth = self.gate or self.keys
+        if auth is None:
+            if sessions.is_handshake(frames) or sessions.is_sealed(frames):
+                self.auth_stats.unproven += 1
+                logger.warning("hybridkv: a peer asks for authentication but this rank has no shared secret "
+                               "(HYBRIDKV_SGLANG_SECRET_FILE / _SECRET_ENV); dropped")
+                return None
+            return None, frames
+        if sessions.is_handshake(frames):
+            auth.on_handshake(frames)
+            return None
+        if not sessions.is_sealed(frames):
+            # Anything unsealed (SGLang's own ABORT or KV_STATUS, a REGISTER, garbage) is from nobody proven.
+            self.auth_stats.unproven += 1
+            if self.auth_stats.unproven & (self.auth_stats.unproven - 1) == 0:  # 1, 2, 4, ...: the log is bounded too
+                logger.warning("hybridkv: dropped %d unauthenticated message(s) so far", self.auth_stats.unproven)
+            return None
+        return auth.open(frames)
+
+    def _foreign(self, session: Session, what: str) -> None:
+        self.auth_stats.foreign += 1
+        logger.warning("hybridkv: dropped a message from %s:%s: %s", *session.peer, what)
 
     # ------------------------------------------------------------ scheduler helpers (hold sched_lock)
     def _drop_request(self, rid: RequestId, *, export: bool = False) -> None:
@@ -279,14 +374,18 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
     def _prefill_control_loop(self) -> None:
         for frames in self._recv(tick=self.tick):
             try:
+                got = self._unproven_message(frames)
+                if got is None:
+                    continue
+                session, frames = got
                 if frames and frames[0] == ABORT_TAG:
-                    self._on_abort(frames)
+                    self._on_abort(frames, session)
                 elif frames and frames[0] == msgs.TAG:
                     m = msgs.decode(frames)
                     if isinstance(m, msgs.Register):
-                        self._on_register(m)
+                        self._on_register(m, session)
                     elif isinstance(m, msgs.Metadata):
-                        self._on_metadata(m)
+                        self._on_metadata(m, session)
                     else:
                         raise ValueError(f"prefill got a {type(m).__name__} message")
                 else:
@@ -294,7 +393,13 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
             except Exception:
                 logger.exception("hybridkv: dropped a control message")
 
-    def _on_register(self, reg: msgs.Register) -> None:
+    def _on_register(self, reg: msgs.Register, session: Optional[Session] = None) -> None:
+        if session is not None:
+            owner = self.gate.agent_owner(reg.agent_name)
+            if (reg.endpoint, reg.port) != session.peer:
+                return self._foreign(session, f"REGISTER names another address ({reg.endpoint}:{reg.port})")
+            if owner is not None and owner is not session and owner.peer != session.peer:
+                return self._foreign(session, f"REGISTER names agent {reg.agent_name!r}, registered by another peer")
         peer_layout = from_peer(reg.layout)
         rejection = None
         plan = None
@@ -313,14 +418,23 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
                          f"{reg.attn_tp_rank}/{reg.attn_tp_size}: {e}")
         name = self.dp.add_peer(reg.agent_metadata, peer_layout.memory)
         if name != reg.agent_name:
+            if name not in self.peers:
+                self.dp.remove_peer(name)
             raise ValueError(f"agent metadata names {name!r} but the message says {reg.agent_name!r}")
+        if session is not None:
+            if session.agent is not None and session.agent != name and self.peers.pop(session.agent, None):
+                # The decode rank at that address restarted with another agent: the old one is dropped.
+                self.dp.remove_peer(session.agent)
+            session.agent = name
         self.peers[name] = _Peer(agent_name=name, layout=peer_layout, planners=plan.planners if plan else {},
                                  plan=plan, rejection=rejection)
         if rejection:
             logger.error("hybridkv: decode %s refused: %s", name, rejection)
 
-    def _on_metadata(self, md: msgs.Metadata) -> None:
+    def _on_metadata(self, md: msgs.Metadata, session: Optional[Session] = None) -> None:
         room = md.room
+        if session is not None and not self._may_claim(md, session):
+            return
         peer = self.peers.get(md.agent_name)
         infos = self.transfer_infos.setdefault(room, {})
         infos[md.agent_name] = md
@@ -335,6 +449,28 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
             )
             self.update_status(room, KVPoll.WaitingForInput)
 
+    def _may_claim(self, md: msgs.Metadata, session: Session) -> bool:
+        """A proven decode rank names only its own agent and address, joins a room only while it has room
+        for another destination rank, and holds at most MAX_ROOMS_PER_SESSION rooms here."""
+        if md.agent_name != session.agent or (md.endpoint, md.port) != session.peer:
+            self._foreign(session, f"METADATA for agent {md.agent_name!r} at {md.endpoint}:{md.port}, not its own")
+            return False
+        infos = self.transfer_infos.get(md.room) or {}
+        if infos and md.agent_name not in infos:
+            first = next(iter(infos.values()))
+            if len(infos) >= first.required_dst_info_num or md.required_dst_info_num != first.required_dst_info_num:
+                self._foreign(session, f"METADATA for room {md.room}, claimed by another decode")
+                return False
+        if md.room not in session.rooms and len(session.rooms) >= sessions.MAX_ROOMS_PER_SESSION:
+            for r in [r for r in session.rooms if session.agent not in (self.transfer_infos.get(r) or {})]:
+                del session.rooms[r]
+            if len(session.rooms) >= sessions.MAX_ROOMS_PER_SESSION:
+                self._foreign(session, f"{len(session.rooms)} rooms open; expected at most "
+                                       f"{sessions.MAX_ROOMS_PER_SESSION}")
+                return False
+        session.rooms[md.room] = None
+        return True
+
     def _room_notify_targets(self, bootstrap_room: int):
         infos = self.transfer_infos.get(bootstrap_room) or {}
         targets = []
@@ -343,11 +479,22 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
                 targets.append((md.endpoint, md.port))
         return targets
 
-    def _on_abort(self, frames: list[bytes]) -> None:
+    def _on_abort(self, frames: list[bytes], session: Optional[Session] = None) -> None:
         note = AbortNotification.from_zmq(frames)
         if note is None:
             return
         room = note.room
+        if session is not None:
+            if note.decode_ip is not None and (note.decode_ip, note.decode_port) != session.peer:
+                return self._foreign(session, f"ABORT for room {room} names another address")
+            claimed = self.transfer_infos.get(room)
+            if claimed and session.agent not in claimed:
+                self._foreign(session, f"ABORT for room {room}, claimed by another decode")
+                # Answered as an unknown room is (DRAINED at once), so the answer tells nothing of the room.
+                if note.decode_ip is not None:
+                    frames = msgs.Drained(room=room, prefill_rank=self._prefill_unique_rank()).to_frames()
+                    self._push(note.decode_ip, note.decode_port, frames, f"DRAINED for room {room}")
+                return
         if room in self.request_status and self.check_status(room) != KVPoll.Success:
             self.record_failure(room, "Aborted by decode-side abort notification.")
             self.update_status(room, KVPoll.Failed)
@@ -372,6 +519,9 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
             self._send_multipart_locked(na.to_tcp(), frames, is_ipv6=na.is_ipv6)
         except Exception as e:
             logger.warning("hybridkv: %s to %s:%s failed: %s", what, ip, port, e)
+
+_MAX_ROOM_WRITERS = 1 << 16  # decode rooms whose expected writers are remembered (a receiver's lifetime)
+
 
 class HybridKVSender(CommonKVSender):
     kv_mgr: HybridKVManager
@@ -414,10 +564,48 @@ class HybridKVReceiver(CommonKVReceiver):
         self._drain_since: Optional[float] = None
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
+    # ------------------------------------------------------------ authentication (sessions.py)
+    def _setup_bootstrap_infos(self):
+        super()._setup_bootstrap_infos()
+        if self.bootstrap_infos:
+            self.kv_mgr.expect_writers(self.bootstrap_room, frozenset(
+                (info["rank_ip"], int(info["rank_port"])) for info in self.bootstrap_infos))
+
+    def _register_kv_args(self) -> bool:
+        """A fresh authenticated session with each prefill rank before SGLang sends it our REGISTER."""
+        mgr = self.kv_mgr
+        if mgr.keys is not None and self.bootstrap_infos:
+            for info in self.bootstrap_infos:
+                try:
+                    mgr.keys.handshake((info["rank_ip"], int(info["rank_port"])), mgr.config.handshake_timeout_s)
+                except ValueError as e:
+                    mgr.record_failure(self.bootstrap_room, f"hybridkv: {e}")
+                    self.conclude_state = KVPoll.Failed
+                    mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+                    return False
+        return super()._register_kv_args()
+
+    def _connect_to_bootstrap_server(self, bootstrap_info: dict):
+        """SGLang's socket to a prefill rank, sealing what SGLang sends on it (REGISTER, METADATA, ABORT)
+        with the session that rank proved; an instance method here, so SGLang's calls through `self`
+        reach it."""
+        sock, lock = super()._connect_to_bootstrap_server(bootstrap_info)
+        keys = self.kv_mgr.keys
+        if keys is None:
+            return sock, lock
+        prefill = (bootstrap_info["rank_ip"], int(bootstrap_info["rank_port"]))
+        session = keys.session(prefill)
+        if session is None:
+            raise zmq.ZMQError(zmq.EHOSTUNREACH,
+                               f"no authenticated session with prefill rank {prefill[0]}:{prefill[1]}")
+        return _Sealing(sock, session), lock
+
     def _writers_expected(self) -> int:
         return sum(1 for info in (self.bootstrap_infos or []) if not info.get("is_dummy"))
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, **kwargs):
+        if self.conclude_state == KVPoll.Failed:
+            return None  # failed in init (e.g. the prefill did not prove the secret): nothing is published
         if self.bootstrap_infos is not None and not self._published:
             mgr = self.kv_mgr
             blocks = {KV_GROUP: np.asarray(kv_indices, dtype=np.int64).ravel()}
@@ -491,6 +679,17 @@ class HybridKVReceiver(CommonKVReceiver):
         super().clear()
         if self._final is None:
             self.kv_mgr.end_import(self.bootstrap_room, landed=False)
+
+
+class _Sealing:
+    """What SGLang sends on the socket goes sealed (it sends under the socket's lock: in order)."""
+
+    def __init__(self, sock, session: Session) -> None:
+        self._sock = sock
+        self._session = session
+
+    def send_multipart(self, frames, *args, **kwargs):
+        return self._sock.send_multipart(self._session.seal(list(frames)), *args, **kwargs)
 
 
 class HybridKVBootstrapServer(CommonKVBootstrapServer):

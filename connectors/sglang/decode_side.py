@@ -29,6 +29,14 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 logger = logging.getLogger(__name__)
 
 
+def _sglang_room(frames: list[bytes]):
+    """The room an SGLang message (KV_STATUS, ABORT_ACK) names, or None."""
+    try:
+        return int(frames[1] if frames[0] in (b"KV_STATUS", b"ABORT_ACK") else frames[0])
+    except (IndexError, ValueError):
+        return None
+
+
 @dataclasses.dataclass
 class _Import:
     """Decode side: a room whose destinations were (or are about to be) published."""
@@ -204,24 +212,26 @@ class DecodeImports:
     def _decode_listener_loop(self) -> None:
         for frames in self._recv():
             try:
-                if frames and frames[0] == msgs.TAG:
-                    m = msgs.decode(frames)
+                got = self._unproven_message(frames)
+                if got is None:
+                    continue
+                session, frames = got
+                m = msgs.decode(frames) if frames and frames[0] == msgs.TAG else None
+                if session is not None:
+                    room = m.room if m is not None and hasattr(m, "room") else _sglang_room(frames)
+                    with self.sched_lock:
+                        writers = self._room_writers.get(room, ()) if room is not None else ()
+                    if session.peer not in writers:
+                        # A proven prefill rank speaks only of rooms this rank expects it to write.
+                        self._foreign(session, f"a message about room {room}, which it does not write")
+                        continue
+                if m is not None:
                     if isinstance(m, msgs.Landed):
                         self._on_landed(m)
                     elif isinstance(m, msgs.Drained):
                         self._note_quiet(m.room, m.prefill_rank, drained=True)
                     elif isinstance(m, msgs.Stuck):
-                        with self.sched_lock:
-                            imp = self._imports.get(m.room)
-                            if imp is not None:
-                                imp.stuck.add(m.prefill_rank)
-                                rid = request_id(m.room)
-                                if not imp.quarantined and imp.tids and self.sched.has_request(rid):
-                                    # A write NIXL would not abort may still land: the room's blocks
-                                    # stay out of reuse until that writer drains.
-                                    imp.quarantined = sum(len(self.sched.blocks(rid, g))
-                                                          for g in range(self.sched.layout.num_groups))
-                                    self.metrics.quarantined(imp.quarantined)
+                        self._on_stuck(m)
                     else:
                         raise ValueError(f"decode got a {type(m).__name__} message")
                     continue
@@ -238,6 +248,19 @@ class DecodeImports:
                     self._note_quiet(room, rank)
             except Exception:
                 logger.exception("hybridkv: dropped a decode-side message")
+
+    def _on_stuck(self, m: msgs.Stuck) -> None:
+        with self.sched_lock:
+            imp = self._imports.get(m.room)
+            if imp is None:
+                return
+            imp.stuck.add(m.prefill_rank)
+            rid = request_id(m.room)
+            if not imp.quarantined and imp.tids and self.sched.has_request(rid):
+                # A write NIXL would not abort may still land: the room's blocks
+                # stay out of reuse until that writer drains.
+                imp.quarantined = sum(len(self.sched.blocks(rid, g)) for g in range(self.sched.layout.num_groups))
+                self.metrics.quarantined(imp.quarantined)
 
     def _handle_node_failure(self, failed_bootstrap_addr: str):
         with self.sched_lock:

@@ -1,7 +1,9 @@
 """Control messages of the hybridkv SGLang backend, declared with hybridkv's wire schema.
 
 They ride SGLang's ZMQ PUSH/PULL sockets (the Common* layer owns those) as two
-frames: a tag and one msgpack array ``[version, type, body]``. Each message type
+frames: a tag and one msgpack array ``[version, type, body]``. The handshake of
+sessions.py travels the same way under its own tag (``AUTH_TAG``), at most
+``wire.MAX_PREAUTH_BYTES`` in all, checked before anything is unpacked. Each message type
 is one frozen dataclass whose fields are declared with ``hybridkv.wire``'s
 ``on_wire`` codecs: that declaration is its encoder and its validator (a
 ``Record``), and the bounded unpacker is the wire's too, so a message from a
@@ -30,6 +32,7 @@ from hybridkv.wire.regions import GROUP_ID, GROUPS, REGIONS
 from hybridkv.wire.schema import Record, Spec, on_wire, record_of
 
 TAG = b"HYBRIDKV"
+AUTH_TAG = b"HYBRIDKV-AUTH"  # the handshake, before the peer proved the shared secret
 VERSION = 4
 
 
@@ -41,7 +44,30 @@ class MsgType(enum.Enum):
     STUCK = "stuck"  # prefill rank -> decode rank: a write NIXL would not abort may still land; wait for DRAINED
 
 
+class AuthType(enum.Enum):
+    HELLO = "hello"  # decode rank -> prefill rank: its nonce and where to answer
+    CHALLENGE = "challenge"  # prefill -> decode: the prefill's nonce and its proof over both
+    PROOF = "proof"  # decode -> prefill: its proof over both nonces
+    REFUSED = "refused"  # either way: "refused", nothing else
+
+
 # ---------------------------------------------------------------- codecs the wire has no need of itself
+@dataclass(frozen=True, kw_only=True)
+class Fixed:
+    """Bytes of exactly one length (nonces, proofs)."""
+
+    size: int
+
+    def encode(self, value: Any) -> bytes:
+        return bytes(value)
+
+    def decode(self, raw: Any, name: str) -> bytes:
+        if type(raw) is not bytes or len(raw) != self.size:
+            raise wire.WireError(f"{name} is {type(raw).__name__} of {len(raw) if isinstance(raw, bytes) else '?'} "
+                                 f"bytes; expected {self.size} bytes")
+        return raw
+
+
 @dataclass(frozen=True, kw_only=True)
 class EnumValue:
     """A member of a string-valued enum, sent as its value."""
@@ -181,6 +207,39 @@ class Landed(Message):
     components: tuple[Component, ...] = on_wire("components", ListOf(item=_COMPONENT, limit=3 * MAX_GROUPS))
 
 
+# ---------------------------------------------------------------- the handshake (sessions.py)
+NONCE = Fixed(size=wire.NONCE_BYTES)
+PROOF = Fixed(size=wire.PROOF_BYTES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hello(Message):
+    nonce: bytes = on_wire("nonce", NONCE)
+    endpoint: str = on_wire("endpoint", NAME)  # the decode rank's ZMQ endpoint: where the challenge goes
+    port: int = on_wire("port", PORT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Challenge(Message):
+    decode_nonce: bytes = on_wire("decode_nonce", NONCE)
+    prefill_nonce: bytes = on_wire("prefill_nonce", NONCE)
+    proof: bytes = on_wire("proof", PROOF)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Proof(Message):
+    decode_nonce: bytes = on_wire("decode_nonce", NONCE)
+    prefill_nonce: bytes = on_wire("prefill_nonce", NONCE)
+    endpoint: str = on_wire("endpoint", NAME)
+    port: int = on_wire("port", PORT)
+    proof: bytes = on_wire("proof", PROOF)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refused(Message):
+    reason: str = on_wire("reason", Text(limit=16))
+
+
 _TYPES: dict[MsgType, type] = {MsgType.REGISTER: Register, MsgType.METADATA: Metadata, MsgType.DRAINED: Drained,
                                MsgType.LANDED: Landed, MsgType.STUCK: Stuck}
 _TYPE_OF = {cls: t for t, cls in _TYPES.items()}
@@ -188,9 +247,38 @@ _RECORDS = {t: record_of(cls) for t, cls in _TYPES.items()}
 _MSG_TYPE = EnumValue(enum=MsgType)
 
 
+_AUTH_TYPES: dict[AuthType, type] = {AuthType.HELLO: Hello, AuthType.CHALLENGE: Challenge, AuthType.PROOF: Proof,
+                                      AuthType.REFUSED: Refused}
+_AUTH_TYPE_OF = {cls: t for t, cls in _AUTH_TYPES.items()}
+_AUTH_RECORDS = {t: record_of(cls) for t, cls in _AUTH_TYPES.items()}
+_AUTH_TYPE = EnumValue(enum=AuthType)
+
+
 def encode(msg: Message) -> list[bytes]:
+    if type(msg) in _AUTH_TYPE_OF:
+        t = _AUTH_TYPE_OF[type(msg)]
+        return [AUTH_TAG, msgpack.packb([VERSION, t.value, _AUTH_RECORDS[t].encode(msg)], use_bin_type=True)]
     t = _TYPE_OF[type(msg)]
     return [TAG, msgpack.packb([VERSION, t.value, _RECORDS[t].encode(msg)], use_bin_type=True)]
+
+
+def frames_size(frames: list[bytes]) -> int:
+    return sum(len(f) for f in frames)
+
+
+def decode_auth(frames: list[bytes]) -> Message:
+    """A handshake message from a peer not yet proven: WireError for anything but two frames of at most
+    ``wire.MAX_PREAUTH_BYTES`` in all, checked before a byte of it is unpacked."""
+    if len(frames) != 2 or frames[0] != AUTH_TAG:
+        raise wire.WireError(f"not a hybridkv handshake message: {len(frames)} frames")
+    if frames_size(frames) > wire.MAX_PREAUTH_BYTES:
+        raise wire.WireError(f"handshake message of {frames_size(frames)} bytes; expected at most "
+                             f"{wire.MAX_PREAUTH_BYTES}")
+    top = expect_list(unpack(frames[1]), "hybridkv handshake message", 3)
+    if len(top) != 3 or top[0] != VERSION:
+        raise wire.WireError(f"hybridkv handshake message is not [version {VERSION}, type, body]")
+    t = _AUTH_TYPE.decode(top[1], "hybridkv handshake message type")
+    return _AUTH_RECORDS[t].decode(top[2], t.value)
 
 
 def decode(frames: list[bytes]) -> Message:

@@ -76,6 +76,17 @@ def consumer_proof(secret: bytes, consumer_nonce: bytes, producer_nonce: bytes) 
     return hmac.new(secret, _CONSUMER + consumer_nonce + producer_nonce, hashlib.sha256).digest()
 
 
+def labelled_proof(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of the secret over a protocol's label and its parts, each length-prefixed (no two
+    different part lists hash the same). For protocols other than the transport's handshake (the SGLang
+    backend's): a distinct label keeps one protocol's proof from being accepted by another."""
+    h = hmac.new(secret, label, hashlib.sha256)
+    for p in parts:
+        h.update(len(p).to_bytes(4, "big"))
+        h.update(p)
+    return h.digest()
+
+
 def proven(expected: bytes, got: bytes) -> bool:
     return hmac.compare_digest(expected, got)
 
@@ -102,5 +113,5 @@ def check_token(token: object, what: str = "capability token") -> bytes:
     return token
 
 
-__all__ = ["MIN_SECRET_BYTES", "check_secret", "check_token", "consumer_proof", "load_secret", "new_nonce",
-           "new_token", "producer_proof", "proven", "token_from_hex"]
+__all__ = ["MIN_SECRET_BYTES", "check_secret", "check_token", "consumer_proof", "labelled_proof", "load_secret",
+           "new_nonce", "new_token", "producer_proof", "proven", "token_from_hex"]

@@ -9,6 +9,7 @@ it costs ~10 s of CPU per process), so several ranks are cheap.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import socket
@@ -222,7 +223,7 @@ class _State:
         self.pools = make_pools(seed, tp=par.attn_tp_size, rank=par.attn_tp_rank, kv_heads=kv_heads)
         self.mgr = make_manager(role, self.pools, sa)
         return dict(agent=self.mgr.dp.name, attn_tp=par.attn_tp_size, attn_tp_rank=par.attn_tp_rank,
-                    attn_dp_rank=par.attn_dp_rank, num_dp_ranks=par.num_dp_ranks)
+                    attn_dp_rank=par.attn_dp_rank, num_dp_ranks=par.num_dp_ranks, rank_port=int(self.mgr.rank_port))
 
     def start_manager(self, role: str, env: dict, tp: int = 1, pp: int = 1, extra_state: str | None = None):
         """Build a manager as SGLang's scheduler would, with `env` set (TP rank 0 of `tp`, PP size
@@ -315,6 +316,11 @@ class _State:
 
     def abort(self, room: int):
         self.peers[room].abort()
+
+    def all_zero(self, _=None):
+        """Nothing was ever written into this rank's pools (they start zeroed: seed None)."""
+        return not any(t.count_nonzero().item() for t in self.pools.k + self.pools.v
+                       + [self.pools.conv, self.pools.ssm, self.pools.aux])
 
     # decode commands
     def receive(self, room: int, addr: str, pages, aux_row: int, slot: int, prefill_dp_rank: int = 0):
@@ -465,7 +471,8 @@ class _State:
                     pages=st.pages, inflight=dict(getattr(mgr, "_inflight", {})), rooms=list(mgr.request_status),
                     transfer_infos=list(getattr(mgr, "transfer_infos", {})), waiters=dict(mgr._drain_waiters),
                     exporting=mgr.exporting(room) if room is not None else None, peers=len(mgr.peers),
-                    failures=dict(mgr.failure_records), stuck=len(getattr(mgr, "_stuck", {})), **sched)
+                    failures=dict(mgr.failure_records), stuck=len(getattr(mgr, "_stuck", {})),
+                    auth=dataclasses.asdict(mgr.auth_stats), **sched)
 
 
 class _StuckPlane:

@@ -24,10 +24,13 @@ def test_every_key_is_read_from_its_variable():
     env = {"HYBRIDKV_SGLANG_TRANSFER_TIMEOUT_S": "1.5", "HYBRIDKV_SGLANG_DRAIN_TIMEOUT_S": "9",
            "HYBRIDKV_SGLANG_MIN_LEASE_S": "5", "HYBRIDKV_SGLANG_WORKERS": "4",
            "HYBRIDKV_SGLANG_POLL_INTERVAL_S": "0.05", "HYBRIDKV_SGLANG_SETTLE_POLL_S": "0.001",
-           "HYBRIDKV_SGLANG_PROGRESS_THREAD": "off", "HYBRIDKV_SGLANG_UNKNOWN": "x"}
+           "HYBRIDKV_SGLANG_PROGRESS_THREAD": "off", "HYBRIDKV_SGLANG_SECRET_FILE": "/run/secret",
+           "HYBRIDKV_SGLANG_SECRET_ENV": "", "HYBRIDKV_SGLANG_HANDSHAKE_TIMEOUT_S": "2",
+           "HYBRIDKV_SGLANG_UNKNOWN": "x"}
     c = SGLangConfig.from_server_args(None, environ=env)
     assert c == SGLangConfig(transfer_timeout_s=1.5, drain_timeout_s=9.0, min_lease_s=5.0, workers=4,
-                             poll_interval_s=0.05, settle_poll_s=0.001, progress_thread=False)
+                             poll_interval_s=0.05, settle_poll_s=0.001, progress_thread=False,
+                             secret_file="/run/secret", handshake_timeout_s=2.0)
     assert {f"HYBRIDKV_SGLANG_{f.name.upper()}" for f in dataclasses.fields(SGLangConfig)} == set(env) - {
         "HYBRIDKV_SGLANG_UNKNOWN"}
     assert c.drain_timeout(120.0) == 9.0 and c.lease_s(c.drain_timeout(None)) == 9.0
@@ -43,3 +46,28 @@ def test_every_key_is_read_from_its_variable():
 def test_bad_values_are_refused_naming_the_variable(var, value, match):
     with pytest.raises(ValueError, match=match):
         SGLangConfig.from_server_args(None, environ={var: value})
+
+
+def test_secret_file_and_env_name_where_the_secret_is(tmp_path):
+    f = tmp_path / "secret"
+    f.write_bytes(b"s" * 32 + b"\n")
+    c = SGLangConfig.from_server_args(None, environ={"HYBRIDKV_SGLANG_SECRET_FILE": str(f)})
+    assert c.secret_file == str(f) and c.secret() == b"s" * 32  # one trailing newline dropped
+    env = {"HYBRIDKV_SGLANG_SECRET_ENV": "MY_SECRET", "MY_SECRET": "e" * 20}
+    assert SGLangConfig.from_server_args(None, environ=env).secret_env == "MY_SECRET"
+    assert SGLangConfig.from_server_args(None, environ={}).secret() is None  # lab mode
+
+
+def test_secret_sources_both_set_or_short_are_refused(tmp_path, monkeypatch):
+    both = {"HYBRIDKV_SGLANG_SECRET_FILE": "/run/secret", "HYBRIDKV_SGLANG_SECRET_ENV": "MY_SECRET"}
+    with pytest.raises(ValueError, match=r"secret_file = '/run/secret' and secret_env = 'MY_SECRET' are both set"):
+        SGLangConfig.from_server_args(None, environ=both)
+    f = tmp_path / "short"
+    f.write_bytes(b"tooshort")
+    with pytest.raises(ValueError, match=r"HYBRIDKV_SGLANG_SECRET_FILE: secret file .* has 8 bytes; expected at "
+                                         r"least 16"):
+        SGLangConfig(secret_file=str(f)).secret()
+    monkeypatch.delenv("NO_SUCH_SECRET_VAR", raising=False)
+    with pytest.raises(ValueError, match="HYBRIDKV_SGLANG_SECRET_ENV: environment variable 'NO_SUCH_SECRET_VAR' is "
+                                         "not set"):
+        SGLangConfig(secret_env="NO_SUCH_SECRET_VAR").secret()

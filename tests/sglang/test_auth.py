@@ -1,0 +1,182 @@
+"""The SGLang backend with a shared secret: real prefill and decode managers in real processes, real
+NIXL/UCX, and attackers that are real too (decode ranks with another secret or none, a proven decode
+rank that is not the room's, and a hand-rolled ZMQ socket sending raw frames)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from tests.sglang import pd_peer
+
+pytestmark = pytest.mark.slow
+
+SECRET = "correct horse battery staple 42"
+ENV = {"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": SECRET}
+PAGES_A, PAGES_B = [5, 6, 7, 8], [20, 21, 9, 10]
+DST_A, DST_B = [12, 13, 14, 15], [30, 31, 32, 2]
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    r = pd_peer.Rank()
+    r.call("setenv", ENV)
+    port = pd_peer.free_port()
+    info = r.call("setup", ("prefill", 1, 0, port, 7, True))
+    r.addr, r.rank_port = f"127.0.0.1:{port}", info["rank_port"]
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def decode():
+    saved = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)
+    try:
+        sa = pd_peer.configure("decode", port=pd_peer.free_port(), bootstrap_port=pd_peer.free_port())
+        pools = pd_peer.make_pools(None)
+        mgr = pd_peer.make_manager("decode", pools, sa)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    yield mgr, pools
+    mgr.close()
+
+
+def _other_decode(env: dict) -> pd_peer.Rank:
+    r = pd_peer.Rank()
+    r.call("setenv", env)
+    r.call("setup", ("decode", 1, 0, pd_peer.free_port(), None, False))
+    return r
+
+
+def _until(what, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not (got := what()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition never held")
+        time.sleep(0.02)
+    return got
+
+
+def _transfer(prefill, mgr, pools, room: int, src, dst, slot: int, aux: int, *, meanwhile=None) -> None:
+    """The legitimate decode gets the room byte for byte (`meanwhile` runs once its METADATA is in)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    r = pd_peer.receiver(mgr, prefill.addr, room)
+    r.send_metadata(np.asarray(dst, dtype=np.int32), aux, [[slot]])
+    assert prefill.call("sender", room) == KVPoll.WaitingForInput
+    if meanwhile is not None:
+        meanwhile()
+    prefill.call("send", (room, src, 3, 1, 2, False))
+    status, reason = prefill.call("wait", (room, 30))
+    assert status == KVPoll.Success, reason
+    assert pd_peer.wait_poll(r, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success, pd_peer.failure_of(r)
+    kv, state, aux_row = prefill.call("bytes", (src, 3, 1))
+    assert pools.page_bytes(dst) == kv and pools.slot_bytes(slot) == state and pools.aux_bytes(aux) == aux_row
+    r.clear()
+
+
+def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
+    """Wrong secret, no secret, raw frames, oversize frames, a proven peer reaching for another's room:
+    each is refused or dropped, writes nothing, and the legitimate decode still gets its bytes."""
+    from connectors.sglang import messages as msgs
+    from connectors.sglang.sessions import SEAL_TAG
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, pools = decode
+    before = prefill.call("stats")["auth"]
+
+    # A decode rank with another secret: the prefill's proof fails there, so it sends no REGISTER.
+    wrong = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": "another secret, 24 b"})
+    # A decode rank without a secret (lab mode): its REGISTER and METADATA for room 2001 go out unsealed.
+    lab = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": None})
+    try:
+        assert wrong.call("receive", (2001, prefill.addr, DST_A, 1, 3)) == KVPoll.Failed
+        assert "did not prove the shared secret" in wrong.call("wait", (2001, 5))[1]
+        lab.call("receive", (2001, prefill.addr, DST_A, 1, 3))
+        st = _until(lambda: (s := prefill.call("stats"))["auth"]["unproven"] >= before["unproven"] + 2 and s)
+        assert st["peers"] == 0 and 2001 not in st["transfer_infos"]  # no NIXL agent added, no room claimed
+
+        # A raw ZMQ socket: a Hello of its own is answered (so the harness reaches the prefill) ...
+        ctx = zmq.Context.instance()
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        push.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.RCVTIMEO, 3000)
+        back = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{prefill.rank_port}")
+        push.send_multipart(msgs.Hello(nonce=b"n" * 32, endpoint="127.0.0.1", port=back).to_frames())
+        challenge = msgs.decode_auth(pull.recv_multipart())
+        assert isinstance(challenge, msgs.Challenge)
+        # ... a made-up proof is told "refused" and nothing else,
+        push.send_multipart(msgs.Proof(decode_nonce=b"n" * 32, prefill_nonce=challenge.prefill_nonce,
+                                       endpoint="127.0.0.1", port=back, proof=b"p" * 32).to_frames())
+        assert pull.recv_multipart() == msgs.Refused(reason="refused").to_frames()
+        # ... an oversize handshake frame is dropped unread (no answer), a sealed message of a made-up
+        # session and SGLang's own unsealed ABORT for a room are dropped.
+        push.send_multipart([msgs.AUTH_TAG, b"\x93" + b"x" * 8192])
+        push.send_multipart([SEAL_TAG, b"s" * 72, b"m" * 32, *msgs.Drained(room=2001, prefill_rank=0).to_frames()])
+        push.send_multipart([b"ABORT", b"2001", b"127.0.0.1", str(back).encode()])
+        st = _until(lambda: (s := prefill.call("stats"))["auth"]["oversize"] > before["oversize"]
+                    and s["auth"]["unproven"] >= before["unproven"] + 4 and s)
+        pull.setsockopt(zmq.RCVTIMEO, 300)  # the oversize Hello had its chance to be answered by now
+        with pytest.raises(zmq.Again):
+            pull.recv_multipart()
+        assert st["auth"]["refused"] == before["refused"] + 1
+
+        # The legitimate decode claims room 2001 after all that and gets it byte for byte; a forged
+        # unsealed KV_STATUS Failed pushed at the decode's own port meanwhile is dropped there.
+        def forge_status():
+            to_decode = ctx.socket(zmq.PUSH)
+            to_decode.setsockopt(zmq.LINGER, 0)
+            to_decode.connect(f"tcp://127.0.0.1:{mgr.rank_port}")
+            to_decode.send_multipart([b"KV_STATUS", b"2001", str(int(KVPoll.Failed)).encode(), b"0", b"forged"])
+            _until(lambda: mgr.auth_stats.unproven >= 1)
+            to_decode.close()
+
+        _transfer(prefill, mgr, pools, 2001, PAGES_A, DST_A, 6, 9, meanwhile=forge_status)
+        push.close()
+        pull.close()
+        assert wrong.call("all_zero") and lab.call("all_zero")
+    finally:
+        wrong.close()
+        lab.close()
+
+    # A decode rank with the right secret (proven) cannot claim or abort a room another decode claimed.
+    intruder = _other_decode(ENV)
+    try:
+        def intrude():
+            foreign = prefill.call("stats")["auth"]["foreign"]
+            intruder.call("receive", (2002, prefill.addr, DST_B, 2, 4))
+            intruder.call("abort", 2002)
+            _until(lambda: prefill.call("stats")["auth"]["foreign"] >= foreign + 2)
+
+        _transfer(prefill, mgr, pools, 2002, PAGES_B, DST_B, 5, 8, meanwhile=intrude)
+        assert intruder.call("all_zero")
+        st = prefill.call("stats")
+        assert st["peers"] == 2 and st["auth"]["sessions"] == before["sessions"] + 2  # both proven, both registered
+    finally:
+        intruder.close()
+    assert mgr.auth_stats.sessions == 1 and mgr.auth_stats.foreign == 0
+
+
+def test_sealed_message_is_accepted_once_and_not_altered():
+    """A recorded sealed message replayed, or altered, or sealed for the other direction, is dropped."""
+    from connectors.sglang.sessions import AuthStats, Session
+
+    sid, key = b"d" * 32 + b"p" * 32, b"k" * 32
+    decode = Session(sid=sid, key=key, peer=("127.0.0.1", 1), prefill_side=False)
+    prefill = Session(sid=sid, key=key, peer=("127.0.0.1", 2), prefill_side=True)
+    stats = AuthStats()
+    first, second = decode.seal([b"HYBRIDKV", b"one"]), decode.seal([b"HYBRIDKV", b"two"])
+    assert prefill.open(second, stats) == [b"HYBRIDKV", b"two"]
+    assert prefill.open(first, stats) == [b"HYBRIDKV", b"one"]  # out of order, within the window
+    assert prefill.open(first, stats) is None and stats.replayed == 1
+    altered = decode.seal([b"HYBRIDKV", b"three"])
+    altered[-1] = b"thre3"
+    assert prefill.open(altered, stats) is None and stats.unproven == 1
+    assert decode.open(decode.seal([b"HYBRIDKV", b"four"]), stats) is None  # its own direction's label
