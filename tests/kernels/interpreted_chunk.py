@@ -118,11 +118,18 @@ def main() -> int:
                                                        config=(32, 4, 2), schedule=triton_chunk.Schedule.SERIAL,
                                                        form=form)
         out[f"fp16-k64-v96/{form.value}"] = [rel(o, o_ref), rel(s, s_ref)]
-    # The scan at K != V with a V block that does not divide V, and no initial state: three segments of 1.
-    o, s = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 64**-0.5, None, True, cu, True, False,
-                                                   config=(64, 4, 2), schedule=triton_chunk.Schedule.SCAN,
-                                                   segments=3)
-    out["fp16-k64-v96/scan"] = [rel(o, o_ref), rel(s, s_ref)]
+    # The scan at K != V with a V block that does not divide V, from an initial state held V-first (the
+    # scan kernel reads it through the transposed strides): three segments of one chunk or less. Slow decay
+    # and small beta, so a state carried wrongly between segments shows: with the gates above a chunk
+    # forgets ~99% of its start state, and a scan that dropped every carry stayed within 2e-3.
+    g_slow = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 7)
+    beta_small = 0.1 * torch.rand(1, T, HV)
+    h0 = torch.randn(1, HV, 64, 96)
+    o_ref, s_ref = reference.chunk_reference(q, k, v, g_slow, beta_small, 64**-0.5, h0, True, cu, True)
+    o, s = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g_slow, beta_small, 64**-0.5,
+                                                   h0.transpose(-1, -2).contiguous(), True, cu, True, True,
+                                                   config=(64, 4, 2), schedule=triton_chunk.Schedule.SCAN, segments=3)
+    out["fp16-k64-v96/scan"] = [rel(o, o_ref), rel(s.transpose(-1, -2), s_ref)]
     print(json.dumps(out))
     return 0
 

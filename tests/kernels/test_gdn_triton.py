@@ -42,7 +42,9 @@ def rel_err(got, want):
     return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(1e-12)).item()
 
 
-def make(lens, H, HV, K=128, V=128, batch=None, seed=0, dtype=torch.bfloat16):
+def make(lens, H, HV, K=128, V=128, batch=None, seed=0, dtype=torch.bfloat16, slow=False):
+    """Inputs; ``slow``: gates that keep most of the state across a chunk (decay ~0.99 per token, beta
+    <= 0.1), where the default ones forget ~99% of it, so a state handed on wrongly shows."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     T = sum(lens) if batch is None else lens[0]
     B = 1 if batch is None else batch
@@ -50,8 +52,8 @@ def make(lens, H, HV, K=128, V=128, batch=None, seed=0, dtype=torch.bfloat16):
     q = torch.randn(B, T, H, K, **dev).to(dtype)
     k = torch.randn(B, T, H, K, **dev).to(dtype)
     v = torch.randn(B, T, HV, V, **dev).to(dtype)
-    g = F.logsigmoid(torch.randn(B, T, HV, **dev) + 3.0)
-    beta = torch.rand(B, T, HV, **dev)
+    g = F.logsigmoid(torch.randn(B, T, HV, **dev) + (7.0 if slow else 3.0))
+    beta = torch.rand(B, T, HV, **dev) * (0.1 if slow else 1.0)
     cu = None
     if batch is None:
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int64)
@@ -402,10 +404,10 @@ SCAN_CASES = [pytest.param([8192], 2, 8, None, id="397B-TP8-1x8192"), PREFILL[0]
 def test_scan_schedule_matches_reference(lens, H, HV, batch):
     """Segments of every sequence at once from scanned start states (`triton_chunk_scan`): both forms,
     1 to 16 segments (more segments than some sequences have chunks), v-first, with and without an
-    initial state."""
+    initial state; slow gates, so that each segment's start state matters."""
     from hybridkv.kernels.gdn import triton_chunk
 
-    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=21)
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=21, slow=True)
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
     scan = triton_chunk.Schedule.SCAN
