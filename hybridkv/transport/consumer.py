@@ -3,7 +3,8 @@
 A :class:`Consumer` may be connected to several producers (one per prefill TP
 rank it needs); one import then has a *part* per producer and lands only when
 every part landed: the scheduler sees one transfer for the whole request, so
-its components become visible together (rule 4) or not at all.
+its components become visible together (rule 4) or not at all. How it dials a
+producer (the handshake, retried) is in :mod:`hybridkv.transport.dial`.
 
 The consumer never pairs blocks itself: its :class:`~hybridkv.transport.plan.Planner`
 (given at construction) is prepared once per set of producers and turns each
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -25,19 +25,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridkv import wire
-from hybridkv.errors import HandshakeRefused, HandshakeTimeout, HybridKVError, PeerError, PeerLost, ProtocolViolation
+from hybridkv.errors import HybridKVError, PeerError, PeerLost
 from hybridkv.fencing import NotYet, NotYetReason, TransferOutcome
-from hybridkv.transport import auth, control
+from hybridkv.transport import auth
 from hybridkv.transport.config import FailurePolicy, Outcome, Result, TransportConfig
 from hybridkv.transport.dataplane import Op, Transfer, XferState
+from hybridkv.transport.dial import _Dial
 from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.plan import PeerPlanner, Planner, TransferPlan
 from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _remember, _rid_of, _send_quietly, _Side
-
-log = logging.getLogger(__name__)
-
-#: How long a handshake that timed out may stay in flight (the next try waits on it) before UCX gives up.
-_LATE_TRY_LIMIT_S = 600.0
 
 
 @dataclass(eq=False, kw_only=True)
@@ -63,7 +59,7 @@ class _Work:
     plan: TransferPlan  # src: the producer's side, dst: ours
 
 
-class Consumer(_Side):
+class Consumer(_Dial, _Side):
     """Decode side: dials producers and imports requests from them."""
 
     role = wire.Role.CONSUMER
@@ -74,8 +70,8 @@ class Consumer(_Side):
         self._parts: dict[tuple[str, str], _Part] = {}
         self._tasks: list[asyncio.Task] = []
         self._hb_sent: dict[str, float] = {}
-        self._dialing: dict[tuple[str, int], asyncio.Task] = {}  # a handshake in flight per producer address
         self._seq = 0
+        self._init_dial()
         # (agent, request) this consumer released: an Export arriving after is refused at
         # once, not renewed for a reader that will never come (bounded).
         self._released: OrderedDict[tuple[str, str], bytes] = OrderedDict()  # -> the request's token
@@ -95,104 +91,6 @@ class Consumer(_Side):
     def peer(self) -> _Peer | None:
         """The first producer connected (the only one in the common 1:1 case)."""
         return next(iter(self.peers.values()), None)
-
-    async def connect(self, host: str, port: int) -> str:
-        """Handshake; returns the producer's agent name. A timeout or an unreachable producer is
-        retried (``TransportConfig.handshake_retries``, with backoff). Raises HandshakeRefused
-        (saying what differs, never retried), HandshakeTimeout or PeerLost once the tries are spent.
-        Callers connecting to one address at once share one call (as the connectors do)."""
-        try:
-            return await self._connect_retrying(host, port)
-        except Exception:
-            self.metrics.failure(FailureKind.HANDSHAKE)
-            raise
-
-    async def _connect_retrying(self, host: str, port: int) -> str:
-        cfg = self.config
-        for attempt in range(cfg.handshake_retries + 1):
-            try:
-                return await self._connect_once(host, port)
-            except (HandshakeTimeout, PeerLost) as exc:
-                if attempt == cfg.handshake_retries:
-                    tries = cfg.handshake_retries + 1
-                    raise type(exc)(f"{exc} ({tries} tr{'y' if tries == 1 else 'ies'})") from exc
-                log.warning("handshake with %s:%d failed (%s); trying again in %.1f s", host, port, exc,
-                            cfg.handshake_backoff_s * 2 ** attempt)
-                await asyncio.sleep(cfg.handshake_backoff_s * 2 ** attempt)
-        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
-
-    async def _connect_once(self, host: str, port: int) -> str:
-        timeout = self.config.handshake_timeout_s
-        # Waited for, never cancelled: ucxx's endpoint creation and receives post UCX requests into
-        # buffers that a cancellation frees while the request stays posted, so a producer that
-        # answers after a cancelled try (one resumed from a stall) writes into freed memory (a
-        # segfault on the next try, seen with a SIGSTOPped producer). A try that times out stays in
-        # flight, and the next try waits on it rather than dialling again: one dial per producer.
-        key = (host, port)
-        attempt = self._dialing.get(key)
-        if attempt is None:
-            attempt = self._dialing[key] = asyncio.get_running_loop().create_task(self._exchange_hellos(host, port))
-        done, _ = await asyncio.wait({attempt}, timeout=timeout)
-        if not done:
-            raise HandshakeTimeout(f"no handshake from {host}:{port} within {timeout} s")
-        self._dialing.pop(key, None)
-        ch, reply = attempt.result()
-        if isinstance(reply, wire.Refuse):
-            await ch.close()
-            raise HandshakeRefused(f"refused by {host}:{port}: {reply.reason}", reply.differences)
-        if not isinstance(reply, wire.Hello):
-            await ch.close()
-            raise ProtocolViolation(f"handshake reply is {type(reply).__name__}; expected Hello or Refuse")
-        try:
-            remote = self.check_hello(reply)
-        except HandshakeRefused:
-            await _send_quietly(ch, wire.Bye(reason="incompatible"))
-            await ch.close()
-            raise
-        agent = self.dp.add_peer(reply.metadata, remote)
-        if agent in self.peers:  # dialled twice: keep the first channel
-            await _send_quietly(ch, wire.Bye(reason="already connected"))
-            await ch.close()
-            return agent
-        self.dp.connect(agent)
-        peer = _Peer(agent=agent, channel=ch, memory=remote, lease_s=reply.lease_s)
-        self.peers[agent] = peer
-        loop = asyncio.get_running_loop()
-        self._tasks += [loop.create_task(self._serve(peer)), loop.create_task(self._heartbeats(peer))]
-        self._start_pump()
-        return agent
-
-    async def _exchange_hellos(self, host: str, port: int) -> tuple[control.Channel, wire.Message]:
-        # The dial's own limit is far out: _connect_once bounds the wait without cancelling (see there).
-        ch = await control.dial(host, port, _LATE_TRY_LIMIT_S)
-        secret = self.config.secret
-        # Both sides prove the secret before either sends its metadata (auth.py).
-        nonce = auth.new_nonce()
-        await ch.send(wire.Auth(nonce=nonce, proof=b""))
-        reply = await ch.recv()
-        if isinstance(reply, wire.Auth):
-            if len(reply.nonce) != wire.NONCE_BYTES:
-                await ch.close()
-                raise ProtocolViolation(f"{host}:{port} answered Auth without a nonce")
-            if secret is not None and not auth.proven(auth.producer_proof(secret, nonce, reply.nonce), reply.proof):
-                await ch.close()
-                raise HandshakeRefused(f"{host}:{port} did not prove the shared secret "
-                                       f"({'no proof' if not reply.proof else 'a wrong proof'}); expected "
-                                       "a producer configured with the same TransportConfig.secret")
-            proof = auth.consumer_proof(secret, nonce, reply.nonce) if secret is not None else b""
-            try:
-                await ch.send(wire.Auth(nonce=b"", proof=proof))
-                await ch.send(self.hello())
-            except PeerLost as lost:
-                # A producer that refused our proof closes at once: its Refuse may be
-                # here before our Hello could leave, and says more than the reset.
-                try:
-                    reply = await ch.recv(limit=wire.MAX_PREAUTH_BYTES)
-                except (PeerLost, wire.WireError):
-                    raise lost from None
-            else:
-                reply = await ch.recv()
-        return ch, reply
 
     def prepared(self, agents: Sequence[str]) -> PeerPlanner:
         """The planner prepared for an import from these producers (made on first use)."""
@@ -648,12 +546,7 @@ class Consumer(_Side):
         self._closing = True
         for t in self._tasks:
             t.cancel()
-        dialing, self._dialing = list(self._dialing.values()), {}
-        for t in dialing:  # handshakes nobody waits for any more: ended here, their channels closed
-            t.cancel()
-        for result in await asyncio.gather(*dialing, return_exceptions=True):
-            if isinstance(result, tuple):
-                await result[0].close()
+        await self._close_dialing()
         for peer in self.peers.values():
             if peer.alive:
                 await _send_quietly(peer.channel, wire.Bye(reason="closing"))
