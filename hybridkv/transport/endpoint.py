@@ -7,7 +7,8 @@ whoever asked; a request several decode ranks share (``readers``, heterogeneous
 TP) ends when every reader is done; any other claim on it is refused
 (``FailureCode.CLAIMED``). The producer lives in :mod:`hybridkv.transport.producer`
 (its side of the handshake in :mod:`hybridkv.transport.admission`), the consumer in
-:mod:`hybridkv.transport.consumer` (its side in :mod:`hybridkv.transport.dial`), the base they share in
+:mod:`hybridkv.transport.consumer` (its side in :mod:`hybridkv.transport.dial`, its imports in
+:mod:`hybridkv.transport.fetch`), the base they share in
 :mod:`hybridkv.transport.side` and their configuration and results in
 :mod:`hybridkv.transport.config`.
 Both drive their transfers through a :class:`~hybridkv.fencing.scheduler.TransferScheduler`:
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 # The endpoint is split by what each part holds: configuration and results
 # (config), the base both sides share (side), the producer (producer, admission)
-# and the consumer (consumer, dial). Callers import from here.
+# and the consumer (consumer, dial, fetch). Callers import from here.
 from hybridkv.transport.config import FailurePolicy, Outcome, Pairing, Result, Stats, TransportConfig
 from hybridkv.transport.consumer import Consumer
 from hybridkv.transport.plan import PeerPlanner, Planner, TransferPlan
