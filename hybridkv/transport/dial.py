@@ -110,14 +110,13 @@ class _Dial:
             if len(reply.nonce) != wire.NONCE_BYTES:
                 await ch.close()
                 raise ProtocolViolation(f"{host}:{port} answered Auth without a nonce")
-            if secret is not None and not auth.proven(auth.producer_proof(secret, nonce, reply.nonce), reply.proof):
+            if not auth.proves(secret, wire.Role.PRODUCER, nonce, reply.nonce, reply.proof):
                 await ch.close()
                 raise HandshakeRefused(f"{host}:{port} did not prove the shared secret "
                                        f"({'no proof' if not reply.proof else 'a wrong proof'}); expected "
                                        "a producer configured with the same TransportConfig.secret")
-            proof = auth.consumer_proof(secret, nonce, reply.nonce) if secret is not None else b""
             try:
-                await ch.send(wire.Auth(nonce=b"", proof=proof))
+                await ch.send(wire.Auth(nonce=b"", proof=auth.proof(secret, wire.Role.CONSUMER, nonce, reply.nonce)))
                 await ch.send(self.hello())
             except PeerLost as lost:
                 # A producer that refused our proof closes at once: its Refuse may be
