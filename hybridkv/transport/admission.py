@@ -111,12 +111,11 @@ class _Admission:
         if not isinstance(knock, wire.Auth) or len(knock.nonce) != wire.NONCE_BYTES:
             raise _Unproven(f"first message is {type(knock).__name__}; expected Auth with a nonce")
         nonce = auth.new_nonce()
-        proof = auth.producer_proof(secret, knock.nonce, nonce) if secret is not None else b""
-        await ch.send(wire.Auth(nonce=nonce, proof=proof))
+        await ch.send(wire.Auth(nonce=nonce, proof=auth.proof(secret, wire.Role.PRODUCER, knock.nonce, nonce)))
         answer = await _recv_unproven(ch)
         if not isinstance(answer, wire.Auth):
             raise _Unproven(f"second message is {type(answer).__name__}; expected Auth")
-        if secret is not None and not auth.proven(auth.consumer_proof(secret, knock.nonce, nonce), answer.proof):
+        if not auth.proves(secret, wire.Role.CONSUMER, knock.nonce, nonce, answer.proof):
             raise _Unproven("the peer did not prove the shared secret")
         proven.append(True)
         self._unproven.pop(ch, None)

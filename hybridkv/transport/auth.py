@@ -76,6 +76,20 @@ def consumer_proof(secret: bytes, consumer_nonce: bytes, producer_nonce: bytes) 
     return hmac.new(secret, _CONSUMER + consumer_nonce + producer_nonce, hashlib.sha256).digest()
 
 
+def proof(secret: bytes | None, prover: wire.Role, consumer_nonce: bytes, producer_nonce: bytes) -> bytes:
+    """What ``prover`` sends in the handshake: its proof over both nonces, empty without a secret (a lab)."""
+    if secret is None:
+        return b""
+    make = producer_proof if prover is wire.Role.PRODUCER else consumer_proof
+    return make(secret, consumer_nonce, producer_nonce)
+
+
+def proves(secret: bytes | None, prover: wire.Role, consumer_nonce: bytes, producer_nonce: bytes,
+           got: bytes) -> bool:
+    """Whether ``got`` is ``prover``'s proof; without a secret (a lab) any is, as both sides send none."""
+    return secret is None or proven(proof(secret, prover, consumer_nonce, producer_nonce), got)
+
+
 def labelled_proof(secret: bytes, label: bytes, *parts: bytes) -> bytes:
     """HMAC-SHA256 of the secret over a protocol's label and its parts, each length-prefixed (no two
     different part lists hash the same). For protocols other than the transport's handshake (the SGLang
@@ -114,4 +128,4 @@ def check_token(token: object, what: str = "capability token") -> bytes:
 
 
 __all__ = ["MIN_SECRET_BYTES", "check_secret", "check_token", "consumer_proof", "labelled_proof", "load_secret",
-           "new_nonce", "new_token", "producer_proof", "proven", "token_from_hex"]
+           "new_nonce", "new_token", "producer_proof", "proof", "proves", "proven", "token_from_hex"]

@@ -3,7 +3,11 @@
 A :class:`Consumer` may be connected to several producers (one per prefill TP
 rank it needs); one import then has a *part* per producer and lands only when
 every part landed: the scheduler sees one transfer for the whole request, so
-its components become visible together (rule 4) or not at all.
+its components become visible together (rule 4) or not at all. Here: the
+producers as peers, what they say on the control channel, the leases the consumer
+renews and the requests it releases. How it dials a producer (the handshake,
+retried) is in :mod:`hybridkv.transport.dial`; what one import runs through, in
+:mod:`hybridkv.transport.fetch`.
 
 The consumer never pairs blocks itself: its :class:`~hybridkv.transport.plan.Planner`
 (given at construction) is prepared once per set of producers and turns each
@@ -15,55 +19,22 @@ pages), any other as ``(addr, len, dev)`` rows.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
+from collections.abc import Sequence
 
 from hybridkv import wire
-from hybridkv.errors import HandshakeRefused, HandshakeTimeout, HybridKVError, PeerError, PeerLost, ProtocolViolation
-from hybridkv.fencing import NotYet, NotYetReason, TransferOutcome
-from hybridkv.transport import auth, control
-from hybridkv.transport.config import FailurePolicy, Outcome, Result, TransportConfig
-from hybridkv.transport.dataplane import Op, Transfer, XferState
+from hybridkv.errors import PeerError, PeerLost
+from hybridkv.transport import auth
+from hybridkv.transport.config import TransportConfig
+from hybridkv.transport.dial import _Dial
+from hybridkv.transport.fetch import _Fetch, _Part
 from hybridkv.transport.metrics import FailureKind
-from hybridkv.transport.plan import PeerPlanner, Planner, TransferPlan
-from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _remember, _rid_of, _send_quietly, _Side
-
-log = logging.getLogger(__name__)
-
-#: How long a handshake that timed out may stay in flight (the next try waits on it) before UCX gives up.
-_LATE_TRY_LIMIT_S = 600.0
+from hybridkv.transport.plan import PeerPlanner, Planner
+from hybridkv.transport.side import _Peer, _remember, _rid_of, _send_quietly, _Side
 
 
-@dataclass(eq=False, kw_only=True)
-class _Part:
-    """One producer's share of an import."""
-
-    rid: str
-    peer: _Peer
-    export: asyncio.Future  # -> (wire.Export, receipt time)
-    token: bytes  # the request's capability, as the producer side issued it
-    deadline: float = float("inf")
-    landed: asyncio.Event = field(default_factory=asyncio.Event)
-    failed: str | None = None  # the producer will not write / the blocks are gone / it refused
-    kind: FailureKind | None = None  # why, for the metrics
-    lease_lost: bool = False
-    notified: bool = False
-    wanted: bool = False
-
-
-@dataclass(eq=False, kw_only=True)
-class _Work:
-    part: _Part
-    plan: TransferPlan  # src: the producer's side, dst: ours
-
-
-class Consumer(_Side):
+class Consumer(_Fetch, _Dial, _Side):
     """Decode side: dials producers and imports requests from them."""
 
     role = wire.Role.CONSUMER
@@ -74,15 +45,14 @@ class Consumer(_Side):
         self._parts: dict[tuple[str, str], _Part] = {}
         self._tasks: list[asyncio.Task] = []
         self._hb_sent: dict[str, float] = {}
-        self._dialing: dict[tuple[str, int], asyncio.Task] = {}  # a handshake in flight per producer address
         self._seq = 0
+        self._init_dial()
         # (agent, request) this consumer released: an Export arriving after is refused at
         # once, not renewed for a reader that will never come (bounded).
         self._released: OrderedDict[tuple[str, str], bytes] = OrderedDict()  # -> the request's token
         #: the planner prepared per set of producers (agent names, in the order read)
         self.plans: dict[tuple[str, ...], PeerPlanner] = {}
-        #: requests whose READ NIXL would not abort: ends when the READ does (see settled())
-        self._settling: dict[str, asyncio.Task] = {}
+        self._init_fetch()
         self._warn_if_open("")
 
     def describe(self) -> dict:
@@ -95,104 +65,6 @@ class Consumer(_Side):
     def peer(self) -> _Peer | None:
         """The first producer connected (the only one in the common 1:1 case)."""
         return next(iter(self.peers.values()), None)
-
-    async def connect(self, host: str, port: int) -> str:
-        """Handshake; returns the producer's agent name. A timeout or an unreachable producer is
-        retried (``TransportConfig.handshake_retries``, with backoff). Raises HandshakeRefused
-        (saying what differs, never retried), HandshakeTimeout or PeerLost once the tries are spent.
-        Callers connecting to one address at once share one call (as the connectors do)."""
-        try:
-            return await self._connect_retrying(host, port)
-        except Exception:
-            self.metrics.failure(FailureKind.HANDSHAKE)
-            raise
-
-    async def _connect_retrying(self, host: str, port: int) -> str:
-        cfg = self.config
-        for attempt in range(cfg.handshake_retries + 1):
-            try:
-                return await self._connect_once(host, port)
-            except (HandshakeTimeout, PeerLost) as exc:
-                if attempt == cfg.handshake_retries:
-                    tries = cfg.handshake_retries + 1
-                    raise type(exc)(f"{exc} ({tries} tr{'y' if tries == 1 else 'ies'})") from exc
-                log.warning("handshake with %s:%d failed (%s); trying again in %.1f s", host, port, exc,
-                            cfg.handshake_backoff_s * 2 ** attempt)
-                await asyncio.sleep(cfg.handshake_backoff_s * 2 ** attempt)
-        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
-
-    async def _connect_once(self, host: str, port: int) -> str:
-        timeout = self.config.handshake_timeout_s
-        # Waited for, never cancelled: ucxx's endpoint creation and receives post UCX requests into
-        # buffers that a cancellation frees while the request stays posted, so a producer that
-        # answers after a cancelled try (one resumed from a stall) writes into freed memory (a
-        # segfault on the next try, seen with a SIGSTOPped producer). A try that times out stays in
-        # flight, and the next try waits on it rather than dialling again: one dial per producer.
-        key = (host, port)
-        attempt = self._dialing.get(key)
-        if attempt is None:
-            attempt = self._dialing[key] = asyncio.get_running_loop().create_task(self._exchange_hellos(host, port))
-        done, _ = await asyncio.wait({attempt}, timeout=timeout)
-        if not done:
-            raise HandshakeTimeout(f"no handshake from {host}:{port} within {timeout} s")
-        self._dialing.pop(key, None)
-        ch, reply = attempt.result()
-        if isinstance(reply, wire.Refuse):
-            await ch.close()
-            raise HandshakeRefused(f"refused by {host}:{port}: {reply.reason}", reply.differences)
-        if not isinstance(reply, wire.Hello):
-            await ch.close()
-            raise ProtocolViolation(f"handshake reply is {type(reply).__name__}; expected Hello or Refuse")
-        try:
-            remote = self.check_hello(reply)
-        except HandshakeRefused:
-            await _send_quietly(ch, wire.Bye(reason="incompatible"))
-            await ch.close()
-            raise
-        agent = self.dp.add_peer(reply.metadata, remote)
-        if agent in self.peers:  # dialled twice: keep the first channel
-            await _send_quietly(ch, wire.Bye(reason="already connected"))
-            await ch.close()
-            return agent
-        self.dp.connect(agent)
-        peer = _Peer(agent=agent, channel=ch, memory=remote, lease_s=reply.lease_s)
-        self.peers[agent] = peer
-        loop = asyncio.get_running_loop()
-        self._tasks += [loop.create_task(self._serve(peer)), loop.create_task(self._heartbeats(peer))]
-        self._start_pump()
-        return agent
-
-    async def _exchange_hellos(self, host: str, port: int) -> tuple[control.Channel, wire.Message]:
-        # The dial's own limit is far out: _connect_once bounds the wait without cancelling (see there).
-        ch = await control.dial(host, port, _LATE_TRY_LIMIT_S)
-        secret = self.config.secret
-        # Both sides prove the secret before either sends its metadata (auth.py).
-        nonce = auth.new_nonce()
-        await ch.send(wire.Auth(nonce=nonce, proof=b""))
-        reply = await ch.recv()
-        if isinstance(reply, wire.Auth):
-            if len(reply.nonce) != wire.NONCE_BYTES:
-                await ch.close()
-                raise ProtocolViolation(f"{host}:{port} answered Auth without a nonce")
-            if secret is not None and not auth.proven(auth.producer_proof(secret, nonce, reply.nonce), reply.proof):
-                await ch.close()
-                raise HandshakeRefused(f"{host}:{port} did not prove the shared secret "
-                                       f"({'no proof' if not reply.proof else 'a wrong proof'}); expected "
-                                       "a producer configured with the same TransportConfig.secret")
-            proof = auth.consumer_proof(secret, nonce, reply.nonce) if secret is not None else b""
-            try:
-                await ch.send(wire.Auth(nonce=b"", proof=proof))
-                await ch.send(self.hello())
-            except PeerLost as lost:
-                # A producer that refused our proof closes at once: its Refuse may be
-                # here before our Hello could leave, and says more than the reset.
-                try:
-                    reply = await ch.recv(limit=wire.MAX_PREAUTH_BYTES)
-                except (PeerLost, wire.WireError):
-                    raise lost from None
-            else:
-                reply = await ch.recv()
-        return ch, reply
 
     def prepared(self, agents: Sequence[str]) -> PeerPlanner:
         """The planner prepared for an import from these producers (made on first use)."""
@@ -384,276 +256,11 @@ class Consumer(_Side):
         part.notified = True
         part.landed.set()
 
-    # ------------------------------------------------------------ imports
-    async def fetch(self, request_id: str, components: Iterable, *, token: bytes,
-                    peers: Sequence[str] | None = None, readers: int = 1) -> Result:
-        """Import a request whose blocks the engine allocated (scheduler.add_request(expect=...)).
-
-        Asks each producer in ``peers`` (default: the only one connected) for the
-        request, waits for their Exports, posts the transfer the planner made when
-        the fence allows, and ends in a defined state: READY once every part landed,
-        or per the failure policy RECOMPUTE or FAILED. ``token``: the request's capability,
-        issued by the producer side with the request. ``readers``: consumers sharing each
-        producer's copy.
-        """
-        auth.check_token(token, f"request {request_id!r}: token")
-        comps = tuple(components)
-        targets = [self._peer(a) for a in peers] if peers else [self._peer(None)]
-        if len({p.agent for p in targets}) != len(targets):
-            raise ValueError(f"producers {[p.agent for p in targets]} repeat; expected distinct ones")
-        if len(targets) > 1 and self.config.mode is not wire.Mode.PULL:
-            raise ValueError(f"{len(targets)} producers for one request in {self.config.mode.name} mode; "
-                             "expected pull mode")
-        parts = [self._part(request_id, p, token) for p in targets]
-        async def ask_and_wait():
-            for p in targets:
-                await self.want(request_id, token=token, peer=p.agent, readers=readers)
-            return await asyncio.gather(*(asyncio.shield(x.export) for x in parts))
-
-        try:
-            try:
-                # Asking is inside the timeout too: a send that never completes must not hang the import.
-                got = await asyncio.wait_for(ask_and_wait(), self.config.export_timeout_s)
-            except asyncio.TimeoutError:
-                await self._tell_parts(parts, "no export from every producer in time")
-                return self._give_up(request_id, comps, "no export from the producer in time",
-                                     kind=FailureKind.NO_EXPORT)
-            except HybridKVError as exc:  # lost, or refused (claimed by another consumer)
-                await self._tell_parts(parts, str(exc))
-                kind = FailureKind.PEER_LOST if isinstance(exc, PeerLost) else next(
-                    (p.kind for p in parts if p.kind is not None), FailureKind.REFUSED)
-                return self._give_up(request_id, comps, str(exc), kind=kind)
-            result = await self._import(request_id, parts, got, comps)
-            if result.outcome is Outcome.READY and result.planned is not None:  # pull: this side posted
-                self.metrics.transfer(nbytes=result.nbytes, seconds=result.seconds, post_seconds=result.post_seconds,
-                                      descriptors=result.planned if result.descriptors is None else result.descriptors)
-            return result
-        finally:
-            for p in targets:
-                self._parts.pop((p.agent, request_id), None)
-
-    async def _tell_parts(self, parts: Sequence[_Part], detail: str) -> None:
-        """Producers that exported to us while the import gave up: their blocks are free."""
-        for part in parts:
-            if part.export.done() and not part.export.cancelled() and part.export.exception() is None:
-                await _send_quietly(part.peer.channel, wire.Failure(
-                    request_id=part.rid, code=wire.FailureCode.ABORTED, detail=detail[: wire.MAX_TEXT],
-                    token=part.token))
-
-    def _work(self, part: _Part, export: wire.Export, mine: dict[int, np.ndarray], planned: PeerPlanner,
-              source: int) -> _Work:
-        wire.check_blocks(export.blocks, part.peer.memory.group_bounds(), what=f"export of {part.rid}")
-        theirs = {g.group_id: np.asarray(g.ids, dtype=np.int64) for g in export.blocks}
-        plan = planned.plan(source, theirs, mine)
-        plan.check()
-        return _Work(part=part, plan=plan)
-
-    async def _import(self, rid: str, parts: list[_Part], got, comps) -> Result:
-        sched = self.scheduler
-        for part, (export, received) in zip(parts, got):
-            if part.deadline == float("inf"):
-                part.deadline = received + export.lease_s * (1 - self.config.lease_margin)
-        mine = {g.group_id: np.asarray(sched.blocks(rid, g.group_id), dtype=np.int64) for g in self.memory.groups}
-        try:
-            # Push mode posts the producer's plan; planning here too refuses a mismatched export early.
-            planned = self.prepared([p.peer.agent for p in parts])
-            work = [self._work(part, export, mine, planned, i) for i, (part, (export, _)) in enumerate(zip(parts, got))]
-        except ValueError as exc:
-            self.stats.rejected += 1
-            for part in parts:
-                await _send_quietly(part.peer.channel, wire.Failure(
-                    request_id=rid, code=wire.FailureCode.PROTOCOL, detail=str(exc)[: wire.MAX_TEXT],
-                    token=part.token))
-            return self._give_up(rid, comps, f"export does not match the request: {exc}", kind=FailureKind.PROTOCOL)
-        fenced_from = time.perf_counter()
-        while True:
-            failed = next((p.failed for p in parts if p.failed), None)
-            if failed or any(p.lease_lost for p in parts):
-                await self._tell_parts(parts, failed or "lease lost")
-                kind = next((p.kind for p in parts if p.failed), None) or FailureKind.LEASE
-                return self._give_up(rid, comps, failed or "lease lost before the transfer started", kind=kind)
-            tid = sched.post_import(rid, components=comps, lease_deadline=min(p.deadline for p in parts))
-            if not isinstance(tid, NotYet):
-                break
-            if tid.reason is NotYetReason.LEASE_TOO_SHORT:
-                await self._tell_parts(parts, "lease too short")
-                return self._give_up(rid, comps, "lease expired before the transfer could start",
-                                     kind=FailureKind.LEASE)
-            await asyncio.sleep(self.config.pump_idle_s)
-        fence_wait = time.perf_counter() - fenced_from
-        if self.config.mode is wire.Mode.PULL:
-            result = await self._pull_parts(rid, tid, work)
-        else:
-            result = await self._push(parts[0], tid)
-        return dataclasses.replace(result, fence_wait_seconds=fence_wait)
-
-    async def _end_parts(self, work: Sequence[_Work], ok: bool) -> None:
-        for w in work:
-            await _send_quietly(w.part.peer.channel, wire.Done(request_id=w.part.rid, ok=ok, token=w.part.token))
-
-    def _post(self, w: _Work, notif: bytes) -> Transfer:
-        """Post one producer's READ (the demo's fault injection overrides this)."""
-        return self.dp.post_plan(Op.READ, w.part.peer.agent, w.plan, notif)
-
-    async def _pull_parts(self, rid: str, tid: int, work: list[_Work]) -> Result:
-        t0 = time.perf_counter()
-        notif = NOTIF_PREFIX + rid.encode() if self.config.notify_reads else b""
-        posted: list[Transfer] = []
-        error = None
-        for w in work:
-            if w.plan.num_descriptors == 0:
-                continue  # nothing of this producer's is needed here (GQA duplicate): Done tells it
-            try:
-                posted.append(self._post(w, notif))
-            except Exception as exc:
-                error = str(exc)
-                break
-        post_seconds = time.perf_counter() - t0
-        # Every posted READ ends before the blocks are judged: bytes may land until then (rule 5).
-        # Past the lease the bytes are not trusted anyway; past the timeout the peer or link is stuck.
-        give_up_at = time.monotonic() + self.config.transfer_timeout_s
-        parts = [w.part for w in work]
-        until = lambda: min(give_up_at, min(p.deadline for p in parts))  # noqa: E731 - leases renew meanwhile
-        states = [await self._wait_xfer(x, until) for x in posted]
-        seconds = time.perf_counter() - t0
-        stuck = [x for x, s in zip(posted, states) if s is XferState.IN_PROGRESS]
-        if stuck:
-            return await self._abandon(rid, tid, work, posted, stuck)
-        ok = error is None and all(s is XferState.DONE for s in states)
-        tel = [self.dp.telemetry(x) for x in posted] if self.config.dataplane.telemetry and ok else None
-        for x in posted:
-            self.dp.release(x)
-        if not ok:
-            self.scheduler.transfer_failed(tid)
-            await self._end_parts(work, False)
-            return self._policy(rid, error or "READ failed", kind=FailureKind.TRANSFER)
-        if any(w.part.lease_lost for w in work):
-            self.scheduler.transfer_failed(tid)
-            await self._end_parts(work, False)
-            return self._policy(rid, "lease lapsed during the READ: bytes not trusted", kind=FailureKind.LEASE)
-        outcome = self.scheduler.transfer_landed(tid)
-        await self._end_parts(work, True)
-        if outcome is not TransferOutcome.ACCEPTED:
-            return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
-        return Result(request_id=rid, outcome=Outcome.READY,
-                      descriptors=None if tel is None else sum(t.descriptors for t in tel),
-                      planned=sum(w.plan.num_descriptors for w in work),
-                      indices=sum(w.plan.num_indices for w in work), nbytes=sum(x.nbytes for x in posted),
-                      seconds=seconds, post_seconds=post_seconds)
-
-    async def _abandon(self, rid: str, tid: int, work: list[_Work], posted: list[Transfer],
-                       stuck: list[Transfer]) -> Result:
-        """READs still in progress past their lease or the timeout: abort them. Aborted, the
-        import failed like any other; not abortable, its blocks are quarantined until NIXL
-        ends the READ (it may still write them) and the request fails."""
-        self.stats.timed_out += 1
-        self.metrics.failure(FailureKind.TIMEOUT)
-        unabortable = [x for x in stuck if not self.dp.abort(x)]
-        for x in posted:
-            if x not in stuck:
-                self.dp.release(x)
-        await self._end_parts(work, False)
-        why = f"READ of {rid} not done within its lease or {self.config.transfer_timeout_s} s"
-        if not unabortable:
-            self.scheduler.transfer_failed(tid)
-            return self._policy(rid, why + "; aborted", kind=None)
-        blocks = sum(len(self.scheduler.blocks(rid, g.group_id)) for g in self.memory.groups)
-        self.metrics.quarantined(blocks)
-        self.scheduler.abort(rid)  # rule 5: the blocks stay out of the pool while the READ is active
-        task = asyncio.get_running_loop().create_task(self._settle_later(rid, tid, unabortable, blocks))
-        self._tasks.append(task)
-        self._settling[rid] = task
-        return Result(request_id=rid, outcome=Outcome.FAILED, error=why + "; could not abort, blocks quarantined")
-
-    async def _settle_later(self, rid: str, tid: int, xfers: list[Transfer], blocks: int) -> None:
-        try:
-            for x in xfers:
-                # At the idle pace, not _wait_xfer's spin: this READ is already known to hang.
-                while self.dp.state(x) is XferState.IN_PROGRESS:
-                    await asyncio.sleep(self.config.pump_idle_s)
-                self.dp.release(x)
-            self.scheduler.transfer_failed(tid)
-            self.metrics.quarantine_released(blocks)
-        finally:
-            if self._settling.get(rid) is asyncio.current_task():
-                del self._settling[rid]
-
-    def settling(self, request_id: str) -> bool:
-        """Whether a READ of the request that NIXL would not abort may still write its blocks."""
-        return request_id in self._settling
-
-    async def settled(self, request_id: str) -> None:
-        """Wait until no READ of the request may still write its blocks: a failed import whose
-        READ NIXL would not abort ends only when that READ does (rule 5). At once otherwise."""
-        task = self._settling.get(request_id)
-        if task is not None:
-            await asyncio.shield(task)
-
-    async def _push(self, part: _Part, tid: int) -> Result:
-        rid, peer, sched = part.rid, part.peer, self.scheduler
-        blocks = tuple(wire.GroupBlocks(group_id=g.group_id, ids=tuple(int(b) for b in sched.blocks(rid, g.group_id)))
-                       for g in self.memory.groups)
-        t0 = time.perf_counter()
-        try:
-            await peer.channel.send(wire.Import(request_id=rid, blocks=blocks))
-        except PeerLost:
-            self._lost(peer)
-        told = False
-        while not part.landed.is_set():
-            left = part.deadline - time.monotonic()
-            if left <= 0 and not told:
-                # Past the lease: ask the producer to stop, but keep the blocks quarantined
-                # until it confirms or the write lands (it may be in flight).
-                told = True
-                await _send_quietly(peer.channel, wire.Failure(request_id=rid, code=wire.FailureCode.LEASE_EXPIRED,
-                                                               detail="consumer lease deadline passed",
-                                                               token=part.token))
-            try:
-                await asyncio.wait_for(part.landed.wait(), max(left, 0.05) if not told else None)
-            except asyncio.TimeoutError:
-                pass
-        seconds = time.perf_counter() - t0
-        if part.notified and not part.lease_lost:
-            outcome = sched.transfer_landed(tid)  # LATE if past the deadline
-            if outcome is TransferOutcome.ACCEPTED:
-                return Result(request_id=rid, outcome=Outcome.READY, seconds=seconds)
-            return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
-        sched.transfer_failed(tid)
-        return self._policy(rid, part.failed or "lease lapsed", kind=part.kind or FailureKind.LEASE)
-
-    def _policy(self, rid: str, error: str, *, kind: FailureKind | None = FailureKind.TRANSFER) -> Result:
-        """The import failed after a transfer was posted: apply the failure policy (``kind``: why,
-        for the metrics; None where it was counted already)."""
-        if kind is not None:
-            self.metrics.failure(kind)
-        if self.config.failure_policy is FailurePolicy.RECOMPUTE and self.scheduler.has_request(rid):
-            self.scheduler.recompute(rid)
-            return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
-        self.scheduler.abort(rid)
-        return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
-
-    def _give_up(self, rid: str, comps, error: str, *, kind: FailureKind = FailureKind.TRANSFER) -> Result:
-        """Failed before any transfer was posted: nothing is in flight. Under RECOMPUTE the request
-        computes locally even while steps touching its blocks are pending (a stalled decode): a load
-        that can no longer complete degrades, it does not fail."""
-        self.metrics.failure(kind)
-        sched = self.scheduler
-        if self.config.failure_policy is FailurePolicy.RECOMPUTE and sched.has_request(rid):
-            sched.recompute(rid)
-            return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
-        sched.abort(rid)
-        return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
-
     async def close(self) -> None:
         self._closing = True
         for t in self._tasks:
             t.cancel()
-        dialing, self._dialing = list(self._dialing.values()), {}
-        for t in dialing:  # handshakes nobody waits for any more: ended here, their channels closed
-            t.cancel()
-        for result in await asyncio.gather(*dialing, return_exceptions=True):
-            if isinstance(result, tuple):
-                await result[0].close()
+        await self._close_dialing()
         for peer in self.peers.values():
             if peer.alive:
                 await _send_quietly(peer.channel, wire.Bye(reason="closing"))
@@ -671,7 +278,3 @@ _KIND_OF_CODE = {
     wire.FailureCode.CLAIMED: FailureKind.REFUSED,
 }
 
-
-def _kind_of_outcome(outcome: TransferOutcome) -> FailureKind:
-    # LATE: landed past the lease, bytes not trusted; anything else is a transfer the scheduler refused.
-    return FailureKind.LEASE if outcome is TransferOutcome.LATE else FailureKind.TRANSFER

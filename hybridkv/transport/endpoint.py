@@ -5,8 +5,10 @@ asks for the requests it wants (``wire.Want``): the prefill side need not know
 which decode instance will read a request. The producer exports a request to
 whoever asked; a request several decode ranks share (``readers``, heterogeneous
 TP) ends when every reader is done; any other claim on it is refused
-(``FailureCode.CLAIMED``). The producer lives in :mod:`hybridkv.transport.producer`,
-the consumer in :mod:`hybridkv.transport.consumer`, the base they share in
+(``FailureCode.CLAIMED``). The producer lives in :mod:`hybridkv.transport.producer`
+(its side of the handshake in :mod:`hybridkv.transport.admission`), the consumer in
+:mod:`hybridkv.transport.consumer` (its side in :mod:`hybridkv.transport.dial`, its imports in
+:mod:`hybridkv.transport.fetch`), the base they share in
 :mod:`hybridkv.transport.side` and their configuration and results in
 :mod:`hybridkv.transport.config`.
 Both drive their transfers through a :class:`~hybridkv.fencing.scheduler.TransferScheduler`:
@@ -30,8 +32,8 @@ progress thread is off by default; docs/background/nixl.md §1.3).
 from __future__ import annotations
 
 # The endpoint is split by what each part holds: configuration and results
-# (config), the base both sides share (side), the producer (producer) and the
-# consumer (consumer). Callers import from here.
+# (config), the base both sides share (side), the producer (producer, admission)
+# and the consumer (consumer, dial, fetch). Callers import from here.
 from hybridkv.transport.config import FailurePolicy, Outcome, Pairing, Result, Stats, TransportConfig
 from hybridkv.transport.consumer import Consumer
 from hybridkv.transport.plan import PeerPlanner, Planner, TransferPlan

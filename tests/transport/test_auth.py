@@ -56,6 +56,19 @@ def test_proofs_bind_both_nonces_the_role_and_the_secret():
     assert not auth.proven(p, b"")
 
 
+def test_each_role_sends_its_own_proof_and_none_without_a_secret():
+    a, b = auth.new_nonce(), auth.new_nonce()
+    producer, consumer = wire.Role.PRODUCER, wire.Role.CONSUMER
+    assert auth.proof(SECRET, producer, a, b) == auth.producer_proof(SECRET, a, b)
+    assert auth.proof(SECRET, consumer, a, b) == auth.consumer_proof(SECRET, a, b)
+    assert auth.proves(SECRET, producer, a, b, auth.producer_proof(SECRET, a, b))
+    assert not auth.proves(SECRET, consumer, a, b, auth.producer_proof(SECRET, a, b))
+    assert not auth.proves(SECRET, producer, a, b, b"")
+    # A lab: both sides send empty proofs and neither checks.
+    assert auth.proof(None, producer, a, b) == auth.proof(None, consumer, a, b) == b""
+    assert auth.proves(None, consumer, a, b, b"")
+
+
 def test_tokens_are_random_and_travel_as_hex():
     tokens = {auth.new_token() for _ in range(1000)}
     assert len(tokens) == 1000 and {len(t) for t in tokens} == {wire.TOKEN_BYTES}

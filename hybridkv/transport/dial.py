@@ -1,0 +1,142 @@
+"""How the consumer gets in: its side of the handshake, retried, one dial per producer address.
+
+:class:`_Dial` is a base of :class:`~hybridkv.transport.consumer.Consumer`, as
+:class:`~hybridkv.transport.admission._Admission` is of the producer. The consumer proves the shared
+secret and checks the producer's proof (:mod:`hybridkv.transport.auth`) before it sends its Hello;
+only a producer whose Hello checks out becomes a peer (its NIXL agent added, its control messages
+served, its leases renewed). A handshake that times out is not cancelled (see ``_connect_once``):
+the next try waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from hybridkv import wire
+from hybridkv.errors import HandshakeRefused, HandshakeTimeout, PeerLost, ProtocolViolation
+from hybridkv.transport import auth, control
+from hybridkv.transport.metrics import FailureKind
+from hybridkv.transport.side import _Peer, _send_quietly
+
+log = logging.getLogger(__name__)
+
+#: How long a handshake that timed out may stay in flight (the next try waits on it) before UCX gives up.
+_LATE_TRY_LIMIT_S = 600.0
+
+
+class _Dial:
+    """The consumer's dialling: mixed into Consumer, which provides peers, config, metrics, dp,
+    _tasks, hello(), check_hello(), _serve(), _heartbeats() and _start_pump()."""
+
+    def _init_dial(self) -> None:
+        self._dialing: dict[tuple[str, int], asyncio.Task] = {}  # a handshake in flight per producer address
+
+    async def connect(self, host: str, port: int) -> str:
+        """Handshake; returns the producer's agent name. A timeout or an unreachable producer is
+        retried (``TransportConfig.handshake_retries``, with backoff). Raises HandshakeRefused
+        (saying what differs, never retried), HandshakeTimeout or PeerLost once the tries are spent.
+        Callers connecting to one address at once share one call (as the connectors do)."""
+        try:
+            return await self._connect_retrying(host, port)
+        except Exception:
+            self.metrics.failure(FailureKind.HANDSHAKE)
+            raise
+
+    async def _connect_retrying(self, host: str, port: int) -> str:
+        cfg = self.config
+        for attempt in range(cfg.handshake_retries + 1):
+            try:
+                return await self._connect_once(host, port)
+            except (HandshakeTimeout, PeerLost) as exc:
+                if attempt == cfg.handshake_retries:
+                    tries = cfg.handshake_retries + 1
+                    raise type(exc)(f"{exc} ({tries} tr{'y' if tries == 1 else 'ies'})") from exc
+                log.warning("handshake with %s:%d failed (%s); trying again in %.1f s", host, port, exc,
+                            cfg.handshake_backoff_s * 2 ** attempt)
+                await asyncio.sleep(cfg.handshake_backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    async def _connect_once(self, host: str, port: int) -> str:
+        timeout = self.config.handshake_timeout_s
+        # Waited for, never cancelled: ucxx's endpoint creation and receives post UCX requests into
+        # buffers that a cancellation frees while the request stays posted, so a producer that
+        # answers after a cancelled try (one resumed from a stall) writes into freed memory (a
+        # segfault on the next try, seen with a SIGSTOPped producer). A try that times out stays in
+        # flight, and the next try waits on it rather than dialling again: one dial per producer.
+        key = (host, port)
+        attempt = self._dialing.get(key)
+        if attempt is None:
+            attempt = self._dialing[key] = asyncio.get_running_loop().create_task(self._exchange_hellos(host, port))
+        done, _ = await asyncio.wait({attempt}, timeout=timeout)
+        if not done:
+            raise HandshakeTimeout(f"no handshake from {host}:{port} within {timeout} s")
+        self._dialing.pop(key, None)
+        ch, reply = attempt.result()
+        if isinstance(reply, wire.Refuse):
+            await ch.close()
+            raise HandshakeRefused(f"refused by {host}:{port}: {reply.reason}", reply.differences)
+        if not isinstance(reply, wire.Hello):
+            await ch.close()
+            raise ProtocolViolation(f"handshake reply is {type(reply).__name__}; expected Hello or Refuse")
+        try:
+            remote = self.check_hello(reply)
+        except HandshakeRefused:
+            await _send_quietly(ch, wire.Bye(reason="incompatible"))
+            await ch.close()
+            raise
+        agent = self.dp.add_peer(reply.metadata, remote)
+        if agent in self.peers:  # dialled twice: keep the first channel
+            await _send_quietly(ch, wire.Bye(reason="already connected"))
+            await ch.close()
+            return agent
+        self.dp.connect(agent)
+        peer = _Peer(agent=agent, channel=ch, memory=remote, lease_s=reply.lease_s)
+        self.peers[agent] = peer
+        loop = asyncio.get_running_loop()
+        self._tasks += [loop.create_task(self._serve(peer)), loop.create_task(self._heartbeats(peer))]
+        self._start_pump()
+        return agent
+
+    async def _exchange_hellos(self, host: str, port: int) -> tuple[control.Channel, wire.Message]:
+        # The dial's own limit is far out: _connect_once bounds the wait without cancelling (see there).
+        ch = await control.dial(host, port, _LATE_TRY_LIMIT_S)
+        secret = self.config.secret
+        # Both sides prove the secret before either sends its metadata (auth.py).
+        nonce = auth.new_nonce()
+        await ch.send(wire.Auth(nonce=nonce, proof=b""))
+        reply = await ch.recv()
+        if isinstance(reply, wire.Auth):
+            if len(reply.nonce) != wire.NONCE_BYTES:
+                await ch.close()
+                raise ProtocolViolation(f"{host}:{port} answered Auth without a nonce")
+            if not auth.proves(secret, wire.Role.PRODUCER, nonce, reply.nonce, reply.proof):
+                await ch.close()
+                raise HandshakeRefused(f"{host}:{port} did not prove the shared secret "
+                                       f"({'no proof' if not reply.proof else 'a wrong proof'}); expected "
+                                       "a producer configured with the same TransportConfig.secret")
+            try:
+                await ch.send(wire.Auth(nonce=b"", proof=auth.proof(secret, wire.Role.CONSUMER, nonce, reply.nonce)))
+                await ch.send(self.hello())
+            except PeerLost as lost:
+                # A producer that refused our proof closes at once: its Refuse may be
+                # here before our Hello could leave, and says more than the reset.
+                try:
+                    reply = await ch.recv(limit=wire.MAX_PREAUTH_BYTES)
+                except (PeerLost, wire.WireError):
+                    raise lost from None
+            else:
+                reply = await ch.recv()
+        return ch, reply
+
+    async def _close_dialing(self) -> None:
+        """Handshakes nobody waits for any more: ended here, their channels closed."""
+        dialing, self._dialing = list(self._dialing.values()), {}
+        for t in dialing:
+            t.cancel()
+        for result in await asyncio.gather(*dialing, return_exceptions=True):
+            if isinstance(result, tuple):
+                await result[0].close()
+
+
+__all__: list[str] = []
