@@ -15,8 +15,7 @@ from tests.sglang import pd_peer
 
 pytestmark = pytest.mark.slow
 
-SECRET = "correct horse battery staple 42"
-ENV = {"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": SECRET}
+ENV = pd_peer.SECRET_ENV
 PAGES_A, PAGES_B = [5, 6, 7, 8], [20, 21, 9, 10]
 DST_A, DST_B = [12, 13, 14, 15], [30, 31, 32, 2]
 
