@@ -50,6 +50,8 @@ proves the shared secret to each prefill rank before its REGISTER, and every
 message after that, both ways, is sealed to that session (sessions.py); the
 prefill adds NIXL agents, takes METADATA and ABORTs, and pushes statuses only
 within proven sessions, and binds each room to the decode agent that claimed it.
+A decode agent whose session ended leaves NIXL once its rooms' writes are over, and
+those rooms fail (retiring.py).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ from connectors.sglang.decode_side import DecodeImports, _Import
 from connectors.sglang.metrics import HybridKVSGLangMetrics
 from connectors.sglang.pairing import PeerPlan, plan_peer
 from connectors.sglang.prefill_side import PrefillExports, TransferStats
+from connectors.sglang.retiring import RetiringAgents
 from connectors.sglang.sessions import AuthStats, DecodeKeys, PrefillGate, ReplySockets, Session
 from descriptors.compiler import TransferPlanner
 from hybridkv.layout.alloc import MemKind
@@ -117,7 +120,7 @@ class _Peer:
     rejection: Optional[str]
 
 
-class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
+class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, CommonKVManager):
     kv_status_msg_tag = b"KV_STATUS"
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
@@ -191,6 +194,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         self._exports: dict[int, set[TransferId]] = defaultdict(set)  # prefill: outbound reads in flight
         self._imports: dict[int, _Import] = {}  # decode
         self._drain_waiters: dict[int, set[tuple[str, int]]] = {}
+        self._init_retiring()  # prefill: decode agents whose session ended (retiring.py)
         self._held_since: dict[int, float] = {}  # decode: rooms SGLang holds for a deferred release
         self._stuck: dict[TransferId, object] = {}  # prefill: reads whose WRITEs NIXL would not abort
         self.transfer_timeout_s = self.config.transfer_timeout_s  # an attribute: tests shorten it
@@ -246,7 +250,8 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         else:
             self._reply_socks = ReplySockets(self._zmq_ctx)
             self.gate = PrefillGate(secret=secret, local=local, send=self._reply_unproven,
-                                    tcp_of=lambda ip, port: NetworkAddress(ip, port).to_tcp(), stats=self.auth_stats)
+                                    tcp_of=lambda ip, port: NetworkAddress(ip, port).to_tcp(), stats=self.auth_stats,
+                                    max_sessions=self.config.max_sessions, on_end=self._session_ended)
 
     def _push_to_prefill(self, ip: str, port: int, frames: list[bytes]) -> None:
         # The socket SGLang's REGISTER and METADATA take to that rank: the Proof arrives before them.
@@ -267,7 +272,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         to a decode rank that proved the secret."""
         if self.gate is None:
             return super()._send_multipart_locked(endpoint, parts, is_ipv6=is_ipv6)
-        session = self.gate.by_peer.get(endpoint)
+        session = self.session_for(endpoint)
         if session is None:
             raise RuntimeError(f"no authenticated session with {endpoint}; nothing is sent to it")
         sock = self._connect(endpoint, is_ipv6=is_ipv6)
@@ -422,9 +427,10 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
                 self.dp.remove_peer(name)
             raise ValueError(f"agent metadata names {name!r} but the message says {reg.agent_name!r}")
         if session is not None:
-            if session.agent is not None and session.agent != name and self.peers.pop(session.agent, None):
-                # The decode rank at that address restarted with another agent: the old one is dropped.
-                self.dp.remove_peer(session.agent)
+            if session.agent is not None and session.agent != name:
+                # The decode rank at that address restarted with another agent: the old one retires.
+                self._retire_agent(session.agent, f"decode rank {reg.endpoint}:{reg.port} registered another "
+                                                  f"NIXL agent ({name}); its previous one is removed")
             session.agent = name
         self.peers[name] = _Peer(agent_name=name, layout=peer_layout, planners=plan.planners if plan else {},
                                  plan=plan, rejection=rejection)
@@ -506,9 +512,12 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
 
     def _maybe_send_drained(self, room: int) -> None:
         with self.sched_lock:
-            if self._inflight.get(room, 0) > 0 or any(st.room == room for st in self._stuck.values()):
+            if not self._drained(room):
                 return
             waiters = self._drain_waiters.pop(room, None)
+            failed = self._fail_when_drained.pop(room, None)
+        if failed is not None:
+            self._tell_failed(room, failed)
         frames = msgs.Drained(room=room, prefill_rank=self._prefill_unique_rank()).to_frames()
         for ip, port in waiters or ():
             self._push(ip, port, frames, f"DRAINED for room {room}")

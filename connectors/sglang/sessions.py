@@ -50,7 +50,7 @@ _TO_DECODE = b"hybridkv-sglang-v1 prefill->decode"
 
 REFUSED = "refused"  # all a peer that has not proved the secret is told
 COOKIE_TTL_S = 30.0  # a Challenge's nonce is good for this long
-MAX_SESSIONS = 256  # proven decode ranks a prefill rank keeps; past it the oldest goes
+MAX_SESSIONS = 256  # sessions a decode rank keeps open for reading (a prefill rank's bound: max_sessions)
 MAX_ROOMS_PER_SESSION = 4096  # rooms one decode rank may hold open on one prefill rank
 MAX_SEALED_FRAMES = 8
 REPLIES_PER_S = 64.0  # Challenges and refusals a prefill rank sends to peers not yet proven
@@ -215,10 +215,19 @@ class ReplySockets:
 
 class PrefillGate:
     """A prefill rank's side: answers Hellos without keeping state, makes a session of a valid Proof,
-    and opens sealed messages. Only the control thread calls it (replies go out through `send`)."""
+    and opens sealed messages. Only the control thread calls it (replies go out through `send`).
 
-    def __init__(self, *, secret: bytes, local: tuple[str, int], send, tcp_of, stats: AuthStats) -> None:
+    At most `max_sessions` sessions: past it the oldest ends. `on_end(session)` is called for each
+    session that ended (evicted, or replaced by a new handshake from the same address, whose session
+    takes over its agent and rooms) after the new one is in place, so `agent_owner` already answers for it."""
+
+    def __init__(self, *, secret: bytes, local: tuple[str, int], send, tcp_of, stats: AuthStats,
+                 max_sessions: int = MAX_SESSIONS, on_end=None) -> None:
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ValueError(f"max_sessions = {max_sessions!r}; expected an int >= 1")
         self._secret = secret
+        self._max_sessions = max_sessions
+        self._on_end = on_end or (lambda session: None)
         self._local = _endpoint(*local)
         self._send = send  # (ip, port, frames): a reply to an address that is not a session
         self._tcp_of = tcp_of  # (ip, port) -> the ZMQ endpoint string SGLang's sends name
@@ -289,10 +298,12 @@ class PrefillGate:
         old = self.by_peer.pop(tcp, None)
         if old is not None:  # that decode rank started over (re-registration, restart): its old session ends
             self.by_sid.pop(old.sid, None)
-        if len(self.by_sid) >= MAX_SESSIONS:
+        evicted = None
+        if len(self.by_sid) >= self._max_sessions:
             _, evicted = self.by_sid.popitem(last=False)
             self.by_peer.pop(evicted.tcp, None)
-            logger.warning("hybridkv: %d decode sessions; the oldest (%s:%s) ends", MAX_SESSIONS, *evicted.peer)
+            logger.warning("hybridkv: %d decode sessions (max_sessions); the oldest (%s:%s) ends",
+                           self._max_sessions, *evicted.peer)
         s = Session(sid=sid, key=_session_key(self._secret, *transcript), peer=peer, prefill_side=True)
         s.tcp = tcp
         if old is not None:
@@ -301,6 +312,9 @@ class PrefillGate:
         self.by_peer[tcp] = s
         self.stats.sessions += 1
         logger.info("hybridkv: decode rank %s:%s proved the shared secret", *peer)
+        for ended in (old, evicted):
+            if ended is not None:
+                self._on_end(ended)
 
     # ------------------------------------------------------------ sealed messages
     def open(self, frames: list[bytes]) -> Optional[tuple[Session, list[bytes]]]:

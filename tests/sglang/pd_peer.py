@@ -324,6 +324,10 @@ class _State:
     def abort(self, room: int):
         self.peers[room].abort()
 
+    def knows_agent(self, name: str):
+        """NIXL's own answer: this rank's agent holds the metadata of remote agent `name`."""
+        return bool(self.mgr.dp.agent.check_remote_metadata(name))
+
     def all_zero(self, _=None):
         """Nothing was ever written into this rank's pools (they start zeroed: seed None)."""
         return not any(t.count_nonzero().item() for t in self.pools.k + self.pools.v
@@ -478,6 +482,7 @@ class _State:
                     pages=st.pages, inflight=dict(getattr(mgr, "_inflight", {})), rooms=list(mgr.request_status),
                     transfer_infos=list(getattr(mgr, "transfer_infos", {})), waiters=dict(mgr._drain_waiters),
                     exporting=mgr.exporting(room) if room is not None else None, peers=len(mgr.peers),
+                    retiring=sorted(mgr._retiring),
                     failures=dict(mgr.failure_records), stuck=len(getattr(mgr, "_stuck", {})),
                     auth=dataclasses.asdict(mgr.auth_stats), **sched)
 

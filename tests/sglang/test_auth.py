@@ -179,3 +179,70 @@ def test_sealed_message_is_accepted_once_and_not_altered():
     altered[-1] = b"thre3"
     assert prefill.open(altered, stats) is None and stats.unproven == 1
     assert decode.open(decode.seal([b"HYBRIDKV", b"four"]), stats) is None  # its own direction's label
+
+
+def test_an_ended_session_takes_its_nixl_agent_along_and_fails_its_rooms_fake_cuda_event(prefill, decode):
+    """A prefill rank with HYBRIDKV_SGLANG_MAX_SESSIONS=1. The decode's new handshake (as after a re-registration)
+    replaces its session, which takes its agent and rooms over: nothing fails, the agent stays. Another decode
+    rank's handshake then evicts it: the room whose sender waits fails on both sides at once; the room whose chunk
+    is in flight (held on its device event: a CUDA event on CPU is faked) fails once that chunk is over, and only
+    then does the evicted agent leave NIXL; no block stays held on either side, nothing is written into the
+    evicted decode's pages, and the other decode's room arrives byte for byte."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, pools = decode
+    agent = mgr.dp.name
+    prefill.call("setenv", {"HYBRIDKV_SGLANG_MAX_SESSIONS": "1"})
+    try:
+        port = pd_peer.free_port()
+        rank_port = prefill.call("setup", ("prefill", 1, 0, port, 7, True))["rank_port"]
+    finally:
+        prefill.call("setenv", {"HYBRIDKV_SGLANG_MAX_SESSIONS": None})
+    addr = f"127.0.0.1:{port}"
+    dst_waiting, dst_moving = [40, 41, 42, 43], [44, 45, 46, 47]
+    waiting = pd_peer.receiver(mgr, addr, 2101)
+    waiting.send_metadata(np.asarray(dst_waiting, dtype=np.int32), 10, [[1]])
+    moving = pd_peer.receiver(mgr, addr, 2102)
+    moving.send_metadata(np.asarray(dst_moving, dtype=np.int32), 11, [[2]])
+    assert prefill.call("sender", 2101) == KVPoll.WaitingForInput
+    assert prefill.call("sender", 2102) == KVPoll.WaitingForInput
+    prefill.call("send", (2102, PAGES_B, 3, 1, 2, True))  # returns once a worker waits on the chunk's event
+
+    mgr.keys.handshake(("127.0.0.1", rank_port), mgr.config.handshake_timeout_s)
+    _until(lambda: prefill.call("stats")["auth"]["sessions"] == 2)
+    st = prefill.call("stats")
+    assert st["peers"] == 1 and not st["retiring"] and prefill.call("knows_agent", agent)
+    assert prefill.call("poll", 2101) == KVPoll.WaitingForInput
+
+    other = _other_decode(ENV)
+    try:
+        other.call("receive", (2103, addr, DST_A, 1, 3))
+        assert pd_peer.wait_poll(waiting, {KVPoll.Success, KVPoll.Failed}, timeout=10) == KVPoll.Failed
+        assert "session of decode rank" in pd_peer.failure_of(waiting)
+        status, reason = prefill.call("wait", (2101, 10))
+        assert status == KVPoll.Failed and "session of decode rank" in reason and "ended" in reason
+        # The chunk of room 2102 is still in flight: the agent it writes to stays, the decode still waits.
+        assert prefill.call("stats")["retiring"] == [agent] and prefill.call("knows_agent", agent)
+        assert moving.poll() not in (KVPoll.Success, KVPoll.Failed) and mgr.imports_in_flight(2102)
+
+        prefill.call("open_gate", 2102)
+        assert pd_peer.wait_poll(moving, {KVPoll.Success, KVPoll.Failed}, timeout=10) == KVPoll.Failed
+        assert "session of decode rank" in pd_peer.failure_of(moving)
+        assert prefill.call("wait", (2102, 10))[0] == KVPoll.Failed
+        _until(lambda: not prefill.call("knows_agent", agent))
+        st = prefill.call("stats")
+        assert st["peers"] == 1 and not st["retiring"] and st["requests"] == 0 and st["transfers"] == 0
+        assert not st["fenced"] and not st["inflight"]
+        with mgr.sched_lock:
+            assert mgr.sched.requests_in_flight() == 0 and not mgr.fenced and not mgr._imports
+        assert not any(any(b) for b in pools.page_bytes(dst_waiting + dst_moving))
+
+        assert prefill.call("sender", 2103) == KVPoll.WaitingForInput
+        prefill.call("send", (2103, PAGES_A, 3, 1, 2, False))
+        assert prefill.call("wait", (2103, 30)) == (KVPoll.Success, None)
+        assert other.call("wait", (2103, 30)) == (KVPoll.Success, None)
+        assert other.call("bytes", (DST_A, 3, 1)) == prefill.call("bytes", (PAGES_A, 3, 1))
+    finally:
+        other.close()
+    a = prefill.call("stats")["auth"]
+    assert a["sessions"] == 3 and a["unproven"] == a["foreign"] == a["refused"] == 0, a
