@@ -83,7 +83,7 @@ from connectors.sglang.metrics import HybridKVSGLangMetrics
 from connectors.sglang.pairing import PeerPlan, plan_peer
 from connectors.sglang.prefill_side import PrefillExports, TransferStats
 from connectors.sglang.retiring import RetiringAgents
-from connectors.sglang.sessions import AuthStats, DecodeKeys, PrefillGate, ReplySockets, Session
+from connectors.sglang.sessions import AuthProbe, AuthStats, DecodeKeys, PrefillGate, ReplySockets, Session
 from descriptors.compiler import TransferPlanner
 from hybridkv.layout.alloc import MemKind
 from hybridkv.transport.dataplane import DataPlane
@@ -154,6 +154,8 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, CommonKVMan
         self.auth_stats = AuthStats()
         self.gate: Optional[PrefillGate] = None
         self.keys: Optional[DecodeKeys] = None
+        self.probe: Optional[AuthProbe] = None  # decode without a secret: which prefill ranks require one
+        self._auth_required: set[tuple[str, int]] = set()  # prefill ranks that answered a probe
         # decode: the prefill ranks (ip, port) each room's receiver expects to hear from, oldest first
         self._room_writers: OrderedDict[int, frozenset[tuple[str, int]]] = OrderedDict()
         # Refused or settled before anything is registered or bound (startup.py).
@@ -204,6 +206,9 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, CommonKVMan
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if secret is not None:
             self._start_auth(secret, decode=decode)
+        elif decode:
+            self.probe = AuthProbe(local=(self.local_ip, int(self.rank_port)), send=self._push_to_prefill,
+                                   stats=self.auth_stats)
         self.sched = TransferScheduler(self.adopted.pool_layout(), managed_pool=False,
                                        lease_s=self.config.lease_s(self.drain_timeout_s))
         if disaggregation_mode == DisaggregationMode.PREFILL:
@@ -291,10 +296,18 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, CommonKVMan
         """The frames to act on and the session they came in (None without a secret), or None: dropped."""
         auth = self.gate or self.keys
         if auth is None:
+            if self.probe is not None and sessions.is_handshake(frames):
+                prefill = self.probe.on_handshake(frames)
+                if prefill is not None:
+                    self._prefill_requires_auth(prefill)
+                return None
             if sessions.is_handshake(frames) or sessions.is_sealed(frames):
                 self.auth_stats.unproven += 1
-                logger.warning("hybridkv: a peer asks for authentication but this rank has no shared secret "
-                               "(HYBRIDKV_SGLANG_SECRET_FILE / _SECRET_ENV); dropped")
+                if self.auth_stats.unproven & (self.auth_stats.unproven - 1) == 0:  # 1, 2, 4, ...: a lab decode's
+                    # probes (sessions.AuthProbe) land here too, so the log is bounded
+                    logger.warning("hybridkv: %d authentication message(s) dropped (from a decode with a shared "
+                                   "secret, or one without asking whether this rank needs it): this rank has none "
+                                   "(HYBRIDKV_SGLANG_SECRET_FILE / _SECRET_ENV)", self.auth_stats.unproven)
                 return None
             return None, frames
         if sessions.is_handshake(frames):
@@ -307,6 +320,45 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, CommonKVMan
                 logger.warning("hybridkv: dropped %d unauthenticated message(s) so far", self.auth_stats.unproven)
             return None
         return auth.open(frames)
+
+    # ------------------------------------------------------------ decode without a secret (sessions.AuthProbe)
+    def probe_prefill(self, prefill: tuple[str, int]) -> None:
+        with self.sched_lock:
+            self._auth_required.discard(prefill)  # asked again: it may have been restarted without a secret
+        self.probe.probe(prefill)
+
+    def auth_refusal(self, prefills) -> Optional[str]:
+        """Why a room with these writers cannot work (one requires authentication), or None."""
+        with self.sched_lock:
+            required = sorted(self._auth_required.intersection(prefills))
+        if not required:
+            return None
+        names = ", ".join(f"{ip}:{port}" for ip, port in required)
+        return (f"hybridkv: prefill rank {names} requires authentication; set HYBRIDKV_SGLANG_SECRET_FILE or "
+                "HYBRIDKV_SGLANG_SECRET_ENV on this decode (the prefill's shared secret)")
+
+    def _prefill_requires_auth(self, prefill: tuple[str, int]) -> None:
+        """Listener thread: the rooms that prefill rank was to write fail now. It dropped their REGISTER and
+        METADATA unread, so nothing of it lands; a room whose every writer requires authentication has no
+        write in flight, and its imports end at once."""
+        with self.sched_lock:
+            self._auth_required.add(prefill)
+            rooms = {r: w for r, w in self._room_writers.items() if prefill in w}
+        reason = self.auth_refusal({prefill})
+        logger.error("%s", reason)
+        with self.connection_lock:  # SGLang's cached registrations: the next request registers (and asks) again
+            for key in [k for k, infos in self.connection_pool.items()
+                        if any((i["rank_ip"], int(i["rank_port"])) == prefill for i in infos or ())]:
+                del self.connection_pool[key]
+        for room, writers in rooms.items():
+            if self.request_status.get(room) in (None, KVPoll.Success, KVPoll.Failed):
+                continue
+            self.record_failure(room, self.auth_refusal(writers))
+            self.update_status(room, KVPoll.Failed)
+            with self.sched_lock:
+                quiet = writers <= self._auth_required
+            if quiet:
+                self.settle_imports(room, "every writer requires authentication")
 
     def _foreign(self, session: Session, what: str) -> None:
         self.auth_stats.foreign += 1
@@ -577,12 +629,29 @@ class HybridKVReceiver(CommonKVReceiver):
     def _setup_bootstrap_infos(self):
         super()._setup_bootstrap_infos()
         if self.bootstrap_infos:
-            self.kv_mgr.expect_writers(self.bootstrap_room, frozenset(
-                (info["rank_ip"], int(info["rank_port"])) for info in self.bootstrap_infos))
+            self.kv_mgr.expect_writers(self.bootstrap_room, self._writers())
+            self._fail_if_auth_required()
+
+    def _writers(self) -> frozenset[tuple[str, int]]:
+        return frozenset((info["rank_ip"], int(info["rank_port"])) for info in self.bootstrap_infos or ())
+
+    def _fail_if_auth_required(self) -> bool:
+        """Without a secret: a prefill rank of this room answered a probe (sessions.AuthProbe): fail now."""
+        mgr = self.kv_mgr
+        reason = mgr.auth_refusal(self._writers()) if mgr.probe is not None else None
+        if reason is None:
+            return False
+        mgr.record_failure(self.bootstrap_room, reason)
+        self.conclude_state = KVPoll.Failed
+        mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        return True
 
     def _register_kv_args(self) -> bool:
         """A fresh authenticated session with each prefill rank before SGLang sends it our REGISTER."""
         mgr = self.kv_mgr
+        if mgr.probe is not None and self.bootstrap_infos:
+            for info in self.bootstrap_infos:
+                mgr.probe_prefill((info["rank_ip"], int(info["rank_port"])))
         if mgr.keys is not None and self.bootstrap_infos:
             for info in self.bootstrap_infos:
                 try:
@@ -613,7 +682,7 @@ class HybridKVReceiver(CommonKVReceiver):
         return sum(1 for info in (self.bootstrap_infos or []) if not info.get("is_dummy"))
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, **kwargs):
-        if self.conclude_state == KVPoll.Failed:
+        if self.conclude_state == KVPoll.Failed or self._fail_if_auth_required():
             return None  # failed in init (e.g. the prefill did not prove the secret): nothing is published
         if self.bootstrap_infos is not None and not self._published:
             mgr = self.kv_mgr

@@ -19,6 +19,10 @@ Both endpoints are in the transcript, so a proof relayed through another address
 route) fails, and a recorded exchange or sealed message is useless later (fresh nonces, one-time
 sequence numbers). The labels differ from hybridkv's transport handshake, so no proof of one protocol
 is accepted by the other. Nothing is encrypted: the MAC authenticates, it does not hide.
+
+A decode rank without a secret sends the same Hello and nothing more (`AuthProbe`): a prefill rank that
+answers it with a Challenge requires a secret, and the decode fails that rank's rooms at once, naming the
+cause, instead of at SGLang's timeout.
 """
 
 from __future__ import annotations
@@ -432,5 +436,50 @@ class DecodeKeys:
         return None if inner is None else (s, inner)
 
 
-__all__ = ["AuthStats", "DecodeKeys", "PrefillGate", "ReplySockets", "SEAL_TAG", "Session", "is_handshake",
+class AuthProbe:
+    """A decode rank without a secret: does a prefill rank require one?
+
+    Before its REGISTER it sends the prefill rank a Hello it cannot complete. A prefill rank with a secret
+    answers any Hello with a Challenge (stateless, rate-limited, told to anyone: nothing new); one without
+    drops it. A Challenge answering one of these Hellos (its nonce) means that prefill rank requires
+    authentication, which this rank cannot give, so the rooms it was to write can fail at once rather than at
+    SGLang's timeout. The proof in it cannot be checked without the secret and is not: in lab mode any peer
+    can fail a room anyway. `probe` runs on SGLang's thread, `on_handshake` on the listener thread."""
+
+    def __init__(self, *, local: tuple[str, int], send, stats: AuthStats) -> None:
+        self._local = local
+        self._send = send  # (ip, port, frames) on the socket SGLang's REGISTER will take
+        self.stats = stats
+        self._lock = threading.Lock()
+        self._pending: collections.OrderedDict[bytes, tuple[str, int]] = collections.OrderedDict()
+
+    def probe(self, prefill: tuple[str, int]) -> None:
+        nd = auth.new_nonce()
+        with self._lock:
+            self._pending[nd] = prefill
+            while len(self._pending) > _MAX_PROBES:
+                self._pending.popitem(last=False)
+        self._send(*prefill, msgs.Hello(nonce=nd, endpoint=self._local[0], port=self._local[1]).to_frames())
+
+    def on_handshake(self, frames: list[bytes]) -> Optional[tuple[str, int]]:
+        """The prefill rank (ip, port) that answered one of this rank's probes, or None (dropped: counted)."""
+        if msgs.frames_size(frames) > wire.MAX_PREAUTH_BYTES:
+            self.stats.oversize += 1
+            return None
+        try:
+            m = msgs.decode_auth(frames)
+        except ValueError:
+            self.stats.unproven += 1
+            return None
+        with self._lock:
+            prefill = self._pending.pop(m.decode_nonce, None) if isinstance(m, msgs.Challenge) else None
+        if prefill is None:
+            self.stats.unproven += 1
+        return prefill
+
+
+_MAX_PROBES = 1024  # probes awaiting an answer that a decode rank remembers (oldest forgotten first)
+
+
+__all__ = ["AuthProbe", "AuthStats", "DecodeKeys", "PrefillGate", "ReplySockets", "SEAL_TAG", "Session", "is_handshake",
            "is_sealed", "sealed_sid"]

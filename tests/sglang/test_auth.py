@@ -92,14 +92,22 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
 
     # A decode rank with another secret: the prefill's proof fails there, so it sends no REGISTER.
     wrong = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": "another secret, 24 b"})
-    # A decode rank without a secret (lab mode): its REGISTER and METADATA for room 2001 go out unsealed.
+    # A decode rank without a secret (lab mode): its REGISTER (and METADATA, if it sends it) for room 2001 go out
+    # unsealed; its probe Hello is answered like any other, so it fails the room at once, naming the cause.
     lab = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": None})
     try:
         assert wrong.call("receive", (2001, prefill.addr, DST_A, 1, 3)) == KVPoll.Failed
         assert "did not prove the shared secret" in wrong.call("wait", (2001, 5))[1]
+        t0 = time.monotonic()
         lab.call("receive", (2001, prefill.addr, DST_A, 1, 3))
-        st = _until(lambda: (s := prefill.call("stats"))["auth"]["unproven"] >= before["unproven"] + 2 and s)
+        status, reason = lab.call("wait", (2001, 10))
+        assert status == KVPoll.Failed and time.monotonic() - t0 < 3, (status, reason)
+        assert f"prefill rank 127.0.0.1:{prefill.rank_port} requires authentication; set HYBRIDKV_SGLANG_SECRET_FILE " \
+               "or HYBRIDKV_SGLANG_SECRET_ENV" in reason
+        st = _until(lambda: (s := prefill.call("stats"))["auth"]["unproven"] >= before["unproven"] + 1 and s)
         assert st["peers"] == 0 and 2001 not in st["transfer_infos"]  # no NIXL agent added, no room claimed
+        assert st["auth"]["challenges"] == before["challenges"] + 2  # the wrong secret's Hello and the probe
+        before_raw = st["auth"]
 
         # A raw ZMQ socket: a Hello of its own is answered (so the harness reaches the prefill) ...
         ctx = zmq.Context.instance()
@@ -121,7 +129,7 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
         push.send_multipart([SEAL_TAG, b"s" * 72, b"m" * 32, *msgs.Drained(room=2001, prefill_rank=0).to_frames()])
         push.send_multipart([b"ABORT", b"2001", b"127.0.0.1", str(back).encode()])
         st = _until(lambda: (s := prefill.call("stats"))["auth"]["oversize"] > before["oversize"]
-                    and s["auth"]["unproven"] >= before["unproven"] + 4 and s)
+                    and s["auth"]["unproven"] >= before_raw["unproven"] + 2 and s)
         pull.setsockopt(zmq.RCVTIMEO, 300)  # the oversize Hello had its chance to be answered by now
         with pytest.raises(zmq.Again):
             pull.recv_multipart()
