@@ -337,6 +337,13 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, CommonKVMan
         return (f"hybridkv: prefill rank {names} requires authentication; set HYBRIDKV_SGLANG_SECRET_FILE or "
                 "HYBRIDKV_SGLANG_SECRET_ENV on this decode (the prefill's shared secret)")
 
+    def forget_registration(self, prefill: tuple[str, int]) -> None:
+        """Decode: SGLang's cached registrations with that prefill rank go; the next request there registers again."""
+        with self.connection_lock:
+            for key in [k for k, infos in self.connection_pool.items()
+                        if any((i["rank_ip"], int(i["rank_port"])) == prefill for i in infos or ())]:
+                del self.connection_pool[key]
+
     def _prefill_requires_auth(self, prefill: tuple[str, int]) -> None:
         """Listener thread: the rooms that prefill rank was to write fail now. It dropped their REGISTER and
         METADATA unread, so nothing of it lands; a room whose every writer requires authentication has no
@@ -346,10 +353,7 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, CommonKVMan
             rooms = {r: w for r, w in self._room_writers.items() if prefill in w}
         reason = self.auth_refusal({prefill})
         logger.error("%s", reason)
-        with self.connection_lock:  # SGLang's cached registrations: the next request registers (and asks) again
-            for key in [k for k, infos in self.connection_pool.items()
-                        if any((i["rank_ip"], int(i["rank_port"])) == prefill for i in infos or ())]:
-                del self.connection_pool[key]
+        self.forget_registration(prefill)  # the next request registers (and asks) again
         for room, writers in rooms.items():
             if self.request_status.get(room) in (None, KVPoll.Success, KVPoll.Failed):
                 continue

@@ -11,6 +11,8 @@ the decode rank at its address registers another agent. Then:
 * each such room's decode ranks are told Failed only when no chunk of the room is queued, being
   written or stuck (``drained``), because a decode reads a terminal status as "nothing will land
   any more" and frees the pages; the ended session still seals that message (sessions.py);
+* the decode rank is told its session ended (if it was evicted rather than replaced), so that it
+  registers again before its next room there;
 * the agent is removed from NIXL (``DataPlane.remove_peer``: remove_remote_agent) at that point too,
   not before: this rank's WRITEs in flight name it.
 """
@@ -22,6 +24,7 @@ import logging
 from collections import OrderedDict
 from typing import Optional
 
+from connectors.sglang import messages as msgs
 from connectors.sglang.sessions import MAX_SESSIONS, Session
 from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -55,6 +58,10 @@ class RetiringAgents:
         self._ended[session.tcp] = session
         while len(self._ended) > MAX_SESSIONS:
             self._ended.popitem(last=False)
+        if self.gate.by_peer.get(session.tcp) is None:
+            # Evicted, not replaced: the decode rank does not know, and would seal its next METADATA with it.
+            self._push(*session.peer, msgs.SessionEnded(prefill_rank=self._prefill_unique_rank()).to_frames(),
+                       "the end of its session")
         agent = session.agent
         if agent is None or self.gate.agent_owner(agent) is not None:
             return  # it never registered, or the session that replaced it took the agent over

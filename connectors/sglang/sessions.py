@@ -425,6 +425,13 @@ class DecodeKeys:
         with self._lock:
             return self.by_peer.get(prefill)
 
+    def ended(self, session: Session) -> None:
+        """The prefill rank ended `session`: nothing is sealed with it any more (the next REGISTER starts a new
+        one), but it still opens what the prefill sends about the rooms it had."""
+        with self._lock:
+            if self.by_peer.get(session.peer) is session:
+                del self.by_peer[session.peer]
+
     def open(self, frames: list[bytes]) -> Optional[tuple[Session, list[bytes]]]:
         sid = sealed_sid(frames)
         with self._lock:

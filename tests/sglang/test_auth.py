@@ -195,7 +195,8 @@ def test_an_ended_session_takes_its_nixl_agent_along_and_fails_its_rooms_fake_cu
     rank's handshake then evicts it: the room whose sender waits fails on both sides at once; the room whose chunk
     is in flight (held on its device event: a CUDA event on CPU is faked) fails once that chunk is over, and only
     then does the evicted agent leave NIXL; no block stays held on either side, nothing is written into the
-    evicted decode's pages, and the other decode's room arrives byte for byte."""
+    evicted decode's pages, and the other decode's room arrives byte for byte. The evicted decode rank was told its
+    session ended: its next room there starts a new handshake (evicting the other in turn) and arrives too."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr, pools = decode
@@ -206,7 +207,7 @@ def test_an_ended_session_takes_its_nixl_agent_along_and_fails_its_rooms_fake_cu
         rank_port = prefill.call("setup", ("prefill", 1, 0, port, 7, True))["rank_port"]
     finally:
         prefill.call("setenv", {"HYBRIDKV_SGLANG_MAX_SESSIONS": None})
-    addr = f"127.0.0.1:{port}"
+    addr = prefill.addr = f"127.0.0.1:{port}"
     dst_waiting, dst_moving = [40, 41, 42, 43], [44, 45, 46, 47]
     waiting = pd_peer.receiver(mgr, addr, 2101)
     waiting.send_metadata(np.asarray(dst_waiting, dtype=np.int32), 10, [[1]])
@@ -250,7 +251,11 @@ def test_an_ended_session_takes_its_nixl_agent_along_and_fails_its_rooms_fake_cu
         assert prefill.call("wait", (2103, 30)) == (KVPoll.Success, None)
         assert other.call("wait", (2103, 30)) == (KVPoll.Success, None)
         assert other.call("bytes", (DST_A, 3, 1)) == prefill.call("bytes", (PAGES_A, 3, 1))
+
+        assert mgr.keys.session(("127.0.0.1", rank_port)) is None  # told: nothing is sealed with the ended session
+        _transfer(prefill, mgr, pools, 2104, PAGES_B, [48, 49, 50, 51], 7, 12)
+        assert mgr.auth_stats.sessions == 4 and prefill.call("stats")["peers"] == 1
     finally:
         other.close()
     a = prefill.call("stats")["auth"]
-    assert a["sessions"] == 3 and a["unproven"] == a["foreign"] == a["refused"] == 0, a
+    assert a["sessions"] == 4 and a["unproven"] == a["foreign"] == a["refused"] == 0, a
