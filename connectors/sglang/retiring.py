@@ -42,8 +42,9 @@ class RetiringAgents:
 
     def _init_retiring(self) -> None:
         self._retiring: dict[str, _Retiring] = {}
-        # Rooms failed by a retiring agent -> the reason, told to their decode ranks once drained.
-        self._fail_when_drained: dict[int, str] = {}
+        # Rooms failed by a retiring agent -> the reason and their decode ranks, told once drained. The ranks are
+        # taken when it retires: SGLang may clear the room (and its transfer_infos) before it drains.
+        self._fail_when_drained: dict[int, tuple[str, list[tuple[str, int]]]] = {}
         # Sessions that ended, by the decode's ZMQ endpoint: what is still told to a decode rank whose session
         # ended (its rooms' Failed) is sealed with them; bounded, the oldest forgotten first.
         self._ended: OrderedDict[str, Session] = OrderedDict()
@@ -73,10 +74,11 @@ class RetiringAgents:
         if self.peers.pop(agent, None) is None:
             return
         rooms = frozenset(r for r, infos in list(self.transfer_infos.items()) if agent in infos)
+        targets = {room: self._room_notify_targets(room) for room in rooms}
         with self.sched_lock:
             self._retiring[agent] = _Retiring(rooms=rooms, reason=reason)
             for room in rooms:
-                self._fail_when_drained.setdefault(room, f"hybridkv: {reason}")
+                self._fail_when_drained.setdefault(room, (f"hybridkv: {reason}", targets[room]))
         logger.warning("hybridkv: decode agent %s retires (%s); %d room(s) fail", agent, reason, len(rooms))
         for room in rooms:
             self.record_failure(room, f"hybridkv: {reason}")
@@ -89,12 +91,13 @@ class RetiringAgents:
         """Hold sched_lock."""
         return self._inflight.get(room, 0) == 0 and not any(st.room == room for st in self._stuck.values())
 
-    def _tell_failed(self, room: int, reason: str) -> None:
+    def _tell_failed(self, room: int, failed: tuple[str, list[tuple[str, int]]]) -> None:
         """The room's decode ranks learn it failed (it is drained)."""
-        if self.conclude_failure(bootstrap_room=room, failure_reason=reason) is None:
-            # No sender yet (SGLang's conclude does nothing for a room without a status): told directly.
-            self.send_kv_status_message(targets=self._room_notify_targets(room), bootstrap_room=room,
-                                        status=KVPoll.Failed, failure_reason=reason)
+        reason, targets = failed
+        if self.conclude_failure(bootstrap_room=room, failure_reason=reason, targets=targets) is None:
+            # No sender, or cleared already (SGLang's conclude does nothing for a room without a status): told here.
+            self.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed,
+                                        failure_reason=reason)
 
     def _reap_retired(self) -> None:
         """Remove the retiring agents none of whose rooms has a write queued, running or stuck."""
