@@ -259,3 +259,24 @@ def test_an_ended_session_takes_its_nixl_agent_along_and_fails_its_rooms_fake_cu
         other.close()
     a = prefill.call("stats")["auth"]
     assert a["sessions"] == 4 and a["unproven"] == a["foreign"] == a["refused"] == 0, a
+
+
+def test_a_lab_probe_takes_only_the_challenge_that_answers_it():
+    """A decode without a secret acts on a Challenge only if it answers one of its own probes, once."""
+    from connectors.sglang import messages as msgs
+    from connectors.sglang.sessions import AuthProbe, AuthStats, PrefillGate
+
+    sent = []
+    stats = AuthStats()
+    probe = AuthProbe(local=("127.0.0.1", 1), send=lambda ip, port, frames: sent.append((ip, port, frames)),
+                      stats=stats)
+    probe.probe(("127.0.0.1", 2))
+    nonce = msgs.decode_auth(sent[0][2]).nonce
+    answer = msgs.Challenge(decode_nonce=nonce, prefill_nonce=b"p" * 32, proof=b"x" * 32).to_frames()
+    stranger = msgs.Challenge(decode_nonce=b"n" * 32, prefill_nonce=b"p" * 32, proof=b"x" * 32).to_frames()
+    assert probe.on_handshake(stranger) is None and stats.unproven == 1
+    assert probe.on_handshake(msgs.Refused(reason="refused").to_frames()) is None and stats.unproven == 2
+    assert probe.on_handshake(answer) == ("127.0.0.1", 2)
+    assert probe.on_handshake(answer) is None and stats.unproven == 3  # once
+    with pytest.raises(ValueError, match=r"max_sessions = 0; expected an int >= 1"):
+        PrefillGate(secret=b"s" * 16, local=("127.0.0.1", 2), send=None, tcp_of=None, stats=stats, max_sessions=0)
