@@ -14,6 +14,7 @@ _ENV_PREFIX = "HYBRIDKV_SGLANG_"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _SECRET_KEYS = frozenset({"secret_file", "secret_env"})
+_INT_KEYS = frozenset({"workers", "max_sessions"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,9 @@ class SGLangConfig:
       backend runs unauthenticated, as before, and warns at start-up (a lab).
     * ``handshake_timeout_s`` (5): how long a decode rank waits for a prefill rank to
       answer its authentication handshake before the request fails.
+    * ``max_sessions`` (256): proven decode ranks a prefill rank keeps a session with.
+      Past it the oldest session ends: its NIXL agent is removed once no write to it is
+      in flight, and the rooms it claimed fail.
     """
 
     transfer_timeout_s: float = 30.0
@@ -62,6 +66,7 @@ class SGLangConfig:
     secret_file: str | None = None
     secret_env: str | None = None
     handshake_timeout_s: float = 5.0
+    max_sessions: int = 256
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -72,9 +77,9 @@ class SGLangConfig:
             elif f.name == "progress_thread":
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name} = {v!r}; expected a bool")
-            elif f.name == "workers":
+            elif f.name in _INT_KEYS:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f"workers = {v!r}; expected an int >= 1")
+                    raise ValueError(f"{f.name} = {v!r}; expected an int >= 1")
             elif v is not None or f.name != "drain_timeout_s":
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                     raise ValueError(f"{f.name} = {v!r}; expected a number > 0")
@@ -133,6 +138,6 @@ def _parse(var: str, raw: str, key: str) -> Any:
             return False
         raise ValueError(f"{var}={raw!r}; expected one of {sorted(_TRUE | _FALSE)}")
     try:
-        return int(raw) if key == "workers" else float(raw)
+        return int(raw) if key in _INT_KEYS else float(raw)
     except ValueError:
-        raise ValueError(f"{var}={raw!r}; expected {'an int' if key == 'workers' else 'a number'}") from None
+        raise ValueError(f"{var}={raw!r}; expected {'an int' if key in _INT_KEYS else 'a number'}") from None

@@ -50,6 +50,8 @@ proves the shared secret to each prefill rank before its REGISTER, and every
 message after that, both ways, is sealed to that session (sessions.py); the
 prefill adds NIXL agents, takes METADATA and ABORTs, and pushes statuses only
 within proven sessions, and binds each room to the decode agent that claimed it.
+A decode agent whose session ended leaves NIXL once its rooms' writes are over, and
+those rooms fail (retiring.py).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ from connectors.sglang.decode_side import DecodeImports, _Import
 from connectors.sglang.metrics import HybridKVSGLangMetrics
 from connectors.sglang.pairing import PeerPlan, plan_peer
 from connectors.sglang.prefill_side import PrefillExports, TransferStats
-from connectors.sglang.sessions import AuthStats, DecodeKeys, PrefillGate, ReplySockets, Session
+from connectors.sglang.retiring import RetiringAgents
+from connectors.sglang.sessions import AuthProbe, AuthStats, DecodeKeys, PrefillGate, ReplySockets, Session
 from descriptors.compiler import TransferPlanner
 from hybridkv.layout.alloc import MemKind
 from hybridkv.transport.dataplane import DataPlane
@@ -117,7 +120,7 @@ class _Peer:
     rejection: Optional[str]
 
 
-class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
+class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, CommonKVManager):
     kv_status_msg_tag = b"KV_STATUS"
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
@@ -151,6 +154,8 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         self.auth_stats = AuthStats()
         self.gate: Optional[PrefillGate] = None
         self.keys: Optional[DecodeKeys] = None
+        self.probe: Optional[AuthProbe] = None  # decode without a secret: which prefill ranks require one
+        self._auth_required: set[tuple[str, int]] = set()  # prefill ranks that answered a probe
         # decode: the prefill ranks (ip, port) each room's receiver expects to hear from, oldest first
         self._room_writers: OrderedDict[int, frozenset[tuple[str, int]]] = OrderedDict()
         # Refused or settled before anything is registered or bound (startup.py).
@@ -191,6 +196,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         self._exports: dict[int, set[TransferId]] = defaultdict(set)  # prefill: outbound reads in flight
         self._imports: dict[int, _Import] = {}  # decode
         self._drain_waiters: dict[int, set[tuple[str, int]]] = {}
+        self._init_retiring()  # prefill: decode agents whose session ended (retiring.py)
         self._held_since: dict[int, float] = {}  # decode: rooms SGLang holds for a deferred release
         self._stuck: dict[TransferId, object] = {}  # prefill: reads whose WRITEs NIXL would not abort
         self.transfer_timeout_s = self.config.transfer_timeout_s  # an attribute: tests shorten it
@@ -200,6 +206,9 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if secret is not None:
             self._start_auth(secret, decode=decode)
+        elif decode:
+            self.probe = AuthProbe(local=(self.local_ip, int(self.rank_port)), send=self._push_to_prefill,
+                                   stats=self.auth_stats)
         self.sched = TransferScheduler(self.adopted.pool_layout(), managed_pool=False,
                                        lease_s=self.config.lease_s(self.drain_timeout_s))
         if disaggregation_mode == DisaggregationMode.PREFILL:
@@ -246,7 +255,8 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         else:
             self._reply_socks = ReplySockets(self._zmq_ctx)
             self.gate = PrefillGate(secret=secret, local=local, send=self._reply_unproven,
-                                    tcp_of=lambda ip, port: NetworkAddress(ip, port).to_tcp(), stats=self.auth_stats)
+                                    tcp_of=lambda ip, port: NetworkAddress(ip, port).to_tcp(), stats=self.auth_stats,
+                                    max_sessions=self.config.max_sessions, on_end=self._session_ended)
 
     def _push_to_prefill(self, ip: str, port: int, frames: list[bytes]) -> None:
         # The socket SGLang's REGISTER and METADATA take to that rank: the Proof arrives before them.
@@ -267,7 +277,7 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         to a decode rank that proved the secret."""
         if self.gate is None:
             return super()._send_multipart_locked(endpoint, parts, is_ipv6=is_ipv6)
-        session = self.gate.by_peer.get(endpoint)
+        session = self.session_for(endpoint)
         if session is None:
             raise RuntimeError(f"no authenticated session with {endpoint}; nothing is sent to it")
         sock = self._connect(endpoint, is_ipv6=is_ipv6)
@@ -286,10 +296,18 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
         """The frames to act on and the session they came in (None without a secret), or None: dropped."""
         auth = self.gate or self.keys
         if auth is None:
+            if self.probe is not None and sessions.is_handshake(frames):
+                prefill = self.probe.on_handshake(frames)
+                if prefill is not None:
+                    self._prefill_requires_auth(prefill)
+                return None
             if sessions.is_handshake(frames) or sessions.is_sealed(frames):
                 self.auth_stats.unproven += 1
-                logger.warning("hybridkv: a peer asks for authentication but this rank has no shared secret "
-                               "(HYBRIDKV_SGLANG_SECRET_FILE / _SECRET_ENV); dropped")
+                if self.auth_stats.unproven & (self.auth_stats.unproven - 1) == 0:  # 1, 2, 4, ...: a lab decode's
+                    # probes (sessions.AuthProbe) land here too, so the log is bounded
+                    logger.warning("hybridkv: %d authentication message(s) dropped (from a decode with a shared "
+                                   "secret, or one without asking whether this rank needs it): this rank has none "
+                                   "(HYBRIDKV_SGLANG_SECRET_FILE / _SECRET_ENV)", self.auth_stats.unproven)
                 return None
             return None, frames
         if sessions.is_handshake(frames):
@@ -302,6 +320,49 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
                 logger.warning("hybridkv: dropped %d unauthenticated message(s) so far", self.auth_stats.unproven)
             return None
         return auth.open(frames)
+
+    # ------------------------------------------------------------ decode without a secret (sessions.AuthProbe)
+    def probe_prefill(self, prefill: tuple[str, int]) -> None:
+        with self.sched_lock:
+            self._auth_required.discard(prefill)  # asked again: it may have been restarted without a secret
+        self.probe.probe(prefill)
+
+    def auth_refusal(self, prefills) -> Optional[str]:
+        """Why a room with these writers cannot work (one requires authentication), or None."""
+        with self.sched_lock:
+            required = sorted(self._auth_required.intersection(prefills))
+        if not required:
+            return None
+        names = ", ".join(f"{ip}:{port}" for ip, port in required)
+        return (f"hybridkv: prefill rank {names} requires authentication; set HYBRIDKV_SGLANG_SECRET_FILE or "
+                "HYBRIDKV_SGLANG_SECRET_ENV on this decode (the prefill's shared secret)")
+
+    def forget_registration(self, prefill: tuple[str, int]) -> None:
+        """Decode: SGLang's cached registrations with that prefill rank go; the next request there registers again."""
+        with self.connection_lock:
+            for key in [k for k, infos in self.connection_pool.items()
+                        if any((i["rank_ip"], int(i["rank_port"])) == prefill for i in infos or ())]:
+                del self.connection_pool[key]
+
+    def _prefill_requires_auth(self, prefill: tuple[str, int]) -> None:
+        """Listener thread: the rooms that prefill rank was to write fail now. It dropped their REGISTER and
+        METADATA unread, so nothing of it lands; a room whose every writer requires authentication has no
+        write in flight, and its imports end at once."""
+        with self.sched_lock:
+            self._auth_required.add(prefill)
+            rooms = {r: w for r, w in self._room_writers.items() if prefill in w}
+        reason = self.auth_refusal({prefill})
+        logger.error("%s", reason)
+        self.forget_registration(prefill)  # the next request registers (and asks) again
+        for room, writers in rooms.items():
+            if self.request_status.get(room) in (None, KVPoll.Success, KVPoll.Failed):
+                continue
+            self.record_failure(room, self.auth_refusal(writers))
+            self.update_status(room, KVPoll.Failed)
+            with self.sched_lock:
+                quiet = writers <= self._auth_required
+            if quiet:
+                self.settle_imports(room, "every writer requires authentication")
 
     def _foreign(self, session: Session, what: str) -> None:
         self.auth_stats.foreign += 1
@@ -422,9 +483,10 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
                 self.dp.remove_peer(name)
             raise ValueError(f"agent metadata names {name!r} but the message says {reg.agent_name!r}")
         if session is not None:
-            if session.agent is not None and session.agent != name and self.peers.pop(session.agent, None):
-                # The decode rank at that address restarted with another agent: the old one is dropped.
-                self.dp.remove_peer(session.agent)
+            if session.agent is not None and session.agent != name:
+                # The decode rank at that address restarted with another agent: the old one retires.
+                self._retire_agent(session.agent, f"decode rank {reg.endpoint}:{reg.port} registered another "
+                                                  f"NIXL agent ({name}); its previous one is removed")
             session.agent = name
         self.peers[name] = _Peer(agent_name=name, layout=peer_layout, planners=plan.planners if plan else {},
                                  plan=plan, rejection=rejection)
@@ -506,9 +568,12 @@ class HybridKVManager(PrefillExports, DecodeImports, CommonKVManager):
 
     def _maybe_send_drained(self, room: int) -> None:
         with self.sched_lock:
-            if self._inflight.get(room, 0) > 0 or any(st.room == room for st in self._stuck.values()):
+            if not self._drained(room):
                 return
             waiters = self._drain_waiters.pop(room, None)
+            failed = self._fail_when_drained.pop(room, None)
+        if failed is not None:
+            self._tell_failed(room, failed)
         frames = msgs.Drained(room=room, prefill_rank=self._prefill_unique_rank()).to_frames()
         for ip, port in waiters or ():
             self._push(ip, port, frames, f"DRAINED for room {room}")
@@ -568,12 +633,29 @@ class HybridKVReceiver(CommonKVReceiver):
     def _setup_bootstrap_infos(self):
         super()._setup_bootstrap_infos()
         if self.bootstrap_infos:
-            self.kv_mgr.expect_writers(self.bootstrap_room, frozenset(
-                (info["rank_ip"], int(info["rank_port"])) for info in self.bootstrap_infos))
+            self.kv_mgr.expect_writers(self.bootstrap_room, self._writers())
+            self._fail_if_auth_required()
+
+    def _writers(self) -> frozenset[tuple[str, int]]:
+        return frozenset((info["rank_ip"], int(info["rank_port"])) for info in self.bootstrap_infos or ())
+
+    def _fail_if_auth_required(self) -> bool:
+        """Without a secret: a prefill rank of this room answered a probe (sessions.AuthProbe): fail now."""
+        mgr = self.kv_mgr
+        reason = mgr.auth_refusal(self._writers()) if mgr.probe is not None else None
+        if reason is None:
+            return False
+        mgr.record_failure(self.bootstrap_room, reason)
+        self.conclude_state = KVPoll.Failed
+        mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        return True
 
     def _register_kv_args(self) -> bool:
         """A fresh authenticated session with each prefill rank before SGLang sends it our REGISTER."""
         mgr = self.kv_mgr
+        if mgr.probe is not None and self.bootstrap_infos:
+            for info in self.bootstrap_infos:
+                mgr.probe_prefill((info["rank_ip"], int(info["rank_port"])))
         if mgr.keys is not None and self.bootstrap_infos:
             for info in self.bootstrap_infos:
                 try:
@@ -604,7 +686,7 @@ class HybridKVReceiver(CommonKVReceiver):
         return sum(1 for info in (self.bootstrap_infos or []) if not info.get("is_dummy"))
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, **kwargs):
-        if self.conclude_state == KVPoll.Failed:
+        if self.conclude_state == KVPoll.Failed or self._fail_if_auth_required():
             return None  # failed in init (e.g. the prefill did not prove the secret): nothing is published
         if self.bootstrap_infos is not None and not self._published:
             mgr = self.kv_mgr

@@ -217,6 +217,9 @@ class DecodeImports:
                     continue
                 session, frames = got
                 m = msgs.decode(frames) if frames and frames[0] == msgs.TAG else None
+                if isinstance(m, msgs.SessionEnded) and session is not None:
+                    self._on_session_ended(session)
+                    continue
                 if session is not None:
                     room = m.room if m is not None and hasattr(m, "room") else _sglang_room(frames)
                     with self.sched_lock:
@@ -248,6 +251,13 @@ class DecodeImports:
                     self._note_quiet(room, rank)
             except Exception:
                 logger.exception("hybridkv: dropped a decode-side message")
+
+    def _on_session_ended(self, session) -> None:
+        """The prefill rank evicted this rank's session: the next room there registers again (a new handshake)."""
+        logger.warning("hybridkv: prefill rank %s:%s ended this decode rank's session; the next request there "
+                       "registers again", *session.peer)
+        self.keys.ended(session)
+        self.forget_registration(session.peer)
 
     def _on_stuck(self, m: msgs.Stuck) -> None:
         with self.sched_lock:

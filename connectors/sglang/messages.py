@@ -42,6 +42,7 @@ class MsgType(enum.Enum):
     DRAINED = "drained"  # prefill rank -> decode rank: no write for the room in flight
     LANDED = "landed"  # prefill rank -> decode rank: these components of the room are written
     STUCK = "stuck"  # prefill rank -> decode rank: a write NIXL would not abort may still land; wait for DRAINED
+    SESSION_ENDED = "session_ended"  # prefill rank -> decode rank, sealed with the session that ended (evicted)
 
 
 class AuthType(enum.Enum):
@@ -199,6 +200,14 @@ class Stuck(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SessionEnded(Message):
+    """The session this is sealed with ended on the prefill rank (evicted): a decode rank registers again,
+    with a new handshake, before its next room there, as its sealed METADATA would be dropped."""
+
+    prefill_rank: int = on_wire("rank", RANK)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Landed(Message):
     """Every write of these components of the room completed (NIXL DONE on the writer)."""
 
@@ -241,7 +250,7 @@ class Refused(Message):
 
 
 _TYPES: dict[MsgType, type] = {MsgType.REGISTER: Register, MsgType.METADATA: Metadata, MsgType.DRAINED: Drained,
-                               MsgType.LANDED: Landed, MsgType.STUCK: Stuck}
+                               MsgType.LANDED: Landed, MsgType.STUCK: Stuck, MsgType.SESSION_ENDED: SessionEnded}
 _TYPE_OF = {cls: t for t, cls in _TYPES.items()}
 _RECORDS = {t: record_of(cls) for t, cls in _TYPES.items()}
 _MSG_TYPE = EnumValue(enum=MsgType)

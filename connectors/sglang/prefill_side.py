@@ -318,10 +318,13 @@ class PrefillExports:
             "they end"))
 
     def tick(self) -> None:
-        """Control thread, every loop: expire export leases, end stuck writes that settled."""
+        """Control thread, every loop: expire export leases, end stuck writes that settled, remove decode
+        agents that retired once their writes are over (retiring.py)."""
         self._expire_leases()
         if self._stuck:
             self._watch_stuck()
+        if self._retiring:
+            self._reap_retired()
 
     def _expire_leases(self) -> None:
         with self.sched_lock:

@@ -19,6 +19,10 @@ Both endpoints are in the transcript, so a proof relayed through another address
 route) fails, and a recorded exchange or sealed message is useless later (fresh nonces, one-time
 sequence numbers). The labels differ from hybridkv's transport handshake, so no proof of one protocol
 is accepted by the other. Nothing is encrypted: the MAC authenticates, it does not hide.
+
+A decode rank without a secret sends the same Hello and nothing more (`AuthProbe`): a prefill rank that
+answers it with a Challenge requires a secret, and the decode fails that rank's rooms at once, naming the
+cause, instead of at SGLang's timeout.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ _TO_DECODE = b"hybridkv-sglang-v1 prefill->decode"
 
 REFUSED = "refused"  # all a peer that has not proved the secret is told
 COOKIE_TTL_S = 30.0  # a Challenge's nonce is good for this long
-MAX_SESSIONS = 256  # proven decode ranks a prefill rank keeps; past it the oldest goes
+MAX_SESSIONS = 256  # sessions a decode rank keeps open for reading (a prefill rank's bound: max_sessions)
 MAX_ROOMS_PER_SESSION = 4096  # rooms one decode rank may hold open on one prefill rank
 MAX_SEALED_FRAMES = 8
 REPLIES_PER_S = 64.0  # Challenges and refusals a prefill rank sends to peers not yet proven
@@ -215,10 +219,19 @@ class ReplySockets:
 
 class PrefillGate:
     """A prefill rank's side: answers Hellos without keeping state, makes a session of a valid Proof,
-    and opens sealed messages. Only the control thread calls it (replies go out through `send`)."""
+    and opens sealed messages. Only the control thread calls it (replies go out through `send`).
 
-    def __init__(self, *, secret: bytes, local: tuple[str, int], send, tcp_of, stats: AuthStats) -> None:
+    At most `max_sessions` sessions: past it the oldest ends. `on_end(session)` is called for each
+    session that ended (evicted, or replaced by a new handshake from the same address, whose session
+    takes over its agent and rooms) after the new one is in place, so `agent_owner` already answers for it."""
+
+    def __init__(self, *, secret: bytes, local: tuple[str, int], send, tcp_of, stats: AuthStats,
+                 max_sessions: int = MAX_SESSIONS, on_end=None) -> None:
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ValueError(f"max_sessions = {max_sessions!r}; expected an int >= 1")
         self._secret = secret
+        self._max_sessions = max_sessions
+        self._on_end = on_end or (lambda session: None)
         self._local = _endpoint(*local)
         self._send = send  # (ip, port, frames): a reply to an address that is not a session
         self._tcp_of = tcp_of  # (ip, port) -> the ZMQ endpoint string SGLang's sends name
@@ -289,10 +302,12 @@ class PrefillGate:
         old = self.by_peer.pop(tcp, None)
         if old is not None:  # that decode rank started over (re-registration, restart): its old session ends
             self.by_sid.pop(old.sid, None)
-        if len(self.by_sid) >= MAX_SESSIONS:
+        evicted = None
+        if len(self.by_sid) >= self._max_sessions:
             _, evicted = self.by_sid.popitem(last=False)
             self.by_peer.pop(evicted.tcp, None)
-            logger.warning("hybridkv: %d decode sessions; the oldest (%s:%s) ends", MAX_SESSIONS, *evicted.peer)
+            logger.warning("hybridkv: %d decode sessions (max_sessions); the oldest (%s:%s) ends",
+                           self._max_sessions, *evicted.peer)
         s = Session(sid=sid, key=_session_key(self._secret, *transcript), peer=peer, prefill_side=True)
         s.tcp = tcp
         if old is not None:
@@ -301,6 +316,9 @@ class PrefillGate:
         self.by_peer[tcp] = s
         self.stats.sessions += 1
         logger.info("hybridkv: decode rank %s:%s proved the shared secret", *peer)
+        for ended in (old, evicted):
+            if ended is not None:
+                self._on_end(ended)
 
     # ------------------------------------------------------------ sealed messages
     def open(self, frames: list[bytes]) -> Optional[tuple[Session, list[bytes]]]:
@@ -407,6 +425,13 @@ class DecodeKeys:
         with self._lock:
             return self.by_peer.get(prefill)
 
+    def ended(self, session: Session) -> None:
+        """The prefill rank ended `session`: nothing is sealed with it any more (the next REGISTER starts a new
+        one), but it still opens what the prefill sends about the rooms it had."""
+        with self._lock:
+            if self.by_peer.get(session.peer) is session:
+                del self.by_peer[session.peer]
+
     def open(self, frames: list[bytes]) -> Optional[tuple[Session, list[bytes]]]:
         sid = sealed_sid(frames)
         with self._lock:
@@ -418,5 +443,50 @@ class DecodeKeys:
         return None if inner is None else (s, inner)
 
 
-__all__ = ["AuthStats", "DecodeKeys", "PrefillGate", "ReplySockets", "SEAL_TAG", "Session", "is_handshake",
+class AuthProbe:
+    """A decode rank without a secret: does a prefill rank require one?
+
+    Before its REGISTER it sends the prefill rank a Hello it cannot complete. A prefill rank with a secret
+    answers any Hello with a Challenge (stateless, rate-limited, told to anyone: nothing new); one without
+    drops it. A Challenge answering one of these Hellos (its nonce) means that prefill rank requires
+    authentication, which this rank cannot give, so the rooms it was to write can fail at once rather than at
+    SGLang's timeout. The proof in it cannot be checked without the secret and is not: in lab mode any peer
+    can fail a room anyway. `probe` runs on SGLang's thread, `on_handshake` on the listener thread."""
+
+    def __init__(self, *, local: tuple[str, int], send, stats: AuthStats) -> None:
+        self._local = local
+        self._send = send  # (ip, port, frames) on the socket SGLang's REGISTER will take
+        self.stats = stats
+        self._lock = threading.Lock()
+        self._pending: collections.OrderedDict[bytes, tuple[str, int]] = collections.OrderedDict()
+
+    def probe(self, prefill: tuple[str, int]) -> None:
+        nd = auth.new_nonce()
+        with self._lock:
+            self._pending[nd] = prefill
+            while len(self._pending) > _MAX_PROBES:
+                self._pending.popitem(last=False)
+        self._send(*prefill, msgs.Hello(nonce=nd, endpoint=self._local[0], port=self._local[1]).to_frames())
+
+    def on_handshake(self, frames: list[bytes]) -> Optional[tuple[str, int]]:
+        """The prefill rank (ip, port) that answered one of this rank's probes, or None (dropped: counted)."""
+        if msgs.frames_size(frames) > wire.MAX_PREAUTH_BYTES:
+            self.stats.oversize += 1
+            return None
+        try:
+            m = msgs.decode_auth(frames)
+        except ValueError:
+            self.stats.unproven += 1
+            return None
+        with self._lock:
+            prefill = self._pending.pop(m.decode_nonce, None) if isinstance(m, msgs.Challenge) else None
+        if prefill is None:
+            self.stats.unproven += 1
+        return prefill
+
+
+_MAX_PROBES = 1024  # probes awaiting an answer that a decode rank remembers (oldest forgotten first)
+
+
+__all__ = ["AuthProbe", "AuthStats", "DecodeKeys", "PrefillGate", "ReplySockets", "SEAL_TAG", "Session", "is_handshake",
            "is_sealed", "sealed_sid"]

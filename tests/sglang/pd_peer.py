@@ -47,6 +47,13 @@ def context():
     return _ctx
 
 
+# The shared secret of ranks that run authenticated, as an operator sets it (HYBRIDKV_SGLANG_SECRET_ENV names
+# the variable holding it); LAB_ENV unsets both: no secret, SGLang's unauthenticated lab mode.
+SECRET = "correct horse battery staple 42"
+SECRET_ENV = {"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": SECRET}
+LAB_ENV = {"HYBRIDKV_SGLANG_SECRET_ENV": None, "HKV_TEST_SECRET": None}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -317,6 +324,10 @@ class _State:
     def abort(self, room: int):
         self.peers[room].abort()
 
+    def knows_agent(self, name: str):
+        """NIXL's own answer: this rank's agent holds the metadata of remote agent `name`."""
+        return bool(self.mgr.dp.agent.check_remote_metadata(name))
+
     def all_zero(self, _=None):
         """Nothing was ever written into this rank's pools (they start zeroed: seed None)."""
         return not any(t.count_nonzero().item() for t in self.pools.k + self.pools.v
@@ -471,6 +482,7 @@ class _State:
                     pages=st.pages, inflight=dict(getattr(mgr, "_inflight", {})), rooms=list(mgr.request_status),
                     transfer_infos=list(getattr(mgr, "transfer_infos", {})), waiters=dict(mgr._drain_waiters),
                     exporting=mgr.exporting(room) if room is not None else None, peers=len(mgr.peers),
+                    retiring=sorted(mgr._retiring),
                     failures=dict(mgr.failure_records), stuck=len(getattr(mgr, "_stuck", {})),
                     auth=dataclasses.asdict(mgr.auth_stats), **sched)
 
@@ -588,6 +600,26 @@ def _decode_transfer_queue(state: _State):
     metadata = ns(bootstrap_room=torch.zeros((AUX_ROWS, 1), dtype=torch.int64), clear_slot=lambda idx: None)
     tree_cache = ns(unlock=lambda lock: None)
     return sg_decode.DecodeTransferQueue(ReqToMetadataIdxAllocator(AUX_ROWS), metadata, scheduler, tree_cache)
+
+
+def use_secret(ranks, secret: bool) -> None:
+    """Each rank process reads the shared secret (or none: lab mode) at its next setup."""
+    for r in ranks:
+        r.call("setenv", SECRET_ENV if secret else LAB_ENV)
+
+
+def check_auth(prefill, decode, secret: bool) -> None:
+    """The ranks ran in the mode asked for. With a secret: every NIXL agent a prefill rank added came through a
+    proven session, every decode rank proved itself to some prefill rank, and nothing was refused or dropped as
+    unproven or foreign on any rank. Lab mode: no rank started a session."""
+    st = {r: r.call("stats") for r in (*prefill, *decode)}
+    for r, s in st.items():
+        a = s["auth"]
+        if not secret:
+            assert a["sessions"] == 0, a
+            continue
+        assert a["refused"] == a["unproven"] == a["foreign"] == a["replayed"] == 0, a
+        assert a["sessions"] == s["peers"] if r in prefill else a["sessions"] >= 1, (a, s["peers"])
 
 
 def prefill_rank(seed: int = 7) -> tuple[Rank, int]:

@@ -15,8 +15,7 @@ from tests.sglang import pd_peer
 
 pytestmark = pytest.mark.slow
 
-SECRET = "correct horse battery staple 42"
-ENV = {"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": SECRET}
+ENV = pd_peer.SECRET_ENV
 PAGES_A, PAGES_B = [5, 6, 7, 8], [20, 21, 9, 10]
 DST_A, DST_B = [12, 13, 14, 15], [30, 31, 32, 2]
 
@@ -93,14 +92,22 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
 
     # A decode rank with another secret: the prefill's proof fails there, so it sends no REGISTER.
     wrong = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": "another secret, 24 b"})
-    # A decode rank without a secret (lab mode): its REGISTER and METADATA for room 2001 go out unsealed.
+    # A decode rank without a secret (lab mode): its REGISTER (and METADATA, if it sends it) for room 2001 go out
+    # unsealed; its probe Hello is answered like any other, so it fails the room at once, naming the cause.
     lab = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": None})
     try:
         assert wrong.call("receive", (2001, prefill.addr, DST_A, 1, 3)) == KVPoll.Failed
         assert "did not prove the shared secret" in wrong.call("wait", (2001, 5))[1]
+        t0 = time.monotonic()
         lab.call("receive", (2001, prefill.addr, DST_A, 1, 3))
-        st = _until(lambda: (s := prefill.call("stats"))["auth"]["unproven"] >= before["unproven"] + 2 and s)
+        status, reason = lab.call("wait", (2001, 10))
+        assert status == KVPoll.Failed and time.monotonic() - t0 < 3, (status, reason)
+        assert f"prefill rank 127.0.0.1:{prefill.rank_port} requires authentication; set HYBRIDKV_SGLANG_SECRET_FILE " \
+               "or HYBRIDKV_SGLANG_SECRET_ENV" in reason
+        st = _until(lambda: (s := prefill.call("stats"))["auth"]["unproven"] >= before["unproven"] + 1 and s)
         assert st["peers"] == 0 and 2001 not in st["transfer_infos"]  # no NIXL agent added, no room claimed
+        assert st["auth"]["challenges"] == before["challenges"] + 2  # the wrong secret's Hello and the probe
+        before_raw = st["auth"]
 
         # A raw ZMQ socket: a Hello of its own is answered (so the harness reaches the prefill) ...
         ctx = zmq.Context.instance()
@@ -122,7 +129,7 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
         push.send_multipart([SEAL_TAG, b"s" * 72, b"m" * 32, *msgs.Drained(room=2001, prefill_rank=0).to_frames()])
         push.send_multipart([b"ABORT", b"2001", b"127.0.0.1", str(back).encode()])
         st = _until(lambda: (s := prefill.call("stats"))["auth"]["oversize"] > before["oversize"]
-                    and s["auth"]["unproven"] >= before["unproven"] + 4 and s)
+                    and s["auth"]["unproven"] >= before_raw["unproven"] + 2 and s)
         pull.setsockopt(zmq.RCVTIMEO, 300)  # the oversize Hello had its chance to be answered by now
         with pytest.raises(zmq.Again):
             pull.recv_multipart()
@@ -180,3 +187,96 @@ def test_sealed_message_is_accepted_once_and_not_altered():
     altered[-1] = b"thre3"
     assert prefill.open(altered, stats) is None and stats.unproven == 1
     assert decode.open(decode.seal([b"HYBRIDKV", b"four"]), stats) is None  # its own direction's label
+
+
+def test_an_ended_session_takes_its_nixl_agent_along_and_fails_its_rooms_fake_cuda_event(prefill, decode):
+    """A prefill rank with HYBRIDKV_SGLANG_MAX_SESSIONS=1. The decode's new handshake (as after a re-registration)
+    replaces its session, which takes its agent and rooms over: nothing fails, the agent stays. Another decode
+    rank's handshake then evicts it: the room whose sender waits fails on both sides at once; the room whose chunk
+    is in flight (held on its device event: a CUDA event on CPU is faked) fails once that chunk is over, and only
+    then does the evicted agent leave NIXL; no block stays held on either side, nothing is written into the
+    evicted decode's pages, and the other decode's room arrives byte for byte. The evicted decode rank was told its
+    session ended: its next room there starts a new handshake (evicting the other in turn) and arrives too."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, pools = decode
+    agent = mgr.dp.name
+    prefill.call("setenv", {"HYBRIDKV_SGLANG_MAX_SESSIONS": "1"})
+    try:
+        port = pd_peer.free_port()
+        rank_port = prefill.call("setup", ("prefill", 1, 0, port, 7, True))["rank_port"]
+    finally:
+        prefill.call("setenv", {"HYBRIDKV_SGLANG_MAX_SESSIONS": None})
+    addr = prefill.addr = f"127.0.0.1:{port}"
+    dst_waiting, dst_moving = [40, 41, 42, 43], [44, 45, 46, 47]
+    waiting = pd_peer.receiver(mgr, addr, 2101)
+    waiting.send_metadata(np.asarray(dst_waiting, dtype=np.int32), 10, [[1]])
+    moving = pd_peer.receiver(mgr, addr, 2102)
+    moving.send_metadata(np.asarray(dst_moving, dtype=np.int32), 11, [[2]])
+    assert prefill.call("sender", 2101) == KVPoll.WaitingForInput
+    assert prefill.call("sender", 2102) == KVPoll.WaitingForInput
+    prefill.call("send", (2102, PAGES_B, 3, 1, 2, True))  # returns once a worker waits on the chunk's event
+
+    mgr.keys.handshake(("127.0.0.1", rank_port), mgr.config.handshake_timeout_s)
+    _until(lambda: prefill.call("stats")["auth"]["sessions"] == 2)
+    st = prefill.call("stats")
+    assert st["peers"] == 1 and not st["retiring"] and prefill.call("knows_agent", agent)
+    assert prefill.call("poll", 2101) == KVPoll.WaitingForInput
+
+    other = _other_decode(ENV)
+    try:
+        other.call("receive", (2103, addr, DST_A, 1, 3))
+        assert pd_peer.wait_poll(waiting, {KVPoll.Success, KVPoll.Failed}, timeout=10) == KVPoll.Failed
+        assert "session of decode rank" in pd_peer.failure_of(waiting)
+        status, reason = prefill.call("wait", (2101, 10))
+        assert status == KVPoll.Failed and "session of decode rank" in reason and "ended" in reason
+        # The chunk of room 2102 is still in flight: the agent it writes to stays, the decode still waits.
+        assert prefill.call("stats")["retiring"] == [agent] and prefill.call("knows_agent", agent)
+        assert moving.poll() not in (KVPoll.Success, KVPoll.Failed) and mgr.imports_in_flight(2102)
+
+        prefill.call("open_gate", 2102)
+        assert pd_peer.wait_poll(moving, {KVPoll.Success, KVPoll.Failed}, timeout=10) == KVPoll.Failed
+        assert "session of decode rank" in pd_peer.failure_of(moving)
+        assert prefill.call("wait", (2102, 10))[0] == KVPoll.Failed
+        _until(lambda: not prefill.call("knows_agent", agent))
+        st = prefill.call("stats")
+        assert st["peers"] == 1 and not st["retiring"] and st["requests"] == 0 and st["transfers"] == 0
+        assert not st["fenced"] and not st["inflight"]
+        with mgr.sched_lock:
+            assert mgr.sched.requests_in_flight() == 0 and not mgr.fenced and not mgr._imports
+        assert not any(any(b) for b in pools.page_bytes(dst_waiting + dst_moving))
+
+        assert prefill.call("sender", 2103) == KVPoll.WaitingForInput
+        prefill.call("send", (2103, PAGES_A, 3, 1, 2, False))
+        assert prefill.call("wait", (2103, 30)) == (KVPoll.Success, None)
+        assert other.call("wait", (2103, 30)) == (KVPoll.Success, None)
+        assert other.call("bytes", (DST_A, 3, 1)) == prefill.call("bytes", (PAGES_A, 3, 1))
+
+        assert mgr.keys.session(("127.0.0.1", rank_port)) is None  # told: nothing is sealed with the ended session
+        _transfer(prefill, mgr, pools, 2104, PAGES_B, [48, 49, 50, 51], 7, 12)
+        assert mgr.auth_stats.sessions == 4 and prefill.call("stats")["peers"] == 1
+    finally:
+        other.close()
+    a = prefill.call("stats")["auth"]
+    assert a["sessions"] == 4 and a["unproven"] == a["foreign"] == a["refused"] == 0, a
+
+
+def test_a_lab_probe_takes_only_the_challenge_that_answers_it():
+    """A decode without a secret acts on a Challenge only if it answers one of its own probes, once."""
+    from connectors.sglang import messages as msgs
+    from connectors.sglang.sessions import AuthProbe, AuthStats, PrefillGate
+
+    sent = []
+    stats = AuthStats()
+    probe = AuthProbe(local=("127.0.0.1", 1), send=lambda ip, port, frames: sent.append((ip, port, frames)),
+                      stats=stats)
+    probe.probe(("127.0.0.1", 2))
+    nonce = msgs.decode_auth(sent[0][2]).nonce
+    answer = msgs.Challenge(decode_nonce=nonce, prefill_nonce=b"p" * 32, proof=b"x" * 32).to_frames()
+    stranger = msgs.Challenge(decode_nonce=b"n" * 32, prefill_nonce=b"p" * 32, proof=b"x" * 32).to_frames()
+    assert probe.on_handshake(stranger) is None and stats.unproven == 1
+    assert probe.on_handshake(msgs.Refused(reason="refused").to_frames()) is None and stats.unproven == 2
+    assert probe.on_handshake(answer) == ("127.0.0.1", 2)
+    assert probe.on_handshake(answer) is None and stats.unproven == 3  # once
+    with pytest.raises(ValueError, match=r"max_sessions = 0; expected an int >= 1"):
+        PrefillGate(secret=b"s" * 16, local=("127.0.0.1", 2), send=None, tcp_of=None, stats=stats, max_sessions=0)

@@ -26,11 +26,11 @@ def test_every_key_is_read_from_its_variable():
            "HYBRIDKV_SGLANG_POLL_INTERVAL_S": "0.05", "HYBRIDKV_SGLANG_SETTLE_POLL_S": "0.001",
            "HYBRIDKV_SGLANG_PROGRESS_THREAD": "off", "HYBRIDKV_SGLANG_SECRET_FILE": "/run/secret",
            "HYBRIDKV_SGLANG_SECRET_ENV": "", "HYBRIDKV_SGLANG_HANDSHAKE_TIMEOUT_S": "2",
-           "HYBRIDKV_SGLANG_UNKNOWN": "x"}
+           "HYBRIDKV_SGLANG_MAX_SESSIONS": "3", "HYBRIDKV_SGLANG_UNKNOWN": "x"}
     c = SGLangConfig.from_server_args(None, environ=env)
     assert c == SGLangConfig(transfer_timeout_s=1.5, drain_timeout_s=9.0, min_lease_s=5.0, workers=4,
                              poll_interval_s=0.05, settle_poll_s=0.001, progress_thread=False,
-                             secret_file="/run/secret", handshake_timeout_s=2.0)
+                             secret_file="/run/secret", handshake_timeout_s=2.0, max_sessions=3)
     assert {f"HYBRIDKV_SGLANG_{f.name.upper()}" for f in dataclasses.fields(SGLangConfig)} == set(env) - {
         "HYBRIDKV_SGLANG_UNKNOWN"}
     assert c.drain_timeout(120.0) == 9.0 and c.lease_s(c.drain_timeout(None)) == 9.0
@@ -41,6 +41,7 @@ def test_every_key_is_read_from_its_variable():
     ("HYBRIDKV_SGLANG_TRANSFER_TIMEOUT_S", "0", "transfer_timeout_s = 0.0; expected a number > 0"),
     ("HYBRIDKV_SGLANG_WORKERS", "1.5", "HYBRIDKV_SGLANG_WORKERS='1.5'; expected an int"),
     ("HYBRIDKV_SGLANG_WORKERS", "0", "workers = 0; expected an int >= 1"),
+    ("HYBRIDKV_SGLANG_MAX_SESSIONS", "0", "max_sessions = 0; expected an int >= 1"),
     ("HYBRIDKV_SGLANG_PROGRESS_THREAD", "maybe", "HYBRIDKV_SGLANG_PROGRESS_THREAD='maybe'; expected one of"),
 ])
 def test_bad_values_are_refused_naming_the_variable(var, value, match):

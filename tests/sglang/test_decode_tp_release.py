@@ -11,7 +11,10 @@ Prefill TP 2 -> decode TP 2, each prefill rank writes its decode rank. Prefill
 rank 0 refuses its chunk (a source page outside its pool: nothing is posted),
 so decode rank 0 reports Failed; prefill rank 1's WRITE is held (faked: a NIXL
 handle that hangs, then refuses to abort, cannot be caused on one machine), so
-a write into decode rank 1's pages may still land."""
+a write into decode rank 1's pages may still land.
+
+The first test runs with a shared secret on every rank, as deployed (the ABORT,
+STUCK, DRAINED and statuses travel sealed); the second in lab mode (no secret)."""
 
 from __future__ import annotations
 
@@ -38,8 +41,9 @@ def ranks():
         r.close()
 
 
-def _setup(ranks):
+def _setup(ranks, secret: bool):
     p0, p1, d0, d1 = ranks
+    pd_peer.use_secret(ranks, secret)
     port = pd_peer.free_port()
     p0.call("setup", ("prefill", 2, 0, port, 7, True, 2))  # hosts the bootstrap server
     for r, args in ((p1, ("prefill", 2, 1, port, 7, False, 2)),
@@ -71,7 +75,7 @@ def _reached(aux, st):
 def test_decode_tp2_held_write_on_one_rank_keeps_pages_out_of_the_free_list_fake_nixl_handle(ranks):
     p0, p1, d0, d1 = ranks
     decode = (d0, d1)
-    addr = _setup(ranks)
+    addr = _setup(ranks, secret=True)
     room = 3001
     p1.call("patch", ("transfer_timeout_s", 1.0))
     p1.call("hold_writes")
@@ -134,6 +138,7 @@ def test_decode_tp2_held_write_on_one_rank_keeps_pages_out_of_the_free_list_fake
         assert st["requests"] == 0 and st["transfers"] == 0 and not st["fenced"] and not st["imports"]
     st = p1.call("stats", room)
     assert st["stuck"] == 0 and st["exporting"] is False and st["transfers"] == 0 and not st["fenced"]
+    pd_peer.check_auth([p0, p1], decode, secret=True)
 
 
 def test_decode_tp2_write_held_past_sglang_release_timeout_ends_in_hybridkv_first_fake_nixl_handle(ranks):
@@ -150,7 +155,7 @@ def test_decode_tp2_write_held_past_sglang_release_timeout_ends_in_hybridkv_firs
     for d in decode:
         d.call("setenv", {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(timeout)})
     try:
-        addr = _setup(ranks)
+        addr = _setup(ranks, secret=False)
         room = 3002
         p1.call("patch", ("transfer_timeout_s", 1.0))
         p1.call("hold_writes")

@@ -8,7 +8,8 @@ resolves it the way SGLang's DecodePreallocQueue does without a routed rank
 (/query_dp_ranks) before `init(prefill_dp_rank)` looks the rank up. A room may go
 from any prefill DP rank to any decode DP rank: the two prefill DP ranks hold
 different contents, so every field that lands is checked against the rank that
-should have sent it."""
+should have sent it. Every rank runs with a shared secret, as deployed: a decode
+rank proves it to each prefill DP rank it reads a room from."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def ranks():
 
 def _setup(ranks):
     p0, p1, d0, d1 = ranks
+    pd_peer.use_secret(ranks, True)
     port = pd_peer.free_port()
     # prefill TP rank 0 hosts the bootstrap server, as the prefill server's main process does
     info = {p0: p0.call("setup", ("prefill", 2, 0, port, SEEDS[0], True, 2, 2))}
@@ -104,6 +106,7 @@ def test_dp_attention_2_to_2_any_prefill_dp_rank_to_any_decode_dp_rank(ranks):
     for r in decode:
         s = r.call("stats")
         assert s["requests"] == 0 and s["transfers"] == 0 and not s["fenced"] and not s["imports"]
+    pd_peer.check_auth(prefill, decode, secret=True)
 
 
 def test_dp_attention_prefill_to_tp2_decode(ranks):
@@ -111,6 +114,7 @@ def test_dp_attention_prefill_to_tp2_decode(ranks):
     the decode: both decode ranks read the one prefill DP rank of the room (SGLang's
     required_dst_info_num = 2), each its KV head and its half of the GDN heads."""
     p0, p1, d0, d1 = ranks
+    pd_peer.use_secret(ranks, True)
     port = pd_peer.free_port()
     p0.call("setup", ("prefill", 2, 0, port, SEEDS[0], True, 2, 2))
     for r, args in ((p1, ("prefill", 2, 1, port, SEEDS[1], False, 2, 2)),
@@ -136,3 +140,4 @@ def test_dp_attention_prefill_to_tp2_decode(ranks):
         bad = [k for k in want if got[k] != want[k]]
         assert not bad, f"decode rank {rank}/2: {len(bad)} of {len(want)} fields differ, first {bad[:3]}"
     assert [r.call("stats")["peers"] for r in (p0, p1)] == [0, 2]
+    pd_peer.check_auth([p0, p1], [d0, d1], secret=True)

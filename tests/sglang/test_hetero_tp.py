@@ -6,7 +6,10 @@ the prefill ranks hold (tests/sglang/pools.py draws one global state and cuts
 it as SGLang shards it); every side reaches KVPoll.Success.
 
 The three processes are set up again for each topology (one SGLang import for
-all of them: they fork from a preloaded forkserver)."""
+all of them: they fork from a preloaded forkserver). Every topology runs with a
+shared secret on every rank, as deployed (each decode rank proves it to each
+prefill rank it reads, and a prefill rank writes one room to several proven
+decode ranks); decode TP above prefill TP also runs in lab mode (no secret)."""
 
 from __future__ import annotations
 
@@ -38,8 +41,9 @@ def ranks():
         r.close()
 
 
-def _setup(ranks, layout):
+def _setup(ranks, layout, secret: bool = True):
     """layout: per process (role, tp, rank, kv_heads); prefill rank 0 hosts the bootstrap server."""
+    pd_peer.use_secret(ranks, secret)
     port = pd_peer.free_port()
     host = next(i for i, (role, _, rank, _) in enumerate(layout) if role == "prefill" and rank == 0)
     order = [host] + [i for i in range(len(layout)) if i != host]
@@ -97,18 +101,22 @@ def test_prefill_tp2_to_decode_tp1(ranks):
     rows = [r.call("stats")["descriptors"] for r in (p0, p1)]
     assert rows == [KV_ROWS + STATE_ROWS + 1, KV_ROWS + STATE_ROWS]
     _check_clean(2001, [p0, p1], [d0])
+    pd_peer.check_auth([p0, p1], [d0], secret=True)
 
 
-def test_prefill_tp1_to_decode_tp2(ranks):
+@pytest.mark.parametrize("secret", [True, False], ids=["secret", "lab"])
+def test_prefill_tp1_to_decode_tp2(ranks, secret):
     """One prefill rank is read by two decode ranks (SGLang's required_dst_info_num):
-    each gets its KV head and its half of the GDN heads, and its own aux row."""
+    each gets its KV head and its half of the GDN heads, and its own aux row. With a
+    secret, the room is claimed by two proven sessions, each its own destination."""
     p0, d0, d1 = ranks
-    addr = _setup(ranks, [("prefill", 1, 0, 2), ("decode", 2, 0, 2), ("decode", 2, 1, 2)])
+    addr = _setup(ranks, [("prefill", 1, 0, 2), ("decode", 2, 0, 2), ("decode", 2, 1, 2)], secret)
     senders, receivers = _transfer(2002, addr, [p0], [d0, d1])
     assert all(s == (SUCCESS, None) for s in senders + receivers), (senders, receivers)
     _check_fields([d0, d1], 2)
     assert p0.call("stats")["descriptors"] == 2 * (KV_ROWS + STATE_ROWS + 1)
     _check_clean(2002, [p0], [d0, d1])
+    pd_peer.check_auth([p0], [d0, d1], secret)
 
 
 def test_incompatible_head_counts_are_refused_naming_them(ranks):
@@ -129,3 +137,4 @@ def test_incompatible_head_counts_are_refused_naming_them(ranks):
     status, reason = p0.call("wait", room)
     assert status == FAILED and "4 on the decode" in reason
     assert p0.call("stats")["handles"] == 0
+    pd_peer.check_auth([p0], [d0, d1], secret=True)  # the refusal reached proven decode ranks, sealed
