@@ -94,11 +94,13 @@ def main() -> int:
                                                            segments=3, form=triton_chunk.Form.SCORES)
             out[f"{len(lens)}seq/scores-pipelined/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
             # Segments at once from scanned start states (in the scores form: the fused form's chain is the
-            # same kernel and runs above; the scan is checked with the fused form at fp16 below).
-            o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
-                                                           config=(64, 4, 2), schedule=triton_chunk.Schedule.SCAN,
-                                                           segments=3, form=triton_chunk.Form.SCORES)
-            out[f"{len(lens)}seq/scores-scan/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
+            # same kernel and runs above; the scan is checked with the fused form at fp16 below). Once per
+            # sequence cut: l2norm lives in the inverse kernel, which the schedules above cover both ways.
+            if l2:
+                o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
+                                                               config=(64, 4, 2), schedule=triton_chunk.Schedule.SCAN,
+                                                               segments=3, form=triton_chunk.Form.SCORES)
+                out[f"{len(lens)}seq/scores-scan/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
             # The other inverse path: one value head per program, k whole, the product-form inverse.
             o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
                                                            config=(64, 4, 2), schedule=triton_chunk.Schedule.SERIAL,
