@@ -96,11 +96,16 @@ def main() -> int:
             # Segments at once from scanned start states (in the scores form: the fused form's chain is the
             # same kernel and runs above; the scan is checked with the fused form at fp16 below). Once per
             # sequence cut: l2norm lives in the inverse kernel, which the schedules above cover both ways.
+            # Slow decay here: with the gates above a segment's start state is ~gone two chunks later, so a
+            # scan that dropped M S (each segment started from the last one's B alone) matched to 1e-4.
             if l2:
-                o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
-                                                               config=(64, 4, 2), schedule=triton_chunk.Schedule.SCAN,
-                                                               segments=3, form=triton_chunk.Form.SCORES)
-                out[f"{len(lens)}seq/scores-scan/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
+                g_slow = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 7)
+                o_ref_s, s_ref_s = reference.chunk_reference(qq, kk, v, g_slow, beta, K**-0.5, h0, True, cu, l2)
+                o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g_slow, beta, K**-0.5, h0, True, cu, l2,
+                                                               False, config=(64, 4, 2),
+                                                               schedule=triton_chunk.Schedule.SCAN, segments=3,
+                                                               form=triton_chunk.Form.SCORES)
+                out[f"{len(lens)}seq/scores-scan/l2={l2}"] = [rel(o, o_ref_s), rel(s, s_ref_s)]
             # The other inverse path: one value head per program, k whole, the product-form inverse.
             o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
                                                            config=(64, 4, 2), schedule=triton_chunk.Schedule.SERIAL,
