@@ -105,7 +105,14 @@ class _Dial:
         # Both sides prove the secret before either sends its metadata (auth.py).
         nonce = auth.new_nonce()
         await ch.send(wire.Auth(nonce=nonce, proof=b""))
-        reply = await ch.recv()
+        try:
+            # Nothing the producer says before it proved the secret needs more than a pre-auth frame
+            # (its Auth or a Refuse): a longer one is refused before anything is allocated for it.
+            reply = await ch.recv(limit=wire.MAX_PREAUTH_BYTES)
+        except wire.WireError as exc:
+            await ch.close()
+            raise ProtocolViolation(f"{host}:{port} answered the handshake with {exc}, before proving the "
+                                    "shared secret") from None
         if isinstance(reply, wire.Auth):
             if len(reply.nonce) != wire.NONCE_BYTES:
                 await ch.close()

@@ -79,3 +79,57 @@ def test_tokens_are_random_and_travel_as_hex():
             auth.token_from_hex(bad)
     with pytest.raises(ValueError, match="expected 16 bytes"):
         auth.check_token(t[:8])
+
+
+_HOSTILE_PRODUCER = """
+import asyncio
+import numpy as np
+from hybridkv import wire
+from hybridkv.errors import ProtocolViolation
+from hybridkv.transport import control
+from hybridkv.transport.config import TransportConfig
+from hybridkv.transport.dial import _Dial
+
+
+class Dialler(_Dial):
+    config = TransportConfig(secret=b"s" * 32)
+
+
+async def main():
+    sent = []
+
+    async def hostile(ch):  # reads the consumer's Auth, answers with a frame of MAX_MESSAGE_BYTES
+        await ch.recv(limit=wire.MAX_PREAUTH_BYTES)
+        await ch._ep.send(np.array([wire.MAX_MESSAGE_BYTES], dtype="<u8"))
+        sent.append(asyncio.ensure_future(ch._ep.send(np.zeros(wire.MAX_MESSAGE_BYTES, dtype=np.uint8))))
+
+    listener = control.listen(hostile, port=0)
+    d = Dialler()
+    d._init_dial()
+    try:
+        await asyncio.wait_for(d._exchange_hellos("127.0.0.1", listener.port), 20)
+        print("RESULT accepted")
+    except ProtocolViolation as exc:
+        print("RESULT", type(exc).__name__, exc)
+    for s in sent:
+        s.cancel()
+    listener.close()
+
+asyncio.run(main())
+"""
+
+
+def test_a_producer_frame_over_the_preauth_limit_is_refused_before_allocation():
+    """A hostile producer answers the consumer's Auth with a frame of MAX_MESSAGE_BYTES before proving
+    anything: the consumer refuses it on the frame's header (ProtocolViolation naming the size), it does
+    not allocate and wait for the body."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", _HOSTILE_PRODUCER], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    result = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert result, done.stderr[-2000:]
+    assert result[0].startswith("RESULT ProtocolViolation"), result
+    assert f"expected 1..{wire.MAX_PREAUTH_BYTES}" in result[0] and "before proving" in result[0], result
