@@ -84,6 +84,31 @@ def _transcript(nd: bytes, np_: bytes, decode_ep: bytes, prefill_ep: bytes) -> t
     return (nd, np_, decode_ep, prefill_ep)
 
 
+def _read_handshake(frames: list[bytes], stats: AuthStats) -> Optional[msgs.Message]:
+    """A handshake message from a peer not yet proven, or None: dropped and counted (oversize ones never
+    unpacked)."""
+    if msgs.frames_size(frames) > wire.MAX_PREAUTH_BYTES:
+        stats.oversize += 1
+        return None
+    try:
+        return msgs.decode_auth(frames)
+    except ValueError as e:
+        stats.unproven += 1
+        logger.info("hybridkv: dropped a handshake message: %s", e)
+        return None
+
+
+def _open_in(session: Optional[Session], frames: list[bytes],
+             stats: AuthStats) -> Optional[tuple[Session, list[bytes]]]:
+    """(session, the frames it sealed), or None: no such session, or a MAC or sequence number that fails
+    (counted either way)."""
+    if session is None:
+        stats.unproven += 1
+        return None
+    inner = session.open(frames, stats)
+    return None if inner is None else (session, inner)
+
+
 class _Window:
     """Sequence numbers seen: each accepted once, none more than _WINDOW behind the highest."""
 
@@ -248,14 +273,8 @@ class PrefillGate:
         return stamp + mac[: wire.NONCE_BYTES - len(stamp)]
 
     def on_handshake(self, frames: list[bytes]) -> None:
-        if msgs.frames_size(frames) > wire.MAX_PREAUTH_BYTES:
-            self.stats.oversize += 1  # never unpacked
-            return
-        try:
-            m = msgs.decode_auth(frames)
-        except ValueError as e:
-            self.stats.unproven += 1
-            logger.info("hybridkv: dropped a handshake message: %s", e)
+        m = _read_handshake(frames, self.stats)
+        if m is None:
             return
         if isinstance(m, msgs.Hello):
             self._on_hello(m)
@@ -323,12 +342,7 @@ class PrefillGate:
     # ------------------------------------------------------------ sealed messages
     def open(self, frames: list[bytes]) -> Optional[tuple[Session, list[bytes]]]:
         sid = sealed_sid(frames)
-        s = self.by_sid.get(sid) if sid is not None else None
-        if s is None:
-            self.stats.unproven += 1
-            return None
-        inner = s.open(frames, self.stats)
-        return None if inner is None else (s, inner)
+        return _open_in(self.by_sid.get(sid) if sid is not None else None, frames, self.stats)
 
     def agent_owner(self, agent: str) -> Optional[Session]:
         return next((s for s in self.by_sid.values() if s.agent == agent), None)
@@ -378,14 +392,8 @@ class DecodeKeys:
         return p.session
 
     def on_handshake(self, frames: list[bytes]) -> None:
-        if msgs.frames_size(frames) > wire.MAX_PREAUTH_BYTES:
-            self.stats.oversize += 1
-            return
-        try:
-            m = msgs.decode_auth(frames)
-        except ValueError as e:
-            self.stats.unproven += 1
-            logger.info("hybridkv: dropped a handshake message: %s", e)
+        m = _read_handshake(frames, self.stats)
+        if m is None:
             return
         if isinstance(m, msgs.Refused):
             self.stats.refused += 1
@@ -436,11 +444,7 @@ class DecodeKeys:
         sid = sealed_sid(frames)
         with self._lock:
             s = self.by_sid.get(sid) if sid is not None else None
-        if s is None:
-            self.stats.unproven += 1
-            return None
-        inner = s.open(frames, self.stats)
-        return None if inner is None else (s, inner)
+        return _open_in(s, frames, self.stats)
 
 
 class AuthProbe:
@@ -470,13 +474,8 @@ class AuthProbe:
 
     def on_handshake(self, frames: list[bytes]) -> Optional[tuple[str, int]]:
         """The prefill rank (ip, port) that answered one of this rank's probes, or None (dropped: counted)."""
-        if msgs.frames_size(frames) > wire.MAX_PREAUTH_BYTES:
-            self.stats.oversize += 1
-            return None
-        try:
-            m = msgs.decode_auth(frames)
-        except ValueError:
-            self.stats.unproven += 1
+        m = _read_handshake(frames, self.stats)
+        if m is None:
             return None
         with self._lock:
             prefill = self._pending.pop(m.decode_nonce, None) if isinstance(m, msgs.Challenge) else None
