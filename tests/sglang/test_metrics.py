@@ -19,22 +19,6 @@ from tests.sglang import pd_peer
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def decode():
-    sa = pd_peer.configure("decode", port=pd_peer.free_port(), bootstrap_port=pd_peer.free_port())
-    pools = pd_peer.make_pools(None)
-    mgr = pd_peer.make_manager("decode", pools, sa)
-    yield mgr, pools
-    mgr.close()
-
-
-@pytest.fixture(scope="module")
-def prefill():
-    p, port = pd_peer.prefill_rank()
-    p.addr = f"127.0.0.1:{port}"
-    yield p
-    p.close()
-
 
 def value(samples: dict, name: str, **labels) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
