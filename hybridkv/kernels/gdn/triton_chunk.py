@@ -415,8 +415,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     strides = (1, K) if state_v_first else (V, 1)
     # Segments by chunk index within each sequence; NC bounds every sequence's chunk count. Between
     # segments the state waits in fp32 scratch, read and written in place by the program that owns it.
-    per = triton.cdiv(NC, 1 if schedule is Schedule.SCAN else segments)
-    bounds = [(j * per, min((j + 1) * per, NC)) for j in range(segments) if j * per < NC]  # the last ends at NC
+    # A scan's segments are its own (`_scan_call`): its parallel kernels run once over every chunk.
+    cuts = segments if schedule is Schedule.PIPELINED else 1
+    per = triton.cdiv(NC, cuts)
+    bounds = [(j * per, min((j + 1) * per, NC)) for j in range(cuts) if j * per < NC]  # the last ends at NC
     carry = q.new_empty((N, HV, K, V), dtype=torch.float32) if len(bounds) > 1 else None
     work_log2 = max(N * HV, 1).bit_length()
 
