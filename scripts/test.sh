@@ -21,6 +21,7 @@ setup_env() {  # $1: the environment's directory, $2: its set-up script; status:
     if ! bash "$script" > "$log" 2>&1; then
         echo "setting up $venv failed after $((SECONDS - t0)) s; the end of $log:"
         tail -40 "$log"
+        df -h "$ROOT" "${TMPDIR:-/tmp}" 2>/dev/null || true
         return 1
     fi
     after="$(cat "$venv/.hybridkv-stamp" 2>/dev/null)"
@@ -30,6 +31,17 @@ setup_env() {  # $1: the environment's directory, $2: its set-up script; status:
         echo "$venv: done in $((SECONDS - t0)) s"
     fi
 }
+
+# The three environments take ~8 GB and the suites write to TMPDIR; a full disk shows up later as a
+# failed pip install or an ENOSPC deep inside some test, so say so here, naming the numbers.
+free_gb() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 { printf "%d", $4 / 1048576 }'; }
+for where in "$ROOT" "${TMPDIR:-/tmp}"; do
+    free="$(free_gb "$where")"
+    if [[ -n "$free" && "$free" -lt "${HYBRIDKV_MIN_FREE_GB:-10}" ]]; then
+        echo "warning: only ${free} GB free on the disk of $where; building the test environments and running the"
+        echo "  suites needs about ${HYBRIDKV_MIN_FREE_GB:-10} GB (HYBRIDKV_MIN_FREE_GB); failures below may be ENOSPC"
+    fi
+done
 
 setup_env .venv scripts/setup.sh || exit 1
 ENGINES=()
