@@ -1,5 +1,5 @@
-"""Device probe for issue #8: the inverse kernel's launch variants (k columns per gram step, value heads per
-program) in serial calls on the bench's prefill shapes, with the per-kernel device time of each
+"""Device probe for issues #8 and #23: the inverse kernel's launch variants (k columns per gram step, value heads
+per program, value heads stacked) in serial calls on the bench's prefill shapes, with the per-kernel device time of each
 (torch.profiler), and every variant's error on the worst case. Earlier variants (warps, stages, the
 product form, precisions, a register cap, the substitution built as T): their numbers are in
 benchmarks/gdn/README.md, their code in git history.
@@ -23,11 +23,16 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 
 from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 
+# The shipped launch first, then the stacked kernel (a group's value heads side by side,
+# `triton_chunk_inverse_stacked`): at four warps each warp owns one head of a four-head group in the batched
+# GEMMs (offline sm_90: 255 registers, 24 B spilled, so two programs per SM); at two warps with groups of two the
+# same, in smaller programs; a register cap of 168 fits three four-warp programs per SM (392 B spilled).
 VARIANTS = (
     triton_chunk.INVERSE_CONFIG,
-    InverseConfig(method=0, bkc=32, merge_prec="tf32"),
-    InverseConfig(method=0, bkc=64, merge_prec="tf32", group=1),
-    InverseConfig(method=0, bkc=128, merge_prec="tf32"),
+    InverseConfig(method=0, bkc=64, merge_prec="tf32", stacked=True, warps=4),
+    InverseConfig(method=0, bkc=64, merge_prec="tf32", stacked=True, warps=2, group=2),
+    InverseConfig(method=0, bkc=64, merge_prec="tf32", stacked=True, warps=4, maxnreg=168),
+    InverseConfig(method=0, bkc=32, merge_prec="tf32", stacked=True, warps=4),
 )
 
 
@@ -54,7 +59,7 @@ def worst_case() -> list[dict]:
                                                        schedule=triton_chunk.Schedule.SERIAL, inverse=inv)
         err = (rel(o, o_ref), rel(s, s_ref))
         rows.append(dict(shape="worst case", inverse=repr(inv), err=max(err)))
-        print(f"worst case m{inv.method} {inv.prec}/{inv.merge_prec} g{inv.group} bkc{inv.bkc}: o {err[0]:.2e} "
+        print(f"worst case {'stacked ' if inv.stacked else ''}m{inv.method} {inv.prec}/{inv.merge_prec} g{inv.group} bkc{inv.bkc}: o {err[0]:.2e} "
               f"state {err[1]:.2e}", flush=True)
     return rows
 
@@ -83,7 +88,7 @@ def main() -> int:
             row = dict(shape=shape, inverse=repr(inv), call_us=b.call_us, inverse_us=kernel_us(b, "inverse"),
                        state_us=kernel_us(b, "state"), err=err)
             rows.append(row)
-            print(f"{shape:30} g{inv.group} bkc{inv.bkc} w{inv.warps} s{inv.stages} m{inv.method} {inv.prec:6} "
+            print(f"{shape:30} {'stacked ' if inv.stacked else ''}g{inv.group} bkc{inv.bkc} w{inv.warps} s{inv.stages} m{inv.method} {inv.prec:6} "
                   f"/{inv.merge_prec:6} reg{inv.maxnreg}: call {b.call_us:7.1f} us  "
                   f"inverse {row['inverse_us']:7.1f}  state {row['state_us']:7.1f}  err {err:.2e}", flush=True)
     if a.json:

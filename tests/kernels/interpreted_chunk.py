@@ -55,9 +55,43 @@ def rel(a, b) -> float:
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
+def inverse_outputs(kernel, group, q, k, g, beta, cu, l2):
+    """A, R, G of one launch of an inverse kernel over every chunk (serial: one segment)."""
+    _, T, H, K = q.shape
+    HV = g.shape[2]
+    cu, table, _, NC = triton_chunk._chunk_tables(cu, 1, T, q.device)
+    A = torch.full((NC, HV, 64, 64), float("nan"), dtype=torch.bfloat16)
+    R = torch.full((NC, HV, 8, 64), float("nan"))
+    G = torch.full((NC, HV), float("nan"))
+    kernel[(NC, HV // group)](q, k, g, beta, A, R, G, cu, table, 0, 0, NC, K**-0.5, H, HV, K=K, BK=K, BKC=64,
+                              GROUP=group, L2NORM=l2, METHOD=0, PREC="tf32x3", MPREC="tf32", SEGMENTED=False)
+    return A, R, G
+
+
+def stacked_inverse() -> dict:
+    """The stacked inverse kernel (a group's value heads side by side) against the shipped one, output by
+    output: two key heads of four value heads each (a group each), two sequences, the first with a partial
+    last chunk. The shipped kernel is the one the reference checks above vouch for."""
+    from hybridkv.kernels.gdn.triton_chunk_inverse import _chunk_inverse_kernel
+    from hybridkv.kernels.gdn.triton_chunk_inverse_stacked import _chunk_inverse_stacked_kernel
+
+    lens, H, HV, K = [100, 30], 2, 8, 128
+    T = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    q, k = ((torch.randn(1, T, H, K) * 4 ** (2 * torch.rand(1, T, H, 1) - 1)).bfloat16() for _ in range(2))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 3)
+    beta = torch.rand(1, T, HV)
+    want = inverse_outputs(_chunk_inverse_kernel, 4, q, k, g, beta, cu, True)
+    got = inverse_outputs(_chunk_inverse_stacked_kernel, 4, q, k, g, beta, cu, True)
+    # NaN in both: rows past the last chunk, which neither kernel writes.
+    diff = max((a.float() - b.float()).abs().nan_to_num(0.0).max().item() if a.isnan().equal(b.isnan())
+               else float("inf") for a, b in zip(got, want))
+    return {"inverse-stacked/g4": [diff, diff]}
+
+
 def main() -> int:
     torch.manual_seed(0)
-    out = {}
+    out = stacked_inverse()
     # Three sequences (7 chunks, exactly one, a partial one) in three segments: the short ones hand
     # their state through the later segments; and one sequence alone (5 chunks), whose segments are row
     # ranges. Sized for CI's time (the interpreter runs every program in turn): each segment still holds

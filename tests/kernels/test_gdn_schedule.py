@@ -146,6 +146,16 @@ def test_inverse_groups_value_heads_of_one_key_head(group, H, HV, want):
     assert got == want and (HV // H) % got == 0
 
 
+@pytest.mark.parametrize(("H", "HV", "want"), [(16, 64, 4), (16, 48, 1), (16, 96, 2), (2, 10, 1)])
+def test_a_stacked_inverse_group_is_a_power_of_two(H, HV, want):
+    """The stacked kernel indexes its heads with tl.arange, so its group is the largest power-of-two divisor
+    of HV / H up to the configured one: 27B's three value heads per key head go one by one, six go two by two."""
+    from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
+
+    got = InverseConfig(group=4, stacked=True).group_for(H, HV)
+    assert got == want and (HV // H) % got == 0 and got & (got - 1) == 0
+
+
 @pytest.mark.parametrize("bad", [dict(group=0), dict(bkc=48), dict(warps=3), dict(stages=0), dict(method=2),
                                  dict(prec="fp16"), dict(merge_prec="bf16")])
 def test_a_bad_inverse_config_is_refused_with_its_values(bad):

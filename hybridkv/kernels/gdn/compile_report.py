@@ -41,6 +41,7 @@ class Launch:
     num_warps: int
     num_stages: int = 3  # Triton's default on NVIDIA
     constants: Mapping[str, object] = field(default_factory=dict)
+    maxnreg: int | None = None  # ptxas's register cap, as the host code passes it (None: no cap)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -297,7 +298,8 @@ def compile_one(spec: KernelSpec, launch: Launch, arch: Arch) -> Report:
     src = ASTSource(fn=fn, signature=full, constexprs={(index[a],): v for a, v in constants.items()},
                     attrs={(index[a],): [["tt.divisibility", 16]] for a in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", int(arch), 32),
-                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages,
+                                       **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg})})
     ptx = compiled.asm["ptx"]
     registers, spill = _resource_usage(compiled.asm["cubin"])
     counts = {kind: len(re.findall(pattern, ptx)) for kind, pattern in _MMA.items()}

@@ -54,6 +54,7 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import (
     _chunk_inverse_kernel,
     _chunk_scores_kernel,
 )
+from hybridkv.kernels.gdn.triton_chunk_inverse_stacked import _chunk_inverse_stacked_kernel
 from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program, _initial_state, _scores
 from hybridkv.kernels.gdn.triton_chunk_wu import _chunk_chain_kernel, _chunk_wu_kernel
 
@@ -428,7 +429,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     def run_inverse(c_lo, c_hi):
         # One sequence: its segment is a run of table rows; several: every row, the others return.
         row0, rows = (c_lo, c_hi - c_lo) if N == 1 else (0, NC)
-        _chunk_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi,
+        kernel = _chunk_inverse_stacked_kernel if inverse.stacked else _chunk_inverse_kernel
+        kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi,
                                                    scale, H, HV, K=K, BK=BK, BKC=bkc, GROUP=group,
                                                    L2NORM=use_qk_l2norm_in_kernel, METHOD=inverse.method,
                                                    PREC=inverse.prec, MPREC=inverse.merge_prec,

@@ -52,6 +52,9 @@ class InverseConfig:
     prec: str = "tf32x3"
     merge_prec: str = "tf32x3"
     maxnreg: int | None = None  # a register cap for ptxas (more programs per SM, maybe spills)
+    # The group's value heads side by side in one program (`triton_chunk_inverse_stacked`) rather than
+    # one after another: GROUP times the independent work per dependent step; the group is a power of two.
+    stacked: bool = False
 
     def __post_init__(self) -> None:
         if self.group < 1 or self.bkc not in (16, 32, 64, 128) or self.warps not in (1, 2, 4, 8) or self.stages < 1:
@@ -62,9 +65,10 @@ class InverseConfig:
             raise ValueError(f"bad inverse config {self}: method 0 or 1, prec and merge_prec ieee/tf32x3/tf32")
 
     def group_for(self, H: int, HV: int) -> int:
-        """The largest divisor of HV / H that is at most ``group``."""
+        """The largest divisor of HV / H that is at most ``group`` (stacked: a power of two, for tl.arange)."""
         per = HV // H
-        return max(d for d in range(1, min(self.group, per) + 1) if per % d == 0)
+        return max(d for d in range(1, min(self.group, per) + 1)
+                   if per % d == 0 and (not self.stacked or d & (d - 1) == 0))
 
 
 # The shipped launch: fp32 forward substitution on the diagonal blocks and tf32 below (FLA's numerics),
