@@ -1,6 +1,8 @@
-"""Device probe for issue #23: the scan schedule (`triton_chunk_scan`) against the pipelined one on
-one long sequence with few value heads (TP-sharded), every variant's error against the fp32 reference,
-and where a call's time goes (per-kernel device time, torch.profiler).
+"""Device probe for issue #23: the scan schedule (`triton_chunk_scan`) as planned, with its summaries
+overlapping the inverse segment by segment, against the same plan with the whole inverse first and
+against the pipelined schedule, on one long sequence with few value heads (TP-sharded); every variant's
+error against the fp32 reference, and where a call's time goes (per-kernel device time, torch.profiler).
+The variants measured before (segment counts, state and summary configs): benchmarks/gdn/README.md.
 
     python -m benchmarks.gdn.scan_probe [--iters 10] [--json PATH] [--shapes TP8]
 
@@ -10,14 +12,18 @@ one call queued behind a spin, so the host's launch cost is hidden (and printed 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from benchmarks.gdn.schedules import probe_args, rel
 from hybridkv.kernels.gdn import bench, breakdown, reference, triton_chunk, triton_chunk_scan
+from hybridkv.kernels.gdn.triton_chunk_inverse import INVERSE_CONFIG, InverseConfig
 
 # (label, H, HV, T): Qwen3.5-397B (H=16, HV=64) and 35B (16, 32) sharded by TP, dk = dv = 128.
 SHAPES = (
@@ -43,18 +49,34 @@ def inputs(H: int, HV: int, T: int, seed: int = 0):
     return q, k, v, g, beta, cu
 
 
-def variants(HV: int, T: int):
-    """(name, schedule, form, config, segments, summary config) to time; None: the plan's."""
-    out = [("auto", None, None, None, None, None),
-           ("pipelined scores (32,4,3) x2", PIPELINED, SCORES, (32, 4, 3), 2, None)]
-    for seg in (2, 4, 8, 16):
-        out.append((f"scan scores (32,4,3) x{seg}", SCAN, SCORES, (32, 4, 3), seg, None))
-    out += [("scan fused (32,4,3) x4", SCAN, FUSED, (32, 4, 3), 4, None),
-            ("scan scores (64,4,3) x4", SCAN, SCORES, (64, 4, 3), 4, None),
-            ("scan scores (64,4,3) x8", SCAN, SCORES, (64, 4, 3), 8, None),
-            ("scan scores (32,4,2) x4", SCAN, SCORES, (32, 4, 2), 4, None),
-            ("scan scores (32,4,3) x4, summary (32,4,3)", SCAN, SCORES, (32, 4, 3), 4, (32, 4, 3)),
-            ("scan scores (32,4,3) x4, summary (64,4,2)", SCAN, SCORES, (32, 4, 3), 4, (64, 4, 2))]
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """One way to run a shape; None: the plan's (or the shipped module setting)."""
+
+    name: str
+    schedule: triton_chunk.Schedule | None = None
+    form: triton_chunk.Form | None = None
+    config: tuple[int, int, int] | None = None
+    segments: int | None = None
+    summary: tuple[int, int, int] | None = None  # triton_chunk_scan.SUMMARY_CONFIG
+    by_segment: bool = True  # triton_chunk_scan.BY_SEGMENT
+    inverse: InverseConfig = INVERSE_CONFIG
+
+
+def variants(plan: triton_chunk.Plan, segments: int) -> list[Variant]:
+    """The plan (the inverse by segment, its summaries overlapped on the side stream), the plan with the whole
+    inverse first (the schedule measured before, 0.199 ms at 397B TP8 1x8192), the pipelined schedule it
+    replaced, and two changes to the plan: three-stage summaries (0.190 at 397B TP8 before the overlap) and
+    the stacked inverse kernel."""
+    fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
+    out = [Variant(name="plan"),
+           Variant(name="pipelined scores (32,4,3) x2", schedule=PIPELINED, form=SCORES, config=(32, 4, 3),
+                   segments=2)]
+    if plan.schedule is SCAN:
+        out += [Variant(name="plan, whole inverse first", by_segment=False, **fixed),
+                Variant(name="plan, summary (32,4,3)", summary=(32, 4, 3), **fixed),
+                Variant(name="plan, stacked inverse w4", inverse=dataclasses.replace(INVERSE_CONFIG, stacked=True,
+                                                                                     warps=4), **fixed)]
     return out
 
 
@@ -71,35 +93,33 @@ def main() -> int:
         sms = triton_chunk._sm_count(q.device.index)
         plan = triton_chunk._plan(1, HV, 128, 128, sms, T // 64)
         print(f"{label}: plan {plan.form.value} {plan.schedule.value} {plan.config}", flush=True)
-        best = None
-        for name, sched, form, cfg, seg, summary in variants(HV, T):
-            triton_chunk_scan.SUMMARY_CONFIG = summary or shipped_summary
-
-            def call():
+        segments = triton_chunk._scan_segments(triton.cdiv(128, (plan.config or (32,))[0]) * HV, sms, T // 64)
+        calls = {}
+        for var in variants(plan, segments):
+            def call(var=var):
+                triton_chunk_scan.SUMMARY_CONFIG = var.summary or shipped_summary
+                triton_chunk_scan.BY_SEGMENT = var.by_segment
                 return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
-                                                               False, config=cfg, schedule=sched, segments=seg,
-                                                               form=form)
+                                                               False, config=var.config, schedule=var.schedule,
+                                                               segments=var.segments, form=var.form,
+                                                               inverse=var.inverse)
             try:
                 o, s = call()
                 ms, host = bench._timed(call, a.iters)
             except Exception as exc:  # a variant that does not compile or launch is a finding, not an abort
-                print(f"{label:22} {name:44} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                print(f"{label:22} {var.name:44} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 continue
             err = (rel(o, o_ref), rel(s, s_ref))
-            row = dict(shape=label, variant=name, ms=ms, host_ms=host, o_err=err[0], s_err=err[1])
-            rows.append(row)
-            print(f"{label:22} {name:44} {ms:7.3f} ms  host {host:.3f}  err o {err[0]:.1e} s {err[1]:.1e}",
+            rows.append(dict(shape=label, variant=var.name, ms=ms, host_ms=host, o_err=err[0], s_err=err[1]))
+            print(f"{label:22} {var.name:44} {ms:7.3f} ms  host {host:.3f}  err o {err[0]:.1e} s {err[1]:.1e}",
                   flush=True)
-            if sched is SCAN and (best is None or ms < best[0]):
-                best = (ms, name, call, summary)
-        for name, fn, summary in (("auto", lambda: triton_chunk.chunk_gated_delta_rule_fwd(
-                q, k, v, g, beta, 128**-0.5, None, True, cu, True, False), None),
-                                  *(((f"best scan: {best[1]}", best[2], best[3]),) if best else ())):
-            triton_chunk_scan.SUMMARY_CONFIG = summary or shipped_summary
-            b = breakdown.measure(name, fn, a.iters, bench._median_ms)
-            print(breakdown.render(label, [b]), flush=True)
-            rows.append(dict(shape=label, breakdown=name, call_us=b.call_us, kernels=list(b.kernels)))
-        triton_chunk_scan.SUMMARY_CONFIG = shipped_summary
+            calls[var.name] = call
+        for name in ("plan", "plan, whole inverse first"):
+            if name in calls:
+                b = breakdown.measure(name, calls[name], a.iters, bench._median_ms)
+                print(breakdown.render(label, [b]), flush=True)
+                rows.append(dict(shape=label, breakdown=name, call_us=b.call_us, kernels=list(b.kernels)))
+        triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = shipped_summary, True
         del q, k, v, g, beta, o_ref, s_ref
         torch.cuda.empty_cache()
     if a.json:

@@ -154,7 +154,8 @@ def _specs() -> list[KernelSpec]:
         KernelSpec(
             name="scan_summary", module=scan, attr="_segment_summary_kernel",
             signature={"k": "*bf16", "v": "*bf16", "A": "*bf16", "R": "*fp32", "G": "*fp32", "summary": "*fp32",
-                       "cu_seqlens": "*i32", "chunk_offsets": "*i32", "seg_chunks": "i32", "H": "i32", "HV": "i32"},
+                       "cu_seqlens": "*i32", "chunk_offsets": "*i32", "seg_chunks": "i32", "seg0": "i32", "H": "i32",
+                       "HV": "i32"},
             constants={"K": D, "V": D, "BK": D},
             aligned=("H", "HV"),
             launches=tuple(Launch(label=f"BV={bv}", num_warps=w, num_stages=st, constants={"BV": bv})

@@ -36,6 +36,7 @@ Measurements behind these choices, with the commands that made them: benchmarks/
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 from dataclasses import dataclass
@@ -323,10 +324,12 @@ def _scan_segments(programs: int, sms: int, chunks: int) -> int:
     return max(2, min(sms // max(programs, 1), chunks // SCAN_MIN_SEGMENT_CHUNKS, SCAN_MAX_SEGMENTS))
 
 
-def _scan_call(k, v, A, P, R, G, q, o, h0, final, strides, cu, chunk_offsets, NC, N, H, HV, K, V, BK, segments,
-               config, scores_in, work_log2):
-    """Steps 1-3 of `triton_chunk_scan` after the inverse (and scores): summaries, the scan, the output
-    chain over every segment at once."""
+def _scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strides, cu, chunk_offsets, NC, N, H, HV,
+               K, V, BK, segments, config, scores_in, work_log2, by_segment):
+    """`triton_chunk_scan`'s schedule: the parallel kernels (``run_inverse(c_lo, c_hi, segmented)`` and
+    ``run_scores``, the launches of `chunk_gated_delta_rule_fwd`), the summaries, the scan, the output chain
+    over every segment at once. ``by_segment`` (one sequence): the inverse segment by segment, each segment's
+    summary (on a GPU: on the side stream) as soon as its inverse is done (`triton_chunk_scan`'s docstring)."""
     from hybridkv.kernels.gdn import triton_chunk_scan as scan
 
     seg_chunks = triton.cdiv(NC, segments)  # NC bounds every sequence's chunk count
@@ -335,13 +338,42 @@ def _scan_call(k, v, A, P, R, G, q, o, h0, final, strides, cu, chunk_offsets, NC
     n_vb, n_mb = triton.cdiv(V, sbv), triton.cdiv(BK, sbv)
     W = (n_vb + n_mb) * sbv
     starts = q.new_empty((segments, NH, K, V), dtype=torch.float32)
-    if segments > 1:
-        summary = q.new_empty((segments - 1, NH, BK, W), dtype=torch.float32)
-        scan._segment_summary_kernel[(n_vb + n_mb, NH, segments - 1)](
-            k, v, A, R, G, summary, cu, chunk_offsets, seg_chunks, H, HV, K=K, V=V, BK=BK, BV=sbv,
+    # Never read with one segment: no segment follows the first.
+    summary = q.new_empty((segments - 1, NH, BK, W), dtype=torch.float32) if segments > 1 else starts
+
+    def summarize(seg0, count):
+        scan._segment_summary_kernel[(n_vb + n_mb, NH, count)](
+            k, v, A, R, G, summary, cu, chunk_offsets, seg_chunks, seg0, H, HV, K=K, V=V, BK=BK, BV=sbv,
             num_warps=swarps, num_stages=sstages)
+
+    if by_segment and scan.BY_SEGMENT and segments > 1:
+        # One sequence: table row i is chunk i, so a segment's inverse is a run of rows. On a GPU, segment j's
+        # summary waits for segment j's inverse only; the caller's stream waits for every summary before the
+        # scan, so every tensor made here is reused only after the side stream is done with it. (Elsewhere
+        # the same launches run in order on one device, which is how CI's interpreter checks them.)
+        gpu = q.device.type == "cuda"
+        cur = torch.cuda.current_stream(q.device) if gpu else None
+        side = _side_stream(q.device.index) if gpu else None
+        for j in range(segments):
+            lo, hi = j * seg_chunks, min((j + 1) * seg_chunks, NC)
+            if lo < hi:
+                run_inverse(lo, hi, True)
+            if j < segments - 1:
+                if gpu:
+                    done = torch.cuda.Event()
+                    done.record(cur)
+                with torch.cuda.stream(side) if gpu else contextlib.nullcontext():
+                    if gpu:
+                        side.wait_event(done)
+                    summarize(j, 1)
+        run_scores(0, NC, False)
+        if gpu:
+            cur.wait_stream(side)
     else:
-        summary = starts  # never read: no segment follows the first
+        run_inverse(0, NC, False)
+        run_scores(0, NC, False)
+        if segments > 1:
+            summarize(0, segments - 1)
     scan._segment_scan_kernel[(triton.cdiv(V, scan.SCAN_BV), NH)](
         summary, h0, starts, *strides, segments, NH, W, n_vb * sbv, K=K, V=V, BK=BK, BV=scan.SCAN_BV,
         SLAB=min(scan.SCAN_SLAB, BK), HAS_H_IN=h0 is not None, num_warps=4, num_stages=1)
@@ -426,27 +458,31 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     group = inverse.group_for(H, HV)
     bkc = min(inverse.bkc, BK)
 
-    def run_inverse(c_lo, c_hi):
+    def run_inverse(c_lo, c_hi, segmented):
         # One sequence: its segment is a run of table rows; several: every row, the others return.
         row0, rows = (c_lo, c_hi - c_lo) if N == 1 else (0, NC)
         kernel = _chunk_inverse_stacked_kernel if inverse.stacked else _chunk_inverse_kernel
-        kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi,
-                                                   scale, H, HV, K=K, BK=BK, BKC=bkc, GROUP=group,
-                                                   L2NORM=use_qk_l2norm_in_kernel, METHOD=inverse.method,
-                                                   PREC=inverse.prec, MPREC=inverse.merge_prec,
-                                                   SEGMENTED=len(bounds) > 1,
-                                                   num_warps=inverse.warps, num_stages=inverse.stages,
-                                                   **({} if inverse.maxnreg is None else
-                                                      {"maxnreg": inverse.maxnreg}))
+        kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi, scale, H, HV, K=K,
+                                    BK=BK, BKC=bkc, GROUP=group, L2NORM=use_qk_l2norm_in_kernel,
+                                    METHOD=inverse.method, PREC=inverse.prec, MPREC=inverse.merge_prec,
+                                    SEGMENTED=segmented, num_warps=inverse.warps, num_stages=inverse.stages,
+                                    **({} if inverse.maxnreg is None else {"maxnreg": inverse.maxnreg}))
+
+    def run_scores(c_lo, c_hi, segmented):  # the scores (Form.SCORES) or W/U (Form.SPLIT) after the inverse
+        row0, rows = (c_lo, c_hi - c_lo) if N == 1 else (0, NC)
         if form is Form.SCORES:
             _chunk_scores_kernel[(rows, HV // group)](q, k, R, P, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K,
-                                                      BK=BK, GROUP=group, SEGMENTED=len(bounds) > 1,
+                                                      BK=BK, GROUP=group, SEGMENTED=segmented,
                                                       num_warps=SCORES_WARPS, num_stages=1)
         if form is Form.SPLIT:
             bc = max(16, min(WU_COLUMNS, BK, triton.next_power_of_2(V)))  # tl.dot needs 16 columns
             grid = (rows, HV, 2 * triton.cdiv(max(K, V), bc))
             _chunk_wu_kernel[grid](q, k, v, A, R, WQ, UU, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K, V=V, BK=BK,
-                                   BC=bc, SEGMENTED=len(bounds) > 1, num_warps=4, num_stages=1)
+                                   BC=bc, SEGMENTED=segmented, num_warps=4, num_stages=1)
+
+    def run_parallel(c_lo, c_hi):
+        run_inverse(c_lo, c_hi, len(bounds) > 1)
+        run_scores(c_lo, c_hi, len(bounds) > 1)
 
     def state(j, c_lo, c_hi):
         first, last = j == 0, j == len(bounds) - 1
@@ -467,13 +503,12 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             fixed[(triton.cdiv(V, bv), N * HV)](*args, **kw, BV=bv, num_warps=warps, num_stages=stages)
 
     if schedule is Schedule.SCAN:
-        run_inverse(0, NC)
-        _scan_call(k, v, A, P, R, G, q, o, h0, final, strides, cu, chunk_offsets, NC, N, H, HV, K, V, BK,
-                   segments, config, form is Form.SCORES, work_log2)
+        _scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strides, cu, chunk_offsets, NC, N,
+                   H, HV, K, V, BK, segments, config, form is Form.SCORES, work_log2, N == 1)
         return o, final
     if len(bounds) == 1 or not on_gpu:
         for lo, hi in bounds:
-            run_inverse(lo, hi)
+            run_parallel(lo, hi)
         for j, (lo, hi) in enumerate(bounds):
             state(j, lo, hi)
         return o, final
@@ -484,7 +519,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     side = _side_stream(q.device.index)
     ready = []
     for lo, hi in bounds:
-        run_inverse(lo, hi)
+        run_parallel(lo, hi)
         ready.append(torch.cuda.Event())
         ready[-1].record(cur)
     with torch.cuda.stream(side):

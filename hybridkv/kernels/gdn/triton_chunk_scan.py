@@ -21,6 +21,11 @@ segments except one short scan:
 3. The state kernel (`triton_chunk._chunk_state_kernel` with SCAN) runs every segment at once from its
    start state, writing o, and the last segment the final state.
 
+On a GPU, one sequence: the inverse runs segment by segment on the caller's stream and each summary on a
+side stream as soon as its segment's inverse is done, so the summaries (a chain a segment long, a few dozen
+programs) fill the SMs the inverse leaves idle instead of waiting for the whole inverse; the scan waits for
+both. Ordered by events only, like `triton_chunk.Schedule.PIPELINED`, so correct however the GPU runs them.
+
 The chain work about doubles (the summary's 3 GEMMs on V + K columns beside the output chain's 5 or 6 on
 V), traded for a chain that is a segment long. `triton_chunk._plan` picks it only where the output
 chain's programs leave most SMs idle.
@@ -37,20 +42,25 @@ from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program
 # Summary programs: BV columns of the augmented state each, four warps, two stages (as the batched state
 # kernel). The scan kernel: SCAN_BV state columns, k rows in slabs of SCAN_SLAB.
 SUMMARY_CONFIG = (32, 4, 2)
+# One sequence: the inverse segment by segment with each summary as soon as its segment's is done (the
+# module docstring); False: the whole inverse, then every summary in one launch. A switch for
+# benchmarks/gdn/scan_probe.py, which measures the two side by side.
+BY_SEGMENT = True
 SCAN_BV = 32
 SCAN_SLAB = 32
 
 
 @triton.jit
-def _segment_summary_kernel(k, v, A, R, G, summary, cu_seqlens, chunk_offsets, seg_chunks, H, HV,
+def _segment_summary_kernel(k, v, A, R, G, summary, cu_seqlens, chunk_offsets, seg_chunks, seg0, H, HV,
                             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """(B_seg | M_seg) of one (segment, sequence x value head, column block): grid
-    (cdiv(V, BV) + cdiv(BK, BV), N * HV, segments - 1). Column blocks below cdiv(V, BV) are B's, from
+    (cdiv(V, BV) + cdiv(BK, BV), N * HV, segments) for the segments seg0, seg0 + 1, .. (a launch may take
+    them all, or one as soon as its inverse is done). Column blocks below cdiv(V, BV) are B's, from
     zeros with the values; the rest M's, from the identity without values. Writes summary
     `[segments - 1, N * HV, BK, W]` fp32, W = (cdiv(V, BV) + cdiv(BK, BV)) * BV: B in the first
     cdiv(V, BV) * BV columns, M after them."""
     i_v, i_nh, i_hv, i_h, T, bos, c_first = _chain_program(cu_seqlens, chunk_offsets, H, HV)
-    i_seg = tl.program_id(2)
+    i_seg = seg0 + tl.program_id(2)
     dt = k.dtype.element_ty
     n_vb = tl.cdiv(V, BV)
     is_m = i_v >= n_vb
