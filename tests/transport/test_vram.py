@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from hybridkv.transport import bench, ucx_log
+from hybridkv.transport import bench, bench_posting, bench_sides, ucx_log
 from tests.transport.harness import consumer, producer
 
 REQUESTS = [("v-long", 300, False), ("v-short", 20, False), ("v-mid", 100, True)]
@@ -68,9 +68,9 @@ def _bench_args(*argv: str) -> argparse.Namespace:
 
 
 def test_bench_devices_parse():
-    assert bench.parse_devices(None, "dram") == (0, 0)
-    assert bench.parse_devices("0,1", "vram") == (0, 1)
-    assert bench.parse_devices("1", "vram") == (1, 1)
+    assert bench_sides.parse_devices(None, "dram") == (0, 0)
+    assert bench_sides.parse_devices("0,1", "vram") == (0, 1)
+    assert bench_sides.parse_devices("1", "vram") == (1, 1)
 
 
 @pytest.mark.parametrize("text, mem, named", [
@@ -160,11 +160,11 @@ def test_an_emulated_write_table_does_not_flag_the_read_data_path():
 
 
 def test_raw_splits_parse_and_cover_the_span_exactly():
-    assert bench.parse_splits("8,2") == (1, 8, 2)
-    assert bench.parse_splits("1") == (1,)
+    assert bench_posting.parse_splits("8,2") == (1, 8, 2)
+    assert bench_posting.parse_splits("1") == (1,)
     for bad in ("0", "x", "", "2,-1", "5000"):
         with pytest.raises(ValueError, match="--raw-splits"):
-            bench.parse_splits(bad)
-    rows = bench._span_rows(1000, 1003, 3, 4)
+            bench_posting.parse_splits(bad)
+    rows = bench_posting._span_rows(1000, 1003, 3, 4)
     assert rows[:, 1].sum() == 1003 and rows[0, 0] == 1000 and (rows[:, 2] == 3).all()
     assert all(rows[i, 0] + rows[i, 1] == rows[i + 1, 0] for i in range(3))
