@@ -66,7 +66,7 @@ bench() {
     while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
     shift
     STEP_OUT="$WORK/$name.out" step "bench-$name" "$max" 15 env ${envs[@]+"${envs[@]}"} "$PY" \
-        -m hybridkv.transport.bench --json --iters 5 --proto-log "$OUT/ucx_$name.log" \
+        -m hybridkv.cli bench transfer --json --iters 5 --proto-log "$OUT/ucx_$name.log" \
         --raw-splits "${RAW_SPLITS:-2,4,8,32}" "$@"
     grep -v '^{' "$WORK/$name.out" | tail -n 25
     grep '^{' "$WORK/$name.out" | tail -n 1

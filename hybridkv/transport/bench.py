@@ -1,15 +1,16 @@
-"""`hybridkv bench transfer`: one request between two processes over NIXL (UCX), three ways.
+"""`hybridkv bench transfer`: one request between two processes over NIXL (UCX), four ways.
 
 Same run, same bytes, same agents and connection:
 (a) hybridkv: the Producer/Consumer path (fenced scheduler, the planner's
     int32 index pairs on prepped strided lists, merged by NIXL), timed from
     make+post to DONE;
-(b) raw NIXL, one descriptor over a registered span of the same size (the ceiling),
+(b) raw NIXL, one descriptor over a registered span of the same size (NIXL's own ceiling),
     timed like (a) from make+post to DONE, busy-polling;
 (c) the descriptor list the vLLM 0.33 scheme would issue for the request: one
     per attention layer per block (K and V packed) plus conv and SSM per GDN
-    layer, ids layer-major. Over hybridkv's block-major memory these never
-    merge, so NIXL posts what the scheme issues; in vLLM's own layer-major
+    layer, ids layer-major. Over hybridkv's block-major memory they merge only where
+    one attention layer's blocks are adjacent (a model of a single attention layer),
+    so NIXL mostly posts what the scheme issues; in vLLM's own layer-major
     memory, runs of consecutive block ids of one layer could merge.
 (d) the physical ceiling: a plain copy of the same bytes in the same run (torch
     ``copy_`` from the producer's GPU to the consumer's, timed with CUDA events;
@@ -22,7 +23,8 @@ cuda:C (each process sets its own device); ``--proto-log PATH`` turns on UCX's
 protocol tables (UCX_PROTO_INFO=y) in both processes, keeps their console in
 PATH and summarises which transports carried NIXL's reads (``transports``).
 
-Here: the command (its options, their checks, the two processes started, the report printed).
+Here: the command (its options, their checks, the two processes started, the report printed); run it as
+`hybridkv bench transfer` (or `python -m hybridkv.cli bench transfer`), which gives it the planner.
 Each side's memory and the producer process are in :mod:`hybridkv.transport.bench_sides`; the
 consumer's timed rounds in :mod:`hybridkv.transport.bench_measure`; the lists (b) and (c), how one
 is posted and timed and the posting-cost fit in :mod:`hybridkv.transport.bench_posting`; (d) in
@@ -179,10 +181,3 @@ def _print(rep: dict) -> None:
         print(f"  UCX transports on NIXL's data path: {', '.join(t['tls']) or 'none seen'}")
         for line in t["data_path"]:
             print(f"    {line}")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser(prog="python -m hybridkv.transport.bench")
-    register(p)
-    a = p.parse_args()
-    sys.exit(a.handler(a))
