@@ -89,62 +89,63 @@ def stacked_inverse() -> dict:
     return {"inverse-stacked/g4": [diff, diff]}
 
 
-def main() -> int:
-    torch.manual_seed(0)
-    out = stacked_inverse()
-    # Three sequences (7 chunks, exactly one, a partial one) in three segments: the short ones hand
-    # their state through the later segments; and one sequence alone (5 chunks), whose segments are row
-    # ranges. Sized for CI's time (the interpreter runs every program in turn): each segment still holds
-    # several chunks, so state is carried inside a segment and handed across segments.
-    for lens in ([400, 64, 30], [300]):
-        H, HV, K = 1, 2, 128
-        T = sum(lens)
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-        q = torch.randn(1, T, H, K).bfloat16()
-        k = torch.randn(1, T, H, K).bfloat16()
-        v = torch.randn(1, T, HV, K).bfloat16()
-        g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 3)
-        beta = torch.rand(1, T, HV)
-        h0 = torch.randn(len(lens), HV, K, K) * 0.1
-        for l2 in (True, False):
-            # l2norm on: queries and keys of unequal norms (0.25-4x), so a row's norm used for another's
-            # shows; off: unnormalised keys kept small for a stable recurrence.
-            spread = lambda x: (x.float() * 4 ** (2 * torch.rand(1, T, H, 1) - 1)).bfloat16()  # noqa: E731
-            qq = spread(q) if l2 else q
-            kk = spread(k) if l2 else (k.float() / 12).bfloat16()
-            o_ref, s_ref = reference.chunk_reference(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2)
-            for schedule in (triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINED):
-                o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
-                                                               config=(64, 4, 2), schedule=schedule, segments=3)
-                out[f"{len(lens)}seq/{schedule.value}/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
-            # The split form: W, Q', U, U' made in parallel, three GEMMs per chunk on the chain.
+def sequences(lens: list[int], out: dict) -> None:
+    """Every schedule and form on one varlen batch. Three sequences (7 chunks, exactly one, a partial one) in
+    three segments: the short ones hand their state through the later segments; one sequence alone (5
+    chunks): its segments are row ranges. Sized for CI's time (the interpreter runs every program in turn):
+    each segment still holds several chunks, so state is carried inside a segment and handed across segments."""
+    H, HV, K = 1, 2, 128
+    T = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    q = torch.randn(1, T, H, K).bfloat16()
+    k = torch.randn(1, T, H, K).bfloat16()
+    v = torch.randn(1, T, HV, K).bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 3)
+    beta = torch.rand(1, T, HV)
+    h0 = torch.randn(len(lens), HV, K, K) * 0.1
+    for l2 in (True, False):
+        # l2norm on: queries and keys of unequal norms (0.25-4x), so a row's norm used for another's
+        # shows; off: unnormalised keys kept small for a stable recurrence.
+        spread = lambda x: (x.float() * 4 ** (2 * torch.rand(1, T, H, 1) - 1)).bfloat16()  # noqa: E731
+        qq = spread(q) if l2 else q
+        kk = spread(k) if l2 else (k.float() / 12).bfloat16()
+        o_ref, s_ref = reference.chunk_reference(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2)
+        for schedule in (triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINED):
             o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
-                                                           config=(64, 4, 2), schedule=triton_chunk.Schedule.PIPELINED,
-                                                           segments=3, form=triton_chunk.Form.SPLIT)
-            out[f"{len(lens)}seq/split-pipelined/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
-            # The scores form: P made in parallel, loaded by the chain.
-            o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
-                                                           config=(64, 4, 2), schedule=triton_chunk.Schedule.PIPELINED,
-                                                           segments=3, form=triton_chunk.Form.SCORES)
-            out[f"{len(lens)}seq/scores-pipelined/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
-            # Segments at once from scanned start states (in the scores form: the fused form's chain is the
-            # same kernel and runs above; the scan is checked with the fused form at fp16 below). Once per
-            # sequence cut: l2norm lives in the inverse kernel, which the schedules above cover both ways.
-            # Slow decay here: with the gates above a segment's start state is ~gone two chunks later, so a
-            # scan that dropped M S (each segment started from the last one's B alone) matched to 1e-4.
-            if l2:
-                g_slow = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 7)
-                o_ref_s, s_ref_s = reference.chunk_reference(qq, kk, v, g_slow, beta, K**-0.5, h0, True, cu, l2)
-                o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g_slow, beta, K**-0.5, h0, True, cu, l2,
-                                                               False, config=(64, 4, 2),
-                                                               schedule=triton_chunk.Schedule.SCAN, segments=3,
-                                                               form=triton_chunk.Form.SCORES)
-                out[f"{len(lens)}seq/scores-scan/l2={l2}"] = [rel(o, o_ref_s), rel(s, s_ref_s)]
-            # The other inverse path: one value head per program, k whole, the product-form inverse.
-            o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
-                                                           config=(64, 4, 2), schedule=triton_chunk.Schedule.SERIAL,
-                                                           inverse=PRODUCT_FORM)
-            out[f"{len(lens)}seq/serial-product-form/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
+                                                           config=(64, 4, 2), schedule=schedule, segments=3)
+            out[f"{len(lens)}seq/{schedule.value}/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
+        # The split form: W, Q', U, U' made in parallel, three GEMMs per chunk on the chain.
+        o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
+                                                       config=(64, 4, 2), schedule=triton_chunk.Schedule.PIPELINED,
+                                                       segments=3, form=triton_chunk.Form.SPLIT)
+        out[f"{len(lens)}seq/split-pipelined/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
+        # The scores form: P made in parallel, loaded by the chain.
+        o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
+                                                       config=(64, 4, 2), schedule=triton_chunk.Schedule.PIPELINED,
+                                                       segments=3, form=triton_chunk.Form.SCORES)
+        out[f"{len(lens)}seq/scores-pipelined/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
+        # Segments at once from scanned start states (in the scores form: the fused form's chain is the
+        # same kernel and runs above; the scan is checked with the fused form at fp16 below). Once per
+        # sequence cut: l2norm lives in the inverse kernel, which the schedules above cover both ways.
+        # Slow decay here: with the gates above a segment's start state is ~gone two chunks later, so a
+        # scan that dropped M S (each segment started from the last one's B alone) matched to 1e-4.
+        if l2:
+            g_slow = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 7)
+            o_ref_s, s_ref_s = reference.chunk_reference(qq, kk, v, g_slow, beta, K**-0.5, h0, True, cu, l2)
+            o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g_slow, beta, K**-0.5, h0, True, cu, l2,
+                                                           False, config=(64, 4, 2),
+                                                           schedule=triton_chunk.Schedule.SCAN, segments=3,
+                                                           form=triton_chunk.Form.SCORES)
+            out[f"{len(lens)}seq/scores-scan/l2={l2}"] = [rel(o, o_ref_s), rel(s, s_ref_s)]
+        # The other inverse path: one value head per program, k whole, the product-form inverse.
+        o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
+                                                       config=(64, 4, 2), schedule=triton_chunk.Schedule.SERIAL,
+                                                       inverse=PRODUCT_FORM)
+        out[f"{len(lens)}seq/serial-product-form/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
+
+
+def half_precision(out: dict) -> None:
+    """fp16 at K != V, every form, and the scan from a V-first initial state."""
     # fp16, K != V (64 and 96), one sequence with a partial last chunk, serial: the split form's
     # unsegmented chain, and its operands kept in k's dtype (fp16 operands meet fp16 k).
     T, H, HV = 150, 1, 2
@@ -171,9 +172,24 @@ def main() -> int:
                                                    h0.transpose(-1, -2).contiguous(), True, cu, True, True,
                                                    config=(64, 4, 2), schedule=triton_chunk.Schedule.SCAN, segments=3)
     out["fp16-k64-v96/scan"] = [rel(o, o_ref), rel(s.transpose(-1, -2), s_ref)]
+
+
+# Two halves of about equal interpreter time, which test_gdn_interpreted runs side by side (CI has two cores).
+PARTS = {
+    "varlen": lambda out: sequences([400, 64, 30], out),
+    "rest": lambda out: (out.update(stacked_inverse()), sequences([300], out), half_precision(out)),
+}
+
+
+def main(part: str) -> int:
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {sorted(PARTS)}, got {part!r}")
+    torch.manual_seed(0)
+    out: dict = {}
+    PARTS[part](out)
     print(json.dumps(out))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else ""))

@@ -20,9 +20,14 @@ pytest.importorskip("torch")
 def test_chunk_kernels_in_the_interpreter_match_the_reference():
     script = Path(__file__).with_name("interpreted_chunk.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    # The script's two halves side by side: the interpreter is single-threaded and CI has two cores.
+    parts = [subprocess.Popen([sys.executable, str(script), part], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for part in ("varlen", "rest")]
+    errors = {}
+    for proc in parts:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        errors.update(json.loads(out.strip().splitlines()[-1]))
     assert set(errors) == {f"{n}seq/{s}/l2={l2}" for n in (3, 1)
                            for s in ("serial", "pipelined", "split-pipelined", "scores-pipelined", "serial-product-form")
                            for l2 in (True, False)} | {f"{n}seq/scores-scan/l2=True" for n in (3, 1)} | {
