@@ -1,7 +1,7 @@
-"""Device probe for issue #23: the scan schedule (`triton_chunk_scan`) as planned, with its summaries
-overlapping the inverse segment by segment, against the same plan with the whole inverse first and
-against the pipelined schedule, on one long sequence with few value heads (TP-sharded); every variant's
-error against the fp32 reference, and where a call's time goes (per-kernel device time, torch.profiler).
+"""Device probe for issue #23: the scan schedule (`triton_chunk_scan`) as planned, against the same plan
+with its summaries overlapping the inverse segment by segment (`BY_SEGMENT`) and against the pipelined
+schedule, on one long sequence with few value heads (TP-sharded); every variant's error against the fp32
+reference, and where a call's time goes (per-kernel device time, torch.profiler).
 The variants measured before (segment counts, state and summary configs): benchmarks/gdn/README.md.
 
     python -m benchmarks.gdn.scan_probe [--iters 10] [--json PATH] [--shapes TP8]
@@ -59,21 +59,20 @@ class Variant:
     config: tuple[int, int, int] | None = None
     segments: int | None = None
     summary: tuple[int, int, int] | None = None  # triton_chunk_scan.SUMMARY_CONFIG
-    by_segment: bool = True  # triton_chunk_scan.BY_SEGMENT
+    by_segment: bool = False  # triton_chunk_scan.BY_SEGMENT
     inverse: InverseConfig = INVERSE_CONFIG
 
 
 def variants(plan: triton_chunk.Plan, segments: int) -> list[Variant]:
-    """The plan (the inverse by segment, its summaries overlapped on the side stream), the plan with the whole
-    inverse first (the schedule measured before, 0.199 ms at 397B TP8 1x8192), the pipelined schedule it
-    replaced, and two changes to the plan: three-stage summaries (0.190 at 397B TP8 before the overlap) and
-    the stacked inverse kernel."""
+    """The plan (the whole inverse first, then the summaries: 0.199 ms at 397B TP8 1x8192 when measured), the
+    pipelined schedule it replaced, and three changes to the plan: by segment (the summaries overlapping the
+    inverse on the side stream), three-stage summaries (0.190 at 397B TP8 then) and the stacked inverse."""
     fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
     out = [Variant(name="plan"),
            Variant(name="pipelined scores (32,4,3) x2", schedule=PIPELINED, form=SCORES, config=(32, 4, 3),
                    segments=2)]
     if plan.schedule is SCAN:
-        out += [Variant(name="plan, whole inverse first", by_segment=False, **fixed),
+        out += [Variant(name="plan, by segment", by_segment=True, **fixed),
                 Variant(name="plan, summary (32,4,3)", summary=(32, 4, 3), **fixed),
                 Variant(name="plan, stacked inverse w4", inverse=dataclasses.replace(INVERSE_CONFIG, stacked=True,
                                                                                      warps=4), **fixed)]
@@ -114,12 +113,12 @@ def main() -> int:
             print(f"{label:22} {var.name:44} {ms:7.3f} ms  host {host:.3f}  err o {err[0]:.1e} s {err[1]:.1e}",
                   flush=True)
             calls[var.name] = call
-        for name in ("plan", "plan, whole inverse first"):
+        for name in ("plan", "plan, by segment"):
             if name in calls:
                 b = breakdown.measure(name, calls[name], a.iters, bench._median_ms)
                 print(breakdown.render(label, [b]), flush=True)
                 rows.append(dict(shape=label, breakdown=name, call_us=b.call_us, kernels=list(b.kernels)))
-        triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = shipped_summary, True
+        triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = shipped_summary, False
         del q, k, v, g, beta, o_ref, s_ref
         torch.cuda.empty_cache()
     if a.json:

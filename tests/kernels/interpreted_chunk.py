@@ -44,7 +44,7 @@ def _patch_lang_tensor(tensor, scope):
 interpreter.InterpreterBuilder.create_dot = _create_dot
 interpreter._patch_lang_tensor = _patch_lang_tensor
 
-from hybridkv.kernels.gdn import reference, triton_chunk  # noqa: E402
+from hybridkv.kernels.gdn import reference, triton_chunk, triton_chunk_scan  # noqa: E402
 from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig  # noqa: E402
 
 PRODUCT_FORM = InverseConfig(group=1, bkc=128, method=1, prec="tf32x3", merge_prec="tf32x3")
@@ -184,6 +184,9 @@ PARTS = {
 def main(part: str) -> int:
     if part not in PARTS:
         raise ValueError(f"part must be one of {sorted(PARTS)}, got {part!r}")
+    # One sequence's scan by segment (the inverse and the summaries launched segment by segment): the
+    # one-sequence cases take that path, the three-sequence case (never by segment) the other.
+    triton_chunk_scan.BY_SEGMENT = True
     torch.manual_seed(0)
     out: dict = {}
     PARTS[part](out)

@@ -426,12 +426,16 @@ SCAN_CASES = [pytest.param([8192], 2, 8, None, id="397B-TP8-1x8192"), PREFILL[0]
               PREFILL[7]]
 
 
+@pytest.mark.parametrize("by_segment", [False, True], ids=["whole-inverse-first", "by-segment"])
 @pytest.mark.parametrize(("lens", "H", "HV", "batch"), SCAN_CASES)
-def test_scan_schedule_matches_reference(lens, H, HV, batch):
+def test_scan_schedule_matches_reference(lens, H, HV, batch, by_segment, monkeypatch):
     """Segments of every sequence at once from scanned start states (`triton_chunk_scan`): both forms,
     1 to 16 segments (more segments than some sequences have chunks), v-first, with and without an
-    initial state; slow gates, so that each segment's start state matters."""
-    from hybridkv.kernels.gdn import triton_chunk
+    initial state; slow gates, so that each segment's start state matters. By segment: one sequence's
+    summaries on the side stream as each segment's inverse is done (`triton_chunk_scan.BY_SEGMENT`)."""
+    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_scan
+
+    monkeypatch.setattr(triton_chunk_scan, "BY_SEGMENT", by_segment)
 
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=21, slow=True)
     N = batch or len(lens)
@@ -452,10 +456,13 @@ def test_scan_schedule_matches_reference(lens, H, HV, batch):
         assert rel_err(st, st_ref) < 2e-2, (form, config, segments)
 
 
-def test_scan_is_the_plan_for_tp8_heads_and_matches_reference_in_a_cuda_graph():
+@pytest.mark.parametrize("by_segment", [False, True], ids=["whole-inverse-first", "by-segment"])
+def test_scan_is_the_plan_for_tp8_heads_and_matches_reference_in_a_cuda_graph(by_segment, monkeypatch):
     """397B at TP8 (H=2, HV=8), one 8192-token prompt: the plan is the scan, and a captured call replayed
-    on new inputs gives what an eager call gives."""
-    from hybridkv.kernels.gdn import triton_chunk
+    on new inputs gives what an eager call gives (by segment: the side stream's summaries in the graph)."""
+    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_scan
+
+    monkeypatch.setattr(triton_chunk_scan, "BY_SEGMENT", by_segment)
 
     plan = triton_chunk._plan(1, 8, 128, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
     assert plan.schedule is triton_chunk.Schedule.SCAN, plan

@@ -21,8 +21,8 @@ segments except one short scan:
 3. The state kernel (`triton_chunk._chunk_state_kernel` with SCAN) runs every segment at once from its
    start state, writing o, and the last segment the final state.
 
-On a GPU, one sequence: the inverse runs segment by segment on the caller's stream and each summary on a
-side stream as soon as its segment's inverse is done, so the summaries (a chain a segment long, a few dozen
+On a GPU, one sequence, with BY_SEGMENT: the inverse runs segment by segment on the caller's stream and each
+summary on a side stream as soon as its segment's inverse is done, so the summaries (a chain a segment long, a few dozen
 programs) fill the SMs the inverse leaves idle instead of waiting for the whole inverse; the scan waits for
 both. Ordered by events only, like `triton_chunk.Schedule.PIPELINED`, so correct however the GPU runs them.
 
@@ -42,10 +42,11 @@ from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program
 # Summary programs: BV columns of the augmented state each, four warps, two stages (as the batched state
 # kernel). The scan kernel: SCAN_BV state columns, k rows in slabs of SCAN_SLAB.
 SUMMARY_CONFIG = (32, 4, 2)
-# One sequence: the inverse segment by segment with each summary as soon as its segment's is done (the
-# module docstring); False: the whole inverse, then every summary in one launch. A switch for
-# benchmarks/gdn/scan_probe.py, which measures the two side by side.
-BY_SEGMENT = True
+# One sequence: True runs the inverse segment by segment with each summary as soon as its segment's is
+# done (the module docstring); False, the whole inverse, then every summary in one launch (measured on the
+# H200: 0.199 ms at 397B TP8 1x8192). False until benchmarks/gdn/scan_probe.py, which times the two side by
+# side, has run on a GPU: the overlap is written and checked (interpreter, GPU tests) but not yet measured.
+BY_SEGMENT = False
 SCAN_BV = 32
 SCAN_SLAB = 32
 
