@@ -89,7 +89,7 @@ def stacked_inverse() -> dict:
     return {"inverse-stacked/g4": [diff, diff]}
 
 
-def sequences(lens: list[int], out: dict) -> None:
+def sequences(lens: list[int], out: dict, l2s: tuple[bool, ...] = (True, False)) -> None:
     """Every schedule and form on one varlen batch. Three sequences (7 chunks, exactly one, a partial one) in
     three segments: the short ones hand their state through the later segments; one sequence alone (5
     chunks): its segments are row ranges. Sized for CI's time (the interpreter runs every program in turn):
@@ -103,7 +103,7 @@ def sequences(lens: list[int], out: dict) -> None:
     g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 3)
     beta = torch.rand(1, T, HV)
     h0 = torch.randn(len(lens), HV, K, K) * 0.1
-    for l2 in (True, False):
+    for l2 in l2s:
         # l2norm on: queries and keys of unequal norms (0.25-4x), so a row's norm used for another's
         # shows; off: unnormalised keys kept small for a stable recurrence.
         spread = lambda x: (x.float() * 4 ** (2 * torch.rand(1, T, H, 1) - 1)).bfloat16()  # noqa: E731
@@ -174,10 +174,12 @@ def half_precision(out: dict) -> None:
     out["fp16-k64-v96/scan"] = [rel(o, o_ref), rel(s.transpose(-1, -2), s_ref)]
 
 
-# Two halves of about equal interpreter time, which test_gdn_interpreted runs side by side (CI has two cores).
+# Two halves of about equal interpreter time (l2norm on or off, and the rest split between them), which
+# test_gdn_interpreted runs side by side: the interpreter is single-threaded and CI has two cores.
 PARTS = {
-    "varlen": lambda out: sequences([400, 64, 30], out),
-    "rest": lambda out: (out.update(stacked_inverse()), sequences([300], out), half_precision(out)),
+    "l2": lambda out: (sequences([400, 64, 30], out, (True,)), sequences([300], out, (True,)), half_precision(out)),
+    "no-l2": lambda out: (sequences([400, 64, 30], out, (False,)), sequences([300], out, (False,)),
+                          out.update(stacked_inverse())),
 }
 
 
