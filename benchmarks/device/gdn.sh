@@ -17,11 +17,26 @@
 #   QLA=1 bash benchmarks/device/gdn.sh  # FlashQLA beside FLA's Triton path (issue 23), carry [".whl-qla"] built here by
 #                                        # benchmarks/device/flashqla_wheels.sh (fla-core is in it); prefill only, no
 #                                        # tests unless ONLY= / TESTS=1 say otherwise; QLA_BUDGET_S (420 s) in all
+#   FI=land bash benchmarks/device/gdn.sh  # FlashInfer 0.7.2 beside FLA's Triton path (issue 23), in two calls back to
+#   FI=1 bash benchmarks/device/gdn.sh     # back on one warm machine: carry [".whl-fi1"], then [".whl-fi2"], built
+#                                        # here by benchmarks/device/flashinfer_wheels.sh (fla-core is in them). The
+#                                        # first checks its part and the image; the second joins the parts, installs
+#                                        # them into .pkgs-fi and runs the prefill bench; FI_BUDGET_S (520 s) in all
 # hybridkv is not installed there: the bench runs through its module's own register/handler.
 set -u
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/hybridkv_gdn_out}
 mkdir -p "$OUT"
+if [ "${FI:-0}" = land ]; then
+    # A call before the last of an FI run: its .whl-fi folder stays on this machine for the next call (ignored
+    # folders do while it is warm). Checks the part(s) here, and what the install takes from the image.
+    "$PY" benchmarks/device/wheel_parts.py check .whl-fi[0-9]*
+    "$PY" -c 'import lzma, sys, torch; print("python", sys.version.split()[0], "lzma ok; torch", torch.__version__,
+        "cuda", torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
+    "$PY" -m pip list 2>/dev/null | grep -i -E "^(cuda-(bindings|core|pathfinder)|filelock|numpy|protobuf|requests|\
+click|tabulate|einops|tqdm|packaging|nvidia-ml-py|typing.extensions|apache-tvm-ffi|flashinfer|nvidia-cutlass) "
+    exit 0
+fi
 if [ "${QLA:-0}" != 0 ]; then
     qla_t0=$SECONDS  # the whole QLA run stays inside QLA_BUDGET_S: the bench gets what the set-up left
     # Into .pkgs, not the image's site-packages: tilelang's libraries find tvm_ffi and z3 beside it by RUNPATH.
@@ -43,6 +58,34 @@ if [ "${QLA:-0}" != 0 ]; then
     # Warm-ups (TileLang compiles) first; the timing after them takes well under 150 s.
     WARM_S=${WARM_S:-$(( BENCH_S - 150 < 240 ? (BENCH_S - 150 > 60 ? BENCH_S - 150 : 60) : 240 ))}
     echo "set-up took $((SECONDS - qla_t0)) s; bench timeout $BENCH_S s, warm-ups $WARM_S s"
+elif [ "${FI:-0}" != 0 ]; then
+    fi_t0=$SECONDS  # the whole FI run stays inside FI_BUDGET_S: the bench gets what the set-up left
+    pack=$("$PY" -c 'import glob, json
+print(json.load(open(sorted(glob.glob(".whl-fi[0-9]*/MANIFEST.json"))[0]))["sha256"])' 2>/dev/null)
+    if [ -n "$pack" ] && [ -f ".pkgs-fi/.pack-$pack" ]; then
+        # A repeated FI=1 call on the same warm machine (say, after a bench cut short: Triton's and FlashInfer's
+        # disk caches are filled now) skips the join and install.
+        echo "reusing .pkgs-fi, installed from pack $pack"
+    else
+        rm -rf .pkgs-fi /tmp/whl-fi
+        "$PY" benchmarks/device/wheel_parts.py unpack .whl-fi[0-9]* --to /tmp/whl-fi || exit 1
+        # All in one pip call: the three nvidia-cutlass-dsl wheels fill one folder, nvidia_cutlass_dsl/. Into
+        # .pkgs-fi, not QLA's .pkgs, so that FlashQLA left there by an earlier run here stays out of this one.
+        timeout 120 "$PY" -m pip install -q --no-deps --no-index --no-compile --target .pkgs-fi /tmp/whl-fi/*.whl \
+            2>&1 | tail -n 2
+        [ "${PIPESTATUS[0]}" = 0 ] && touch ".pkgs-fi/.pack-$pack"
+    fi
+    # A --target folder is no site directory: nvidia-cutlass-dsl's .pth, which puts `cutlass` on the path, is not
+    # read there, so its folder goes on PYTHONPATH by hand.
+    export PYTHONPATH="$PWD/.pkgs-fi:$PWD/.pkgs-fi/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
+    export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer_ws}  # its CuTe DSL kernel cache
+    timeout 120 "$PY" -c 'from importlib.metadata import version as v
+import fla, flashinfer, flashinfer.gdn_prefill
+print("fla-core", fla.__version__, "flashinfer", flashinfer.__version__, "nvidia-cutlass-dsl",
+      v("nvidia-cutlass-dsl-libs-base"), "apache-tvm-ffi", v("apache-tvm-ffi"), "cuda-bindings", v("cuda-bindings"))' \
+        2>&1 | grep -v -i warn | tail -n 3
+    TESTS=${TESTS:-0} ONLY=${ONLY-prefill} BENCH_S=${BENCH_S:-$(( ${FI_BUDGET_S:-520} - 10 - (SECONDS - fi_t0) ))}
+    echo "set-up took $((SECONDS - fi_t0)) s; bench timeout $BENCH_S s"
 else
     "$PY" -m pip install -q --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl 2>&1 | tail -n 1
 fi
@@ -98,11 +141,13 @@ fi
 [ "${BENCH:-1}" = 0 ] && exit 0  # the probes and tests asked for ran; no bench
 args=(--iters "${ITERS:-20}")
 [ -n "${ONLY:-}" ] && args+=(--only "$ONLY")
-if [ "${QLA:-0}" != 0 ]; then
-    # The table (hybridkv, FLA's Triton path, FlashQLA; errors vs the fp32 reference; first calls) to stdout; the JSON
-    # file is rewritten after each shape, so a run cut short by the timeout keeps the shapes it finished.
+if [ "${QLA:-0}" != 0 ] || [ "${FI:-0}" != 0 ]; then
+    # The table (hybridkv, FLA's Triton path, FlashQLA or FlashInfer; errors vs the fp32 reference; first calls) to
+    # stdout; the JSON file is rewritten after each shape, so a run cut short by the timeout keeps the shapes it
+    # finished.
     PYTHONUNBUFFERED=1 PYTHONPATH=".:$PYTHONPATH" timeout "$BENCH_S" "$PY" "$MAIN" "${args[@]}" \
-        --warm-timeout "$WARM_S" --json-file "$OUT/bench_gdn.json" 2>"$OUT/bench_gdn.err" | tee "$OUT/bench_gdn.txt"
+        ${WARM_S:+--warm-timeout "$WARM_S"} --json-file "$OUT/bench_gdn.json" 2>"$OUT/bench_gdn.err" \
+        | tee "$OUT/bench_gdn.txt"
     echo "bench rc=${PIPESTATUS[0]}"
     grep -v -i warn "$OUT/bench_gdn.err" | tail -n 12
     exit 0

@@ -8,29 +8,14 @@ libraries; the headers TileLang's JIT includes stay). Every other wheel is copie
 hashes of the kept files. Usage: python3 benchmarks/device/trim_qla_wheels.py SRC_DIR DST_DIR
 (benchmarks/device/flashqla_wheels.sh runs it)
 """
-import fnmatch, os, shutil, sys, zipfile
+import sys
 
-from wheel_repack import repack
-
-SRC, DST = sys.argv[1], sys.argv[2]
+from wheel_repack import trim_dir
 
 DROP = {  # wheel name prefix -> globs of files to leave out
     "z3_solver-": ["*.data/data/bin/z3", "z3/lib/libz3.so", "z3/include/*"],
     "tilelang-": ["tilelang/src/*.cc", "tilelang/3rdparty/tvm/src/*.cc"],
 }
 
-os.makedirs(DST, exist_ok=True)
-for whl in sorted(os.listdir(SRC)):
-    if not whl.endswith(".whl"):
-        continue
-    src, out = os.path.join(SRC, whl), os.path.join(DST, whl)
-    globs = next((g for prefix, g in DROP.items() if whl.startswith(prefix)), None)
-    if globs is None:
-        shutil.copyfile(src, out)
-        print(f"{whl}: copied, {os.path.getsize(out) / 2**20:.1f} MiB")
-        continue
-    with zipfile.ZipFile(src) as z:
-        infos = z.infolist()
-        kept = repack(z, {i.filename for i in infos if not any(fnmatch.fnmatch(i.filename, g) for g in globs)}, out)
-    print(f"{whl}: {len(infos)} -> {kept} files, {os.path.getsize(src) / 2**20:.1f} -> "
-          f"{os.path.getsize(out) / 2**20:.1f} MiB")
+if __name__ == "__main__":
+    trim_dir(sys.argv[1], sys.argv[2], DROP)

@@ -251,6 +251,7 @@ def test_bench_checks_every_column_against_the_fp32_reference_faked_cuda_and_bas
     import torch
 
     from hybridkv.kernels.gdn import baselines, chunk_gated_delta_rule
+    from tests.kernels import flashinfer_contract
 
     bench = faked_cuda_on_cpu
     monkeypatch.setattr(bench, "B2B_ROUNDS", 1)
@@ -266,29 +267,36 @@ def test_bench_checks_every_column_against_the_fp32_reference_faked_cuda_and_bas
     monkeypatch.setattr(baselines, "load_fla_recurrent", lambda: None)
     monkeypatch.setattr(baselines, "load_flash_qla",
                         lambda: baselines.Loaded(name="flash_qla", fn=broken_qla, note="faked FlashQLA"))
+    # FlashInfer's column through the real argument mapping, into a stand-in keeping FlashInfer's documented contract.
+    fi = baselines.flashinfer_call(flashinfer_contract.chunk_gated_delta_rule)
+    monkeypatch.setattr(baselines, "load_flashinfer",
+                        lambda: baselines.Loaded(name="flashinfer", fn=fi, note="faked FlashInfer"))
     out = tmp_path / "bench.json"
     assert bench.run(_bench_args("--only", "prefill", "--iters", "3", "--warm-jobs", "0",
                                  "--json-file", str(out))) == 0
     blob = json.loads(out.read_text())
     assert blob["fla"] and blob["flash_qla"] and blob["flash_qla_note"] == "faked FlashQLA"
+    assert blob["flashinfer"] and blob["flashinfer_note"] == "faked FlashInfer"
     one, varlen = blob["rows"]
     assert (one["shape"], varlen["shape"]) == ("tiny H=1 HV=2 1x70", "tiny H=1 HV=2 varlen 40,30")
     # hybridkv and "FLA" here are the reference rounded to bf16: small errors, not zero (the reference is fp32).
-    for key in ("err", "fla_err"):
+    for key in ("err", "fla_err", "fi_err"):
         assert 0 < one[key] < 0.05 and 0 < varlen[key] < 0.05
-    assert one["state_err"] < 1e-5 and one["fla_state_err"] < 1e-5
+    assert one["state_err"] < 1e-5 and one["fla_state_err"] < 1e-5 and one["fi_state_err"] < 1e-4
     # A wrong output shows as a large error, and a failing call as an empty column with its reason.
     assert one["qla_err"] > 10 * one["fla_err"] and one["qla_ms"] is not None and one["speedup_vs_qla"] is not None
     assert varlen["qla_ms"] is None and varlen["qla_err"] is None and varlen["speedup_vs_qla"] is None
     assert varlen["notes"] == ["FlashQLA: RuntimeError: varlen is not supported here"]
-    assert all(r[k] is not None for r in (one, varlen) for k in ("ms", "fla_ms", "b2b_ms", "fla_b2b_ms",
-                                                                  "first_call_s", "fla_first_call_s"))
+    assert all(r[k] is not None for r in (one, varlen) for k in ("ms", "fla_ms", "fi_ms", "b2b_ms", "fla_b2b_ms",
+                                                                  "fi_b2b_ms", "first_call_s", "fla_first_call_s",
+                                                                  "fi_first_call_s", "speedup_vs_fi"))
     assert blob["first_calls"] == "in this process"
     table = capsys.readouterr().out
-    assert table.startswith("faked CPU; device copy 1000 GB/s; FLA: faked FLA; FlashQLA: faked FlashQLA; first calls "
-                            "in this process")
+    assert table.startswith("faked CPU; device copy 1000 GB/s; FLA: faked FLA; FlashQLA: faked FlashQLA; FlashInfer: "
+                            "faked FlashInfer; first calls in this process")
     varlen_line = next(line for line in table.splitlines() if line.startswith("prefill  tiny H=1 HV=2 varlen"))
     assert varlen_line.split()[9:11] == ["-", "-"]  # QLA ms, x QLA
+    assert float(varlen_line.split()[11]) == pytest.approx(varlen["fi_ms"], abs=1e-3)  # FI ms
     assert "  tiny H=1 HV=2 varlen 40,30: FlashQLA: RuntimeError: varlen is not supported here" in table
     # A warm-up process reports the same in the one JSON line `_warm_parallel` reads.
     assert bench._warm_main(["1", "hybridkv", "flash_qla"]) == 0
@@ -307,18 +315,21 @@ def test_bench_without_flash_qla_shows_its_columns_empty_faked_cuda(faked_cuda_o
     monkeypatch.setattr(baselines, "load_fla_chunk",
                         lambda: baselines.Loaded(name="fla", fn=None, note="not installed (No module named 'fla')"))
     monkeypatch.setitem(sys.modules, "flash_qla", None)
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
     assert bench.run(_bench_args("--only", "prefill", "--iters", "2", "--json")) == 0
     blob = json.loads(capsys.readouterr().out)
-    assert not blob["fla"] and not blob["flash_qla"]
+    assert not blob["fla"] and not blob["flash_qla"] and not blob["flashinfer"]
     assert blob["flash_qla_note"].startswith("not installed (ModuleNotFoundError")
+    assert blob["flashinfer_note"].startswith("not installed (ModuleNotFoundError")
     for r in blob["rows"]:
         assert r["err"] is not None and r["ms"] > 0
-        assert all(r[k] is None for k in ("fla_ms", "qla_ms", "fla_err", "qla_err", "speedup_vs_fla",
-                                          "speedup_vs_qla", "qla_first_call_s"))
-    text = bench.render("header", [bench.Row(**{k: v for k, v in blob["rows"][0].items()
-                                                if k not in ("speedup_vs_fla", "speedup_vs_qla", "notes")})], {})
+        assert all(r[k] is None for k in ("fla_ms", "qla_ms", "fi_ms", "fla_err", "qla_err", "fi_err",
+                                          "speedup_vs_fla", "speedup_vs_qla", "speedup_vs_fi", "qla_first_call_s",
+                                          "fi_first_call_s"))
+    derived = ("speedup_vs_fla", "speedup_vs_qla", "speedup_vs_fi", "notes")
+    text = bench.render("header", [bench.Row(**{k: v for k, v in blob["rows"][0].items() if k not in derived})], {})
     line = next(line for line in text.splitlines() if line.startswith("prefill  tiny"))
-    assert line.split()[6:10] == ["-", "-", "-", "-"]  # FLA ms, x FLA, QLA ms, x QLA
+    assert line.split()[6:12] == ["-"] * 6  # FLA ms, x FLA, QLA ms, x QLA, FI ms, x FI
 
 
 def test_warm_up_processes_feed_first_call_times_faked_subprocesses(monkeypatch):

@@ -1,12 +1,15 @@
-"""The prefill implementations `hybridkv bench gdn` measures beside hybridkv's: FLA's own Triton path and FlashQLA.
+"""The prefill implementations `hybridkv bench gdn` measures beside hybridkv's: FLA's own Triton path, FlashQLA and
+FlashInfer.
 
 fla-core 0.6.0 dispatches `chunk_gated_delta_rule` to FlashQLA (Qwen's TileLang kernels) whenever the `flash_qla`
 package can be found, so with both installed a plain FLA call times FlashQLA twice. The FLA column therefore calls
 FLA with `FLA_FLASH_QLA=0` set for the duration of each call (FLA reads it per call, `fla/backends.py`), after checking
 that FLA's backend registry then picks no backend at all, i.e. its Triton path; FlashQLA is called through its own API
-with `auto_cp=True`, as FLA's backend calls it. docs/background/gdn.md section 3 has both packages' facts.
+with `auto_cp=True`, as FLA's backend calls it. FlashInfer (vLLM's default GDN prefill backend on Hopper) is called
+through its own API with its default routing, the arguments mapped by `flashinfer_args`. docs/background/gdn.md
+section 3 has the packages' facts.
 
-Nothing here imports torch, FLA or FlashQLA until a loader runs.
+Nothing here imports torch, FLA, FlashQLA or FlashInfer until a loader runs.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from hybridkv.kernels.gdn import flashinfer_args
 
 # FLA's switch for its FlashQLA backend (FlashQLABackend.env_var, also FLA_<backend_type>).
 FLA_FLASH_QLA_ENV = "FLA_FLASH_QLA"
@@ -106,3 +111,60 @@ def load_flash_qla() -> Loaded:
     tilelang = sys.modules.get("tilelang")
     with_tilelang = "" if tilelang is None else f" (tilelang {_version(tilelang)})"
     return Loaded(name="flash_qla", fn=auto_cp, note=f"flash-qla {_version(flash_qla)}{with_tilelang}, auto_cp=True")
+
+
+# Compute capability majors FlashInfer 0.7.2's `chunk_gated_delta_rule` dispatches to a kernel for (sm90; sm100 and
+# sm103; sm120); on any other GPU it raises NotImplementedError at the first call.
+FLASHINFER_GDN_ARCH_MAJORS = (9, 10, 12)
+
+
+def flashinfer_gpu_problem(capability: tuple[int, int] | None) -> str | None:
+    """Why FlashInfer's GDN prefill cannot run on a GPU of this compute capability (None: no GPU), or None if it can."""
+    if capability is None:
+        return "needs a CUDA GPU of compute capability 9.0 (Hopper) or newer; torch sees none here"
+    if capability[0] not in FLASHINFER_GDN_ARCH_MAJORS:
+        archs = ", ".join(f"sm{m}x" for m in FLASHINFER_GDN_ARCH_MAJORS)
+        return f"has GDN prefill kernels for {archs} only, this GPU is sm{capability[0]}{capability[1]}"
+    return None
+
+
+def _dist_version(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unknown version"
+
+
+def flashinfer_call(chunk: Callable[..., Any]) -> Callable[..., Any]:
+    """FlashInfer's `chunk_gated_delta_rule` (or a stand-in keeping its contract) called with FLA's arguments and
+    returning FLA's layouts, so that the bench checks it against the reference as it checks the others."""
+
+    def mapped(q: Any, k: Any, v: Any, g: Any, beta: Any, **kwargs: Any) -> Any:
+        fi_kwargs, unpack = flashinfer_args.to_flashinfer(q, k, v, g, beta, **kwargs)
+        return flashinfer_args.from_flashinfer(chunk(**fi_kwargs), unpack)
+
+    return mapped
+
+
+def load_flashinfer() -> Loaded:
+    """FlashInfer's chunked GDN prefill through its own API (CuTe DSL kernels on sm90; context-parallel where its
+    heuristic picks it), hybridkv's arguments and results mapped by `flashinfer_args`."""
+    try:
+        import flashinfer
+        from flashinfer.gdn_prefill import chunk_gated_delta_rule
+    except Exception as exc:  # noqa: BLE001 - its import pulls in CuTe DSL, tvm_ffi, cuda-bindings: many ways to fail
+        kind = "not installed" if isinstance(exc, ImportError) else "failed to import"
+        return Loaded(name="flashinfer", fn=None, note=f"{kind} ({type(exc).__name__}: {exc})")
+    import torch
+
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    problem = flashinfer_gpu_problem(capability)
+    if problem is not None:
+        return Loaded(name="flashinfer", fn=None, note=f"flashinfer-python {_version(flashinfer)} {problem}")
+
+    return Loaded(name="flashinfer", fn=flashinfer_call(chunk_gated_delta_rule),
+                  note=f"flashinfer-python {_version(flashinfer)} (nvidia-cutlass-dsl "
+                       f"{_dist_version('nvidia-cutlass-dsl-libs-base')}), sm{capability[0]}{capability[1]}, "
+                       f"use_cp=auto")

@@ -1,14 +1,18 @@
-"""`hybridkv bench gdn`: hybridkv's GDN kernels side by side with FLA's Triton path and FlashQLA, in one run.
+"""`hybridkv bench gdn`: hybridkv's GDN kernels side by side with FLA's Triton path, FlashQLA and FlashInfer, in one
+run.
 
 Prefill: every implementation that can run here (hybridkv; FLA's own Triton path from fla-core; FlashQLA through its
-own API with `auto_cp=True`, when `flash_qla` imports; `baselines.py` says how FLA is kept off its FlashQLA dispatch)
-gets the same inputs, and their timed calls are interleaved (one call of each per round, the order rotated between
-rounds), so drift in clocks or temperature hits all alike. Each output and final state is checked against the fp32
-chunked reference (`reference.chunk_reference`, TF32 off) on the same inputs: the max absolute error per
-implementation per shape. The first call of each implementation is timed apart (Triton compile and autotuning;
-TileLang's JIT compile for FlashQLA, 30-75 s per new shape class): with FlashQLA present those first calls run in
-parallel warm-up processes (`--warm-jobs`), which fill the TileLang and Triton disk caches before this process
-times anything.
+own API with `auto_cp=True`, when `flash_qla` imports; FlashInfer's GDN prefill through its own API, when
+`flashinfer.gdn_prefill` imports and the GPU is one it has kernels for, its layouts mapped by `flashinfer_args.py`;
+`baselines.py` says how FLA is kept off its FlashQLA dispatch) gets the same inputs, and their timed calls are
+interleaved (one call of each per round, the order rotated between rounds), so drift in clocks or temperature hits
+all alike. Each output and final state is checked against the fp32 chunked reference (`reference.chunk_reference`,
+TF32 off) on the same inputs: the max absolute error per implementation per shape. The first call of each
+implementation is timed apart (Triton compile and autotuning; TileLang's JIT compile for FlashQLA, 30-75 s per new
+shape class; CuTe DSL compiles for FlashInfer): with FlashQLA present those first calls run in parallel warm-up
+processes (`--warm-jobs`), which fill the TileLang and Triton disk caches before this process times anything.
+FlashInfer's first call always runs in this process: its prefill kernels are cached in process memory only, so a
+warm-up process could not spare this one the compile.
 
 Times are CUDA-event medians of `--iters` calls after warm-up. Each timed call is queued behind a GPU spin longer
 than twice its host-side queueing time, so the host-side launch cost of any implementation (Python checks,
@@ -80,9 +84,11 @@ CHUNK = 64
 DEVICE = "cuda"  # where the prefill inputs are made (tests run the bench's bookkeeping on the CPU)
 B2B_CALLS = 20
 B2B_ROUNDS = 3
-IMPLS = ("hybridkv", "fla", "flash_qla")
+IMPLS = ("hybridkv", "fla", "flash_qla", "flashinfer")
 # Column name of each implementation in the table.
-TITLES = {"hybridkv": "hybridkv", "fla": "FLA", "flash_qla": "FlashQLA"}
+TITLES = {"hybridkv": "hybridkv", "fla": "FLA", "flash_qla": "FlashQLA", "flashinfer": "FlashInfer"}
+# Compiles of these are cached on disk, so parallel warm-up processes take them out of the timing process.
+DISK_CACHED = ("hybridkv", "fla", "flash_qla")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,18 +107,24 @@ class Row:
     fla_host_ms: float | None = None
     qla_ms: float | None = None  # FlashQLA (prefill only)
     qla_host_ms: float | None = None
+    fi_ms: float | None = None  # FlashInfer (prefill only)
+    fi_host_ms: float | None = None
     b2b_ms: float | None = None  # B2B_CALLS calls back to back / B2B_CALLS
     fla_b2b_ms: float | None = None
     qla_b2b_ms: float | None = None
+    fi_b2b_ms: float | None = None
     err: float | None = None  # max |o - fp32 reference|
     fla_err: float | None = None
     qla_err: float | None = None
+    fi_err: float | None = None
     state_err: float | None = None  # max |final state - fp32 reference|
     fla_state_err: float | None = None
     qla_state_err: float | None = None
+    fi_state_err: float | None = None
     first_call_s: float | None = None  # the first call, compiles included
     fla_first_call_s: float | None = None
     qla_first_call_s: float | None = None
+    fi_first_call_s: float | None = None
     notes: tuple[str, ...] = ()  # why a column of this row is empty
 
     @property
@@ -123,6 +135,10 @@ class Row:
     def speedup_vs_qla(self) -> float | None:
         return None if self.qla_ms is None else self.qla_ms / self.ms
 
+    @property
+    def speedup_vs_fi(self) -> float | None:
+        return None if self.fi_ms is None else self.fi_ms / self.ms
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
@@ -132,6 +148,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median)")
     parser.add_argument("--no-fla", action="store_true", help="skip the FLA baseline")
     parser.add_argument("--no-qla", action="store_true", help="skip FlashQLA even when flash_qla imports")
+    parser.add_argument("--no-fi", action="store_true", help="skip FlashInfer even when flashinfer imports")
     parser.add_argument("--only", choices=("prefill", "decode"), default=None)
     parser.add_argument("--shape", action="append", default=None, metavar="TEXT",
                         help="prefill shapes whose label contains TEXT (repeatable; default: all)")
@@ -350,11 +367,11 @@ def _max_err(x, ref) -> float:
     return float((x.float() - ref).abs().max().item())
 
 
-def _impls(fla: baselines.Loaded | None, qla: baselines.Loaded | None) -> dict[str, Callable]:
+def _impls(*loaded_baselines: baselines.Loaded | None) -> dict[str, Callable]:
     from hybridkv.kernels.gdn import chunk_gated_delta_rule
 
     out: dict[str, Callable] = {"hybridkv": chunk_gated_delta_rule}
-    for loaded in (fla, qla):
+    for loaded in loaded_baselines:
         if loaded is not None and loaded.fn is not None:
             out[loaded.name] = loaded.fn
     return out
@@ -385,8 +402,9 @@ def _warm_main(argv: list[str]) -> int:
     """A warm-up process: the first call of each named implementation on one prefill shape; prints one JSON line."""
     index, names = int(argv[0]), argv[1:]
     loaded = {"fla": baselines.load_fla_chunk() if "fla" in names else None,
-              "flash_qla": baselines.load_flash_qla() if "flash_qla" in names else None}
-    impls = {name: fn for name, fn in _impls(loaded["fla"], loaded["flash_qla"]).items() if name in names}
+              "flash_qla": baselines.load_flash_qla() if "flash_qla" in names else None,
+              "flashinfer": baselines.load_flashinfer() if "flashinfer" in names else None}
+    impls = {name: fn for name, fn in _impls(*loaded.values()).items() if name in names}
     _, _, args, kw = _inputs(index)
     seconds, _, failed = _first_calls(impls, args, kw)
     failed |= {name: f"{TITLES[name]}: {loaded[name].note}" for name in names
@@ -454,7 +472,7 @@ def _prefill_row(shape: PrefillShape, index: int, impls: dict[str, Callable], wa
     tokens = B * T
     flop = tokens * shape.HV * (6 * D * D + 8 * CHUNK * D)
     nbytes = tokens * (2 * 2 * shape.H * D + 2 * 2 * shape.HV * D + 8 * shape.HV)
-    ours, fla, qla = (timed.get(name) for name in IMPLS)
+    ours, fla, qla, fi = (timed.get(name) for name in IMPLS)
 
     def err(name: str, which: int) -> float | None:
         return errs[name][which] if name in errs else None
@@ -463,27 +481,32 @@ def _prefill_row(shape: PrefillShape, index: int, impls: dict[str, Callable], wa
                tokens_per_s=tokens / ours.ms * 1e3, tflops=flop / ours.ms / 1e9, gbps=nbytes / ours.ms / 1e6,
                fla_gbps=None if fla is None else nbytes / fla.ms / 1e6, copy_pct=None, fla_copy_pct=None,
                host_ms=ours.host_ms, fla_host_ms=_pick(fla, "host_ms"), qla_ms=_pick(qla, "ms"),
-               qla_host_ms=_pick(qla, "host_ms"), b2b_ms=ours.b2b_ms, fla_b2b_ms=_pick(fla, "b2b_ms"),
-               qla_b2b_ms=_pick(qla, "b2b_ms"), err=err("hybridkv", 0), fla_err=err("fla", 0),
-               qla_err=err("flash_qla", 0), state_err=err("hybridkv", 1), fla_state_err=err("fla", 1),
-               qla_state_err=err("flash_qla", 1), first_call_s=first.get("hybridkv"),
-               fla_first_call_s=first.get("fla"), qla_first_call_s=first.get("flash_qla"), notes=tuple(notes))
+               qla_host_ms=_pick(qla, "host_ms"), fi_ms=_pick(fi, "ms"), fi_host_ms=_pick(fi, "host_ms"),
+               b2b_ms=ours.b2b_ms, fla_b2b_ms=_pick(fla, "b2b_ms"), qla_b2b_ms=_pick(qla, "b2b_ms"),
+               fi_b2b_ms=_pick(fi, "b2b_ms"), err=err("hybridkv", 0), fla_err=err("fla", 0),
+               qla_err=err("flash_qla", 0), fi_err=err("flashinfer", 0), state_err=err("hybridkv", 1),
+               fla_state_err=err("fla", 1), qla_state_err=err("flash_qla", 1), fi_state_err=err("flashinfer", 1),
+               first_call_s=first.get("hybridkv"), fla_first_call_s=first.get("fla"),
+               qla_first_call_s=first.get("flash_qla"), fi_first_call_s=first.get("flashinfer"),
+               notes=tuple(notes))
 
 
 def _pick(timing: Timing | None, what: str) -> float | None:
     return None if timing is None else getattr(timing, what)
 
 
-def _prefill_rows(shapes, fla: baselines.Loaded | None, qla: baselines.Loaded | None, iters: int, warm_jobs: int,
+def _prefill_rows(shapes, loaded: tuple[baselines.Loaded | None, ...], iters: int, warm_jobs: int,
                   warm_timeout: float, on_row: Callable[[Row], None]) -> tuple[list[Row], str]:
     """The rows, and where their first calls ran."""
-    impls = _impls(fla, qla)
+    impls = _impls(*loaded)
     warmed, where = Warmed(), "in this process"
     if "flash_qla" in impls and warm_jobs > 0:
         t0 = time.perf_counter()
-        warmed = _warm_parallel(shapes, list(impls), warm_jobs, warm_timeout)
+        warmed = _warm_parallel(shapes, [name for name in impls if name in DISK_CACHED], warm_jobs, warm_timeout)
         where = (f"in {min(warm_jobs, len(shapes))} parallel warm-up processes, "
                  f"{time.perf_counter() - t0:.0f} s for all")
+        if "flashinfer" in impls:
+            where += f" ({TITLES['flashinfer']}'s in this process)"
         print(f"warm-up: {where}", file=sys.stderr, flush=True)
     rows = []
     for index, shape in shapes:
@@ -558,29 +581,32 @@ def render(header: str, rows: list[Row], tuned: dict[str, dict[str, str]]) -> st
     """The table: every row's times, then the prefill rows' accuracy, first calls and back-to-back times."""
     out = [header]
     out.append(f"{'kind':8} {'shape':38} {'ms':>8} {'FLA ms':>8} {'x FLA':>6} {'QLA ms':>8} {'x QLA':>6} "
-               f"{'Mtok/s':>8} {'TFLOP/s':>8} {'GB/s':>7} {'FLA GB/s':>8} {'%copy':>6} {'FLA %copy':>9} "
-               f"{'host ms':>7} {'FLA host':>8} {'QLA host':>8}")
+               f"{'FI ms':>8} {'x FI':>6} {'Mtok/s':>8} {'TFLOP/s':>8} {'GB/s':>7} {'FLA GB/s':>8} {'%copy':>6} "
+               f"{'FLA %copy':>9} {'host ms':>7} {'FLA host':>8} {'QLA host':>8} {'FI host':>8}")
     for r in rows:
         out.append(f"{r.kind:8} {r.shape:38} {r.ms:8.3f} {_fmt(r.fla_ms, '8.3f')} {_fmt(r.speedup, '6.2f')} "
                    f"{_fmt(r.qla_ms, '8.3f')} {_fmt(r.speedup_vs_qla, '6.2f')} "
+                   f"{_fmt(r.fi_ms, '8.3f')} {_fmt(r.speedup_vs_fi, '6.2f')} "
                    f"{r.tokens_per_s / 1e6:8.3f} {_fmt(r.tflops, '8.1f')} {r.gbps:7.0f} {_fmt(r.fla_gbps, '8.0f')} "
                    f"{_fmt(r.copy_pct, '6.1f')} {_fmt(r.fla_copy_pct, '9.1f')} "
-                   f"{_fmt(r.host_ms, '7.3f')} {_fmt(r.fla_host_ms, '8.3f')} {_fmt(r.qla_host_ms, '8.3f')}")
+                   f"{_fmt(r.host_ms, '7.3f')} {_fmt(r.fla_host_ms, '8.3f')} {_fmt(r.qla_host_ms, '8.3f')} "
+                   f"{_fmt(r.fi_host_ms, '8.3f')}")
     prefill = [r for r in rows if r.kind == "prefill"]
     if prefill:
         out.append("")
         out.append("prefill: max |error| vs the fp32 reference (output; final state), first call s (compiles "
-                   "included), ms of 20 calls back to back / 20; hybridkv / FLA / FlashQLA")
-        out.append(f"{'shape':38} {'output error':>26} {'state error':>26} {'first call s':>20} "
-                   f"{'b2b ms':>22} {'b2b x FLA':>9} {'b2b x QLA':>9}")
+                   "included), ms of 20 calls back to back / 20; hybridkv / FLA / FlashQLA / FlashInfer")
+        out.append(f"{'shape':38} {'output error':>35} {'state error':>35} {'first call s':>27} "
+                   f"{'b2b ms':>31} {'b2b x FLA':>9} {'b2b x QLA':>9} {'b2b x FI':>9}")
         for r in prefill:
-            o = " ".join(_fmt(x, "8.1e") for x in (r.err, r.fla_err, r.qla_err))
-            s = " ".join(_fmt(x, "8.1e") for x in (r.state_err, r.fla_state_err, r.qla_state_err))
-            f = " ".join(_fmt(x, "6.1f") for x in (r.first_call_s, r.fla_first_call_s, r.qla_first_call_s))
-            b = " ".join(_fmt(x, "7.3f") for x in (r.b2b_ms, r.fla_b2b_ms, r.qla_b2b_ms))
-            x_fla = _fmt(None if r.b2b_ms is None else _ratio(r.fla_b2b_ms, r.b2b_ms), "9.2f")
-            x_qla = _fmt(None if r.b2b_ms is None else _ratio(r.qla_b2b_ms, r.b2b_ms), "9.2f")
-            out.append(f"{r.shape:38} {o:>26} {s:>26} {f:>20} {b:>22} {x_fla} {x_qla}")
+            o = " ".join(_fmt(x, "8.1e") for x in (r.err, r.fla_err, r.qla_err, r.fi_err))
+            s = " ".join(_fmt(x, "8.1e") for x in (r.state_err, r.fla_state_err, r.qla_state_err, r.fi_state_err))
+            f = " ".join(_fmt(x, "6.1f") for x in (r.first_call_s, r.fla_first_call_s, r.qla_first_call_s,
+                                                    r.fi_first_call_s))
+            b = " ".join(_fmt(x, "7.3f") for x in (r.b2b_ms, r.fla_b2b_ms, r.qla_b2b_ms, r.fi_b2b_ms))
+            x_fla, x_qla, x_fi = (_fmt(None if r.b2b_ms is None else _ratio(theirs, r.b2b_ms), "9.2f")
+                                  for theirs in (r.fla_b2b_ms, r.qla_b2b_ms, r.fi_b2b_ms))
+            out.append(f"{r.shape:38} {o:>35} {s:>35} {f:>27} {b:>31} {x_fla} {x_qla} {x_fi}")
         for r in prefill:
             out.extend(f"  {r.shape}: {note}" for note in r.notes)
     for name, picks in tuned.items():
@@ -589,12 +615,14 @@ def render(header: str, rows: list[Row], tuned: dict[str, dict[str, str]]) -> st
 
 
 def to_json(*, device: str, copy_gbps: float | None, fla: baselines.Loaded | None, qla: baselines.Loaded | None,
-            rows: list[Row], tuned: dict[str, dict[str, str]], first_calls: str) -> dict:
+            fi: baselines.Loaded | None, rows: list[Row], tuned: dict[str, dict[str, str]], first_calls: str) -> dict:
     return {"device": device, "copy_gbps": copy_gbps,
             "fla": fla is not None and fla.fn is not None, "fla_note": None if fla is None else fla.note,
             "flash_qla": qla is not None and qla.fn is not None, "flash_qla_note": None if qla is None else qla.note,
+            "flashinfer": fi is not None and fi.fn is not None, "flashinfer_note": None if fi is None else fi.note,
             "first_calls": first_calls,
-            "rows": [asdict(r) | {"speedup_vs_fla": r.speedup, "speedup_vs_qla": r.speedup_vs_qla} for r in rows],
+            "rows": [asdict(r) | {"speedup_vs_fla": r.speedup, "speedup_vs_qla": r.speedup_vs_qla,
+                                  "speedup_vs_fi": r.speedup_vs_fi} for r in rows],
             "tuned": tuned}
 
 
@@ -625,36 +653,37 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"device": torch.cuda.get_device_name(), "breakdown": found}, indent=1))
         return 0
     qla = None if args.no_qla or args.only == "decode" else baselines.load_flash_qla()
+    fi = None if args.no_fi or args.only == "decode" else baselines.load_flashinfer()
     device = torch.cuda.get_device_name()
     copy_gbps = _copy_gbps(args.iters)
     header = (f"{device}; device copy {copy_gbps:.0f} GB/s; FLA: {_status(fla, 'skipped (--no-fla)')}; "
-              f"FlashQLA: {_status(qla, 'skipped')}")
+              f"FlashQLA: {_status(qla, 'skipped')}; FlashInfer: {_status(fi, 'skipped')}")
     rows: list[Row] = []
     first_calls = "in this process"
 
     def dump(done: list[Row]) -> None:
         if args.json_file:
-            blob = to_json(device=device, copy_gbps=copy_gbps, fla=fla, qla=qla, rows=done, tuned=_tuned_choices(),
-                           first_calls=first_calls)
+            blob = to_json(device=device, copy_gbps=copy_gbps, fla=fla, qla=qla, fi=fi, rows=done,
+                           tuned=_tuned_choices(), first_calls=first_calls)
             with open(args.json_file, "w") as f:
                 json.dump(blob, f, indent=1)
 
     def on_row(row: Row) -> None:
         print(f"{row.shape}: hybridkv {row.ms:.3f} ms, FLA {_fmt(row.fla_ms, '.3f')}, "
-              f"FlashQLA {_fmt(row.qla_ms, '.3f')}", file=sys.stderr, flush=True)
+              f"FlashQLA {_fmt(row.qla_ms, '.3f')}, FlashInfer {_fmt(row.fi_ms, '.3f')}", file=sys.stderr, flush=True)
         dump(rows + [row])
 
     if args.only in (None, "prefill"):
         jobs = min(len(shapes), os.cpu_count() or 1) if args.warm_jobs is None else args.warm_jobs
-        found, first_calls = _prefill_rows(shapes, fla, qla, args.iters, jobs, args.warm_timeout, on_row)
+        found, first_calls = _prefill_rows(shapes, (fla, qla, fi), args.iters, jobs, args.warm_timeout, on_row)
         rows += found
     if args.only in (None, "decode"):
         rows += _decode_rows(fla_pair, args.iters, copy_gbps)
     tuned = _tuned_choices()
     dump(rows)
     if args.json:
-        print(json.dumps(to_json(device=device, copy_gbps=copy_gbps, fla=fla, qla=qla, rows=rows, tuned=tuned,
-                                 first_calls=first_calls), indent=1))
+        print(json.dumps(to_json(device=device, copy_gbps=copy_gbps, fla=fla, qla=qla, fi=fi, rows=rows,
+                                 tuned=tuned, first_calls=first_calls), indent=1))
         return 0
     print(render(header + f"; first calls {first_calls}", rows, tuned))
     return 0

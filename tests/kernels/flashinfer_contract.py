@@ -1,0 +1,48 @@
+"""A CPU stand-in for FlashInfer 0.7.2's `flashinfer.gdn_prefill.chunk_gated_delta_rule`, written from its documented
+contract (its docstring; its tests compare the final state transposed against a K-by-V reference and pass
+`torch.rand` as the gate): flat `[T_total, heads, 128]` q/k/v with required cu_seqlens; g is the decay factor itself
+(linear, not log); fp32 g and beta `[T_total, HV]`; states `[N, HV, V, K]`; value head h reads key head
+h // (HV // H); output in q's dtype. One token at a time in fp32, so that a wrong mapping of any of these shows.
+
+It refuses what FlashInfer refuses on the way (non-contiguous or wrongly typed inputs, no cu_seqlens), so a mapping
+that only works here cannot pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, max_seqlen=None):
+    assert cu_seqlens is not None and cu_seqlens.dtype in (torch.int32, torch.int64)
+    assert q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
+    assert g.dtype == beta.dtype == torch.float32
+    assert all(x.is_contiguous() for x in (q, k, v, g, beta))
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    assert k.shape == (T, H, K) and g.shape == beta.shape == (T, HV)
+    offsets = cu_seqlens.tolist()
+    assert offsets[0] == 0 and offsets[-1] == T
+    if max_seqlen is not None:
+        assert max(b - a for a, b in zip(offsets, offsets[1:])) <= max_seqlen <= T
+    qf, kf = q.float(), k.float()
+    if use_qk_l2norm_in_kernel:
+        qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
+        kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
+    qf, kf = qf.repeat_interleave(HV // H, dim=1), kf.repeat_interleave(HV // H, dim=1)
+    scale = K**-0.5 if not scale else scale
+    N = len(offsets) - 1
+    states = torch.zeros(N, HV, V, K) if initial_state is None else initial_state.float().clone()
+    assert states.shape == (N, HV, V, K)
+    o = torch.zeros(T, HV, V)
+    for n in range(N):
+        S = states[n]  # [HV, V, K]
+        for t in range(offsets[n], offsets[n + 1]):
+            S = g[t, :, None, None] * S
+            v_old = torch.einsum("hvk,hk->hv", S, kf[t])
+            S = S + beta[t, :, None, None] * torch.einsum("hv,hk->hvk", v[t].float() - v_old, kf[t])
+            o[t] = scale * torch.einsum("hvk,hk->hv", S, qf[t])
+        states[n] = S
+    out = o.to(q.dtype)
+    return (out, states) if output_final_state else out
