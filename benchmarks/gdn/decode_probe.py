@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from hybridkv.kernels.gdn import bench, gated_delta_rule_decode, triton_recurrent
+from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_decode, triton_recurrent
 
 from benchmarks.gdn.schedules import decode_inputs
 
@@ -172,7 +172,7 @@ TMA = tuple((bv, w, s, st) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8)) fo
 def run(iters: int, copy_gbps: float) -> list[dict]:
     rows = []
     N = 256
-    for model, H, HV in bench.DECODE_SHAPES:
+    for model, H, HV in bench_cases.DECODE_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             q, k, v, a, b, A_log, dt_bias, pool0, idx = decode_inputs(N, H, HV, dtype)
@@ -184,7 +184,8 @@ def run(iters: int, copy_gbps: float) -> list[dict]:
             ref_pool = pool0.clone()
             ref_o = gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, ref_pool, idx)  # also tunes
             pool = pool0.clone()
-            ms = bench._median_ms(lambda: gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx), iters)
+            ms = bench_timing._median_ms(lambda: gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx),
+                                         iters)
             shipped_pct = 100 * nbytes / ms / 1e6 / copy_gbps
             rows.append(dict(shape=label, kernel="shipped", cfg=None, ms=ms, pct_copy=shipped_pct, err=0.0))
             print(f"{label:22} shipped {triton_recurrent.decode_choices()}  {ms:.4f} ms {shipped_pct:5.1f}% copy",
@@ -205,7 +206,7 @@ def run(iters: int, copy_gbps: float) -> list[dict]:
                     continue
                 err = max((o.float() - ref_o.float()).abs().max().item(),
                           (pool.float() - ref_pool.float()).abs().max().item())
-                ms = bench._median_ms(lambda: fn(cfg, o, pool), iters)
+                ms = bench_timing._median_ms(lambda: fn(cfg, o, pool), iters)
                 pct = 100 * nbytes / ms / 1e6 / copy_gbps
                 rows.append(dict(shape=label, kernel=name, cfg=cfg, ms=ms, pct_copy=pct, err=err))
                 print(f"{label:22} {name} {cfg}  {ms:.4f} ms {pct:5.1f}% copy  x{pct / shipped_pct:.3f}"
@@ -219,7 +220,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    copy = bench._copy_gbps(a.iters)
+    copy = bench_timing._copy_gbps(a.iters)
     print(torch.cuda.get_device_name(), f"copy {copy:.0f} GB/s", flush=True)
     rows = run(a.iters, copy)
     if a.json:

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from hybridkv.kernels.gdn import bench, breakdown, reference, triton_chunk
+from hybridkv.kernels.gdn import bench_timing, breakdown, reference, triton_chunk
 from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 
 from benchmarks.gdn.schedules import probe_args, reference_cases, rel
@@ -84,7 +84,7 @@ def main() -> int:
                 print(f"{shape:30} {inv}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 continue
             err = max(rel(o, o_ref), rel(s, s_ref))
-            b = breakdown.measure("hybridkv", lambda: call(inv), a.iters, bench._median_ms)
+            b = breakdown.measure("hybridkv", lambda: call(inv), a.iters, bench_timing._median_ms)
             row = dict(shape=shape, inverse=repr(inv), call_us=b.call_us, inverse_us=kernel_us(b, "inverse"),
                        state_us=kernel_us(b, "state"), err=err)
             rows.append(row)

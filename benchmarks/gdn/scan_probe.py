@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.gdn.schedules import probe_args, rel
-from hybridkv.kernels.gdn import bench, breakdown, reference, triton_chunk, triton_chunk_scan
+from hybridkv.kernels.gdn import bench_rows, bench_timing, breakdown, reference, triton_chunk, triton_chunk_scan
 from hybridkv.kernels.gdn.triton_chunk_inverse import INVERSE_CONFIG, InverseConfig
 
 # (label, H, HV, T): Qwen3.5-397B (H=16, HV=64) and 35B (16, 32) sharded by TP, dk = dv = 128.
@@ -87,7 +87,7 @@ def main() -> int:
         if a.shapes and not any(x in label for x in a.shapes):
             continue
         q, k, v, g, beta, cu = inputs(H, HV, T)
-        with bench._fp32_matmuls():
+        with bench_rows._fp32_matmuls():
             o_ref, s_ref = reference.chunk_reference(q, k, v.float(), g, beta, 128**-0.5, None, True, cu, True)
         sms = triton_chunk._sm_count(q.device.index)
         plan = triton_chunk._plan(1, HV, 128, 128, sms, T // 64)
@@ -104,7 +104,7 @@ def main() -> int:
                                                                inverse=var.inverse)
             try:
                 o, s = call()
-                ms, host = bench._timed(call, a.iters)
+                ms, host = bench_timing._timed(call, a.iters)
             except Exception as exc:  # a variant that does not compile or launch is a finding, not an abort
                 print(f"{label:22} {var.name:44} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 continue
@@ -115,7 +115,7 @@ def main() -> int:
             calls[var.name] = call
         for name in ("plan", "plan, by segment"):
             if name in calls:
-                b = breakdown.measure(name, calls[name], a.iters, bench._median_ms)
+                b = breakdown.measure(name, calls[name], a.iters, bench_timing._median_ms)
                 print(breakdown.render(label, [b]), flush=True)
                 rows.append(dict(shape=label, breakdown=name, call_us=b.call_us, kernels=list(b.kernels)))
         triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = shipped_summary, False

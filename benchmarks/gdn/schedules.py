@@ -15,7 +15,14 @@ import sys
 
 import torch
 
-from hybridkv.kernels.gdn import bench, gated_delta_rule_decode, triton_chunk, triton_recurrent
+from hybridkv.kernels.gdn import (
+    bench_cases,
+    bench_rows,
+    bench_timing,
+    gated_delta_rule_decode,
+    triton_chunk,
+    triton_recurrent,
+)
 
 
 def rel(a, b) -> float:
@@ -38,7 +45,7 @@ def reference_cases(shapes: list[str]):
     pure-torch reference in fp32: (label, args, kwargs, o_ref, state_ref)."""
     from hybridkv.kernels.gdn import reference
 
-    for shape, _B, _T, _H, _HV, args, kw in bench._prefill_cases():
+    for shape, _B, _T, _H, _HV, args, kw in bench_cases._prefill_cases():
         if shapes and not any(x in shape for x in shapes):
             continue
         q, k, v, g, beta = args
@@ -49,7 +56,7 @@ def reference_cases(shapes: list[str]):
 
 def prefill(iters: int, fla, shapes: list[str], quick: bool) -> list[dict]:
     rows = []
-    for shape, B, T, H, HV, args, kw in bench._prefill_cases():
+    for shape, B, T, H, HV, args, kw in bench_cases._prefill_cases():
         if shapes and not all(x in shape for x in shapes):
             continue
         q, k, v, g, beta = args
@@ -75,16 +82,16 @@ def prefill(iters: int, fla, shapes: list[str], quick: bool) -> list[dict]:
             if triton_chunk.triton.cdiv(128, cfg[0]) * n_seq * HV <= sms:
                 for segments in (2, 3, 4):
                     variants.append((f"{sched.value} {cfg} x{segments}", sched, cfg, segments))
-        fla_ms = None if fla is None else bench._median_ms(lambda: fla[0](*args, **kw), iters)
+        fla_ms = None if fla is None else bench_timing._median_ms(lambda: fla[0](*args, **kw), iters)
         for name, sched, cfg, segments in variants:
             o, s = call(sched, cfg, segments)
             err = max(rel(o, o_ref), rel(s, s_ref))
-            ms = bench._median_ms(lambda: call(sched, cfg, segments), iters)
+            ms = bench_timing._median_ms(lambda: call(sched, cfg, segments), iters)
             row = dict(shape=shape, variant=name, ms=ms, fla_ms=fla_ms,
                        x_fla=None if fla_ms is None else fla_ms / ms, err_vs_serial=err, auto_plan=auto)
             rows.append(row)
             if name == variants[-1][0] and fla is not None:  # FLA again: how much its own time moves
-                row["fla_ms_again"] = bench._median_ms(lambda: fla[0](*args, **kw), iters)
+                row["fla_ms_again"] = bench_timing._median_ms(lambda: fla[0](*args, **kw), iters)
                 print(f"{shape:32} FLA again {row['fla_ms_again']:.3f} ms", flush=True)
             x = "-" if fla_ms is None else f"{fla_ms / ms:.2f}"
             print(f"{shape:32} {name:30} {ms:7.3f} ms  FLA {fla_ms if fla_ms is None else round(fla_ms, 3)}"
@@ -108,7 +115,7 @@ def decode_inputs(N: int, H: int, HV: int, dtype: torch.dtype) -> tuple:
 def decode(iters: int, copy_gbps: float) -> list[dict]:
     rows = []
     N = 256
-    for model, H, HV in bench.DECODE_SHAPES:
+    for model, H, HV in bench_cases.DECODE_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(N, H, HV, dtype)
             o = torch.empty_like(v)
@@ -118,7 +125,7 @@ def decode(iters: int, copy_gbps: float) -> list[dict]:
                 for stream in ((False, True) if dtype == torch.bfloat16 else (False,)):
                     fn = lambda: triton_recurrent._launch_decode(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx,
                                                                  128**-0.5, True, True, 1.0, 20.0, stream=stream)
-                    ms = bench._median_ms(fn, iters)
+                    ms = bench_timing._median_ms(fn, iters)
                     gbps = nbytes / ms / 1e6
                     rows.append(dict(shape=f"{model} HV={HV} {dtype}", cfg=cfg, stream=stream, ms=ms,
                                      pct_copy=100 * gbps / copy_gbps))
@@ -137,8 +144,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="prefill: serial, auto and the widest pipeline config only")
     p.add_argument("--shapes", nargs="*", default=[], help="only prefill shapes whose label contains all of these")
     a = p.parse_args()
-    fla = bench._load_fla(False)
-    copy = bench._copy_gbps(a.iters)
+    fla = bench_rows._load_fla(False)
+    copy = bench_timing._copy_gbps(a.iters)
     print(torch.cuda.get_device_name(), "copy", round(copy), "GB/s; FLA", fla is not None, flush=True)
     out = {"copy_gbps": copy}
     if a.only in (None, "decode"):

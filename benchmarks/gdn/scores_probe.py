@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from hybridkv.kernels.gdn import bench, triton_chunk
+from hybridkv.kernels.gdn import bench_cases, bench_timing, triton_chunk
 from hybridkv.kernels.gdn.triton_chunk_inverse import _NROW, BT, _chunk_scores_kernel
 
 from benchmarks.gdn.schedules import probe_args
@@ -34,7 +34,7 @@ def row_scales(NC: int, HV: int) -> torch.Tensor:
 
 def timed(shape, name, launch, moved, copy_ms, iters) -> dict:
     launch()
-    ms = bench._median_ms(launch, iters)
+    ms = bench_timing._median_ms(launch, iters)
     row = dict(shape=shape, variant=name, us=ms * 1e3, copy_us=copy_ms * 1e3, gbps=moved / ms / 1e6,
                x_copy=copy_ms / ms)
     print(f"{shape:30} {name:44} {row['us']:6.1f} us  {row['gbps']:6.0f} GB/s  {row['x_copy']:.2f}x copy speed",
@@ -46,7 +46,7 @@ def main() -> int:
     a = probe_args(__doc__)
     rows = []
     print(torch.cuda.get_device_name(), flush=True)
-    for shape, B, T, H, HV, args, kw in bench._prefill_cases():
+    for shape, B, T, H, HV, args, kw in bench_cases._prefill_cases():
         if a.shapes and not any(x in shape for x in a.shapes):
             continue
         q, k = args[0], args[1]
@@ -56,7 +56,7 @@ def main() -> int:
         moved = q.numel() * 2 * 2 + P.numel() * 2 + NC * HV * 3 * BT * 4  # q, k once per key head; P; 3 R rows
         src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        copy_ms = bench._median_ms(lambda: dst.copy_(src), a.iters)  # reads and writes `moved` bytes
+        copy_ms = bench_timing._median_ms(lambda: dst.copy_(src), a.iters)  # reads and writes `moved` bytes
         print(f"{shape:30} copy of {moved / 1e6:.0f} MB: {copy_ms * 1e3:6.1f} us", flush=True)
         per = HV // H
         for group in [g for g in (1, 2, 4) if per % g == 0]:

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from hybridkv.kernels.gdn import bench, breakdown, triton_chunk
+from hybridkv.kernels.gdn import bench_rows, bench_timing, breakdown, triton_chunk
 
 from benchmarks.gdn.inverse_probe import kernel_us
 from benchmarks.gdn.schedules import probe_args, reference_cases, rel
@@ -52,12 +52,12 @@ def main() -> int:
     a = probe_args(__doc__)
     rows = []
     print(torch.cuda.get_device_name(), flush=True)
-    fla = bench._load_fla(False)
+    fla = bench_rows._load_fla(False)
     for shape, args, kw, o_ref, s_ref in reference_cases(a.shapes):
         q, k, v, g, beta = args
         cu = kw["cu_seqlens"]
         if fla is not None:
-            b = breakdown.measure("FLA", lambda: fla[0](*args, **kw), a.iters, bench._median_ms)
+            b = breakdown.measure("FLA", lambda: fla[0](*args, **kw), a.iters, bench_timing._median_ms)
             print(f"{shape:30} FLA: call {b.call_us:7.1f} us  kernels {b.kernel_us:7.1f}", flush=True)
             rows.append(dict(shape=shape, variant="FLA", call_us=b.call_us, kernels=b.kernels))
 
@@ -72,7 +72,7 @@ def main() -> int:
                 print(f"{shape:30} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
             err = (rel(o, o_ref), rel(s, s_ref))
-            b = breakdown.measure("hybridkv", call, a.iters, bench._median_ms)
+            b = breakdown.measure("hybridkv", call, a.iters, bench_timing._median_ms)
             row = dict(shape=shape, variant=name, call_us=b.call_us, inverse_us=kernel_us(b, "inverse"),
                        parallel_us=kernel_us(b, "wu") + kernel_us(b, "scores"),
                        chain_us=kernel_us(b, "chain") + kernel_us(b, "state"), o_err=err[0], s_err=err[1])

@@ -117,20 +117,20 @@ def test_fla_column_bypasses_the_flash_qla_dispatch_faked_fla_modules(faked_fla)
     finally:
         del os.environ["FLA_FLASH_QLA"]
     # The probes' loader hands out the same function.
-    from hybridkv.kernels.gdn import bench
+    from hybridkv.kernels.gdn import bench_rows
 
-    chunk, recurrent = bench._load_fla(False)
+    chunk, recurrent = bench_rows._load_fla(False)
     assert chunk() == "triton" and recurrent() == "recurrent"
 
 
 def test_fla_column_left_empty_when_the_switch_does_not_bypass_the_dispatch_faked_fla_modules(faked_fla):
-    from hybridkv.kernels.gdn import baselines, bench
+    from hybridkv.kernels.gdn import baselines, bench_rows
 
     faked_fla.state["honours_switch"] = False  # a later FLA that renamed its switch
     loaded = baselines.load_fla_chunk()
     assert loaded.fn is None
     assert loaded.note == "FLA_FLASH_QLA=0 leaves FLA's dispatch on backend 'flash_qla', not its Triton path"
-    assert bench._load_fla(False) is None
+    assert bench_rows._load_fla(False) is None
 
 
 def test_flash_qla_is_called_through_its_own_api_with_auto_cp_faked_flash_qla_module(monkeypatch):
@@ -166,32 +166,33 @@ def test_flash_qla_absent_or_broken_leaves_its_column_empty(monkeypatch, tmp_pat
 
 
 def test_prefill_shapes_are_issue_23s_table_and_shape_selection():
-    from hybridkv.kernels.gdn import bench
+    from hybridkv.kernels.gdn import bench_cases
 
-    assert [s.label for s in bench.PREFILL_SHAPES] == [
+    assert [s.label for s in bench_cases.PREFILL_SHAPES] == [
         "397B H=16 HV=64 1x8192", "397B H=16 HV=64 4x8192", "397B H=16 HV=64 1x32768", "397B TP8 H=2 HV=8 1x8192",
         "397B H=16 HV=64 16x2048 varlen", "35B H=16 HV=32 1x8192", "35B H=16 HV=32 4x8192",
         "35B H=16 HV=32 16x2048 varlen", "35B H=16 HV=32 varlen 5000,1237,1955,3"]
-    assert [i for i, _ in bench._select(["TP8", "varlen 5000"])] == [3, 8]
+    assert [i for i, _ in bench_cases._select(["TP8", "varlen 5000"])] == [3, 8]
     with pytest.raises(ValueError, match=r"--shape \['1x9'\] matches no prefill shape; the shapes are: 397B H=16"):
-        bench._select(["1x9"])
+        bench_cases._select(["1x9"])
 
 
 def test_rotations_give_every_implementation_each_place_in_turn():
-    from hybridkv.kernels.gdn import bench
+    from hybridkv.kernels.gdn import bench_timing
 
-    assert list(bench._rotations(["a", "b", "c"], 4)) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+    assert list(bench_timing._rotations(["a", "b", "c"], 4)) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
                                                           ["a", "b", "c"]]
 
 
 @pytest.fixture
 def faked_cuda_on_cpu(monkeypatch):
     """torch.cuda's timing calls on the CPU (host clock events, no spin) and two small prefill shapes, so that the
-    bench's bookkeeping runs here: hybridkv's entry runs its pure-torch reference on CPU tensors."""
+    bench's bookkeeping runs here: hybridkv's entry runs its pure-torch reference on CPU tensors. Each name is
+    patched in the module that looks it up (`run` calls the `_copy_gbps` that bench.py imported)."""
     torch = pytest.importorskip("torch")
     import time
 
-    from hybridkv.kernels.gdn import bench
+    from hybridkv.kernels.gdn import bench, bench_cases, bench_timing
 
     class Event:
         def __init__(self, enable_timing: bool = False):
@@ -212,20 +213,22 @@ def faked_cuda_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "faked CPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "_ms_per_mcycle", lambda: 1.0)
+    monkeypatch.setattr(bench_cases, "DEVICE", "cpu")
+    monkeypatch.setattr(bench_timing, "_ms_per_mcycle", lambda: 1.0)
     monkeypatch.setattr(bench, "_copy_gbps", lambda iters: 1000.0)
-    monkeypatch.setattr(bench, "B2B_CALLS", 2)
-    monkeypatch.setattr(bench, "PREFILL_SHAPES", (bench.PrefillShape(model="tiny", H=1, HV=2, lens=(70,)),
-                                                  bench.PrefillShape(model="tiny", H=1, HV=2, lens=(40, 30))))
+    monkeypatch.setattr(bench_timing, "B2B_CALLS", 2)
+    monkeypatch.setattr(bench_cases, "PREFILL_SHAPES",
+                        (bench_cases.PrefillShape(model="tiny", H=1, HV=2, lens=(70,)),
+                         bench_cases.PrefillShape(model="tiny", H=1, HV=2, lens=(40, 30))))
     return bench
 
 
 def test_timed_calls_interleave_round_by_round_faked_cuda_on_cpu(faked_cuda_on_cpu):
-    bench = faked_cuda_on_cpu
+    from hybridkv.kernels.gdn import bench_timing
+
     log: list[str] = []
     fns = {name: (lambda name=name: log.append(name)) for name in ("a", "b", "c")}
-    timed = bench._interleaved(fns, iters=4)
+    timed = bench_timing._interleaved(fns, iters=4)
     assert set(timed) == {"a", "b", "c"}
     warm = 3 + 5  # warm-up calls and host timing, one implementation after the other
     assert log[:3 * warm] == ["a"] * warm + ["b"] * warm + ["c"] * warm
@@ -250,11 +253,11 @@ def test_bench_checks_every_column_against_the_fp32_reference_faked_cuda_and_bas
 
     import torch
 
-    from hybridkv.kernels.gdn import baselines, chunk_gated_delta_rule
+    from hybridkv.kernels.gdn import baselines, bench_timing, bench_warmup, chunk_gated_delta_rule
     from tests.kernels import flashinfer_contract
 
     bench = faked_cuda_on_cpu
-    monkeypatch.setattr(bench, "B2B_ROUNDS", 1)
+    monkeypatch.setattr(bench_timing, "B2B_ROUNDS", 1)
 
     def broken_qla(q, k, v, g, beta, **kw):  # right shapes, wrong numbers; refuses varlen
         if kw["cu_seqlens"] is not None:
@@ -299,7 +302,7 @@ def test_bench_checks_every_column_against_the_fp32_reference_faked_cuda_and_bas
     assert float(varlen_line.split()[11]) == pytest.approx(varlen["fi_ms"], abs=1e-3)  # FI ms
     assert "  tiny H=1 HV=2 varlen 40,30: FlashQLA: RuntimeError: varlen is not supported here" in table
     # A warm-up process reports the same in the one JSON line `_warm_parallel` reads.
-    assert bench._warm_main(["1", "hybridkv", "flash_qla"]) == 0
+    assert bench_warmup._warm_main(["1", "hybridkv", "flash_qla"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["index"] == 1 and set(line["first_call_s"]) == {"hybridkv"}
     assert line["failed"] == {"flash_qla": "FlashQLA: RuntimeError: varlen is not supported here"}
@@ -308,10 +311,10 @@ def test_bench_checks_every_column_against_the_fp32_reference_faked_cuda_and_bas
 def test_bench_without_flash_qla_shows_its_columns_empty_faked_cuda(faked_cuda_on_cpu, monkeypatch, capsys):
     import json
 
-    from hybridkv.kernels.gdn import baselines
+    from hybridkv.kernels.gdn import baselines, bench_rows, bench_timing
 
     bench = faked_cuda_on_cpu
-    monkeypatch.setattr(bench, "B2B_ROUNDS", 1)
+    monkeypatch.setattr(bench_timing, "B2B_ROUNDS", 1)
     monkeypatch.setattr(baselines, "load_fla_chunk",
                         lambda: baselines.Loaded(name="fla", fn=None, note="not installed (No module named 'fla')"))
     monkeypatch.setitem(sys.modules, "flash_qla", None)
@@ -327,7 +330,8 @@ def test_bench_without_flash_qla_shows_its_columns_empty_faked_cuda(faked_cuda_o
                                           "speedup_vs_fla", "speedup_vs_qla", "speedup_vs_fi", "qla_first_call_s",
                                           "fi_first_call_s"))
     derived = ("speedup_vs_fla", "speedup_vs_qla", "speedup_vs_fi", "notes")
-    text = bench.render("header", [bench.Row(**{k: v for k, v in blob["rows"][0].items() if k not in derived})], {})
+    row = bench_rows.Row(**{k: v for k, v in blob["rows"][0].items() if k not in derived})
+    text = bench.render("header", [row], {})
     line = next(line for line in text.splitlines() if line.startswith("prefill  tiny"))
     assert line.split()[6:12] == ["-"] * 6  # FLA ms, x FLA, QLA ms, x QLA, FI ms, x FI
 
@@ -335,11 +339,11 @@ def test_bench_without_flash_qla_shows_its_columns_empty_faked_cuda(faked_cuda_o
 def test_warm_up_processes_feed_first_call_times_faked_subprocesses(monkeypatch):
     import subprocess
 
-    from hybridkv.kernels.gdn import bench
+    from hybridkv.kernels.gdn import bench_cases, bench_warmup
 
     class Proc:
         def __init__(self, cmd, **kw):
-            assert cmd[1:4] == ["-m", "hybridkv.kernels.gdn.bench", cmd[3]]
+            assert cmd[1:4] == ["-m", "hybridkv.kernels.gdn.bench_warmup", cmd[3]]
             self.index = int(cmd[3])
             self.returncode = 0 if self.index != 2 else 1
 
@@ -355,8 +359,8 @@ def test_warm_up_processes_feed_first_call_times_faked_subprocesses(monkeypatch)
             self.killed = True
 
     monkeypatch.setattr(subprocess, "Popen", Proc)
-    shapes = tuple(enumerate(bench.PREFILL_SHAPES[:3]))
-    warmed = bench._warm_parallel(shapes, ["hybridkv", "fla", "flash_qla"], jobs=3, timeout=5.0)
+    shapes = tuple(enumerate(bench_cases.PREFILL_SHAPES[:3]))
+    warmed = bench_warmup._warm_parallel(shapes, ["hybridkv", "fla", "flash_qla"], jobs=3, timeout=5.0)
     assert warmed.first_call_s == {(0, "hybridkv"): 1.5, (0, "flash_qla"): 41.0}
     # A warm-up that hung or died costs FlashQLA its column on that shape (it would compile in the timed process);
     # hybridkv and FLA compile in seconds there.

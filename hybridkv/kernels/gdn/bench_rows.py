@@ -1,0 +1,214 @@
+"""The rows of `hybridkv bench gdn`: each prefill shape timed and checked against the fp32 reference, and decode.
+
+`_prefill_rows` starts the warm-up processes (with FlashQLA), then `_prefill_row` for each shape: the first calls, each
+output and final state against `_reference` (`reference.chunk_reference` under `_fp32_matmuls`, TF32 off), the
+interleaved timings, and the FLOP and byte counts, as one `Row`. `_decode_rows` times hybridkv's decode step and
+FLA's fused recurrent step on a slot pool of each state dtype. `_load_fla` is how the probes in benchmarks/gdn get the
+(chunked prefill, recurrent step) FLA pair that `_decode_rows` and the `--breakdown` mode take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from hybridkv.kernels.gdn import baselines
+from hybridkv.kernels.gdn.bench_cases import CHUNK, D, DECODE_SHAPES, PrefillShape, _inputs
+from hybridkv.kernels.gdn.bench_timing import Timing, _interleaved, _median_ms
+from hybridkv.kernels.gdn.bench_warmup import DISK_CACHED, IMPLS, TITLES, Warmed, _first_calls, _impls, _warm_parallel
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    kind: str
+    shape: str
+    ms: float
+    fla_ms: float | None
+    tokens_per_s: float
+    tflops: float | None
+    gbps: float
+    fla_gbps: float | None
+    copy_pct: float | None
+    fla_copy_pct: float | None
+    host_ms: float | None = None  # host time to queue one call (hidden behind the spin in `ms`)
+    fla_host_ms: float | None = None
+    qla_ms: float | None = None  # FlashQLA (prefill only)
+    qla_host_ms: float | None = None
+    fi_ms: float | None = None  # FlashInfer (prefill only)
+    fi_host_ms: float | None = None
+    b2b_ms: float | None = None  # B2B_CALLS calls back to back / B2B_CALLS
+    fla_b2b_ms: float | None = None
+    qla_b2b_ms: float | None = None
+    fi_b2b_ms: float | None = None
+    err: float | None = None  # max |o - fp32 reference|
+    fla_err: float | None = None
+    qla_err: float | None = None
+    fi_err: float | None = None
+    state_err: float | None = None  # max |final state - fp32 reference|
+    fla_state_err: float | None = None
+    qla_state_err: float | None = None
+    fi_state_err: float | None = None
+    first_call_s: float | None = None  # the first call, compiles included
+    fla_first_call_s: float | None = None
+    qla_first_call_s: float | None = None
+    fi_first_call_s: float | None = None
+    notes: tuple[str, ...] = ()  # why a column of this row is empty
+
+    @property
+    def speedup(self) -> float | None:
+        return None if self.fla_ms is None else self.fla_ms / self.ms
+
+    @property
+    def speedup_vs_qla(self) -> float | None:
+        return None if self.qla_ms is None else self.qla_ms / self.ms
+
+    @property
+    def speedup_vs_fi(self) -> float | None:
+        return None if self.fi_ms is None else self.fi_ms / self.ms
+
+
+def _load_fla(skip: bool):
+    """(FLA's chunked prefill on its Triton path, its fused recurrent step), or None (the probes use this too)."""
+    if skip:
+        return None
+    chunk = baselines.load_fla_chunk()
+    recurrent = baselines.load_fla_recurrent()
+    if chunk.fn is None or recurrent is None:
+        return None
+    return chunk.fn, recurrent
+
+
+@contextlib.contextmanager
+def _fp32_matmuls() -> Iterator[None]:
+    """TF32 off (the reference must be fp32 whatever a loaded package set)."""
+    import torch
+
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def _reference(args, kw):
+    import torch
+
+    from hybridkv.kernels.gdn import reference
+
+    q, k, v, g, beta = args
+    with _fp32_matmuls(), torch.no_grad():
+        # v in fp32 makes the reference return its fp32 output, not one rounded to bf16.
+        return reference.chunk_reference(q, k, v.float(), g, beta, D**-0.5, None, True, kw["cu_seqlens"],
+                                         kw["use_qk_l2norm_in_kernel"])
+
+
+def _max_err(x, ref) -> float:
+    return float((x.float() - ref).abs().max().item())
+
+
+def _prefill_row(shape: PrefillShape, index: int, impls: dict[str, Callable], warmed: Warmed, iters: int) -> Row:
+    import torch
+
+    B, T, args, kw = _inputs(index)
+    notes = [why for (i, name), why in warmed.failed.items() if i == index and name != "hybridkv"]
+    # A baseline whose warm-up did not finish would compile here, past the run's time budget.
+    impls = {name: fn for name, fn in impls.items() if name == "hybridkv" or (index, name) not in warmed.failed}
+    seconds, outputs, failed = _first_calls(impls, args, kw)
+    notes += failed.values()
+    ref_o, ref_state = _reference(args, kw)
+    errs = {name: (_max_err(o, ref_o), _max_err(state, ref_state)) for name, (o, state) in outputs.items()}
+    del outputs, ref_o, ref_state
+    torch.cuda.empty_cache()
+
+    def call(fn):
+        return lambda: fn(*args, **kw)
+
+    timed = _interleaved({name: call(impls[name]) for name in impls if name not in failed}, iters)
+    first = {name: warmed.first_call_s.get((index, name), s) for name, s in seconds.items()}
+    tokens = B * T
+    flop = tokens * shape.HV * (6 * D * D + 8 * CHUNK * D)
+    nbytes = tokens * (2 * 2 * shape.H * D + 2 * 2 * shape.HV * D + 8 * shape.HV)
+    ours, fla, qla, fi = (timed.get(name) for name in IMPLS)
+
+    def err(name: str, which: int) -> float | None:
+        return errs[name][which] if name in errs else None
+
+    return Row(kind="prefill", shape=shape.label, ms=ours.ms, fla_ms=_pick(fla, "ms"),
+               tokens_per_s=tokens / ours.ms * 1e3, tflops=flop / ours.ms / 1e9, gbps=nbytes / ours.ms / 1e6,
+               fla_gbps=None if fla is None else nbytes / fla.ms / 1e6, copy_pct=None, fla_copy_pct=None,
+               host_ms=ours.host_ms, fla_host_ms=_pick(fla, "host_ms"), qla_ms=_pick(qla, "ms"),
+               qla_host_ms=_pick(qla, "host_ms"), fi_ms=_pick(fi, "ms"), fi_host_ms=_pick(fi, "host_ms"),
+               b2b_ms=ours.b2b_ms, fla_b2b_ms=_pick(fla, "b2b_ms"), qla_b2b_ms=_pick(qla, "b2b_ms"),
+               fi_b2b_ms=_pick(fi, "b2b_ms"), err=err("hybridkv", 0), fla_err=err("fla", 0),
+               qla_err=err("flash_qla", 0), fi_err=err("flashinfer", 0), state_err=err("hybridkv", 1),
+               fla_state_err=err("fla", 1), qla_state_err=err("flash_qla", 1), fi_state_err=err("flashinfer", 1),
+               first_call_s=first.get("hybridkv"), fla_first_call_s=first.get("fla"),
+               qla_first_call_s=first.get("flash_qla"), fi_first_call_s=first.get("flashinfer"),
+               notes=tuple(notes))
+
+
+def _pick(timing: Timing | None, what: str) -> float | None:
+    return None if timing is None else getattr(timing, what)
+
+
+def _prefill_rows(shapes, loaded: tuple[baselines.Loaded | None, ...], iters: int, warm_jobs: int,
+                  warm_timeout: float, on_row: Callable[[Row], None]) -> tuple[list[Row], str]:
+    """The rows, and where their first calls ran."""
+    impls = _impls(*loaded)
+    warmed, where = Warmed(), "in this process"
+    if "flash_qla" in impls and warm_jobs > 0:
+        t0 = time.perf_counter()
+        warmed = _warm_parallel(shapes, [name for name in impls if name in DISK_CACHED], warm_jobs, warm_timeout)
+        where = (f"in {min(warm_jobs, len(shapes))} parallel warm-up processes, "
+                 f"{time.perf_counter() - t0:.0f} s for all")
+        if "flashinfer" in impls:
+            where += f" ({TITLES['flashinfer']}'s in this process)"
+        print(f"warm-up: {where}", file=sys.stderr, flush=True)
+    rows = []
+    for index, shape in shapes:
+        rows.append(_prefill_row(shape, index, impls, warmed, iters))
+        on_row(rows[-1])
+    return rows, where
+
+
+def _decode_rows(fla, iters: int, copy_gbps: float) -> list[Row]:
+    import torch
+
+    from hybridkv.kernels.gdn import gated_delta_rule_decode
+
+    N = 256
+    rows = []
+    for model, H, HV in DECODE_SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(N, HV, D, device="cuda", dtype=torch.bfloat16)
+            a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
+            A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
+            pool = (torch.randn(2 * N, HV, D, D, device="cuda") * 0.1).to(dtype)
+            idx = torch.randperm(2 * N, device="cuda")[:N]
+            ours = _median_ms(lambda: gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx), iters)
+            elt = pool.element_size()
+            state_bytes = N * HV * D * D * 2 * elt
+            theirs = fla_bytes = None
+            if fla is not None:
+                h0 = (torch.randn(N, HV, D, D, device="cuda") * 0.1).to(dtype)
+                fkw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                           use_beta_sigmoid_in_kernel=True)
+                # FLA takes [B, T, ...]: one token for each of the N sequences.
+                step = (q[:, None], k[:, None], v[:, None])
+                theirs = _median_ms(lambda: fla[1](*step, g=a[:, None], beta=b[:, None], **fkw), iters)
+                fla_bytes = N * HV * D * D * (elt + 4)
+            gbps = state_bytes / ours / 1e6
+            fla_gbps = None if theirs is None else fla_bytes / theirs / 1e6
+            shape = f"{model} H={H} HV={HV} B={N} {str(dtype).removeprefix('torch.')} state"
+            rows.append(Row(kind="decode", shape=shape, ms=ours, fla_ms=theirs, tokens_per_s=N / ours * 1e3,
+                            tflops=None, gbps=gbps, fla_gbps=fla_gbps, copy_pct=100 * gbps / copy_gbps,
+                            fla_copy_pct=None if fla_gbps is None else 100 * fla_gbps / copy_gbps))
+            del pool
+    return rows
