@@ -182,30 +182,11 @@ def _store_rows(R, T, row0, sub: tl.constexpr, c, g_last, b, rq, rk, scale):
 
 
 @triton.jit
-def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
-                          K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, GROUP: tl.constexpr,
-                          L2NORM: tl.constexpr, METHOD: tl.constexpr, PREC: tl.constexpr,
-                          MPREC: tl.constexpr, SEGMENTED: tl.constexpr):
-    """T = (I + L)^-1 of one chunk for GROUP value heads of one key head: the four 16x16 diagonal blocks
-    together (`_inv_unit_lower16x4`), the blocks below by block forward substitution,
-    T_ij = -T_ii sum_{j <= m < i} L_im T_mj; and the chunk's row scales. Grid (chunk rows, HV // GROUP).
-
-    Reads q, k `[B, T, H, K]` and g, beta `[B, T, HV]`; writes A `[NC, HV, 64, 64]`, R `[NC, HV, 8, 64]`
-    and G `[NC, HV]` at the chunk's row. The raw gram K K^T and the q and k norms depend on the key head
-    only: made once, BKC columns at a time (the whole 64 x K block of k never sits in registers), then
-    every value head of the group scales its own copy by beta and the decays.
-    SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of
-    each sequence; otherwise every row.
-    """
-    i_c, i_g = tl.program_id(0), tl.program_id(1)
-    i_c, i_n, i_t, live = _table_row(chunk_table, i_c, row0, c_lo, c_hi, SEGMENTED)
-    if not live:
-        return
-    T, bos = _sequence(cu_seqlens, i_n)
-    hv0 = i_g * GROUP
-    i_h = hv0 // (HV // H)
-    r0 = i_t * 64
-
+def _gram_and_norms(q, k, bos, T, i_h, r0, H, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
+                    L2NORM: tl.constexpr):
+    """The key head's part of a chunk's inverse, shared by its value heads: the lower blocks of the raw gram
+    K K^T (16 x 16: a00, a10, a11, .., a33), accumulated BKC columns of k at a time, and the reciprocal l2 norms
+    of k's and q's rows per 16-token sub-block (ones without L2NORM)."""
     z = tl.zeros([16, 16], dtype=tl.float32)
     a00, a10, a11, a20, a21, a22, a30, a31, a32, a33 = z, z, z, z, z, z, z, z, z, z
     zr = tl.zeros([16], dtype=tl.float32)
@@ -244,7 +225,38 @@ def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
     else:
         one = tl.full([16], 1.0, dtype=tl.float32)
         rk0, rk1, rk2, rk3, rq0, rq1, rq2, rq3 = one, one, one, one, one, one, one, one
+    return a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, rk0, rk1, rk2, rk3, rq0, rq1, rq2, rq3
 
+
+@triton.jit
+def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
+                          K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, GROUP: tl.constexpr,
+                          L2NORM: tl.constexpr, METHOD: tl.constexpr, PREC: tl.constexpr,
+                          MPREC: tl.constexpr, SEGMENTED: tl.constexpr):
+    """T = (I + L)^-1 of one chunk for GROUP value heads of one key head: the four 16x16 diagonal blocks
+    together (`_inv_unit_lower16x4`), the blocks below by block forward substitution,
+    T_ij = -T_ii sum_{j <= m < i} L_im T_mj; and the chunk's row scales. Grid (chunk rows, HV // GROUP).
+
+    Reads q, k `[B, T, H, K]` and g, beta `[B, T, HV]`; writes A `[NC, HV, 64, 64]`, R `[NC, HV, 8, 64]`
+    and G `[NC, HV]` at the chunk's row. The raw gram K K^T and the q and k norms depend on the key head
+    only: made once, BKC columns at a time (the whole 64 x K block of k never sits in registers), then
+    every value head of the group scales its own copy by beta and the decays.
+    SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of
+    each sequence; otherwise every row.
+    """
+    i_c, i_g = tl.program_id(0), tl.program_id(1)
+    i_c, i_n, i_t, live = _table_row(chunk_table, i_c, row0, c_lo, c_hi, SEGMENTED)
+    if not live:
+        return
+    T, bos = _sequence(cu_seqlens, i_n)
+    hv0 = i_g * GROUP
+    i_h = hv0 // (HV // H)
+    r0 = i_t * 64
+
+    (a00, a10, a11, a20, a21, a22, a30, a31, a32, a33,
+     rk0, rk1, rk2, rk3, rq0, rq1, rq2, rq3) = _gram_and_norms(q, k, bos, T, i_h, r0, H, K, BK, BKC, L2NORM)
+
+    z = tl.zeros([16, 16], dtype=tl.float32)
     for j in range(GROUP):
         i_hv = hv0 + j
         g0, b0 = _gates(g, beta, bos, T, i_hv, r0, HV)

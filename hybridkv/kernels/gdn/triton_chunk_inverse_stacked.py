@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybridkv.kernels.gdn.triton_chunk_inverse import _R_STRIDE, _inv_unit_lower16x4, _sub_rows
+from hybridkv.kernels.gdn.triton_chunk_inverse import _R_STRIDE, _gram_and_norms, _inv_unit_lower16x4
 from hybridkv.kernels.gdn.triton_chunk_rows import _sequence, _table_row
 
 
@@ -114,44 +114,8 @@ def _chunk_inverse_stacked_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_tabl
     i_h = hv0 // (HV // H)
     r0 = i_t * 64
 
-    z = tl.zeros([16, 16], dtype=tl.float32)
-    a00, a10, a11, a20, a21, a22, a30, a31, a32, a33 = z, z, z, z, z, z, z, z, z, z
-    zr = tl.zeros([16], dtype=tl.float32)
-    sk0, sk1, sk2, sk3, sq0, sq1, sq2, sq3 = zr, zr, zr, zr, zr, zr, zr, zr
-    for i_k in tl.static_range(BK // BKC):
-        k0 = _sub_rows(k, bos, T, i_h, r0, i_k, H, K, BKC)
-        k1 = _sub_rows(k, bos, T, i_h, r0 + 16, i_k, H, K, BKC)
-        k2 = _sub_rows(k, bos, T, i_h, r0 + 32, i_k, H, K, BKC)
-        k3 = _sub_rows(k, bos, T, i_h, r0 + 48, i_k, H, K, BKC)
-        a00 = tl.dot(k0, tl.trans(k0), a00)
-        a10 = tl.dot(k1, tl.trans(k0), a10)
-        a11 = tl.dot(k1, tl.trans(k1), a11)
-        a20 = tl.dot(k2, tl.trans(k0), a20)
-        a21 = tl.dot(k2, tl.trans(k1), a21)
-        a22 = tl.dot(k2, tl.trans(k2), a22)
-        a30 = tl.dot(k3, tl.trans(k0), a30)
-        a31 = tl.dot(k3, tl.trans(k1), a31)
-        a32 = tl.dot(k3, tl.trans(k2), a32)
-        a33 = tl.dot(k3, tl.trans(k3), a33)
-        if L2NORM:
-            sk0 += tl.sum(k0.to(tl.float32) * k0.to(tl.float32), 1)
-            sk1 += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), 1)
-            sk2 += tl.sum(k2.to(tl.float32) * k2.to(tl.float32), 1)
-            sk3 += tl.sum(k3.to(tl.float32) * k3.to(tl.float32), 1)
-            q0 = _sub_rows(q, bos, T, i_h, r0, i_k, H, K, BKC).to(tl.float32)
-            q1 = _sub_rows(q, bos, T, i_h, r0 + 16, i_k, H, K, BKC).to(tl.float32)
-            q2 = _sub_rows(q, bos, T, i_h, r0 + 32, i_k, H, K, BKC).to(tl.float32)
-            q3 = _sub_rows(q, bos, T, i_h, r0 + 48, i_k, H, K, BKC).to(tl.float32)
-            sq0 += tl.sum(q0 * q0, 1)
-            sq1 += tl.sum(q1 * q1, 1)
-            sq2 += tl.sum(q2 * q2, 1)
-            sq3 += tl.sum(q3 * q3, 1)
-    if L2NORM:
-        rk0, rk1, rk2, rk3 = tl.rsqrt(sk0 + 1e-6), tl.rsqrt(sk1 + 1e-6), tl.rsqrt(sk2 + 1e-6), tl.rsqrt(sk3 + 1e-6)
-        rq0, rq1, rq2, rq3 = tl.rsqrt(sq0 + 1e-6), tl.rsqrt(sq1 + 1e-6), tl.rsqrt(sq2 + 1e-6), tl.rsqrt(sq3 + 1e-6)
-    else:
-        one = tl.full([16], 1.0, dtype=tl.float32)
-        rk0, rk1, rk2, rk3, rq0, rq1, rq2, rq3 = one, one, one, one, one, one, one, one
+    (a00, a10, a11, a20, a21, a22, a30, a31, a32, a33,
+     rk0, rk1, rk2, rk3, rq0, rq1, rq2, rq3) = _gram_and_norms(q, k, bos, T, i_h, r0, H, K, BK, BKC, L2NORM)
 
     g0, b0 = _gates_g(g, beta, bos, T, hv0, r0, HV, GROUP)
     g1, b1 = _gates_g(g, beta, bos, T, hv0, r0 + 16, HV, GROUP)
