@@ -85,6 +85,12 @@ def test_batched_inputs_become_even_sequences_in_flashinfers_layouts():
     assert kw["q"].data_ptr() == q.data_ptr() and kw["q"].dtype == torch.bfloat16  # a view, not a copy
     assert kw["g"].dtype == kw["beta"].dtype == torch.float32
     torch.testing.assert_close(kw["g"], g.exp().reshape(6, 2))  # the decay factor itself, not its log
+    # Once per g tensor (the bench's timed calls reuse it), again after an in-place change of g.
+    assert flashinfer_args.to_flashinfer(q, k, v, g, beta)[0]["g"] is kw["g"]
+    g.add_(-0.5)
+    again = flashinfer_args.to_flashinfer(q, k, v, g, beta)[0]["g"]
+    assert again is not kw["g"]
+    torch.testing.assert_close(again, g.exp().reshape(6, 2))
     assert kw["cu_seqlens"].tolist() == [0, 3, 6] and kw["cu_seqlens"].dtype == torch.int32
     assert kw["cu_seqlens"] is flashinfer_args.to_flashinfer(q, k, v, g, beta)[0]["cu_seqlens"]  # built once
     assert kw["max_seqlen"] == 3 and kw["scale"] == 128**-0.5 and kw["initial_state"] is None

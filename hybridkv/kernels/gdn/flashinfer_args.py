@@ -50,6 +50,31 @@ def _even_cu_seqlens(batch: int, length: int, device: str) -> Any:
     return torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)
 
 
+class _DecayCache:
+    """exp(g) of the last g seen, kept while that tensor is unchanged (same object, same version counter).
+
+    FlashInfer takes the decay itself where FLA and hybridkv take its log; an engine feeding FlashInfer would have
+    its gating kernel write the decay as cheaply as the log, so the bench does not charge the conversion to
+    FlashInfer's timed calls: it runs once per g tensor (in the untimed first call), as `triton_chunk._TableCache`
+    keeps hybridkv's chunk tables."""
+
+    def __init__(self) -> None:
+        self._g: Any = None
+        self._version = -1
+        self._decay: Any = None
+
+    def get(self, g: Any) -> Any:
+        import torch
+
+        if g is not self._g or g._version != self._version:
+            self._decay = torch.exp(g.float()).reshape(-1, g.shape[-1]).contiguous()
+            self._g, self._version = g, g._version
+        return self._decay
+
+
+_decays = _DecayCache()
+
+
 def to_flashinfer(
     q: Any,
     k: Any,
@@ -65,8 +90,8 @@ def to_flashinfer(
     """The keyword arguments of FlashInfer's `chunk_gated_delta_rule` for FLA's layouts (q, k `[B, T, H, K]`; v
     `[B, T, HV, V]`; g, the log decay, and beta `[B, T, HV]`; states `[N, HV, K, V]`), and how to unpack its result.
 
-    Reshapes of contiguous inputs are views; exp(g) is one fp32 kernel over `[T_total, HV]` (a caller holding FLA's
-    log-space g pays it too), and an initial state is copied transposed.
+    Reshapes of contiguous inputs are views; exp(g) is computed once per g tensor (`_DecayCache`), and an initial
+    state is copied transposed.
     """
     import torch
 
@@ -96,7 +121,7 @@ def to_flashinfer(
         "q": q.reshape(B * T, H, K).contiguous(),
         "k": k.reshape(B * T, H, K).contiguous(),
         "v": v.reshape(B * T, HV, V).contiguous(),
-        "g": torch.exp(g.float()).reshape(B * T, HV).contiguous(),
+        "g": _decays.get(g),
         "beta": beta.float().reshape(B * T, HV).contiguous(),
         "scale": K**-0.5 if scale is None else float(scale),
         "initial_state": state,
