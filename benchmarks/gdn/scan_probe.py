@@ -60,13 +60,15 @@ class Variant:
     segments: int | None = None
     summary: tuple[int, int, int] | None = None  # triton_chunk_scan.SUMMARY_CONFIG
     by_segment: bool = False  # triton_chunk_scan.BY_SEGMENT
+    whole_m: bool = False  # triton_chunk_scan.SCAN_WHOLE_M
     inverse: InverseConfig = INVERSE_CONFIG
 
 
 def variants(plan: triton_chunk.Plan, segments: int) -> list[Variant]:
     """The plan (the whole inverse first, then the summaries: 0.199 ms at 397B TP8 1x8192 when measured), the
-    pipelined schedule it replaced, and three changes to the plan: by segment (the summaries overlapping the
-    inverse on the side stream), three-stage summaries (0.190 at 397B TP8 then) and the stacked inverse."""
+    pipelined schedule it replaced, and four changes to the plan: by segment (the summaries overlapping the
+    inverse on the side stream), three-stage summaries (0.190 at 397B TP8 then), the scan holding each start
+    state in registers, and the stacked inverse."""
     fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
     out = [Variant(name="plan"),
            Variant(name="pipelined scores (32,4,3) x2", schedule=PIPELINED, form=SCORES, config=(32, 4, 3),
@@ -74,6 +76,7 @@ def variants(plan: triton_chunk.Plan, segments: int) -> list[Variant]:
     if plan.schedule is SCAN:
         out += [Variant(name="plan, by segment", by_segment=True, **fixed),
                 Variant(name="plan, summary (32,4,3)", summary=(32, 4, 3), **fixed),
+                Variant(name="plan, scan with whole M (8 warps)", whole_m=True, **fixed),
                 Variant(name="plan, stacked inverse w4", inverse=dataclasses.replace(INVERSE_CONFIG, stacked=True,
                                                                                      warps=4), **fixed)]
     return out
@@ -98,6 +101,7 @@ def main() -> int:
             def call(var=var):
                 triton_chunk_scan.SUMMARY_CONFIG = var.summary or shipped_summary
                 triton_chunk_scan.BY_SEGMENT = var.by_segment
+                triton_chunk_scan.SCAN_WHOLE_M = var.whole_m
                 return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
                                                                False, config=var.config, schedule=var.schedule,
                                                                segments=var.segments, form=var.form,
@@ -119,6 +123,7 @@ def main() -> int:
                 print(breakdown.render(label, [b]), flush=True)
                 rows.append(dict(shape=label, breakdown=name, call_us=b.call_us, kernels=list(b.kernels)))
         triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = shipped_summary, False
+        triton_chunk_scan.SCAN_WHOLE_M = False
         del q, k, v, g, beta, o_ref, s_ref
         torch.cuda.empty_cache()
     if a.json:

@@ -174,12 +174,33 @@ def half_precision(out: dict) -> None:
     out["fp16-k64-v96/scan"] = [rel(o, o_ref), rel(s.transpose(-1, -2), s_ref)]
 
 
+def whole_m_scan(out: dict) -> None:
+    """The scan kernel holding each start state in registers (`triton_chunk_scan.SCAN_WHOLE_M`), one sequence of
+    five chunks in three segments, slow gates (a start state carried wrongly shows)."""
+    T, H, HV, K = 300, 1, 2, 128
+    cu = torch.tensor([0, T])
+    q, k = (torch.randn(1, T, H, K).bfloat16() for _ in range(2))
+    v = torch.randn(1, T, HV, K).bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 7)
+    beta = torch.rand(1, T, HV)
+    h0 = torch.randn(1, HV, K, K) * 0.1
+    o_ref, s_ref = reference.chunk_reference(q, k, v, g, beta, K**-0.5, h0, True, cu, True)
+    triton_chunk_scan.SCAN_WHOLE_M = True
+    try:
+        o, s = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, K**-0.5, h0, True, cu, True, False,
+                                                       config=(64, 4, 2), schedule=triton_chunk.Schedule.SCAN,
+                                                       segments=3, form=triton_chunk.Form.SCORES)
+    finally:
+        triton_chunk_scan.SCAN_WHOLE_M = False
+    out["1seq/scores-scan-whole-m"] = [rel(o, o_ref), rel(s, s_ref)]
+
+
 # Two halves of about equal interpreter time (l2norm on or off, and the rest split between them), which
 # test_gdn_interpreted runs side by side: the interpreter is single-threaded and CI has two cores.
 PARTS = {
     "l2": lambda out: (sequences([400, 64, 30], out, (True,)), sequences([300], out, (True,)), half_precision(out)),
     "no-l2": lambda out: (sequences([400, 64, 30], out, (False,)), sequences([300], out, (False,)),
-                          out.update(stacked_inverse())),
+                          out.update(stacked_inverse()), whole_m_scan(out)),
 }
 
 

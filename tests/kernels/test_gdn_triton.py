@@ -456,6 +456,23 @@ def test_scan_schedule_matches_reference(lens, H, HV, batch, by_segment, monkeyp
         assert rel_err(st, st_ref) < 2e-2, (form, config, segments)
 
 
+@pytest.mark.parametrize(("lens", "H", "HV", "batch"), [SCAN_CASES[0], PREFILL[6]])
+def test_scan_with_whole_m_in_registers_matches_reference(lens, H, HV, batch, monkeypatch):
+    """The scan kernel holding each start state in registers (`triton_chunk_scan.SCAN_WHOLE_M`, opt-in)."""
+    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_scan
+
+    monkeypatch.setattr(triton_chunk_scan, "SCAN_WHOLE_M", True)
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=24, slow=True)
+    N = batch or len(lens)
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
+    for segments in (2, 4, 8):
+        o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
+                                                        config=(32, 4, 3), schedule=triton_chunk.Schedule.SCAN,
+                                                        segments=segments, form=triton_chunk.Form.SCORES)
+        assert rel_err(o, o_ref) < 2e-2 and rel_err(st, st_ref) < 2e-2, segments
+
+
 @pytest.mark.parametrize("by_segment", [False, True], ids=["whole-inverse-first", "by-segment"])
 def test_scan_is_the_plan_for_tp8_heads_and_matches_reference_in_a_cuda_graph(by_segment, monkeypatch):
     """397B at TP8 (H=2, HV=8), one 8192-token prompt: the plan is the scan, and a captured call replayed

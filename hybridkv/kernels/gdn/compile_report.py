@@ -165,7 +165,7 @@ def _specs() -> list[KernelSpec]:
             name="scan_starts", module=scan, attr="_segment_scan_kernel",
             signature={"summary": "*fp32", "h_in": "*fp32", "starts": "*fp32", "stride_ik": "i32", "n_seg": "i32",
                        "NH": "i32", "W": "i32", "MCOL": "i32"},
-            constants={"stride_iv": 1, "K": D, "V": D, "BK": D, "HAS_H_IN": True},
+            constants={"stride_iv": 1, "K": D, "V": D, "BK": D, "HAS_H_IN": True, "WHOLE_M": False},
             aligned=("stride_ik", "W", "MCOL"),
             launches=(Launch(label=f"BV={triton_chunk_scan.SCAN_BV}", num_warps=4, num_stages=1,
                              constants={"BV": triton_chunk_scan.SCAN_BV, "SLAB": triton_chunk_scan.SCAN_SLAB}),),

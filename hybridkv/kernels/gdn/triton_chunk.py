@@ -376,7 +376,8 @@ def _scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strid
             summarize(0, segments - 1)
     scan._segment_scan_kernel[(triton.cdiv(V, scan.SCAN_BV), NH)](
         summary, h0, starts, *strides, segments, NH, W, n_vb * sbv, K=K, V=V, BK=BK, BV=scan.SCAN_BV,
-        SLAB=min(scan.SCAN_SLAB, BK), HAS_H_IN=h0 is not None, num_warps=4, num_stages=1)
+        SLAB=min(scan.SCAN_SLAB, BK), HAS_H_IN=h0 is not None, WHOLE_M=scan.SCAN_WHOLE_M,
+        num_warps=8 if scan.SCAN_WHOLE_M else 4, num_stages=1)
     bv, warps, stages = config
     _chunk_state_kernel[(triton.cdiv(V, bv), NH, segments)](
         q, k, v, A, P, R, G, o, starts, final, cu, chunk_offsets, 0, seg_chunks, V, 1, *strides, H, HV,

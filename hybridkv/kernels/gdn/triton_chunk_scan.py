@@ -47,6 +47,10 @@ SUMMARY_CONFIG = (32, 4, 2)
 # H200: 0.199 ms at 397B TP8 1x8192). False until benchmarks/gdn/scan_probe.py, which times the two side by
 # side, has run on a GPU: the overlap is written and checked (interpreter, GPU tests) but not yet measured.
 BY_SEGMENT = False
+# The scan with each segment's start state kept in registers and M loaded whole, at eight warps
+# (`_segment_scan_kernel`'s WHOLE_M): off until scan_probe has timed it against the slab walk (37 us at 8 segments,
+# 35B TP8, each step a store and a read back).
+SCAN_WHOLE_M = False
 SCAN_BV = 32
 SCAN_SLAB = 32
 
@@ -104,11 +108,13 @@ def _segment_summary_kernel(k, v, A, R, G, summary, cu_seqlens, chunk_offsets, s
 @triton.jit
 def _segment_scan_kernel(summary, h_in, starts, stride_ik, stride_iv, n_seg, NH, W, MCOL, K: tl.constexpr,
                          V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SLAB: tl.constexpr,
-                         HAS_H_IN: tl.constexpr):
+                         HAS_H_IN: tl.constexpr, WHOLE_M: tl.constexpr = False):
     """Start states of every segment of one (sequence x value head, V block): grid (cdiv(V, BV), N * HV).
     starts `[n_seg, N * HV, K, V]` fp32: segment 0's is h_in's (zeros without it), segment j + 1's is
     M_j S_j + B_j from summary (M_j in columns MCOL.. of its row block). Each S_j is read back from
-    starts in SLAB-row slabs, so no [K, K] operand sits in registers."""
+    starts in SLAB-row slabs, so no [K, K] operand sits in registers. WHOLE_M (`SCAN_WHOLE_M`): S_j stays in
+    registers and M_j is loaded whole, so a step waits for no store to land and read back (eight warps hold
+    the [K, K] operand)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_s = tl.arange(0, SLAB)
@@ -121,15 +127,24 @@ def _segment_scan_kernel(summary, h_in, starts, stride_ik, stride_iv, n_seg, NH,
     p_start = starts + i_nh.to(tl.int64) * K * V + o_k[:, None] * V + col[None, :]
     tl.store(p_start, b_s, mask=ok)
     for j in range(0, n_seg - 1):
-        # The stores above (this program's own threads) must be visible before the slabs are read back.
-        tl.debug_barrier()
-        blk = summary + (j * NH + i_nh).to(tl.int64) * BK * W
-        acc = tl.load(blk + o_k[:, None] * W + col[None, :], mask=ok, other=0.0)
-        prev = starts + (j * NH + i_nh).to(tl.int64) * K * V
-        for s in tl.static_range(0, BK, SLAB):
-            b_m = tl.load(blk + o_k[:, None] * W + MCOL + s + o_s[None, :])
-            b_x = tl.load(prev + (s + o_s)[:, None] * V + col[None, :],
-                          mask=((s + o_s)[:, None] < K) & (col[None, :] < V), other=0.0)
-            acc = tl.dot(b_m, b_x, acc, input_precision="tf32x3")
-        tl.store(starts + ((j + 1) * NH + i_nh).to(tl.int64) * K * V + o_k[:, None] * V + col[None, :], acc,
-                 mask=ok)
+        if WHOLE_M:
+            blk = summary + (j * NH + i_nh).to(tl.int64) * BK * W
+            acc = tl.load(blk + o_k[:, None] * W + col[None, :], mask=ok, other=0.0)
+            # Rows and columns of M past K hold no values (k is zero there), and S is zero in those rows.
+            b_m = tl.load(blk + o_k[:, None] * W + MCOL + o_k[None, :])
+            b_s = tl.dot(b_m, b_s, acc, input_precision="tf32x3")
+            tl.store(starts + ((j + 1) * NH + i_nh).to(tl.int64) * K * V + o_k[:, None] * V + col[None, :], b_s,
+                     mask=ok)
+        else:
+            # The stores above (this program's own threads) must be visible before the slabs are read back.
+            tl.debug_barrier()
+            blk = summary + (j * NH + i_nh).to(tl.int64) * BK * W
+            acc = tl.load(blk + o_k[:, None] * W + col[None, :], mask=ok, other=0.0)
+            prev = starts + (j * NH + i_nh).to(tl.int64) * K * V
+            for s in tl.static_range(0, BK, SLAB):
+                b_m = tl.load(blk + o_k[:, None] * W + MCOL + s + o_s[None, :])
+                b_x = tl.load(prev + (s + o_s)[:, None] * V + col[None, :],
+                              mask=((s + o_s)[:, None] < K) & (col[None, :] < V), other=0.0)
+                acc = tl.dot(b_m, b_x, acc, input_precision="tf32x3")
+            tl.store(starts + ((j + 1) * NH + i_nh).to(tl.int64) * K * V + o_k[:, None] * V + col[None, :], acc,
+                     mask=ok)
