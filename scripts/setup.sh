@@ -14,12 +14,18 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     exit 0
 fi
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+# scripts/test.sh runs the three set-ups at once; an editable install rewrites the source tree's
+# hybridkv.egg-info, so that step holds a lock shared by all three.
+mkdir -p "$ROOT/.logs"
+exec 9>"$ROOT/.logs/editable.lock"
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip >/dev/null
 # The CPU build of torch lies on this machine's disk; asking for it first keeps
 # later requirements (nixl depends on torch) from pulling a multi-GB CUDA build.
 pip install -q "torch==2.13.0" 2> >(grep -v "is ignored: it is neither" >&2)
+flock 9
 pip install -q -e ".[dev,transport,sims]" 2> >(grep -v "is ignored: it is neither" >&2)
+flock -u 9
 # Triton as on the H200 test machine: `hybridkv kernels report` and its tests compile every kernel for
 # sm_90 and sm_100 with Triton's bundled ptxas, no GPU needed.
 pip install -q "triton==3.6.0" 2> >(grep -v "is ignored: it is neither" >&2)

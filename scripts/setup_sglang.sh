@@ -16,6 +16,10 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     exit 0
 fi
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+# scripts/test.sh runs the three set-ups at once; an editable install rewrites the source tree's
+# hybridkv.egg-info, so that step holds a lock shared by all three.
+mkdir -p "$ROOT/.logs"
+exec 9>"$ROOT/.logs/editable.lock"
 pip() { "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 pip install -q --upgrade pip >/dev/null
 # The CPU build of torch lies on this machine's disk; installing it first keeps
@@ -34,7 +38,9 @@ pip install -q "torch==2.13.0" numpy msgspec requests pyzmq aiohttp orjson psuti
 # a log that is shown only if the step fails.
 log="$VENV/.install.log"
 pip install -q --no-deps "sglang==0.5.23" >"$log" 2>&1 || { cat "$log"; exit 1; }
+flock 9
 pip install -q "torch==2.13.0" -e ".[dev,transport]" >"$log" 2>&1 || { cat "$log"; exit 1; }
+flock -u 9
 # PyPI's torchvision is a CUDA build: next to the CPU torch its C ops do not
 # load and `import torchvision` then fails registering fake kernels for two
 # undefined ops. SGLang imports torchvision.transforms (pure Python) at module

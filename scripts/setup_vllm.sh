@@ -21,6 +21,10 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     exit 0
 fi
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+# scripts/test.sh runs the three set-ups at once; an editable install rewrites the source tree's
+# hybridkv.egg-info, so that step holds a lock shared by all three.
+mkdir -p "$ROOT/.logs"
+exec 9>"$ROOT/.logs/editable.lock"
 pip() { "$VENV/bin/python" -m pip "$@"; }
 quiet() { grep -v "is ignored: it is neither" >&2 || true; }
 pip install -q --upgrade pip >/dev/null
@@ -28,6 +32,7 @@ pip install -q --upgrade pip >/dev/null
 # One resolver run for torch (the CPU build on this machine's disk: asking for
 # it here keeps nixl's torch requirement from pulling a multi-GB CUDA build),
 # vLLM's light dependencies and hybridkv itself.
+flock 9  # held through this resolver run, which includes the editable install
 pip install -q 2> >(quiet) \
     "torch==2.13.0" \
     -e ".[dev,transport]" \
@@ -59,6 +64,8 @@ pip install -q 2> >(quiet) \
     transformers==5.20.2 \
     urllib3==2.8.0 \
     uvloop==0.23.0
+
+flock -u 9
 
 # vllm, xgrammar and compressed-tensors declare (CUDA) torch requirements that
 # this CPU environment deliberately does not satisfy.

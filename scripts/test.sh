@@ -43,17 +43,25 @@ for where in "$ROOT" "${TMPDIR:-/tmp}"; do
     fi
 done
 
-setup_env .venv scripts/setup.sh || exit 1
 ENGINES=()
 for engine in vllm sglang; do
     [[ -f "scripts/setup_${engine}.sh" && -d "tests/${engine}" ]] && ENGINES+=("$engine")
 done
-# Built first, not beside the core suite: the multi-process tests are timing-sensitive and
-# a heavy install next to them made a demo test hang once.
-FAILED=()
+# The three set-ups side by side (mostly unpacking and disk; they share only the step that rewrites the
+# source tree's hybridkv.egg-info, which takes a lock in each script), and all before any suite: the
+# multi-process tests are timing-sensitive and a heavy install next to them made a demo test hang once.
+setup_env .venv scripts/setup.sh &
+core_setup=$!
+ENGINE_SETUPS=()
 for engine in "${ENGINES[@]}"; do
-    setup_env ".venv-${engine}" "scripts/setup_${engine}.sh" || FAILED+=("$engine")
+    setup_env ".venv-${engine}" "scripts/setup_${engine}.sh" &
+    ENGINE_SETUPS+=($!)
 done
+FAILED=()
+for i in "${!ENGINES[@]}"; do
+    wait "${ENGINE_SETUPS[$i]}" || FAILED+=("${ENGINES[$i]}")
+done
+wait "$core_setup" || exit 1
 
 # The property suite at its CI size (>= 10,000 interleavings, issue 3), whoever runs this: not only
 # where a CI variable happens to be set.
