@@ -154,19 +154,23 @@ def test_dp2_prefill_to_dp2_decode_every_request_on_its_rank(cluster):
 
 def test_decode_queue_longer_than_the_lease_loses_nothing(cluster):
     """Prefill DP rank 1 leases for 4 s; decode DP rank 1 runs one request at a time and is busy
-    with a long local request, so five loads wait in its queue for longer than the lease and the
+    with long local requests, so five loads wait in its queue for longer than the lease and the
     prefill scheduler's 1.5 x lease hold. Decode renews every queued request from arrival:
     every load succeeds under kv_load_failure_policy "fail", bytes equal."""
     _, p1, _, d1 = cluster["engines"]
     lease = PREFILL[1]["lease"]
-    d1.send({"local": [["busy", 32, 900]]})  # occupies decode's only running slot
+    # Decode's only running slot stays busy until the abort below: one local request ends by itself after
+    # ~900 steps, which a quiet host runs in about 6 s (the queue then waited 5.95 s, under the 1.5 x lease
+    # the check below needs), so three queue ahead of the loads (first come, first served).
+    busy = ["busy0", "busy1", "busy2"]
+    d1.send({"local": [[rid, 32, 900] for rid in busy]})
     prompts = {f"q{i}": 48 + 16 * i for i in range(5)}
     params, pages = p1.prefill(prompts)
     d1.send({"decode": [[rid, n, 4, params[rid]] for rid, n in prompts.items()]})
-    # The engine sees each message a step or so late on a loaded host (at load 13 on 2 cores the queue
-    # waited 5.85 s of a 2.5 x lease sleep, under the 1.5 x lease the check below needs).
+    # The engine also sees each message a step or so late on a loaded host (at load 13 on 2 cores the queue
+    # waited 5.85 s of a 2.5 x lease sleep).
     time.sleep(3.5 * lease)
-    d1.send({"abort": ["busy"]})  # the slot frees: the queued loads run one after another
+    d1.send({"abort": busy})  # the slot frees: the queued loads run one after another
     done = d1.read(120)["done"]
     waited = min(r["seconds"] for r in done.values())
     assert waited > 1.5 * lease, f"the queue never outlived the lease ({waited:.1f} s): the test shows nothing"
