@@ -182,6 +182,23 @@ def _store_rows(R, T, row0, sub: tl.constexpr, c, g_last, b, rq, rk, scale):
 
 
 @triton.jit
+def _merge_blocks(t00, t11, t22, t33, l10, l20, l21, l30, l31, l32, MPREC: tl.constexpr):
+    """The blocks of T below its diagonal by block forward substitution, T_ij = -T_ii sum_{j <= m < i} L_im T_mj,
+    from the inverted diagonal blocks and L's blocks below it: (t10, t20, t21, t30, t31, t32). [16, 16] blocks,
+    or [GROUP, 16, 16] batches of them (`triton_chunk_inverse_stacked`: tl.dot batches over the first axis)."""
+    t10 = -tl.dot(t11, tl.dot(l10, t00, input_precision=MPREC), input_precision=MPREC)
+    t21 = -tl.dot(t22, tl.dot(l21, t11, input_precision=MPREC), input_precision=MPREC)
+    t32 = -tl.dot(t33, tl.dot(l32, t22, input_precision=MPREC), input_precision=MPREC)
+    t20 = -tl.dot(t22, tl.dot(l20, t00, input_precision=MPREC) + tl.dot(l21, t10, input_precision=MPREC),
+                  input_precision=MPREC)
+    t31 = -tl.dot(t33, tl.dot(l31, t11, input_precision=MPREC) + tl.dot(l32, t21, input_precision=MPREC),
+                  input_precision=MPREC)
+    t30 = -tl.dot(t33, tl.dot(l30, t00, input_precision=MPREC) + tl.dot(l31, t10, input_precision=MPREC)
+                  + tl.dot(l32, t20, input_precision=MPREC), input_precision=MPREC)
+    return t10, t20, t21, t30, t31, t32
+
+
+@triton.jit
 def _gram_and_norms(q, k, bos, T, i_h, r0, H, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
                     L2NORM: tl.constexpr):
     """The key head's part of a chunk's inverse, shared by its value heads: the lower blocks of the raw gram
@@ -288,15 +305,7 @@ def _chunk_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
             _lower_block(a00, c0, c0, b0, rk0, rk0, True), _lower_block(a11, c1, c1, b1, rk1, rk1, True),
             _lower_block(a22, c2, c2, b2, rk2, rk2, True), _lower_block(a33, c3, c3, b3, rk3, rk3, True)),
             METHOD, PREC))
-        t10 = -tl.dot(t11, tl.dot(l10, t00, input_precision=MPREC), input_precision=MPREC)
-        t21 = -tl.dot(t22, tl.dot(l21, t11, input_precision=MPREC), input_precision=MPREC)
-        t32 = -tl.dot(t33, tl.dot(l32, t22, input_precision=MPREC), input_precision=MPREC)
-        t20 = -tl.dot(t22, tl.dot(l20, t00, input_precision=MPREC) + tl.dot(l21, t10, input_precision=MPREC),
-                      input_precision=MPREC)
-        t31 = -tl.dot(t33, tl.dot(l31, t11, input_precision=MPREC) + tl.dot(l32, t21, input_precision=MPREC),
-                      input_precision=MPREC)
-        t30 = -tl.dot(t33, tl.dot(l30, t00, input_precision=MPREC) + tl.dot(l31, t10, input_precision=MPREC)
-                      + tl.dot(l32, t20, input_precision=MPREC), input_precision=MPREC)
+        t10, t20, t21, t30, t31, t32 = _merge_blocks(t00, t11, t22, t33, l10, l20, l21, l30, l31, l32, MPREC)
 
         p = A + i_ch * 4096
         _store16(p, t00, 0, 0)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybridkv.kernels.gdn.triton_chunk_inverse import _R_STRIDE, _gram_and_norms, _inv_unit_lower16x4
+from hybridkv.kernels.gdn.triton_chunk_inverse import (_R_STRIDE, _gram_and_norms, _inv_unit_lower16x4,
+                                                       _merge_blocks)
 from hybridkv.kernels.gdn.triton_chunk_rows import _sequence, _table_row
 
 
@@ -94,11 +95,6 @@ def _store16g(p, x, row0: tl.constexpr, col0: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b, PREC: tl.constexpr):
-    return tl.dot(a, b, input_precision=PREC)
-
-
-@triton.jit
 def _chunk_inverse_stacked_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
                                   K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, GROUP: tl.constexpr,
                                   L2NORM: tl.constexpr, METHOD: tl.constexpr, PREC: tl.constexpr,
@@ -146,12 +142,7 @@ def _chunk_inverse_stacked_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_tabl
         _lower_g(a00, c0, c0, b0, rk0, rk0, True), _lower_g(a11, c1, c1, b1, rk1, rk1, True),
         _lower_g(a22, c2, c2, b2, rk2, rk2, True), _lower_g(a33, c3, c3, b3, rk3, rk3, True), GROUP),
         METHOD, PREC), GROUP)
-    t10 = -_mm(t11, _mm(l10, t00, MPREC), MPREC)
-    t21 = -_mm(t22, _mm(l21, t11, MPREC), MPREC)
-    t32 = -_mm(t33, _mm(l32, t22, MPREC), MPREC)
-    t20 = -_mm(t22, _mm(l20, t00, MPREC) + _mm(l21, t10, MPREC), MPREC)
-    t31 = -_mm(t33, _mm(l31, t11, MPREC) + _mm(l32, t21, MPREC), MPREC)
-    t30 = -_mm(t33, _mm(l30, t00, MPREC) + _mm(l31, t10, MPREC) + _mm(l32, t20, MPREC), MPREC)
+    t10, t20, t21, t30, t31, t32 = _merge_blocks(t00, t11, t22, t33, l10, l20, l21, l30, l31, l32, MPREC)
 
     p = A + i_ch * 4096
     zg = tl.zeros([GROUP, 16, 16], dtype=tl.float32)
