@@ -17,8 +17,9 @@ same 32 KB. At ~4.3 TB/s and ~1.5 us of latency, Little's law wants over 6 MB. T
 walk compiles to 255 registers (spilling at BV >= 64): no better. The TMA walk at (32, 4) takes 80
 registers and 25 KB of shared memory at 3 stages: 5 programs per SM, up to 15 tiles (120 KB) in flight.
 
-Not yet run on a GPU; both candidates match
-`reference.decode_reference` in Triton's interpreter (pads included).
+Run on an H200 2026-12-02 (benchmarks/device/results/decode_probe_h200.txt): the TMA walk won (bf16 up to 84.8%
+of copy bandwidth against 78%) and ships as `hybridkv.kernels.gdn.triton_decode_tma`, which this probe now
+times; the register-prefetch walk gained at most 2 points and stays here.
 
     python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH]
     DECODEFIRST=1 TESTS=0 ONLY=decode bash benchmarks/device/gdn.sh   # on the device, then the decode bench
@@ -35,29 +36,11 @@ import json
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_decode, triton_recurrent
+from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_decode, triton_decode_tma, triton_recurrent
+from hybridkv.kernels.gdn.triton_decode_tma import _delta_step
 
 from benchmarks.gdn.schedules import decode_inputs
-
-
-@triton.jit
-def _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold, L2NORM: tl.constexpr):
-    """One token on one [BV, K] tile, gating fused: returns (output row, updated tile), both fp32."""
-    f_q = b_q.to(tl.float32)
-    f_k = b_k.to(tl.float32)
-    if L2NORM:
-        f_q = f_q * tl.rsqrt(tl.sum(f_q * f_q, 0) + 1e-6)
-        f_k = f_k * tl.rsqrt(tl.sum(f_k * f_k, 0) + 1e-6)
-    bx = softplus_beta * x
-    sp = tl.where(bx <= softplus_threshold, tl.log(1.0 + tl.exp(bx)) / softplus_beta, x)
-    b_s = raw.to(tl.float32) * tl.exp(neg_a * sp)
-    pred = tl.sum(b_s * f_k[None, :], 1)
-    sq = tl.sum(b_s * f_q[None, :], 1)
-    delta = tl.sigmoid(bb) * (b_v.to(tl.float32) - pred)
-    b_o = (sq + delta * tl.sum(f_k * f_q, 0)) * scale
-    return b_o, b_s + delta[:, None] * f_k[None, :]
 
 
 @triton.jit
@@ -112,47 +95,8 @@ def _decode_persistent(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, N
             n_raw, n_q, n_k, n_v, n_x, n_bb, n_neg_a, n_valid, n_live, n_base, n_o_row)
 
 
-@triton.jit
-def _decode_tma(q, k, v, a, b, A_log, dt_bias, o, desc, state_indices, N, progs, scale, softplus_beta,
-                softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BV: tl.constexpr, L2NORM: tl.constexpr, STAGES: tl.constexpr):
-    """The same walk with the state moved by TMA: the pipeliner keeps STAGES tiles' loads in flight in
-    shared memory, so in-flight bytes are no longer bounded by the registers that receive them."""
-    pid = tl.program_id(0)
-    NV: tl.constexpr = V // BV
-    n_tiles = N * HV * NV
-    o_k = tl.arange(0, K)
-    o_bv = tl.arange(0, BV)
-    for t in tl.range(pid, n_tiles, progs, num_stages=STAGES):
-        i_v = t % NV
-        i_hv = (t // NV) % HV
-        i_n = t // (NV * HV)
-        i_h = i_hv // (HV // H)
-        slot = tl.load(state_indices + i_n).to(tl.int32)
-        live = slot >= 0
-        raw = desc.load([tl.maximum(slot, 0), i_hv, i_v * BV, 0]).reshape(BV, K)  # a pad reads slot 0, unused
-        row_h = i_n.to(tl.int64) * H + i_h
-        row_hv = i_n.to(tl.int64) * HV + i_hv
-        b_q = tl.load(q + row_h * K + o_k)
-        b_k = tl.load(k + row_h * K + o_k)
-        b_v = tl.load(v + row_hv * V + i_v * BV + o_bv)
-        x = tl.load(a + row_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
-        bb = tl.load(b + row_hv).to(tl.float32)
-        neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        b_o, b_s = _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold, L2NORM)
-        tl.store(o + row_hv * V + i_v * BV + o_bv, tl.where(live, b_o, 0.0).to(o.dtype.element_ty))
-        if live:
-            desc.store([slot, i_hv, i_v * BV, 0], b_s.to(desc.dtype).reshape(1, 1, BV, K))
-
-
 def launch_tma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx):
-    bv, warps, per_sm, stages = cfg
-    N, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    programs = per_sm * torch.cuda.get_device_properties(q.device).multi_processor_count
-    desc = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [1, 1, bv, K])
-    _decode_tma[(programs,)](q, k, v, a, b, A_log, dt_bias, o, desc, idx, N, programs, K**-0.5, 1.0, 20.0,
-                             H=H, HV=HV, K=K, V=V, BV=bv, L2NORM=True, STAGES=stages, num_warps=warps)
+    triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, 1.0, 20.0)
 
 
 def launch_persistent(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, stream):

@@ -64,18 +64,22 @@ class Variant:
     inverse: InverseConfig = INVERSE_CONFIG
 
 
-def variants(plan: triton_chunk.Plan, segments: int) -> list[Variant]:
+def variants(plan: triton_chunk.Plan, segments: int, pairs: int) -> list[Variant]:
     """The plan (the whole inverse first, then the summaries: 0.199 ms at 397B TP8 1x8192 when measured), the
     pipelined schedule it replaced, and four changes to the plan: by segment (the summaries overlapping the
-    inverse on the side stream), three-stage summaries (0.190 at 397B TP8 then), the scan holding each start
+    inverse on the side stream), the summary stages the shipped rule did not pick (three stages at 397B TP8: 0.190
+    against 0.202 ms, shipped since), the scan holding each start
     state in registers, and the stacked inverse."""
     fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
+    # The summary stages the shipped rule did not pick for this head count.
+    other_summary = (triton_chunk_scan.SUMMARY_MANY_HEADS if pairs <= triton_chunk_scan.SUMMARY_FEW_HEADS
+                     else triton_chunk_scan.SUMMARY_FEW_HEADS_CONFIG)
     out = [Variant(name="plan"),
            Variant(name="pipelined scores (32,4,3) x2", schedule=PIPELINED, form=SCORES, config=(32, 4, 3),
                    segments=2)]
     if plan.schedule is SCAN:
         out += [Variant(name="plan, by segment", by_segment=True, **fixed),
-                Variant(name="plan, summary (32,4,3)", summary=(32, 4, 3), **fixed),
+                Variant(name=f"plan, summary {other_summary}", summary=other_summary, **fixed),
                 Variant(name="plan, scan with whole M (8 warps)", whole_m=True, **fixed),
                 Variant(name="plan, stacked inverse w4", inverse=dataclasses.replace(INVERSE_CONFIG, stacked=True,
                                                                                      warps=4), **fixed)]
@@ -85,7 +89,6 @@ def variants(plan: triton_chunk.Plan, segments: int) -> list[Variant]:
 def main() -> int:
     a = probe_args(__doc__)
     rows = []
-    shipped_summary = triton_chunk_scan.SUMMARY_CONFIG
     for label, H, HV, T in SHAPES:
         if a.shapes and not any(x in label for x in a.shapes):
             continue
@@ -97,9 +100,9 @@ def main() -> int:
         print(f"{label}: plan {plan.form.value} {plan.schedule.value} {plan.config}", flush=True)
         segments = triton_chunk._scan_segments(triton.cdiv(128, (plan.config or (32,))[0]) * HV, sms, T // 64)
         calls = {}
-        for var in variants(plan, segments):
+        for var in variants(plan, segments, HV):
             def call(var=var):
-                triton_chunk_scan.SUMMARY_CONFIG = var.summary or shipped_summary
+                triton_chunk_scan.SUMMARY_CONFIG = var.summary
                 triton_chunk_scan.BY_SEGMENT = var.by_segment
                 triton_chunk_scan.SCAN_WHOLE_M = var.whole_m
                 return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
@@ -122,7 +125,7 @@ def main() -> int:
                 b = breakdown.measure(name, calls[name], a.iters, bench_timing._median_ms)
                 print(breakdown.render(label, [b]), flush=True)
                 rows.append(dict(shape=label, breakdown=name, call_us=b.call_us, kernels=list(b.kernels)))
-        triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = shipped_summary, False
+        triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = None, False
         triton_chunk_scan.SCAN_WHOLE_M = False
         del q, k, v, g, beta, o_ref, s_ref
         torch.cuda.empty_cache()

@@ -197,8 +197,43 @@ def whole_m_scan(out: dict) -> None:
 
 # Two halves of about equal interpreter time (l2norm on or off, and the rest split between them), which
 # test_gdn_interpreted runs side by side: the interpreter is single-threaded and CI has two cores.
+def decode_tma(out: dict) -> None:
+    """The TMA decode walk (`triton_decode_tma`) on layer 1 of a two-layer slot pool (a strided view), with pads
+    and a walk that wraps (more tiles than programs): [o error, state error] against the reference, then
+    "decode-tma/vs-tile": the largest difference from the tile kernel on the same inputs (the same arithmetic, so
+    zero), and "decode-tma/untouched": 1.0 when layer 0, the pads' and the unused slots are bit for bit as before."""
+    from hybridkv.kernels.gdn import triton_decode_tma, triton_recurrent
+
+    N, H, HV, K, V, slots = 5, 2, 4, 32, 64, 9
+    q, k = torch.randn(N, H, K).bfloat16(), torch.randn(N, H, K).bfloat16()
+    v = torch.randn(N, HV, V).bfloat16()
+    a, b = torch.randn(N, HV), torch.randn(N, HV)
+    A_log, dt_bias = torch.randn(HV) * 0.5, torch.randn(HV) * 0.5
+    pool = (torch.randn(slots, 2, HV, V, K) * 0.1).bfloat16()
+    idx = torch.tensor([3, -1, 0, 8, 5])
+    before = pool.clone()
+    want = before[:, 1].clone()
+    o_ref = reference.decode_reference(q, k, v, a, b, A_log, dt_bias, want, idx, K**-0.5, True, True)
+    o = torch.full_like(v, float("nan"))
+    # BV 32 of V 64, three "SMs" at two programs each: 40 tiles over 6 programs.
+    triton_decode_tma.launch((32, 4, 2, 2), q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, K**-0.5, True, 1.0,
+                             20.0, sms=3)
+    out["decode-tma"] = [rel(o, o_ref), rel(pool[:, 1][idx[idx >= 0]], want[idx[idx >= 0]])]
+    tile_pool = before.clone()
+    o_tile = torch.empty_like(v)
+    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, K**-0.5,
+                                    True, True, 1.0, 20.0)
+    out["decode-tma/vs-tile"] = max((o.float() - o_tile.float()).abs().max().item(),
+                                    (pool.float() - tile_pool.float()).abs().max().item())
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[idx[idx >= 0]] = False
+    same = torch.equal(pool[:, 0], before[:, 0]) and torch.equal(pool[untouched], before[untouched])
+    out["decode-tma/untouched"] = float(same and torch.equal(o[1], torch.zeros_like(o[1])))
+
+
 PARTS = {
-    "l2": lambda out: (sequences([400, 64, 30], out, (True,)), sequences([300], out, (True,)), half_precision(out)),
+    "l2": lambda out: (sequences([400, 64, 30], out, (True,)), sequences([300], out, (True,)), half_precision(out),
+                       decode_tma(out)),
     "no-l2": lambda out: (sequences([400, 64, 30], out, (False,)), sequences([300], out, (False,)),
                           out.update(stacked_inverse()), whole_m_scan(out)),
 }

@@ -51,7 +51,7 @@ def test_tuned_choices_name_each_self_tuning_kernel():
     from hybridkv.kernels.gdn import bench, triton_chunk, triton_recurrent  # noqa: F401
 
     tuned = bench._tuned_choices()
-    assert set(tuned) == {"chunk state (H, HV, log2 work, K, V; BV, warps, stages)", "decode (BV, warps)"}
+    assert set(tuned) == {"chunk state (H, HV, log2 work, K, V; BV, warps, stages)", "decode (kernel, config)"}
     assert all(picks == {} for picks in tuned.values())  # nothing ran here
 
 

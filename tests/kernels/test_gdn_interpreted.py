@@ -31,10 +31,16 @@ def test_chunk_kernels_in_the_interpreter_match_the_reference():
     assert set(errors) == {f"{n}seq/{s}/l2={l2}" for n in (3, 1)
                            for s in ("serial", "pipelined", "split-pipelined", "scores-pipelined", "serial-product-form")
                            for l2 in (True, False)} | {f"{n}seq/scores-scan/l2=True" for n in (3, 1)} | {
-                               f"fp16-k64-v96/{f}" for f in ("fused", "split", "scores", "scan")} | {"inverse-stacked/g4", "1seq/scores-scan-whole-m"}
+                               f"fp16-k64-v96/{f}" for f in ("fused", "split", "scores", "scan")} | {
+                               "inverse-stacked/g4", "1seq/scores-scan-whole-m", "decode-tma", "decode-tma/vs-tile",
+                               "decode-tma/untouched"}
     # The stacked inverse kernel against the shipped one: the same sums per head, so equal to rounding
     # (a head's outputs written to another head's rows, or a row left unwritten, is an error of order 1).
     assert errors.pop("inverse-stacked/g4")[0] < 1e-3
+    # The TMA decode walk does the tile kernel's arithmetic in the same order: equal bit for bit, pads, the
+    # other layer and unused slots untouched, pads' outputs zero.
+    assert errors.pop("decode-tma/vs-tile") == 0.0
+    assert errors.pop("decode-tma/untouched") == 1.0
     for name, (o_err, s_err) in errors.items():
         # bf16 inputs and GEMM operands, as on the GPU (the GPU tests' bound).
         assert o_err < 2e-2 and s_err < 2e-2, (name, o_err, s_err)

@@ -19,6 +19,7 @@ from hybridkv.kernels.gdn import (  # noqa: E402
     gated_delta_rule_decode,
 )
 from hybridkv.kernels.gdn import reference as ref  # noqa: E402
+from hybridkv.kernels.gdn import triton_decode_tma, triton_recurrent  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -212,6 +213,61 @@ def test_decode_slots_in_place_with_pads(HV, state_dtype):
     untouched[idx[live]] = False
     assert torch.equal(layer[untouched], before[:, 1][untouched])
     assert torch.equal(pool[:, 0], before[:, 0])
+
+
+def _decode_case(N, HV, state_dtype, slots, seed):
+    H, K, V = 16, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = dict(device="cuda", generator=gen)
+    q, k = torch.randn(N, H, K, **dev).bfloat16(), torch.randn(N, H, K, **dev).bfloat16()
+    v = torch.randn(N, HV, V, **dev).bfloat16()
+    a, b = torch.randn(N, HV, **dev), torch.randn(N, HV, **dev)
+    A_log, dt_bias = torch.randn(HV, **dev) * 0.5, torch.randn(HV, **dev) * 0.5
+    pool = (torch.randn(slots, 2, HV, V, K, **dev) * 0.1).to(state_dtype)  # layer 1 is a strided view
+    idx = torch.randperm(slots, device="cuda", generator=gen)[:N]
+    idx[::7] = -1
+    return q, k, v, a, b, A_log, dt_bias, pool, idx
+
+
+@pytest.mark.parametrize("cfg", triton_decode_tma.TMA_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N", [64, 256])
+def test_tma_decode_equals_tile_kernel(N, state_dtype, cfg):
+    """Every TMA walk config against the tile kernel on the same strided pool: bit for bit (same arithmetic),
+    the other layer, the pads' and unused slots untouched."""
+    q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(N, 32, state_dtype, 300, 5)
+    assert triton_decode_tma.eligible(q, v, pool[:, 1], True)
+    before = pool.clone()
+    tile_pool, o_tile = pool.clone(), torch.empty_like(v)
+    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
+                                    True, True, 1.0, 20.0)
+    o = torch.full_like(v, float("nan"))
+    triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, 128**-0.5, True, 1.0, 20.0)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_tile)
+    assert torch.equal(pool, tile_pool)
+    touched = torch.zeros(300, dtype=torch.bool, device="cuda")
+    touched[idx[idx >= 0]] = True
+    assert torch.equal(pool[~touched], before[~touched]) and torch.equal(pool[:, 0], before[:, 0])
+    assert not torch.equal(pool[touched, 1], before[touched, 1])
+
+
+def test_decode_takes_the_tile_kernel_where_tma_cannot_describe_the_pool():
+    """A pool view whose base is not 16-byte aligned, or a K-first pool, is not eligible; the decode call still
+    runs (tile kernel, its own tuning key) and matches the reference."""
+    q, k, v, a, b, A_log, dt_bias, _, idx = _decode_case(64, 32, torch.bfloat16, 100, 6)
+    flat = (torch.randn(100 * 32 * 128 * 128 + 1, device="cuda") * 0.1).bfloat16()
+    odd = flat[1:].view(100, 32, 128, 128)  # 2-byte offset: no tensor descriptor
+    assert not triton_decode_tma.eligible(q, v, odd, True)
+    assert not triton_decode_tma.eligible(q, v, odd.clone(), False)
+    want = odd.clone()
+    o_ref = ref.decode_reference(q, k, v, a, b, A_log, dt_bias, want, idx, 128**-0.5, True, True)
+    o = gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, odd, idx)
+    live = idx >= 0
+    assert rel_err(o[live], o_ref[live]) < 1e-2
+    assert rel_err(odd[idx[live]], want[idx[live]]) < 1e-2
+    not_eligible = {key: c for key, c in triton_recurrent.decode_choices().items() if key[-1] is False}
+    assert not_eligible and all(c.kernel is triton_recurrent.DecodeKernel.TILE for c in not_eligible.values())
 
 
 def test_conv1d_prefill_then_update():

@@ -217,5 +217,5 @@ def _tuned_choices() -> dict[str, dict[str, str]]:
             for key, cfg in chunk._chunk_state_tuned.cache.items()}
     recurrent = sys.modules.get("hybridkv.kernels.gdn.triton_recurrent")
     if recurrent is not None:
-        out["decode (BV, warps)"] = {str(key): str(cfg) for key, cfg in recurrent.decode_choices().items()}
+        out["decode (kernel, config)"] = {str(key): str(cfg) for key, cfg in recurrent.decode_choices().items()}
     return out

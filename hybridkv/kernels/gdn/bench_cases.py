@@ -47,6 +47,7 @@ PREFILL_SHAPES = (
     PrefillShape(model="35B", H=16, HV=32, lens=(5000, 1237, 1955, 3)),
 )
 DECODE_SHAPES = (("35B", 16, 32), ("397B", 16, 64))
+DECODE_BATCHES = (64, 256)
 D = 128
 CHUNK = 64
 DEVICE = "cuda"  # where the prefill inputs are made (tests run the bench's bookkeeping on the CPU)

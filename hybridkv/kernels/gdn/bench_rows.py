@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from hybridkv.kernels.gdn import baselines
-from hybridkv.kernels.gdn.bench_cases import CHUNK, D, DECODE_SHAPES, PrefillShape, _inputs
+from hybridkv.kernels.gdn.bench_cases import CHUNK, D, DECODE_BATCHES, DECODE_SHAPES, PrefillShape, _inputs
 from hybridkv.kernels.gdn.bench_timing import Timing, _interleaved, _median_ms
 from hybridkv.kernels.gdn.bench_warmup import DISK_CACHED, IMPLS, TITLES, Warmed, _first_calls, _impls, _warm_parallel
 
@@ -180,10 +180,11 @@ def _decode_rows(fla, iters: int, copy_gbps: float) -> list[Row]:
 
     from hybridkv.kernels.gdn import gated_delta_rule_decode
 
-    N = 256
     rows = []
+    # 64 sequences as well as 256: small batches are where decode latency matters most, and where fewer
+    # tiles than the GPU has room for in flight made the tile kernel fall short of copy bandwidth.
     for model, H, HV in DECODE_SHAPES:
-        for dtype in (torch.float32, torch.bfloat16):
+        for N, dtype in ((n, dt) for n in DECODE_BATCHES for dt in (torch.float32, torch.bfloat16)):
             q = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
             v = torch.randn(N, HV, D, device="cuda", dtype=torch.bfloat16)

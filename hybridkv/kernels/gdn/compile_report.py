@@ -158,8 +158,9 @@ def _specs() -> list[KernelSpec]:
                        "HV": "i32"},
             constants={"K": D, "V": D, "BK": D},
             aligned=("H", "HV"),
-            launches=tuple(Launch(label=f"BV={bv}", num_warps=w, num_stages=st, constants={"BV": bv})
-                           for bv, w, st in (triton_chunk_scan.SUMMARY_CONFIG,)),
+            launches=tuple(Launch(label=f"BV={bv} stages={st}", num_warps=w, num_stages=st, constants={"BV": bv})
+                           for bv, w, st in (triton_chunk_scan.SUMMARY_MANY_HEADS,
+                                             triton_chunk_scan.SUMMARY_FEW_HEADS_CONFIG)),
         ),
         KernelSpec(
             name="scan_starts", module=scan, attr="_segment_scan_kernel",

@@ -334,7 +334,7 @@ def _scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strid
 
     seg_chunks = triton.cdiv(NC, segments)  # NC bounds every sequence's chunk count
     NH = N * HV
-    sbv, swarps, sstages = scan.SUMMARY_CONFIG
+    sbv, swarps, sstages = scan.summary_config(NH)
     n_vb, n_mb = triton.cdiv(V, sbv), triton.cdiv(BK, sbv)
     W = (n_vb + n_mb) * sbv
     starts = q.new_empty((segments, NH, K, V), dtype=torch.float32)

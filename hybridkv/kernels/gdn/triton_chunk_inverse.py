@@ -54,6 +54,7 @@ class InverseConfig:
     maxnreg: int | None = None  # a register cap for ptxas (more programs per SM, maybe spills)
     # The group's value heads side by side in one program (`triton_chunk_inverse_stacked`) rather than
     # one after another: GROUP times the independent work per dependent step; the group is a power of two.
+    # Off: 2.2x slower than the shipped kernel on the H200 (397B 4x8192, benchmarks/gdn/README.md).
     stacked: bool = False
 
     def __post_init__(self) -> None:

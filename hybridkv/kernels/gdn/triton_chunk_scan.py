@@ -24,7 +24,8 @@ segments except one short scan:
 On a GPU, one sequence, with BY_SEGMENT: the inverse runs segment by segment on the caller's stream and each
 summary on a side stream as soon as its segment's inverse is done, so the summaries (a chain a segment long, a few dozen
 programs) fill the SMs the inverse leaves idle instead of waiting for the whole inverse; the scan waits for
-both. Ordered by events only, like `triton_chunk.Schedule.PIPELINED`, so correct however the GPU runs them.
+both. Ordered by events only, like `triton_chunk.Schedule.PIPELINED`, so correct however the GPU runs them. Off:
+measured slower on every shape (the inverse runs 3.5x slower beside the summaries; benchmarks/gdn/README.md).
 
 The chain work about doubles (the summary's 3 GEMMs on V + K columns beside the output chain's 5 or 6 on
 V), traded for a chain that is a segment long. `triton_chunk._plan` picks it only where the output
@@ -39,20 +40,33 @@ import triton.language as tl
 from hybridkv.kernels.gdn.triton_chunk_inverse import _R_STRIDE
 from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program
 
-# Summary programs: BV columns of the augmented state each, four warps, two stages (as the batched state
-# kernel). The scan kernel: SCAN_BV state columns, k rows in slabs of SCAN_SLAB.
-SUMMARY_CONFIG = (32, 4, 2)
+# Summary programs: BV columns of the augmented state each, four warps; two stages (as the batched state
+# kernel) when many (sequence, value head) pairs fill the SMs, three when at most SUMMARY_FEW_HEADS do, since
+# then each program walks a long segment alone and deeper load pipelining pays. Measured on the H200
+# (benchmarks/gdn/scan_probe.py, 2026-12-02): three stages took 397B TP8 (8 heads) 1x8192 from 0.202 to 0.190 ms
+# and 1x32768 from 0.598 to 0.552; at 16 heads (397B TP4, 35B TP2) they cost 21 us; 35B TP8 (4 heads) even.
+# SUMMARY_CONFIG, when set, overrides the choice (the probe's variants). The scan kernel: SCAN_BV state columns,
+# k rows in slabs of SCAN_SLAB.
+SUMMARY_CONFIG: tuple[int, int, int] | None = None
+SUMMARY_MANY_HEADS = (32, 4, 2)
+SUMMARY_FEW_HEADS_CONFIG = (32, 4, 3)
+SUMMARY_FEW_HEADS = 8
 # One sequence: True runs the inverse segment by segment with each summary as soon as its segment's is
-# done (the module docstring); False, the whole inverse, then every summary in one launch (measured on the
-# H200: 0.199 ms at 397B TP8 1x8192). False until benchmarks/gdn/scan_probe.py, which times the two side by
-# side, has run on a GPU: the overlap is written and checked (interpreter, GPU tests) but not yet measured.
+# done (the module docstring); False, the whole inverse, then every summary in one launch. Measured on the H200
+# (benchmarks/gdn/scan_probe.py): True lost everywhere, 0.291 against 0.202 ms at 397B TP8 1x8192.
 BY_SEGMENT = False
 # The scan with each segment's start state kept in registers and M loaded whole, at eight warps
-# (`_segment_scan_kernel`'s WHOLE_M): off until scan_probe has timed it against the slab walk (37 us at 8 segments,
-# 35B TP8, each step a store and a read back).
+# (`_segment_scan_kernel`'s WHOLE_M): within 1% of the slab walk on the H200, so off.
 SCAN_WHOLE_M = False
 SCAN_BV = 32
 SCAN_SLAB = 32
+
+
+def summary_config(pairs: int) -> tuple[int, int, int]:
+    """(BV, warps, stages) of the summary kernel for ``pairs`` (sequence, value head) pairs (see above)."""
+    if SUMMARY_CONFIG is not None:
+        return SUMMARY_CONFIG
+    return SUMMARY_FEW_HEADS_CONFIG if pairs <= SUMMARY_FEW_HEADS else SUMMARY_MANY_HEADS
 
 
 @triton.jit

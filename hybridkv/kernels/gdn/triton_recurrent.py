@@ -13,9 +13,14 @@ so its tile shape is tuned against copy bandwidth (`_tune_decode`).
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+from hybridkv.kernels.gdn import triton_decode_tma
 
 
 @triton.jit
@@ -114,20 +119,37 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
             tl.store(p_s_out, b_s.to(p_s_out.dtype.element_ty), mask=m_s & live)
 
 
-# Decode streams each state once; which tile keeps enough bytes in flight depends on the state
-# dtype and head count. Triton's autotuner would clone the whole pool around every timed call
+# Decode streams each state once; which kernel and tile keep enough bytes in flight depends on the state
+# dtype, head count and batch. Triton's autotuner would clone the whole pool around every timed call
 # (restore_value), which both costs a pool-sized copy and swamps the timings, so decode tunes itself
 # once per key on a scratch pool instead. The key carries the batch size rounded up to a power of two
 # (at most DECODE_TUNE_ROWS) because the best tile moves with it: a tile tuned on a small batch can be
-# several points of copy bandwidth short on a large one.
+# several points of copy bandwidth short on a large one. The candidates are the tile kernel's
+# (BV, num_warps) configs and, where it can run, the TMA walk's (`triton_decode_tma.TMA_CONFIGS`).
 DECODE_TUNE_ROWS = 256
 DECODE_CONFIGS = ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8))  # (BV, num_warps)
-_DEFAULT_DECODE = (32, 4)
-_decode_choice: dict[tuple, tuple[int, int]] = {}
 
 
-def decode_choices() -> dict[tuple, tuple[int, int]]:
-    """The (BV, num_warps) each decode key settled on (for the bench's report)."""
+class DecodeKernel(enum.Enum):
+    TILE = "tile"  # `_recurrent_kernel`, one [BV, K] tile per program
+    TMA = "tma"  # `triton_decode_tma`, persistent programs with the state staged by TMA
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeChoice:
+    kernel: DecodeKernel
+    cfg: tuple[int, ...]  # TILE: (BV, num_warps); TMA: (BV, num_warps, programs per SM, stages)
+
+    def __str__(self) -> str:
+        return f"{self.kernel.value} {self.cfg}"
+
+
+_DEFAULT_DECODE = DecodeChoice(kernel=DecodeKernel.TILE, cfg=(32, 4))
+_decode_choice: dict[tuple, DecodeChoice] = {}
+
+
+def decode_choices() -> dict[tuple, DecodeChoice]:
+    """The kernel and config each decode key settled on (for the bench's report)."""
     return dict(_decode_choice)
 
 
@@ -184,35 +206,55 @@ def _launch_decode(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indic
     )
 
 
-def _tune_decode(args, rows: int) -> tuple[int, int]:
-    """Time each config on a scratch pool of `rows` slots (the caller's pool is never touched)."""
-    q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, *rest = args
+def _launch_choice(choice: DecodeChoice, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2,
+                   v_first, softplus_beta, softplus_threshold) -> None:
+    if choice.kernel is DecodeKernel.TMA:
+        triton_decode_tma.launch(choice.cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2,
+                                 softplus_beta, softplus_threshold)
+    else:
+        _launch_decode(choice.cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, v_first,
+                       softplus_beta, softplus_threshold)
+
+
+def _candidates(q, v, ssm_state, v_first) -> list[DecodeChoice]:
+    out = [DecodeChoice(kernel=DecodeKernel.TILE, cfg=c) for c in DECODE_CONFIGS]
+    if triton_decode_tma.eligible(q, v, ssm_state, v_first):
+        out += [DecodeChoice(kernel=DecodeKernel.TMA, cfg=c) for c in triton_decode_tma.TMA_CONFIGS]
+    return out
+
+
+def _tune_decode(args, rows: int) -> DecodeChoice:
+    """Time each candidate on a scratch pool of `rows` slots (the caller's pool is never touched)."""
+    q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, v_first, *rest = args
     scratch = torch.zeros((rows, *ssm_state.shape[1:]), dtype=ssm_state.dtype, device=ssm_state.device)
     idx = torch.arange(rows, device=q.device, dtype=state_indices.dtype)
     sub = (q[:rows], k[:rows], v[:rows], a[:rows], b[:rows], A_log, dt_bias, torch.empty_like(v[:rows]),
-           scratch, idx, *rest)
-    for cfg in DECODE_CONFIGS:  # compile and warm every config before any is timed
-        _launch_decode(cfg, *sub)
+           scratch, idx, scale, l2, v_first, *rest)
+    # The scratch pool is dense; the TMA walk must also be able to take the caller's (possibly strided) pool.
+    cands = [c for c in _candidates(q, v, ssm_state, v_first)
+             if c.kernel is DecodeKernel.TILE or triton_decode_tma.eligible(q, v, scratch, v_first)]
+    for choice in cands:  # compile and warm every candidate before any is timed
+        _launch_choice(choice, *sub)
     torch.cuda.synchronize()
-    # Three rounds over all configs, best of each: a single timed pass in a fixed order can favour a config
+    # Three rounds over all candidates, best of each: a single timed pass in a fixed order can favour one
     # for where it falls in the order rather than for its speed, and picked a slower tile.
-    best_ms = {cfg: float("inf") for cfg in DECODE_CONFIGS}
+    best_ms = {c: float("inf") for c in cands}
     for _ in range(3):
-        for cfg in DECODE_CONFIGS:
+        for choice in cands:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(5):
-                _launch_decode(cfg, *sub)
+                _launch_choice(choice, *sub)
             end.record()
             end.synchronize()
-            best_ms[cfg] = min(best_ms[cfg], start.elapsed_time(end))
-    return min(DECODE_CONFIGS, key=best_ms.__getitem__)
+            best_ms[choice] = min(best_ms[choice], start.elapsed_time(end))
+    return min(cands, key=best_ms.__getitem__)
 
 
 def decode_fwd(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, scale, use_qk_l2norm_in_kernel,
                state_v_first, softplus_beta, softplus_threshold):
     """o `[N, HV, V]` of `api.gated_delta_rule_decode` (arguments validated there); ssm_state is updated in
-    place. The tile is tuned on the first eager call per key (`_tune_decode`)."""
+    place. The kernel and tile are tuned on the first eager call per key (`_tune_decode`)."""
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     q, k, v, a, b = (x.contiguous() for x in (q, k, v, a, b))
@@ -220,13 +262,16 @@ def decode_fwd(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, scale, u
     args = (q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, use_qk_l2norm_in_kernel,
             state_v_first, softplus_beta, softplus_threshold)
     bucket = min(triton.next_power_of_2(max(N, 1)), DECODE_TUNE_ROWS)
-    key = (HV, K, V, ssm_state.dtype, q.dtype, state_v_first, use_qk_l2norm_in_kernel, bucket)
-    cfg = _decode_choice.get(key)
-    if cfg is None:
+    tma = triton_decode_tma.eligible(q, v, ssm_state, state_v_first)
+    # Whether this pool can take the TMA walk is part of the key: the same shapes over a pool it cannot
+    # describe (misaligned view, K-first) must not reuse a TMA choice.
+    key = (HV, K, V, ssm_state.dtype, q.dtype, state_v_first, use_qk_l2norm_in_kernel, bucket, tma)
+    choice = _decode_choice.get(key)
+    if choice is None:
         # Under CUDA-graph capture nothing may sync: use the default until an eager call has tuned.
         if torch.cuda.is_current_stream_capturing():
-            cfg = _DEFAULT_DECODE
+            choice = _DEFAULT_DECODE
         else:
-            cfg = _decode_choice[key] = _tune_decode(args, max(1, min(N, bucket)))
-    _launch_decode(cfg, *args)
+            choice = _decode_choice[key] = _tune_decode(args, max(1, min(N, bucket)))
+    _launch_choice(choice, *args)
     return o

@@ -1,0 +1,128 @@
+"""The in-place slot decode with the state moved by TMA, for Hopper and later.
+
+The tile decode (`triton_recurrent._recurrent_kernel`, one [BV, K] tile per program) keeps only the
+state bytes in flight that its registers can receive: offline sm_90, (BV=32, 4 warps) takes 121
+registers, four programs per SM, ~32 KB of state in flight per SM; at ~4.3 TB/s and ~1.5 us of latency
+Little's law wants well over that. Here a fixed number of programs (PER_SM per SM) each walk tiles with a
+stride, and Triton's pipeliner stages the next STAGES tiles' state in shared memory through a tensor
+descriptor, so the bytes in flight are bounded by shared memory, not registers. Measured on an H200
+(benchmarks/gdn/decode_probe.py, B = 256, 2026-12-02): bf16 state 77.8% -> 82.4% of copy bandwidth at
+35B (HV=32) and 78.2% -> 84.8% at 397B (HV=64); fp32 85.6-86.9% either way. Results are bitwise equal to
+the tile kernel's (same arithmetic, `_delta_step`).
+
+`triton_recurrent._tune_decode` times these launches beside the tile configs and keeps whichever is
+fastest per key, so this path is taken only where it was measured to win, and only where it can run
+(`eligible`): a V-first pool whose strides a tensor descriptor accepts, on a device with TMA.
+`reference.decode_reference` is the oracle, as for the tile kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+# (BV, num_warps, programs per SM, pipeline stages): the probe's best per state dtype and head count
+# (64, 4, 4, 3 led bf16 at both head counts; 64, 4, 2, 3 and 32, 4, 4, 3 fp32) and a deeper walk.
+TMA_CONFIGS = ((64, 4, 4, 3), (64, 4, 2, 3), (32, 4, 4, 3), (64, 4, 8, 3))
+_TMA_ALIGN = 16  # bytes: a tensor descriptor's base address and every stride but the last
+_BOX_MAX = 256  # elements per box dimension
+
+
+@triton.jit
+def _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold, L2NORM: tl.constexpr):
+    """One token on one [BV, K] tile, gating fused: returns (output row, updated tile), both fp32. The
+    same operations in the same order as `_recurrent_kernel`'s decode step, so the two agree bit for bit."""
+    f_q = b_q.to(tl.float32)
+    f_k = b_k.to(tl.float32)
+    if L2NORM:
+        f_q = f_q * tl.rsqrt(tl.sum(f_q * f_q, 0) + 1e-6)
+        f_k = f_k * tl.rsqrt(tl.sum(f_k * f_k, 0) + 1e-6)
+    bx = softplus_beta * x
+    sp = tl.where(bx <= softplus_threshold, tl.log(1.0 + tl.exp(bx)) / softplus_beta, x)
+    b_s = raw.to(tl.float32) * tl.exp(neg_a * sp)
+    pred = tl.sum(b_s * f_k[None, :], 1)
+    sq = tl.sum(b_s * f_q[None, :], 1)
+    delta = tl.sigmoid(bb) * (b_v.to(tl.float32) - pred)
+    b_o = (sq + delta * tl.sum(f_k * f_q, 0)) * scale
+    return b_o, b_s + delta[:, None] * f_k[None, :]
+
+
+@triton.jit
+def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state_indices, N, progs, scale, softplus_beta,
+                       softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BV: tl.constexpr, L2NORM: tl.constexpr, STAGES: tl.constexpr):
+    """Grid (progs,): program p takes tiles p, p + progs, ... of the N * HV * (V / BV) [BV, K] tiles, each
+    one (sequence, value head, V block). A pad (slot < 0) writes a zero output row and leaves the pool alone."""
+    pid = tl.program_id(0)
+    NV: tl.constexpr = V // BV
+    n_tiles = N * HV * NV
+    o_k = tl.arange(0, K)
+    o_bv = tl.arange(0, BV)
+    for t in tl.range(pid, n_tiles, progs, num_stages=STAGES):
+        i_v = t % NV
+        i_hv = (t // NV) % HV
+        i_n = t // (NV * HV)
+        i_h = i_hv // (HV // H)
+        slot = tl.load(state_indices + i_n).to(tl.int32)
+        live = slot >= 0
+        # A pad reads slot 0 (always there) so that the load needs no predicate; its result is dropped.
+        raw = desc.load([tl.maximum(slot, 0), i_hv, i_v * BV, 0]).reshape(BV, K)
+        row_h = i_n.to(tl.int64) * H + i_h
+        row_hv = i_n.to(tl.int64) * HV + i_hv
+        b_q = tl.load(q + row_h * K + o_k)
+        b_k = tl.load(k + row_h * K + o_k)
+        b_v = tl.load(v + row_hv * V + i_v * BV + o_bv)
+        x = tl.load(a + row_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+        bb = tl.load(b + row_hv).to(tl.float32)
+        neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        b_o, b_s = _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold, L2NORM)
+        tl.store(o + row_hv * V + i_v * BV + o_bv, tl.where(live, b_o, 0.0).to(o.dtype.element_ty))
+        if live:
+            desc.store([slot, i_hv, i_v * BV, 0], b_s.to(desc.dtype).reshape(1, 1, BV, K))
+
+
+_devices: dict[int, tuple[bool, int]] = {}
+
+
+def _device(device: torch.device) -> tuple[bool, int]:
+    """(has TMA, SM count) of a CUDA device, looked up once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _devices:
+        props = torch.cuda.get_device_properties(index)
+        _devices[index] = (props.major >= 9, props.multi_processor_count)
+    return _devices[index]
+
+
+def eligible(q: torch.Tensor, v: torch.Tensor, ssm_state: torch.Tensor, v_first: bool) -> bool:
+    """Whether the TMA walk can serve this decode call: a CUDA device with TMA (sm_90+), a V-first
+    `[slots, HV, V, K]` pool whose base and leading strides are 16-byte aligned and whose rows are
+    contiguous, and power-of-two K and V within a descriptor box. Anything else takes the tile kernel."""
+    if ssm_state.device.type != "cuda" or not v_first or ssm_state.dim() != 4:
+        return False
+    K, V = q.shape[-1], v.shape[-1]
+    if K != triton.next_power_of_2(K) or V != triton.next_power_of_2(V) or K > _BOX_MAX or V < 16:
+        return False
+    elt = ssm_state.element_size()
+    if ssm_state.stride(-1) != 1 or ssm_state.data_ptr() % _TMA_ALIGN:
+        return False
+    if any(s * elt % _TMA_ALIGN for s in ssm_state.stride()[:-1]):
+        return False
+    return _device(ssm_state.device)[0]
+
+
+def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, softplus_beta,
+           softplus_threshold, sms: int | None = None) -> None:
+    """One TMA decode launch at ``cfg`` = (BV, num_warps, programs per SM, stages); the caller has checked
+    `eligible`. BV is capped at V. ``sms``: the SM count (default: the device's; CI's interpreter passes one)."""
+    bv, warps, per_sm, stages = cfg
+    N, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    bv = min(bv, V)
+    sms = sms if sms is not None else _device(q.device)[1]
+    programs = max(1, min(per_sm * sms, N * HV * (V // bv)))
+    desc = TensorDescriptor(ssm_state, list(ssm_state.shape), list(ssm_state.stride()), [1, 1, bv, K])
+    _decode_tma_kernel[(programs,)](
+        q, k, v, a, b, A_log, dt_bias, o, desc, state_indices, N, programs, scale, float(softplus_beta),
+        float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, L2NORM=l2, STAGES=stages, num_warps=warps)
