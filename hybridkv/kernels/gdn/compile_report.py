@@ -79,7 +79,8 @@ _ASYNC_COPY = r"\bcp\.async\.(?:ca|cg)\.shared|\bcp\.async\.bulk\.(?:tensor\.\w+
 
 
 def _specs() -> list[KernelSpec]:
-    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_inverse, triton_chunk_scan, triton_recurrent
+    from hybridkv.kernels.gdn import (triton_chunk, triton_chunk_inverse, triton_chunk_scan, triton_decode_tma,
+                                      triton_recurrent)
 
     chunk = "hybridkv.kernels.gdn.triton_chunk"
     inverse = "hybridkv.kernels.gdn.triton_chunk_inverse"
@@ -217,6 +218,19 @@ def _specs() -> list[KernelSpec]:
             launches=decode_launches,
         ),
         KernelSpec(
+            # The descriptor's element type and box follow the launch (`desc` in its constants).
+            name="decode_tma", module="hybridkv.kernels.gdn.triton_decode_tma", attr="_decode_tma_kernel",
+            signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "a": "*fp32", "b": "*fp32", "A_log": "*fp32",
+                       "dt_bias": "*fp32", "o": "*bf16", "state_indices": "*i32", "N": "i32", "progs": "i32",
+                       "scale": "fp32", "softplus_beta": "fp32", "softplus_threshold": "fp32"},
+            constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True},
+            aligned=(),
+            launches=tuple(
+                Launch(label=f"{dt} state BV={bv} {per_sm}/SM", num_warps=w, num_stages=st,
+                       constants={"BV": bv, "STAGES": st, "desc": f"tensordesc<{dt}[1, 1, {bv}, {D}]>"})
+                for dt in ("fp32", "bf16") for bv, w, per_sm, st in triton_decode_tma.TMA_CONFIGS),
+        ),
+        KernelSpec(
             name="conv_prefill", module=conv, attr="_conv_out_kernel",
             signature={"x": "*bf16", "weight": "*bf16", "y": "*bf16", "seq_of_token": "*i32",
                        "cu_seqlens": "*i32", "conv_state": "*bf16", "state_indices": "*i32", "has_init": "*i8",
@@ -288,6 +302,8 @@ def compile_one(spec: KernelSpec, launch: Launch, arch: Arch) -> Report:
     state_dtype = constants.pop("state", None)
     if state_dtype is not None:
         signature["state"] = f"*{state_dtype}"
+    if "desc" in constants:  # a tensor descriptor's type ("tensordesc<bf16[1, 1, 64, 128]>") set per launch
+        signature["desc"] = constants.pop("desc")
     unknown = set(signature) | set(constants)
     missing = [a for a in fn.arg_names if a not in unknown]
     extra = unknown - set(fn.arg_names)
