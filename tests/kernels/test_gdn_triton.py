@@ -270,6 +270,28 @@ def test_decode_takes_the_tile_kernel_where_tma_cannot_describe_the_pool():
     assert not_eligible and all(c.kernel is triton_recurrent.DecodeKernel.TILE for c in not_eligible.values())
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tuned_decode_replays_in_a_cuda_graph(state_dtype):
+    """Engines replay decode in CUDA graphs: after an eager call has tuned the key (the TMA walk where it wins;
+    its tensor descriptor is a launch parameter, captured by value), a captured step replayed on new inputs
+    gives what an eager step on a copy of the pool gives."""
+    q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(64, 32, state_dtype, 100, 7)
+    layer = pool[:, 1]
+    gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, layer, idx)  # tunes this key
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, layer, idx)
+    q2, k2, v2, a2, b2, *_ = _decode_case(64, 32, state_dtype, 100, 8)
+    for dst, src in ((q, q2), (k, k2), (v, v2), (a, a2), (b, b2)):
+        dst.copy_(src)
+    copy = pool.clone()
+    graph.replay()
+    o_eager = gated_delta_rule_decode(q2, k2, v2, a2, b2, A_log, dt_bias, copy[:, 1], idx)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_eager) and torch.equal(pool, copy)
+
+
 def test_conv1d_prefill_then_update():
     D, W, slots = 8192 + 64, 4, 40
     gen = torch.Generator(device="cuda").manual_seed(4)
