@@ -68,8 +68,7 @@ def variants(plan: triton_chunk.Plan, segments: int, pairs: int) -> list[Variant
     """The plan (the whole inverse first, then the summaries: 0.199 ms at 397B TP8 1x8192 when measured), the
     pipelined schedule it replaced, and four changes to the plan: by segment (the summaries overlapping the
     inverse on the side stream), the summary stages the shipped rule did not pick (three stages at 397B TP8: 0.190
-    against 0.202 ms, shipped since), the scan holding each start
-    state in registers, and the stacked inverse."""
+    against 0.202 ms, shipped since), the scan holding each start state in registers, and the stacked inverse."""
     fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
     # The summary stages the shipped rule did not pick for this head count.
     other_summary = (triton_chunk_scan.SUMMARY_MANY_HEADS if pairs <= triton_chunk_scan.SUMMARY_FEW_HEADS

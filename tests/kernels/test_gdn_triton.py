@@ -185,20 +185,26 @@ def test_fused_recurrent_matches_reference():
     assert rel_err(st, st_ref) < 1e-3
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("HV", [32, 64])
-def test_decode_slots_in_place_with_pads(HV, state_dtype):
-    N, H, K, V, slots, layers = 256, 16, 128, 128, 300, 2
-    gen = torch.Generator(device="cuda").manual_seed(3)
+def _decode_case(N, HV, state_dtype, slots, seed):
+    H, K, V = 16, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     dev = dict(device="cuda", generator=gen)
     q, k = torch.randn(N, H, K, **dev).bfloat16(), torch.randn(N, H, K, **dev).bfloat16()
     v = torch.randn(N, HV, V, **dev).bfloat16()
     a, b = torch.randn(N, HV, **dev), torch.randn(N, HV, **dev)
     A_log, dt_bias = torch.randn(HV, **dev) * 0.5, torch.randn(HV, **dev) * 0.5
     # Block-major pool: layer 1 of each slot is a strided view.
-    pool = (torch.randn(slots, layers, HV, V, K, **dev) * 0.1).to(state_dtype)
+    pool = (torch.randn(slots, 2, HV, V, K, **dev) * 0.1).to(state_dtype)
     idx = torch.randperm(slots, device="cuda", generator=gen)[:N]
     idx[::7] = -1
+    return q, k, v, a, b, A_log, dt_bias, pool, idx
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("HV", [32, 64])
+def test_decode_slots_in_place_with_pads(HV, state_dtype):
+    K, slots = 128, 300
+    q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(256, HV, state_dtype, slots, 3)
     before = pool.clone()
     layer = pool[:, 1]
     want_pool = before[:, 1].clone()
@@ -213,20 +219,6 @@ def test_decode_slots_in_place_with_pads(HV, state_dtype):
     untouched[idx[live]] = False
     assert torch.equal(layer[untouched], before[:, 1][untouched])
     assert torch.equal(pool[:, 0], before[:, 0])
-
-
-def _decode_case(N, HV, state_dtype, slots, seed):
-    H, K, V = 16, 128, 128
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dev = dict(device="cuda", generator=gen)
-    q, k = torch.randn(N, H, K, **dev).bfloat16(), torch.randn(N, H, K, **dev).bfloat16()
-    v = torch.randn(N, HV, V, **dev).bfloat16()
-    a, b = torch.randn(N, HV, **dev), torch.randn(N, HV, **dev)
-    A_log, dt_bias = torch.randn(HV, **dev) * 0.5, torch.randn(HV, **dev) * 0.5
-    pool = (torch.randn(slots, 2, HV, V, K, **dev) * 0.1).to(state_dtype)  # layer 1 is a strided view
-    idx = torch.randperm(slots, device="cuda", generator=gen)[:N]
-    idx[::7] = -1
-    return q, k, v, a, b, A_log, dt_bias, pool, idx
 
 
 @pytest.mark.parametrize("cfg", triton_decode_tma.TMA_CONFIGS, ids=lambda c: "-".join(map(str, c)))

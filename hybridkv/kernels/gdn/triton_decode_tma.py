@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _l2norm, _softplus
+
 # (BV, num_warps, programs per SM, pipeline stages): the probe's best per state dtype and head count
 # (64, 4, 4, 3 led bf16 at both head counts; 64, 4, 2, 3 and 32, 4, 4, 3 fp32) and a deeper walk.
 TMA_CONFIGS = ((64, 4, 4, 3), (64, 4, 2, 3), (32, 4, 4, 3), (64, 4, 8, 3))
@@ -32,21 +34,15 @@ _BOX_MAX = 256  # elements per box dimension
 
 @triton.jit
 def _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold, L2NORM: tl.constexpr):
-    """One token on one [BV, K] tile, gating fused: returns (output row, updated tile), both fp32. The
-    same operations in the same order as `_recurrent_kernel`'s decode step, so the two agree bit for bit."""
+    """One token on one [BV, K] tile, gating fused: returns (output row, updated tile), both fp32, from the
+    tile kernel's own helpers in its order (`_recurrent_kernel`'s decode step), so the two agree bit for bit."""
     f_q = b_q.to(tl.float32)
     f_k = b_k.to(tl.float32)
     if L2NORM:
-        f_q = f_q * tl.rsqrt(tl.sum(f_q * f_q, 0) + 1e-6)
-        f_k = f_k * tl.rsqrt(tl.sum(f_k * f_k, 0) + 1e-6)
-    bx = softplus_beta * x
-    sp = tl.where(bx <= softplus_threshold, tl.log(1.0 + tl.exp(bx)) / softplus_beta, x)
-    b_s = raw.to(tl.float32) * tl.exp(neg_a * sp)
-    pred = tl.sum(b_s * f_k[None, :], 1)
-    sq = tl.sum(b_s * f_q[None, :], 1)
-    delta = tl.sigmoid(bb) * (b_v.to(tl.float32) - pred)
-    b_o = (sq + delta * tl.sum(f_k * f_q, 0)) * scale
-    return b_o, b_s + delta[:, None] * f_k[None, :]
+        f_q = _l2norm(f_q)
+        f_k = _l2norm(f_k)
+    b_s = raw.to(tl.float32) * tl.exp(neg_a * _softplus(x, softplus_beta, softplus_threshold))
+    return _delta_rule_step(b_s, f_q, f_k, b_v.to(tl.float32), tl.sigmoid(bb), scale)
 
 
 @triton.jit

@@ -20,7 +20,28 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.kernels.gdn import triton_decode_tma
+
+@triton.jit
+def _l2norm(x):
+    return x * tl.rsqrt(tl.sum(x * x, 0) + 1e-6)
+
+
+@triton.jit
+def _softplus(x, softplus_beta, softplus_threshold):
+    bx = softplus_beta * x
+    return tl.where(bx <= softplus_threshold, tl.log(1.0 + tl.exp(bx)) / softplus_beta, x)
+
+
+@triton.jit
+def _delta_rule_step(b_s, b_q, b_k, b_v, b_beta, scale):
+    """One token on a decayed fp32 [BV, K] tile: (output row, updated tile). Shared with the TMA decode walk
+    (`triton_decode_tma`), so the two kernels agree bit for bit."""
+    # Both reductions read the decayed state, so they run side by side; S_new q = S q + delta (k.q).
+    pred = tl.sum(b_s * b_k[None, :], 1)
+    b_sq = tl.sum(b_s * b_q[None, :], 1)
+    delta = b_beta * (b_v - pred)
+    b_o = (b_sq + delta * tl.sum(b_k * b_q, 0)) * scale
+    return b_o, b_s + delta[:, None] * b_k[None, :]
 
 
 @triton.jit
@@ -87,13 +108,11 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
         b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         if L2NORM:
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+            b_q = _l2norm(b_q)
+            b_k = _l2norm(b_k)
         if GATE_IN_KERNEL:
             x = tl.load(a + t * HV + i_hv).to(tl.float32) + bias
-            bx = softplus_beta * x
-            sp = tl.where(bx <= softplus_threshold, tl.log(1.0 + tl.exp(bx)) / softplus_beta, x)
-            b_s = b_s * tl.exp(neg_a * sp)
+            b_s = b_s * tl.exp(neg_a * _softplus(x, softplus_beta, softplus_threshold))
             b_beta = tl.sigmoid(tl.load(b + t * HV + i_hv).to(tl.float32))
         else:
             if HAS_G:
@@ -102,12 +121,7 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
                 b_beta = tl.load(beta + t * HV + i_hv).to(tl.float32)
             else:
                 b_beta = 1.0
-        # Both reductions read the decayed state, so they run side by side; S_new q = S q + delta (k.q).
-        pred = tl.sum(b_s * b_k[None, :], 1)
-        b_sq = tl.sum(b_s * b_q[None, :], 1)
-        delta = b_beta * (b_v - pred)
-        b_o = (b_sq + delta * tl.sum(b_k * b_q, 0)) * scale
-        b_s = b_s + delta[:, None] * b_k[None, :]
+        b_o, b_s = _delta_rule_step(b_s, b_q, b_k, b_v, b_beta, scale)
         b_o = tl.where(live, b_o, 0.0)
         tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_STATE:
@@ -216,23 +230,18 @@ def _launch_choice(choice: DecodeChoice, q, k, v, a, b, A_log, dt_bias, o, ssm_s
                        softplus_beta, softplus_threshold)
 
 
-def _candidates(q, v, ssm_state, v_first) -> list[DecodeChoice]:
-    out = [DecodeChoice(kernel=DecodeKernel.TILE, cfg=c) for c in DECODE_CONFIGS]
-    if triton_decode_tma.eligible(q, v, ssm_state, v_first):
-        out += [DecodeChoice(kernel=DecodeKernel.TMA, cfg=c) for c in triton_decode_tma.TMA_CONFIGS]
-    return out
-
-
-def _tune_decode(args, rows: int) -> DecodeChoice:
-    """Time each candidate on a scratch pool of `rows` slots (the caller's pool is never touched)."""
+def _tune_decode(args, rows: int, tma: bool) -> DecodeChoice:
+    """Time each candidate on a scratch pool of `rows` slots (the caller's pool is never touched). ``tma``: the
+    caller's pool can take the TMA walk (`triton_decode_tma.eligible`), so its configs are candidates too."""
     q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, v_first, *rest = args
     scratch = torch.zeros((rows, *ssm_state.shape[1:]), dtype=ssm_state.dtype, device=ssm_state.device)
     idx = torch.arange(rows, device=q.device, dtype=state_indices.dtype)
     sub = (q[:rows], k[:rows], v[:rows], a[:rows], b[:rows], A_log, dt_bias, torch.empty_like(v[:rows]),
            scratch, idx, scale, l2, v_first, *rest)
-    # The scratch pool is dense; the TMA walk must also be able to take the caller's (possibly strided) pool.
-    cands = [c for c in _candidates(q, v, ssm_state, v_first)
-             if c.kernel is DecodeKernel.TILE or triton_decode_tma.eligible(q, v, scratch, v_first)]
+    cands = [DecodeChoice(kernel=DecodeKernel.TILE, cfg=c) for c in DECODE_CONFIGS]
+    # The walk is timed on the dense scratch pool, which it must be able to describe as well.
+    if tma and triton_decode_tma.eligible(q, v, scratch, v_first):
+        cands += [DecodeChoice(kernel=DecodeKernel.TMA, cfg=c) for c in triton_decode_tma.TMA_CONFIGS]
     for choice in cands:  # compile and warm every candidate before any is timed
         _launch_choice(choice, *sub)
     torch.cuda.synchronize()
@@ -272,6 +281,11 @@ def decode_fwd(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, scale, u
         if torch.cuda.is_current_stream_capturing():
             choice = _DEFAULT_DECODE
         else:
-            choice = _decode_choice[key] = _tune_decode(args, max(1, min(N, bucket)))
+            choice = _decode_choice[key] = _tune_decode(args, max(1, min(N, bucket)), tma)
     _launch_choice(choice, *args)
     return o
+
+
+# At the end: the TMA walk takes its arithmetic from the helpers above, so this module must be whole before
+# that one loads, whichever of the two is imported first.
+from hybridkv.kernels.gdn import triton_decode_tma  # noqa: E402
