@@ -386,7 +386,13 @@ def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: 
         presults = prod.expect("results")
         pstate = prod.expect("state")
         cons.expect("finished")
+        # The consumer's own connection closes after the producer's linger (0.5 s) and UCX's
+        # teardown, so "after" waits for the count to come back; a leaked fd never does.
+        deadline = time.monotonic() + 5.0
         after = mon.mark()
+        while mon.samples[after]["fds"] > mon.samples[before]["fds"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            after = mon.mark()
         mon.stop()
         window = mon.samples[before:attacked + 1]
         s = mon.samples
