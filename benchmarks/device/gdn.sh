@@ -21,7 +21,9 @@
 #   FI=1 bash benchmarks/device/gdn.sh     # back on one warm machine: carry [".whl-fi1"], then [".whl-fi2"], built
 #                                        # here by benchmarks/device/flashinfer_wheels.sh (fla-core is in them). The
 #                                        # first checks its part and the image; the second joins the parts, installs
-#                                        # them into .pkgs-fi and runs the prefill bench; FI_BUDGET_S (520 s) in all
+#                                        # them into .pkgs-fi and runs the prefill bench; FI_BUDGET_S (520 s) in all.
+#                                        # FI=1 ONLY=decode: FlashInfer's pool decode beside hybridkv's instead (ONLY=
+#                                        # empty: both)
 # hybridkv is not installed there: the bench runs through its module's own register/handler.
 set -u
 PY=${PYTHON:-python3}

@@ -1,8 +1,9 @@
-"""A CPU stand-in for FlashInfer 0.7.2's `flashinfer.gdn_prefill.chunk_gated_delta_rule`, written from its documented
-contract (its docstring; its tests compare the final state transposed against a K-by-V reference and pass
-`torch.rand` as the gate): flat `[T_total, heads, 128]` q/k/v with required cu_seqlens; g is the decay factor itself
-(linear, not log); fp32 g and beta `[T_total, HV]`; states `[N, HV, V, K]`; value head h reads key head
-h // (HV // H); output in q's dtype. One token at a time in fp32, so that a wrong mapping of any of these shows.
+"""CPU stand-ins for FlashInfer 0.7.2's `flashinfer.gdn_prefill.chunk_gated_delta_rule` (and, at the end, its pool
+decode), written from its documented contract (its docstring; its tests compare the final state transposed against a
+K-by-V reference and pass `torch.rand` as the gate): flat `[T_total, heads, 128]` q/k/v with required cu_seqlens; g
+is the decay factor itself (linear, not log); fp32 g and beta `[T_total, HV]`; states `[N, HV, V, K]`; value head h
+reads key head h // (HV // H); output in q's dtype. One token at a time in fp32, so that a wrong mapping of any of
+these shows.
 
 It refuses what FlashInfer refuses on the way (non-contiguous or wrongly typed inputs, no cu_seqlens), so a mapping
 that only works here cannot pass.
@@ -46,3 +47,40 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
         states[n] = S
     out = o.to(q.dtype)
     return (out, states) if output_final_state else out
+
+
+def gated_delta_rule_decode_pretranspose(q, k, v, state=None, A_log=None, a=None, dt_bias=None, b=None, scale=None,
+                                         output=None, use_qk_l2norm=True, initial_state=None,
+                                         initial_state_indices=None, output_state_indices=None,
+                                         intermediate_states_buffer=None, disable_state_update=False, backend="auto"):
+    """FlashInfer 0.7.2's `flashinfer.gdn_decode.gated_delta_rule_decode_pretranspose` in pool mode, from its
+    docstring: q, k `[B, 1, H, K]`, v `[B, 1, HV, V]` in bf16/fp16; a, b `[B, 1, HV]` in bf16/fp16 (g = -exp(A_log)
+    softplus(a + dt_bias), beta = sigmoid(b)); A_log fp32 `[HV]`; the pool `[pool, HV, V, K]` K-contiguous, gathered
+    and written in place at int32/int64 `initial_state_indices` `[B]`. Returns (o `[B, 1, HV, V]`, the pool)."""
+    assert state is None and initial_state is not None and initial_state_indices is not None
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    assert T == 1 and k.shape == q.shape and v.shape == (B, 1, HV, V)
+    assert q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
+    assert a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and a.shape == b.shape == (B, 1, HV)
+    assert A_log.dtype == torch.float32 and A_log.shape == dt_bias.shape == (HV,)
+    assert dt_bias.dtype in (torch.bfloat16, torch.float32)
+    assert initial_state.shape[1:] == (HV, V, K) and initial_state.stride(-1) == 1
+    assert initial_state_indices.shape == (B,) and initial_state_indices.dtype in (torch.int32, torch.int64)
+    assert output_state_indices is None and not disable_state_update
+    qf, kf = q[:, 0].float(), k[:, 0].float()
+    if use_qk_l2norm:
+        qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
+        kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
+    qf, kf = qf.repeat_interleave(HV // H, dim=1), kf.repeat_interleave(HV // H, dim=1)
+    decay = torch.exp(-torch.exp(A_log) * torch.nn.functional.softplus(a[:, 0].float() + dt_bias.float()))
+    beta = torch.sigmoid(b[:, 0].float())
+    scale = K**-0.5 if scale is None else scale
+    o = torch.zeros(B, 1, HV, V)
+    for i, slot in enumerate(initial_state_indices.tolist()):
+        S = decay[i, :, None, None] * initial_state[slot].float()  # [HV, V, K]
+        v_old = torch.einsum("hvk,hk->hv", S, kf[i])
+        S = S + beta[i, :, None, None] * torch.einsum("hv,hk->hvk", v[i, 0].float() - v_old, kf[i])
+        o[i, 0] = scale * torch.einsum("hvk,hk->hv", S, qf[i])
+        initial_state[slot] = S.to(initial_state.dtype)
+    return o.to(q.dtype), initial_state

@@ -367,3 +367,63 @@ def test_warm_up_processes_feed_first_call_times_faked_subprocesses(monkeypatch)
     assert warmed.failed == {(0, "fla"): "FLA: boom",
                              (1, "flash_qla"): "FlashQLA: warm-up did not finish in 5 s",
                              (2, "flash_qla"): "FlashQLA: warm-up exited 1: Traceback | ImportError: libz3.so.4.15"}
+
+
+def test_decode_rows_check_hybridkv_and_flashinfer_against_the_reference_faked_cuda_and_baselines(
+        faked_cuda_on_cpu, monkeypatch, capsys):
+    """The decode rows' bookkeeping on the CPU: hybridkv's step (here the reference rounded to bf16, standing in for the
+    Triton kernel, which needs a GPU) and FlashInfer's (the contract stand-in through the real argument mapping) each
+    run on their own copy of the pool and are checked against the fp32 reference; a baseline that refuses a shape
+    leaves its column empty with the reason."""
+    import json
+
+    import torch
+
+    from hybridkv.kernels.gdn import baselines, bench_cases, reference
+    from tests.kernels import flashinfer_contract
+
+    bench = faked_cuda_on_cpu
+    monkeypatch.setattr(bench_cases, "DECODE_SHAPES", (("tiny", 1, 2),))
+    monkeypatch.setattr(bench_cases, "DECODE_BATCHES", (3,))
+
+    def ours(q, k, v, a, b, A_log, dt_bias, pool, idx):
+        return reference.decode_reference(q, k, v, a, b, A_log, dt_bias, pool, idx, 128**-0.5, True, True)
+
+    monkeypatch.setattr("hybridkv.kernels.gdn.gated_delta_rule_decode", ours)
+    mapped = baselines.flashinfer_decode_call(flashinfer_contract.gated_delta_rule_decode_pretranspose)
+
+    def fp32_only(q, k, v, a, b, A_log, dt_bias, pool, idx):
+        if pool.dtype != torch.float32:
+            raise RuntimeError("no kernel for this state dtype")
+        return mapped(q, k, v, a, b, A_log, dt_bias, pool, idx)
+
+    monkeypatch.setattr(baselines, "load_fla_recurrent", lambda: None)
+    monkeypatch.setattr(baselines, "load_flashinfer_decode",
+                        lambda: baselines.Loaded(name="flashinfer_decode", fn=fp32_only, note="faked decode"))
+    assert bench.run(_bench_args("--only", "decode", "--iters", "2", "--json")) == 0
+    blob = json.loads(capsys.readouterr().out)
+    assert blob["flashinfer_decode"] and blob["flashinfer_decode_note"] == "faked decode"
+    fp32, bf16 = blob["rows"]
+    assert (fp32["shape"], bf16["shape"]) == ("tiny H=1 HV=2 B=3 float32 state", "tiny H=1 HV=2 B=3 bfloat16 state")
+    # Each started from the same pool as the reference: bf16 output rounding only (a step from an already-updated
+    # pool would be off by the size of the state, ~0.1).
+    for r in (fp32, bf16):
+        assert r["err"] < 2e-2 and r["state_err"] < (1e-5 if r is fp32 else 1e-2)
+    assert fp32["fi_err"] < 2e-2 and fp32["fi_state_err"] < 1e-5 and fp32["fi_ms"] > 0
+    assert fp32["fi_copy_pct"] > 0 and fp32["speedup_vs_fi"] is not None
+    assert bf16["fi_ms"] is None and bf16["fi_err"] is None and bf16["fi_copy_pct"] is None
+    assert bf16["notes"] == ["FlashInfer: RuntimeError: no kernel for this state dtype"]
+    derived = ("speedup_vs_fla", "speedup_vs_qla", "speedup_vs_fi", "notes")
+    rows = [bench_rows_row(r, derived) for r in (fp32, bf16)]
+    text = bench.render("header", rows, {})
+    assert "decode: max |error| vs the fp32 reference" in text
+    line = next(line for line in text.splitlines() if line.startswith("tiny H=1 HV=2 B=3 bfloat16 state "))
+    assert line.split()[7] == line.split()[9] == "-"  # FlashInfer's output and state errors (after hybridkv's)
+    assert "  tiny H=1 HV=2 B=3 bfloat16 state: FlashInfer: RuntimeError: no kernel for this state dtype" in text
+
+
+def bench_rows_row(blob_row: dict, derived: tuple[str, ...]):
+    from hybridkv.kernels.gdn import bench_rows
+
+    return bench_rows.Row(**{k: (tuple(v) if k == "notes" else v) for k, v in blob_row.items() if k not in derived
+                             or k == "notes"})

@@ -148,3 +148,49 @@ def test_mapped_call_through_the_documented_contract_matches_the_reference(monke
     assert o.shape == ref_o.shape and o.dtype == torch.bfloat16
     torch.testing.assert_close(o.float(), ref_o, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(state, ref_state, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------- decode on a pool
+def test_decode_loader_says_not_installed_and_needs_hopper(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    loaded = baselines.load_flashinfer_decode()
+    assert loaded.fn is None and loaded.name == "flashinfer_decode" and loaded.note.startswith("not installed (")
+    pkg = types.ModuleType("flashinfer")
+    pkg.__version__ = "0.7.2"
+    decode = types.ModuleType("flashinfer.gdn_decode")
+    decode.gated_delta_rule_decode_pretranspose = flashinfer_contract.gated_delta_rule_decode_pretranspose
+    monkeypatch.setitem(sys.modules, "flashinfer", pkg)
+    monkeypatch.setitem(sys.modules, "flashinfer.gdn_decode", decode)
+    _gpu(monkeypatch, (8, 0))
+    assert baselines.load_flashinfer_decode().note == ("flashinfer-python 0.7.2's GDN decode needs sm90+, "
+                                                       "this GPU: sm80")
+    _gpu(monkeypatch, (9, 0))
+    loaded = baselines.load_flashinfer_decode()
+    assert loaded.fn is not None and loaded.note.startswith("flashinfer-python 0.7.2 gated_delta_rule_decode_pretranspose")
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_decode_call_through_the_documented_contract_matches_the_reference(state_dtype):
+    """hybridkv's decode arguments -> FlashInfer's (token axis, bf16 gates, pool + indices) -> a stand-in honouring
+    its docstring: the same output and updated slots as `reference.decode_reference`, other slots untouched. A K-by-V
+    pool, unmapped indices or gates in the wrong form would each be off by far more than bf16 rounding."""
+    gen = torch.Generator().manual_seed(4)
+    N, H, HV = 3, 1, 2
+    q, k = (torch.randn(N, H, 128, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(N, HV, 128, generator=gen).bfloat16()
+    a16, b16 = torch.randn(N, HV, generator=gen).bfloat16(), torch.randn(N, HV, generator=gen).bfloat16()
+    A_log, dt_bias = torch.randn(HV, generator=gen) * 0.5, torch.randn(HV, generator=gen) * 0.5
+    pool = (torch.randn(6, HV, 128, 128, generator=gen) * 0.1).to(state_dtype)
+    idx = torch.tensor([4, 0, 2])
+    want_pool = pool.to(torch.float32, copy=True)
+    want = reference.decode_reference(q, k, v, a16.float(), b16.float(), A_log, dt_bias, want_pool, idx, 128**-0.5,
+                                      True, True)
+    fn = baselines.flashinfer_decode_call(flashinfer_contract.gated_delta_rule_decode_pretranspose)
+    got_pool = pool.clone()
+    o = fn(q, k, v, a16, b16, A_log, dt_bias, got_pool, idx)
+    assert o.shape == (N, HV, 128)
+    torch.testing.assert_close(o.float(), want.float(), atol=2e-2, rtol=2e-2)
+    tol = 1e-5 if state_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got_pool[idx].float(), want_pool[idx], atol=tol, rtol=tol)
+    untouched = torch.tensor([1, 3, 5])
+    assert torch.equal(got_pool[untouched], pool[untouched])

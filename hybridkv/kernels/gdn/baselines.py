@@ -1,5 +1,5 @@
-"""The prefill implementations `hybridkv bench gdn` measures beside hybridkv's: FLA's own Triton path, FlashQLA and
-FlashInfer.
+"""The implementations `hybridkv bench gdn` measures beside hybridkv's: for prefill FLA's own Triton path, FlashQLA and
+FlashInfer; for decode FLA's fused recurrent step and FlashInfer's decode on a slot pool.
 
 fla-core 0.6.0 dispatches `chunk_gated_delta_rule` to FlashQLA (Qwen's TileLang kernels) whenever the `flash_qla`
 package can be found, so with both installed a plain FLA call times FlashQLA twice. The FLA column therefore calls
@@ -168,3 +168,40 @@ def load_flashinfer() -> Loaded:
                   note=f"flashinfer-python {_version(flashinfer)} (nvidia-cutlass-dsl "
                        f"{_dist_version('nvidia-cutlass-dsl-libs-base')}), sm{capability[0]}{capability[1]}, "
                        f"use_cp=auto")
+
+
+def flashinfer_decode_call(decode: Callable[..., Any]) -> Callable[..., Any]:
+    """FlashInfer's `gated_delta_rule_decode_pretranspose` (or a stand-in keeping its contract) called as hybridkv's
+    `gated_delta_rule_decode` is: q, k `[N, H, K]`, v `[N, HV, V]`, a and b `[N, HV]` (bf16 or fp16: FlashInfer
+    refuses fp32 gate inputs, so the caller passes them in that dtype), A_log and dt_bias `[HV]`, a pool
+    `[slots, HV, V, K]` (the layout both use) read and written in place at `idx`. Returns o `[N, HV, V]`.
+
+    The inputs gain FlashInfer's token axis as views; nothing is copied, so the timed call is FlashInfer's alone."""
+
+    def mapped(q: Any, k: Any, v: Any, a: Any, b: Any, A_log: Any, dt_bias: Any, pool: Any, idx: Any) -> Any:
+        o, _ = decode(q=q[:, None], k=k[:, None], v=v[:, None], state=None, A_log=A_log, a=a[:, None],
+                      dt_bias=dt_bias, b=b[:, None], scale=q.shape[-1] ** -0.5, use_qk_l2norm=True,
+                      initial_state=pool, initial_state_indices=idx)
+        return o[:, 0]
+
+    return mapped
+
+
+def load_flashinfer_decode() -> Loaded:
+    """FlashInfer's GDN decode on a slot pool (`gdn_decode.gated_delta_rule_decode_pretranspose`: CuTe DSL kernels, a
+    bf16-state fast path and an fp32 one), the decode an engine would take from FlashInfer (vLLM PR #41966)."""
+    try:
+        import flashinfer
+        from flashinfer.gdn_decode import gated_delta_rule_decode_pretranspose
+    except Exception as exc:  # noqa: BLE001 - as load_flashinfer
+        kind = "not installed" if isinstance(exc, ImportError) else "failed to import"
+        return Loaded(name="flashinfer_decode", fn=None, note=f"{kind} ({type(exc).__name__}: {exc})")
+    import torch
+
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if capability is None or capability[0] < 9:
+        found = "none" if capability is None else f"sm{capability[0]}{capability[1]}"
+        return Loaded(name="flashinfer_decode", fn=None,
+                      note=f"flashinfer-python {_version(flashinfer)}'s GDN decode needs sm90+, this GPU: {found}")
+    return Loaded(name="flashinfer_decode", fn=flashinfer_decode_call(gated_delta_rule_decode_pretranspose),
+                  note=f"flashinfer-python {_version(flashinfer)} gated_delta_rule_decode_pretranspose, pool + indices")

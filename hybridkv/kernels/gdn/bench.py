@@ -93,7 +93,8 @@ def _ratio(theirs: float | None, ours: float) -> float | None:
 
 
 def render(header: str, rows: list[Row], tuned: dict[str, dict[str, str]]) -> str:
-    """The table: every row's times, then the prefill rows' accuracy, first calls and back-to-back times."""
+    """The table: every row's times, then the prefill rows' accuracy, first calls and back-to-back times, and the
+    decode rows' accuracy and bandwidth."""
     out = [header]
     out.append(f"{'kind':8} {'shape':38} {'ms':>8} {'FLA ms':>8} {'x FLA':>6} {'QLA ms':>8} {'x QLA':>6} "
                f"{'FI ms':>8} {'x FI':>6} {'Mtok/s':>8} {'TFLOP/s':>8} {'GB/s':>7} {'FLA GB/s':>8} {'%copy':>6} "
@@ -124,17 +125,33 @@ def render(header: str, rows: list[Row], tuned: dict[str, dict[str, str]]) -> st
             out.append(f"{r.shape:38} {o:>35} {s:>35} {f:>27} {b:>31} {x_fla} {x_qla} {x_fi}")
         for r in prefill:
             out.extend(f"  {r.shape}: {note}" for note in r.notes)
+    decode = [r for r in rows if r.kind == "decode"]
+    if any(r.err is not None for r in decode):
+        out.append("")
+        out.append("decode: max |error| vs the fp32 reference (output; the pool's updated slots) and % of copy "
+                   "bandwidth; hybridkv / FlashInfer")
+        out.append(f"{'shape':38} {'output error':>17} {'state error':>17} {'%copy':>13}")
+        for r in decode:
+            o = " ".join(_fmt(x, "8.1e") for x in (r.err, r.fi_err))
+            s = " ".join(_fmt(x, "8.1e") for x in (r.state_err, r.fi_state_err))
+            c = " ".join(_fmt(x, "6.1f") for x in (r.copy_pct, r.fi_copy_pct))
+            out.append(f"{r.shape:38} {o:>17} {s:>17} {c:>13}")
+        for r in decode:
+            out.extend(f"  {r.shape}: {note}" for note in r.notes)
     for name, picks in tuned.items():
         out.append(f"{name}: " + "; ".join(f"{key} -> {cfg}" for key, cfg in picks.items()))
     return "\n".join(out)
 
 
 def to_json(*, device: str, copy_gbps: float | None, fla: baselines.Loaded | None, qla: baselines.Loaded | None,
-            fi: baselines.Loaded | None, rows: list[Row], tuned: dict[str, dict[str, str]], first_calls: str) -> dict:
+            fi: baselines.Loaded | None, rows: list[Row], tuned: dict[str, dict[str, str]], first_calls: str,
+            fi_decode: baselines.Loaded | None = None) -> dict:
     return {"device": device, "copy_gbps": copy_gbps,
             "fla": fla is not None and fla.fn is not None, "fla_note": None if fla is None else fla.note,
             "flash_qla": qla is not None and qla.fn is not None, "flash_qla_note": None if qla is None else qla.note,
             "flashinfer": fi is not None and fi.fn is not None, "flashinfer_note": None if fi is None else fi.note,
+            "flashinfer_decode": fi_decode is not None and fi_decode.fn is not None,
+            "flashinfer_decode_note": None if fi_decode is None else fi_decode.note,
             "first_calls": first_calls,
             "rows": [asdict(r) | {"speedup_vs_fla": r.speedup, "speedup_vs_qla": r.speedup_vs_qla,
                                   "speedup_vs_fi": r.speedup_vs_fi} for r in rows],
@@ -169,17 +186,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
     qla = None if args.no_qla or args.only == "decode" else baselines.load_flash_qla()
     fi = None if args.no_fi or args.only == "decode" else baselines.load_flashinfer()
+    fi_decode = None if args.no_fi or args.only == "prefill" else baselines.load_flashinfer_decode()
     device = torch.cuda.get_device_name()
     copy_gbps = _copy_gbps(args.iters)
     header = (f"{device}; device copy {copy_gbps:.0f} GB/s; FLA: {_status(fla, 'skipped (--no-fla)')}; "
-              f"FlashQLA: {_status(qla, 'skipped')}; FlashInfer: {_status(fi, 'skipped')}")
+              f"FlashQLA: {_status(qla, 'skipped')}; FlashInfer: {_status(fi, 'skipped')}"
+              + ("" if fi_decode is None else f"; FlashInfer decode: {_status(fi_decode, 'skipped')}"))
     rows: list[Row] = []
     first_calls = "in this process"
 
     def dump(done: list[Row]) -> None:
         if args.json_file:
             blob = to_json(device=device, copy_gbps=copy_gbps, fla=fla, qla=qla, fi=fi, rows=done,
-                           tuned=_tuned_choices(), first_calls=first_calls)
+                           tuned=_tuned_choices(), first_calls=first_calls, fi_decode=fi_decode)
             with open(args.json_file, "w") as f:
                 json.dump(blob, f, indent=1)
 
@@ -193,12 +212,12 @@ def run(args: argparse.Namespace) -> int:
         found, first_calls = _prefill_rows(shapes, (fla, qla, fi), args.iters, jobs, args.warm_timeout, on_row)
         rows += found
     if args.only in (None, "decode"):
-        rows += _decode_rows(fla_pair, args.iters, copy_gbps)
+        rows += _decode_rows(fla_pair, args.iters, copy_gbps, None if fi_decode is None else fi_decode.fn)
     tuned = _tuned_choices()
     dump(rows)
     if args.json:
         print(json.dumps(to_json(device=device, copy_gbps=copy_gbps, fla=fla, qla=qla, fi=fi, rows=rows,
-                                 tuned=tuned, first_calls=first_calls), indent=1))
+                                 tuned=tuned, first_calls=first_calls, fi_decode=fi_decode), indent=1))
         return 0
     print(render(header + f"; first calls {first_calls}", rows, tuned))
     return 0

@@ -2,8 +2,8 @@
 
 `_prefill_rows` starts the warm-up processes (with FlashQLA), then `_prefill_row` for each shape: the first calls, each
 output and final state against `_reference` (`reference.chunk_reference` under `_fp32_matmuls`, TF32 off), the
-interleaved timings, and the FLOP and byte counts, as one `Row`. `_decode_rows` times hybridkv's decode step and
-FLA's fused recurrent step on a slot pool of each state dtype. `_load_fla` is how the probes in benchmarks/gdn get the
+interleaved timings, and the FLOP and byte counts, as one `Row`. `_decode_rows` times hybridkv's decode step,
+FLA's fused recurrent step and FlashInfer's pool decode on a slot pool of each state dtype. `_load_fla` is how the probes in benchmarks/gdn get the
 (chunked prefill, recurrent step) FLA pair that `_decode_rows` and the `--breakdown` mode take.
 """
 
@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from hybridkv.kernels.gdn import baselines
-from hybridkv.kernels.gdn.bench_cases import CHUNK, D, DECODE_BATCHES, DECODE_SHAPES, PrefillShape, _inputs
+from hybridkv.kernels.gdn import bench_cases
+from hybridkv.kernels.gdn.bench_cases import CHUNK, D, PrefillShape, _inputs
 from hybridkv.kernels.gdn.bench_timing import Timing, _interleaved, _median_ms
 from hybridkv.kernels.gdn.bench_warmup import DISK_CACHED, IMPLS, TITLES, Warmed, _first_calls, _impls, _warm_parallel
 
@@ -33,11 +34,13 @@ class Row:
     fla_gbps: float | None
     copy_pct: float | None
     fla_copy_pct: float | None
+    fi_gbps: float | None = None  # decode: FlashInfer's state traffic
+    fi_copy_pct: float | None = None
     host_ms: float | None = None  # host time to queue one call (hidden behind the spin in `ms`)
     fla_host_ms: float | None = None
     qla_ms: float | None = None  # FlashQLA (prefill only)
     qla_host_ms: float | None = None
-    fi_ms: float | None = None  # FlashInfer (prefill only)
+    fi_ms: float | None = None  # FlashInfer (its decode for decode rows)
     fi_host_ms: float | None = None
     b2b_ms: float | None = None  # B2B_CALLS calls back to back / B2B_CALLS
     fla_b2b_ms: float | None = None
@@ -175,29 +178,56 @@ def _prefill_rows(shapes, loaded: tuple[baselines.Loaded | None, ...], iters: in
     return rows, where
 
 
-def _decode_rows(fla, iters: int, copy_gbps: float) -> list[Row]:
+def _decode_rows(fla, iters: int, copy_gbps: float, fi=None) -> list[Row]:
+    """Each decode shape: hybridkv's step, FLA's fused recurrent step (fla: the pair of `_load_fla`) and FlashInfer's
+    pool decode (fi: `baselines.load_flashinfer_decode()`'s callable), timed on the same slot pool. hybridkv's and
+    FlashInfer's first calls are checked against `reference.decode_reference` (output, and the pool's updated slots)
+    on a copy of the pool; FLA's step takes no pool, so it is timed only."""
     import torch
 
-    from hybridkv.kernels.gdn import gated_delta_rule_decode
+    from hybridkv.kernels.gdn import gated_delta_rule_decode, reference
 
     rows = []
     # 64 sequences as well as 256: small batches are where decode latency matters most, and where fewer
     # tiles than the GPU has room for in flight made the tile kernel fall short of copy bandwidth.
-    for model, H, HV in DECODE_SHAPES:
-        for N, dtype in ((n, dt) for n in DECODE_BATCHES for dt in (torch.float32, torch.bfloat16)):
-            q = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn(N, HV, D, device="cuda", dtype=torch.bfloat16)
-            a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
-            A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
-            pool = (torch.randn(2 * N, HV, D, D, device="cuda") * 0.1).to(dtype)
-            idx = torch.randperm(2 * N, device="cuda")[:N]
-            ours = _median_ms(lambda: gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx), iters)
+    device = bench_cases.DEVICE  # the CPU in the tests of this bookkeeping
+    for model, H, HV in bench_cases.DECODE_SHAPES:
+        for N, dtype in ((n, dt) for n in bench_cases.DECODE_BATCHES for dt in (torch.float32, torch.bfloat16)):
+            q = torch.randn(N, H, D, device=device, dtype=torch.bfloat16)
+            k = torch.randn(N, H, D, device=device, dtype=torch.bfloat16)
+            v = torch.randn(N, HV, D, device=device, dtype=torch.bfloat16)
+            # Gate inputs come out of the engine's projection in bf16, and FlashInfer takes them only so; every
+            # implementation sees the same values (hybridkv's and FLA's as fp32).
+            a16, b16 = torch.randn(N, HV, device=device).bfloat16(), torch.randn(N, HV, device=device).bfloat16()
+            a, b = a16.float(), b16.float()
+            A_log, dt_bias = torch.randn(HV, device=device) * 0.5, torch.randn(HV, device=device) * 0.5
+            pool = (torch.randn(2 * N, HV, D, D, device=device) * 0.1).to(dtype)
+            idx = torch.randperm(2 * N, device=device)[:N]
+            args = (q, k, v, a, b, A_log, dt_bias)
+            want_pool = pool.to(torch.float32, copy=True)  # .float() of an fp32 pool is the pool itself
+            want = reference.decode_reference(*args, want_pool, idx, D**-0.5, True, True).float()
+            want_slots = want_pool[idx]
+
+            def check(step, gates):
+                trial = pool.clone()
+                o = step(q, k, v, *gates, A_log, dt_bias, trial, idx).float()
+                return ((o - want).abs().max().item(), (trial[idx].float() - want_slots).abs().max().item())
+
+            # Every check before any timed call: the timed calls update the pool in place.
+            err, state_err = check(gated_delta_rule_decode, (a, b))
+            fi_ms = fi_err = fi_state_err = None
+            notes: tuple[str, ...] = ()
+            if fi is not None:
+                try:
+                    fi_err, fi_state_err = check(fi, (a16, b16))
+                except Exception as exc:  # noqa: BLE001 - a baseline that cannot take a shape leaves its column empty
+                    notes = (f"FlashInfer: {type(exc).__name__}: {str(exc)[:200]}",)
+            ours = _median_ms(lambda: gated_delta_rule_decode(*args, pool, idx), iters)
             elt = pool.element_size()
             state_bytes = N * HV * D * D * 2 * elt
             theirs = fla_bytes = None
             if fla is not None:
-                h0 = (torch.randn(N, HV, D, D, device="cuda") * 0.1).to(dtype)
+                h0 = (torch.randn(N, HV, D, D, device=device) * 0.1).to(dtype)
                 fkw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
                            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
                            use_beta_sigmoid_in_kernel=True)
@@ -205,11 +235,17 @@ def _decode_rows(fla, iters: int, copy_gbps: float) -> list[Row]:
                 step = (q[:, None], k[:, None], v[:, None])
                 theirs = _median_ms(lambda: fla[1](*step, g=a[:, None], beta=b[:, None], **fkw), iters)
                 fla_bytes = N * HV * D * D * (elt + 4)
+            if fi_err is not None:
+                fi_ms = _median_ms(lambda: fi(q, k, v, a16, b16, A_log, dt_bias, pool, idx), iters)
             gbps = state_bytes / ours / 1e6
             fla_gbps = None if theirs is None else fla_bytes / theirs / 1e6
+            fi_gbps = None if fi_ms is None else state_bytes / fi_ms / 1e6
             shape = f"{model} H={H} HV={HV} B={N} {str(dtype).removeprefix('torch.')} state"
             rows.append(Row(kind="decode", shape=shape, ms=ours, fla_ms=theirs, tokens_per_s=N / ours * 1e3,
                             tflops=None, gbps=gbps, fla_gbps=fla_gbps, copy_pct=100 * gbps / copy_gbps,
-                            fla_copy_pct=None if fla_gbps is None else 100 * fla_gbps / copy_gbps))
-            del pool
+                            fla_copy_pct=None if fla_gbps is None else 100 * fla_gbps / copy_gbps,
+                            fi_ms=fi_ms, fi_gbps=fi_gbps,
+                            fi_copy_pct=None if fi_gbps is None else 100 * fi_gbps / copy_gbps,
+                            err=err, state_err=state_err, fi_err=fi_err, fi_state_err=fi_state_err, notes=notes))
+            del pool, want_pool
     return rows
