@@ -21,7 +21,9 @@ Why it is built this way:
 - The forward substitution is built transposed (see `_inv_unit_lower16x4`), which keeps every step in
   the layout a reduction leaves it in.
 
-Every variant measured, with the command: benchmarks/gdn/README.md.
+Every variant measured, with the command: benchmarks/gdn/README.md. How FlashQLA's and FlashInfer's inverses are
+built, and why they cost a fraction of this one (shared memory, which Triton's language does not expose):
+docs/background/gdn_peers.md section 3.
 """
 
 from __future__ import annotations
