@@ -1,5 +1,5 @@
-"""Device probe for issues #8 and #23: the inverse kernel's launch variants (k columns per gram step, value heads
-per program, value heads stacked) in serial calls on the bench's prefill shapes, with the per-kernel device time of each
+"""Device probe for issues #8 and #23: the inverse kernel's variants (now the shipped Triton kernel and the Gluon
+kernel) in serial calls on the bench's prefill shapes, with the per-kernel device time of each
 (torch.profiler), and every variant's error on the worst case. Earlier variants (warps, stages, the
 product form, precisions, a register cap, the substitution built as T): their numbers are in
 benchmarks/gdn/README.md, their code in git history.
@@ -23,20 +23,21 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 
 from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 
-# The shipped launch first, then the stacked kernel (a group's value heads side by side,
-# `triton_chunk_inverse_stacked`): at four warps each warp owns one head of a four-head group in the batched
-# GEMMs (offline sm_90: 255 registers, 24 B spilled, so two programs per SM); at two warps with groups of two the
-# same, in smaller programs; a register cap of 168 fits three four-warp programs per SM (392 B spilled).
+# The shipped launch, then the Gluon kernel (`gluon_chunk_inverse`: one value head per program, the substitution
+# thread-local; offline sm_90: 160 registers, no spills, 88 shuffles and 68 barriers in the PTX against the Triton
+# kernel's 1,264 and 139 for one value head). The stacked variants measured on 2026-12-02 (all 2x slower) are in
+# benchmarks/gdn/README.md; the stacked kernel stays in the tree, opt-in.
 VARIANTS = (
     triton_chunk.INVERSE_CONFIG,
-    InverseConfig(method=0, bkc=64, merge_prec="tf32", stacked=True, warps=4),
-    InverseConfig(method=0, bkc=64, merge_prec="tf32", stacked=True, warps=2, group=2),
-    InverseConfig(method=0, bkc=64, merge_prec="tf32", stacked=True, warps=4, maxnreg=168),
-    InverseConfig(method=0, bkc=32, merge_prec="tf32", stacked=True, warps=4),
-    # The product form on the stacked diagonal blocks: six batched tf32x3 GEMMs over [16, 16, 16] instead of 15
-    # dependent reduction steps (unstacked it lost, 1,188 us against 1,091; offline stacked: 568 B spilled).
-    InverseConfig(method=1, prec="tf32x3", bkc=64, merge_prec="tf32", stacked=True, warps=4),
+    InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True),
 )
+
+
+def label(inv: InverseConfig) -> str:
+    if inv.gluon:
+        return "gluon (one value head per program, two warps)"
+    return (f"{'stacked ' if inv.stacked else ''}g{inv.group} bkc{inv.bkc} w{inv.warps} s{inv.stages} m{inv.method} "
+            f"{inv.prec:6} /{inv.merge_prec:6} reg{inv.maxnreg}")
 
 
 def kernel_us(b: breakdown.Breakdown, name: str) -> float:
@@ -62,8 +63,7 @@ def worst_case() -> list[dict]:
                                                        schedule=triton_chunk.Schedule.SERIAL, inverse=inv)
         err = (rel(o, o_ref), rel(s, s_ref))
         rows.append(dict(shape="worst case", inverse=repr(inv), err=max(err)))
-        print(f"worst case {'stacked ' if inv.stacked else ''}m{inv.method} {inv.prec}/{inv.merge_prec} g{inv.group} bkc{inv.bkc}: o {err[0]:.2e} "
-              f"state {err[1]:.2e}", flush=True)
+        print(f"worst case {label(inv)}: o {err[0]:.2e} state {err[1]:.2e}", flush=True)
     return rows
 
 
@@ -91,8 +91,7 @@ def main() -> int:
             row = dict(shape=shape, inverse=repr(inv), call_us=b.call_us, inverse_us=kernel_us(b, "inverse"),
                        state_us=kernel_us(b, "state"), err=err)
             rows.append(row)
-            print(f"{shape:30} {'stacked ' if inv.stacked else ''}g{inv.group} bkc{inv.bkc} w{inv.warps} s{inv.stages} m{inv.method} {inv.prec:6} "
-                  f"/{inv.merge_prec:6} reg{inv.maxnreg}: call {b.call_us:7.1f} us  "
+            print(f"{shape:30} {label(inv)}: call {b.call_us:7.1f} us  "
                   f"inverse {row['inverse_us']:7.1f}  state {row['state_us']:7.1f}  err {err:.2e}", flush=True)
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)

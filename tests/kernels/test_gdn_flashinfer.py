@@ -166,7 +166,8 @@ def test_decode_loader_says_not_installed_and_needs_hopper(monkeypatch):
                                                        "this GPU: sm80")
     _gpu(monkeypatch, (9, 0))
     loaded = baselines.load_flashinfer_decode()
-    assert loaded.fn is not None and loaded.note.startswith("flashinfer-python 0.7.2 gated_delta_rule_decode_pretranspose")
+    assert loaded.fn is not None
+    assert loaded.note.startswith("flashinfer-python 0.7.2 gated_delta_rule_decode_pretranspose")
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])

@@ -163,3 +163,25 @@ def test_a_bad_inverse_config_is_refused_with_its_values(bad):
 
     with pytest.raises(ValueError, match="bad inverse config InverseConfig"):
         InverseConfig(**bad)
+
+
+def test_the_gluon_inverse_is_refused_where_it_cannot_run_faked_cuda_tensor():
+    """`InverseConfig(gluon=True)` on the CPU (Gluon has no interpreter) or with fp32 inputs (its gram takes 16-bit
+    operands): a ValueError naming the value, before any kernel runs."""
+    import dataclasses
+
+    inverse = dataclasses.replace(tc.INVERSE_CONFIG, gluon=True)
+    q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
+    v = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    g, beta = torch.zeros(1, 64, 2), torch.zeros(1, 64, 2)
+    with pytest.raises(ValueError, match="the Gluon inverse runs on a CUDA GPU only, got q on cpu"):
+        tc.chunk_gated_delta_rule_fwd(q, q, v, g, beta, 1.0, None, False, None, True, False, inverse=inverse)
+    from hybridkv.kernels.gdn import gluon_chunk_inverse
+
+    class Cuda:  # only the attributes `launch` reads before it refuses
+        is_cuda, dtype, shape = True, torch.float32, (1, 64, 1, 128)
+
+    with pytest.raises(ValueError, match="takes bf16 or fp16 q and k, got torch.float32 and torch.float32"):
+        gluon_chunk_inverse.launch(Cuda(), Cuda(), g, beta, None, None, None, None, None, 1, 1.0, True)
+    with pytest.raises(ValueError, match="gluon and stacked are two different kernels"):
+        dataclasses.replace(tc.INVERSE_CONFIG, gluon=True, stacked=True)

@@ -151,6 +151,42 @@ def test_stacked_inverse_matches_reference(warps, lens, H, HV, batch):
     assert rel_err(o, o_ref) < 5e-2 and rel_err(st, st_ref) < 5e-2
 
 
+@pytest.mark.parametrize("l2norm", [True, False])
+@pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
+    pytest.param([200, 64, 1000, 7], 2, 8, None, id="varlen-ragged"),
+    pytest.param([300], 4, 16, 2, id="batch-2x300"),
+    pytest.param([8192], 16, 64, 2, id="397B-2x8192"),
+])
+def test_gluon_inverse_matches_the_reference_and_the_triton_inverse(lens, H, HV, batch, l2norm):
+    """The Gluon inverse (`InverseConfig(gluon=True)`, opt-in until measured faster) in serial calls: against the
+    reference, and against the Triton inverse (the same sums in another order: equal to rounding); every A, R and
+    G element written (NaN-filled allocations); and on the worst case of the test above."""
+    import dataclasses
+
+    from hybridkv.kernels.gdn import triton_chunk
+
+    inverse = dataclasses.replace(triton_chunk.INVERSE_CONFIG, gluon=True)
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=7)
+    N = batch or len(lens)
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    call = dict(config=(64, 4, 2), schedule=triton_chunk.Schedule.SERIAL)
+    o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm, False,
+                                                    inverse=inverse, **call)
+    o_tri, st_tri = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu,
+                                                            l2norm, False, **call)
+    assert rel_err(o, o_tri) < 5e-3 and rel_err(st, st_tri) < 5e-3
+    if sum(lens) * (batch or 1) <= 4096:
+        o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm)
+        assert rel_err(o, o_ref) < 2e-2 and rel_err(st, st_ref) < 2e-2
+    q, k, v, g, beta, cu = make([1000, 300], 2, 4, seed=5)
+    k = (k[:, :1] + 1e-3 * k).to(k.dtype)
+    g, beta = torch.zeros_like(g), torch.ones_like(beta)
+    o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
+                                                    inverse=inverse, **call)
+    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, None, True, cu, True)
+    assert rel_err(o, o_ref) < 5e-2 and rel_err(st, st_ref) < 5e-2
+
+
 def test_chunk_tables_follow_an_in_place_edit_of_cu_seqlens():
     """The chunk tables are cached per cu_seqlens tensor; an in-place edit must not reuse stale ones."""
     q, k, v, g, beta, cu = make([100, 200, 300], 2, 4, seed=6)

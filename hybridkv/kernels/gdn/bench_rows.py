@@ -2,9 +2,10 @@
 
 `_prefill_rows` starts the warm-up processes (with FlashQLA), then `_prefill_row` for each shape: the first calls, each
 output and final state against `_reference` (`reference.chunk_reference` under `_fp32_matmuls`, TF32 off), the
-interleaved timings, and the FLOP and byte counts, as one `Row`. `_decode_rows` times hybridkv's decode step,
-FLA's fused recurrent step and FlashInfer's pool decode on a slot pool of each state dtype. `_load_fla` is how the probes in benchmarks/gdn get the
-(chunked prefill, recurrent step) FLA pair that `_decode_rows` and the `--breakdown` mode take.
+interleaved timings, and the FLOP and byte counts, as one `Row`. `_decode_rows` times hybridkv's decode step, FLA's
+fused recurrent step and FlashInfer's pool decode on a slot pool of each state dtype, checking hybridkv's and
+FlashInfer's against the reference. `_load_fla` is how the probes in benchmarks/gdn get the (chunked prefill, recurrent
+step) FLA pair that `_decode_rows` and the `--breakdown` mode take.
 """
 
 from __future__ import annotations

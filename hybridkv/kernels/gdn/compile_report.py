@@ -53,6 +53,7 @@ class KernelSpec:
     constants: Mapping[str, object]  # constexpr arguments (a None pointer is one too)
     aligned: tuple[str, ...]  # int arguments the launcher sees as multiples of 16
     launches: tuple[Launch, ...]
+    gluon: bool = False  # written in Gluon (triton.experimental.gluon), not in Triton's language
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +73,10 @@ class Report:
     # wait drains them, so a loop waits at each step for the copies it issued at the end of the step
     # before (two stages).
     copies_in_flight: int = 0
+    # Warp shuffles and CTA barriers in the PTX (static counts): what reductions across lanes and layout changes
+    # through shared memory cost a kernel whose time is latency, not bandwidth or FLOPs (the inverse).
+    shuffles: int = 0
+    barriers: int = 0
 
 
 _MMA = {"wgmma": r"\bwgmma\.mma_async\b", "tcgen05": r"\btcgen05\.mma\b", "mma.sync": r"\bmma\.sync\b"}
@@ -128,6 +133,14 @@ def _specs() -> list[KernelSpec]:
             launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}", num_warps=inv.warps,
                                   num_stages=inv.stages, constants={"SEGMENTED": seg, "GROUP": grp})
                            for seg in (False, True) for grp in sorted({1, inv.group})),
+        ),
+        KernelSpec(
+            name="chunk_inverse_gluon", module="hybridkv.kernels.gdn.gluon_chunk_inverse", attr="_gluon_inverse_kernel",
+            signature={"q": "*bf16", "k": "*bf16", "g": "*fp32", "beta": "*fp32", "A": "*bf16", "R": "*fp32",
+                       "G": "*fp32", "cu_seqlens": "*i32", "chunk_table": "*i32", "scale": "fp32", "H": "i32",
+                       "HV": "i32"},
+            constants={"K": D, "L2NORM": True}, aligned=("H", "HV"), gluon=True,
+            launches=(Launch(label="default", num_warps=2, num_stages=3),),
         ),
         KernelSpec(
             name="chunk_scores", module=inverse, attr="_chunk_scores_kernel",
@@ -313,8 +326,11 @@ def compile_one(spec: KernelSpec, launch: Launch, arch: Arch) -> Report:
     full = {a: ("constexpr" if a in constants else signature[a]) for a in fn.arg_names}
     index = {a: i for i, a in enumerate(fn.arg_names)}
     aligned = [a for a, t in full.items() if t.startswith("*")] + list(spec.aligned)
-    src = ASTSource(fn=fn, signature=full, constexprs={(index[a],): v for a, v in constants.items()},
-                    attrs={(index[a],): [["tt.divisibility", 16]] for a in aligned})
+    source = ASTSource
+    if spec.gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=fn, signature=full, constexprs={(index[a],): v for a, v in constants.items()},
+                 attrs={(index[a],): [["tt.divisibility", 16]] for a in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", int(arch), 32),
                               options={"num_warps": launch.num_warps, "num_stages": launch.num_stages,
                                        **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg})})
@@ -330,6 +346,7 @@ def compile_one(spec: KernelSpec, launch: Launch, arch: Arch) -> Report:
         async_copies=len(re.findall(_ASYNC_COPY, ptx)),
         copies_in_flight=max((int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", compiled.asm["ttgir"])),
                              default=0),
+        shuffles=len(re.findall(r"\bshfl\.sync\b", ptx)), barriers=len(re.findall(r"\bbar\.sync\b", ptx)),
     )
 
 
@@ -366,13 +383,13 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     if not args.json:
         print(f"{'kernel':18} {'launch':18} {'sm':>4} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
-              f"{'smem KiB':>8} {'mma':>14} {'async':>5} {'flight':>6}")
+              f"{'smem KiB':>8} {'mma':>14} {'async':>5} {'flight':>6} {'shfl':>5} {'bar':>4}")
     for r in found:
         rows.append(r)
         if not args.json:
             print(f"{r.kernel:18} {r.launch:18} {r.arch:>4} {r.num_warps:>5} {r.num_stages:>6} {r.registers:>5} "
                   f"{r.spill_bytes:>7} {r.shared_bytes / 1024:>8.1f} {f'{r.mma_kind} {r.mma}':>14} {r.async_copies:>5} "
-                  f"{r.copies_in_flight:>6}",
+                  f"{r.copies_in_flight:>6} {r.shuffles:>5} {r.barriers:>4}",
                   flush=True)
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))

@@ -1,0 +1,214 @@
+"""The chunk inverse in Gluon (Triton's layout-explicit dialect): `triton_chunk_inverse._chunk_inverse_kernel`'s
+outputs (A = T, R, G; that docstring has the layouts) for one value head per program, opt-in
+(`InverseConfig(gluon=True)`), written to be measured against the Triton kernel on a GPU.
+
+Why Gluon: the Triton kernel's forward substitution picks row i of L out of registers with a masked reduction in
+each of its 15 steps and reduces again for the product, and Triton chooses the layouts, so both reductions cross
+lanes (shuffles, and barriers around layout changes). FlashQLA's inverse does the same substitution on rows read
+from shared memory (docs/background/gdn_peers.md section 2). Here the layouts are chosen so that nothing in the
+substitution crosses a thread:
+
+- a thread owns one column c of one diagonal block b of T, all 16 rows of it in registers (layout `_SUB`: 16
+  elements along m per thread);
+- row i of L's block b, which step i multiplies into that column, is read from shared memory (the same 16 values
+  for the 16 threads of a block: broadcast reads), and those reads do not depend on T, so all 15 are issued ahead;
+- each step is 16 FMAs and a select per thread.
+
+The rest is the Triton kernel's arithmetic: the raw gram K K^T on the tensor cores (bf16 in, fp32 out), the l2 norms
+of k and q, beta and the decays applied to the gram's rows and columns, the blocks below the diagonal by block
+forward substitution with tf32 products (FLA's numerics), and the row scales. Gluon has no CPU interpreter: this
+kernel is checked on a GPU only (tests/kernels/test_gdn_triton.py, against the Triton kernel).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+BT = gl.constexpr(64)
+# The layouts below are written for two warps: 64 threads, one per column of T's four diagonal blocks.
+WARPS = gl.constexpr(2)
+
+# [64, 32] loads of q and k: 8 contiguous bf16 (16 bytes) per thread.
+_LD = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0]))
+# The 64 x 64 gram: mma.sync tiles, each warp 32 rows.
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
+# [4 blocks, 16 rows m, 16 columns c] of T's diagonal blocks: thread (b, c) holds column c of block b.
+_SUB = gl.constexpr(gl.BlockedLayout([1, 16, 1], [2, 1, 16], [WARPS, 1, 1], [2, 1, 0]))
+# The same, flattened to [64 (16 b + m), 16]: how a row of L's blocks is read from shared memory.
+_SUB2 = gl.constexpr(gl.BlockedLayout([16, 1], [2, 16], [WARPS, 1], [1, 0]))
+# 16 x 16 block products of the merge (tf32 mma.sync).
+_MMA16 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8]))
+_VEC = gl.constexpr(gl.BlockedLayout([1], [32], [WARPS], [0]))
+_SMEM2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _rows(x, bos, T, i_h, r0, kc: gl.constexpr, H, K: gl.constexpr):
+    """Columns [32 kc, 32 kc + 32) of a chunk's 64 rows of q or k `[B, T, H, K]` for key head i_h (zero past the
+    sequence's end), layout _LD."""
+    o_t = r0 + gl.arange(0, BT, layout=gl.SliceLayout(1, _LD))
+    o_k = 32 * kc + gl.arange(0, 32, layout=gl.SliceLayout(0, _LD))
+    p = x + ((bos + o_t.to(gl.int64)) * H + i_h)[:, None] * K + o_k[None, :]
+    return gl.load(p, mask=(o_t < T)[:, None], other=0.0)
+
+
+@gluon.jit
+def _sub(smem, b: gl.constexpr):
+    """Block b of a [64, 16] shared buffer of four [16, 16] blocks stacked."""
+    return smem.slice(16 * b, 16, dim=0)
+
+
+@gluon.jit
+def _block(smem, i: gl.constexpr, j: gl.constexpr, operand: gl.constexpr):
+    """Block (i, j) of a 64 x 64 fp32 shared tile as a tf32 mma.sync operand (0: left, 1: right)."""
+    view = smem.slice(16 * i, 16, dim=0).slice(16 * j, 16, dim=1)
+    return view.load(gl.DotOperandLayout(operand, _MMA16, 1))
+
+
+@gluon.jit
+def _dot(a, b, acc):
+    return mma_v2(a, b, acc, input_precision="tf32")
+
+
+@gluon.jit
+def _store_block(A, x, i: gl.constexpr, j: gl.constexpr, layout: gl.constexpr):
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
+    gl.store(A + (16 * i + r)[:, None] * BT + (16 * j + c)[None, :], x.to(A.dtype.element_ty))
+
+
+@gluon.jit
+def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale, H, HV, K: gl.constexpr,
+                          L2NORM: gl.constexpr):
+    """T = (I + L)^-1 of one chunk and value head, with its row scales. Grid (chunk rows, HV); two warps."""
+    i_c, i_hv = gl.program_id(0), gl.program_id(1)
+    i_n = gl.load(chunk_table + 2 * i_c)
+    if i_n < 0:  # a row past the last chunk (the table is sized by an upper bound)
+        return
+    i_t = gl.load(chunk_table + 2 * i_c + 1)
+    start = gl.load(cu_seqlens + i_n)
+    T = gl.load(cu_seqlens + i_n + 1) - start
+    bos = start.to(gl.int64)
+    i_h = i_hv // (HV // H)
+    r0 = i_t * BT
+
+    # The raw gram and the norms (key head), 32 columns of k at a time (whole, k and its two operand copies would
+    # take 192 registers a thread); k's squared norms are the gram's diagonal.
+    row: gl.constexpr = gl.SliceLayout(1, _MMA)
+    col: gl.constexpr = gl.SliceLayout(0, _MMA)
+    gram = gl.zeros([BT, BT], gl.float32, layout=_MMA)
+    sq = gl.zeros([BT], gl.float32, layout=gl.SliceLayout(1, _LD))
+    for kc in gl.static_range(K // 32):
+        b_k = _rows(k, bos, T, i_h, r0, kc, H, K)
+        gram = mma_v2(gl.convert_layout(b_k, gl.DotOperandLayout(0, _MMA, 2)),
+                      gl.convert_layout(gl.permute(b_k, [1, 0]), gl.DotOperandLayout(1, _MMA, 2)), gram)
+        if L2NORM:
+            b_q = _rows(q, bos, T, i_h, r0, kc, H, K).to(gl.float32)
+            sq += gl.sum(b_q * b_q, axis=1)
+    if L2NORM:
+        diag = gl.arange(0, BT, layout=row)[:, None] == gl.arange(0, BT, layout=col)[None, :]
+        rk = gl.rsqrt(gl.sum(gl.where(diag, gram, 0.0), axis=1) + 1e-6)
+        rq = gl.convert_layout(gl.rsqrt(sq + 1e-6), row)
+    else:
+        rk = gl.full([BT], 1.0, gl.float32, layout=row)
+        rq = gl.full([BT], 1.0, gl.float32, layout=row)
+    o_t = gl.arange(0, BT, layout=row)
+    live = r0 + o_t < T
+    b_b = gl.load(beta + (bos + r0 + o_t) * HV + i_hv, mask=live, other=0.0).to(gl.float32)
+    o_v = gl.arange(0, BT, layout=_VEC)  # the gate's cumulative sum in a plain layout (a scan cannot run in _MMA's)
+    g_vec = gl.load(g + (bos + r0 + o_v) * HV + i_hv, mask=r0 + o_v < T, other=0.0).to(gl.float32)
+    c = gl.convert_layout(gl.associative_scan(g_vec, 0, _add), row)
+    g_last = gl.sum(g_vec, axis=0)
+    c_col = gl.convert_layout(c, col)
+    rk_col = gl.convert_layout(rk, col)
+    i_r = o_t[:, None]
+    j_c = gl.arange(0, BT, layout=col)[None, :]
+    lower = i_r > j_c
+    L = gl.where(lower, gl.exp(gl.where(lower, c[:, None] - c_col[None, :], 0.0)) * gram
+                 * (b_b * rk)[:, None] * rk_col[None, :], 0.0)
+
+    # Row scales and e^g_last: the Triton kernel's `_store_rows`, for the whole chunk at once.
+    i_ch = i_c.to(gl.int64) * HV + i_hv
+    p_r = R + i_ch * (8 * BT) + o_t
+    e_c = gl.exp(c)
+    gl.store(p_r, gl.where(live, scale * e_c * rq, 0.0))
+    gl.store(p_r + 64, gl.where(live, b_b * e_c * rk, 0.0))
+    gl.store(p_r + 128, gl.where(live, gl.exp(g_last - c) * rk, 0.0))
+    gl.store(p_r + 192, b_b)
+    gl.store(p_r + 256, c)
+    gl.store(p_r + 320, gl.where(live, scale * rq, 0.0))
+    gl.store(p_r + 384, gl.where(live, rk, 0.0))
+    gl.store(G + i_ch, gl.exp(g_last))
+
+    # L in shared memory: its diagonal blocks, side by side, for the substitution's rows; all of it for the merges.
+    Ls = gl.allocate_shared_memory(gl.float32, [BT, BT], _SMEM2, L)
+    Ld = gl.allocate_shared_memory(gl.float32, [BT, 16], _SMEM2)  # the blocks transposed: [16 b + m, i] = L_b[i, m]
+    for b in gl.static_range(4):
+        Ld.slice(16 * b, 16, dim=0).store(gl.permute(Ls.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).load(_LD),
+                                                     [1, 0]))
+
+    # Forward substitution on the four diagonal blocks, column by column in registers: row i of T is
+    # e_i - sum_{m < i} L_im T_m, and L's rows beyond the diagonal are zero, so every step sums all 16.
+    m_ax = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _SUB)))[None, :, None]
+    c_ax = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _SUB)))[None, None, :]
+    t = gl.where(m_ax == c_ax, 1.0, 0.0) + gl.zeros([4, 16, 16], gl.float32, layout=_SUB)
+    for i in gl.static_range(1, 16):
+        l_row = gl.convert_layout(gl.reshape(Ld.slice(i, 1, dim=1).load(_SUB2), [4, 16, 1]), _SUB)  # row i of each
+        corr = gl.sum(l_row * t, axis=1)  # [4, 16 (c)]
+        t = gl.where(m_ax == i, t - gl.expand_dims(corr, 1), t)
+    Td = gl.allocate_shared_memory(gl.float32, [BT, 16], _SMEM2, gl.reshape(t, [BT, 16]))  # [16 b + m, c]
+
+    # The blocks below the diagonal: T_ij = -T_ii sum_{j <= m < i} L_im T_mj (tf32 products).
+    z = gl.zeros([16, 16], gl.float32, layout=_MMA16)
+    left: gl.constexpr = gl.DotOperandLayout(0, _MMA16, 1)
+    right: gl.constexpr = gl.DotOperandLayout(1, _MMA16, 1)
+    t11, t22, t33 = _sub(Td, 1).load(left), _sub(Td, 2).load(left), _sub(Td, 3).load(left)
+    t00_b, t11_b, t22_b = _sub(Td, 0).load(right), _sub(Td, 1).load(right), _sub(Td, 2).load(right)
+    t10 = -_dot(t11, gl.convert_layout(_dot(_block(Ls, 1, 0, 0), t00_b, z), right), z)
+    t21 = -_dot(t22, gl.convert_layout(_dot(_block(Ls, 2, 1, 0), t11_b, z), right), z)
+    t32 = -_dot(t33, gl.convert_layout(_dot(_block(Ls, 3, 2, 0), t22_b, z), right), z)
+    t10_b = gl.convert_layout(t10, right)
+    t21_b = gl.convert_layout(t21, right)
+    s20 = _dot(_block(Ls, 2, 1, 0), t10_b, _dot(_block(Ls, 2, 0, 0), t00_b, z))
+    t20 = -_dot(t22, gl.convert_layout(s20, right), z)
+    s31 = _dot(_block(Ls, 3, 2, 0), t21_b, _dot(_block(Ls, 3, 1, 0), t11_b, z))
+    t31 = -_dot(t33, gl.convert_layout(s31, right), z)
+    t20_b = gl.convert_layout(t20, right)
+    s30 = _dot(_block(Ls, 3, 2, 0), t20_b, _dot(_block(Ls, 3, 1, 0), t10_b, _dot(_block(Ls, 3, 0, 0), t00_b, z)))
+    t30 = -_dot(t33, gl.convert_layout(s30, right), z)
+
+    p = A + i_ch * (BT * BT)
+    zero16 = gl.zeros([16, 16], gl.float32, layout=_MMA16)
+    for b in gl.static_range(4):
+        _store_block(p, _sub(Td, b).load(_MMA16), b, b, _MMA16)
+        for j in gl.static_range(b + 1, 4):
+            _store_block(p, zero16, b, j, _MMA16)
+    _store_block(p, t10, 1, 0, _MMA16)
+    _store_block(p, t20, 2, 0, _MMA16)
+    _store_block(p, t21, 2, 1, _MMA16)
+    _store_block(p, t30, 3, 0, _MMA16)
+    _store_block(p, t31, 3, 1, _MMA16)
+    _store_block(p, t32, 3, 2, _MMA16)
+
+
+def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: float, l2norm: bool) -> None:
+    """`_gluon_inverse_kernel` over every chunk row and value head (the arguments of `triton_chunk`'s inverse call).
+    Refuses what it was not written for: a CPU tensor (Gluon has no interpreter), inputs other than bf16 or fp16
+    (the gram's operands are 16-bit), or a head size that is not a multiple of 32 up to 256."""
+    H, K = q.shape[2], q.shape[3]
+    HV = beta.shape[-1]
+    if not q.is_cuda:
+        raise ValueError(f"the Gluon inverse runs on a CUDA GPU only, got q on {q.device}")
+    if q.dtype != k.dtype or str(q.dtype) not in ("torch.bfloat16", "torch.float16"):
+        raise ValueError(f"the Gluon inverse takes bf16 or fp16 q and k, got {q.dtype} and {k.dtype}")
+    if K % 32 or K > 256:
+        raise ValueError(f"the Gluon inverse takes a head size that is a multiple of 32 up to 256, got K={K}")
+    _gluon_inverse_kernel[(rows, HV)](q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale, H, HV, K=K,
+                                      L2NORM=l2norm, num_warps=int(WARPS.value))
