@@ -23,19 +23,20 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 
 from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 
-# The shipped launch, then the Gluon kernel (`gluon_chunk_inverse`: one value head per program, the substitution
-# thread-local; offline sm_90: 160 registers, no spills, 88 shuffles and 68 barriers in the PTX against the Triton
-# kernel's 1,264 and 139 for one value head). The stacked variants measured on 2026-12-02 (all 2x slower) are in
+# The shipped launch, then the Gluon kernel (`gluon_chunk_inverse`: the substitution thread-local) with one value head
+# per program and with four sharing their key head's gram (offline sm_90: 156 and 252 registers, no spills, 88
+# shuffles and 65 barriers in the PTX against the Triton kernel's 1,264 and 139 for one value head). The stacked variants measured on 2026-12-02 (all 2x slower) are in
 # benchmarks/gdn/README.md; the stacked kernel stays in the tree, opt-in.
 VARIANTS = (
     triton_chunk.INVERSE_CONFIG,
-    InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True),
+    InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True, group=1),
+    InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True, group=4),
 )
 
 
 def label(inv: InverseConfig) -> str:
     if inv.gluon:
-        return "gluon (one value head per program, two warps)"
+        return f"gluon g{inv.group} (value heads per program; two warps)"
     return (f"{'stacked ' if inv.stacked else ''}g{inv.group} bkc{inv.bkc} w{inv.warps} s{inv.stages} m{inv.method} "
             f"{inv.prec:6} /{inv.merge_prec:6} reg{inv.maxnreg}")
 

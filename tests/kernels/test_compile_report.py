@@ -51,13 +51,14 @@ def test_chunk_kernels_keep_tensor_cores_and_pipelined_loads(hopper):
 
 def test_the_gluon_inverse_keeps_its_substitution_in_threads(hopper):
     """What the Gluon inverse is for: the same outputs as the Triton kernel (one value head per program) without the
-    lane crossings of its substitution. Offline sm_90 on 2026-12-02: 88 shuffles and 68 barriers in the PTX, 160
-    registers, no spills; the Triton kernel for one value head: 1,264 and 139."""
-    gluon = hopper[("chunk_inverse_gluon", "default", 2)]
+    lane crossings of its substitution. Offline sm_90 on 2026-12-02: 88 shuffles and 65 barriers in the PTX, 156
+    registers (252 with groups of four), no spills; the Triton kernel for one value head: 1,264 and 139."""
     triton_one_head = hopper[("chunk_inverse", "default group=1", 2)]
-    assert gluon.spill_bytes == 0 and gluon.mma_kind == "mma.sync" and gluon.mma > 0, gluon
-    assert gluon.shuffles * 4 < triton_one_head.shuffles, (gluon, triton_one_head)
-    assert gluon.barriers < triton_one_head.barriers, (gluon, triton_one_head)
+    for grp in (1, 4):  # a value head per program, or four sharing their key head's gram (252 registers)
+        gluon = hopper[("chunk_inverse_gluon", f"group={grp}", 2)]
+        assert gluon.spill_bytes == 0 and gluon.mma_kind == "mma.sync" and gluon.mma > 0, gluon
+        assert gluon.shuffles * 4 < triton_one_head.shuffles, (gluon, triton_one_head)
+        assert gluon.barriers < triton_one_head.barriers, (gluon, triton_one_head)
 
 
 def test_bandwidth_bound_kernels_do_not_spill(hopper):

@@ -151,13 +151,14 @@ def test_stacked_inverse_matches_reference(warps, lens, H, HV, batch):
     assert rel_err(o, o_ref) < 5e-2 and rel_err(st, st_ref) < 5e-2
 
 
+@pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("l2norm", [True, False])
 @pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
     pytest.param([200, 64, 1000, 7], 2, 8, None, id="varlen-ragged"),
     pytest.param([300], 4, 16, 2, id="batch-2x300"),
     pytest.param([8192], 16, 64, 2, id="397B-2x8192"),
 ])
-def test_gluon_inverse_matches_the_reference_and_the_triton_inverse(lens, H, HV, batch, l2norm):
+def test_gluon_inverse_matches_the_reference_and_the_triton_inverse(lens, H, HV, batch, l2norm, group):
     """The Gluon inverse (`InverseConfig(gluon=True)`, opt-in until measured faster) in serial calls: against the
     reference, and against the Triton inverse (the same sums in another order: equal to rounding); every A, R and
     G element written (NaN-filled allocations); and on the worst case of the test above."""
@@ -165,7 +166,7 @@ def test_gluon_inverse_matches_the_reference_and_the_triton_inverse(lens, H, HV,
 
     from hybridkv.kernels.gdn import triton_chunk
 
-    inverse = dataclasses.replace(triton_chunk.INVERSE_CONFIG, gluon=True)
+    inverse = dataclasses.replace(triton_chunk.INVERSE_CONFIG, gluon=True, group=group)
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=7)
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1

@@ -140,7 +140,7 @@ def _specs() -> list[KernelSpec]:
                        "G": "*fp32", "cu_seqlens": "*i32", "chunk_table": "*i32", "scale": "fp32", "H": "i32",
                        "HV": "i32"},
             constants={"K": D, "L2NORM": True}, aligned=("H", "HV"), gluon=True,
-            launches=(Launch(label="default", num_warps=2, num_stages=3),),
+            launches=tuple(Launch(label=f"group={grp}", num_warps=2, constants={"GROUP": grp}) for grp in (1, 4)),
         ),
         KernelSpec(
             name="chunk_scores", module=inverse, attr="_chunk_scores_kernel",

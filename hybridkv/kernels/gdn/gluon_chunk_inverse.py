@@ -1,6 +1,7 @@
 """The chunk inverse in Gluon (Triton's layout-explicit dialect): `triton_chunk_inverse._chunk_inverse_kernel`'s
-outputs (A = T, R, G; that docstring has the layouts) for one value head per program, opt-in
-(`InverseConfig(gluon=True)`), written to be measured against the Triton kernel on a GPU.
+outputs (A = T, R, G; that docstring has the layouts) for GROUP value heads of a key head per program (the gram and the
+norms made once for them), opt-in (`InverseConfig(gluon=True)`), written to be measured against the Triton kernel on a
+GPU.
 
 Why Gluon: the Triton kernel's forward substitution picks row i of L out of registers with a masked reduction in
 each of its 15 steps and reduces again for the product, and Triton chooses the layouts, so both reductions cross
@@ -86,9 +87,10 @@ def _store_block(A, x, i: gl.constexpr, j: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale, H, HV, K: gl.constexpr,
-                          L2NORM: gl.constexpr):
-    """T = (I + L)^-1 of one chunk and value head, with its row scales. Grid (chunk rows, HV); two warps."""
-    i_c, i_hv = gl.program_id(0), gl.program_id(1)
+                          L2NORM: gl.constexpr, GROUP: gl.constexpr):
+    """T = (I + L)^-1 of one chunk for GROUP value heads of one key head, with their row scales. Grid (chunk rows,
+    HV // GROUP); two warps. The raw gram and the q and k norms depend on the key head only: made once."""
+    i_c, i_g = gl.program_id(0), gl.program_id(1)
     i_n = gl.load(chunk_table + 2 * i_c)
     if i_n < 0:  # a row past the last chunk (the table is sized by an upper bound)
         return
@@ -96,7 +98,8 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale
     start = gl.load(cu_seqlens + i_n)
     T = gl.load(cu_seqlens + i_n + 1) - start
     bos = start.to(gl.int64)
-    i_h = i_hv // (HV // H)
+    hv0 = i_g * GROUP
+    i_h = hv0 // (HV // H)
     r0 = i_t * BT
 
     # The raw gram and the norms (key head), 32 columns of k at a time (whole, k and its two operand copies would
@@ -119,37 +122,47 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale
     else:
         rk = gl.full([BT], 1.0, gl.float32, layout=row)
         rq = gl.full([BT], 1.0, gl.float32, layout=row)
+    rk_col = gl.convert_layout(rk, col)
     o_t = gl.arange(0, BT, layout=row)
     live = r0 + o_t < T
-    b_b = gl.load(beta + (bos + r0 + o_t) * HV + i_hv, mask=live, other=0.0).to(gl.float32)
-    o_v = gl.arange(0, BT, layout=_VEC)  # the gate's cumulative sum in a plain layout (a scan cannot run in _MMA's)
-    g_vec = gl.load(g + (bos + r0 + o_v) * HV + i_hv, mask=r0 + o_v < T, other=0.0).to(gl.float32)
-    c = gl.convert_layout(gl.associative_scan(g_vec, 0, _add), row)
-    g_last = gl.sum(g_vec, axis=0)
-    c_col = gl.convert_layout(c, col)
-    rk_col = gl.convert_layout(rk, col)
-    i_r = o_t[:, None]
-    j_c = gl.arange(0, BT, layout=col)[None, :]
-    lower = i_r > j_c
-    L = gl.where(lower, gl.exp(gl.where(lower, c[:, None] - c_col[None, :], 0.0)) * gram
-                 * (b_b * rk)[:, None] * rk_col[None, :], 0.0)
-
-    # Row scales and e^g_last: the Triton kernel's `_store_rows`, for the whole chunk at once.
-    i_ch = i_c.to(gl.int64) * HV + i_hv
-    p_r = R + i_ch * (8 * BT) + o_t
-    e_c = gl.exp(c)
-    gl.store(p_r, gl.where(live, scale * e_c * rq, 0.0))
-    gl.store(p_r + 64, gl.where(live, b_b * e_c * rk, 0.0))
-    gl.store(p_r + 128, gl.where(live, gl.exp(g_last - c) * rk, 0.0))
-    gl.store(p_r + 192, b_b)
-    gl.store(p_r + 256, c)
-    gl.store(p_r + 320, gl.where(live, scale * rq, 0.0))
-    gl.store(p_r + 384, gl.where(live, rk, 0.0))
-    gl.store(G + i_ch, gl.exp(g_last))
-
-    # L in shared memory: its diagonal blocks, side by side, for the substitution's rows; all of it for the merges.
-    Ls = gl.allocate_shared_memory(gl.float32, [BT, BT], _SMEM2, L)
+    o_v = gl.arange(0, BT, layout=_VEC)
+    lower = o_t[:, None] > gl.arange(0, BT, layout=col)[None, :]
+    Ls = gl.allocate_shared_memory(gl.float32, [BT, BT], _SMEM2)
     Ld = gl.allocate_shared_memory(gl.float32, [BT, 16], _SMEM2)  # the blocks transposed: [16 b + m, i] = L_b[i, m]
+    Td = gl.allocate_shared_memory(gl.float32, [BT, 16], _SMEM2)  # T's diagonal blocks: [16 b + m, c] = T_b[m, c]
+    for j in range(GROUP):
+        i_hv = hv0 + j
+        # Beta and the decays (value head) on the gram's rows and columns.
+        b_b = gl.load(beta + (bos + r0 + o_t) * HV + i_hv, mask=live, other=0.0).to(gl.float32)
+        # The gate's cumulative sum in a plain layout (a scan cannot run in _MMA's).
+        g_vec = gl.load(g + (bos + r0 + o_v) * HV + i_hv, mask=r0 + o_v < T, other=0.0).to(gl.float32)
+        c = gl.convert_layout(gl.associative_scan(g_vec, 0, _add), row)
+        g_last = gl.sum(g_vec, axis=0)
+        c_col = gl.convert_layout(c, col)
+        L = gl.where(lower, gl.exp(gl.where(lower, c[:, None] - c_col[None, :], 0.0)) * gram
+                     * (b_b * rk)[:, None] * rk_col[None, :], 0.0)
+
+        # Row scales and e^g_last: the Triton kernel's `_store_rows`, for the whole chunk at once.
+        i_ch = i_c.to(gl.int64) * HV + i_hv
+        p_r = R + i_ch * (8 * BT) + o_t
+        e_c = gl.exp(c)
+        gl.store(p_r, gl.where(live, scale * e_c * rq, 0.0))
+        gl.store(p_r + 64, gl.where(live, b_b * e_c * rk, 0.0))
+        gl.store(p_r + 128, gl.where(live, gl.exp(g_last - c) * rk, 0.0))
+        gl.store(p_r + 192, b_b)
+        gl.store(p_r + 256, c)
+        gl.store(p_r + 320, gl.where(live, scale * rq, 0.0))
+        gl.store(p_r + 384, gl.where(live, rk, 0.0))
+        gl.store(G + i_ch, gl.exp(g_last))
+        _invert(L, Ls, Ld, Td, A + i_ch * (BT * BT))
+
+
+@gluon.jit
+def _invert(L, Ls, Ld, Td, p):
+    """T = (I + L)^-1 of one 64 x 64 strictly lower L (layout _MMA) into p (64 x 64, row-major), through the shared
+    buffers Ls (L), Ld (its diagonal blocks transposed) and Td (T's diagonal blocks)."""
+    # L in shared memory: its diagonal blocks, side by side, for the substitution's rows; all of it for the merges.
+    Ls.store(L)
     for b in gl.static_range(4):
         Ld.slice(16 * b, 16, dim=0).store(gl.permute(Ls.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).load(_LD),
                                                      [1, 0]))
@@ -163,7 +176,7 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale
         l_row = gl.convert_layout(gl.reshape(Ld.slice(i, 1, dim=1).load(_SUB2), [4, 16, 1]), _SUB)  # row i of each
         corr = gl.sum(l_row * t, axis=1)  # [4, 16 (c)]
         t = gl.where(m_ax == i, t - gl.expand_dims(corr, 1), t)
-    Td = gl.allocate_shared_memory(gl.float32, [BT, 16], _SMEM2, gl.reshape(t, [BT, 16]))  # [16 b + m, c]
+    Td.store(gl.reshape(t, [BT, 16]))
 
     # The blocks below the diagonal: T_ij = -T_ii sum_{j <= m < i} L_im T_mj (tf32 products).
     z = gl.zeros([16, 16], gl.float32, layout=_MMA16)
@@ -184,7 +197,6 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale
     s30 = _dot(_block(Ls, 3, 2, 0), t20_b, _dot(_block(Ls, 3, 1, 0), t10_b, _dot(_block(Ls, 3, 0, 0), t00_b, z)))
     t30 = -_dot(t33, gl.convert_layout(s30, right), z)
 
-    p = A + i_ch * (BT * BT)
     zero16 = gl.zeros([16, 16], gl.float32, layout=_MMA16)
     for b in gl.static_range(4):
         _store_block(p, _sub(Td, b).load(_MMA16), b, b, _MMA16)
@@ -198,8 +210,10 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale
     _store_block(p, t32, 3, 2, _MMA16)
 
 
-def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: float, l2norm: bool) -> None:
-    """`_gluon_inverse_kernel` over every chunk row and value head (the arguments of `triton_chunk`'s inverse call).
+def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: float, l2norm: bool,
+           group: int = 1) -> None:
+    """`_gluon_inverse_kernel` over every chunk row and value head (the arguments of `triton_chunk`'s inverse call),
+    ``group`` value heads of a key head per program (a divisor of HV / H).
     Refuses what it was not written for: a CPU tensor (Gluon has no interpreter), inputs other than bf16 or fp16
     (the gram's operands are 16-bit), or a head size that is not a multiple of 32 up to 256."""
     H, K = q.shape[2], q.shape[3]
@@ -210,5 +224,7 @@ def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: fl
         raise ValueError(f"the Gluon inverse takes bf16 or fp16 q and k, got {q.dtype} and {k.dtype}")
     if K % 32 or K > 256:
         raise ValueError(f"the Gluon inverse takes a head size that is a multiple of 32 up to 256, got K={K}")
-    _gluon_inverse_kernel[(rows, HV)](q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale, H, HV, K=K,
-                                      L2NORM=l2norm, num_warps=int(WARPS.value))
+    if group < 1 or (HV // H) % group:
+        raise ValueError(f"group must divide the value heads per key head ({HV // H}), got {group}")
+    _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale, H, HV, K=K,
+                                               L2NORM=l2norm, GROUP=group, num_warps=int(WARPS.value))

@@ -465,7 +465,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         if inverse.gluon and not segmented:
             from hybridkv.kernels.gdn import gluon_chunk_inverse
 
-            gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, chunk_table, NC, scale, use_qk_l2norm_in_kernel)
+            gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, chunk_table, NC, scale, use_qk_l2norm_in_kernel,
+                                       group)
             return
         kernel = _chunk_inverse_stacked_kernel if inverse.stacked else _chunk_inverse_kernel
         kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi, scale, H, HV, K=K,
