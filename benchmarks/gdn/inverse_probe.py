@@ -25,8 +25,8 @@ from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 
 # The shipped launch, then the Gluon kernel (`gluon_chunk_inverse`: the substitution thread-local) with one value head
 # per program and with four sharing their key head's gram (offline sm_90: 156 and 252 registers, no spills, 88
-# shuffles and 65 barriers in the PTX against the Triton kernel's 1,264 and 139 for one value head). The stacked variants measured on 2026-12-02 (all 2x slower) are in
-# benchmarks/gdn/README.md; the stacked kernel stays in the tree, opt-in.
+# shuffles and 65 barriers in the PTX against the Triton kernel's 1,264 and 139 for one value head). The stacked
+# variants measured on 2026-12-02 (all 2x slower) are in benchmarks/gdn/README.md; that kernel stays, opt-in.
 VARIANTS = (
     triton_chunk.INVERSE_CONFIG,
     InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True, group=1),
