@@ -55,7 +55,7 @@ def test_the_gluon_inverse_keeps_its_substitution_in_threads(hopper):
     registers (252 with groups of four), no spills; the Triton kernel for one value head: 1,264 and 139."""
     triton_one_head = hopper[("chunk_inverse", "default group=1", 2)]
     for grp in (1, 4):  # a value head per program, or four sharing their key head's gram (252 registers)
-        gluon = hopper[("chunk_inverse_gluon", f"group={grp}", 2)]
+        gluon = hopper[("chunk_inverse_gluon", f"default group={grp}", 2)]
         assert gluon.spill_bytes == 0 and gluon.mma_kind == "mma.sync" and gluon.mma > 0, gluon
         assert gluon.shuffles * 4 < triton_one_head.shuffles, (gluon, triton_one_head)
         assert gluon.barriers < triton_one_head.barriers, (gluon, triton_one_head)

@@ -188,6 +188,23 @@ def test_gluon_inverse_matches_the_reference_and_the_triton_inverse(lens, H, HV,
     assert rel_err(o, o_ref) < 5e-2 and rel_err(st, st_ref) < 5e-2
 
 
+@pytest.mark.parametrize("schedule", ["pipelined", "scan"])
+def test_gluon_inverse_in_a_segmented_call_equals_the_triton_inverse(schedule):
+    """One sequence in segments (the Gluon kernel's SEGMENTED rows, or the scan's whole-call inverse): the same output
+    and final state as with the Triton inverse, to rounding."""
+    import dataclasses
+
+    from hybridkv.kernels.gdn import triton_chunk
+
+    inverse = dataclasses.replace(triton_chunk.INVERSE_CONFIG, gluon=True)
+    q, k, v, g, beta, cu = make([3000], 2, 8, seed=8, slow=True)
+    call = dict(config=(32, 4, 3), schedule=triton_chunk.Schedule(schedule), segments=3)
+    got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
+                                                  inverse=inverse, **call)
+    want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False, **call)
+    assert rel_err(got[0], want[0]) < 5e-3 and rel_err(got[1], want[1]) < 5e-3
+
+
 def test_chunk_tables_follow_an_in_place_edit_of_cu_seqlens():
     """The chunk tables are cached per cu_seqlens tensor; an in-place edit must not reuse stale ones."""
     q, k, v, g, beta, cu = make([100, 200, 300], 2, 4, seed=6)

@@ -86,15 +86,22 @@ def _store_block(A, x, i: gl.constexpr, j: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale, H, HV, K: gl.constexpr,
-                          L2NORM: gl.constexpr, GROUP: gl.constexpr):
+def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
+                          K: gl.constexpr, L2NORM: gl.constexpr, GROUP: gl.constexpr, SEGMENTED: gl.constexpr):
     """T = (I + L)^-1 of one chunk for GROUP value heads of one key head, with their row scales. Grid (chunk rows,
-    HV // GROUP); two warps. The raw gram and the q and k norms depend on the key head only: made once."""
+    HV // GROUP); two warps. The raw gram and the q and k norms depend on the key head only: made once.
+    SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of each sequence,
+    as the Triton kernel's `_table_row`."""
     i_c, i_g = gl.program_id(0), gl.program_id(1)
+    if SEGMENTED:
+        i_c += row0
     i_n = gl.load(chunk_table + 2 * i_c)
-    if i_n < 0:  # a row past the last chunk (the table is sized by an upper bound)
-        return
     i_t = gl.load(chunk_table + 2 * i_c + 1)
+    live_row = i_n >= 0  # not: a row past the last chunk (the table is sized by an upper bound)
+    if SEGMENTED:
+        live_row = live_row & (i_t >= c_lo) & (i_t < c_hi)
+    if not live_row:
+        return
     start = gl.load(cu_seqlens + i_n)
     T = gl.load(cu_seqlens + i_n + 1) - start
     bos = start.to(gl.int64)
@@ -211,9 +218,9 @@ def _invert(L, Ls, Ld, Td, p):
 
 
 def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: float, l2norm: bool,
-           group: int = 1) -> None:
-    """`_gluon_inverse_kernel` over every chunk row and value head (the arguments of `triton_chunk`'s inverse call),
-    ``group`` value heads of a key head per program (a divisor of HV / H).
+           group: int = 1, row0: int = 0, c_lo: int = 0, c_hi: int = 0, segmented: bool = False) -> None:
+    """`_gluon_inverse_kernel` over ``rows`` chunk rows and every value head (the arguments of `triton_chunk`'s inverse
+    call), ``group`` value heads of a key head per program (a divisor of HV / H).
     Refuses what it was not written for: a CPU tensor (Gluon has no interpreter), inputs other than bf16 or fp16
     (the gram's operands are 16-bit), or a head size that is not a multiple of 32 up to 256."""
     H, K = q.shape[2], q.shape[3]
@@ -226,5 +233,6 @@ def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: fl
         raise ValueError(f"the Gluon inverse takes a head size that is a multiple of 32 up to 256, got K={K}")
     if group < 1 or (HV // H) % group:
         raise ValueError(f"group must divide the value heads per key head ({HV // H}), got {group}")
-    _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu_seqlens, chunk_table, scale, H, HV, K=K,
-                                               L2NORM=l2norm, GROUP=group, num_warps=int(WARPS.value))
+    _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi,
+                                               scale, H, HV, K=K, L2NORM=l2norm, GROUP=group, SEGMENTED=segmented,
+                                               num_warps=int(WARPS.value))

@@ -462,11 +462,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     def run_inverse(c_lo, c_hi, segmented):
         # One sequence: its segment is a run of table rows; several: every row, the others return.
         row0, rows = (c_lo, c_hi - c_lo) if N == 1 else (0, NC)
-        if inverse.gluon and not segmented:
+        if inverse.gluon:
             from hybridkv.kernels.gdn import gluon_chunk_inverse
 
-            gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, chunk_table, NC, scale, use_qk_l2norm_in_kernel,
-                                       group)
+            gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, chunk_table, rows, scale, use_qk_l2norm_in_kernel,
+                                       group, row0, c_lo, c_hi, segmented)
             return
         kernel = _chunk_inverse_stacked_kernel if inverse.stacked else _chunk_inverse_kernel
         kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi, scale, H, HV, K=K,
