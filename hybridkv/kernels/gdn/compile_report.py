@@ -121,7 +121,7 @@ def _specs() -> list[KernelSpec]:
         "T": "i32", "stride_slot": "i32", "stride_head": "i32", "softplus_beta": "fp32",
         "softplus_threshold": "fp32", "H": "i32", "HV": "i32",
     }
-    return [
+    specs = [
         KernelSpec(
             name="chunk_inverse", module=inverse, attr="_chunk_inverse_kernel",
             signature={"q": "*bf16", "k": "*bf16", "g": "*fp32", "beta": "*fp32", "A": "*bf16", "R": "*fp32",
@@ -133,15 +133,6 @@ def _specs() -> list[KernelSpec]:
             launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}", num_warps=inv.warps,
                                   num_stages=inv.stages, constants={"SEGMENTED": seg, "GROUP": grp})
                            for seg in (False, True) for grp in sorted({1, inv.group})),
-        ),
-        KernelSpec(
-            name="chunk_inverse_gluon", module="hybridkv.kernels.gdn.gluon_chunk_inverse", attr="_gluon_inverse_kernel",
-            signature={"q": "*bf16", "k": "*bf16", "g": "*fp32", "beta": "*fp32", "A": "*bf16", "R": "*fp32",
-                       "G": "*fp32", "cu_seqlens": "*i32", "chunk_table": "*i32", "row0": "i32", "c_lo": "i32",
-                       "c_hi": "i32", "scale": "fp32", "H": "i32", "HV": "i32"},
-            constants={"K": D, "L2NORM": True}, aligned=("H", "HV"), gluon=True,
-            launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}", num_warps=2,
-                                  constants={"GROUP": grp, "SEGMENTED": seg}) for seg in (False, True) for grp in (1, 4)),
         ),
         KernelSpec(
             name="chunk_scores", module=inverse, attr="_chunk_scores_kernel",
@@ -271,6 +262,26 @@ def _specs() -> list[KernelSpec]:
             launches=(Launch(label="default", num_warps=4),),
         ),
     ]
+    if _has_gluon():  # Triton's Gluon dialect (3.6 is the version it was written against)
+        specs.append(KernelSpec(
+            name="chunk_inverse_gluon", module="hybridkv.kernels.gdn.gluon_chunk_inverse", attr="_gluon_inverse_kernel",
+            signature={"q": "*bf16", "k": "*bf16", "g": "*fp32", "beta": "*fp32", "A": "*bf16", "R": "*fp32",
+                       "G": "*fp32", "cu_seqlens": "*i32", "chunk_table": "*i32", "row0": "i32", "c_lo": "i32",
+                       "c_hi": "i32", "scale": "fp32", "H": "i32", "HV": "i32"},
+            constants={"K": D, "L2NORM": True}, aligned=("H", "HV"), gluon=True,
+            launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}", num_warps=2,
+                                  constants={"GROUP": grp, "SEGMENTED": seg})
+                           for seg in (False, True) for grp in (1, 4)),
+        ))
+    return specs
+
+
+def _has_gluon() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _jit_function(spec: KernelSpec):
