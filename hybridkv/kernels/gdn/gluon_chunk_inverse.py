@@ -180,7 +180,9 @@ def _invert(L, Ls, Ld, Td, p):
     c_ax = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _SUB)))[None, None, :]
     t = gl.where(m_ax == c_ax, 1.0, 0.0) + gl.zeros([4, 16, 16], gl.float32, layout=_SUB)
     for i in gl.static_range(1, 16):
-        l_row = gl.convert_layout(gl.reshape(Ld.slice(i, 1, dim=1).load(_SUB2), [4, 16, 1]), _SUB)  # row i of each
+        # Row i of each block, [4, 16 (m), 1]; read in _SUB2 it is already where _SUB wants it (checked at compile).
+        l_row = gl.convert_layout(gl.reshape(Ld.slice(i, 1, dim=1).load(_SUB2), [4, 16, 1]), _SUB,
+                                  assert_trivial=True)
         corr = gl.sum(l_row * t, axis=1)  # [4, 16 (c)]
         t = gl.where(m_ax == i, t - gl.expand_dims(corr, 1), t)
     Td.store(gl.reshape(t, [BT, 16]))
