@@ -185,3 +185,7 @@ def test_the_gluon_inverse_is_refused_where_it_cannot_run_faked_cuda_tensor():
         gluon_chunk_inverse.launch(Cuda(), Cuda(), g, beta, None, None, None, None, None, 1, 1.0, True)
     with pytest.raises(ValueError, match="gluon and stacked are two different kernels"):
         dataclasses.replace(tc.INVERSE_CONFIG, gluon=True, stacked=True)
+    with pytest.raises(ValueError, match="got method=1, merge_prec='tf32'$"):
+        dataclasses.replace(tc.INVERSE_CONFIG, gluon=True, method=1)
+    with pytest.raises(ValueError, match="got method=0, merge_prec='tf32x3'$"):
+        dataclasses.replace(tc.INVERSE_CONFIG, gluon=True, merge_prec="tf32x3")

@@ -58,13 +58,19 @@ class InverseConfig:
     # one after another: GROUP times the independent work per dependent step; the group is a power of two.
     # Off: 2.2x slower than the shipped kernel on the H200 (397B 4x8192, benchmarks/gdn/README.md).
     stacked: bool = False
-    # The Gluon kernel (`gluon_chunk_inverse`): one value head per program, the substitution thread-local, written
-    # to be measured against this one; serial calls only (a pipelined call's segments take the Triton kernel).
+    # The Gluon kernel (`gluon_chunk_inverse`, opt-in until measured): ``group`` value heads per program, the
+    # substitution thread-local, every schedule. Its launch is its own (two warps, 32 k columns per gram step, no
+    # register cap): bkc, warps, stages and maxnreg describe this kernel's launch only. It has one numerics, the
+    # shipped one (method 0, tf32 merges); anything else is refused rather than quietly not done.
     gluon: bool = False
 
     def __post_init__(self) -> None:
         if self.gluon and self.stacked:
             raise ValueError(f"bad inverse config {self}: gluon and stacked are two different kernels")
+        if self.gluon and (self.method != 0 or self.merge_prec != "tf32"):
+            raise ValueError(f"bad inverse config {self}: the Gluon kernel substitutes in fp32 (method 0) and merges "
+                             f"in tf32 (merge_prec 'tf32'), got method={self.method}, "
+                             f"merge_prec={self.merge_prec!r}")
         if self.group < 1 or self.bkc not in (16, 32, 64, 128) or self.warps not in (1, 2, 4, 8) or self.stages < 1:
             raise ValueError(f"bad inverse config {self}: group >= 1, bkc in 16/32/64/128, warps in 1/2/4/8, "
                              "stages >= 1")
