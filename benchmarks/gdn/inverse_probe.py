@@ -1,6 +1,6 @@
 """Device probe for issues #8 and #23: the inverse kernel's variants (now the shipped Triton kernel and the Gluon
-kernel) in serial calls on the bench's prefill shapes, with the per-kernel device time of each
-(torch.profiler), and every variant's error on the worst case. Earlier variants (warps, stages, the
+kernel) and the chain's (Triton, Gluon) in serial calls on the bench's prefill shapes, with the per-kernel device
+time of each (torch.profiler), and every variant's error on the worst case. Earlier variants (warps, stages, the
 product form, precisions, a register cap, the substitution built as T): their numbers are in
 benchmarks/gdn/README.md, their code in git history.
 
@@ -27,18 +27,24 @@ from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 # per program and with four sharing their key head's gram (offline sm_90: 156 and 252 registers, no spills, 88
 # shuffles and 65 barriers in the PTX against the Triton kernel's 1,264 and 139 for one value head). The stacked
 # variants measured on 2026-12-02 (all 2x slower) are in benchmarks/gdn/README.md; that kernel stays, opt-in.
+# Then the Gluon chain (`gluon_chunk_chain`: one 8-warp program per sequence and value head, the state as wgmma's
+# register operand, TMA loads two chunks deep) after each inverse. (inverse, Gluon chain) pairs, all serial calls.
+GLUON_INVERSE = InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True, group=4)
 VARIANTS = (
-    triton_chunk.INVERSE_CONFIG,
-    InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True, group=1),
-    InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True, group=4),
+    (triton_chunk.INVERSE_CONFIG, False),
+    (InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True, group=1), False),
+    (GLUON_INVERSE, False),
+    (triton_chunk.INVERSE_CONFIG, True),
+    (GLUON_INVERSE, True),
 )
 
 
-def label(inv: InverseConfig) -> str:
+def label(inv: InverseConfig, gluon_chain: bool = False) -> str:
+    chain = " + gluon chain" if gluon_chain else ""
     if inv.gluon:
-        return f"gluon g{inv.group} (value heads per program; two warps)"
+        return f"gluon g{inv.group} (value heads per program; two warps){chain}"
     return (f"{'stacked ' if inv.stacked else ''}g{inv.group} bkc{inv.bkc} w{inv.warps} s{inv.stages} m{inv.method} "
-            f"{inv.prec:6} /{inv.merge_prec:6} reg{inv.maxnreg}")
+            f"{inv.prec:6} /{inv.merge_prec:6} reg{inv.maxnreg}{chain}")
 
 
 def kernel_us(b: breakdown.Breakdown, name: str) -> float:
@@ -59,12 +65,13 @@ def worst_case() -> list[dict]:
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
     o_ref, s_ref = reference.chunk_reference(q, k, v, g, beta, 128**-0.5, None, True, cu, True)
     rows = []
-    for inv in VARIANTS:
+    for inv, gluon_chain in VARIANTS:
         o, s = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
-                                                       schedule=triton_chunk.Schedule.SERIAL, inverse=inv)
+                                                       schedule=triton_chunk.Schedule.SERIAL, inverse=inv,
+                                                       gluon_chain=gluon_chain)
         err = (rel(o, o_ref), rel(s, s_ref))
-        rows.append(dict(shape="worst case", inverse=repr(inv), err=max(err)))
-        print(f"worst case {label(inv)}: o {err[0]:.2e} state {err[1]:.2e}", flush=True)
+        rows.append(dict(shape="worst case", inverse=repr(inv), gluon_chain=gluon_chain, err=max(err)))
+        print(f"worst case {label(inv, gluon_chain)}: o {err[0]:.2e} state {err[1]:.2e}", flush=True)
     return rows
 
 
@@ -77,23 +84,26 @@ def main() -> int:
         q, k, v, g, beta = args
         cu = kw["cu_seqlens"]
 
-        def call(inverse):  # noqa: B023
+        def call(inverse, gluon_chain):  # noqa: B023
             return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
-                                                           schedule=triton_chunk.Schedule.SERIAL, inverse=inverse)
+                                                           schedule=triton_chunk.Schedule.SERIAL, inverse=inverse,
+                                                           gluon_chain=gluon_chain)
 
-        for inv in VARIANTS:
+        for inv, gluon_chain in VARIANTS:
             try:
-                o, s = call(inv)
+                o, s = call(inv, gluon_chain)
             except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result too
-                print(f"{shape:30} {inv}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                print(f"{shape:30} {label(inv, gluon_chain)}: FAILED {type(exc).__name__}: {str(exc)[:200]}",
+                      flush=True)
                 continue
             err = max(rel(o, o_ref), rel(s, s_ref))
-            b = breakdown.measure("hybridkv", lambda: call(inv), a.iters, bench_timing._median_ms)
-            row = dict(shape=shape, inverse=repr(inv), call_us=b.call_us, inverse_us=kernel_us(b, "inverse"),
-                       state_us=kernel_us(b, "state"), err=err)
+            b = breakdown.measure("hybridkv", lambda: call(inv, gluon_chain), a.iters, bench_timing._median_ms)
+            row = dict(shape=shape, inverse=repr(inv), gluon_chain=gluon_chain, call_us=b.call_us,
+                       inverse_us=kernel_us(b, "inverse"), state_us=kernel_us(b, "state") + kernel_us(b, "gluon_chain"),
+                       err=err)
             rows.append(row)
-            print(f"{shape:30} {label(inv)}: call {b.call_us:7.1f} us  "
-                  f"inverse {row['inverse_us']:7.1f}  state {row['state_us']:7.1f}  err {err:.2e}", flush=True)
+            print(f"{shape:30} {label(inv, gluon_chain)}: call {b.call_us:7.1f} us  "
+                  f"inverse {row['inverse_us']:7.1f}  chain {row['state_us']:7.1f}  err {err:.2e}", flush=True)
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)
     return 0

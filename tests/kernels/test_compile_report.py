@@ -16,12 +16,12 @@ def hopper() -> dict[tuple[str, str, int], cr.Report]:
 
 
 def test_every_launch_compiles_for_hopper(hopper):
-    want = {(s.name, ln.label, ln.num_warps) for s in cr._specs() for ln in s.launches}
+    want = {(s.name, ln.label, ln.num_warps) for s in cr._specs() for ln in s.launches if cr.Arch.HOPPER in s.archs}
     assert set(hopper) == want
 
 
 def test_every_kernel_compiles_for_blackwell():
-    for spec in cr._specs():
+    for spec in (s for s in cr._specs() if cr.Arch.BLACKWELL in s.archs):
         r = cr.compile_one(spec, spec.launches[0], cr.Arch.BLACKWELL)
         assert r.arch == 100 and r.registers > 0
         if spec.name.startswith("chunk_state"):
@@ -59,6 +59,15 @@ def test_the_gluon_inverse_keeps_its_substitution_in_threads(hopper):
         assert gluon.spill_bytes == 0 and gluon.mma_kind == "mma.sync" and gluon.mma > 0, gluon
         assert gluon.shuffles * 4 < triton_one_head.shuffles, (gluon, triton_one_head)
         assert gluon.barriers < triton_one_head.barriers, (gluon, triton_one_head)
+
+
+def test_the_gluon_chain_keeps_the_state_in_registers(hopper):
+    """What the Gluon chain is for: every product on wgmma with the state as the register operand (no shared-memory
+    copy of it: the only st.shared-free path), TMA copies two chunks deep, no spills. Offline sm_90 on 2026-12-02: 252
+    registers, 120 KB of shared memory (one program per SM), 36 wgmma in the PTX."""
+    chain = hopper[("chunk_chain_gluon", "default", 8)]
+    assert chain.spill_bytes == 0 and chain.mma_kind == "wgmma" and chain.mma > 0, chain
+    assert chain.async_copies > 0, chain  # the TMA copies of q, k, v and T
 
 
 def test_bandwidth_bound_kernels_do_not_spill(hopper):

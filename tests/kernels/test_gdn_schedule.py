@@ -189,3 +189,18 @@ def test_the_gluon_inverse_is_refused_where_it_cannot_run_faked_cuda_tensor():
         dataclasses.replace(tc.INVERSE_CONFIG, gluon=True, method=1)
     with pytest.raises(ValueError, match="got method=0, merge_prec='tf32x3'$"):
         dataclasses.replace(tc.INVERSE_CONFIG, gluon=True, merge_prec="tf32x3")
+
+
+def test_the_gluon_chain_is_refused_where_it_cannot_run():
+    """`gluon_chain=True` outside what it was written for (serial calls of the fused form, on a CUDA GPU): a ValueError
+    naming the value, before any kernel runs."""
+    q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
+    v = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    g, beta = torch.zeros(1, 64, 2), torch.zeros(1, 64, 2)
+    args = (q, q, v, g, beta, 1.0, None, False, None, True, False)
+    with pytest.raises(ValueError, match="the Gluon chain runs serial calls of the fused form, got schedule pipelined"):
+        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True, schedule=PIPELINED, config=(32, 4, 3))
+    with pytest.raises(ValueError, match="got schedule serial and form scores"):
+        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True, form=SCORES)
+    with pytest.raises(ValueError, match="the Gluon chain runs on a CUDA GPU only, got q on cpu"):
+        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True)

@@ -205,6 +205,39 @@ def test_gluon_inverse_in_a_segmented_call_equals_the_triton_inverse(schedule):
     assert rel_err(got[0], want[0]) < 5e-3 and rel_err(got[1], want[1]) < 5e-3
 
 
+@pytest.mark.parametrize("gluon_inverse", [False, True])
+@pytest.mark.parametrize(("lens", "H", "HV", "batch", "l2norm"), [
+    pytest.param([150, 64, 1000, 7], 2, 8, None, True, id="varlen-ragged"),
+    pytest.param([300], 4, 16, 2, False, id="batch-2x300-no-l2"),
+    pytest.param([8192], 16, 64, 2, True, id="397B-2x8192"),
+])
+def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, batch, l2norm, gluon_inverse):
+    """The Gluon chain (`gluon_chain=True`, opt-in until measured faster), after either inverse: against the
+    reference and against the Triton chain, from an initial state, with the final state. Ragged sequences check what
+    its 64-row TMA boxes read past a sequence's end (the next sequence's rows) reaches neither o nor the state."""
+    import dataclasses
+
+    from hybridkv.kernels.gdn import triton_chunk
+
+    inverse = dataclasses.replace(triton_chunk.INVERSE_CONFIG, gluon=gluon_inverse)
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=9, slow=True)
+    N = batch or len(lens)
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm, False,
+                                                    inverse=inverse, gluon_chain=True)
+    o_tri, st_tri = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm,
+                                                            False, config=(64, 4, 2))
+    assert rel_err(o, o_tri) < 1e-2 and rel_err(st, st_tri) < 1e-2
+    if sum(lens) * (batch or 1) <= 4096:
+        o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm)
+        assert rel_err(o, o_ref) < 2e-2 and rel_err(st, st_ref) < 2e-2
+    # A V-first state (hybridkv's pool layout) is the transposed view of the same numbers.
+    h0_vf = h0.transpose(-1, -2).contiguous()
+    o_vf, st_vf = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0_vf, True, cu, l2norm, True,
+                                                          inverse=inverse, gluon_chain=True)
+    assert torch.equal(o_vf, o) and torch.equal(st_vf, st.transpose(-1, -2))
+
+
 def test_chunk_tables_follow_an_in_place_edit_of_cu_seqlens():
     """The chunk tables are cached per cu_seqlens tensor; an in-place edit must not reuse stale ones."""
     q, k, v, g, beta, cu = make([100, 200, 300], 2, 4, seed=6)

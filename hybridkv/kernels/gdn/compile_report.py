@@ -54,6 +54,7 @@ class KernelSpec:
     aligned: tuple[str, ...]  # int arguments the launcher sees as multiples of 16
     launches: tuple[Launch, ...]
     gluon: bool = False  # written in Gluon (triton.experimental.gluon), not in Triton's language
+    archs: tuple[Arch, ...] = (Arch.HOPPER, Arch.BLACKWELL)  # what it is written for (Hopper's wgmma: Hopper only)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,6 +274,18 @@ def _specs() -> list[KernelSpec]:
                                   constants={"GROUP": grp, "SEGMENTED": seg})
                            for seg in (False, True) for grp in (1, 4)),
         ))
+        tile = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
+                "fp4_padded=False, cga_layout=[])")
+        specs.append(KernelSpec(
+            name="chunk_chain_gluon", module="hybridkv.kernels.gdn.gluon_chunk_chain", attr="_gluon_chain_kernel",
+            signature={"q_desc": f"tensordesc<bf16[64, {D}],{tile}>", "k_desc": f"tensordesc<bf16[64, {D}],{tile}>",
+                       "v_desc": f"tensordesc<bf16[64, {D}],{tile}>", "a_desc": f"tensordesc<bf16[64, 64],{tile}>",
+                       "R": "*fp32", "G": "*fp32", "o": "*bf16", "h_in": "*fp32", "h_out": "*fp32",
+                       "cu_seqlens": "*i32", "chunk_offsets": "*i32", "stride_ik": "i32", "stride_iv": "i32",
+                       "stride_ok": "i32", "stride_ov": "i32", "H": "i32", "HV": "i32"},
+            constants={"K": D, "V": D}, aligned=("H", "HV"), gluon=True, archs=(Arch.HOPPER,),
+            launches=(Launch(label="default", num_warps=8, constants={"HAS_H_IN": True, "HAS_H_OUT": True}),),
+        ))
     return specs
 
 
@@ -374,7 +387,7 @@ def reports(archs: tuple[Arch, ...], only: str | None = None) -> Iterator[Report
 def _compile_all(archs: tuple[Arch, ...], specs, only: str | None) -> Iterator[Report]:
     for arch in archs:
         for spec in specs:
-            if only is None or spec.name == only:
+            if (only is None or spec.name == only) and arch in spec.archs:
                 for launch in spec.launches:
                     yield compile_one(spec, launch, arch)
 

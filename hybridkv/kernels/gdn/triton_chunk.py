@@ -388,7 +388,8 @@ def _scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strid
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                use_qk_l2norm_in_kernel, state_v_first, config: tuple[int, int, int] | None = None,
                                schedule: Schedule | None = None, segments: int | None = None,
-                               inverse: InverseConfig = INVERSE_CONFIG, form: Form | None = None):
+                               inverse: InverseConfig = INVERSE_CONFIG, form: Form | None = None,
+                               gluon_chain: bool = False):
     """o `[B, T, HV, V]` and the fp32 final state (None unless ``output_final_state``) of
     `api.chunk_gated_delta_rule`, whose arguments come first (validated there).
 
@@ -396,7 +397,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     ``schedule``: SERIAL or PIPELINED (which needs a config). With neither schedule nor config, on a GPU,
     `_plan` picks the schedule, the config and (``form`` None) the form; otherwise None means SERIAL and
     FUSED. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how the inverse kernel is
-    launched."""
+    launched. ``gluon_chain``: the chain in Gluon (`gluon_chunk_chain`, opt-in until measured; serial calls of the
+    fused form only: it makes its own scores)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
@@ -418,6 +420,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return o, final
     on_gpu = q.device.type == "cuda"
+    if gluon_chain and schedule is None:  # the one call it runs: serial, fused
+        schedule, form = Schedule.SERIAL, Form.FUSED if form is None else form
     if schedule is None and config is None and on_gpu:
         plan = _plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form)
         form, schedule, config = plan.form, plan.schedule, plan.config
@@ -434,6 +438,15 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         raise ValueError(f"segments must be >= 1, got {segments}")
     if schedule is Schedule.SCAN and form is Form.SPLIT:
         raise ValueError("schedule scan runs the fused or scores form's state kernel; got form split")
+    if gluon_chain:
+        if schedule is not Schedule.SERIAL or form is not Form.FUSED:
+            raise ValueError(f"the Gluon chain runs serial calls of the fused form, got schedule {schedule.value} "
+                             f"and form {form.value}")
+        from hybridkv.kernels.gdn import gluon_chunk_chain
+
+        refused = gluon_chunk_chain.refusal(q, k, v)
+        if refused is not None:
+            raise ValueError(refused)
     sdt = torch.bfloat16 if q.dtype != torch.float32 else torch.float32
     A = q.new_empty((NC, HV, BT, BT), dtype=sdt)
     R = q.new_empty((NC, HV, _NROW, BT), dtype=torch.float32)
@@ -498,6 +511,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         tail = (o, h_in, h_out, cu, chunk_offsets, c_lo, c_hi, *s_in, *s_out, H, HV)
         kw = dict(WORK_LOG2=work_log2, K=K, V=V, BK=BK, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None,
                   SEGMENTED=len(bounds) > 1)
+        if gluon_chain:
+            from hybridkv.kernels.gdn import gluon_chunk_chain
+
+            gluon_chunk_chain.launch(q, k, v, A, R, G, o, h_in, h_out, cu, chunk_offsets, s_in, s_out, N)
+            return
         if form is Form.SPLIT:
             args, fixed, tuned = (k, WQ, UU, R, G, *tail), _chunk_chain_kernel, _chunk_chain_tuned
         else:

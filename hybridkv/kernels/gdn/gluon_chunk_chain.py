@@ -1,0 +1,182 @@
+"""The state chain in Gluon, FlashInfer's way round (docs/background/gdn_peers.md section 1): one program per
+(sequence, value head) holding the whole state, and the state as the register operand of Hopper's wgmma. Opt-in
+(`triton_chunk.chunk_gated_delta_rule_fwd(..., gluon_chain=True)`, serial calls), written 2026-12-02 to be measured
+against the Triton chain (`triton_chunk._chunk_state_kernel`, whose arithmetic and inputs it takes: the inverse
+kernel's A, R, G and raw q, k, v); Gluon has no CPU interpreter, so it is checked on a GPU only.
+
+What differs from the Triton chain, and why:
+
+- Eight warps own the whole state, S^T `[V, K]` fp32 in registers (64 per thread), instead of a 4-warp program per
+  64-column V block: q, k, T and the masked scores are loaded and multiplied once per value head, not once per V
+  block.
+- Everything is computed transposed (value rows x tokens), so that the state is always the left operand, which
+  wgmma takes from registers: S^T K^T, S^T Q^T and S^T += (v_new r_d)^T K never copy the state to shared memory
+  (Triton's `tl.dot` stages a register operand through shared memory; offline, this pattern compiles with no
+  shared-memory round trip).
+- The masked scores P = q k^T (decayed, scaled) are made here, one wgmma per chunk, as the fused Triton chain does.
+- q, k, v and T arrive by TMA into two buffers: the next chunk's copies run while this one computes.
+
+Not here (yet): no warp is specialised (FlashInfer's loader and inverse warpgroups); segments (pipelined or scan
+schedules) and the scores or split forms are refused (`triton_chunk.chunk_gated_delta_rule_fwd`).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+BT = gl.constexpr(64)
+WARPS = gl.constexpr(8)  # two warpgroups, each 64 of the state's 128 value rows
+
+# wgmma accumulators: S^T `[V, K]`; value rows x tokens `[V, 64]`; the scores `[64, 64]` (two warpgroups along N).
+_ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 128, 16]))
+_ACC64 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 64, 16]))
+_QK = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
+# [64, 128] and [64, 64] bf16 tiles: 8 contiguous elements (16 bytes) per thread.
+_LD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0]))
+_SW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+
+@gluon.jit
+def _issue(q_desc, k_desc, v_desc, a_desc, bars, qs, ks, vs, as_, stage, t0, i_ch, i_h, i_hv,
+           K: gl.constexpr, V: gl.constexpr):
+    """Start the TMA copies of one chunk's q, k, v and T into buffer ``stage``; its barrier completes with them."""
+    bar = bars.index(stage)
+    mbarrier.expect(bar, 2 * BT * K * 2 + BT * V * 2 + BT * BT * 2)
+    tma.async_copy_global_to_shared(q_desc, [t0, i_h * K], bar, qs.index(stage))
+    tma.async_copy_global_to_shared(k_desc, [t0, i_h * K], bar, ks.index(stage))
+    tma.async_copy_global_to_shared(v_desc, [t0, i_hv * V], bar, vs.index(stage))
+    tma.async_copy_global_to_shared(a_desc, [i_ch * BT, 0], bar, as_.index(stage))
+
+
+@gluon.jit
+def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, stride_ik,
+                        stride_iv, stride_ok, stride_ov, H, HV, K: gl.constexpr, V: gl.constexpr,
+                        HAS_H_IN: gl.constexpr, HAS_H_OUT: gl.constexpr):
+    """The chain of one (sequence, value head): grid (N * HV,), eight warps. Inputs as `_chunk_state_kernel`'s (A, R,
+    G from the inverse kernel; q, k `[B * T, H * K]` and v `[B * T, HV * V]` raw, and A `[NC * HV * 64, 64]`, through
+    TMA descriptors of 64-row boxes); writes o `[B, T, HV, V]` and, with HAS_H_OUT, the final state `[K, V]` at the
+    strides given (a V-first state is the transposed view).
+
+    Rows of a box past the sequence's end belong to the next sequence (TMA zero-fills only past the tensor): they
+    meet zero row scales (beta, r_k, r_d and r_q are zero there, the inverse made T the identity there) and a causal
+    mask, so they reach neither o, whose stores are masked, nor the state."""
+    i_nh = gl.program_id(0)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    start = gl.load(cu_seqlens + i_n)
+    T = gl.load(cu_seqlens + i_n + 1) - start
+    c_first = gl.load(chunk_offsets + i_n)
+    n_t = gl.cdiv(T, BT)
+
+    v_rows = gl.arange(0, V, layout=gl.SliceLayout(1, _ACC))
+    k_cols = gl.arange(0, K, layout=gl.SliceLayout(0, _ACC))
+    p_state = i_nh.to(gl.int64) * K * V
+    if HAS_H_IN:
+        s = gl.load(h_in + p_state + k_cols[None, :] * stride_ik + v_rows[:, None] * stride_iv).to(gl.float32)
+    else:
+        s = gl.zeros([V, K], gl.float32, layout=_ACC)
+
+    qs = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], _SW)
+    ks = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], _SW)
+    vs = gl.allocate_shared_memory(gl.bfloat16, [2, BT, V], _SW)
+    as_ = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], _SW)  # T [i, j]
+    smem_p = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], _SW)  # the masked scores P [i, j]
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(0), count=1)
+    mbarrier.init(bars.index(1), count=1)
+
+    vv = gl.arange(0, V, layout=gl.SliceLayout(1, _ACC64))
+    tt = gl.arange(0, BT, layout=gl.SliceLayout(0, _ACC64))
+    ii = gl.arange(0, BT, layout=gl.SliceLayout(1, _QK))
+    jj = gl.arange(0, BT, layout=gl.SliceLayout(0, _QK))
+    causal = ii[:, None] >= jj[None, :]
+    a_op: gl.constexpr = gl.DotOperandLayout(0, _ACC64, 2)
+
+    if n_t > 0:
+        _issue(q_desc, k_desc, v_desc, a_desc, bars, qs, ks, vs, as_, 0, start, c_first * HV + i_hv, i_h, i_hv, K, V)
+    for i_t in range(0, n_t):
+        stage = i_t % 2
+        i_ch = (c_first + i_t).to(gl.int64) * HV + i_hv
+        if i_t + 1 < n_t:
+            # The other buffer was read by the previous chunk's products: every warp is past them first.
+            gl.thread_barrier()
+            _issue(q_desc, k_desc, v_desc, a_desc, bars, qs, ks, vs, as_, 1 - stage, start + (i_t + 1) * BT,
+                   (c_first + i_t + 1) * HV + i_hv, i_h, i_hv, K, V)
+        p_r = R + i_ch * (8 * BT)
+        r_q = gl.load(p_r + tt)
+        r_k = gl.load(p_r + 64 + tt)
+        r_d = gl.load(p_r + 128 + tt)
+        r_b = gl.load(p_r + 192 + tt)
+        e_last = gl.load(G + i_ch)
+        c_i = gl.load(p_r + 256 + ii)
+        c_j = gl.load(p_r + 256 + jj)
+        sq_i = gl.load(p_r + 320 + ii)
+        rk_j = gl.load(p_r + 384 + jj)
+        mbarrier.wait(bars.index(stage), (i_t // 2) & 1)
+        smem_q, smem_k, smem_v, smem_a = qs.index(stage), ks.index(stage), vs.index(stage), as_.index(stage)
+
+        # P = scale (q_i . k_j) rq_i rk_j e^(gamma_i - gamma_j) for j <= i (`triton_chunk_rows._masked_scores`).
+        qk = warpgroup_mma(smem_q, smem_k.permute([1, 0]), gl.zeros([BT, BT], gl.float32, layout=_QK))
+        decay = gl.exp(gl.where(causal, c_i[:, None] - c_j[None, :], 0.0))
+        p = gl.where(causal, qk * decay * (sq_i[:, None] * rk_j[None, :]), 0.0)
+        smem_p.store(p.to(gl.bfloat16))
+        fence_async_shared()
+
+        # The chain, transposed: (k S)^T = S^T k^T and (q S)^T = S^T q^T with the state as the register operand;
+        # v_new^T = y^T T^T; o^T = (q S)^T r_q + v_new^T P^T; S^T = e_last S^T + (v_new r_d)^T k. In this order so
+        # that few [V, 64] tiles are alive at once (the state alone takes 64 registers a thread).
+        s_op = gl.convert_layout(s.to(gl.bfloat16), a_op)
+        kst = warpgroup_mma(s_op, smem_k.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64))
+        vt = smem_v.permute([1, 0]).load(_ACC64).to(gl.float32)  # v^T [V, 64]
+        yt = vt * r_b[None, :] - kst * r_k[None, :]
+        vnt = warpgroup_mma(gl.convert_layout(yt.to(gl.bfloat16), a_op), smem_a.permute([1, 0]),
+                            gl.zeros([V, BT], gl.float32, layout=_ACC64))
+        qst = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64))
+        ot = warpgroup_mma(gl.convert_layout(vnt.to(gl.bfloat16), a_op), smem_p.permute([1, 0]), qst * r_q[None, :])
+        tok = i_t * BT + tt
+        p_o = o + ((start + tok).to(gl.int64) * HV + i_hv)[None, :] * V + vv[:, None]
+        gl.store(p_o, ot.to(o.dtype.element_ty), mask=(tok < T)[None, :])
+        upd = gl.convert_layout((vnt * r_d[None, :]).to(gl.bfloat16), gl.DotOperandLayout(0, _ACC, 2))
+        s = warpgroup_mma(upd, smem_k, s * e_last)
+
+    mbarrier.invalidate(bars.index(0))
+    mbarrier.invalidate(bars.index(1))
+    if HAS_H_OUT:
+        gl.store(h_out + p_state + k_cols[None, :] * stride_ok + v_rows[:, None] * stride_ov, s)
+
+
+def refusal(q, k, v) -> str | None:
+    """Why the Gluon chain cannot take these inputs (None: it can): a CPU tensor (Gluon has no interpreter), a GPU
+    other than Hopper (wgmma), inputs other than bf16, or head sizes other than K = V = 128."""
+    if not q.is_cuda:
+        return f"the Gluon chain runs on a CUDA GPU only, got q on {q.device}"
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        return f"the Gluon chain uses Hopper's wgmma (sm_90), this GPU is sm_{major}{minor}"
+    if not all(x.dtype == torch.bfloat16 for x in (q, k, v)):
+        return f"the Gluon chain takes bf16 q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if (q.shape[-1], v.shape[-1]) != (128, 128):
+        return f"the Gluon chain is written for K = V = 128, got K={q.shape[-1]}, V={v.shape[-1]}"
+    return None
+
+
+def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_in, strides_out, N: int) -> None:
+    """`_gluon_chain_kernel` over every (sequence, value head) of a serial call (`triton_chunk`'s state call with its
+    tensors; `refusal` has been asked)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    layout = _SW.value
+
+    def desc(x, rows, cols, box_cols):
+        return TensorDescriptor(x, [rows, cols], [cols, 1], [64, box_cols], layout)
+
+    _gluon_chain_kernel[(N * HV,)](
+        desc(q, B * T, H * K, K), desc(k, B * T, H * K, K), desc(v, B * T, HV * V, V),
+        desc(A, A.numel() // 64, 64, 64), R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, *strides_in, *strides_out,
+        H, HV, K=K, V=V, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None, num_warps=int(WARPS.value))
