@@ -238,6 +238,21 @@ def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, bat
     assert torch.equal(o_vf, o) and torch.equal(st_vf, st.transpose(-1, -2))
 
 
+def test_gluon_chain_keeps_a_neighbours_inf_out_of_a_sequence():
+    """Its TMA boxes read past a sequence's end into the next one: an inf there must not reach this sequence's o or
+    state (0 * inf would be NaN; the kernel zeroes those rows of k and v)."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    q, k, v, g, beta, cu = make([150, 300], 2, 8, seed=10)
+    call = dict(gluon_chain=True)
+    o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False, **call)
+    for x in (q, k, v):
+        x[0, 150:152] = float("inf")
+    o_inf, st_inf = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
+                                                            **call)
+    assert torch.equal(o_inf[0, :150], o[0, :150]) and torch.equal(st_inf[0], st[0])
+
+
 def test_chunk_tables_follow_an_in_place_edit_of_cu_seqlens():
     """The chunk tables are cached per cu_seqlens tensor; an in-place edit must not reuse stale ones."""
     q, k, v, g, beta, cu = make([100, 200, 300], 2, 4, seed=6)

@@ -51,6 +51,18 @@ def _issue(q_desc, k_desc, v_desc, a_desc, bars, qs, ks, vs, as_, stage, t0, i_c
 
 
 @gluon.jit
+def _zero_rows_past(tile, row0, T):
+    """Rows of a [64, 128] shared tile whose token (row0 + row) is at or past T set to zero, 32 rows at a time (the
+    state already holds most of the registers)."""
+    for half in gl.static_range(2):
+        rows = tile.slice(32 * half, 32, dim=0)
+        x = rows.load(_LD)
+        gl.thread_barrier()
+        past = row0 + 32 * half + gl.arange(0, 32, layout=gl.SliceLayout(1, _LD)) >= T
+        rows.store(gl.where(past[:, None], 0.0, x.to(gl.float32)).to(gl.bfloat16))
+
+
+@gluon.jit
 def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, stride_ik,
                         stride_iv, stride_ok, stride_ov, H, HV, K: gl.constexpr, V: gl.constexpr,
                         HAS_H_IN: gl.constexpr, HAS_H_OUT: gl.constexpr):
@@ -59,9 +71,10 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
     TMA descriptors of 64-row boxes); writes o `[B, T, HV, V]` and, with HAS_H_OUT, the final state `[K, V]` at the
     strides given (a V-first state is the transposed view).
 
-    Rows of a box past the sequence's end belong to the next sequence (TMA zero-fills only past the tensor): they
-    meet zero row scales (beta, r_k, r_d and r_q are zero there, the inverse made T the identity there) and a causal
-    mask, so they reach neither o, whose stores are masked, nor the state."""
+    Rows of a box past the sequence's end belong to the next sequence (TMA zero-fills only past the tensor), whose
+    values may be anything, inf included: k's and v's rows there are zeroed in the last chunk (the row scales there
+    are zero and the inverse made T the identity there, so y's and v_new's columns are exactly zero), the scores'
+    are masked by a select, and o's stores are masked; q's rows there reach only o's unstored columns."""
     i_nh = gl.program_id(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -116,6 +129,13 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
         rk_j = gl.load(p_r + 384 + jj)
         mbarrier.wait(bars.index(stage), (i_t // 2) & 1)
         smem_q, smem_k, smem_v, smem_a = qs.index(stage), ks.index(stage), vs.index(stage), as_.index(stage)
+        if (i_t + 1) * BT > T:
+            # The last chunk runs past the sequence's end into the next sequence's rows, which may hold anything
+            # (inf included). The row scales there are zero, but 0 * inf is NaN: those rows of k and v become zero
+            # first (q's reach only o's unstored columns; the scores' are masked by a select).
+            _zero_rows_past(smem_k, i_t * BT, T)
+            _zero_rows_past(smem_v, i_t * BT, T)
+            fence_async_shared()
 
         # P = scale (q_i . k_j) rq_i rk_j e^(gamma_i - gamma_j) for j <= i (`triton_chunk_rows._masked_scores`).
         qk = warpgroup_mma(smem_q, smem_k.permute([1, 0]), gl.zeros([BT, BT], gl.float32, layout=_QK))
@@ -135,9 +155,8 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
                             gl.zeros([V, BT], gl.float32, layout=_ACC64))
         qst = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64))
         ot = warpgroup_mma(gl.convert_layout(vnt.to(gl.bfloat16), a_op), smem_p.permute([1, 0]), qst * r_q[None, :])
-        tok = i_t * BT + tt
-        p_o = o + ((start + tok).to(gl.int64) * HV + i_hv)[None, :] * V + vv[:, None]
-        gl.store(p_o, ot.to(o.dtype.element_ty), mask=(tok < T)[None, :])
+        p_o = o + ((start + i_t * BT + tt).to(gl.int64) * HV + i_hv)[None, :] * V + vv[:, None]
+        gl.store(p_o, ot.to(o.dtype.element_ty), mask=(i_t * BT + tt < T)[None, :])
         upd = gl.convert_layout((vnt * r_d[None, :]).to(gl.bfloat16), gl.DotOperandLayout(0, _ACC, 2))
         s = warpgroup_mma(upd, smem_k, s * e_last)
 
@@ -147,9 +166,10 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
         gl.store(h_out + p_state + k_cols[None, :] * stride_ok + v_rows[:, None] * stride_ov, s)
 
 
-def refusal(q, k, v) -> str | None:
+def refusal(q, k, v, t_rows: int) -> str | None:
     """Why the Gluon chain cannot take these inputs (None: it can): a CPU tensor (Gluon has no interpreter), a GPU
-    other than Hopper (wgmma), inputs other than bf16, or head sizes other than K = V = 128."""
+    other than Hopper (wgmma), inputs other than bf16, head sizes other than K = V = 128, inputs its TMA copies cannot
+    address (16-byte alignment), or more rows of T (``t_rows``: chunk rows x value heads x 64) than an int32 holds."""
     if not q.is_cuda:
         return f"the Gluon chain runs on a CUDA GPU only, got q on {q.device}"
     import torch
@@ -161,6 +181,11 @@ def refusal(q, k, v) -> str | None:
         return f"the Gluon chain takes bf16 q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
     if (q.shape[-1], v.shape[-1]) != (128, 128):
         return f"the Gluon chain is written for K = V = 128, got K={q.shape[-1]}, V={v.shape[-1]}"
+    misaligned = [name for name, x in (("q", q), ("k", k), ("v", v)) if x.data_ptr() % 16]
+    if misaligned:
+        return f"the Gluon chain's TMA copies need 16-byte aligned {', '.join(misaligned)}"
+    if t_rows >= 2**31:
+        return f"the Gluon chain addresses T by 32-bit rows, and this call has {t_rows}"
     return None
 
 

@@ -444,7 +444,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                              f"and form {form.value}")
         from hybridkv.kernels.gdn import gluon_chunk_chain
 
-        refused = gluon_chunk_chain.refusal(q, k, v)
+        refused = gluon_chunk_chain.refusal(q, k, v, NC * HV * BT)
         if refused is not None:
             raise ValueError(refused)
     sdt = torch.bfloat16 if q.dtype != torch.float32 else torch.float32
