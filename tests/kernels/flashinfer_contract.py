@@ -56,7 +56,9 @@ def gated_delta_rule_decode_pretranspose(q, k, v, state=None, A_log=None, a=None
     """FlashInfer 0.7.2's `flashinfer.gdn_decode.gated_delta_rule_decode_pretranspose` in pool mode, from its
     docstring: q, k `[B, 1, H, K]`, v `[B, 1, HV, V]` in bf16/fp16; a, b `[B, 1, HV]` in bf16/fp16 (g = -exp(A_log)
     softplus(a + dt_bias), beta = sigmoid(b)); A_log fp32 `[HV]`; the pool `[pool, HV, V, K]` K-contiguous, gathered
-    and written in place at int32/int64 `initial_state_indices` `[B]`. Returns (o `[B, 1, HV, V]`, the pool)."""
+    and written in place at `initial_state_indices` `[B]`: int32 here, although the docstring allows int64, because the
+    bf16-state kernel does not compile with int64 ones (CuTe DSL TYPE_UNSTABLE_JOIN, H200 2026-12-02). Returns
+    (o `[B, 1, HV, V]`, the pool)."""
     assert state is None and initial_state is not None and initial_state_indices is not None
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
@@ -66,7 +68,7 @@ def gated_delta_rule_decode_pretranspose(q, k, v, state=None, A_log=None, a=None
     assert A_log.dtype == torch.float32 and A_log.shape == dt_bias.shape == (HV,)
     assert dt_bias.dtype in (torch.bfloat16, torch.float32)
     assert initial_state.shape[1:] == (HV, V, K) and initial_state.stride(-1) == 1
-    assert initial_state_indices.shape == (B,) and initial_state_indices.dtype in (torch.int32, torch.int64)
+    assert initial_state_indices.shape == (B,) and initial_state_indices.dtype == torch.int32
     assert output_state_indices is None and not disable_state_update
     qf, kf = q[:, 0].float(), k[:, 0].float()
     if use_qk_l2norm:

@@ -182,7 +182,7 @@ def test_decode_call_through_the_documented_contract_matches_the_reference(state
     a16, b16 = torch.randn(N, HV, generator=gen).bfloat16(), torch.randn(N, HV, generator=gen).bfloat16()
     A_log, dt_bias = torch.randn(HV, generator=gen) * 0.5, torch.randn(HV, generator=gen) * 0.5
     pool = (torch.randn(6, HV, 128, 128, generator=gen) * 0.1).to(state_dtype)
-    idx = torch.tensor([4, 0, 2])
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32)  # the bench passes FlashInfer int32 slots, as vLLM does
     want_pool = pool.to(torch.float32, copy=True)
     want = reference.decode_reference(q, k, v, a16.float(), b16.float(), A_log, dt_bias, want_pool, idx, 128**-0.5,
                                       True, True)

@@ -165,6 +165,24 @@ def test_a_bad_inverse_config_is_refused_with_its_values(bad):
         InverseConfig(**bad)
 
 
+@pytest.mark.parametrize(("device", "capability", "dtype", "K", "gluon"), [
+    ("cuda", (9, 0), "torch.bfloat16", 128, True),
+    ("cuda", (9, 0), "torch.float16", 256, True),
+    ("cuda", (9, 0), "torch.bfloat16", 96, True),
+    ("cuda", (9, 0), "torch.float32", 128, False),  # its gram takes 16-bit operands
+    ("cuda", (9, 0), "torch.bfloat16", 80, False),  # 32 columns of k per gram step
+    ("cuda", (8, 0), "torch.bfloat16", 128, False),  # measured on sm_90 only
+    ("cuda", (10, 0), "torch.bfloat16", 128, False),
+    ("cpu", None, "torch.bfloat16", 128, False),  # no Gluon interpreter: CI's path stays the Triton kernel
+])
+def test_the_default_inverse_is_the_gluon_kernel_on_hopper_only(device, capability, dtype, K, gluon):
+    from hybridkv.kernels.gdn.triton_chunk_inverse import GLUON_INVERSE_CONFIG, INVERSE_CONFIG, default_inverse
+
+    got = default_inverse(device, capability, dtype, K)
+    assert got == (GLUON_INVERSE_CONFIG if gluon else INVERSE_CONFIG)
+    assert got.gluon == gluon
+
+
 def test_the_gluon_inverse_is_refused_where_it_cannot_run_faked_cuda_tensor():
     """`InverseConfig(gluon=True)` on the CPU (Gluon has no interpreter) or with fp32 inputs (its gram takes 16-bit
     operands): a ValueError naming the value, before any kernel runs."""

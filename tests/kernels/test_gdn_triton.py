@@ -43,15 +43,20 @@ def rel_err(got, want):
     return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(1e-12)).item()
 
 
-def make(lens, H, HV, K=128, V=128, batch=None, seed=0, dtype=torch.bfloat16, slow=False):
+def make(lens, H, HV, K=128, V=128, batch=None, seed=0, dtype=torch.bfloat16, slow=False, unit=False):
     """Inputs; ``slow``: gates that keep most of the state across a chunk (decay ~0.99 per token, beta
-    <= 0.1), where the default ones forget ~99% of it, so a state handed on wrongly shows."""
+    <= 0.1), where the default ones forget ~99% of it, so a state handed on wrongly shows. ``unit``: q and k of
+    norm 1, what a caller that does not ask for the kernel's l2 norm passes (raw randn keys, |k|^2 ~ 128, make the
+    delta rule's I - beta k k^T expand by up to ~127 per token: every kernel and the reference overflow to NaN)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     T = sum(lens) if batch is None else lens[0]
     B = 1 if batch is None else batch
     dev = dict(device="cuda", generator=gen)
-    q = torch.randn(B, T, H, K, **dev).to(dtype)
-    k = torch.randn(B, T, H, K, **dev).to(dtype)
+    q = torch.randn(B, T, H, K, **dev)
+    k = torch.randn(B, T, H, K, **dev)
+    if unit:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    q, k = q.to(dtype), k.to(dtype)
     v = torch.randn(B, T, HV, V, **dev).to(dtype)
     g = F.logsigmoid(torch.randn(B, T, HV, **dev) + (7.0 if slow else 3.0))
     beta = torch.rand(B, T, HV, **dev) * (0.1 if slow else 1.0)
@@ -162,22 +167,24 @@ def test_stacked_inverse_matches_reference(warps, lens, H, HV, batch):
     pytest.param([8192], 16, 64, 2, id="397B-2x8192"),
 ])
 def test_gluon_inverse_matches_the_reference_and_the_triton_inverse(lens, H, HV, batch, l2norm, group):
-    """The Gluon inverse (`InverseConfig(gluon=True)`, opt-in until measured faster) in serial calls: against the
+    """The Gluon inverse (`InverseConfig(gluon=True)`, the default on Hopper) in serial calls: against the
     reference, and against the Triton inverse (the same sums in another order: equal to rounding); every A, R and
-    G element written (NaN-filled allocations); and on the worst case of the test above."""
+    G element written (NaN-filled allocations); and on the worst case of the test above. Without the kernel's l2
+    norm the keys come normalized, as a model that asks for none passes them."""
     import dataclasses
 
     from hybridkv.kernels.gdn import triton_chunk
 
     inverse = dataclasses.replace(triton_chunk.INVERSE_CONFIG, gluon=True, group=group)
-    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=7)
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=7, unit=not l2norm)
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
     call = dict(config=(64, 4, 2), schedule=triton_chunk.Schedule.SERIAL)
     o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm, False,
                                                     inverse=inverse, **call)
     o_tri, st_tri = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu,
-                                                            l2norm, False, **call)
+                                                            l2norm, False, inverse=triton_chunk.INVERSE_CONFIG,
+                                                            **call)
     assert rel_err(o, o_tri) < 5e-3 and rel_err(st, st_tri) < 5e-3
     if sum(lens) * (batch or 1) <= 4096:
         o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm)
@@ -200,7 +207,8 @@ def test_gluon_inverse_in_a_segmented_call_equals_the_triton_inverse(schedule):
     call = dict(config=(32, 4, 3), schedule=triton_chunk.Schedule(schedule), segments=3)
     got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
                                                   inverse=inverse, **call)
-    want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False, **call)
+    want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
+                                                   inverse=triton_chunk.INVERSE_CONFIG, **call)
     assert rel_err(got[0], want[0]) < 5e-3 and rel_err(got[1], want[1]) < 5e-3
 
 
@@ -212,20 +220,20 @@ def test_gluon_inverse_in_a_segmented_call_equals_the_triton_inverse(schedule):
 ])
 def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, batch, l2norm, gluon_inverse):
     """The Gluon chain (`gluon_chain=True`, opt-in until measured faster), after either inverse: against the
-    reference and against the Triton chain, from an initial state, with the final state. Ragged sequences check what
+    reference and against the Triton chain after the same inverse, from an initial state, with the final state. Ragged sequences check what
     its 64-row TMA boxes read past a sequence's end (the next sequence's rows) reaches neither o nor the state."""
     import dataclasses
 
     from hybridkv.kernels.gdn import triton_chunk
 
     inverse = dataclasses.replace(triton_chunk.INVERSE_CONFIG, gluon=gluon_inverse)
-    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=9, slow=True)
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=9, slow=True, unit=not l2norm)
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
     o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm, False,
                                                     inverse=inverse, gluon_chain=True)
     o_tri, st_tri = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm,
-                                                            False, config=(64, 4, 2))
+                                                            False, config=(64, 4, 2), inverse=inverse)
     assert rel_err(o, o_tri) < 1e-2 and rel_err(st, st_tri) < 1e-2
     if sum(lens) * (batch or 1) <= 4096:
         o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm)
@@ -235,6 +243,24 @@ def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, bat
     o_vf, st_vf = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0_vf, True, cu, l2norm, True,
                                                           inverse=inverse, gluon_chain=True)
     assert torch.equal(o_vf, o) and torch.equal(st_vf, st.transpose(-1, -2))
+
+
+def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
+    """`default_inverse`: on an sm_90 GPU with bf16 inputs a plain call (the engines' path) launches the Gluon
+    inverse, in every schedule the plan picks (serial batches, pipelined and scanned single prompts); elsewhere the
+    Triton kernel."""
+    from hybridkv.kernels.gdn import gluon_chunk_inverse
+
+    launched = []
+    real = gluon_chunk_inverse.launch
+    monkeypatch.setattr(gluon_chunk_inverse, "launch", lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    for lens, H, HV, batch in (([8192], 16, 64, 2), ([8192], 16, 32, None), ([8192], 2, 8, None)):
+        launched.clear()
+        q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=11)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        assert bool(launched) == hopper, (lens, H, HV, batch, len(launched))
+        assert not torch.isnan(o).any()
 
 
 def test_gluon_chain_keeps_a_neighbours_inf_out_of_a_sequence():

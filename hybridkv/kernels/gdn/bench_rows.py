@@ -204,14 +204,17 @@ def _decode_rows(fla, iters: int, copy_gbps: float, fi=None) -> list[Row]:
             A_log, dt_bias = torch.randn(HV, device=device) * 0.5, torch.randn(HV, device=device) * 0.5
             pool = (torch.randn(2 * N, HV, D, D, device=device) * 0.1).to(dtype)
             idx = torch.randperm(2 * N, device=device)[:N]
+            # FlashInfer gets the slots as int32, as vLLM's state indices are: its bf16-state kernel does not
+            # compile with int64 ones (CuTe DSL TYPE_UNSTABLE_JOIN on `cache_idx`, H200 2026-12-02).
+            idx32 = idx.to(torch.int32)
             args = (q, k, v, a, b, A_log, dt_bias)
             want_pool = pool.to(torch.float32, copy=True)  # .float() of an fp32 pool is the pool itself
             want = reference.decode_reference(*args, want_pool, idx, D**-0.5, True, True).float()
             want_slots = want_pool[idx]
 
-            def check(step, gates):
+            def check(step, gates, slots=idx):
                 trial = pool.clone()
-                o = step(q, k, v, *gates, A_log, dt_bias, trial, idx).float()
+                o = step(q, k, v, *gates, A_log, dt_bias, trial, slots).float()
                 return ((o - want).abs().max().item(), (trial[idx].float() - want_slots).abs().max().item())
 
             # Every check before any timed call: the timed calls update the pool in place.
@@ -220,7 +223,7 @@ def _decode_rows(fla, iters: int, copy_gbps: float, fi=None) -> list[Row]:
             notes: tuple[str, ...] = ()
             if fi is not None:
                 try:
-                    fi_err, fi_state_err = check(fi, (a16, b16))
+                    fi_err, fi_state_err = check(fi, (a16, b16), idx32)
                 except Exception as exc:  # noqa: BLE001 - a baseline that cannot take a shape leaves its column empty
                     notes = (f"FlashInfer: {type(exc).__name__}: {str(exc)[:200]}",)
             ours = _median_ms(lambda: gated_delta_rule_decode(*args, pool, idx), iters)
@@ -237,7 +240,7 @@ def _decode_rows(fla, iters: int, copy_gbps: float, fi=None) -> list[Row]:
                 theirs = _median_ms(lambda: fla[1](*step, g=a[:, None], beta=b[:, None], **fkw), iters)
                 fla_bytes = N * HV * D * D * (elt + 4)
             if fi_err is not None:
-                fi_ms = _median_ms(lambda: fi(q, k, v, a16, b16, A_log, dt_bias, pool, idx), iters)
+                fi_ms = _median_ms(lambda: fi(q, k, v, a16, b16, A_log, dt_bias, pool, idx32), iters)
             gbps = state_bytes / ours / 1e6
             fla_gbps = None if theirs is None else fla_bytes / theirs / 1e6
             fi_gbps = None if fi_ms is None else state_bytes / fi_ms / 1e6

@@ -49,9 +49,11 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import (
     _NROW,
     _R_STRIDE,
     BT,
-    INVERSE_CONFIG,
+    GLUON_INVERSE_CONFIG,  # noqa: F401 - with INVERSE_CONFIG, the two launches callers name (probes, tests)
+    INVERSE_CONFIG,  # noqa: F401
     SCORES_WARPS,
     InverseConfig,
+    default_inverse,
     _chunk_inverse_kernel,
     _chunk_scores_kernel,
 )
@@ -388,7 +390,7 @@ def _scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strid
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                use_qk_l2norm_in_kernel, state_v_first, config: tuple[int, int, int] | None = None,
                                schedule: Schedule | None = None, segments: int | None = None,
-                               inverse: InverseConfig = INVERSE_CONFIG, form: Form | None = None,
+                               inverse: InverseConfig | None = None, form: Form | None = None,
                                gluon_chain: bool = False):
     """o `[B, T, HV, V]` and the fp32 final state (None unless ``output_final_state``) of
     `api.chunk_gated_delta_rule`, whose arguments come first (validated there).
@@ -397,7 +399,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     ``schedule``: SERIAL or PIPELINED (which needs a config). With neither schedule nor config, on a GPU,
     `_plan` picks the schedule, the config and (``form`` None) the form; otherwise None means SERIAL and
     FUSED. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how the inverse kernel is
-    launched. ``gluon_chain``: the chain in Gluon (`gluon_chunk_chain`, opt-in until measured; serial calls of the
+    launched (None: `default_inverse`, the Gluon kernel on Hopper). ``gluon_chain``: the chain in Gluon (`gluon_chunk_chain`, opt-in until measured; serial calls of the
     fused form only: it makes its own scores)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -420,6 +422,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return o, final
     on_gpu = q.device.type == "cuda"
+    if inverse is None:
+        inverse = default_inverse(q.device.type, torch.cuda.get_device_capability(q.device) if on_gpu else None,
+                                  str(q.dtype), K)
     if gluon_chain and schedule is None:  # the one call it runs: serial, fused
         schedule, form = Schedule.SERIAL, Form.FUSED if form is None else form
     if schedule is None and config is None and on_gpu:

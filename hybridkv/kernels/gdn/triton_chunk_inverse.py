@@ -58,7 +58,7 @@ class InverseConfig:
     # one after another: GROUP times the independent work per dependent step; the group is a power of two.
     # Off: 2.2x slower than the shipped kernel on the H200 (397B 4x8192, benchmarks/gdn/README.md).
     stacked: bool = False
-    # The Gluon kernel (`gluon_chunk_inverse`, opt-in until measured): ``group`` value heads per program, the
+    # The Gluon kernel (`gluon_chunk_inverse`; the default on Hopper, `default_inverse`): ``group`` value heads per program, the
     # substitution thread-local, every schedule. Its launch is its own (two warps, 32 k columns per gram step, no
     # register cap): bkc, warps, stages and maxnreg describe this kernel's launch only. It has one numerics, the
     # shipped one (method 0, tf32 merges); anything else is refused rather than quietly not done.
@@ -90,6 +90,22 @@ class InverseConfig:
 # is more precise and slower). 64 columns of k per gram step rather than 32: fewer, larger gram GEMMs were
 # faster with the transposed substitution, although the kernel spills a little more (sm_90).
 INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32")
+# The Gluon kernel with four value heads per program: the default on Hopper where it applies (`default_inverse`).
+# H200, serial calls, inverse kernel alone (benchmarks/gdn/README.md, 2026-12-02): 397B 4x8192 931 -> 589 us,
+# 397B 1x8192 221 -> 161, 35B 4x8192 531 -> 349, 35B 1x8192 130 -> 97, 397B TP8 48 -> 27; the same error as the
+# Triton kernel on the bench's shapes and on the worst case.
+GLUON_INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True)
+
+
+def default_inverse(device_type: str, capability: tuple[int, int] | None, dtype: str, K: int) -> InverseConfig:
+    """The inverse a call gets when its caller names none: the Gluon kernel on a Hopper GPU (sm_90, the one
+    architecture it was measured on) for 16-bit q and k with a head size that is a multiple of 32 up to 256 (what
+    it was written for); the Triton kernel everywhere else (CPU interpreter, fp32, other GPUs, other head sizes).
+    ``dtype``: q's, as ``str(torch dtype)``; ``capability``: the device's (major, minor), None off a GPU."""
+    if (device_type == "cuda" and capability is not None and capability[0] == 9
+            and dtype in ("torch.bfloat16", "torch.float16") and K % 32 == 0 and K <= 256):
+        return GLUON_INVERSE_CONFIG
+    return INVERSE_CONFIG
 
 
 @triton.jit
