@@ -7,6 +7,8 @@
 #   TESTS=0 bash benchmarks/device/gdn.sh         # benchmark only
 #   BREAKDOWN=1 bash benchmarks/device/gdn.sh     # first: per-kernel device time vs call time, hybridkv and FLA
 #   PROBE=1 BENCH=0 bash benchmarks/device/gdn.sh # tests, then every chunk schedule/config and decode hint
+#                                               # (PROBE_ONLY=prefill PROBE_SHAPES=4x8192 PROBE_QUICK=1: serial, the plan
+#                                               # and pipelined x2 / x4 on the batched shapes only)
 #   SPLITPROBE=1 BENCH=0 bash benchmarks/device/gdn.sh # tests, then the split form and pipeline stages vs fused
 #   SPLITFIRST=1 TESTS=0 BENCH=0 bash benchmarks/device/gdn.sh # that probe first (BENCH=0 exits only after a probe
 #                                                           # branch: SPLITPROBE or PROBE; else the bench follows)
@@ -120,7 +122,8 @@ fi
 if [ "${PROBE:-0}" != 0 ]; then
     # Every chunk schedule / state config and the decode cache hints, with FLA (benchmarks/gdn/schedules.py).
     PYTHONUNBUFFERED=1 timeout "${PROBE_S:-300}" "$PY" -m benchmarks.gdn.schedules --iters "${ITERS:-10}" \
-        --json "$OUT/schedules.json" ${PROBE_ONLY:+--only "$PROBE_ONLY"} ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | tee "$OUT/schedules.txt"
+        --json "$OUT/schedules.json" ${PROBE_ONLY:+--only "$PROBE_ONLY"} ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} \
+        ${PROBE_QUICK:+--quick} 2>&1 | tee "$OUT/schedules.txt"
     [ "${BENCH:-1}" = 0 ] && exit 0
 fi
 if [ "${SPLITPROBE:-0}" != 0 ]; then

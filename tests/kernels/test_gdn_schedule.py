@@ -222,3 +222,7 @@ def test_the_gluon_chain_is_refused_where_it_cannot_run():
         tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True, form=SCORES)
     with pytest.raises(ValueError, match="the Gluon chain runs on a CUDA GPU only, got q on cpu"):
         tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True)
+    with pytest.raises(ValueError, match="chain_overlap=1 is a variant of the Gluon chain: it needs gluon_chain=True"):
+        tc.chunk_gated_delta_rule_fwd(*args, chain_overlap=1)
+    with pytest.raises(ValueError, match="chain_overlap is 0, 1 or 2 .*, got 3"):
+        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True, chain_overlap=3)

@@ -245,6 +245,33 @@ def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, bat
     assert torch.equal(o_vf, o) and torch.equal(st_vf, st.transpose(-1, -2))
 
 
+@pytest.mark.parametrize("overlap", [1, 2])
+@pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
+    pytest.param([150, 64, 1000, 7], 2, 8, None, id="varlen-ragged"),
+    pytest.param([8192], 16, 64, 2, id="397B-2x8192"),
+])
+def test_gluon_chain_overlap_variants_equal_the_synchronous_chain(lens, H, HV, batch, overlap):
+    """`chain_overlap` (the Gluon chain's wgmmas in flight together): the same products as the synchronous kernel, so
+    the same output and final state to rounding, from an initial state, V-first too; against the reference where it
+    is cheap."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=12, slow=True)
+    N = batch or len(lens)
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    call = (q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
+    o0, st0 = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=True)
+    o, st = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=True, chain_overlap=overlap)
+    assert rel_err(o, o0) < 1e-3 and rel_err(st, st0) < 1e-3
+    if batch is None:
+        o_ref, st_ref = ref.chunk_reference(*call)
+        assert rel_err(o, o_ref) < 2e-2 and rel_err(st, st_ref) < 2e-2
+    h0_vf = h0.transpose(-1, -2).contiguous()
+    o_vf, st_vf = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0_vf, True, cu, True, True,
+                                                          gluon_chain=True, chain_overlap=overlap)
+    assert torch.equal(o_vf, o) and torch.equal(st_vf, st.transpose(-1, -2))
+
+
 def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
     """`default_inverse`: on an sm_90 GPU with bf16 inputs a plain call (the engines' path) launches the Gluon
     inverse, in every schedule the plan picks (serial batches, pipelined and scanned single prompts); elsewhere the

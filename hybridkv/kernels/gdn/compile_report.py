@@ -284,7 +284,9 @@ def _specs() -> list[KernelSpec]:
                        "cu_seqlens": "*i32", "chunk_offsets": "*i32", "stride_ik": "i32", "stride_iv": "i32",
                        "stride_ok": "i32", "stride_ov": "i32", "H": "i32", "HV": "i32"},
             constants={"K": D, "V": D}, aligned=("H", "HV"), gluon=True, archs=(Arch.HOPPER,),
-            launches=(Launch(label="default", num_warps=8, constants={"HAS_H_IN": True, "HAS_H_OUT": True}),),
+            launches=tuple(Launch(label=f"overlap={overlap}" if overlap else "default", num_warps=8,
+                                  constants={"HAS_H_IN": True, "HAS_H_OUT": True, "OVERLAP": overlap})
+                           for overlap in (0, 1, 2)),
         ))
     return specs
 

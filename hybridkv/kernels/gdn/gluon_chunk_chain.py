@@ -1,8 +1,11 @@
 """The state chain in Gluon, FlashInfer's way round (docs/background/gdn_peers.md section 1): one program per
 (sequence, value head) holding the whole state, and the state as the register operand of Hopper's wgmma. Opt-in
-(`triton_chunk.chunk_gated_delta_rule_fwd(..., gluon_chain=True)`, serial calls), written 2026-12-02 to be measured
-against the Triton chain (`triton_chunk._chunk_state_kernel`, whose arithmetic and inputs it takes: the inverse
-kernel's A, R, G and raw q, k, v); Gluon has no CPU interpreter, so it is checked on a GPU only.
+(`triton_chunk.chunk_gated_delta_rule_fwd(..., gluon_chain=True)`, serial calls), beside the Triton chain
+(`triton_chunk._chunk_state_kernel`, whose arithmetic and inputs it takes: the inverse kernel's A, R, G and raw q, k,
+v); Gluon has no CPU interpreter, so it is checked on a GPU only. On the H200 (2026-12-02, benchmarks/gdn/README.md)
+it is 3-6% faster than the Triton chain where the (sequence, value head) pairs fill the SMs with equal lengths and
+11-27% slower on one prompt or a ragged mix (the Triton chain splits V there, halving each program's chain); each
+chunk's GEMMs wait for each other, so it is bound by their latency, not by the tensor cores.
 
 What differs from the Triton chain, and why:
 
@@ -15,6 +18,11 @@ What differs from the Triton chain, and why:
   shared-memory round trip).
 - The masked scores P = q k^T (decayed, scaled) are made here, one wgmma per chunk, as the fused Triton chain does.
 - q, k, v and T arrive by TMA into two buffers: the next chunk's copies run while this one computes.
+- OVERLAP (`chain_overlap` 1 or 2, opt-in, not yet run on a GPU): some of the chunk's six wgmmas in flight together,
+  each wait naming what it needs (`warpgroup_mma_wait`), against that latency. 1: v_new's GEMM beside S^T Q^T, and
+  the state update beside the output's (offline sm_90: 253 registers, no spill). 2: also the scores, S^T K^T and
+  S^T Q^T together, the scores' masking beside the other two (255 registers, 32 B spilled). The same products, so
+  the same results as the synchronous kernel.
 
 Not here (yet): no warp is specialised (FlashInfer's loader and inverse warpgroups); segments (pipelined or scan
 schedules) and the scores or split forms are refused (`triton_chunk.chunk_gated_delta_rule_fwd`).
@@ -24,7 +32,13 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 BT = gl.constexpr(64)
 WARPS = gl.constexpr(8)  # two warpgroups, each 64 of the state's 128 value rows
@@ -65,7 +79,7 @@ def _zero_rows_past(tile, row0, T):
 @gluon.jit
 def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, stride_ik,
                         stride_iv, stride_ok, stride_ov, H, HV, K: gl.constexpr, V: gl.constexpr,
-                        HAS_H_IN: gl.constexpr, HAS_H_OUT: gl.constexpr):
+                        HAS_H_IN: gl.constexpr, HAS_H_OUT: gl.constexpr, OVERLAP: gl.constexpr = 0):
     """The chain of one (sequence, value head): grid (N * HV,), eight warps. Inputs as `_chunk_state_kernel`'s (A, R,
     G from the inverse kernel; q, k `[B * T, H * K]` and v `[B * T, HV * V]` raw, and A `[NC * HV * 64, 64]`, through
     TMA descriptors of 64-row boxes); writes o `[B, T, HV, V]` and, with HAS_H_OUT, the final state `[K, V]` at the
@@ -138,27 +152,61 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
             fence_async_shared()
 
         # P = scale (q_i . k_j) rq_i rk_j e^(gamma_i - gamma_j) for j <= i (`triton_chunk_rows._masked_scores`).
-        qk = warpgroup_mma(smem_q, smem_k.permute([1, 0]), gl.zeros([BT, BT], gl.float32, layout=_QK))
         decay = gl.exp(gl.where(causal, c_i[:, None] - c_j[None, :], 0.0))
-        p = gl.where(causal, qk * decay * (sq_i[:, None] * rk_j[None, :]), 0.0)
-        smem_p.store(p.to(gl.bfloat16))
-        fence_async_shared()
-
+        row_scales = sq_i[:, None] * rk_j[None, :]
         # The chain, transposed: (k S)^T = S^T k^T and (q S)^T = S^T q^T with the state as the register operand;
         # v_new^T = y^T T^T; o^T = (q S)^T r_q + v_new^T P^T; S^T = e_last S^T + (v_new r_d)^T k. In this order so
         # that few [V, 64] tiles are alive at once (the state alone takes 64 registers a thread).
-        s_op = gl.convert_layout(s.to(gl.bfloat16), a_op)
-        kst = warpgroup_mma(s_op, smem_k.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64))
-        vt = smem_v.permute([1, 0]).load(_ACC64).to(gl.float32)  # v^T [V, 64]
-        yt = vt * r_b[None, :] - kst * r_k[None, :]
-        vnt = warpgroup_mma(gl.convert_layout(yt.to(gl.bfloat16), a_op), smem_a.permute([1, 0]),
-                            gl.zeros([V, BT], gl.float32, layout=_ACC64))
-        qst = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64))
-        ot = warpgroup_mma(gl.convert_layout(vnt.to(gl.bfloat16), a_op), smem_p.permute([1, 0]), qst * r_q[None, :])
-        p_o = o + ((start + i_t * BT + tt).to(gl.int64) * HV + i_hv)[None, :] * V + vv[:, None]
-        gl.store(p_o, ot.to(o.dtype.element_ty), mask=(i_t * BT + tt < T)[None, :])
+        if OVERLAP == 2:
+            # The three products that need only the state and this chunk's tiles, in flight together; waits are in
+            # issue order (num_outstanding 2: the scores are done, S^T K^T and S^T Q^T may not be).
+            qk_t = warpgroup_mma(smem_q, smem_k.permute([1, 0]), gl.zeros([BT, BT], gl.float32, layout=_QK),
+                                 is_async=True)
+            s_op = gl.convert_layout(s.to(gl.bfloat16), a_op)
+            kst_t = warpgroup_mma(s_op, smem_k.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64),
+                                  is_async=True)
+            qst_t = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64),
+                                  is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=2, deps=(qk_t,))
+            smem_p.store(gl.where(causal, qk * decay * row_scales, 0.0).to(gl.bfloat16))
+            fence_async_shared()
+            kst, s_op = warpgroup_mma_wait(num_outstanding=1, deps=(kst_t, s_op))
+            vt = smem_v.permute([1, 0]).load(_ACC64).to(gl.float32)
+            yt = gl.convert_layout((vt * r_b[None, :] - kst * r_k[None, :]).to(gl.bfloat16), a_op)
+            vnt_t = warpgroup_mma(yt, smem_a.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64),
+                                  is_async=True)
+            qst, vnt, yt, s_op = warpgroup_mma_wait(num_outstanding=0, deps=(qst_t, vnt_t, yt, s_op))
+        else:
+            qk = warpgroup_mma(smem_q, smem_k.permute([1, 0]), gl.zeros([BT, BT], gl.float32, layout=_QK))
+            smem_p.store(gl.where(causal, qk * decay * row_scales, 0.0).to(gl.bfloat16))
+            fence_async_shared()
+            s_op = gl.convert_layout(s.to(gl.bfloat16), a_op)
+            kst = warpgroup_mma(s_op, smem_k.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64))
+            vt = smem_v.permute([1, 0]).load(_ACC64).to(gl.float32)  # v^T [V, 64]
+            yt = gl.convert_layout((vt * r_b[None, :] - kst * r_k[None, :]).to(gl.bfloat16), a_op)
+            if OVERLAP == 1:  # v_new and S^T Q^T in flight together
+                vnt_t = warpgroup_mma(yt, smem_a.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64),
+                                      is_async=True)
+                qst_t = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64),
+                                      is_async=True)
+                vnt, qst, yt, s_op = warpgroup_mma_wait(num_outstanding=0, deps=(vnt_t, qst_t, yt, s_op))
+            else:
+                vnt = warpgroup_mma(yt, smem_a.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64))
+                qst = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64))
+        vn_op = gl.convert_layout(vnt.to(gl.bfloat16), a_op)
         upd = gl.convert_layout((vnt * r_d[None, :]).to(gl.bfloat16), gl.DotOperandLayout(0, _ACC, 2))
-        s = warpgroup_mma(upd, smem_k, s * e_last)
+        p_o = o + ((start + i_t * BT + tt).to(gl.int64) * HV + i_hv)[None, :] * V + vv[:, None]
+        if OVERLAP:
+            # The state update does not wait for the output: both in flight, the output stored while the update runs.
+            ot_t = warpgroup_mma(vn_op, smem_p.permute([1, 0]), qst * r_q[None, :], is_async=True)
+            s_t = warpgroup_mma(upd, smem_k, s * e_last, is_async=True)
+            ot, vn_op = warpgroup_mma_wait(num_outstanding=1, deps=(ot_t, vn_op))
+            gl.store(p_o, ot.to(o.dtype.element_ty), mask=(i_t * BT + tt < T)[None, :])
+            s, upd = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, upd))
+        else:
+            ot = warpgroup_mma(vn_op, smem_p.permute([1, 0]), qst * r_q[None, :])
+            gl.store(p_o, ot.to(o.dtype.element_ty), mask=(i_t * BT + tt < T)[None, :])
+            s = warpgroup_mma(upd, smem_k, s * e_last)
 
     mbarrier.invalidate(bars.index(0))
     mbarrier.invalidate(bars.index(1))
@@ -189,9 +237,12 @@ def refusal(q, k, v, t_rows: int) -> str | None:
     return None
 
 
-def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_in, strides_out, N: int) -> None:
+def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_in, strides_out, N: int,
+           overlap: int = 0) -> None:
     """`_gluon_chain_kernel` over every (sequence, value head) of a serial call (`triton_chunk`'s state call with its
-    tensors; `refusal` has been asked)."""
+    tensors; `refusal` has been asked); ``overlap``: 0, or its asynchronous-wgmma variants 1 and 2 (OVERLAP)."""
+    if overlap not in (0, 1, 2):
+        raise ValueError(f"overlap is 0, 1 or 2 (the kernel's OVERLAP), got {overlap!r}")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     B, T, H, K = q.shape
@@ -204,4 +255,5 @@ def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_
     _gluon_chain_kernel[(N * HV,)](
         desc(q, B * T, H * K, K), desc(k, B * T, H * K, K), desc(v, B * T, HV * V, V),
         desc(A, A.numel() // 64, 64, 64), R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, *strides_in, *strides_out,
-        H, HV, K=K, V=V, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None, num_warps=int(WARPS.value))
+        H, HV, K=K, V=V, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None, OVERLAP=overlap,
+        num_warps=int(WARPS.value))

@@ -391,7 +391,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                                use_qk_l2norm_in_kernel, state_v_first, config: tuple[int, int, int] | None = None,
                                schedule: Schedule | None = None, segments: int | None = None,
                                inverse: InverseConfig | None = None, form: Form | None = None,
-                               gluon_chain: bool = False):
+                               gluon_chain: bool = False, chain_overlap: int = 0):
     """o `[B, T, HV, V]` and the fp32 final state (None unless ``output_final_state``) of
     `api.chunk_gated_delta_rule`, whose arguments come first (validated there).
 
@@ -400,7 +400,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     `_plan` picks the schedule, the config and (``form`` None) the form; otherwise None means SERIAL and
     FUSED. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how the inverse kernel is
     launched (None: `default_inverse`, the Gluon kernel on Hopper). ``gluon_chain``: the chain in Gluon (`gluon_chunk_chain`, opt-in until measured; serial calls of the
-    fused form only: it makes its own scores)."""
+    fused form only: it makes its own scores); ``chain_overlap``: its asynchronous-wgmma variants (1, 2;
+    `gluon_chunk_chain`'s OVERLAP), with ``gluon_chain`` only."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
@@ -425,6 +426,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     if inverse is None:
         inverse = default_inverse(q.device.type, torch.cuda.get_device_capability(q.device) if on_gpu else None,
                                   str(q.dtype), K)
+    if chain_overlap not in (0, 1, 2):
+        raise ValueError(f"chain_overlap is 0, 1 or 2 (the Gluon chain's OVERLAP), got {chain_overlap!r}")
+    if chain_overlap and not gluon_chain:
+        raise ValueError(f"chain_overlap={chain_overlap!r} is a variant of the Gluon chain: it needs gluon_chain=True")
     if gluon_chain and schedule is None:  # the one call it runs: serial, fused
         schedule, form = Schedule.SERIAL, Form.FUSED if form is None else form
     if schedule is None and config is None and on_gpu:
@@ -519,7 +524,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         if gluon_chain:
             from hybridkv.kernels.gdn import gluon_chunk_chain
 
-            gluon_chunk_chain.launch(q, k, v, A, R, G, o, h_in, h_out, cu, chunk_offsets, s_in, s_out, N)
+            gluon_chunk_chain.launch(q, k, v, A, R, G, o, h_in, h_out, cu, chunk_offsets, s_in, s_out, N,
+                                     overlap=chain_overlap)
             return
         if form is Form.SPLIT:
             args, fixed, tuned = (k, WQ, UU, R, G, *tail), _chunk_chain_kernel, _chunk_chain_tuned
