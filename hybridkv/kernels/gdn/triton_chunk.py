@@ -399,9 +399,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     ``schedule``: SERIAL or PIPELINED (which needs a config). With neither schedule nor config, on a GPU,
     `_plan` picks the schedule, the config and (``form`` None) the form; otherwise None means SERIAL and
     FUSED. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how the inverse kernel is
-    launched (None: `default_inverse`, the Gluon kernel on Hopper). ``gluon_chain``: the chain in Gluon (`gluon_chunk_chain`, opt-in until measured; serial calls of the
-    fused form only: it makes its own scores); ``chain_overlap``: its asynchronous-wgmma variants (1, 2;
-    `gluon_chunk_chain`'s OVERLAP), with ``gluon_chain`` only."""
+    launched (None: `default_inverse`, the Gluon kernel on Hopper). ``gluon_chain``: the chain in Gluon
+    (`gluon_chunk_chain`, opt-in: faster on full batches only; serial calls of the fused form only: it makes its own
+    scores); ``chain_overlap``: its asynchronous-wgmma variants (1, 2; `gluon_chunk_chain`'s OVERLAP), with
+    ``gluon_chain`` only."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
