@@ -21,8 +21,10 @@ What differs from the Triton chain, and why:
 - OVERLAP (`chain_overlap` 1 or 2, opt-in, not yet run on a GPU): some of the chunk's six wgmmas in flight together,
   each wait naming what it needs (`warpgroup_mma_wait`), against that latency. 1: v_new's GEMM beside S^T Q^T, and
   the state update beside the output's (offline sm_90: 253 registers, no spill). 2: also the scores, S^T K^T and
-  S^T Q^T together, the scores' masking beside the other two (255 registers, 32 B spilled). The same products, so
-  the same results as the synchronous kernel.
+  S^T Q^T together, the scores' masking beside the other two (255 registers, 32 B spilled; ptxas waits for the scores'
+  wgmma at once anyway, C7517, because S^T Q^T's accumulator reuses its registers, so only S^T K^T and S^T Q^T
+  overlap there). The same products, so the same results as the synchronous kernel (a review of the SASS found no
+  register of an unfinished wgmma written, 2026-12-02).
 
 Not here (yet): no warp is specialised (FlashInfer's loader and inverse warpgroups); segments (pipelined or scan
 schedules) and the scores or split forms are refused (`triton_chunk.chunk_gated_delta_rule_fwd`).
@@ -141,6 +143,10 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
         c_j = gl.load(p_r + 256 + jj)
         sq_i = gl.load(p_r + 320 + ii)
         rk_j = gl.load(p_r + 384 + jj)
+        # Every warpgroup has finished reading the previous chunk's P (its output wgmma) before this barrier, and this
+        # chunk's P is stored after it. Triton's barrier pass would put one here anyway (for the mbarrier), but it counts
+        # an async wgmma's read of shared memory done at issue, not at its wait, so the ordering is written out.
+        gl.thread_barrier()
         mbarrier.wait(bars.index(stage), (i_t // 2) & 1)
         smem_q, smem_k, smem_v, smem_a = qs.index(stage), ks.index(stage), vs.index(stage), as_.index(stage)
         if (i_t + 1) * BT > T:
