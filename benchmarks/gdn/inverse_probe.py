@@ -26,20 +26,24 @@ from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 # The Triton kernel, then the Gluon kernel (`gluon_chunk_inverse`, the default on Hopper since 2026-12-02: four value
 # heads per program); then the Gluon chain (`gluon_chunk_chain`: one 8-warp program per sequence and value head, the
 # state as wgmma's register operand, TMA loads two chunks deep) after it, synchronous and with its wgmmas in flight
-# together (`chain_overlap` 1 and 2). (inverse, Gluon chain, overlap) triples, all serial calls. Measured variants
-# no longer listed (Gluon g1, stacked, the Gluon chain after the Triton inverse): benchmarks/gdn/README.md.
+# together (`GluonChain.overlap` 1 and 2), and with half the state's value rows per program (`rows=64`: four warps,
+# two programs per SM). (inverse, Gluon chain or None) pairs, all serial calls. Measured variants no longer listed
+# (Gluon g1, stacked, the Gluon chain after the Triton inverse): benchmarks/gdn/README.md.
 GLUON_INVERSE = triton_chunk.GLUON_INVERSE_CONFIG
+GluonChain = triton_chunk.GluonChain
 VARIANTS = (
-    (triton_chunk.INVERSE_CONFIG, False, 0),
-    (GLUON_INVERSE, False, 0),
-    (GLUON_INVERSE, True, 0),
-    (GLUON_INVERSE, True, 1),
-    (GLUON_INVERSE, True, 2),
+    (triton_chunk.INVERSE_CONFIG, None),
+    (GLUON_INVERSE, None),
+    (GLUON_INVERSE, GluonChain()),
+    (GLUON_INVERSE, GluonChain(overlap=1)),
+    (GLUON_INVERSE, GluonChain(overlap=2)),
+    (GLUON_INVERSE, GluonChain(rows=64)),
+    (GLUON_INVERSE, GluonChain(rows=64, overlap=1)),
 )
 
 
-def label(inv: InverseConfig, gluon_chain: bool = False, overlap: int = 0) -> str:
-    chain = (" + gluon chain" + (f" overlap {overlap}" if overlap else "")) if gluon_chain else ""
+def label(inv: InverseConfig, gluon_chain: triton_chunk.GluonChain | None = None) -> str:
+    chain = "" if gluon_chain is None else f" + gluon chain rows {gluon_chain.rows} overlap {gluon_chain.overlap}"
     if inv.gluon:
         return f"gluon g{inv.group} (value heads per program; two warps){chain}"
     return (f"{'stacked ' if inv.stacked else ''}g{inv.group} bkc{inv.bkc} w{inv.warps} s{inv.stages} m{inv.method} "
@@ -64,14 +68,13 @@ def worst_case() -> list[dict]:
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
     o_ref, s_ref = reference.chunk_reference(q, k, v, g, beta, 128**-0.5, None, True, cu, True)
     rows = []
-    for inv, gluon_chain, overlap in VARIANTS:
+    for inv, gluon_chain in VARIANTS:
         o, s = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
                                                        schedule=triton_chunk.Schedule.SERIAL, inverse=inv,
-                                                       gluon_chain=gluon_chain, chain_overlap=overlap)
+                                                       gluon_chain=gluon_chain)
         err = (rel(o, o_ref), rel(s, s_ref))
-        rows.append(dict(shape="worst case", inverse=repr(inv), gluon_chain=gluon_chain, overlap=overlap,
-                         err=max(err)))
-        print(f"worst case {label(inv, gluon_chain, overlap)}: o {err[0]:.2e} state {err[1]:.2e}", flush=True)
+        rows.append(dict(shape="worst case", inverse=repr(inv), gluon_chain=repr(gluon_chain), err=max(err)))
+        print(f"worst case {label(inv, gluon_chain)}: o {err[0]:.2e} state {err[1]:.2e}", flush=True)
     return rows
 
 
@@ -84,22 +87,22 @@ def main() -> int:
         q, k, v, g, beta = args
         cu = kw["cu_seqlens"]
 
-        def call(inverse, gluon_chain, overlap):  # noqa: B023
+        def call(inverse, gluon_chain):  # noqa: B023
             return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
                                                            schedule=triton_chunk.Schedule.SERIAL, inverse=inverse,
-                                                           gluon_chain=gluon_chain, chain_overlap=overlap)
+                                                           gluon_chain=gluon_chain)
 
-        for inv, gluon_chain, overlap in VARIANTS:
-            name = label(inv, gluon_chain, overlap)
+        for inv, gluon_chain in VARIANTS:
+            name = label(inv, gluon_chain)
             try:
-                o, s = call(inv, gluon_chain, overlap)
+                o, s = call(inv, gluon_chain)
             except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result too
                 print(f"{shape:30} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 continue
             err = max(rel(o, o_ref), rel(s, s_ref))
-            b = breakdown.measure("hybridkv", lambda: call(inv, gluon_chain, overlap), a.iters,  # noqa: B023
+            b = breakdown.measure("hybridkv", lambda: call(inv, gluon_chain), a.iters,  # noqa: B023
                                   bench_timing._median_ms)
-            row = dict(shape=shape, inverse=repr(inv), gluon_chain=gluon_chain, overlap=overlap, call_us=b.call_us,
+            row = dict(shape=shape, inverse=repr(inv), gluon_chain=repr(gluon_chain), call_us=b.call_us,
                        inverse_us=kernel_us(b, "inverse"), state_us=kernel_us(b, "state") + kernel_us(b, "gluon_chain"),
                        err=err)
             rows.append(row)

@@ -210,19 +210,22 @@ def test_the_gluon_inverse_is_refused_where_it_cannot_run_faked_cuda_tensor():
 
 
 def test_the_gluon_chain_is_refused_where_it_cannot_run():
-    """`gluon_chain=True` outside what it was written for (serial calls of the fused form, on a CUDA GPU): a ValueError
-    naming the value, before any kernel runs."""
+    """`gluon_chain=GluonChain(...)` outside what it was written for (serial calls of the fused form, on a CUDA GPU)
+    or badly configured: a ValueError naming the value, before any kernel runs."""
     q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
     v = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
     g, beta = torch.zeros(1, 64, 2), torch.zeros(1, 64, 2)
     args = (q, q, v, g, beta, 1.0, None, False, None, True, False)
+    chain = tc.GluonChain()
     with pytest.raises(ValueError, match="the Gluon chain runs serial calls of the fused form, got schedule pipelined"):
-        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True, schedule=PIPELINED, config=(32, 4, 3))
+        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=chain, schedule=PIPELINED, config=(32, 4, 3))
     with pytest.raises(ValueError, match="got schedule serial and form scores"):
-        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True, form=SCORES)
+        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=chain, form=SCORES)
     with pytest.raises(ValueError, match="the Gluon chain runs on a CUDA GPU only, got q on cpu"):
+        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=tc.GluonChain(overlap=1, rows=64))
+    with pytest.raises(ValueError, match="gluon_chain must be a GluonChain or None, got True"):
         tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True)
-    with pytest.raises(ValueError, match="chain_overlap=1 is a variant of the Gluon chain: it needs gluon_chain=True"):
-        tc.chunk_gated_delta_rule_fwd(*args, chain_overlap=1)
-    with pytest.raises(ValueError, match="chain_overlap is 0, 1 or 2 .*, got 3"):
-        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True, chain_overlap=3)
+    with pytest.raises(ValueError, match=r"bad Gluon chain GluonChain\(overlap=3, rows=128\): overlap 0, 1 or 2"):
+        tc.GluonChain(overlap=3)
+    with pytest.raises(ValueError, match=r"bad Gluon chain GluonChain\(overlap=0, rows=32\)"):
+        tc.GluonChain(rows=32)

@@ -219,7 +219,7 @@ def test_gluon_inverse_in_a_segmented_call_equals_the_triton_inverse(schedule):
     pytest.param([8192], 16, 64, 2, True, id="397B-2x8192"),
 ])
 def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, batch, l2norm, gluon_inverse):
-    """The Gluon chain (`gluon_chain=True`, opt-in until measured faster), after either inverse: against the
+    """The Gluon chain (`gluon_chain=GluonChain()`, opt-in), after either inverse: against the
     reference and against the Triton chain after the same inverse, from an initial state, with the final state. Ragged sequences check what
     its 64-row TMA boxes read past a sequence's end (the next sequence's rows) reaches neither o nor the state."""
     import dataclasses
@@ -231,7 +231,7 @@ def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, bat
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
     o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm, False,
-                                                    inverse=inverse, gluon_chain=True)
+                                                    inverse=inverse, gluon_chain=triton_chunk.GluonChain())
     o_tri, st_tri = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm,
                                                             False, config=(64, 4, 2), inverse=inverse)
     assert rel_err(o, o_tri) < 1e-2 and rel_err(st, st_tri) < 1e-2
@@ -241,34 +241,36 @@ def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, bat
     # A V-first state (hybridkv's pool layout) is the transposed view of the same numbers.
     h0_vf = h0.transpose(-1, -2).contiguous()
     o_vf, st_vf = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0_vf, True, cu, l2norm, True,
-                                                          inverse=inverse, gluon_chain=True)
+                                                          inverse=inverse, gluon_chain=triton_chunk.GluonChain())
     assert torch.equal(o_vf, o) and torch.equal(st_vf, st.transpose(-1, -2))
 
 
-@pytest.mark.parametrize("overlap", [1, 2])
+@pytest.mark.parametrize(("overlap", "rows"), [(1, 128), (2, 128), (0, 64), (1, 64), (2, 64)])
 @pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
     pytest.param([150, 64, 1000, 7], 2, 8, None, id="varlen-ragged"),
     pytest.param([8192], 16, 64, 2, id="397B-2x8192"),
 ])
-def test_gluon_chain_overlap_variants_equal_the_synchronous_chain(lens, H, HV, batch, overlap):
-    """`chain_overlap` (the Gluon chain's wgmmas in flight together): the same products as the synchronous kernel, so
-    the same output and final state to rounding, from an initial state, V-first too; against the reference where it
-    is cheap."""
+def test_gluon_chain_variants_equal_the_synchronous_whole_state_chain(lens, H, HV, batch, overlap, rows):
+    """`GluonChain(overlap, rows)`: the wgmmas in flight together (overlap) and half the state's value rows per
+    program (rows=64): the same products as the synchronous whole-state kernel, so the same output and final state
+    to rounding, from an initial state, V-first too; against the reference where it is cheap. Ragged sequences check
+    that a half-state program reads, zeroes and writes only its own 64 columns of v, o and the state."""
     from hybridkv.kernels.gdn import triton_chunk
 
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=12, slow=True)
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
     call = (q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
-    o0, st0 = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=True)
-    o, st = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=True, chain_overlap=overlap)
+    chain = triton_chunk.GluonChain(overlap=overlap, rows=rows)
+    o0, st0 = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=triton_chunk.GluonChain())
+    o, st = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=chain)
     assert rel_err(o, o0) < 1e-3 and rel_err(st, st0) < 1e-3
     if batch is None:
         o_ref, st_ref = ref.chunk_reference(*call)
         assert rel_err(o, o_ref) < 2e-2 and rel_err(st, st_ref) < 2e-2
     h0_vf = h0.transpose(-1, -2).contiguous()
     o_vf, st_vf = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0_vf, True, cu, True, True,
-                                                          gluon_chain=True, chain_overlap=overlap)
+                                                          gluon_chain=chain)
     assert torch.equal(o_vf, o) and torch.equal(st_vf, st.transpose(-1, -2))
 
 
@@ -290,13 +292,14 @@ def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
         assert not torch.isnan(o).any()
 
 
-def test_gluon_chain_keeps_a_neighbours_inf_out_of_a_sequence():
+@pytest.mark.parametrize(("overlap", "rows"), [(0, 128), (1, 64)])
+def test_gluon_chain_keeps_a_neighbours_inf_out_of_a_sequence(overlap, rows):
     """Its TMA boxes read past a sequence's end into the next one: an inf there must not reach this sequence's o or
     state (0 * inf would be NaN; the kernel zeroes those rows of k and v)."""
     from hybridkv.kernels.gdn import triton_chunk
 
     q, k, v, g, beta, cu = make([150, 300], 2, 8, seed=10)
-    call = dict(gluon_chain=True)
+    call = dict(gluon_chain=triton_chunk.GluonChain(overlap=overlap, rows=rows))
     o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False, **call)
     for x in (q, k, v):
         x[0, 150:152] = float("inf")

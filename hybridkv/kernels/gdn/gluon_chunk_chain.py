@@ -1,6 +1,6 @@
 """The state chain in Gluon, FlashInfer's way round (docs/background/gdn_peers.md section 1): one program per
 (sequence, value head) holding the whole state, and the state as the register operand of Hopper's wgmma. Opt-in
-(`triton_chunk.chunk_gated_delta_rule_fwd(..., gluon_chain=True)`, serial calls), beside the Triton chain
+(`triton_chunk.chunk_gated_delta_rule_fwd(..., gluon_chain=GluonChain(...))`, serial calls), beside the Triton chain
 (`triton_chunk._chunk_state_kernel`, whose arithmetic and inputs it takes: the inverse kernel's A, R, G and raw q, k,
 v); Gluon has no CPU interpreter, so it is checked on a GPU only. On the H200 (2026-12-02, benchmarks/gdn/README.md)
 it is 3-6% faster than the Triton chain where the (sequence, value head) pairs fill the SMs with equal lengths and
@@ -18,7 +18,11 @@ What differs from the Triton chain, and why:
   shared-memory round trip).
 - The masked scores P = q k^T (decayed, scaled) are made here, one wgmma per chunk, as the fused Triton chain does.
 - q, k, v and T arrive by TMA into two buffers: the next chunk's copies run while this one computes.
-- OVERLAP (`chain_overlap` 1 or 2, opt-in, not yet run on a GPU): some of the chunk's six wgmmas in flight together,
+- BV (`GluonChain.rows`): 128 as above, or 64 (opt-in, not yet run on a GPU): half the state per program, four warps,
+  each program loading q, k and T and making the scores for itself (as the Triton chain does at BV = 64). Twice the
+  programs for one prompt, and two programs per SM (offline sm_90: 251 registers x 128 threads, 104 KB of shared
+  memory), so one program's GEMMs can run while the other's wait.
+- OVERLAP (`GluonChain.overlap` 1 or 2, opt-in, not yet run on a GPU): some of the chunk's six wgmmas in flight together,
   each wait naming what it needs (`warpgroup_mma_wait`), against that latency. 1: v_new's GEMM beside S^T Q^T, and
   the state update beside the output's (offline sm_90: 253 registers, no spill). 2: also the scores, S^T K^T and
   S^T Q^T together, the scores' masking beside the other two (255 registers, 32 B spilled; ptxas waits for the scores'
@@ -43,55 +47,83 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 BT = gl.constexpr(64)
-WARPS = gl.constexpr(8)  # two warpgroups, each 64 of the state's 128 value rows
-
-# wgmma accumulators: S^T `[V, K]`; value rows x tokens `[V, 64]`; the scores `[64, 64]` (two warpgroups along N).
-_ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 128, 16]))
-_ACC64 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 64, 16]))
-_QK = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
-# [64, 128] and [64, 64] bf16 tiles: 8 contiguous elements (16 bytes) per thread.
-_LD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0]))
 _SW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 
 
+def warps_for(bv: int) -> int:
+    """Warps of a program holding ``bv`` of the state's value rows: one warpgroup per 64 rows (wgmma's M)."""
+    return bv // 16
+
+
+# Layouts for a program of ``bv`` state rows (`warps_for(bv)` warps, one warpgroup per 64 rows).
+@gluon.constexpr_function
+def _acc(bv, n):
+    """wgmma accumulator of value rows x n columns: S^T `[BV, K]` (n = K) or value rows x tokens `[BV, 64]`."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[bv // 16, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def _qk(bv):
+    """The scores `[64, 64]`: one warpgroup, or two side by side along N."""
+    if bv == 128:
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+
+
+@gluon.constexpr_function
+def _ld(bv):
+    """[rows, 64 or 128] bf16 tiles: 8 contiguous elements (16 bytes) per thread."""
+    return gl.BlockedLayout([1, 8], [4, 8], [bv // 16, 1], [1, 0])
+
+
 @gluon.jit
-def _issue(q_desc, k_desc, v_desc, a_desc, bars, qs, ks, vs, as_, stage, t0, i_ch, i_h, i_hv,
-           K: gl.constexpr, V: gl.constexpr):
-    """Start the TMA copies of one chunk's q, k, v and T into buffer ``stage``; its barrier completes with them."""
+def _issue(q_desc, k_desc, v_desc, a_desc, bars, qs, ks, vs, as_, stage, t0, i_ch, i_h, v0,
+           K: gl.constexpr, BV: gl.constexpr):
+    """Start the TMA copies of one chunk's q, k, its BV columns of v (from column v0) and T into buffer ``stage``; its
+    barrier completes with them."""
     bar = bars.index(stage)
-    mbarrier.expect(bar, 2 * BT * K * 2 + BT * V * 2 + BT * BT * 2)
+    mbarrier.expect(bar, 2 * BT * K * 2 + BT * BV * 2 + BT * BT * 2)
     tma.async_copy_global_to_shared(q_desc, [t0, i_h * K], bar, qs.index(stage))
     tma.async_copy_global_to_shared(k_desc, [t0, i_h * K], bar, ks.index(stage))
-    tma.async_copy_global_to_shared(v_desc, [t0, i_hv * V], bar, vs.index(stage))
+    tma.async_copy_global_to_shared(v_desc, [t0, v0], bar, vs.index(stage))
     tma.async_copy_global_to_shared(a_desc, [i_ch * BT, 0], bar, as_.index(stage))
 
 
 @gluon.jit
-def _zero_rows_past(tile, row0, T):
-    """Rows of a [64, 128] shared tile whose token (row0 + row) is at or past T set to zero, 32 rows at a time (the
-    state already holds most of the registers)."""
+def _zero_rows_past(tile, row0, T, LD: gl.constexpr):
+    """Rows of a [64, 64 or 128] shared tile whose token (row0 + row) is at or past T set to zero, 32 rows at a time
+    (the state already holds most of the registers)."""
     for half in gl.static_range(2):
         rows = tile.slice(32 * half, 32, dim=0)
-        x = rows.load(_LD)
+        x = rows.load(LD)
         gl.thread_barrier()
-        past = row0 + 32 * half + gl.arange(0, 32, layout=gl.SliceLayout(1, _LD)) >= T
+        past = row0 + 32 * half + gl.arange(0, 32, layout=gl.SliceLayout(1, LD)) >= T
         rows.store(gl.where(past[:, None], 0.0, x.to(gl.float32)).to(gl.bfloat16))
 
 
 @gluon.jit
 def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, stride_ik,
                         stride_iv, stride_ok, stride_ov, H, HV, K: gl.constexpr, V: gl.constexpr,
-                        HAS_H_IN: gl.constexpr, HAS_H_OUT: gl.constexpr, OVERLAP: gl.constexpr = 0):
-    """The chain of one (sequence, value head): grid (N * HV,), eight warps. Inputs as `_chunk_state_kernel`'s (A, R,
-    G from the inverse kernel; q, k `[B * T, H * K]` and v `[B * T, HV * V]` raw, and A `[NC * HV * 64, 64]`, through
-    TMA descriptors of 64-row boxes); writes o `[B, T, HV, V]` and, with HAS_H_OUT, the final state `[K, V]` at the
-    strides given (a V-first state is the transposed view).
+                        HAS_H_IN: gl.constexpr, HAS_H_OUT: gl.constexpr, OVERLAP: gl.constexpr = 0,
+                        BV: gl.constexpr = 128):
+    """The chain of BV value rows of one (sequence, value head)'s state: grid (N * HV * V // BV,), `warps_for(BV)`
+    warps (BV = V = 128: the whole state, eight warps; BV = 64: half, four warps, twice the programs, each loading q,
+    k and T and making the scores for itself). Inputs as `_chunk_state_kernel`'s (A, R, G from the inverse kernel; q,
+    k `[B * T, H * K]` and v `[B * T, HV * V]` raw, and A `[NC * HV * 64, 64]`, through TMA descriptors of 64-row
+    boxes, v's BV columns wide); writes o `[B, T, HV, V]` and, with HAS_H_OUT, the final state `[K, V]` at the strides
+    given (a V-first state is the transposed view).
 
     Rows of a box past the sequence's end belong to the next sequence (TMA zero-fills only past the tensor), whose
     values may be anything, inf included: k's and v's rows there are zeroed in the last chunk (the row scales there
     are zero and the inverse made T the identity there, so y's and v_new's columns are exactly zero), the scores'
     are masked by a select, and o's stores are masked; q's rows there reach only o's unstored columns."""
-    i_nh = gl.program_id(0)
+    ACC: gl.constexpr = _acc(BV, K)
+    ACC64: gl.constexpr = _acc(BV, BT)
+    QK: gl.constexpr = _qk(BV)
+    LD: gl.constexpr = _ld(BV)
+    NV: gl.constexpr = V // BV
+    i_p = gl.program_id(0)
+    i_nh, i_v = i_p // NV, i_p % NV
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     start = gl.load(cu_seqlens + i_n)
@@ -99,32 +131,33 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
     c_first = gl.load(chunk_offsets + i_n)
     n_t = gl.cdiv(T, BT)
 
-    v_rows = gl.arange(0, V, layout=gl.SliceLayout(1, _ACC))
-    k_cols = gl.arange(0, K, layout=gl.SliceLayout(0, _ACC))
+    v_rows = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC))
+    k_cols = gl.arange(0, K, layout=gl.SliceLayout(0, ACC))
     p_state = i_nh.to(gl.int64) * K * V
     if HAS_H_IN:
         s = gl.load(h_in + p_state + k_cols[None, :] * stride_ik + v_rows[:, None] * stride_iv).to(gl.float32)
     else:
-        s = gl.zeros([V, K], gl.float32, layout=_ACC)
+        s = gl.zeros([BV, K], gl.float32, layout=ACC)
 
     qs = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], _SW)
     ks = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], _SW)
-    vs = gl.allocate_shared_memory(gl.bfloat16, [2, BT, V], _SW)
+    vs = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BV], _SW)
     as_ = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], _SW)  # T [i, j]
     smem_p = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], _SW)  # the masked scores P [i, j]
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bars.index(0), count=1)
     mbarrier.init(bars.index(1), count=1)
 
-    vv = gl.arange(0, V, layout=gl.SliceLayout(1, _ACC64))
-    tt = gl.arange(0, BT, layout=gl.SliceLayout(0, _ACC64))
-    ii = gl.arange(0, BT, layout=gl.SliceLayout(1, _QK))
-    jj = gl.arange(0, BT, layout=gl.SliceLayout(0, _QK))
+    vv = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC64))
+    tt = gl.arange(0, BT, layout=gl.SliceLayout(0, ACC64))
+    ii = gl.arange(0, BT, layout=gl.SliceLayout(1, QK))
+    jj = gl.arange(0, BT, layout=gl.SliceLayout(0, QK))
     causal = ii[:, None] >= jj[None, :]
-    a_op: gl.constexpr = gl.DotOperandLayout(0, _ACC64, 2)
+    a_op: gl.constexpr = gl.DotOperandLayout(0, ACC64, 2)
+    v0 = i_hv * V + i_v * BV
 
     if n_t > 0:
-        _issue(q_desc, k_desc, v_desc, a_desc, bars, qs, ks, vs, as_, 0, start, c_first * HV + i_hv, i_h, i_hv, K, V)
+        _issue(q_desc, k_desc, v_desc, a_desc, bars, qs, ks, vs, as_, 0, start, c_first * HV + i_hv, i_h, v0, K, BV)
     for i_t in range(0, n_t):
         stage = i_t % 2
         i_ch = (c_first + i_t).to(gl.int64) * HV + i_hv
@@ -132,7 +165,7 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
             # The other buffer was read by the previous chunk's products: every warp is past them first.
             gl.thread_barrier()
             _issue(q_desc, k_desc, v_desc, a_desc, bars, qs, ks, vs, as_, 1 - stage, start + (i_t + 1) * BT,
-                   (c_first + i_t + 1) * HV + i_hv, i_h, i_hv, K, V)
+                   (c_first + i_t + 1) * HV + i_hv, i_h, v0, K, BV)
         p_r = R + i_ch * (8 * BT)
         r_q = gl.load(p_r + tt)
         r_k = gl.load(p_r + 64 + tt)
@@ -153,8 +186,8 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
             # The last chunk runs past the sequence's end into the next sequence's rows, which may hold anything
             # (inf included). The row scales there are zero, but 0 * inf is NaN: those rows of k and v become zero
             # first (q's reach only o's unstored columns; the scores' are masked by a select).
-            _zero_rows_past(smem_k, i_t * BT, T)
-            _zero_rows_past(smem_v, i_t * BT, T)
+            _zero_rows_past(smem_k, i_t * BT, T, LD)
+            _zero_rows_past(smem_v, i_t * BT, T, LD)
             fence_async_shared()
 
         # P = scale (q_i . k_j) rq_i rk_j e^(gamma_i - gamma_j) for j <= i (`triton_chunk_rows._masked_scores`).
@@ -166,41 +199,41 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
         if OVERLAP == 2:
             # The three products that need only the state and this chunk's tiles, in flight together; waits are in
             # issue order (num_outstanding 2: the scores are done, S^T K^T and S^T Q^T may not be).
-            qk_t = warpgroup_mma(smem_q, smem_k.permute([1, 0]), gl.zeros([BT, BT], gl.float32, layout=_QK),
+            qk_t = warpgroup_mma(smem_q, smem_k.permute([1, 0]), gl.zeros([BT, BT], gl.float32, layout=QK),
                                  is_async=True)
             s_op = gl.convert_layout(s.to(gl.bfloat16), a_op)
-            kst_t = warpgroup_mma(s_op, smem_k.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64),
+            kst_t = warpgroup_mma(s_op, smem_k.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64),
                                   is_async=True)
-            qst_t = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64),
+            qst_t = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64),
                                   is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=2, deps=(qk_t,))
             smem_p.store(gl.where(causal, qk * decay * row_scales, 0.0).to(gl.bfloat16))
             fence_async_shared()
             kst, s_op = warpgroup_mma_wait(num_outstanding=1, deps=(kst_t, s_op))
-            vt = smem_v.permute([1, 0]).load(_ACC64).to(gl.float32)
+            vt = smem_v.permute([1, 0]).load(ACC64).to(gl.float32)
             yt = gl.convert_layout((vt * r_b[None, :] - kst * r_k[None, :]).to(gl.bfloat16), a_op)
-            vnt_t = warpgroup_mma(yt, smem_a.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64),
+            vnt_t = warpgroup_mma(yt, smem_a.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64),
                                   is_async=True)
             qst, vnt, yt, s_op = warpgroup_mma_wait(num_outstanding=0, deps=(qst_t, vnt_t, yt, s_op))
         else:
-            qk = warpgroup_mma(smem_q, smem_k.permute([1, 0]), gl.zeros([BT, BT], gl.float32, layout=_QK))
+            qk = warpgroup_mma(smem_q, smem_k.permute([1, 0]), gl.zeros([BT, BT], gl.float32, layout=QK))
             smem_p.store(gl.where(causal, qk * decay * row_scales, 0.0).to(gl.bfloat16))
             fence_async_shared()
             s_op = gl.convert_layout(s.to(gl.bfloat16), a_op)
-            kst = warpgroup_mma(s_op, smem_k.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64))
-            vt = smem_v.permute([1, 0]).load(_ACC64).to(gl.float32)  # v^T [V, 64]
+            kst = warpgroup_mma(s_op, smem_k.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64))
+            vt = smem_v.permute([1, 0]).load(ACC64).to(gl.float32)  # v^T [V, 64]
             yt = gl.convert_layout((vt * r_b[None, :] - kst * r_k[None, :]).to(gl.bfloat16), a_op)
             if OVERLAP == 1:  # v_new and S^T Q^T in flight together
-                vnt_t = warpgroup_mma(yt, smem_a.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64),
+                vnt_t = warpgroup_mma(yt, smem_a.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64),
                                       is_async=True)
-                qst_t = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64),
+                qst_t = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64),
                                       is_async=True)
                 vnt, qst, yt, s_op = warpgroup_mma_wait(num_outstanding=0, deps=(vnt_t, qst_t, yt, s_op))
             else:
-                vnt = warpgroup_mma(yt, smem_a.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64))
-                qst = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([V, BT], gl.float32, layout=_ACC64))
+                vnt = warpgroup_mma(yt, smem_a.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64))
+                qst = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64))
         vn_op = gl.convert_layout(vnt.to(gl.bfloat16), a_op)
-        upd = gl.convert_layout((vnt * r_d[None, :]).to(gl.bfloat16), gl.DotOperandLayout(0, _ACC, 2))
+        upd = gl.convert_layout((vnt * r_d[None, :]).to(gl.bfloat16), gl.DotOperandLayout(0, ACC, 2))
         p_o = o + ((start + i_t * BT + tt).to(gl.int64) * HV + i_hv)[None, :] * V + vv[:, None]
         if OVERLAP:
             # The state update does not wait for the output: both in flight, the output stored while the update runs.
@@ -244,11 +277,14 @@ def refusal(q, k, v, t_rows: int) -> str | None:
 
 
 def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_in, strides_out, N: int,
-           overlap: int = 0) -> None:
+           overlap: int = 0, rows: int = 128) -> None:
     """`_gluon_chain_kernel` over every (sequence, value head) of a serial call (`triton_chunk`'s state call with its
-    tensors; `refusal` has been asked); ``overlap``: 0, or its asynchronous-wgmma variants 1 and 2 (OVERLAP)."""
+    tensors; `refusal` has been asked); ``overlap``: 0, or its asynchronous-wgmma variants 1 and 2 (OVERLAP);
+    ``rows``: the state's value rows per program (BV: 128, the whole state, or 64)."""
     if overlap not in (0, 1, 2):
         raise ValueError(f"overlap is 0, 1 or 2 (the kernel's OVERLAP), got {overlap!r}")
+    if rows not in (64, 128):
+        raise ValueError(f"rows is 64 or 128 (the state's value rows per program), got {rows!r}")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     B, T, H, K = q.shape
@@ -258,8 +294,8 @@ def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_
     def desc(x, rows, cols, box_cols):
         return TensorDescriptor(x, [rows, cols], [cols, 1], [64, box_cols], layout)
 
-    _gluon_chain_kernel[(N * HV,)](
-        desc(q, B * T, H * K, K), desc(k, B * T, H * K, K), desc(v, B * T, HV * V, V),
+    _gluon_chain_kernel[(N * HV * (V // rows),)](
+        desc(q, B * T, H * K, K), desc(k, B * T, H * K, K), desc(v, B * T, HV * V, rows),
         desc(A, A.numel() // 64, 64, 64), R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, *strides_in, *strides_out,
-        H, HV, K=K, V=V, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None, OVERLAP=overlap,
-        num_warps=int(WARPS.value))
+        H, HV, K=K, V=V, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None, OVERLAP=overlap, BV=rows,
+        num_warps=warps_for(rows))

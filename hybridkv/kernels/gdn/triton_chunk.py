@@ -232,6 +232,20 @@ class Schedule(enum.Enum):
     SCAN = "scan"
 
 
+@dataclass(frozen=True, kw_only=True)
+class GluonChain:
+    """The chain in Gluon (`gluon_chunk_chain`) instead of the Triton state kernel, and how it is launched:
+    ``rows`` of the state's 128 value rows per program (128: eight warps hold the whole state; 64: four warps, two
+    programs per head, twice the programs), ``overlap`` 0, 1 or 2 (its asynchronous-wgmma variants, OVERLAP)."""
+
+    overlap: int = 0
+    rows: int = 128
+
+    def __post_init__(self) -> None:
+        if self.overlap not in (0, 1, 2) or self.rows not in (64, 128):
+            raise ValueError(f"bad Gluon chain {self}: overlap 0, 1 or 2 and rows 64 or 128")
+
+
 # (BV, num_warps, num_stages) of the state kernel in a pipelined call. BV=32 gives about one chain program
 # per SM for one sequence of 35B-shaped heads (HV=32) and leaves the rest of each SM to the inverse and
 # scores kernels. A call pipelines only where BV=32 gives no more chain programs than SMs: with more
@@ -391,7 +405,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                                use_qk_l2norm_in_kernel, state_v_first, config: tuple[int, int, int] | None = None,
                                schedule: Schedule | None = None, segments: int | None = None,
                                inverse: InverseConfig | None = None, form: Form | None = None,
-                               gluon_chain: bool = False, chain_overlap: int = 0):
+                               gluon_chain: GluonChain | None = None):
     """o `[B, T, HV, V]` and the fp32 final state (None unless ``output_final_state``) of
     `api.chunk_gated_delta_rule`, whose arguments come first (validated there).
 
@@ -401,8 +415,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     FUSED. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how the inverse kernel is
     launched (None: `default_inverse`, the Gluon kernel on Hopper). ``gluon_chain``: the chain in Gluon
     (`gluon_chunk_chain`, opt-in: faster on full batches only; serial calls of the fused form only: it makes its own
-    scores); ``chain_overlap``: its asynchronous-wgmma variants (1, 2; `gluon_chunk_chain`'s OVERLAP), with
-    ``gluon_chain`` only."""
+    scores), launched as the `GluonChain` says."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
@@ -427,11 +440,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     if inverse is None:
         inverse = default_inverse(q.device.type, torch.cuda.get_device_capability(q.device) if on_gpu else None,
                                   str(q.dtype), K)
-    if chain_overlap not in (0, 1, 2):
-        raise ValueError(f"chain_overlap is 0, 1 or 2 (the Gluon chain's OVERLAP), got {chain_overlap!r}")
-    if chain_overlap and not gluon_chain:
-        raise ValueError(f"chain_overlap={chain_overlap!r} is a variant of the Gluon chain: it needs gluon_chain=True")
-    if gluon_chain and schedule is None:  # the one call it runs: serial, fused
+    if gluon_chain is not None and not isinstance(gluon_chain, GluonChain):
+        raise ValueError(f"gluon_chain must be a GluonChain or None, got {gluon_chain!r}")
+    if gluon_chain is not None and schedule is None:  # the one call it runs: serial, fused
         schedule, form = Schedule.SERIAL, Form.FUSED if form is None else form
     if schedule is None and config is None and on_gpu:
         plan = _plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form)
@@ -449,7 +460,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         raise ValueError(f"segments must be >= 1, got {segments}")
     if schedule is Schedule.SCAN and form is Form.SPLIT:
         raise ValueError("schedule scan runs the fused or scores form's state kernel; got form split")
-    if gluon_chain:
+    if gluon_chain is not None:
         if schedule is not Schedule.SERIAL or form is not Form.FUSED:
             raise ValueError(f"the Gluon chain runs serial calls of the fused form, got schedule {schedule.value} "
                              f"and form {form.value}")
@@ -522,11 +533,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         tail = (o, h_in, h_out, cu, chunk_offsets, c_lo, c_hi, *s_in, *s_out, H, HV)
         kw = dict(WORK_LOG2=work_log2, K=K, V=V, BK=BK, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None,
                   SEGMENTED=len(bounds) > 1)
-        if gluon_chain:
+        if gluon_chain is not None:
             from hybridkv.kernels.gdn import gluon_chunk_chain
 
             gluon_chunk_chain.launch(q, k, v, A, R, G, o, h_in, h_out, cu, chunk_offsets, s_in, s_out, N,
-                                     overlap=chain_overlap)
+                                     overlap=gluon_chain.overlap, rows=gluon_chain.rows)
             return
         if form is Form.SPLIT:
             args, fixed, tuned = (k, WQ, UU, R, G, *tail), _chunk_chain_kernel, _chunk_chain_tuned
