@@ -27,8 +27,8 @@ What differs from the Triton chain, and why:
   the state update beside the output's (offline sm_90: 253 registers, no spill). 2: also the scores, S^T K^T and
   S^T Q^T together, the scores' masking beside the other two (255 registers, 32 B spilled; ptxas waits for the scores'
   wgmma at once anyway, C7517, because S^T Q^T's accumulator reuses its registers, so only S^T K^T and S^T Q^T
-  overlap there). The same products, so the same results as the synchronous kernel (a review of the SASS found no
-  register of an unfinished wgmma written, 2026-12-02).
+  overlap there; at BV = 64: 249 and no spill, 255 and 48 B). The same products, so the same results as the
+  synchronous kernel (a review of the BV = 128 SASS found no register of an unfinished wgmma written, 2026-12-02).
 
 Not here (yet): no warp is specialised (FlashInfer's loader and inverse warpgroups); segments (pipelined or scan
 schedules) and the scores or split forms are refused (`triton_chunk.chunk_gated_delta_rule_fwd`).
@@ -291,8 +291,8 @@ def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_
     HV, V = v.shape[2], v.shape[3]
     layout = _SW.value
 
-    def desc(x, rows, cols, box_cols):
-        return TensorDescriptor(x, [rows, cols], [cols, 1], [64, box_cols], layout)
+    def desc(x, height, width, box_width):
+        return TensorDescriptor(x, [height, width], [width, 1], [64, box_width], layout)
 
     _gluon_chain_kernel[(N * HV * (V // rows),)](
         desc(q, B * T, H * K, K), desc(k, B * T, H * K, K), desc(v, B * T, HV * V, rows),
