@@ -22,7 +22,15 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.gdn.schedules import probe_args, rel
-from hybridkv.kernels.gdn import bench_rows, bench_timing, breakdown, reference, triton_chunk, triton_chunk_scan
+from hybridkv.kernels.gdn import (
+    bench_rows,
+    bench_timing,
+    breakdown,
+    chunk_plan,
+    reference,
+    triton_chunk,
+    triton_chunk_scan,
+)
 from hybridkv.kernels.gdn.triton_chunk_inverse import INVERSE_CONFIG, InverseConfig
 
 # (label, H, HV, T): Qwen3.5-397B (H=16, HV=64) and 35B (16, 32) sharded by TP, dk = dv = 128.
@@ -64,7 +72,7 @@ class Variant:
     inverse: InverseConfig = INVERSE_CONFIG
 
 
-def variants(plan: triton_chunk.Plan, segments: int, pairs: int) -> list[Variant]:
+def variants(plan: chunk_plan.Plan, segments: int, pairs: int) -> list[Variant]:
     """The plan (the whole inverse first, then the summaries: 0.199 ms at 397B TP8 1x8192 when measured), the
     pipelined schedule it replaced, and four changes to the plan: by segment (the summaries overlapping the
     inverse on the side stream), the summary stages the shipped rule did not pick (three stages at 397B TP8: 0.190
@@ -95,9 +103,9 @@ def main() -> int:
         with bench_rows._fp32_matmuls():
             o_ref, s_ref = reference.chunk_reference(q, k, v.float(), g, beta, 128**-0.5, None, True, cu, True)
         sms = triton_chunk._sm_count(q.device.index)
-        plan = triton_chunk._plan(1, HV, 128, 128, sms, T // 64)
+        plan = chunk_plan.plan(1, HV, 128, 128, sms, T // 64)
         print(f"{label}: plan {plan.form.value} {plan.schedule.value} {plan.config}", flush=True)
-        segments = triton_chunk._scan_segments(triton.cdiv(128, (plan.config or (32,))[0]) * HV, sms, T // 64)
+        segments = chunk_plan.scan_segments(triton.cdiv(128, (plan.config or (32,))[0]) * HV, sms, T // 64)
         calls = {}
         for var in variants(plan, segments, HV):
             def call(var=var):

@@ -19,6 +19,7 @@ from hybridkv.kernels.gdn import (
     bench_cases,
     bench_rows,
     bench_timing,
+    chunk_plan,
     gated_delta_rule_decode,
     triton_chunk,
     triton_recurrent,
@@ -69,16 +70,16 @@ def prefill(iters: int, fla, shapes: list[str], quick: bool) -> list[dict]:
         o_ref, s_ref = call(triton_chunk.Schedule.SERIAL)
         n_seq = B if cu is None else cu.numel() - 1
         sms = triton_chunk._sm_count(q.device.index)
-        plan = triton_chunk._plan(n_seq, HV, 128, 128, sms, triton_chunk._tables.get(cu, B, T, q.device)[3])
+        plan = chunk_plan.plan(n_seq, HV, 128, 128, sms, triton_chunk._tables.get(cu, B, T, q.device)[3])
         auto = f"{plan.form.value} {plan.schedule.value} {plan.config}"
         variants = [("serial autotuned", triton_chunk.Schedule.SERIAL, None, None), ("auto", None, None, None)]
         if quick:
-            cfg = triton_chunk.PIPELINE_CONFIG
+            cfg = chunk_plan.PIPELINE_CONFIG
             variants += [(f"pipelined {cfg} x{n}", triton_chunk.Schedule.PIPELINED, cfg, n) for n in (2, 4)]
         for cfg in () if quick else triton_chunk.STATE_CONFIGS:
             variants.append((f"serial {cfg}", triton_chunk.Schedule.SERIAL, cfg, None))
         for sched in () if quick else (triton_chunk.Schedule.PIPELINED,):
-            cfg = triton_chunk.PIPELINE_CONFIG
+            cfg = chunk_plan.PIPELINE_CONFIG
             if triton_chunk.triton.cdiv(128, cfg[0]) * n_seq * HV <= sms:
                 for segments in (2, 3, 4):
                     variants.append((f"{sched.value} {cfg} x{segments}", sched, cfg, segments))

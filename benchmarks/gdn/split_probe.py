@@ -1,4 +1,4 @@
-"""Device probe for issue #8: the plan (`triton_chunk._plan`) on the bench's prefill shapes against the fused
+"""Device probe for issue #8: the plan (`chunk_plan.plan`) on the bench's prefill shapes against the fused
 form, and on one long sequence against the previous inverse and other segment counts, with per-kernel
 device times (torch.profiler) and FLA in the same run. (Earlier variants - pipeline stages, segments,
 BV=64 pipelines, batched scores, the split form - have their numbers in benchmarks/gdn/README.md and
@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from hybridkv.kernels.gdn import bench_rows, bench_timing, breakdown, triton_chunk
+from hybridkv.kernels.gdn import bench_rows, bench_timing, breakdown, chunk_plan, triton_chunk
 
 from benchmarks.gdn.inverse_probe import kernel_us
 from benchmarks.gdn.schedules import probe_args, reference_cases, rel
@@ -28,7 +28,7 @@ SERIAL, PIPELINED = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINE
 
 
 def variants(shape: str):
-    """(name, form, schedule, config, segments, inverse config): the plan (`triton_chunk._plan`) against the fused form
+    """(name, form, schedule, config, segments, inverse config): the plan (`chunk_plan.plan`) against the fused form
     autotuned, and on one sequence the plan's inverse against one taking 32 columns of k per gram step (the
     default before the transposed substitution). Register caps on the inverse beside the pipelined chain (so
     that three or four inverse programs fit on an SM beside a chain program, not two) were all slower, H200, 35B
@@ -41,7 +41,7 @@ def variants(shape: str):
         return
     old = dataclasses.replace(inv, bkc=32)
     hv = int(shape.split("HV=")[1].split()[0])
-    plan = triton_chunk._plan(1, hv, 128, 128, torch.cuda.get_device_properties(0).multi_processor_count, 128)
+    plan = chunk_plan.plan(1, hv, 128, 128, torch.cuda.get_device_properties(0).multi_processor_count, 128)
     yield "plan, inverse at 32 k columns", plan.form, plan.schedule, plan.config, None, old
     if plan.schedule is PIPELINED:
         yield "plan in 4 segments", plan.form, plan.schedule, plan.config, 4, inv

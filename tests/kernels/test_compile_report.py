@@ -99,9 +99,9 @@ def test_the_pipelined_plan_of_fp32_inputs_fits_in_shared_memory():
     """The plan of a one-sequence call with 4-byte inputs compiles within the H200's 227 KB per program;
     three stages would not (the fused chain needs 243.5 KB there), which is why fp32 calls get two; and
     the scores form at BV=64 would not fit even at two, which is why fp32 has no BV=64 plan."""
-    from hybridkv.kernels.gdn import triton_chunk
+    from hybridkv.kernels.gdn import chunk_plan, triton_chunk
 
-    plan = triton_chunk._plan(1, 32, 128, 128, 132, 128, itemsize=4)
+    plan = chunk_plan.plan(1, 32, 128, 128, 132, 128, itemsize=4)
     bv, warps, stages = plan.config
     scores = plan.form is triton_chunk.Form.SCORES
     assert _fp32_state_smem(bv, warps, stages, scores) <= 227 * 1024

@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from hybridkv.kernels.gdn import chunk_plan  # noqa: E402
 from hybridkv.kernels.gdn import triton_chunk as tc  # noqa: E402
 
 
@@ -29,36 +30,36 @@ PIPELINED, SERIAL, SCAN = tc.Schedule.PIPELINED, tc.Schedule.SERIAL, tc.Schedule
     (34, 1, (FUSED, SERIAL, None)),
 ])
 def test_the_plan_follows_how_many_chain_programs_fill_the_sms(N, HV, want):
-    p = tc._plan(N, HV, 128, 128, 132, 128)
+    p = chunk_plan.plan(N, HV, 128, 128, 132, 128)
     assert (p.form, p.schedule, p.config) == want
 
 
 def test_four_byte_inputs_pipeline_at_two_stages_and_skip_the_bv64_plan():
     """fp32 q, k, v: three stages would need 243.5 KB of shared memory (over 227 KB per program), and the
     scores form at BV=64 241 KB even at two (tests/kernels/test_compile_report.py holds both)."""
-    assert tc._plan(1, 32, 128, 128, 132, 128, itemsize=4).config == (32, 4, 2)
-    assert tc._plan(1, 32, 128, 128, 132, 128, itemsize=2).config == (32, 4, 3)
-    assert tc._plan(1, 64, 128, 128, 132, 128, itemsize=4) == tc.Plan(form=FUSED, schedule=SERIAL, config=None)
+    assert chunk_plan.plan(1, 32, 128, 128, 132, 128, itemsize=4).config == (32, 4, 2)
+    assert chunk_plan.plan(1, 32, 128, 128, 132, 128, itemsize=2).config == (32, 4, 3)
+    assert chunk_plan.plan(1, 64, 128, 128, 132, 128, itemsize=4) == chunk_plan.Plan(form=FUSED, schedule=SERIAL, config=None)
 
 
 def test_a_scan_needs_two_segments_of_chunks_and_one_sequence():
-    floor = max(tc.PIPELINE_MIN_CHUNKS, 2 * tc.SCAN_MIN_SEGMENT_CHUNKS)
-    assert tc._plan(1, 8, 128, 128, 132, floor).schedule is SCAN
-    assert tc._plan(1, 8, 128, 128, 132, floor - 1).schedule is not SCAN
-    assert tc._plan(2, 8, 128, 128, 132, 128).schedule is PIPELINED
+    floor = max(chunk_plan.PIPELINE_MIN_CHUNKS, 2 * chunk_plan.SCAN_MIN_SEGMENT_CHUNKS)
+    assert chunk_plan.plan(1, 8, 128, 128, 132, floor).schedule is SCAN
+    assert chunk_plan.plan(1, 8, 128, 128, 132, floor - 1).schedule is not SCAN
+    assert chunk_plan.plan(2, 8, 128, 128, 132, 128).schedule is PIPELINED
 
 
 def test_a_wide_scan_plan_is_for_two_byte_inputs_only():
     """fp32 inputs: the scores form at BV=64 does not fit shared memory (see the test below)."""
-    assert tc._plan(1, 16, 128, 128, 132, 128, itemsize=4).config == (32, 4, 2)
-    assert tc._plan(1, 8, 128, 128, 132, 128, itemsize=4).config == (32, 4, 2)
+    assert chunk_plan.plan(1, 16, 128, 128, 132, 128, itemsize=4).config == (32, 4, 2)
+    assert chunk_plan.plan(1, 8, 128, 128, 132, 128, itemsize=4).config == (32, 4, 2)
 
 
 def test_scan_segments_fill_one_wave_of_the_output_chain():
-    assert tc._scan_segments(32, 132, 128) == 4  # 397B TP8: 32 chain programs
-    assert tc._scan_segments(16, 132, 128) == tc.SCAN_MAX_SEGMENTS
-    assert tc._scan_segments(32, 132, 16) == 2  # two segments of the minimum length
-    assert tc._scan_segments(100, 132, 128) == 2  # never fewer than two
+    assert chunk_plan.scan_segments(32, 132, 128) == 4  # 397B TP8: 32 chain programs
+    assert chunk_plan.scan_segments(16, 132, 128) == chunk_plan.SCAN_MAX_SEGMENTS
+    assert chunk_plan.scan_segments(32, 132, 16) == 2  # two segments of the minimum length
+    assert chunk_plan.scan_segments(100, 132, 128) == 2  # never fewer than two
 
 
 def test_a_scan_refuses_the_split_form():
@@ -70,25 +71,25 @@ def test_a_scan_refuses_the_split_form():
 
 
 def test_a_short_prompt_stays_serial_and_autotuned():
-    fused = tc.Plan(form=FUSED, schedule=SERIAL, config=None)
-    assert tc._plan(1, 32, 128, 128, 132, tc.PIPELINE_MIN_CHUNKS - 1) == fused
-    assert tc._plan(1, 64, 128, 128, 132, tc.PIPELINE_MIN_CHUNKS - 1) == fused
-    assert tc._plan(1, 32, 128, 128, 132, tc.PIPELINE_MIN_CHUNKS).schedule is PIPELINED
+    fused = chunk_plan.Plan(form=FUSED, schedule=SERIAL, config=None)
+    assert chunk_plan.plan(1, 32, 128, 128, 132, chunk_plan.PIPELINE_MIN_CHUNKS - 1) == fused
+    assert chunk_plan.plan(1, 64, 128, 128, 132, chunk_plan.PIPELINE_MIN_CHUNKS - 1) == fused
+    assert chunk_plan.plan(1, 32, 128, 128, 132, chunk_plan.PIPELINE_MIN_CHUNKS).schedule is PIPELINED
 
 
 def test_key_heads_over_128_are_autotuned():
     """The fixed configs were measured (and fit shared memory) at K = 128 only."""
-    fused = tc.Plan(form=FUSED, schedule=SERIAL, config=None)
-    assert tc._plan(1, 32, 256, 128, 132, 128) == fused
-    assert tc._plan(1, 64, 256, 128, 132, 128) == fused
+    fused = chunk_plan.Plan(form=FUSED, schedule=SERIAL, config=None)
+    assert chunk_plan.plan(1, 32, 256, 128, 132, 128) == fused
+    assert chunk_plan.plan(1, 64, 256, 128, 132, 128) == fused
 
 
 def test_the_callers_form_is_kept():
-    assert tc._plan(1, 32, 128, 128, 132, 128, form=FUSED) == tc.Plan(form=FUSED, schedule=PIPELINED,
+    assert chunk_plan.plan(1, 32, 128, 128, 132, 128, form=FUSED) == chunk_plan.Plan(form=FUSED, schedule=PIPELINED,
                                                                       config=(32, 4, 3))
-    assert tc._plan(1, 64, 128, 128, 132, 128, form=FUSED) == tc.Plan(form=FUSED, schedule=SERIAL, config=None)
-    assert tc._plan(4, 32, 128, 128, 132, 128, form=SCORES) == tc.Plan(form=SCORES, schedule=SERIAL, config=None)
-    assert tc._plan(1, 32, 128, 128, 132, 128, form=tc.Form.SPLIT).form is tc.Form.SPLIT
+    assert chunk_plan.plan(1, 64, 128, 128, 132, 128, form=FUSED) == chunk_plan.Plan(form=FUSED, schedule=SERIAL, config=None)
+    assert chunk_plan.plan(4, 32, 128, 128, 132, 128, form=SCORES) == chunk_plan.Plan(form=SCORES, schedule=SERIAL, config=None)
+    assert chunk_plan.plan(1, 32, 128, 128, 132, 128, form=tc.Form.SPLIT).form is tc.Form.SPLIT
 
 
 def _inputs(T=200, H=2, HV=4):

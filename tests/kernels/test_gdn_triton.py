@@ -507,10 +507,10 @@ def test_pipelined_schedule_matches_reference(lens, H, HV, batch):
 def test_pipelined_equals_serial_bit_for_bit_and_repeats():
     """The pipelined call computes what the serial one does, in the same order: a chain segment that
     ran before its inverse segment had landed, or a state handed on wrongly, would differ."""
-    from hybridkv.kernels.gdn import triton_chunk
+    from hybridkv.kernels.gdn import chunk_plan, triton_chunk
 
     q, k, v, g, beta, cu = make([8192], 16, 32, seed=9)
-    plan = triton_chunk._plan(1, 32, 128, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
+    plan = chunk_plan.plan(1, 32, 128, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
     assert plan.schedule is triton_chunk.Schedule.PIPELINED
     args = (q, k, v, g, beta, 128**-0.5, None, True, cu, True, False)
     for form in (plan.form, triton_chunk.Form.FUSED):
@@ -700,11 +700,11 @@ def test_scan_with_whole_m_in_registers_matches_reference(lens, H, HV, batch, mo
 def test_scan_is_the_plan_for_tp8_heads_and_matches_reference_in_a_cuda_graph(by_segment, monkeypatch):
     """397B at TP8 (H=2, HV=8), one 8192-token prompt: the plan is the scan, and a captured call replayed
     on new inputs gives what an eager call gives (by segment: the side stream's summaries in the graph)."""
-    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_scan
+    from hybridkv.kernels.gdn import chunk_plan, triton_chunk, triton_chunk_scan
 
     monkeypatch.setattr(triton_chunk_scan, "BY_SEGMENT", by_segment)
 
-    plan = triton_chunk._plan(1, 8, 128, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
+    plan = chunk_plan.plan(1, 8, 128, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
     assert plan.schedule is triton_chunk.Schedule.SCAN, plan
     q, k, v, g, beta, cu = make([8192], 2, 8, seed=22)
     kw = dict(cu_seqlens=cu, output_final_state=True, use_qk_l2norm_in_kernel=True)

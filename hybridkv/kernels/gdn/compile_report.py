@@ -85,8 +85,8 @@ _ASYNC_COPY = r"\bcp\.async\.(?:ca|cg)\.shared|\bcp\.async\.bulk\.(?:tensor\.\w+
 
 
 def _specs() -> list[KernelSpec]:
-    from hybridkv.kernels.gdn import (triton_chunk, triton_chunk_inverse, triton_chunk_scan, triton_decode_tma,
-                                      triton_recurrent)
+    from hybridkv.kernels.gdn import (chunk_plan, triton_chunk, triton_chunk_inverse, triton_chunk_scan,
+                                      triton_decode_tma, triton_recurrent)
 
     chunk = "hybridkv.kernels.gdn.triton_chunk"
     inverse = "hybridkv.kernels.gdn.triton_chunk_inverse"
@@ -102,16 +102,16 @@ def _specs() -> list[KernelSpec]:
     ) + tuple(
         Launch(label=f"segment BV={bv}{' scores' if sc else ''}", num_warps=w, num_stages=s,
                constants={"BV": bv, "SEGMENTED": True, "SCORES_IN": sc})
-        for sc in (False, True) for bv, w, s in (triton_chunk.PIPELINE_CONFIG,)
+        for sc in (False, True) for bv, w, s in (chunk_plan.PIPELINE_CONFIG,)
     ) + tuple(
         Launch(label=f"BV={bv} s{s} scores", num_warps=w, num_stages=s,
                constants={"BV": bv, "SEGMENTED": False, "SCORES_IN": True})
-        for bv, w, s in (triton_chunk.ONE_PER_SM_CONFIG,)
+        for bv, w, s in (chunk_plan.ONE_PER_SM_CONFIG,)
     ) + tuple(
         Launch(label=f"scan BV={bv}{' scores' if sc else ''}", num_warps=w, num_stages=s,
                constants={"BV": bv, "SEGMENTED": False, "SCORES_IN": sc, "SCAN": True})
-        for sc, (bv, w, s) in ((False, triton_chunk.PIPELINE_CONFIG), (True, triton_chunk.PIPELINE_CONFIG),
-                               (True, triton_chunk.SCAN_WIDE_CONFIG))
+        for sc, (bv, w, s) in ((False, chunk_plan.PIPELINE_CONFIG), (True, chunk_plan.PIPELINE_CONFIG),
+                               (True, chunk_plan.SCAN_WIDE_CONFIG))
     )
     decode_launches = tuple(
         Launch(label=f"{dt} state BV={bv}", num_warps=w, constants={"BV": bv, "state": dt, "STREAM": dt == "bf16"})

@@ -21,7 +21,7 @@ Two more forms of the chain (`Form`):
 
 - `Form.SCORES`: the same state kernel, but P comes from a parallel kernel
   (`triton_chunk_inverse._chunk_scores_kernel`, q k^T once per key head) and is loaded, so the chain runs
-  five GEMMs per chunk and no exp. `_plan` picks it for one long sequence, whose chain is the whole
+  five GEMMs per chunk and no exp. `chunk_plan.plan` picks it for one long sequence, whose chain is the whole
   call's critical path. Batches stay fused: there the chain is not the whole call, and P's extra HBM
   traffic (written once, read once per V block) costs more than the shorter chain saves.
 - `Form.SPLIT` (`triton_chunk_wu`, opt-in, never picked) makes W, Q', U and U' in parallel so that the
@@ -37,14 +37,20 @@ Measurements behind these choices, with the commands that made them: benchmarks/
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from hybridkv.kernels.gdn.chunk_plan import (
+    PIPELINE_SEGMENTS,
+    Form,
+    GluonChain,
+    Schedule,
+    plan,
+    scan_segments,
+)
 from hybridkv.kernels.gdn.triton_chunk_inverse import (
     _NROW,
     _R_STRIDE,
@@ -204,80 +210,6 @@ class _TableCache:
 _tables = _TableCache()
 
 
-class Form(enum.Enum):
-    """What runs on the chain (`triton_chunk_wu`)."""
-
-    FUSED = "fused"  # `_chunk_state_kernel`: six GEMMs per chunk, nothing but T and row scales in HBM
-    # The same chain with the masked scores P made in parallel (`_chunk_scores_kernel`: q k^T once per key
-    # head, not once per value head and V block) and loaded: five GEMMs per chunk on the chain, 4096
-    # elements of q's dtype more HBM per chunk and value head (written once, read once per V block).
-    SCORES = "scores"
-    SPLIT = "split"  # W, Q', U, U' made in parallel; three GEMMs per chunk on the chain
-
-
-class Schedule(enum.Enum):
-    """How the parallel kernels (the inverse, and the scores or W/U by form) and the chain of one call
-    share the GPU."""
-
-    SERIAL = "serial"  # the parallel kernels, then the chain
-    # The chunks cut into segments: the parallel kernels of segment j + 1 run on the caller's stream while
-    # the state chain of segment j runs on a side stream, ordered by events only. No kernel waits on another
-    # inside the GPU (spinning on per-chunk flags can hang: CUDA does not promise that kernels of two
-    # streams run at the same time), so this is correct however the GPU schedules them.
-    PIPELINED = "pipelined"
-    # The chunks of every sequence cut into segments whose chains run at the same time: a summary of each
-    # segment (its M and B, `triton_chunk_scan`), a short scan over segments for their start states, then
-    # the state kernel over every segment at once. For one sequence with few value heads (TP-sharded),
-    # whose chain is the whole call and leaves most SMs idle.
-    SCAN = "scan"
-
-
-@dataclass(frozen=True, kw_only=True)
-class GluonChain:
-    """The chain in Gluon (`gluon_chunk_chain`) instead of the Triton state kernel, and how it is launched:
-    ``rows`` of the state's 128 value rows per program (128: eight warps hold the whole state; 64: four warps, two
-    programs per head, twice the programs), ``overlap`` 0, 1 or 2 (its asynchronous-wgmma variants, OVERLAP)."""
-
-    overlap: int = 0
-    rows: int = 128
-
-    def __post_init__(self) -> None:
-        if self.overlap not in (0, 1, 2) or self.rows not in (64, 128):
-            raise ValueError(f"bad Gluon chain {self}: overlap 0, 1 or 2 and rows 64 or 128")
-
-
-# (BV, num_warps, num_stages) of the state kernel in a pipelined call. BV=32 gives about one chain program
-# per SM for one sequence of 35B-shaped heads (HV=32) and leaves the rest of each SM to the inverse and
-# scores kernels. A call pipelines only where BV=32 gives no more chain programs than SMs: with more
-# (397B-shaped heads, HV=64) the chain fills the GPU and pipelining gained nothing over serial.
-# Three stages, not two: at two, Triton's pipeliner issues the next chunk's copies at the end of the
-# current one and waits for them at the top of the next (async_wait num = 0 in the TTGIR; column `flight`
-# of `hybridkv kernels report`), so every chunk waits out a global-load latency; at three the next chunk's
-# copies stay in flight while this one computes. Batched calls keep two stages (autotuned): a third
-# stage's shared memory (46-50 KB per program) costs programs per SM there.
-# Two segments: more add launches and events without hiding more work. Pipelining hides less than the
-# whole inverse and scores time, because those run more slowly beside a chain program (its registers leave
-# room for two inverse programs on its SM instead of four).
-PIPELINE_CONFIG = (32, 4, 3)
-PIPELINE_SEGMENTS = 2
-# The scores form's serial config where BV=64 gives one chain program per SM (397B-shaped heads, one
-# sequence): the chain already fills the GPU, so pipelining does not pay, and three stages keep the next
-# chunk's copies in flight as above. Four warps: eight were slower here.
-ONE_PER_SM_CONFIG = (64, 4, 3)
-# Below this many chunk rows a call stays serial: a short prompt's inverse takes a few microseconds, less
-# than the second stream's launches and events cost (a chosen floor, not a measured crossover).
-PIPELINE_MIN_CHUNKS = 32
-# Segments of a scan call: at most this many, of at least this many chunks each (summaries, the scan and
-# three launches cost a few microseconds; a segment of a few chunks hides less than that).
-SCAN_MAX_SEGMENTS = 8
-SCAN_MIN_SEGMENT_CHUNKS = 8
-# The scan's output chain where BV=32 would leave room for fewer than four segments in one wave (HV = 16
-# on 132 SMs): BV=64 halves its programs, so four segments fit. H200, one 8192-token prompt, scores form
-# (benchmarks/gdn/scan_probe.py): HV=16 0.239 ms at (64, 4, 3) x4 against 0.274 at (32, 4, 3) x4 and 0.288
-# pipelined; at HV <= 8, (32, 4, 3) with sms // programs segments was best or within 0.01 ms of it.
-SCAN_WIDE_CONFIG = (64, 4, 3)
-
-
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -288,56 +220,6 @@ def _side_stream(index: int) -> torch.cuda.Stream:
     # The state chain's stream: higher priority than a default stream, so its few programs are placed
     # as soon as inverse programs retire rather than behind the whole inverse grid.
     return torch.cuda.Stream(device=index, priority=-1)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plan:
-    """How a call runs: its form, schedule and fixed state config (None: the autotuner's)."""
-
-    form: Form
-    schedule: Schedule
-    config: tuple[int, int, int] | None
-
-
-def _plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int = 2,
-          form: Form | None = None) -> Plan:
-    """The plan of a call whose caller fixed neither schedule nor config (``form``: None, or the caller's).
-
-    One sequence whose chain programs at BV=32 fill at most half the SMs (TP-sharded heads) is scanned
-    (`Schedule.SCAN`, scores form) where it has two segments' worth of chunks: at PIPELINE_CONFIG, or
-    SCAN_WIDE_CONFIG where BV=32 leaves room for fewer than four segments per wave (2-byte inputs).
-    Where BV=32 gives no more chain programs than SMs (few sequences and value heads) and the call has
-    PIPELINE_MIN_CHUNKS chunk rows, it is pipelined at PIPELINE_CONFIG. One sequence takes the scores
-    form, there and where only BV=64 gives that few programs (397B: serial at ONE_PER_SM_CONFIG); several
-    keep the fused form (their chain is not the whole call, see the module docstring). Elsewhere, and for
-    short prompts, the fused form autotuned. The fixed configs were tuned for, and fit shared memory at,
-    K = 128 only, so larger key heads are autotuned (which skips configs that do not fit). ``itemsize``:
-    of q, k, v; 4-byte inputs get two stages (three need 243.5 KB of shared memory, over the H200's 227 KB
-    per program) and no BV=64 plan (241 KB at two; tests/kernels/test_compile_report)."""
-    autotuned = Plan(form=form or Form.FUSED, schedule=Schedule.SERIAL, config=None)
-    if K > 128 or chunks < PIPELINE_MIN_CHUNKS:
-        return autotuned
-    scores = form is Form.SCORES or (form is None and N == 1)
-    programs = triton.cdiv(V, PIPELINE_CONFIG[0]) * N * HV
-    if (N == 1 and form is not Form.SPLIT and 2 * programs <= sms
-            and chunks >= 2 * SCAN_MIN_SEGMENT_CHUNKS):
-        wide = 4 * programs > sms and itemsize <= 2
-        bv, warps, stages = SCAN_WIDE_CONFIG if wide else PIPELINE_CONFIG
-        return Plan(form=Form.SCORES if scores else form or Form.FUSED, schedule=Schedule.SCAN,
-                    config=(bv, warps, stages if itemsize <= 2 else min(stages, 2)))
-    if programs <= sms:
-        bv, warps, stages = PIPELINE_CONFIG
-        return Plan(form=Form.SCORES if scores else form or Form.FUSED, schedule=Schedule.PIPELINED,
-                    config=(bv, warps, stages if itemsize <= 2 else min(stages, 2)))
-    if scores and itemsize <= 2 and triton.cdiv(V, 64) * N * HV <= sms:
-        return Plan(form=Form.SCORES, schedule=Schedule.SERIAL, config=ONE_PER_SM_CONFIG)
-    return autotuned
-
-
-def _scan_segments(programs: int, sms: int, chunks: int) -> int:
-    """Segments of a scan call: as many as keep the output chain within one wave of the SMs, with at least
-    SCAN_MIN_SEGMENT_CHUNKS chunks each, and at least two."""
-    return max(2, min(sms // max(programs, 1), chunks // SCAN_MIN_SEGMENT_CHUNKS, SCAN_MAX_SEGMENTS))
 
 
 def _scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strides, cu, chunk_offsets, NC, N, H, HV,
@@ -411,7 +293,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
 
     ``config``: a fixed (BV, num_warps, num_stages) for the state kernel instead of the autotuner.
     ``schedule``: SERIAL or PIPELINED (which needs a config). With neither schedule nor config, on a GPU,
-    `_plan` picks the schedule, the config and (``form`` None) the form; otherwise None means SERIAL and
+    `chunk_plan.plan` picks the schedule, the config and (``form`` None) the form; otherwise None means SERIAL and
     FUSED. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how the inverse kernel is
     launched (None: `default_inverse`, the Gluon kernel on Hopper). ``gluon_chain``: the chain in Gluon
     (`gluon_chunk_chain`, opt-in: faster on full batches only; serial calls of the fused form only: it makes its own
@@ -445,8 +327,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     if gluon_chain is not None and schedule is None:  # the one call it runs: serial, fused
         schedule, form = Schedule.SERIAL, Form.FUSED if form is None else form
     if schedule is None and config is None and on_gpu:
-        plan = _plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form)
-        form, schedule, config = plan.form, plan.schedule, plan.config
+        chosen = plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form)
+        form, schedule, config = chosen.form, chosen.schedule, chosen.config
     form = Form.FUSED if form is None else form
     schedule = Schedule.SERIAL if schedule is None else schedule
     if schedule is not Schedule.SERIAL and config is None:
@@ -454,7 +336,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     if schedule is Schedule.SERIAL:
         segments = 1
     elif segments is None:
-        segments = PIPELINE_SEGMENTS if schedule is Schedule.PIPELINED else _scan_segments(N * HV * triton.cdiv(
+        segments = PIPELINE_SEGMENTS if schedule is Schedule.PIPELINED else scan_segments(N * HV * triton.cdiv(
             V, config[0]), _sm_count(q.device.index) if on_gpu else 132, NC)
     if segments < 1:
         raise ValueError(f"segments must be >= 1, got {segments}")

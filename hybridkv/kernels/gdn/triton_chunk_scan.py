@@ -28,7 +28,7 @@ both. Ordered by events only, like `triton_chunk.Schedule.PIPELINED`, so correct
 measured slower on every shape (the inverse runs 3.5x slower beside the summaries; benchmarks/gdn/README.md).
 
 The chain work about doubles (the summary's 3 GEMMs on V + K columns beside the output chain's 5 or 6 on
-V), traded for a chain that is a segment long. `triton_chunk._plan` picks it only where the output
+V), traded for a chain that is a segment long. `chunk_plan.plan` picks it only where the output
 chain's programs leave most SMs idle.
 """
 
