@@ -36,6 +36,7 @@ def test_breakdown_idle_is_call_time_minus_kernel_time():
     (("--breakdown",), "bench gdn needs a CUDA device"),
     (("--warm-jobs", "-1"), "--warm-jobs must be >= 0, got -1"),
     (("--shape", "1x9"), "--shape ['1x9'] matches no prefill shape; the shapes are: 397B H=16 HV=64 1x8192;"),
+    (("--breakdown", "--host-profile"), "--breakdown and --host-profile are two separate runs"),
 ])
 def test_bench_gdn_refuses_with_a_clear_error(args, message):
     torch = pytest.importorskip("torch")

@@ -24,7 +24,8 @@ fused kernel (q, k, v, g, beta read once, o written once). Decode GB/s count sta
 (FLA reads the initial state and writes an fp32 final state); "% copy" divides by a device-to-device copy measured
 in the same run.
 
-Here: the command (its options and their checks, the `--breakdown` mode, the table and the JSON). The shapes and
+Here: the command (its options and their checks, the `--breakdown` and `--host-profile` modes, the table and the
+JSON). The shapes and
 their inputs are in :mod:`hybridkv.kernels.gdn.bench_cases`; the timers in :mod:`hybridkv.kernels.gdn.bench_timing`;
 each column's function, its first call and the parallel warm-up processes in
 :mod:`hybridkv.kernels.gdn.bench_warmup`; the prefill rows, with their check against the fp32 reference, and the
@@ -67,7 +68,31 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="prefill: per-kernel device time and idle time inside each call (torch.profiler), "
                              "for hybridkv and FLA")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="prefill: where each call's host (CPU) time goes (cProfile, own time per function), for "
+                             "hybridkv and FLA")
     parser.set_defaults(handler=run)
+
+
+def _host_profiles(fla, iters: int, echo: bool) -> list[dict]:
+    import torch
+
+    from hybridkv.kernels.gdn import chunk_gated_delta_rule, host_profile
+
+    out = []
+    for shape, _, _, _, _, args, kw in _prefill_cases():
+        calls = [("hybridkv", lambda: chunk_gated_delta_rule(*args, **kw))]
+        if fla is not None:
+            calls.append(("fla", lambda: fla[0](*args, **kw)))
+        rows = []
+        for name, fn in calls:
+            for _ in range(3):  # compiles and autotuning happen here, not in the profile
+                fn()
+            rows.append(host_profile.measure(name, fn, iters, torch.cuda.synchronize))
+        if echo:
+            print(host_profile.render(shape, rows), flush=True)
+        out.append({"shape": shape, "rows": [asdict(r) for r in rows]})
+    return out
 
 
 def _breakdowns(fla, iters: int, echo: bool) -> list[dict]:
@@ -171,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--warm-jobs must be >= 0, got {args.warm_jobs}")
     if args.warm_timeout <= 0:
         raise ValueError(f"--warm-timeout must be > 0 seconds, got {args.warm_timeout}")
+    if args.breakdown and args.host_profile:
+        raise ValueError("--breakdown and --host-profile are two separate runs (one profiles the GPU, the other the "
+                         "host); pass one")
     shapes = _select(args.shape)
     import torch
 
@@ -183,6 +211,11 @@ def run(args: argparse.Namespace) -> int:
         found = _breakdowns(fla_pair, args.iters, echo=not args.json)
         if args.json:
             print(json.dumps({"device": torch.cuda.get_device_name(), "breakdown": found}, indent=1))
+        return 0
+    if args.host_profile:
+        found = _host_profiles(fla_pair, args.iters, echo=not args.json)
+        if args.json:
+            print(json.dumps({"device": torch.cuda.get_device_name(), "host_profile": found}, indent=1))
         return 0
     qla = None if args.no_qla or args.only == "decode" else baselines.load_flash_qla()
     fi = None if args.no_fi or args.only == "decode" else baselines.load_flashinfer()
