@@ -2,8 +2,9 @@
 take the CPU time of one call, from cProfile.
 
 In an engine step that runs the GDN layers eagerly (vLLM keeps attention-like custom ops out of its piecewise CUDA
-graphs) a call whose host time exceeds its device time leaves the GPU waiting: `hybridkv bench gdn` reported 0.2-0.5
-ms of host time per hybridkv prefill call against 0.16 ms of device time at 397B TP8 1x8192.
+graphs) a call whose host time exceeds its device time leaves the GPU waiting: at 397B TP8 1x8192 on the H200
+(2026-12-02) `hybridkv bench gdn` measured 0.23-0.49 ms of host time per hybridkv prefill call against 0.16 ms of
+device time (FlashInfer 0.26 against 0.12; FLA 0.72-1.50 against 0.26).
 `hybridkv bench gdn --host-profile` prints this table for hybridkv and FLA on every prefill shape.
 """
 
