@@ -19,7 +19,7 @@ import sys
 import torch
 
 from hybridkv.kernels.gdn import bench_timing, breakdown, reference, triton_chunk
-from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
+from hybridkv.kernels.gdn.triton_chunk_inverse import GLUON_INVERSE_CONFIG, InverseConfig
 
 from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 
@@ -29,7 +29,7 @@ from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 # together (`GluonChain.overlap` 1 and 2), and with half the state's value rows per program (`rows=64`: four warps,
 # two programs per SM). (inverse, Gluon chain or None) pairs, all serial calls. Measured variants no longer listed
 # (Gluon g1, stacked, the Gluon chain after the Triton inverse): benchmarks/gdn/README.md.
-GLUON_INVERSE = triton_chunk.GLUON_INVERSE_CONFIG
+GLUON_INVERSE = GLUON_INVERSE_CONFIG
 GluonChain = triton_chunk.GluonChain
 VARIANTS = (
     (triton_chunk.INVERSE_CONFIG, None),

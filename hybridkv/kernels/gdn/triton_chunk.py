@@ -55,8 +55,7 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import (
     _NROW,
     _R_STRIDE,
     BT,
-    GLUON_INVERSE_CONFIG,  # noqa: F401 - with INVERSE_CONFIG, the two launches callers name (probes, tests)
-    INVERSE_CONFIG,  # noqa: F401
+    INVERSE_CONFIG,  # noqa: F401 - the Triton kernel's launch, which tests and probes name
     SCORES_WARPS,
     InverseConfig,
     default_inverse,
@@ -216,6 +215,12 @@ def _sm_count(index: int) -> int:
 
 
 @functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    # Asked on every call (`default_inverse`); the device's answer does not change.
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
 def _side_stream(index: int) -> torch.cuda.Stream:
     # The state chain's stream: higher priority than a default stream, so its few programs are placed
     # as soon as inverse programs retire rather than behind the whole inverse grid.
@@ -320,8 +325,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         return o, final
     on_gpu = q.device.type == "cuda"
     if inverse is None:
-        inverse = default_inverse(q.device.type, torch.cuda.get_device_capability(q.device) if on_gpu else None,
-                                  str(q.dtype), K)
+        inverse = default_inverse(q.device.type, _capability(q.device.index) if on_gpu else None, str(q.dtype), K)
     if gluon_chain is not None and not isinstance(gluon_chain, GluonChain):
         raise ValueError(f"gluon_chain must be a GluonChain or None, got {gluon_chain!r}")
     if gluon_chain is not None and schedule is None:  # the one call it runs: serial, fused

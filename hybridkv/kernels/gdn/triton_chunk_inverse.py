@@ -58,10 +58,10 @@ class InverseConfig:
     # one after another: GROUP times the independent work per dependent step; the group is a power of two.
     # Off: 2.2x slower than the shipped kernel on the H200 (397B 4x8192, benchmarks/gdn/README.md).
     stacked: bool = False
-    # The Gluon kernel (`gluon_chunk_inverse`; the default on Hopper, `default_inverse`): ``group`` value heads per program, the
-    # substitution thread-local, every schedule. Its launch is its own (two warps, 32 k columns per gram step, no
-    # register cap): bkc, warps, stages and maxnreg describe this kernel's launch only. It has one numerics, the
-    # shipped one (method 0, tf32 merges); anything else is refused rather than quietly not done.
+    # The Gluon kernel (`gluon_chunk_inverse`; the default on Hopper, `default_inverse`): ``group`` value heads per
+    # program, the substitution thread-local, every schedule. Its launch is its own (two warps, 32 k columns per gram
+    # step, no register cap): bkc, warps, stages and maxnreg describe this kernel's launch only. It has one numerics,
+    # the shipped one (method 0, tf32 merges); anything else is refused rather than quietly not done.
     gluon: bool = False
 
     def __post_init__(self) -> None:
