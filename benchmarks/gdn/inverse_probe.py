@@ -13,12 +13,13 @@ a CUDA machine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 import torch
 
-from hybridkv.kernels.gdn import bench_timing, breakdown, reference, triton_chunk
+from hybridkv.kernels.gdn import bench_timing, breakdown, chunk_plan, reference, triton_chunk
 from hybridkv.kernels.gdn.triton_chunk_inverse import GLUON_INVERSE_CONFIG, InverseConfig
 
 from benchmarks.gdn.schedules import probe_args, reference_cases, rel
@@ -29,23 +30,27 @@ from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 # together (`GluonChain.overlap` 1 and 2), and with half the state's value rows per program (`rows=64`: four warps,
 # two programs per SM). (inverse, Gluon chain or None) pairs, all serial calls. Measured variants no longer listed
 # (Gluon g1, stacked, the Gluon chain after the Triton inverse): benchmarks/gdn/README.md.
+# Measured on 2026-12-02 (benchmarks/device/results/inverse_probe_cap_h200.txt): the Gluon inverse under a register
+# cap (ptxas `maxnreg` 168, 128, 96; g1, g2, g4) was slower at every cap although more programs fit an SM, and its
+# shared buffers padded against bank conflicts took 397B 4x8192 595 -> 454 us (Nsight Compute: shared-memory bound,
+# benchmarks/device/ncu_inverse.sh). Now: the Triton kernel, the Gluon kernel at four and at one value head per
+# program, and the batch plan's chain after it (`chunk_plan.BATCH_GLUON_CHAIN`). (inverse, Gluon chain or None)
+# pairs, all serial calls.
 GLUON_INVERSE = GLUON_INVERSE_CONFIG
 GluonChain = triton_chunk.GluonChain
 VARIANTS = (
     (triton_chunk.INVERSE_CONFIG, None),
     (GLUON_INVERSE, None),
-    (GLUON_INVERSE, GluonChain()),
-    (GLUON_INVERSE, GluonChain(overlap=1)),
-    (GLUON_INVERSE, GluonChain(overlap=2)),
-    (GLUON_INVERSE, GluonChain(rows=64)),
-    (GLUON_INVERSE, GluonChain(rows=64, overlap=1)),
+    (dataclasses.replace(GLUON_INVERSE, group=1), None),
+    (GLUON_INVERSE, chunk_plan.BATCH_GLUON_CHAIN),
 )
 
 
 def label(inv: InverseConfig, gluon_chain: triton_chunk.GluonChain | None = None) -> str:
     chain = "" if gluon_chain is None else f" + gluon chain rows {gluon_chain.rows} overlap {gluon_chain.overlap}"
     if inv.gluon:
-        return f"gluon g{inv.group} (value heads per program; two warps){chain}"
+        cap = "" if inv.maxnreg is None else f" maxnreg {inv.maxnreg}"
+        return f"gluon g{inv.group} (value heads per program; two warps){cap}{chain}"
     return (f"{'stacked ' if inv.stacked else ''}g{inv.group} bkc{inv.bkc} w{inv.warps} s{inv.stages} m{inv.method} "
             f"{inv.prec:6} /{inv.merge_prec:6} reg{inv.maxnreg}{chain}")
 

@@ -34,6 +34,23 @@ def test_the_plan_follows_how_many_chain_programs_fill_the_sms(N, HV, want):
     assert (p.form, p.schedule, p.config) == want
 
 
+@pytest.mark.parametrize(("N", "HV"), [(2, 32), (4, 32), (4, 64), (16, 64), (34, 1)])
+def test_batches_the_triton_chain_would_take_autotuned_run_the_gluon_chain_where_it_can(N, HV):
+    p = chunk_plan.plan(N, HV, 128, 128, 132, 128, gluon=True)
+    assert p == chunk_plan.Plan(form=FUSED, schedule=SERIAL, config=None, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
+    assert chunk_plan.plan(N, HV, 128, 128, 132, 128).gluon_chain is None  # where it cannot: Triton's
+
+
+@pytest.mark.parametrize(("N", "HV", "chunks", "form"), [
+    (1, 64, 128, None), (1, 132, 128, None), (1, 8, 128, None),  # one prompt keeps its plan
+    (2, 16, 128, None), (33, 1, 128, None),  # pipelined batches too
+    (4, 32, chunk_plan.PIPELINE_MIN_CHUNKS - 1, None),  # short batches: not measured
+    (4, 32, 128, tc.Form.SPLIT), (4, 32, 128, SCORES),  # a form the caller fixed: the Gluon chain is fused only
+])
+def test_the_gluon_chain_is_planned_for_long_fused_batches_only(N, HV, chunks, form):
+    assert chunk_plan.plan(N, HV, 128, 128, 132, chunks, form=form, gluon=True).gluon_chain is None
+
+
 def test_four_byte_inputs_pipeline_at_two_stages_and_skip_the_bv64_plan():
     """fp32 q, k, v: three stages would need 243.5 KB of shared memory (over 227 KB per program), and the
     scores form at BV=64 241 KB even at two (tests/kernels/test_compile_report.py holds both)."""

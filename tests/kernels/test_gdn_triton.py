@@ -292,6 +292,29 @@ def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
         assert not torch.isnan(o).any()
 
 
+def test_a_plain_batched_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch):
+    """`chunk_plan.BATCH_GLUON_CHAIN`: on an sm_90 GPU a plain call of several long sequences launches the Gluon chain
+    as planned and gives what an explicit call with that chain gives; one prompt, and other GPUs, do not launch it."""
+    from hybridkv.kernels.gdn import chunk_plan, gluon_chunk_chain, triton_chunk
+
+    launched = []
+    real = gluon_chunk_chain.launch
+    monkeypatch.setattr(gluon_chunk_chain, "launch", lambda *a, **kw: launched.append(kw) or real(*a, **kw))
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    for lens, batch, planned in (([2048], 4, hopper), ([8192], None, False)):
+        launched.clear()
+        q, k, v, g, beta, cu = make(lens, 16, 64, batch=batch, seed=12)
+        o, st = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                                       output_final_state=True)
+        assert bool(launched) == planned, (lens, batch, launched)
+        if planned:
+            chain = chunk_plan.BATCH_GLUON_CHAIN
+            assert launched[0]["rows"] == chain.rows and launched[0]["overlap"] == chain.overlap
+            o1, st1 = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
+                                                              False, gluon_chain=chain)
+            assert torch.equal(o, o1) and torch.equal(st, st1)
+
+
 @pytest.mark.parametrize(("overlap", "rows"), [(0, 128), (1, 64)])
 def test_gluon_chain_keeps_a_neighbours_inf_out_of_a_sequence(overlap, rows):
     """Its TMA boxes read past a sequence's end into the next one: an inf there must not reach this sequence's o or

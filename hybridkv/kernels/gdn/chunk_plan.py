@@ -88,17 +88,28 @@ SCAN_MIN_SEGMENT_CHUNKS = 8
 SCAN_WIDE_CONFIG = (64, 4, 3)
 
 
+# The chain of batched calls where the Gluon chain can run them (Hopper, bf16, K = V = 128): half the state per
+# program, its wgmmas in flight together. H200, serial calls, chain kernel alone against the Triton state kernel
+# (benchmarks/device/results/inverse_probe_cap_h200.txt): 397B 4x8192 1,117 -> 1,014 us, 35B 4x8192 574 -> 521;
+# the whole-state Gluon chain was 3-6% faster than Triton there and 11-27% slower on one prompt, this one faster on
+# every shape measured (also one prompt: 397B 1x8192 476 -> 402), but single prompts keep their own plans below,
+# which beat both.
+BATCH_GLUON_CHAIN = GluonChain(rows=64, overlap=1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """How a call runs: its form, schedule and fixed state config (None: the autotuner's)."""
+    """How a call runs: its form, schedule, fixed state config (None: the autotuner's) and, for a serial call of the
+    fused form, the Gluon chain that runs it instead of the Triton state kernel (None: Triton's)."""
 
     form: Form
     schedule: Schedule
     config: tuple[int, int, int] | None
+    gluon_chain: GluonChain | None = None
 
 
 def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int = 2,
-          form: Form | None = None) -> Plan:
+          form: Form | None = None, gluon: bool = False) -> Plan:
     """The plan of a call whose caller fixed neither schedule nor config (``form``: None, or the caller's).
 
     One sequence whose chain programs at BV=32 fill at most half the SMs (TP-sharded heads) is scanned
@@ -129,6 +140,8 @@ def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int =
                     config=(bv, warps, stages if itemsize <= 2 else min(stages, 2)))
     if scores and itemsize <= 2 and _cdiv(V, 64) * N * HV <= sms:
         return Plan(form=Form.SCORES, schedule=Schedule.SERIAL, config=ONE_PER_SM_CONFIG)
+    if gluon and N > 1 and autotuned.form is Form.FUSED:
+        return Plan(form=Form.FUSED, schedule=Schedule.SERIAL, config=None, gluon_chain=BATCH_GLUON_CHAIN)
     return autotuned
 
 

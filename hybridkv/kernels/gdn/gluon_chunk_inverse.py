@@ -37,12 +37,22 @@ _LD = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0]))
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
 # [4 blocks, 16 rows m, 16 columns c] of T's diagonal blocks: thread (b, c) holds column c of block b.
 _SUB = gl.constexpr(gl.BlockedLayout([1, 16, 1], [2, 1, 16], [WARPS, 1, 1], [2, 1, 0]))
-# The same, flattened to [64 (16 b + m), 16]: how a row of L's blocks is read from shared memory.
-_SUB2 = gl.constexpr(gl.BlockedLayout([16, 1], [2, 16], [WARPS, 1], [1, 0]))
+# Row i of the four diagonal blocks side by side, [1, 64 (16 b + m)]: 16 contiguous elements per thread, those of the
+# block b it substitutes in (lanes 0-15 read the same ones, broadcast); reshaped to [4, 16, 1] it is where _SUB wants
+# it (checked at compile).
+_ROW = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [1, WARPS], [0, 1]))
 # 16 x 16 block products of the merge (tf32 mma.sync).
 _MMA16 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8]))
 _VEC = gl.constexpr(gl.BlockedLayout([1], [32], [WARPS], [0]))
-_SMEM2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+# Shared buffers with their rows padded against bank conflicts: fp32 rows of 64 (256 B) or 16 (64 B) elements unpadded
+# put every row of a block in the same banks, so the MMA-layout store of L (8 rows per instruction), the tf32 operand
+# loads of its blocks (8 rows) and the stores of the diagonal blocks' rows are served one row at a time. Padded, rows
+# of 64 are 68 words apart (8 rows: 8 disjoint 4-word bank groups), of 16 20 (8 rows of 16 bytes: disjoint).
+# H200, 397B 4x8192, inverse kernel alone: 595 -> 454 us with padding (shared loads had 6.1-way conflicts, Nsight
+# Compute, benchmarks/device/ncu_inverse.sh).
+_PAD64 = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[64, 4]], [64, 64], [1, 0]))
+_ROWS_PAD = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[64, 4]], [16, 64], [1, 0]))
+_PAD16 = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[16, 4]], [64, 16], [1, 0]))
 
 
 @gluon.jit
@@ -134,9 +144,9 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
     live = r0 + o_t < T
     o_v = gl.arange(0, BT, layout=_VEC)
     lower = o_t[:, None] > gl.arange(0, BT, layout=col)[None, :]
-    Ls = gl.allocate_shared_memory(gl.float32, [BT, BT], _SMEM2)
-    Ld = gl.allocate_shared_memory(gl.float32, [BT, 16], _SMEM2)  # the blocks transposed: [16 b + m, i] = L_b[i, m]
-    Td = gl.allocate_shared_memory(gl.float32, [BT, 16], _SMEM2)  # T's diagonal blocks: [16 b + m, c] = T_b[m, c]
+    Ls = gl.allocate_shared_memory(gl.float32, [BT, BT], _PAD64)
+    Lr = gl.allocate_shared_memory(gl.float32, [16, BT], _ROWS_PAD)  # diagonal blocks side by side: [i, 16 b + m] = L_b[i, m]
+    Td = gl.allocate_shared_memory(gl.float32, [BT, 16], _PAD16)  # T's diagonal blocks: [16 b + m, c] = T_b[m, c]
     for j in range(GROUP):
         i_hv = hv0 + j
         # Beta and the decays (value head) on the gram's rows and columns.
@@ -161,27 +171,28 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
         gl.store(p_r + 320, gl.where(live, scale * rq, 0.0))
         gl.store(p_r + 384, gl.where(live, rk, 0.0))
         gl.store(G + i_ch, gl.exp(g_last))
-        _invert(L, Ls, Ld, Td, A + i_ch * (BT * BT))
+        _invert(L, Ls, Lr, Td, A + i_ch * (BT * BT))
 
 
 @gluon.jit
-def _invert(L, Ls, Ld, Td, p):
+def _invert(L, Ls, Lr, Td, p):
     """T = (I + L)^-1 of one 64 x 64 strictly lower L (layout _MMA) into p (64 x 64, row-major), through the shared
-    buffers Ls (L), Ld (its diagonal blocks transposed) and Td (T's diagonal blocks)."""
-    # L in shared memory: its diagonal blocks, side by side, for the substitution's rows; all of it for the merges.
+    buffers Ls (L), Lr (its diagonal blocks side by side) and Td (T's diagonal blocks)."""
+    # L in shared memory: all of it for the merges, its diagonal blocks side by side for the substitution's rows.
     Ls.store(L)
     for b in gl.static_range(4):
-        Ld.slice(16 * b, 16, dim=0).store(gl.permute(Ls.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).load(_LD),
-                                                     [1, 0]))
+        Lr.slice(16 * b, 16, dim=1).store(Ls.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).load(_LD))
 
     # Forward substitution on the four diagonal blocks, column by column in registers: row i of T is
-    # e_i - sum_{m < i} L_im T_m, and L's rows beyond the diagonal are zero, so every step sums all 16.
+    # e_i - sum_{m < i} L_im T_m, and L's rows beyond the diagonal are zero, so every step sums all 16. Row i of L's
+    # blocks is 16 contiguous words per block: four 16-byte reads per thread and step, broadcast to the 16 threads
+    # of a block (it was 16 one-word reads from a transposed copy, the kernel's largest share of shared-memory
+    # traffic).
     m_ax = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _SUB)))[None, :, None]
     c_ax = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _SUB)))[None, None, :]
     t = gl.where(m_ax == c_ax, 1.0, 0.0) + gl.zeros([4, 16, 16], gl.float32, layout=_SUB)
     for i in gl.static_range(1, 16):
-        # Row i of each block, [4, 16 (m), 1]; read in _SUB2 it is already where _SUB wants it (checked at compile).
-        l_row = gl.convert_layout(gl.reshape(Ld.slice(i, 1, dim=1).load(_SUB2), [4, 16, 1]), _SUB,
+        l_row = gl.convert_layout(gl.reshape(Lr.slice(i, 1, dim=0).load(_ROW), [4, 16, 1]), _SUB,
                                   assert_trivial=True)
         corr = gl.sum(l_row * t, axis=1)  # [4, 16 (c)]
         t = gl.where(m_ax == i, t - gl.expand_dims(corr, 1), t)
@@ -219,9 +230,11 @@ def _invert(L, Ls, Ld, Td, p):
 
 
 def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: float, l2norm: bool,
-           group: int = 1, row0: int = 0, c_lo: int = 0, c_hi: int = 0, segmented: bool = False) -> None:
+           group: int = 1, row0: int = 0, c_lo: int = 0, c_hi: int = 0, segmented: bool = False,
+           maxnreg: int | None = None) -> None:
     """`_gluon_inverse_kernel` over ``rows`` chunk rows and every value head (the arguments of `triton_chunk`'s inverse
-    call), ``group`` value heads of a key head per program (a divisor of HV / H).
+    call), ``group`` value heads of a key head per program (a divisor of HV / H), ``maxnreg`` a register cap for ptxas
+    (None: none).
     Refuses what it was not written for: a CPU tensor (Gluon has no interpreter), inputs other than bf16 or fp16
     (the gram's operands are 16-bit), or a head size that is not a multiple of 32 up to 256."""
     H, K = q.shape[2], q.shape[3]
@@ -236,4 +249,5 @@ def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: fl
         raise ValueError(f"group must divide the value heads per key head ({HV // H}), got {group}")
     _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi,
                                                scale, H, HV, K=K, L2NORM=l2norm, GROUP=group, SEGMENTED=segmented,
-                                               num_warps=int(WARPS.value))
+                                               num_warps=int(WARPS.value),
+                                               **({} if maxnreg is None else {"maxnreg": maxnreg}))

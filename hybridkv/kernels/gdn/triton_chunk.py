@@ -220,6 +220,12 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _gluon_chain_refusal(q, k, v, t_rows: int) -> str | None:
+    from hybridkv.kernels.gdn import gluon_chunk_chain  # Gluon is imported where a call may run it, not before
+
+    return gluon_chunk_chain.refusal(q, k, v, t_rows)
+
+
 @functools.cache
 def _side_stream(index: int) -> torch.cuda.Stream:
     # The state chain's stream: higher priority than a default stream, so its few programs are placed
@@ -301,8 +307,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     `chunk_plan.plan` picks the schedule, the config and (``form`` None) the form; otherwise None means SERIAL and
     FUSED. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how the inverse kernel is
     launched (None: `default_inverse`, the Gluon kernel on Hopper). ``gluon_chain``: the chain in Gluon
-    (`gluon_chunk_chain`, opt-in: faster on full batches only; serial calls of the fused form only: it makes its own
-    scores), launched as the `GluonChain` says."""
+    (`gluon_chunk_chain`; serial calls of the fused form only: it makes its own scores), launched as the `GluonChain`
+    says; None: the plan's (`chunk_plan.BATCH_GLUON_CHAIN` for batches on Hopper) where the call is planned, else the
+    Triton chain."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
@@ -330,9 +337,15 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         raise ValueError(f"gluon_chain must be a GluonChain or None, got {gluon_chain!r}")
     if gluon_chain is not None and schedule is None:  # the one call it runs: serial, fused
         schedule, form = Schedule.SERIAL, Form.FUSED if form is None else form
+    chain_asked = False  # whether `_gluon_chain_refusal` has said yes to this call already
     if schedule is None and config is None and on_gpu:
-        chosen = plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form)
-        form, schedule, config = chosen.form, chosen.schedule, chosen.config
+        # Whether the Gluon chain could run this call (it is planned for batches only): asked here, where the
+        # tensors are, so that the plan stays pure; a refusal is no error on this path, the Triton chain runs.
+        gluon = (form in (None, Form.FUSED) and _capability(q.device.index)[0] == 9 and q.dtype == torch.bfloat16
+                 and _gluon_chain_refusal(q, k, v, NC * HV * BT) is None)
+        chosen = plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form, gluon)
+        form, schedule, config, gluon_chain = chosen.form, chosen.schedule, chosen.config, chosen.gluon_chain
+        chain_asked = gluon
     form = Form.FUSED if form is None else form
     schedule = Schedule.SERIAL if schedule is None else schedule
     if schedule is not Schedule.SERIAL and config is None:
@@ -352,7 +365,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                              f"and form {form.value}")
         from hybridkv.kernels.gdn import gluon_chunk_chain
 
-        refused = gluon_chunk_chain.refusal(q, k, v, NC * HV * BT)
+        refused = None if chain_asked else _gluon_chain_refusal(q, k, v, NC * HV * BT)
         if refused is not None:
             raise ValueError(refused)
     sdt = torch.bfloat16 if q.dtype != torch.float32 else torch.float32
@@ -387,7 +400,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             from hybridkv.kernels.gdn import gluon_chunk_inverse
 
             gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, chunk_table, rows, scale, use_qk_l2norm_in_kernel,
-                                       group, row0, c_lo, c_hi, segmented)
+                                       group, row0, c_lo, c_hi, segmented, inverse.maxnreg)
             return
         kernel = _chunk_inverse_stacked_kernel if inverse.stacked else _chunk_inverse_kernel
         kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi, scale, H, HV, K=K,

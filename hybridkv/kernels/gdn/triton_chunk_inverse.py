@@ -60,7 +60,7 @@ class InverseConfig:
     stacked: bool = False
     # The Gluon kernel (`gluon_chunk_inverse`; the default on Hopper, `default_inverse`): ``group`` value heads per
     # program, the substitution thread-local, every schedule. Its launch is its own (two warps, 32 k columns per gram
-    # step, no register cap): bkc, warps, stages and maxnreg describe this kernel's launch only. It has one numerics,
+    # step): bkc, warps and stages describe the Triton kernel's launch only; maxnreg applies to both. It has one numerics,
     # the shipped one (method 0, tf32 merges); anything else is refused rather than quietly not done.
     gluon: bool = False
 
