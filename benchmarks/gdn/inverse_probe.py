@@ -33,7 +33,7 @@ from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 # Measured on 2026-12-02 (benchmarks/device/results/inverse_probe_cap_h200.txt): the Gluon inverse under a register
 # cap (ptxas `maxnreg` 168, 128, 96; g1, g2, g4) was slower at every cap although more programs fit an SM, and its
 # shared buffers padded against bank conflicts took 397B 4x8192 595 -> 454 us (Nsight Compute: shared-memory bound,
-# benchmarks/device/ncu_inverse.sh). Now: the Triton kernel, the Gluon kernel at four and at one value head per
+# benchmarks/device/ncu_gdn.sh). Now: the Triton kernel, the Gluon kernel at four and at one value head per
 # program, and the batch plan's chain after it (`chunk_plan.BATCH_GLUON_CHAIN`). (inverse, Gluon chain or None)
 # pairs, all serial calls.
 GLUON_INVERSE = GLUON_INVERSE_CONFIG

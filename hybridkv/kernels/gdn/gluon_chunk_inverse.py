@@ -49,7 +49,7 @@ _VEC = gl.constexpr(gl.BlockedLayout([1], [32], [WARPS], [0]))
 # loads of its blocks (8 rows) and the stores of the diagonal blocks' rows are served one row at a time. Padded, rows
 # of 64 are 68 words apart (8 rows: 8 disjoint 4-word bank groups), of 16 20 (8 rows of 16 bytes: disjoint).
 # H200, 397B 4x8192, inverse kernel alone: 595 -> 454 us with padding (shared loads had 6.1-way conflicts, Nsight
-# Compute, benchmarks/device/ncu_inverse.sh).
+# Compute, benchmarks/device/ncu_gdn.sh).
 _PAD64 = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[64, 4]], [64, 64], [1, 0]))
 _ROWS_PAD = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[64, 4]], [16, 64], [1, 0]))
 _PAD16 = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[16, 4]], [64, 16], [1, 0]))
