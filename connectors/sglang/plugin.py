@@ -36,12 +36,8 @@ def extended_transfer_backend(original: type[enum.Enum]) -> type[enum.Enum]:
 
 def hybridkv_classes() -> dict[str, type]:
     """Our classes, keyed by `KVClassType` value. Imports SGLang (and torch)."""
-    from connectors.sglang.conn import (
-        HybridKVBootstrapServer,
-        HybridKVManager,
-        HybridKVReceiver,
-        HybridKVSender,
-    )
+    from connectors.sglang.conn import HybridKVBootstrapServer, HybridKVManager, HybridKVSender
+    from connectors.sglang.receiver import HybridKVReceiver
     from sglang.srt.disaggregation.base.conn import KVArgs
 
     return {

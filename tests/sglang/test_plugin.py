@@ -22,7 +22,7 @@ def test_transfer_backend_enum_has_hybridkv_and_keeps_builtins():
 
 
 def test_get_kv_class_returns_ours_for_every_class_type():
-    from connectors.sglang import conn
+    from connectors.sglang import conn, receiver
     from sglang.srt.disaggregation.base.conn import KVArgs
 
     backend = utils.TransferBackend("hybridkv")
@@ -30,7 +30,7 @@ def test_get_kv_class_returns_ours_for_every_class_type():
         KVClassType.KVARGS: KVArgs,
         KVClassType.MANAGER: conn.HybridKVManager,
         KVClassType.SENDER: conn.HybridKVSender,
-        KVClassType.RECEIVER: conn.HybridKVReceiver,
+        KVClassType.RECEIVER: receiver.HybridKVReceiver,
         KVClassType.BOOTSTRAP_SERVER: conn.HybridKVBootstrapServer,
     }
     assert set(expected) == set(KVClassType)

@@ -1,0 +1,178 @@
+"""The decode side's end of a room in SGLang's terms (`HybridKVReceiver`): SGLang's CommonKVReceiver, with the
+import fenced through the manager (`conn.HybridKVManager`, decode_side.py) and what SGLang sends to prefill ranks
+sealed to each rank's authenticated session (sessions.py). The module docstring of conn.py says why each step is
+where it is."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import zmq
+
+from connectors.sglang.adopt import KV_GROUP, state_blocks
+from connectors.sglang.sessions import Session
+from hybridkv.transport.metrics import FailureKind
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+if TYPE_CHECKING:
+    from connectors.sglang.conn import HybridKVManager
+
+logger = logging.getLogger(__name__)
+
+
+class HybridKVReceiver(CommonKVReceiver):
+    kv_mgr: HybridKVManager
+
+    def __init__(self, mgr: HybridKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
+        self._published = False
+        self._final: Optional[KVPoll] = None
+        self._drain_since: Optional[float] = None
+        super().__init__(mgr, bootstrap_addr, bootstrap_room)
+
+    # ------------------------------------------------------------ authentication (sessions.py)
+    def _setup_bootstrap_infos(self):
+        super()._setup_bootstrap_infos()
+        if self.bootstrap_infos:
+            self.kv_mgr.expect_writers(self.bootstrap_room, self._writers())
+            self._fail_if_auth_required()
+
+    def _writers(self) -> frozenset[tuple[str, int]]:
+        return frozenset((info["rank_ip"], int(info["rank_port"])) for info in self.bootstrap_infos or ())
+
+    def _fail_if_auth_required(self) -> bool:
+        """Without a secret: a prefill rank of this room answered a probe (sessions.AuthProbe): fail now."""
+        mgr = self.kv_mgr
+        reason = mgr.auth_refusal(self._writers()) if mgr.probe is not None else None
+        if reason is None:
+            return False
+        mgr.record_failure(self.bootstrap_room, reason)
+        self.conclude_state = KVPoll.Failed
+        mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        return True
+
+    def _register_kv_args(self) -> bool:
+        """A fresh authenticated session with each prefill rank before SGLang sends it our REGISTER."""
+        mgr = self.kv_mgr
+        if mgr.probe is not None and self.bootstrap_infos:
+            for info in self.bootstrap_infos:
+                mgr.probe_prefill((info["rank_ip"], int(info["rank_port"])))
+        if mgr.keys is not None and self.bootstrap_infos:
+            for info in self.bootstrap_infos:
+                try:
+                    mgr.keys.handshake((info["rank_ip"], int(info["rank_port"])), mgr.config.handshake_timeout_s)
+                except ValueError as e:
+                    mgr.record_failure(self.bootstrap_room, f"hybridkv: {e}")
+                    self.conclude_state = KVPoll.Failed
+                    mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+                    return False
+        return super()._register_kv_args()
+
+    def _connect_to_bootstrap_server(self, bootstrap_info: dict):
+        """SGLang's socket to a prefill rank, sealing what SGLang sends on it (REGISTER, METADATA, ABORT)
+        with the session that rank proved; an instance method here, so SGLang's calls through `self`
+        reach it."""
+        sock, lock = super()._connect_to_bootstrap_server(bootstrap_info)
+        keys = self.kv_mgr.keys
+        if keys is None:
+            return sock, lock
+        prefill = (bootstrap_info["rank_ip"], int(bootstrap_info["rank_port"]))
+        session = keys.session(prefill)
+        if session is None:
+            raise zmq.ZMQError(zmq.EHOSTUNREACH,
+                               f"no authenticated session with prefill rank {prefill[0]}:{prefill[1]}")
+        return _Sealing(sock, session), lock
+
+    def _writers_expected(self) -> int:
+        return sum(1 for info in (self.bootstrap_infos or []) if not info.get("is_dummy"))
+
+    def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, **kwargs):
+        if self.conclude_state == KVPoll.Failed or self._fail_if_auth_required():
+            return None  # failed in init (e.g. the prefill did not prove the secret): nothing is published
+        if self.bootstrap_infos is not None and not self._published:
+            mgr = self.kv_mgr
+            blocks = {KV_GROUP: np.asarray(kv_indices, dtype=np.int64).ravel()}
+            for c, idx in state_blocks(state_indices):
+                if c < mgr.adopted.num_state_groups:
+                    blocks[mgr.adopted.state_group(c)] = idx
+            if aux_index is not None:
+                blocks[mgr.adopted.aux_group] = np.asarray([aux_index], dtype=np.int64)
+            try:
+                mgr.begin_import(self.bootstrap_room, self.bootstrap_addr, self._writers_expected(), blocks)
+            except ValueError as e:
+                # Nothing was published: failing here frees nothing a write can reach.
+                mgr.metrics.failure(FailureKind.FENCED)
+                mgr.record_failure(self.bootstrap_room, f"hybridkv refused the destinations: {e}")
+                mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+                self.ensure_abort_notified()  # the prefill ranks stop waiting for this room
+                return None
+            # From the first attempt on, some prefill rank may hold our destinations.
+            self._published = True
+        return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, **kwargs)
+
+    def poll(self) -> KVPoll:
+        if self._final is not None:
+            return self._final
+        status = super().poll()
+        mgr = self.kv_mgr
+        room = self.bootstrap_room
+        if status == KVPoll.Success:
+            if mgr.import_ready(room):
+                mgr.end_import(room, landed=True)
+                self._final = KVPoll.Success
+                return KVPoll.Success
+            # Every prefill rank said Success (after its LANDED, on the same
+            # socket) and is quiet, yet a component never landed (#39846).
+            missing = mgr.missing_components(room)
+            mgr.settle_imports(room, "prefill reported success")
+            mgr.end_import(room, landed=False)
+            names = ", ".join(f"{c.kind.value}@group{c.group}" for c in missing) or "?"
+            mgr.metrics.failure(FailureKind.INCOMPLETE)
+            mgr.record_failure(room, f"prefill reported success but components [{names}] never landed")
+            mgr.update_status(room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
+            self._final = KVPoll.Failed
+            return KVPoll.Failed
+        if status != KVPoll.Failed:
+            return status
+        if not self._published or mgr.imports_in_flight(room) == 0:
+            mgr.end_import(room, landed=False)
+            self._final = KVPoll.Failed
+            return KVPoll.Failed
+        # Ask the prefill ranks to stop and to say when nothing is in flight.
+        self.ensure_abort_notified()
+        now = time.monotonic()
+        if self._drain_since is None:
+            self._drain_since = now
+        if now - self._drain_since >= mgr.drain_timeout_s:
+            logger.error("hybridkv: room %s released after %.0fs without a drain answer", room, now - self._drain_since)
+            mgr.settle_imports(room, "drain deadline passed")
+            mgr.end_import(room, landed=False)
+            self._final = KVPoll.Failed
+            return KVPoll.Failed
+        return KVPoll.Transferring
+
+    def abort(self) -> None:
+        super().abort()
+        # The engine gives the request up: its blocks go back to the scheduler,
+        # which keeps any with an import in flight out of reuse.
+        self.kv_mgr.end_import(self.bootstrap_room, landed=False)
+
+    def clear(self) -> None:
+        super().clear()
+        if self._final is None:
+            self.kv_mgr.end_import(self.bootstrap_room, landed=False)
+
+
+class _Sealing:
+    """What SGLang sends on the socket goes sealed (it sends under the socket's lock: in order)."""
+
+    def __init__(self, sock, session: Session) -> None:
+        self._sock = sock
+        self._session = session
+
+    def send_multipart(self, frames, *args, **kwargs):
+        return self._sock.send_multipart(self._session.seal(list(frames)), *args, **kwargs)
