@@ -24,20 +24,13 @@ from hybridkv.kernels.gdn.triton_chunk_inverse import GLUON_INVERSE_CONFIG, Inve
 
 from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 
-# The Triton kernel, then the Gluon kernel (`gluon_chunk_inverse`, the default on Hopper since 2026-12-02: four value
-# heads per program); then the Gluon chain (`gluon_chunk_chain`: one 8-warp program per sequence and value head, the
-# state as wgmma's register operand, TMA loads two chunks deep) after it, synchronous and with its wgmmas in flight
-# together (`GluonChain.overlap` 1 and 2), and with half the state's value rows per program (`rows=64`: four warps,
-# two programs per SM). (inverse, Gluon chain or None) pairs, all serial calls. Measured variants no longer listed
-# (Gluon g1, stacked, the Gluon chain after the Triton inverse): benchmarks/gdn/README.md.
 # Measured on 2026-12-02 (benchmarks/device/results/inverse_probe_cap_h200.txt): the Gluon inverse under a register
 # cap (ptxas `maxnreg` 168, 128, 96; g1, g2, g4) was slower at every cap although more programs fit an SM, and its
 # shared buffers padded against bank conflicts took 397B 4x8192 595 -> 454 us (Nsight Compute: shared-memory bound,
 # benchmarks/device/ncu_gdn.sh). Now: the Triton kernel, the Gluon kernel at four and at one value head per
 # program, and the batch plan's chain after it (`chunk_plan.BATCH_GLUON_CHAIN`). (inverse, Gluon chain or None)
-# pairs, all serial calls.
+# pairs, all serial calls. Earlier variants (the stacked kernel, the chain's other forms): benchmarks/gdn/README.md.
 GLUON_INVERSE = GLUON_INVERSE_CONFIG
-GluonChain = triton_chunk.GluonChain
 VARIANTS = (
     (triton_chunk.INVERSE_CONFIG, None),
     (GLUON_INVERSE, None),

@@ -199,6 +199,27 @@ def test_the_default_inverse_is_the_gluon_kernel_on_hopper_only(device, capabili
     got = default_inverse(device, capability, dtype, K)
     assert got == (GLUON_INVERSE_CONFIG if gluon else INVERSE_CONFIG)
     assert got.gluon == gluon
+    # A Triton whose Gluon lacks what the kernel uses (older than the 3.6 it was written against): Triton's kernel.
+    assert default_inverse(device, capability, dtype, K, gluon_ready=False) == INVERSE_CONFIG
+
+
+@pytest.mark.parametrize(("change", "fits"), [
+    ({}, True),
+    ({"N": 1}, False),  # one prompt keeps its own plans
+    ({"capability": (8, 0)}, False), ({"capability": (10, 0)}, False), ({"capability": None}, False),  # wgmma: sm_90
+    ({"dtype": "torch.float16"}, False), ({"dtype": "torch.float32"}, False),  # its TMA boxes and GEMMs are bf16
+    ({"K": 64}, False), ({"V": 256}, False),  # written for K = V = 128
+    ({"form": FUSED}, True), ({"form": SCORES}, False), ({"form": tc.Form.SPLIT}, False),  # it makes its own scores
+    ({"gluon_ready": False}, False),
+])
+def test_only_long_bf16_batches_on_hopper_may_be_planned_onto_the_gluon_chain(change, fits):
+    base = dict(N=4, capability=(9, 0), dtype="torch.bfloat16", K=128, V=128, form=None, gluon_ready=True)
+    assert chunk_plan.gluon_chain_fits(**{**base, **change}) is fits
+
+
+def test_this_triton_has_what_the_gluon_kernels_use():
+    """CI's Triton (the pinned one) must keep the Gluon path: without it Hopper would quietly lose both kernels."""
+    assert tc.gluon_ready()
 
 
 def test_the_gluon_inverse_is_refused_where_it_cannot_run_faked_cuda_tensor():

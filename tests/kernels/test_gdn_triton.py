@@ -293,20 +293,25 @@ def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
 
 
 def test_a_plain_batched_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch):
-    """`chunk_plan.BATCH_GLUON_CHAIN`: on an sm_90 GPU a plain call of several long sequences launches the Gluon chain
-    as planned and gives what an explicit call with that chain gives; one prompt, and other GPUs, do not launch it."""
+    """`chunk_plan.BATCH_GLUON_CHAIN`: on an sm_90 GPU a plain call of several long bf16 sequences launches the Gluon
+    chain as planned and gives what an explicit call with that chain gives (whose numerics the chain tests check
+    against the reference); one prompt, fp16, and other GPUs do not launch it."""
     from hybridkv.kernels.gdn import chunk_plan, gluon_chunk_chain, triton_chunk
 
     launched = []
     real = gluon_chunk_chain.launch
     monkeypatch.setattr(gluon_chunk_chain, "launch", lambda *a, **kw: launched.append(kw) or real(*a, **kw))
     hopper = torch.cuda.get_device_capability()[0] == 9
-    for lens, batch, planned in (([2048], 4, hopper), ([8192], None, False)):
+    # A batch, one prompt, and a batch the chain cannot take (fp16: its TMA boxes and GEMMs are bf16), which runs
+    # the Triton chain instead of failing.
+    for lens, batch, dtype, planned in (([2048], 4, torch.bfloat16, hopper), ([8192], None, torch.bfloat16, False),
+                                        ([2048], 4, torch.float16, False)):
         launched.clear()
-        q, k, v, g, beta, cu = make(lens, 16, 64, batch=batch, seed=12)
+        q, k, v, g, beta, cu = make(lens, 16, 64, batch=batch, seed=12, dtype=dtype)
         o, st = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
                                        output_final_state=True)
-        assert bool(launched) == planned, (lens, batch, launched)
+        assert bool(launched) == planned, (lens, batch, dtype, launched)
+        assert torch.isfinite(o).all() and torch.isfinite(st).all()
         if planned:
             chain = chunk_plan.BATCH_GLUON_CHAIN
             assert launched[0]["rows"] == chain.rows and launched[0]["overlap"] == chain.overlap

@@ -108,8 +108,19 @@ class Plan:
     gluon_chain: GluonChain | None = None
 
 
+def gluon_chain_fits(*, N: int, capability: tuple[int, int] | None, dtype: str, K: int, V: int,
+                     form: Form | None, gluon_ready: bool) -> bool:
+    """Whether a call may be planned onto the Gluon chain, before its tensors are asked (`gluon_chunk_chain.refusal`:
+    alignment, 32-bit row count): several sequences (only batches are planned onto it), a Hopper GPU (wgmma), bf16
+    inputs with K = V = 128 (what it is written for), a form the caller left open or fused (it makes its own scores),
+    and a Triton whose Gluon has what its kernels use (``gluon_ready``). ``dtype``: q's, as ``str(torch dtype)``;
+    ``capability``: the device's (major, minor), None off a GPU."""
+    return (N > 1 and capability is not None and capability[0] == 9 and dtype == "torch.bfloat16"
+            and (K, V) == (128, 128) and form in (None, Form.FUSED) and gluon_ready)
+
+
 def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int = 2,
-          form: Form | None = None, gluon: bool = False) -> Plan:
+          form: Form | None = None, *, gluon: bool = False) -> Plan:
     """The plan of a call whose caller fixed neither schedule nor config (``form``: None, or the caller's).
 
     One sequence whose chain programs at BV=32 fill at most half the SMs (TP-sharded heads) is scanned
@@ -118,11 +129,12 @@ def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int =
     Where BV=32 gives no more chain programs than SMs (few sequences and value heads) and the call has
     PIPELINE_MIN_CHUNKS chunk rows, it is pipelined at PIPELINE_CONFIG. One sequence takes the scores
     form, there and where only BV=64 gives that few programs (397B: serial at ONE_PER_SM_CONFIG); several
-    keep the fused form (their chain is not the whole call, see the module docstring). Elsewhere, and for
-    short prompts, the fused form autotuned. The fixed configs were tuned for, and fit shared memory at,
-    K = 128 only, so larger key heads are autotuned (which skips configs that do not fit). ``itemsize``:
-    of q, k, v; 4-byte inputs get two stages (three need 243.5 KB of shared memory, over the H200's 227 KB
-    per program) and no BV=64 plan (241 KB at two; tests/kernels/test_compile_report)."""
+    keep the fused form (their chain is not the whole call, see the module docstring). Elsewhere, and for short
+    prompts, the fused form autotuned; but where ``gluon`` says the Gluon chain can run the call, several sequences
+    that would take the fused form autotuned run on BATCH_GLUON_CHAIN instead (serial, fused). The fixed configs
+    were tuned for, and fit shared memory at, K = 128 only, so larger key heads are autotuned (which skips configs
+    that do not fit). ``itemsize``: of q, k, v; 4-byte inputs get two stages (three need 243.5 KB of shared memory,
+    over the H200's 227 KB per program) and no BV=64 plan (241 KB at two; tests/kernels/test_compile_report)."""
     autotuned = Plan(form=form or Form.FUSED, schedule=Schedule.SERIAL, config=None)
     if K > 128 or chunks < PIPELINE_MIN_CHUNKS:
         return autotuned

@@ -1,11 +1,12 @@
 """The state chain in Gluon, FlashInfer's way round (docs/background/gdn_peers.md section 1): one program per
-(sequence, value head) holding the whole state, and the state as the register operand of Hopper's wgmma. Opt-in
-(`triton_chunk.chunk_gated_delta_rule_fwd(..., gluon_chain=GluonChain(...))`, serial calls), beside the Triton chain
+(sequence, value head) holding the whole state, and the state as the register operand of Hopper's wgmma. Run by
+`triton_chunk.chunk_gated_delta_rule_fwd(..., gluon_chain=GluonChain(...))` (serial calls), and planned for long bf16
+batches on Hopper at half the state per program (`chunk_plan.BATCH_GLUON_CHAIN`), beside the Triton chain
 (`triton_chunk._chunk_state_kernel`, whose arithmetic and inputs it takes: the inverse kernel's A, R, G and raw q, k,
 v); Gluon has no CPU interpreter, so it is checked on a GPU only. On the H200 (2026-12-02, benchmarks/gdn/README.md)
-it is 3-6% faster than the Triton chain where the (sequence, value head) pairs fill the SMs with equal lengths and
-11-27% slower on one prompt or a ragged mix (the Triton chain splits V there, halving each program's chain); each
-chunk's GEMMs wait for each other, so it is bound by their latency, not by the tensor cores.
+the whole-state variant is 3-6% faster than the Triton chain where the (sequence, value head) pairs fill the SMs
+with equal lengths and 11-27% slower on one prompt or a ragged mix (the Triton chain splits V there, halving each
+program's chain); each chunk's GEMMs wait for each other, so it is bound by their latency, not by the tensor cores.
 
 What differs from the Triton chain, and why:
 
@@ -18,11 +19,13 @@ What differs from the Triton chain, and why:
   shared-memory round trip).
 - The masked scores P = q k^T (decayed, scaled) are made here, one wgmma per chunk, as the fused Triton chain does.
 - q, k, v and T arrive by TMA into two buffers: the next chunk's copies run while this one computes.
-- BV (`GluonChain.rows`): 128 as above, or 64 (opt-in, not yet run on a GPU): half the state per program, four warps,
+- BV (`GluonChain.rows`): 128 as above, or 64 (the batch plan's; 9% faster than the Triton chain at 397B 4x8192,
+  and faster on every shape measured): half the state per program, four warps,
   each program loading q, k and T and making the scores for itself (as the Triton chain does at BV = 64). Twice the
   programs for one prompt, and two programs per SM (offline sm_90: 251 registers x 128 threads, 104 KB of shared
   memory), so one program's GEMMs can run while the other's wait.
-- OVERLAP (`GluonChain.overlap` 1 or 2, opt-in, not yet run on a GPU): some of the chunk's six wgmmas in flight together,
+- OVERLAP (`GluonChain.overlap` 1 or 2; measured slower than 0 at BV = 128, within 1% of it at BV = 64, where the
+  batch plan takes 1): some of the chunk's six wgmmas in flight together,
   each wait naming what it needs (`warpgroup_mma_wait`), against that latency. 1: v_new's GEMM beside S^T Q^T, and
   the state update beside the output's (offline sm_90: 253 registers, no spill). 2: also the scores, S^T K^T and
   S^T Q^T together, the scores' masking beside the other two (255 registers, 32 B spilled; ptxas waits for the scores'

@@ -1,7 +1,7 @@
 """The chunk inverse in Gluon (Triton's layout-explicit dialect): `triton_chunk_inverse._chunk_inverse_kernel`'s
 outputs (A = T, R, G; that docstring has the layouts) for GROUP value heads of a key head per program (the gram and the
-norms made once for them), opt-in (`InverseConfig(gluon=True)`), written to be measured against the Triton kernel on a
-GPU.
+norms made once for them); the default on Hopper (`triton_chunk_inverse.default_inverse`), measured against the Triton
+kernel on the H200 (benchmarks/gdn/README.md).
 
 Why Gluon: the Triton kernel's forward substitution picks row i of L out of registers with a masked reduction in
 each of its 15 steps and reduces again for the product, and Triton chooses the layouts, so both reductions cross
@@ -145,7 +145,8 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
     o_v = gl.arange(0, BT, layout=_VEC)
     lower = o_t[:, None] > gl.arange(0, BT, layout=col)[None, :]
     Ls = gl.allocate_shared_memory(gl.float32, [BT, BT], _PAD64)
-    Lr = gl.allocate_shared_memory(gl.float32, [16, BT], _ROWS_PAD)  # diagonal blocks side by side: [i, 16 b + m] = L_b[i, m]
+    # L's diagonal blocks side by side: [i, 16 b + m] = L_b[i, m].
+    Lr = gl.allocate_shared_memory(gl.float32, [16, BT], _ROWS_PAD)
     Td = gl.allocate_shared_memory(gl.float32, [BT, 16], _PAD16)  # T's diagonal blocks: [16 b + m, c] = T_b[m, c]
     for j in range(GROUP):
         i_hv = hv0 + j

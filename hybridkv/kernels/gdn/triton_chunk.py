@@ -48,6 +48,7 @@ from hybridkv.kernels.gdn.chunk_plan import (
     Form,
     GluonChain,
     Schedule,
+    gluon_chain_fits,
     plan,
     scan_segments,
 )
@@ -220,6 +221,19 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.cache
+def gluon_ready() -> bool:
+    """Whether this Triton's Gluon has what hybridkv's Gluon kernels use (written against Triton 3.6: Hopper's wgmma
+    and TMA, Ampere's mma_v2, padded shared layouts); without it the Triton kernels run where Gluon ones would."""
+    try:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia import ampere, hopper
+    except ImportError:
+        return False
+    return (hasattr(gl, "PaddedSharedLayout") and hasattr(ampere, "mma_v2") and hasattr(hopper, "warpgroup_mma")
+            and hasattr(hopper, "tma"))
+
+
 def _gluon_chain_refusal(q, k, v, t_rows: int) -> str | None:
     from hybridkv.kernels.gdn import gluon_chunk_chain  # Gluon is imported where a call may run it, not before
 
@@ -308,8 +322,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     FUSED. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how the inverse kernel is
     launched (None: `default_inverse`, the Gluon kernel on Hopper). ``gluon_chain``: the chain in Gluon
     (`gluon_chunk_chain`; serial calls of the fused form only: it makes its own scores), launched as the `GluonChain`
-    says; None: the plan's (`chunk_plan.BATCH_GLUON_CHAIN` for batches on Hopper) where the call is planned, else the
-    Triton chain."""
+    says; None: the plan's where the call is planned (`chunk_plan.BATCH_GLUON_CHAIN` for long bf16 batches on Hopper
+    that the Triton chain would run autotuned), else the Triton chain."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
@@ -332,20 +346,20 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         return o, final
     on_gpu = q.device.type == "cuda"
     if inverse is None:
-        inverse = default_inverse(q.device.type, _capability(q.device.index) if on_gpu else None, str(q.dtype), K)
+        inverse = default_inverse(q.device.type, _capability(q.device.index) if on_gpu else None, str(q.dtype), K,
+                                  gluon_ready=on_gpu and gluon_ready())
     if gluon_chain is not None and not isinstance(gluon_chain, GluonChain):
         raise ValueError(f"gluon_chain must be a GluonChain or None, got {gluon_chain!r}")
     if gluon_chain is not None and schedule is None:  # the one call it runs: serial, fused
         schedule, form = Schedule.SERIAL, Form.FUSED if form is None else form
-    chain_asked = False  # whether `_gluon_chain_refusal` has said yes to this call already
     if schedule is None and config is None and on_gpu:
-        # Whether the Gluon chain could run this call (it is planned for batches only): asked here, where the
-        # tensors are, so that the plan stays pure; a refusal is no error on this path, the Triton chain runs.
-        gluon = (form in (None, Form.FUSED) and _capability(q.device.index)[0] == 9 and q.dtype == torch.bfloat16
+        # Whether the Gluon chain could run this call: the shape rule first (`gluon_chain_fits`, pure, so it is tested
+        # on CPU), the tensors only then; a refusal is no error on this path, the Triton chain runs.
+        gluon = (gluon_chain_fits(N=N, capability=_capability(q.device.index), dtype=str(q.dtype), K=K, V=V,
+                                  form=form, gluon_ready=gluon_ready())
                  and _gluon_chain_refusal(q, k, v, NC * HV * BT) is None)
-        chosen = plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form, gluon)
+        chosen = plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form, gluon=gluon)
         form, schedule, config, gluon_chain = chosen.form, chosen.schedule, chosen.config, chosen.gluon_chain
-        chain_asked = gluon
     form = Form.FUSED if form is None else form
     schedule = Schedule.SERIAL if schedule is None else schedule
     if schedule is not Schedule.SERIAL and config is None:
@@ -363,9 +377,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         if schedule is not Schedule.SERIAL or form is not Form.FUSED:
             raise ValueError(f"the Gluon chain runs serial calls of the fused form, got schedule {schedule.value} "
                              f"and form {form.value}")
-        from hybridkv.kernels.gdn import gluon_chunk_chain
-
-        refused = None if chain_asked else _gluon_chain_refusal(q, k, v, NC * HV * BT)
+        refused = _gluon_chain_refusal(q, k, v, NC * HV * BT)
         if refused is not None:
             raise ValueError(refused)
     sdt = torch.bfloat16 if q.dtype != torch.float32 else torch.float32

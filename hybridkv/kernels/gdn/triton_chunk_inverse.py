@@ -59,9 +59,9 @@ class InverseConfig:
     # Off: 2.2x slower than the shipped kernel on the H200 (397B 4x8192, benchmarks/gdn/README.md).
     stacked: bool = False
     # The Gluon kernel (`gluon_chunk_inverse`; the default on Hopper, `default_inverse`): ``group`` value heads per
-    # program, the substitution thread-local, every schedule. Its launch is its own (two warps, 32 k columns per gram
-    # step): bkc, warps and stages describe the Triton kernel's launch only; maxnreg applies to both. It has one numerics,
-    # the shipped one (method 0, tf32 merges); anything else is refused rather than quietly not done.
+    # program, the substitution thread-local, every schedule. Its launch is its own (two warps, 32 k columns per
+    # gram step): bkc, warps and stages describe the Triton kernel's launch only; maxnreg applies to both. It has
+    # one numerics, the shipped one (method 0, tf32 merges); anything else is refused rather than quietly not done.
     gluon: bool = False
 
     def __post_init__(self) -> None:
@@ -97,12 +97,14 @@ INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32")
 GLUON_INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True)
 
 
-def default_inverse(device_type: str, capability: tuple[int, int] | None, dtype: str, K: int) -> InverseConfig:
+def default_inverse(device_type: str, capability: tuple[int, int] | None, dtype: str, K: int, *,
+                    gluon_ready: bool = True) -> InverseConfig:
     """The inverse a call gets when its caller names none: the Gluon kernel on a Hopper GPU (sm_90, the one
     architecture it was measured on) for 16-bit q and k with a head size that is a multiple of 32 up to 256 (what
     it was written for); the Triton kernel everywhere else (CPU interpreter, fp32, other GPUs, other head sizes).
-    ``dtype``: q's, as ``str(torch dtype)``; ``capability``: the device's (major, minor), None off a GPU."""
-    if (device_type == "cuda" and capability is not None and capability[0] == 9
+    ``dtype``: q's, as ``str(torch dtype)``; ``capability``: the device's (major, minor), None off a GPU;
+    ``gluon_ready``: this Triton's Gluon has what the kernel uses (`triton_chunk.gluon_ready`)."""
+    if (gluon_ready and device_type == "cuda" and capability is not None and capability[0] == 9
             and dtype in ("torch.bfloat16", "torch.float16") and K % 32 == 0 and K <= 256):
         return GLUON_INVERSE_CONFIG
     return INVERSE_CONFIG
