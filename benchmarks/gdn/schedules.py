@@ -70,11 +70,8 @@ def prefill(iters: int, fla, shapes: list[str], quick: bool) -> list[dict]:
         o_ref, s_ref = call(triton_chunk.Schedule.SERIAL)
         n_seq = B if cu is None else cu.numel() - 1
         sms = triton_chunk._sm_count(q.device.index)
-        gluon = (chunk_plan.gluon_chain_fits(N=n_seq, capability=triton_chunk._capability(q.device.index),
-                                             dtype=str(q.dtype), K=128, V=128, form=None,
-                                             gluon_ready=triton_chunk.gluon_ready())
-                 and triton_chunk._gluon_chain_refusal(q, k, v, 0) is None)
-        plan = chunk_plan.plan(n_seq, HV, 128, 128, sms, triton_chunk._tables.get(cu, B, T, q.device)[3], gluon=gluon)
+        plan = triton_chunk._call_plan(q, k, v, n_seq, HV, 128, 128, triton_chunk._tables.get(cu, B, T, q.device)[3],
+                                       None)
         auto = f"{plan.form.value} {plan.schedule.value} {plan.config} {plan.gluon_chain or ''}".rstrip()
         variants = [("serial autotuned", triton_chunk.Schedule.SERIAL, None, None), ("auto", None, None, None)]
         if quick:

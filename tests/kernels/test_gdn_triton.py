@@ -219,9 +219,10 @@ def test_gluon_inverse_in_a_segmented_call_equals_the_triton_inverse(schedule):
     pytest.param([8192], 16, 64, 2, True, id="397B-2x8192"),
 ])
 def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, batch, l2norm, gluon_inverse):
-    """The Gluon chain (`gluon_chain=GluonChain()`, opt-in), after either inverse: against the
-    reference and against the Triton chain after the same inverse, from an initial state, with the final state. Ragged sequences check what
-    its 64-row TMA boxes read past a sequence's end (the next sequence's rows) reaches neither o nor the state."""
+    """The Gluon chain (`gluon_chain=GluonChain()`, the whole state per program), after either inverse: against the
+    reference and against the Triton chain after the same inverse, from an initial state, with the final state.
+    Ragged sequences check what its 64-row TMA boxes read past a sequence's end (the next sequence's rows) reaches
+    neither o nor the state."""
     import dataclasses
 
     from hybridkv.kernels.gdn import triton_chunk

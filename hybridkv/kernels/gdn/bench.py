@@ -25,10 +25,9 @@ fused kernel (q, k, v, g, beta read once, o written once). Decode GB/s count sta
 in the same run.
 
 Here: the command (its options and their checks, the `--breakdown` and `--host-profile` modes, the table and the
-JSON). The shapes and
-their inputs are in :mod:`hybridkv.kernels.gdn.bench_cases`; the timers in :mod:`hybridkv.kernels.gdn.bench_timing`;
-each column's function, its first call and the parallel warm-up processes in
-:mod:`hybridkv.kernels.gdn.bench_warmup`; the prefill rows, with their check against the fp32 reference, and the
+JSON). The shapes and their inputs are in :mod:`hybridkv.kernels.gdn.bench_cases`; the timers in
+:mod:`hybridkv.kernels.gdn.bench_timing`; each column's function, its first call and the parallel warm-up processes
+in :mod:`hybridkv.kernels.gdn.bench_warmup`; the prefill rows, with their check against the fp32 reference, and the
 decode rows in :mod:`hybridkv.kernels.gdn.bench_rows`; the baselines' loaders in
 :mod:`hybridkv.kernels.gdn.baselines`.
 """

@@ -271,6 +271,12 @@ def refusal(q, k, v, t_rows: int) -> str | None:
         return f"the Gluon chain takes bf16 q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
     if (q.shape[-1], v.shape[-1]) != (128, 128):
         return f"the Gluon chain is written for K = V = 128, got K={q.shape[-1]}, V={v.shape[-1]}"
+    return addressing_refusal(q, k, v, t_rows)
+
+
+def addressing_refusal(q, k, v, t_rows: int) -> str | None:
+    """`refusal`'s part that only the tensors can answer (a planned call has checked the device, dtypes and head sizes
+    already, `chunk_plan.gluon_chain_fits`): 16-byte alignment for the TMA copies, and T's rows within an int32."""
     misaligned = [name for name, x in (("q", q), ("k", k), ("v", v)) if x.data_ptr() % 16]
     if misaligned:
         return f"the Gluon chain's TMA copies need 16-byte aligned {', '.join(misaligned)}"

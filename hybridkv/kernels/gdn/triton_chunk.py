@@ -47,6 +47,7 @@ from hybridkv.kernels.gdn.chunk_plan import (
     PIPELINE_SEGMENTS,
     Form,
     GluonChain,
+    Plan,
     Schedule,
     gluon_chain_fits,
     plan,
@@ -240,6 +241,19 @@ def _gluon_chain_refusal(q, k, v, t_rows: int) -> str | None:
     return gluon_chunk_chain.refusal(q, k, v, t_rows)
 
 
+def _call_plan(q, k, v, N: int, HV: int, K: int, V: int, NC: int, form: Form | None) -> Plan:
+    """The plan of a call on a GPU whose caller fixed neither schedule nor config: `chunk_plan.plan`, with the Gluon
+    chain allowed where the shape rule (`gluon_chain_fits`, pure, so it is tested on CPU) and then the tensors
+    (`gluon_chunk_chain.addressing_refusal`) say so; a refusal here is no error, the Triton chain runs."""
+    gluon = gluon_chain_fits(N=N, capability=_capability(q.device.index), dtype=str(q.dtype), K=K, V=V, form=form,
+                             gluon_ready=gluon_ready())
+    if gluon:
+        from hybridkv.kernels.gdn import gluon_chunk_chain
+
+        gluon = gluon_chunk_chain.addressing_refusal(q, k, v, NC * HV * BT) is None
+    return plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form, gluon=gluon)
+
+
 @functools.cache
 def _side_stream(index: int) -> torch.cuda.Stream:
     # The state chain's stream: higher priority than a default stream, so its few programs are placed
@@ -352,14 +366,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         raise ValueError(f"gluon_chain must be a GluonChain or None, got {gluon_chain!r}")
     if gluon_chain is not None and schedule is None:  # the one call it runs: serial, fused
         schedule, form = Schedule.SERIAL, Form.FUSED if form is None else form
+    chain_planned = False  # a planned Gluon chain was checked by the plan: its refusal is not asked twice
     if schedule is None and config is None and on_gpu:
-        # Whether the Gluon chain could run this call: the shape rule first (`gluon_chain_fits`, pure, so it is tested
-        # on CPU), the tensors only then; a refusal is no error on this path, the Triton chain runs.
-        gluon = (gluon_chain_fits(N=N, capability=_capability(q.device.index), dtype=str(q.dtype), K=K, V=V,
-                                  form=form, gluon_ready=gluon_ready())
-                 and _gluon_chain_refusal(q, k, v, NC * HV * BT) is None)
-        chosen = plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form, gluon=gluon)
+        chosen = _call_plan(q, k, v, N, HV, K, V, NC, form)
         form, schedule, config, gluon_chain = chosen.form, chosen.schedule, chosen.config, chosen.gluon_chain
+        chain_planned = gluon_chain is not None
     form = Form.FUSED if form is None else form
     schedule = Schedule.SERIAL if schedule is None else schedule
     if schedule is not Schedule.SERIAL and config is None:
@@ -377,7 +388,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         if schedule is not Schedule.SERIAL or form is not Form.FUSED:
             raise ValueError(f"the Gluon chain runs serial calls of the fused form, got schedule {schedule.value} "
                              f"and form {form.value}")
-        refused = _gluon_chain_refusal(q, k, v, NC * HV * BT)
+        refused = None if chain_planned else _gluon_chain_refusal(q, k, v, NC * HV * BT)
         if refused is not None:
             raise ValueError(refused)
     sdt = torch.bfloat16 if q.dtype != torch.float32 else torch.float32
