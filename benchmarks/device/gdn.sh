@@ -16,6 +16,7 @@
 #   SCORESFIRST=1 ... bash benchmarks/device/gdn.sh  # first: the scores kernel alone vs a copy (benchmarks/gdn/scores_probe.py)
 #   INVFIRST=1 ... bash benchmarks/device/gdn.sh     # then the inverse kernel's variants (benchmarks/gdn/inverse_probe.py)
 #   DECODEFIRST=1 ... bash benchmarks/device/gdn.sh  # first: persistent and TMA decode candidates (benchmarks/gdn/decode_probe.py)
+#                                                   # at DECODE_BATCH sequences (256)
 #   SCANFIRST=1 ... bash benchmarks/device/gdn.sh    # first: the scan schedule vs pipelined, TP-sharded heads (scan_probe.py)
 #   QLA=1 bash benchmarks/device/gdn.sh  # FlashQLA beside FLA's Triton path (issue 23), carry [".whl-qla"] built here by
 #                                        # benchmarks/device/flashqla_wheels.sh (fla-core is in it); prefill only, no
@@ -109,7 +110,7 @@ if [ "${SCANFIRST:-0}" != 0 ]; then  # the scan schedule vs the pipelined one, T
 fi
 if [ "${DECODEFIRST:-0}" != 0 ]; then
     PYTHONUNBUFFERED=1 timeout "${DECODE_S:-240}" "$PY" -m benchmarks.gdn.decode_probe --iters "${ITERS:-20}" \
-        --json "$OUT/decode.json" 2>&1 | grep -v -i warn | tee "$OUT/decode.txt"
+        --batch "${DECODE_BATCH:-256}" --json "$OUT/decode.json" 2>&1 | grep -v -i warn | tee "$OUT/decode.txt"
 fi
 if [ "${INVFIRST:-0}" != 0 ]; then  # the inverse kernel's variants, serial, with the worst case's error
     PYTHONUNBUFFERED=1 timeout "${INV_S:-150}" "$PY" -m benchmarks.gdn.inverse_probe --iters "${ITERS:-10}" \
@@ -178,5 +179,6 @@ for r in d["rows"]:
     host = "" if r.get("host_ms") is None else f"  host {r['host_ms']:.3f}"
     if r.get("fla_host_ms") is not None:
         host += f" / FLA {r['fla_host_ms']:.3f}"
-    print(f"{r['kind']:14} {r['shape']:34} {r['ms']:8.3f} ms  FLA {fla:>7}  x{x}{host}")
+    copy = "" if r.get("copy_pct") is None else f"  {r['copy_pct']:.1f}% copy, {r['copy_same_pct']:.1f}% same-size"
+    print(f"{r['kind']:14} {r['shape']:34} {r['ms']:8.3f} ms  FLA {fla:>7}  x{x}{host}{copy}")
 PYEOF

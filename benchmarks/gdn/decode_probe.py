@@ -21,7 +21,7 @@ Run on an H200 2026-12-02 (benchmarks/device/results/decode_probe_h200.txt): the
 of copy bandwidth against 78%) and ships as `hybridkv.kernels.gdn.triton_decode_tma`, which this probe now
 times; the register-prefetch walk gained at most 2 points and stays here.
 
-    python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH]
+    python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256]
     DECODEFIRST=1 TESTS=0 ONLY=decode bash benchmarks/device/gdn.sh   # on the device, then the decode bench
 
 Each candidate's output and updated pool are compared with the shipped kernel's on the same inputs.
@@ -113,9 +113,8 @@ PERSISTENT = tuple((bv, w, s) for bv, w in ((32, 4), (64, 8)) for s in (4, 8))
 TMA = tuple((bv, w, s, st) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for s in (2, 4, 8) for st in (2, 3, 4))
 
 
-def run(iters: int, copy_gbps: float) -> list[dict]:
+def run(iters: int, copy_gbps: float, N: int = 256) -> list[dict]:
     rows = []
-    N = 256
     for model, H, HV in bench_cases.DECODE_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
@@ -131,6 +130,15 @@ def run(iters: int, copy_gbps: float) -> list[dict]:
             ms = bench_timing._median_ms(lambda: gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx),
                                          iters)
             shipped_pct = 100 * nbytes / ms / 1e6 / copy_gbps
+            # A copy of as many bytes, timed as a call is: the launch and ramp a pool this size pays anyway.
+            src = pool0[:N]
+            dst = torch.empty_like(src)
+            same_ms = bench_timing._median_ms(lambda: dst.copy_(src), iters)  # noqa: B023
+            del dst
+            same_pct = 100 * 2 * src.numel() * src.element_size() / same_ms / 1e6 / copy_gbps
+            rows.append(dict(shape=label, kernel="same-size copy", cfg=None, ms=same_ms, pct_copy=same_pct, err=0.0))
+            print(f"{label:22} a copy of {2 * src.numel() * src.element_size() / 1e6:.0f} MB moved  {same_ms:.4f} ms "
+                  f"{same_pct:5.1f}% copy", flush=True)
             rows.append(dict(shape=label, kernel="shipped", cfg=None, ms=ms, pct_copy=shipped_pct, err=0.0))
             print(f"{label:22} shipped {triton_recurrent.decode_choices()}  {ms:.4f} ms {shipped_pct:5.1f}% copy",
                   flush=True)
@@ -163,10 +171,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--batch", type=int, default=256, help="sequences per decode step (default 256)")
     a = p.parse_args()
     copy = bench_timing._copy_gbps(a.iters)
     print(torch.cuda.get_device_name(), f"copy {copy:.0f} GB/s", flush=True)
-    rows = run(a.iters, copy)
+    rows = run(a.iters, copy, a.batch)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)

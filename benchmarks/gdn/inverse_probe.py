@@ -27,20 +27,22 @@ from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 # Measured on 2026-12-02 (benchmarks/device/results/inverse_probe_cap_h200.txt): the Gluon inverse under a register
 # cap (ptxas `maxnreg` 168, 128, 96; g1, g2, g4) was slower at every cap although more programs fit an SM, and its
 # shared buffers padded against bank conflicts took 397B 4x8192 595 -> 454 us (Nsight Compute: shared-memory bound,
-# benchmarks/device/ncu_gdn.sh). Now: the Triton kernel, the Gluon kernel at four and at one value head per
-# program, and the batch plan's chain after it (`chunk_plan.BATCH_GLUON_CHAIN`). (inverse, Gluon chain or None)
-# pairs, all serial calls. Earlier variants (the stacked kernel, the chain's other forms): benchmarks/gdn/README.md.
+# benchmarks/device/ncu_gdn.sh); the Triton inverse and the Gluon one at one value head per program are slower
+# (inverse_probe_rows_h200.txt). Now: the batch plan's chain (`chunk_plan.BATCH_GLUON_CHAIN`) after the shipped
+# inverse, with its row scales by pointer loads and staged by TMA (Nsight Compute put the chain's largest stall on
+# those loads, long scoreboard 0.88 cycles per issued instruction). (inverse, Gluon chain or None) pairs, all serial
+# calls. Earlier variants (the stacked kernel, the chain's other forms): benchmarks/gdn/README.md.
 GLUON_INVERSE = GLUON_INVERSE_CONFIG
 VARIANTS = (
-    (triton_chunk.INVERSE_CONFIG, None),
-    (GLUON_INVERSE, None),
-    (dataclasses.replace(GLUON_INVERSE, group=1), None),
-    (GLUON_INVERSE, chunk_plan.BATCH_GLUON_CHAIN),
+    (GLUON_INVERSE, dataclasses.replace(chunk_plan.BATCH_GLUON_CHAIN, staged_scales=False)),
+    (GLUON_INVERSE, dataclasses.replace(chunk_plan.BATCH_GLUON_CHAIN, staged_scales=True)),
+    (GLUON_INVERSE, dataclasses.replace(chunk_plan.BATCH_GLUON_CHAIN, staged_scales=True, overlap=0)),
 )
 
 
 def label(inv: InverseConfig, gluon_chain: triton_chunk.GluonChain | None = None) -> str:
-    chain = "" if gluon_chain is None else f" + gluon chain rows {gluon_chain.rows} overlap {gluon_chain.overlap}"
+    chain = "" if gluon_chain is None else (f" + gluon chain rows {gluon_chain.rows} overlap {gluon_chain.overlap}"
+                                            + (" staged scales" if gluon_chain.staged_scales else ""))
     if inv.gluon:
         cap = "" if inv.maxnreg is None else f" maxnreg {inv.maxnreg}"
         return f"gluon g{inv.group} (value heads per program; two warps){cap}{chain}"

@@ -411,8 +411,9 @@ def test_decode_rows_check_hybridkv_and_flashinfer_against_the_reference_faked_c
     for r in (fp32, bf16):
         assert r["err"] < 2e-2 and r["state_err"] < (1e-5 if r is fp32 else 1e-2)
     assert fp32["fi_err"] < 2e-2 and fp32["fi_state_err"] < 1e-5 and fp32["fi_ms"] > 0
-    assert fp32["fi_copy_pct"] > 0 and fp32["speedup_vs_fi"] is not None
+    assert fp32["fi_copy_pct"] > 0 and fp32["fi_copy_same_pct"] > 0 and fp32["speedup_vs_fi"] is not None
     assert bf16["fi_ms"] is None and bf16["fi_err"] is None and bf16["fi_copy_pct"] is None
+    assert bf16["fi_copy_same_pct"] is None and all(r["copy_same_pct"] > 0 for r in (fp32, bf16))
     assert bf16["notes"] == ["FlashInfer: RuntimeError: no kernel for this state dtype"]
     derived = ("speedup_vs_fla", "speedup_vs_qla", "speedup_vs_fi", "notes")
     rows = [bench_rows_row(r, derived) for r in (fp32, bf16)]

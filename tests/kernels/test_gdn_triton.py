@@ -246,14 +246,15 @@ def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, bat
     assert torch.equal(o_vf, o) and torch.equal(st_vf, st.transpose(-1, -2))
 
 
-@pytest.mark.parametrize(("overlap", "rows"), [(1, 128), (2, 128), (0, 64), (1, 64), (2, 64)])
+@pytest.mark.parametrize(("overlap", "rows", "staged"), [(1, 128, False), (2, 128, False), (0, 64, False),
+                                                      (1, 64, False), (2, 64, False), (0, 128, True), (1, 64, True)])
 @pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
     pytest.param([150, 64, 1000, 7], 2, 8, None, id="varlen-ragged"),
     pytest.param([8192], 16, 64, 2, id="397B-2x8192"),
 ])
-def test_gluon_chain_variants_equal_the_synchronous_whole_state_chain(lens, H, HV, batch, overlap, rows):
-    """`GluonChain(overlap, rows)`: the wgmmas in flight together (overlap) and half the state's value rows per
-    program (rows=64): the same products as the synchronous whole-state kernel, so the same output and final state
+def test_gluon_chain_variants_equal_the_synchronous_whole_state_chain(lens, H, HV, batch, overlap, rows, staged):
+    """`GluonChain(overlap, rows, staged_scales)`: the wgmmas in flight together (overlap), half the state's value rows
+    per program (rows=64) and the row scales by TMA (staged): the same products as the synchronous whole-state kernel, so the same output and final state
     to rounding, from an initial state, V-first too; against the reference where it is cheap. Ragged sequences check
     that a half-state program reads, zeroes and writes only its own 64 columns of v, o and the state."""
     from hybridkv.kernels.gdn import triton_chunk
@@ -262,7 +263,7 @@ def test_gluon_chain_variants_equal_the_synchronous_whole_state_chain(lens, H, H
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
     call = (q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
-    chain = triton_chunk.GluonChain(overlap=overlap, rows=rows)
+    chain = triton_chunk.GluonChain(overlap=overlap, rows=rows, staged_scales=staged)
     o0, st0 = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=triton_chunk.GluonChain())
     o, st = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=chain)
     assert rel_err(o, o0) < 1e-3 and rel_err(st, st0) < 1e-3
@@ -315,20 +316,21 @@ def test_a_plain_batched_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch
         assert torch.isfinite(o).all() and torch.isfinite(st).all()
         if planned:
             chain = chunk_plan.BATCH_GLUON_CHAIN
-            assert launched[0]["rows"] == chain.rows and launched[0]["overlap"] == chain.overlap
+            assert (launched[0]["rows"], launched[0]["overlap"], launched[0]["staged_scales"]) == (
+                chain.rows, chain.overlap, chain.staged_scales)
             o1, st1 = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
                                                               False, gluon_chain=chain)
             assert torch.equal(o, o1) and torch.equal(st, st1)
 
 
-@pytest.mark.parametrize(("overlap", "rows"), [(0, 128), (1, 64)])
-def test_gluon_chain_keeps_a_neighbours_inf_out_of_a_sequence(overlap, rows):
+@pytest.mark.parametrize(("overlap", "rows", "staged"), [(0, 128, False), (1, 64, False), (1, 64, True)])
+def test_gluon_chain_keeps_a_neighbours_inf_out_of_a_sequence(overlap, rows, staged):
     """Its TMA boxes read past a sequence's end into the next one: an inf there must not reach this sequence's o or
     state (0 * inf would be NaN; the kernel zeroes those rows of k and v)."""
     from hybridkv.kernels.gdn import triton_chunk
 
     q, k, v, g, beta, cu = make([150, 300], 2, 8, seed=10)
-    call = dict(gluon_chain=triton_chunk.GluonChain(overlap=overlap, rows=rows))
+    call = dict(gluon_chain=triton_chunk.GluonChain(overlap=overlap, rows=rows, staged_scales=staged))
     o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False, **call)
     for x in (q, k, v):
         x[0, 150:152] = float("inf")

@@ -152,14 +152,15 @@ def render(header: str, rows: list[Row], tuned: dict[str, dict[str, str]]) -> st
     decode = [r for r in rows if r.kind == "decode"]
     if any(r.err is not None for r in decode):
         out.append("")
-        out.append("decode: max |error| vs the fp32 reference (output; the pool's updated slots) and % of copy "
-                   "bandwidth; hybridkv / FlashInfer")
-        out.append(f"{'shape':38} {'output error':>17} {'state error':>17} {'%copy':>13}")
+        out.append("decode: max |error| vs the fp32 reference (output; the pool's updated slots), % of copy bandwidth "
+                   "(8 GB) and % of a copy of the same bytes; hybridkv / FlashInfer")
+        out.append(f"{'shape':38} {'output error':>17} {'state error':>17} {'%copy':>13} {'%same-size copy':>15}")
         for r in decode:
             o = " ".join(_fmt(x, "8.1e") for x in (r.err, r.fi_err))
             s = " ".join(_fmt(x, "8.1e") for x in (r.state_err, r.fi_state_err))
             c = " ".join(_fmt(x, "6.1f") for x in (r.copy_pct, r.fi_copy_pct))
-            out.append(f"{r.shape:38} {o:>17} {s:>17} {c:>13}")
+            c2 = " ".join(_fmt(x, "6.1f") for x in (r.copy_same_pct, r.fi_copy_same_pct))
+            out.append(f"{r.shape:38} {o:>17} {s:>17} {c:>13} {c2:>15}")
         for r in decode:
             out.extend(f"  {r.shape}: {note}" for note in r.notes)
     for name, picks in tuned.items():

@@ -37,6 +37,10 @@ class Row:
     fla_copy_pct: float | None
     fi_gbps: float | None = None  # decode: FlashInfer's state traffic
     fi_copy_pct: float | None = None
+    # decode: % of a copy of the same bytes (the call's slots into a buffer of their size), timed as a call is; the
+    # 8 GB copy of `copy_pct` has no launch and no ramp for a small pool to pay
+    copy_same_pct: float | None = None
+    fi_copy_same_pct: float | None = None
     host_ms: float | None = None  # host time to queue one call (hidden behind the spin in `ms`)
     fla_host_ms: float | None = None
     qla_ms: float | None = None  # FlashQLA (prefill only)
@@ -241,6 +245,10 @@ def _decode_rows(fla, iters: int, copy_gbps: float, fi=None) -> list[Row]:
                 fla_bytes = N * HV * D * D * (elt + 4)
             if fi_err is not None:
                 fi_ms = _median_ms(lambda: fi(q, k, v, a16, b16, A_log, dt_bias, pool, idx32), iters)
+            src = pool[:N]
+            dst = torch.empty_like(src)
+            same_gbps = state_bytes / _median_ms(lambda: dst.copy_(src), iters) / 1e6  # noqa: B023
+            del dst
             gbps = state_bytes / ours / 1e6
             fla_gbps = None if theirs is None else fla_bytes / theirs / 1e6
             fi_gbps = None if fi_ms is None else state_bytes / fi_ms / 1e6
@@ -250,6 +258,8 @@ def _decode_rows(fla, iters: int, copy_gbps: float, fi=None) -> list[Row]:
                             fla_copy_pct=None if fla_gbps is None else 100 * fla_gbps / copy_gbps,
                             fi_ms=fi_ms, fi_gbps=fi_gbps,
                             fi_copy_pct=None if fi_gbps is None else 100 * fi_gbps / copy_gbps,
+                            copy_same_pct=100 * gbps / same_gbps,
+                            fi_copy_same_pct=None if fi_gbps is None else 100 * fi_gbps / same_gbps,
                             err=err, state_err=state_err, fi_err=fi_err, fi_state_err=fi_state_err, notes=notes))
             del pool, want_pool
     return rows

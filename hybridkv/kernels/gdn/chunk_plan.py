@@ -46,14 +46,18 @@ class Schedule(enum.Enum):
 class GluonChain:
     """The chain in Gluon (`gluon_chunk_chain`) instead of the Triton state kernel, and how it is launched:
     ``rows`` of the state's 128 value rows per program (128: eight warps hold the whole state; 64: four warps, two
-    programs per head, twice the programs), ``overlap`` 0, 1 or 2 (its asynchronous-wgmma variants, OVERLAP)."""
+    programs per head, twice the programs), ``overlap`` 0, 1 or 2 (its asynchronous-wgmma variants, OVERLAP),
+    ``staged_scales``: each chunk's row scales arrive by TMA with its tiles instead of by pointer loads
+    (STAGED_SCALES)."""
 
     overlap: int = 0
     rows: int = 128
+    staged_scales: bool = False
 
     def __post_init__(self) -> None:
-        if self.overlap not in (0, 1, 2) or self.rows not in (64, 128):
-            raise ValueError(f"bad Gluon chain {self}: overlap 0, 1 or 2 and rows 64 or 128")
+        if self.overlap not in (0, 1, 2) or self.rows not in (64, 128) or not isinstance(self.staged_scales, bool):
+            raise ValueError(f"bad Gluon chain {self}: overlap 0, 1 or 2, rows 64 or 128 and staged_scales True or "
+                             "False")
 
 
 # (BV, num_warps, num_stages) of the state kernel in a pipelined call. BV=32 gives about one chain program

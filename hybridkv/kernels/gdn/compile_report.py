@@ -276,6 +276,8 @@ def _specs() -> list[KernelSpec]:
         ))
         tile = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
                 "fp4_padded=False, cga_layout=[])")
+        rows = ("NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2, transposed=False, "
+                "fp4_padded=False, cga_layout=[])")
         for bv in (128, 64):  # the whole state per program, or half (v's TMA box is as wide)
             specs.append(KernelSpec(
                 name="chunk_chain_gluon" if bv == 128 else "chunk_chain_gluon_half",
@@ -284,13 +286,16 @@ def _specs() -> list[KernelSpec]:
                            "k_desc": f"tensordesc<bf16[64, {D}],{tile}>",
                            "v_desc": f"tensordesc<bf16[64, {bv}],{tile}>",
                            "a_desc": f"tensordesc<bf16[64, 64],{tile}>",
+                           "r_desc": f"tensordesc<fp32[8, 64],{rows}>",
                            "R": "*fp32", "G": "*fp32", "o": "*bf16", "h_in": "*fp32", "h_out": "*fp32",
                            "cu_seqlens": "*i32", "chunk_offsets": "*i32", "stride_ik": "i32", "stride_iv": "i32",
                            "stride_ok": "i32", "stride_ov": "i32", "H": "i32", "HV": "i32"},
                 constants={"K": D, "V": D, "BV": bv}, aligned=("H", "HV"), gluon=True, archs=(Arch.HOPPER,),
-                launches=tuple(Launch(label=f"overlap={overlap}" if overlap else "default", num_warps=bv // 16,
-                                      constants={"HAS_H_IN": True, "HAS_H_OUT": True, "OVERLAP": overlap})
-                               for overlap in (0, 1, 2)),
+                launches=tuple(Launch(label=(f"overlap={overlap}" if overlap else "default")
+                                      + (" staged" if staged else ""), num_warps=bv // 16,
+                                      constants={"HAS_H_IN": True, "HAS_H_OUT": True, "OVERLAP": overlap,
+                                                 "STAGED_SCALES": staged})
+                               for overlap in (0, 1, 2) for staged in (False, True)),
             ))
     return specs
 

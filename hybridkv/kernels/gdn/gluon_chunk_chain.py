@@ -51,6 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 BT = gl.constexpr(64)
 _SW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+# A chunk's row scales ([8, 64] fp32, 2 KB, contiguous) staged by TMA: read back as rows, not as MMA operands.
+_ROWS = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
 def warps_for(bv: int) -> int:
@@ -80,16 +82,26 @@ def _ld(bv):
 
 
 @gluon.jit
-def _issue(q_desc, k_desc, v_desc, a_desc, bars, qs, ks, vs, as_, stage, t0, i_ch, i_h, v0,
-           K: gl.constexpr, BV: gl.constexpr):
-    """Start the TMA copies of one chunk's q, k, its BV columns of v (from column v0) and T into buffer ``stage``; its
-    barrier completes with them."""
+def _issue(q_desc, k_desc, v_desc, a_desc, r_desc, bars, qs, ks, vs, as_, rs, stage, t0, i_ch, i_h, v0,
+           K: gl.constexpr, BV: gl.constexpr, STAGED_SCALES: gl.constexpr):
+    """Start the TMA copies of one chunk's q, k, its BV columns of v (from column v0), T and (STAGED_SCALES) its row
+    scales into buffer ``stage``; its barrier completes with them."""
     bar = bars.index(stage)
-    mbarrier.expect(bar, 2 * BT * K * 2 + BT * BV * 2 + BT * BT * 2)
+    mbarrier.expect(bar, 2 * BT * K * 2 + BT * BV * 2 + BT * BT * 2 + (8 * BT * 4 if STAGED_SCALES else 0))
     tma.async_copy_global_to_shared(q_desc, [t0, i_h * K], bar, qs.index(stage))
     tma.async_copy_global_to_shared(k_desc, [t0, i_h * K], bar, ks.index(stage))
     tma.async_copy_global_to_shared(v_desc, [t0, v0], bar, vs.index(stage))
     tma.async_copy_global_to_shared(a_desc, [i_ch * BT, 0], bar, as_.index(stage))
+    if STAGED_SCALES:
+        tma.async_copy_global_to_shared(r_desc, [i_ch * 8, 0], bar, rs.index(stage))
+
+
+@gluon.jit
+def _row(buf, r: gl.constexpr, layout: gl.constexpr):
+    """Row r of a chunk's row scales staged in shared memory (an unswizzled [8, 64] buffer, plain row-major: seen
+    flat, a row is a slice)."""
+    flat = buf._reinterpret(gl.float32, [8 * BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    return flat.slice(r * BT, BT).load(layout)
 
 
 @gluon.jit
@@ -105,10 +117,10 @@ def _zero_rows_past(tile, row0, T, LD: gl.constexpr):
 
 
 @gluon.jit
-def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, stride_ik,
+def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, r_desc, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, stride_ik,
                         stride_iv, stride_ok, stride_ov, H, HV, K: gl.constexpr, V: gl.constexpr,
                         HAS_H_IN: gl.constexpr, HAS_H_OUT: gl.constexpr, OVERLAP: gl.constexpr = 0,
-                        BV: gl.constexpr = 128):
+                        BV: gl.constexpr = 128, STAGED_SCALES: gl.constexpr = False):
     """The chain of BV value rows of one (sequence, value head)'s state: grid (N * HV * V // BV,), `warps_for(BV)`
     warps (BV = V = 128: the whole state, eight warps; BV = 64: half, four warps, twice the programs, each loading q,
     k and T and making the scores for itself). Inputs as `_chunk_state_kernel`'s (A, R, G from the inverse kernel; q,
@@ -146,6 +158,7 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
     ks = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], _SW)
     vs = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BV], _SW)
     as_ = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], _SW)  # T [i, j]
+    rs = gl.allocate_shared_memory(gl.float32, [2 if STAGED_SCALES else 1, 8, BT], _ROWS)  # row scales
     smem_p = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], _SW)  # the masked scores P [i, j]
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bars.index(0), count=1)
@@ -160,31 +173,37 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
     v0 = i_hv * V + i_v * BV
 
     if n_t > 0:
-        _issue(q_desc, k_desc, v_desc, a_desc, bars, qs, ks, vs, as_, 0, start, c_first * HV + i_hv, i_h, v0, K, BV)
+        _issue(q_desc, k_desc, v_desc, a_desc, r_desc, bars, qs, ks, vs, as_, rs, 0, start, c_first * HV + i_hv, i_h,
+               v0, K, BV, STAGED_SCALES)
     for i_t in range(0, n_t):
         stage = i_t % 2
         i_ch = (c_first + i_t).to(gl.int64) * HV + i_hv
         if i_t + 1 < n_t:
             # The other buffer was read by the previous chunk's products: every warp is past them first.
             gl.thread_barrier()
-            _issue(q_desc, k_desc, v_desc, a_desc, bars, qs, ks, vs, as_, 1 - stage, start + (i_t + 1) * BT,
-                   (c_first + i_t + 1) * HV + i_hv, i_h, v0, K, BV)
-        p_r = R + i_ch * (8 * BT)
-        r_q = gl.load(p_r + tt)
-        r_k = gl.load(p_r + 64 + tt)
-        r_d = gl.load(p_r + 128 + tt)
-        r_b = gl.load(p_r + 192 + tt)
+            _issue(q_desc, k_desc, v_desc, a_desc, r_desc, bars, qs, ks, vs, as_, rs, 1 - stage,
+                   start + (i_t + 1) * BT, (c_first + i_t + 1) * HV + i_hv, i_h, v0, K, BV, STAGED_SCALES)
+        if not STAGED_SCALES:  # from global memory, issued before the wait for the tiles
+            p_r = R + i_ch * (8 * BT)
+            r_q = gl.load(p_r + tt)
+            r_k = gl.load(p_r + 64 + tt)
+            r_d = gl.load(p_r + 128 + tt)
+            r_b = gl.load(p_r + 192 + tt)
+            c_i = gl.load(p_r + 256 + ii)
+            c_j = gl.load(p_r + 256 + jj)
+            sq_i = gl.load(p_r + 320 + ii)
+            rk_j = gl.load(p_r + 384 + jj)
         e_last = gl.load(G + i_ch)
-        c_i = gl.load(p_r + 256 + ii)
-        c_j = gl.load(p_r + 256 + jj)
-        sq_i = gl.load(p_r + 320 + ii)
-        rk_j = gl.load(p_r + 384 + jj)
         # Every warpgroup has finished reading the previous chunk's P (its output wgmma) before this barrier, and this
         # chunk's P is stored after it. Triton's barrier pass would put one here anyway (for the mbarrier), but it counts
         # an async wgmma's read of shared memory done at issue, not at its wait, so the ordering is written out.
         gl.thread_barrier()
         mbarrier.wait(bars.index(stage), (i_t // 2) & 1)
         smem_q, smem_k, smem_v, smem_a = qs.index(stage), ks.index(stage), vs.index(stage), as_.index(stage)
+        if STAGED_SCALES:  # arrived with the tiles; each row is read where it is used (registers are scarce)
+            sr = rs.index(stage)
+            c_i, c_j = _row(sr, 4, gl.SliceLayout(1, QK)), _row(sr, 4, gl.SliceLayout(0, QK))
+            sq_i, rk_j = _row(sr, 5, gl.SliceLayout(1, QK)), _row(sr, 6, gl.SliceLayout(0, QK))
         if (i_t + 1) * BT > T:
             # The last chunk runs past the sequence's end into the next sequence's rows, which may hold anything
             # (inf included). The row scales there are zero, but 0 * inf is NaN: those rows of k and v become zero
@@ -214,6 +233,8 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
             fence_async_shared()
             kst, s_op = warpgroup_mma_wait(num_outstanding=1, deps=(kst_t, s_op))
             vt = smem_v.permute([1, 0]).load(ACC64).to(gl.float32)
+            if STAGED_SCALES:
+                r_b, r_k = _row(sr, 3, gl.SliceLayout(0, ACC64)), _row(sr, 1, gl.SliceLayout(0, ACC64))
             yt = gl.convert_layout((vt * r_b[None, :] - kst * r_k[None, :]).to(gl.bfloat16), a_op)
             vnt_t = warpgroup_mma(yt, smem_a.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64),
                                   is_async=True)
@@ -225,6 +246,8 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
             s_op = gl.convert_layout(s.to(gl.bfloat16), a_op)
             kst = warpgroup_mma(s_op, smem_k.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64))
             vt = smem_v.permute([1, 0]).load(ACC64).to(gl.float32)  # v^T [V, 64]
+            if STAGED_SCALES:
+                r_b, r_k = _row(sr, 3, gl.SliceLayout(0, ACC64)), _row(sr, 1, gl.SliceLayout(0, ACC64))
             yt = gl.convert_layout((vt * r_b[None, :] - kst * r_k[None, :]).to(gl.bfloat16), a_op)
             if OVERLAP == 1:  # v_new and S^T Q^T in flight together
                 vnt_t = warpgroup_mma(yt, smem_a.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64),
@@ -236,6 +259,8 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, R, G, o, h_in, h_out, cu
                 vnt = warpgroup_mma(yt, smem_a.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64))
                 qst = warpgroup_mma(s_op, smem_q.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64))
         vn_op = gl.convert_layout(vnt.to(gl.bfloat16), a_op)
+        if STAGED_SCALES:
+            r_d, r_q = _row(sr, 2, gl.SliceLayout(0, ACC64)), _row(sr, 0, gl.SliceLayout(0, ACC64))
         upd = gl.convert_layout((vnt * r_d[None, :]).to(gl.bfloat16), gl.DotOperandLayout(0, ACC, 2))
         p_o = o + ((start + i_t * BT + tt).to(gl.int64) * HV + i_hv)[None, :] * V + vv[:, None]
         if OVERLAP:
@@ -286,10 +311,11 @@ def addressing_refusal(q, k, v, t_rows: int) -> str | None:
 
 
 def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_in, strides_out, N: int,
-           overlap: int = 0, rows: int = 128) -> None:
+           overlap: int = 0, rows: int = 128, staged_scales: bool = False) -> None:
     """`_gluon_chain_kernel` over every (sequence, value head) of a serial call (`triton_chunk`'s state call with its
     tensors; `refusal` has been asked); ``overlap``: 0, or its asynchronous-wgmma variants 1 and 2 (OVERLAP);
-    ``rows``: the state's value rows per program (BV: 128, the whole state, or 64)."""
+    ``rows``: the state's value rows per program (BV: 128, the whole state, or 64); ``staged_scales``: R by TMA with
+    the chunk's tiles (STAGED_SCALES)."""
     if overlap not in (0, 1, 2):
         raise ValueError(f"overlap is 0, 1 or 2 (the kernel's OVERLAP), got {overlap!r}")
     if rows not in (64, 128):
@@ -300,11 +326,11 @@ def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_
     HV, V = v.shape[2], v.shape[3]
     layout = _SW.value
 
-    def desc(x, height, width, box_width):
-        return TensorDescriptor(x, [height, width], [width, 1], [64, box_width], layout)
+    def desc(x, height, width, box_width, box_height=64, tile=layout):
+        return TensorDescriptor(x, [height, width], [width, 1], [box_height, box_width], tile)
 
     _gluon_chain_kernel[(N * HV * (V // rows),)](
         desc(q, B * T, H * K, K), desc(k, B * T, H * K, K), desc(v, B * T, HV * V, rows),
-        desc(A, A.numel() // 64, 64, 64), R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, *strides_in, *strides_out,
+        desc(A, A.numel() // 64, 64, 64), desc(R, R.numel() // 64, 64, 64, 8, _ROWS.value), R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, *strides_in, *strides_out,
         H, HV, K=K, V=V, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None, OVERLAP=overlap, BV=rows,
-        num_warps=warps_for(rows))
+        STAGED_SCALES=staged_scales, num_warps=warps_for(rows))

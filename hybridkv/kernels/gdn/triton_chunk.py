@@ -459,7 +459,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             from hybridkv.kernels.gdn import gluon_chunk_chain
 
             gluon_chunk_chain.launch(q, k, v, A, R, G, o, h_in, h_out, cu, chunk_offsets, s_in, s_out, N,
-                                     overlap=gluon_chain.overlap, rows=gluon_chain.rows)
+                                     overlap=gluon_chain.overlap, rows=gluon_chain.rows,
+                                     staged_scales=gluon_chain.staged_scales)
             return
         if form is Form.SPLIT:
             args, fixed, tuned = (k, WQ, UU, R, G, *tail), _chunk_chain_kernel, _chunk_chain_tuned
