@@ -577,6 +577,32 @@ def test_pipelined_in_a_cuda_graph():
     assert torch.equal(o, o_e) and torch.equal(st, st_e)
 
 
+def test_a_planned_gluon_chain_batch_in_a_cuda_graph(monkeypatch):
+    """A plain batched call, which on Hopper runs the planned Gluon chain with its TMA descriptors built on the host at
+    launch: captured, the descriptors are launch parameters held by value and the inverse's outputs come from the
+    graph's pool, so a replay on new inputs gives what an eager call gives (and the chain ran in both)."""
+    from hybridkv.kernels.gdn import gluon_chunk_chain
+
+    launched = []
+    real = gluon_chunk_chain.launch
+    monkeypatch.setattr(gluon_chunk_chain, "launch", lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    q, k, v, g, beta, cu = make([2048] * 4, 16, 64, seed=14)  # varlen, as the engines call it
+    chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, st = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw)
+    q2, k2, v2, g2, beta2, _ = make([2048] * 4, 16, 64, seed=15)
+    for dst, src in ((q, q2), (k, k2), (v, v2), (g, g2), (beta, beta2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    o_e, st_e = chunk_gated_delta_rule(q2, k2, v2, g2, beta2, cu_seqlens=cu, **kw)
+    assert torch.equal(o, o_e) and torch.equal(st, st_e)
+    assert len(launched) == (3 if torch.cuda.get_device_capability()[0] == 9 else 0)
+
+
 def test_pipelined_on_a_side_stream_of_the_caller():
     """Called from a non-default stream (an engine's compute stream), behind slow work there: the
     chain still waits for its inputs and the caller's stream for the chain."""
