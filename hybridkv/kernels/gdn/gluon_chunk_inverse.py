@@ -53,6 +53,8 @@ _VEC = gl.constexpr(gl.BlockedLayout([1], [32], [WARPS], [0]))
 _PAD64 = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[64, 4]], [64, 64], [1, 0]))
 _ROWS_PAD = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[64, 4]], [16, 64], [1, 0]))
 _PAD16 = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[16, 4]], [64, 16], [1, 0]))
+# [64, 32] 16-bit columns of k for the gram's operands: 64-byte rows, swizzled for ldmatrix.
+_KB = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
 
 
 @gluon.jit
@@ -125,10 +127,15 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
     col: gl.constexpr = gl.SliceLayout(0, _MMA)
     gram = gl.zeros([BT, BT], gl.float32, layout=_MMA)
     sq = gl.zeros([BT], gl.float32, layout=gl.SliceLayout(1, _LD))
+    # Both operands of each step are read (ldmatrix, .trans for K^T) from one copy of k's columns in shared memory;
+    # converted from registers, each step took 11 bar.sync (the transposed operand in eight rounds of scratch), and
+    # the kernel 2-3% longer (benchmarks/device/results/ab_gram_barriers_h200.txt).
+    kb = gl.allocate_shared_memory(k.dtype.element_ty, [BT, 32], _KB)
     for kc in gl.static_range(K // 32):
         b_k = _rows(k, bos, T, i_h, r0, kc, H, K)
-        gram = mma_v2(gl.convert_layout(b_k, gl.DotOperandLayout(0, _MMA, 2)),
-                      gl.convert_layout(gl.permute(b_k, [1, 0]), gl.DotOperandLayout(1, _MMA, 2)), gram)
+        kb.store(b_k)
+        gram = mma_v2(kb.load(gl.DotOperandLayout(0, _MMA, 2)),
+                      kb.permute([1, 0]).load(gl.DotOperandLayout(1, _MMA, 2)), gram)
         if L2NORM:
             b_q = _rows(q, bos, T, i_h, r0, kc, H, K).to(gl.float32)
             sq += gl.sum(b_q * b_q, axis=1)
@@ -152,7 +159,9 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
         i_hv = hv0 + j
         # Beta and the decays (value head) on the gram's rows and columns.
         b_b = gl.load(beta + (bos + r0 + o_t) * HV + i_hv, mask=live, other=0.0).to(gl.float32)
-        # The gate's cumulative sum in a plain layout (a scan cannot run in _MMA's).
+        # The gate's cumulative sum in a plain layout (a scan cannot run in _MMA's). A masked row sum in _MMA's
+        # layout instead (no shared memory, no bar.sync) made the kernel 7% slower (benchmarks/device/results/
+        # ab_gram_barriers_h200.txt).
         g_vec = gl.load(g + (bos + r0 + o_v) * HV + i_hv, mask=r0 + o_v < T, other=0.0).to(gl.float32)
         c = gl.convert_layout(gl.associative_scan(g_vec, 0, _add), row)
         g_last = gl.sum(g_vec, axis=0)
