@@ -264,7 +264,8 @@ def test_the_gluon_chain_is_refused_where_it_cannot_run():
         tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=tc.GluonChain(overlap=1, rows=64))
     with pytest.raises(ValueError, match="gluon_chain must be a GluonChain or None, got True"):
         tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True)
-    with pytest.raises(ValueError, match=r"bad Gluon chain GluonChain\(overlap=3, rows=128, staged_scales=False\): overlap 0, 1 or 2"):
+    with pytest.raises(ValueError,
+                       match=r"bad Gluon chain GluonChain\(overlap=3, rows=128, staged_scales=False\): overlap 0, 1 or 2"):
         tc.GluonChain(overlap=3)
     with pytest.raises(ValueError, match=r"bad Gluon chain GluonChain\(overlap=0, rows=32, staged_scales=False\)"):
         tc.GluonChain(rows=32)

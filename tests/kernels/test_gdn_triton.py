@@ -254,9 +254,10 @@ def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, bat
 ])
 def test_gluon_chain_variants_equal_the_synchronous_whole_state_chain(lens, H, HV, batch, overlap, rows, staged):
     """`GluonChain(overlap, rows, staged_scales)`: the wgmmas in flight together (overlap), half the state's value rows
-    per program (rows=64) and the row scales by TMA (staged): the same products as the synchronous whole-state kernel, so the same output and final state
-    to rounding, from an initial state, V-first too; against the reference where it is cheap. Ragged sequences check
-    that a half-state program reads, zeroes and writes only its own 64 columns of v, o and the state."""
+    per program (rows=64) and the row scales by TMA (staged): the same products as the synchronous whole-state kernel,
+    so the same output and final state to rounding, from an initial state, V-first too; against the reference where it
+    is cheap. Ragged sequences check that a half-state program reads, zeroes and writes only its own 64 columns of v, o
+    and the state."""
     from hybridkv.kernels.gdn import triton_chunk
 
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=12, slow=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from hybridkv.kernels.gdn import baselines
 from hybridkv.kernels.gdn import bench_cases
 from hybridkv.kernels.gdn.bench_cases import CHUNK, D, PrefillShape, _inputs
-from hybridkv.kernels.gdn.bench_timing import Timing, _interleaved, _median_ms
+from hybridkv.kernels.gdn.bench_timing import Timing, _copy_gbps, _interleaved, _median_ms
 from hybridkv.kernels.gdn.bench_warmup import DISK_CACHED, IMPLS, TITLES, Warmed, _first_calls, _impls, _warm_parallel
 
 
@@ -245,10 +245,7 @@ def _decode_rows(fla, iters: int, copy_gbps: float, fi=None) -> list[Row]:
                 fla_bytes = N * HV * D * D * (elt + 4)
             if fi_err is not None:
                 fi_ms = _median_ms(lambda: fi(q, k, v, a16, b16, A_log, dt_bias, pool, idx32), iters)
-            src = pool[:N]
-            dst = torch.empty_like(src)
-            same_gbps = state_bytes / _median_ms(lambda: dst.copy_(src), iters) / 1e6  # noqa: B023
-            del dst
+            same_gbps = _copy_gbps(iters, pool[:N])  # as many bytes as the step moves
             gbps = state_bytes / ours / 1e6
             fla_gbps = None if theirs is None else fla_bytes / theirs / 1e6
             fi_gbps = None if fi_ms is None else state_bytes / fi_ms / 1e6

@@ -133,10 +133,13 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2]
 
 
-def _copy_gbps(iters: int) -> float:
+def _copy_gbps(iters: int, src=None) -> float:
+    """GB/s (bytes read and written) of a device-to-device copy of ``src``, timed as a call is; None: 4 GiB of fp32,
+    large enough that no launch or ramp shows."""
     import torch
 
-    src = torch.empty(2**30, dtype=torch.float32, device="cuda")
+    if src is None:
+        src = torch.empty(2**30, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
     ms = _median_ms(lambda: dst.copy_(src), iters)
-    return 2 * src.numel() * 4 / ms / 1e6
+    return 2 * src.numel() * src.element_size() / ms / 1e6

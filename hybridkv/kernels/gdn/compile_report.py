@@ -293,8 +293,9 @@ def _specs() -> list[KernelSpec]:
                 constants={"K": D, "V": D, "BV": bv}, aligned=("H", "HV"), gluon=True, archs=(Arch.HOPPER,),
                 launches=tuple(Launch(label=(f"overlap={overlap}" if overlap else "default")
                                       + (" staged" if staged else ""), num_warps=bv // 16,
+                                      # Unstaged, `launch` passes no descriptor of R (a None constexpr).
                                       constants={"HAS_H_IN": True, "HAS_H_OUT": True, "OVERLAP": overlap,
-                                                 "STAGED_SCALES": staged})
+                                                 "STAGED_SCALES": staged, **({} if staged else {"r_desc": None})})
                                for overlap in (0, 1, 2) for staged in (False, True)),
             ))
     return specs

@@ -117,8 +117,8 @@ def _zero_rows_past(tile, row0, T, LD: gl.constexpr):
 
 
 @gluon.jit
-def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, r_desc, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, stride_ik,
-                        stride_iv, stride_ok, stride_ov, H, HV, K: gl.constexpr, V: gl.constexpr,
+def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, r_desc, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets,
+                        stride_ik, stride_iv, stride_ok, stride_ov, H, HV, K: gl.constexpr, V: gl.constexpr,
                         HAS_H_IN: gl.constexpr, HAS_H_OUT: gl.constexpr, OVERLAP: gl.constexpr = 0,
                         BV: gl.constexpr = 128, STAGED_SCALES: gl.constexpr = False):
     """The chain of BV value rows of one (sequence, value head)'s state: grid (N * HV * V // BV,), `warps_for(BV)`
@@ -329,8 +329,11 @@ def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_
     def desc(x, height, width, box_width, box_height=64, tile=layout):
         return TensorDescriptor(x, [height, width], [width, 1], [box_height, box_width], tile)
 
+    # R's descriptor only where the kernel reads R by TMA (None is a constexpr there: nothing is built per call).
+    r_desc = desc(R, R.numel() // 64, 64, 64, 8, _ROWS.value) if staged_scales else None
     _gluon_chain_kernel[(N * HV * (V // rows),)](
         desc(q, B * T, H * K, K), desc(k, B * T, H * K, K), desc(v, B * T, HV * V, rows),
-        desc(A, A.numel() // 64, 64, 64), desc(R, R.numel() // 64, 64, 64, 8, _ROWS.value), R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, *strides_in, *strides_out,
+        desc(A, A.numel() // 64, 64, 64), r_desc, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, *strides_in,
+        *strides_out,
         H, HV, K=K, V=V, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None, OVERLAP=overlap, BV=rows,
         STAGED_SCALES=staged_scales, num_warps=warps_for(rows))
