@@ -12,7 +12,6 @@ one call queued behind a spin, so the host's launch cost is hidden (and printed 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -27,15 +26,18 @@ from hybridkv.kernels.gdn import (
     bench_timing,
     breakdown,
     chunk_plan,
+    pdl,
     reference,
     triton_chunk,
     triton_chunk_scan,
 )
-from hybridkv.kernels.gdn.triton_chunk_inverse import INVERSE_CONFIG, InverseConfig
+from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 
 # (label, H, HV, T): Qwen3.5-397B (H=16, HV=64) and 35B (16, 32) sharded by TP, dk = dv = 128.
 SHAPES = (
     ("397B TP8 1x8192", 2, 8, 8192),
+    ("397B 1x8192", 16, 64, 8192),
+    ("397B 1x32768", 16, 64, 32768),
     ("397B TP8 1x32768", 2, 8, 32768),
     ("397B TP4 1x8192", 4, 16, 8192),
     ("35B TP8 1x8192", 2, 4, 8192),
@@ -69,27 +71,43 @@ class Variant:
     summary: tuple[int, int, int] | None = None  # triton_chunk_scan.SUMMARY_CONFIG
     by_segment: bool = False  # triton_chunk_scan.BY_SEGMENT
     whole_m: bool = False  # triton_chunk_scan.SCAN_WHOLE_M
-    inverse: InverseConfig = INVERSE_CONFIG
+    scan_prec: str = triton_chunk_scan.SCAN_PRECISION
+    scan_bv: int = triton_chunk_scan.SCAN_BV
+    inverse: InverseConfig | None = None  # None: the call's default (the Gluon inverse on Hopper)
+    gluon_chain: chunk_plan.GluonChain | None = None
+    pdl: bool = True  # pdl.ENABLED
 
 
-def variants(plan: chunk_plan.Plan, segments: int, pairs: int) -> list[Variant]:
-    """The plan (the whole inverse first, then the summaries: 0.199 ms at 397B TP8 1x8192 when measured), the
-    pipelined schedule it replaced, and four changes to the plan: by segment (the summaries overlapping the
-    inverse on the side stream), the summary stages the shipped rule did not pick (three stages at 397B TP8: 0.190
-    against 0.202 ms, shipped since), the scan holding each start state in registers, and the stacked inverse."""
+def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks: int) -> list[Variant]:
+    """The plan and the pipelined schedule it replaced; for a scanned plan, also: the plan as shipped before
+    2026-12-03 ("before": BV=64 only where BV=32 left room for fewer than four segments, the scan in tf32x3 at 32
+    state columns, the summary at BV=32, no programmatic dependent launches), the plan without PDL (`pdl`), with the
+    scan as before, and with the summary at BV=64. For the other plans (397B-shaped heads, one prompt, serial at
+    BV=64, one chain program per SM): that config pipelined over two or four segments, scanned over two, and the
+    batch plan's Gluon chain. Earlier variants (by segment, stacked inverse, whole M, eight segments at BV=32):
+    git history and benchmarks/gdn/README.md."""
     fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
-    # The summary stages the shipped rule did not pick for this head count.
-    other_summary = (triton_chunk_scan.SUMMARY_MANY_HEADS if pairs <= triton_chunk_scan.SUMMARY_FEW_HEADS
-                     else triton_chunk_scan.SUMMARY_FEW_HEADS_CONFIG)
     out = [Variant(name="plan"),
            Variant(name="pipelined scores (32,4,3) x2", schedule=PIPELINED, form=SCORES, config=(32, 4, 3),
                    segments=2)]
     if plan.schedule is SCAN:
-        out += [Variant(name="plan, by segment", by_segment=True, **fixed),
-                Variant(name=f"plan, summary {other_summary}", summary=other_summary, **fixed),
-                Variant(name="plan, scan with whole M (8 warps)", whole_m=True, **fixed),
-                Variant(name="plan, stacked inverse w4", inverse=dataclasses.replace(INVERSE_CONFIG, stacked=True,
-                                                                                     warps=4), **fixed)]
+        programs = triton.cdiv(128, 32) * pairs
+        old = chunk_plan.SCAN_WIDE_CONFIG if 4 * programs > sms else chunk_plan.PIPELINE_CONFIG
+        old_summary = (triton_chunk_scan.SUMMARY_FEW_HEADS_CONFIG if pairs <= triton_chunk_scan.SUMMARY_FEW_HEADS
+                       else triton_chunk_scan.SUMMARY_MANY_HEADS)
+        old_segments = chunk_plan.scan_segments(triton.cdiv(128, old[0]) * pairs, sms, chunks)
+        out += [Variant(name=f"before: {old} x{old_segments}", schedule=SCAN, form=SCORES, config=old,
+                        segments=old_segments, summary=old_summary, scan_prec="tf32x3", scan_bv=32, pdl=False),
+                Variant(name="plan, no PDL", pdl=False, **fixed),
+                Variant(name="plan, scan tf32x3 BV32", scan_prec="tf32x3", scan_bv=32, **fixed),
+                Variant(name="plan, summary (64,4,3)", summary=(64, 4, 3), **fixed)]
+    else:
+        wide = dict(schedule=SCAN, form=SCORES, config=(64, 4, 3))
+        out += [Variant(name=f"pipelined scores (64,4,3) x{n}", schedule=PIPELINED, form=SCORES, config=(64, 4, 3),
+                        segments=n) for n in (2, 4)]
+        out += [Variant(name="scan (64,4,3) x2", segments=2, **wide),
+                Variant(name="serial fused, batch Gluon chain", schedule=triton_chunk.Schedule.SERIAL, form=FUSED,
+                        gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)]
     return out
 
 
@@ -107,15 +125,17 @@ def main() -> int:
         print(f"{label}: plan {plan.form.value} {plan.schedule.value} {plan.config}", flush=True)
         segments = chunk_plan.scan_segments(triton.cdiv(128, (plan.config or (32,))[0]) * HV, sms, T // 64)
         calls = {}
-        for var in variants(plan, segments, HV):
+        for var in variants(plan, segments, HV, sms, T // 64):
             def call(var=var):
                 triton_chunk_scan.SUMMARY_CONFIG = var.summary
                 triton_chunk_scan.BY_SEGMENT = var.by_segment
                 triton_chunk_scan.SCAN_WHOLE_M = var.whole_m
+                triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = var.scan_prec, var.scan_bv
+                pdl.ENABLED = var.pdl
                 return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
                                                                False, config=var.config, schedule=var.schedule,
                                                                segments=var.segments, form=var.form,
-                                                               inverse=var.inverse)
+                                                               inverse=var.inverse, gluon_chain=var.gluon_chain)
             try:
                 o, s = call()
                 ms, host = bench_timing._timed(call, a.iters)
@@ -127,13 +147,17 @@ def main() -> int:
             print(f"{label:22} {var.name:44} {ms:7.3f} ms  host {host:.3f}  err o {err[0]:.1e} s {err[1]:.1e}",
                   flush=True)
             calls[var.name] = call
-        for name in ("plan", "plan, by segment"):
+        timed = [r for r in rows if r["shape"] == label and "ms" in r and r["variant"] != "plan"]
+        best = min(timed, key=lambda r: r["ms"])["variant"] if timed else None
+        for name in ("plan", best):
             if name in calls:
                 b = breakdown.measure(name, calls[name], a.iters, bench_timing._median_ms)
                 print(breakdown.render(label, [b]), flush=True)
                 rows.append(dict(shape=label, breakdown=name, call_us=b.call_us, kernels=list(b.kernels)))
         triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = None, False
         triton_chunk_scan.SCAN_WHOLE_M = False
+        triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = Variant.scan_prec, Variant.scan_bv
+        pdl.ENABLED = True
         del q, k, v, g, beta, o_ref, s_ref
         torch.cuda.empty_cache()
     if a.json:

@@ -19,7 +19,7 @@ PIPELINED, SERIAL, SCAN = tc.Schedule.PIPELINED, tc.Schedule.SERIAL, tc.Schedule
 @pytest.mark.parametrize(("N", "HV", "want"), [
     (1, 32, (SCORES, PIPELINED, (32, 4, 3))),  # 35B, one sequence: 128 programs on 132 SMs
     (1, 16, (SCORES, SCAN, (64, 4, 3))),  # 2B, 35B at TP2: half the SMs idle; BV=64 lets four segments fit
-    (1, 8, (SCORES, SCAN, (32, 4, 3))),  # 397B at TP8
+    (1, 8, (SCORES, SCAN, (64, 4, 3))),  # 397B at TP8: BV=64 lets eight segments fit (four at BV=32)
     (1, 4, (SCORES, SCAN, (32, 4, 3))),  # 35B at TP8
     (1, 64, (SCORES, SERIAL, (64, 4, 3))),  # 397B: 128 programs at BV=64 (pipelining measured no gain)
     (1, 132, (FUSED, SERIAL, None)),  # 264 programs even at BV=64
@@ -73,8 +73,8 @@ def test_a_wide_scan_plan_is_for_two_byte_inputs_only():
 
 
 def test_scan_segments_fill_one_wave_of_the_output_chain():
-    assert chunk_plan.scan_segments(32, 132, 128) == 4  # 397B TP8: 32 chain programs
-    assert chunk_plan.scan_segments(16, 132, 128) == chunk_plan.SCAN_MAX_SEGMENTS
+    assert chunk_plan.scan_segments(32, 132, 128) == 4  # 32 chain programs (397B TP8 at BV=32)
+    assert chunk_plan.scan_segments(16, 132, 128) == chunk_plan.SCAN_MAX_SEGMENTS  # 397B TP8 at BV=64
     assert chunk_plan.scan_segments(32, 132, 16) == 2  # two segments of the minimum length
     assert chunk_plan.scan_segments(100, 132, 128) == 2  # never fewer than two
 
@@ -271,3 +271,16 @@ def test_the_gluon_chain_is_refused_where_it_cannot_run():
         tc.GluonChain(rows=32)
     with pytest.raises(ValueError, match=r"staged_scales=1\): .* staged_scales True or False"):
         tc.GluonChain(staged_scales=1)
+
+
+def test_the_summaries_follow_a_wide_output_chain_where_heads_are_few():
+    """397B TP8 (8 value heads): the output chain at BV=64 over eight segments, and the summaries at BV=64 beside it;
+    more heads keep the many-heads summary, a BV=32 chain the few-heads one."""
+    from hybridkv.kernels.gdn import triton_chunk_scan
+
+    p = chunk_plan.plan(1, 8, 128, 128, 132, 128)
+    assert chunk_plan.scan_segments(128 // p.config[0] * 8, 132, 128) == 8
+    wide = triton_chunk_scan.SUMMARY_WIDE_FEW_HEADS_CONFIG
+    assert triton_chunk_scan.summary_config(8, p.config[0]) == wide == (64, 4, 3)
+    assert triton_chunk_scan.summary_config(4, 32) == triton_chunk_scan.SUMMARY_FEW_HEADS_CONFIG
+    assert triton_chunk_scan.summary_config(16, 64) == triton_chunk_scan.SUMMARY_MANY_HEADS

@@ -85,10 +85,13 @@ PIPELINE_MIN_CHUNKS = 32
 # three launches cost a few microseconds; a segment of a few chunks hides less than that).
 SCAN_MAX_SEGMENTS = 8
 SCAN_MIN_SEGMENT_CHUNKS = 8
-# The scan's output chain where BV=32 would leave room for fewer than four segments in one wave (HV = 16
-# on 132 SMs): BV=64 halves its programs, so four segments fit. H200, one 8192-token prompt, scores form
-# (benchmarks/gdn/scan_probe.py): HV=16 0.239 ms at (64, 4, 3) x4 against 0.274 at (32, 4, 3) x4 and 0.288
-# pipelined; at HV <= 8, (32, 4, 3) with sms // programs segments was best or within 0.01 ms of it.
+# The scan's output chain where BV=32 would leave room for fewer than SCAN_MAX_SEGMENTS segments in one wave
+# (HV = 8 or 16 on 132 SMs): BV=64 halves its programs, so twice the segments fit, each half as long. H200, one
+# 8192-token prompt, scores form (benchmarks/gdn/scan_probe.py): HV=16 0.239 ms at (64, 4, 3) x4 against 0.274 at
+# (32, 4, 3) x4 and 0.288 pipelined; HV=8 (397B TP8), with the summaries at BV=64 beside it
+# (`triton_chunk_scan.summary_config`), 0.125 ms at (64, 4, 3) x8 against 0.141 at (32, 4, 3) x4 (1x32768: 0.379
+# against 0.479); HV=4 (35B TP8), where BV=32 already gives eight segments, 0.092 at (32, 4, 3) x8 against 0.100
+# (results/scan_probe4_h200.txt).
 SCAN_WIDE_CONFIG = (64, 4, 3)
 
 
@@ -129,7 +132,7 @@ def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int =
 
     One sequence whose chain programs at BV=32 fill at most half the SMs (TP-sharded heads) is scanned
     (`Schedule.SCAN`, scores form) where it has two segments' worth of chunks: at PIPELINE_CONFIG, or
-    SCAN_WIDE_CONFIG where BV=32 leaves room for fewer than four segments per wave (2-byte inputs).
+    SCAN_WIDE_CONFIG where BV=32 leaves room for fewer than SCAN_MAX_SEGMENTS segments per wave (2-byte inputs).
     Where BV=32 gives no more chain programs than SMs (few sequences and value heads) and the call has
     PIPELINE_MIN_CHUNKS chunk rows, it is pipelined at PIPELINE_CONFIG. One sequence takes the scores
     form, there and where only BV=64 gives that few programs (397B: serial at ONE_PER_SM_CONFIG); several
@@ -146,7 +149,7 @@ def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int =
     programs = _cdiv(V, PIPELINE_CONFIG[0]) * N * HV
     if (N == 1 and form is not Form.SPLIT and 2 * programs <= sms
             and chunks >= 2 * SCAN_MIN_SEGMENT_CHUNKS):
-        wide = 4 * programs > sms and itemsize <= 2
+        wide = SCAN_MAX_SEGMENTS * programs > sms and itemsize <= 2
         bv, warps, stages = SCAN_WIDE_CONFIG if wide else PIPELINE_CONFIG
         return Plan(form=Form.SCORES if scores else form or Form.FUSED, schedule=Schedule.SCAN,
                     config=(bv, warps, stages if itemsize <= 2 else min(stages, 2)))

@@ -109,7 +109,7 @@ def _specs() -> list[KernelSpec]:
         for bv, w, s in (chunk_plan.ONE_PER_SM_CONFIG,)
     ) + tuple(
         Launch(label=f"scan BV={bv}{' scores' if sc else ''}", num_warps=w, num_stages=s,
-               constants={"BV": bv, "SEGMENTED": False, "SCORES_IN": sc, "SCAN": True})
+               constants={"BV": bv, "SEGMENTED": False, "SCORES_IN": sc, "SCAN": True, "PDL": True})
         for sc, (bv, w, s) in ((False, chunk_plan.PIPELINE_CONFIG), (True, chunk_plan.PIPELINE_CONFIG),
                                (True, chunk_plan.SCAN_WIDE_CONFIG))
     )
@@ -140,7 +140,7 @@ def _specs() -> list[KernelSpec]:
             signature={"q": "*bf16", "k": "*bf16", "R": "*fp32", "P": "*bf16", "cu_seqlens": "*i32",
                        "chunk_table": "*i32", "row0": "i32", "c_lo": "i32", "c_hi": "i32", "H": "i32",
                        "HV": "i32"},
-            constants={"K": D, "BK": D},
+            constants={"K": D, "BK": D, "PDL": False},
             aligned=("H", "HV"),
             launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}",
                                   num_warps=triton_chunk_inverse.SCORES_WARPS, num_stages=1,
@@ -154,7 +154,7 @@ def _specs() -> list[KernelSpec]:
                        "chunk_offsets": "*i32", "c_lo": "i32", "c_hi": "i32", "stride_ik": "i32",
                        "stride_ok": "i32", "H": "i32", "HV": "i32", "WORK_LOG2": "i32"},
             constants={"stride_iv": 1, "stride_ov": 1, "K": D, "V": D, "BK": D, "HAS_H_IN": True,
-                       "HAS_H_OUT": True, "SCAN": False},
+                       "HAS_H_OUT": True, "SCAN": False, "PDL": False},
             aligned=("stride_ik", "stride_ok", "H", "HV"),
             launches=state_launches,
         ),
@@ -163,17 +163,19 @@ def _specs() -> list[KernelSpec]:
             signature={"k": "*bf16", "v": "*bf16", "A": "*bf16", "R": "*fp32", "G": "*fp32", "summary": "*fp32",
                        "cu_seqlens": "*i32", "chunk_offsets": "*i32", "seg_chunks": "i32", "seg0": "i32", "H": "i32",
                        "HV": "i32"},
-            constants={"K": D, "V": D, "BK": D},
+            constants={"K": D, "V": D, "BK": D, "PDL": True},
             aligned=("H", "HV"),
             launches=tuple(Launch(label=f"BV={bv} stages={st}", num_warps=w, num_stages=st, constants={"BV": bv})
                            for bv, w, st in (triton_chunk_scan.SUMMARY_MANY_HEADS,
-                                             triton_chunk_scan.SUMMARY_FEW_HEADS_CONFIG)),
+                                             triton_chunk_scan.SUMMARY_FEW_HEADS_CONFIG,
+                                             triton_chunk_scan.SUMMARY_WIDE_FEW_HEADS_CONFIG)),
         ),
         KernelSpec(
             name="scan_starts", module=scan, attr="_segment_scan_kernel",
             signature={"summary": "*fp32", "h_in": "*fp32", "starts": "*fp32", "stride_ik": "i32", "n_seg": "i32",
                        "NH": "i32", "W": "i32", "MCOL": "i32"},
-            constants={"stride_iv": 1, "K": D, "V": D, "BK": D, "HAS_H_IN": True, "WHOLE_M": False},
+            constants={"stride_iv": 1, "K": D, "V": D, "BK": D, "HAS_H_IN": True, "WHOLE_M": False,
+                       "PREC": triton_chunk_scan.SCAN_PRECISION, "PDL": True},
             aligned=("stride_ik", "W", "MCOL"),
             launches=(Launch(label=f"BV={triton_chunk_scan.SCAN_BV}", num_warps=4, num_stages=1,
                              constants={"BV": triton_chunk_scan.SCAN_BV, "SLAB": triton_chunk_scan.SCAN_SLAB}),),

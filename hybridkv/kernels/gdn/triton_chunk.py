@@ -36,13 +36,13 @@ Measurements behind these choices, with the commands that made them: benchmarks/
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from hybridkv.kernels.gdn import pdl as _pdl
 from hybridkv.kernels.gdn.chunk_plan import (
     PIPELINE_SEGMENTS,
     Form,
@@ -74,7 +74,7 @@ def _chunk_state_kernel(q, k, v, A, P, R, G, o, h_in, h_out, cu_seqlens, chunk_o
                         stride_ik, stride_iv, stride_ok, stride_ov, H, HV, WORK_LOG2, K: tl.constexpr,
                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H_IN: tl.constexpr,
                         HAS_H_OUT: tl.constexpr, SEGMENTED: tl.constexpr, SCORES_IN: tl.constexpr,
-                        SCAN: tl.constexpr = False):
+                        SCAN: tl.constexpr = False, PDL: tl.constexpr = False):
     """The state chain of one (sequence, value head, V block): grid (cdiv(V, BV), N * HV).
 
     Walks every chunk of the sequence, or with SEGMENTED (one segment of a pipelined call) the chunks
@@ -85,7 +85,9 @@ def _chunk_state_kernel(q, k, v, A, P, R, G, o, h_in, h_out, cu_seqlens, chunk_o
 
     SCAN (`Schedule.SCAN`, `triton_chunk_scan`): grid (cdiv(V, BV), N * HV, segments); program_id(2) is the
     segment, which walks chunks [i c_hi, (i + 1) c_hi) (c_hi is the chunks per segment) from its start
-    state h_in `[segments, N * HV, K, V]`; only the last segment writes h_out."""
+    state h_in `[segments, N * HV, K, V]`; only the last segment writes h_out. PDL: launched as a programmatic
+    dependent launch (`pdl`)."""
+    _pdl.wait(PDL)
     i_v, i_nh, i_hv, i_h, T, bos, c_first = _chain_program(cu_seqlens, chunk_offsets, H, HV)
     dt = k.dtype.element_ty
     i_state = i_nh
@@ -261,67 +263,6 @@ def _side_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index, priority=-1)
 
 
-def _scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strides, cu, chunk_offsets, NC, N, H, HV,
-               K, V, BK, segments, config, scores_in, work_log2, by_segment):
-    """`triton_chunk_scan`'s schedule: the parallel kernels (``run_inverse(c_lo, c_hi, segmented)`` and
-    ``run_scores``, the launches of `chunk_gated_delta_rule_fwd`), the summaries, the scan, the output chain
-    over every segment at once. ``by_segment`` (one sequence): the inverse segment by segment, each segment's
-    summary (on a GPU: on the side stream) as soon as its inverse is done (`triton_chunk_scan`'s docstring)."""
-    from hybridkv.kernels.gdn import triton_chunk_scan as scan
-
-    seg_chunks = triton.cdiv(NC, segments)  # NC bounds every sequence's chunk count
-    NH = N * HV
-    sbv, swarps, sstages = scan.summary_config(NH)
-    n_vb, n_mb = triton.cdiv(V, sbv), triton.cdiv(BK, sbv)
-    W = (n_vb + n_mb) * sbv
-    starts = q.new_empty((segments, NH, K, V), dtype=torch.float32)
-    # Never read with one segment: no segment follows the first.
-    summary = q.new_empty((segments - 1, NH, BK, W), dtype=torch.float32) if segments > 1 else starts
-
-    def summarize(seg0, count):
-        scan._segment_summary_kernel[(n_vb + n_mb, NH, count)](
-            k, v, A, R, G, summary, cu, chunk_offsets, seg_chunks, seg0, H, HV, K=K, V=V, BK=BK, BV=sbv,
-            num_warps=swarps, num_stages=sstages)
-
-    if by_segment and scan.BY_SEGMENT and segments > 1:
-        # One sequence: table row i is chunk i, so a segment's inverse is a run of rows. On a GPU, segment j's
-        # summary waits for segment j's inverse only; the caller's stream waits for every summary before the
-        # scan, so every tensor made here is reused only after the side stream is done with it. (Elsewhere
-        # the same launches run in order on one device, which is how CI's interpreter checks them.)
-        gpu = q.device.type == "cuda"
-        cur = torch.cuda.current_stream(q.device) if gpu else None
-        side = _side_stream(q.device.index) if gpu else None
-        for j in range(segments):
-            lo, hi = j * seg_chunks, min((j + 1) * seg_chunks, NC)
-            if lo < hi:
-                run_inverse(lo, hi, True)
-            if j < segments - 1:
-                if gpu:
-                    done = torch.cuda.Event()
-                    done.record(cur)
-                with torch.cuda.stream(side) if gpu else contextlib.nullcontext():
-                    if gpu:
-                        side.wait_event(done)
-                    summarize(j, 1)
-        run_scores(0, NC, False)
-        if gpu:
-            cur.wait_stream(side)
-    else:
-        run_inverse(0, NC, False)
-        run_scores(0, NC, False)
-        if segments > 1:
-            summarize(0, segments - 1)
-    scan._segment_scan_kernel[(triton.cdiv(V, scan.SCAN_BV), NH)](
-        summary, h0, starts, *strides, segments, NH, W, n_vb * sbv, K=K, V=V, BK=BK, BV=scan.SCAN_BV,
-        SLAB=min(scan.SCAN_SLAB, BK), HAS_H_IN=h0 is not None, WHOLE_M=scan.SCAN_WHOLE_M,
-        num_warps=8 if scan.SCAN_WHOLE_M else 4, num_stages=1)
-    bv, warps, stages = config
-    _chunk_state_kernel[(triton.cdiv(V, bv), NH, segments)](
-        q, k, v, A, P, R, G, o, starts, final, cu, chunk_offsets, 0, seg_chunks, V, 1, *strides, H, HV,
-        WORK_LOG2=work_log2, K=K, V=V, BK=BK, BV=bv, HAS_H_IN=True, HAS_H_OUT=final is not None,
-        SEGMENTED=False, SCORES_IN=scores_in, SCAN=True, num_warps=warps, num_stages=stages)
-
-
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                use_qk_l2norm_in_kernel, state_v_first, config: tuple[int, int, int] | None = None,
                                schedule: Schedule | None = None, segments: int | None = None,
@@ -406,7 +347,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     strides = (1, K) if state_v_first else (V, 1)
     # Segments by chunk index within each sequence; NC bounds every sequence's chunk count. Between
     # segments the state waits in fp32 scratch, read and written in place by the program that owns it.
-    # A scan's segments are its own (`_scan_call`): its parallel kernels run once over every chunk.
+    # A scan's segments are its own (`triton_chunk_scan.scan_call`): its parallel kernels run once over every chunk.
     cuts = segments if schedule is Schedule.PIPELINED else 1
     per = triton.cdiv(NC, cuts)
     bounds = [(j * per, min((j + 1) * per, NC)) for j in range(cuts) if j * per < NC]  # the last ends at NC
@@ -432,12 +373,13 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
                                     SEGMENTED=segmented, num_warps=inverse.warps, num_stages=inverse.stages,
                                     **({} if inverse.maxnreg is None else {"maxnreg": inverse.maxnreg}))
 
-    def run_scores(c_lo, c_hi, segmented):  # the scores (Form.SCORES) or W/U (Form.SPLIT) after the inverse
+    def run_scores(c_lo, c_hi, segmented, pdl=False):  # the scores (Form.SCORES) or W/U (SPLIT) after the inverse
         row0, rows = (c_lo, c_hi - c_lo) if N == 1 else (0, NC)
         if form is Form.SCORES:
             _chunk_scores_kernel[(rows, HV // group)](q, k, R, P, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K,
                                                       BK=BK, GROUP=group, SEGMENTED=segmented,
-                                                      num_warps=SCORES_WARPS, num_stages=1)
+                                                      num_warps=SCORES_WARPS, num_stages=1,
+                                                      **(dict(PDL=True, launch_pdl=True) if pdl else {}))
         if form is Form.SPLIT:
             bc = max(16, min(WU_COLUMNS, BK, triton.next_power_of_2(V)))  # tl.dot needs 16 columns
             grid = (rows, HV, 2 * triton.cdiv(max(K, V), bc))
@@ -474,8 +416,12 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             fixed[(triton.cdiv(V, bv), N * HV)](*args, **kw, BV=bv, num_warps=warps, num_stages=stages)
 
     if schedule is Schedule.SCAN:
-        _scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strides, cu, chunk_offsets, NC, N,
-                   H, HV, K, V, BK, segments, config, form is Form.SCORES, work_log2, N == 1)
+        from hybridkv.kernels.gdn import triton_chunk_scan
+
+        triton_chunk_scan.scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strides, cu,
+                                    chunk_offsets, NC, N, H, HV, K, V, BK, segments, config, form is Form.SCORES,
+                                    work_log2, N == 1, state_kernel=_chunk_state_kernel,
+                                    side_stream=_side_stream(q.device.index) if q.device.type == "cuda" else None)
         return o, final
     if len(bounds) == 1 or not on_gpu:
         for lo, hi in bounds:

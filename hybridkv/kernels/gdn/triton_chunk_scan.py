@@ -17,7 +17,7 @@ segments except one short scan:
    the identity and take no values (they end as M_seg, column c being M_seg e_c). Three GEMMs per chunk
    (no output), on V + K columns.
 2. `_segment_scan_kernel` walks the segments of one (sequence, value head, V block): S_0 = the initial
-   state, S_{j+1} = M_j S_j + B_j, in tf32x3 (about fp32), writing each segment's start state.
+   state, S_{j+1} = M_j S_j + B_j, in tf32x3 (about fp32; `SCAN_PRECISION`), writing each segment's start state.
 3. The state kernel (`triton_chunk._chunk_state_kernel` with SCAN) runs every segment at once from its
    start state, writing o, and the last segment the final state.
 
@@ -34,9 +34,12 @@ chain's programs leave most SMs idle.
 
 from __future__ import annotations
 
+import contextlib
+
 import triton
 import triton.language as tl
 
+from hybridkv.kernels.gdn import pdl as _pdl
 from hybridkv.kernels.gdn.triton_chunk_inverse import _R_STRIDE
 from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program
 
@@ -45,11 +48,13 @@ from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program
 # then each program walks a long segment alone and deeper load pipelining pays. Measured on the H200
 # (benchmarks/gdn/scan_probe.py, 2026-12-02): three stages took 397B TP8 (8 heads) 1x8192 from 0.202 to 0.190 ms
 # and 1x32768 from 0.598 to 0.552; at 16 heads (397B TP4, 35B TP2) they cost 21 us; 35B TP8 (4 heads) even.
-# SUMMARY_CONFIG, when set, overrides the choice (the probe's variants). The scan kernel: SCAN_BV state columns,
-# k rows in slabs of SCAN_SLAB.
+# Beside an output chain at BV=64 (`chunk_plan.SCAN_WIDE_CONFIG`) with few pairs, the summary at BV=64 too: half
+# the programs, one wave (397B TP8 1x8192 at eight segments: 0.138 -> 0.125 ms, 1x32768 0.430 -> 0.379;
+# results/scan_probe4_h200.txt). SUMMARY_CONFIG, when set, overrides the choice (the probe's variants).
 SUMMARY_CONFIG: tuple[int, int, int] | None = None
 SUMMARY_MANY_HEADS = (32, 4, 2)
 SUMMARY_FEW_HEADS_CONFIG = (32, 4, 3)
+SUMMARY_WIDE_FEW_HEADS_CONFIG = (64, 4, 3)
 SUMMARY_FEW_HEADS = 8
 # One sequence: True runs the inverse segment by segment with each summary as soon as its segment's is
 # done (the module docstring); False, the whole inverse, then every summary in one launch. Measured on the H200
@@ -58,26 +63,37 @@ BY_SEGMENT = False
 # The scan with each segment's start state kept in registers and M loaded whole, at eight warps
 # (`_segment_scan_kernel`'s WHOLE_M): within 1% of the slab walk on the H200, so off.
 SCAN_WHOLE_M = False
-SCAN_BV = 32
+# The scan kernel: SCAN_BV state columns per program, M's columns in slabs of SCAN_SLAB, its products M_j S_j in
+# SCAN_PRECISION: tf32 (a third of tf32x3's MMAs; its rounding, 2^-11, is finer than that of the bf16 state operand
+# every chunk of the chain takes) at 16 columns (twice the programs): the scan kernel is a chain of dependent loads
+# and products, so shorter steps pay. H200 (results/scan_probe4_h200.txt), against tf32x3 at 32: 397B TP8 1x8192
+# 0.150 -> 0.141 ms, 35B TP8 0.111 -> 0.092, 397B TP4 0.202 -> 0.194, the same error (3.4e-3 / 2.4e-3).
+SCAN_BV = 16
 SCAN_SLAB = 32
+SCAN_PRECISION = "tf32"
 
 
-def summary_config(pairs: int) -> tuple[int, int, int]:
-    """(BV, warps, stages) of the summary kernel for ``pairs`` (sequence, value head) pairs (see above)."""
+def summary_config(pairs: int, state_bv: int = 32) -> tuple[int, int, int]:
+    """(BV, warps, stages) of the summary kernel for ``pairs`` (sequence, value head) pairs beside an output chain of
+    ``state_bv`` columns per program (see above)."""
     if SUMMARY_CONFIG is not None:
         return SUMMARY_CONFIG
-    return SUMMARY_FEW_HEADS_CONFIG if pairs <= SUMMARY_FEW_HEADS else SUMMARY_MANY_HEADS
+    if pairs > SUMMARY_FEW_HEADS:
+        return SUMMARY_MANY_HEADS
+    return SUMMARY_WIDE_FEW_HEADS_CONFIG if state_bv >= 64 else SUMMARY_FEW_HEADS_CONFIG
 
 
 @triton.jit
 def _segment_summary_kernel(k, v, A, R, G, summary, cu_seqlens, chunk_offsets, seg_chunks, seg0, H, HV,
-                            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """(B_seg | M_seg) of one (segment, sequence x value head, column block): grid
     (cdiv(V, BV) + cdiv(BK, BV), N * HV, segments) for the segments seg0, seg0 + 1, .. (a launch may take
     them all, or one as soon as its inverse is done). Column blocks below cdiv(V, BV) are B's, from
     zeros with the values; the rest M's, from the identity without values. Writes summary
     `[segments - 1, N * HV, BK, W]` fp32, W = (cdiv(V, BV) + cdiv(BK, BV)) * BV: B in the first
     cdiv(V, BV) * BV columns, M after them."""
+    _pdl.wait(PDL)
     i_v, i_nh, i_hv, i_h, T, bos, c_first = _chain_program(cu_seqlens, chunk_offsets, H, HV)
     i_seg = seg0 + tl.program_id(2)
     dt = k.dtype.element_ty
@@ -122,13 +138,15 @@ def _segment_summary_kernel(k, v, A, R, G, summary, cu_seqlens, chunk_offsets, s
 @triton.jit
 def _segment_scan_kernel(summary, h_in, starts, stride_ik, stride_iv, n_seg, NH, W, MCOL, K: tl.constexpr,
                          V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SLAB: tl.constexpr,
-                         HAS_H_IN: tl.constexpr, WHOLE_M: tl.constexpr = False):
+                         HAS_H_IN: tl.constexpr, WHOLE_M: tl.constexpr = False, PREC: tl.constexpr = "tf32x3",
+                         PDL: tl.constexpr = False):
     """Start states of every segment of one (sequence x value head, V block): grid (cdiv(V, BV), N * HV).
     starts `[n_seg, N * HV, K, V]` fp32: segment 0's is h_in's (zeros without it), segment j + 1's is
     M_j S_j + B_j from summary (M_j in columns MCOL.. of its row block). Each S_j is read back from
     starts in SLAB-row slabs, so no [K, K] operand sits in registers. WHOLE_M (`SCAN_WHOLE_M`): S_j stays in
     registers and M_j is loaded whole, so a step waits for no store to land and read back (eight warps hold
     the [K, K] operand)."""
+    _pdl.wait(PDL)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_s = tl.arange(0, SLAB)
@@ -146,7 +164,7 @@ def _segment_scan_kernel(summary, h_in, starts, stride_ik, stride_iv, n_seg, NH,
             acc = tl.load(blk + o_k[:, None] * W + col[None, :], mask=ok, other=0.0)
             # Rows and columns of M past K hold no values (k is zero there), and S is zero in those rows.
             b_m = tl.load(blk + o_k[:, None] * W + MCOL + o_k[None, :])
-            b_s = tl.dot(b_m, b_s, acc, input_precision="tf32x3")
+            b_s = tl.dot(b_m, b_s, acc, input_precision=PREC)
             tl.store(starts + ((j + 1) * NH + i_nh).to(tl.int64) * K * V + o_k[:, None] * V + col[None, :], b_s,
                      mask=ok)
         else:
@@ -159,6 +177,72 @@ def _segment_scan_kernel(summary, h_in, starts, stride_ik, stride_iv, n_seg, NH,
                 b_m = tl.load(blk + o_k[:, None] * W + MCOL + s + o_s[None, :])
                 b_x = tl.load(prev + (s + o_s)[:, None] * V + col[None, :],
                               mask=((s + o_s)[:, None] < K) & (col[None, :] < V), other=0.0)
-                acc = tl.dot(b_m, b_x, acc, input_precision="tf32x3")
+                acc = tl.dot(b_m, b_x, acc, input_precision=PREC)
             tl.store(starts + ((j + 1) * NH + i_nh).to(tl.int64) * K * V + o_k[:, None] * V + col[None, :], acc,
                      mask=ok)
+
+
+def scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strides, cu, chunk_offsets, NC, N, H, HV,
+              K, V, BK, segments, config, scores_in, work_log2, by_segment, *, state_kernel, side_stream):
+    """This schedule's launches: the parallel kernels (``run_inverse(c_lo, c_hi, segmented)`` and
+    ``run_scores(c_lo, c_hi, segmented, pdl)``, the launches of `triton_chunk.chunk_gated_delta_rule_fwd`), the
+    summaries, the scan, the output chain (``state_kernel``, `triton_chunk._chunk_state_kernel`) over every segment
+    at once. ``by_segment`` (one sequence): the inverse segment by segment, each segment's summary (on a GPU: on
+    ``side_stream``) as soon as its inverse is done (the module docstring). Every launch after the inverse is a
+    programmatic dependent launch on Hopper (`pdl.enabled`)."""
+    import torch
+
+    pdl = _pdl.enabled(q.device)
+    launch = dict(PDL=True, launch_pdl=True) if pdl else {}
+
+    seg_chunks = triton.cdiv(NC, segments)  # NC bounds every sequence's chunk count
+    NH = N * HV
+    sbv, swarps, sstages = summary_config(NH, config[0])
+    n_vb, n_mb = triton.cdiv(V, sbv), triton.cdiv(BK, sbv)
+    W = (n_vb + n_mb) * sbv
+    starts = q.new_empty((segments, NH, K, V), dtype=torch.float32)
+    # Never read with one segment: no segment follows the first.
+    summary = q.new_empty((segments - 1, NH, BK, W), dtype=torch.float32) if segments > 1 else starts
+
+    def summarize(seg0, count):
+        _segment_summary_kernel[(n_vb + n_mb, NH, count)](
+            k, v, A, R, G, summary, cu, chunk_offsets, seg_chunks, seg0, H, HV, K=K, V=V, BK=BK, BV=sbv,
+            num_warps=swarps, num_stages=sstages, **launch)
+
+    if by_segment and BY_SEGMENT and segments > 1:
+        # One sequence: table row i is chunk i, so a segment's inverse is a run of rows. On a GPU, segment j's
+        # summary waits for segment j's inverse only; the caller's stream waits for every summary before the
+        # scan, so every tensor made here is reused only after the side stream is done with it. (Elsewhere
+        # the same launches run in order on one device, which is how CI's interpreter checks them.)
+        gpu = q.device.type == "cuda"
+        cur = torch.cuda.current_stream(q.device) if gpu else None
+        side = side_stream
+        for j in range(segments):
+            lo, hi = j * seg_chunks, min((j + 1) * seg_chunks, NC)
+            if lo < hi:
+                run_inverse(lo, hi, True)
+            if j < segments - 1:
+                if gpu:
+                    done = torch.cuda.Event()
+                    done.record(cur)
+                with torch.cuda.stream(side) if gpu else contextlib.nullcontext():
+                    if gpu:
+                        side.wait_event(done)
+                    summarize(j, 1)
+        run_scores(0, NC, False, False)
+        if gpu:
+            cur.wait_stream(side)
+    else:
+        run_inverse(0, NC, False)
+        run_scores(0, NC, False, pdl)
+        if segments > 1:
+            summarize(0, segments - 1)
+    _segment_scan_kernel[(triton.cdiv(V, SCAN_BV), NH)](
+        summary, h0, starts, *strides, segments, NH, W, n_vb * sbv, K=K, V=V, BK=BK, BV=SCAN_BV,
+        SLAB=min(SCAN_SLAB, BK), HAS_H_IN=h0 is not None, WHOLE_M=SCAN_WHOLE_M,
+        PREC=SCAN_PRECISION, num_warps=8 if SCAN_WHOLE_M else 4, num_stages=1, **launch)
+    bv, warps, stages = config
+    state_kernel[(triton.cdiv(V, bv), NH, segments)](
+        q, k, v, A, P, R, G, o, starts, final, cu, chunk_offsets, 0, seg_chunks, V, 1, *strides, H, HV,
+        WORK_LOG2=work_log2, K=K, V=V, BK=BK, BV=bv, HAS_H_IN=True, HAS_H_OUT=final is not None,
+        SEGMENTED=False, SCORES_IN=scores_in, SCAN=True, num_warps=warps, num_stages=stages, **launch)

@@ -1,0 +1,31 @@
+"""Programmatic dependent launch (PDL) between the kernels of one call.
+
+A kernel launched with PDL (`launch_pdl=True`) on Hopper may be placed on the SMs while the kernel before it in the
+stream is still finishing, instead of after it has drained; `wait` (griddepcontrol.wait), the first thing such a
+kernel does, blocks until that kernel has completed and its writes are visible. So the launch latency and the
+previous kernel's tail overlap, and nothing is read or written early. Only launches after a call's first kernel use
+it: the first waits in full for whatever the caller queued before it (the previous layer's output).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+# Off: every launch waits for the previous kernel to drain, as a plain launch does (a probe's A/B switch).
+ENABLED = True
+
+
+def enabled(device) -> bool:
+    """Whether launches on ``device`` (a torch device) use PDL: a Hopper or later GPU, and `ENABLED`."""
+    import torch
+
+    return ENABLED and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """The first statement of a kernel that may be launched with PDL: without it (PDL False) nothing."""
+    if PDL:
+        gdc_wait()
