@@ -84,7 +84,7 @@ def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks:
     state columns, the summary at BV=32, no programmatic dependent launches), the plan without PDL (`pdl`), with the
     scan as before, and with the summary at BV=64. For the other plans (397B-shaped heads, one prompt, serial at
     BV=64, one chain program per SM): that config pipelined over two or four segments, scanned over two, and the
-    batch plan's Gluon chain. Earlier variants (by segment, stacked inverse, whole M, eight segments at BV=32):
+    batch plan's Gluon chain, and the plan without PDL. Earlier variants (by segment, stacked inverse, whole M, eight segments at BV=32):
     git history and benchmarks/gdn/README.md."""
     fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
     out = [Variant(name="plan"),
@@ -103,6 +103,7 @@ def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks:
                 Variant(name="plan, summary (64,4,3)", summary=(64, 4, 3), **fixed)]
     else:
         wide = dict(schedule=SCAN, form=SCORES, config=(64, 4, 3))
+        out += [Variant(name="plan, no PDL", pdl=False, schedule=plan.schedule, form=plan.form, config=plan.config)]
         out += [Variant(name=f"pipelined scores (64,4,3) x{n}", schedule=PIPELINED, form=SCORES, config=(64, 4, 3),
                         segments=n) for n in (2, 4)]
         out += [Variant(name="scan (64,4,3) x2", segments=2, **wide),

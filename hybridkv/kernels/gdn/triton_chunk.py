@@ -356,6 +356,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
 
     group = inverse.group_for(H, HV)
     bkc = min(inverse.bkc, BK)
+    # The scores and a fixed-config state kernel start as the kernel before them drains (`pdl`); the inverse, first,
+    # waits in full for what the caller queued.
+    pdl = on_gpu and _pdl.enabled(q.device)
 
     def run_inverse(c_lo, c_hi, segmented):
         # One sequence: its segment is a run of table rows; several: every row, the others return.
@@ -388,7 +391,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
 
     def run_parallel(c_lo, c_hi):
         run_inverse(c_lo, c_hi, len(bounds) > 1)
-        run_scores(c_lo, c_hi, len(bounds) > 1)
+        run_scores(c_lo, c_hi, len(bounds) > 1, pdl)
 
     def state(j, c_lo, c_hi):
         first, last = j == 0, j == len(bounds) - 1
@@ -413,6 +416,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             tuned[lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)](*args, **kw)
         else:
             bv, warps, stages = config
+            if pdl and fixed is _chunk_state_kernel:
+                kw.update(PDL=True, launch_pdl=True)
             fixed[(triton.cdiv(V, bv), N * HV)](*args, **kw, BV=bv, num_warps=warps, num_stages=stages)
 
     if schedule is Schedule.SCAN:
