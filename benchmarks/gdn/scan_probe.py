@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -82,10 +83,11 @@ def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks:
     """The plan and the pipelined schedule it replaced; for a scanned plan, also: the plan as shipped before
     2026-12-03 ("before": BV=64 only where BV=32 left room for fewer than four segments, the scan in tf32x3 at 32
     state columns, the summary at BV=32, no programmatic dependent launches), the plan without PDL (`pdl`), with the
-    scan as before, and with the summary at BV=64. For the other plans (397B-shaped heads, one prompt, serial at
-    BV=64, one chain program per SM): that config pipelined over two or four segments, scanned over two, and the
-    batch plan's Gluon chain, and the plan without PDL. Earlier variants (by segment, stacked inverse, whole M, eight segments at BV=32):
-    git history and benchmarks/gdn/README.md."""
+    scan as before, and with the summary at BV=64. For the other plans: without PDL, and where the plan is the
+    prompt's Gluon chain (397B-shaped heads, one prompt, serial at BV=64 in the scores form), the Triton chain it
+    replaced ("before"), its synchronous variant (overlap 0) and the batch plan's chain (fused, making its own scores).
+    Earlier variants (by segment, stacked inverse, whole M, eight segments at BV=32, pipelined and scanned 397B
+    prompts): git history and benchmarks/gdn/README.md."""
     fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
     out = [Variant(name="plan"),
            Variant(name="pipelined scores (32,4,3) x2", schedule=PIPELINED, form=SCORES, config=(32, 4, 3),
@@ -102,13 +104,15 @@ def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks:
                 Variant(name="plan, scan tf32x3 BV32", scan_prec="tf32x3", scan_bv=32, **fixed),
                 Variant(name="plan, summary (64,4,3)", summary=(64, 4, 3), **fixed)]
     else:
-        wide = dict(schedule=SCAN, form=SCORES, config=(64, 4, 3))
-        out += [Variant(name="plan, no PDL", pdl=False, schedule=plan.schedule, form=plan.form, config=plan.config)]
-        out += [Variant(name=f"pipelined scores (64,4,3) x{n}", schedule=PIPELINED, form=SCORES, config=(64, 4, 3),
-                        segments=n) for n in (2, 4)]
-        out += [Variant(name="scan (64,4,3) x2", segments=2, **wide),
-                Variant(name="serial fused, batch Gluon chain", schedule=triton_chunk.Schedule.SERIAL, form=FUSED,
-                        gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)]
+        out += [Variant(name="plan, no PDL", pdl=False, schedule=plan.schedule, form=plan.form, config=plan.config,
+                        gluon_chain=plan.gluon_chain)]
+        if plan.gluon_chain is not None:
+            out += [Variant(name="before: the Triton chain", schedule=plan.schedule, form=plan.form,
+                            config=plan.config),
+                    Variant(name="plan, Gluon chain overlap 0", schedule=plan.schedule, form=plan.form,
+                            config=plan.config, gluon_chain=dataclasses.replace(plan.gluon_chain, overlap=0)),
+                    Variant(name="serial fused, batch Gluon chain", schedule=triton_chunk.Schedule.SERIAL, form=FUSED,
+                            gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)]
     return out
 
 
@@ -122,8 +126,9 @@ def main() -> int:
         with bench_rows._fp32_matmuls():
             o_ref, s_ref = reference.chunk_reference(q, k, v.float(), g, beta, 128**-0.5, None, True, cu, True)
         sms = triton_chunk._sm_count(q.device.index)
-        plan = chunk_plan.plan(1, HV, 128, 128, sms, T // 64)
-        print(f"{label}: plan {plan.form.value} {plan.schedule.value} {plan.config}", flush=True)
+        plan = triton_chunk._call_plan(q, k, v, 1, HV, 128, 128, T // 64, None)  # the Gluon chain where it can
+        print(f"{label}: plan {plan.form.value} {plan.schedule.value} {plan.config} {plan.gluon_chain or ''}",
+              flush=True)
         segments = chunk_plan.scan_segments(triton.cdiv(128, (plan.config or (32,))[0]) * HV, sms, T // 64)
         calls = {}
         for var in variants(plan, segments, HV, sms, T // 64):

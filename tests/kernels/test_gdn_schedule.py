@@ -42,13 +42,21 @@ def test_batches_the_triton_chain_would_take_autotuned_run_the_gluon_chain_where
 
 
 @pytest.mark.parametrize(("N", "HV", "chunks", "form"), [
-    (1, 64, 128, None), (1, 132, 128, None), (1, 8, 128, None),  # one prompt keeps its plan
+    (1, 132, 128, None), (1, 8, 128, None), (1, 32, 128, None),  # prompts planned other than serial at BV=64
     (2, 16, 128, None), (33, 1, 128, None),  # pipelined batches too
     (4, 32, chunk_plan.PIPELINE_MIN_CHUNKS - 1, None),  # short batches: not measured
     (4, 32, 128, tc.Form.SPLIT), (4, 32, 128, SCORES),  # a form the caller fixed: the Gluon chain is fused only
 ])
-def test_the_gluon_chain_is_planned_for_long_fused_batches_only(N, HV, chunks, form):
+def test_the_gluon_chain_is_planned_for_long_fused_batches_and_serial_prompts_only(N, HV, chunks, form):
     assert chunk_plan.plan(N, HV, 128, 128, 132, chunks, form=form, gluon=True).gluon_chain is None
+
+
+def test_a_prompt_of_many_value_heads_runs_its_scores_form_on_the_gluon_chain_where_it_can():
+    """397B-shaped heads, one prompt: serial at BV=64 in the scores form, the chain in Gluon loading P."""
+    p = chunk_plan.plan(1, 64, 128, 128, 132, 128, gluon=True)
+    assert p == chunk_plan.Plan(form=SCORES, schedule=SERIAL, config=chunk_plan.ONE_PER_SM_CONFIG,
+                                gluon_chain=chunk_plan.PROMPT_GLUON_CHAIN)
+    assert chunk_plan.plan(1, 64, 128, 128, 132, 128).gluon_chain is None
 
 
 def test_four_byte_inputs_pipeline_at_two_stages_and_skip_the_bv64_plan():
@@ -205,15 +213,14 @@ def test_the_default_inverse_is_the_gluon_kernel_on_hopper_only(device, capabili
 
 @pytest.mark.parametrize(("change", "fits"), [
     ({}, True),
-    ({"N": 1}, False),  # one prompt keeps its own plans
     ({"capability": (8, 0)}, False), ({"capability": (10, 0)}, False), ({"capability": None}, False),  # wgmma: sm_90
     ({"dtype": "torch.float16"}, False), ({"dtype": "torch.float32"}, False),  # its TMA boxes and GEMMs are bf16
     ({"K": 64}, False), ({"V": 256}, False),  # written for K = V = 128
-    ({"form": FUSED}, True), ({"form": SCORES}, False), ({"form": tc.Form.SPLIT}, False),  # it makes its own scores
+    ({"form": FUSED}, True), ({"form": SCORES}, True), ({"form": tc.Form.SPLIT}, False),  # it takes no W/U
     ({"gluon_ready": False}, False),
 ])
-def test_only_long_bf16_batches_on_hopper_may_be_planned_onto_the_gluon_chain(change, fits):
-    base = dict(N=4, capability=(9, 0), dtype="torch.bfloat16", K=128, V=128, form=None, gluon_ready=True)
+def test_only_bf16_calls_on_hopper_may_be_planned_onto_the_gluon_chain(change, fits):
+    base = dict(capability=(9, 0), dtype="torch.bfloat16", K=128, V=128, form=None, gluon_ready=True)
     assert chunk_plan.gluon_chain_fits(**{**base, **change}) is fits
 
 
@@ -256,10 +263,11 @@ def test_the_gluon_chain_is_refused_where_it_cannot_run():
     g, beta = torch.zeros(1, 64, 2), torch.zeros(1, 64, 2)
     args = (q, q, v, g, beta, 1.0, None, False, None, True, False)
     chain = tc.GluonChain()
-    with pytest.raises(ValueError, match="the Gluon chain runs serial calls of the fused form, got schedule pipelined"):
+    with pytest.raises(ValueError,
+                       match="the Gluon chain runs serial calls of the fused or scores form, got schedule pipelined"):
         tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=chain, schedule=PIPELINED, config=(32, 4, 3))
-    with pytest.raises(ValueError, match="got schedule serial and form scores"):
-        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=chain, form=SCORES)
+    with pytest.raises(ValueError, match="got schedule serial and form split"):
+        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=chain, form=tc.Form.SPLIT)
     with pytest.raises(ValueError, match="the Gluon chain runs on a CUDA GPU only, got q on cpu"):
         tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=tc.GluonChain(overlap=1, rows=64))
     with pytest.raises(ValueError, match="gluon_chain must be a GluonChain or None, got True"):

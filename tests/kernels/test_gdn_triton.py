@@ -277,6 +277,43 @@ def test_gluon_chain_variants_equal_the_synchronous_whole_state_chain(lens, H, H
     assert torch.equal(o_vf, o) and torch.equal(st_vf, st.transpose(-1, -2))
 
 
+@pytest.mark.parametrize(("overlap", "rows"), [(0, 64), (1, 64), (0, 128)])
+@pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
+    pytest.param([150, 64, 1000, 7], 2, 8, None, id="varlen-ragged"),
+    pytest.param([8192], 16, 64, None, id="397B-1x8192"),
+])
+def test_gluon_chain_loading_the_scores_equals_the_triton_scores_chain(lens, H, HV, batch, overlap, rows):
+    """The scores form on the Gluon chain (`chunk_plan.PROMPT_GLUON_CHAIN`'s kernel: P from the scores kernel by TMA,
+    SCORES_IN): against the Triton chain of the same form, the Gluon chain that makes its own scores, and the
+    reference where it is cheap; from an initial state, V-first too. Ragged sequences: an inf in the next sequence's
+    first rows reaches neither this sequence's o nor its state."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=13, slow=True)
+    N = batch or len(lens)
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    call = (q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
+    chain = triton_chunk.GluonChain(overlap=overlap, rows=rows)
+    scores = dict(form=triton_chunk.Form.SCORES, schedule=triton_chunk.Schedule.SERIAL)
+    o, st = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=chain, **scores)
+    o_tri, st_tri = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, config=(64, 4, 3), **scores)
+    assert rel_err(o, o_tri) < 1e-2 and rel_err(st, st_tri) < 1e-2
+    o_own, st_own = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=chain)
+    assert rel_err(o, o_own) < 1e-2 and rel_err(st, st_own) < 1e-2
+    if sum(lens) * (batch or 1) <= 4096:
+        o_ref, st_ref = ref.chunk_reference(*call)
+        assert rel_err(o, o_ref) < 2e-2 and rel_err(st, st_ref) < 2e-2
+    h0_vf = h0.transpose(-1, -2).contiguous()
+    o_vf, st_vf = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0_vf, True, cu, True, True,
+                                                          gluon_chain=chain, **scores)
+    assert torch.equal(o_vf, o) and torch.equal(st_vf, st.transpose(-1, -2))
+    if batch is None and len(lens) > 1:
+        for x in (q, k, v):
+            x[0, lens[0]:lens[0] + 2] = float("inf")
+        o_inf, st_inf = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=chain, **scores)
+        assert torch.equal(o_inf[0, :lens[0]], o[0, :lens[0]]) and torch.equal(st_inf[0], st[0])
+
+
 def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
     """`default_inverse`: on an sm_90 GPU with bf16 inputs a plain call (the engines' path) launches the Gluon
     inverse, in every schedule the plan picks (serial batches, pipelined and scanned single prompts); elsewhere the
@@ -295,10 +332,11 @@ def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
         assert not torch.isnan(o).any()
 
 
-def test_a_plain_batched_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch):
-    """`chunk_plan.BATCH_GLUON_CHAIN`: on an sm_90 GPU a plain call of several long bf16 sequences launches the Gluon
-    chain as planned and gives what an explicit call with that chain gives (whose numerics the chain tests check
-    against the reference); one prompt, fp16, and other GPUs do not launch it."""
+def test_a_plain_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch):
+    """`chunk_plan.BATCH_GLUON_CHAIN` and `PROMPT_GLUON_CHAIN`: on an sm_90 GPU a plain call of several long bf16
+    sequences, or of one prompt of 397B-shaped heads, launches the Gluon chain as planned (the prompt's with the scores
+    kernel's P) and gives what an explicit call with that chain gives (whose numerics the chain tests check against the
+    reference); fp16 and other GPUs do not launch it."""
     from hybridkv.kernels.gdn import chunk_plan, gluon_chunk_chain, triton_chunk
 
     launched = []
@@ -307,7 +345,7 @@ def test_a_plain_batched_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch
     hopper = torch.cuda.get_device_capability()[0] == 9
     # A batch, one prompt, and a batch the chain cannot take (fp16: its TMA boxes and GEMMs are bf16), which runs
     # the Triton chain instead of failing.
-    for lens, batch, dtype, planned in (([2048], 4, torch.bfloat16, hopper), ([8192], None, torch.bfloat16, False),
+    for lens, batch, dtype, planned in (([2048], 4, torch.bfloat16, hopper), ([8192], None, torch.bfloat16, hopper),
                                         ([2048], 4, torch.float16, False)):
         launched.clear()
         q, k, v, g, beta, cu = make(lens, 16, 64, batch=batch, seed=12, dtype=dtype)
@@ -316,11 +354,14 @@ def test_a_plain_batched_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch
         assert bool(launched) == planned, (lens, batch, dtype, launched)
         assert torch.isfinite(o).all() and torch.isfinite(st).all()
         if planned:
-            chain = chunk_plan.BATCH_GLUON_CHAIN
+            prompt = batch is None
+            chain = chunk_plan.PROMPT_GLUON_CHAIN if prompt else chunk_plan.BATCH_GLUON_CHAIN
             assert (launched[0]["rows"], launched[0]["overlap"], launched[0]["staged_scales"]) == (
                 chain.rows, chain.overlap, chain.staged_scales)
+            assert (launched[0]["P"] is not None) == prompt
+            form = dict(form=triton_chunk.Form.SCORES, schedule=triton_chunk.Schedule.SERIAL) if prompt else {}
             o1, st1 = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
-                                                              False, gluon_chain=chain)
+                                                              False, gluon_chain=chain, **form)
             assert torch.equal(o, o1) and torch.equal(st, st1)
 
 

@@ -102,6 +102,9 @@ SCAN_WIDE_CONFIG = (64, 4, 3)
 # every shape measured (also one prompt: 397B 1x8192 476 -> 402), but single prompts keep their own plans below,
 # which beat both.
 BATCH_GLUON_CHAIN = GluonChain(rows=64, overlap=1)
+# The chain of one prompt planned serial at ONE_PER_SM_CONFIG (397B-shaped heads), where the Gluon chain can run it:
+# the same half-state program, fed the scores kernel's P by TMA (scores form) instead of making them on the chain.
+PROMPT_GLUON_CHAIN = GluonChain(rows=64, overlap=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,15 +118,16 @@ class Plan:
     gluon_chain: GluonChain | None = None
 
 
-def gluon_chain_fits(*, N: int, capability: tuple[int, int] | None, dtype: str, K: int, V: int,
-                     form: Form | None, gluon_ready: bool) -> bool:
+def gluon_chain_fits(*, capability: tuple[int, int] | None, dtype: str, K: int, V: int, form: Form | None,
+                     gluon_ready: bool) -> bool:
     """Whether a call may be planned onto the Gluon chain, before its tensors are asked (`gluon_chunk_chain.refusal`:
-    alignment, 32-bit row count): several sequences (only batches are planned onto it), a Hopper GPU (wgmma), bf16
-    inputs with K = V = 128 (what it is written for), a form the caller left open or fused (it makes its own scores),
-    and a Triton whose Gluon has what its kernels use (``gluon_ready``). ``dtype``: q's, as ``str(torch dtype)``;
-    ``capability``: the device's (major, minor), None off a GPU."""
-    return (N > 1 and capability is not None and capability[0] == 9 and dtype == "torch.bfloat16"
-            and (K, V) == (128, 128) and form in (None, Form.FUSED) and gluon_ready)
+    alignment, 32-bit row count): a Hopper GPU (wgmma), bf16 inputs with K = V = 128 (what it is written for), a form
+    the caller left open, fused or scores (it makes the scores itself or loads them; the split form's W/U it does not
+    take), and a Triton whose Gluon has what its kernels use (``gluon_ready``). Which calls it is then planned for is
+    `plan`'s rule. ``dtype``: q's, as ``str(torch dtype)``; ``capability``: the device's (major, minor), None off a
+    GPU."""
+    return (capability is not None and capability[0] == 9 and dtype == "torch.bfloat16"
+            and (K, V) == (128, 128) and form in (None, Form.FUSED, Form.SCORES) and gluon_ready)
 
 
 def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int = 2,
@@ -135,8 +139,8 @@ def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int =
     SCAN_WIDE_CONFIG where BV=32 leaves room for fewer than SCAN_MAX_SEGMENTS segments per wave (2-byte inputs).
     Where BV=32 gives no more chain programs than SMs (few sequences and value heads) and the call has
     PIPELINE_MIN_CHUNKS chunk rows, it is pipelined at PIPELINE_CONFIG. One sequence takes the scores
-    form, there and where only BV=64 gives that few programs (397B: serial at ONE_PER_SM_CONFIG); several
-    keep the fused form (their chain is not the whole call, see the module docstring). Elsewhere, and for short
+    form, there and where only BV=64 gives that few programs (397B: serial at ONE_PER_SM_CONFIG, and on
+    PROMPT_GLUON_CHAIN where ``gluon`` says the Gluon chain can run the call); several keep the fused form (their chain is not the whole call, see the module docstring). Elsewhere, and for short
     prompts, the fused form autotuned; but where ``gluon`` says the Gluon chain can run the call, several sequences
     that would take the fused form autotuned run on BATCH_GLUON_CHAIN instead (serial, fused). The fixed configs
     were tuned for, and fit shared memory at, K = 128 only, so larger key heads are autotuned (which skips configs
@@ -158,7 +162,8 @@ def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int =
         return Plan(form=Form.SCORES if scores else form or Form.FUSED, schedule=Schedule.PIPELINED,
                     config=(bv, warps, stages if itemsize <= 2 else min(stages, 2)))
     if scores and itemsize <= 2 and _cdiv(V, 64) * N * HV <= sms:
-        return Plan(form=Form.SCORES, schedule=Schedule.SERIAL, config=ONE_PER_SM_CONFIG)
+        return Plan(form=Form.SCORES, schedule=Schedule.SERIAL, config=ONE_PER_SM_CONFIG,
+                    gluon_chain=PROMPT_GLUON_CHAIN if gluon else None)
     if gluon and N > 1 and autotuned.form is Form.FUSED:
         return Plan(form=Form.FUSED, schedule=Schedule.SERIAL, config=None, gluon_chain=BATCH_GLUON_CHAIN)
     return autotuned

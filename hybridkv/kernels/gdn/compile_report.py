@@ -289,16 +289,22 @@ def _specs() -> list[KernelSpec]:
                            "v_desc": f"tensordesc<bf16[64, {bv}],{tile}>",
                            "a_desc": f"tensordesc<bf16[64, 64],{tile}>",
                            "r_desc": f"tensordesc<fp32[8, 64],{rows}>",
+                           "p_desc": f"tensordesc<bf16[64, 64],{tile}>",
                            "R": "*fp32", "G": "*fp32", "o": "*bf16", "h_in": "*fp32", "h_out": "*fp32",
                            "cu_seqlens": "*i32", "chunk_offsets": "*i32", "stride_ik": "i32", "stride_iv": "i32",
                            "stride_ok": "i32", "stride_ov": "i32", "H": "i32", "HV": "i32"},
                 constants={"K": D, "V": D, "BV": bv}, aligned=("H", "HV"), gluon=True, archs=(Arch.HOPPER,),
                 launches=tuple(Launch(label=(f"overlap={overlap}" if overlap else "default")
-                                      + (" staged" if staged else ""), num_warps=bv // 16,
-                                      # Unstaged, `launch` passes no descriptor of R (a None constexpr).
+                                      + (" staged" if staged else "") + (" scores" if scores else ""),
+                                      num_warps=bv // 16,
+                                      # `launch` passes no descriptor of R unstaged, nor of P without the scores form
+                                      # (None constexprs).
                                       constants={"HAS_H_IN": True, "HAS_H_OUT": True, "OVERLAP": overlap,
-                                                 "STAGED_SCALES": staged, **({} if staged else {"r_desc": None})})
-                               for overlap in (0, 1, 2) for staged in (False, True)),
+                                                 "STAGED_SCALES": staged, "SCORES_IN": scores,
+                                                 **({} if staged else {"r_desc": None}),
+                                                 **({} if scores else {"p_desc": None})})
+                               for overlap in (0, 1, 2) for staged in (False, True) for scores in (False, True)
+                               if not (scores and (overlap == 2 or staged))),
             ))
     return specs
 

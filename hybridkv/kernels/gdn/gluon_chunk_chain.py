@@ -33,8 +33,11 @@ What differs from the Triton chain, and why:
   overlap there; at BV = 64: 249 and no spill, 255 and 48 B). The same products, so the same results as the
   synchronous kernel (a review of the BV = 128 SASS found no register of an unfinished wgmma written, 2026-12-02).
 
+- SCORES_IN (the scores form, `triton_chunk.Form.SCORES`): P made by the scores kernel arrives by TMA with the
+  chunk's tiles instead of being made on the chain.
+
 Not here (yet): no warp is specialised (FlashInfer's loader and inverse warpgroups); segments (pipelined or scan
-schedules) and the scores or split forms are refused (`triton_chunk.chunk_gated_delta_rule_fwd`).
+schedules) and the split form are refused (`triton_chunk.chunk_gated_delta_rule_fwd`).
 """
 
 from __future__ import annotations
@@ -82,18 +85,21 @@ def _ld(bv):
 
 
 @gluon.jit
-def _issue(q_desc, k_desc, v_desc, a_desc, r_desc, bars, qs, ks, vs, as_, rs, stage, t0, i_ch, i_h, v0,
-           K: gl.constexpr, BV: gl.constexpr, STAGED_SCALES: gl.constexpr):
-    """Start the TMA copies of one chunk's q, k, its BV columns of v (from column v0), T and (STAGED_SCALES) its row
-    scales into buffer ``stage``; its barrier completes with them."""
+def _issue(q_desc, k_desc, v_desc, a_desc, r_desc, p_desc, bars, qs, ks, vs, as_, rs, ps, stage, t0, i_ch, i_h, v0,
+           K: gl.constexpr, BV: gl.constexpr, STAGED_SCALES: gl.constexpr, SCORES_IN: gl.constexpr):
+    """Start the TMA copies of one chunk's q, k, its BV columns of v (from column v0), T, (STAGED_SCALES) its row
+    scales and (SCORES_IN) its masked scores into buffer ``stage``; its barrier completes with them."""
     bar = bars.index(stage)
-    mbarrier.expect(bar, 2 * BT * K * 2 + BT * BV * 2 + BT * BT * 2 + (8 * BT * 4 if STAGED_SCALES else 0))
+    mbarrier.expect(bar, 2 * BT * K * 2 + BT * BV * 2 + BT * BT * 2 + (8 * BT * 4 if STAGED_SCALES else 0)
+                    + (BT * BT * 2 if SCORES_IN else 0))
     tma.async_copy_global_to_shared(q_desc, [t0, i_h * K], bar, qs.index(stage))
     tma.async_copy_global_to_shared(k_desc, [t0, i_h * K], bar, ks.index(stage))
     tma.async_copy_global_to_shared(v_desc, [t0, v0], bar, vs.index(stage))
     tma.async_copy_global_to_shared(a_desc, [i_ch * BT, 0], bar, as_.index(stage))
     if STAGED_SCALES:
         tma.async_copy_global_to_shared(r_desc, [i_ch * 8, 0], bar, rs.index(stage))
+    if SCORES_IN:
+        tma.async_copy_global_to_shared(p_desc, [i_ch * BT, 0], bar, ps.index(stage))
 
 
 @gluon.jit
@@ -117,10 +123,10 @@ def _zero_rows_past(tile, row0, T, LD: gl.constexpr):
 
 
 @gluon.jit
-def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, r_desc, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets,
-                        stride_ik, stride_iv, stride_ok, stride_ov, H, HV, K: gl.constexpr, V: gl.constexpr,
-                        HAS_H_IN: gl.constexpr, HAS_H_OUT: gl.constexpr, OVERLAP: gl.constexpr = 0,
-                        BV: gl.constexpr = 128, STAGED_SCALES: gl.constexpr = False):
+def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, r_desc, p_desc, R, G, o, h_in, h_out, cu_seqlens,
+                        chunk_offsets, stride_ik, stride_iv, stride_ok, stride_ov, H, HV, K: gl.constexpr,
+                        V: gl.constexpr, HAS_H_IN: gl.constexpr, HAS_H_OUT: gl.constexpr, OVERLAP: gl.constexpr = 0,
+                        BV: gl.constexpr = 128, STAGED_SCALES: gl.constexpr = False, SCORES_IN: gl.constexpr = False):
     """The chain of BV value rows of one (sequence, value head)'s state: grid (N * HV * V // BV,), `warps_for(BV)`
     warps (BV = V = 128: the whole state, eight warps; BV = 64: half, four warps, twice the programs, each loading q,
     k and T and making the scores for itself). Inputs as `_chunk_state_kernel`'s (A, R, G from the inverse kernel; q,
@@ -131,7 +137,11 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, r_desc, R, G, o, h_in, h
     Rows of a box past the sequence's end belong to the next sequence (TMA zero-fills only past the tensor), whose
     values may be anything, inf included: k's and v's rows there are zeroed in the last chunk (the row scales there
     are zero and the inverse made T the identity there, so y's and v_new's columns are exactly zero), the scores'
-    are masked by a select, and o's stores are masked; q's rows there reach only o's unstored columns."""
+    are masked by a select, and o's stores are masked; q's rows there reach only o's unstored columns.
+
+    SCORES_IN (`triton_chunk.Form.SCORES`): the masked scores come from P `[NC * HV * 64, 64]` (the scores kernel's,
+    zero past the sequence's end), by TMA with the chunk's tiles, two buffers deep, instead of a wgmma and the
+    decays here: one wgmma and 4,096 exponentials fewer per chunk on the chain."""
     ACC: gl.constexpr = _acc(BV, K)
     ACC64: gl.constexpr = _acc(BV, BT)
     QK: gl.constexpr = _qk(BV)
@@ -159,7 +169,8 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, r_desc, R, G, o, h_in, h
     vs = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BV], _SW)
     as_ = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], _SW)  # T [i, j]
     rs = gl.allocate_shared_memory(gl.float32, [2 if STAGED_SCALES else 1, 8, BT], _ROWS)  # row scales
-    smem_p = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], _SW)  # the masked scores P [i, j]
+    # The masked scores P [i, j]: made here into one buffer, or (SCORES_IN) copied into two with the tiles.
+    ps = gl.allocate_shared_memory(gl.bfloat16, [2 if SCORES_IN else 1, BT, BT], _SW)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bars.index(0), count=1)
     mbarrier.init(bars.index(1), count=1)
@@ -173,26 +184,27 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, r_desc, R, G, o, h_in, h
     v0 = i_hv * V + i_v * BV
 
     if n_t > 0:
-        _issue(q_desc, k_desc, v_desc, a_desc, r_desc, bars, qs, ks, vs, as_, rs, 0, start, c_first * HV + i_hv, i_h,
-               v0, K, BV, STAGED_SCALES)
+        _issue(q_desc, k_desc, v_desc, a_desc, r_desc, p_desc, bars, qs, ks, vs, as_, rs, ps, 0, start,
+               c_first * HV + i_hv, i_h, v0, K, BV, STAGED_SCALES, SCORES_IN)
     for i_t in range(0, n_t):
         stage = i_t % 2
         i_ch = (c_first + i_t).to(gl.int64) * HV + i_hv
         if i_t + 1 < n_t:
             # The other buffer was read by the previous chunk's products: every warp is past them first.
             gl.thread_barrier()
-            _issue(q_desc, k_desc, v_desc, a_desc, r_desc, bars, qs, ks, vs, as_, rs, 1 - stage,
-                   start + (i_t + 1) * BT, (c_first + i_t + 1) * HV + i_hv, i_h, v0, K, BV, STAGED_SCALES)
+            _issue(q_desc, k_desc, v_desc, a_desc, r_desc, p_desc, bars, qs, ks, vs, as_, rs, ps, 1 - stage,
+                   start + (i_t + 1) * BT, (c_first + i_t + 1) * HV + i_hv, i_h, v0, K, BV, STAGED_SCALES, SCORES_IN)
         if not STAGED_SCALES:  # from global memory, issued before the wait for the tiles
             p_r = R + i_ch * (8 * BT)
             r_q = gl.load(p_r + tt)
             r_k = gl.load(p_r + 64 + tt)
             r_d = gl.load(p_r + 128 + tt)
             r_b = gl.load(p_r + 192 + tt)
-            c_i = gl.load(p_r + 256 + ii)
-            c_j = gl.load(p_r + 256 + jj)
-            sq_i = gl.load(p_r + 320 + ii)
-            rk_j = gl.load(p_r + 384 + jj)
+            if not SCORES_IN:
+                c_i = gl.load(p_r + 256 + ii)
+                c_j = gl.load(p_r + 256 + jj)
+                sq_i = gl.load(p_r + 320 + ii)
+                rk_j = gl.load(p_r + 384 + jj)
         e_last = gl.load(G + i_ch)
         # Every warpgroup has finished reading the previous chunk's P (its output wgmma) before this barrier, and this
         # chunk's P is stored after it. Triton's barrier pass would put one here anyway (for the mbarrier), but it counts
@@ -200,10 +212,12 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, r_desc, R, G, o, h_in, h
         gl.thread_barrier()
         mbarrier.wait(bars.index(stage), (i_t // 2) & 1)
         smem_q, smem_k, smem_v, smem_a = qs.index(stage), ks.index(stage), vs.index(stage), as_.index(stage)
+        smem_p = ps.index(stage) if SCORES_IN else ps.index(0)
         if STAGED_SCALES:  # arrived with the tiles; each row is read where it is used (registers are scarce)
             sr = rs.index(stage)
-            c_i, c_j = _row(sr, 4, gl.SliceLayout(1, QK)), _row(sr, 4, gl.SliceLayout(0, QK))
-            sq_i, rk_j = _row(sr, 5, gl.SliceLayout(1, QK)), _row(sr, 6, gl.SliceLayout(0, QK))
+            if not SCORES_IN:
+                c_i, c_j = _row(sr, 4, gl.SliceLayout(1, QK)), _row(sr, 4, gl.SliceLayout(0, QK))
+                sq_i, rk_j = _row(sr, 5, gl.SliceLayout(1, QK)), _row(sr, 6, gl.SliceLayout(0, QK))
         if (i_t + 1) * BT > T:
             # The last chunk runs past the sequence's end into the next sequence's rows, which may hold anything
             # (inf included). The row scales there are zero, but 0 * inf is NaN: those rows of k and v become zero
@@ -213,8 +227,9 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, r_desc, R, G, o, h_in, h
             fence_async_shared()
 
         # P = scale (q_i . k_j) rq_i rk_j e^(gamma_i - gamma_j) for j <= i (`triton_chunk_rows._masked_scores`).
-        decay = gl.exp(gl.where(causal, c_i[:, None] - c_j[None, :], 0.0))
-        row_scales = sq_i[:, None] * rk_j[None, :]
+        if not SCORES_IN:
+            decay = gl.exp(gl.where(causal, c_i[:, None] - c_j[None, :], 0.0))
+            row_scales = sq_i[:, None] * rk_j[None, :]
         # The chain, transposed: (k S)^T = S^T k^T and (q S)^T = S^T q^T with the state as the register operand;
         # v_new^T = y^T T^T; o^T = (q S)^T r_q + v_new^T P^T; S^T = e_last S^T + (v_new r_d)^T k. In this order so
         # that few [V, 64] tiles are alive at once (the state alone takes 64 registers a thread).
@@ -240,9 +255,10 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, r_desc, R, G, o, h_in, h
                                   is_async=True)
             qst, vnt, yt, s_op = warpgroup_mma_wait(num_outstanding=0, deps=(qst_t, vnt_t, yt, s_op))
         else:
-            qk = warpgroup_mma(smem_q, smem_k.permute([1, 0]), gl.zeros([BT, BT], gl.float32, layout=QK))
-            smem_p.store(gl.where(causal, qk * decay * row_scales, 0.0).to(gl.bfloat16))
-            fence_async_shared()
+            if not SCORES_IN:
+                qk = warpgroup_mma(smem_q, smem_k.permute([1, 0]), gl.zeros([BT, BT], gl.float32, layout=QK))
+                smem_p.store(gl.where(causal, qk * decay * row_scales, 0.0).to(gl.bfloat16))
+                fence_async_shared()
             s_op = gl.convert_layout(s.to(gl.bfloat16), a_op)
             kst = warpgroup_mma(s_op, smem_k.permute([1, 0]), gl.zeros([BV, BT], gl.float32, layout=ACC64))
             vt = smem_v.permute([1, 0]).load(ACC64).to(gl.float32)  # v^T [V, 64]
@@ -311,15 +327,19 @@ def addressing_refusal(q, k, v, t_rows: int) -> str | None:
 
 
 def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_in, strides_out, N: int,
-           overlap: int = 0, rows: int = 128, staged_scales: bool = False) -> None:
+           overlap: int = 0, rows: int = 128, staged_scales: bool = False, P=None) -> None:
     """`_gluon_chain_kernel` over every (sequence, value head) of a serial call (`triton_chunk`'s state call with its
     tensors; `refusal` has been asked); ``overlap``: 0, or its asynchronous-wgmma variants 1 and 2 (OVERLAP);
     ``rows``: the state's value rows per program (BV: 128, the whole state, or 64); ``staged_scales``: R by TMA with
-    the chunk's tiles (STAGED_SCALES)."""
+    the chunk's tiles (STAGED_SCALES); ``P``: the scores kernel's masked scores `[NC, HV, 64, 64]` bf16 (SCORES_IN),
+    None: made here."""
     if overlap not in (0, 1, 2):
         raise ValueError(f"overlap is 0, 1 or 2 (the kernel's OVERLAP), got {overlap!r}")
     if rows not in (64, 128):
         raise ValueError(f"rows is 64 or 128 (the state's value rows per program), got {rows!r}")
+    if P is not None and overlap == 2:
+        raise ValueError("overlap 2 puts the scores' wgmma in flight with two others; with the scores loaded (P) there "
+                         "is none: overlap 0 or 1")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     B, T, H, K = q.shape
@@ -331,9 +351,10 @@ def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_
 
     # R's descriptor only where the kernel reads R by TMA (None is a constexpr there: nothing is built per call).
     r_desc = desc(R, R.numel() // 64, 64, 64, 8, _ROWS.value) if staged_scales else None
+    p_desc = desc(P, P.numel() // 64, 64, 64) if P is not None else None
     _gluon_chain_kernel[(N * HV * (V // rows),)](
         desc(q, B * T, H * K, K), desc(k, B * T, H * K, K), desc(v, B * T, HV * V, rows),
-        desc(A, A.numel() // 64, 64, 64), r_desc, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, *strides_in,
-        *strides_out,
+        desc(A, A.numel() // 64, 64, 64), r_desc, p_desc, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets,
+        *strides_in, *strides_out,
         H, HV, K=K, V=V, HAS_H_IN=h_in is not None, HAS_H_OUT=h_out is not None, OVERLAP=overlap, BV=rows,
-        STAGED_SCALES=staged_scales, num_warps=warps_for(rows))
+        STAGED_SCALES=staged_scales, SCORES_IN=P is not None, num_warps=warps_for(rows))

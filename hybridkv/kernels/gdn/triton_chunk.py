@@ -247,7 +247,7 @@ def _call_plan(q, k, v, N: int, HV: int, K: int, V: int, NC: int, form: Form | N
     """The plan of a call on a GPU whose caller fixed neither schedule nor config: `chunk_plan.plan`, with the Gluon
     chain allowed where the shape rule (`gluon_chain_fits`, pure, so it is tested on CPU) and then the tensors
     (`gluon_chunk_chain.addressing_refusal`) say so; a refusal here is no error, the Triton chain runs."""
-    gluon = gluon_chain_fits(N=N, capability=_capability(q.device.index), dtype=str(q.dtype), K=K, V=V, form=form,
+    gluon = gluon_chain_fits(capability=_capability(q.device.index), dtype=str(q.dtype), K=K, V=V, form=form,
                              gluon_ready=gluon_ready())
     if gluon:
         from hybridkv.kernels.gdn import gluon_chunk_chain
@@ -276,9 +276,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     `chunk_plan.plan` picks the schedule, the config and (``form`` None) the form; otherwise None means SERIAL and
     FUSED. ``segments``: of a pipelined call (PIPELINE_SEGMENTS). ``inverse``: how the inverse kernel is
     launched (None: `default_inverse`, the Gluon kernel on Hopper). ``gluon_chain``: the chain in Gluon
-    (`gluon_chunk_chain`; serial calls of the fused form only: it makes its own scores), launched as the `GluonChain`
-    says; None: the plan's where the call is planned (`chunk_plan.BATCH_GLUON_CHAIN` for long bf16 batches on Hopper
-    that the Triton chain would run autotuned), else the Triton chain."""
+    (`gluon_chunk_chain`; serial calls of the fused form, where it makes the scores, or of the scores form, where it
+    loads them), launched as the `GluonChain` says; None: the plan's where the call is planned
+    (`chunk_plan.BATCH_GLUON_CHAIN` for long bf16 batches on Hopper that the Triton chain would run autotuned,
+    `chunk_plan.PROMPT_GLUON_CHAIN` for one prompt of many value heads), else the Triton chain."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > 256 or V > 256:
@@ -326,9 +327,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     if schedule is Schedule.SCAN and form is Form.SPLIT:
         raise ValueError("schedule scan runs the fused or scores form's state kernel; got form split")
     if gluon_chain is not None:
-        if schedule is not Schedule.SERIAL or form is not Form.FUSED:
-            raise ValueError(f"the Gluon chain runs serial calls of the fused form, got schedule {schedule.value} "
-                             f"and form {form.value}")
+        if schedule is not Schedule.SERIAL or form is Form.SPLIT:
+            raise ValueError(f"the Gluon chain runs serial calls of the fused or scores form, got schedule "
+                             f"{schedule.value} and form {form.value}")
         refused = None if chain_planned else _gluon_chain_refusal(q, k, v, NC * HV * BT)
         if refused is not None:
             raise ValueError(refused)
@@ -405,7 +406,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
 
             gluon_chunk_chain.launch(q, k, v, A, R, G, o, h_in, h_out, cu, chunk_offsets, s_in, s_out, N,
                                      overlap=gluon_chain.overlap, rows=gluon_chain.rows,
-                                     staged_scales=gluon_chain.staged_scales)
+                                     staged_scales=gluon_chain.staged_scales, P=P if form is Form.SCORES else None)
             return
         if form is Form.SPLIT:
             args, fixed, tuned = (k, WQ, UU, R, G, *tail), _chunk_chain_kernel, _chunk_chain_tuned
