@@ -140,7 +140,8 @@ def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int =
     Where BV=32 gives no more chain programs than SMs (few sequences and value heads) and the call has
     PIPELINE_MIN_CHUNKS chunk rows, it is pipelined at PIPELINE_CONFIG. One sequence takes the scores
     form, there and where only BV=64 gives that few programs (397B: serial at ONE_PER_SM_CONFIG, and on
-    PROMPT_GLUON_CHAIN where ``gluon`` says the Gluon chain can run the call); several keep the fused form (their chain is not the whole call, see the module docstring). Elsewhere, and for short
+    PROMPT_GLUON_CHAIN where ``gluon`` says the Gluon chain can run the call); several keep the fused form (their
+    chain is not the whole call, see the module docstring). Elsewhere, and for short
     prompts, the fused form autotuned; but where ``gluon`` says the Gluon chain can run the call, several sequences
     that would take the fused form autotuned run on BATCH_GLUON_CHAIN instead (serial, fused). The fixed configs
     were tuned for, and fit shared memory at, K = 128 only, so larger key heads are autotuned (which skips configs
