@@ -104,6 +104,8 @@ SCAN_WIDE_CONFIG = (64, 4, 3)
 BATCH_GLUON_CHAIN = GluonChain(rows=64, overlap=1)
 # The chain of one prompt planned serial at ONE_PER_SM_CONFIG (397B-shaped heads), where the Gluon chain can run it:
 # the same half-state program, fed the scores kernel's P by TMA (scores form) instead of making them on the chain.
+# H200, same run, against the Triton scores chain it replaced (results/scan_probe6_prompt_gluon_h200.txt): 397B
+# 1x8192 0.450 -> 0.435 ms, 1x32768 1.681 -> 1.638, the same error; at overlap 0, 0.444 and 1.670.
 PROMPT_GLUON_CHAIN = GluonChain(rows=64, overlap=1)
 
 

@@ -1,7 +1,8 @@
 """The state chain in Gluon, FlashInfer's way round (docs/background/gdn_peers.md section 1): one program per
 (sequence, value head) holding the whole state, and the state as the register operand of Hopper's wgmma. Run by
-`triton_chunk.chunk_gated_delta_rule_fwd(..., gluon_chain=GluonChain(...))` (serial calls), and planned for long bf16
-batches on Hopper at half the state per program (`chunk_plan.BATCH_GLUON_CHAIN`), beside the Triton chain
+`triton_chunk.chunk_gated_delta_rule_fwd(..., gluon_chain=GluonChain(...))` (serial calls), and planned on Hopper at
+half the state per program for long bf16 batches (`chunk_plan.BATCH_GLUON_CHAIN`) and for one prompt of 397B-shaped
+heads in the scores form (`chunk_plan.PROMPT_GLUON_CHAIN`), beside the Triton chain
 (`triton_chunk._chunk_state_kernel`, whose arithmetic and inputs it takes: the inverse kernel's A, R, G and raw q, k,
 v); Gluon has no CPU interpreter, so it is checked on a GPU only. On the H200 (2026-12-02, benchmarks/gdn/README.md)
 the whole-state variant is 3-6% faster than the Triton chain where the (sequence, value head) pairs fill the SMs
