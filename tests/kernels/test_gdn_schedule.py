@@ -292,3 +292,14 @@ def test_the_summaries_follow_a_wide_output_chain_where_heads_are_few():
     assert triton_chunk_scan.summary_config(8, p.config[0]) == wide == (64, 4, 3)
     assert triton_chunk_scan.summary_config(4, 32) == triton_chunk_scan.SUMMARY_FEW_HEADS_CONFIG
     assert triton_chunk_scan.summary_config(16, 64) == triton_chunk_scan.SUMMARY_MANY_HEADS
+
+
+def test_programmatic_dependent_launches_are_for_cuda_gpus_only(monkeypatch):
+    """`pdl.enabled`: never on the CPU (the interpreter runs the kernels' PDL branch off), and never when switched off
+    or when this Triton lacks griddepcontrol.wait."""
+    from hybridkv.kernels.gdn import pdl
+
+    assert not pdl.enabled(torch.device("cpu"))
+    assert pdl.gdc_wait is not None  # the pinned Triton has it: Hopper calls would otherwise lose it quietly
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert not pdl.enabled(torch.device("cuda", 0))  # decided before the device is asked

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # a Triton without it (older than 3.4) launches plainly: `enabled` says no
+    gdc_wait = None
 
 # Off: every launch waits for the previous kernel to drain, as a plain launch does (a probe's A/B switch).
 ENABLED = True
@@ -21,7 +25,8 @@ def enabled(device) -> bool:
     """Whether launches on ``device`` (a torch device) use PDL: a Hopper or later GPU, and `ENABLED`."""
     import torch
 
-    return ENABLED and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return (ENABLED and gdc_wait is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 @triton.jit
