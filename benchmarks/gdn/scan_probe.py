@@ -1,10 +1,9 @@
-"""Device probe for issue #23: the scan schedule (`triton_chunk_scan`) as planned, against the same plan
-with its summaries overlapping the inverse segment by segment (`BY_SEGMENT`) and against the pipelined
-schedule, on one long sequence with few value heads (TP-sharded); every variant's error against the fp32
-reference, and where a call's time goes (per-kernel device time, torch.profiler).
-The variants measured before (segment counts, state and summary configs): benchmarks/gdn/README.md.
+"""Device probe for issue #23: one long prompt's plan against what it replaced and its variants (`variants`): the
+scan schedule (`triton_chunk_scan`) for few value heads (TP-sharded), and the serial scores form on the Gluon chain for
+397B-shaped heads; every variant's error against the fp32 reference, and where the plan's and the fastest variant's
+time goes (per-kernel device time, torch.profiler). The variants measured before: benchmarks/gdn/README.md.
 
-    python -m benchmarks.gdn.scan_probe [--iters 10] [--json PATH] [--shapes TP8]
+    python -m benchmarks.gdn.scan_probe [--iters 10] [--json PATH] [--shapes "397B TP8 1x8192" "397B 1x8192"]
 
 Run from the repository root on a CUDA machine. Times are `bench gdn`'s: the median CUDA-event time of
 one call queued behind a spin, so the host's launch cost is hidden (and printed beside it).
