@@ -29,6 +29,12 @@ def enabled(device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+def launch_kwargs(on: bool) -> dict:
+    """What a launch of a kernel taking PDL (and calling `wait` with it) passes: the kernel's constexpr and Triton's
+    launch option, or nothing (a plain launch)."""
+    return {"PDL": True, "launch_pdl": True} if on else {}
+
+
 @triton.jit
 def wait(PDL: tl.constexpr):
     """The first statement of a kernel that may be launched with PDL: without it (PDL False) nothing."""

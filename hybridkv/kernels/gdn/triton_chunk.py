@@ -383,7 +383,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             _chunk_scores_kernel[(rows, HV // group)](q, k, R, P, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K,
                                                       BK=BK, GROUP=group, SEGMENTED=segmented,
                                                       num_warps=SCORES_WARPS, num_stages=1,
-                                                      **(dict(PDL=True, launch_pdl=True) if pdl else {}))
+                                                      **_pdl.launch_kwargs(pdl))
         if form is Form.SPLIT:
             bc = max(16, min(WU_COLUMNS, BK, triton.next_power_of_2(V)))  # tl.dot needs 16 columns
             grid = (rows, HV, 2 * triton.cdiv(max(K, V), bc))
@@ -417,8 +417,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             tuned[lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)](*args, **kw)
         else:
             bv, warps, stages = config
-            if pdl and fixed is _chunk_state_kernel:
-                kw.update(PDL=True, launch_pdl=True)
+            if fixed is _chunk_state_kernel:
+                kw.update(_pdl.launch_kwargs(pdl))
             fixed[(triton.cdiv(V, bv), N * HV)](*args, **kw, BV=bv, num_warps=warps, num_stages=stages)
 
     if schedule is Schedule.SCAN:
@@ -426,7 +426,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
 
         triton_chunk_scan.scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strides, cu,
                                     chunk_offsets, NC, N, H, HV, K, V, BK, segments, config, form is Form.SCORES,
-                                    work_log2, N == 1, state_kernel=_chunk_state_kernel,
+                                    work_log2, N == 1, pdl=pdl, state_kernel=_chunk_state_kernel,
                                     side_stream=_side_stream(q.device.index) if q.device.type == "cuda" else None)
         return o, final
     if len(bounds) == 1 or not on_gpu:

@@ -17,7 +17,7 @@ segments except one short scan:
    the identity and take no values (they end as M_seg, column c being M_seg e_c). Three GEMMs per chunk
    (no output), on V + K columns.
 2. `_segment_scan_kernel` walks the segments of one (sequence, value head, V block): S_0 = the initial
-   state, S_{j+1} = M_j S_j + B_j, in tf32x3 (about fp32; `SCAN_PRECISION`), writing each segment's start state.
+   state, S_{j+1} = M_j S_j + B_j, in `SCAN_PRECISION` (tf32), writing each segment's start state.
 3. The state kernel (`triton_chunk._chunk_state_kernel` with SCAN) runs every segment at once from its
    start state, writing o, and the last segment the final state.
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import triton
 import triton.language as tl
 
@@ -183,17 +184,14 @@ def _segment_scan_kernel(summary, h_in, starts, stride_ik, stride_iv, n_seg, NH,
 
 
 def scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, strides, cu, chunk_offsets, NC, N, H, HV,
-              K, V, BK, segments, config, scores_in, work_log2, by_segment, *, state_kernel, side_stream):
+              K, V, BK, segments, config, scores_in, work_log2, by_segment, *, pdl, state_kernel, side_stream):
     """This schedule's launches: the parallel kernels (``run_inverse(c_lo, c_hi, segmented)`` and
     ``run_scores(c_lo, c_hi, segmented, pdl)``, the launches of `triton_chunk.chunk_gated_delta_rule_fwd`), the
     summaries, the scan, the output chain (``state_kernel``, `triton_chunk._chunk_state_kernel`) over every segment
     at once. ``by_segment`` (one sequence): the inverse segment by segment, each segment's summary (on a GPU: on
-    ``side_stream``) as soon as its inverse is done (the module docstring). Every launch after the inverse is a
-    programmatic dependent launch on Hopper (`pdl.enabled`)."""
-    import torch
-
-    pdl = _pdl.enabled(q.device)
-    launch = dict(PDL=True, launch_pdl=True) if pdl else {}
+    ``side_stream``) as soon as its inverse is done (the module docstring). ``pdl`` (the caller's `pdl.enabled`):
+    every launch after the inverse is a programmatic dependent launch."""
+    launch = _pdl.launch_kwargs(pdl)
 
     seg_chunks = triton.cdiv(NC, segments)  # NC bounds every sequence's chunk count
     NH = N * HV
