@@ -17,7 +17,8 @@
 #   INVFIRST=1 ... bash benchmarks/device/gdn.sh     # then the inverse kernel's variants (benchmarks/gdn/inverse_probe.py)
 #   DECODEFIRST=1 ... bash benchmarks/device/gdn.sh  # first: persistent and TMA decode candidates (benchmarks/gdn/decode_probe.py)
 #                                                   # at DECODE_BATCH sequences (256)
-#   SCANFIRST=1 ... bash benchmarks/device/gdn.sh    # first: the scan schedule vs pipelined, TP-sharded heads (scan_probe.py)
+#   SCANFIRST=1 ... bash benchmarks/device/gdn.sh    # first: each shape's plan against its variants (scan_probe.py);
+#                                                   # SCAN_SHAPES="397B 1x8192,4x8192" picks labels with spaces
 #   QLA=1 bash benchmarks/device/gdn.sh  # FlashQLA beside FLA's Triton path (issue 23), carry [".whl-qla"] built here by
 #                                        # benchmarks/device/flashqla_wheels.sh (fla-core is in it); prefill only, no
 #                                        # tests unless ONLY= / TESTS=1 say otherwise; QLA_BUDGET_S (420 s) in all
@@ -105,8 +106,12 @@ if [ "${SCORESFIRST:-0}" != 0 ]; then
         --json "$OUT/scores.json" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/scores.txt"
 fi
 if [ "${SCANFIRST:-0}" != 0 ]; then  # the scan schedule vs the pipelined one, TP-sharded heads (benchmarks/gdn/scan_probe.py)
+    # SCAN_SHAPES: labels with spaces, comma-separated ("397B 1x8192,4x8192"); else PROBE_SHAPES' words.
+    IFS=, read -r -a scan_shapes <<<"${SCAN_SHAPES:-${PROBE_SHAPES:-}}"
+    [ -z "${SCAN_SHAPES:-}" ] && [ -n "${PROBE_SHAPES:-}" ] && read -r -a scan_shapes <<<"$PROBE_SHAPES"
     PYTHONUNBUFFERED=1 timeout "${SCAN_S:-240}" "$PY" -m benchmarks.gdn.scan_probe --iters "${ITERS:-20}" \
-        --json "$OUT/scan.json" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/scan.txt"
+        --json "$OUT/scan.json" ${scan_shapes[0]:+--shapes "${scan_shapes[@]}"} 2>&1 | grep -v -i warn \
+        | tee "$OUT/scan.txt"
 fi
 if [ "${DECODEFIRST:-0}" != 0 ]; then
     PYTHONUNBUFFERED=1 timeout "${DECODE_S:-240}" "$PY" -m benchmarks.gdn.decode_probe --iters "${ITERS:-20}" \

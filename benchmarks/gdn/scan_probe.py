@@ -1,7 +1,9 @@
-"""Device probe for issue #23: one long prompt's plan against what it replaced and its variants (`variants`): the
-scan schedule (`triton_chunk_scan`) for few value heads (TP-sharded), and the serial scores form on the Gluon chain for
-397B-shaped heads; every variant's error against the fp32 reference, and where the plan's and the fastest variant's
-time goes (per-kernel device time, torch.profiler). The variants measured before: benchmarks/gdn/README.md.
+"""Device probe for issue #23: a call's plan against what it replaced and its variants (`variants`): the scan schedule
+(`triton_chunk_scan`) for few value heads (TP-sharded), the serial scores form on the Gluon chain for 397B-shaped
+heads, the scores made by the Gluon inverse (`triton_chunk.SCORES_IN_INVERSE`) against the scores kernel, and for
+batches the scores form on the batch plan's Gluon chain; every variant's error against the fp32 reference, and where
+the plan's and the fastest variant's time goes (per-kernel device time, torch.profiler). The variants measured before:
+benchmarks/gdn/README.md.
 
     python -m benchmarks.gdn.scan_probe [--iters 10] [--json PATH] [--shapes "397B TP8 1x8192" "397B 1x8192"]
 
@@ -33,29 +35,34 @@ from hybridkv.kernels.gdn import (
 )
 from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 
-# (label, H, HV, T): Qwen3.5-397B (H=16, HV=64) and 35B (16, 32) sharded by TP, dk = dv = 128.
+# (label, H, HV, N, T): N sequences of T tokens (packed, varlen) of Qwen3.5-397B (H=16, HV=64) and 35B (16, 32) heads,
+# sharded by TP, dk = dv = 128.
 SHAPES = (
-    ("397B TP8 1x8192", 2, 8, 8192),
-    ("397B 1x8192", 16, 64, 8192),
-    ("397B 1x32768", 16, 64, 32768),
-    ("397B TP8 1x32768", 2, 8, 32768),
-    ("397B TP4 1x8192", 4, 16, 8192),
-    ("35B TP8 1x8192", 2, 4, 8192),
-    ("35B TP2 1x8192", 8, 16, 8192),
-    ("35B 1x8192", 16, 32, 8192),
+    ("397B TP8 1x8192", 2, 8, 1, 8192),
+    ("397B 1x8192", 16, 64, 1, 8192),
+    ("397B 1x32768", 16, 64, 1, 32768),
+    ("397B TP8 1x32768", 2, 8, 1, 32768),
+    ("397B TP4 1x8192", 4, 16, 1, 8192),
+    ("35B TP8 1x8192", 2, 4, 1, 8192),
+    ("35B TP2 1x8192", 8, 16, 1, 8192),
+    ("35B 1x8192", 16, 32, 1, 8192),
+    ("397B 4x8192", 16, 64, 4, 8192),
+    ("35B 4x8192", 16, 32, 4, 8192),
+    ("397B 16x2048", 16, 64, 16, 2048),
+    ("35B 16x2048", 16, 32, 16, 2048),
 )
 
 SCAN, PIPELINED = triton_chunk.Schedule.SCAN, triton_chunk.Schedule.PIPELINED
 SCORES, FUSED = triton_chunk.Form.SCORES, triton_chunk.Form.FUSED
 
 
-def inputs(H: int, HV: int, T: int, seed: int = 0):
+def inputs(H: int, HV: int, N: int, T: int, seed: int = 0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k = (torch.randn(1, T, H, 128, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    v = torch.randn(1, T, HV, 128, device="cuda", generator=gen).bfloat16()
-    g = F.logsigmoid(torch.randn(1, T, HV, device="cuda", generator=gen) + 3.0)
-    beta = torch.rand(1, T, HV, device="cuda", generator=gen)
-    cu = torch.tensor([0, T], device="cuda")
+    q, k = (torch.randn(1, N * T, H, 128, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(1, N * T, HV, 128, device="cuda", generator=gen).bfloat16()
+    g = F.logsigmoid(torch.randn(1, N * T, HV, device="cuda", generator=gen) + 3.0)
+    beta = torch.rand(1, N * T, HV, device="cuda", generator=gen)
+    cu = torch.arange(N + 1, device="cuda") * T
     return q, k, v, g, beta, cu
 
 
@@ -76,9 +83,10 @@ class Variant:
     inverse: InverseConfig | None = None  # None: the call's default (the Gluon inverse on Hopper)
     gluon_chain: chunk_plan.GluonChain | None = None
     pdl: bool = True  # pdl.ENABLED
+    scores_in_inverse: bool = True  # triton_chunk.SCORES_IN_INVERSE
 
 
-def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks: int) -> list[Variant]:
+def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks: int, N: int = 1) -> list[Variant]:
     """The plan and the pipelined schedule it replaced; for a scanned plan, also: the plan as shipped before
     2026-12-03 ("before": BV=64 only where BV=32 left room for fewer than four segments, the scan in tf32x3 at 32
     state columns, the summary at BV=32, no programmatic dependent launches), the plan without PDL (`pdl`), with the
@@ -88,7 +96,17 @@ def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks:
     Earlier variants (by segment, stacked inverse, whole M, eight segments at BV=32, pipelined and scanned 397B
     prompts): git history and benchmarks/gdn/README.md."""
     fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
-    out = [Variant(name="plan"),
+    if N > 1:  # batches: the plan, and the scores form on the batch plan's Gluon chain, P from either kernel
+        serial = triton_chunk.Schedule.SERIAL
+        scores = dict(schedule=serial, form=SCORES, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
+        return [Variant(name="plan"),
+                Variant(name="serial fused, batch Gluon chain", schedule=serial, form=FUSED,
+                        gluon_chain=chunk_plan.BATCH_GLUON_CHAIN),
+                Variant(name="scores on the batch chain, P by the inverse", **scores),
+                Variant(name="scores on the batch chain, P by its kernel", scores_in_inverse=False, **scores)]
+    before_p = ([Variant(name="plan, P by the scores kernel", scores_in_inverse=False, **fixed,
+                         gluon_chain=plan.gluon_chain)] if plan.form is SCORES else [])
+    out = [Variant(name="plan"), *before_p,
            Variant(name="pipelined scores (32,4,3) x2", schedule=PIPELINED, form=SCORES, config=(32, 4, 3),
                    segments=2)]
     if plan.schedule is SCAN:
@@ -118,25 +136,26 @@ def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks:
 def main() -> int:
     a = probe_args(__doc__)
     rows = []
-    for label, H, HV, T in SHAPES:
+    for label, H, HV, N, T in SHAPES:
         if a.shapes and not any(x in label for x in a.shapes):
             continue
-        q, k, v, g, beta, cu = inputs(H, HV, T)
+        q, k, v, g, beta, cu = inputs(H, HV, N, T)
         with bench_rows._fp32_matmuls():
             o_ref, s_ref = reference.chunk_reference(q, k, v.float(), g, beta, 128**-0.5, None, True, cu, True)
         sms = triton_chunk._sm_count(q.device.index)
-        plan = triton_chunk._call_plan(q, k, v, 1, HV, 128, 128, T // 64, None)  # the Gluon chain where it can
+        plan = triton_chunk._call_plan(q, k, v, N, HV, 128, 128, N * T // 64, None)  # the Gluon chain where it can
         print(f"{label}: plan {plan.form.value} {plan.schedule.value} {plan.config} {plan.gluon_chain or ''}",
               flush=True)
         segments = chunk_plan.scan_segments(triton.cdiv(128, (plan.config or (32,))[0]) * HV, sms, T // 64)
         calls = {}
-        for var in variants(plan, segments, HV, sms, T // 64):
+        for var in variants(plan, segments, HV, sms, T // 64, N):
             def call(var=var):
                 triton_chunk_scan.SUMMARY_CONFIG = var.summary
                 triton_chunk_scan.BY_SEGMENT = var.by_segment
                 triton_chunk_scan.SCAN_WHOLE_M = var.whole_m
                 triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = var.scan_prec, var.scan_bv
                 pdl.ENABLED = var.pdl
+                triton_chunk.SCORES_IN_INVERSE = var.scores_in_inverse
                 return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
                                                                False, config=var.config, schedule=var.schedule,
                                                                segments=var.segments, form=var.form,
@@ -162,7 +181,7 @@ def main() -> int:
         triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = None, False
         triton_chunk_scan.SCAN_WHOLE_M = False
         triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = Variant.scan_prec, Variant.scan_bv
-        pdl.ENABLED = True
+        pdl.ENABLED, triton_chunk.SCORES_IN_INVERSE = True, True
         del q, k, v, g, beta, o_ref, s_ref
         torch.cuda.empty_cache()
     if a.json:
