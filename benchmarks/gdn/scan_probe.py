@@ -1,9 +1,8 @@
 """Device probe for issue #23: a call's plan against what it replaced and its variants (`variants`): the scan schedule
 (`triton_chunk_scan`) for few value heads (TP-sharded), the serial scores form on the Gluon chain for 397B-shaped
-heads, the scores made by the Gluon inverse (`triton_chunk.SCORES_IN_INVERSE`) against the scores kernel, and for
-batches the scores form on the batch plan's Gluon chain; every variant's error against the fp32 reference, and where
-the plan's and the fastest variant's time goes (per-kernel device time, torch.profiler). The variants measured before:
-benchmarks/gdn/README.md.
+heads, and for batches the scores form on the batch plan's Gluon chain against the fused form; every variant's error
+against the fp32 reference, and where the plan's and the fastest variant's time goes (per-kernel device time,
+torch.profiler). The variants measured before: benchmarks/gdn/README.md.
 
     python -m benchmarks.gdn.scan_probe [--iters 10] [--json PATH] [--shapes "397B TP8 1x8192" "397B 1x8192"]
 
@@ -83,7 +82,6 @@ class Variant:
     inverse: InverseConfig | None = None  # None: the call's default (the Gluon inverse on Hopper)
     gluon_chain: chunk_plan.GluonChain | None = None
     pdl: bool = True  # pdl.ENABLED
-    scores_in_inverse: bool = True  # triton_chunk.SCORES_IN_INVERSE
 
 
 def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks: int, N: int = 1) -> list[Variant]:
@@ -93,20 +91,17 @@ def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks:
     scan as before, and with the summary at BV=64. For the other plans: without PDL, and where the plan is the
     prompt's Gluon chain (397B-shaped heads, one prompt, serial at BV=64 in the scores form), the Triton chain it
     replaced ("before"), its synchronous variant (overlap 0) and the batch plan's chain (fused, making its own scores).
-    Earlier variants (by segment, stacked inverse, whole M, eight segments at BV=32, pipelined and scanned 397B
+    For batches (``N`` > 1): the fused and the scores form on the batch plan's Gluon chain. Earlier variants (by segment, stacked inverse, whole M, eight segments at BV=32, pipelined and scanned 397B
     prompts): git history and benchmarks/gdn/README.md."""
     fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
-    if N > 1:  # batches: the plan, and the scores form on the batch plan's Gluon chain, P from either kernel
+    if N > 1:  # batches: the plan, and both forms on the batch plan's Gluon chain
         serial = triton_chunk.Schedule.SERIAL
-        scores = dict(schedule=serial, form=SCORES, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
         return [Variant(name="plan"),
                 Variant(name="serial fused, batch Gluon chain", schedule=serial, form=FUSED,
                         gluon_chain=chunk_plan.BATCH_GLUON_CHAIN),
-                Variant(name="scores on the batch chain, P by the inverse", **scores),
-                Variant(name="scores on the batch chain, P by its kernel", scores_in_inverse=False, **scores)]
-    before_p = ([Variant(name="plan, P by the scores kernel", scores_in_inverse=False, **fixed,
-                         gluon_chain=plan.gluon_chain)] if plan.form is SCORES else [])
-    out = [Variant(name="plan"), *before_p,
+                Variant(name="serial scores, batch Gluon chain", schedule=serial, form=SCORES,
+                        gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)]
+    out = [Variant(name="plan"),
            Variant(name="pipelined scores (32,4,3) x2", schedule=PIPELINED, form=SCORES, config=(32, 4, 3),
                    segments=2)]
     if plan.schedule is SCAN:
@@ -155,7 +150,6 @@ def main() -> int:
                 triton_chunk_scan.SCAN_WHOLE_M = var.whole_m
                 triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = var.scan_prec, var.scan_bv
                 pdl.ENABLED = var.pdl
-                triton_chunk.SCORES_IN_INVERSE = var.scores_in_inverse
                 return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
                                                                False, config=var.config, schedule=var.schedule,
                                                                segments=var.segments, form=var.form,
@@ -181,7 +175,7 @@ def main() -> int:
         triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = None, False
         triton_chunk_scan.SCAN_WHOLE_M = False
         triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = Variant.scan_prec, Variant.scan_bv
-        pdl.ENABLED, triton_chunk.SCORES_IN_INVERSE = True, True
+        pdl.ENABLED = True
         del q, k, v, g, beta, o_ref, s_ref
         torch.cuda.empty_cache()
     if a.json:

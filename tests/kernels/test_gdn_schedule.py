@@ -34,18 +34,26 @@ def test_the_plan_follows_how_many_chain_programs_fill_the_sms(N, HV, want):
     assert (p.form, p.schedule, p.config) == want
 
 
-@pytest.mark.parametrize(("N", "HV"), [(2, 32), (4, 32), (4, 64), (16, 64), (34, 1)])
-def test_batches_the_triton_chain_would_take_autotuned_run_the_gluon_chain_where_it_can(N, HV):
-    p = chunk_plan.plan(N, HV, 128, 128, 132, 128, gluon=True)
-    assert p == chunk_plan.Plan(form=FUSED, schedule=SERIAL, config=None, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
-    assert chunk_plan.plan(N, HV, 128, 128, 132, 128).gluon_chain is None  # where it cannot: Triton's
+@pytest.mark.parametrize(("N", "HV", "per_key", "form"), [
+    (2, 32, 2, FUSED), (4, 32, 2, FUSED), (34, 1, 1, FUSED), (4, 32, 3, FUSED),  # 35B-shaped and fewer per key head
+    (4, 64, 4, SCORES), (16, 64, 4, SCORES), (4, 64, 8, SCORES),  # 397B-shaped: P made once per key head pays
+])
+def test_batches_the_triton_chain_would_take_autotuned_run_the_gluon_chain_where_it_can(N, HV, per_key, form):
+    p = chunk_plan.plan(N, HV, 128, 128, 132, 128, gluon=True, heads_per_key=per_key)
+    assert p == chunk_plan.Plan(form=form, schedule=SERIAL, config=None, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
+    # where it cannot: Triton's chain, fused (its scores form was slower on batches)
+    assert chunk_plan.plan(N, HV, 128, 128, 132, 128, heads_per_key=per_key) == chunk_plan.Plan(
+        form=FUSED, schedule=SERIAL, config=None)
+    # a form the caller fixed is kept: the scores form on the Gluon chain, the split form on Triton's
+    assert chunk_plan.plan(N, HV, 128, 128, 132, 128, form=SCORES, gluon=True).form is SCORES
+    assert chunk_plan.plan(N, HV, 128, 128, 132, 128, form=tc.Form.SPLIT, gluon=True).gluon_chain is None
 
 
 @pytest.mark.parametrize(("N", "HV", "chunks", "form"), [
     (1, 132, 128, None), (1, 8, 128, None), (1, 32, 128, None),  # prompts planned other than serial at BV=64
     (2, 16, 128, None), (33, 1, 128, None),  # pipelined batches too
     (4, 32, chunk_plan.PIPELINE_MIN_CHUNKS - 1, None),  # short batches: not measured
-    (4, 32, 128, tc.Form.SPLIT), (4, 32, 128, SCORES),  # a form the caller fixed: the Gluon chain is fused only
+    (4, 32, 128, tc.Form.SPLIT),  # the split form's W/U the Gluon chain does not take
 ])
 def test_the_gluon_chain_is_planned_for_long_fused_batches_and_serial_prompts_only(N, HV, chunks, form):
     assert chunk_plan.plan(N, HV, 128, 128, 132, chunks, form=form, gluon=True).gluon_chain is None

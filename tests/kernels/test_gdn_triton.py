@@ -281,6 +281,7 @@ def test_gluon_chain_variants_equal_the_synchronous_whole_state_chain(lens, H, H
 @pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
     pytest.param([150, 64, 1000, 7], 2, 8, None, id="varlen-ragged"),
     pytest.param([8192], 16, 64, None, id="397B-1x8192"),
+    pytest.param([4096], 16, 64, 3, id="397B-3x4096"),  # a batch (`BATCH_SCORES_MIN_HEADS_PER_KEY`)
 ])
 def test_gluon_chain_loading_the_scores_equals_the_triton_scores_chain(lens, H, HV, batch, overlap, rows):
     """The scores form on the Gluon chain (`chunk_plan.PROMPT_GLUON_CHAIN`'s kernel: P from the scores kernel by TMA,
@@ -314,83 +315,6 @@ def test_gluon_chain_loading_the_scores_equals_the_triton_scores_chain(lens, H, 
         assert torch.equal(o_inf[0, :lens[0]], o[0, :lens[0]]) and torch.equal(st_inf[0], st[0])
 
 
-@pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("l2norm", [True, False])
-@pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
-    pytest.param([150, 64, 1000, 7, 1], 2, 8, None, id="varlen-ragged"),
-    pytest.param([8192], 16, 64, 2, id="397B-2x8192"),
-])
-def test_gluon_inverse_scores_equal_the_scores_kernel(lens, H, HV, batch, l2norm, group):
-    """P made by the Gluon inverse after its inversions (SCORES) against `_chunk_scores_kernel` on the row scales that
-    same launch left in R: equal to rounding (q k^T summed by mma.sync against wgmma), every element written (NaN-filled
-    buffers), the same zeros above the diagonal and past each sequence's end; A, R and G as without SCORES, bit for
-    bit. An inf in the next sequence's first rows reaches no element of this sequence's P."""
-    from hybridkv.kernels.gdn import gluon_chunk_inverse, triton_chunk, triton_chunk_inverse
-
-    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=21, unit=not l2norm)
-    if batch is None:
-        for x in (q, k):
-            x[0, lens[0]:lens[0] + 2] = float("inf")
-    B, T = q.shape[:2]
-    cu_, table, _, NC = triton_chunk._chunk_tables(cu, B, T, q.device)
-
-    def buffers():
-        return (q.new_empty((NC, HV, 64, 64)), q.new_empty((NC, HV, 8, 64), dtype=torch.float32),
-                q.new_empty((NC, HV), dtype=torch.float32), q.new_empty((NC, HV, 64, 64)))
-
-    A, R, G, P = buffers()
-    gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu_, table, NC, 128**-0.5, l2norm, group, P=P)
-    A0, R0, G0, _ = buffers()
-    gluon_chunk_inverse.launch(q, k, g, beta, A0, R0, G0, cu_, table, NC, 128**-0.5, l2norm, group)
-    live = table[:, 0] >= 0
-    assert torch.equal(A[live], A0[live]) and torch.equal(R[live], R0[live]) and torch.equal(G[live], G0[live])
-    want = torch.full_like(P, float("nan"))
-    triton_chunk_inverse._chunk_scores_kernel[(NC, HV // group)](q, k, R, want, cu_, table, 0, 0, 0, H, HV, K=128,
-                                                                  BK=128, GROUP=group, SEGMENTED=False,
-                                                                  num_warps=triton_chunk_inverse.SCORES_WARPS,
-                                                                  num_stages=1)
-    got, want = P[live], want[live]
-    if batch is None:  # the first sequence's chunks: clear of its neighbour's inf
-        got, want = got[:-(-lens[0] // 64)], want[:-(-lens[0] // 64)]
-    assert not torch.isnan(got).any() and not torch.isinf(got).any()
-    assert rel_err(got, want) < 2e-3
-    assert (got == 0).logical_xor(want == 0).float().mean() < 1e-4  # the zeros (masked) in the same places
-    assert torch.equal(torch.triu(got.float(), 1), torch.zeros_like(got.float()))
-
-
-@pytest.mark.parametrize("schedule", ["serial", "pipelined", "scan"])
-def test_a_scores_form_call_with_the_inverses_scores_equals_one_with_the_scores_kernel(schedule, monkeypatch):
-    """`triton_chunk.SCORES_IN_INVERSE`: a scores-form call whose P comes from the Gluon inverse gives the output and
-    final state of one whose P comes from the scores kernel, to rounding, in every schedule (a pipelined call's
-    inverse runs SEGMENTED; the scan's runs once over every chunk); and the scores kernel is not launched."""
-    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_inverse
-
-    q, k, v, g, beta, cu = make([3000, 700], 2, 8, seed=22, slow=True)
-    h0 = torch.randn(2, 8, 128, 128, device="cuda") * 0.1
-    call = dict(config=(32, 4, 3), schedule=triton_chunk.Schedule(schedule), form=triton_chunk.Form.SCORES)
-    if schedule != "serial":
-        call["segments"] = 3
-        q, k, v, g, beta = (x[:, :3000] for x in (q, k, v, g, beta))
-        cu, h0 = torch.tensor([0, 3000], device="cuda"), h0[:1]
-    launched = []
-    real = triton_chunk._chunk_scores_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(triton_chunk, "_chunk_scores_kernel", Counting())
-    got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False, **call)
-    assert launched == []
-    monkeypatch.setattr(triton_chunk, "SCORES_IN_INVERSE", False)
-    want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False, **call)
-    assert launched
-    assert rel_err(got[0], want[0]) < 2e-3 and rel_err(got[1], want[1]) < 2e-3
-    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
-    assert rel_err(got[0], o_ref) < 2e-2 and rel_err(got[1], st_ref) < 2e-2
-
-
 def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
     """`default_inverse`: on an sm_90 GPU with bf16 inputs a plain call (the engines' path) launches the Gluon
     inverse, in every schedule the plan picks (serial batches, pipelined and scanned single prompts); elsewhere the
@@ -411,34 +335,36 @@ def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
 
 def test_a_plain_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch):
     """`chunk_plan.BATCH_GLUON_CHAIN` and `PROMPT_GLUON_CHAIN`: on an sm_90 GPU a plain call of several long bf16
-    sequences, or of one prompt of 397B-shaped heads, launches the Gluon chain as planned (the prompt's with the scores
-    kernel's P) and gives what an explicit call with that chain gives (whose numerics the chain tests check against the
-    reference); fp16 and other GPUs do not launch it."""
+    sequences, or of one prompt of 397B-shaped heads, launches the Gluon chain as planned (with the scores kernel's P
+    for the prompt and for batches of four value heads per key head, `BATCH_SCORES_MIN_HEADS_PER_KEY`; fused for
+    35B-shaped batches) and gives what an explicit call with that chain and form gives (whose numerics the chain tests
+    check against the reference); fp16 and other GPUs do not launch it."""
     from hybridkv.kernels.gdn import chunk_plan, gluon_chunk_chain, triton_chunk
 
     launched = []
     real = gluon_chunk_chain.launch
     monkeypatch.setattr(gluon_chunk_chain, "launch", lambda *a, **kw: launched.append(kw) or real(*a, **kw))
     hopper = torch.cuda.get_device_capability()[0] == 9
-    # A batch, one prompt, and a batch the chain cannot take (fp16: its TMA boxes and GEMMs are bf16), which runs
-    # the Triton chain instead of failing.
-    for lens, batch, dtype, planned in (([2048], 4, torch.bfloat16, hopper), ([8192], None, torch.bfloat16, hopper),
-                                        ([2048], 4, torch.float16, False)):
+    # Batches of 397B- and 35B-shaped heads, one prompt, and a batch the chain cannot take (fp16: its TMA boxes and
+    # GEMMs are bf16), which runs the Triton chain instead of failing.
+    for lens, batch, HV, dtype, planned, scores in (
+            ([2048], 4, 64, torch.bfloat16, hopper, True), ([2048], 4, 32, torch.bfloat16, hopper, False),
+            ([8192], None, 64, torch.bfloat16, hopper, True), ([2048], 4, 64, torch.float16, False, None)):
         launched.clear()
-        q, k, v, g, beta, cu = make(lens, 16, 64, batch=batch, seed=12, dtype=dtype)
+        q, k, v, g, beta, cu = make(lens, 16, HV, batch=batch, seed=12, dtype=dtype)
         o, st = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
                                        output_final_state=True)
         assert bool(launched) == planned, (lens, batch, dtype, launched)
         assert torch.isfinite(o).all() and torch.isfinite(st).all()
         if planned:
-            prompt = batch is None
-            chain = chunk_plan.PROMPT_GLUON_CHAIN if prompt else chunk_plan.BATCH_GLUON_CHAIN
+            chain = chunk_plan.BATCH_GLUON_CHAIN if batch else chunk_plan.PROMPT_GLUON_CHAIN
             assert (launched[0]["rows"], launched[0]["overlap"], launched[0]["staged_scales"]) == (
                 chain.rows, chain.overlap, chain.staged_scales)
-            assert (launched[0]["P"] is not None) == prompt
-            form = dict(form=triton_chunk.Form.SCORES, schedule=triton_chunk.Schedule.SERIAL) if prompt else {}
+            assert (launched[0]["P"] is not None) == scores, (lens, batch, HV)
+            form = triton_chunk.Form.SCORES if scores else triton_chunk.Form.FUSED
             o1, st1 = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
-                                                              False, gluon_chain=chain, **form)
+                                                              False, gluon_chain=chain, form=form,
+                                                              schedule=triton_chunk.Schedule.SERIAL)
             assert torch.equal(o, o1) and torch.equal(st, st1)
 
 

@@ -102,6 +102,12 @@ SCAN_WIDE_CONFIG = (64, 4, 3)
 # every shape measured (also one prompt: 397B 1x8192 476 -> 402), but single prompts keep their own plans below,
 # which beat both.
 BATCH_GLUON_CHAIN = GluonChain(rows=64, overlap=1)
+# Batches on BATCH_GLUON_CHAIN take the scores form (P made by the scores kernel, loaded by TMA) where a key head has
+# at least this many value heads: the scores kernel makes q k^T once per key head, so P costs least per value head
+# there, and the chain loses a GEMM and its exponentials per chunk. H200, same run (results/scan_probe7_h200.txt):
+# 397B (4 per key head) 4x8192 1.448 -> 1.357 ms (chain 1,018 -> 731 us, plus 201 us of scores), 16x2048 1.444 ->
+# 1.365; 35B (2 per key head) 4x8192 0.795 -> 0.786 (chain 520 -> 376, scores 139), within noise, so it stays fused.
+BATCH_SCORES_MIN_HEADS_PER_KEY = 4
 # The chain of one prompt planned serial at ONE_PER_SM_CONFIG (397B-shaped heads), where the Gluon chain can run it:
 # the same half-state program, fed the scores kernel's P by TMA (scores form) instead of making them on the chain.
 # H200, same run, against the Triton scores chain it replaced (results/scan_probe6_prompt_gluon_h200.txt): 397B
@@ -133,7 +139,7 @@ def gluon_chain_fits(*, capability: tuple[int, int] | None, dtype: str, K: int, 
 
 
 def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int = 2,
-          form: Form | None = None, *, gluon: bool = False) -> Plan:
+          form: Form | None = None, *, gluon: bool = False, heads_per_key: int = 1) -> Plan:
     """The plan of a call whose caller fixed neither schedule nor config (``form``: None, or the caller's).
 
     One sequence whose chain programs at BV=32 fill at most half the SMs (TP-sharded heads) is scanned
@@ -145,7 +151,9 @@ def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int =
     PROMPT_GLUON_CHAIN where ``gluon`` says the Gluon chain can run the call); several keep the fused form (their
     chain is not the whole call, see the module docstring). Elsewhere, and for short
     prompts, the fused form autotuned; but where ``gluon`` says the Gluon chain can run the call, several sequences
-    that would take the fused form autotuned run on BATCH_GLUON_CHAIN instead (serial, fused). The fixed configs
+    that would take the fused form autotuned run on BATCH_GLUON_CHAIN instead (serial): in the scores form where the
+    caller asks for it or where ``heads_per_key`` (HV / H) is at least BATCH_SCORES_MIN_HEADS_PER_KEY, else fused.
+    The fixed configs
     were tuned for, and fit shared memory at, K = 128 only, so larger key heads are autotuned (which skips configs
     that do not fit). ``itemsize``: of q, k, v; 4-byte inputs get two stages (three need 243.5 KB of shared memory,
     over the H200's 227 KB per program) and no BV=64 plan (241 KB at two; tests/kernels/test_compile_report)."""
@@ -167,8 +175,10 @@ def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int =
     if scores and itemsize <= 2 and _cdiv(V, 64) * N * HV <= sms:
         return Plan(form=Form.SCORES, schedule=Schedule.SERIAL, config=ONE_PER_SM_CONFIG,
                     gluon_chain=PROMPT_GLUON_CHAIN if gluon else None)
-    if gluon and N > 1 and autotuned.form is Form.FUSED:
-        return Plan(form=Form.FUSED, schedule=Schedule.SERIAL, config=None, gluon_chain=BATCH_GLUON_CHAIN)
+    if gluon and N > 1 and form is not Form.SPLIT:
+        batch_scores = form is Form.SCORES or (form is None and heads_per_key >= BATCH_SCORES_MIN_HEADS_PER_KEY)
+        return Plan(form=Form.SCORES if batch_scores else Form.FUSED, schedule=Schedule.SERIAL, config=None,
+                    gluon_chain=BATCH_GLUON_CHAIN)
     return autotuned
 
 

@@ -269,12 +269,12 @@ def _specs() -> list[KernelSpec]:
         specs.append(KernelSpec(
             name="chunk_inverse_gluon", module="hybridkv.kernels.gdn.gluon_chunk_inverse", attr="_gluon_inverse_kernel",
             signature={"q": "*bf16", "k": "*bf16", "g": "*fp32", "beta": "*fp32", "A": "*bf16", "R": "*fp32",
-                       "G": "*fp32", "P": "*bf16", "cu_seqlens": "*i32", "chunk_table": "*i32", "row0": "i32",
-                       "c_lo": "i32", "c_hi": "i32", "scale": "fp32", "H": "i32", "HV": "i32"},
+                       "G": "*fp32", "cu_seqlens": "*i32", "chunk_table": "*i32", "row0": "i32", "c_lo": "i32",
+                       "c_hi": "i32", "scale": "fp32", "H": "i32", "HV": "i32"},
             constants={"K": D, "L2NORM": True}, aligned=("H", "HV"), gluon=True,
-            launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}{' scores' if sc else ''}",
-                                  num_warps=2, constants={"GROUP": grp, "SEGMENTED": seg, "SCORES": sc})
-                           for seg in (False, True) for grp in (1, 4) for sc in (False, True)),
+            launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}", num_warps=2,
+                                  constants={"GROUP": grp, "SEGMENTED": seg})
+                           for seg in (False, True) for grp in (1, 4)),
         ))
         tile = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
                 "fp4_padded=False, cga_layout=[])")

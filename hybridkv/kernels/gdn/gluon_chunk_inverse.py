@@ -98,15 +98,12 @@ def _store_block(A, x, i: gl.constexpr, j: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
-                          K: gl.constexpr, L2NORM: gl.constexpr, GROUP: gl.constexpr, SEGMENTED: gl.constexpr,
-                          SCORES: gl.constexpr = False):
+def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
+                          K: gl.constexpr, L2NORM: gl.constexpr, GROUP: gl.constexpr, SEGMENTED: gl.constexpr):
     """T = (I + L)^-1 of one chunk for GROUP value heads of one key head, with their row scales. Grid (chunk rows,
     HV // GROUP); two warps. The raw gram and the q and k norms depend on the key head only: made once.
     SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of each sequence,
-    as the Triton kernel's `_table_row`. SCORES (`triton_chunk.Form.SCORES`): also the masked scores P
-    `[NC, HV, 64, 64]` of the group's value heads (`triton_chunk_inverse._chunk_scores_kernel`'s output), made after
-    the inversions, so that q k^T's accumulators are never live beside the gram's."""
+    as the Triton kernel's `_table_row`."""
     i_c, i_g = gl.program_id(0), gl.program_id(1)
     if SEGMENTED:
         i_c += row0
@@ -185,38 +182,6 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
         gl.store(p_r + 384, gl.where(live, rk, 0.0))
         gl.store(G + i_ch, gl.exp(g_last))
         _invert(L, Ls, Lr, Td, A + i_ch * (BT * BT))
-    if SCORES:
-        _scores(q, k, g, P, kb, bos, T, i_h, r0, i_c, hv0, HV, scale * rq, gl.where(live, rk, 0.0), H, K, GROUP)
-
-
-@gluon.jit
-def _scores(q, k, g, P, kb, bos, T, i_h, r0, i_c, hv0, HV, r_qn, r_kn, H, K: gl.constexpr, GROUP: gl.constexpr):
-    """P = scale (q_i . k_j) rq_i rk_j e^(c_i - c_j) for j <= i, else 0, of GROUP value heads of key head i_h, in P's
-    dtype (the Triton `_masked_scores`, with the raw q k^T made once for the group). ``r_qn`` (scale rq) and ``r_kn``
-    (rk, zero past the sequence's end) in the gram's row layout; q's rows past the end load as zeros, so their P rows
-    are zero too. q and k are read a second time (the gram's reads a moment ago: L2), k through ``kb``."""
-    row: gl.constexpr = gl.SliceLayout(1, _MMA)
-    col: gl.constexpr = gl.SliceLayout(0, _MMA)
-    qb = gl.allocate_shared_memory(q.dtype.element_ty, [BT, 32], _KB)
-    qk = gl.zeros([BT, BT], gl.float32, layout=_MMA)
-    for kc in gl.static_range(K // 32):
-        qb.store(_rows(q, bos, T, i_h, r0, kc, H, K))
-        kb.store(_rows(k, bos, T, i_h, r0, kc, H, K))
-        qk = mma_v2(qb.load(gl.DotOperandLayout(0, _MMA, 2)),
-                    kb.permute([1, 0]).load(gl.DotOperandLayout(1, _MMA, 2)), qk)
-    o_t = gl.arange(0, BT, layout=row)
-    o_s = gl.arange(0, BT, layout=col)
-    causal = o_t[:, None] >= o_s[None, :]
-    qk = qk * (r_qn[:, None] * gl.convert_layout(r_kn, col)[None, :])
-    o_v = gl.arange(0, BT, layout=_VEC)
-    for j in range(GROUP):
-        i_hv = hv0 + j
-        g_vec = gl.load(g + (bos + r0 + o_v) * HV + i_hv, mask=r0 + o_v < T, other=0.0).to(gl.float32)
-        c = gl.convert_layout(gl.associative_scan(g_vec, 0, _add), row)
-        c_col = gl.convert_layout(c, col)
-        p = gl.where(causal, qk * gl.exp(gl.where(causal, c[:, None] - c_col[None, :], 0.0)), 0.0)
-        i_ch = i_c.to(gl.int64) * HV + i_hv
-        gl.store(P + i_ch * (BT * BT) + o_t[:, None] * BT + o_s[None, :], p.to(P.dtype.element_ty))
 
 
 @gluon.jit
@@ -276,11 +241,10 @@ def _invert(L, Ls, Lr, Td, p):
 
 def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: float, l2norm: bool,
            group: int = 1, row0: int = 0, c_lo: int = 0, c_hi: int = 0, segmented: bool = False,
-           maxnreg: int | None = None, P=None) -> None:
+           maxnreg: int | None = None) -> None:
     """`_gluon_inverse_kernel` over ``rows`` chunk rows and every value head (the arguments of `triton_chunk`'s inverse
     call), ``group`` value heads of a key head per program (a divisor of HV / H), ``maxnreg`` a register cap for ptxas
-    (None: none), ``P`` the masked scores' buffer `[NC, HV, 64, 64]` in k's dtype where the call's form loads them
-    (None: not made here).
+    (None: none).
     Refuses what it was not written for: a CPU tensor (Gluon has no interpreter), inputs other than bf16 or fp16
     (the gram's operands are 16-bit), or a head size that is not a multiple of 32 up to 256."""
     H, K = q.shape[2], q.shape[3]
@@ -293,11 +257,7 @@ def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: fl
         raise ValueError(f"the Gluon inverse takes a head size that is a multiple of 32 up to 256, got K={K}")
     if group < 1 or (HV // H) % group:
         raise ValueError(f"group must divide the value heads per key head ({HV // H}), got {group}")
-    if P is not None and (P.dtype != k.dtype or P.shape[1:] != (HV, 64, 64) or not P.is_contiguous()):
-        raise ValueError(f"P must be a contiguous [NC, {HV}, 64, 64] tensor of k's dtype {k.dtype}, got "
-                         f"{P.dtype} {tuple(P.shape)}")
-    _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, A if P is None else P, cu_seqlens, chunk_table,
-                                               row0, c_lo, c_hi, scale, H, HV, K=K, L2NORM=l2norm, GROUP=group,
-                                               SEGMENTED=segmented, SCORES=P is not None,
+    _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi,
+                                               scale, H, HV, K=K, L2NORM=l2norm, GROUP=group, SEGMENTED=segmented,
                                                num_warps=int(WARPS.value),
                                                **({} if maxnreg is None else {"maxnreg": maxnreg}))

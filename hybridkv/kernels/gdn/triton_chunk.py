@@ -154,9 +154,6 @@ _chunk_state_tuned = triton.autotune(
     key=["H", "HV", "WORK_LOG2", "K", "V", "SCORES_IN"],
 )(_chunk_state_kernel)
 
-# The scores form's P made by the Gluon inverse where it runs (`gluon_chunk_inverse._scores`) instead of by
-# `_chunk_scores_kernel` after it; False: the scores kernel (what benchmarks/gdn/scan_probe.py compares against).
-SCORES_IN_INVERSE = True
 # Columns of W, Q', U, U' per program of the split form's parallel kernel.
 WU_COLUMNS = 64
 # (BV, num_warps, num_stages) of the split form's chain kernel. No single-stage config: Triton 3.6
@@ -256,7 +253,8 @@ def _call_plan(q, k, v, N: int, HV: int, K: int, V: int, NC: int, form: Form | N
         from hybridkv.kernels.gdn import gluon_chunk_chain
 
         gluon = gluon_chunk_chain.addressing_refusal(q, k, v, NC * HV * BT) is None
-    return plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form, gluon=gluon)
+    return plan(N, HV, K, V, _sm_count(q.device.index), NC, q.element_size(), form, gluon=gluon,
+                heads_per_key=HV // q.shape[2])
 
 
 @functools.cache
@@ -363,9 +361,6 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     # The scores and a fixed-config state kernel start as the kernel before them drains (`pdl`); the inverse, first,
     # waits in full for what the caller queued.
     pdl = on_gpu and _pdl.enabled(q.device)
-    # The Gluon inverse makes the scores itself, after its inversions (`gluon_chunk_inverse._scores`): q k^T from
-    # the q and k it has just read, and no kernel of their own.
-    scores_in_inverse = form is Form.SCORES and inverse.gluon and SCORES_IN_INVERSE
 
     def run_inverse(c_lo, c_hi, segmented):
         # One sequence: its segment is a run of table rows; several: every row, the others return.
@@ -374,8 +369,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             from hybridkv.kernels.gdn import gluon_chunk_inverse
 
             gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, chunk_table, rows, scale, use_qk_l2norm_in_kernel,
-                                       group, row0, c_lo, c_hi, segmented, inverse.maxnreg,
-                                       P=P if scores_in_inverse else None)
+                                       group, row0, c_lo, c_hi, segmented, inverse.maxnreg)
             return
         kernel = _chunk_inverse_stacked_kernel if inverse.stacked else _chunk_inverse_kernel
         kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi, scale, H, HV, K=K,
@@ -386,7 +380,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
 
     def run_scores(c_lo, c_hi, segmented, pdl=False):  # the scores (Form.SCORES) or W/U (SPLIT) after the inverse
         row0, rows = (c_lo, c_hi - c_lo) if N == 1 else (0, NC)
-        if form is Form.SCORES and not scores_in_inverse:
+        if form is Form.SCORES:
             _chunk_scores_kernel[(rows, HV // group)](q, k, R, P, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K,
                                                       BK=BK, GROUP=group, SEGMENTED=segmented,
                                                       num_warps=SCORES_WARPS, num_stages=1,
