@@ -82,6 +82,7 @@ class Variant:
     inverse: InverseConfig | None = None  # None: the call's default (the Gluon inverse on Hopper)
     gluon_chain: chunk_plan.GluonChain | None = None
     pdl: bool = True  # pdl.ENABLED
+    scores_tma: bool = True  # triton_chunk.SCORES_TMA
 
 
 def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks: int, N: int = 1) -> list[Variant]:
@@ -91,7 +92,8 @@ def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks:
     scan as before, and with the summary at BV=64. For the other plans: without PDL, and where the plan is the
     prompt's Gluon chain (397B-shaped heads, one prompt, serial at BV=64 in the scores form), the Triton chain it
     replaced ("before"), its synchronous variant (overlap 0) and the batch plan's chain (fused, making its own scores).
-    For batches (``N`` > 1): the fused and the scores form on the batch plan's Gluon chain. Earlier variants (by segment, stacked inverse, whole M, eight segments at BV=32, pipelined and scanned 397B
+    For batches (``N`` > 1): the fused and the scores form on the batch plan's Gluon chain. Where the scores form
+    runs: with P by the tile kernel instead of the TMA walk ("tile scores", `triton_chunk.SCORES_TMA`). Earlier variants (by segment, stacked inverse, whole M, eight segments at BV=32, pipelined and scanned 397B
     prompts): git history and benchmarks/gdn/README.md."""
     fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
     if N > 1:  # batches: the plan, and both forms on the batch plan's Gluon chain
@@ -100,8 +102,12 @@ def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks:
                 Variant(name="serial fused, batch Gluon chain", schedule=serial, form=FUSED,
                         gluon_chain=chunk_plan.BATCH_GLUON_CHAIN),
                 Variant(name="serial scores, batch Gluon chain", schedule=serial, form=SCORES,
-                        gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)]
-    out = [Variant(name="plan"),
+                        gluon_chain=chunk_plan.BATCH_GLUON_CHAIN),
+                Variant(name="serial scores, batch Gluon chain, tile scores", schedule=serial, form=SCORES,
+                        gluon_chain=chunk_plan.BATCH_GLUON_CHAIN, scores_tma=False)]
+    tile = ([Variant(name="plan, tile scores", scores_tma=False, gluon_chain=plan.gluon_chain, **fixed)]
+            if plan.form is SCORES else [])
+    out = [Variant(name="plan"), *tile,
            Variant(name="pipelined scores (32,4,3) x2", schedule=PIPELINED, form=SCORES, config=(32, 4, 3),
                    segments=2)]
     if plan.schedule is SCAN:
@@ -150,6 +156,7 @@ def main() -> int:
                 triton_chunk_scan.SCAN_WHOLE_M = var.whole_m
                 triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = var.scan_prec, var.scan_bv
                 pdl.ENABLED = var.pdl
+                triton_chunk.SCORES_TMA = var.scores_tma
                 return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
                                                                False, config=var.config, schedule=var.schedule,
                                                                segments=var.segments, form=var.form,
@@ -175,7 +182,7 @@ def main() -> int:
         triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = None, False
         triton_chunk_scan.SCAN_WHOLE_M = False
         triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = Variant.scan_prec, Variant.scan_bv
-        pdl.ENABLED = True
+        pdl.ENABLED, triton_chunk.SCORES_TMA = True, True
         del q, k, v, g, beta, o_ref, s_ref
         torch.cuda.empty_cache()
     if a.json:

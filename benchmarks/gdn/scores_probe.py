@@ -1,6 +1,7 @@
-"""Device probe for issue #8: the scores kernel alone (`triton_chunk_inverse._chunk_scores_kernel`, the
-parallel half of `triton_chunk.Form.SCORES`) at several value heads per program and warp counts, against
-a device copy of the same bytes in the same run.
+"""Device probe for issues #8 and #23: the scores kernel alone (the parallel half of `triton_chunk.Form.SCORES`), the
+tile kernel (`triton_chunk_inverse._chunk_scores_kernel`) at four and eight warps and the TMA walk
+(`triton_chunk_scores_tma`) at each of its CONFIGS, at the inverse's group, against a device copy of the same bytes
+in the same run; the walk's P against the tile kernel's.
 
     python -m benchmarks.gdn.scores_probe [--iters 20] [--json PATH] [--shapes 1x8192]
 
@@ -18,7 +19,7 @@ import sys
 
 import torch
 
-from hybridkv.kernels.gdn import bench_cases, bench_timing, triton_chunk
+from hybridkv.kernels.gdn import bench_cases, bench_timing, triton_chunk, triton_chunk_scores_tma
 from hybridkv.kernels.gdn.triton_chunk_inverse import _NROW, BT, _chunk_scores_kernel
 
 from benchmarks.gdn.schedules import probe_args
@@ -59,13 +60,23 @@ def main() -> int:
         copy_ms = bench_timing._median_ms(lambda: dst.copy_(src), a.iters)  # reads and writes `moved` bytes
         print(f"{shape:30} copy of {moved / 1e6:.0f} MB: {copy_ms * 1e3:6.1f} us", flush=True)
         per = HV // H
-        for group in [g for g in (1, 2, 4) if per % g == 0]:
-            for warps in (4, 8):
-                def launch(group=group, warps=warps):
-                    _chunk_scores_kernel[(NC, HV // group)](q, k, R, P, cu, table, 0, 0, 0, H, HV, K=128, BK=128,
-                                                            GROUP=group, SEGMENTED=False, num_warps=warps,
-                                                            num_stages=1)
-                rows.append(timed(shape, f"library group {group} warps {warps}", launch, moved, copy_ms, a.iters))
+        group = max(g for g in (1, 2, 4) if per % g == 0)  # the inverse's group, which the call launches with
+        for warps in (4, 8):
+            def launch(warps=warps):
+                _chunk_scores_kernel[(NC, HV // group)](q, k, R, P, cu, table, 0, 0, 0, H, HV, K=128, BK=128,
+                                                        GROUP=group, SEGMENTED=False, num_warps=warps, num_stages=1)
+            rows.append(timed(shape, f"tile group {group} warps {warps}", launch, moved, copy_ms, a.iters))
+        want = P.clone()  # the shipped tile kernel's (8 warps, the last launch)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        for config in triton_chunk_scores_tma.CONFIGS:
+            def launch(config=config):
+                triton_chunk_scores_tma.launch(q, k, R, P, cu, table, NC, group, sms=sms, config=config)
+            P.fill_(float("nan"))
+            row = timed(shape, f"tma group {group} (warps, per SM, stages) {config}", launch, moved, copy_ms, a.iters)
+            live = table[:, 0] >= 0
+            row["max_diff_vs_tile"] = (P[live].float() - want[live].float()).abs().max().item()
+            print(f"{'':30} max |P - tile P| {row['max_diff_vs_tile']:.2e}", flush=True)
+            rows.append(row)
         del args, q, k, P, R, src, dst
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)

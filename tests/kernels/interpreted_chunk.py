@@ -231,11 +231,52 @@ def decode_tma(out: dict) -> None:
     out["decode-tma/untouched"] = float(same and torch.equal(o[1], torch.zeros_like(o[1])))
 
 
+def scores_tma(out: dict) -> None:
+    """The scores form's TMA walk (`triton_chunk_scores_tma`) against the tile kernel on the same row scales: two key
+    heads of four value heads, groups of two and four, three sequences (the first with a partial last chunk followed by
+    an inf in the next one's first rows, which must stay out of the first's P), a walk that wraps (more tiles than
+    programs), and one sequence in a segment (rows row0 on, chunks c_lo <= i < c_hi). "scores-tma/g*": the largest
+    difference over the rows both write, then 1.0 where the TMA walk wrote exactly those rows (NaN elsewhere)."""
+    from hybridkv.kernels.gdn import triton_chunk_scores_tma
+    from hybridkv.kernels.gdn.triton_chunk_inverse import _chunk_scores_kernel
+
+    lens, H, HV, K = [100, 70, 64], 2, 8, 64
+    T = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    q, k = (torch.randn(1, T, H, K).bfloat16() for _ in range(2))
+    q[0, 100:102] = k[0, 100:102] = float("inf")
+    cu, table, _, NC = triton_chunk._chunk_tables(cu, 1, T, q.device)
+    R = torch.rand(NC, HV, 8, 64)
+    R[:, :, 4] = -torch.cumsum(0.05 * torch.rand(NC, HV, 64), -1)
+
+    def both(group, rows, row0=0, c_lo=0, c_hi=0, segmented=False, cu=cu, table=table, q=q, k=k):
+        P = [torch.full((NC, HV, 64, 64), float("nan"), dtype=torch.bfloat16) for _ in range(2)]
+        _chunk_scores_kernel[(rows, HV // group)](q, k, R, P[0], cu, table, row0, c_lo, c_hi, H, HV, K=K, BK=K,
+                                                  GROUP=group, SEGMENTED=segmented)
+        triton_chunk_scores_tma.launch(q, k, R, P[1], cu, table, rows, group, row0, c_lo, c_hi, segmented, sms=2,
+                                       config=(4, 2, 2))
+        written = ~P[0].isnan()
+        same_rows = float(torch.equal(written, ~P[1].isnan()))
+        # The inf's own sequence (1) is inf in both; the others must be finite and equal.
+        seq = torch.full((NC,), -1)
+        seq[:len(table)] = table[:, 0]
+        clear = (seq != 1)[:, None, None, None] & written
+        diff = (P[1].float() - P[0].float()).abs()[clear]
+        return (diff.max().item() if diff.isfinite().all() else float("inf"), same_rows)
+
+    for group in (2, 4):
+        out[f"scores-tma/g{group}"] = list(both(group, NC))
+    # One sequence of 230 tokens, chunks 1 and 2 of 4, as a pipelined call's segment.
+    q1, k1 = (torch.randn(1, 230, H, K).bfloat16() for _ in range(2))
+    one, one_table, _, _ = triton_chunk._chunk_tables(torch.tensor([0, 230]), 1, 230, q.device)
+    out["scores-tma/segment"] = list(both(4, 2, 1, 1, 3, True, one, one_table, q1, k1))
+
+
 PARTS = {
     "l2": lambda out: (sequences([400, 64, 30], out, (True,)), sequences([300], out, (True,)), half_precision(out),
                        decode_tma(out)),
     "no-l2": lambda out: (sequences([400, 64, 30], out, (False,)), sequences([300], out, (False,)),
-                          out.update(stacked_inverse()), whole_m_scan(out)),
+                          out.update(stacked_inverse()), whole_m_scan(out), scores_tma(out)),
 }
 
 

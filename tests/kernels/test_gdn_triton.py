@@ -315,6 +315,83 @@ def test_gluon_chain_loading_the_scores_equals_the_triton_scores_chain(lens, H, 
         assert torch.equal(o_inf[0, :lens[0]], o[0, :lens[0]]) and torch.equal(st_inf[0], st[0])
 
 
+@pytest.mark.parametrize("config", [(4, 2, 3), (8, 2, 3), (4, 1, 3), (8, 1, 3), (4, 4, 3)])
+@pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
+    pytest.param([150, 64, 1000, 7, 1], 2, 8, None, id="varlen-ragged"),
+    pytest.param([8192], 16, 64, 2, id="397B-2x8192"),
+    pytest.param([3000], 16, 32, None, id="35B-segment"),
+])
+def test_scores_tma_walk_equals_the_tile_kernel(lens, H, HV, batch, config):
+    """`triton_chunk_scores_tma` at each probed config (`CONFIGS`) against `_chunk_scores_kernel` on the same row
+    scales: equal to rounding, on exactly the rows the tile kernel writes (NaN-filled buffers), walks that wrap (more
+    tiles than programs); an inf in the next sequence's first rows stays out of the first sequence's P; a segment of
+    one sequence (rows row0 on, c_lo <= chunk < c_hi) writes that segment only."""
+    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_inverse, triton_chunk_scores_tma
+
+    assert config in triton_chunk_scores_tma.CONFIGS
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=23)
+    if batch is None and len(lens) > 1:
+        for x in (q, k):
+            x[0, lens[0]:lens[0] + 2] = float("inf")
+    B, T = q.shape[:2]
+    cu_, table, _, NC = triton_chunk._chunk_tables(cu, B, T, q.device)
+    R = torch.rand(NC, HV, 8, 64, device="cuda")
+    R[:, :, 4] = -torch.cumsum(0.05 * torch.rand(NC, HV, 64, device="cuda"), -1)
+    group = 4 if (HV // H) % 4 == 0 else 2
+    segment = lens == [3000]
+    rows, row0, c_lo, c_hi = (20, 10, 10, 30) if segment else (NC, 0, 0, 0)
+    P = [torch.full((NC, HV, 64, 64), float("nan"), device="cuda", dtype=q.dtype) for _ in range(2)]
+    triton_chunk_inverse._chunk_scores_kernel[(rows, HV // group)](
+        q, k, R, P[0], cu_, table, row0, c_lo, c_hi, H, HV, K=128, BK=128, GROUP=group, SEGMENTED=segment,
+        num_warps=triton_chunk_inverse.SCORES_WARPS, num_stages=1)
+    assert triton_chunk_scores_tma.eligible(q, k, P[1])
+    triton_chunk_scores_tma.launch(q, k, R, P[1], cu_, table, rows, group, row0, c_lo, c_hi, segment,
+                                   sms=torch.cuda.get_device_properties(0).multi_processor_count // 4, config=config)
+    written = ~P[0].isnan()
+    assert torch.equal(written, ~P[1].isnan())
+    if segment:
+        assert written[10:30].all() and not written[:10].any() and not written[30:].any()
+    clear = written.clone()
+    if batch is None and len(lens) > 1:
+        clear[(table[:, 0] == 1)] = False  # the inf's own sequence
+        assert P[1][clear].isfinite().all()
+    assert rel_err(P[1][clear], P[0][clear]) < 2e-3
+
+
+@pytest.mark.parametrize("schedule", ["serial", "pipelined", "scan", "gluon"])
+def test_a_scores_call_with_the_tma_walk_equals_one_with_the_tile_kernel(schedule, monkeypatch):
+    """`triton_chunk.SCORES_TMA`: a scores-form call whose P comes from the TMA walk gives the output and final state of
+    one whose P comes from the tile kernel, to rounding, in every schedule (a pipelined call's walk runs SEGMENTED, the
+    scan's once over every chunk, the Gluon chain loads its P by TMA), and the tile kernel is not launched."""
+    from hybridkv.kernels.gdn import triton_chunk
+
+    lens, H, HV = ([3000, 700], 2, 8) if schedule in ("serial", "gluon") else ([3000], 2, 8)
+    q, k, v, g, beta, cu = make(lens, H, HV, seed=24, slow=True)
+    h0 = torch.randn(len(lens), HV, 128, 128, device="cuda") * 0.1
+    call = dict(form=triton_chunk.Form.SCORES)
+    if schedule == "gluon":
+        call.update(gluon_chain=triton_chunk.GluonChain(rows=64, overlap=1), schedule=triton_chunk.Schedule.SERIAL)
+    else:
+        call.update(config=(32, 4, 3), schedule=triton_chunk.Schedule(schedule), segments=3)
+    launched = []
+    real = triton_chunk._chunk_scores_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_chunk, "_chunk_scores_kernel", Counting())
+    got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False, **call)
+    assert launched == []
+    monkeypatch.setattr(triton_chunk, "SCORES_TMA", False)
+    want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False, **call)
+    assert launched
+    assert rel_err(got[0], want[0]) < 2e-3 and rel_err(got[1], want[1]) < 2e-3
+    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
+    assert rel_err(got[0], o_ref) < 2e-2 and rel_err(got[1], st_ref) < 2e-2
+
+
 def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
     """`default_inverse`: on an sm_90 GPU with bf16 inputs a plain call (the engines' path) launches the Gluon
     inverse, in every schedule the plan picks (serial batches, pipelined and scanned single prompts); elsewhere the

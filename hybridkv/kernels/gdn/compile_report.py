@@ -86,7 +86,7 @@ _ASYNC_COPY = r"\bcp\.async\.(?:ca|cg)\.shared|\bcp\.async\.bulk\.(?:tensor\.\w+
 
 def _specs() -> list[KernelSpec]:
     from hybridkv.kernels.gdn import (chunk_plan, triton_chunk, triton_chunk_inverse, triton_chunk_scan,
-                                      triton_decode_tma, triton_recurrent)
+                                      triton_chunk_scores_tma, triton_decode_tma, triton_recurrent)
 
     chunk = "hybridkv.kernels.gdn.triton_chunk"
     inverse = "hybridkv.kernels.gdn.triton_chunk_inverse"
@@ -146,6 +146,21 @@ def _specs() -> list[KernelSpec]:
                                   num_warps=triton_chunk_inverse.SCORES_WARPS, num_stages=1,
                                   constants={"SEGMENTED": seg, "GROUP": grp})
                            for seg in (False, True) for grp in sorted({1, inv.group})),
+        ),
+        KernelSpec(
+            # The descriptors' boxes: q and k one chunk row of a key head, P one chunk of a value head.
+            name="chunk_scores_tma", module="hybridkv.kernels.gdn.triton_chunk_scores_tma",
+            attr="_scores_tma_kernel",
+            signature={"q_desc": f"tensordesc<bf16[64, {D}]>", "k_desc": f"tensordesc<bf16[64, {D}]>",
+                       "p_desc": "tensordesc<bf16[64, 64]>", "R": "*fp32", "cu_seqlens": "*i32",
+                       "chunk_table": "*i32", "row0": "i32", "c_lo": "i32", "c_hi": "i32", "rows": "i32",
+                       "progs": "i32", "H": "i32", "HV": "i32"},
+            constants={"K": D, "PDL": False},
+            aligned=("H", "HV"),
+            launches=tuple(Launch(label=f"{'segment ' if seg else ''}group={grp} {per_sm}/SM", num_warps=w,
+                                  constants={"SEGMENTED": seg, "GROUP": grp, "STAGES": st})
+                           for seg in (False, True) for grp in (2, 4)
+                           for w, per_sm, st in triton_chunk_scores_tma.CONFIGS if not seg or grp == 4),
         ),
         KernelSpec(
             name="chunk_state", module=chunk, attr="_chunk_state_kernel",

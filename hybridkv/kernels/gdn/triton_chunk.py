@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from hybridkv.kernels.gdn import pdl as _pdl
+from hybridkv.kernels.gdn import triton_chunk_scores_tma
 from hybridkv.kernels.gdn.chunk_plan import (
     PIPELINE_SEGMENTS,
     Form,
@@ -154,6 +155,9 @@ _chunk_state_tuned = triton.autotune(
     key=["H", "HV", "WORK_LOG2", "K", "V", "SCORES_IN"],
 )(_chunk_state_kernel)
 
+# The scores form's P by the TMA walk (`triton_chunk_scores_tma`) where it can run; False: the tile kernel
+# `_chunk_scores_kernel` everywhere (a probe's A/B switch).
+SCORES_TMA = True
 # Columns of W, Q', U, U' per program of the split form's parallel kernel.
 WU_COLUMNS = 64
 # (BV, num_warps, num_stages) of the split form's chain kernel. No single-stage config: Triton 3.6
@@ -361,6 +365,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     # The scores and a fixed-config state kernel start as the kernel before them drains (`pdl`); the inverse, first,
     # waits in full for what the caller queued.
     pdl = on_gpu and _pdl.enabled(q.device)
+    scores_tma = form is Form.SCORES and on_gpu and SCORES_TMA and triton_chunk_scores_tma.eligible(q, k, P)
 
     def run_inverse(c_lo, c_hi, segmented):
         # One sequence: its segment is a run of table rows; several: every row, the others return.
@@ -380,7 +385,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
 
     def run_scores(c_lo, c_hi, segmented, pdl=False):  # the scores (Form.SCORES) or W/U (SPLIT) after the inverse
         row0, rows = (c_lo, c_hi - c_lo) if N == 1 else (0, NC)
-        if form is Form.SCORES:
+        if scores_tma:
+            triton_chunk_scores_tma.launch(q, k, R, P, cu, chunk_table, rows, group, row0, c_lo, c_hi, segmented,
+                                           sms=_sm_count(q.device.index), pdl=pdl)
+        elif form is Form.SCORES:
             _chunk_scores_kernel[(rows, HV // group)](q, k, R, P, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K,
                                                       BK=BK, GROUP=group, SEGMENTED=segmented,
                                                       num_warps=SCORES_WARPS, num_stages=1,
