@@ -82,7 +82,7 @@ class Variant:
     inverse: InverseConfig | None = None  # None: the call's default (the Gluon inverse on Hopper)
     gluon_chain: chunk_plan.GluonChain | None = None
     pdl: bool = True  # pdl.ENABLED
-    scores_tma: bool = True  # triton_chunk.SCORES_TMA
+    scores_tma: bool = triton_chunk.SCORES_TMA
 
 
 def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks: int, N: int = 1) -> list[Variant]:
@@ -93,8 +93,9 @@ def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks:
     prompt's Gluon chain (397B-shaped heads, one prompt, serial at BV=64 in the scores form), the Triton chain it
     replaced ("before"), its synchronous variant (overlap 0) and the batch plan's chain (fused, making its own scores).
     For batches (``N`` > 1): the fused and the scores form on the batch plan's Gluon chain. Where the scores form
-    runs: with P by the tile kernel instead of the TMA walk ("tile scores", `triton_chunk.SCORES_TMA`). Earlier variants (by segment, stacked inverse, whole M, eight segments at BV=32, pipelined and scanned 397B
-    prompts): git history and benchmarks/gdn/README.md."""
+    runs: with P by the TMA walk instead of the tile kernel ("TMA scores", `triton_chunk.SCORES_TMA`). Earlier
+    variants (by segment, stacked inverse, whole M, eight segments at BV=32, pipelined and scanned 397B prompts): git
+    history and benchmarks/gdn/README.md."""
     fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
     if N > 1:  # batches: the plan, and both forms on the batch plan's Gluon chain
         serial = triton_chunk.Schedule.SERIAL
@@ -103,11 +104,11 @@ def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks:
                         gluon_chain=chunk_plan.BATCH_GLUON_CHAIN),
                 Variant(name="serial scores, batch Gluon chain", schedule=serial, form=SCORES,
                         gluon_chain=chunk_plan.BATCH_GLUON_CHAIN),
-                Variant(name="serial scores, batch Gluon chain, tile scores", schedule=serial, form=SCORES,
-                        gluon_chain=chunk_plan.BATCH_GLUON_CHAIN, scores_tma=False)]
-    tile = ([Variant(name="plan, tile scores", scores_tma=False, gluon_chain=plan.gluon_chain, **fixed)]
-            if plan.form is SCORES else [])
-    out = [Variant(name="plan"), *tile,
+                Variant(name="serial scores, batch Gluon chain, TMA scores", schedule=serial, form=SCORES,
+                        gluon_chain=chunk_plan.BATCH_GLUON_CHAIN, scores_tma=True)]
+    tma = ([Variant(name="plan, TMA scores", scores_tma=True, gluon_chain=plan.gluon_chain, **fixed)]
+           if plan.form is SCORES else [])
+    out = [Variant(name="plan"), *tma,
            Variant(name="pipelined scores (32,4,3) x2", schedule=PIPELINED, form=SCORES, config=(32, 4, 3),
                    segments=2)]
     if plan.schedule is SCAN:
@@ -182,7 +183,7 @@ def main() -> int:
         triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = None, False
         triton_chunk_scan.SCAN_WHOLE_M = False
         triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = Variant.scan_prec, Variant.scan_bv
-        pdl.ENABLED, triton_chunk.SCORES_TMA = True, True
+        pdl.ENABLED, triton_chunk.SCORES_TMA = True, Variant.scores_tma
         del q, k, v, g, beta, o_ref, s_ref
         torch.cuda.empty_cache()
     if a.json:

@@ -360,8 +360,8 @@ def test_scores_tma_walk_equals_the_tile_kernel(lens, H, HV, batch, config):
 
 @pytest.mark.parametrize("schedule", ["serial", "pipelined", "scan", "gluon"])
 def test_a_scores_call_with_the_tma_walk_equals_one_with_the_tile_kernel(schedule, monkeypatch):
-    """`triton_chunk.SCORES_TMA`: a scores-form call whose P comes from the TMA walk gives the output and final state of
-    one whose P comes from the tile kernel, to rounding, in every schedule (a pipelined call's walk runs SEGMENTED, the
+    """`triton_chunk.SCORES_TMA` (on here, whatever the shipped setting): a scores-form call whose P comes from the TMA
+    walk gives the output and final state of one whose P comes from the tile kernel, to rounding, in every schedule (a pipelined call's walk runs SEGMENTED, the
     scan's once over every chunk, the Gluon chain loads its P by TMA), and the tile kernel is not launched."""
     from hybridkv.kernels.gdn import triton_chunk
 
@@ -382,6 +382,7 @@ def test_a_scores_call_with_the_tma_walk_equals_one_with_the_tile_kernel(schedul
             return real[grid]
 
     monkeypatch.setattr(triton_chunk, "_chunk_scores_kernel", Counting())
+    monkeypatch.setattr(triton_chunk, "SCORES_TMA", True)
     got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False, **call)
     assert launched == []
     monkeypatch.setattr(triton_chunk, "SCORES_TMA", False)

@@ -156,8 +156,9 @@ _chunk_state_tuned = triton.autotune(
 )(_chunk_state_kernel)
 
 # The scores form's P by the TMA walk (`triton_chunk_scores_tma`) where it can run; False: the tile kernel
-# `_chunk_scores_kernel` everywhere (a probe's A/B switch).
-SCORES_TMA = True
+# `_chunk_scores_kernel` everywhere. Off until it is timed against the tile kernel on a GPU (benchmarks/gdn/
+# scores_probe.py, scan_probe.py): it is checked against that kernel in the interpreter only (2026-12-03).
+SCORES_TMA = False
 # Columns of W, Q', U, U' per program of the split form's parallel kernel.
 WU_COLUMNS = 64
 # (BV, num_warps, num_stages) of the split form's chain kernel. No single-stage config: Triton 3.6
