@@ -9,6 +9,8 @@ it: the first waits in full for whatever the caller queued before it (the previo
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -23,10 +25,21 @@ ENABLED = True
 
 def enabled(device) -> bool:
     """Whether launches on ``device`` (a torch device) use PDL: a Hopper or later GPU, and `ENABLED`."""
+    if not (ENABLED and gdc_wait is not None and device.type == "cuda"):
+        return False
+    if device.index is None:  # a tensor's device always names one; a bare torch.device("cuda") may not
+        import torch
+
+        return _major(torch.cuda.current_device()) >= 9
+    return _major(device.index) >= 9
+
+
+@functools.cache
+def _major(index: int) -> int:
+    # Asked on every chunked call; the device's answer does not change.
     import torch
 
-    return (ENABLED and gdc_wait is not None and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def launch_kwargs(on: bool) -> dict:

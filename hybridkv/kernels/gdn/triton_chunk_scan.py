@@ -214,7 +214,6 @@ def scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, stride
         # the same launches run in order on one device, which is how CI's interpreter checks them.)
         gpu = q.device.type == "cuda"
         cur = torch.cuda.current_stream(q.device) if gpu else None
-        side = side_stream
         for j in range(segments):
             lo, hi = j * seg_chunks, min((j + 1) * seg_chunks, NC)
             if lo < hi:
@@ -223,13 +222,13 @@ def scan_call(run_inverse, run_scores, k, v, A, P, R, G, q, o, h0, final, stride
                 if gpu:
                     done = torch.cuda.Event()
                     done.record(cur)
-                with torch.cuda.stream(side) if gpu else contextlib.nullcontext():
+                with torch.cuda.stream(side_stream) if gpu else contextlib.nullcontext():
                     if gpu:
-                        side.wait_event(done)
+                        side_stream.wait_event(done)
                     summarize(j, 1)
         run_scores(0, NC, False, False)
         if gpu:
-            cur.wait_stream(side)
+            cur.wait_stream(side_stream)
     else:
         run_inverse(0, NC, False)
         run_scores(0, NC, False, pdl)

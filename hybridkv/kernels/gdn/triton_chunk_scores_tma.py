@@ -22,10 +22,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hybridkv.kernels.gdn import pdl as _pdl
+from hybridkv.kernels.gdn.triton_chunk_inverse import _R_STRIDE, BT
 from hybridkv.kernels.gdn.triton_chunk_rows import _masked_scores, _sequence, _table_row
-
-BT = 64
-_R_STRIDE = tl.constexpr(8 * BT)  # floats of row scales per (chunk, value head), `triton_chunk_inverse._NROW` rows
+from hybridkv.kernels.gdn.triton_decode_tma import _device
 
 # (num_warps, programs per SM, pipeline stages). Offline sm_90 (`hybridkv kernels report --kernel chunk_scores_tma`):
 # Triton 3.6's pipeliner double-buffers q and k (2 x 32 KB) whatever the stages, since their coordinates hang on two
@@ -74,7 +73,7 @@ def eligible(q: torch.Tensor, k: torch.Tensor, P: torch.Tensor) -> bool:
     """Whether the TMA walk can make this call's P: a CUDA device with TMA (sm_90+), 16-bit q and k with a power-of-two
     head size from 16 to 256 (one box per chunk row), 16-byte aligned bases, and row counts a 32-bit coordinate
     holds. Anything else takes the tile kernel."""
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
+    if q.device.type != "cuda" or not _device(q.device)[0]:
         return False
     K = q.shape[-1]
     if q.element_size() != 2 or k.dtype != q.dtype or K != triton.next_power_of_2(K) or not 16 <= K <= 256:
