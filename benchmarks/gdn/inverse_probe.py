@@ -28,15 +28,15 @@ from benchmarks.gdn.schedules import probe_args, reference_cases, rel
 # cap (ptxas `maxnreg` 168, 128, 96; g1, g2, g4) was slower at every cap although more programs fit an SM, and its
 # shared buffers padded against bank conflicts took 397B 4x8192 595 -> 454 us (Nsight Compute: shared-memory bound,
 # benchmarks/device/ncu_gdn.sh); the Triton inverse and the Gluon one at one value head per program are slower
-# (inverse_probe_rows_h200.txt). Now: the batch plan's chain (`chunk_plan.BATCH_GLUON_CHAIN`) after the shipped
-# inverse, with its row scales by pointer loads and staged by TMA (Nsight Compute put the chain's largest stall on
-# those loads, long scoreboard 0.88 cycles per issued instruction). (inverse, Gluon chain or None) pairs, all serial
-# calls. Earlier variants (the stacked kernel, the chain's other forms): benchmarks/gdn/README.md.
+# (inverse_probe_rows_h200.txt); the batch chain's row scales staged by TMA were mixed (chain_probe_staged_h200.txt).
+# (inverse, Gluon chain or None) pairs, all serial calls. Earlier variants (the stacked kernel, the chain's other
+# forms): benchmarks/gdn/README.md.
 GLUON_INVERSE = GLUON_INVERSE_CONFIG
+# Sixth session (2026-12-03): the Gluon inverse with all of k and q loaded before the gram (`loads_ahead`), against the
+# shipped one, both before the batch plan's chain.
 VARIANTS = (
-    (GLUON_INVERSE, dataclasses.replace(chunk_plan.BATCH_GLUON_CHAIN, staged_scales=False)),
-    (GLUON_INVERSE, dataclasses.replace(chunk_plan.BATCH_GLUON_CHAIN, staged_scales=True)),
-    (GLUON_INVERSE, dataclasses.replace(chunk_plan.BATCH_GLUON_CHAIN, staged_scales=True, overlap=0)),
+    (dataclasses.replace(GLUON_INVERSE, loads_ahead=False), chunk_plan.BATCH_GLUON_CHAIN),
+    (dataclasses.replace(GLUON_INVERSE, loads_ahead=True), chunk_plan.BATCH_GLUON_CHAIN),
 )
 
 
@@ -45,7 +45,8 @@ def label(inv: InverseConfig, gluon_chain: triton_chunk.GluonChain | None = None
                                             + (" staged scales" if gluon_chain.staged_scales else ""))
     if inv.gluon:
         cap = "" if inv.maxnreg is None else f" maxnreg {inv.maxnreg}"
-        return f"gluon g{inv.group} (value heads per program; two warps){cap}{chain}"
+        ahead = " loads ahead" if inv.loads_ahead else ""
+        return f"gluon g{inv.group} (value heads per program; two warps){ahead}{cap}{chain}"
     return (f"{'stacked ' if inv.stacked else ''}g{inv.group} bkc{inv.bkc} w{inv.warps} s{inv.stages} m{inv.method} "
             f"{inv.prec:6} /{inv.merge_prec:6} reg{inv.maxnreg}{chain}")
 

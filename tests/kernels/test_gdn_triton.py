@@ -212,6 +212,40 @@ def test_gluon_inverse_in_a_segmented_call_equals_the_triton_inverse(schedule):
     assert rel_err(got[0], want[0]) < 5e-3 and rel_err(got[1], want[1]) < 5e-3
 
 
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize(("lens", "H", "HV", "batch", "l2norm", "schedule"), [
+    pytest.param([200, 64, 1000, 7], 2, 8, None, True, "serial", id="varlen-ragged"),
+    pytest.param([300], 4, 16, 2, False, "serial", id="batch-2x300-no-l2"),
+    pytest.param([3000], 2, 8, None, True, "pipelined", id="segmented-3000"),
+    pytest.param([8192], 16, 32, 2, True, "serial", id="35B-2x8192"),
+])
+def test_gluon_inverse_with_its_loads_ahead_equals_the_shipped_one(lens, H, HV, batch, l2norm, schedule, group):
+    """`InverseConfig(loads_ahead=True)`: k and q loaded whole, k's slabs read from one shared tile. The gram's
+    products are the same in the same order, so without the kernel's l2 norm the call is bit for bit the shipped
+    one's; with it, q's squared norms are summed in another order (rounding only)."""
+    import dataclasses
+
+    from hybridkv.kernels.gdn import triton_chunk
+    from hybridkv.kernels.gdn.triton_chunk_inverse import GLUON_INVERSE_CONFIG
+
+    shipped = dataclasses.replace(GLUON_INVERSE_CONFIG, group=group, loads_ahead=False)
+    ahead = dataclasses.replace(shipped, loads_ahead=True)
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=9, unit=not l2norm)
+    N = batch or len(lens)
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    call = dict(config=(32, 4, 3) if schedule == "pipelined" else (64, 4, 2),
+                schedule=triton_chunk.Schedule(schedule), **({"segments": 3} if schedule == "pipelined" else {}))
+    got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm, False,
+                                                  inverse=ahead, **call)
+    want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm, False,
+                                                   inverse=shipped, **call)
+    assert not got[0].isnan().any() and not got[1].isnan().any()
+    if l2norm:
+        assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
+    else:
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("gluon_inverse", [False, True])
 @pytest.mark.parametrize(("lens", "H", "HV", "batch", "l2norm"), [
     pytest.param([150, 64, 1000, 7], 2, 8, None, True, id="varlen-ragged"),

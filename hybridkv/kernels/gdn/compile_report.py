@@ -287,9 +287,9 @@ def _specs() -> list[KernelSpec]:
                        "G": "*fp32", "cu_seqlens": "*i32", "chunk_table": "*i32", "row0": "i32", "c_lo": "i32",
                        "c_hi": "i32", "scale": "fp32", "H": "i32", "HV": "i32"},
             constants={"K": D, "L2NORM": True}, aligned=("H", "HV"), gluon=True,
-            launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}", num_warps=2,
-                                  constants={"GROUP": grp, "SEGMENTED": seg})
-                           for seg in (False, True) for grp in (1, 4)),
+            launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}{' loads ahead' if ahead else ''}",
+                                  num_warps=2, constants={"GROUP": grp, "SEGMENTED": seg, "LOADS_AHEAD": ahead})
+                           for seg in (False, True) for grp in (1, 4) for ahead in (False, True)),
         ))
         tile = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
                 "fp4_padded=False, cga_layout=[])")

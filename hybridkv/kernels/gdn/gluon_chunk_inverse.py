@@ -63,11 +63,11 @@ def _add(a, b):
 
 
 @gluon.jit
-def _rows(x, bos, T, i_h, r0, kc: gl.constexpr, H, K: gl.constexpr):
-    """Columns [32 kc, 32 kc + 32) of a chunk's 64 rows of q or k `[B, T, H, K]` for key head i_h (zero past the
+def _rows(x, bos, T, i_h, r0, kc: gl.constexpr, H, K: gl.constexpr, W: gl.constexpr = 32):
+    """Columns [32 kc, 32 kc + W) of a chunk's 64 rows of q or k `[B, T, H, K]` for key head i_h (zero past the
     sequence's end), layout _LD."""
     o_t = r0 + gl.arange(0, BT, layout=gl.SliceLayout(1, _LD))
-    o_k = 32 * kc + gl.arange(0, 32, layout=gl.SliceLayout(0, _LD))
+    o_k = 32 * kc + gl.arange(0, W, layout=gl.SliceLayout(0, _LD))
     p = x + ((bos + o_t.to(gl.int64)) * H + i_h)[:, None] * K + o_k[None, :]
     return gl.load(p, mask=(o_t < T)[:, None], other=0.0)
 
@@ -99,7 +99,8 @@ def _store_block(A, x, i: gl.constexpr, j: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
-                          K: gl.constexpr, L2NORM: gl.constexpr, GROUP: gl.constexpr, SEGMENTED: gl.constexpr):
+                          K: gl.constexpr, L2NORM: gl.constexpr, GROUP: gl.constexpr, SEGMENTED: gl.constexpr,
+                          LOADS_AHEAD: gl.constexpr = False):
     """T = (I + L)^-1 of one chunk for GROUP value heads of one key head, with their row scales. Grid (chunk rows,
     HV // GROUP); two warps. The raw gram and the q and k norms depend on the key head only: made once.
     SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of each sequence,
@@ -130,15 +131,31 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
     # Both operands of each step are read (ldmatrix, .trans for K^T) from one copy of k's columns in shared memory;
     # converted from registers, each step took 11 bar.sync (the transposed operand in eight rounds of scratch), and
     # the kernel 2-3% longer (benchmarks/device/results/ab_gram_barriers_h200.txt).
-    kb = gl.allocate_shared_memory(k.dtype.element_ty, [BT, 32], _KB)
-    for kc in gl.static_range(K // 32):
-        b_k = _rows(k, bos, T, i_h, r0, kc, H, K)
-        kb.store(b_k)
-        gram = mma_v2(kb.load(gl.DotOperandLayout(0, _MMA, 2)),
-                      kb.permute([1, 0]).load(gl.DotOperandLayout(1, _MMA, 2)), gram)
+    if LOADS_AHEAD:
+        # All of k and q in one load each, k into one shared tile whose 32-column slabs the products read: a program
+        # waits for global memory once, not once per slab (the slabs' loads are ordered by the barriers between
+        # a slab's operand reads and the next slab's store). The NVMMA layout stores a tile wider than its
+        # swizzle as [64, 32] blocks one after another, so a slab is one block.
+        kw = gl.allocate_shared_memory(k.dtype.element_ty, [BT, K], _KB)
+        b_k = _rows(k, bos, T, i_h, r0, 0, H, K, K)
         if L2NORM:
-            b_q = _rows(q, bos, T, i_h, r0, kc, H, K).to(gl.float32)
-            sq += gl.sum(b_q * b_q, axis=1)
+            b_q = _rows(q, bos, T, i_h, r0, 0, H, K, K).to(gl.float32)
+            sq = gl.sum(b_q * b_q, axis=1)
+        kw.store(b_k)
+        for kc in gl.static_range(K // 32):
+            kb = kw.slice(32 * kc, 32, dim=1)
+            gram = mma_v2(kb.load(gl.DotOperandLayout(0, _MMA, 2)),
+                          kb.permute([1, 0]).load(gl.DotOperandLayout(1, _MMA, 2)), gram)
+    else:
+        kb = gl.allocate_shared_memory(k.dtype.element_ty, [BT, 32], _KB)
+        for kc in gl.static_range(K // 32):
+            b_k = _rows(k, bos, T, i_h, r0, kc, H, K)
+            kb.store(b_k)
+            gram = mma_v2(kb.load(gl.DotOperandLayout(0, _MMA, 2)),
+                          kb.permute([1, 0]).load(gl.DotOperandLayout(1, _MMA, 2)), gram)
+            if L2NORM:
+                b_q = _rows(q, bos, T, i_h, r0, kc, H, K).to(gl.float32)
+                sq += gl.sum(b_q * b_q, axis=1)
     if L2NORM:
         diag = gl.arange(0, BT, layout=row)[:, None] == gl.arange(0, BT, layout=col)[None, :]
         rk = gl.rsqrt(gl.sum(gl.where(diag, gram, 0.0), axis=1) + 1e-6)
@@ -241,7 +258,7 @@ def _invert(L, Ls, Lr, Td, p):
 
 def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: float, l2norm: bool,
            group: int = 1, row0: int = 0, c_lo: int = 0, c_hi: int = 0, segmented: bool = False,
-           maxnreg: int | None = None) -> None:
+           maxnreg: int | None = None, loads_ahead: bool = False) -> None:
     """`_gluon_inverse_kernel` over ``rows`` chunk rows and every value head (the arguments of `triton_chunk`'s inverse
     call), ``group`` value heads of a key head per program (a divisor of HV / H), ``maxnreg`` a register cap for ptxas
     (None: none).
@@ -259,5 +276,6 @@ def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: fl
         raise ValueError(f"group must divide the value heads per key head ({HV // H}), got {group}")
     _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi,
                                                scale, H, HV, K=K, L2NORM=l2norm, GROUP=group, SEGMENTED=segmented,
+                                               LOADS_AHEAD=loads_ahead,
                                                num_warps=int(WARPS.value),
                                                **({} if maxnreg is None else {"maxnreg": maxnreg}))

@@ -156,8 +156,9 @@ _chunk_state_tuned = triton.autotune(
 )(_chunk_state_kernel)
 
 # The scores form's P by the TMA walk (`triton_chunk_scores_tma`) where it can run; False: the tile kernel
-# `_chunk_scores_kernel` everywhere. Off until it is timed against the tile kernel on a GPU (benchmarks/gdn/
-# scores_probe.py, scan_probe.py): it is checked against that kernel in the interpreter only (2026-12-03).
+# `_chunk_scores_kernel` everywhere. Off: on the H200 it lost to the tile kernel at four value heads per key head
+# (397B 4x8192 257 against 202 us) and gained 7% at two (35B 4x8192 132 against 141), no whole call faster
+# (benchmarks/gdn/README.md, "Scores kernel"); equal to the tile kernel bit for bit (interpreter and GPU tests).
 SCORES_TMA = False
 # Columns of W, Q', U, U' per program of the split form's parallel kernel.
 WU_COLUMNS = 64
@@ -375,7 +376,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
             from hybridkv.kernels.gdn import gluon_chunk_inverse
 
             gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, chunk_table, rows, scale, use_qk_l2norm_in_kernel,
-                                       group, row0, c_lo, c_hi, segmented, inverse.maxnreg)
+                                       group, row0, c_lo, c_hi, segmented, inverse.maxnreg,
+                                       inverse.loads_ahead)
             return
         kernel = _chunk_inverse_stacked_kernel if inverse.stacked else _chunk_inverse_kernel
         kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi, scale, H, HV, K=K,

@@ -64,8 +64,13 @@ class InverseConfig:
     # gram step): bkc, warps and stages describe the Triton kernel's launch only; maxnreg applies to both. It has
     # one numerics, the shipped one (method 0, tf32 merges); anything else is refused rather than quietly not done.
     gluon: bool = False
+    # The Gluon kernel with every slab of k and q loaded before the gram's first product (`LOADS_AHEAD`): one wait
+    # for global memory per program instead of one per 32 columns, for 12 KB more shared memory at K = 128.
+    loads_ahead: bool = False
 
     def __post_init__(self) -> None:
+        if self.loads_ahead and not self.gluon:
+            raise ValueError(f"bad inverse config {self}: loads_ahead is the Gluon kernel's (gluon=True)")
         if self.gluon and self.stacked:
             raise ValueError(f"bad inverse config {self}: gluon and stacked are two different kernels")
         if self.gluon and (self.method != 0 or self.merge_prec != "tf32"):
