@@ -222,7 +222,8 @@ def test_gluon_inverse_in_a_segmented_call_equals_the_triton_inverse(schedule):
 def test_gluon_inverse_with_its_loads_ahead_equals_the_shipped_one(lens, H, HV, batch, l2norm, schedule, group):
     """`InverseConfig(loads_ahead=True)`: k and q loaded whole, k's slabs read from one shared tile. The gram's
     products are the same in the same order, so without the kernel's l2 norm the call is bit for bit the shipped
-    one's; with it, q's squared norms are summed in another order (rounding only)."""
+    one's; with it, q's squared norms are summed in another order: rounding only, which flips the last bit of a few
+    bf16 outputs (relative error 1.0-1.3e-5 on the H200; the Gluon and Triton inverses differ by up to 5e-3)."""
     import dataclasses
 
     from hybridkv.kernels.gdn import triton_chunk
@@ -241,7 +242,7 @@ def test_gluon_inverse_with_its_loads_ahead_equals_the_shipped_one(lens, H, HV, 
                                                    inverse=shipped, **call)
     assert not got[0].isnan().any() and not got[1].isnan().any()
     if l2norm:
-        assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
+        assert rel_err(got[0], want[0]) < 1e-4 and rel_err(got[1], want[1]) < 1e-4
     else:
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 

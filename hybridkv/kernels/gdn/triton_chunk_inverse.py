@@ -99,8 +99,10 @@ INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32")
 # The Gluon kernel with four value heads per program: the default on Hopper where it applies (`default_inverse`).
 # H200, serial calls, inverse kernel alone (benchmarks/gdn/README.md, 2026-12-02): 397B 4x8192 931 -> 589 us,
 # 397B 1x8192 221 -> 161, 35B 4x8192 531 -> 349, 35B 1x8192 130 -> 97, 397B TP8 48 -> 27; the same error as the
-# Triton kernel on the bench's shapes and on the worst case.
-GLUON_INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True)
+# Triton kernel on the bench's shapes and on the worst case. Its loads ahead (2026-12-03, sixth session,
+# benchmarks/device/results/inverse_probe_loads_ahead_h200.txt, same run): 35B 4x8192 272 -> 241 us, 397B 4x8192
+# 420 -> 393, 397B 1x8192 118 -> 109, the same error.
+GLUON_INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True, loads_ahead=True)
 
 
 def default_inverse(device_type: str, capability: tuple[int, int] | None, dtype: str, K: int, *,
