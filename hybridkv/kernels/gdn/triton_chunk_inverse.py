@@ -64,8 +64,9 @@ class InverseConfig:
     # gram step): bkc, warps and stages describe the Triton kernel's launch only; maxnreg applies to both. It has
     # one numerics, the shipped one (method 0, tf32 merges); anything else is refused rather than quietly not done.
     gluon: bool = False
-    # The Gluon kernel with every slab of k and q loaded before the gram's first product (`LOADS_AHEAD`): one wait
-    # for global memory per program instead of one per 32 columns, for 12 KB more shared memory at K = 128.
+    # The Gluon kernel with all of k and q loaded before the gram's first product (`LOADS_AHEAD`): one wait for
+    # global memory per program instead of one per 32 columns. Offline sm_90 the same shared memory (k's tile is
+    # dead before the inversion's buffers live) and no spill at K = 128 or 256.
     loads_ahead: bool = False
 
     def __post_init__(self) -> None:
