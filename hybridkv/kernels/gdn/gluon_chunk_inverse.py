@@ -262,7 +262,7 @@ def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: fl
            maxnreg: int | None = None, loads_ahead: bool = False) -> None:
     """`_gluon_inverse_kernel` over ``rows`` chunk rows and every value head (the arguments of `triton_chunk`'s inverse
     call), ``group`` value heads of a key head per program (a divisor of HV / H), ``maxnreg`` a register cap for ptxas
-    (None: none).
+    (None: none), ``loads_ahead`` `InverseConfig.loads_ahead` (which the call's config, not this default, sets).
     Refuses what it was not written for: a CPU tensor (Gluon has no interpreter), inputs other than bf16 or fp16
     (the gram's operands are 16-bit), or a head size that is not a multiple of 32 up to 256."""
     H, K = q.shape[2], q.shape[3]
