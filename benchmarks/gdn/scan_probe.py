@@ -27,12 +27,13 @@ from hybridkv.kernels.gdn import (
     bench_timing,
     breakdown,
     chunk_plan,
+    gluon_chunk_inverse,
     pdl,
     reference,
     triton_chunk,
     triton_chunk_scan,
 )
-from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
+from hybridkv.kernels.gdn.triton_chunk_inverse import GLUON_INVERSE_CONFIG, InverseConfig
 
 # (label, H, HV, N, T): N sequences of T tokens (packed, varlen) of Qwen3.5-397B (H=16, HV=64) and 35B (16, 32) heads,
 # sharded by TP, dk = dv = 128.
@@ -82,56 +83,36 @@ class Variant:
     inverse: InverseConfig | None = None  # None: the call's default (the Gluon inverse on Hopper)
     gluon_chain: chunk_plan.GluonChain | None = None
     pdl: bool = True  # pdl.ENABLED
+    scores_mode: int = 0  # gluon_chunk_inverse.SCORES_MODE
     scores_tma: bool = triton_chunk.SCORES_TMA
 
 
 def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks: int, N: int = 1) -> list[Variant]:
-    """The plan and the pipelined schedule it replaced; for a scanned plan, also: the plan as shipped before
-    2026-12-03 ("before": BV=64 only where BV=32 left room for fewer than four segments, the scan in tf32x3 at 32
-    state columns, the summary at BV=32, no programmatic dependent launches), the plan without PDL (`pdl`), with the
-    scan as before, and with the summary at BV=64. For the other plans: without PDL, and where the plan is the
-    prompt's Gluon chain (397B-shaped heads, one prompt, serial at BV=64 in the scores form), the Triton chain it
-    replaced ("before"), its synchronous variant (overlap 0) and the batch plan's chain (fused, making its own scores).
-    For batches (``N`` > 1): the fused and the scores form on the batch plan's Gluon chain. Where the scores form
-    runs: with P by the TMA walk instead of the tile kernel ("TMA scores", `triton_chunk.SCORES_TMA`). Earlier
-    variants (by segment, stacked inverse, whole M, eight segments at BV=32, pipelined and scanned 397B prompts): git
-    history and benchmarks/gdn/README.md."""
-    fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config, segments=segments)
+    """The plan, and where it runs the scores form, the plan with the scores made by the inverse kernel
+    (`InverseConfig.scores`) instead of by the scores kernel. For batches (``N`` > 1): the fused and the scores form on
+    the batch plan's Gluon chain, the latter also with the scores made by the inverse. Earlier variants (the scan's
+    configs, PDL, TMA scores, the Triton chain before the Gluon one, by segment, stacked inverse, whole M, pipelined and
+    scanned 397B prompts): git history and benchmarks/gdn/README.md."""
+    scores_inverse = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=True)
     if N > 1:  # batches: the plan, and both forms on the batch plan's Gluon chain
         serial = triton_chunk.Schedule.SERIAL
+        batch = dict(schedule=serial, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
         return [Variant(name="plan"),
-                Variant(name="serial fused, batch Gluon chain", schedule=serial, form=FUSED,
-                        gluon_chain=chunk_plan.BATCH_GLUON_CHAIN),
-                Variant(name="serial scores, batch Gluon chain", schedule=serial, form=SCORES,
-                        gluon_chain=chunk_plan.BATCH_GLUON_CHAIN),
-                Variant(name="serial scores, batch Gluon chain, TMA scores", schedule=serial, form=SCORES,
-                        gluon_chain=chunk_plan.BATCH_GLUON_CHAIN, scores_tma=True)]
-    tma = ([Variant(name="plan, TMA scores", scores_tma=True, gluon_chain=plan.gluon_chain, **fixed)]
-           if plan.form is SCORES else [])
-    out = [Variant(name="plan"), *tma,
-           Variant(name="pipelined scores (32,4,3) x2", schedule=PIPELINED, form=SCORES, config=(32, 4, 3),
-                   segments=2)]
-    if plan.schedule is SCAN:
-        programs = triton.cdiv(128, 32) * pairs
-        old = chunk_plan.SCAN_WIDE_CONFIG if 4 * programs > sms else chunk_plan.PIPELINE_CONFIG
-        old_summary = (triton_chunk_scan.SUMMARY_FEW_HEADS_CONFIG if pairs <= triton_chunk_scan.SUMMARY_FEW_HEADS
-                       else triton_chunk_scan.SUMMARY_MANY_HEADS)
-        old_segments = chunk_plan.scan_segments(triton.cdiv(128, old[0]) * pairs, sms, chunks)
-        out += [Variant(name=f"before: {old} x{old_segments}", schedule=SCAN, form=SCORES, config=old,
-                        segments=old_segments, summary=old_summary, scan_prec="tf32x3", scan_bv=32, pdl=False),
-                Variant(name="plan, no PDL", pdl=False, **fixed),
-                Variant(name="plan, scan tf32x3 BV32", scan_prec="tf32x3", scan_bv=32, **fixed),
-                Variant(name="plan, summary (64,4,3)", summary=(64, 4, 3), **fixed)]
-    else:
-        out += [Variant(name="plan, no PDL", pdl=False, schedule=plan.schedule, form=plan.form, config=plan.config,
-                        gluon_chain=plan.gluon_chain)]
-        if plan.gluon_chain is not None:
-            out += [Variant(name="before: the Triton chain", schedule=plan.schedule, form=plan.form,
-                            config=plan.config),
-                    Variant(name="plan, Gluon chain overlap 0", schedule=plan.schedule, form=plan.form,
-                            config=plan.config, gluon_chain=dataclasses.replace(plan.gluon_chain, overlap=0)),
-                    Variant(name="serial fused, batch Gluon chain", schedule=triton_chunk.Schedule.SERIAL, form=FUSED,
-                            gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)]
+                Variant(name="serial fused, batch Gluon chain", form=FUSED, **batch),
+                Variant(name="serial scores, batch Gluon chain", form=SCORES, **batch),
+                Variant(name="serial scores, batch Gluon chain, scores in inverse", form=SCORES,
+                        inverse=scores_inverse, **batch),
+                Variant(name="serial scores, batch Gluon chain, scores in inverse loop", form=SCORES,
+                        inverse=scores_inverse, scores_mode=1, **batch),
+                Variant(name="diagnostic: inverse with q k^T, no P (wrong output)", form=SCORES,
+                        inverse=scores_inverse, scores_mode=2, **batch)]
+    out = [Variant(name="plan")]
+    if plan.form is SCORES:
+        fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config,
+                     segments=segments if plan.schedule is SCAN else None, gluon_chain=plan.gluon_chain,
+                     inverse=scores_inverse)
+        out += [Variant(name="plan, scores in inverse", **fixed),
+                Variant(name="plan, scores in inverse loop", scores_mode=1, **fixed)]
     return out
 
 
@@ -157,6 +138,7 @@ def main() -> int:
                 triton_chunk_scan.SCAN_WHOLE_M = var.whole_m
                 triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = var.scan_prec, var.scan_bv
                 pdl.ENABLED = var.pdl
+                gluon_chunk_inverse.SCORES_MODE = var.scores_mode
                 triton_chunk.SCORES_TMA = var.scores_tma
                 return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
                                                                False, config=var.config, schedule=var.schedule,
@@ -173,17 +155,15 @@ def main() -> int:
             print(f"{label:22} {var.name:44} {ms:7.3f} ms  host {host:.3f}  err o {err[0]:.1e} s {err[1]:.1e}",
                   flush=True)
             calls[var.name] = call
-        timed = [r for r in rows if r["shape"] == label and "ms" in r and r["variant"] != "plan"]
-        best = min(timed, key=lambda r: r["ms"])["variant"] if timed else None
-        for name in ("plan", best):
-            if name in calls:
-                b = breakdown.measure(name, calls[name], a.iters, bench_timing._median_ms)
-                print(breakdown.render(label, [b]), flush=True)
-                rows.append(dict(shape=label, breakdown=name, call_us=b.call_us, kernels=list(b.kernels)))
+        for name, call in calls.items():  # where each variant's time goes (the diagnostic's inverse included)
+            b = breakdown.measure(name, call, a.iters, bench_timing._median_ms)
+            print(breakdown.render(label, [b]), flush=True)
+            rows.append(dict(shape=label, breakdown=name, call_us=b.call_us, kernels=list(b.kernels)))
         triton_chunk_scan.SUMMARY_CONFIG, triton_chunk_scan.BY_SEGMENT = None, False
         triton_chunk_scan.SCAN_WHOLE_M = False
         triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = Variant.scan_prec, Variant.scan_bv
         pdl.ENABLED, triton_chunk.SCORES_TMA = True, Variant.scores_tma
+        gluon_chunk_inverse.SCORES_MODE = 0
         del q, k, v, g, beta, o_ref, s_ref
         torch.cuda.empty_cache()
     if a.json:

@@ -247,6 +247,84 @@ def test_gluon_inverse_with_its_loads_ahead_equals_the_shipped_one(lens, H, HV, 
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def _inverse_outputs(q, k, g, beta, cu, l2norm, group, scores_in_inverse):
+    """A, R, G and the scores form's P of every live chunk row: made by the Gluon inverse with loads ahead, and P by
+    it (``scores_in_inverse``, `InverseConfig.scores`) or by the scores kernel after it."""
+    from hybridkv.kernels.gdn import gluon_chunk_inverse, triton_chunk
+    from hybridkv.kernels.gdn.triton_chunk_inverse import SCORES_WARPS, _chunk_scores_kernel
+
+    B, T, H, K = q.shape
+    HV = beta.shape[-1]
+    cu, table, _, NC = triton_chunk._chunk_tables(cu, B, T, q.device)
+    A = q.new_empty((NC, HV, 64, 64))
+    P = q.new_empty((NC, HV, 64, 64))
+    R = q.new_empty((NC, HV, triton_chunk._NROW, 64), dtype=torch.float32)
+    G = q.new_empty((NC, HV), dtype=torch.float32)
+    gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, table, NC, 128**-0.5, l2norm, group, loads_ahead=True,
+                               P=P if scores_in_inverse else None)
+    if not scores_in_inverse:
+        _chunk_scores_kernel[(NC, HV // group)](q, k, R, P, cu, table, 0, 0, 0, H, HV, K=K, BK=K, GROUP=group,
+                                                SEGMENTED=False, num_warps=SCORES_WARPS, num_stages=1)
+    live = table[:, 0] >= 0  # rows past the last chunk (the table's upper bound) are written by neither
+    return A[live], R[live], G[live], P[live]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize(("lens", "H", "HV", "batch", "l2norm"), [
+    pytest.param([200, 64, 1000, 7, 1], 2, 8, None, True, id="varlen-ragged"),
+    pytest.param([300], 4, 16, 2, False, id="batch-2x300-no-l2"),
+    pytest.param([8192], 16, 64, 2, True, id="397B-2x8192"),
+])
+def test_gluon_inverse_makes_the_scores_kernels_scores(lens, H, HV, batch, l2norm, group):
+    """`InverseConfig(scores=True)`: the inverse's own P against the scores kernel's from the same R, every element
+    (rows past a sequence's end included, zero in both), to the rounding of q k^T's sums (mma.sync here, the scores
+    kernel's dot there); A, R and G bit for bit those of the inverse without the scores."""
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=10, unit=not l2norm)
+    *got, p_got = _inverse_outputs(q, k, g, beta, cu, l2norm, group, True)
+    *want, p_want = _inverse_outputs(q, k, g, beta, cu, l2norm, group, False)
+    for x, y in zip(got, want):  # R's last row is written by neither (NaN in both)
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+    assert rel_err(p_got, p_want) < 1e-3
+    assert (p_got.float() - p_want.float()).abs().max() < 1e-3  # |P| <= scale (0.088): a few bf16 ulps
+    assert not torch.triu(p_got.float(), 1).any()  # the causal mask
+
+
+@pytest.mark.parametrize(("lens", "H", "HV", "batch", "schedule"), [
+    pytest.param([200, 64, 1000, 7], 2, 8, None, "serial", id="varlen-ragged"),
+    pytest.param([3000], 2, 8, None, "pipelined", id="segmented-3000"),
+    pytest.param([3000], 2, 8, None, "scan", id="scan-3000"),
+    pytest.param([8192], 16, 32, 2, "gluon", id="35B-2x8192-gluon-chain"),
+])
+def test_scores_form_with_the_scores_in_the_inverse_equals_the_scores_kernels(lens, H, HV, batch, schedule):
+    """Whole scores-form calls with P made by the inverse (`InverseConfig.scores`) against the same calls with the
+    scores kernel, in every schedule that runs the scores form, and on the batch plan's Gluon chain: equal to the
+    rounding of P; and against the reference where it is small enough to run."""
+    import dataclasses
+
+    from hybridkv.kernels.gdn import chunk_plan, triton_chunk
+    from hybridkv.kernels.gdn.triton_chunk_inverse import GLUON_INVERSE_CONFIG
+
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=11, slow=schedule != "serial")
+    N = batch or len(lens)
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    call = dict(form=triton_chunk.Form.SCORES)
+    if schedule == "gluon":
+        call.update(schedule=triton_chunk.Schedule.SERIAL, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
+    else:
+        call.update(schedule=triton_chunk.Schedule(schedule), config=(64, 4, 2) if schedule == "serial" else (32, 4, 3),
+                    **({} if schedule == "serial" else {"segments": 3}))
+    with_scores = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=True)
+    without = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=False)
+    got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
+                                                  inverse=with_scores, **call)
+    want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
+                                                   inverse=without, **call)
+    assert rel_err(got[0], want[0]) < 2e-3 and rel_err(got[1], want[1]) < 2e-3
+    if sum(lens) * (batch or 1) <= 4096:
+        o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
+        assert rel_err(got[0], o_ref) < 2e-2 and rel_err(got[1], st_ref) < 2e-2
+
+
 @pytest.mark.parametrize("gluon_inverse", [False, True])
 @pytest.mark.parametrize(("lens", "H", "HV", "batch", "l2norm"), [
     pytest.param([150, 64, 1000, 7], 2, 8, None, True, id="varlen-ragged"),

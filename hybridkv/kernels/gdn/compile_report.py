@@ -284,12 +284,17 @@ def _specs() -> list[KernelSpec]:
         specs.append(KernelSpec(
             name="chunk_inverse_gluon", module="hybridkv.kernels.gdn.gluon_chunk_inverse", attr="_gluon_inverse_kernel",
             signature={"q": "*bf16", "k": "*bf16", "g": "*fp32", "beta": "*fp32", "A": "*bf16", "R": "*fp32",
-                       "G": "*fp32", "cu_seqlens": "*i32", "chunk_table": "*i32", "row0": "i32", "c_lo": "i32",
-                       "c_hi": "i32", "scale": "fp32", "H": "i32", "HV": "i32"},
+                       "G": "*fp32", "P": "*bf16", "cu_seqlens": "*i32", "chunk_table": "*i32", "row0": "i32",
+                       "c_lo": "i32", "c_hi": "i32", "scale": "fp32", "H": "i32", "HV": "i32"},
             constants={"K": D, "L2NORM": True}, aligned=("H", "HV"), gluon=True,
-            launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}{' loads ahead' if ahead else ''}",
-                                  num_warps=2, constants={"GROUP": grp, "SEGMENTED": seg, "LOADS_AHEAD": ahead})
-                           for seg in (False, True) for grp in (1, 4) for ahead in (False, True)),
+            # Without the scores `launch` passes no P (a None constexpr); the scores need the loads ahead.
+            launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}"
+                                        f"{' loads ahead' if ahead else ''}{' scores' * min(scores, 1)}{' in loop' * (scores == 2)}",
+                                  num_warps=2, constants={"GROUP": grp, "SEGMENTED": seg, "LOADS_AHEAD": ahead,
+                                                          "SCORES": scores > 0, "SCORES_MODE": max(scores - 1, 0),
+                                                          **({} if scores else {"P": None})})
+                           for seg in (False, True) for grp in (1, 2, 4) for ahead, scores in
+                           ((False, 0), (True, 0), (True, 1), (True, 2))),
         ))
         tile = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
                 "fp4_padded=False, cga_layout=[])")

@@ -33,6 +33,14 @@ WARPS = gl.constexpr(2)
 
 # [64, 32] loads of q and k: 8 contiguous bf16 (16 bytes) per thread.
 _LD = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0]))
+# 16 rows of the masked scores for their stores: 8 contiguous elements (16 bytes of bf16) per thread, a warp 4 rows.
+_P16 = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0]))
+# A 16 x 16 block of them: 4 contiguous elements per thread, a warp 8 rows.
+_B16 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0]))
+_FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a [64] row of fp32 in shared memory
+# Probe switch: 0 each value head's scores by 16 x 16 blocks right after its inversion, 1 the same by 16-row slabs
+# computed whole and masked, 2 q k^T made and staged but no scores stored (a diagnostic: P is left unwritten).
+SCORES_MODE = 0
 # The 64 x 64 gram: mma.sync tiles, each warp 32 rows.
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
 # [4 blocks, 16 rows m, 16 columns c] of T's diagonal blocks: thread (b, c) holds column c of block b.
@@ -98,13 +106,16 @@ def _store_block(A, x, i: gl.constexpr, j: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
+def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
                           K: gl.constexpr, L2NORM: gl.constexpr, GROUP: gl.constexpr, SEGMENTED: gl.constexpr,
-                          LOADS_AHEAD: gl.constexpr = False):
+                          LOADS_AHEAD: gl.constexpr = False, SCORES: gl.constexpr = False,
+                          SCORES_MODE: gl.constexpr = 0):
     """T = (I + L)^-1 of one chunk for GROUP value heads of one key head, with their row scales. Grid (chunk rows,
     HV // GROUP); two warps. The raw gram and the q and k norms depend on the key head only: made once.
     SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of each sequence,
-    as the Triton kernel's `_table_row`."""
+    as the Triton kernel's `_table_row`. SCORES (with LOADS_AHEAD; `InverseConfig.scores`): also the scores form's
+    masked scores P `[NC, HV, 64, 64]` (`triton_chunk_inverse._chunk_scores_kernel`'s), q k^T made here from the q and
+    k this program loaded anyway, so no scores kernel reads them again."""
     i_c, i_g = gl.program_id(0), gl.program_id(1)
     if SEGMENTED:
         i_c += row0
@@ -139,10 +150,29 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
         # 272 -> 241 us, 397B 4x8192 420 -> 393 (benchmarks/gdn/README.md); the default (GLUON_INVERSE_CONFIG).
         kw = gl.allocate_shared_memory(k.dtype.element_ty, [BT, K], _KB)
         b_k = _rows(k, bos, T, i_h, r0, 0, H, K, K)
-        if L2NORM:
-            b_q = _rows(q, bos, T, i_h, r0, 0, H, K, K).to(gl.float32)
-            sq = gl.sum(b_q * b_q, axis=1)
-        kw.store(b_k)
+        if SCORES:
+            # q k^T first, from q's tile beside k's (slabs read as the gram's are), and staged in shared memory until
+            # each value head's scores are made from it 16 rows at a time (`_store_scores`): its accumulators and the
+            # gram's are never alive together (beside the gram's they spilled, offline sm_90: 16-144 B). q is
+            # loaded once, in its own dtype, for its tile and its norms.
+            qw = gl.allocate_shared_memory(q.dtype.element_ty, [BT, K], _KB)
+            b_q = _rows(q, bos, T, i_h, r0, 0, H, K, K)
+            kw.store(b_k)
+            qw.store(b_q)
+            if L2NORM:
+                f_q = b_q.to(gl.float32)
+                sq = gl.sum(f_q * f_q, axis=1)
+            qk = gl.zeros([BT, BT], gl.float32, layout=_MMA)
+            for kc in gl.static_range(K // 32):
+                qk = mma_v2(qw.slice(32 * kc, 32, dim=1).load(gl.DotOperandLayout(0, _MMA, 2)),
+                            kw.slice(32 * kc, 32, dim=1).permute([1, 0]).load(gl.DotOperandLayout(1, _MMA, 2)), qk)
+            qks = gl.allocate_shared_memory(gl.float32, [BT, BT], _PAD64)
+            qks.store(qk)
+        else:
+            if L2NORM:
+                b_q = _rows(q, bos, T, i_h, r0, 0, H, K, K).to(gl.float32)
+                sq = gl.sum(b_q * b_q, axis=1)
+            kw.store(b_k)
         for kc in gl.static_range(K // 32):
             kb = kw.slice(32 * kc, 32, dim=1)
             gram = mma_v2(kb.load(gl.DotOperandLayout(0, _MMA, 2)),
@@ -173,6 +203,12 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
     # L's diagonal blocks side by side: [i, 16 b + m] = L_b[i, m].
     Lr = gl.allocate_shared_memory(gl.float32, [16, BT], _ROWS_PAD)
     Td = gl.allocate_shared_memory(gl.float32, [BT, 16], _PAD16)  # T's diagonal blocks: [16 b + m, c] = T_b[m, c]
+    if SCORES and SCORES_MODE < 2:
+        s_c = gl.allocate_shared_memory(gl.float32, [BT], _FLAT)
+        s_rq = gl.allocate_shared_memory(gl.float32, [BT], _FLAT)
+        s_rk = gl.allocate_shared_memory(gl.float32, [BT], _FLAT)
+        s_rq.store(gl.where(live, scale * rq, 0.0))
+        s_rk.store(gl.where(live, rk, 0.0))
     for j in range(GROUP):
         i_hv = hv0 + j
         # Beta and the decays (value head) on the gram's rows and columns.
@@ -200,6 +236,62 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0,
         gl.store(p_r + 384, gl.where(live, rk, 0.0))
         gl.store(G + i_ch, gl.exp(g_last))
         _invert(L, Ls, Lr, Td, A + i_ch * (BT * BT))
+        if SCORES and SCORES_MODE < 2:
+            s_c.store(c)
+            if SCORES_MODE == 0:
+                _store_scores(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT))
+            else:
+                _store_scores_smem(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT))
+
+
+@gluon.jit
+def _store_scores(qks, s_c, s_rq, s_rk, p):
+    """The masked scores of one value head, `triton_chunk_rows._masked_scores`, into p (64 x 64, row-major), by 16 x 16
+    blocks: from q k^T staged in qks and the rows c, scale rq and rk (zero past the sequence's end) in shared memory.
+    Blocks above the diagonal are zeros, stored without a product; below it no mask is needed (c does not grow along
+    a chunk, so every exponent is <= 0); only the four diagonal blocks are masked: 2,560 exponentials, not 4,096."""
+    brow: gl.constexpr = gl.SliceLayout(1, _B16)
+    bcol: gl.constexpr = gl.SliceLayout(0, _B16)
+    o_r = gl.arange(0, 16, layout=brow)
+    o_c = gl.arange(0, 16, layout=bcol)
+    diag = o_r[:, None] >= o_c[None, :]
+    zero = gl.zeros([16, 16], p.dtype.element_ty, layout=_B16)
+    for bi in gl.static_range(4):
+        c_i = s_c.slice(16 * bi, 16).load(brow)
+        rq_i = s_rq.slice(16 * bi, 16).load(brow)
+        p_row = p + (16 * bi + o_r)[:, None] * BT
+        for bj in gl.static_range(4):
+            p_b = p_row + (16 * bj + o_c)[None, :]
+            if bj > bi:
+                gl.store(p_b, zero)
+            else:
+                c_j = s_c.slice(16 * bj, 16).load(bcol)
+                rk_j = s_rk.slice(16 * bj, 16).load(bcol)
+                x = qks.slice(16 * bi, 16, dim=0).slice(16 * bj, 16, dim=1).load(_B16) * (rq_i[:, None] * rk_j[None, :])
+                if bj == bi:
+                    x = gl.where(diag, x * gl.exp(gl.where(diag, c_i[:, None] - c_j[None, :], 0.0)), 0.0)
+                else:
+                    x = x * gl.exp(c_i[:, None] - c_j[None, :])
+                gl.store(p_b, x.to(p.dtype.element_ty))
+
+
+@gluon.jit
+def _store_scores_smem(qks, s_c, s_rq, s_rk, p):
+    """`_store_scores` with c, scale rq and rk from shared memory."""
+    prow: gl.constexpr = gl.SliceLayout(1, _P16)
+    pcol: gl.constexpr = gl.SliceLayout(0, _P16)
+    o_j = gl.arange(0, BT, layout=pcol)
+    c_j = s_c.load(pcol)
+    rk_j = s_rk.load(pcol)
+    for b in gl.static_range(4):
+        o_i = 16 * b + gl.arange(0, 16, layout=prow)
+        c_i = s_c.slice(16 * b, 16).load(prow)
+        rq_i = s_rq.slice(16 * b, 16).load(prow)
+        causal = o_i[:, None] >= o_j[None, :]
+        decay = gl.exp(gl.where(causal, c_i[:, None] - c_j[None, :], 0.0))
+        x = qks.slice(16 * b, 16, dim=0).load(_P16)
+        gl.store(p + o_i[:, None] * BT + o_j[None, :],
+                 gl.where(causal, x * decay * (rq_i[:, None] * rk_j[None, :]), 0.0).to(p.dtype.element_ty))
 
 
 @gluon.jit
@@ -259,12 +351,13 @@ def _invert(L, Ls, Lr, Td, p):
 
 def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: float, l2norm: bool,
            group: int = 1, row0: int = 0, c_lo: int = 0, c_hi: int = 0, segmented: bool = False,
-           maxnreg: int | None = None, loads_ahead: bool = False) -> None:
+           maxnreg: int | None = None, loads_ahead: bool = False, P=None) -> None:
     """`_gluon_inverse_kernel` over ``rows`` chunk rows and every value head (the arguments of `triton_chunk`'s inverse
     call), ``group`` value heads of a key head per program (a divisor of HV / H), ``maxnreg`` a register cap for ptxas
     (None: none), ``loads_ahead`` `InverseConfig.loads_ahead` (which the call's config, not this default, sets).
     Refuses what it was not written for: a CPU tensor (Gluon has no interpreter), inputs other than bf16 or fp16
-    (the gram's operands are 16-bit), or a head size that is not a multiple of 32 up to 256."""
+    (the gram's operands are 16-bit), or a head size that is not a multiple of 32 up to 256. ``P``: the scores form's
+    masked scores `[NC, HV, 64, 64]`, made here as well (SCORES; needs ``loads_ahead``); None: not made."""
     H, K = q.shape[2], q.shape[3]
     HV = beta.shape[-1]
     if not q.is_cuda:
@@ -275,8 +368,11 @@ def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: fl
         raise ValueError(f"the Gluon inverse takes a head size that is a multiple of 32 up to 256, got K={K}")
     if group < 1 or (HV // H) % group:
         raise ValueError(f"group must divide the value heads per key head ({HV // H}), got {group}")
-    _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu_seqlens, chunk_table, row0, c_lo, c_hi,
+    if P is not None and not loads_ahead:
+        raise ValueError("the Gluon inverse makes the scores (P) from the q and k it loads ahead: loads_ahead=True")
+    _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi,
                                                scale, H, HV, K=K, L2NORM=l2norm, GROUP=group, SEGMENTED=segmented,
-                                               LOADS_AHEAD=loads_ahead,
+                                               LOADS_AHEAD=loads_ahead, SCORES=P is not None,
+                                               SCORES_MODE=SCORES_MODE,
                                                num_warps=int(WARPS.value),
                                                **({} if maxnreg is None else {"maxnreg": maxnreg}))

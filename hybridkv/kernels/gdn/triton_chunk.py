@@ -367,7 +367,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     # The scores and a fixed-config state kernel start as the kernel before them drains (`pdl`); the inverse, first,
     # waits in full for what the caller queued.
     pdl = on_gpu and _pdl.enabled(q.device)
-    scores_tma = form is Form.SCORES and on_gpu and SCORES_TMA and triton_chunk_scores_tma.eligible(q, k, P)
+    # The scores form's P made by the inverse kernel (`InverseConfig.scores`), or by a scores kernel after it.
+    scores_in_inverse = form is Form.SCORES and inverse.scores
+    scores_tma = (form is Form.SCORES and not scores_in_inverse and on_gpu and SCORES_TMA
+                  and triton_chunk_scores_tma.eligible(q, k, P))
 
     def run_inverse(c_lo, c_hi, segmented):
         # One sequence: its segment is a run of table rows; several: every row, the others return.
@@ -377,7 +380,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
 
             gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, chunk_table, rows, scale, use_qk_l2norm_in_kernel,
                                        group, row0, c_lo, c_hi, segmented, inverse.maxnreg,
-                                       inverse.loads_ahead)
+                                       inverse.loads_ahead, P if scores_in_inverse else None)
             return
         kernel = _chunk_inverse_stacked_kernel if inverse.stacked else _chunk_inverse_kernel
         kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi, scale, H, HV, K=K,
@@ -391,7 +394,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
         if scores_tma:
             triton_chunk_scores_tma.launch(q, k, R, P, cu, chunk_table, rows, group, row0, c_lo, c_hi, segmented,
                                            sms=_sm_count(q.device.index), pdl=pdl)
-        elif form is Form.SCORES:
+        elif form is Form.SCORES and not scores_in_inverse:
             _chunk_scores_kernel[(rows, HV // group)](q, k, R, P, cu, chunk_table, row0, c_lo, c_hi, H, HV, K=K,
                                                       BK=BK, GROUP=group, SEGMENTED=segmented,
                                                       num_warps=SCORES_WARPS, num_stages=1,

@@ -68,10 +68,17 @@ class InverseConfig:
     # global memory per program instead of one per 32 columns. Offline sm_90 the same shared memory (k's tile is
     # dead before the inversion's buffers live) and no spill at K = 128 or 256.
     loads_ahead: bool = False
+    # The Gluon kernel with loads ahead also makes the scores form's masked scores P (`SCORES`: q k^T beside the gram,
+    # from the q and k it holds), so a scores-form call runs no scores kernel (`_chunk_scores_kernel`), which loaded
+    # them again. Calls of the other forms are not affected.
+    scores: bool = False
 
     def __post_init__(self) -> None:
         if self.loads_ahead and not self.gluon:
             raise ValueError(f"bad inverse config {self}: loads_ahead is the Gluon kernel's (gluon=True)")
+        if self.scores and not self.loads_ahead:
+            raise ValueError(f"bad inverse config {self}: scores are made from the loads ahead (gluon=True, "
+                             "loads_ahead=True)")
         if self.gluon and self.stacked:
             raise ValueError(f"bad inverse config {self}: gluon and stacked are two different kernels")
         if self.gluon and (self.method != 0 or self.merge_prec != "tf32"):
