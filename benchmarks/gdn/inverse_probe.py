@@ -35,7 +35,7 @@ GLUON_INVERSE = GLUON_INVERSE_CONFIG
 # Sixth session (2026-12-03): the Gluon inverse with all of k and q loaded before the gram (`loads_ahead`), against the
 # shipped one, both before the batch plan's chain.
 VARIANTS = (
-    (dataclasses.replace(GLUON_INVERSE, loads_ahead=False), chunk_plan.BATCH_GLUON_CHAIN),
+    (dataclasses.replace(GLUON_INVERSE, loads_ahead=False, scores=False), chunk_plan.BATCH_GLUON_CHAIN),
     (dataclasses.replace(GLUON_INVERSE, loads_ahead=True), chunk_plan.BATCH_GLUON_CHAIN),
 )
 

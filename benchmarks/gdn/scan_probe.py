@@ -27,7 +27,6 @@ from hybridkv.kernels.gdn import (
     bench_timing,
     breakdown,
     chunk_plan,
-    gluon_chunk_inverse,
     pdl,
     reference,
     triton_chunk,
@@ -83,36 +82,27 @@ class Variant:
     inverse: InverseConfig | None = None  # None: the call's default (the Gluon inverse on Hopper)
     gluon_chain: chunk_plan.GluonChain | None = None
     pdl: bool = True  # pdl.ENABLED
-    scores_mode: int = 0  # gluon_chunk_inverse.SCORES_MODE
     scores_tma: bool = triton_chunk.SCORES_TMA
 
 
 def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks: int, N: int = 1) -> list[Variant]:
-    """The plan, and where it runs the scores form, the plan with the scores made by the inverse kernel
-    (`InverseConfig.scores`) instead of by the scores kernel. For batches (``N`` > 1): the fused and the scores form on
-    the batch plan's Gluon chain, the latter also with the scores made by the inverse. Earlier variants (the scan's
-    configs, PDL, TMA scores, the Triton chain before the Gluon one, by segment, stacked inverse, whole M, pipelined and
-    scanned 397B prompts): git history and benchmarks/gdn/README.md."""
-    scores_inverse = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=True)
+    """The plan, and where it runs the scores form, the plan with P made by the scores kernel after the inverse, as
+    before 2026-12-03 (seventh session), instead of by the inverse (`InverseConfig.scores`). For batches (``N`` > 1):
+    also the fused form on the batch plan's Gluon chain. Earlier variants (the inverse's scores by 16-row slabs or after
+    every inversion, the scan's configs, PDL, TMA scores, the Triton chain before the Gluon one, by segment, stacked
+    inverse, whole M, pipelined and scanned 397B prompts): git history and benchmarks/gdn/README.md."""
+    scores_kernel = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=False)
     if N > 1:  # batches: the plan, and both forms on the batch plan's Gluon chain
-        serial = triton_chunk.Schedule.SERIAL
-        batch = dict(schedule=serial, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
+        batch = dict(schedule=triton_chunk.Schedule.SERIAL, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
         return [Variant(name="plan"),
                 Variant(name="serial fused, batch Gluon chain", form=FUSED, **batch),
-                Variant(name="serial scores, batch Gluon chain", form=SCORES, **batch),
-                Variant(name="serial scores, batch Gluon chain, scores in inverse", form=SCORES,
-                        inverse=scores_inverse, **batch),
-                Variant(name="serial scores, batch Gluon chain, scores in inverse loop", form=SCORES,
-                        inverse=scores_inverse, scores_mode=1, **batch),
-                Variant(name="diagnostic: inverse with q k^T, no P (wrong output)", form=SCORES,
-                        inverse=scores_inverse, scores_mode=2, **batch)]
+                Variant(name="serial scores, batch Gluon chain, scores kernel", form=SCORES, inverse=scores_kernel,
+                        **batch)]
     out = [Variant(name="plan")]
     if plan.form is SCORES:
-        fixed = dict(schedule=plan.schedule, form=plan.form, config=plan.config,
-                     segments=segments if plan.schedule is SCAN else None, gluon_chain=plan.gluon_chain,
-                     inverse=scores_inverse)
-        out += [Variant(name="plan, scores in inverse", **fixed),
-                Variant(name="plan, scores in inverse loop", scores_mode=1, **fixed)]
+        out.append(Variant(name="plan, scores kernel", schedule=plan.schedule, form=plan.form, config=plan.config,
+                           segments=segments if plan.schedule is SCAN else None, gluon_chain=plan.gluon_chain,
+                           inverse=scores_kernel))
     return out
 
 
@@ -138,7 +128,6 @@ def main() -> int:
                 triton_chunk_scan.SCAN_WHOLE_M = var.whole_m
                 triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = var.scan_prec, var.scan_bv
                 pdl.ENABLED = var.pdl
-                gluon_chunk_inverse.SCORES_MODE = var.scores_mode
                 triton_chunk.SCORES_TMA = var.scores_tma
                 return triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
                                                                False, config=var.config, schedule=var.schedule,
@@ -163,7 +152,6 @@ def main() -> int:
         triton_chunk_scan.SCAN_WHOLE_M = False
         triton_chunk_scan.SCAN_PRECISION, triton_chunk_scan.SCAN_BV = Variant.scan_prec, Variant.scan_bv
         pdl.ENABLED, triton_chunk.SCORES_TMA = True, Variant.scores_tma
-        gluon_chunk_inverse.SCORES_MODE = 0
         del q, k, v, g, beta, o_ref, s_ref
         torch.cuda.empty_cache()
     if a.json:

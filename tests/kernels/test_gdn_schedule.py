@@ -35,8 +35,9 @@ def test_the_plan_follows_how_many_chain_programs_fill_the_sms(N, HV, want):
 
 
 @pytest.mark.parametrize(("N", "HV", "per_key", "form"), [
-    (2, 32, 2, FUSED), (4, 32, 2, FUSED), (34, 1, 1, FUSED), (4, 32, 3, FUSED),  # 35B-shaped and fewer per key head
-    (4, 64, 4, SCORES), (16, 64, 4, SCORES), (4, 64, 8, SCORES),  # 397B-shaped: P made once per key head pays
+    (34, 1, 1, FUSED), (8, 16, 1, FUSED),  # one value head per key head: no q k^T to share
+    (2, 32, 2, SCORES), (4, 32, 2, SCORES), (4, 32, 3, SCORES),  # 35B-shaped: P made beside the inverse pays
+    (4, 64, 4, SCORES), (16, 64, 4, SCORES), (4, 64, 8, SCORES),  # 397B-shaped
 ])
 def test_batches_the_triton_chain_would_take_autotuned_run_the_gluon_chain_where_it_can(N, HV, per_key, form):
     p = chunk_plan.plan(N, HV, 128, 128, 132, 128, gluon=True, heads_per_key=per_key)

@@ -229,7 +229,7 @@ def test_gluon_inverse_with_its_loads_ahead_equals_the_shipped_one(lens, H, HV, 
     from hybridkv.kernels.gdn import triton_chunk
     from hybridkv.kernels.gdn.triton_chunk_inverse import GLUON_INVERSE_CONFIG
 
-    shipped = dataclasses.replace(GLUON_INVERSE_CONFIG, group=group, loads_ahead=False)
+    shipped = dataclasses.replace(GLUON_INVERSE_CONFIG, group=group, loads_ahead=False, scores=False)
     ahead = dataclasses.replace(shipped, loads_ahead=True)
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=9, unit=not l2norm)
     N = batch or len(lens)
@@ -526,9 +526,8 @@ def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
 
 def test_a_plain_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch):
     """`chunk_plan.BATCH_GLUON_CHAIN` and `PROMPT_GLUON_CHAIN`: on an sm_90 GPU a plain call of several long bf16
-    sequences, or of one prompt of 397B-shaped heads, launches the Gluon chain as planned (with the scores kernel's P
-    for the prompt and for batches of four value heads per key head, `BATCH_SCORES_MIN_HEADS_PER_KEY`; fused for
-    35B-shaped batches) and gives what an explicit call with that chain and form gives (whose numerics the chain tests
+    sequences, or of one prompt of 397B-shaped heads, launches the Gluon chain as planned (with the inverse's P for the
+    prompt and for batches of two or more value heads per key head, `BATCH_SCORES_MIN_HEADS_PER_KEY`) and gives what an explicit call with that chain and form gives (whose numerics the chain tests
     check against the reference); fp16 and other GPUs do not launch it."""
     from hybridkv.kernels.gdn import chunk_plan, gluon_chunk_chain, triton_chunk
 
@@ -539,7 +538,7 @@ def test_a_plain_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch):
     # Batches of 397B- and 35B-shaped heads, one prompt, and a batch the chain cannot take (fp16: its TMA boxes and
     # GEMMs are bf16), which runs the Triton chain instead of failing.
     for lens, batch, HV, dtype, planned, scores in (
-            ([2048], 4, 64, torch.bfloat16, hopper, True), ([2048], 4, 32, torch.bfloat16, hopper, False),
+            ([2048], 4, 64, torch.bfloat16, hopper, True), ([2048], 4, 32, torch.bfloat16, hopper, True),
             ([8192], None, 64, torch.bfloat16, hopper, True), ([2048], 4, 64, torch.float16, False, None)):
         launched.clear()
         q, k, v, g, beta, cu = make(lens, 16, HV, batch=batch, seed=12, dtype=dtype)

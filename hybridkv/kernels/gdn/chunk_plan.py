@@ -106,8 +106,12 @@ BATCH_GLUON_CHAIN = GluonChain(rows=64, overlap=1)
 # at least this many value heads: the scores kernel makes q k^T once per key head, so P costs least per value head
 # there, and the chain loses a GEMM and its exponentials per chunk. H200, same run (results/scan_probe7_h200.txt):
 # 397B (4 per key head) 4x8192 1.448 -> 1.357 ms (chain 1,018 -> 731 us, plus 201 us of scores), 16x2048 1.444 ->
-# 1.365; 35B (2 per key head) 4x8192 0.795 -> 0.786 (chain 520 -> 376, scores 139), within noise, so it stays fused.
-BATCH_SCORES_MIN_HEADS_PER_KEY = 4
+# 1.365; 35B (2 per key head) 4x8192 0.795 -> 0.786 (chain 520 -> 376, scores 139), within noise, so it stayed fused
+# until the inverse made P itself (`InverseConfig.scores`, 2026-12-03, seventh session): P then costs the inverse
+# 77 us instead of the scores kernel's 138, and 35B 4x8192 in the scores form is 0.766 -> 0.703 ms, 16x2048 0.759 ->
+# 0.709 (results/scan_probe9_scores_inverse_h200.txt). One value head per key head shares no q k^T: not measured,
+# left fused.
+BATCH_SCORES_MIN_HEADS_PER_KEY = 2
 # The chain of one prompt planned serial at ONE_PER_SM_CONFIG (397B-shaped heads), where the Gluon chain can run it:
 # the same half-state program, fed the scores kernel's P by TMA (scores form) instead of making them on the chain.
 # H200, same run, against the Triton scores chain it replaced (results/scan_probe6_prompt_gluon_h200.txt): 397B

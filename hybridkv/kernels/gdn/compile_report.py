@@ -289,12 +289,12 @@ def _specs() -> list[KernelSpec]:
             constants={"K": D, "L2NORM": True}, aligned=("H", "HV"), gluon=True,
             # Without the scores `launch` passes no P (a None constexpr); the scores need the loads ahead.
             launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}"
-                                        f"{' loads ahead' if ahead else ''}{' scores' * min(scores, 1)}{' in loop' * (scores == 2)}",
+                                        f"{' loads ahead' if ahead else ''}{' scores' if scores else ''}",
                                   num_warps=2, constants={"GROUP": grp, "SEGMENTED": seg, "LOADS_AHEAD": ahead,
-                                                          "SCORES": scores > 0, "SCORES_MODE": max(scores - 1, 0),
+                                                          "SCORES": scores,
                                                           **({} if scores else {"P": None})})
                            for seg in (False, True) for grp in (1, 2, 4) for ahead, scores in
-                           ((False, 0), (True, 0), (True, 1), (True, 2))),
+                           ((False, False), (True, False), (True, True))),
         ))
         tile = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
                 "fp4_padded=False, cga_layout=[])")

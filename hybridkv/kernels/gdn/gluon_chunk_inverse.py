@@ -38,9 +38,6 @@ _P16 = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0]))
 # A 16 x 16 block of them: 4 contiguous elements per thread, a warp 8 rows.
 _B16 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0]))
 _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a [64] row of fp32 in shared memory
-# Probe switch: 0 each value head's scores by 16 x 16 blocks right after its inversion, 1 the same by 16-row slabs
-# computed whole and masked, 2 q k^T made and staged but no scores stored (a diagnostic: P is left unwritten).
-SCORES_MODE = 0
 # The 64 x 64 gram: mma.sync tiles, each warp 32 rows.
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
 # [4 blocks, 16 rows m, 16 columns c] of T's diagonal blocks: thread (b, c) holds column c of block b.
@@ -108,8 +105,7 @@ def _store_block(A, x, i: gl.constexpr, j: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
                           K: gl.constexpr, L2NORM: gl.constexpr, GROUP: gl.constexpr, SEGMENTED: gl.constexpr,
-                          LOADS_AHEAD: gl.constexpr = False, SCORES: gl.constexpr = False,
-                          SCORES_MODE: gl.constexpr = 0):
+                          LOADS_AHEAD: gl.constexpr = False, SCORES: gl.constexpr = False):
     """T = (I + L)^-1 of one chunk for GROUP value heads of one key head, with their row scales. Grid (chunk rows,
     HV // GROUP); two warps. The raw gram and the q and k norms depend on the key head only: made once.
     SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of each sequence,
@@ -203,7 +199,8 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
     # L's diagonal blocks side by side: [i, 16 b + m] = L_b[i, m].
     Lr = gl.allocate_shared_memory(gl.float32, [16, BT], _ROWS_PAD)
     Td = gl.allocate_shared_memory(gl.float32, [BT, 16], _PAD16)  # T's diagonal blocks: [16 b + m, c] = T_b[m, c]
-    if SCORES and SCORES_MODE < 2:
+    if SCORES:
+        # The scores' row scales (key head: R's rows 320 and 384, as stored below) and each value head's c.
         s_c = gl.allocate_shared_memory(gl.float32, [BT], _FLAT)
         s_rq = gl.allocate_shared_memory(gl.float32, [BT], _FLAT)
         s_rk = gl.allocate_shared_memory(gl.float32, [BT], _FLAT)
@@ -236,12 +233,11 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
         gl.store(p_r + 384, gl.where(live, rk, 0.0))
         gl.store(G + i_ch, gl.exp(g_last))
         _invert(L, Ls, Lr, Td, A + i_ch * (BT * BT))
-        if SCORES and SCORES_MODE < 2:
+        if SCORES:
+            # Here, after the inversion: c's registers held through it, or the scores' beside the gram's, spilled
+            # (offline sm_90).
             s_c.store(c)
-            if SCORES_MODE == 0:
-                _store_scores(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT))
-            else:
-                _store_scores_smem(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT))
+            _store_scores(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT))
 
 
 @gluon.jit
@@ -273,25 +269,6 @@ def _store_scores(qks, s_c, s_rq, s_rk, p):
                 else:
                     x = x * gl.exp(c_i[:, None] - c_j[None, :])
                 gl.store(p_b, x.to(p.dtype.element_ty))
-
-
-@gluon.jit
-def _store_scores_smem(qks, s_c, s_rq, s_rk, p):
-    """`_store_scores` with c, scale rq and rk from shared memory."""
-    prow: gl.constexpr = gl.SliceLayout(1, _P16)
-    pcol: gl.constexpr = gl.SliceLayout(0, _P16)
-    o_j = gl.arange(0, BT, layout=pcol)
-    c_j = s_c.load(pcol)
-    rk_j = s_rk.load(pcol)
-    for b in gl.static_range(4):
-        o_i = 16 * b + gl.arange(0, 16, layout=prow)
-        c_i = s_c.slice(16 * b, 16).load(prow)
-        rq_i = s_rq.slice(16 * b, 16).load(prow)
-        causal = o_i[:, None] >= o_j[None, :]
-        decay = gl.exp(gl.where(causal, c_i[:, None] - c_j[None, :], 0.0))
-        x = qks.slice(16 * b, 16, dim=0).load(_P16)
-        gl.store(p + o_i[:, None] * BT + o_j[None, :],
-                 gl.where(causal, x * decay * (rq_i[:, None] * rk_j[None, :]), 0.0).to(p.dtype.element_ty))
 
 
 @gluon.jit
@@ -373,6 +350,5 @@ def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: fl
     _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi,
                                                scale, H, HV, K=K, L2NORM=l2norm, GROUP=group, SEGMENTED=segmented,
                                                LOADS_AHEAD=loads_ahead, SCORES=P is not None,
-                                               SCORES_MODE=SCORES_MODE,
                                                num_warps=int(WARPS.value),
                                                **({} if maxnreg is None else {"maxnreg": maxnreg}))

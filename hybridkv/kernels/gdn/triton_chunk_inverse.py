@@ -110,7 +110,12 @@ INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32")
 # Triton kernel on the bench's shapes and on the worst case. Its loads ahead (2026-12-03, sixth session,
 # benchmarks/device/results/inverse_probe_loads_ahead_h200.txt, same run): 35B 4x8192 272 -> 241 us, 397B 4x8192
 # 420 -> 393, 397B 1x8192 118 -> 109, the same error.
-GLUON_INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True, loads_ahead=True)
+# Its scores (2026-12-03, seventh session): a scores-form call's P made by it by 16 x 16 blocks after each inversion
+# instead of by the scores kernel, which loaded q and k again; H200, same run, whole calls in their plans' forms
+# (benchmarks/device/results/scan_probe9_scores_inverse_h200.txt): 397B 4x8192 1.346 -> 1.275 ms, 397B 1x8192 0.424 ->
+# 0.400, 397B 1x32768 1.602 -> 1.537, 397B TP8 0.125 -> 0.122, 35B 1x8192 0.319 -> 0.305, and 35B 4x8192 (now the
+# scores form, `chunk_plan.BATCH_SCORES_MIN_HEADS_PER_KEY`) 0.766 -> 0.703.
+GLUON_INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True, loads_ahead=True, scores=True)
 
 
 def default_inverse(device_type: str, capability: tuple[int, int] | None, dtype: str, K: int, *,
