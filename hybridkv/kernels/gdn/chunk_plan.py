@@ -18,7 +18,8 @@ class Form(enum.Enum):
     """What runs on the chain (`triton_chunk_wu`)."""
 
     FUSED = "fused"  # `_chunk_state_kernel`: six GEMMs per chunk, nothing but T and row scales in HBM
-    # The same chain with the masked scores P made in parallel (`_chunk_scores_kernel`: q k^T once per key
+    # The same chain with the masked scores P made in parallel (the Gluon inverse's SCORES on Hopper, else
+    # `_chunk_scores_kernel`: q k^T once per key
     # head, not once per value head and V block) and loaded: five GEMMs per chunk on the chain, 4096
     # elements of q's dtype more HBM per chunk and value head (written once, read once per V block).
     SCORES = "scores"
@@ -102,8 +103,8 @@ SCAN_WIDE_CONFIG = (64, 4, 3)
 # every shape measured (also one prompt: 397B 1x8192 476 -> 402), but single prompts keep their own plans below,
 # which beat both.
 BATCH_GLUON_CHAIN = GluonChain(rows=64, overlap=1)
-# Batches on BATCH_GLUON_CHAIN take the scores form (P made by the scores kernel, loaded by TMA) where a key head has
-# at least this many value heads: the scores kernel makes q k^T once per key head, so P costs least per value head
+# Batches on BATCH_GLUON_CHAIN take the scores form (P made in parallel, loaded by TMA) where a key head has
+# at least this many value heads: P's q k^T is made once per key head, so P costs least per value head
 # there, and the chain loses a GEMM and its exponentials per chunk. H200, same run (results/scan_probe7_h200.txt):
 # 397B (4 per key head) 4x8192 1.448 -> 1.357 ms (chain 1,018 -> 731 us, plus 201 us of scores), 16x2048 1.444 ->
 # 1.365; 35B (2 per key head) 4x8192 0.795 -> 0.786 (chain 520 -> 376, scores 139), within noise, so it stayed fused

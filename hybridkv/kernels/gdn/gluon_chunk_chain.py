@@ -34,8 +34,8 @@ What differs from the Triton chain, and why:
   overlap there; at BV = 64: 249 and no spill, 255 and 48 B). The same products, so the same results as the
   synchronous kernel (a review of the BV = 128 SASS found no register of an unfinished wgmma written, 2026-12-02).
 
-- SCORES_IN (the scores form, `triton_chunk.Form.SCORES`): P made by the scores kernel arrives by TMA with the
-  chunk's tiles instead of being made on the chain.
+- SCORES_IN (the scores form, `triton_chunk.Form.SCORES`): P made in parallel (by the inverse or the scores kernel)
+  arrives by TMA with the chunk's tiles instead of being made on the chain.
 
 Not here (yet): no warp is specialised (FlashInfer's loader and inverse warpgroups); segments (pipelined or scan
 schedules) and the split form are refused (`triton_chunk.chunk_gated_delta_rule_fwd`).
@@ -140,9 +140,9 @@ def _gluon_chain_kernel(q_desc, k_desc, v_desc, a_desc, r_desc, p_desc, R, G, o,
     are zero and the inverse made T the identity there, so y's and v_new's columns are exactly zero), the scores'
     are masked by a select, and o's stores are masked; q's rows there reach only o's unstored columns.
 
-    SCORES_IN (`triton_chunk.Form.SCORES`): the masked scores come from P `[NC * HV * 64, 64]` (the scores kernel's,
-    zero past the sequence's end), by TMA with the chunk's tiles, two buffers deep, instead of a wgmma and the
-    decays here: one wgmma and 4,096 exponentials fewer per chunk on the chain."""
+    SCORES_IN (`triton_chunk.Form.SCORES`): the masked scores come from P `[NC * HV * 64, 64]` (the inverse's or the
+    scores kernel's, zero past the sequence's end), by TMA with the chunk's tiles, two buffers deep, instead of a
+    wgmma and the decays here: one wgmma and 4,096 exponentials fewer per chunk on the chain."""
     ACC: gl.constexpr = _acc(BV, K)
     ACC64: gl.constexpr = _acc(BV, BT)
     QK: gl.constexpr = _qk(BV)
@@ -332,7 +332,7 @@ def launch(q, k, v, A, R, G, o, h_in, h_out, cu_seqlens, chunk_offsets, strides_
     """`_gluon_chain_kernel` over every (sequence, value head) of a serial call (`triton_chunk`'s state call with its
     tensors; `refusal` has been asked); ``overlap``: 0, or its asynchronous-wgmma variants 1 and 2 (OVERLAP);
     ``rows``: the state's value rows per program (BV: 128, the whole state, or 64); ``staged_scales``: R by TMA with
-    the chunk's tiles (STAGED_SCALES); ``P``: the scores kernel's masked scores `[NC, HV, 64, 64]` bf16 (SCORES_IN),
+    the chunk's tiles (STAGED_SCALES); ``P``: the scores form's masked scores `[NC, HV, 64, 64]` bf16 (SCORES_IN),
     None: made here."""
     if overlap not in (0, 1, 2):
         raise ValueError(f"overlap is 0, 1 or 2 (the kernel's OVERLAP), got {overlap!r}")

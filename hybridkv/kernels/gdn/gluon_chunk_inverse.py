@@ -19,6 +19,12 @@ The rest is the Triton kernel's arithmetic: the raw gram K K^T on the tensor cor
 of k and q, beta and the decays applied to the gram's rows and columns, the blocks below the diagonal by block
 forward substitution with tf32 products (FLA's numerics), and the row scales. Gluon has no CPU interpreter: this
 kernel is checked on a GPU only (tests/kernels/test_gdn_triton.py, against the Triton kernel).
+
+With SCORES (`InverseConfig.scores`, the default on Hopper) it also makes the scores form's masked scores P, which
+`triton_chunk_inverse._chunk_scores_kernel` would make after it from q and k loaded again: q k^T beside the gram,
+staged in shared memory, and each value head's P after its inversion by 16 x 16 blocks (`_store_scores`). H200: the
+inverse takes 54-103 us more for P (plus 23-28 for q k^T) where the scores kernel took 138-199 (4x8192;
+benchmarks/gdn/README.md, "Seventh session").
 """
 
 from __future__ import annotations

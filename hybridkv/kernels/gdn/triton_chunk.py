@@ -19,11 +19,12 @@ The recurrence across chunks is the one part that cannot run in parallel, so a c
 
 Two more forms of the chain (`Form`):
 
-- `Form.SCORES`: the same state kernel, but P comes from a parallel kernel
-  (`triton_chunk_inverse._chunk_scores_kernel`, q k^T once per key head) and is loaded, so the chain runs
-  five GEMMs per chunk and no exp. `chunk_plan.plan` picks it for one long sequence, whose chain is the whole
-  call's critical path. Batches stay fused: there the chain is not the whole call, and P's extra HBM
-  traffic (written once, read once per V block) costs more than the shorter chain saves.
+- `Form.SCORES`: the same state kernel, but P comes from the parallel kernels (on Hopper the Gluon inverse makes it
+  beside its gram, `InverseConfig.scores`; elsewhere `triton_chunk_inverse._chunk_scores_kernel` after the inverse;
+  q k^T once per key head) and is loaded, so the chain runs five GEMMs per chunk and no exp. `chunk_plan.plan` picks
+  it for one long sequence, whose chain is the whole call's critical path, and for batches on the Gluon chain with
+  two or more value heads per key head; Triton-chain batches stay fused: there the chain is not the whole call, and
+  P's extra HBM traffic (written once, read once per V block) costs more than the shorter chain saves.
 - `Form.SPLIT` (`triton_chunk_wu`, opt-in, never picked) makes W, Q', U and U' in parallel so that the
   chain keeps three GEMMs per chunk; its parallel kernel costs more than that saves (see its docstring).
 
@@ -82,7 +83,7 @@ def _chunk_state_kernel(q, k, v, A, P, R, G, o, h_in, h_out, cu_seqlens, chunk_o
     c_lo <= i < c_hi; the `[K, BV]` state starts from h_in (zeros without it) and is left in h_out.
     Writes o `[B, T, HV, V]`. A (T, `[NC, HV, 64, 64]`), R (row scales, `[NC, HV, 8, 64]`) and G (e^g_last,
     `[NC, HV]`) come from `_chunk_inverse_kernel`. SCORES_IN (`Form.SCORES`): the masked scores are loaded
-    from P `[NC, HV, 64, 64]` (made by `_chunk_scores_kernel`), not made here.
+    from P `[NC, HV, 64, 64]` (made by `_chunk_scores_kernel` or the Gluon inverse), not made here.
 
     SCAN (`Schedule.SCAN`, `triton_chunk_scan`): grid (cdiv(V, BV), N * HV, segments); program_id(2) is the
     segment, which walks chunks [i c_hi, (i + 1) c_hi) (c_hi is the chunks per segment) from its start
