@@ -192,7 +192,9 @@ def test_a_stacked_inverse_group_is_a_power_of_two(H, HV, want):
 
 
 @pytest.mark.parametrize("bad", [dict(group=0), dict(bkc=48), dict(warps=3), dict(stages=0), dict(method=2),
-                                 dict(prec="fp16"), dict(merge_prec="bf16"), dict(loads_ahead=True)])
+                                 dict(prec="fp16"), dict(merge_prec="bf16"), dict(loads_ahead=True),
+                                 dict(scores=True),  # the scores are made from the Gluon kernel's loads ahead
+                                 dict(method=0, merge_prec="tf32", gluon=True, scores=True)])
 def test_a_bad_inverse_config_is_refused_with_its_values(bad):
     from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 
@@ -216,6 +218,8 @@ def test_the_default_inverse_is_the_gluon_kernel_on_hopper_only(device, capabili
     got = default_inverse(device, capability, dtype, K)
     assert got == (GLUON_INVERSE_CONFIG if gluon else INVERSE_CONFIG)
     assert got.gluon == gluon
+    # On Hopper the inverse makes a scores-form call's P itself; the Triton kernel leaves it to the scores kernel.
+    assert got.scores == got.loads_ahead == gluon
     # A Triton whose Gluon lacks what the kernel uses (older than the 3.6 it was written against): Triton's kernel.
     assert default_inverse(device, capability, dtype, K, gluon_ready=False) == INVERSE_CONFIG
 
