@@ -39,9 +39,7 @@ WARPS = gl.constexpr(2)
 
 # [64, 32] loads of q and k: 8 contiguous bf16 (16 bytes) per thread.
 _LD = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0]))
-# 16 rows of the masked scores for their stores: 8 contiguous elements (16 bytes of bf16) per thread, a warp 4 rows.
-_P16 = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0]))
-# A 16 x 16 block of them: 4 contiguous elements per thread, a warp 8 rows.
+# A 16 x 16 block of the masked scores, for `_store_scores`: 4 contiguous elements per thread, a warp 8 rows.
 _B16 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0]))
 _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a [64] row of fp32 in shared memory
 # The 64 x 64 gram: mma.sync tiles, each warp 32 rows.
@@ -154,7 +152,7 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
         b_k = _rows(k, bos, T, i_h, r0, 0, H, K, K)
         if SCORES:
             # q k^T first, from q's tile beside k's (slabs read as the gram's are), and staged in shared memory until
-            # each value head's scores are made from it 16 rows at a time (`_store_scores`): its accumulators and the
+            # each value head's scores are made from it by 16 x 16 blocks (`_store_scores`): its accumulators and the
             # gram's are never alive together (beside the gram's they spilled, offline sm_90: 16-144 B). q is
             # loaded once, in its own dtype, for its tile and its norms.
             qw = gl.allocate_shared_memory(q.dtype.element_ty, [BT, K], _KB)
