@@ -289,22 +289,24 @@ def test_gluon_inverse_makes_the_scores_kernels_scores(lens, H, HV, batch, l2nor
     assert not torch.triu(p_got.float(), 1).any()  # the causal mask
 
 
-@pytest.mark.parametrize(("lens", "H", "HV", "batch", "schedule"), [
-    pytest.param([200, 64, 1000, 7], 2, 8, None, "serial", id="varlen-ragged"),
-    pytest.param([3000], 2, 8, None, "pipelined", id="segmented-3000"),
-    pytest.param([3000], 2, 8, None, "scan", id="scan-3000"),
-    pytest.param([8192], 16, 32, 2, "gluon", id="35B-2x8192-gluon-chain"),
+@pytest.mark.parametrize(("lens", "H", "HV", "batch", "schedule", "dtype"), [
+    pytest.param([200, 64, 1000, 7], 2, 8, None, "serial", torch.bfloat16, id="varlen-ragged"),
+    pytest.param([3000], 2, 8, None, "pipelined", torch.bfloat16, id="segmented-3000"),
+    pytest.param([3000], 2, 8, None, "scan", torch.bfloat16, id="scan-3000"),
+    pytest.param([3000], 2, 8, None, "pipelined", torch.float16, id="segmented-3000-fp16"),
+    pytest.param([8192], 16, 32, 2, "gluon", torch.bfloat16, id="35B-2x8192-gluon-chain"),
 ])
-def test_scores_form_with_the_scores_in_the_inverse_equals_the_scores_kernels(lens, H, HV, batch, schedule):
+def test_scores_form_with_the_scores_in_the_inverse_equals_the_scores_kernels(lens, H, HV, batch, schedule, dtype):
     """Whole scores-form calls with P made by the inverse (`InverseConfig.scores`) against the same calls with the
     scores kernel, in every schedule that runs the scores form, and on the batch plan's Gluon chain: equal to the
-    rounding of P; and against the reference where it is small enough to run."""
+    rounding of P; and against the reference where it is small enough to run. fp16: a prompt planned in the scores
+    form takes the Gluon inverse (16-bit q and k) and so its P in fp16."""
     import dataclasses
 
     from hybridkv.kernels.gdn import chunk_plan, triton_chunk
     from hybridkv.kernels.gdn.triton_chunk_inverse import GLUON_INVERSE_CONFIG
 
-    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=11, slow=schedule != "serial")
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=11, slow=schedule != "serial", dtype=dtype)
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
     call = dict(form=triton_chunk.Form.SCORES)
