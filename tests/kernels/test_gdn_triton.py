@@ -529,8 +529,9 @@ def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
 def test_a_plain_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch):
     """`chunk_plan.BATCH_GLUON_CHAIN` and `PROMPT_GLUON_CHAIN`: on an sm_90 GPU a plain call of several long bf16
     sequences, or of one prompt of 397B-shaped heads, launches the Gluon chain as planned (with the inverse's P for the
-    prompt and for batches of two or more value heads per key head, `BATCH_SCORES_MIN_HEADS_PER_KEY`) and gives what an explicit call with that chain and form gives (whose numerics the chain tests
-    check against the reference); fp16 and other GPUs do not launch it."""
+    prompt and for batches of two or more value heads per key head, `BATCH_SCORES_MIN_HEADS_PER_KEY`) and gives what
+    an explicit call with that chain and form gives (whose numerics the chain tests check against the reference); fp16
+    and other GPUs do not launch it."""
     from hybridkv.kernels.gdn import chunk_plan, gluon_chunk_chain, triton_chunk
 
     launched = []
