@@ -476,9 +476,17 @@ def test_scores_tma_walk_equals_the_tile_kernel(lens, H, HV, batch, config):
 @pytest.mark.parametrize("schedule", ["serial", "pipelined", "scan", "gluon"])
 def test_a_scores_call_with_the_tma_walk_equals_one_with_the_tile_kernel(schedule, monkeypatch):
     """`triton_chunk.SCORES_TMA` (on here, whatever the shipped setting): a scores-form call whose P comes from the TMA
-    walk gives the output and final state of one whose P comes from the tile kernel, to rounding, in every schedule (a pipelined call's walk runs SEGMENTED, the
-    scan's once over every chunk, the Gluon chain loads its P by TMA), and the tile kernel is not launched."""
-    from hybridkv.kernels.gdn import triton_chunk
+    walk gives the output and final state of one whose P comes from the tile kernel, to rounding, in every schedule (a
+    pipelined call's walk runs SEGMENTED, the scan's once over every chunk, the Gluon chain loads its P by TMA), and the
+    tile kernel is not launched. Both run only where the inverse does not make P (`InverseConfig.scores`, on in the
+    Hopper default): with the default inverse neither is launched, and the call gives the same to rounding."""
+    import dataclasses
+
+    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_scores_tma
+    from hybridkv.kernels.gdn.triton_chunk_inverse import default_inverse
+
+    default = default_inverse("cuda", torch.cuda.get_device_capability(), "torch.bfloat16", 128)
+    no_scores = dataclasses.replace(default, scores=False)
 
     lens, H, HV = ([3000, 700], 2, 8) if schedule in ("serial", "gluon") else ([3000], 2, 8)
     q, k, v, g, beta, cu = make(lens, H, HV, seed=24, slow=True)
@@ -496,14 +504,26 @@ def test_a_scores_call_with_the_tma_walk_equals_one_with_the_tile_kernel(schedul
             launched.append(grid)
             return real[grid]
 
+    walked = []
+    real_walk = triton_chunk_scores_tma.launch
+    monkeypatch.setattr(triton_chunk_scores_tma, "launch", lambda *a, **kw: walked.append(1) or real_walk(*a, **kw))
     monkeypatch.setattr(triton_chunk, "_chunk_scores_kernel", Counting())
     monkeypatch.setattr(triton_chunk, "SCORES_TMA", True)
-    got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False, **call)
-    assert launched == []
+    got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
+                                                  inverse=no_scores, **call)
+    assert launched == [] and walked
     monkeypatch.setattr(triton_chunk, "SCORES_TMA", False)
-    want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False, **call)
+    want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
+                                                   inverse=no_scores, **call)
     assert launched
     assert rel_err(got[0], want[0]) < 2e-3 and rel_err(got[1], want[1]) < 2e-3
+    if default.scores:  # P by the inverse only: no scores kernel of either kind
+        launched.clear(), walked.clear()
+        monkeypatch.setattr(triton_chunk, "SCORES_TMA", True)
+        own = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
+                                                      inverse=default, **call)
+        assert launched == [] and walked == []
+        assert rel_err(own[0], want[0]) < 2e-3 and rel_err(own[1], want[1]) < 2e-3
     o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
     assert rel_err(got[0], o_ref) < 2e-2 and rel_err(got[1], st_ref) < 2e-2
 

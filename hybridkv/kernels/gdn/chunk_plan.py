@@ -19,9 +19,9 @@ class Form(enum.Enum):
 
     FUSED = "fused"  # `_chunk_state_kernel`: six GEMMs per chunk, nothing but T and row scales in HBM
     # The same chain with the masked scores P made in parallel (the Gluon inverse's SCORES on Hopper, else
-    # `_chunk_scores_kernel`: q k^T once per key
-    # head, not once per value head and V block) and loaded: five GEMMs per chunk on the chain, 4096
-    # elements of q's dtype more HBM per chunk and value head (written once, read once per V block).
+    # `_chunk_scores_kernel`: q k^T once per key head, not once per value head and V block) and loaded: five GEMMs
+    # per chunk on the chain, 4096 elements of q's dtype more HBM per chunk and value head (written once, read once
+    # per V block).
     SCORES = "scores"
     SPLIT = "split"  # W, Q', U, U' made in parallel; three GEMMs per chunk on the chain
 
@@ -114,7 +114,8 @@ BATCH_GLUON_CHAIN = GluonChain(rows=64, overlap=1)
 # left fused.
 BATCH_SCORES_MIN_HEADS_PER_KEY = 2
 # The chain of one prompt planned serial at ONE_PER_SM_CONFIG (397B-shaped heads), where the Gluon chain can run it:
-# the same half-state program, fed the scores kernel's P by TMA (scores form) instead of making them on the chain.
+# the same half-state program, fed P by TMA (scores form; made by the scores kernel when this was measured, by the
+# inverse since 2026-12-03) instead of making them on the chain.
 # H200, same run, against the Triton scores chain it replaced (results/scan_probe6_prompt_gluon_h200.txt): 397B
 # 1x8192 0.450 -> 0.435 ms, 1x32768 1.681 -> 1.638, the same error; at overlap 0, 0.444 and 1.670.
 PROMPT_GLUON_CHAIN = GluonChain(rows=64, overlap=1)
@@ -153,9 +154,9 @@ def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int =
     Where BV=32 gives no more chain programs than SMs (few sequences and value heads) and the call has
     PIPELINE_MIN_CHUNKS chunk rows, it is pipelined at PIPELINE_CONFIG. One sequence takes the scores
     form, there and where only BV=64 gives that few programs (397B: serial at ONE_PER_SM_CONFIG, and on
-    PROMPT_GLUON_CHAIN where ``gluon`` says the Gluon chain can run the call); several keep the fused form (their
-    chain is not the whole call, see the module docstring). Elsewhere, and for short prompts, the fused form
-    autotuned; but where ``gluon`` says the Gluon chain can run the call, several sequences that would take the fused
+    PROMPT_GLUON_CHAIN where ``gluon`` says the Gluon chain can run the call); several sequences on the Triton chain
+    keep the fused form (their chain is not the whole call: `triton_chunk`'s module docstring). Elsewhere, and for
+    short prompts, the fused form autotuned; but where ``gluon`` says the Gluon chain can run the call, several sequences that would take the fused
     form autotuned run on BATCH_GLUON_CHAIN instead (serial): in the scores form where the caller asks for it or where
     ``heads_per_key`` (HV / H) is at least BATCH_SCORES_MIN_HEADS_PER_KEY, else fused. The fixed configs were tuned
     for, and fit shared memory at, K = 128 only, so larger key heads are autotuned (which skips configs that do not

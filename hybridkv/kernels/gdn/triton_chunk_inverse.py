@@ -390,9 +390,10 @@ def _chunk_scores_kernel(q, k, R, P, cu_seqlens, chunk_table, row0, c_lo, c_hi, 
     """The masked scores of one chunk for GROUP value heads of one key head (`triton_chunk.Form.SCORES`),
     from the row scales the inverse kernel left in R: the `_scores` the state kernel would run on its
     chain, q k^T made once for the group. Writes P `[NC, HV, 64, 64]` in k's dtype; grid (chunk rows,
-    HV // GROUP). A kernel of its own rather than a part of the inverse kernel: there, beside the gram's
-    accumulators at two warps, its q k^T accumulators would spill (sm_90). PDL: a programmatic dependent launch
-    (`pdl`)."""
+    HV // GROUP). A kernel of its own rather than a part of the Triton inverse kernel: there, beside the gram's
+    accumulators at two warps, its q k^T accumulators would spill (sm_90). The Gluon inverse makes P itself
+    (`InverseConfig.scores`, its SCORES), so this kernel runs after the Triton inverse only. PDL: a programmatic
+    dependent launch (`pdl`)."""
     _pdl.wait(PDL)
     i_c, i_g = tl.program_id(0), tl.program_id(1)
     i_c, i_n, i_t, live = _table_row(chunk_table, i_c, row0, c_lo, c_hi, SEGMENTED)
