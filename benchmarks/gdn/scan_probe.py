@@ -51,7 +51,7 @@ SHAPES = (
     ("35B 16x2048", 16, 32, 16, 2048),
 )
 
-SCAN, PIPELINED = triton_chunk.Schedule.SCAN, triton_chunk.Schedule.PIPELINED
+SCAN = triton_chunk.Schedule.SCAN
 SCORES, FUSED = triton_chunk.Form.SCORES, triton_chunk.Form.FUSED
 
 
@@ -85,7 +85,7 @@ class Variant:
     scores_tma: bool = triton_chunk.SCORES_TMA
 
 
-def variants(plan: chunk_plan.Plan, segments: int, pairs: int, sms: int, chunks: int, N: int = 1) -> list[Variant]:
+def variants(plan: chunk_plan.Plan, segments: int, N: int = 1) -> list[Variant]:
     """The plan, and where it runs the scores form, the plan with P made by the scores kernel after the inverse, as
     before 2026-12-03 (seventh session), instead of by the inverse (`InverseConfig.scores`). For batches (``N`` > 1):
     also the fused form on the batch plan's Gluon chain. Earlier variants (the inverse's scores by 16-row slabs or after
@@ -121,7 +121,7 @@ def main() -> int:
               flush=True)
         segments = chunk_plan.scan_segments(triton.cdiv(128, (plan.config or (32,))[0]) * HV, sms, T // 64)
         calls = {}
-        for var in variants(plan, segments, HV, sms, T // 64, N):
+        for var in variants(plan, segments, N):
             def call(var=var):
                 triton_chunk_scan.SUMMARY_CONFIG = var.summary
                 triton_chunk_scan.BY_SEGMENT = var.by_segment
@@ -144,7 +144,7 @@ def main() -> int:
             print(f"{label:22} {var.name:44} {ms:7.3f} ms  host {host:.3f}  err o {err[0]:.1e} s {err[1]:.1e}",
                   flush=True)
             calls[var.name] = call
-        for name, call in calls.items():  # where each variant's time goes (the diagnostic's inverse included)
+        for name, call in calls.items():  # where each variant's time goes
             b = breakdown.measure(name, call, a.iters, bench_timing._median_ms)
             print(breakdown.render(label, [b]), flush=True)
             rows.append(dict(shape=label, breakdown=name, call_us=b.call_us, kernels=list(b.kernels)))

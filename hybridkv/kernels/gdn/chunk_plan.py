@@ -156,9 +156,10 @@ def plan(N: int, HV: int, K: int, V: int, sms: int, chunks: int, itemsize: int =
     form, there and where only BV=64 gives that few programs (397B: serial at ONE_PER_SM_CONFIG, and on
     PROMPT_GLUON_CHAIN where ``gluon`` says the Gluon chain can run the call); several sequences on the Triton chain
     keep the fused form (their chain is not the whole call: `triton_chunk`'s module docstring). Elsewhere, and for
-    short prompts, the fused form autotuned; but where ``gluon`` says the Gluon chain can run the call, several sequences that would take the fused
-    form autotuned run on BATCH_GLUON_CHAIN instead (serial): in the scores form where the caller asks for it or where
-    ``heads_per_key`` (HV / H) is at least BATCH_SCORES_MIN_HEADS_PER_KEY, else fused. The fixed configs were tuned
+    short prompts, the fused form autotuned; but where ``gluon`` says the Gluon chain can run the call, several
+    sequences that would take the fused form autotuned run on BATCH_GLUON_CHAIN instead (serial): in the scores form
+    where the caller asks for it or where ``heads_per_key`` (HV / H) is at least BATCH_SCORES_MIN_HEADS_PER_KEY, else
+    fused. The fixed configs were tuned
     for, and fit shared memory at, K = 128 only, so larger key heads are autotuned (which skips configs that do not
     fit). ``itemsize``: of q, k, v; 4-byte inputs get two stages (three need 243.5 KB of shared memory,
     over the H200's 227 KB per program) and no BV=64 plan (241 KB at two; tests/kernels/test_compile_report)."""

@@ -146,8 +146,9 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
         # All of k and q in one load each, k into one shared tile whose 32-column slabs the products read: a program
         # waits for global memory once, not once per slab (slab by slab, the barrier between one slab's operand
         # reads and the next slab's store keeps the next slab's loads from starting early). The NVMMA layout stores
-        # a tile wider than its swizzle as [64, 32] blocks one after another, so a slab is one block. H200, inverse kernel alone: 35B 4x8192
-        # 272 -> 241 us, 397B 4x8192 420 -> 393 (benchmarks/gdn/README.md); the default (GLUON_INVERSE_CONFIG).
+        # a tile wider than its swizzle as [64, 32] blocks one after another, so a slab is one block. H200, inverse
+        # kernel alone: 35B 4x8192 272 -> 241 us, 397B 4x8192 420 -> 393 (benchmarks/gdn/README.md); the default
+        # (GLUON_INVERSE_CONFIG).
         kw = gl.allocate_shared_memory(k.dtype.element_ty, [BT, K], _KB)
         b_k = _rows(k, bos, T, i_h, r0, 0, H, K, K)
         if SCORES:
