@@ -19,7 +19,9 @@ registers and 25 KB of shared memory at 3 stages: 5 programs per SM, up to 15 ti
 
 Run on an H200 2026-12-02 (benchmarks/device/results/decode_probe_h200.txt): the TMA walk won (bf16 up to 84.8%
 of copy bandwidth against 78%) and ships as `hybridkv.kernels.gdn.triton_decode_tma`, which this probe now
-times; the register-prefetch walk gained at most 2 points and stays here.
+times; the register-prefetch walk gained at most 2 points and stays here. A TMA walk that also loads the next
+tile's q, k and v ahead (they are plain loads in its loop: 2 bytes a thread, too narrow for cp.async) was measured
+at a17e0c7 and reverted: +-2 points either way (benchmarks/device/results/decode_probe_prefetch_h200.txt).
 
     python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256]
     DECODEFIRST=1 TESTS=0 ONLY=decode bash benchmarks/device/gdn.sh   # on the device, then the decode bench
@@ -95,9 +97,8 @@ def _decode_persistent(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, N
             n_raw, n_q, n_k, n_v, n_x, n_bb, n_neg_a, n_valid, n_live, n_base, n_o_row)
 
 
-def launch_tma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, prefetch=False):
-    triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, 1.0, 20.0,
-                             prefetch=prefetch)
+def launch_tma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx):
+    triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, 1.0, 20.0)
 
 
 def launch_persistent(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, stream):
@@ -112,11 +113,9 @@ def launch_persistent(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, stream):
 
 PERSISTENT = tuple((bv, w, s) for bv, w in ((32, 4), (64, 8)) for s in (4, 8))
 TMA = tuple((bv, w, s, st) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for s in (2, 4, 8) for st in (2, 3, 4))
-# --prefetch: the shipped walk's configs (and two more stages or programs) with and without PREFETCH, nothing else.
-PREFETCH = triton_decode_tma.TMA_CONFIGS + ((64, 4, 3, 3), (64, 4, 4, 4), (32, 4, 4, 4))
 
 
-def run(iters: int, copy_gbps: float, N: int = 256, prefetch: bool = False) -> list[dict]:
+def run(iters: int, copy_gbps: float, N: int = 256) -> list[dict]:
     rows = []
     for model, H, HV in bench_cases.DECODE_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
@@ -144,17 +143,12 @@ def run(iters: int, copy_gbps: float, N: int = 256, prefetch: bool = False) -> l
             rows.append(dict(shape=label, kernel="shipped", cfg=None, ms=ms, pct_copy=shipped_pct, err=0.0))
             print(f"{label:22} shipped {triton_recurrent.decode_choices()}  {ms:.4f} ms {shipped_pct:5.1f}% copy",
                   flush=True)
-            if prefetch:
-                cands = [(name, c, lambda c, o, pool, pf=pf: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool,
-                                                                          idx, pf))
-                         for c in PREFETCH for name, pf in (("tma", False), ("tma-prefetch", True))]
-            else:
-                cands = [("persistent", c, lambda c, o, pool: launch_persistent(c, q, k, v, a, b, A_log, dt_bias, o,
-                                                                               pool, idx, stream)) for c in PERSISTENT]
-                cands += [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
-                          for c in TMA]
+            cands = [("persistent", c, lambda c, o, pool: launch_persistent(c, q, k, v, a, b, A_log, dt_bias, o, pool,
+                                                                           idx, stream)) for c in PERSISTENT]
+            cands += [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
+                      for c in TMA]
             for name, cfg, fn in cands:
-                if name.startswith("tma") and dtype == torch.float32 and cfg[0] * 128 * 4 * cfg[3] > 200_000:
+                if name == "tma" and dtype == torch.float32 and cfg[0] * 128 * 4 * cfg[3] > 200_000:
                     continue  # more shared memory than an SM has
                 pool = pool0.clone()
                 o = torch.full_like(v, float("nan"))
@@ -179,15 +173,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)
     p.add_argument("--batch", type=int, nargs="+", default=[256], help="sequences per decode step (default 256)")
-    p.add_argument("--prefetch", action="store_true",
-                   help="only the TMA walk, each config with and without its q, k, v prefetch")
     a = p.parse_args()
     copy = bench_timing._copy_gbps(a.iters)
     print(torch.cuda.get_device_name(), f"copy {copy:.0f} GB/s", flush=True)
     rows = []
     for batch in a.batch:
         print(f"# {batch} sequences", flush=True)
-        rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch, a.prefetch)]
+        rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch)]
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)

@@ -201,8 +201,7 @@ def decode_tma(out: dict) -> None:
     """The TMA decode walk (`triton_decode_tma`) on layer 1 of a two-layer slot pool (a strided view), with pads
     and a walk that wraps (more tiles than programs): [o error, state error] against the reference, then
     "decode-tma/vs-tile": the largest difference from the tile kernel on the same inputs (the same arithmetic, so
-    zero), and "decode-tma/untouched": 1.0 when layer 0, the pads' and the unused slots are bit for bit as before;
-    the same three under "decode-tma-prefetch" for the walk that loads the next tile's q, k and v ahead."""
+    zero), and "decode-tma/untouched": 1.0 when layer 0, the pads' and the unused slots are bit for bit as before."""
     from hybridkv.kernels.gdn import triton_decode_tma, triton_recurrent
 
     N, H, HV, K, V, slots = 5, 2, 4, 32, 64, 9
@@ -215,23 +214,21 @@ def decode_tma(out: dict) -> None:
     before = pool.clone()
     want = before[:, 1].clone()
     o_ref = reference.decode_reference(q, k, v, a, b, A_log, dt_bias, want, idx, K**-0.5, True, True)
+    o = torch.full_like(v, float("nan"))
+    # BV 32 of V 64, three "SMs" at two programs each: 40 tiles over 6 programs.
+    triton_decode_tma.launch((32, 4, 2, 2), q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, K**-0.5, True, 1.0,
+                             20.0, sms=3)
+    out["decode-tma"] = [rel(o, o_ref), rel(pool[:, 1][idx[idx >= 0]], want[idx[idx >= 0]])]
     tile_pool = before.clone()
     o_tile = torch.empty_like(v)
     triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, K**-0.5,
                                     True, True, 1.0, 20.0)
+    out["decode-tma/vs-tile"] = max((o.float() - o_tile.float()).abs().max().item(),
+                                    (pool.float() - tile_pool.float()).abs().max().item())
     untouched = torch.ones(slots, dtype=torch.bool)
     untouched[idx[idx >= 0]] = False
-    for name, prefetch in (("decode-tma", False), ("decode-tma-prefetch", True)):
-        pool.copy_(before)
-        o = torch.full_like(v, float("nan"))
-        # BV 32 of V 64, three "SMs" at two programs each: 40 tiles over 6 programs.
-        triton_decode_tma.launch((32, 4, 2, 2), q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, K**-0.5, True,
-                                 1.0, 20.0, sms=3, prefetch=prefetch)
-        out[name] = [rel(o, o_ref), rel(pool[:, 1][idx[idx >= 0]], want[idx[idx >= 0]])]
-        out[f"{name}/vs-tile"] = max((o.float() - o_tile.float()).abs().max().item(),
-                                     (pool.float() - tile_pool.float()).abs().max().item())
-        same = torch.equal(pool[:, 0], before[:, 0]) and torch.equal(pool[untouched], before[untouched])
-        out[f"{name}/untouched"] = float(same and torch.equal(o[1], torch.zeros_like(o[1])))
+    same = torch.equal(pool[:, 0], before[:, 0]) and torch.equal(pool[untouched], before[untouched])
+    out["decode-tma/untouched"] = float(same and torch.equal(o[1], torch.zeros_like(o[1])))
 
 
 def scores_tma(out: dict) -> None:

@@ -46,38 +46,16 @@ def _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus
 
 
 @triton.jit
-def _small_loads(t, n_tiles, q, k, v, o_k, o_bv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr, BV: tl.constexpr):
-    """Tile t's q and k rows and v block (zeros past the last tile)."""
-    NV: tl.constexpr = V // BV
-    valid = t < n_tiles
-    i_v = t % NV
-    i_hv = (t // NV) % HV
-    i_n = t // (NV * HV)
-    row_h = i_n.to(tl.int64) * H + i_hv // (HV // H)
-    row_hv = i_n.to(tl.int64) * HV + i_hv
-    b_q = tl.load(q + row_h * K + o_k, mask=valid & (o_k < K), other=0.0)
-    b_k = tl.load(k + row_h * K + o_k, mask=valid & (o_k < K), other=0.0)
-    b_v = tl.load(v + row_hv * V + i_v * BV + o_bv, mask=valid & (o_bv < BV), other=0.0)
-    return b_q, b_k, b_v
-
-
-@triton.jit
 def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state_indices, N, progs, scale, softplus_beta,
                        softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BV: tl.constexpr, L2NORM: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr = False):
+                       BV: tl.constexpr, L2NORM: tl.constexpr, STAGES: tl.constexpr):
     """Grid (progs,): program p takes tiles p, p + progs, ... of the N * HV * (V / BV) [BV, K] tiles, each
-    one (sequence, value head, V block). A pad (slot < 0) writes a zero output row and leaves the pool alone.
-    PREFETCH: the next tile's q, k and v are loaded before this tile's arithmetic. The pipeliner stages only the
-    state (TMA) and the 4-byte gate scalars: q, k and v come 2 bytes a thread (cp.async moves 4 or more), so
-    without this each tile waits one global-memory latency for them (offline sm_90 TTGIR: plain loads in the loop)."""
+    one (sequence, value head, V block). A pad (slot < 0) writes a zero output row and leaves the pool alone."""
     pid = tl.program_id(0)
     NV: tl.constexpr = V // BV
     n_tiles = N * HV * NV
     o_k = tl.arange(0, K)
     o_bv = tl.arange(0, BV)
-    if PREFETCH:
-        n_q, n_k, n_v = _small_loads(pid, n_tiles, q, k, v, o_k, o_bv, H, HV, K, V, BV)
     for t in tl.range(pid, n_tiles, progs, num_stages=STAGES):
         i_v = t % NV
         i_hv = (t // NV) % HV
@@ -89,13 +67,9 @@ def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state_indices, N,
         raw = desc.load([tl.maximum(slot, 0), i_hv, i_v * BV, 0]).reshape(BV, K)
         row_h = i_n.to(tl.int64) * H + i_h
         row_hv = i_n.to(tl.int64) * HV + i_hv
-        if PREFETCH:
-            b_q, b_k, b_v = n_q, n_k, n_v
-            n_q, n_k, n_v = _small_loads(t + progs, n_tiles, q, k, v, o_k, o_bv, H, HV, K, V, BV)
-        else:
-            b_q = tl.load(q + row_h * K + o_k)
-            b_k = tl.load(k + row_h * K + o_k)
-            b_v = tl.load(v + row_hv * V + i_v * BV + o_bv)
+        b_q = tl.load(q + row_h * K + o_k)
+        b_k = tl.load(k + row_h * K + o_k)
+        b_v = tl.load(v + row_hv * V + i_v * BV + o_bv)
         x = tl.load(a + row_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
         bb = tl.load(b + row_hv).to(tl.float32)
         neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
@@ -134,20 +108,10 @@ def eligible(q: torch.Tensor, v: torch.Tensor, ssm_state: torch.Tensor, v_first:
     return _device(ssm_state.device)[0]
 
 
-def register_cap(warps: int, per_sm: int) -> int | None:
-    """The ptxas register cap that keeps ``per_sm`` programs of ``warps`` warps resident on one SM (64K registers),
-    or None where that cap is under 128 (it would spill; such a config is bounded by registers either way). The
-    prefetching walk needs one: uncapped, ptxas spends the registers it is free to (offline sm_90, bf16 BV=64:
-    168 against 128 without the prefetch, so three programs per SM, not four); capped at 128 it does not spill."""
-    cap = 65536 // (per_sm * warps * 32) // 8 * 8
-    return min(cap, 255) if cap >= 128 else None
-
-
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, softplus_beta,
-           softplus_threshold, sms: int | None = None, prefetch: bool = False) -> None:
+           softplus_threshold, sms: int | None = None) -> None:
     """One TMA decode launch at ``cfg`` = (BV, num_warps, programs per SM, stages); the caller has checked
-    `eligible`. BV is capped at V. ``sms``: the SM count (default: the device's; CI's interpreter passes one).
-    ``prefetch``: the walk that loads the next tile's q, k and v ahead (PREFETCH), under `register_cap`."""
+    `eligible`. BV is capped at V. ``sms``: the SM count (default: the device's; CI's interpreter passes one)."""
     bv, warps, per_sm, stages = cfg
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -155,8 +119,6 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     sms = sms if sms is not None else _device(q.device)[1]
     programs = max(1, min(per_sm * sms, N * HV * (V // bv)))
     desc = TensorDescriptor(ssm_state, list(ssm_state.shape), list(ssm_state.stride()), [1, 1, bv, K])
-    cap = register_cap(warps, per_sm) if prefetch and q.is_cuda else None
     _decode_tma_kernel[(programs,)](
         q, k, v, a, b, A_log, dt_bias, o, desc, state_indices, N, programs, scale, float(softplus_beta),
-        float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, L2NORM=l2, STAGES=stages, PREFETCH=prefetch,
-        num_warps=warps, **({} if cap is None else {"maxnreg": cap}))
+        float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, L2NORM=l2, STAGES=stages, num_warps=warps)

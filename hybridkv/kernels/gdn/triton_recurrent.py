@@ -147,13 +147,12 @@ DECODE_CONFIGS = ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8))  # (BV,
 class DecodeKernel(enum.Enum):
     TILE = "tile"  # `_recurrent_kernel`, one [BV, K] tile per program
     TMA = "tma"  # `triton_decode_tma`, persistent programs with the state staged by TMA
-    TMA_PREFETCH = "tma-prefetch"  # the same walk loading the next tile's q, k and v ahead (its PREFETCH)
 
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeChoice:
     kernel: DecodeKernel
-    cfg: tuple[int, ...]  # TILE: (BV, num_warps); TMA(_PREFETCH): (BV, num_warps, programs per SM, stages)
+    cfg: tuple[int, ...]  # TILE: (BV, num_warps); TMA: (BV, num_warps, programs per SM, stages)
 
     def __str__(self) -> str:
         return f"{self.kernel.value} {self.cfg}"
@@ -223,10 +222,9 @@ def _launch_decode(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indic
 
 def _launch_choice(choice: DecodeChoice, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2,
                    v_first, softplus_beta, softplus_threshold) -> None:
-    if choice.kernel is not DecodeKernel.TILE:
+    if choice.kernel is DecodeKernel.TMA:
         triton_decode_tma.launch(choice.cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2,
-                                 softplus_beta, softplus_threshold,
-                                 prefetch=choice.kernel is DecodeKernel.TMA_PREFETCH)
+                                 softplus_beta, softplus_threshold)
     else:
         _launch_decode(choice.cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, v_first,
                        softplus_beta, softplus_threshold)
@@ -243,8 +241,7 @@ def _tune_decode(args, rows: int, tma: bool) -> DecodeChoice:
     cands = [DecodeChoice(kernel=DecodeKernel.TILE, cfg=c) for c in DECODE_CONFIGS]
     # The walk is timed on the dense scratch pool, which it must be able to describe as well.
     if tma and triton_decode_tma.eligible(q, v, scratch, v_first):
-        cands += [DecodeChoice(kernel=kind, cfg=c) for kind in (DecodeKernel.TMA, DecodeKernel.TMA_PREFETCH)
-                  for c in triton_decode_tma.TMA_CONFIGS]
+        cands += [DecodeChoice(kernel=DecodeKernel.TMA, cfg=c) for c in triton_decode_tma.TMA_CONFIGS]
     for choice in cands:  # compile and warm every candidate before any is timed
         _launch_choice(choice, *sub)
     torch.cuda.synchronize()
