@@ -52,7 +52,7 @@ SHAPES = (
 )
 
 SCAN = triton_chunk.Schedule.SCAN
-SCORES, FUSED = triton_chunk.Form.SCORES, triton_chunk.Form.FUSED
+SCORES = triton_chunk.Form.SCORES
 
 
 def inputs(H: int, HV: int, N: int, T: int, seed: int = 0):
@@ -86,23 +86,17 @@ class Variant:
 
 
 def variants(plan: chunk_plan.Plan, segments: int, N: int = 1) -> list[Variant]:
-    """The plan, and where it runs the scores form, the plan with P made by the scores kernel after the inverse, as
-    before 2026-12-03 (seventh session), instead of by the inverse (`InverseConfig.scores`). For batches (``N`` > 1):
-    also the fused form on the batch plan's Gluon chain. Earlier variants (the inverse's scores by 16-row slabs or after
-    every inversion, the scan's configs, PDL, TMA scores, the Triton chain before the Gluon one, by segment, stacked
-    inverse, whole M, pipelined and scanned 397B prompts): git history and benchmarks/gdn/README.md."""
-    scores_kernel = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=False)
-    if N > 1:  # batches: the plan, and both forms on the batch plan's Gluon chain
-        batch = dict(schedule=triton_chunk.Schedule.SERIAL, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
-        return [Variant(name="plan"),
-                Variant(name="serial fused, batch Gluon chain", form=FUSED, **batch),
-                Variant(name="serial scores, batch Gluon chain, scores kernel", form=SCORES, inverse=scores_kernel,
-                        **batch)]
+    """The plan, and where it runs the scores form, the plan with the inverse storing P by 16 x 32 tiles
+    (`InverseConfig.scores_cols` 32, 2026-12-03, eighth session) instead of 16 x 16 blocks. Earlier variants (P by the
+    scores kernel, the fused form on the batch Gluon chain, the inverse's scores by 16-row slabs or after every
+    inversion, the scan's configs, PDL, TMA scores, the Triton chain before the Gluon one, by segment, stacked inverse,
+    whole M, pipelined and scanned 397B prompts): git history and benchmarks/gdn/README.md."""
     out = [Variant(name="plan")]
     if plan.form is SCORES:
-        out.append(Variant(name="plan, scores kernel", schedule=plan.schedule, form=plan.form, config=plan.config,
+        wide = dataclasses.replace(GLUON_INVERSE_CONFIG, scores_cols=32)
+        out.append(Variant(name="plan, P by 16x32 tiles", schedule=plan.schedule, form=plan.form, config=plan.config,
                            segments=segments if plan.schedule is SCAN else None, gluon_chain=plan.gluon_chain,
-                           inverse=scores_kernel))
+                           inverse=wide))
     return out
 
 

@@ -41,6 +41,8 @@ WARPS = gl.constexpr(2)
 _LD = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0]))
 # A 16 x 16 block of the masked scores, for `_store_scores`: 4 contiguous elements per thread, a warp 8 rows.
 _B16 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0]))
+# A 16 x 32 tile of them (WIDE_SCORES): 8 contiguous elements per thread, so 16-byte stores of bf16.
+_B32 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0]))
 _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a [64] row of fp32 in shared memory
 # The 64 x 64 gram: mma.sync tiles, each warp 32 rows.
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
@@ -109,13 +111,15 @@ def _store_block(A, x, i: gl.constexpr, j: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
                           K: gl.constexpr, L2NORM: gl.constexpr, GROUP: gl.constexpr, SEGMENTED: gl.constexpr,
-                          LOADS_AHEAD: gl.constexpr = False, SCORES: gl.constexpr = False):
+                          LOADS_AHEAD: gl.constexpr = False, SCORES: gl.constexpr = False,
+                          WIDE_SCORES: gl.constexpr = False):
     """T = (I + L)^-1 of one chunk for GROUP value heads of one key head, with their row scales. Grid (chunk rows,
     HV // GROUP); two warps. The raw gram and the q and k norms depend on the key head only: made once.
     SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of each sequence,
     as the Triton kernel's `_table_row`. SCORES (with LOADS_AHEAD; `InverseConfig.scores`): also the scores form's
     masked scores P `[NC, HV, 64, 64]` (`triton_chunk_inverse._chunk_scores_kernel`'s), q k^T made here from the q and
-    k this program loaded anyway, so no scores kernel reads them again."""
+    k this program loaded anyway, so no scores kernel reads them again; WIDE_SCORES (`InverseConfig.scores_cols` 32):
+    stored by 16 x 32 tiles (`_store_scores_wide`), not 16 x 16 blocks."""
     i_c, i_g = gl.program_id(0), gl.program_id(1)
     if SEGMENTED:
         i_c += row0
@@ -242,7 +246,10 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
             # Here, after the inversion: c's registers held through it, or the scores' beside the gram's, spilled
             # (offline sm_90).
             s_c.store(c)
-            _store_scores(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT))
+            if WIDE_SCORES:
+                _store_scores_wide(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT))
+            else:
+                _store_scores(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT))
 
 
 @gluon.jit
@@ -271,6 +278,37 @@ def _store_scores(qks, s_c, s_rq, s_rk, p):
                 x = qks.slice(16 * bi, 16, dim=0).slice(16 * bj, 16, dim=1).load(_B16) * (rq_i[:, None] * rk_j[None, :])
                 if bj == bi:
                     x = gl.where(diag, x * gl.exp(gl.where(diag, c_i[:, None] - c_j[None, :], 0.0)), 0.0)
+                else:
+                    x = x * gl.exp(c_i[:, None] - c_j[None, :])
+                gl.store(p_b, x.to(p.dtype.element_ty))
+
+
+@gluon.jit
+def _store_scores_wide(qks, s_c, s_rq, s_rk, p):
+    """`_store_scores` by 16 x 32 tiles, each two of its blocks side by side: half the stores (16 bytes each) and half
+    the row loads, for 3,072 exponentials instead of 2,560 (the two diagonal tiles whose right half lies above the
+    diagonal make theirs too). Per row of blocks: two tiles of zeros (rows 0-31, columns 32-63), two wholly below the
+    diagonal (rows 32-63, columns 0-31: no mask), four holding a diagonal block (masked)."""
+    brow: gl.constexpr = gl.SliceLayout(1, _B32)
+    bcol: gl.constexpr = gl.SliceLayout(0, _B32)
+    o_r = gl.arange(0, 16, layout=brow)
+    o_c = gl.arange(0, 32, layout=bcol)
+    zero = gl.zeros([16, 32], p.dtype.element_ty, layout=_B32)
+    for bi in gl.static_range(4):
+        c_i = s_c.slice(16 * bi, 16).load(brow)
+        rq_i = s_rq.slice(16 * bi, 16).load(brow)
+        p_row = p + (16 * bi + o_r)[:, None] * BT
+        for pj in gl.static_range(2):
+            p_b = p_row + (32 * pj + o_c)[None, :]
+            if 2 * pj > bi:
+                gl.store(p_b, zero)
+            else:
+                c_j = s_c.slice(32 * pj, 32).load(bcol)
+                rk_j = s_rk.slice(32 * pj, 32).load(bcol)
+                x = qks.slice(16 * bi, 16, dim=0).slice(32 * pj, 32, dim=1).load(_B32) * (rq_i[:, None] * rk_j[None, :])
+                if bi <= 2 * pj + 1:  # the tile holds block (bi, bi)
+                    m = (16 * bi + o_r)[:, None] >= (32 * pj + o_c)[None, :]
+                    x = gl.where(m, x * gl.exp(gl.where(m, c_i[:, None] - c_j[None, :], 0.0)), 0.0)
                 else:
                     x = x * gl.exp(c_i[:, None] - c_j[None, :])
                 gl.store(p_b, x.to(p.dtype.element_ty))
@@ -333,13 +371,14 @@ def _invert(L, Ls, Lr, Td, p):
 
 def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: float, l2norm: bool,
            group: int = 1, row0: int = 0, c_lo: int = 0, c_hi: int = 0, segmented: bool = False,
-           maxnreg: int | None = None, loads_ahead: bool = False, P=None) -> None:
+           maxnreg: int | None = None, loads_ahead: bool = False, P=None, scores_cols: int = 16) -> None:
     """`_gluon_inverse_kernel` over ``rows`` chunk rows and every value head (the arguments of `triton_chunk`'s inverse
     call), ``group`` value heads of a key head per program (a divisor of HV / H), ``maxnreg`` a register cap for ptxas
     (None: none), ``loads_ahead`` `InverseConfig.loads_ahead` (which the call's config, not this default, sets).
     Refuses what it was not written for: a CPU tensor (Gluon has no interpreter), inputs other than bf16 or fp16
     (the gram's operands are 16-bit), or a head size that is not a multiple of 32 up to 256. ``P``: the scores form's
-    masked scores `[NC, HV, 64, 64]`, made here as well (SCORES; needs ``loads_ahead``); None: not made."""
+    masked scores `[NC, HV, 64, 64]`, made here as well (SCORES; needs ``loads_ahead``); None: not made.
+    ``scores_cols``: P's store tile, 16 x 16 or 16 x 32 (`InverseConfig.scores_cols`)."""
     H, K = q.shape[2], q.shape[3]
     HV = beta.shape[-1]
     if not q.is_cuda:
@@ -350,10 +389,13 @@ def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: fl
         raise ValueError(f"the Gluon inverse takes a head size that is a multiple of 32 up to 256, got K={K}")
     if group < 1 or (HV // H) % group:
         raise ValueError(f"group must divide the value heads per key head ({HV // H}), got {group}")
+    if scores_cols not in (16, 32):
+        raise ValueError(f"scores_cols is 16 or 32 (P's store tile, 16 x scores_cols), got {scores_cols!r}")
     if P is not None and not loads_ahead:
         raise ValueError("the Gluon inverse makes the scores (P) from the q and k it loads ahead: loads_ahead=True")
     _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi,
                                                scale, H, HV, K=K, L2NORM=l2norm, GROUP=group, SEGMENTED=segmented,
                                                LOADS_AHEAD=loads_ahead, SCORES=P is not None,
+                                               WIDE_SCORES=scores_cols == 32,
                                                num_warps=int(WARPS.value),
                                                **({} if maxnreg is None else {"maxnreg": maxnreg}))
