@@ -52,7 +52,6 @@ SHAPES = (
 )
 
 SCAN = triton_chunk.Schedule.SCAN
-SCORES = triton_chunk.Form.SCORES
 
 
 def inputs(H: int, HV: int, N: int, T: int, seed: int = 0):
@@ -86,18 +85,15 @@ class Variant:
 
 
 def variants(plan: chunk_plan.Plan, segments: int, N: int = 1) -> list[Variant]:
-    """The plan, and where it runs the scores form, the plan with the inverse storing P by 16 x 32 tiles
-    (`InverseConfig.scores_cols` 32, 2026-12-03, eighth session) instead of 16 x 16 blocks. Earlier variants (P by the
+    """The plan, and the plan with the Gluon inverse's wide stores (`InverseConfig.wide_stores`, 2026-12-03, eighth
+    session: P by 16 x 32 tiles, T's zeros and diagonal blocks by 16- and 8-byte stores). Earlier variants (P by the
     scores kernel, the fused form on the batch Gluon chain, the inverse's scores by 16-row slabs or after every
     inversion, the scan's configs, PDL, TMA scores, the Triton chain before the Gluon one, by segment, stacked inverse,
     whole M, pipelined and scanned 397B prompts): git history and benchmarks/gdn/README.md."""
-    out = [Variant(name="plan")]
-    if plan.form is SCORES:
-        wide = dataclasses.replace(GLUON_INVERSE_CONFIG, scores_cols=32)
-        out.append(Variant(name="plan, P by 16x32 tiles", schedule=plan.schedule, form=plan.form, config=plan.config,
-                           segments=segments if plan.schedule is SCAN else None, gluon_chain=plan.gluon_chain,
-                           inverse=wide))
-    return out
+    wide = dataclasses.replace(GLUON_INVERSE_CONFIG, wide_stores=True)
+    return [Variant(name="plan"),
+            Variant(name="plan, wide stores", schedule=plan.schedule, form=plan.form, config=plan.config,
+                    segments=segments if plan.schedule is SCAN else None, gluon_chain=plan.gluon_chain, inverse=wide)]
 
 
 def main() -> int:
