@@ -52,6 +52,7 @@ SHAPES = (
 )
 
 SCAN = triton_chunk.Schedule.SCAN
+SCORES, FUSED = triton_chunk.Form.SCORES, triton_chunk.Form.FUSED
 
 
 def inputs(H: int, HV: int, N: int, T: int, seed: int = 0):
@@ -85,15 +86,25 @@ class Variant:
 
 
 def variants(plan: chunk_plan.Plan, segments: int, N: int = 1) -> list[Variant]:
-    """The plan, and the plan with the Gluon inverse's wide stores (`InverseConfig.wide_stores`, 2026-12-03, eighth
-    session: P by 16 x 32 tiles, T's zeros and diagonal blocks by 16- and 8-byte stores). Earlier variants (P by the
-    scores kernel, the fused form on the batch Gluon chain, the inverse's scores by 16-row slabs or after every
-    inversion, the scan's configs, PDL, TMA scores, the Triton chain before the Gluon one, by segment, stacked inverse,
-    whole M, pipelined and scanned 397B prompts): git history and benchmarks/gdn/README.md."""
-    wide = dataclasses.replace(GLUON_INVERSE_CONFIG, wide_stores=True)
-    return [Variant(name="plan"),
-            Variant(name="plan, wide stores", schedule=plan.schedule, form=plan.form, config=plan.config,
-                    segments=segments if plan.schedule is SCAN else None, gluon_chain=plan.gluon_chain, inverse=wide)]
+    """The plan, and where it runs the scores form, the plan with P made by the scores kernel after the inverse, as
+    before 2026-12-03 (seventh session), instead of by the inverse (`InverseConfig.scores`). For batches (``N`` > 1):
+    also the fused form on the batch plan's Gluon chain. Earlier variants (the inverse's wide stores, 65906a5, within
+    1%; the inverse's scores by 16-row slabs or after every inversion, the scan's configs, PDL, TMA scores, the Triton
+    chain before the Gluon one, by segment, stacked inverse, whole M, pipelined and scanned 397B prompts): git history
+    and benchmarks/gdn/README.md."""
+    scores_kernel = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=False)
+    if N > 1:  # batches: the plan, and both forms on the batch plan's Gluon chain
+        batch = dict(schedule=triton_chunk.Schedule.SERIAL, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
+        return [Variant(name="plan"),
+                Variant(name="serial fused, batch Gluon chain", form=FUSED, **batch),
+                Variant(name="serial scores, batch Gluon chain, scores kernel", form=SCORES, inverse=scores_kernel,
+                        **batch)]
+    out = [Variant(name="plan")]
+    if plan.form is SCORES:
+        out.append(Variant(name="plan, scores kernel", schedule=plan.schedule, form=plan.form, config=plan.config,
+                           segments=segments if plan.schedule is SCAN else None, gluon_chain=plan.gluon_chain,
+                           inverse=scores_kernel))
+    return out
 
 
 def main() -> int:

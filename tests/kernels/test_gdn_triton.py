@@ -247,10 +247,9 @@ def test_gluon_inverse_with_its_loads_ahead_equals_the_shipped_one(lens, H, HV, 
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def _inverse_outputs(q, k, g, beta, cu, l2norm, group, scores_in_inverse, wide_stores=False):
+def _inverse_outputs(q, k, g, beta, cu, l2norm, group, scores_in_inverse):
     """A, R, G and the scores form's P of every live chunk row: made by the Gluon inverse with loads ahead, and P by
-    it (``scores_in_inverse``, `InverseConfig.scores`; ``wide_stores``, `InverseConfig.wide_stores`) or by the scores
-    kernel after it."""
+    it (``scores_in_inverse``, `InverseConfig.scores`) or by the scores kernel after it."""
     from hybridkv.kernels.gdn import gluon_chunk_inverse, triton_chunk
     from hybridkv.kernels.gdn.triton_chunk_inverse import SCORES_WARPS, _chunk_scores_kernel
 
@@ -262,7 +261,7 @@ def _inverse_outputs(q, k, g, beta, cu, l2norm, group, scores_in_inverse, wide_s
     R = q.new_empty((NC, HV, triton_chunk._NROW, 64), dtype=torch.float32)
     G = q.new_empty((NC, HV), dtype=torch.float32)
     gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, table, NC, 128**-0.5, l2norm, group, loads_ahead=True,
-                               P=P if scores_in_inverse else None, wide_stores=wide_stores)
+                               P=P if scores_in_inverse else None)
     if not scores_in_inverse:
         _chunk_scores_kernel[(NC, HV // group)](q, k, R, P, cu, table, 0, 0, 0, H, HV, K=K, BK=K, GROUP=group,
                                                 SEGMENTED=False, num_warps=SCORES_WARPS, num_stages=1)
@@ -270,20 +269,18 @@ def _inverse_outputs(q, k, g, beta, cu, l2norm, group, scores_in_inverse, wide_s
     return A[live], R[live], G[live], P[live]
 
 
-@pytest.mark.parametrize("wide_stores", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize(("lens", "H", "HV", "batch", "l2norm"), [
     pytest.param([200, 64, 1000, 7, 1], 2, 8, None, True, id="varlen-ragged"),
     pytest.param([300], 4, 16, 2, False, id="batch-2x300-no-l2"),
     pytest.param([8192], 16, 64, 2, True, id="397B-2x8192"),
 ])
-def test_gluon_inverse_makes_the_scores_kernels_scores(lens, H, HV, batch, l2norm, group, wide_stores):
-    """`InverseConfig(scores=True)`: the inverse's own P, with its narrow or wide stores (`InverseConfig.wide_stores`),
-    against the scores kernel's from the same R, every element (rows past a sequence's end included, zero in both), to
-    the rounding of q k^T's sums (mma.sync here, the scores kernel's dot there); A, R and G bit for bit those of the
-    inverse without the scores and with the narrow stores (T's wide stores write the same values)."""
+def test_gluon_inverse_makes_the_scores_kernels_scores(lens, H, HV, batch, l2norm, group):
+    """`InverseConfig(scores=True)`: the inverse's own P against the scores kernel's from the same R, every element
+    (rows past a sequence's end included, zero in both), to the rounding of q k^T's sums (mma.sync here, the scores
+    kernel's dot there); A, R and G bit for bit those of the inverse without the scores."""
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=10, unit=not l2norm)
-    *got, p_got = _inverse_outputs(q, k, g, beta, cu, l2norm, group, True, wide_stores)
+    *got, p_got = _inverse_outputs(q, k, g, beta, cu, l2norm, group, True)
     *want, p_want = _inverse_outputs(q, k, g, beta, cu, l2norm, group, False)
     for x, y in zip(got, want):  # R's last row is written by neither (NaN in both)
         torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
@@ -292,7 +289,6 @@ def test_gluon_inverse_makes_the_scores_kernels_scores(lens, H, HV, batch, l2nor
     assert not torch.triu(p_got.float(), 1).any()  # the causal mask
 
 
-@pytest.mark.parametrize("wide_stores", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize(("lens", "H", "HV", "batch", "schedule", "dtype"), [
     pytest.param([200, 64, 1000, 7], 2, 8, None, "serial", torch.bfloat16, id="varlen-ragged"),
     pytest.param([3000], 2, 8, None, "pipelined", torch.bfloat16, id="segmented-3000"),
@@ -300,12 +296,11 @@ def test_gluon_inverse_makes_the_scores_kernels_scores(lens, H, HV, batch, l2nor
     pytest.param([3000], 2, 8, None, "pipelined", torch.float16, id="segmented-3000-fp16"),
     pytest.param([8192], 16, 32, 2, "gluon", torch.bfloat16, id="35B-2x8192-gluon-chain"),
 ])
-def test_scores_form_with_the_scores_in_the_inverse_equals_the_scores_kernels(lens, H, HV, batch, schedule, dtype,
-                                                                               wide_stores):
-    """Whole scores-form calls with P made by the inverse (`InverseConfig.scores`, narrow or wide stores)
-    against the same calls with the scores kernel, in every schedule that runs the scores form, and on the batch
-    plan's Gluon chain: equal to the rounding of P; and against the reference where it is small enough to run. fp16:
-    a prompt planned in the scores form takes the Gluon inverse (16-bit q and k) and so its P in fp16."""
+def test_scores_form_with_the_scores_in_the_inverse_equals_the_scores_kernels(lens, H, HV, batch, schedule, dtype):
+    """Whole scores-form calls with P made by the inverse (`InverseConfig.scores`) against the same calls with the
+    scores kernel, in every schedule that runs the scores form, and on the batch plan's Gluon chain: equal to the
+    rounding of P; and against the reference where it is small enough to run. fp16: a prompt planned in the scores
+    form takes the Gluon inverse (16-bit q and k) and so its P in fp16."""
     import dataclasses
 
     from hybridkv.kernels.gdn import chunk_plan, triton_chunk
@@ -320,7 +315,7 @@ def test_scores_form_with_the_scores_in_the_inverse_equals_the_scores_kernels(le
     else:
         call.update(schedule=triton_chunk.Schedule(schedule), config=(64, 4, 2) if schedule == "serial" else (32, 4, 3),
                     **({} if schedule == "serial" else {"segments": 3}))
-    with_scores = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=True, wide_stores=wide_stores)
+    with_scores = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=True)
     without = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=False)
     got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
                                                   inverse=with_scores, **call)

@@ -289,14 +289,12 @@ def _specs() -> list[KernelSpec]:
             constants={"K": D, "L2NORM": True}, aligned=("H", "HV"), gluon=True,
             # Without the scores `launch` passes no P (a None constexpr); the scores need the loads ahead.
             launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}"
-                                        f"{' loads ahead' if ahead else ''}{' scores' if scores else ''}"
-                                        f"{' wide' if wide else ''}",
+                                        f"{' loads ahead' if ahead else ''}{' scores' if scores else ''}",
                                   num_warps=2, constants={"GROUP": grp, "SEGMENTED": seg, "LOADS_AHEAD": ahead,
-                                                          "SCORES": scores, "WIDE_STORES": wide,
+                                                          "SCORES": scores,
                                                           **({} if scores else {"P": None})})
-                           for seg in (False, True) for grp in (1, 2, 4) for ahead, scores, wide in
-                           ((False, False, False), (True, False, False), (True, True, False), (True, True, True),
-                            (True, False, True))),
+                           for seg in (False, True) for grp in (1, 2, 4) for ahead, scores in
+                           ((False, False), (True, False), (True, True))),
         ))
         tile = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
                 "fp4_padded=False, cga_layout=[])")

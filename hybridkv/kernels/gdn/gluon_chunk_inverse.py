@@ -41,8 +41,6 @@ WARPS = gl.constexpr(2)
 _LD = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0]))
 # A 16 x 16 block of the masked scores, for `_store_scores`: 4 contiguous elements per thread, a warp 8 rows.
 _B16 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0]))
-# A 16 x 32 tile of them or of T (WIDE_STORES): 8 contiguous elements per thread, so 16-byte stores of bf16.
-_B32 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0]))
 _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a [64] row of fp32 in shared memory
 # The 64 x 64 gram: mma.sync tiles, each warp 32 rows.
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
@@ -109,26 +107,15 @@ def _store_block(A, x, i: gl.constexpr, j: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _store_wide(A, x, i: gl.constexpr, pj: gl.constexpr):
-    """A [16, 32] tile (layout _B32) at rows 16 i, columns 32 pj of a 64 x 64 row-major tile."""
-    r = gl.arange(0, 16, layout=gl.SliceLayout(1, _B32))
-    c = gl.arange(0, 32, layout=gl.SliceLayout(0, _B32))
-    gl.store(A + (16 * i + r)[:, None] * BT + (32 * pj + c)[None, :], x.to(A.dtype.element_ty))
-
-
-@gluon.jit
 def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
                           K: gl.constexpr, L2NORM: gl.constexpr, GROUP: gl.constexpr, SEGMENTED: gl.constexpr,
-                          LOADS_AHEAD: gl.constexpr = False, SCORES: gl.constexpr = False,
-                          WIDE_STORES: gl.constexpr = False):
+                          LOADS_AHEAD: gl.constexpr = False, SCORES: gl.constexpr = False):
     """T = (I + L)^-1 of one chunk for GROUP value heads of one key head, with their row scales. Grid (chunk rows,
     HV // GROUP); two warps. The raw gram and the q and k norms depend on the key head only: made once.
     SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of each sequence,
     as the Triton kernel's `_table_row`. SCORES (with LOADS_AHEAD; `InverseConfig.scores`): also the scores form's
     masked scores P `[NC, HV, 64, 64]` (`triton_chunk_inverse._chunk_scores_kernel`'s), q k^T made here from the q and
-    k this program loaded anyway, so no scores kernel reads them again. WIDE_STORES (`InverseConfig.wide_stores`): P
-    stored by 16 x 32 tiles (`_store_scores_wide`), not 16 x 16 blocks, and T's zeros and diagonal blocks by 16-byte
-    and 8-byte stores, not 4-byte ones (`_invert`)."""
+    k this program loaded anyway, so no scores kernel reads them again."""
     i_c, i_g = gl.program_id(0), gl.program_id(1)
     if SEGMENTED:
         i_c += row0
@@ -250,15 +237,12 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
         gl.store(p_r + 320, gl.where(live, scale * rq, 0.0))
         gl.store(p_r + 384, gl.where(live, rk, 0.0))
         gl.store(G + i_ch, gl.exp(g_last))
-        _invert(L, Ls, Lr, Td, A + i_ch * (BT * BT), WIDE_STORES)
+        _invert(L, Ls, Lr, Td, A + i_ch * (BT * BT))
         if SCORES:
             # Here, after the inversion: c's registers held through it, or the scores' beside the gram's, spilled
             # (offline sm_90).
             s_c.store(c)
-            if WIDE_STORES:
-                _store_scores_wide(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT))
-            else:
-                _store_scores(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT))
+            _store_scores(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT))
 
 
 @gluon.jit
@@ -293,42 +277,9 @@ def _store_scores(qks, s_c, s_rq, s_rk, p):
 
 
 @gluon.jit
-def _store_scores_wide(qks, s_c, s_rq, s_rk, p):
-    """`_store_scores` by 16 x 32 tiles, each two of its blocks side by side: half the stores (16 bytes each) and half
-    the row loads, for 3,072 exponentials instead of 2,560 (the two diagonal tiles whose right half lies above the
-    diagonal make theirs too). Per row of blocks: two tiles of zeros (rows 0-31, columns 32-63), two wholly below the
-    diagonal (rows 32-63, columns 0-31: no mask), four holding a diagonal block (masked)."""
-    brow: gl.constexpr = gl.SliceLayout(1, _B32)
-    bcol: gl.constexpr = gl.SliceLayout(0, _B32)
-    o_r = gl.arange(0, 16, layout=brow)
-    o_c = gl.arange(0, 32, layout=bcol)
-    zero = gl.zeros([16, 32], p.dtype.element_ty, layout=_B32)
-    for bi in gl.static_range(4):
-        c_i = s_c.slice(16 * bi, 16).load(brow)
-        rq_i = s_rq.slice(16 * bi, 16).load(brow)
-        p_row = p + (16 * bi + o_r)[:, None] * BT
-        for pj in gl.static_range(2):
-            p_b = p_row + (32 * pj + o_c)[None, :]
-            if 2 * pj > bi:
-                gl.store(p_b, zero)
-            else:
-                c_j = s_c.slice(32 * pj, 32).load(bcol)
-                rk_j = s_rk.slice(32 * pj, 32).load(bcol)
-                x = qks.slice(16 * bi, 16, dim=0).slice(32 * pj, 32, dim=1).load(_B32) * (rq_i[:, None] * rk_j[None, :])
-                if bi <= 2 * pj + 1:  # the tile holds block (bi, bi)
-                    m = (16 * bi + o_r)[:, None] >= (32 * pj + o_c)[None, :]
-                    x = gl.where(m, x * gl.exp(gl.where(m, c_i[:, None] - c_j[None, :], 0.0)), 0.0)
-                else:
-                    x = x * gl.exp(c_i[:, None] - c_j[None, :])
-                gl.store(p_b, x.to(p.dtype.element_ty))
-
-
-@gluon.jit
-def _invert(L, Ls, Lr, Td, p, WIDE: gl.constexpr = False):
+def _invert(L, Ls, Lr, Td, p):
     """T = (I + L)^-1 of one 64 x 64 strictly lower L (layout _MMA) into p (64 x 64, row-major), through the shared
-    buffers Ls (L), Lr (its diagonal blocks side by side) and Td (T's diagonal blocks). WIDE: the diagonal blocks
-    read from Td four contiguous elements a thread (8-byte stores) and the zeros above them by 16 x 32 tiles where
-    they fill one (16-byte stores), not all in the products' layout (two 4-byte stores a block)."""
+    buffers Ls (L), Lr (its diagonal blocks side by side) and Td (T's diagonal blocks)."""
     # L in shared memory: all of it for the merges, its diagonal blocks side by side for the substitution's rows.
     Ls.store(L)
     for b in gl.static_range(4):
@@ -367,21 +318,11 @@ def _invert(L, Ls, Lr, Td, p, WIDE: gl.constexpr = False):
     t20_b = gl.convert_layout(t20, right)
     t30 = -_dot(t33, gl.convert_layout(_dot(l32, t20_b, _dot(l31, t10_b, _dot(l30, t00_b, z))), right), z)
 
-    if WIDE:
-        for b in gl.static_range(4):
-            _store_block(p, _sub(Td, b).load(_B16), b, b, _B16)
-        zero16 = gl.zeros([16, 16], gl.float32, layout=_B16)
-        zero32 = gl.zeros([16, 32], gl.float32, layout=_B32)
-        _store_block(p, zero16, 0, 1, _B16)
-        _store_wide(p, zero32, 0, 1)
-        _store_wide(p, zero32, 1, 1)
-        _store_block(p, zero16, 2, 3, _B16)
-    else:
-        zero16 = gl.zeros([16, 16], gl.float32, layout=_MMA16)
-        for b in gl.static_range(4):
-            _store_block(p, _sub(Td, b).load(_MMA16), b, b, _MMA16)
-            for j in gl.static_range(b + 1, 4):
-                _store_block(p, zero16, b, j, _MMA16)
+    zero16 = gl.zeros([16, 16], gl.float32, layout=_MMA16)
+    for b in gl.static_range(4):
+        _store_block(p, _sub(Td, b).load(_MMA16), b, b, _MMA16)
+        for j in gl.static_range(b + 1, 4):
+            _store_block(p, zero16, b, j, _MMA16)
     _store_block(p, t10, 1, 0, _MMA16)
     _store_block(p, t20, 2, 0, _MMA16)
     _store_block(p, t21, 2, 1, _MMA16)
@@ -392,14 +333,13 @@ def _invert(L, Ls, Lr, Td, p, WIDE: gl.constexpr = False):
 
 def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: float, l2norm: bool,
            group: int = 1, row0: int = 0, c_lo: int = 0, c_hi: int = 0, segmented: bool = False,
-           maxnreg: int | None = None, loads_ahead: bool = False, P=None, wide_stores: bool = False) -> None:
+           maxnreg: int | None = None, loads_ahead: bool = False, P=None) -> None:
     """`_gluon_inverse_kernel` over ``rows`` chunk rows and every value head (the arguments of `triton_chunk`'s inverse
     call), ``group`` value heads of a key head per program (a divisor of HV / H), ``maxnreg`` a register cap for ptxas
     (None: none), ``loads_ahead`` `InverseConfig.loads_ahead` (which the call's config, not this default, sets).
     Refuses what it was not written for: a CPU tensor (Gluon has no interpreter), inputs other than bf16 or fp16
     (the gram's operands are 16-bit), or a head size that is not a multiple of 32 up to 256. ``P``: the scores form's
-    masked scores `[NC, HV, 64, 64]`, made here as well (SCORES; needs ``loads_ahead``); None: not made.
-    ``wide_stores``: `InverseConfig.wide_stores` (WIDE_STORES)."""
+    masked scores `[NC, HV, 64, 64]`, made here as well (SCORES; needs ``loads_ahead``); None: not made."""
     H, K = q.shape[2], q.shape[3]
     HV = beta.shape[-1]
     if not q.is_cuda:
@@ -415,6 +355,5 @@ def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: fl
     _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi,
                                                scale, H, HV, K=K, L2NORM=l2norm, GROUP=group, SEGMENTED=segmented,
                                                LOADS_AHEAD=loads_ahead, SCORES=P is not None,
-                                               WIDE_STORES=wide_stores,
                                                num_warps=int(WARPS.value),
                                                **({} if maxnreg is None else {"maxnreg": maxnreg}))

@@ -72,10 +72,6 @@ class InverseConfig:
     # from the q and k it holds), so a scores-form call runs no scores kernel (`_chunk_scores_kernel`), which loaded
     # them again. Calls of the other forms are not affected.
     scores: bool = False
-    # The Gluon kernel's stores of T and P: 16 x 32 tiles (16-byte stores of bf16) where a tile is all zeros or, for P,
-    # can be made at once (a fifth more exponentials), 16 x 16 blocks of four contiguous elements for T's diagonal;
-    # off: P by 16 x 16 blocks (8-byte stores) and T in the products' layout (4-byte stores).
-    wide_stores: bool = False
 
     def __post_init__(self) -> None:
         if self.loads_ahead and not self.gluon:
@@ -83,8 +79,6 @@ class InverseConfig:
         if self.scores and not self.loads_ahead:
             raise ValueError(f"bad inverse config {self}: scores are made from the loads ahead (gluon=True, "
                              "loads_ahead=True)")
-        if self.wide_stores and not self.gluon:
-            raise ValueError(f"bad inverse config {self}: wide_stores is the Gluon kernel's (gluon=True)")
         if self.gluon and self.stacked:
             raise ValueError(f"bad inverse config {self}: gluon and stacked are two different kernels")
         if self.gluon and (self.method != 0 or self.merge_prec != "tf32"):
