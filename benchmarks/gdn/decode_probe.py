@@ -21,9 +21,10 @@ Run on an H200 2026-12-02 (benchmarks/device/results/decode_probe_h200.txt): the
 of copy bandwidth against 78%) and ships as `hybridkv.kernels.gdn.triton_decode_tma`, which this probe now
 times; the register-prefetch walk gained at most 2 points and stays here. A TMA walk that also loads the next
 tile's q, k and v ahead (they are plain loads in its loop: 2 bytes a thread, too narrow for cp.async) was measured
-at a17e0c7 and reverted: +-2 points either way (benchmarks/device/results/decode_probe_prefetch_h200.txt).
-``--gluon``: the Gluon decode (`hybridkv.kernels.gdn.gluon_decode`, eighth session) beside the Triton walk's
-configs.
+at a17e0c7 and reverted: +-2 points either way (benchmarks/device/results/decode_probe_prefetch_h200.txt). So
+was a Gluon walk with its layout and pipeline written out (no cross-warp reduction, an mbarrier ring with slot
+indices loaded a tile ahead, two store buffers; its ``--gluon`` here), at 46c6401: correct, and 6-20 points of copy
+bandwidth behind this walk at 64 sequences (benchmarks/device/results/decode_probe_gluon_h200.txt).
 
     python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256]
     DECODEFIRST=1 TESTS=0 ONLY=decode bash benchmarks/device/gdn.sh   # on the device, then the decode bench
@@ -103,12 +104,6 @@ def launch_tma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx):
     triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, 1.0, 20.0)
 
 
-def launch_gluon(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx):
-    from hybridkv.kernels.gdn import gluon_decode
-
-    gluon_decode.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, 1.0, 20.0)
-
-
 def launch_persistent(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, stream):
     bv, warps, per_sm = cfg
     N, H, K = q.shape
@@ -123,7 +118,7 @@ PERSISTENT = tuple((bv, w, s) for bv, w in ((32, 4), (64, 8)) for s in (4, 8))
 TMA = tuple((bv, w, s, st) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for s in (2, 4, 8) for st in (2, 3, 4))
 
 
-def run(iters: int, copy_gbps: float, N: int = 256, gluon: bool = False) -> list[dict]:
+def run(iters: int, copy_gbps: float, N: int = 256) -> list[dict]:
     rows = []
     for model, H, HV in bench_cases.DECODE_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
@@ -151,22 +146,12 @@ def run(iters: int, copy_gbps: float, N: int = 256, gluon: bool = False) -> list
             rows.append(dict(shape=label, kernel="shipped", cfg=None, ms=ms, pct_copy=shipped_pct, err=0.0))
             print(f"{label:22} shipped {triton_recurrent.decode_choices()}  {ms:.4f} ms {shipped_pct:5.1f}% copy",
                   flush=True)
-            if gluon:  # the Gluon decode beside the Triton walk's shipped configs
-                from hybridkv.kernels.gdn.gluon_decode import GLUON_DECODE_CONFIGS
-
-                cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
-                         for c in triton_decode_tma.TMA_CONFIGS]
-                cands += [("gluon", c, lambda c, o, pool: launch_gluon(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
-                          for c in GLUON_DECODE_CONFIGS]
-            else:
-                cands = [("persistent", c, lambda c, o, pool: launch_persistent(c, q, k, v, a, b, A_log, dt_bias, o,
-                                                                               pool, idx, stream)) for c in PERSISTENT]
-                cands += [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
-                          for c in TMA]
+            cands = [("persistent", c, lambda c, o, pool: launch_persistent(c, q, k, v, a, b, A_log, dt_bias, o, pool,
+                                                                           idx, stream)) for c in PERSISTENT]
+            cands += [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
+                      for c in TMA]
             for name, cfg, fn in cands:
                 if name == "tma" and dtype == torch.float32 and cfg[0] * 128 * 4 * cfg[3] > 200_000:
-                    continue  # more shared memory than an SM has
-                if name == "gluon" and cfg[0] * 128 * pool0.element_size() * (cfg[3] + 2) > 227 * 1024:
                     continue  # more shared memory than an SM has
                 pool = pool0.clone()
                 o = torch.full_like(v, float("nan"))
@@ -191,14 +176,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)
     p.add_argument("--batch", type=int, nargs="+", default=[256], help="sequences per decode step (default 256)")
-    p.add_argument("--gluon", action="store_true", help="the Gluon decode beside the Triton walk's shipped configs")
     a = p.parse_args()
     copy = bench_timing._copy_gbps(a.iters)
     print(torch.cuda.get_device_name(), f"copy {copy:.0f} GB/s", flush=True)
     rows = []
     for batch in a.batch:
         print(f"# {batch} sequences", flush=True)
-        rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch, a.gluon)]
+        rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch)]
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)

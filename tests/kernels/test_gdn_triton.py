@@ -21,11 +21,6 @@ from hybridkv.kernels.gdn import (  # noqa: E402
 from hybridkv.kernels.gdn import reference as ref  # noqa: E402
 from hybridkv.kernels.gdn import triton_decode_tma, triton_recurrent  # noqa: E402
 
-try:  # the configs parametrize a GPU test; a Triton without Gluon collects it with none (skipped)
-    from hybridkv.kernels.gdn.gluon_decode import GLUON_DECODE_CONFIGS
-except ImportError:
-    GLUON_DECODE_CONFIGS = ()
-
 pytestmark = pytest.mark.gpu
 
 
@@ -693,37 +688,6 @@ def test_tma_decode_equals_tile_kernel(N, state_dtype, cfg):
     touched[idx[idx >= 0]] = True
     assert torch.equal(pool[~touched], before[~touched]) and torch.equal(pool[:, 0], before[:, 0])
     assert not torch.equal(pool[touched, 1], before[touched, 1])
-
-
-@pytest.mark.parametrize("cfg", GLUON_DECODE_CONFIGS, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("N", [64, 256])
-def test_gluon_decode_equals_tile_kernel_to_rounding(N, state_dtype, cfg):
-    """The Gluon decode (`gluon_decode`) at every config the probe times, against the tile kernel on the same strided
-    pool (its sums in another order: equal to rounding) and against the reference; the other layer, the pads' and
-    unused slots bit for bit untouched, the pads' outputs zero."""
-    from hybridkv.kernels.gdn import gluon_decode
-
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon decode is written for Hopper")
-    q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(N, 32, state_dtype, 300, 5)
-    assert gluon_decode.eligible(q, v, pool[:, 1], True)
-    before = pool.clone()
-    tile_pool, o_tile = pool.clone(), torch.empty_like(v)
-    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
-                                    True, True, 1.0, 20.0)
-    want_pool = before[:, 1].clone()
-    o_ref = ref.decode_reference(q, k, v, a, b, A_log, dt_bias, want_pool, idx, 128**-0.5, True, True)
-    o = torch.full_like(v, float("nan"))
-    gluon_decode.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, 128**-0.5, True, 1.0, 20.0)
-    torch.cuda.synchronize()
-    live = idx >= 0
-    assert torch.equal(o[~live], torch.zeros_like(o[~live]))
-    assert rel_err(o, o_tile) < 2e-3 and rel_err(pool[:, 1][idx[live]], tile_pool[:, 1][idx[live]]) < 2e-3
-    assert rel_err(o, o_ref) < 2e-2 and rel_err(pool[:, 1][idx[live]], want_pool[idx[live]]) < 2e-2
-    touched = torch.zeros(300, dtype=torch.bool, device="cuda")
-    touched[idx[live]] = True
-    assert torch.equal(pool[~touched], before[~touched]) and torch.equal(pool[:, 0], before[:, 0])
 
 
 def test_decode_takes_the_tile_kernel_where_tma_cannot_describe_the_pool():

@@ -326,30 +326,6 @@ def _specs() -> list[KernelSpec]:
                                for overlap in (0, 1, 2) for staged in (False, True) for scores in (False, True)
                                if not (scores and (overlap == 2 or staged))),
             ))
-        from triton.experimental.gluon import language as gl
-
-        from hybridkv.kernels.gdn import gluon_decode
-
-        def decode_launch(dt: str, cfg: tuple[int, int, int, int]) -> Launch:
-            bv, warps, per_sm, stages = cfg
-            box = gl.NVMMASharedLayout.get_default_for([1, 1, bv, D], {"fp32": gl.float32, "bf16": gl.bfloat16}[dt])
-            return Launch(label=f"{dt} state BV={bv} {per_sm}/SM x{stages}", num_warps=warps,
-                          constants={"BV": bv, "STAGES": stages, "L": gluon_decode._tile_layout(D, warps),
-                                     "FLAT": gl.NVMMASharedLayout(box.swizzle_byte_width, box.element_bitwidth, 2),
-                                     "NBYTES": bv * D * (4 if dt == "fp32" else 2),
-                                     "desc": f"tensordesc<{dt}[1, 1, {bv}, {D}],{box}>"})
-
-        specs.append(KernelSpec(
-            # The descriptor's element type and box follow the launch (`desc` in its constants).
-            name="decode_gluon", module="hybridkv.kernels.gdn.gluon_decode", attr="_gluon_decode_kernel",
-            signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "a": "*fp32", "b": "*fp32", "A_log": "*fp32",
-                       "dt_bias": "*fp32", "o": "*bf16", "state_indices": "*i32", "N": "i32", "progs": "i32",
-                       "scale": "fp32", "softplus_beta": "fp32", "softplus_threshold": "fp32"},
-            constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True}, aligned=(), gluon=True,
-            archs=(Arch.HOPPER,),
-            launches=tuple(decode_launch(dt, cfg) for dt in ("fp32", "bf16")
-                           for cfg in gluon_decode.GLUON_DECODE_CONFIGS),
-        ))
     return specs
 
 
