@@ -52,7 +52,6 @@ SHAPES = (
 )
 
 SCAN = triton_chunk.Schedule.SCAN
-SCORES, FUSED = triton_chunk.Form.SCORES, triton_chunk.Form.FUSED
 
 
 def inputs(H: int, HV: int, N: int, T: int, seed: int = 0):
@@ -86,25 +85,22 @@ class Variant:
 
 
 def variants(plan: chunk_plan.Plan, segments: int, N: int = 1) -> list[Variant]:
-    """The plan, and where it runs the scores form, the plan with P made by the scores kernel after the inverse, as
-    before 2026-12-03 (seventh session), instead of by the inverse (`InverseConfig.scores`). For batches (``N`` > 1):
-    also the fused form on the batch plan's Gluon chain. Earlier variants (the inverse's wide stores, 65906a5, within
-    1%; the inverse's scores by 16-row slabs or after every inversion, the scan's configs, PDL, TMA scores, the Triton
-    chain before the Gluon one, by segment, stacked inverse, whole M, pipelined and scanned 397B prompts): git history
-    and benchmarks/gdn/README.md."""
-    scores_kernel = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=False)
-    if N > 1:  # batches: the plan, and both forms on the batch plan's Gluon chain
-        batch = dict(schedule=triton_chunk.Schedule.SERIAL, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
-        return [Variant(name="plan"),
-                Variant(name="serial fused, batch Gluon chain", form=FUSED, **batch),
-                Variant(name="serial scores, batch Gluon chain, scores kernel", form=SCORES, inverse=scores_kernel,
-                        **batch)]
-    out = [Variant(name="plan")]
-    if plan.form is SCORES:
-        out.append(Variant(name="plan, scores kernel", schedule=plan.schedule, form=plan.form, config=plan.config,
-                           segments=segments if plan.schedule is SCAN else None, gluon_chain=plan.gluon_chain,
-                           inverse=scores_kernel))
-    return out
+    """The plan, and the plan with the Gluon inverse on four warps (`InverseConfig.warps` 4, eighth session; offline
+    sm_90 with the scores: one value head per program 107 registers, four programs per SM; the shipped group capped at
+    168, three per SM, or at 128, four, spilling 120 B; two warps today: 254, four programs, eight warps an SM).
+    Earlier variants (P by the scores kernel, the fused form on the batch Gluon chain, the inverse's wide stores
+    65906a5, its scores by 16-row slabs or after every inversion, the scan's configs, PDL, TMA scores, the Triton chain
+    before the Gluon one, by segment, stacked inverse, whole M, pipelined and scanned 397B prompts): git history and
+    benchmarks/gdn/README.md."""
+    four = dataclasses.replace(GLUON_INVERSE_CONFIG, warps=4)
+    like_plan = dict(schedule=plan.schedule, form=plan.form, config=plan.config,
+                     segments=segments if plan.schedule is SCAN else None, gluon_chain=plan.gluon_chain)
+    return [Variant(name="plan"),
+            Variant(name="plan, inverse 4 warps, 1 head", inverse=dataclasses.replace(four, group=1), **like_plan),
+            Variant(name="plan, inverse 4 warps, maxnreg 168", inverse=dataclasses.replace(four, maxnreg=168),
+                    **like_plan),
+            Variant(name="plan, inverse 4 warps, maxnreg 128", inverse=dataclasses.replace(four, maxnreg=128),
+                    **like_plan)]
 
 
 def main() -> int:

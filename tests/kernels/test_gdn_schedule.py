@@ -194,7 +194,8 @@ def test_a_stacked_inverse_group_is_a_power_of_two(H, HV, want):
 @pytest.mark.parametrize("bad", [dict(group=0), dict(bkc=48), dict(warps=3), dict(stages=0), dict(method=2),
                                  dict(prec="fp16"), dict(merge_prec="bf16"), dict(loads_ahead=True),
                                  dict(scores=True),  # the scores are made from the Gluon kernel's loads ahead
-                                 dict(method=0, merge_prec="tf32", gluon=True, scores=True)])
+                                 dict(method=0, merge_prec="tf32", gluon=True, scores=True),
+                                 dict(method=0, merge_prec="tf32", gluon=True, warps=8)])  # Gluon: 2 or 4 warps
 def test_a_bad_inverse_config_is_refused_with_its_values(bad):
     from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
 

@@ -247,9 +247,10 @@ def test_gluon_inverse_with_its_loads_ahead_equals_the_shipped_one(lens, H, HV, 
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def _inverse_outputs(q, k, g, beta, cu, l2norm, group, scores_in_inverse):
-    """A, R, G and the scores form's P of every live chunk row: made by the Gluon inverse with loads ahead, and P by
-    it (``scores_in_inverse``, `InverseConfig.scores`) or by the scores kernel after it."""
+def _inverse_outputs(q, k, g, beta, cu, l2norm, group, scores_in_inverse, warps=2, maxnreg=None):
+    """A, R, G and the scores form's P of every live chunk row: made by the Gluon inverse with loads ahead (on
+    ``warps`` warps, under ``maxnreg``), and P by it (``scores_in_inverse``, `InverseConfig.scores`) or by the scores
+    kernel after it."""
     from hybridkv.kernels.gdn import gluon_chunk_inverse, triton_chunk
     from hybridkv.kernels.gdn.triton_chunk_inverse import SCORES_WARPS, _chunk_scores_kernel
 
@@ -260,8 +261,8 @@ def _inverse_outputs(q, k, g, beta, cu, l2norm, group, scores_in_inverse):
     P = q.new_empty((NC, HV, 64, 64))
     R = q.new_empty((NC, HV, triton_chunk._NROW, 64), dtype=torch.float32)
     G = q.new_empty((NC, HV), dtype=torch.float32)
-    gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, table, NC, 128**-0.5, l2norm, group, loads_ahead=True,
-                               P=P if scores_in_inverse else None)
+    gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, table, NC, 128**-0.5, l2norm, group, maxnreg=maxnreg,
+                               loads_ahead=True, P=P if scores_in_inverse else None, warps=warps)
     if not scores_in_inverse:
         _chunk_scores_kernel[(NC, HV // group)](q, k, R, P, cu, table, 0, 0, 0, H, HV, K=K, BK=K, GROUP=group,
                                                 SEGMENTED=False, num_warps=SCORES_WARPS, num_stages=1)
@@ -287,6 +288,27 @@ def test_gluon_inverse_makes_the_scores_kernels_scores(lens, H, HV, batch, l2nor
     assert rel_err(p_got, p_want) < 1e-3
     assert (p_got.float() - p_want.float()).abs().max() < 1e-3  # |P| <= scale (0.088): a few bf16 ulps
     assert not torch.triu(p_got.float(), 1).any()  # the causal mask
+
+
+@pytest.mark.parametrize(("group", "maxnreg"), [(1, None), (2, 168), (4, 168), (4, 128)])
+@pytest.mark.parametrize(("lens", "H", "HV", "batch", "l2norm"), [
+    pytest.param([200, 64, 1000, 7, 1], 2, 8, None, True, id="varlen-ragged"),
+    pytest.param([300], 4, 16, 2, False, id="batch-2x300-no-l2"),
+    pytest.param([8192], 16, 64, 2, True, id="397B-2x8192"),
+])
+def test_gluon_inverse_on_four_warps_equals_two(lens, H, HV, batch, l2norm, group, maxnreg):
+    """`InverseConfig(warps=4)`: the Gluon inverse's tiles split over four warps (its substitution done twice over),
+    under the register caps the scan probe times (168: three programs per SM; 128: four, spilling 120 B): A, R, G and
+    P against the two-warp kernel's, every live element, to rounding (the same products; a sum may be split another
+    way), P's causal mask kept."""
+    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=12, unit=not l2norm)
+    got = _inverse_outputs(q, k, g, beta, cu, l2norm, group, True, warps=4, maxnreg=maxnreg)
+    want = _inverse_outputs(q, k, g, beta, cu, l2norm, group, True)
+    for name, x, y in zip("ARGP", got, want):
+        live = ~torch.isnan(y)  # R's last row is written by neither
+        assert torch.equal(torch.isnan(x), ~live), name
+        assert rel_err(x[live], y[live]) < 1e-3, name
+    assert not torch.triu(got[3].float(), 1).any()
 
 
 @pytest.mark.parametrize(("lens", "H", "HV", "batch", "schedule", "dtype"), [

@@ -289,12 +289,13 @@ def _specs() -> list[KernelSpec]:
             constants={"K": D, "L2NORM": True}, aligned=("H", "HV"), gluon=True,
             # Without the scores `launch` passes no P (a None constexpr); the scores need the loads ahead.
             launches=tuple(Launch(label=f"{'segment' if seg else 'default'} group={grp}"
-                                        f"{' loads ahead' if ahead else ''}{' scores' if scores else ''}",
-                                  num_warps=2, constants={"GROUP": grp, "SEGMENTED": seg, "LOADS_AHEAD": ahead,
-                                                          "SCORES": scores,
-                                                          **({} if scores else {"P": None})})
-                           for seg in (False, True) for grp in (1, 2, 4) for ahead, scores in
-                           ((False, False), (True, False), (True, True))),
+                                        f"{' loads ahead' if ahead else ''}{' scores' if scores else ''}"
+                                        f"{' 4 warps' if nw == 4 else ''}",
+                                  num_warps=nw, constants={"GROUP": grp, "SEGMENTED": seg, "LOADS_AHEAD": ahead,
+                                                           "SCORES": scores, "NW": nw,
+                                                           **({} if scores else {"P": None})})
+                           for seg in (False, True) for grp in (1, 2, 4) for ahead, scores, nw in
+                           ((False, False, 2), (True, False, 2), (True, True, 2), (True, True, 4))),
         ))
         tile = ("NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, "
                 "fp4_padded=False, cga_layout=[])")

@@ -9,7 +9,7 @@ lanes (shuffles, and barriers around layout changes). FlashQLA's inverse does th
 from shared memory (docs/background/gdn_peers.md section 2). Here the layouts are chosen so that nothing in the
 substitution crosses a thread:
 
-- a thread owns one column c of one diagonal block b of T, all 16 rows of it in registers (layout `_SUB`: 16
+- a thread owns one column c of one diagonal block b of T, all 16 rows of it in registers (layout `_subst`: 16
   elements along m per thread);
 - row i of L's block b, which step i multiplies into that column, is read from shared memory (the same 16 values
   for the 16 threads of a block: broadcast reads), and those reads do not depend on T, so all 15 are issued ahead;
@@ -34,25 +34,55 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 BT = gl.constexpr(64)
-# The layouts below are written for two warps: 64 threads, one per column of T's four diagonal blocks.
-WARPS = gl.constexpr(2)
+# The layouts below are written for two warps (NW, the default): 64 threads, one per column of T's four diagonal
+# blocks. At four (`InverseConfig.warps` 4) the tiles' work is split over twice the threads and the substitution's
+# layouts are replicated over the extra warps: fewer registers a thread, the same shared memory.
 
-# [64, 32] loads of q and k: 8 contiguous bf16 (16 bytes) per thread.
-_LD = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0]))
-# A 16 x 16 block of the masked scores, for `_store_scores`: 4 contiguous elements per thread, a warp 8 rows.
-_B16 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0]))
+
+@gluon.constexpr_function
+def _ld(nw):
+    """[64, 32] loads of q and k: 8 contiguous bf16 (16 bytes) per thread."""
+    return gl.BlockedLayout([1, 8], [8, 4], [nw, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _b16(nw):
+    """A 16 x 16 block of the masked scores, for `_store_scores`: 4 contiguous elements per thread, a warp 8 rows."""
+    return gl.BlockedLayout([1, 4], [8, 4], [nw, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _mma(nw):
+    """The 64 x 64 gram: mma.sync tiles, each warp 64 / nw rows."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[nw, 1], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def _subst(nw):
+    """[4 blocks, 16 rows m, 16 columns c] of T's diagonal blocks: thread (b, c) holds column c of block b."""
+    return gl.BlockedLayout([1, 16, 1], [2, 1, 16], [nw, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _row(nw):
+    """Row i of the four diagonal blocks side by side, [1, 64 (16 b + m)]: 16 contiguous elements per thread, those of
+    the block b it substitutes in (lanes 0-15 read the same ones, broadcast); reshaped to [4, 16, 1] it is where
+    `_subst` wants it (checked at compile)."""
+    return gl.BlockedLayout([1, 16], [16, 2], [1, nw], [0, 1])
+
+
+@gluon.constexpr_function
+def _mma16(nw):
+    """16 x 16 block products of the merge (tf32 mma.sync)."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, nw], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def _vec(nw):
+    return gl.BlockedLayout([1], [32], [nw], [0])
+
+
 _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a [64] row of fp32 in shared memory
-# The 64 x 64 gram: mma.sync tiles, each warp 32 rows.
-_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
-# [4 blocks, 16 rows m, 16 columns c] of T's diagonal blocks: thread (b, c) holds column c of block b.
-_SUB = gl.constexpr(gl.BlockedLayout([1, 16, 1], [2, 1, 16], [WARPS, 1, 1], [2, 1, 0]))
-# Row i of the four diagonal blocks side by side, [1, 64 (16 b + m)]: 16 contiguous elements per thread, those of the
-# block b it substitutes in (lanes 0-15 read the same ones, broadcast); reshaped to [4, 16, 1] it is where _SUB wants
-# it (checked at compile).
-_ROW = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [1, WARPS], [0, 1]))
-# 16 x 16 block products of the merge (tf32 mma.sync).
-_MMA16 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8]))
-_VEC = gl.constexpr(gl.BlockedLayout([1], [32], [WARPS], [0]))
 # Shared buffers with their rows padded against bank conflicts: fp32 rows of 64 (256 B) or 16 (64 B) elements unpadded
 # put every row of a block in the same banks, so the MMA-layout store of L (8 rows per instruction), the tf32 operand
 # loads of its blocks (8 rows) and the stores of the diagonal blocks' rows are served one row at a time. Padded, rows
@@ -72,11 +102,12 @@ def _add(a, b):
 
 
 @gluon.jit
-def _rows(x, bos, T, i_h, r0, kc: gl.constexpr, H, K: gl.constexpr, W: gl.constexpr = 32):
+def _rows(x, bos, T, i_h, r0, kc: gl.constexpr, H, K: gl.constexpr, NW: gl.constexpr, W: gl.constexpr = 32):
     """Columns [32 kc, 32 kc + W) of a chunk's 64 rows of q or k `[B, T, H, K]` for key head i_h (zero past the
-    sequence's end), layout _LD."""
-    o_t = r0 + gl.arange(0, BT, layout=gl.SliceLayout(1, _LD))
-    o_k = 32 * kc + gl.arange(0, W, layout=gl.SliceLayout(0, _LD))
+    sequence's end), layout `_ld(NW)`."""
+    LD: gl.constexpr = _ld(NW)
+    o_t = r0 + gl.arange(0, BT, layout=gl.SliceLayout(1, LD))
+    o_k = 32 * kc + gl.arange(0, W, layout=gl.SliceLayout(0, LD))
     p = x + ((bos + o_t.to(gl.int64)) * H + i_h)[:, None] * K + o_k[None, :]
     return gl.load(p, mask=(o_t < T)[:, None], other=0.0)
 
@@ -88,10 +119,10 @@ def _sub(smem, b: gl.constexpr):
 
 
 @gluon.jit
-def _block(smem, i: gl.constexpr, j: gl.constexpr, operand: gl.constexpr):
+def _block(smem, i: gl.constexpr, j: gl.constexpr, operand: gl.constexpr, NW: gl.constexpr):
     """Block (i, j) of a 64 x 64 fp32 shared tile as a tf32 mma.sync operand (0: left, 1: right)."""
     view = smem.slice(16 * i, 16, dim=0).slice(16 * j, 16, dim=1)
-    return view.load(gl.DotOperandLayout(operand, _MMA16, 1))
+    return view.load(gl.DotOperandLayout(operand, _mma16(NW), 1))
 
 
 @gluon.jit
@@ -109,9 +140,10 @@ def _store_block(A, x, i: gl.constexpr, j: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
                           K: gl.constexpr, L2NORM: gl.constexpr, GROUP: gl.constexpr, SEGMENTED: gl.constexpr,
-                          LOADS_AHEAD: gl.constexpr = False, SCORES: gl.constexpr = False):
+                          LOADS_AHEAD: gl.constexpr = False, SCORES: gl.constexpr = False, NW: gl.constexpr = 2):
     """T = (I + L)^-1 of one chunk for GROUP value heads of one key head, with their row scales. Grid (chunk rows,
-    HV // GROUP); two warps. The raw gram and the q and k norms depend on the key head only: made once.
+    HV // GROUP); NW warps (2, or 4: `InverseConfig.warps`). The raw gram and the q and k norms depend on the key
+    head only: made once.
     SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of each sequence,
     as the Triton kernel's `_table_row`. SCORES (with LOADS_AHEAD; `InverseConfig.scores`): also the scores form's
     masked scores P `[NC, HV, 64, 64]` (`triton_chunk_inverse._chunk_scores_kernel`'s), q k^T made here from the q and
@@ -135,10 +167,11 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
 
     # The raw gram and the norms (key head), 32 columns of k at a time (whole, k and its two operand copies would
     # take 192 registers a thread); k's squared norms are the gram's diagonal.
-    row: gl.constexpr = gl.SliceLayout(1, _MMA)
-    col: gl.constexpr = gl.SliceLayout(0, _MMA)
-    gram = gl.zeros([BT, BT], gl.float32, layout=_MMA)
-    sq = gl.zeros([BT], gl.float32, layout=gl.SliceLayout(1, _LD))
+    MMA: gl.constexpr = _mma(NW)
+    row: gl.constexpr = gl.SliceLayout(1, MMA)
+    col: gl.constexpr = gl.SliceLayout(0, MMA)
+    gram = gl.zeros([BT, BT], gl.float32, layout=MMA)
+    sq = gl.zeros([BT], gl.float32, layout=gl.SliceLayout(1, _ld(NW)))
     # Both operands of each step are read (ldmatrix, .trans for K^T) from one copy of k's columns in shared memory;
     # converted from registers, each step took 11 bar.sync (the transposed operand in eight rounds of scratch), and
     # the kernel 2-3% longer (benchmarks/device/results/ab_gram_barriers_h200.txt).
@@ -150,43 +183,43 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
         # kernel alone: 35B 4x8192 272 -> 241 us, 397B 4x8192 420 -> 393 (benchmarks/gdn/README.md); the default
         # (GLUON_INVERSE_CONFIG).
         kw = gl.allocate_shared_memory(k.dtype.element_ty, [BT, K], _KB)
-        b_k = _rows(k, bos, T, i_h, r0, 0, H, K, K)
+        b_k = _rows(k, bos, T, i_h, r0, 0, H, K, NW, K)
         if SCORES:
             # q k^T first, from q's tile beside k's (slabs read as the gram's are), and staged in shared memory until
             # each value head's scores are made from it by 16 x 16 blocks (`_store_scores`): its accumulators and the
             # gram's are never alive together (beside the gram's they spilled, offline sm_90: 16-144 B). q is
             # loaded once, in its own dtype, for its tile and its norms.
             qw = gl.allocate_shared_memory(q.dtype.element_ty, [BT, K], _KB)
-            b_q = _rows(q, bos, T, i_h, r0, 0, H, K, K)
+            b_q = _rows(q, bos, T, i_h, r0, 0, H, K, NW, K)
             kw.store(b_k)
             qw.store(b_q)
             if L2NORM:
                 f_q = b_q.to(gl.float32)
                 sq = gl.sum(f_q * f_q, axis=1)
-            qk = gl.zeros([BT, BT], gl.float32, layout=_MMA)
+            qk = gl.zeros([BT, BT], gl.float32, layout=MMA)
             for kc in gl.static_range(K // 32):
-                qk = mma_v2(qw.slice(32 * kc, 32, dim=1).load(gl.DotOperandLayout(0, _MMA, 2)),
-                            kw.slice(32 * kc, 32, dim=1).permute([1, 0]).load(gl.DotOperandLayout(1, _MMA, 2)), qk)
+                qk = mma_v2(qw.slice(32 * kc, 32, dim=1).load(gl.DotOperandLayout(0, MMA, 2)),
+                            kw.slice(32 * kc, 32, dim=1).permute([1, 0]).load(gl.DotOperandLayout(1, MMA, 2)), qk)
             qks = gl.allocate_shared_memory(gl.float32, [BT, BT], _PAD64)
             qks.store(qk)
         else:
             if L2NORM:
-                b_q = _rows(q, bos, T, i_h, r0, 0, H, K, K).to(gl.float32)
+                b_q = _rows(q, bos, T, i_h, r0, 0, H, K, NW, K).to(gl.float32)
                 sq = gl.sum(b_q * b_q, axis=1)
             kw.store(b_k)
         for kc in gl.static_range(K // 32):
             kb = kw.slice(32 * kc, 32, dim=1)
-            gram = mma_v2(kb.load(gl.DotOperandLayout(0, _MMA, 2)),
-                          kb.permute([1, 0]).load(gl.DotOperandLayout(1, _MMA, 2)), gram)
+            gram = mma_v2(kb.load(gl.DotOperandLayout(0, MMA, 2)),
+                          kb.permute([1, 0]).load(gl.DotOperandLayout(1, MMA, 2)), gram)
     else:
         kb = gl.allocate_shared_memory(k.dtype.element_ty, [BT, 32], _KB)
         for kc in gl.static_range(K // 32):
-            b_k = _rows(k, bos, T, i_h, r0, kc, H, K)
+            b_k = _rows(k, bos, T, i_h, r0, kc, H, K, NW)
             kb.store(b_k)
-            gram = mma_v2(kb.load(gl.DotOperandLayout(0, _MMA, 2)),
-                          kb.permute([1, 0]).load(gl.DotOperandLayout(1, _MMA, 2)), gram)
+            gram = mma_v2(kb.load(gl.DotOperandLayout(0, MMA, 2)),
+                          kb.permute([1, 0]).load(gl.DotOperandLayout(1, MMA, 2)), gram)
             if L2NORM:
-                b_q = _rows(q, bos, T, i_h, r0, kc, H, K).to(gl.float32)
+                b_q = _rows(q, bos, T, i_h, r0, kc, H, K, NW).to(gl.float32)
                 sq += gl.sum(b_q * b_q, axis=1)
     if L2NORM:
         diag = gl.arange(0, BT, layout=row)[:, None] == gl.arange(0, BT, layout=col)[None, :]
@@ -198,7 +231,7 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
     rk_col = gl.convert_layout(rk, col)
     o_t = gl.arange(0, BT, layout=row)
     live = r0 + o_t < T
-    o_v = gl.arange(0, BT, layout=_VEC)
+    o_v = gl.arange(0, BT, layout=_vec(NW))
     lower = o_t[:, None] > gl.arange(0, BT, layout=col)[None, :]
     Ls = gl.allocate_shared_memory(gl.float32, [BT, BT], _PAD64)
     # L's diagonal blocks side by side: [i, 16 b + m] = L_b[i, m].
@@ -215,7 +248,7 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
         i_hv = hv0 + j
         # Beta and the decays (value head) on the gram's rows and columns.
         b_b = gl.load(beta + (bos + r0 + o_t) * HV + i_hv, mask=live, other=0.0).to(gl.float32)
-        # The gate's cumulative sum in a plain layout (a scan cannot run in _MMA's). A masked row sum in _MMA's
+        # The gate's cumulative sum in a plain layout (a scan cannot run in `_mma`'s). A masked row sum in `_mma`'s
         # layout instead (no shared memory, no bar.sync) made the kernel 7% slower (benchmarks/device/results/
         # ab_gram_barriers_h200.txt).
         g_vec = gl.load(g + (bos + r0 + o_v) * HV + i_hv, mask=r0 + o_v < T, other=0.0).to(gl.float32)
@@ -237,26 +270,27 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
         gl.store(p_r + 320, gl.where(live, scale * rq, 0.0))
         gl.store(p_r + 384, gl.where(live, rk, 0.0))
         gl.store(G + i_ch, gl.exp(g_last))
-        _invert(L, Ls, Lr, Td, A + i_ch * (BT * BT))
+        _invert(L, Ls, Lr, Td, A + i_ch * (BT * BT), NW)
         if SCORES:
             # Here, after the inversion: c's registers held through it, or the scores' beside the gram's, spilled
             # (offline sm_90).
             s_c.store(c)
-            _store_scores(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT))
+            _store_scores(qks, s_c, s_rq, s_rk, P + i_ch * (BT * BT), NW)
 
 
 @gluon.jit
-def _store_scores(qks, s_c, s_rq, s_rk, p):
+def _store_scores(qks, s_c, s_rq, s_rk, p, NW: gl.constexpr):
     """The masked scores of one value head, `triton_chunk_rows._masked_scores`, into p (64 x 64, row-major), by 16 x 16
     blocks: from q k^T staged in qks and the rows c, scale rq and rk (zero past the sequence's end) in shared memory.
     Blocks above the diagonal are zeros, stored without a product; below it no mask is needed (c does not grow along
     a chunk, so every exponent is <= 0); only the four diagonal blocks are masked: 2,560 exponentials, not 4,096."""
-    brow: gl.constexpr = gl.SliceLayout(1, _B16)
-    bcol: gl.constexpr = gl.SliceLayout(0, _B16)
+    B16: gl.constexpr = _b16(NW)
+    brow: gl.constexpr = gl.SliceLayout(1, B16)
+    bcol: gl.constexpr = gl.SliceLayout(0, B16)
     o_r = gl.arange(0, 16, layout=brow)
     o_c = gl.arange(0, 16, layout=bcol)
     diag = o_r[:, None] >= o_c[None, :]
-    zero = gl.zeros([16, 16], p.dtype.element_ty, layout=_B16)
+    zero = gl.zeros([16, 16], p.dtype.element_ty, layout=B16)
     for bi in gl.static_range(4):
         c_i = s_c.slice(16 * bi, 16).load(brow)
         rq_i = s_rq.slice(16 * bi, 16).load(brow)
@@ -268,7 +302,7 @@ def _store_scores(qks, s_c, s_rq, s_rk, p):
             else:
                 c_j = s_c.slice(16 * bj, 16).load(bcol)
                 rk_j = s_rk.slice(16 * bj, 16).load(bcol)
-                x = qks.slice(16 * bi, 16, dim=0).slice(16 * bj, 16, dim=1).load(_B16) * (rq_i[:, None] * rk_j[None, :])
+                x = qks.slice(16 * bi, 16, dim=0).slice(16 * bj, 16, dim=1).load(B16) * (rq_i[:, None] * rk_j[None, :])
                 if bj == bi:
                     x = gl.where(diag, x * gl.exp(gl.where(diag, c_i[:, None] - c_j[None, :], 0.0)), 0.0)
                 else:
@@ -277,37 +311,39 @@ def _store_scores(qks, s_c, s_rq, s_rk, p):
 
 
 @gluon.jit
-def _invert(L, Ls, Lr, Td, p):
-    """T = (I + L)^-1 of one 64 x 64 strictly lower L (layout _MMA) into p (64 x 64, row-major), through the shared
-    buffers Ls (L), Lr (its diagonal blocks side by side) and Td (T's diagonal blocks)."""
+def _invert(L, Ls, Lr, Td, p, NW: gl.constexpr):
+    """T = (I + L)^-1 of one 64 x 64 strictly lower L (layout `_mma(NW)`) into p (64 x 64, row-major), through the
+    shared buffers Ls (L), Lr (its diagonal blocks side by side) and Td (T's diagonal blocks)."""
+    SUB: gl.constexpr = _subst(NW)
+    MMA16: gl.constexpr = _mma16(NW)
     # L in shared memory: all of it for the merges, its diagonal blocks side by side for the substitution's rows.
     Ls.store(L)
     for b in gl.static_range(4):
-        Lr.slice(16 * b, 16, dim=1).store(Ls.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).load(_LD))
+        Lr.slice(16 * b, 16, dim=1).store(Ls.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).load(_ld(NW)))
 
     # Forward substitution on the four diagonal blocks, column by column in registers: row i of T is
     # e_i - sum_{m < i} L_im T_m, and L's rows beyond the diagonal are zero, so every step sums all 16. Row i of L's
     # blocks is 16 contiguous words per block: four 16-byte reads per thread and step, broadcast to the 16 threads
     # of a block (it was 16 one-word reads from a transposed copy, the kernel's largest share of shared-memory
     # traffic).
-    m_ax = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _SUB)))[None, :, None]
-    c_ax = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _SUB)))[None, None, :]
-    t = gl.where(m_ax == c_ax, 1.0, 0.0) + gl.zeros([4, 16, 16], gl.float32, layout=_SUB)
+    m_ax = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, SUB)))[None, :, None]
+    c_ax = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, SUB)))[None, None, :]
+    t = gl.where(m_ax == c_ax, 1.0, 0.0) + gl.zeros([4, 16, 16], gl.float32, layout=SUB)
     for i in gl.static_range(1, 16):
-        l_row = gl.convert_layout(gl.reshape(Lr.slice(i, 1, dim=0).load(_ROW), [4, 16, 1]), _SUB,
+        l_row = gl.convert_layout(gl.reshape(Lr.slice(i, 1, dim=0).load(_row(NW)), [4, 16, 1]), SUB,
                                   assert_trivial=True)
         corr = gl.sum(l_row * t, axis=1)  # [4, 16 (c)]
         t = gl.where(m_ax == i, t - gl.expand_dims(corr, 1), t)
     Td.store(gl.reshape(t, [BT, 16]))
 
     # The blocks below the diagonal: T_ij = -T_ii sum_{j <= m < i} L_im T_mj (tf32 products).
-    z = gl.zeros([16, 16], gl.float32, layout=_MMA16)
-    left: gl.constexpr = gl.DotOperandLayout(0, _MMA16, 1)
-    right: gl.constexpr = gl.DotOperandLayout(1, _MMA16, 1)
+    z = gl.zeros([16, 16], gl.float32, layout=MMA16)
+    left: gl.constexpr = gl.DotOperandLayout(0, MMA16, 1)
+    right: gl.constexpr = gl.DotOperandLayout(1, MMA16, 1)
     t11, t22, t33 = _sub(Td, 1).load(left), _sub(Td, 2).load(left), _sub(Td, 3).load(left)
     t00_b, t11_b, t22_b = _sub(Td, 0).load(right), _sub(Td, 1).load(right), _sub(Td, 2).load(right)
-    l10, l20, l21 = _block(Ls, 1, 0, 0), _block(Ls, 2, 0, 0), _block(Ls, 2, 1, 0)
-    l30, l31, l32 = _block(Ls, 3, 0, 0), _block(Ls, 3, 1, 0), _block(Ls, 3, 2, 0)
+    l10, l20, l21 = _block(Ls, 1, 0, 0, NW), _block(Ls, 2, 0, 0, NW), _block(Ls, 2, 1, 0, NW)
+    l30, l31, l32 = _block(Ls, 3, 0, 0, NW), _block(Ls, 3, 1, 0, NW), _block(Ls, 3, 2, 0, NW)
     t10 = -_dot(t11, gl.convert_layout(_dot(l10, t00_b, z), right), z)
     t21 = -_dot(t22, gl.convert_layout(_dot(l21, t11_b, z), right), z)
     t32 = -_dot(t33, gl.convert_layout(_dot(l32, t22_b, z), right), z)
@@ -318,28 +354,29 @@ def _invert(L, Ls, Lr, Td, p):
     t20_b = gl.convert_layout(t20, right)
     t30 = -_dot(t33, gl.convert_layout(_dot(l32, t20_b, _dot(l31, t10_b, _dot(l30, t00_b, z))), right), z)
 
-    zero16 = gl.zeros([16, 16], gl.float32, layout=_MMA16)
+    zero16 = gl.zeros([16, 16], gl.float32, layout=MMA16)
     for b in gl.static_range(4):
-        _store_block(p, _sub(Td, b).load(_MMA16), b, b, _MMA16)
+        _store_block(p, _sub(Td, b).load(MMA16), b, b, MMA16)
         for j in gl.static_range(b + 1, 4):
-            _store_block(p, zero16, b, j, _MMA16)
-    _store_block(p, t10, 1, 0, _MMA16)
-    _store_block(p, t20, 2, 0, _MMA16)
-    _store_block(p, t21, 2, 1, _MMA16)
-    _store_block(p, t30, 3, 0, _MMA16)
-    _store_block(p, t31, 3, 1, _MMA16)
-    _store_block(p, t32, 3, 2, _MMA16)
+            _store_block(p, zero16, b, j, MMA16)
+    _store_block(p, t10, 1, 0, MMA16)
+    _store_block(p, t20, 2, 0, MMA16)
+    _store_block(p, t21, 2, 1, MMA16)
+    _store_block(p, t30, 3, 0, MMA16)
+    _store_block(p, t31, 3, 1, MMA16)
+    _store_block(p, t32, 3, 2, MMA16)
 
 
 def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: float, l2norm: bool,
            group: int = 1, row0: int = 0, c_lo: int = 0, c_hi: int = 0, segmented: bool = False,
-           maxnreg: int | None = None, loads_ahead: bool = False, P=None) -> None:
+           maxnreg: int | None = None, loads_ahead: bool = False, P=None, warps: int = 2) -> None:
     """`_gluon_inverse_kernel` over ``rows`` chunk rows and every value head (the arguments of `triton_chunk`'s inverse
     call), ``group`` value heads of a key head per program (a divisor of HV / H), ``maxnreg`` a register cap for ptxas
     (None: none), ``loads_ahead`` `InverseConfig.loads_ahead` (which the call's config, not this default, sets).
     Refuses what it was not written for: a CPU tensor (Gluon has no interpreter), inputs other than bf16 or fp16
     (the gram's operands are 16-bit), or a head size that is not a multiple of 32 up to 256. ``P``: the scores form's
-    masked scores `[NC, HV, 64, 64]`, made here as well (SCORES; needs ``loads_ahead``); None: not made."""
+    masked scores `[NC, HV, 64, 64]`, made here as well (SCORES; needs ``loads_ahead``); None: not made. ``warps``: 2
+    (what the layouts are written for) or 4 (`InverseConfig.warps`)."""
     H, K = q.shape[2], q.shape[3]
     HV = beta.shape[-1]
     if not q.is_cuda:
@@ -350,10 +387,12 @@ def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: fl
         raise ValueError(f"the Gluon inverse takes a head size that is a multiple of 32 up to 256, got K={K}")
     if group < 1 or (HV // H) % group:
         raise ValueError(f"group must divide the value heads per key head ({HV // H}), got {group}")
+    if warps not in (2, 4):
+        raise ValueError(f"the Gluon inverse runs on 2 or 4 warps, got {warps!r}")
     if P is not None and not loads_ahead:
         raise ValueError("the Gluon inverse makes the scores (P) from the q and k it loads ahead: loads_ahead=True")
     _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi,
                                                scale, H, HV, K=K, L2NORM=l2norm, GROUP=group, SEGMENTED=segmented,
                                                LOADS_AHEAD=loads_ahead, SCORES=P is not None,
-                                               num_warps=int(WARPS.value),
+                                               NW=warps, num_warps=warps,
                                                **({} if maxnreg is None else {"maxnreg": maxnreg}))

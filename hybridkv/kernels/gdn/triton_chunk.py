@@ -381,7 +381,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
 
             gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, chunk_table, rows, scale, use_qk_l2norm_in_kernel,
                                        group, row0, c_lo, c_hi, segmented, inverse.maxnreg,
-                                       inverse.loads_ahead, P if scores_in_inverse else None)
+                                       inverse.loads_ahead, P if scores_in_inverse else None, inverse.warps)
             return
         kernel = _chunk_inverse_stacked_kernel if inverse.stacked else _chunk_inverse_kernel
         kernel[(rows, HV // group)](q, k, g, beta, A, R, G, cu, chunk_table, row0, c_lo, c_hi, scale, H, HV, K=K,

@@ -60,8 +60,9 @@ class InverseConfig:
     # Off: 2.2x slower than the shipped kernel on the H200 (397B 4x8192, benchmarks/gdn/README.md).
     stacked: bool = False
     # The Gluon kernel (`gluon_chunk_inverse`; the default on Hopper, `default_inverse`): ``group`` value heads per
-    # program, the substitution thread-local, every schedule. Its launch is its own (two warps, 32 k columns per
-    # gram step): bkc, warps and stages describe the Triton kernel's launch only; maxnreg applies to both. It has
+    # program, the substitution thread-local, every schedule. Its launch is its own (32 k columns per gram step): bkc
+    # and stages describe the Triton kernel's launch only; warps is 2 (what its layouts are written for) or 4 there;
+    # maxnreg applies to both. It has
     # one numerics, the shipped one (method 0, tf32 merges); anything else is refused rather than quietly not done.
     gluon: bool = False
     # The Gluon kernel with all of k and q loaded before the gram's first product (`LOADS_AHEAD`): one wait for
@@ -79,6 +80,8 @@ class InverseConfig:
         if self.scores and not self.loads_ahead:
             raise ValueError(f"bad inverse config {self}: scores are made from the loads ahead (gluon=True, "
                              "loads_ahead=True)")
+        if self.gluon and self.warps not in (2, 4):
+            raise ValueError(f"bad inverse config {self}: the Gluon kernel runs on 2 or 4 warps, got {self.warps}")
         if self.gluon and self.stacked:
             raise ValueError(f"bad inverse config {self}: gluon and stacked are two different kernels")
         if self.gluon and (self.method != 0 or self.merge_prec != "tf32"):
