@@ -292,7 +292,7 @@ def _specs() -> list[KernelSpec]:
                                         f"{' loads ahead' if ahead else ''}{' scores' if scores else ''}"
                                         f"{' 4 warps' if nw == 4 else ''}",
                                   num_warps=nw, constants={"GROUP": grp, "SEGMENTED": seg, "LOADS_AHEAD": ahead,
-                                                           "SCORES": scores, "NW": nw,
+                                                           "SCORES": scores,
                                                            **({} if scores else {"P": None})})
                            for seg in (False, True) for grp in (1, 2, 4) for ahead, scores, nw in
                            ((False, False, 2), (True, False, 2), (True, True, 2), (True, True, 4))),

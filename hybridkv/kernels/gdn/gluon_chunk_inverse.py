@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 BT = gl.constexpr(64)
-# The layouts below are written for two warps (NW, the default): 64 threads, one per column of T's four diagonal
+# The layouts below are written for two warps (the default launch): 64 threads, one per column of T's four diagonal
 # blocks. At four (`InverseConfig.warps` 4) the tiles' work is split over twice the threads and the substitution's
 # layouts are replicated over the extra warps: fewer registers a thread, the same shared memory.
 
@@ -140,9 +140,9 @@ def _store_block(A, x, i: gl.constexpr, j: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi, scale, H, HV,
                           K: gl.constexpr, L2NORM: gl.constexpr, GROUP: gl.constexpr, SEGMENTED: gl.constexpr,
-                          LOADS_AHEAD: gl.constexpr = False, SCORES: gl.constexpr = False, NW: gl.constexpr = 2):
+                          LOADS_AHEAD: gl.constexpr = False, SCORES: gl.constexpr = False):
     """T = (I + L)^-1 of one chunk for GROUP value heads of one key head, with their row scales. Grid (chunk rows,
-    HV // GROUP); NW warps (2, or 4: `InverseConfig.warps`). The raw gram and the q and k norms depend on the key
+    HV // GROUP); two warps, or four (`InverseConfig.warps`), the layouts following. The raw gram and the q and k norms depend on the key
     head only: made once.
     SEGMENTED (a segment of a pipelined call): rows row0 on, and only the chunks c_lo <= i < c_hi of each sequence,
     as the Triton kernel's `_table_row`. SCORES (with LOADS_AHEAD; `InverseConfig.scores`): also the scores form's
@@ -167,6 +167,7 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
 
     # The raw gram and the norms (key head), 32 columns of k at a time (whole, k and its two operand copies would
     # take 192 registers a thread); k's squared norms are the gram's diagonal.
+    NW: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = _mma(NW)
     row: gl.constexpr = gl.SliceLayout(1, MMA)
     col: gl.constexpr = gl.SliceLayout(0, MMA)
@@ -394,5 +395,5 @@ def launch(q, k, g, beta, A, R, G, cu_seqlens, chunk_table, rows: int, scale: fl
     _gluon_inverse_kernel[(rows, HV // group)](q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, row0, c_lo, c_hi,
                                                scale, H, HV, K=K, L2NORM=l2norm, GROUP=group, SEGMENTED=segmented,
                                                LOADS_AHEAD=loads_ahead, SCORES=P is not None,
-                                               NW=warps, num_warps=warps,
+                                               num_warps=warps,
                                                **({} if maxnreg is None else {"maxnreg": maxnreg}))
