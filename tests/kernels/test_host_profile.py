@@ -30,7 +30,9 @@ def test_the_slowest_function_by_own_time_comes_first_and_times_are_per_call():
     assert p.call_us >= 3500  # 2 ms + 3 x 0.5 ms, per call, not per five calls
     # sleep is the C call that holds the time; the Python functions around it have almost no own time.
     assert "sleep" in p.functions[0][0]
-    assert p.functions[0][1] == pytest.approx(3500, rel=0.5)
+    # Per call: at least the 3.5 ms slept. A loaded CI machine oversleeps (5.9 ms seen on 2 cores), so the upper
+    # bound only has to tell per call from per five calls, which would be at least 17.5 ms.
+    assert 3500 * 0.9 <= p.functions[0][1] < 12000
     text = host_profile.render("397B TP8 1x8192", [p])
     assert text.splitlines()[0] == "397B TP8 1x8192"
     assert "hybridkv   host" in text and "us per call" in text
