@@ -16,7 +16,8 @@
 #   SCORESFIRST=1 ... bash benchmarks/device/gdn.sh  # first: the scores kernel alone vs a copy (benchmarks/gdn/scores_probe.py)
 #   INVFIRST=1 ... bash benchmarks/device/gdn.sh     # then the inverse kernel's variants (benchmarks/gdn/inverse_probe.py)
 #   DECODEFIRST=1 ... bash benchmarks/device/gdn.sh  # first: persistent and TMA decode candidates (benchmarks/gdn/decode_probe.py)
-#                                                   # at DECODE_BATCH sequences (256; "64 256": both)
+#                                                   # at DECODE_BATCH sequences (256; "64 256": both);
+#                                                   # DECODE_STORE=1: the TMA walk's TMA vs direct stores only
 #   SCANFIRST=1 ... bash benchmarks/device/gdn.sh    # first: each shape's plan against its variants (scan_probe.py);
 #                                                   # SCAN_SHAPES="397B 1x8192,4x8192" picks labels with spaces
 #   QLA=1 bash benchmarks/device/gdn.sh  # FlashQLA beside FLA's Triton path (issue 23), carry [".whl-qla"] built here by
@@ -115,7 +116,8 @@ if [ "${SCANFIRST:-0}" != 0 ]; then  # the scan schedule vs the pipelined one, T
 fi
 if [ "${DECODEFIRST:-0}" != 0 ]; then
     PYTHONUNBUFFERED=1 timeout "${DECODE_S:-240}" "$PY" -m benchmarks.gdn.decode_probe --iters "${ITERS:-20}" \
-        --batch ${DECODE_BATCH:-256} --json "$OUT/decode.json" 2>&1 | grep -v -i warn | tee "$OUT/decode.txt"
+        --batch ${DECODE_BATCH:-256} --json "$OUT/decode.json" $([ "${DECODE_STORE:-0}" != 0 ] && echo --store) \
+        2>&1 | grep -v -i warn | tee "$OUT/decode.txt"
 fi
 if [ "${INVFIRST:-0}" != 0 ]; then  # the inverse kernel's variants, serial, with the worst case's error
     PYTHONUNBUFFERED=1 timeout "${INV_S:-150}" "$PY" -m benchmarks.gdn.inverse_probe --iters "${ITERS:-10}" \

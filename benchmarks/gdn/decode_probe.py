@@ -100,8 +100,9 @@ def _decode_persistent(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, N
             n_raw, n_q, n_k, n_v, n_x, n_bb, n_neg_a, n_valid, n_live, n_base, n_o_row)
 
 
-def launch_tma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx):
-    triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, 1.0, 20.0)
+def launch_tma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, store=triton_decode_tma.Store.TMA, maxnreg=None):
+    triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, 1.0, 20.0,
+                             store=store, maxnreg=maxnreg)
 
 
 def launch_persistent(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, stream):
@@ -116,9 +117,15 @@ def launch_persistent(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, stream):
 
 PERSISTENT = tuple((bv, w, s) for bv, w in ((32, 4), (64, 8)) for s in (4, 8))
 TMA = tuple((bv, w, s, st) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for s in (2, 4, 8) for st in (2, 3, 4))
+# `--store`: the TMA walk as shipped (its configs) beside the same walk storing from registers (`Store.DIRECT`: no
+# shared store buffer, no wait on the last tile's store). Offline sm_90, the direct store at BV 64 takes 168
+# registers (3 programs of 4 warps per SM), so it is also timed at a 128 cap (8 bytes of stack).
+STORE = tuple((cfg, triton_decode_tma.Store.DIRECT, cap) for cfg in (
+    (64, 4, 4, 3), (64, 4, 4, 4), (64, 4, 3, 4), (32, 4, 4, 3), (32, 4, 6, 3), (32, 4, 8, 3), (32, 4, 6, 4),
+    (64, 4, 2, 3)) for cap in ((None, 128) if cfg[0] == 64 and cfg[2] > 3 else (None,)))
 
 
-def run(iters: int, copy_gbps: float, N: int = 256) -> list[dict]:
+def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False) -> list[dict]:
     rows = []
     for model, H, HV in bench_cases.DECODE_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
@@ -146,12 +153,20 @@ def run(iters: int, copy_gbps: float, N: int = 256) -> list[dict]:
             rows.append(dict(shape=label, kernel="shipped", cfg=None, ms=ms, pct_copy=shipped_pct, err=0.0))
             print(f"{label:22} shipped {triton_recurrent.decode_choices()}  {ms:.4f} ms {shipped_pct:5.1f}% copy",
                   flush=True)
-            cands = [("persistent", c, lambda c, o, pool: launch_persistent(c, q, k, v, a, b, A_log, dt_bias, o, pool,
-                                                                           idx, stream)) for c in PERSISTENT]
-            cands += [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
-                      for c in TMA]
+            if store_only:
+                cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
+                         for c in triton_decode_tma.TMA_CONFIGS]
+                cands += [(f"tma {st.value} store{'' if cap is None else f' maxnreg {cap}'}", c,
+                           lambda c, o, pool, st=st, cap=cap: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool,
+                                                                         idx, st, cap))
+                          for c, st, cap in STORE]
+            else:
+                cands = [("persistent", c, lambda c, o, pool: launch_persistent(c, q, k, v, a, b, A_log, dt_bias, o,
+                                                                               pool, idx, stream)) for c in PERSISTENT]
+                cands += [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
+                          for c in TMA]
             for name, cfg, fn in cands:
-                if name == "tma" and dtype == torch.float32 and cfg[0] * 128 * 4 * cfg[3] > 200_000:
+                if name.startswith("tma") and dtype == torch.float32 and cfg[0] * 128 * 4 * cfg[3] > 200_000:
                     continue  # more shared memory than an SM has
                 pool = pool0.clone()
                 o = torch.full_like(v, float("nan"))
@@ -176,13 +191,14 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)
     p.add_argument("--batch", type=int, nargs="+", default=[256], help="sequences per decode step (default 256)")
+    p.add_argument("--store", action="store_true", help="only the TMA walk's configs, with TMA and direct stores")
     a = p.parse_args()
     copy = bench_timing._copy_gbps(a.iters)
     print(torch.cuda.get_device_name(), f"copy {copy:.0f} GB/s", flush=True)
     rows = []
     for batch in a.batch:
         print(f"# {batch} sequences", flush=True)
-        rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch)]
+        rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch, a.store)]
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)

@@ -201,7 +201,8 @@ def decode_tma(out: dict) -> None:
     """The TMA decode walk (`triton_decode_tma`) on layer 1 of a two-layer slot pool (a strided view), with pads
     and a walk that wraps (more tiles than programs): [o error, state error] against the reference, then
     "decode-tma/vs-tile": the largest difference from the tile kernel on the same inputs (the same arithmetic, so
-    zero), and "decode-tma/untouched": 1.0 when layer 0, the pads' and the unused slots are bit for bit as before."""
+    zero), "decode-tma/untouched": 1.0 when layer 0, the pads' and the unused slots are bit for bit as before, and
+    "decode-tma/direct-store": 1.0 when the walk storing from registers leaves pool and output equal to it."""
     from hybridkv.kernels.gdn import triton_decode_tma, triton_recurrent
 
     N, H, HV, K, V, slots = 5, 2, 4, 32, 64, 9
@@ -229,6 +230,12 @@ def decode_tma(out: dict) -> None:
     untouched[idx[idx >= 0]] = False
     same = torch.equal(pool[:, 0], before[:, 0]) and torch.equal(pool[untouched], before[untouched])
     out["decode-tma/untouched"] = float(same and torch.equal(o[1], torch.zeros_like(o[1])))
+    # The direct store (`Store.DIRECT`, a probe candidate) writes the same tiles from registers: equal bit for bit,
+    # the other layer and the pads' slots untouched too.
+    direct_pool, o_direct = before.clone(), torch.full_like(v, float("nan"))
+    triton_decode_tma.launch((32, 4, 2, 2), q, k, v, a, b, A_log, dt_bias, o_direct, direct_pool[:, 1], idx, K**-0.5,
+                             True, 1.0, 20.0, sms=3, store=triton_decode_tma.Store.DIRECT)
+    out["decode-tma/direct-store"] = float(torch.equal(direct_pool, pool) and torch.equal(o_direct, o))
 
 
 def scores_tma(out: dict) -> None:

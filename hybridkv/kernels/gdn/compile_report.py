@@ -244,14 +244,17 @@ def _specs() -> list[KernelSpec]:
             # The descriptor's element type and box follow the launch (`desc` in its constants).
             name="decode_tma", module="hybridkv.kernels.gdn.triton_decode_tma", attr="_decode_tma_kernel",
             signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "a": "*fp32", "b": "*fp32", "A_log": "*fp32",
-                       "dt_bias": "*fp32", "o": "*bf16", "state_indices": "*i32", "N": "i32", "progs": "i32",
-                       "scale": "fp32", "softplus_beta": "fp32", "softplus_threshold": "fp32"},
+                       "dt_bias": "*fp32", "o": "*bf16", "stride_slot": "i32", "stride_head": "i32",
+                       "stride_row": "i32", "state_indices": "*i32", "N": "i32", "progs": "i32", "scale": "fp32",
+                       "softplus_beta": "fp32", "softplus_threshold": "fp32"},
             constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True},
-            aligned=(),
+            aligned=("stride_slot", "stride_head", "stride_row"),
             launches=tuple(
-                Launch(label=f"{dt} state BV={bv} {per_sm}/SM", num_warps=w, num_stages=st,
-                       constants={"BV": bv, "STAGES": st, "desc": f"tensordesc<{dt}[1, 1, {bv}, {D}]>"})
-                for dt in ("fp32", "bf16") for bv, w, per_sm, st in triton_decode_tma.TMA_CONFIGS),
+                Launch(label=f"{dt} state BV={bv} {per_sm}/SM{'' if tma_store else ' direct store'}", num_warps=w,
+                       num_stages=st, constants={"BV": bv, "STAGES": st, "TMA_STORE": tma_store, "state": dt,
+                                                 "desc": f"tensordesc<{dt}[1, 1, {bv}, {D}]>"})
+                for dt in ("fp32", "bf16") for bv, w, per_sm, st in triton_decode_tma.TMA_CONFIGS
+                for tma_store in (True, False)),
         ),
         KernelSpec(
             name="conv_prefill", module=conv, attr="_conv_out_kernel",

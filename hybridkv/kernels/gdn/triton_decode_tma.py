@@ -18,6 +18,8 @@ fastest per key, so this path is taken only where it was measured to win, and on
 
 from __future__ import annotations
 
+import enum
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,17 @@ from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _l2norm, _so
 # (BV, num_warps, programs per SM, pipeline stages): the probe's best per state dtype and head count
 # (64, 4, 4, 3 led bf16 at both head counts; 64, 4, 2, 3 and 32, 4, 4, 3 fp32) and a deeper walk.
 TMA_CONFIGS = ((64, 4, 4, 3), (64, 4, 2, 3), (32, 4, 4, 3), (64, 4, 8, 3))
+
+
+class Store(enum.Enum):
+    """How the updated tile goes back to the pool. TMA: registers -> a shared buffer -> a TMA store, which each next
+    tile waits for (`async_tma_store_wait 0`) before it writes the buffer again. DIRECT: 16-byte stores from
+    registers with the streaming hint, no buffer and no wait (an untested-on-GPU probe candidate until measured)."""
+
+    TMA = "tma"
+    DIRECT = "direct"
+
+
 _TMA_ALIGN = 16  # bytes: a tensor descriptor's base address and every stride but the last
 _BOX_MAX = 256  # elements per box dimension
 
@@ -46,11 +59,13 @@ def _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus
 
 
 @triton.jit
-def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state_indices, N, progs, scale, softplus_beta,
-                       softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BV: tl.constexpr, L2NORM: tl.constexpr, STAGES: tl.constexpr):
+def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state, stride_slot, stride_head, stride_row,
+                       state_indices, N, progs, scale, softplus_beta, softplus_threshold, H: tl.constexpr, HV: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                       STAGES: tl.constexpr, TMA_STORE: tl.constexpr):
     """Grid (progs,): program p takes tiles p, p + progs, ... of the N * HV * (V / BV) [BV, K] tiles, each
-    one (sequence, value head, V block). A pad (slot < 0) writes a zero output row and leaves the pool alone."""
+    one (sequence, value head, V block). A pad (slot < 0) writes a zero output row and leaves the pool alone.
+    ``state`` (the pool's base, strides in elements) is used by the direct store only (`Store.DIRECT`)."""
     pid = tl.program_id(0)
     NV: tl.constexpr = V // BV
     n_tiles = N * HV * NV
@@ -76,7 +91,12 @@ def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state_indices, N,
         b_o, b_s = _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold, L2NORM)
         tl.store(o + row_hv * V + i_v * BV + o_bv, tl.where(live, b_o, 0.0).to(o.dtype.element_ty))
         if live:
-            desc.store([slot, i_hv, i_v * BV, 0], b_s.to(desc.dtype).reshape(1, 1, BV, K))
+            if TMA_STORE:
+                desc.store([slot, i_hv, i_v * BV, 0], b_s.to(desc.dtype).reshape(1, 1, BV, K))
+            else:
+                tile = state + slot.to(tl.int64) * stride_slot + i_hv * stride_head + i_v * BV * stride_row
+                tl.store(tile + o_bv[:, None] * stride_row + o_k[None, :], b_s.to(state.dtype.element_ty),
+                         cache_modifier=".cs")
 
 
 _devices: dict[int, tuple[bool, int]] = {}
@@ -109,9 +129,12 @@ def eligible(q: torch.Tensor, v: torch.Tensor, ssm_state: torch.Tensor, v_first:
 
 
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, softplus_beta,
-           softplus_threshold, sms: int | None = None) -> None:
+           softplus_threshold, sms: int | None = None, store: Store = Store.TMA, maxnreg: int | None = None) -> None:
     """One TMA decode launch at ``cfg`` = (BV, num_warps, programs per SM, stages); the caller has checked
-    `eligible`. BV is capped at V. ``sms``: the SM count (default: the device's; CI's interpreter passes one)."""
+    `eligible`. BV is capped at V. ``sms``: the SM count (default: the device's; CI's interpreter passes one).
+    ``store``: how updated tiles are written (`Store`); ``maxnreg``: a register cap for ptxas (None: none)."""
+    if not isinstance(store, Store):
+        raise ValueError(f"store must be a triton_decode_tma.Store, got {store!r}")
     bv, warps, per_sm, stages = cfg
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -120,5 +143,6 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     programs = max(1, min(per_sm * sms, N * HV * (V // bv)))
     desc = TensorDescriptor(ssm_state, list(ssm_state.shape), list(ssm_state.stride()), [1, 1, bv, K])
     _decode_tma_kernel[(programs,)](
-        q, k, v, a, b, A_log, dt_bias, o, desc, state_indices, N, programs, scale, float(softplus_beta),
-        float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, L2NORM=l2, STAGES=stages, num_warps=warps)
+        q, k, v, a, b, A_log, dt_bias, o, desc, ssm_state, *ssm_state.stride()[:3], state_indices, N, programs, scale,
+        float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, L2NORM=l2, STAGES=stages,
+        TMA_STORE=store is Store.TMA, num_warps=warps, **({} if maxnreg is None else {"maxnreg": maxnreg}))

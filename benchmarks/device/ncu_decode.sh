@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Nsight Compute on the TMA decode walk where it misses issue #23's decode goal: 35B (H=16, HV=32) bf16 state at 64
+# sequences (every 17th a pad), the shipped config (64, 4, 4, 3) with its TMA store, then the same walk storing from
+# registers (`Store.DIRECT`, capped at 128 registers so that four programs fit an SM). Every section of the full set
+# (speed of light, memory tables, warp stalls per source line, launch and occupancy, PM sampling where this ncu has
+# it) into $OUT/ncu_decode.txt, the report itself into $OUT/ncu_decode.ncu-rep, and the lines that say where the time
+# goes printed. The copy the bench divides by is a cudaMemcpy, which ncu does not profile: compare durations with
+# the probe's same-size copy (results/decode_probe_b64_h200.txt), not here.
+#   bash benchmarks/device/ncu_decode.sh      # on the device, from the repo root (carry [".whl"] is not needed)
+set -u
+OUT=${OUT:-/tmp/hybridkv_ncu_out}
+mkdir -p "$OUT"
+ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+echo "ncu: ${ncu:-not found} $("${ncu:-true}" --version 2>/dev/null | tail -n 1)"
+[ -n "$ncu" ] || exit 0
+sections=$("$ncu" --list-sections 2>/dev/null | awk '{print $1}')
+extra=""
+grep -qx PmSampling <<<"$sections" && extra="--section PmSampling"
+timeout "${NCU_S:-200}" "$ncu" -k "regex:decode_tma" -c 2 --set full $extra --import-source yes \
+    -o "$OUT/ncu_decode" -f "${PYTHON:-python3}" -c "
+import torch
+from benchmarks.gdn.schedules import decode_inputs
+from hybridkv.kernels.gdn import triton_decode_tma as t
+q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(64, 16, 32, torch.bfloat16)
+idx[::17] = -1
+o = torch.empty_like(v)
+runs = [('tma store', dict()), ('direct store, maxnreg 128', dict(store=t.Store.DIRECT, maxnreg=128))]
+for i, (name, kw) in enumerate(runs):
+    print(f'profiled launch {i + 1}: {name}', flush=True)
+    t.launch((64, 4, 4, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx, 128**-0.5, True, 1.0, 20.0, **kw)
+torch.cuda.synchronize()
+" >"$OUT/ncu_run.txt" 2>&1
+tail -n 5 "$OUT/ncu_run.txt"
+"$ncu" --import "$OUT/ncu_decode.ncu-rep" --page details >"$OUT/ncu_decode.txt" 2>&1
+"$ncu" --import "$OUT/ncu_decode.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_decode_sass.csv" 2>/dev/null
+[ -n "$extra" ] && "$ncu" --import "$OUT/ncu_decode.ncu-rep" --page raw --print-metric-instances values \
+    --metrics "regex:pmsampling:.*(dram|throughput|warps_active)" >"$OUT/ncu_decode_pm.txt" 2>&1
+grep -i -E "decode_tma|duration|dram throughput|memory throughput|elapsed cycles|registers|achieved occupancy|\
+theoretical occupancy|block limit|warp cycles per issued|stall|l2 hit|mem busy|max bandwidth|waves" \
+    "$OUT/ncu_decode.txt" | head -n 120
+ls -la "$OUT"
