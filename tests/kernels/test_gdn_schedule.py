@@ -317,3 +317,10 @@ def test_programmatic_dependent_launches_are_for_cuda_gpus_only(monkeypatch):
     assert pdl.gdc_wait is not None  # the pinned Triton has it: Hopper calls would otherwise lose it quietly
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert not pdl.enabled(torch.device("cuda", 0))  # decided before the device is asked
+
+
+def test_a_decode_store_that_is_not_a_store_is_refused_with_its_value():
+    from hybridkv.kernels.gdn import triton_decode_tma
+
+    with pytest.raises(ValueError, match="store must be a triton_decode_tma.Store, got 'direct'"):
+        triton_decode_tma.launch((64, 4, 4, 3), *([None] * 10), 1.0, True, 1.0, 20.0, store="direct")
