@@ -44,6 +44,8 @@ import triton.language as tl
 
 from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_decode, triton_decode_tma, triton_recurrent
 from hybridkv.kernels.gdn.triton_decode_tma import _delta_step
+from hybridkv.kernels.gdn.triton_recurrent import _l2norm, _softplus
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks.gdn.schedules import decode_inputs
 
@@ -100,6 +102,80 @@ def _decode_persistent(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, N
             n_raw, n_q, n_k, n_v, n_x, n_bb, n_neg_a, n_valid, n_live, n_base, n_o_row)
 
 
+@triton.jit
+def _bf16_split(x):
+    """x (fp32) as three bf16 terms whose sum is x to about 2^-24 relative: 8 mantissa bits each."""
+    x1 = x.to(tl.bfloat16)
+    r1 = x - x1.to(tl.float32)
+    x2 = r1.to(tl.bfloat16)
+    x3 = (r1 - x2.to(tl.float32)).to(tl.bfloat16)
+    return x1, x2, x3
+
+
+@triton.jit
+def _decode_tma_mma(q, k, v, a, b, A_log, dt_bias, o, desc, state_indices, N, progs, scale, softplus_beta,
+                    softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BV: tl.constexpr, STAGES: tl.constexpr):
+    """The TMA walk (`triton_decode_tma._decode_tma_kernel`, l2norm on) with both of a tile's row reductions, S k and
+    S q, done as one bf16 mma instead of shuffle trees: S [BV, K] (a bf16 state, straight from the TMA buffer) times
+    the [K, 16] matrix whose columns are k and q, each split into three bf16 terms. bf16 products are exact in the
+    fp32 accumulator and the split keeps 24 bits, so this is the fp32 FMAs' arithmetic in another order: for bf16
+    states only, not bit for bit the tile kernel's.
+    Why: offline sm_90 the shipped walk's loop is ~1,000 instructions a thread per tile, 85 of them SHFL, and at 64
+    sequences a third of the call is fixed cost; an mma takes the 64 shuffles and two FMAs an element out."""
+    pid = tl.program_id(0)
+    NV: tl.constexpr = V // BV
+    n_tiles = N * HV * NV
+    o_k = tl.arange(0, K)
+    o_bv = tl.arange(0, BV)
+    col = tl.arange(0, 16)[None, :]
+    for t in tl.range(pid, n_tiles, progs, num_stages=STAGES):
+        i_v = t % NV
+        i_hv = (t // NV) % HV
+        i_n = t // (NV * HV)
+        i_h = i_hv // (HV // H)
+        slot = tl.load(state_indices + i_n).to(tl.int32)
+        live = slot >= 0
+        raw = desc.load([slot, i_hv, i_v * BV, 0]).reshape(BV, K)
+        row_h = i_n.to(tl.int64) * H + i_h
+        row_hv = i_n.to(tl.int64) * HV + i_hv
+        f_q = _l2norm(tl.load(q + row_h * K + o_k).to(tl.float32))
+        f_k = _l2norm(tl.load(k + row_h * K + o_k).to(tl.float32))
+        b_v = tl.load(v + row_hv * V + i_v * BV + o_bv).to(tl.float32)
+        x = tl.load(a + row_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+        bb = tl.load(b + row_hv).to(tl.float32)
+        neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        gate = tl.exp(neg_a * _softplus(x, softplus_beta, softplus_threshold))
+        k1, k2, k3 = _bf16_split(f_k)
+        q1, q2, q3 = _bf16_split(f_q)
+        zero = tl.zeros_like(k1)
+        kq = tl.where(col == 0, k1[:, None], tl.where(col == 1, k2[:, None], tl.where(col == 2, k3[:, None], tl.where(
+            col == 3, q1[:, None], tl.where(col == 4, q2[:, None], tl.where(col == 5, q3[:, None], zero[:, None]))))))
+        c = tl.dot(raw, kq)
+        # The decay is a scalar per tile, so it multiplies the products instead of the state: S_decayed k = g (S k).
+        pred = gate * tl.sum(tl.where(col < 3, c, 0.0), 1)
+        b_sq = gate * tl.sum(tl.where((col >= 3) & (col < 6), c, 0.0), 1)
+        delta = tl.sigmoid(bb) * (b_v - pred)
+        b_o = (b_sq + delta * tl.sum(f_k * f_q, 0)) * scale
+        b_s = raw.to(tl.float32) * gate + delta[:, None] * f_k[None, :]
+        tl.store(o + row_hv * V + i_v * BV + o_bv, tl.where(live, b_o, 0.0).to(o.dtype.element_ty))
+        if live:
+            desc.store([slot, i_hv, i_v * BV, 0], b_s.to(desc.dtype).reshape(1, 1, BV, K))
+
+
+def launch_tma_mma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, sms=None, maxnreg=None):
+    """`_decode_tma_mma` at cfg = (BV, num_warps, programs per SM, stages), as `triton_decode_tma.launch` does."""
+    bv, warps, per_sm, stages = cfg
+    N, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    sms = sms if sms is not None else torch.cuda.get_device_properties(q.device).multi_processor_count
+    programs = max(1, min(per_sm * sms, N * HV * (V // bv)))
+    desc = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [1, 1, bv, K])
+    _decode_tma_mma[(programs,)](q, k, v, a, b, A_log, dt_bias, o, desc, idx, N, programs, K**-0.5, 1.0, 20.0, H=H,
+                                 HV=HV, K=K, V=V, BV=bv, STAGES=stages, num_warps=warps,
+                                 **({} if maxnreg is None else {"maxnreg": maxnreg}))
+
+
 def launch_tma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, store=triton_decode_tma.Store.TMA, maxnreg=None):
     triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, 1.0, 20.0,
                              store=store, maxnreg=maxnreg)
@@ -123,6 +199,9 @@ TMA = tuple((bv, w, s, st) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8)) fo
 STORE = tuple((cfg, triton_decode_tma.Store.DIRECT, cap) for cfg in (
     (64, 4, 4, 3), (64, 4, 4, 4), (64, 4, 3, 4), (32, 4, 4, 3), (32, 4, 6, 3), (32, 4, 8, 3), (32, 4, 6, 4),
     (64, 4, 2, 3)) for cap in ((None, 128) if cfg[0] == 64 and cfg[2] > 3 else (None,)))
+# And, for bf16 states, the walk with its row reductions on the tensor cores (`_decode_tma_mma`; offline sm_90: BV 64
+# at 4 warps 162 registers, 8 B of stack at a 128 cap; at 8 warps 116).
+MMA = ((64, 4, 4, 3, 128), (64, 4, 3, 3, None), (64, 4, 4, 4, 128), (64, 8, 2, 3, None), (32, 4, 4, 3, None))
 
 
 def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False) -> list[dict]:
@@ -160,6 +239,11 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False) ->
                            lambda c, o, pool, st=st, cap=cap: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool,
                                                                          idx, st, cap))
                           for c, st, cap in STORE]
+                if dtype == torch.bfloat16:
+                    cands += [(f"tma mma{'' if c[4] is None else f' maxnreg {c[4]}'}", c[:4],
+                               lambda c, o, pool, cap=c[4]: launch_tma_mma(c, q, k, v, a, b, A_log, dt_bias, o, pool,
+                                                                           idx, maxnreg=cap))
+                              for c in MMA]
             else:
                 cands = [("persistent", c, lambda c, o, pool: launch_persistent(c, q, k, v, a, b, A_log, dt_bias, o,
                                                                                pool, idx, stream)) for c in PERSISTENT]
@@ -191,7 +275,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)
     p.add_argument("--batch", type=int, nargs="+", default=[256], help="sequences per decode step (default 256)")
-    p.add_argument("--store", action="store_true", help="only the TMA walk's configs, with TMA and direct stores")
+    p.add_argument("--store", action="store_true",
+                   help="only the TMA walk's configs: TMA and direct stores, and (bf16) reductions on the tensor cores")
     a = p.parse_args()
     copy = bench_timing._copy_gbps(a.iters)
     print(torch.cuda.get_device_name(), f"copy {copy:.0f} GB/s", flush=True)
