@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute on the TMA decode walk where it misses issue #23's decode goal: 35B (H=16, HV=32) bf16 state at 64
-# sequences (every 17th a pad), the shipped config (64, 4, 4, 3) with its TMA store, then the same walk storing from
-# registers (`Store.DIRECT`, capped at 128 registers so that four programs fit an SM). Every section of the full set
+# sequences (no pads: the bench's case), the shipped config (64, 4, 4, 3) with its TMA store, then the same walk storing from
+# registers (`Store.DIRECT`, capped at 128 registers so that four programs fit an SM), then the probe's walk with its
+# row reductions on the tensor cores (`decode_probe._decode_tma_mma`, capped at 128). Every section of the full set
 # (speed of light, memory tables, warp stalls per source line, launch and occupancy, PM sampling where this ncu has
 # it) into $OUT/ncu_decode.txt, the report itself into $OUT/ncu_decode.ncu-rep, and the lines that say where the time
 # goes printed. The copy the bench divides by is a cudaMemcpy, which ncu does not profile: compare durations with
@@ -16,18 +17,20 @@ echo "ncu: ${ncu:-not found} $("${ncu:-true}" --version 2>/dev/null | tail -n 1)
 sections=$("$ncu" --list-sections 2>/dev/null | awk '{print $1}')
 extra=""
 grep -qx PmSampling <<<"$sections" && extra="--section PmSampling"
-timeout "${NCU_S:-200}" "$ncu" -k "regex:decode_tma" -c 2 --set full $extra --import-source yes \
+timeout "${NCU_S:-200}" "$ncu" -k "regex:decode_tma" -c 3 --set full $extra --import-source yes \
     -o "$OUT/ncu_decode" -f "${PYTHON:-python3}" -c "
 import torch
 from benchmarks.gdn.schedules import decode_inputs
+from benchmarks.gdn import decode_probe
 from hybridkv.kernels.gdn import triton_decode_tma as t
 q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(64, 16, 32, torch.bfloat16)
-idx[::17] = -1
 o = torch.empty_like(v)
 runs = [('tma store', dict()), ('direct store, maxnreg 128', dict(store=t.Store.DIRECT, maxnreg=128))]
 for i, (name, kw) in enumerate(runs):
     print(f'profiled launch {i + 1}: {name}', flush=True)
     t.launch((64, 4, 4, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx, 128**-0.5, True, 1.0, 20.0, **kw)
+print('profiled launch 3: reductions on the tensor cores, maxnreg 128', flush=True)
+decode_probe.launch_tma_mma((64, 4, 4, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx, maxnreg=128)
 torch.cuda.synchronize()
 " >"$OUT/ncu_run.txt" 2>&1
 tail -n 5 "$OUT/ncu_run.txt"
