@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute on the TMA decode walk where it misses issue #23's decode goal: 35B (H=16, HV=32) bf16 state at 64
-# sequences (no pads: the bench's case), the shipped config (64, 4, 4, 3) with its TMA store, then the same walk storing from
-# registers (`Store.DIRECT`, capped at 128 registers so that four programs fit an SM), then the probe's walk with its
+# sequences (no pads: the bench's case), the shipped config (64, 4, 4, 3) with its TMA store, then the same walk storing
+# from registers (`Store.DIRECT`, capped at 128 registers so that four programs fit an SM), then the probe's walk with its
 # row reductions on the tensor cores (`decode_probe._decode_tma_mma`, capped at 128). Every section of the full set
 # (speed of light, memory tables, warp stalls per source line, launch and occupancy, PM sampling where this ncu has
 # it) into $OUT/ncu_decode.txt, the report itself into $OUT/ncu_decode.ncu-rep, and the lines that say where the time
@@ -35,7 +35,8 @@ torch.cuda.synchronize()
 " >"$OUT/ncu_run.txt" 2>&1
 tail -n 5 "$OUT/ncu_run.txt"
 "$ncu" --import "$OUT/ncu_decode.ncu-rep" --page details >"$OUT/ncu_decode.txt" 2>&1
-"$ncu" --import "$OUT/ncu_decode.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_decode_sass.csv" 2>/dev/null
+"$ncu" --import "$OUT/ncu_decode.ncu-rep" --page source --csv --print-source sass \
+    >"$OUT/ncu_decode_sass.csv" 2>/dev/null
 [ -n "$extra" ] && "$ncu" --import "$OUT/ncu_decode.ncu-rep" --page raw --print-metric-instances values \
     --metrics "regex:pmsampling:.*(dram|throughput|warps_active)" >"$OUT/ncu_decode_pm.txt" 2>&1
 grep -i -E "decode_tma|duration|dram throughput|memory throughput|elapsed cycles|registers|achieved occupancy|\

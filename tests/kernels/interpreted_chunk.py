@@ -237,8 +237,8 @@ def decode_tma(out: dict) -> None:
     triton_decode_tma.launch((32, 4, 2, 2), q, k, v, a, b, A_log, dt_bias, o_direct, direct_pool[:, 1], idx, K**-0.5,
                              True, 1.0, 20.0, sms=3, store=triton_decode_tma.Store.DIRECT)
     out["decode-tma/direct-store"] = float(torch.equal(direct_pool, pool) and torch.equal(o_direct, o))
-    # The probe's walk with the row reductions on the tensor cores (benchmarks/gdn/decode_probe.py, bf16 states): k and q
-    # split in three bf16 terms keep the fp32 arithmetic, so on these inputs it equals the shipped walk too.
+    # The probe's walk with the row reductions on the tensor cores (benchmarks/gdn/decode_probe.py, bf16 states): k and
+    # q split in three bf16 terms keep the fp32 arithmetic, so on these inputs it equals the shipped walk too.
     from benchmarks.gdn import decode_probe
 
     mma_pool, o_mma = before.clone(), torch.full_like(v, float("nan"))

@@ -60,8 +60,8 @@ def _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus
 
 @triton.jit
 def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state, stride_slot, stride_head, stride_row,
-                       state_indices, N, progs, scale, softplus_beta, softplus_threshold, H: tl.constexpr, HV: tl.constexpr,
-                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                       state_indices, N, progs, scale, softplus_beta, softplus_threshold, H: tl.constexpr,
+                       HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
                        STAGES: tl.constexpr, TMA_STORE: tl.constexpr):
     """Grid (progs,): program p takes tiles p, p + progs, ... of the N * HV * (V / BV) [BV, K] tiles, each
     one (sequence, value head, V block). A pad (slot < 0) writes a zero output row and leaves the pool alone.
