@@ -26,7 +26,11 @@ was a Gluon walk with its layout and pipeline written out (no cross-warp reducti
 indices loaded a tile ahead, two store buffers; its ``--gluon`` here), at 46c6401: correct, and 6-20 points of copy
 bandwidth behind this walk at 64 sequences (benchmarks/device/results/decode_probe_gluon_h200.txt).
 
-    python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256]
+``--store`` (ninth session) times only the walk's shipped configs beside two changes to it: updated tiles stored from
+registers instead of through a shared buffer and a TMA store (`triton_decode_tma.Store.DIRECT`), and, for bf16 states,
+both row reductions as one tensor-core product (`_decode_tma_mma`).
+
+    python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256] [--store]
     DECODEFIRST=1 TESTS=0 ONLY=decode bash benchmarks/device/gdn.sh   # on the device, then the decode bench
 
 Each candidate's output and updated pool are compared with the shipped kernel's on the same inputs.
