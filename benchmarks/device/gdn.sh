@@ -7,6 +7,7 @@
 #   TESTS=0 bash benchmarks/device/gdn.sh         # benchmark only
 #   BREAKDOWN=1 bash benchmarks/device/gdn.sh     # first: per-kernel device time vs call time, hybridkv and FLA
 #   HOSTPROF=1 bash benchmarks/device/gdn.sh      # first: where each call's host time goes (cProfile), hybridkv and FLA
+#                                               # (NO_FLA=1: hybridkv only, without FLA's minutes of autotuning)
 #   PROBE=1 BENCH=0 bash benchmarks/device/gdn.sh # tests, then every chunk schedule/config and decode hint
 #                                               # (PROBE_ONLY=prefill PROBE_SHAPES=4x8192 PROBE_QUICK=1: serial, the plan
 #                                               # and pipelined x2 / x4 on the batched shapes only)
@@ -150,7 +151,7 @@ sys.exit(a.handler(a))
 PYEOF
 if [ "${HOSTPROF:-0}" != 0 ]; then  # where each call's host time goes (hybridkv and FLA, cProfile)
     PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "${HOSTPROF_S:-${BENCH_S:-300}}" "$PY" "$MAIN" --host-profile \
-        --iters "${ITERS:-20}" 2>&1 | tee "$OUT/host_profile.txt"
+        --iters "${ITERS:-20}" $([ "${NO_FLA:-0}" != 0 ] && echo --no-fla) 2>&1 | tee "$OUT/host_profile.txt"
 fi
 if [ "${BREAKDOWN:-0}" != 0 ]; then
     PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "${BENCH_S:-300}" "$PY" "$MAIN" --breakdown --iters "${ITERS:-20}" \
