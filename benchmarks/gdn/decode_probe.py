@@ -230,10 +230,11 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False) ->
             same_gbps = bench_timing._copy_gbps(iters, pool0[:N])
             same_pct = 100 * same_gbps / copy_gbps
             rows.append(dict(shape=label, kernel="same-size copy", cfg=None, ms=moved / same_gbps / 1e6,
-                             pct_copy=same_pct, err=0.0))
+                             pct_copy=same_pct, err=0.0, mb=moved / 1e6))
             print(f"{label:22} a copy of {moved / 1e6:.0f} MB moved  {moved / same_gbps / 1e6:.4f} ms "
                   f"{same_pct:5.1f}% copy", flush=True)
-            rows.append(dict(shape=label, kernel="shipped", cfg=None, ms=ms, pct_copy=shipped_pct, err=0.0))
+            rows.append(dict(shape=label, kernel="shipped", cfg=None, ms=ms, pct_copy=shipped_pct, err=0.0,
+                             mb=nbytes / 1e6))
             print(f"{label:22} shipped {triton_recurrent.decode_choices()}  {ms:.4f} ms {shipped_pct:5.1f}% copy",
                   flush=True)
             if store_only:
@@ -267,7 +268,7 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False) ->
                           (pool.float() - ref_pool.float()).abs().max().item())
                 ms = bench_timing._median_ms(lambda: fn(cfg, o, pool), iters)
                 pct = 100 * nbytes / ms / 1e6 / copy_gbps
-                rows.append(dict(shape=label, kernel=name, cfg=cfg, ms=ms, pct_copy=pct, err=err))
+                rows.append(dict(shape=label, kernel=name, cfg=cfg, ms=ms, pct_copy=pct, err=err, mb=nbytes / 1e6))
                 print(f"{label:22} {name} {cfg}  {ms:.4f} ms {pct:5.1f}% copy  x{pct / shipped_pct:.3f}"
                       f"  err {err:.1e}", flush=True)
             del pool, pool0, ref_pool
@@ -288,9 +289,33 @@ def main() -> None:
     for batch in a.batch:
         print(f"# {batch} sequences", flush=True)
         rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch, a.store)]
+    fits = _fits(rows, copy) if len(set(a.batch)) > 1 else []
+    for f in fits:
+        print(f"fit {f['shape']:22} {f['kernel']} {f['cfg'] or ''}: {f['fixed_us']:.1f} us + {f['us_per_mb']:.3f} us/MB; "
+              f"80% of copy bandwidth at the smallest batch needs the fixed part under {f['fixed_for_80_us']:.1f} us",
+              flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)
+            json.dump({"copy_gbps": copy, "rows": rows, "fits": fits}, f, indent=1)
+
+
+def _fits(rows: list[dict], copy_gbps: float) -> list[dict]:
+    """Each candidate's time as a line through its smallest and largest batch: a fixed part (launch, ramp, tail) and a
+    streaming rate, and the fixed part at which that rate would reach 80% of copy bandwidth at the smallest batch."""
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["shape"], r["kernel"], str(r["cfg"])), []).append(r)
+    out = []
+    for (shape, kernel, _), rs in by.items():
+        lo, hi = min(rs, key=lambda r: r["mb"]), max(rs, key=lambda r: r["mb"])
+        if hi["mb"] <= lo["mb"]:
+            continue
+        per_mb = (hi["ms"] - lo["ms"]) * 1e3 / (hi["mb"] - lo["mb"])
+        fixed = lo["ms"] * 1e3 - per_mb * lo["mb"]
+        target = lo["mb"] * 1e6 / (0.8 * copy_gbps * 1e9) * 1e6  # us at 80% of copy bandwidth
+        out.append(dict(shape=shape, kernel=kernel, cfg=lo["cfg"], fixed_us=fixed, us_per_mb=per_mb,
+                        fixed_for_80_us=target - per_mb * lo["mb"]))
+    return out
 
 
 if __name__ == "__main__":
