@@ -292,8 +292,8 @@ def main() -> None:
     fits = _fits(rows, copy) if len(set(a.batch)) > 1 else []
     for f in fits:
         print(f"fit {f['shape']:22} {f['kernel']} {f['cfg'] or ''}: {f['fixed_us']:.1f} us + "
-              f"{f['us_per_mb']:.3f} us/MB; 80% of copy bandwidth at the smallest batch needs the fixed part under {f['fixed_for_80_us']:.1f} us",
-              flush=True)
+              f"{f['us_per_mb']:.3f} us/MB; 80% of copy bandwidth at the smallest batch needs the fixed part under "
+              f"{f['fixed_for_80_us']:.1f} us", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"copy_gbps": copy, "rows": rows, "fits": fits}, f, indent=1)
