@@ -2,7 +2,8 @@
 # Nsight Compute on the TMA decode walk where it misses issue #23's decode goal: 35B (H=16, HV=32) bf16 state at 64
 # sequences (no pads: the bench's case), the shipped config (64, 4, 4, 3) with its TMA store, then the same walk storing
 # from registers (`Store.DIRECT`, capped at 128 registers so that four programs fit an SM), then the probe's walk with its
-# row reductions on the tensor cores (`decode_probe._decode_tma_mma`, capped at 128). Every section of the full set
+# row reductions on the tensor cores (`decode_probe._decode_tma_mma`, capped at 128), then the Gluon walk with its
+# layout written out and the direct store (`gluon_decode_direct`, (64, 4, 4, 3)). Every section of the full set
 # (speed of light, memory tables, warp stalls per source line, launch and occupancy, PM sampling where this ncu has
 # it) into $OUT/ncu_decode.txt, the report itself into $OUT/ncu_decode.ncu-rep, and the lines that say where the time
 # goes printed. The copy the bench divides by is a cudaMemcpy, which ncu does not profile: compare durations with
@@ -17,7 +18,7 @@ echo "ncu: ${ncu:-not found} $("${ncu:-true}" --version 2>/dev/null | tail -n 1)
 sections=$("$ncu" --list-sections 2>/dev/null | awk '{print $1}')
 extra=""
 grep -qx PmSampling <<<"$sections" && extra="--section PmSampling"
-timeout "${NCU_S:-200}" "$ncu" -k "regex:decode_tma" -c 3 --set full $extra --import-source yes \
+timeout "${NCU_S:-200}" "$ncu" -k "regex:decode_tma|_decode_kernel" -c 4 --set full $extra --import-source yes \
     -o "$OUT/ncu_decode" -f "${PYTHON:-python3}" -c "
 import torch
 from benchmarks.gdn.schedules import decode_inputs
@@ -31,6 +32,9 @@ for i, (name, kw) in enumerate(runs):
     t.launch((64, 4, 4, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx, 128**-0.5, True, 1.0, 20.0, **kw)
 print('profiled launch 3: reductions on the tensor cores, maxnreg 128', flush=True)
 decode_probe.launch_tma_mma((64, 4, 4, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx, maxnreg=128)
+print('profiled launch 4: Gluon walk, direct store', flush=True)
+from benchmarks.gdn import gluon_decode_direct
+gluon_decode_direct.launch((64, 4, 4, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx)
 torch.cuda.synchronize()
 " >"$OUT/ncu_run.txt" 2>&1
 tail -n 5 "$OUT/ncu_run.txt"

@@ -26,9 +26,10 @@ was a Gluon walk with its layout and pipeline written out (no cross-warp reducti
 indices loaded a tile ahead, two store buffers; its ``--gluon`` here), at 46c6401: correct, and 6-20 points of copy
 bandwidth behind this walk at 64 sequences (benchmarks/device/results/decode_probe_gluon_h200.txt).
 
-``--store`` (ninth session) times only the walk's shipped configs beside two changes to it: updated tiles stored from
-registers instead of through a shared buffer and a TMA store (`triton_decode_tma.Store.DIRECT`), and, for bf16 states,
-both row reductions as one tensor-core product (`_decode_tma_mma`).
+``--store`` (ninth session) times only the walk's shipped configs beside three changes to it: updated tiles stored
+from registers instead of through a shared buffer and a TMA store (`triton_decode_tma.Store.DIRECT`); for bf16 states,
+both row reductions as one tensor-core product (`_decode_tma_mma`); and the walk in Gluon with its layout written out
+and the direct store (`gluon_decode_direct`).
 
     python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256] [--store]
     DECODEFIRST=1 TESTS=0 ONLY=decode bash benchmarks/device/gdn.sh   # on the device, then the decode bench
@@ -51,6 +52,7 @@ from hybridkv.kernels.gdn.triton_decode_tma import _delta_step
 from hybridkv.kernels.gdn.triton_recurrent import _l2norm, _softplus
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from benchmarks.gdn import gluon_decode_direct
 from benchmarks.gdn.schedules import decode_inputs
 
 
@@ -244,6 +246,9 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False) ->
                            lambda c, o, pool, st=st, cap=cap: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool,
                                                                          idx, st, cap))
                           for c, st, cap in STORE]
+                cands += [("gluon direct", c, lambda c, o, pool: gluon_decode_direct.launch(c, q, k, v, a, b, A_log,
+                                                                                         dt_bias, o, pool, idx))
+                          for c in gluon_decode_direct.CONFIGS]
                 if dtype == torch.bfloat16:
                     cands += [(f"tma mma{'' if c[4] is None else f' maxnreg {c[4]}'}", c[:4],
                                lambda c, o, pool, cap=c[4]: launch_tma_mma(c, q, k, v, a, b, A_log, dt_bias, o, pool,
