@@ -18,7 +18,8 @@
 #   INVFIRST=1 ... bash benchmarks/device/gdn.sh     # then the inverse kernel's variants (benchmarks/gdn/inverse_probe.py)
 #   DECODEFIRST=1 ... bash benchmarks/device/gdn.sh  # first: persistent and TMA decode candidates (benchmarks/gdn/decode_probe.py)
 #                                                   # at DECODE_BATCH sequences (256; "64 256": both);
-#                                                   # DECODE_STORE=1: the TMA walk's TMA vs direct stores only
+#                                                   # DECODE_STORE=1: the shipped TMA walk against its --store
+#                                                   # candidates only (direct store, tensor-core sums, Gluon walk)
 #   SCANFIRST=1 ... bash benchmarks/device/gdn.sh    # first: each shape's plan against its variants (scan_probe.py);
 #                                                   # SCAN_SHAPES="397B 1x8192,4x8192" picks labels with spaces
 #   QLA=1 bash benchmarks/device/gdn.sh  # FlashQLA beside FLA's Triton path (issue 23), carry [".whl-qla"] built here by

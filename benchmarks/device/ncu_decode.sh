@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Nsight Compute on the TMA decode walk where it misses issue #23's decode goal: 35B (H=16, HV=32) bf16 state at 64
-# sequences (no pads: the bench's case), the shipped config (64, 4, 4, 3) with its TMA store, then the same walk storing
-# from registers (`Store.DIRECT`, capped at 128 registers so that four programs fit an SM), then the probe's walk with its
-# row reductions on the tensor cores (`decode_probe._decode_tma_mma`, capped at 128), then the Gluon walk with its
-# layout written out and the direct store (`gluon_decode_direct`, (64, 4, 4, 3)). Every section of the full set
+# sequences (no pads: the bench's case). Four launches: the shipped config (64, 4, 4, 3) with its TMA store; the same
+# walk storing from registers (`Store.DIRECT`, capped at 128 registers so that four programs fit an SM); the probe's
+# walk with its row reductions on the tensor cores (`decode_probe._decode_tma_mma`, capped at 128); the Gluon walk with
+# its layout written out and the direct store (`gluon_decode_direct`, (64, 4, 4, 3)). Every section of the full set
 # (speed of light, memory tables, warp stalls per source line, launch and occupancy, PM sampling where this ncu has
 # it) into $OUT/ncu_decode.txt, the report itself into $OUT/ncu_decode.ncu-rep, and the lines that say where the time
 # goes printed. The copy the bench divides by is a cudaMemcpy, which ncu does not profile: compare durations with

@@ -50,7 +50,6 @@ import triton.language as tl
 from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_decode, triton_decode_tma, triton_recurrent
 from hybridkv.kernels.gdn.triton_decode_tma import _delta_step
 from hybridkv.kernels.gdn.triton_recurrent import _l2norm, _softplus
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks.gdn import gluon_decode_direct
 from benchmarks.gdn.schedules import decode_inputs
@@ -171,12 +170,10 @@ def _decode_tma_mma(q, k, v, a, b, A_log, dt_bias, o, desc, state_indices, N, pr
 
 def launch_tma_mma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, sms=None, maxnreg=None):
     """`_decode_tma_mma` at cfg = (BV, num_warps, programs per SM, stages), as `triton_decode_tma.launch` does."""
-    bv, warps, per_sm, stages = cfg
+    _, warps, _, stages = cfg
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    sms = sms if sms is not None else torch.cuda.get_device_properties(q.device).multi_processor_count
-    programs = max(1, min(per_sm * sms, N * HV * (V // bv)))
-    desc = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [1, 1, bv, K])
+    bv, programs, desc = triton_decode_tma.walk(cfg, q, v, pool, sms)
     _decode_tma_mma[(programs,)](q, k, v, a, b, A_log, dt_bias, o, desc, idx, N, programs, K**-0.5, 1.0, 20.0, H=H,
                                  HV=HV, K=K, V=V, BV=bv, STAGES=stages, num_warps=warps,
                                  **({} if maxnreg is None else {"maxnreg": maxnreg}))
@@ -294,7 +291,7 @@ def main() -> None:
     for batch in a.batch:
         print(f"# {batch} sequences", flush=True)
         rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch, a.store)]
-    fits = _fits(rows, copy) if len(set(a.batch)) > 1 else []
+    fits = _fits(rows, copy)  # none with one batch size
     for f in fits:
         print(f"fit {f['shape']:22} {f['kernel']} {f['cfg'] or ''}: {f['fixed_us']:.1f} us + "
               f"{f['us_per_mb']:.3f} us/MB; 80% of copy bandwidth at the smallest batch needs the fixed part under "

@@ -37,8 +37,7 @@ def test_chunk_kernels_in_the_interpreter_match_the_reference():
                                f"fp16-k64-v96/{f}" for f in ("fused", "split", "scores", "scan")} | {
                                "inverse-stacked/g4", "1seq/scores-scan-whole-m", "decode-tma", "decode-tma/vs-tile",
                                "decode-tma/untouched", "decode-tma/direct-store", "decode-tma/mma", "scores-tma/g2",
-                               "scores-tma/g4",
-                               "scores-tma/segment"}
+                               "scores-tma/g4", "scores-tma/segment"}
     # The scores' TMA walk against the tile kernel (`interpreted_chunk.scores_tma`): the same q k^T and epilogue, so
     # equal to rounding, on exactly the rows the tile kernel writes, with a neighbour's inf kept out.
     for name in ("scores-tma/g2", "scores-tma/g4", "scores-tma/segment"):

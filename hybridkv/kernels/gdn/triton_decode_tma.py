@@ -128,6 +128,18 @@ def eligible(q: torch.Tensor, v: torch.Tensor, ssm_state: torch.Tensor, v_first:
     return _device(ssm_state.device)[0]
 
 
+def walk(cfg, q, v, ssm_state, sms: int | None = None) -> tuple[int, int, TensorDescriptor]:
+    """(BV capped at V, programs, the pool's descriptor with a [1, 1, BV, K] box) of a walk at ``cfg`` = (BV,
+    num_warps, programs per SM, stages): programs per SM times ``sms`` (default: the device's), at most one a tile."""
+    bv, _, per_sm, _ = cfg
+    N, _, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    bv = min(bv, V)
+    sms = sms if sms is not None else _device(q.device)[1]
+    programs = max(1, min(per_sm * sms, N * HV * (V // bv)))
+    return bv, programs, TensorDescriptor(ssm_state, list(ssm_state.shape), list(ssm_state.stride()), [1, 1, bv, K])
+
+
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, softplus_beta,
            softplus_threshold, sms: int | None = None, store: Store = Store.TMA, maxnreg: int | None = None) -> None:
     """One TMA decode launch at ``cfg`` = (BV, num_warps, programs per SM, stages); the caller has checked
@@ -135,13 +147,10 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     ``store``: how updated tiles are written (`Store`); ``maxnreg``: a register cap for ptxas (None: none)."""
     if not isinstance(store, Store):
         raise ValueError(f"store must be a triton_decode_tma.Store, got {store!r}")
-    bv, warps, per_sm, stages = cfg
+    bv, warps, _, stages = cfg
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    bv = min(bv, V)
-    sms = sms if sms is not None else _device(q.device)[1]
-    programs = max(1, min(per_sm * sms, N * HV * (V // bv)))
-    desc = TensorDescriptor(ssm_state, list(ssm_state.shape), list(ssm_state.stride()), [1, 1, bv, K])
+    bv, programs, desc = walk(cfg, q, v, ssm_state, sms)
     _decode_tma_kernel[(programs,)](
         q, k, v, a, b, A_log, dt_bias, o, desc, ssm_state, *ssm_state.stride()[:3], state_indices, N, programs, scale,
         float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, L2NORM=l2, STAGES=stages,
