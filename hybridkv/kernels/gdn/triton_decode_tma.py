@@ -78,8 +78,9 @@ def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state, stride_slo
         i_h = i_hv // (HV // H)
         slot = tl.load(state_indices + i_n).to(tl.int32)
         live = slot >= 0
-        # A pad reads slot 0 (always there) so that the load needs no predicate; its result is dropped.
-        raw = desc.load([tl.maximum(slot, 0), i_hv, i_v * BV, 0]).reshape(BV, K)
+        # A pad (slot -1, vLLM's PAD_SLOT_ID for CUDA-graph padding) asks for a box wholly out of bounds: TMA fills it
+        # with zeros and reads nothing, as the tile kernel's masked load does, so pads cost no state traffic.
+        raw = desc.load([slot, i_hv, i_v * BV, 0]).reshape(BV, K)
         row_h = i_n.to(tl.int64) * H + i_h
         row_hv = i_n.to(tl.int64) * HV + i_hv
         b_q = tl.load(q + row_h * K + o_k)

@@ -14,6 +14,7 @@ so its tile shape is tuned against copy bandwidth (`_tune_decode`).
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +142,10 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
 # several points of copy bandwidth short on a large one. The candidates are the tile kernel's
 # (BV, num_warps) configs and, where it can run, the TMA walk's (`triton_decode_tma.TMA_CONFIGS`).
 DECODE_TUNE_ROWS = 256
+# The spin before each timed group of tuning launches (`_tune_decode`): cycles per second of a GPU clock that is at
+# most this fast (H200: 1.98 GHz boost), so a spin of host time x this lasts at least that long; and a floor.
+_SPIN_CYCLES_PER_S = 2.0e9
+_SPIN_MIN_CYCLES = 200_000
 DECODE_CONFIGS = ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8))  # (BV, num_warps)
 
 
@@ -245,12 +250,22 @@ def _tune_decode(args, rows: int, tma: bool) -> DecodeChoice:
     for choice in cands:  # compile and warm every candidate before any is timed
         _launch_choice(choice, *sub)
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for choice in cands:
+        _launch_choice(choice, *sub)
+    host_s = (time.perf_counter() - t0) / len(cands)
+    torch.cuda.synchronize()
+    # The timed launches are queued behind a GPU spin that outlasts their host time, so the events measure the GPU:
+    # a small batch's step (a few us) takes less device time than one launch's Python, and timed back to back it
+    # would pick whichever candidate launches fastest on the host, not what a CUDA graph then replays.
+    spin = int(max(_SPIN_MIN_CYCLES, 2 * 5 * host_s * _SPIN_CYCLES_PER_S))
     # Three rounds over all candidates, best of each: a single timed pass in a fixed order can favour one
     # for where it falls in the order rather than for its speed, and picked a slower tile.
     best_ms = {c: float("inf") for c in cands}
     for _ in range(3):
         for choice in cands:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(spin)
             start.record()
             for _ in range(5):
                 _launch_choice(choice, *sub)
