@@ -31,7 +31,10 @@ from registers instead of through a shared buffer and a TMA store (`triton_decod
 both row reductions as one tensor-core product (`_decode_tma_mma`); and the walk in Gluon with its layout written out
 and the direct store (`gluon_decode_direct`).
 
-    python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256] [--store]
+``--ring`` (eleventh session) times the shipped configs beside `gluon_decode_ring`: the Gluon walk with q, k and v in
+the state's TMA ring, the gates loaded a tile ahead, and updated tiles stored in place from the ring.
+
+    python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256] [--store | --ring]
     DECODEFIRST=1 TESTS=0 ONLY=decode bash benchmarks/device/gdn.sh   # on the device, then the decode bench
 
 Each candidate's output and updated pool are compared with the shipped kernel's on the same inputs.
@@ -51,7 +54,7 @@ from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_dec
 from hybridkv.kernels.gdn.triton_decode_tma import _delta_step
 from hybridkv.kernels.gdn.triton_recurrent import _l2norm, _softplus
 
-from benchmarks.gdn import gluon_decode_direct
+from benchmarks.gdn import gluon_decode_direct, gluon_decode_ring
 from benchmarks.gdn.schedules import decode_inputs
 
 
@@ -207,7 +210,7 @@ STORE = tuple((cfg, triton_decode_tma.Store.DIRECT, cap) for cfg in (
 MMA = ((64, 4, 4, 3, 128), (64, 4, 3, 3, None), (64, 4, 4, 4, 128), (64, 8, 2, 3, None), (32, 4, 4, 3, None))
 
 
-def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False) -> list[dict]:
+def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ring: bool = False) -> list[dict]:
     rows = []
     for model, H, HV in bench_cases.DECODE_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
@@ -236,7 +239,14 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False) ->
                              mb=nbytes / 1e6))
             print(f"{label:22} shipped {triton_recurrent.decode_choices()}  {ms:.4f} ms {shipped_pct:5.1f}% copy",
                   flush=True)
-            if store_only:
+            if ring:
+                cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
+                         for c in triton_decode_tma.TMA_CONFIGS]
+                cands += [("gluon ring", c, lambda c, o, pool: gluon_decode_ring.launch(c, q, k, v, a, b, A_log,
+                                                                                     dt_bias, o, pool, idx))
+                          for c in gluon_decode_ring.CONFIGS
+                          if c[0] * 128 * pool0.element_size() * c[3] * c[2] <= 220_000]
+            elif store_only:
                 cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
                          for c in triton_decode_tma.TMA_CONFIGS]
                 cands += [(f"tma {st.value} store{'' if cap is None else f' maxnreg {cap}'}", c,
@@ -284,13 +294,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[256], help="sequences per decode step (default 256)")
     p.add_argument("--store", action="store_true",
                    help="only the TMA walk's configs: TMA and direct stores, and (bf16) reductions on the tensor cores")
+    p.add_argument("--ring", action="store_true",
+                   help="only the TMA walk's configs beside the Gluon ring walk (gluon_decode_ring)")
     a = p.parse_args()
     copy = bench_timing._copy_gbps(a.iters)
     print(torch.cuda.get_device_name(), f"copy {copy:.0f} GB/s", flush=True)
     rows = []
     for batch in a.batch:
         print(f"# {batch} sequences", flush=True)
-        rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch, a.store)]
+        rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch, a.store, a.ring)]
     fits = _fits(rows, copy)  # none with one batch size
     for f in fits:
         print(f"fit {f['shape']:22} {f['kernel']} {f['cfg'] or ''}: {f['fixed_us']:.1f} us + "

@@ -1,0 +1,198 @@
+"""A probe candidate for issue #23's decode goal (35B bf16 state at 64 sequences): a Gluon TMA walk whose per-tile
+critical path has no global load and one CTA barrier.
+
+Why (offline sm_90 SASS of the shipped Triton walk, `triton_decode_tma`, bf16, BV 64): of its ~990 instructions a tile,
+the first ~200 are the tile's prologue. q and k arrive by plain 2-byte loads (too narrow for cp.async, so Triton's
+pipeliner leaves them in the loop) and are used at once, so every tile waits a global load's latency; their l2 norms
+are reduced across the four warps (shared memory and ~10 CTA barriers a tile); q and k are then moved to the tile's
+layout through shared memory (more barriers). Nsight Compute on that walk: 1.1 eligible warps of 3.8 per scheduler,
+so the SM idles on those latencies. The earlier Gluon walks (46c6401, `gluon_decode_direct`) fixed the layout but
+still loaded q, k, v and the gates with plain loads at the top of each tile (their profile: half of all stall
+cycles on global loads).
+
+Here:
+- q, k and v ride the state's TMA ring: each ring stage holds the state tile and its q, k, v rows, all behind one
+  mbarrier, so they are in flight STAGES - 1 tiles ahead, as the state is.
+- The tile's scalars (slot, a, b, A_log, dt_bias) are loaded one tile ahead into registers.
+- The layout puts 8 lanes along K and no warp across K, so every reduction (both l2 norms, k.q, S k, S q) stays in a
+  warp: in-thread FMAs then three shuffles.
+- The updated tile is written back into the ring stage it came from (each thread writes exactly the elements it
+  read, so no barrier before the write) and TMA-stored from there: no store buffer, so bf16 at BV 64 with three
+  stages is 48 KB and four programs fit an SM. One CTA barrier a tile, between the shared writes (plus their proxy
+  fence) and the store. The stage is refilled in the next tile, once that tile's data is in registers, after
+  `store_wait(0)` says the store has read it; the store and the refill are issued by the same elected thread, so
+  that wait orders them.
+
+Arithmetic: `triton_recurrent._delta_rule_step`'s, summed in another order, so equal to the shipped walk to rounding.
+A pad (slot < 0) asks TMA for a box out of bounds (zeros, nothing read) and is not stored. Gluon has no CPU
+interpreter: the probe checks it against the shipped kernel on the GPU (its err column).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+_LANES_K = 8  # lanes along K: a thread holds K / 8 contiguous elements of a row
+
+
+def tile_layout(K: int, warps: int) -> gl.BlockedLayout:
+    return gl.BlockedLayout([1, K // _LANES_K], [32 // _LANES_K, _LANES_K], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, stage, t, slot, H: gl.constexpr, HV: gl.constexpr,
+           NV: gl.constexpr, BV: gl.constexpr, NBYTES: gl.constexpr):
+    """TMA-load tile t's state (slot ``slot``; a pad's -1 is out of bounds: zeros, nothing read), q, k and v rows
+    into ring ``stage``, all on that stage's barrier."""
+    i_v = t % NV
+    i_hv = (t // NV) % HV
+    i_n = t // (NV * HV)
+    i_h = i_hv // (HV // H)
+    bar = bars.index(stage)
+    mbarrier.expect(bar, NBYTES)
+    tma.async_copy_global_to_shared(desc, [slot, i_hv, i_v * BV, 0], bar, bufs.index(stage))
+    tma.async_copy_global_to_shared(qd, [i_n, i_h, 0], bar, qbufs.index(stage))
+    tma.async_copy_global_to_shared(kd, [i_n, i_h, 0], bar, kbufs.index(stage))
+    tma.async_copy_global_to_shared(vd, [i_n, i_hv, i_v * BV], bar, vbufs.index(stage))
+
+
+@gluon.jit
+def _ring_kernel(qd, kd, vd, a, b, A_log, dt_bias, o, desc, state_indices, N, progs, scale, softplus_beta,
+                 softplus_threshold, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+                 BV: gl.constexpr, STAGES: gl.constexpr, L: gl.constexpr, FLAT: gl.constexpr, VEC: gl.constexpr,
+                 NBYTES: gl.constexpr):
+    """Grid (progs,): program p takes tiles p, p + progs, ... of the N * HV * (V / BV) [BV, K] tiles, each one
+    (sequence, value head, V block), as `triton_decode_tma._decode_tma_kernel` (l2norm on). ``a``, ``b``: [N, HV]
+    contiguous; ``o``: [N, HV, V] contiguous."""
+    pid = gl.program_id(0)
+    NV: gl.constexpr = V // BV
+    n_tiles = N * HV * NV
+    n_mine = gl.cdiv(n_tiles - pid, progs)
+    row: gl.constexpr = gl.SliceLayout(1, L)
+    col: gl.constexpr = gl.SliceLayout(0, L)
+    o_bv = gl.arange(0, BV, layout=row)
+
+    bufs = gl.allocate_shared_memory(desc.dtype, [STAGES, 1, 1, BV, K], desc.layout)
+    qbufs = gl.allocate_shared_memory(qd.dtype, [STAGES, 1, 1, K], qd.layout)
+    kbufs = gl.allocate_shared_memory(kd.dtype, [STAGES, 1, 1, K], kd.layout)
+    vbufs = gl.allocate_shared_memory(vd.dtype, [STAGES, 1, 1, BV], vd.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    for s in gl.static_range(STAGES):
+        if s < n_mine:
+            t = pid + s * progs
+            _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, s, t,
+                   gl.load(state_indices + t // (NV * HV)).to(gl.int32), H, HV, NV, BV, NBYTES)
+    # The slot of the next tile to issue (tile j + STAGES - 1 at iteration j, into the stage tile j - 1 held).
+    t_issue = pid + STAGES * progs
+    slot_issue = gl.load(state_indices + gl.minimum(t_issue, n_tiles - 1) // (NV * HV)).to(gl.int32)
+    # Tile 0's scalars; each iteration loads the next tile's.
+    i_n = pid // (NV * HV)
+    i_hv = (pid // NV) % HV
+    slot = gl.load(state_indices + i_n).to(gl.int32)
+    x = gl.load(a + i_n.to(gl.int64) * HV + i_hv).to(gl.float32) + gl.load(dt_bias + i_hv).to(gl.float32)
+    bb = gl.load(b + i_n.to(gl.int64) * HV + i_hv).to(gl.float32)
+    alog = gl.load(A_log + i_hv).to(gl.float32)
+    for j in range(n_mine):
+        t = pid + j * progs
+        stage = j % STAGES
+        # The next tile's scalars, in flight while this one computes.
+        t_n = gl.minimum(t + progs, n_tiles - 1)
+        n_n = t_n // (NV * HV)
+        hv_n = (t_n // NV) % HV
+        slot_n = gl.load(state_indices + n_n).to(gl.int32)
+        a_n = gl.load(a + n_n.to(gl.int64) * HV + hv_n)
+        dtb_n = gl.load(dt_bias + hv_n)
+        bb_n = gl.load(b + n_n.to(gl.int64) * HV + hv_n)
+        alog_n = gl.load(A_log + hv_n)
+
+        i_v = t % NV
+        i_hv = (t // NV) % HV
+        i_n = t // (NV * HV)
+        beta = 1.0 / (1.0 + gl.exp(-bb))
+        bx = softplus_beta * x
+        sp = gl.where(bx <= softplus_threshold, gl.log(1.0 + gl.exp(bx)) / softplus_beta, x)
+        gate = gl.exp(-gl.exp(alog) * sp)
+
+        mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
+        f_q = qbufs.index(stage)._reinterpret(qd.dtype, [K], VEC).load(col).to(gl.float32)
+        f_k = kbufs.index(stage)._reinterpret(kd.dtype, [K], VEC).load(col).to(gl.float32)
+        f_v = vbufs.index(stage)._reinterpret(vd.dtype, [BV], VEC).load(row).to(gl.float32)
+        tile = bufs.index(stage)._reinterpret(desc.dtype, [BV, K], FLAT)
+        s_t = tile.load(L).to(gl.float32) * gate
+        if j >= 1:
+            # Refill the stage tile j - 1 was stored from, once that store has read it: issued a whole wait and
+            # tile load ago, so this rarely waits. The store and the refill come from the same elected thread.
+            if j - 1 + STAGES < n_mine:
+                tma.store_wait(0)
+                _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, (j - 1) % STAGES, t_issue, slot_issue,
+                       H, HV, NV, BV, NBYTES)
+                t_issue += progs
+                slot_issue = gl.load(state_indices + gl.minimum(t_issue, n_tiles - 1) // (NV * HV)).to(gl.int32)
+        f_q = f_q * gl.rsqrt(gl.sum(f_q * f_q, 0) + 1e-6)
+        f_k = f_k * gl.rsqrt(gl.sum(f_k * f_k, 0) + 1e-6)
+        pred = gl.sum(s_t * f_k[None, :], 1)
+        s_q = gl.sum(s_t * f_q[None, :], 1)
+        delta = beta * (f_v - pred)
+        b_o = (s_q + delta * gl.sum(f_k * f_q, 0)) * scale
+        gl.store(o + (i_n.to(gl.int64) * HV + i_hv) * V + i_v * BV + o_bv,
+                 gl.where(slot >= 0, b_o, 0.0).to(o.dtype.element_ty))
+        if slot >= 0:
+            tile.store((s_t + delta[:, None] * f_k[None, :]).to(desc.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(desc, [slot, i_hv, i_v * BV, 0], bufs.index(stage))
+        else:
+            # A pad stores nothing, but its stage is refilled next tile: every warp must be done reading it.
+            gl.thread_barrier()
+        slot = slot_n
+        x = a_n.to(gl.float32) + dtb_n.to(gl.float32)
+        bb = bb_n.to(gl.float32)
+        alog = alog_n.to(gl.float32)
+    tma.store_wait(0)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+
+# (BV, num_warps, programs per SM, ring stages): what `decode_probe --ring` times (those whose programs all fit an SM
+# by shared memory: bf16 BV 64 at 3 stages is 48 KB a program; the last three are for fp32 states).
+CONFIGS = ((64, 4, 4, 3), (64, 4, 3, 4), (32, 4, 4, 4), (32, 4, 6, 4), (32, 4, 8, 3), (64, 8, 2, 4), (128, 8, 2, 3),
+           (32, 4, 4, 3), (64, 4, 2, 3), (32, 4, 3, 4))
+
+
+def _gl_dtype(t: torch.dtype):
+    return {torch.float32: gl.float32, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t]
+
+
+def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, scale=None, softplus_beta=1.0,
+           softplus_threshold=20.0) -> None:
+    """One launch at ``cfg`` on a V-first pool (`triton_decode_tma.eligible`), on Hopper. q, k: [N, H, K], v and o:
+    [N, HV, V] (q, k, v strided as a tensor descriptor allows; o, a and b contiguous)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    bv, warps, per_sm, stages = cfg
+    N, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    if stages < 2:
+        raise ValueError(f"the ring keeps at least 2 tiles, got {stages}")
+    if not (o.is_contiguous() and a.is_contiguous() and b.is_contiguous()):
+        raise ValueError("o, a and b must be contiguous")
+    box = [1, 1, bv, K]
+    layout = gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(pool.dtype))
+    desc = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), box, layout)
+    flat = gl.NVMMASharedLayout(0, 8 * q.element_size(), 3)  # rows of q, k, v: no swizzle, linear in shared memory
+    qd = TensorDescriptor(q, list(q.shape), list(q.stride()), [1, 1, K], flat)
+    kd = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, K], flat)
+    vd = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, bv], flat)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    programs = max(1, min(per_sm * sms, N * HV * (V // bv)))
+    nbytes = bv * K * pool.element_size() + (2 * K + bv) * q.element_size()
+    _ring_kernel[(programs,)](
+        qd, kd, vd, a, b, A_log, dt_bias, o, desc, idx, N, programs, K**-0.5 if scale is None else scale,
+        float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, STAGES=stages,
+        L=tile_layout(K, warps), FLAT=gl.NVMMASharedLayout(layout.swizzle_byte_width, layout.element_bitwidth, 2),
+        VEC=gl.SwizzledSharedLayout(1, 1, 1, [0]), NBYTES=nbytes, num_warps=warps)
