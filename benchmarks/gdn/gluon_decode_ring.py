@@ -159,9 +159,9 @@ def _ring_kernel(qd, kd, vd, a, b, A_log, dt_bias, o, desc, state_indices, N, pr
 
 
 # (BV, num_warps, programs per SM, ring stages): what `decode_probe --ring` times (those whose programs all fit an SM
-# by shared memory: bf16 BV 64 at 3 stages is 48 KB a program; the last three are for fp32 states).
-CONFIGS = ((64, 4, 4, 3), (64, 4, 3, 4), (32, 4, 4, 4), (32, 4, 6, 4), (32, 4, 8, 3), (64, 8, 2, 4), (128, 8, 2, 3),
-           (32, 4, 4, 3), (64, 4, 2, 3), (32, 4, 3, 4))
+# by shared memory: bf16 BV 64 at 3 stages is 48 KB a program; the last is for fp32 states). BV is at least 64: a
+# stage's v row is then 128 bytes, the alignment a TMA destination needs (BV 32 faulted, misaligned, on the H200).
+CONFIGS = ((64, 4, 4, 3), (64, 4, 3, 4), (64, 8, 2, 4), (128, 8, 2, 3), (64, 8, 2, 3), (64, 4, 2, 3))
 
 
 def _gl_dtype(t: torch.dtype):
@@ -179,6 +179,8 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, scale=None, softplu
     HV, V = v.shape[1], v.shape[2]
     if stages < 2:
         raise ValueError(f"the ring keeps at least 2 tiles, got {stages}")
+    if bv * v.element_size() % 128:
+        raise ValueError(f"a ring stage's v row must be a multiple of 128 bytes (TMA's alignment), got BV={bv}")
     if not (o.is_contiguous() and a.is_contiguous() and b.is_contiguous()):
         raise ValueError("o, a and b must be contiguous")
     box = [1, 1, bv, K]
