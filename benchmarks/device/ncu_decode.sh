@@ -9,6 +9,8 @@
 # goes printed. The copy the bench divides by is a cudaMemcpy, which ncu does not profile: compare durations with
 # the probe's same-size copy (results/decode_probe_b64_h200.txt), not here.
 #   bash benchmarks/device/ncu_decode.sh      # on the device, from the repo root (carry [".whl"] is not needed)
+#   NCU_RING=1 bash benchmarks/device/ncu_decode.sh   # instead: the shipped walk and the Gluon ring walk, 64 and 256
+#                                                    # sequences; the stall table is in $OUT/ncu_decode_stalls.txt
 set -u
 OUT=${OUT:-/tmp/hybridkv_ncu_out}
 mkdir -p "$OUT"
@@ -18,6 +20,24 @@ echo "ncu: ${ncu:-not found} $("${ncu:-true}" --version 2>/dev/null | tail -n 1)
 sections=$("$ncu" --list-sections 2>/dev/null | awk '{print $1}')
 extra=""
 grep -qx PmSampling <<<"$sections" && extra="--section PmSampling"
+if [ "${NCU_RING:-0}" != 0 ]; then
+    # The shipped walk beside the Gluon ring walk (benchmarks/gdn/gluon_decode_ring.py), (64, 4, 4, 3) both, at 64 and
+    # 256 sequences: where the ring's time goes (its fixed part is half the shipped walk's, its us/MB 9% more).
+    timeout "${NCU_S:-200}" "$ncu" -k "regex:decode_tma|_ring_kernel" -c 4 --set full $extra --import-source yes \
+        -o "$OUT/ncu_decode" -f "${PYTHON:-python3}" -c "
+import torch
+from benchmarks.gdn.schedules import decode_inputs
+from benchmarks.gdn import gluon_decode_ring
+from hybridkv.kernels.gdn import triton_decode_tma as t
+for n in (64, 256):
+    q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(n, 16, 32, torch.bfloat16)
+    o = torch.empty_like(v)
+    print(f'profiled launches: shipped walk, then ring walk, {n} sequences', flush=True)
+    t.launch((64, 4, 4, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx, 128**-0.5, True, 1.0, 20.0)
+    gluon_decode_ring.launch((64, 4, 4, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx)
+torch.cuda.synchronize()
+" >"$OUT/ncu_run.txt" 2>&1
+else
 timeout "${NCU_S:-200}" "$ncu" -k "regex:decode_tma|_decode_kernel" -c 4 --set full $extra --import-source yes \
     -o "$OUT/ncu_decode" -f "${PYTHON:-python3}" -c "
 import torch
@@ -37,10 +57,15 @@ from benchmarks.gdn import gluon_decode_direct
 gluon_decode_direct.launch((64, 4, 4, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx)
 torch.cuda.synchronize()
 " >"$OUT/ncu_run.txt" 2>&1
+fi
 tail -n 5 "$OUT/ncu_run.txt"
 "$ncu" --import "$OUT/ncu_decode.ncu-rep" --page details >"$OUT/ncu_decode.txt" 2>&1
 "$ncu" --import "$OUT/ncu_decode.ncu-rep" --page source --csv --print-source sass \
     >"$OUT/ncu_decode_sass.csv" 2>/dev/null
+# Each launch's stall reasons, cycles per issued instruction (the warp state table the details page only summarises).
+"$ncu" --import "$OUT/ncu_decode.ncu-rep" --page raw --print-metric-instances none \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio$,gpu__time_duration.sum,\
+smsp__inst_executed.sum,smsp__warps_eligible.avg.per_cycle_active" >"$OUT/ncu_decode_stalls.txt" 2>&1
 [ -n "$extra" ] && "$ncu" --import "$OUT/ncu_decode.ncu-rep" --page raw --print-metric-instances values \
     --metrics "regex:pmsampling:.*(dram|throughput|warps_active)" >"$OUT/ncu_decode_pm.txt" 2>&1
 grep -i -E "decode_tma|duration|dram throughput|memory throughput|elapsed cycles|registers|achieved occupancy|\
