@@ -246,7 +246,7 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ri
                 cands += [("gluon ring", c, lambda c, o, pool: gluon_decode_ring.launch(c, q, k, v, a, b, A_log,
                                                                                      dt_bias, o, pool, idx))
                           for c in gluon_decode_ring.CONFIGS
-                          if c[0] * 128 * pool0.element_size() * c[3] * c[2] <= 220_000]
+                          if c[0] * 128 * pool0.element_size() * (c[3] + 1) * c[2] <= 220_000]
             elif store_only:
                 cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
                          for c in triton_decode_tma.TMA_CONFIGS]

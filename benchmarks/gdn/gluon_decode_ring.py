@@ -1,27 +1,25 @@
-"""A probe candidate for issue #23's decode goal (35B bf16 state at 64 sequences): a Gluon TMA walk whose per-tile
-critical path has no global load and one CTA barrier.
+"""A probe candidate for issue #23's decode goal (35B bf16 state at 64 sequences): a Gluon TMA walk with no global
+load on its per-tile critical path.
 
 Why (offline sm_90 SASS of the shipped Triton walk, `triton_decode_tma`, bf16, BV 64): of its ~990 instructions a tile,
 the first ~200 are the tile's prologue. q and k arrive by plain 2-byte loads (too narrow for cp.async, so Triton's
-pipeliner leaves them in the loop) and are used at once, so every tile waits a global load's latency; their l2 norms
-are reduced across the four warps (shared memory and ~10 CTA barriers a tile); q and k are then moved to the tile's
-layout through shared memory (more barriers). Nsight Compute on that walk: 1.1 eligible warps of 3.8 per scheduler,
-so the SM idles on those latencies. The earlier Gluon walks (46c6401, `gluon_decode_direct`) fixed the layout but
-still loaded q, k, v and the gates with plain loads at the top of each tile (their profile: half of all stall
-cycles on global loads).
+pipeliner leaves them in the loop) and are used at once, so every tile waits a global load's latency (Nsight Compute:
+the top stall site, 13% of all samples, is the first use of q); their l2 norms are reduced across the four warps
+(shared memory and ~10 CTA barriers a tile); q and k then move to the tile's layout through shared memory. The earlier
+Gluon walks (46c6401, `gluon_decode_direct`) fixed the layout but still loaded q, k, v and the gates with plain loads
+at the top of each tile.
 
 Here:
 - q, k and v ride the state's TMA ring: each ring stage holds the state tile and its q, k, v rows, all behind one
-  mbarrier, so they are in flight STAGES - 1 tiles ahead, as the state is.
-- The tile's scalars (slot, a, b, A_log, dt_bias) are loaded one tile ahead into registers.
+  mbarrier, so they are in flight as far ahead as the state.
+- The tile's scalars (slot, a, b, A_log, dt_bias) are loaded one tile ahead into registers, the first tiles' slots in
+  one load, the refills' slots two refills ahead.
 - The layout puts 8 lanes along K and no warp across K, so every reduction (both l2 norms, k.q, S k, S q) stays in a
-  warp: in-thread FMAs then three shuffles.
-- The updated tile is written back into the ring stage it came from (each thread writes exactly the elements it
-  read, so no barrier before the write) and TMA-stored from there: no store buffer, so bf16 at BV 64 with three
-  stages is 48 KB and four programs fit an SM. One CTA barrier a tile, between the shared writes (plus their proxy
-  fence) and the store. The stage is refilled in the next tile, once that tile's data is in registers, after
-  `store_wait(0)` says the store has read it; the store and the refill are issued by the same elected thread, so
-  that wait orders them.
+  warp: in-thread FMAs then three shuffles. The l2 norms scale the row sums, not q and k.
+- A stage is refilled as soon as every warp holds it in registers; the updated tile goes through its own store buffer
+  and a TMA store, which the next stored tile waits for (`store_wait(0)`, a whole tile later). That is v3: v1 and v2
+  (a04ca84) stored each tile in place from its stage and refilled the stage after that store had read it; their
+  fixed cost was half the Triton walk's but their us/MB 9-11% worse (results/decode_probe_ring*_h200.txt).
 
 Arithmetic: `triton_recurrent._delta_rule_step`'s, summed in another order, so equal to the shipped walk to rounding.
 A pad (slot < 0) asks TMA for a box out of bounds (zeros, nothing read) and is not stored. Gluon has no CPU
@@ -80,6 +78,8 @@ def _ring_kernel(qd, kd, vd, a, b, A_log, dt_bias, o, desc, state_indices, N, pr
     qbufs = gl.allocate_shared_memory(qd.dtype, [STAGES, 1, 1, K], qd.layout)
     kbufs = gl.allocate_shared_memory(kd.dtype, [STAGES, 1, 1, K], kd.layout)
     vbufs = gl.allocate_shared_memory(vd.dtype, [STAGES, 1, 1, BV], vd.layout)
+    obuf = gl.allocate_shared_memory(desc.dtype, [1, 1, BV, K], desc.layout)
+    out = obuf._reinterpret(desc.dtype, [BV, K], FLAT)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
@@ -91,7 +91,7 @@ def _ring_kernel(qd, kd, vd, a, b, A_log, dt_bias, o, desc, state_indices, N, pr
         if s < n_mine:
             _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, s, pid + s * progs,
                    gl.sum(gl.where(o_pre == s, slots_pre, 0), 0), H, HV, NV, BV, NBYTES)
-    # The slots of the next two tiles to issue (tile j + STAGES - 1 at iteration j, into the stage tile j - 1 held),
+    # The slots of the next two tiles to issue (tile j + STAGES at iteration j, into the stage tile j came from),
     # loaded two refills ahead so that no refill waits on its slot.
     t_issue = pid + STAGES * progs
     slot_issue = gl.sum(gl.where(o_pre == STAGES, slots_pre, 0), 0)
@@ -128,32 +128,32 @@ def _ring_kernel(qd, kd, vd, a, b, A_log, dt_bias, o, desc, state_indices, N, pr
         f_q = qbufs.index(stage)._reinterpret(qd.dtype, [K], VEC).load(col).to(gl.float32)
         f_k = kbufs.index(stage)._reinterpret(kd.dtype, [K], VEC).load(col).to(gl.float32)
         f_v = vbufs.index(stage)._reinterpret(vd.dtype, [BV], VEC).load(row).to(gl.float32)
-        tile = bufs.index(stage)._reinterpret(desc.dtype, [BV, K], FLAT)
-        s_t = tile.load(L).to(gl.float32) * gate
-        if j >= 1:
-            # Refill the stage tile j - 1 was stored from, once that store has read it: issued a whole wait and
-            # tile load ago, so this rarely waits. The store and the refill come from the same elected thread.
-            if j - 1 + STAGES < n_mine:
-                tma.store_wait(0)
-                _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, (j - 1) % STAGES, t_issue, slot_issue,
-                       H, HV, NV, BV, NBYTES)
-                t_issue += progs
-                slot_issue = slot_issue2
-                slot_issue2 = gl.load(state_indices + gl.minimum(t_issue + progs, n_tiles - 1) // (NV * HV)).to(gl.int32)
-        f_q = f_q * gl.rsqrt(gl.sum(f_q * f_q, 0) + 1e-6)
-        f_k = f_k * gl.rsqrt(gl.sum(f_k * f_k, 0) + 1e-6)
-        pred = gl.sum(s_t * f_k[None, :], 1)
-        s_q = gl.sum(s_t * f_q[None, :], 1)
+        s_t = bufs.index(stage)._reinterpret(desc.dtype, [BV, K], FLAT).load(L).to(gl.float32) * gate
+        # Every warp has this stage in registers: refill it at once, as Triton's pipeliner does, so the refill never
+        # waits on a store (v1 and v2 stored in place and refilled after the store had read the stage).
+        gl.thread_barrier()
+        if j + STAGES < n_mine:
+            _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, stage, t_issue, slot_issue, H, HV, NV, BV,
+                   NBYTES)
+            t_issue += progs
+            slot_issue = slot_issue2
+            slot_issue2 = gl.load(state_indices + gl.minimum(t_issue + progs, n_tiles - 1) // (NV * HV)).to(gl.int32)
+        # The l2 norms scale the row sums (and delta), not the K / 8 elements of q and k each thread holds.
+        rq = gl.rsqrt(gl.sum(f_q * f_q, 0) + 1e-6)
+        rk = gl.rsqrt(gl.sum(f_k * f_k, 0) + 1e-6)
+        pred = rk * gl.sum(s_t * f_k[None, :], 1)
+        s_q = rq * gl.sum(s_t * f_q[None, :], 1)
         delta = beta * (f_v - pred)
-        b_o = (s_q + delta * gl.sum(f_k * f_q, 0)) * scale
+        b_o = (s_q + delta * (rk * rq * gl.sum(f_k * f_q, 0))) * scale
+        delta = delta * rk
         if slot >= 0:
-            tile.store((s_t + delta[:, None] * f_k[None, :]).to(desc.dtype))
+            # The store buffer is free once the previous tile's store has read it (a whole tile ago).
+            tma.store_wait(0)
+            gl.thread_barrier()
+            out.store((s_t + delta[:, None] * f_k[None, :]).to(desc.dtype))
             fence_async_shared()
             gl.thread_barrier()
-            tma.async_copy_shared_to_global(desc, [slot, i_hv, i_v * BV, 0], bufs.index(stage))
-        else:
-            # A pad stores nothing, but its stage is refilled next tile: every warp must be done reading it.
-            gl.thread_barrier()
+            tma.async_copy_shared_to_global(desc, [slot, i_hv, i_v * BV, 0], obuf)
         # After the shared-memory fence, not before it: the fence waited on these stores' round trip (Nsight Compute).
         gl.store(o + (i_n.to(gl.int64) * HV + i_hv) * V + i_v * BV + o_bv,
                  gl.where(slot >= 0, b_o, 0.0).to(o.dtype.element_ty))
@@ -167,9 +167,10 @@ def _ring_kernel(qd, kd, vd, a, b, A_log, dt_bias, o, desc, state_indices, N, pr
 
 
 # (BV, num_warps, programs per SM, ring stages): what `decode_probe --ring` times (those whose programs all fit an SM
-# by shared memory: bf16 BV 64 at 3 stages is 48 KB a program; the last is for fp32 states). BV is at least 64: a
-# stage's v row is then 128 bytes, the alignment a TMA destination needs (BV 32 faulted, misaligned, on the H200).
-CONFIGS = ((64, 4, 4, 3), (64, 4, 3, 4), (64, 8, 2, 4), (128, 8, 2, 3), (64, 8, 2, 3), (64, 4, 2, 3))
+# by shared memory: the ring plus one store buffer; bf16 BV 64 at 2 stages is 48 KB a program; the last two are for
+# fp32 states). BV is at least 64: a stage's v row is then 128 bytes, the alignment a TMA destination needs (BV 32
+# faulted, misaligned, on the H200).
+CONFIGS = ((64, 4, 4, 2), (64, 4, 3, 3), (64, 8, 2, 3), (128, 8, 2, 2), (64, 4, 2, 2), (64, 8, 2, 2))
 
 
 def _gl_dtype(t: torch.dtype):
