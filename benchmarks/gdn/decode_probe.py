@@ -243,9 +243,10 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ri
             if ring:
                 cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
                          for c in triton_decode_tma.TMA_CONFIGS]
-                cands += [("gluon ring", c, lambda c, o, pool: gluon_decode_ring.launch(c, q, k, v, a, b, A_log,
-                                                                                     dt_bias, o, pool, idx))
-                          for c in gluon_decode_ring.CONFIGS
+                cands += [(f"gluon ring{'' if tma else ' qkv loads'}", c,
+                           lambda c, o, pool, tma=tma: gluon_decode_ring.launch(c, q, k, v, a, b, A_log, dt_bias, o,
+                                                                                pool, idx, qkv_tma=tma))
+                          for c, tma in gluon_decode_ring.CONFIGS
                           if c[0] * 128 * pool0.element_size() * (c[3] + 1) * c[2] <= 220_000]
             elif store_only:
                 cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))

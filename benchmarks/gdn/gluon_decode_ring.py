@@ -43,7 +43,7 @@ def tile_layout(K: int, warps: int) -> gl.BlockedLayout:
 
 @gluon.jit
 def _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, stage, t, slot, H: gl.constexpr, HV: gl.constexpr,
-           NV: gl.constexpr, BV: gl.constexpr, NBYTES: gl.constexpr):
+           NV: gl.constexpr, BV: gl.constexpr, NBYTES: gl.constexpr, QKV_TMA: gl.constexpr):
     """TMA-load tile t's state (slot ``slot``; a pad's -1 is out of bounds: zeros, nothing read), q, k and v rows
     into ring ``stage``, all on that stage's barrier."""
     i_v = t % NV
@@ -53,16 +53,18 @@ def _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, stage, t, slot, H:
     bar = bars.index(stage)
     mbarrier.expect(bar, NBYTES)
     tma.async_copy_global_to_shared(desc, [slot, i_hv, i_v * BV, 0], bar, bufs.index(stage))
-    tma.async_copy_global_to_shared(qd, [i_n, i_h, 0], bar, qbufs.index(stage))
-    tma.async_copy_global_to_shared(kd, [i_n, i_h, 0], bar, kbufs.index(stage))
-    tma.async_copy_global_to_shared(vd, [i_n, i_hv, i_v * BV], bar, vbufs.index(stage))
+    if QKV_TMA:
+        tma.async_copy_global_to_shared(qd, [i_n, i_h, 0], bar, qbufs.index(stage))
+        tma.async_copy_global_to_shared(kd, [i_n, i_h, 0], bar, kbufs.index(stage))
+        tma.async_copy_global_to_shared(vd, [i_n, i_hv, i_v * BV], bar, vbufs.index(stage))
 
 
 @gluon.jit
-def _ring_kernel(qd, kd, vd, a, b, A_log, dt_bias, o, desc, state_indices, N, progs, scale, softplus_beta,
-                 softplus_threshold, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-                 BV: gl.constexpr, STAGES: gl.constexpr, L: gl.constexpr, FLAT: gl.constexpr, VEC: gl.constexpr,
-                 NBYTES: gl.constexpr, PRE: gl.constexpr):
+def _ring_kernel(qd, kd, vd, q, k, v, stride_qn, stride_qh, stride_vn, stride_vh, a, b, A_log, dt_bias, o, desc,
+                 state_indices, N, progs, scale, softplus_beta, softplus_threshold, H: gl.constexpr,
+                 HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr,
+                 L: gl.constexpr, FLAT: gl.constexpr, VEC: gl.constexpr, NBYTES: gl.constexpr, PRE: gl.constexpr,
+                 QKV_TMA: gl.constexpr):
     """Grid (progs,): program p takes tiles p, p + progs, ... of the N * HV * (V / BV) [BV, K] tiles, each one
     (sequence, value head, V block), as `triton_decode_tma._decode_tma_kernel` (l2norm on). ``a``, ``b``: [N, HV]
     contiguous; ``o``: [N, HV, V] contiguous."""
@@ -90,7 +92,7 @@ def _ring_kernel(qd, kd, vd, a, b, A_log, dt_bias, o, desc, state_indices, N, pr
     for s in gl.static_range(STAGES):
         if s < n_mine:
             _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, s, pid + s * progs,
-                   gl.sum(gl.where(o_pre == s, slots_pre, 0), 0), H, HV, NV, BV, NBYTES)
+                   gl.sum(gl.where(o_pre == s, slots_pre, 0), 0), H, HV, NV, BV, NBYTES, QKV_TMA)
     # The slots of the next two tiles to issue (tile j + STAGES at iteration j, into the stage tile j came from),
     # loaded two refills ahead so that no refill waits on its slot.
     t_issue = pid + STAGES * progs
@@ -103,6 +105,12 @@ def _ring_kernel(qd, kd, vd, a, b, A_log, dt_bias, o, desc, state_indices, N, pr
     x = gl.load(a + i_n.to(gl.int64) * HV + i_hv).to(gl.float32) + gl.load(dt_bias + i_hv).to(gl.float32)
     bb = gl.load(b + i_n.to(gl.int64) * HV + i_hv).to(gl.float32)
     alog = gl.load(A_log + i_hv).to(gl.float32)
+    o_k = gl.arange(0, K, layout=col)
+    if not QKV_TMA:  # q, k, v by plain loads, a tile ahead into registers (the probe's control for their TMA copies)
+        i_h = i_hv // (HV // H)
+        r_q = gl.load(q + i_n.to(gl.int64) * stride_qn + i_h * stride_qh + o_k)
+        r_k = gl.load(k + i_n.to(gl.int64) * stride_qn + i_h * stride_qh + o_k)
+        r_v = gl.load(v + i_n.to(gl.int64) * stride_vn + i_hv * stride_vh + (pid % NV) * BV + o_bv)
     for j in range(n_mine):
         t = pid + j * progs
         stage = j % STAGES
@@ -115,6 +123,11 @@ def _ring_kernel(qd, kd, vd, a, b, A_log, dt_bias, o, desc, state_indices, N, pr
         dtb_n = gl.load(dt_bias + hv_n)
         bb_n = gl.load(b + n_n.to(gl.int64) * HV + hv_n)
         alog_n = gl.load(A_log + hv_n)
+        if not QKV_TMA:
+            h_n = hv_n // (HV // H)
+            q_n = gl.load(q + n_n.to(gl.int64) * stride_qn + h_n * stride_qh + o_k)
+            k_n = gl.load(k + n_n.to(gl.int64) * stride_qn + h_n * stride_qh + o_k)
+            v_n = gl.load(v + n_n.to(gl.int64) * stride_vn + hv_n * stride_vh + (t_n % NV) * BV + o_bv)
 
         i_v = t % NV
         i_hv = (t // NV) % HV
@@ -125,16 +138,21 @@ def _ring_kernel(qd, kd, vd, a, b, A_log, dt_bias, o, desc, state_indices, N, pr
         gate = gl.exp(-gl.exp(alog) * sp)
 
         mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
-        f_q = qbufs.index(stage)._reinterpret(qd.dtype, [K], VEC).load(col).to(gl.float32)
-        f_k = kbufs.index(stage)._reinterpret(kd.dtype, [K], VEC).load(col).to(gl.float32)
-        f_v = vbufs.index(stage)._reinterpret(vd.dtype, [BV], VEC).load(row).to(gl.float32)
+        if QKV_TMA:
+            f_q = qbufs.index(stage)._reinterpret(qd.dtype, [K], VEC).load(col).to(gl.float32)
+            f_k = kbufs.index(stage)._reinterpret(kd.dtype, [K], VEC).load(col).to(gl.float32)
+            f_v = vbufs.index(stage)._reinterpret(vd.dtype, [BV], VEC).load(row).to(gl.float32)
+        else:
+            f_q = r_q.to(gl.float32)
+            f_k = r_k.to(gl.float32)
+            f_v = r_v.to(gl.float32)
         s_t = bufs.index(stage)._reinterpret(desc.dtype, [BV, K], FLAT).load(L).to(gl.float32) * gate
         # Every warp has this stage in registers: refill it at once, as Triton's pipeliner does, so the refill never
         # waits on a store (v1 and v2 stored in place and refilled after the store had read the stage).
         gl.thread_barrier()
         if j + STAGES < n_mine:
             _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, stage, t_issue, slot_issue, H, HV, NV, BV,
-                   NBYTES)
+                   NBYTES, QKV_TMA)
             t_issue += progs
             slot_issue = slot_issue2
             slot_issue2 = gl.load(state_indices + gl.minimum(t_issue + progs, n_tiles - 1) // (NV * HV)).to(gl.int32)
@@ -161,16 +179,22 @@ def _ring_kernel(qd, kd, vd, a, b, A_log, dt_bias, o, desc, state_indices, N, pr
         x = a_n.to(gl.float32) + dtb_n.to(gl.float32)
         bb = bb_n.to(gl.float32)
         alog = alog_n.to(gl.float32)
+        if not QKV_TMA:
+            r_q = q_n
+            r_k = k_n
+            r_v = v_n
     tma.store_wait(0)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
 
-# (BV, num_warps, programs per SM, ring stages): what `decode_probe --ring` times (those whose programs all fit an SM
-# by shared memory: the ring plus one store buffer; bf16 BV 64 at 2 stages is 48 KB a program; the last two are for
-# fp32 states). BV is at least 64: a stage's v row is then 128 bytes, the alignment a TMA destination needs (BV 32
-# faulted, misaligned, on the H200).
-CONFIGS = ((64, 4, 4, 2), (64, 4, 3, 3), (64, 8, 2, 3), (128, 8, 2, 2), (64, 4, 2, 2), (64, 8, 2, 2))
+# ((BV, num_warps, programs per SM, ring stages), q/k/v by TMA): what `decode_probe --ring` times (those whose programs
+# all fit an SM by shared memory: the ring plus one store buffer; bf16 BV 64 at 2 stages is 48 KB a program). BV is at
+# least 64: a stage's v row is then 128 bytes, the alignment a TMA destination needs (BV 32 faulted, misaligned, on
+# the H200). Without TMA for q/k/v they are plain loads a tile ahead into registers (offline sm_90, bf16 BV 64: 168
+# registers at 4 warps, so three programs per SM; 128 at 8 warps): the control for the TMA copies' cost.
+CONFIGS = (((64, 4, 3, 3), True), ((64, 4, 3, 3), False), ((64, 8, 2, 3), True), ((64, 8, 2, 3), False),
+           ((64, 4, 2, 2), True), ((64, 4, 2, 2), False))
 
 
 def _gl_dtype(t: torch.dtype):
@@ -178,7 +202,7 @@ def _gl_dtype(t: torch.dtype):
 
 
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, scale=None, softplus_beta=1.0,
-           softplus_threshold=20.0) -> None:
+           softplus_threshold=20.0, qkv_tma: bool = True) -> None:
     """One launch at ``cfg`` on a V-first pool (`triton_decode_tma.eligible`), on Hopper. q, k: [N, H, K], v and o:
     [N, HV, V] (q, k, v strided as a tensor descriptor allows; o, a and b contiguous)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -201,9 +225,14 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, scale=None, softplu
     vd = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, bv], flat)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     programs = max(1, min(per_sm * sms, N * HV * (V // bv)))
-    nbytes = bv * K * pool.element_size() + (2 * K + bv) * q.element_size()
+    nbytes = bv * K * pool.element_size() + ((2 * K + bv) * q.element_size() if qkv_tma else 0)
+    if q.stride(-1) != 1 or v.stride(-1) != 1 or q.stride() != k.stride():
+        raise ValueError(f"q, k, v need contiguous rows and q, k the same strides, got {q.stride()}, {k.stride()}, "
+                         f"{v.stride()}")
     _ring_kernel[(programs,)](
-        qd, kd, vd, a, b, A_log, dt_bias, o, desc, idx, N, programs, K**-0.5 if scale is None else scale,
-        float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, STAGES=stages,
+        qd, kd, vd, q, k, v, q.stride(0), q.stride(1), v.stride(0), v.stride(1), a, b, A_log, dt_bias, o, desc, idx, N,
+        programs, K**-0.5 if scale is None else scale, float(softplus_beta), float(softplus_threshold), H=H, HV=HV,
+        K=K, V=V, BV=bv, STAGES=stages,
         L=tile_layout(K, warps), FLAT=gl.NVMMASharedLayout(layout.swizzle_byte_width, layout.element_bitwidth, 2),
-        VEC=gl.SwizzledSharedLayout(1, 1, 1, [0]), NBYTES=nbytes, PRE=triton.next_power_of_2(stages + 2), num_warps=warps)
+        VEC=gl.SwizzledSharedLayout(1, 1, 1, [0]), NBYTES=nbytes, PRE=triton.next_power_of_2(stages + 2),
+        QKV_TMA=qkv_tma, num_warps=warps)
