@@ -11,6 +11,7 @@
 #   bash benchmarks/device/ncu_decode.sh      # on the device, from the repo root (carry [".whl"] is not needed)
 #   NCU_RING=1 bash benchmarks/device/ncu_decode.sh   # instead: the shipped walk and the Gluon ring walk, 64 and 256
 #                                                    # sequences; the stall table is in $OUT/ncu_decode_stalls.txt
+#                                                    # (NCU_CLOCK=none: unlocked clocks)
 set -u
 OUT=${OUT:-/tmp/hybridkv_ncu_out}
 mkdir -p "$OUT"
@@ -21,10 +22,12 @@ sections=$("$ncu" --list-sections 2>/dev/null | awk '{print $1}')
 extra=""
 grep -qx PmSampling <<<"$sections" && extra="--section PmSampling"
 if [ "${NCU_RING:-0}" != 0 ]; then
-    # The shipped walk beside the Gluon ring walk (benchmarks/gdn/gluon_decode_ring.py), (64, 4, 4, 3) both, at 64 and
-    # 256 sequences: where the ring's time goes (its fixed part is half the shipped walk's, its us/MB 9% more).
-    timeout "${NCU_S:-200}" "$ncu" -k "regex:decode_tma|_ring_kernel" -c 4 --set full $extra --import-source yes \
-        -o "$OUT/ncu_decode" -f "${PYTHON:-python3}" -c "
+    # The shipped walk (64, 4, 4, 3) beside the Gluon ring walk (benchmarks/gdn/gluon_decode_ring.py, (64, 4, 3, 3), q/k/v
+    # by TMA and by loads), at 64 and 256 sequences: where the ring's time goes (its fixed part is half the shipped
+    # walk's, its us/MB 8-10% more). NCU_CLOCK=none profiles at the clocks the bench runs at (ncu locks the SM clock
+    # at base by default, and there the ring was the faster of the two).
+    timeout "${NCU_S:-200}" "$ncu" -k "regex:decode_tma|_ring_kernel" -c 6 --set full $extra --import-source yes \
+        --clock-control "${NCU_CLOCK:-base}" -o "$OUT/ncu_decode" -f "${PYTHON:-python3}" -c "
 import torch
 from benchmarks.gdn.schedules import decode_inputs
 from benchmarks.gdn import gluon_decode_ring
@@ -32,9 +35,11 @@ from hybridkv.kernels.gdn import triton_decode_tma as t
 for n in (64, 256):
     q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(n, 16, 32, torch.bfloat16)
     o = torch.empty_like(v)
-    print(f'profiled launches: shipped walk, then ring walk, {n} sequences', flush=True)
+    print(f'profiled launches: shipped walk, ring walk (64, 4, 3, 3) with q/k/v by TMA, then by loads; {n} sequences',
+          flush=True)
     t.launch((64, 4, 4, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx, 128**-0.5, True, 1.0, 20.0)
-    gluon_decode_ring.launch((64, 4, 4, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx)
+    gluon_decode_ring.launch((64, 4, 3, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx)
+    gluon_decode_ring.launch((64, 4, 3, 3), q, k, v, a, b, A_log, dt_bias, o, pool, idx, qkv_tma=False)
 torch.cuda.synchronize()
 " >"$OUT/ncu_run.txt" 2>&1
 else
@@ -65,7 +70,9 @@ tail -n 5 "$OUT/ncu_run.txt"
 # Each launch's stall reasons, cycles per issued instruction (the warp state table the details page only summarises).
 "$ncu" --import "$OUT/ncu_decode.ncu-rep" --page raw --print-metric-instances none \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio$,gpu__time_duration.sum,\
-smsp__inst_executed.sum,smsp__warps_eligible.avg.per_cycle_active" >"$OUT/ncu_decode_stalls.txt" 2>&1
+smsp__inst_executed.sum,smsp__warps_eligible.avg.per_cycle_active,dram__bytes_read.sum,dram__bytes_write.sum,\
+dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,\
+lts__t_sector_hit_rate.pct,sm__cycles_elapsed.avg.per_second" >"$OUT/ncu_decode_stalls.txt" 2>&1
 [ -n "$extra" ] && "$ncu" --import "$OUT/ncu_decode.ncu-rep" --page raw --print-metric-instances values \
     --metrics "regex:pmsampling:.*(dram|throughput|warps_active)" >"$OUT/ncu_decode_pm.txt" 2>&1
 grep -i -E "decode_tma|duration|dram throughput|memory throughput|elapsed cycles|registers|achieved occupancy|\
