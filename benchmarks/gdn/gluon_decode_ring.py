@@ -12,8 +12,9 @@ at the top of each tile.
 Here:
 - q, k and v ride the state's TMA ring: each ring stage holds the state tile and its q, k, v rows, all behind one
   mbarrier, so they are in flight as far ahead as the state.
-- The tile's scalars (slot, a, b, A_log, dt_bias) are loaded one tile ahead into registers, the first tiles' slots in
-  one load, the refills' slots two refills ahead.
+- The tile's gates (a, b, A_log, dt_bias) are loaded one tile ahead into registers; every sequence's slot is read
+  once into shared memory (v4; v3 loaded them from global memory two refills ahead, and ptxas made each refill wait
+  for that load anyway: the slot has to be in a uniform register, and it is moved there right after the load).
 - The layout puts 8 lanes along K and no warp across K, so every reduction (both l2 norms, k.q, S k, S q) stays in a
   warp: in-thread FMAs then three shuffles. The l2 norms scale the row sums, not q and k.
 - A stage is refilled as soon as every warp holds it in registers; the updated tile goes through its own store buffer
@@ -23,7 +24,9 @@ Here:
 
 Arithmetic: `triton_recurrent._delta_rule_step`'s, summed in another order, so equal to the shipped walk to rounding.
 A pad (slot < 0) asks TMA for a box out of bounds (zeros, nothing read) and is not stored. Gluon has no CPU
-interpreter: the probe checks it against the shipped kernel on the GPU (its err column).
+interpreter: the probe checks it against the shipped kernel on the GPU (its err column). v1-v3 and the q/k/v control
+were measured (benchmarks/gdn/README.md, "Decode"); v4, the slot table in shared memory, was written after the day's
+device time ran out and has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -63,8 +66,8 @@ def _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, stage, t, slot, H:
 def _ring_kernel(qd, kd, vd, q, k, v, stride_qn, stride_qh, stride_vn, stride_vh, a, b, A_log, dt_bias, o, desc,
                  state_indices, N, progs, scale, softplus_beta, softplus_threshold, H: gl.constexpr,
                  HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr,
-                 L: gl.constexpr, FLAT: gl.constexpr, VEC: gl.constexpr, NBYTES: gl.constexpr, PRE: gl.constexpr,
-                 QKV_TMA: gl.constexpr):
+                 L: gl.constexpr, FLAT: gl.constexpr, VEC: gl.constexpr, NBYTES: gl.constexpr, SLOTS: gl.constexpr,
+                 W: gl.constexpr, QKV_TMA: gl.constexpr):
     """Grid (progs,): program p takes tiles p, p + progs, ... of the N * HV * (V / BV) [BV, K] tiles, each one
     (sequence, value head, V block), as `triton_decode_tma._decode_tma_kernel` (l2norm on). ``a``, ``b``: [N, HV]
     contiguous; ``o``: [N, HV, V] contiguous."""
@@ -85,23 +88,26 @@ def _ring_kernel(qd, kd, vd, q, k, v, stride_qn, stride_qh, stride_vn, stride_vh
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
-    # The first STAGES + 2 tiles' slots in one load, not one dependent load per issue (Nsight Compute: 12% of the
-    # stall samples at 64 sequences were the prologue waiting on each slot in turn).
-    o_pre = gl.arange(0, PRE, layout=row)
-    slots_pre = gl.load(state_indices + gl.minimum(pid + o_pre * progs, n_tiles - 1) // (NV * HV)).to(gl.int32)
+    # Every sequence's slot, once, into shared memory: a TMA coordinate lives in a uniform register, and ptxas moves a
+    # loaded slot there right after its load, so a slot prefetched from global memory made each refill wait a load's
+    # round trip anyway (v3 under Nsight Compute: the top stall site, 12-34% of samples). From shared memory it is a
+    # shared load's latency.
+    slot_tab = gl.allocate_shared_memory(gl.int32, [SLOTS, 1], VEC)  # [SLOTS, 1] so that .index(n) is one slot
+    P1: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    o_all = gl.arange(0, SLOTS, layout=P1)
+    all_slots = gl.load(state_indices + o_all, mask=o_all < N, other=-1).to(gl.int32)
+    slot_tab._reinterpret(gl.int32, [SLOTS], VEC).store(all_slots)
+    gl.thread_barrier()
     for s in gl.static_range(STAGES):
         if s < n_mine:
-            _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, s, pid + s * progs,
-                   gl.sum(gl.where(o_pre == s, slots_pre, 0), 0), H, HV, NV, BV, NBYTES, QKV_TMA)
-    # The slots of the next two tiles to issue (tile j + STAGES at iteration j, into the stage tile j came from),
-    # loaded two refills ahead so that no refill waits on its slot.
-    t_issue = pid + STAGES * progs
-    slot_issue = gl.sum(gl.where(o_pre == STAGES, slots_pre, 0), 0)
-    slot_issue2 = gl.sum(gl.where(o_pre == STAGES + 1, slots_pre, 0), 0)
+            t = pid + s * progs
+            _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, s, t,
+                   gl.sum(slot_tab.index(t // (NV * HV)).load(P1), 0), H, HV, NV, BV, NBYTES, QKV_TMA)
+    t_issue = pid + STAGES * progs  # the next tile to issue (tile j + STAGES at iteration j, into tile j's stage)
     # Tile 0's scalars; each iteration loads the next tile's.
     i_n = pid // (NV * HV)
     i_hv = (pid // NV) % HV
-    slot = gl.sum(gl.where(o_pre == 0, slots_pre, 0), 0)
+    slot = gl.sum(slot_tab.index(i_n).load(P1), 0)
     x = gl.load(a + i_n.to(gl.int64) * HV + i_hv).to(gl.float32) + gl.load(dt_bias + i_hv).to(gl.float32)
     bb = gl.load(b + i_n.to(gl.int64) * HV + i_hv).to(gl.float32)
     alog = gl.load(A_log + i_hv).to(gl.float32)
@@ -118,7 +124,7 @@ def _ring_kernel(qd, kd, vd, q, k, v, stride_qn, stride_qh, stride_vn, stride_vh
         t_n = gl.minimum(t + progs, n_tiles - 1)
         n_n = t_n // (NV * HV)
         hv_n = (t_n // NV) % HV
-        slot_n = gl.load(state_indices + n_n).to(gl.int32)
+        slot_n = gl.sum(slot_tab.index(n_n).load(P1), 0)
         a_n = gl.load(a + n_n.to(gl.int64) * HV + hv_n)
         dtb_n = gl.load(dt_bias + hv_n)
         bb_n = gl.load(b + n_n.to(gl.int64) * HV + hv_n)
@@ -151,11 +157,9 @@ def _ring_kernel(qd, kd, vd, q, k, v, stride_qn, stride_qh, stride_vn, stride_vh
         # waits on a store (v1 and v2 stored in place and refilled after the store had read the stage).
         gl.thread_barrier()
         if j + STAGES < n_mine:
-            _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, stage, t_issue, slot_issue, H, HV, NV, BV,
-                   NBYTES, QKV_TMA)
+            _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, stage, t_issue,
+                   gl.sum(slot_tab.index(t_issue // (NV * HV)).load(P1), 0), H, HV, NV, BV, NBYTES, QKV_TMA)
             t_issue += progs
-            slot_issue = slot_issue2
-            slot_issue2 = gl.load(state_indices + gl.minimum(t_issue + progs, n_tiles - 1) // (NV * HV)).to(gl.int32)
         # The l2 norms scale the row sums (and delta), not the K / 8 elements of q and k each thread holds.
         rq = gl.rsqrt(gl.sum(f_q * f_q, 0) + 1e-6)
         rk = gl.rsqrt(gl.sum(f_k * f_k, 0) + 1e-6)
@@ -234,5 +238,5 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, scale=None, softplu
         programs, K**-0.5 if scale is None else scale, float(softplus_beta), float(softplus_threshold), H=H, HV=HV,
         K=K, V=V, BV=bv, STAGES=stages,
         L=tile_layout(K, warps), FLAT=gl.NVMMASharedLayout(layout.swizzle_byte_width, layout.element_bitwidth, 2),
-        VEC=gl.SwizzledSharedLayout(1, 1, 1, [0]), NBYTES=nbytes, PRE=triton.next_power_of_2(stages + 2),
-        QKV_TMA=qkv_tma, num_warps=warps)
+        VEC=gl.SwizzledSharedLayout(1, 1, 1, [0]), NBYTES=nbytes, SLOTS=triton.next_power_of_2(N),
+        W=warps, QKV_TMA=qkv_tma, num_warps=warps)
