@@ -31,8 +31,9 @@ from registers instead of through a shared buffer and a TMA store (`triton_decod
 both row reductions as one tensor-core product (`_decode_tma_mma`); and the walk in Gluon with its layout written out
 and the direct store (`gluon_decode_direct`).
 
-``--ring`` (eleventh session) times the shipped configs beside `gluon_decode_ring`: the Gluon walk with q, k and v in
-the state's TMA ring, the gates loaded a tile ahead, and updated tiles stored in place from the ring.
+``--ring`` (eleventh session) times the shipped configs beside the same walk with q, k and v through tensor descriptors
+(`triton_decode_tma.QKV.TMA`) and beside `gluon_decode_ring`: the Gluon walk with q, k and v in the state's TMA ring
+and the gates loaded a tile ahead.
 
     python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256] [--store | --ring]
     DECODEFIRST=1 TESTS=0 ONLY=decode bash benchmarks/device/gdn.sh   # on the device, then the decode bench
@@ -182,9 +183,10 @@ def launch_tma_mma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, sms=None, m
                                  **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
 
-def launch_tma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, store=triton_decode_tma.Store.TMA, maxnreg=None):
+def launch_tma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, store=triton_decode_tma.Store.TMA, maxnreg=None,
+               qkv=triton_decode_tma.QKV.LOADS):
     triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, 1.0, 20.0,
-                             store=store, maxnreg=maxnreg)
+                             store=store, maxnreg=maxnreg, qkv=qkv)
 
 
 def launch_persistent(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, stream):
@@ -243,6 +245,10 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ri
             if ring:
                 cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
                          for c in triton_decode_tma.TMA_CONFIGS]
+                # The shipped walk with q, k, v through tensor descriptors (`QKV.TMA`): its top stall site gone.
+                cands += [("tma qkv-tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool,
+                                                                         idx, qkv=triton_decode_tma.QKV.TMA))
+                          for c in triton_decode_tma.TMA_CONFIGS if c[0] >= 64]
                 cands += [(f"gluon ring{'' if tma else ' qkv loads'}", c,
                            lambda c, o, pool, tma=tma: gluon_decode_ring.launch(c, q, k, v, a, b, A_log, dt_bias, o,
                                                                                 pool, idx, qkv_tma=tma))

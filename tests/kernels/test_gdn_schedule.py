@@ -324,3 +324,22 @@ def test_a_decode_store_that_is_not_a_store_is_refused_with_its_value():
 
     with pytest.raises(ValueError, match="store must be a triton_decode_tma.Store, got 'direct'"):
         triton_decode_tma.launch((64, 4, 4, 3), *([None] * 10), 1.0, True, 1.0, 20.0, store="direct")
+
+
+def test_qkv_by_tma_is_refused_where_a_stage_of_v_would_be_misaligned():
+    """`QKV.TMA` stages a v row of BV elements per tile: BV 32 of bf16 is 64 bytes, which would misalign every other
+    stage (the Gluon ring walk faulted so on an H200), so the launch is refused with the value before any kernel; and a
+    qkv that is not a `QKV` is refused with its value."""
+    from hybridkv.kernels.gdn import triton_decode_tma
+
+    q, k = torch.zeros(4, 2, 128, dtype=torch.bfloat16), torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    v = torch.zeros(4, 4, 128, dtype=torch.bfloat16)
+    pool = torch.zeros(8, 4, 128, 128, dtype=torch.bfloat16)
+    args = (q, k, v, None, None, None, None, None, pool, None, 1.0, True, 1.0, 20.0)
+    with pytest.raises(ValueError, match="BV \\* 2 bytes to be a multiple of 128, got BV=32"):
+        triton_decode_tma.launch((32, 4, 4, 3), *args, sms=1, qkv=triton_decode_tma.QKV.TMA)
+    with pytest.raises(ValueError, match="qkv must be a triton_decode_tma.QKV, got 'tma'"):
+        triton_decode_tma.launch((64, 4, 4, 3), *args, sms=1, qkv="tma")
+    odd = torch.zeros(4 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 2, 128)  # a 2-byte offset: no descriptor
+    with pytest.raises(ValueError, match="needs q as \\[N, heads, D\\]"):
+        triton_decode_tma.launch((64, 4, 4, 3), odd, *args[1:], sms=1, qkv=triton_decode_tma.QKV.TMA)

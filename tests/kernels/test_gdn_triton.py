@@ -712,6 +712,32 @@ def test_tma_decode_equals_tile_kernel(N, state_dtype, cfg):
     assert not torch.equal(pool[touched, 1], before[touched, 1])
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tma_decode_with_qkv_by_tma_equals_tile_kernel(state_dtype):
+    """q, k and v read through tensor descriptors (`QKV.TMA`, a probe candidate) from views of one mixed projection, as
+    vLLM splits them (rows not contiguous across heads' tensors): bit for bit the tile kernel on contiguous copies,
+    pads and untouched slots as for the shipped walk."""
+    q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(64, 32, state_dtype, 300, 8)
+    N, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    mixed = torch.cat([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], dim=1)
+    qs, ks = mixed[:, :H * K].view(N, H, K), mixed[:, H * K:2 * H * K].view(N, H, K)
+    vs = mixed[:, 2 * H * K:].view(N, HV, V)
+    before = pool.clone()
+    tile_pool, o_tile = pool.clone(), torch.empty_like(v)
+    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
+                                    True, True, 1.0, 20.0)
+    o = torch.full_like(v, float("nan"))
+    triton_decode_tma.launch((64, 4, 4, 3), qs, ks, vs, a, b, A_log, dt_bias, o, pool[:, 1], idx, 128**-0.5, True,
+                             1.0, 20.0, qkv=triton_decode_tma.QKV.TMA)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_tile)
+    assert torch.equal(pool, tile_pool)
+    touched = torch.zeros(300, dtype=torch.bool, device="cuda")
+    touched[idx[idx >= 0]] = True
+    assert torch.equal(pool[~touched], before[~touched])
+
+
 def test_decode_takes_the_tile_kernel_where_tma_cannot_describe_the_pool():
     """A pool view whose base is not 16-byte aligned, or a K-first pool, is not eligible; the decode call still
     runs (tile kernel, its own tuning key) and matches the reference."""

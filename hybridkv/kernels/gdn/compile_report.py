@@ -247,7 +247,7 @@ def _specs() -> list[KernelSpec]:
                        "dt_bias": "*fp32", "o": "*bf16", "stride_slot": "i32", "stride_head": "i32",
                        "stride_row": "i32", "state_indices": "*i32", "N": "i32", "progs": "i32", "scale": "fp32",
                        "softplus_beta": "fp32", "softplus_threshold": "fp32"},
-            constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True},
+            constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True, "QKV_TMA": False},
             aligned=("stride_slot", "stride_head", "stride_row"),
             launches=tuple(
                 Launch(label=f"{dt} state BV={bv} {per_sm}/SM{'' if tma_store else ' direct store'}", num_warps=w,

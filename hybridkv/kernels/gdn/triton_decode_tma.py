@@ -41,7 +41,18 @@ class Store(enum.Enum):
     DIRECT = "direct"
 
 
+class QKV(enum.Enum):
+    """How a tile's q, k and v rows reach the walk. LOADS: plain loads in the tile (2 bytes a thread: too narrow for
+    cp.async, so Triton's pipeliner leaves them in the loop and each tile waits one global-load latency before its l2
+    norms; Nsight Compute: the walk's top stall site, 13-23% of samples at 35B bf16). TMA: through tensor
+    descriptors, which the pipeliner stages ahead with the state (a probe candidate until measured on a GPU)."""
+
+    LOADS = "loads"
+    TMA = "tma"
+
+
 _TMA_ALIGN = 16  # bytes: a tensor descriptor's base address and every stride but the last
+_TMA_ROW = 128  # bytes: a v row (BV elements) staged by TMA, so that every stage of its buffer stays aligned
 _BOX_MAX = 256  # elements per box dimension
 
 
@@ -62,10 +73,11 @@ def _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus
 def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state, stride_slot, stride_head, stride_row,
                        state_indices, N, progs, scale, softplus_beta, softplus_threshold, H: tl.constexpr,
                        HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                       STAGES: tl.constexpr, TMA_STORE: tl.constexpr):
+                       STAGES: tl.constexpr, TMA_STORE: tl.constexpr, QKV_TMA: tl.constexpr):
     """Grid (progs,): program p takes tiles p, p + progs, ... of the N * HV * (V / BV) [BV, K] tiles, each
     one (sequence, value head, V block). A pad (slot < 0) writes a zero output row and leaves the pool alone.
-    ``state`` (the pool's base, strides in elements) is used by the direct store only (`Store.DIRECT`)."""
+    ``state`` (the pool's base, strides in elements) is used by the direct store only (`Store.DIRECT`). QKV_TMA: q, k
+    and v are tensor descriptors ([N, H, K] boxes [1, 1, K]; v [N, HV, V] box [1, 1, BV]), else contiguous tensors."""
     pid = tl.program_id(0)
     NV: tl.constexpr = V // BV
     n_tiles = N * HV * NV
@@ -83,9 +95,14 @@ def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state, stride_slo
         raw = desc.load([slot, i_hv, i_v * BV, 0]).reshape(BV, K)
         row_h = i_n.to(tl.int64) * H + i_h
         row_hv = i_n.to(tl.int64) * HV + i_hv
-        b_q = tl.load(q + row_h * K + o_k)
-        b_k = tl.load(k + row_h * K + o_k)
-        b_v = tl.load(v + row_hv * V + i_v * BV + o_bv)
+        if QKV_TMA:
+            b_q = q.load([i_n, i_h, 0]).reshape(K)
+            b_k = k.load([i_n, i_h, 0]).reshape(K)
+            b_v = v.load([i_n, i_hv, i_v * BV]).reshape(BV)
+        else:
+            b_q = tl.load(q + row_h * K + o_k)
+            b_k = tl.load(k + row_h * K + o_k)
+            b_v = tl.load(v + row_hv * V + i_v * BV + o_bv)
         x = tl.load(a + row_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
         bb = tl.load(b + row_hv).to(tl.float32)
         neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
@@ -141,18 +158,38 @@ def walk(cfg, q, v, ssm_state, sms: int | None = None) -> tuple[int, int, Tensor
     return bv, programs, TensorDescriptor(ssm_state, list(ssm_state.shape), list(ssm_state.stride()), [1, 1, bv, K])
 
 
+def _row_descriptor(t: torch.Tensor, name: str, row: int) -> TensorDescriptor:
+    """A [N, heads, D] tensor's descriptor with a [1, 1, row] box, or a ValueError naming what TMA cannot take."""
+    elt = t.element_size()
+    if (t.dim() != 3 or t.stride(-1) != 1 or t.data_ptr() % _TMA_ALIGN
+            or any(x * elt % _TMA_ALIGN for x in t.stride()[:2])):
+        raise ValueError(f"qkv=QKV.TMA needs {name} as [N, heads, D] with rows of contiguous elements, a 16-byte "
+                         f"aligned base and 16-byte aligned strides; got shape {tuple(t.shape)}, strides {t.stride()}")
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, row])
+
+
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, softplus_beta,
-           softplus_threshold, sms: int | None = None, store: Store = Store.TMA, maxnreg: int | None = None) -> None:
+           softplus_threshold, sms: int | None = None, store: Store = Store.TMA, maxnreg: int | None = None,
+           qkv: QKV = QKV.LOADS) -> None:
     """One TMA decode launch at ``cfg`` = (BV, num_warps, programs per SM, stages); the caller has checked
     `eligible`. BV is capped at V. ``sms``: the SM count (default: the device's; CI's interpreter passes one).
-    ``store``: how updated tiles are written (`Store`); ``maxnreg``: a register cap for ptxas (None: none)."""
+    ``store``: how updated tiles are written (`Store`); ``maxnreg``: a register cap for ptxas (None: none); ``qkv``:
+    how q, k and v are read (`QKV`; TMA needs a v row of BV elements to be a multiple of 128 bytes)."""
     if not isinstance(store, Store):
         raise ValueError(f"store must be a triton_decode_tma.Store, got {store!r}")
+    if not isinstance(qkv, QKV):
+        raise ValueError(f"qkv must be a triton_decode_tma.QKV, got {qkv!r}")
     bv, warps, _, stages = cfg
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     bv, programs, desc = walk(cfg, q, v, ssm_state, sms)
+    if qkv is QKV.TMA:
+        if bv * v.element_size() % _TMA_ROW:
+            raise ValueError(f"qkv=QKV.TMA needs BV * {v.element_size()} bytes to be a multiple of {_TMA_ROW}, "
+                             f"got BV={bv}")
+        q, k, v = _row_descriptor(q, "q", K), _row_descriptor(k, "k", K), _row_descriptor(v, "v", bv)
     _decode_tma_kernel[(programs,)](
         q, k, v, a, b, A_log, dt_bias, o, desc, ssm_state, *ssm_state.stride()[:3], state_indices, N, programs, scale,
         float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, L2NORM=l2, STAGES=stages,
-        TMA_STORE=store is Store.TMA, num_warps=warps, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+        TMA_STORE=store is Store.TMA, QKV_TMA=qkv is QKV.TMA, num_warps=warps,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}))
