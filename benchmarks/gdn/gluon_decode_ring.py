@@ -37,12 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-_LANES_K = 8  # lanes along K: a thread holds K / 8 contiguous elements of a row
-
-
-def tile_layout(K: int, warps: int) -> gl.BlockedLayout:
-    return gl.BlockedLayout([1, K // _LANES_K], [32 // _LANES_K, _LANES_K], [warps, 1], [1, 0])
-
+from benchmarks.gdn.gluon_decode_direct import tile_layout  # 8 lanes along K: a thread holds K / 8 elements of a row
 
 @gluon.jit
 def _issue(desc, qd, kd, vd, bars, bufs, qbufs, kbufs, vbufs, stage, t, slot, H: gl.constexpr, HV: gl.constexpr,

@@ -138,12 +138,14 @@ def eligible(q: torch.Tensor, v: torch.Tensor, ssm_state: torch.Tensor, v_first:
     K, V = q.shape[-1], v.shape[-1]
     if K != triton.next_power_of_2(K) or V != triton.next_power_of_2(V) or K > _BOX_MAX or V < 16:
         return False
-    elt = ssm_state.element_size()
-    if ssm_state.stride(-1) != 1 or ssm_state.data_ptr() % _TMA_ALIGN:
-        return False
-    if any(s * elt % _TMA_ALIGN for s in ssm_state.stride()[:-1]):
-        return False
-    return _device(ssm_state.device)[0]
+    return _describable(ssm_state) and _device(ssm_state.device)[0]
+
+
+def _describable(t: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can take ``t``: contiguous rows, a 16-byte aligned base and leading strides."""
+    elt = t.element_size()
+    aligned = not t.data_ptr() % _TMA_ALIGN and not any(x * elt % _TMA_ALIGN for x in t.stride()[:-1])
+    return t.stride(-1) == 1 and aligned
 
 
 def walk(cfg, q, v, ssm_state, sms: int | None = None) -> tuple[int, int, TensorDescriptor]:
@@ -160,9 +162,7 @@ def walk(cfg, q, v, ssm_state, sms: int | None = None) -> tuple[int, int, Tensor
 
 def _row_descriptor(t: torch.Tensor, name: str, row: int) -> TensorDescriptor:
     """A [N, heads, D] tensor's descriptor with a [1, 1, row] box, or a ValueError naming what TMA cannot take."""
-    elt = t.element_size()
-    if (t.dim() != 3 or t.stride(-1) != 1 or t.data_ptr() % _TMA_ALIGN
-            or any(x * elt % _TMA_ALIGN for x in t.stride()[:2])):
+    if t.dim() != 3 or not _describable(t):
         raise ValueError(f"qkv=QKV.TMA needs {name} as [N, heads, D] with rows of contiguous elements, a 16-byte "
                          f"aligned base and 16-byte aligned strides; got shape {tuple(t.shape)}, strides {t.stride()}")
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, row])
