@@ -35,11 +35,7 @@ and the direct store (`gluon_decode_direct`).
 (`triton_decode_tma.QKV.TMA`) and beside `gluon_decode_ring`: the Gluon walk with q, k and v in the state's TMA ring
 and the gates loaded a tile ahead.
 
-``--grouped`` (twelfth session) times the walk in tile order against group order (`triton_decode_tma.Order.GROUPED`:
-a program takes the tiles sharing a q and k row one after another and loads and norms q and k once for them), at the
-shipped configs and a few more.
-
-    python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256] [--store | --ring | --grouped]
+    python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256] [--store | --ring]
     DECODEFIRST=1 TESTS=0 ONLY=decode bash benchmarks/device/gdn.sh   # on the device, then the decode bench
 
 Each candidate's output and updated pool are compared with the shipped kernel's on the same inputs.
@@ -188,14 +184,9 @@ def launch_tma_mma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, sms=None, m
 
 
 def launch_tma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, store=triton_decode_tma.Store.TMA, maxnreg=None,
-               qkv=triton_decode_tma.QKV.LOADS, order=triton_decode_tma.Order.STRIDED):
+               qkv=triton_decode_tma.QKV.LOADS):
     triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, 1.0, 20.0,
-                             store=store, maxnreg=maxnreg, qkv=qkv, order=order)
-
-
-# --grouped: the walk's configs and a few more (whole-head tiles at BV 128; more programs per SM) in tile order and
-# in group order (`triton_decode_tma.Order.GROUPED`).
-GROUPED = triton_decode_tma.TMA_CONFIGS + ((128, 8, 2, 3), (128, 8, 2, 2), (32, 4, 8, 3), (64, 4, 6, 3))
+                             store=store, maxnreg=maxnreg, qkv=qkv)
 
 
 def launch_persistent(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, stream):
@@ -221,12 +212,11 @@ STORE = tuple((cfg, triton_decode_tma.Store.DIRECT, cap) for cfg in (
 MMA = ((64, 4, 4, 3, 128), (64, 4, 3, 3, None), (64, 4, 4, 4, 128), (64, 8, 2, 3, None), (32, 4, 4, 3, None))
 
 
-def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ring: bool = False,
-        grouped: bool = False) -> list[dict]:
+def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ring: bool = False) -> list[dict]:
     rows = []
     for model, H, HV in bench_cases.DECODE_SHAPES:
         # --ring: bf16 first, the goal's case (a fault in a new kernel ends the process).
-        for dtype in (torch.bfloat16, torch.float32) if ring or grouped else (torch.float32, torch.bfloat16):
+        for dtype in (torch.bfloat16, torch.float32) if ring else (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             q, k, v, a, b, A_log, dt_bias, pool0, idx = decode_inputs(N, H, HV, dtype)
             idx[::17] = -1  # pads: the pool must stay untouched there
@@ -252,15 +242,7 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ri
                              mb=nbytes / 1e6))
             print(f"{label:22} shipped {triton_recurrent.decode_choices()}  {ms:.4f} ms {shipped_pct:5.1f}% copy",
                   flush=True)
-            if grouped:
-                cands = [(f"tma{' grouped' if order is triton_decode_tma.Order.GROUPED else ''}", c,
-                          lambda c, o, pool, order=order: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx,
-                                                                     order=order))
-                         for c in GROUPED for order in triton_decode_tma.Order]
-                cands += [("tma qkv-tma", (64, 4, 4, 3),
-                           lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx,
-                                                         qkv=triton_decode_tma.QKV.TMA))]
-            elif ring:
+            if ring:
                 cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
                          for c in triton_decode_tma.TMA_CONFIGS]
                 # The shipped walk with q, k, v through tensor descriptors (`QKV.TMA`): its top stall site gone.
@@ -322,15 +304,13 @@ def main() -> None:
                    help="only the TMA walk's configs: TMA and direct stores, and (bf16) reductions on the tensor cores")
     p.add_argument("--ring", action="store_true",
                    help="only the TMA walk's configs beside the Gluon ring walk (gluon_decode_ring)")
-    p.add_argument("--grouped", action="store_true",
-                   help="only the TMA walk: tile order against group order (Order.GROUPED), more configs")
     a = p.parse_args()
     copy = bench_timing._copy_gbps(a.iters)
     print(torch.cuda.get_device_name(), f"copy {copy:.0f} GB/s", flush=True)
     rows = []
     for batch in a.batch:
         print(f"# {batch} sequences", flush=True)
-        rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch, a.store, a.ring, a.grouped)]
+        rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch, a.store, a.ring)]
     fits = _fits(rows, copy)  # none with one batch size
     for f in fits:
         print(f"fit {f['shape']:22} {f['kernel']} {f['cfg'] or ''}: {f['fixed_us']:.1f} us + "

@@ -343,19 +343,3 @@ def test_qkv_by_tma_is_refused_where_a_stage_of_v_would_be_misaligned():
     odd = torch.zeros(4 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 2, 128)  # a 2-byte offset: no descriptor
     with pytest.raises(ValueError, match="needs q as \\[N, heads, D\\]"):
         triton_decode_tma.launch((64, 4, 4, 3), odd, *args[1:], sms=1, qkv=triton_decode_tma.QKV.TMA)
-
-
-def test_a_decode_order_that_is_not_an_order_or_grouped_with_qkv_by_tma_is_refused():
-    """`Order.GROUPED` loads q and k once a group by plain loads, so it does not take `QKV.TMA` (which would stage them
-    per tile); both refusals name the value, before any kernel."""
-    from hybridkv.kernels.gdn import triton_decode_tma
-
-    q, k = torch.zeros(4, 2, 128, dtype=torch.bfloat16), torch.zeros(4, 2, 128, dtype=torch.bfloat16)
-    v = torch.zeros(4, 4, 128, dtype=torch.bfloat16)
-    pool = torch.zeros(8, 4, 128, 128, dtype=torch.bfloat16)
-    args = (q, k, v, None, None, None, None, None, pool, None, 1.0, True, 1.0, 20.0)
-    with pytest.raises(ValueError, match="order must be a triton_decode_tma.Order, got 'grouped'"):
-        triton_decode_tma.launch((64, 4, 4, 3), *args, sms=1, order="grouped")
-    with pytest.raises(ValueError, match="does not take qkv=QKV.TMA"):
-        triton_decode_tma.launch((64, 4, 4, 3), *args, sms=1, qkv=triton_decode_tma.QKV.TMA,
-                                 order=triton_decode_tma.Order.GROUPED)

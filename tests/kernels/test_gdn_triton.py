@@ -689,14 +689,12 @@ def test_decode_slots_in_place_with_pads(HV, state_dtype):
     assert torch.equal(pool[:, 0], before[:, 0])
 
 
-@pytest.mark.parametrize("order", list(triton_decode_tma.Order), ids=lambda o: o.value)
 @pytest.mark.parametrize("cfg", triton_decode_tma.TMA_CONFIGS, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("N", [3, 64, 256])
-def test_tma_decode_equals_tile_kernel(N, state_dtype, cfg, order):
-    """Every TMA walk config, in tile and in group order (`Order`), against the tile kernel on the same strided pool:
-    bit for bit (same arithmetic), the other layer, the pads' and unused slots untouched. Three sequences: fewer
-    groups and tiles than programs."""
+@pytest.mark.parametrize("N", [64, 256])
+def test_tma_decode_equals_tile_kernel(N, state_dtype, cfg):
+    """Every TMA walk config against the tile kernel on the same strided pool: bit for bit (same arithmetic),
+    the other layer, the pads' and unused slots untouched."""
     q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(N, 32, state_dtype, 300, 5)
     assert triton_decode_tma.eligible(q, v, pool[:, 1], True)
     before = pool.clone()
@@ -704,8 +702,7 @@ def test_tma_decode_equals_tile_kernel(N, state_dtype, cfg, order):
     triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
                                     True, True, 1.0, 20.0)
     o = torch.full_like(v, float("nan"))
-    triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, 128**-0.5, True, 1.0, 20.0,
-                             order=order)
+    triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, 128**-0.5, True, 1.0, 20.0)
     torch.cuda.synchronize()
     assert torch.equal(o, o_tile)
     assert torch.equal(pool, tile_pool)

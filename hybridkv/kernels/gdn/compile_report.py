@@ -250,12 +250,11 @@ def _specs() -> list[KernelSpec]:
             constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True, "QKV_TMA": False},
             aligned=("stride_slot", "stride_head", "stride_row"),
             launches=tuple(
-                Launch(label=f"{dt} state BV={bv} {per_sm}/SM{'' if tma_store else ' direct store'}"
-                             f"{' grouped' if grouped else ''}", num_warps=w, num_stages=st,
-                       constants={"BV": bv, "STAGES": st, "TMA_STORE": tma_store, "GROUPED": grouped, "state": dt,
-                                  "desc": f"tensordesc<{dt}[1, 1, {bv}, {D}]>"})
+                Launch(label=f"{dt} state BV={bv} {per_sm}/SM{'' if tma_store else ' direct store'}", num_warps=w,
+                       num_stages=st, constants={"BV": bv, "STAGES": st, "TMA_STORE": tma_store, "state": dt,
+                                                 "desc": f"tensordesc<{dt}[1, 1, {bv}, {D}]>"})
                 for dt in ("fp32", "bf16") for bv, w, per_sm, st in triton_decode_tma.TMA_CONFIGS
-                for tma_store, grouped in ((True, False), (False, False), (True, True))),
+                for tma_store in (True, False)),
         ),
         KernelSpec(
             name="conv_prefill", module=conv, attr="_conv_out_kernel",

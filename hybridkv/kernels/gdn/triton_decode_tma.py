@@ -51,135 +51,70 @@ class QKV(enum.Enum):
     TMA = "tma"
 
 
-class Order(enum.Enum):
-    """Which tiles a program takes. STRIDED: tiles p, p + programs, ..., each loading and norming its own q and k
-    rows. GROUPED: whole groups, p, p + programs, ..., a group being the (HV / H) * (V / BV) consecutive tiles that
-    share one q and one k row (one sequence, one key head), so q and k are loaded and normed once a group, not once a
-    tile: at 35B (H 16, HV 32, BV 64) once per four tiles. A probe candidate until measured on a GPU."""
-
-    STRIDED = "strided"
-    GROUPED = "grouped"
-
-
 _TMA_ALIGN = 16  # bytes: a tensor descriptor's base address and every stride but the last
 _TMA_ROW = 128  # bytes: a v row (BV elements) staged by TMA, so that every stage of its buffer stays aligned
 _BOX_MAX = 256  # elements per box dimension
 
 
 @triton.jit
-def _qk(b_q, b_k, L2NORM: tl.constexpr):
-    """q and k rows in fp32, l2-normed with L2NORM, as the tile kernel makes them."""
+def _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold, L2NORM: tl.constexpr):
+    """One token on one [BV, K] tile, gating fused: returns (output row, updated tile), both fp32, from the
+    tile kernel's own helpers in its order (`_recurrent_kernel`'s decode step), so the two agree bit for bit."""
     f_q = b_q.to(tl.float32)
     f_k = b_k.to(tl.float32)
     if L2NORM:
         f_q = _l2norm(f_q)
         f_k = _l2norm(f_k)
-    return f_q, f_k
-
-
-@triton.jit
-def _gated_step(raw, f_q, f_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold):
-    """One token on one [BV, K] tile from fp32 (normed) q and k, gating fused: (output row, updated tile), fp32."""
     b_s = raw.to(tl.float32) * tl.exp(neg_a * _softplus(x, softplus_beta, softplus_threshold))
     return _delta_rule_step(b_s, f_q, f_k, b_v.to(tl.float32), tl.sigmoid(bb), scale)
-
-
-@triton.jit
-def _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold, L2NORM: tl.constexpr):
-    """One token on one [BV, K] tile, gating fused: returns (output row, updated tile), both fp32, from the
-    tile kernel's own helpers in its order (`_recurrent_kernel`'s decode step), so the two agree bit for bit."""
-    f_q, f_k = _qk(b_q, b_k, L2NORM)
-    return _gated_step(raw, f_q, f_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold)
-
-
-@triton.jit
-def _tile(t, H: tl.constexpr, HV: tl.constexpr, NV: tl.constexpr):
-    """(V block, value head, sequence, key head) of tile t; tiles run V block fastest, then value head, then sequence,
-    so the (HV / H) * NV tiles of one (sequence, key head) are consecutive."""
-    i_v = t % NV
-    i_hv = (t // NV) % HV
-    i_n = t // (NV * HV)
-    return i_v, i_hv, i_n, i_hv // (HV // H)
-
-
-@triton.jit
-def _finish_tile(raw, b_q, b_k, b_v, live, slot, i_v, i_hv, row_hv, a, b, A_log, dt_bias, o, desc, state, stride_slot,
-                 stride_head, stride_row, scale, softplus_beta, softplus_threshold, o_k, o_bv, K: tl.constexpr,
-                 V: tl.constexpr, BV: tl.constexpr, TMA_STORE: tl.constexpr, L2NORM: tl.constexpr,
-                 QK_READY: tl.constexpr):
-    """The gates, the step and both stores of one tile whose state, q, k and v are in hand: q and k as loaded, or
-    with QK_READY already fp32 and normed (`_qk`)."""
-    x = tl.load(a + row_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
-    bb = tl.load(b + row_hv).to(tl.float32)
-    neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    if QK_READY:
-        f_q, f_k = b_q, b_k
-    else:
-        f_q, f_k = _qk(b_q, b_k, L2NORM)
-    b_o, b_s = _gated_step(raw, f_q, f_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold)
-    tl.store(o + row_hv * V + i_v * BV + o_bv, tl.where(live, b_o, 0.0).to(o.dtype.element_ty))
-    if live:
-        if TMA_STORE:
-            desc.store([slot, i_hv, i_v * BV, 0], b_s.to(desc.dtype).reshape(1, 1, BV, K))
-        else:
-            tile = state + slot.to(tl.int64) * stride_slot + i_hv * stride_head + i_v * BV * stride_row
-            tl.store(tile + o_bv[:, None] * stride_row + o_k[None, :], b_s.to(state.dtype.element_ty),
-                     cache_modifier=".cs")
 
 
 @triton.jit
 def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state, stride_slot, stride_head, stride_row,
                        state_indices, N, progs, scale, softplus_beta, softplus_threshold, H: tl.constexpr,
                        HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                       STAGES: tl.constexpr, TMA_STORE: tl.constexpr, QKV_TMA: tl.constexpr,
-                       GROUPED: tl.constexpr = False):
+                       STAGES: tl.constexpr, TMA_STORE: tl.constexpr, QKV_TMA: tl.constexpr):
     """Grid (progs,): program p takes tiles p, p + progs, ... of the N * HV * (V / BV) [BV, K] tiles, each
-    one (sequence, value head, V block); GROUPED: groups p, p + progs, ... of the N * H groups of (HV / H) * (V / BV)
-    consecutive tiles sharing a q and k row (`Order`). A pad (slot < 0) writes a zero output row and leaves the pool
-    alone. ``state`` (the pool's base, strides in elements) is used by the direct store only (`Store.DIRECT`).
-    QKV_TMA: q, k and v are tensor descriptors ([N, H, K] boxes [1, 1, K]; v [N, HV, V] box [1, 1, BV]), else
-    contiguous tensors."""
+    one (sequence, value head, V block). A pad (slot < 0) writes a zero output row and leaves the pool alone.
+    ``state`` (the pool's base, strides in elements) is used by the direct store only (`Store.DIRECT`). QKV_TMA: q, k
+    and v are tensor descriptors ([N, H, K] boxes [1, 1, K]; v [N, HV, V] box [1, 1, BV]), else contiguous tensors."""
     pid = tl.program_id(0)
     NV: tl.constexpr = V // BV
+    n_tiles = N * HV * NV
     o_k = tl.arange(0, K)
     o_bv = tl.arange(0, BV)
-    if GROUPED:
-        G: tl.constexpr = (HV // H) * NV
-        f_q = tl.zeros([K], dtype=tl.float32)
-        f_k = tl.zeros([K], dtype=tl.float32)
-        for u in tl.range(0, tl.cdiv(N * H - pid, progs) * G, num_stages=STAGES):
-            j = u % G
-            i_v, i_hv, i_n, i_h = _tile((pid + (u // G) * progs) * G + j, H, HV, NV)
-            slot = tl.load(state_indices + i_n).to(tl.int32)
-            raw = desc.load([slot, i_hv, i_v * BV, 0]).reshape(BV, K)
-            row_hv = i_n.to(tl.int64) * HV + i_hv
-            if j == 0:  # the group's first tile: its q and k serve the G tiles that follow
-                row_h = i_n.to(tl.int64) * H + i_h
-                f_q, f_k = _qk(tl.load(q + row_h * K + o_k), tl.load(k + row_h * K + o_k), L2NORM)
+    for t in tl.range(pid, n_tiles, progs, num_stages=STAGES):
+        i_v = t % NV
+        i_hv = (t // NV) % HV
+        i_n = t // (NV * HV)
+        i_h = i_hv // (HV // H)
+        slot = tl.load(state_indices + i_n).to(tl.int32)
+        live = slot >= 0
+        # A pad (slot -1, vLLM's PAD_SLOT_ID for CUDA-graph padding) asks for a box wholly out of bounds: TMA fills it
+        # with zeros and reads nothing, as the tile kernel's masked load does, so pads cost no state traffic.
+        raw = desc.load([slot, i_hv, i_v * BV, 0]).reshape(BV, K)
+        row_h = i_n.to(tl.int64) * H + i_h
+        row_hv = i_n.to(tl.int64) * HV + i_hv
+        if QKV_TMA:
+            b_q = q.load([i_n, i_h, 0]).reshape(K)
+            b_k = k.load([i_n, i_h, 0]).reshape(K)
+            b_v = v.load([i_n, i_hv, i_v * BV]).reshape(BV)
+        else:
+            b_q = tl.load(q + row_h * K + o_k)
+            b_k = tl.load(k + row_h * K + o_k)
             b_v = tl.load(v + row_hv * V + i_v * BV + o_bv)
-            _finish_tile(raw, f_q, f_k, b_v, slot >= 0, slot, i_v, i_hv, row_hv, a, b, A_log, dt_bias, o, desc, state,
-                         stride_slot, stride_head, stride_row, scale, softplus_beta, softplus_threshold, o_k, o_bv,
-                         K, V, BV, TMA_STORE, L2NORM, True)
-    else:
-        for t in tl.range(pid, N * HV * NV, progs, num_stages=STAGES):
-            i_v, i_hv, i_n, i_h = _tile(t, H, HV, NV)
-            slot = tl.load(state_indices + i_n).to(tl.int32)
-            # A pad (slot -1, vLLM's PAD_SLOT_ID for CUDA-graph padding) asks for a box wholly out of bounds: TMA fills
-            # it with zeros and reads nothing, as the tile kernel's masked load does, so pads cost no state traffic.
-            raw = desc.load([slot, i_hv, i_v * BV, 0]).reshape(BV, K)
-            row_h = i_n.to(tl.int64) * H + i_h
-            row_hv = i_n.to(tl.int64) * HV + i_hv
-            if QKV_TMA:
-                b_q = q.load([i_n, i_h, 0]).reshape(K)
-                b_k = k.load([i_n, i_h, 0]).reshape(K)
-                b_v = v.load([i_n, i_hv, i_v * BV]).reshape(BV)
+        x = tl.load(a + row_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+        bb = tl.load(b + row_hv).to(tl.float32)
+        neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        b_o, b_s = _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus_threshold, L2NORM)
+        tl.store(o + row_hv * V + i_v * BV + o_bv, tl.where(live, b_o, 0.0).to(o.dtype.element_ty))
+        if live:
+            if TMA_STORE:
+                desc.store([slot, i_hv, i_v * BV, 0], b_s.to(desc.dtype).reshape(1, 1, BV, K))
             else:
-                b_q = tl.load(q + row_h * K + o_k)
-                b_k = tl.load(k + row_h * K + o_k)
-                b_v = tl.load(v + row_hv * V + i_v * BV + o_bv)
-            _finish_tile(raw, b_q, b_k, b_v, slot >= 0, slot, i_v, i_hv, row_hv, a, b, A_log, dt_bias, o, desc, state,
-                         stride_slot, stride_head, stride_row, scale, softplus_beta, softplus_threshold, o_k, o_bv,
-                         K, V, BV, TMA_STORE, L2NORM, False)
+                tile = state + slot.to(tl.int64) * stride_slot + i_hv * stride_head + i_v * BV * stride_row
+                tl.store(tile + o_bv[:, None] * stride_row + o_k[None, :], b_s.to(state.dtype.element_ty),
+                         cache_modifier=".cs")
 
 
 _devices: dict[int, tuple[bool, int]] = {}
@@ -213,17 +148,15 @@ def _describable(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and aligned
 
 
-def walk(cfg, q, v, ssm_state, sms: int | None = None,
-         order: Order = Order.STRIDED) -> tuple[int, int, TensorDescriptor]:
+def walk(cfg, q, v, ssm_state, sms: int | None = None) -> tuple[int, int, TensorDescriptor]:
     """(BV capped at V, programs, the pool's descriptor with a [1, 1, BV, K] box) of a walk at ``cfg`` = (BV,
-    num_warps, programs per SM, stages): programs per SM times ``sms`` (default: the device's), at most one a tile
-    (`Order.GROUPED`: one a group of tiles sharing q and k)."""
+    num_warps, programs per SM, stages): programs per SM times ``sms`` (default: the device's), at most one a tile."""
     bv, _, per_sm, _ = cfg
-    N, H, K = q.shape
+    N, _, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     bv = min(bv, V)
     sms = sms if sms is not None else _device(q.device)[1]
-    programs = max(1, min(per_sm * sms, N * H if order is Order.GROUPED else N * HV * (V // bv)))
+    programs = max(1, min(per_sm * sms, N * HV * (V // bv)))
     return bv, programs, TensorDescriptor(ssm_state, list(ssm_state.shape), list(ssm_state.stride()), [1, 1, bv, K])
 
 
@@ -237,24 +170,19 @@ def _row_descriptor(t: torch.Tensor, name: str, row: int) -> TensorDescriptor:
 
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, softplus_beta,
            softplus_threshold, sms: int | None = None, store: Store = Store.TMA, maxnreg: int | None = None,
-           qkv: QKV = QKV.LOADS, order: Order = Order.STRIDED) -> None:
+           qkv: QKV = QKV.LOADS) -> None:
     """One TMA decode launch at ``cfg`` = (BV, num_warps, programs per SM, stages); the caller has checked
     `eligible`. BV is capped at V. ``sms``: the SM count (default: the device's; CI's interpreter passes one).
     ``store``: how updated tiles are written (`Store`); ``maxnreg``: a register cap for ptxas (None: none); ``qkv``:
-    how q, k and v are read (`QKV`; TMA needs a v row of BV elements to be a multiple of 128 bytes); ``order``: which
-    tiles a program takes (`Order`; GROUPED reads q and k by loads, once a group)."""
+    how q, k and v are read (`QKV`; TMA needs a v row of BV elements to be a multiple of 128 bytes)."""
     if not isinstance(store, Store):
         raise ValueError(f"store must be a triton_decode_tma.Store, got {store!r}")
     if not isinstance(qkv, QKV):
         raise ValueError(f"qkv must be a triton_decode_tma.QKV, got {qkv!r}")
-    if not isinstance(order, Order):
-        raise ValueError(f"order must be a triton_decode_tma.Order, got {order!r}")
-    if order is Order.GROUPED and qkv is QKV.TMA:
-        raise ValueError("order=Order.GROUPED reads q and k once a group by loads; it does not take qkv=QKV.TMA")
     bv, warps, _, stages = cfg
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    bv, programs, desc = walk(cfg, q, v, ssm_state, sms, order)
+    bv, programs, desc = walk(cfg, q, v, ssm_state, sms)
     if qkv is QKV.TMA:
         if bv * v.element_size() % _TMA_ROW:
             raise ValueError(f"qkv=QKV.TMA needs BV * {v.element_size()} bytes to be a multiple of {_TMA_ROW}, "
@@ -263,6 +191,5 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     _decode_tma_kernel[(programs,)](
         q, k, v, a, b, A_log, dt_bias, o, desc, ssm_state, *ssm_state.stride()[:3], state_indices, N, programs, scale,
         float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, L2NORM=l2, STAGES=stages,
-        TMA_STORE=store is Store.TMA, QKV_TMA=qkv is QKV.TMA, GROUPED=order is Order.GROUPED,
-        num_warps=warps,
+        TMA_STORE=store is Store.TMA, QKV_TMA=qkv is QKV.TMA, num_warps=warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
