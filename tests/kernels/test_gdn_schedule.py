@@ -343,3 +343,22 @@ def test_qkv_by_tma_is_refused_where_a_stage_of_v_would_be_misaligned():
     odd = torch.zeros(4 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 2, 128)  # a 2-byte offset: no descriptor
     with pytest.raises(ValueError, match="needs q as \\[N, heads, D\\]"):
         triton_decode_tma.launch((64, 4, 4, 3), odd, *args[1:], sms=1, qkv=triton_decode_tma.QKV.TMA)
+
+
+def test_qkv_by_tma_is_a_candidate_only_where_a_descriptor_takes_q_k_and_v():
+    """The tuner offers `QKV.TMA` forms only where `qkv_describable` holds, and a call whose tensors it does not hold
+    for takes the loads (same bits): contiguous rows with a 128-byte v row at the config's BV (capped at V), a
+    16-byte aligned base, [N, heads, D]."""
+    from hybridkv.kernels.gdn import triton_decode_tma
+
+    q, k = torch.zeros(4, 2, 128, dtype=torch.bfloat16), torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    v = torch.zeros(4, 4, 128, dtype=torch.bfloat16)
+    assert triton_decode_tma.qkv_describable((64, 4, 4, 3), q, k, v)
+    assert not triton_decode_tma.qkv_describable((32, 4, 4, 3), q, k, v)  # a 64-byte v row
+    assert not triton_decode_tma.qkv_describable((64, 4, 4, 3), q, k, v[..., :32].contiguous())  # BV capped at 32
+    odd = torch.zeros(4 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 2, 128)  # a 2-byte offset
+    assert not triton_decode_tma.qkv_describable((64, 4, 4, 3), odd, k, v)
+    assert not triton_decode_tma.qkv_describable((64, 4, 4, 3), q, k, v.reshape(4, 512))
+    mixed = torch.zeros(4, 2 * 2 * 128 + 4 * 128, dtype=torch.bfloat16)  # vLLM's views of one projection
+    views = mixed[:, :256].view(4, 2, 128), mixed[:, 256:512].view(4, 2, 128), mixed[:, 512:].view(4, 4, 128)
+    assert triton_decode_tma.qkv_describable((64, 4, 4, 3), *views)

@@ -691,10 +691,10 @@ def test_decode_slots_in_place_with_pads(HV, state_dtype):
 
 @pytest.mark.parametrize("cfg", triton_decode_tma.TMA_CONFIGS, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("N", [64, 256])
+@pytest.mark.parametrize("N", [3, 64, 256])
 def test_tma_decode_equals_tile_kernel(N, state_dtype, cfg):
     """Every TMA walk config against the tile kernel on the same strided pool: bit for bit (same arithmetic),
-    the other layer, the pads' and unused slots untouched."""
+    the other layer, the pads' and unused slots untouched. Three sequences: fewer tiles than programs."""
     q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(N, 32, state_dtype, 300, 5)
     assert triton_decode_tma.eligible(q, v, pool[:, 1], True)
     before = pool.clone()
@@ -736,6 +736,28 @@ def test_tma_decode_with_qkv_by_tma_equals_tile_kernel(state_dtype):
     touched = torch.zeros(300, dtype=torch.bool, device="cuda")
     touched[idx[idx >= 0]] = True
     assert torch.equal(pool[~touched], before[~touched])
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_qkv_by_tma_choice_reads_by_loads_where_q_is_not_describable(state_dtype):
+    """A tuned choice with q, k, v by TMA, replayed on a call whose q a descriptor cannot take (a 2-byte offset), reads
+    them by loads instead: bit for bit the tile kernel either way, and the same as the choice on aligned copies."""
+    q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(64, 32, state_dtype, 300, 9)
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    odd = flat[1:].view_as(q)
+    odd.copy_(q)
+    choice = triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.TMA, cfg=(64, 4, 4, 3), qkv_tma=True)
+    assert not triton_decode_tma.qkv_describable(choice.cfg, odd, k, v)
+    assert triton_decode_tma.qkv_describable(choice.cfg, q, k, v)
+    tile_pool, o_tile = pool.clone(), torch.empty_like(v)
+    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
+                                    True, True, 1.0, 20.0)
+    for q_in in (q, odd):
+        trial, o = pool.clone(), torch.full_like(v, float("nan"))
+        triton_recurrent._launch_choice(choice, q_in, k, v, a, b, A_log, dt_bias, o, trial[:, 1], idx, 128**-0.5, True,
+                                        True, 1.0, 20.0)
+        torch.cuda.synchronize()
+        assert torch.equal(o, o_tile) and torch.equal(trial, tile_pool)
 
 
 def test_decode_takes_the_tile_kernel_where_tma_cannot_describe_the_pool():

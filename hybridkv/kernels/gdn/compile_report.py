@@ -42,6 +42,7 @@ class Launch:
     num_stages: int = 3  # Triton's default on NVIDIA
     constants: Mapping[str, object] = field(default_factory=dict)
     maxnreg: int | None = None  # ptxas's register cap, as the host code passes it (None: no cap)
+    types: Mapping[str, str] = field(default_factory=dict)  # runtime arguments typed otherwise in this launch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,14 +248,19 @@ def _specs() -> list[KernelSpec]:
                        "dt_bias": "*fp32", "o": "*bf16", "stride_slot": "i32", "stride_head": "i32",
                        "stride_row": "i32", "state_indices": "*i32", "N": "i32", "progs": "i32", "scale": "fp32",
                        "softplus_beta": "fp32", "softplus_threshold": "fp32"},
-            constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True, "QKV_TMA": False},
+            constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True},
             aligned=("stride_slot", "stride_head", "stride_row"),
+            # The direct store is a probe candidate; q, k and v by TMA (a v row of 128 bytes) are tuner candidates.
             launches=tuple(
-                Launch(label=f"{dt} state BV={bv} {per_sm}/SM{'' if tma_store else ' direct store'}", num_warps=w,
-                       num_stages=st, constants={"BV": bv, "STAGES": st, "TMA_STORE": tma_store, "state": dt,
-                                                 "desc": f"tensordesc<{dt}[1, 1, {bv}, {D}]>"})
+                Launch(label=f"{dt} state BV={bv} {per_sm}/SM{'' if tma_store else ' direct store'}"
+                             f"{' qkv-tma' if qkv_tma else ''}", num_warps=w, num_stages=st,
+                       constants={"BV": bv, "STAGES": st, "TMA_STORE": tma_store, "QKV_TMA": qkv_tma, "state": dt,
+                                  "desc": f"tensordesc<{dt}[1, 1, {bv}, {D}]>"},
+                       types={"q": f"tensordesc<bf16[1, 1, {D}]>", "k": f"tensordesc<bf16[1, 1, {D}]>",
+                              "v": f"tensordesc<bf16[1, 1, {bv}]>"} if qkv_tma else {})
                 for dt in ("fp32", "bf16") for bv, w, per_sm, st in triton_decode_tma.TMA_CONFIGS
-                for tma_store in (True, False)),
+                for tma_store, qkv_tma in ((True, False), (False, False), (True, True))
+                if not qkv_tma or bv * 2 % 128 == 0),
         ),
         KernelSpec(
             name="conv_prefill", module=conv, attr="_conv_out_kernel",
@@ -380,7 +386,7 @@ def compile_one(spec: KernelSpec, launch: Launch, arch: Arch) -> Report:
 
     fn = _jit_function(spec)
     constants = {**spec.constants, **launch.constants}
-    signature = dict(spec.signature)
+    signature = {**spec.signature, **launch.types}
     state_dtype = constants.pop("state", None)
     if state_dtype is not None:
         signature["state"] = f"*{state_dtype}"

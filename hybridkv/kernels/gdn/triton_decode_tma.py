@@ -45,7 +45,10 @@ class QKV(enum.Enum):
     """How a tile's q, k and v rows reach the walk. LOADS: plain loads in the tile (2 bytes a thread: too narrow for
     cp.async, so Triton's pipeliner leaves them in the loop and each tile waits one global-load latency before its l2
     norms; Nsight Compute: the walk's top stall site, 13-23% of samples at 35B bf16). TMA: through tensor
-    descriptors, which the pipeliner stages ahead with the state (a probe candidate until measured on a GPU)."""
+    descriptors, which the pipeliner stages ahead with the state. Measured on an H200 (benchmarks/gdn/decode_probe.py
+    --ring, results/decode_probe_ring5_h200.txt): at (64, 4, 4, 3) the fixed part of a call fell from 7.6 to 2.9 us
+    and the per-MB rate rose 10% (35B bf16, fits through 64 and 256 sequences), so 35B bf16 at 64 sequences went
+    from 70.9-71.6% of copy bandwidth to 73.3-74.0% while 256 sequences lost 5 points; the tuner takes both forms."""
 
     LOADS = "loads"
     TMA = "tma"
@@ -158,6 +161,14 @@ def walk(cfg, q, v, ssm_state, sms: int | None = None) -> tuple[int, int, Tensor
     sms = sms if sms is not None else _device(q.device)[1]
     programs = max(1, min(per_sm * sms, N * HV * (V // bv)))
     return bv, programs, TensorDescriptor(ssm_state, list(ssm_state.shape), list(ssm_state.stride()), [1, 1, bv, K])
+
+
+def qkv_describable(cfg, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `QKV.TMA` can read these q, k and v at ``cfg``: [N, heads, D] tensors a descriptor takes, and a v row of
+    BV elements (BV capped at V) a multiple of 128 bytes, so that every stage of its buffer stays aligned."""
+    bv = min(cfg[0], v.shape[-1])
+    return (all(t.dim() == 3 and _describable(t) for t in (q, k, v))
+            and not bv * v.element_size() % _TMA_ROW)
 
 
 def _row_descriptor(t: torch.Tensor, name: str, row: int) -> TensorDescriptor:

@@ -140,7 +140,8 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
 # once per key on a scratch pool instead. The key carries the batch size rounded up to a power of two
 # (at most DECODE_TUNE_ROWS) because the best tile moves with it: a tile tuned on a small batch can be
 # several points of copy bandwidth short on a large one. The candidates are the tile kernel's
-# (BV, num_warps) configs and, where it can run, the TMA walk's (`triton_decode_tma.TMA_CONFIGS`).
+# (BV, num_warps) configs and, where it can run, the TMA walk's (`triton_decode_tma.TMA_CONFIGS`), those with a
+# 128-byte v row also with q, k and v read by TMA.
 DECODE_TUNE_ROWS = 256
 # The spin before each timed group of tuning launches (`_tune_decode`): cycles per second of a GPU clock that is at
 # most this fast (H200: 1.98 GHz boost), so a spin of host time x this lasts at least that long; and a floor.
@@ -158,9 +159,12 @@ class DecodeKernel(enum.Enum):
 class DecodeChoice:
     kernel: DecodeKernel
     cfg: tuple[int, ...]  # TILE: (BV, num_warps); TMA: (BV, num_warps, programs per SM, stages)
+    # TMA only: q, k and v through tensor descriptors (`triton_decode_tma.QKV.TMA`) where a call's tensors allow it
+    # (`triton_decode_tma.qkv_describable`), else by loads: the same arithmetic, so the same bits, either way.
+    qkv_tma: bool = False
 
     def __str__(self) -> str:
-        return f"{self.kernel.value} {self.cfg}"
+        return f"{self.kernel.value} {self.cfg}{' qkv-tma' if self.qkv_tma else ''}"
 
 
 _DEFAULT_DECODE = DecodeChoice(kernel=DecodeKernel.TILE, cfg=(32, 4))
@@ -228,8 +232,10 @@ def _launch_decode(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indic
 def _launch_choice(choice: DecodeChoice, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2,
                    v_first, softplus_beta, softplus_threshold) -> None:
     if choice.kernel is DecodeKernel.TMA:
+        by_tma = choice.qkv_tma and triton_decode_tma.qkv_describable(choice.cfg, q, k, v)
         triton_decode_tma.launch(choice.cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2,
-                                 softplus_beta, softplus_threshold)
+                                 softplus_beta, softplus_threshold,
+                                 qkv=triton_decode_tma.QKV.TMA if by_tma else triton_decode_tma.QKV.LOADS)
     else:
         _launch_decode(choice.cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, v_first,
                        softplus_beta, softplus_threshold)
@@ -247,6 +253,11 @@ def _tune_decode(args, rows: int, tma: bool) -> DecodeChoice:
     # The walk is timed on the dense scratch pool, which it must be able to describe as well.
     if tma and triton_decode_tma.eligible(q, v, scratch, v_first):
         cands += [DecodeChoice(kernel=DecodeKernel.TMA, cfg=c) for c in triton_decode_tma.TMA_CONFIGS]
+        # With q, k and v staged by TMA beside the state, a tile no longer waits a load latency for q before its
+        # norms: on an H200 the fixed part of a call fell from 7.6 to 2.9 us (35B bf16, fits through 64 and 256
+        # sequences) and the per-MB rate rose 10%, so it wins on small batches and loses on large ones.
+        cands += [DecodeChoice(kernel=DecodeKernel.TMA, cfg=c, qkv_tma=True) for c in triton_decode_tma.TMA_CONFIGS
+                  if triton_decode_tma.qkv_describable(c, *sub[:3])]
     for choice in cands:  # compile and warm every candidate before any is timed
         _launch_choice(choice, *sub)
     torch.cuda.synchronize()
