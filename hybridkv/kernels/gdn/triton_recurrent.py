@@ -261,14 +261,18 @@ def _tune_decode(args, rows: int, tma: bool) -> DecodeChoice:
     for choice in cands:  # compile and warm every candidate before any is timed
         _launch_choice(choice, *sub)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    host_s = 0.0
     for choice in cands:
+        t0 = time.perf_counter()
         _launch_choice(choice, *sub)
-    host_s = (time.perf_counter() - t0) / len(cands)
+        host_s = max(host_s, time.perf_counter() - t0)
     torch.cuda.synchronize()
     # The timed launches are queued behind a GPU spin that outlasts their host time, so the events measure the GPU:
     # a small batch's step (a few us) takes less device time than one launch's Python, and timed back to back it
-    # would pick whichever candidate launches fastest on the host, not what a CUDA graph then replays.
+    # would pick whichever candidate launches fastest on the host, not what a CUDA graph then replays. The spin
+    # covers the slowest candidate's launches: sized by the mean, it fell short of the TMA walk's (a tensor
+    # descriptor per operand) and the tuner kept a tile config 9% slower than the walk (H200, 35B bf16, 32 sequences,
+    # benchmarks/gdn/tuner_probe.py).
     spin = int(max(_SPIN_MIN_CYCLES, 2 * 5 * host_s * _SPIN_CYCLES_PER_S))
     # Three rounds over all candidates, best of each: a single timed pass in a fixed order can favour one
     # for where it falls in the order rather than for its speed, and picked a slower tile.
