@@ -1,16 +1,17 @@
-"""Device probe: does the decode tuner (`triton_recurrent._tune_decode`) rank its candidates as the bench times them?
+"""Device probe: does the decode tuner (`triton_recurrent._tune_decode`) rank its candidates as serving would see them?
 
 Twelfth session, H200: at 32 sequences of 35B bf16 the tuner kept the tile kernel (32, 2), which `decode_probe` timed at
-69.7% of copy bandwidth, while the TMA walk with q, k, v by TMA reached 77.1%. The tuner differs from the bench in
-three ways, each timed here per candidate so that the one that reorders them shows:
-- "tuner": its own measurement, five launches back to back behind a spin on a dense scratch pool of zeros (slots
-  0..N-1), best of three rounds;
-- "b2b": the same five launches behind a spin on the bench's pool (random slots among 2N, random values);
-- "single": one launch behind a spin, median of ``iters`` (`bench_timing._median_ms`, what the bench reports);
-and "host", the host time of one launch (median of 5, the GPU drained before each).
+69.7% of copy bandwidth, while the TMA walk with q, k, v by TMA reached 77.1%. Per candidate, here:
+- "in tuning": what `_tuning_ms` measured (per launch), which the tuner's pick is the fastest of;
+- "b2b": the tuner's former measurement, five launches back to back behind a spin on its dense scratch pool (slots
+  0..N-1), best of three rounds: the pool stays in L2 when it is smaller (32 MB here against the H200's 50 MB);
+- "cold": one launch on the bench's pool (random slots among 2N) with L2 flushed first, median of ``iters``: what a
+  decode step sees in serving, where every other layer runs between two calls of one layer's kernel;
+- "warm": one launch behind a spin, median of ``iters`` (`bench_timing._median_ms`, what `bench gdn` reports);
+- "host": the host time of one launch (median of 5, the GPU drained before each).
 
-The first run (results/tuner_probe_h200.txt) showed the tuner's own measurement ranking the walk first where
-`_tune_decode` kept the tile: its spin was sized by the candidates' mean host time, short of the walk's launches.
+The first two runs (results/tuner_probe_h200.txt) had the tuner timing five launches back to back: during the tuning
+the tile (32, 2) measured 17.5 us a launch, timed alone after it 19.9, while the walk measured 18.4 both times.
 
     python -m benchmarks.gdn.tuner_probe [--batch 8 32 64] [--iters 20]
 """
@@ -64,25 +65,29 @@ def run(batches: list[int], iters: int) -> None:
                     _launch_choice(c, *tuner_args)
                 torch.cuda.synchronize()
                 spin = 4_000_000
-                picked = triton_recurrent._tune_decode(tuner_args, N, True)
+                tuned = triton_recurrent._tuning_ms(tuner_args, N, True)
+                picked = min(tuned, key=tuned.__getitem__)
+                flush = torch.empty(2 * triton_recurrent._l2_bytes(q.device), dtype=torch.int8, device="cuda")
                 rows = []
                 for c in cands:
                     host = []
                     for _ in range(5):
                         torch.cuda.synchronize()
                         t0 = time.perf_counter()
-                        _launch_choice(c, *tuner_args)
+                        _launch_choice(c, *bench_args)
                         host.append((time.perf_counter() - t0) * 1e6)
                     torch.cuda.synchronize()
-                    tuner = _b2b5(c, tuner_args, spin)
-                    b2b = _b2b5(c, bench_args, spin)
-                    single = bench_timing._median_ms(lambda: _launch_choice(c, *bench_args), iters)
-                    rows.append((str(c), tuner * 1e3, b2b * 1e3, single * 1e3, sorted(host)[2]))
+                    b2b = _b2b5(c, tuner_args, spin)
+                    cold = sorted(triton_recurrent._cold_ms(lambda c=c: _launch_choice(c, *bench_args), spin, flush)
+                                  for _ in range(iters))[iters // 2]
+                    warm = bench_timing._median_ms(lambda c=c: _launch_choice(c, *bench_args), iters)
+                    rows.append((str(c), tuned[c] * 1e3, b2b * 1e3, cold * 1e3, warm * 1e3, sorted(host)[2]))
+                del flush
                 print(f"# {model} HV={HV} {str(dtype).removeprefix('torch.')} N={N}: the tuner picks {picked}",
                       flush=True)
-                for name, t, bb, s, h in sorted(rows, key=lambda r: r[3]):
-                    print(f"  {name:28} tuner {t:7.2f} us  b2b {bb:7.2f} us  single {s:7.2f} us  host {h:6.1f} us",
-                          flush=True)
+                for name, tt, bb, cold, warm, h in sorted(rows, key=lambda r: r[3]):
+                    print(f"  {name:28} in tuning {tt:7.2f} us  b2b {bb:7.2f}  cold {cold:7.2f}  warm {warm:7.2f}"
+                          f"  host {h:6.1f}", flush=True)
 
 
 def main() -> None:
