@@ -249,10 +249,6 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ri
                 cands += [("tma qkv-tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool,
                                                                          idx, qkv=triton_decode_tma.QKV.TMA))
                           for c in triton_decode_tma.TMA_CONFIGS if c[0] >= 64]
-                # q and k by TMA, v by a load: its first use comes after both reductions, so its latency hides.
-                cands += [("tma qk-tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool,
-                                                                        idx, qkv=triton_decode_tma.QKV.QK_TMA))
-                          for c in triton_decode_tma.TMA_CONFIGS]
                 cands += [(f"gluon ring{'' if tma else ' qkv loads'}", c,
                            lambda c, o, pool, tma=tma: gluon_decode_ring.launch(c, q, k, v, a, b, A_log, dt_bias, o,
                                                                                 pool, idx, qkv_tma=tma))

@@ -248,7 +248,7 @@ def _specs() -> list[KernelSpec]:
                        "dt_bias": "*fp32", "o": "*bf16", "stride_slot": "i32", "stride_head": "i32",
                        "stride_row": "i32", "state_indices": "*i32", "N": "i32", "progs": "i32", "scale": "fp32",
                        "softplus_beta": "fp32", "softplus_threshold": "fp32"},
-            constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True, "V_TMA": True},
+            constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True},
             aligned=("stride_slot", "stride_head", "stride_row"),
             # The direct store is a probe candidate; q, k and v by TMA (a v row of 128 bytes) are tuner candidates.
             launches=tuple(

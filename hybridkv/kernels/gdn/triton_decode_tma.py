@@ -52,7 +52,6 @@ class QKV(enum.Enum):
 
     LOADS = "loads"
     TMA = "tma"
-    QK_TMA = "qk-tma"  # q and k through descriptors, v by a plain load (its first use comes after both reductions)
 
 
 _TMA_ALIGN = 16  # bytes: a tensor descriptor's base address and every stride but the last
@@ -77,8 +76,7 @@ def _delta_step(raw, b_q, b_k, b_v, x, bb, neg_a, scale, softplus_beta, softplus
 def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state, stride_slot, stride_head, stride_row,
                        state_indices, N, progs, scale, softplus_beta, softplus_threshold, H: tl.constexpr,
                        HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                       STAGES: tl.constexpr, TMA_STORE: tl.constexpr, QKV_TMA: tl.constexpr,
-                       V_TMA: tl.constexpr = True):
+                       STAGES: tl.constexpr, TMA_STORE: tl.constexpr, QKV_TMA: tl.constexpr):
     """Grid (progs,): program p takes tiles p, p + progs, ... of the N * HV * (V / BV) [BV, K] tiles, each
     one (sequence, value head, V block). A pad (slot < 0) writes a zero output row and leaves the pool alone.
     ``state`` (the pool's base, strides in elements) is used by the direct store only (`Store.DIRECT`). QKV_TMA: q, k
@@ -103,10 +101,7 @@ def _decode_tma_kernel(q, k, v, a, b, A_log, dt_bias, o, desc, state, stride_slo
         if QKV_TMA:
             b_q = q.load([i_n, i_h, 0]).reshape(K)
             b_k = k.load([i_n, i_h, 0]).reshape(K)
-            if V_TMA:
-                b_v = v.load([i_n, i_hv, i_v * BV]).reshape(BV)
-            else:
-                b_v = tl.load(v + row_hv * V + i_v * BV + o_bv)
+            b_v = v.load([i_n, i_hv, i_v * BV]).reshape(BV)
         else:
             b_q = tl.load(q + row_h * K + o_k)
             b_k = tl.load(k + row_h * K + o_k)
@@ -179,9 +174,8 @@ def qkv_describable(cfg, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> b
 def _row_descriptor(t: torch.Tensor, name: str, row: int) -> TensorDescriptor:
     """A [N, heads, D] tensor's descriptor with a [1, 1, row] box, or a ValueError naming what TMA cannot take."""
     if t.dim() != 3 or not _describable(t):
-        raise ValueError(f"reading q, k, v by TMA needs {name} as [N, heads, D] with rows of contiguous elements, a "
-                         f"16-byte aligned base and 16-byte aligned strides; got shape {tuple(t.shape)}, strides "
-                         f"{t.stride()}")
+        raise ValueError(f"qkv=QKV.TMA needs {name} as [N, heads, D] with rows of contiguous elements, a 16-byte "
+                         f"aligned base and 16-byte aligned strides; got shape {tuple(t.shape)}, strides {t.stride()}")
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, row])
 
 
@@ -200,9 +194,7 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     bv, programs, desc = walk(cfg, q, v, ssm_state, sms)
-    if qkv is QKV.QK_TMA:
-        q, k = _row_descriptor(q, "q", K), _row_descriptor(k, "k", K)
-    elif qkv is QKV.TMA:
+    if qkv is QKV.TMA:
         if bv * v.element_size() % _TMA_ROW:
             raise ValueError(f"qkv=QKV.TMA needs BV * {v.element_size()} bytes to be a multiple of {_TMA_ROW}, "
                              f"got BV={bv}")
@@ -210,5 +202,5 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     _decode_tma_kernel[(programs,)](
         q, k, v, a, b, A_log, dt_bias, o, desc, ssm_state, *ssm_state.stride()[:3], state_indices, N, programs, scale,
         float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, L2NORM=l2, STAGES=stages,
-        TMA_STORE=store is Store.TMA, QKV_TMA=qkv is not QKV.LOADS, V_TMA=qkv is QKV.TMA, num_warps=warps,
+        TMA_STORE=store is Store.TMA, QKV_TMA=qkv is QKV.TMA, num_warps=warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
