@@ -760,6 +760,23 @@ def test_a_qkv_by_tma_choice_reads_by_loads_where_q_is_not_describable(state_dty
         assert torch.equal(o, o_tile) and torch.equal(trial, tile_pool)
 
 
+def test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone():
+    """`_tuning_ms` times each tile config, each TMA walk config, and the walk's configs with a 128-byte v row once
+    more with q, k, v by TMA; every time is a positive device time, and the caller's pool is not touched (the tuning
+    runs on a scratch pool)."""
+    q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(32, 32, torch.bfloat16, 100, 10)
+    before = pool.clone()
+    args = (q, k, v, a, b, A_log, dt_bias, torch.empty_like(v), pool[:, 1], idx, 128**-0.5, True, True, 1.0, 20.0)
+    times = triton_recurrent._tuning_ms(args, 32, True)
+    tma = triton_recurrent.DecodeKernel.TMA
+    want = {(triton_recurrent.DecodeKernel.TILE, c, False) for c in triton_recurrent.DECODE_CONFIGS}
+    want |= {(tma, c, False) for c in triton_decode_tma.TMA_CONFIGS}
+    want |= {(tma, c, True) for c in triton_decode_tma.TMA_CONFIGS if c[0] * 2 % 128 == 0}
+    assert {(c.kernel, c.cfg, c.qkv_tma) for c in times} == want
+    assert all(0 < ms < 10 for ms in times.values()), times
+    assert torch.equal(pool, before)
+
+
 def test_decode_takes_the_tile_kernel_where_tma_cannot_describe_the_pool():
     """A pool view whose base is not 16-byte aligned, or a K-first pool, is not eligible; the decode call still
     runs (tile kernel, its own tuning key) and matches the reference."""

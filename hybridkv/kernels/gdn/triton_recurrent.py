@@ -143,7 +143,7 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
 # (BV, num_warps) configs and, where it can run, the TMA walk's (`triton_decode_tma.TMA_CONFIGS`), those with a
 # 128-byte v row also with q, k and v read by TMA.
 DECODE_TUNE_ROWS = 256
-# The spin before each timed group of tuning launches (`_tune_decode`): cycles per second of a GPU clock that is at
+# The spin before each timed tuning launch (`_tuning_ms`): cycles per second of a GPU clock that is at
 # most this fast (H200: 1.98 GHz boost), so a spin of host time x this lasts at least that long; and a floor.
 _SPIN_CYCLES_PER_S = 2.0e9
 _SPIN_MIN_CYCLES = 200_000
@@ -266,8 +266,8 @@ def _tune_decode(args, rows: int, tma: bool) -> DecodeChoice:
 
 def _tuning_ms(args, rows: int, tma: bool) -> dict[DecodeChoice, float]:
     """Time each candidate on a scratch pool of `rows` slots (the caller's pool is never touched): ms of one launch
-    with L2 flushed, median of five rounds (`_cold_ms`). ``tma``: the caller's pool can take the TMA walk (`triton_decode_tma.eligible`), so its
-    configs are candidates too."""
+    with L2 flushed, median of five rounds (`_cold_ms`). ``tma``: the caller's pool can take the TMA walk
+    (`triton_decode_tma.eligible`), so its configs are candidates too."""
     q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, v_first, *rest = args
     scratch = torch.zeros((rows, *ssm_state.shape[1:]), dtype=ssm_state.dtype, device=ssm_state.device)
     idx = torch.arange(rows, device=q.device, dtype=state_indices.dtype)
@@ -295,7 +295,7 @@ def _tuning_ms(args, rows: int, tma: bool) -> dict[DecodeChoice, float]:
     # a small batch's step (a few us) takes less device time than one launch's Python, and timed back to back it
     # would pick whichever candidate launches fastest on the host, not what a CUDA graph then replays. The spin
     # covers the slowest candidate's launch: the TMA walk's, a tensor descriptor per operand, takes up to twice a tile
-    # launch's host time (35-75 us on the H200's host).
+    # launch's host time (35-150 us a launch on the H200's host).
     spin = int(max(_SPIN_MIN_CYCLES, 2 * host_s * _SPIN_CYCLES_PER_S))
     # Each timed launch finds L2 flushed, as in serving, where every other layer runs between two calls of one layer's
     # decode: timed back to back, a pool under L2's size (32 sequences of 35B bf16 state: 32 MB) stayed resident
