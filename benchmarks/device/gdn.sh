@@ -21,7 +21,8 @@
 #                                                   # at DECODE_BATCH sequences (256; "64 256": both);
 #                                                   # DECODE_STORE=1: the shipped TMA walk against its --store
 #                                                   # candidates only (direct store, tensor-core sums, Gluon walk);
-#                                                   # DECODE_RING=1: against the Gluon ring walk only
+#                                                   # DECODE_RING=1: against the Gluon ring walk only;
+#                                                   # DECODE_ROWS=1: against the row-looped kernel only
 #   SCANFIRST=1 ... bash benchmarks/device/gdn.sh    # first: each shape's plan against its variants (scan_probe.py);
 #                                                   # SCAN_SHAPES="397B 1x8192,4x8192" picks labels with spaces
 #   QLA=1 bash benchmarks/device/gdn.sh  # FlashQLA beside FLA's Triton path (issue 23), carry [".whl-qla"] built here by
@@ -121,7 +122,7 @@ fi
 if [ "${DECODEFIRST:-0}" != 0 ]; then
     PYTHONUNBUFFERED=1 timeout "${DECODE_S:-240}" "$PY" -m benchmarks.gdn.decode_probe --iters "${ITERS:-20}" \
         --batch ${DECODE_BATCH:-256} --json "$OUT/decode.json" $([ "${DECODE_STORE:-0}" != 0 ] && echo --store) \
-        $([ "${DECODE_RING:-0}" != 0 ] && echo --ring) \
+        $([ "${DECODE_RING:-0}" != 0 ] && echo --ring) $([ "${DECODE_ROWS:-0}" != 0 ] && echo --rows) \
         2>&1 | grep -v -i warn | tee "$OUT/decode.txt"
 fi
 if [ "${INVFIRST:-0}" != 0 ]; then  # the inverse kernel's variants, serial, with the worst case's error

@@ -35,7 +35,10 @@ and the direct store (`gluon_decode_direct`).
 (`triton_decode_tma.QKV.TMA`) and beside `gluon_decode_ring`: the Gluon walk with q, k and v in the state's TMA ring
 and the gates loaded a tile ahead.
 
-    python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256] [--store | --ring]
+``--rows`` (twelfth session) times `decode_rows`, FlashInfer's decode shape in Triton (few rows a thread, a program
+looping over its head's rows), beside the walk's and the tile kernel's best configs.
+
+    python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256] [--store | --ring | --rows]
     DECODEFIRST=1 TESTS=0 ONLY=decode bash benchmarks/device/gdn.sh   # on the device, then the decode bench
 
 Each candidate's output and updated pool are compared with the shipped kernel's on the same inputs.
@@ -55,7 +58,7 @@ from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_dec
 from hybridkv.kernels.gdn.triton_decode_tma import _delta_step
 from hybridkv.kernels.gdn.triton_recurrent import _l2norm, _softplus
 
-from benchmarks.gdn import gluon_decode_direct, gluon_decode_ring
+from benchmarks.gdn import decode_rows, gluon_decode_direct, gluon_decode_ring
 from benchmarks.gdn.schedules import decode_inputs
 
 
@@ -212,11 +215,12 @@ STORE = tuple((cfg, triton_decode_tma.Store.DIRECT, cap) for cfg in (
 MMA = ((64, 4, 4, 3, 128), (64, 4, 3, 3, None), (64, 4, 4, 4, 128), (64, 8, 2, 3, None), (32, 4, 4, 3, None))
 
 
-def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ring: bool = False) -> list[dict]:
+def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ring: bool = False,
+        rows_only: bool = False) -> list[dict]:
     rows = []
     for model, H, HV in bench_cases.DECODE_SHAPES:
         # --ring: bf16 first, the goal's case (a fault in a new kernel ends the process).
-        for dtype in (torch.bfloat16, torch.float32) if ring else (torch.float32, torch.bfloat16):
+        for dtype in (torch.bfloat16, torch.float32) if ring or rows_only else (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             q, k, v, a, b, A_log, dt_bias, pool0, idx = decode_inputs(N, H, HV, dtype)
             idx[::17] = -1  # pads: the pool must stay untouched there
@@ -242,7 +246,16 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ri
                              mb=nbytes / 1e6))
             print(f"{label:22} shipped {triton_recurrent.decode_choices()}  {ms:.4f} ms {shipped_pct:5.1f}% copy",
                   flush=True)
-            if ring:
+            if rows_only:
+                cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
+                         for c in ((64, 4, 4, 3), (64, 4, 2, 3), (32, 4, 4, 3))]
+                cands += [("tile", c, lambda c, o, pool: triton_recurrent._launch_decode(
+                    c, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, True, 1.0, 20.0))
+                    for c in ((16, 2), (32, 2))]
+                cands += [("rows", c, lambda c, o, pool: decode_rows.launch(c, q, k, v, a, b, A_log, dt_bias, o, pool,
+                                                                          idx))
+                          for c in decode_rows.CONFIGS]
+            elif ring:
                 cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
                          for c in triton_decode_tma.TMA_CONFIGS]
                 # The shipped walk with q, k, v through tensor descriptors (`QKV.TMA`): its top stall site gone.
@@ -304,13 +317,15 @@ def main() -> None:
                    help="only the TMA walk's configs: TMA and direct stores, and (bf16) reductions on the tensor cores")
     p.add_argument("--ring", action="store_true",
                    help="only the TMA walk's configs beside the Gluon ring walk (gluon_decode_ring)")
+    p.add_argument("--rows", action="store_true",
+                   help="the TMA walk's and tile kernel's best configs beside the row-looped kernel (decode_rows)")
     a = p.parse_args()
     copy = bench_timing._copy_gbps(a.iters)
     print(torch.cuda.get_device_name(), f"copy {copy:.0f} GB/s", flush=True)
     rows = []
     for batch in a.batch:
         print(f"# {batch} sequences", flush=True)
-        rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch, a.store, a.ring)]
+        rows += [dict(r, batch=batch) for r in run(a.iters, copy, batch, a.store, a.ring, a.rows)]
     fits = _fits(rows, copy)  # none with one batch size
     for f in fits:
         print(f"fit {f['shape']:22} {f['kernel']} {f['cfg'] or ''}: {f['fixed_us']:.1f} us + "
