@@ -35,8 +35,9 @@ and the direct store (`gluon_decode_direct`).
 (`triton_decode_tma.QKV.TMA`) and beside `gluon_decode_ring`: the Gluon walk with q, k and v in the state's TMA ring
 and the gates loaded a tile ahead.
 
-``--rows`` (twelfth session) times `decode_rows`, FlashInfer's decode shape in Triton (few rows a thread, a program
-looping over its head's rows), beside the walk's and the tile kernel's best configs.
+``--rows`` (twelfth session) times `triton_decode_rows`, FlashInfer's decode shape in Triton (few rows a thread, a
+program looping over its head's rows; written here, shipped after results/decode_probe_rows_h200.txt), beside the
+walk's and the tile kernel's best configs.
 
     python -m benchmarks.gdn.decode_probe [--iters 20] [--json PATH] [--batch 256] [--store | --ring | --rows]
     DECODEFIRST=1 TESTS=0 ONLY=decode bash benchmarks/device/gdn.sh   # on the device, then the decode bench
@@ -54,11 +55,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_decode, triton_decode_tma, triton_recurrent
+from hybridkv.kernels.gdn import (bench_cases, bench_timing, gated_delta_rule_decode, triton_decode_rows,
+                                  triton_decode_tma, triton_recurrent)
 from hybridkv.kernels.gdn.triton_decode_tma import _delta_step
 from hybridkv.kernels.gdn.triton_recurrent import _l2norm, _softplus
 
-from benchmarks.gdn import decode_rows, gluon_decode_direct, gluon_decode_ring
+from benchmarks.gdn import gluon_decode_direct, gluon_decode_ring
 from benchmarks.gdn.schedules import decode_inputs
 
 
@@ -252,9 +254,9 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ri
                 cands += [("tile", c, lambda c, o, pool: triton_recurrent._launch_decode(
                     c, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, True, 1.0, 20.0))
                     for c in ((16, 2), (32, 2))]
-                cands += [("rows", c, lambda c, o, pool: decode_rows.launch(c, q, k, v, a, b, A_log, dt_bias, o, pool,
-                                                                          idx))
-                          for c in decode_rows.CONFIGS]
+                cands += [("rows", c, lambda c, o, pool: triton_decode_rows.launch(
+                    c, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, 1.0, 20.0))
+                    for c in triton_decode_rows.ROWS_CONFIGS + ((4, 128, 4, 3), (8, 128, 8, 3), (4, 128, 4, 4))]
             elif ring:
                 cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
                          for c in triton_decode_tma.TMA_CONFIGS]

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from hybridkv.kernels.gdn import bench_cases, bench_timing, triton_recurrent
+from hybridkv.kernels.gdn import bench_cases, bench_timing, triton_decode_rows, triton_recurrent
 from hybridkv.kernels.gdn.triton_recurrent import DecodeChoice, DecodeKernel, _launch_choice
 
 from benchmarks.gdn.schedules import decode_inputs
@@ -57,6 +57,7 @@ def run(batches: list[int], iters: int) -> None:
                 tuner_args = (q, k, v, a, b, A_log, dt_bias, torch.empty_like(v), scratch, dense, scale, True, True,
                               1.0, 20.0)
                 cands = [DecodeChoice(kernel=DecodeKernel.TILE, cfg=c) for c in triton_recurrent.DECODE_CONFIGS]
+                cands += [DecodeChoice(kernel=DecodeKernel.ROWS, cfg=c) for c in triton_decode_rows.ROWS_CONFIGS]
                 cands += [DecodeChoice(kernel=DecodeKernel.TMA, cfg=c, qkv_tma=t)
                           for c in ((64, 4, 4, 3), (64, 4, 2, 3), (32, 4, 4, 3)) for t in (False, True)
                           if not t or c[0] == 64]
@@ -65,7 +66,7 @@ def run(batches: list[int], iters: int) -> None:
                     _launch_choice(c, *tuner_args)
                 torch.cuda.synchronize()
                 spin = 4_000_000
-                tuned = triton_recurrent._tuning_ms(tuner_args, N, True)
+                tuned = triton_recurrent._tuning_ms(tuner_args, N, True, True)
                 picked = min(tuned, key=tuned.__getitem__)
                 flush = torch.empty(2 * triton_recurrent._l2_bytes(q.device), dtype=torch.int8, device="cuda")
                 rows = []

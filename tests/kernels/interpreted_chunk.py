@@ -204,7 +204,8 @@ def decode_tma(out: dict) -> None:
     zero), "decode-tma/untouched": 1.0 when layer 0, the pads' and the unused slots are bit for bit as before, and
     "decode-tma/direct-store": 1.0 when the walk storing from registers leaves pool and output equal to it,
     "decode-tma/qkv-tma": 1.0 when reading q, k, v through tensor descriptors changes no bit, and
-    "decode-tma/mma": the largest difference from it of the probe's walk with its reductions on the tensor cores."""
+    "decode-tma/mma": the largest difference from it of the probe's walk with its reductions on the tensor cores,
+    "decode-rows/vs-tile": 1.0 when the row-looped kernel equals the tile kernel bit for bit at three configs."""
     from hybridkv.kernels.gdn import triton_decode_tma, triton_recurrent
 
     N, H, HV, K, V, slots = 5, 2, 4, 32, 64, 9
@@ -247,6 +248,17 @@ def decode_tma(out: dict) -> None:
     triton_decode_tma.launch((64, 4, 2, 2), q, k, v, a, b, A_log, dt_bias, o_qkv, qkv_pool[:, 1], idx, K**-0.5,
                              True, 1.0, 20.0, sms=3, qkv=triton_decode_tma.QKV.TMA)
     out["decode-tma/qkv-tma"] = float(torch.equal(qkv_pool, plain_pool) and torch.equal(o_qkv, o_plain))
+    # The row-looped kernel (`triton_decode_rows`): the tile kernel's arithmetic block by block; in the interpreter the
+    # row sums do not depend on the layout, so the same bits, pads and the other layer untouched.
+    from hybridkv.kernels.gdn import triton_decode_rows
+
+    same_rows = True
+    for cfg in ((8, 64, 4, 3), (4, 32, 4, 3), (16, 128, 4, 2)):  # ROWS capped at V = 64: one program a head too
+        rows_pool, o_rows = before.clone(), torch.full_like(v, float("nan"))
+        triton_decode_rows.launch(cfg, q, k, v, a, b, A_log, dt_bias, o_rows, rows_pool[:, 1], idx, K**-0.5, True,
+                                  1.0, 20.0)
+        same_rows &= torch.equal(rows_pool, tile_pool) and torch.equal(o_rows, o_tile)
+    out["decode-rows/vs-tile"] = float(same_rows)
     # The probe's walk with the row reductions on the tensor cores (benchmarks/gdn/decode_probe.py, bf16 states): k and
     # q split in three bf16 terms keep the fp32 arithmetic, so on these inputs it equals the shipped walk too.
     from benchmarks.gdn import decode_probe

@@ -19,7 +19,7 @@ from hybridkv.kernels.gdn import (  # noqa: E402
     gated_delta_rule_decode,
 )
 from hybridkv.kernels.gdn import reference as ref  # noqa: E402
-from hybridkv.kernels.gdn import triton_decode_tma, triton_recurrent  # noqa: E402
+from hybridkv.kernels.gdn import triton_decode_rows, triton_decode_tma, triton_recurrent  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -712,6 +712,31 @@ def test_tma_decode_equals_tile_kernel(N, state_dtype, cfg):
     assert not torch.equal(pool[touched, 1], before[touched, 1])
 
 
+@pytest.mark.parametrize("cfg", triton_decode_rows.ROWS_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N", [3, 64, 256])
+def test_rows_decode_matches_tile_kernel(N, state_dtype, cfg):
+    """Every row-looped config (`triton_decode_rows`) against the tile kernel on the same strided pool: equal to the
+    order of the row sums (one rounding of a bf16 state or output at most), the other layer, the pads' and unused
+    slots bit for bit untouched, pads' outputs zero."""
+    q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(N, 32, state_dtype, 300, 11)
+    assert triton_decode_rows.eligible(q, v, pool[:, 1], True)
+    before = pool.clone()
+    tile_pool, o_tile = pool.clone(), torch.empty_like(v)
+    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
+                                    True, True, 1.0, 20.0)
+    o = torch.full_like(v, float("nan"))
+    triton_decode_rows.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, 128**-0.5, True, 1.0, 20.0)
+    torch.cuda.synchronize()
+    tol = 1e-5 if state_dtype == torch.float32 else 1e-2
+    assert (o.float() - o_tile.float()).abs().max().item() < tol
+    assert (pool.float() - tile_pool.float()).abs().max().item() < tol
+    touched = torch.zeros(300, dtype=torch.bool, device="cuda")
+    touched[idx[idx >= 0]] = True
+    assert torch.equal(pool[~touched], before[~touched]) and torch.equal(pool[:, 0], before[:, 0])
+    assert torch.equal(o[idx < 0], torch.zeros_like(o[idx < 0]))
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tma_decode_with_qkv_by_tma_equals_tile_kernel(state_dtype):
     """q, k and v read through tensor descriptors (`QKV.TMA`, a probe candidate) from views of one mixed projection, as
@@ -761,25 +786,26 @@ def test_a_qkv_by_tma_choice_reads_by_loads_where_q_is_not_describable(state_dty
 
 
 def test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone():
-    """`_tuning_ms` times each tile config, each TMA walk config, and the walk's configs with a 128-byte v row once
-    more with q, k, v by TMA; every time is a positive device time, and the caller's pool is not touched (the tuning
+    """`_tuning_ms` times each tile config, each TMA walk config, the walk's configs with a 128-byte v row once
+    more with q, k, v by TMA, and each row-looped config; every time is a positive device time, and the caller's pool is not touched (the tuning
     runs on a scratch pool)."""
     q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(32, 32, torch.bfloat16, 100, 10)
     before = pool.clone()
     args = (q, k, v, a, b, A_log, dt_bias, torch.empty_like(v), pool[:, 1], idx, 128**-0.5, True, True, 1.0, 20.0)
-    times = triton_recurrent._tuning_ms(args, 32, True)
+    times = triton_recurrent._tuning_ms(args, 32, True, True)
     tma = triton_recurrent.DecodeKernel.TMA
     want = {(triton_recurrent.DecodeKernel.TILE, c, False) for c in triton_recurrent.DECODE_CONFIGS}
     want |= {(tma, c, False) for c in triton_decode_tma.TMA_CONFIGS}
     want |= {(tma, c, True) for c in triton_decode_tma.TMA_CONFIGS if c[0] * 2 % 128 == 0}
+    want |= {(triton_recurrent.DecodeKernel.ROWS, c, False) for c in triton_decode_rows.ROWS_CONFIGS}
     assert {(c.kernel, c.cfg, c.qkv_tma) for c in times} == want
     assert all(0 < ms < 10 for ms in times.values()), times
     assert torch.equal(pool, before)
 
 
-def test_decode_takes_the_tile_kernel_where_tma_cannot_describe_the_pool():
-    """A pool view whose base is not 16-byte aligned, or a K-first pool, is not eligible; the decode call still
-    runs (tile kernel, its own tuning key) and matches the reference."""
+def test_decode_takes_another_kernel_where_tma_cannot_describe_the_pool():
+    """A pool view whose base is not 16-byte aligned, or a K-first pool, is not eligible for the TMA walk; the decode
+    call still runs (the tile kernel or the row-looped one, its own tuning key) and matches the reference."""
     q, k, v, a, b, A_log, dt_bias, _, idx = _decode_case(64, 32, torch.bfloat16, 100, 6)
     flat = (torch.randn(100 * 32 * 128 * 128 + 1, device="cuda") * 0.1).bfloat16()
     odd = flat[1:].view(100, 32, 128, 128)  # 2-byte offset: no tensor descriptor
@@ -791,8 +817,9 @@ def test_decode_takes_the_tile_kernel_where_tma_cannot_describe_the_pool():
     live = idx >= 0
     assert rel_err(o[live], o_ref[live]) < 1e-2
     assert rel_err(odd[idx[live]], want[idx[live]]) < 1e-2
-    not_eligible = {key: c for key, c in triton_recurrent.decode_choices().items() if key[-1] is False}
-    assert not_eligible and all(c.kernel is triton_recurrent.DecodeKernel.TILE for c in not_eligible.values())
+    # The key's last two fields: whether the TMA walk and the row-looped kernel can read the pool.
+    not_eligible = {key: c for key, c in triton_recurrent.decode_choices().items() if key[-2] is False}
+    assert not_eligible and all(c.kernel is not triton_recurrent.DecodeKernel.TMA for c in not_eligible.values())
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -140,8 +140,8 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
 # once per key on a scratch pool instead. The key carries the batch size rounded up to a power of two
 # (at most DECODE_TUNE_ROWS) because the best tile moves with it: a tile tuned on a small batch can be
 # several points of copy bandwidth short on a large one. The candidates are the tile kernel's
-# (BV, num_warps) configs and, where it can run, the TMA walk's (`triton_decode_tma.TMA_CONFIGS`), those with a
-# 128-byte v row also with q, k and v read by TMA.
+# (BV, num_warps) configs and, where they can run, the TMA walk's (`triton_decode_tma.TMA_CONFIGS`, those with a
+# 128-byte v row also with q, k and v read by TMA) and the row-looped kernel's (`triton_decode_rows.ROWS_CONFIGS`).
 DECODE_TUNE_ROWS = 256
 # The spin before each timed tuning launch (`_tuning_ms`): cycles per second of a GPU clock that is at
 # most this fast (H200: 1.98 GHz boost), so a spin of host time x this lasts at least that long; and a floor.
@@ -153,12 +153,14 @@ DECODE_CONFIGS = ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8))  # (BV,
 class DecodeKernel(enum.Enum):
     TILE = "tile"  # `_recurrent_kernel`, one [BV, K] tile per program
     TMA = "tma"  # `triton_decode_tma`, persistent programs with the state staged by TMA
+    ROWS = "rows"  # `triton_decode_rows`, a program loops over its head's rows, few a thread
 
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeChoice:
     kernel: DecodeKernel
-    cfg: tuple[int, ...]  # TILE: (BV, num_warps); TMA: (BV, num_warps, programs per SM, stages)
+    cfg: tuple[int, ...]  # TILE: (BV, num_warps); TMA: (BV, num_warps, programs per SM, stages); ROWS: (BV, ROWS,
+    # num_warps, stages)
     # TMA only: q, k and v through tensor descriptors (`triton_decode_tma.QKV.TMA`) where a call's tensors allow it
     # (`triton_decode_tma.qkv_describable`), else by loads: the same arithmetic, so the same bits, either way.
     qkv_tma: bool = False
@@ -236,6 +238,9 @@ def _launch_choice(choice: DecodeChoice, q, k, v, a, b, A_log, dt_bias, o, ssm_s
         triton_decode_tma.launch(choice.cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2,
                                  softplus_beta, softplus_threshold,
                                  qkv=triton_decode_tma.QKV.TMA if by_tma else triton_decode_tma.QKV.LOADS)
+    elif choice.kernel is DecodeKernel.ROWS:
+        triton_decode_rows.launch(choice.cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2,
+                                  softplus_beta, softplus_threshold)
     else:
         _launch_decode(choice.cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, v_first,
                        softplus_beta, softplus_threshold)
@@ -258,16 +263,17 @@ def _cold_ms(launch, spin: int, flush: torch.Tensor) -> float:
     return start.elapsed_time(end)
 
 
-def _tune_decode(args, rows: int, tma: bool) -> DecodeChoice:
+def _tune_decode(args, rows: int, tma: bool, by_rows: bool) -> DecodeChoice:
     """The fastest candidate of `_tuning_ms`."""
-    best_ms = _tuning_ms(args, rows, tma)
+    best_ms = _tuning_ms(args, rows, tma, by_rows)
     return min(best_ms, key=best_ms.__getitem__)
 
 
-def _tuning_ms(args, rows: int, tma: bool) -> dict[DecodeChoice, float]:
+def _tuning_ms(args, rows: int, tma: bool, by_rows: bool) -> dict[DecodeChoice, float]:
     """Time each candidate on a scratch pool of `rows` slots (the caller's pool is never touched): ms of one launch
     with L2 flushed, median of five rounds (`_cold_ms`). ``tma``: the caller's pool can take the TMA walk
-    (`triton_decode_tma.eligible`), so its configs are candidates too."""
+    (`triton_decode_tma.eligible`), so its configs are candidates too; ``by_rows``: so can the row-looped kernel
+    (`triton_decode_rows.eligible`)."""
     q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, v_first, *rest = args
     scratch = torch.zeros((rows, *ssm_state.shape[1:]), dtype=ssm_state.dtype, device=ssm_state.device)
     idx = torch.arange(rows, device=q.device, dtype=state_indices.dtype)
@@ -282,6 +288,8 @@ def _tuning_ms(args, rows: int, tma: bool) -> dict[DecodeChoice, float]:
         # sequences) and the per-MB rate rose 10%, so it wins on small batches and loses on large ones.
         cands += [DecodeChoice(kernel=DecodeKernel.TMA, cfg=c, qkv_tma=True) for c in triton_decode_tma.TMA_CONFIGS
                   if triton_decode_tma.qkv_describable(c, *sub[:3])]
+    if by_rows and triton_decode_rows.eligible(q, v, scratch, v_first):
+        cands += [DecodeChoice(kernel=DecodeKernel.ROWS, cfg=c) for c in triton_decode_rows.ROWS_CONFIGS]
     for choice in cands:  # compile and warm every candidate before any is timed
         _launch_choice(choice, *sub)
     torch.cuda.synchronize()
@@ -324,20 +332,21 @@ def decode_fwd(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, scale, u
             state_v_first, softplus_beta, softplus_threshold)
     bucket = min(triton.next_power_of_2(max(N, 1)), DECODE_TUNE_ROWS)
     tma = triton_decode_tma.eligible(q, v, ssm_state, state_v_first)
-    # Whether this pool can take the TMA walk is part of the key: the same shapes over a pool it cannot
-    # describe (misaligned view, K-first) must not reuse a TMA choice.
-    key = (HV, K, V, ssm_state.dtype, q.dtype, state_v_first, use_qk_l2norm_in_kernel, bucket, tma)
+    by_rows = triton_decode_rows.eligible(q, v, ssm_state, state_v_first)
+    # Whether this pool can take the TMA walk or the row-looped kernel is part of the key: the same shapes over a pool
+    # one cannot read (misaligned view, K-first, rows padded apart) must not reuse its choice.
+    key = (HV, K, V, ssm_state.dtype, q.dtype, state_v_first, use_qk_l2norm_in_kernel, bucket, tma, by_rows)
     choice = _decode_choice.get(key)
     if choice is None:
         # Under CUDA-graph capture nothing may sync: use the default until an eager call has tuned.
         if torch.cuda.is_current_stream_capturing():
             choice = _DEFAULT_DECODE
         else:
-            choice = _decode_choice[key] = _tune_decode(args, max(1, min(N, bucket)), tma)
+            choice = _decode_choice[key] = _tune_decode(args, max(1, min(N, bucket)), tma, by_rows)
     _launch_choice(choice, *args)
     return o
 
 
-# At the end: the TMA walk takes its arithmetic from the helpers above, so this module must be whole before
-# that one loads, whichever of the two is imported first.
-from hybridkv.kernels.gdn import triton_decode_tma  # noqa: E402
+# At the end: the TMA walk and the row-looped kernel take their arithmetic from the helpers above, so this module must
+# be whole before they load, whichever is imported first.
+from hybridkv.kernels.gdn import triton_decode_rows, triton_decode_tma  # noqa: E402
