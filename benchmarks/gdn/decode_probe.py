@@ -194,6 +194,11 @@ def launch_tma(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, store=triton_de
                              store=store, maxnreg=maxnreg, qkv=qkv)
 
 
+# --rows: configs beyond the shipped ones (wider steps for 16-bit states, deeper pipelines).
+ROWS_MORE = ((32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 8, 3), (16, 128, 4, 3), (16, 64, 4, 4), (16, 32, 4, 3),
+             (8, 32, 4, 3), (8, 64, 4, 4))
+
+
 def launch_persistent(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx, stream):
     bv, warps, per_sm = cfg
     N, H, K = q.shape
@@ -256,7 +261,7 @@ def run(iters: int, copy_gbps: float, N: int = 256, store_only: bool = False, ri
                     for c in ((16, 2), (32, 2))]
                 cands += [("rows", c, lambda c, o, pool: triton_decode_rows.launch(
                     c, q, k, v, a, b, A_log, dt_bias, o, pool, idx, q.shape[-1]**-0.5, True, 1.0, 20.0))
-                    for c in triton_decode_rows.ROWS_CONFIGS + ((4, 128, 4, 3), (8, 128, 8, 3), (4, 128, 4, 4))]
+                    for c in triton_decode_rows.ROWS_CONFIGS + ROWS_MORE]
             elif ring:
                 cands = [("tma", c, lambda c, o, pool: launch_tma(c, q, k, v, a, b, A_log, dt_bias, o, pool, idx))
                          for c in triton_decode_tma.TMA_CONFIGS]
