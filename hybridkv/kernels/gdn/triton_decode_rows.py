@@ -8,7 +8,8 @@ straight from registers. At (8, 64, 4 warps, 3 stages) that is 48 registers a th
 tile in 128), so many programs share an SM and hide each other's load latency. Measured
 (benchmarks/gdn/decode_probe.py --rows, results/decode_probe_rows_h200.txt): fp32 state 3-4% faster than the tuner's
 previous choice at every shape (35B 64 sequences 83.0% of copy bandwidth against 79.9, 397B 256 sequences 92.1
-against 88.6); bf16 even at best.
+against 88.6); bf16 even at best. With it in the tuner, `bench gdn` fp32 decode went from 80.0-90.6% of copy
+bandwidth to 83.9-92.1 (results/bench_gdn_decode_rows_h200.txt; FlashInfer 85.2-94.7).
 
 The arithmetic is the tile kernel's (`triton_recurrent._delta_rule_step`) block by block, so it equals it to the
 order of the row sums, which follows the layout (bit for bit in the CPU interpreter). `triton_recurrent._tune_decode`
