@@ -338,6 +338,9 @@ def test_qkv_by_tma_is_refused_where_a_stage_of_v_would_be_misaligned():
     args = (q, k, v, None, None, None, None, None, pool, None, 1.0, True, 1.0, 20.0)
     with pytest.raises(ValueError, match="BV \\* 2 bytes to be a multiple of 128, got BV=32"):
         triton_decode_tma.launch((32, 4, 4, 3), *args, sms=1, qkv=triton_decode_tma.QKV.TMA)
+    short = (torch.zeros(4, 2, 32, dtype=torch.bfloat16), torch.zeros(4, 2, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="K \\* 2 bytes to be a multiple of 128, got K=32"):
+        triton_decode_tma.launch((64, 4, 4, 3), *short, *args[2:], sms=1, qkv=triton_decode_tma.QKV.TMA)
     with pytest.raises(ValueError, match="qkv must be a triton_decode_tma.QKV, got 'tma'"):
         triton_decode_tma.launch((64, 4, 4, 3), *args, sms=1, qkv="tma")
     odd = torch.zeros(4 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 2, 128)  # a 2-byte offset: no descriptor
@@ -359,6 +362,8 @@ def test_qkv_by_tma_is_a_candidate_only_where_a_descriptor_takes_q_k_and_v():
     odd = torch.zeros(4 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 2, 128)  # a 2-byte offset
     assert not triton_decode_tma.qkv_describable((64, 4, 4, 3), odd, k, v)
     assert not triton_decode_tma.qkv_describable((64, 4, 4, 3), q, k, v.reshape(4, 512))
+    q32, k32 = torch.zeros(4, 2, 32, dtype=torch.bfloat16), torch.zeros(4, 2, 32, dtype=torch.bfloat16)
+    assert not triton_decode_tma.qkv_describable((64, 4, 4, 3), q32, k32, v)  # 64-byte q, k rows: faulted on an H200
     mixed = torch.zeros(4, 2 * 2 * 128 + 4 * 128, dtype=torch.bfloat16)  # vLLM's views of one projection
     views = mixed[:, :256].view(4, 2, 128), mixed[:, 256:512].view(4, 2, 128), mixed[:, 512:].view(4, 4, 128)
     assert triton_decode_tma.qkv_describable((64, 4, 4, 3), *views)

@@ -728,9 +728,10 @@ def test_rows_decode_matches_tile_kernel(N, state_dtype, cfg):
     o = torch.full_like(v, float("nan"))
     triton_decode_rows.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, 128**-0.5, True, 1.0, 20.0)
     torch.cuda.synchronize()
-    tol = 1e-5 if state_dtype == torch.float32 else 1e-2
-    assert (o.float() - o_tile.float()).abs().max().item() < tol
-    assert (pool.float() - tile_pool.float()).abs().max().item() < tol
+    tol = 1e-6 if state_dtype == torch.float32 else 1e-3  # relative: a last-bit flip here and there, no more
+    live = idx >= 0
+    assert rel_err(o[live], o_tile[live]) < tol
+    assert rel_err(pool[idx[live], 1], tile_pool[idx[live], 1]) < tol
     touched = torch.zeros(300, dtype=torch.bool, device="cuda")
     touched[idx[idx >= 0]] = True
     assert torch.equal(pool[~touched], before[~touched]) and torch.equal(pool[:, 0], before[:, 0])
@@ -787,8 +788,8 @@ def test_a_qkv_by_tma_choice_reads_by_loads_where_q_is_not_describable(state_dty
 
 def test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone():
     """`_tuning_ms` times each tile config, each TMA walk config, the walk's configs with a 128-byte v row once
-    more with q, k, v by TMA, and each row-looped config; every time is a positive device time, and the caller's pool is not touched (the tuning
-    runs on a scratch pool)."""
+    more with q, k, v by TMA, and each row-looped config; every time is a positive device time, and the caller's pool
+    is not touched (the tuning runs on a scratch pool)."""
     q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(32, 32, torch.bfloat16, 100, 10)
     before = pool.clone()
     args = (q, k, v, a, b, A_log, dt_bias, torch.empty_like(v), pool[:, 1], idx, 128**-0.5, True, True, 1.0, 20.0)
@@ -801,6 +802,28 @@ def test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone():
     assert {(c.kernel, c.cfg, c.qkv_tma) for c in times} == want
     assert all(0 < ms < 10 for ms in times.values()), times
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("choice", [
+    triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.TILE, cfg=(32, 4)),
+    triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.ROWS, cfg=(8, 64, 4, 3)),
+    triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.TMA, cfg=(64, 4, 4, 3), qkv_tma=True),
+], ids=str)
+def test_decode_serves_more_sequence_heads_than_a_grid_axis_holds(choice):
+    """1,040 sequences of 64 value heads: 66,560 (sequence, head) pairs, past the 65,535 a second grid axis takes (the
+    tile and row-looped kernels launched N * HV there and failed with "invalid argument"); every kernel the tuner can
+    pick serves it and matches the reference."""
+    q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(1040, 64, torch.bfloat16, 1100, 12)
+    layer = pool[:, 1]
+    want = layer.clone()
+    o_ref = ref.decode_reference(q, k, v, a, b, A_log, dt_bias, want, idx, 128**-0.5, True, True)
+    o = torch.full_like(v, float("nan"))
+    triton_recurrent._launch_choice(choice, q, k, v, a, b, A_log, dt_bias, o, layer, idx, 128**-0.5, True, True, 1.0,
+                                    20.0)
+    torch.cuda.synchronize()
+    live = idx >= 0
+    assert rel_err(o[live], o_ref[live]) < 1e-2
+    assert rel_err(layer[idx[live]], want[idx[live]]) < 1e-2
 
 
 def test_decode_takes_another_kernel_where_tma_cannot_describe_the_pool():
@@ -818,7 +841,8 @@ def test_decode_takes_another_kernel_where_tma_cannot_describe_the_pool():
     assert rel_err(o[live], o_ref[live]) < 1e-2
     assert rel_err(odd[idx[live]], want[idx[live]]) < 1e-2
     # The key's last two fields: whether the TMA walk and the row-looped kernel can read the pool.
-    not_eligible = {key: c for key, c in triton_recurrent.decode_choices().items() if key[-2] is False}
+    choices = triton_recurrent.decode_choices()
+    not_eligible = {key: c for key, c in choices.items() if key[-2] is False}
     assert not_eligible and all(c.kernel is not triton_recurrent.DecodeKernel.TMA for c in not_eligible.values())
 
 

@@ -34,8 +34,11 @@ def _decode_rows_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
                         softplus_beta, softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                         V: tl.constexpr, BV: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
                         L2NORM: tl.constexpr, STREAM: tl.constexpr):
-    """Grid (V / ROWS, N * HV). A pad (slot < 0) reads nothing, writes a zero output and leaves the pool alone."""
-    i_r, i_nh = tl.program_id(0), tl.program_id(1)
+    """Grid (V / ROWS * N * HV,), row blocks fastest (one axis: a second stops at 65535). A pad (slot < 0) reads
+    nothing, writes a zero output and leaves the pool alone."""
+    NR: tl.constexpr = V // ROWS
+    pid = tl.program_id(0)
+    i_r, i_nh = pid % NR, pid // NR
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     o_k = tl.arange(0, K)
@@ -53,8 +56,8 @@ def _decode_rows_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
     for j in tl.range(0, ROWS // BV, num_stages=STAGES):
         rows = i_r * ROWS + j * BV + tl.arange(0, BV)
         p = base + rows[:, None] * K + o_k[None, :]
-        # STREAM (16-bit states): each slot is read once and written once; keep it out of L2's way, as the tile
-        # kernel does.
+        # STREAM (16-bit states): each slot is read once and written once; the store streams (.cs) as the tile
+        # kernel's does. The load's evict-first hint does not survive Triton's cp.async lowering (offline sm_90 PTX).
         raw = tl.load(p, mask=live, other=0.0, eviction_policy="evict_first" if STREAM else "")
         b_v = tl.load(v + i_nh.to(tl.int64) * V + rows).to(tl.float32)
         b_o, b_s = _delta_rule_step(raw.to(tl.float32) * decay, f_q, f_k, b_v, beta, scale)
@@ -82,7 +85,7 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     HV, V = v.shape[1], v.shape[2]
     rows = min(rows, V)
     bv = min(bv, rows)
-    _decode_rows_kernel[(V // rows, N * HV)](
+    _decode_rows_kernel[(V // rows * N * HV,)](
         q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, ssm_state.stride(0), ssm_state.stride(1),
         float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, ROWS=rows, STAGES=stages,
         L2NORM=l2, STREAM=ssm_state.element_size() == 2, num_warps=warps)

@@ -164,11 +164,13 @@ def walk(cfg, q, v, ssm_state, sms: int | None = None) -> tuple[int, int, Tensor
 
 
 def qkv_describable(cfg, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether `QKV.TMA` can read these q, k and v at ``cfg``: [N, heads, D] tensors a descriptor takes, and a v row of
-    BV elements (BV capped at V) a multiple of 128 bytes, so that every stage of its buffer stays aligned."""
+    """Whether `QKV.TMA` can read these q, k and v at ``cfg``: [N, heads, D] tensors a descriptor takes, and every row
+    staged a multiple of 128 bytes (q and k rows of K, a v row of BV elements, BV capped at V), so that every stage of
+    their buffers stays aligned (K = 32 of bf16 faulted on an H200: misaligned address)."""
     bv = min(cfg[0], v.shape[-1])
     return (all(t.dim() == 3 and _describable(t) for t in (q, k, v))
-            and not bv * v.element_size() % _TMA_ROW)
+            and not bv * v.element_size() % _TMA_ROW and not q.shape[-1] * q.element_size() % _TMA_ROW
+            and not k.shape[-1] * k.element_size() % _TMA_ROW)
 
 
 def _row_descriptor(t: torch.Tensor, name: str, row: int) -> TensorDescriptor:
@@ -198,6 +200,9 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
         if bv * v.element_size() % _TMA_ROW:
             raise ValueError(f"qkv=QKV.TMA needs BV * {v.element_size()} bytes to be a multiple of {_TMA_ROW}, "
                              f"got BV={bv}")
+        if K * q.element_size() % _TMA_ROW:
+            raise ValueError(f"qkv=QKV.TMA needs K * {q.element_size()} bytes to be a multiple of {_TMA_ROW}, "
+                             f"got K={K}")
         q, k, v = _row_descriptor(q, "q", K), _row_descriptor(k, "k", K), _row_descriptor(v, "v", bv)
     _decode_tma_kernel[(programs,)](
         q, k, v, a, b, A_log, dt_bias, o, desc, ssm_state, *ssm_state.stride()[:3], state_indices, N, programs, scale,
