@@ -239,15 +239,18 @@ def decode_tma(out: dict) -> None:
     triton_decode_tma.launch((32, 4, 2, 2), q, k, v, a, b, A_log, dt_bias, o_direct, direct_pool[:, 1], idx, K**-0.5,
                              True, 1.0, 20.0, sms=3, store=triton_decode_tma.Store.DIRECT)
     out["decode-tma/direct-store"] = float(torch.equal(direct_pool, pool) and torch.equal(o_direct, o))
-    # q, k and v through tensor descriptors (`QKV.TMA`, a probe candidate): the same values, so the same bits as the
-    # walk's plain loads at the same config (BV 64 here: a v row TMA stages must be 128 bytes).
-    plain_pool, o_plain = before.clone(), torch.full_like(v, float("nan"))
-    triton_decode_tma.launch((64, 4, 2, 2), q, k, v, a, b, A_log, dt_bias, o_plain, plain_pool[:, 1], idx, K**-0.5,
+    # q, k and v through tensor descriptors (`QKV.TMA`, a tuner candidate): the same values, so the same bits as the
+    # walk's plain loads at the same config. K = 64 and BV 64 here: every row TMA stages must be 128 bytes.
+    q64, k64 = torch.randn(N, H, 64).bfloat16(), torch.randn(N, H, 64).bfloat16()
+    pool64 = (torch.randn(slots, 2, HV, V, 64) * 0.1).bfloat16()
+    plain_pool, o_plain = pool64.clone(), torch.full_like(v, float("nan"))
+    triton_decode_tma.launch((64, 4, 2, 2), q64, k64, v, a, b, A_log, dt_bias, o_plain, plain_pool[:, 1], idx, 0.125,
                              True, 1.0, 20.0, sms=3)
-    qkv_pool, o_qkv = before.clone(), torch.full_like(v, float("nan"))
-    triton_decode_tma.launch((64, 4, 2, 2), q, k, v, a, b, A_log, dt_bias, o_qkv, qkv_pool[:, 1], idx, K**-0.5,
+    qkv_pool, o_qkv = pool64.clone(), torch.full_like(v, float("nan"))
+    triton_decode_tma.launch((64, 4, 2, 2), q64, k64, v, a, b, A_log, dt_bias, o_qkv, qkv_pool[:, 1], idx, 0.125,
                              True, 1.0, 20.0, sms=3, qkv=triton_decode_tma.QKV.TMA)
-    out["decode-tma/qkv-tma"] = float(torch.equal(qkv_pool, plain_pool) and torch.equal(o_qkv, o_plain))
+    out["decode-tma/qkv-tma"] = float(torch.equal(qkv_pool, plain_pool) and torch.equal(o_qkv, o_plain)
+                                      and not torch.equal(plain_pool, pool64))
     # The row-looped kernel (`triton_decode_rows`): the tile kernel's arithmetic block by block; in the interpreter the
     # row sums do not depend on the layout, so the same bits, pads and the other layer untouched.
     from hybridkv.kernels.gdn import triton_decode_rows
