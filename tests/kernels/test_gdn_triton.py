@@ -91,6 +91,20 @@ def test_chunk_matches_reference(lens, H, HV, batch):
     assert rel_err(st, st_ref) < 2e-2
 
 
+def test_chunk_serves_more_sequence_heads_than_a_grid_axis_holds():
+    """1,040 short prompts of 64 value heads in one call: 66,560 (sequence, head) pairs, past the 65,535 programs of
+    the chunk kernels' second grid axis. The call runs in groups of sequences (`seq_groups.by_groups`) and matches the
+    token-by-token kernel (one grid axis) on the same inputs, outputs and final states."""
+    lens = [1 + i % 7 for i in range(1040)]
+    q, k, v, g, beta, cu = make(lens, 16, 64, batch=None)
+    o, st = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu,
+                                   use_qk_l2norm_in_kernel=True)
+    o_rec, st_rec = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True,
+                                                     cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    assert rel_err(o, o_rec) < 2e-2
+    assert rel_err(st, st_rec) < 2e-2
+
+
 # triton_chunk.STATE_CONFIGS, spelled out so that collection does not import Triton (CI has none);
 # the test checks the two lists agree.
 STATE_CONFIGS = ((64, 4, 2), (64, 8, 2), (64, 4, 1), (32, 4, 2), (128, 8, 2))

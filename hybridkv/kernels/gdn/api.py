@@ -100,9 +100,9 @@ def chunk_gated_delta_rule(
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             use_qk_l2norm_in_kernel, state_v_first)
     if _on_cuda(q, k, v, g, beta, initial_state, cu_seqlens):
-        from hybridkv.kernels.gdn import triton_chunk
+        from hybridkv.kernels.gdn import seq_groups, triton_chunk
 
-        return triton_chunk.chunk_gated_delta_rule_fwd(*args)
+        return seq_groups.by_groups(triton_chunk.chunk_gated_delta_rule_fwd, *args)
     return reference.chunk_reference(*args)
 
 
