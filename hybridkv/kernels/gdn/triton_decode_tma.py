@@ -163,14 +163,24 @@ def walk(cfg, q, v, ssm_state, sms: int | None = None) -> tuple[int, int, Tensor
     return bv, programs, TensorDescriptor(ssm_state, list(ssm_state.shape), list(ssm_state.stride()), [1, 1, bv, K])
 
 
+def _staged_rows_misfit(bv: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why `QKV.TMA` cannot stage these rows, or None: every row it stages (q and k rows of K, a v row of BV) must be a
+    multiple of 128 bytes, so that every stage of their buffers stays aligned (K = 32 of bf16 faulted on an H200:
+    misaligned address)."""
+    if bv * v.element_size() % _TMA_ROW:
+        return f"qkv=QKV.TMA needs BV * {v.element_size()} bytes to be a multiple of {_TMA_ROW}, got BV={bv}"
+    for t in (q, k):
+        if t.shape[-1] * t.element_size() % _TMA_ROW:
+            return (f"qkv=QKV.TMA needs K * {t.element_size()} bytes to be a multiple of {_TMA_ROW}, "
+                    f"got K={t.shape[-1]}")
+    return None
+
+
 def qkv_describable(cfg, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether `QKV.TMA` can read these q, k and v at ``cfg``: [N, heads, D] tensors a descriptor takes, and every row
-    staged a multiple of 128 bytes (q and k rows of K, a v row of BV elements, BV capped at V), so that every stage of
-    their buffers stays aligned (K = 32 of bf16 faulted on an H200: misaligned address)."""
-    bv = min(cfg[0], v.shape[-1])
+    """Whether `QKV.TMA` can read these q, k and v at ``cfg`` (BV capped at V): [N, heads, D] tensors a descriptor
+    takes, with rows it can stage (`_staged_rows_misfit`)."""
     return (all(t.dim() == 3 and _describable(t) for t in (q, k, v))
-            and not bv * v.element_size() % _TMA_ROW and not q.shape[-1] * q.element_size() % _TMA_ROW
-            and not k.shape[-1] * k.element_size() % _TMA_ROW)
+            and _staged_rows_misfit(min(cfg[0], v.shape[-1]), q, k, v) is None)
 
 
 def _row_descriptor(t: torch.Tensor, name: str, row: int) -> TensorDescriptor:
@@ -187,7 +197,7 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     """One TMA decode launch at ``cfg`` = (BV, num_warps, programs per SM, stages); the caller has checked
     `eligible`. BV is capped at V. ``sms``: the SM count (default: the device's; CI's interpreter passes one).
     ``store``: how updated tiles are written (`Store`); ``maxnreg``: a register cap for ptxas (None: none); ``qkv``:
-    how q, k and v are read (`QKV`; TMA needs a v row of BV elements to be a multiple of 128 bytes)."""
+    how q, k and v are read (`QKV`; TMA needs every row it stages to be a multiple of 128 bytes)."""
     if not isinstance(store, Store):
         raise ValueError(f"store must be a triton_decode_tma.Store, got {store!r}")
     if not isinstance(qkv, QKV):
@@ -197,12 +207,9 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     HV, V = v.shape[1], v.shape[2]
     bv, programs, desc = walk(cfg, q, v, ssm_state, sms)
     if qkv is QKV.TMA:
-        if bv * v.element_size() % _TMA_ROW:
-            raise ValueError(f"qkv=QKV.TMA needs BV * {v.element_size()} bytes to be a multiple of {_TMA_ROW}, "
-                             f"got BV={bv}")
-        if K * q.element_size() % _TMA_ROW:
-            raise ValueError(f"qkv=QKV.TMA needs K * {q.element_size()} bytes to be a multiple of {_TMA_ROW}, "
-                             f"got K={K}")
+        misfit = _staged_rows_misfit(bv, q, k, v)
+        if misfit is not None:
+            raise ValueError(misfit)
         q, k, v = _row_descriptor(q, "q", K), _row_descriptor(k, "k", K), _row_descriptor(v, "v", bv)
     _decode_tma_kernel[(programs,)](
         q, k, v, a, b, A_log, dt_bias, o, desc, ssm_state, *ssm_state.stride()[:3], state_indices, N, programs, scale,
