@@ -21,30 +21,20 @@ def by_groups(fn: Callable, q, k, v, g, beta, scale, initial_state, output_final
     ``limit // HV`` sequences; (o, final state or None) as ``fn`` returns them for the whole call."""
     HV = v.shape[2]
     per = max(1, limit // HV)
-    B, T = q.shape[0], q.shape[1]
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     if N <= per:
         return fn(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *rest, **kw)
+    cu = None if cu_seqlens is None else cu_seqlens.tolist()  # a host read, on this rare path only
     outs, finals = [], []
-    if cu_seqlens is None:  # B sequences of T tokens: groups of rows
-        for s0 in range(0, N, per):
-            s1 = min(N, s0 + per)
-            h0 = None if initial_state is None else initial_state[s0:s1]
-            o, f = fn(q[s0:s1], k[s0:s1], v[s0:s1], g[s0:s1], beta[s0:s1], scale, h0, output_final_state, None, *rest,
-                      **kw)
-            outs.append(o)
-            finals.append(f)
-        o = torch.cat(outs, dim=0)
-    else:  # one row of packed sequences: groups of token runs, their offsets rebased
-        cu = cu_seqlens.tolist()  # a host read, on this rare path only
-        for s0 in range(0, N, per):
-            s1 = min(N, s0 + per)
-            t0, t1 = cu[s0], cu[s1]
-            sub = cu_seqlens[s0:s1 + 1] - t0
-            h0 = None if initial_state is None else initial_state[s0:s1]
-            o, f = fn(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], g[:, t0:t1], beta[:, t0:t1], scale, h0,
-                      output_final_state, sub, *rest, **kw)
-            outs.append(o)
-            finals.append(f)
-        o = torch.cat(outs, dim=1)
+    for s0 in range(0, N, per):
+        s1 = min(N, s0 + per)
+        if cu is None:  # B sequences of T tokens: a run of rows
+            take, sub = (lambda x: x[s0:s1]), None
+        else:  # one row of packed sequences: a run of tokens, its offsets rebased
+            take, sub = (lambda x: x[:, cu[s0]:cu[s1]]), cu_seqlens[s0:s1 + 1] - cu[s0]
+        h0 = None if initial_state is None else initial_state[s0:s1]
+        o, f = fn(*map(take, (q, k, v, g, beta)), scale, h0, output_final_state, sub, *rest, **kw)
+        outs.append(o)
+        finals.append(f)
+    o = torch.cat(outs, dim=0 if cu is None else 1)
     return o, (torch.cat(finals, dim=0) if output_final_state else None)
