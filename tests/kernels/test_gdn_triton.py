@@ -703,6 +703,15 @@ def test_decode_slots_in_place_with_pads(HV, state_dtype):
     assert torch.equal(pool[:, 0], before[:, 0])
 
 
+def _tile_decode(q, k, v, a, b, A_log, dt_bias, pool, idx):
+    """(a copy of the two-layer pool with layer 1 stepped, output) by the tile kernel at (32, 4): what the other decode
+    kernels are checked against."""
+    tile_pool, o_tile = pool.clone(), torch.empty_like(v)
+    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
+                                    True, True, 1.0, 20.0)
+    return tile_pool, o_tile
+
+
 @pytest.mark.parametrize("cfg", triton_decode_tma.TMA_CONFIGS, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("N", [3, 64, 256])
@@ -712,9 +721,7 @@ def test_tma_decode_equals_tile_kernel(N, state_dtype, cfg):
     q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(N, 32, state_dtype, 300, 5)
     assert triton_decode_tma.eligible(q, v, pool[:, 1], True)
     before = pool.clone()
-    tile_pool, o_tile = pool.clone(), torch.empty_like(v)
-    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
-                                    True, True, 1.0, 20.0)
+    tile_pool, o_tile = _tile_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)
     o = torch.full_like(v, float("nan"))
     triton_decode_tma.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, 128**-0.5, True, 1.0, 20.0)
     torch.cuda.synchronize()
@@ -736,9 +743,7 @@ def test_rows_decode_matches_tile_kernel(N, state_dtype, cfg):
     q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(N, 32, state_dtype, 300, 11)
     assert triton_decode_rows.eligible(q, v, pool[:, 1], True)
     before = pool.clone()
-    tile_pool, o_tile = pool.clone(), torch.empty_like(v)
-    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
-                                    True, True, 1.0, 20.0)
+    tile_pool, o_tile = _tile_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)
     o = torch.full_like(v, float("nan"))
     triton_decode_rows.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, 128**-0.5, True, 1.0, 20.0)
     torch.cuda.synchronize()
@@ -764,9 +769,7 @@ def test_tma_decode_with_qkv_by_tma_equals_tile_kernel(state_dtype):
     qs, ks = mixed[:, :H * K].view(N, H, K), mixed[:, H * K:2 * H * K].view(N, H, K)
     vs = mixed[:, 2 * H * K:].view(N, HV, V)
     before = pool.clone()
-    tile_pool, o_tile = pool.clone(), torch.empty_like(v)
-    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
-                                    True, True, 1.0, 20.0)
+    tile_pool, o_tile = _tile_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)
     o = torch.full_like(v, float("nan"))
     triton_decode_tma.launch((64, 4, 4, 3), qs, ks, vs, a, b, A_log, dt_bias, o, pool[:, 1], idx, 128**-0.5, True,
                              1.0, 20.0, qkv=triton_decode_tma.QKV.TMA)
@@ -789,9 +792,7 @@ def test_a_qkv_by_tma_choice_reads_by_loads_where_q_is_not_describable(state_dty
     choice = triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.TMA, cfg=(64, 4, 4, 3), qkv_tma=True)
     assert not triton_decode_tma.qkv_describable(choice.cfg, odd, k, v)
     assert triton_decode_tma.qkv_describable(choice.cfg, q, k, v)
-    tile_pool, o_tile = pool.clone(), torch.empty_like(v)
-    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
-                                    True, True, 1.0, 20.0)
+    tile_pool, o_tile = _tile_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)
     for q_in in (q, odd):
         trial, o = pool.clone(), torch.full_like(v, float("nan"))
         triton_recurrent._launch_choice(choice, q_in, k, v, a, b, A_log, dt_bias, o, trial[:, 1], idx, 128**-0.5, True,
