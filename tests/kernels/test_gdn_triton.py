@@ -667,6 +667,20 @@ def test_fused_recurrent_matches_reference():
     assert rel_err(st, st_ref) < 1e-3
 
 
+@pytest.mark.parametrize("final", [False, True], ids=["no-final-state", "final-state"])
+def test_fused_recurrent_without_an_initial_state_matches_reference(final):
+    """FLA's default call passes no initial state (and often asks for no final one): each state pointer is then None,
+    which the kernel must not address (it failed to compile before 2026-12-04)."""
+    q, k, v, g, beta, cu = make([37, 5], 4, 8, seed=4)
+    o, st = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=final, cu_seqlens=cu,
+                                             use_qk_l2norm_in_kernel=True)
+    o_ref, st_ref = ref.recurrent_reference(q, k, v, g, beta, 128**-0.5, None, final, cu, True)
+    assert rel_err(o, o_ref) < 1e-2
+    assert (st is None) == (not final)
+    if final:
+        assert rel_err(st, st_ref) < 1e-3
+
+
 def _decode_case(N, HV, state_dtype, slots, seed):
     H, K, V = 16, 128, 128
     gen = torch.Generator(device="cuda").manual_seed(seed)

@@ -229,7 +229,13 @@ def _specs() -> list[KernelSpec]:
                        "GATE_IN_KERNEL": False, "L2NORM": True, "IS_VARLEN": True, "HAS_STATE": True,
                        "STORE_STATE": True, "USE_SLOTS": False, "V_FIRST": False, "EVEN": False, "STREAM": False},
             aligned=("H", "HV"),
-            launches=(Launch(label="BV=32", num_warps=4),),
+            launches=(Launch(label="BV=32", num_warps=4),
+                      # FLA's default call: no initial state, no final state (a None pointer each).
+                      Launch(label="BV=32 no states", num_warps=4,
+                             constants={"state": None, "state_out": None, "HAS_STATE": False,
+                                        "STORE_STATE": False}),
+                      Launch(label="BV=32 final state only", num_warps=4,
+                             constants={"state": None, "HAS_STATE": False})),
         ),
         KernelSpec(
             name="decode", module=recurrent, attr="_recurrent_kernel",
@@ -401,7 +407,8 @@ def compile_one(spec: KernelSpec, launch: Launch, arch: Arch) -> Report:
     fn = _jit_function(spec)
     constants = {**spec.constants, **launch.constants}
     signature = {**spec.signature, **launch.types}
-    state_dtype = constants.pop("state", None)
+    # A str names the state's element type; None is a launch without a state pointer (a constexpr None).
+    state_dtype = constants.pop("state") if isinstance(constants.get("state"), str) else None
     if state_dtype is not None:
         signature["state"] = f"*{state_dtype}"
     if "desc" in constants:  # a tensor descriptor's type ("tensordesc<bf16[1, 1, 64, 128]>") set per launch

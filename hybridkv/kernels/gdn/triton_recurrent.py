@@ -92,8 +92,11 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
         p_s = state + tl.maximum(slot, 0) * stride_slot + i_hv * stride_head + o_s
         p_s_out = p_s
     else:
-        p_s = state + i_nh.to(tl.int64) * K * V + o_s
-        p_s_out = state_out + i_nh.to(tl.int64) * K * V + o_s
+        # Without an initial state (or a final one) that pointer is None: address only what the call passes.
+        if HAS_STATE:
+            p_s = state + i_nh.to(tl.int64) * K * V + o_s
+        if STORE_STATE:
+            p_s_out = state_out + i_nh.to(tl.int64) * K * V + o_s
     b_s = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_STATE:
         # EVEN: the tile covers K and V exactly; unmasked, the state moves in full-width vectors.
