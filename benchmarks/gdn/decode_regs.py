@@ -1,0 +1,271 @@
+"""A probe for issue #23's missed decode goal (35B, bf16 state, 64 sequences): the row-looped decode with its state and
+v rows prefetched into registers, DEPTH blocks ahead, the first ones before q and k are even loaded.
+
+Why (benchmarks/gdn/pattern_probe.py --sweep, results/pattern_sweep_h200.txt): the row-looped kernel's grid and loop
+with nothing computed moves 35B bf16 at 64 sequences at 95.6% of copy bandwidth (8, 64, 4 warps, 3 stages); the kernel
+itself, at the same config, 70.8%. So decode's own work costs 25 points there, not its memory pattern. Two latencies
+in `triton_decode_rows` sit on every program's critical path:
+- The v rows of a block are a 2-byte load a thread, too narrow for cp.async, so Triton's pipeliner leaves them in the
+  loop: every block waits one global-memory latency for them before its delta.
+- q, k and the gates are loaded and l2-normed before the loop, and the pipeliner issues the first state loads just
+  before the loop, after that code: a program's first state bytes are requested one global latency late.
+Here the state block and its v rows are plain loads into registers, issued DEPTH blocks ahead of their use (loop-carried
+values; a load's latency is waited for only where its value is first used), the first DEPTH of them before q and k.
+No shared memory, no cp.async group waits, no barrier in the loop.
+
+``ABLATE`` (diagnostics, not candidates): ``qk`` takes q, k and the gates as constants (no loads, no norms) to show what
+the prologue costs; ``touch`` stores each block back unchanged (the pattern alone, as pattern_probe's touch).
+
+    python -m benchmarks.gdn.decode_regs [--iters 20] [--batch 64 256] [--json PATH] [--steady]
+
+Each candidate's output and updated pool are compared with `triton_decode_rows`' (same arithmetic, same row sums:
+equal up to the sums' order). Run from the repository root on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_decode, triton_decode_rows
+from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _l2norm, _softplus
+
+D = 128
+
+
+@triton.jit
+def _block(base, v, i_nh, j, row0, o_r, o_k, live, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+           NB: tl.constexpr):
+    """Block j's state [BV, K] (raw dtype) and v rows [BV]; nothing read past the program's last block or for a pad."""
+    rows = row0 + j * BV + o_r
+    inside = j < NB
+    raw = tl.load(base + rows[:, None] * K + o_k[None, :], mask=live & inside, other=0.0,
+                  eviction_policy="evict_first")
+    b_v = tl.load(v + i_nh.to(tl.int64) * V + rows, mask=(rows < V) & inside, other=0.0)
+    return raw, b_v
+
+
+@triton.jit
+def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, scale, stride_slot, stride_head,
+                        softplus_beta, softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                        V: tl.constexpr, BV: tl.constexpr, ROWS: tl.constexpr, DEPTH: tl.constexpr,
+                        L2NORM: tl.constexpr, STREAM: tl.constexpr, CONST_QK: tl.constexpr, TOUCH: tl.constexpr,
+                        UNROLL: tl.constexpr = 1):
+    """`triton_decode_rows._decode_rows_kernel`'s grid and arithmetic; blocks prefetched into registers DEPTH (1-3)
+    ahead."""
+    NR: tl.constexpr = V // ROWS
+    NB: tl.constexpr = ROWS // BV
+    pid = tl.program_id(0)
+    i_r, i_nh = pid % NR, pid // NR
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, K)
+    o_r = tl.arange(0, BV)
+    row0 = i_r * ROWS
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    live = slot >= 0
+    base = state + tl.maximum(slot, 0) * stride_slot + i_hv * stride_head
+    # The first DEPTH blocks go out before anything else is waited for.
+    s0, v0 = _block(base, v, i_nh, 0, row0, o_r, o_k, live, K, V, BV, NB)
+    if DEPTH >= 2:
+        s1, v1 = _block(base, v, i_nh, 1, row0, o_r, o_k, live, K, V, BV, NB)
+    if DEPTH >= 3:
+        s2, v2 = _block(base, v, i_nh, 2, row0, o_r, o_k, live, K, V, BV, NB)
+    if CONST_QK:
+        f_q = tl.full([K], 0.088388, tl.float32)
+        f_k = tl.full([K], 0.088388, tl.float32)
+        decay = 0.9
+        beta = 0.5
+    else:
+        f_q = tl.load(q + (i_n * H + i_h) * K + o_k).to(tl.float32)
+        f_k = tl.load(k + (i_n * H + i_h) * K + o_k).to(tl.float32)
+        if L2NORM:
+            f_q = _l2norm(f_q)
+            f_k = _l2norm(f_k)
+        x = tl.load(a + i_nh).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+        decay = tl.exp(-tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(x, softplus_beta, softplus_threshold))
+        beta = tl.sigmoid(tl.load(b + i_nh).to(tl.float32))
+    # UNROLL = DEPTH lets ptxas rename the rotated registers instead of moving them.
+    for j in tl.range(0, NB, loop_unroll_factor=UNROLL):
+        raw, b_v = s0, v0
+        if DEPTH == 1:
+            s0, v0 = _block(base, v, i_nh, j + 1, row0, o_r, o_k, live, K, V, BV, NB)
+        elif DEPTH == 2:
+            s0, v0 = s1, v1
+            s1, v1 = _block(base, v, i_nh, j + 2, row0, o_r, o_k, live, K, V, BV, NB)
+        else:
+            s0, v0 = s1, v1
+            s1, v1 = s2, v2
+            s2, v2 = _block(base, v, i_nh, j + 3, row0, o_r, o_k, live, K, V, BV, NB)
+        rows = row0 + j * BV + o_r
+        p = base + rows[:, None] * K + o_k[None, :]
+        if TOUCH:
+            tl.store(p, raw, mask=live, cache_modifier=".cs" if STREAM else "")
+        else:
+            b_o, b_s = _delta_rule_step(raw.to(tl.float32) * decay, f_q, f_k, b_v.to(tl.float32), beta, scale)
+            tl.store(o + i_nh.to(tl.int64) * V + rows, tl.where(live, b_o, 0.0).to(o.dtype.element_ty))
+            tl.store(p, b_s.to(state.dtype.element_ty), mask=live, cache_modifier=".cs" if STREAM else "")
+
+
+def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2=True, softplus_beta=1.0,
+           softplus_threshold=20.0, const_qk=False, touch=False, unroll=1) -> None:
+    """cfg = (BV, ROWS, num_warps, DEPTH[, UNROLL]), ROWS capped at V and BV at ROWS (`triton_decode_rows.eligible`
+    pools)."""
+    bv, rows, warps, depth = cfg[:4]
+    unroll = cfg[4] if len(cfg) > 4 else unroll
+    if depth not in (1, 2, 3):
+        raise ValueError(f"DEPTH must be 1, 2 or 3, got {depth}")
+    N, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    rows = min(rows, V)
+    bv = min(bv, rows)
+    _decode_regs_kernel[(V // rows * N * HV,)](
+        q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, ssm_state.stride(0), ssm_state.stride(1),
+        float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, ROWS=rows, DEPTH=depth,
+        L2NORM=l2, STREAM=ssm_state.element_size() == 2, CONST_QK=const_qk, TOUCH=touch, UNROLL=unroll,
+        num_warps=warps, num_stages=1)
+
+
+# (BV, ROWS, num_warps, DEPTH, UNROLL)
+REGS = ((8, 64, 4, 2, 2), (8, 128, 4, 3, 3), (8, 128, 4, 2, 2), (8, 64, 4, 3, 1), (8, 128, 4, 3, 1),
+        (16, 128, 4, 2, 2), (16, 64, 4, 2, 2), (4, 32, 4, 3, 3), (4, 64, 4, 3, 3), (16, 128, 8, 2, 2),
+        (32, 128, 8, 2, 2))
+ROWS = ((8, 64, 4, 3), (8, 128, 4, 3), (16, 128, 4, 3))
+
+
+def run(iters: int, batches: list[int]) -> list[dict]:
+    copy_gbps = bench_timing._copy_gbps(iters)
+    print(f"{torch.cuda.get_device_name()} copy {copy_gbps:.0f} GB/s")
+    out = []
+    for model, H, HV in bench_cases.DECODE_SHAPES:
+        for N in batches:
+            for dtype in (torch.bfloat16, torch.float32):
+                q = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(N, HV, D, device="cuda", dtype=torch.bfloat16)
+                a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
+                A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
+                pool = (torch.randn(2 * N, HV, D, D, device="cuda") * 0.1).to(dtype)
+                idx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
+                idx[5] = -1  # a pad, as vLLM's CUDA-graph batches have
+                args = (q, k, v, a, b, A_log, dt_bias)
+                o_want = torch.empty_like(v)
+                want = pool.clone()
+                triton_decode_rows.launch(ROWS[0], *args, o_want, want, idx, D**-0.5, True, 1.0, 20.0)
+                errs = {}
+                for cfg in REGS:
+                    trial, o_got = pool.clone(), torch.empty_like(v)
+                    launch(cfg, *args, o_got, trial, idx, D**-0.5)
+                    errs[cfg] = max((o_got.float() - o_want.float()).abs().max().item(),
+                                    (trial.float() - want.float()).abs().max().item())
+                del want, trial
+                o = torch.empty_like(v)
+                fns = {"decode (shipped)": lambda: gated_delta_rule_decode(*args, pool, idx)}
+                gated_delta_rule_decode(*args, pool, idx)  # tunes
+                for cfg in ROWS:
+                    fns[f"rows {cfg}"] = lambda cfg=cfg: triton_decode_rows.launch(cfg, *args, o, pool, idx, D**-0.5,
+                                                                                   True, 1.0, 20.0)
+                for cfg in REGS:
+                    fns[f"regs {cfg}"] = lambda cfg=cfg: launch(cfg, *args, o, pool, idx, D**-0.5)
+                for cfg in REGS[:4]:
+                    fns[f"regs {cfg} const qk"] = lambda cfg=cfg: launch(cfg, *args, o, pool, idx, D**-0.5,
+                                                                         const_qk=True)
+                    fns[f"regs {cfg} touch"] = lambda cfg=cfg: launch(cfg, *args, o, pool, idx, D**-0.5,
+                                                                      touch=True)
+                same_src, dst = pool[:N], torch.empty_like(pool[:N])
+                fns["copy, same size"] = lambda: dst.copy_(same_src)
+                times = bench_timing._interleaved(fns, iters)
+                nbytes = 2 * N * HV * D * D * pool.element_size()
+                shape = f"{model} B={N} {str(dtype).removeprefix('torch.')}"
+                for name, t in times.items():
+                    pct = 100 * nbytes / t.ms / 1e6 / copy_gbps
+                    cfg = next((c for c in REGS if name == f"regs {c}"), None)
+                    err = errs.get(cfg)
+                    out.append({"shape": shape, "what": name, "ms": t.ms, "pct_copy": pct, "max_diff_vs_rows": err})
+                    print(f"{shape:22} {name:34} {t.ms * 1e3:8.1f} us {pct:6.1f}% copy"
+                          f"{'' if err is None else f'  max diff vs rows {err:.1e}'}", flush=True)
+                del pool, dst
+    return out
+
+
+STEADY_REGS = ((8, 128, 4, 2, 2), (8, 64, 4, 2, 2), (16, 128, 4, 2, 2), (8, 128, 4, 3, 3))
+STEADY_ROWS = ((8, 64, 4, 3), (8, 128, 4, 3), (16, 128, 4, 3))
+
+
+def steady(iters: int, batches: list[int], rounds: int = 3) -> list[dict]:
+    """bf16 states only. Interleaved timing (`run`) moved one config by 12 points between two runs (rows (8, 64, 4, 3)
+    at 35B, 64 sequences: 70.8 then 83.2): each call finds the L2 its predecessor left, and a 64 MB pool's write-backs
+    land in whichever call comes next. Here each candidate is timed as `bench gdn` times decode (its own calls back to
+    back, median of ``iters``), in ``rounds`` rounds of rotated order, and also as the tuner times it
+    (`triton_recurrent._cold_ms`: one launch after L2 is flushed, median of 5)."""
+    from hybridkv.kernels.gdn import triton_recurrent as tr
+
+    copy_gbps = bench_timing._copy_gbps(iters)
+    print(f"{torch.cuda.get_device_name()} copy {copy_gbps:.0f} GB/s")
+    flush = torch.empty(2 * tr._l2_bytes(torch.device("cuda")) // 4, dtype=torch.float32, device="cuda")
+    out = []
+    for model, H, HV in bench_cases.DECODE_SHAPES:
+        for N in batches:
+            q = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(N, HV, D, device="cuda", dtype=torch.bfloat16)
+            a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
+            A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
+            pool = (torch.randn(2 * N, HV, D, D, device="cuda") * 0.1).bfloat16()
+            idx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
+            args = (q, k, v, a, b, A_log, dt_bias)
+            o = torch.empty_like(v)
+            gated_delta_rule_decode(*args, pool, idx)  # tunes
+            key = next(key for key in tr._decode_choice if key[0] == HV and key[3] == torch.bfloat16
+                       and key[7] == min(triton.next_power_of_2(N), tr.DECODE_TUNE_ROWS))
+            fns = {f"decode (shipped: {tr._decode_choice[key]})": lambda: gated_delta_rule_decode(*args, pool, idx)}
+            for qkv in (False, True):
+                ch = tr.DecodeChoice(kernel=tr.DecodeKernel.TMA, cfg=(64, 4, 4, 3), qkv_tma=qkv)
+                fns[f"walk {ch}"] = lambda ch=ch: tr._launch_choice(ch, *args, o, pool, idx, D**-0.5, True, True,
+                                                                    1.0, 20.0)
+            for cfg in STEADY_ROWS:
+                fns[f"rows {cfg}"] = lambda cfg=cfg: triton_decode_rows.launch(cfg, *args, o, pool, idx, D**-0.5,
+                                                                               True, 1.0, 20.0)
+            for cfg in STEADY_REGS:
+                fns[f"regs {cfg}"] = lambda cfg=cfg: launch(cfg, *args, o, pool, idx, D**-0.5)
+            same_src, dst = pool[:N], torch.empty_like(pool[:N])
+            fns["copy, same size"] = lambda: dst.copy_(same_src)
+            names = list(fns)
+            steady_ms = {n: [] for n in names}
+            for order in bench_timing._rotations(names, rounds):
+                for n in order:
+                    steady_ms[n].append(bench_timing._median_ms(fns[n], iters))
+            spin = bench_timing._spin_cycles(max(bench_timing._host_ms(f) for f in fns.values()))
+            cold = {n: sorted(tr._cold_ms(fns[n], spin, flush) for _ in range(5))[2] for n in names}
+            nbytes = 2 * N * HV * D * D * 2
+            shape = f"{model} B={N} bfloat16"
+            for n in names:
+                pcts = [100 * nbytes / ms / 1e6 / copy_gbps for ms in steady_ms[n]]
+                cold_pct = 100 * nbytes / cold[n] / 1e6 / copy_gbps
+                out.append({"shape": shape, "what": n, "steady_ms": steady_ms[n], "pct_copy": pcts,
+                            "cold_ms": cold[n], "cold_pct_copy": cold_pct})
+                print(f"{shape:20} {n:52} steady {' '.join(f'{x:5.1f}' for x in pcts)} % copy; cold {cold_pct:5.1f}",
+                      flush=True)
+            del pool, dst
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--json", default=None)
+    p.add_argument("--steady", action="store_true", help="bf16: each candidate timed as bench gdn and the tuner do")
+    args = p.parse_args()
+    rows = (steady if args.steady else run)(args.iters, args.batch)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
