@@ -111,6 +111,83 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
             tl.store(p, b_s.to(state.dtype.element_ty), mask=live, cache_modifier=".cs" if STREAM else "")
 
 
+@triton.jit
+def _block3(base, v, i_nh, j, row0, o_c, o_r, o_e, live, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+            KC: tl.constexpr, NB: tl.constexpr):
+    """`_block` with the state block as [BV, K / KC, KC]: K cut into chunks of KC."""
+    rows = row0 + j * BV + o_r
+    inside = j < NB
+    p = base + rows[:, None, None] * K + o_c[None, :, None] * KC + o_e[None, None, :]
+    raw = tl.load(p, mask=live & inside, other=0.0, eviction_policy="evict_first")
+    b_v = tl.load(v + i_nh.to(tl.int64) * V + rows, mask=(rows < V) & inside, other=0.0)
+    return raw, b_v
+
+
+@triton.jit
+def _decode_regs3_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, scale, stride_slot, stride_head,
+                         softplus_beta, softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BV: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
+                         L2NORM: tl.constexpr, STREAM: tl.constexpr):
+    """`_decode_regs_kernel` at DEPTH 2, UNROLL 2, with each block held as [BV, K / KC, KC]. A thread's 16-byte
+    vector is along KC and Triton's coalescing puts the next lanes along the rows (the chunk and row axes tie on
+    contiguity; the lower axis goes first, offline sm_90 TTGIR), so the K / KC chunks of a row sit in one thread and a
+    row's sums take log2(KC / vector) shuffles, not log2(K / vector) (16 lanes for a bf16 row of 128 as [BV, K])."""
+    NR: tl.constexpr = V // ROWS
+    NB: tl.constexpr = ROWS // BV
+    C: tl.constexpr = K // KC
+    pid = tl.program_id(0)
+    i_r, i_nh = pid % NR, pid // NR
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    o_c = tl.arange(0, C)
+    o_e = tl.arange(0, KC)
+    o_r = tl.arange(0, BV)
+    row0 = i_r * ROWS
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    live = slot >= 0
+    base = state + tl.maximum(slot, 0) * stride_slot + i_hv * stride_head
+    s0, v0 = _block3(base, v, i_nh, 0, row0, o_c, o_r, o_e, live, K, V, BV, KC, NB)
+    s1, v1 = _block3(base, v, i_nh, 1, row0, o_c, o_r, o_e, live, K, V, BV, KC, NB)
+    o_qk = (i_n * H + i_h) * K + o_c[None, :, None] * KC + o_e[None, None, :]
+    f_q = tl.load(q + o_qk).to(tl.float32)
+    f_k = tl.load(k + o_qk).to(tl.float32)
+    if L2NORM:
+        f_q = f_q * tl.rsqrt(tl.sum(tl.sum(f_q * f_q, 2), 1)[:, None, None] + 1e-6)
+        f_k = f_k * tl.rsqrt(tl.sum(tl.sum(f_k * f_k, 2), 1)[:, None, None] + 1e-6)
+    kq = tl.sum(tl.sum(f_k * f_q, 2), 1)  # [1]
+    x = tl.load(a + i_nh).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+    decay = tl.exp(-tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(x, softplus_beta, softplus_threshold))
+    beta = tl.sigmoid(tl.load(b + i_nh).to(tl.float32))
+    for j in tl.range(0, NB, loop_unroll_factor=2):
+        raw, b_v = s0, v0
+        s0, v0 = s1, v1
+        s1, v1 = _block3(base, v, i_nh, j + 2, row0, o_c, o_r, o_e, live, K, V, BV, KC, NB)
+        rows = row0 + j * BV + o_r
+        b_s = raw.to(tl.float32) * decay
+        pred = tl.sum(tl.sum(b_s * f_k, 2), 1)
+        b_sq = tl.sum(tl.sum(b_s * f_q, 2), 1)
+        delta = beta * (b_v.to(tl.float32) - pred)
+        b_o = (b_sq + delta * kq) * scale
+        b_s = b_s + delta[:, None, None] * f_k
+        tl.store(o + i_nh.to(tl.int64) * V + rows, tl.where(live, b_o, 0.0).to(o.dtype.element_ty))
+        p = base + rows[:, None, None] * K + o_c[None, :, None] * KC + o_e[None, None, :]
+        tl.store(p, b_s.to(state.dtype.element_ty), mask=live, cache_modifier=".cs" if STREAM else "")
+
+
+def launch3(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2=True, softplus_beta=1.0,
+            softplus_threshold=20.0) -> None:
+    """cfg = (BV, ROWS, num_warps, KC)."""
+    bv, rows, warps, kc = cfg
+    N, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    rows = min(rows, V)
+    bv = min(bv, rows)
+    _decode_regs3_kernel[(V // rows * N * HV,)](
+        q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, ssm_state.stride(0), ssm_state.stride(1),
+        float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, ROWS=rows, KC=min(kc, K),
+        L2NORM=l2, STREAM=ssm_state.element_size() == 2, num_warps=warps, num_stages=1)
+
+
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2=True, softplus_beta=1.0,
            softplus_threshold=20.0, const_qk=False, touch=False, unroll=1) -> None:
     """cfg = (BV, ROWS, num_warps, DEPTH[, UNROLL]), ROWS capped at V and BV at ROWS (`triton_decode_rows.eligible`
@@ -194,10 +271,13 @@ def run(iters: int, batches: list[int]) -> list[dict]:
 
 STEADY_REGS = ((8, 128, 4, 2, 2), (8, 64, 4, 2, 2), (16, 128, 4, 2, 2), (8, 128, 4, 3, 3))
 STEADY_ROWS = ((8, 64, 4, 3), (8, 128, 4, 3), (16, 128, 4, 3))
+# (BV, ROWS, num_warps, KC) of `launch3`
+STEADY_REGS3 = ((16, 128, 4, 64), (32, 128, 4, 32), (16, 128, 2, 32), (32, 128, 8, 64), (16, 64, 4, 64),
+                (16, 128, 4, 32))
 
 
 def steady(iters: int, batches: list[int], rounds: int = 3) -> list[dict]:
-    """bf16 states only. Interleaved timing (`run`) moved one config by 12 points between two runs (rows (8, 64, 4, 3)
+    """Interleaved timing (`run`) moved one config by 12 points between two runs (rows (8, 64, 4, 3)
     at 35B, 64 sequences: 70.8 then 83.2): each call finds the L2 its predecessor left, and a 64 MB pool's write-backs
     land in whichever call comes next. Here each candidate is timed as `bench gdn` times decode (its own calls back to
     back, median of ``iters``), in ``rounds`` rounds of rotated order, and also as the tuner times it
@@ -209,18 +289,18 @@ def steady(iters: int, batches: list[int], rounds: int = 3) -> list[dict]:
     flush = torch.empty(2 * tr._l2_bytes(torch.device("cuda")) // 4, dtype=torch.float32, device="cuda")
     out = []
     for model, H, HV in bench_cases.DECODE_SHAPES:
-        for N in batches:
+        for N, dtype in ((n, dt) for n in batches for dt in (torch.bfloat16, torch.float32)):
             q = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
             v = torch.randn(N, HV, D, device="cuda", dtype=torch.bfloat16)
             a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
             A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
-            pool = (torch.randn(2 * N, HV, D, D, device="cuda") * 0.1).bfloat16()
+            pool = (torch.randn(2 * N, HV, D, D, device="cuda") * 0.1).to(dtype)
             idx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
             args = (q, k, v, a, b, A_log, dt_bias)
             o = torch.empty_like(v)
             gated_delta_rule_decode(*args, pool, idx)  # tunes
-            key = next(key for key in tr._decode_choice if key[0] == HV and key[3] == torch.bfloat16
+            key = next(key for key in tr._decode_choice if key[0] == HV and key[3] == dtype
                        and key[7] == min(triton.next_power_of_2(N), tr.DECODE_TUNE_ROWS))
             fns = {f"decode (shipped: {tr._decode_choice[key]})": lambda: gated_delta_rule_decode(*args, pool, idx)}
             for qkv in (False, True):
@@ -232,6 +312,15 @@ def steady(iters: int, batches: list[int], rounds: int = 3) -> list[dict]:
                                                                                True, 1.0, 20.0)
             for cfg in STEADY_REGS:
                 fns[f"regs {cfg}"] = lambda cfg=cfg: launch(cfg, *args, o, pool, idx, D**-0.5)
+            o_want, want = torch.empty_like(v), pool.clone()
+            launch(STEADY_REGS[0], *args, o_want, want, idx, D**-0.5)
+            for cfg in STEADY_REGS3:
+                trial, o_got = pool.clone(), torch.empty_like(v)
+                launch3(cfg, *args, o_got, trial, idx, D**-0.5)
+                diff = max((o_got.float() - o_want.float()).abs().max().item(),
+                           (trial.float() - want.float()).abs().max().item())
+                fns[f"regs3 {cfg} (diff {diff:.0e})"] = lambda cfg=cfg: launch3(cfg, *args, o, pool, idx, D**-0.5)
+            del want, trial
             same_src, dst = pool[:N], torch.empty_like(pool[:N])
             fns["copy, same size"] = lambda: dst.copy_(same_src)
             names = list(fns)
@@ -241,14 +330,14 @@ def steady(iters: int, batches: list[int], rounds: int = 3) -> list[dict]:
                     steady_ms[n].append(bench_timing._median_ms(fns[n], iters))
             spin = bench_timing._spin_cycles(max(bench_timing._host_ms(f) for f in fns.values()))
             cold = {n: sorted(tr._cold_ms(fns[n], spin, flush) for _ in range(5))[2] for n in names}
-            nbytes = 2 * N * HV * D * D * 2
-            shape = f"{model} B={N} bfloat16"
+            nbytes = 2 * N * HV * D * D * pool.element_size()
+            shape = f"{model} B={N} {str(dtype).removeprefix('torch.')}"
             for n in names:
                 pcts = [100 * nbytes / ms / 1e6 / copy_gbps for ms in steady_ms[n]]
                 cold_pct = 100 * nbytes / cold[n] / 1e6 / copy_gbps
                 out.append({"shape": shape, "what": n, "steady_ms": steady_ms[n], "pct_copy": pcts,
                             "cold_ms": cold[n], "cold_pct_copy": cold_pct})
-                print(f"{shape:20} {n:52} steady {' '.join(f'{x:5.1f}' for x in pcts)} % copy; cold {cold_pct:5.1f}",
+                print(f"{shape:20} {n:58} steady {' '.join(f'{x:5.1f}' for x in pcts)} % copy; cold {cold_pct:5.1f}",
                       flush=True)
             del pool, dst
     return out
