@@ -189,7 +189,7 @@ def launch3(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, sca
 
 
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2=True, softplus_beta=1.0,
-           softplus_threshold=20.0, const_qk=False, touch=False, unroll=1) -> None:
+           softplus_threshold=20.0, const_qk=False, touch=False, unroll=1, maxnreg=None) -> None:
     """cfg = (BV, ROWS, num_warps, DEPTH[, UNROLL]), ROWS capped at V and BV at ROWS (`triton_decode_rows.eligible`
     pools)."""
     bv, rows, warps, depth = cfg[:4]
@@ -204,7 +204,7 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
         q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, ssm_state.stride(0), ssm_state.stride(1),
         float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, ROWS=rows, DEPTH=depth,
         L2NORM=l2, STREAM=ssm_state.element_size() == 2, CONST_QK=const_qk, TOUCH=touch, UNROLL=unroll,
-        num_warps=warps, num_stages=1)
+        num_warps=warps, num_stages=1, **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
 
 # (BV, ROWS, num_warps, DEPTH, UNROLL)
@@ -269,11 +269,13 @@ def run(iters: int, batches: list[int]) -> list[dict]:
     return out
 
 
-STEADY_REGS = ((8, 128, 4, 2, 2), (8, 64, 4, 2, 2), (16, 128, 4, 2, 2), (8, 128, 4, 3, 3))
+STEADY_REGS = ((8, 128, 4, 2, 2), (8, 64, 4, 2, 2), (16, 128, 4, 2, 2), (4, 128, 1, 2, 2), (8, 128, 1, 2, 2),
+               (8, 128, 2, 2, 2), (4, 64, 1, 2, 2), (16, 128, 2, 2, 2), (4, 128, 2, 2, 2))
+STEADY_MAXNREG = (((8, 128, 4, 2, 2), 48),)  # 32 bytes of spill at 48 (offline sm_90); 40 spills 88
 STEADY_ROWS = ((8, 64, 4, 3), (8, 128, 4, 3), (16, 128, 4, 3))
-# (BV, ROWS, num_warps, KC) of `launch3`
-STEADY_REGS3 = ((16, 128, 4, 64), (32, 128, 4, 32), (16, 128, 2, 32), (32, 128, 8, 64), (16, 64, 4, 64),
-                (16, 128, 4, 32))
+# (BV, ROWS, num_warps, KC) of `launch3`: none beat `launch` at its best configs (results/decode_regs_steady2_h200.txt:
+# 35B bf16 64 sequences 69-77% against 78.0-78.4; fewer shuffles, but 104-174 registers), so none is timed now.
+STEADY_REGS3 = ()
 
 
 def steady(iters: int, batches: list[int], rounds: int = 3) -> list[dict]:
@@ -312,6 +314,9 @@ def steady(iters: int, batches: list[int], rounds: int = 3) -> list[dict]:
                                                                                True, 1.0, 20.0)
             for cfg in STEADY_REGS:
                 fns[f"regs {cfg}"] = lambda cfg=cfg: launch(cfg, *args, o, pool, idx, D**-0.5)
+            for cfg, cap in STEADY_MAXNREG:
+                fns[f"regs {cfg} maxnreg {cap}"] = lambda cfg=cfg, cap=cap: launch(cfg, *args, o, pool, idx, D**-0.5,
+                                                                                   maxnreg=cap)
             o_want, want = torch.empty_like(v), pool.clone()
             launch(STEADY_REGS[0], *args, o_want, want, idx, D**-0.5)
             for cfg in STEADY_REGS3:
@@ -320,7 +325,7 @@ def steady(iters: int, batches: list[int], rounds: int = 3) -> list[dict]:
                 diff = max((o_got.float() - o_want.float()).abs().max().item(),
                            (trial.float() - want.float()).abs().max().item())
                 fns[f"regs3 {cfg} (diff {diff:.0e})"] = lambda cfg=cfg: launch3(cfg, *args, o, pool, idx, D**-0.5)
-            del want, trial
+            del want
             same_src, dst = pool[:N], torch.empty_like(pool[:N])
             fns["copy, same size"] = lambda: dst.copy_(same_src)
             names = list(fns)
