@@ -269,16 +269,18 @@ def run(iters: int, batches: list[int]) -> list[dict]:
     return out
 
 
-STEADY_REGS = ((8, 128, 4, 2, 2), (8, 64, 4, 2, 2), (16, 128, 4, 2, 2), (4, 128, 1, 2, 2), (8, 128, 1, 2, 2),
-               (8, 128, 2, 2, 2), (4, 64, 1, 2, 2), (16, 128, 2, 2, 2), (4, 128, 2, 2, 2))
-STEADY_MAXNREG = (((8, 128, 4, 2, 2), 48),)  # 32 bytes of spill at 48 (offline sm_90); 40 spills 88
+# One warp a program first led at 35B bf16 64 sequences ((4, 128, 1, 2, 2): 80.1-80.6% of copy bandwidth, no CTA
+# barrier in the loop; results/decode_regs_steady3_h200.txt). A register cap of 48 spilled and lost 8 points (same file).
+STEADY_REGS = ((8, 128, 4, 2, 2), (16, 128, 4, 2, 2), (4, 128, 1, 2, 2), (2, 128, 1, 2, 2), (4, 128, 1, 3, 3),
+               (2, 128, 1, 3, 3), (4, 128, 1, 2, 4), (2, 64, 1, 2, 2), (4, 128, 1, 1, 1))
+STEADY_MAXNREG = ()
 STEADY_ROWS = ((8, 64, 4, 3), (8, 128, 4, 3), (16, 128, 4, 3))
 # (BV, ROWS, num_warps, KC) of `launch3`: none beat `launch` at its best configs (results/decode_regs_steady2_h200.txt:
 # 35B bf16 64 sequences 69-77% against 78.0-78.4; fewer shuffles, but 104-174 registers), so none is timed now.
 STEADY_REGS3 = ()
 
 
-def steady(iters: int, batches: list[int], rounds: int = 3) -> list[dict]:
+def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", "float32")) -> list[dict]:
     """Interleaved timing (`run`) moved one config by 12 points between two runs (rows (8, 64, 4, 3)
     at 35B, 64 sequences: 70.8 then 83.2): each call finds the L2 its predecessor left, and a 64 MB pool's write-backs
     land in whichever call comes next. Here each candidate is timed as `bench gdn` times decode (its own calls back to
@@ -291,7 +293,7 @@ def steady(iters: int, batches: list[int], rounds: int = 3) -> list[dict]:
     flush = torch.empty(2 * tr._l2_bytes(torch.device("cuda")) // 4, dtype=torch.float32, device="cuda")
     out = []
     for model, H, HV in bench_cases.DECODE_SHAPES:
-        for N, dtype in ((n, dt) for n in batches for dt in (torch.bfloat16, torch.float32)):
+        for N, dtype in ((n, getattr(torch, dt)) for n in batches for dt in dtypes):
             q = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
             v = torch.randn(N, HV, D, device="cuda", dtype=torch.bfloat16)
@@ -353,9 +355,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     p.add_argument("--json", default=None)
-    p.add_argument("--steady", action="store_true", help="bf16: each candidate timed as bench gdn and the tuner do")
+    p.add_argument("--steady", action="store_true", help="each candidate timed as bench gdn and the tuner do")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="--steady's state dtypes")
     args = p.parse_args()
-    rows = (steady if args.steady else run)(args.iters, args.batch)
+    rows = steady(args.iters, args.batch, dtypes=args.dtypes) if args.steady else run(args.iters, args.batch)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
