@@ -271,8 +271,9 @@ def run(iters: int, batches: list[int]) -> list[dict]:
 
 # One warp a program first led at 35B bf16 64 sequences ((4, 128, 1, 2, 2): 80.1-80.6% of copy bandwidth, no CTA
 # barrier in the loop; results/decode_regs_steady3_h200.txt). A register cap of 48 spilled and lost 8 points (same file).
-STEADY_REGS = ((8, 128, 4, 2, 2), (16, 128, 4, 2, 2), (4, 128, 1, 2, 2), (2, 128, 1, 2, 2), (4, 128, 1, 3, 3),
-               (2, 128, 1, 3, 3), (4, 128, 1, 2, 4), (2, 64, 1, 2, 2), (4, 128, 1, 1, 1))
+# Other one-warp configs (two rows, three blocks ahead, one ahead, unrolled by four) lost to (4, 128, 1, 2, 2) at every
+# bf16 shape (results/decode_regs_steady4_h200.txt).
+STEADY_REGS = ((8, 128, 4, 2, 2), (16, 128, 4, 2, 2), (4, 128, 1, 2, 2), (8, 64, 4, 2, 2))
 STEADY_MAXNREG = ()
 STEADY_ROWS = ((8, 64, 4, 3), (8, 128, 4, 3), (16, 128, 4, 3))
 # (BV, ROWS, num_warps, KC) of `launch3`: none beat `launch` at its best configs (results/decode_regs_steady2_h200.txt:
@@ -280,12 +281,28 @@ STEADY_ROWS = ((8, 64, 4, 3), (8, 128, 4, 3), (16, 128, 4, 3))
 STEADY_REGS3 = ()
 
 
+def _clean_ms(launch, spin: int, flush: torch.Tensor) -> float:
+    """ms of one ``launch`` that finds L2 holding clean lines only: ``flush`` (2x L2) is read, not written, first, so
+    the launch pays no write-back of anyone else's dirty lines (`triton_recurrent._cold_ms` writes its flush buffer,
+    which leaves ~L2's size of dirty lines for the timed launch to write back)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush.sum()
+    torch.cuda._sleep(spin)
+    start.record()
+    launch()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", "float32")) -> list[dict]:
     """Interleaved timing (`run`) moved one config by 12 points between two runs (rows (8, 64, 4, 3)
     at 35B, 64 sequences: 70.8 then 83.2): each call finds the L2 its predecessor left, and a 64 MB pool's write-backs
     land in whichever call comes next. Here each candidate is timed as `bench gdn` times decode (its own calls back to
-    back, median of ``iters``), in ``rounds`` rounds of rotated order, and also as the tuner times it
-    (`triton_recurrent._cold_ms`: one launch after L2 is flushed, median of 5)."""
+    back, median of ``iters``), in ``rounds`` rounds of rotated order; as the tuner times it (`triton_recurrent._cold_ms`:
+    one launch after L2 is flushed by a write, median of 5: "cold"); and after a flush by a read ("clean", `_clean_ms`).
+    Steady state reads the slots the previous call wrote: a serving engine runs every other layer between two calls of
+    one layer's decode, so what is left in L2 then is other layers' data, as in "cold" or "clean"."""
     from hybridkv.kernels.gdn import triton_recurrent as tr
 
     copy_gbps = bench_timing._copy_gbps(iters)
@@ -337,15 +354,18 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
                     steady_ms[n].append(bench_timing._median_ms(fns[n], iters))
             spin = bench_timing._spin_cycles(max(bench_timing._host_ms(f) for f in fns.values()))
             cold = {n: sorted(tr._cold_ms(fns[n], spin, flush) for _ in range(5))[2] for n in names}
+            clean = {n: sorted(_clean_ms(fns[n], spin, flush) for _ in range(5))[2] for n in names}
             nbytes = 2 * N * HV * D * D * pool.element_size()
             shape = f"{model} B={N} {str(dtype).removeprefix('torch.')}"
             for n in names:
                 pcts = [100 * nbytes / ms / 1e6 / copy_gbps for ms in steady_ms[n]]
                 cold_pct = 100 * nbytes / cold[n] / 1e6 / copy_gbps
+                clean_pct = 100 * nbytes / clean[n] / 1e6 / copy_gbps
                 out.append({"shape": shape, "what": n, "steady_ms": steady_ms[n], "pct_copy": pcts,
-                            "cold_ms": cold[n], "cold_pct_copy": cold_pct})
-                print(f"{shape:20} {n:58} steady {' '.join(f'{x:5.1f}' for x in pcts)} % copy; cold {cold_pct:5.1f}",
-                      flush=True)
+                            "cold_ms": cold[n], "cold_pct_copy": cold_pct, "clean_ms": clean[n],
+                            "clean_pct_copy": clean_pct})
+                print(f"{shape:20} {n:58} steady {' '.join(f'{x:5.1f}' for x in pcts)} % copy; cold {cold_pct:5.1f}"
+                      f"; clean {clean_pct:5.1f}", flush=True)
             del pool, dst
     return out
 
