@@ -205,7 +205,8 @@ def decode_tma(out: dict) -> None:
     "decode-tma/direct-store": 1.0 when the walk storing from registers leaves pool and output equal to it,
     "decode-tma/qkv-tma": 1.0 when reading q, k, v through tensor descriptors changes no bit, and
     "decode-tma/mma": the largest difference from it of the probe's walk with its reductions on the tensor cores,
-    "decode-rows/vs-tile": 1.0 when the row-looped kernel equals the tile kernel bit for bit at three configs."""
+    "decode-rows/vs-tile": 1.0 when the row-looped kernel equals the tile kernel bit for bit at three configs.
+    "decode-prefetch/vs-tile": the same for its register-prefetching form at every shipped config and two more."""
     from hybridkv.kernels.gdn import triton_decode_tma, triton_recurrent
 
     N, H, HV, K, V, slots = 5, 2, 4, 32, 64, 9
@@ -262,6 +263,17 @@ def decode_tma(out: dict) -> None:
                                   1.0, 20.0)
         same_rows &= torch.equal(rows_pool, tile_pool) and torch.equal(o_rows, o_tile)
     out["decode-rows/vs-tile"] = float(same_rows)
+    # Its register-prefetching form (`triton_decode_prefetch`): the same blocks, the same arithmetic, so the same bits.
+    # (8, 8, 1): one block a program, an odd count for the loop unrolled by two and nothing to prefetch past it.
+    from hybridkv.kernels.gdn import triton_decode_prefetch
+
+    same_prefetch = True
+    for cfg in (*triton_decode_prefetch.PREFETCH_CONFIGS, (8, 8, 1), (16, 32, 2)):
+        pre_pool, o_pre = before.clone(), torch.full_like(v, float("nan"))
+        triton_decode_prefetch.launch(cfg, q, k, v, a, b, A_log, dt_bias, o_pre, pre_pool[:, 1], idx, K**-0.5, True,
+                                      1.0, 20.0)
+        same_prefetch &= torch.equal(pre_pool, tile_pool) and torch.equal(o_pre, o_tile)
+    out["decode-prefetch/vs-tile"] = float(same_prefetch)
     # The probe's walk with the row reductions on the tensor cores (benchmarks/gdn/decode_probe.py, bf16 states): k and
     # q split in three bf16 terms keep the fp32 arithmetic, so on these inputs it equals the shipped walk too.
     from benchmarks.gdn import decode_probe

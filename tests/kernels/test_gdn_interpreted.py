@@ -37,7 +37,7 @@ def test_chunk_kernels_in_the_interpreter_match_the_reference():
                                f"fp16-k64-v96/{f}" for f in ("fused", "split", "scores", "scan")} | {
                                "inverse-stacked/g4", "1seq/scores-scan-whole-m", "decode-tma", "decode-tma/vs-tile",
                                "decode-tma/untouched", "decode-tma/direct-store", "decode-tma/qkv-tma",
-                               "decode-rows/vs-tile",
+                               "decode-rows/vs-tile", "decode-prefetch/vs-tile",
                                "decode-tma/mma", "scores-tma/g2", "scores-tma/g4", "scores-tma/segment"}
     # The scores' TMA walk against the tile kernel (`interpreted_chunk.scores_tma`): the same q k^T and epilogue, so
     # equal to rounding, on exactly the rows the tile kernel writes, with a neighbour's inf kept out.
@@ -54,6 +54,7 @@ def test_chunk_kernels_in_the_interpreter_match_the_reference():
     assert errors.pop("decode-tma/direct-store") == 1.0
     assert errors.pop("decode-tma/qkv-tma") == 1.0
     assert errors.pop("decode-rows/vs-tile") == 1.0
+    assert errors.pop("decode-prefetch/vs-tile") == 1.0
     # Another order of the same fp32 sums: at most a last-bit flip of a bf16 state or output.
     assert errors.pop("decode-tma/mma") < 2e-3
     for name, (o_err, s_err) in errors.items():

@@ -19,7 +19,12 @@ from hybridkv.kernels.gdn import (  # noqa: E402
     gated_delta_rule_decode,
 )
 from hybridkv.kernels.gdn import reference as ref  # noqa: E402
-from hybridkv.kernels.gdn import triton_decode_rows, triton_decode_tma, triton_recurrent  # noqa: E402
+from hybridkv.kernels.gdn import (  # noqa: E402
+    triton_decode_prefetch,
+    triton_decode_rows,
+    triton_decode_tma,
+    triton_recurrent,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -771,6 +776,29 @@ def test_rows_decode_matches_tile_kernel(N, state_dtype, cfg):
     assert torch.equal(o[idx < 0], torch.zeros_like(o[idx < 0]))
 
 
+@pytest.mark.parametrize("cfg", triton_decode_prefetch.PREFETCH_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N", [3, 64, 256])
+def test_prefetch_decode_matches_tile_kernel(N, state_dtype, cfg):
+    """Every register-prefetching config (`triton_decode_prefetch`) against the tile kernel on the same strided pool,
+    as `test_rows_decode_matches_tile_kernel`: equal to the order of the row sums, the other layer, pads' and unused
+    slots untouched, pads' outputs zero."""
+    q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(N, 32, state_dtype, 300, 13)
+    before = pool.clone()
+    tile_pool, o_tile = _tile_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)
+    o = torch.full_like(v, float("nan"))
+    triton_decode_prefetch.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, 128**-0.5, True, 1.0, 20.0)
+    torch.cuda.synchronize()
+    tol = 1e-6 if state_dtype == torch.float32 else 1e-3
+    live = idx >= 0
+    assert rel_err(o[live], o_tile[live]) < tol
+    assert rel_err(pool[idx[live], 1], tile_pool[idx[live], 1]) < tol
+    touched = torch.zeros(300, dtype=torch.bool, device="cuda")
+    touched[idx[idx >= 0]] = True
+    assert torch.equal(pool[~touched], before[~touched]) and torch.equal(pool[:, 0], before[:, 0])
+    assert torch.equal(o[idx < 0], torch.zeros_like(o[idx < 0]))
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tma_decode_with_qkv_by_tma_equals_tile_kernel(state_dtype):
     """q, k and v read through tensor descriptors (`QKV.TMA`, a probe candidate) from views of one mixed projection, as
@@ -817,7 +845,7 @@ def test_a_qkv_by_tma_choice_reads_by_loads_where_q_is_not_describable(state_dty
 
 def test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone():
     """`_tuning_ms` times each tile config, each TMA walk config, the walk's configs with a 128-byte v row once
-    more with q, k, v by TMA, and each row-looped config; every time is a positive device time, and the caller's pool
+    more with q, k, v by TMA, each row-looped config and each register-prefetching one; every time is a positive device time, and the caller's pool
     is not touched (the tuning runs on a scratch pool)."""
     q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(32, 32, torch.bfloat16, 100, 10)
     before = pool.clone()
@@ -828,6 +856,7 @@ def test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone():
     want |= {(tma, c, False) for c in triton_decode_tma.TMA_CONFIGS}
     want |= {(tma, c, True) for c in triton_decode_tma.TMA_CONFIGS if c[0] * 2 % 128 == 0}
     want |= {(triton_recurrent.DecodeKernel.ROWS, c, False) for c in triton_decode_rows.ROWS_CONFIGS}
+    want |= {(triton_recurrent.DecodeKernel.PREFETCH, c, False) for c in triton_decode_prefetch.PREFETCH_CONFIGS}
     assert {(c.kernel, c.cfg, c.qkv_tma) for c in times} == want
     assert all(0 < ms < 10 for ms in times.values()), times
     assert torch.equal(pool, before)
@@ -836,6 +865,7 @@ def test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone():
 @pytest.mark.parametrize("choice", [
     triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.TILE, cfg=(32, 4)),
     triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.ROWS, cfg=(8, 64, 4, 3)),
+    triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.PREFETCH, cfg=(4, 128, 1)),
     triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.TMA, cfg=(64, 4, 4, 3), qkv_tma=True),
 ], ids=str)
 def test_decode_serves_more_sequence_heads_than_a_grid_axis_holds(choice):

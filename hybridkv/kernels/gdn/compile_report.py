@@ -87,8 +87,8 @@ _ASYNC_COPY = r"\bcp\.async\.(?:ca|cg)\.shared|\bcp\.async\.bulk\.(?:tensor\.\w+
 
 def _specs() -> list[KernelSpec]:
     from hybridkv.kernels.gdn import (chunk_plan, triton_chunk, triton_chunk_inverse, triton_chunk_scan,
-                                      triton_chunk_scores_tma, triton_decode_rows, triton_decode_tma,
-                                      triton_recurrent)
+                                      triton_chunk_scores_tma, triton_decode_prefetch, triton_decode_rows,
+                                      triton_decode_tma, triton_recurrent)
 
     chunk = "hybridkv.kernels.gdn.triton_chunk"
     inverse = "hybridkv.kernels.gdn.triton_chunk_inverse"
@@ -281,6 +281,20 @@ def _specs() -> list[KernelSpec]:
                 Launch(label=f"{dt} state BV={bv} ROWS={rows}", num_warps=w, num_stages=st,
                        constants={"BV": bv, "ROWS": rows, "STAGES": st, "STREAM": dt == "bf16", "state": dt})
                 for dt in ("fp32", "bf16") for bv, rows, w, st in triton_decode_rows.ROWS_CONFIGS),
+        ),
+        KernelSpec(
+            name="decode_prefetch", module="hybridkv.kernels.gdn.triton_decode_prefetch",
+            attr="_decode_prefetch_kernel",
+            signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "a": "*fp32", "b": "*fp32", "A_log": "*fp32",
+                       "dt_bias": "*fp32", "o": "*bf16", "state_indices": "*i32", "scale": "fp32",
+                       "stride_slot": "i32", "stride_head": "i32", "softplus_beta": "fp32",
+                       "softplus_threshold": "fp32"},
+            constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True},
+            aligned=("stride_slot", "stride_head"),
+            launches=tuple(
+                Launch(label=f"{dt} state BV={bv} ROWS={rows}", num_warps=w, num_stages=1,
+                       constants={"BV": bv, "ROWS": rows, "STREAM": dt == "bf16", "state": dt})
+                for dt in ("fp32", "bf16") for bv, rows, w in triton_decode_prefetch.PREFETCH_CONFIGS),
         ),
         KernelSpec(
             name="conv_prefill", module=conv, attr="_conv_out_kernel",

@@ -148,7 +148,8 @@ def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_ou
 # (at most DECODE_TUNE_ROWS) because the best tile moves with it: a tile tuned on a small batch can be
 # several points of copy bandwidth short on a large one. The candidates are the tile kernel's
 # (BV, num_warps) configs and, where they can run, the TMA walk's (`triton_decode_tma.TMA_CONFIGS`, those with a
-# 128-byte v row also with q, k and v read by TMA) and the row-looped kernel's (`triton_decode_rows.ROWS_CONFIGS`).
+# 128-byte v row also with q, k and v read by TMA), the row-looped kernel's (`triton_decode_rows.ROWS_CONFIGS`) and its
+# register-prefetching form's (`triton_decode_prefetch.PREFETCH_CONFIGS`).
 DECODE_TUNE_ROWS = 256
 # The spin before each timed tuning launch (`_tuning_ms`): cycles per second of a GPU clock that is at
 # most this fast (H200: 1.98 GHz boost), so a spin of host time x this lasts at least that long; and a floor.
@@ -161,12 +162,14 @@ class DecodeKernel(enum.Enum):
     TILE = "tile"  # `_recurrent_kernel`, one [BV, K] tile per program
     TMA = "tma"  # `triton_decode_tma`, persistent programs with the state staged by TMA
     ROWS = "rows"  # `triton_decode_rows`, a program loops over its head's rows, few a thread
+    PREFETCH = "prefetch"  # `triton_decode_prefetch`, the same loop with blocks prefetched into registers
 
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeChoice:
     kernel: DecodeKernel
-    # TILE: (BV, num_warps); TMA: (BV, num_warps, programs per SM, stages); ROWS: (BV, ROWS, num_warps, stages).
+    # TILE: (BV, num_warps); TMA: (BV, num_warps, programs per SM, stages); ROWS: (BV, ROWS, num_warps, stages);
+    # PREFETCH: (BV, ROWS, num_warps).
     cfg: tuple[int, ...]
     # TMA only: q, k and v through tensor descriptors (`triton_decode_tma.QKV.TMA`) where a call's tensors allow it
     # (`triton_decode_tma.qkv_describable`), else by loads: the same arithmetic, so the same bits, either way.
@@ -248,6 +251,9 @@ def _launch_choice(choice: DecodeChoice, q, k, v, a, b, A_log, dt_bias, o, ssm_s
     elif choice.kernel is DecodeKernel.ROWS:
         triton_decode_rows.launch(choice.cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2,
                                   softplus_beta, softplus_threshold)
+    elif choice.kernel is DecodeKernel.PREFETCH:
+        triton_decode_prefetch.launch(choice.cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale,
+                                      l2, softplus_beta, softplus_threshold)
     else:
         _launch_decode(choice.cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, v_first,
                        softplus_beta, softplus_threshold)
@@ -258,10 +264,10 @@ def _l2_bytes(device: torch.device) -> int:
 
 
 def _cold_ms(launch, spin: int, flush: torch.Tensor) -> float:
-    """ms of one ``launch`` that finds L2 holding only ``flush``'s bytes, queued behind a GPU spin of ``spin`` cycles
-    that outlasts its host time."""
+    """ms of one ``launch`` that finds L2 holding only clean lines of ``flush`` (read, not written, so the launch writes
+    back nobody else's dirty lines), queued behind a GPU spin of ``spin`` cycles that outlasts its host time."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    flush.zero_()
+    flush.max()
     torch.cuda._sleep(spin)
     start.record()
     launch()
@@ -297,6 +303,7 @@ def _tuning_ms(args, rows: int, tma: bool, by_rows: bool) -> dict[DecodeChoice, 
                   if triton_decode_tma.qkv_describable(c, *sub[:3])]
     if by_rows and triton_decode_rows.eligible(q, v, scratch, v_first):
         cands += [DecodeChoice(kernel=DecodeKernel.ROWS, cfg=c) for c in triton_decode_rows.ROWS_CONFIGS]
+        cands += [DecodeChoice(kernel=DecodeKernel.PREFETCH, cfg=c) for c in triton_decode_prefetch.PREFETCH_CONFIGS]
     for choice in cands:  # compile and warm every candidate before any is timed
         _launch_choice(choice, *sub)
     torch.cuda.synchronize()
@@ -319,8 +326,13 @@ def _tuning_ms(args, rows: int, tma: bool, by_rows: bool) -> dict[DecodeChoice, 
     # decode: timed back to back, a pool under L2's size (32 sequences of 35B bf16 state: 32 MB) stayed resident
     # across launches and the order of the candidates moved their times by up to 14% (H200,
     # benchmarks/gdn/tuner_probe.py), enough to keep a tile config over the walk. Median of five rounds over all
-    # candidates. The flush buffer (twice L2, ~100 MB on an H200) and the scratch pool go back to torch's caching
-    # allocator after the tuning, which an engine's first eager calls (its memory profiling) include.
+    # candidates. The flush reads: the layers between two decode calls of one layer stream their weights (a MoE
+    # layer's are GBs), which leaves L2 holding clean lines. A flush by a write left ~L2's size of dirty lines for
+    # the timed launch to write back, 50 MB of another's traffic beside a 64 MB pool, and its ranking of the
+    # candidates changed between runs (35B bf16, 64 sequences: the walk with q, k, v by TMA 75.4% of copy bandwidth,
+    # then 72.3; benchmarks/gdn/decode_regs.py --steady, "cold" against "clean"). The
+    # flush buffer (twice L2, ~100 MB on an H200) and the scratch pool go back to torch's caching allocator after the
+    # tuning, which an engine's first eager calls (its memory profiling) include.
     flush = torch.empty(2 * _l2_bytes(q.device), dtype=torch.int8, device=q.device)
     times: dict[DecodeChoice, list[float]] = {c: [] for c in cands}
     for _ in range(5):
@@ -360,4 +372,4 @@ def decode_fwd(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, scale, u
 
 # At the end: the TMA walk and the row-looped kernel take their arithmetic from the helpers above, so this module must
 # be whole before they load, whichever is imported first.
-from hybridkv.kernels.gdn import triton_decode_rows, triton_decode_tma  # noqa: E402
+from hybridkv.kernels.gdn import triton_decode_prefetch, triton_decode_rows, triton_decode_tma  # noqa: E402

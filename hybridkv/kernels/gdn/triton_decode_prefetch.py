@@ -1,0 +1,107 @@
+"""The in-place slot decode with its state and v rows prefetched into registers two blocks ahead.
+
+`triton_decode_rows` loops over a head's rows with the [BV, K] loads turned into cp.async by Triton's pipeliner. Two
+global-memory latencies stayed on every program's critical path there: a block's v rows (2 bytes a thread, too narrow
+for cp.async) are loaded in the loop and used at once, and the pipeliner issues the first state loads after the
+prologue that loads and l2-norms q and k. Here each block's state and v rows are plain loads into registers, issued two
+blocks before their use (loop-carried values: a load is waited for only where its value is first used), the first two
+before q and k are loaded. No shared memory, no cp.async group waits; with one warp a program, no CTA barrier either.
+
+Measured on an H200 (benchmarks/gdn/decode_regs.py --steady, results/decode_regs_steady{3,4,5}_h200.txt, % of copy
+bandwidth, each candidate's own calls back to back as `bench gdn` times them; "clean": one launch after L2 was filled
+by a read, as the weight streaming of the layers between two decode calls of a layer leaves it):
+- 35B bf16, 64 sequences: (4, 128, 1 warp) 79.7-80.6 against 72-74 for the TMA walk the tuner kept before and 75 for
+  the row-looped kernel; clean 85.0 against 83.9.
+- 35B and 397B bf16, 256 sequences: (8, 128, 4 warps) 86.6-89.1 against 83-86.3; clean 87.6-89.6 against 86.4-88.4.
+- fp32: 1-4 points behind `triton_decode_rows` at (8, 64, 4 warps, 3 stages), which the tuner keeps there.
+Ablations in the same probe: the grid and loop with nothing computed move 35B bf16 at 64 sequences at up to 95.6% of
+copy bandwidth (pattern_probe.py --sweep), so the gap left is decode's own work, not its memory pattern.
+
+The arithmetic is the tile kernel's (`triton_recurrent._delta_rule_step`) block by block, as in `triton_decode_rows`,
+and the block layout is the same, so the two agree bit for bit (CPU interpreter). `triton_recurrent._tune_decode` times
+it beside the other kernels and keeps it per key only where it wins, on the pools `triton_decode_rows.eligible` takes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _l2norm, _softplus
+
+# (BV rows a block, ROWS a program, num_warps): the probe's best for 35B bf16 at 64 sequences, for bf16 at 256
+# sequences, and for 397B bf16 at 64 sequences.
+PREFETCH_CONFIGS = ((4, 128, 1), (8, 128, 4), (16, 128, 4))
+
+
+@triton.jit
+def _block(base, v, i_nh, j, row0, o_r, o_k, live, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+           NB: tl.constexpr, STREAM: tl.constexpr):
+    """Block j's state [BV, K] (the pool's dtype) and v rows [BV]: nothing read past the program's last block, nor a
+    pad's state."""
+    rows = row0 + j * BV + o_r
+    inside = j < NB
+    raw = tl.load(base + rows[:, None] * K + o_k[None, :], mask=live & inside, other=0.0,
+                  eviction_policy="evict_first" if STREAM else "")
+    b_v = tl.load(v + i_nh.to(tl.int64) * V + rows, mask=inside, other=0.0)
+    return raw, b_v
+
+
+@triton.jit
+def _decode_prefetch_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, scale, stride_slot, stride_head,
+                            softplus_beta, softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                            V: tl.constexpr, BV: tl.constexpr, ROWS: tl.constexpr, L2NORM: tl.constexpr,
+                            STREAM: tl.constexpr):
+    """Grid (V / ROWS * N * HV,), row blocks fastest (one axis: a second stops at 65535). A pad (slot < 0) reads
+    nothing, writes a zero output and leaves the pool alone."""
+    NR: tl.constexpr = V // ROWS
+    NB: tl.constexpr = ROWS // BV
+    pid = tl.program_id(0)
+    i_r, i_nh = pid % NR, pid // NR
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, K)
+    o_r = tl.arange(0, BV)
+    row0 = i_r * ROWS
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    live = slot >= 0
+    base = state + tl.maximum(slot, 0) * stride_slot + i_hv * stride_head
+    # The first two blocks are requested before anything is waited for.
+    s0, v0 = _block(base, v, i_nh, 0, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+    s1, v1 = _block(base, v, i_nh, 1, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+    f_q = tl.load(q + (i_n * H + i_h) * K + o_k).to(tl.float32)
+    f_k = tl.load(k + (i_n * H + i_h) * K + o_k).to(tl.float32)
+    if L2NORM:
+        f_q = _l2norm(f_q)
+        f_k = _l2norm(f_k)
+    x = tl.load(a + i_nh).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+    decay = tl.exp(-tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(x, softplus_beta, softplus_threshold))
+    beta = tl.sigmoid(tl.load(b + i_nh).to(tl.float32))
+    # Unrolled by two so that ptxas renames the rotated registers instead of moving them (offline sm_90: 99 SASS
+    # instructions a block at BV 8 against 129).
+    for j in tl.range(0, NB, loop_unroll_factor=2):
+        raw, b_v = s0, v0
+        s0, v0 = s1, v1
+        s1, v1 = _block(base, v, i_nh, j + 2, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+        rows = row0 + j * BV + o_r
+        b_o, b_s = _delta_rule_step(raw.to(tl.float32) * decay, f_q, f_k, b_v.to(tl.float32), beta, scale)
+        tl.store(o + i_nh.to(tl.int64) * V + rows, tl.where(live, b_o, 0.0).to(o.dtype.element_ty))
+        # STREAM (16-bit states): each slot is read once and written once, as in the tile kernel.
+        tl.store(base + rows[:, None] * K + o_k[None, :], b_s.to(state.dtype.element_ty), mask=live,
+                 cache_modifier=".cs" if STREAM else "")
+
+
+def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, softplus_beta,
+           softplus_threshold) -> None:
+    """One launch at ``cfg`` = (BV, ROWS, num_warps), ROWS capped at V and BV at ROWS; the caller has checked
+    `triton_decode_rows.eligible` (a V-first pool of contiguous K-element rows, power-of-two K and V >= 16)."""
+    bv, rows, warps = cfg
+    N, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    rows = min(rows, V)
+    bv = min(bv, rows)
+    # num_stages=1: the loop's loads are prefetched by hand; the pipeliner must not turn them into cp.async.
+    _decode_prefetch_kernel[(V // rows * N * HV,)](
+        q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, ssm_state.stride(0), ssm_state.stride(1),
+        float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, ROWS=rows, L2NORM=l2,
+        STREAM=ssm_state.element_size() == 2, num_warps=warps, num_stages=1)
