@@ -153,14 +153,16 @@ def render(header: str, rows: list[Row], tuned: dict[str, dict[str, str]]) -> st
     if any(r.err is not None for r in decode):
         out.append("")
         out.append("decode: max |error| vs the fp32 reference (output; the pool's updated slots), % of copy bandwidth "
-                   "(8 GB) and % of a copy of the same bytes; hybridkv / FlashInfer")
-        out.append(f"{'shape':38} {'output error':>17} {'state error':>17} {'%copy':>13} {'%same-size copy':>15}")
+                   "(8 GB) and % of a copy of the same bytes; hybridkv / FlashInfer; hybridkv's first call s (its "
+                   "compiles and tuning)")
+        out.append(f"{'shape':38} {'output error':>17} {'state error':>17} {'%copy':>13} {'%same-size copy':>15} "
+                   f"{'first s':>7}")
         for r in decode:
             o = " ".join(_fmt(x, "8.1e") for x in (r.err, r.fi_err))
             s = " ".join(_fmt(x, "8.1e") for x in (r.state_err, r.fi_state_err))
             c = " ".join(_fmt(x, "6.1f") for x in (r.copy_pct, r.fi_copy_pct))
             c2 = " ".join(_fmt(x, "6.1f") for x in (r.copy_same_pct, r.fi_copy_same_pct))
-            out.append(f"{r.shape:38} {o:>17} {s:>17} {c:>13} {c2:>15}")
+            out.append(f"{r.shape:38} {o:>17} {s:>17} {c:>13} {c2:>15} {_fmt(r.first_call_s, '7.1f')}")
         for r in decode:
             out.extend(f"  {r.shape}: {note}" for note in r.notes)
     for name, picks in tuned.items():
