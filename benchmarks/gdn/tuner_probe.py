@@ -5,15 +5,16 @@ Twelfth session, H200: at 32 sequences of 35B bf16 the tuner kept the tile kerne
 - "in tuning": what `_tuning_ms` measured (per launch), which the tuner's pick is the fastest of;
 - "b2b": the tuner's former measurement, five launches back to back behind a spin on its dense scratch pool (slots
   0..N-1), best of three rounds: the pool stays in L2 when it is smaller (32 MB here against the H200's 50 MB);
-- "cold": one launch on the bench's pool (random slots among 2N) with L2 flushed first, median of ``iters``: what a
-  decode step sees in serving, where every other layer runs between two calls of one layer's kernel;
+- "cold": one launch on the bench's pool (random slots among 2N) with L2 flushed first (`triton_recurrent._cold_ms`:
+  by a read since the thirteenth session), median of ``iters``: what a decode step sees in serving, where every other
+  layer runs between two calls of one layer's kernel;
 - "warm": one launch behind a spin, median of ``iters`` (`bench_timing._median_ms`, what `bench gdn` reports);
 - "host": the host time of one launch (median of 5, the GPU drained before each).
 
 The first two runs (results/tuner_probe_h200.txt) had the tuner timing five launches back to back: during the tuning
 the tile (32, 2) measured 17.5 us a launch, timed alone after it 19.9, while the walk measured 18.4 both times.
 
-    python -m benchmarks.gdn.tuner_probe [--batch 8 32 64] [--iters 20]
+    python -m benchmarks.gdn.tuner_probe [--batch 8 32 64] [--iters 20] [--models 35B] [--dtypes bfloat16]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 
 import torch
 
-from hybridkv.kernels.gdn import bench_cases, bench_timing, triton_decode_rows, triton_recurrent
+from hybridkv.kernels.gdn import bench_cases, bench_timing, triton_decode_prefetch, triton_decode_rows, triton_recurrent
 from hybridkv.kernels.gdn.triton_recurrent import DecodeChoice, DecodeKernel, _launch_choice
 
 from benchmarks.gdn.schedules import decode_inputs
@@ -43,10 +44,12 @@ def _b2b5(choice: DecodeChoice, args, spin: int) -> float:
     return best
 
 
-def run(batches: list[int], iters: int) -> None:
+def run(batches: list[int], iters: int, models=None, dtypes=("bfloat16", "float32")) -> None:
     for N in batches:
         for model, H, HV in bench_cases.DECODE_SHAPES:
-            for dtype in (torch.bfloat16, torch.float32):
+            if models and model not in models:
+                continue
+            for dtype in (getattr(torch, d) for d in dtypes):
                 torch.manual_seed(0)
                 q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(N, H, HV, dtype)
                 o = torch.empty_like(v)
@@ -58,6 +61,8 @@ def run(batches: list[int], iters: int) -> None:
                               1.0, 20.0)
                 cands = [DecodeChoice(kernel=DecodeKernel.TILE, cfg=c) for c in triton_recurrent.DECODE_CONFIGS]
                 cands += [DecodeChoice(kernel=DecodeKernel.ROWS, cfg=c) for c in triton_decode_rows.ROWS_CONFIGS]
+                cands += [DecodeChoice(kernel=DecodeKernel.PREFETCH, cfg=c)
+                          for c in triton_decode_prefetch.PREFETCH_CONFIGS]
                 cands += [DecodeChoice(kernel=DecodeKernel.TMA, cfg=c, qkv_tma=t)
                           for c in ((64, 4, 4, 3), (64, 4, 2, 3), (32, 4, 4, 3)) for t in (False, True)
                           if not t or c[0] == 64]
@@ -95,8 +100,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32, 64])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--models", nargs="+", default=None, help="of bench_cases.DECODE_SHAPES (default: all)")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     a = p.parse_args()
-    run(a.batch, a.iters)
+    run(a.batch, a.iters, a.models, a.dtypes)
 
 
 if __name__ == "__main__":

@@ -789,9 +789,11 @@ def test_prefetch_decode_matches_tile_kernel(N, state_dtype, cfg):
     o = torch.full_like(v, float("nan"))
     triton_decode_prefetch.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx, 128**-0.5, True, 1.0, 20.0)
     torch.cuda.synchronize()
+    # One warp a program sums a row in another order than the tile kernel: an fp32 state agrees to 1e-6, but that is
+    # enough to flip the rounding of a bf16 output now and then (H200: 1.2e-5 relative at (4, 128, 1), fp32 state).
     tol = 1e-6 if state_dtype == torch.float32 else 1e-3
     live = idx >= 0
-    assert rel_err(o[live], o_tile[live]) < tol
+    assert rel_err(o[live], o_tile[live]) < 1e-3
     assert rel_err(pool[idx[live], 1], tile_pool[idx[live], 1]) < tol
     touched = torch.zeros(300, dtype=torch.bool, device="cuda")
     touched[idx[idx >= 0]] = True
