@@ -276,6 +276,21 @@ def _cold_ms(launch, spin: int, flush: torch.Tensor) -> float:
     return start.elapsed_time(end)
 
 
+def _charged_ms(launch, spin: int, flush: torch.Tensor) -> float:
+    """ms of one ``launch`` that finds L2 holding clean lines only, plus the read of ``flush`` (2x L2) after it, which
+    writes back whatever the launch left dirty; `_tuning_ms` subtracts that read's own time (`_charged_ms` of a no-op).
+    Queued behind a GPU spin of ``spin`` cycles that outlasts the host time."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush.max()
+    torch.cuda._sleep(spin)
+    start.record()
+    launch()
+    flush.max()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def _tune_decode(args, rows: int, tma: bool, by_rows: bool) -> DecodeChoice:
     """The fastest candidate of `_tuning_ms`."""
     best_ms = _tuning_ms(args, rows, tma, by_rows)
@@ -284,7 +299,8 @@ def _tune_decode(args, rows: int, tma: bool, by_rows: bool) -> DecodeChoice:
 
 def _tuning_ms(args, rows: int, tma: bool, by_rows: bool) -> dict[DecodeChoice, float]:
     """Time each candidate on a scratch pool of `rows` slots (the caller's pool is never touched): ms of one launch
-    with L2 flushed, median of five rounds (`_cold_ms`). ``tma``: the caller's pool can take the TMA walk
+    that finds L2 clean, charged with writing back what it leaves dirty (`_charged_ms`), median of five rounds.
+    ``tma``: the caller's pool can take the TMA walk
     (`triton_decode_tma.eligible`), so its configs are candidates too; ``by_rows``: so can the row-looped kernel
     (`triton_decode_rows.eligible`)."""
     q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, v_first, *rest = args
@@ -321,24 +337,33 @@ def _tuning_ms(args, rows: int, tma: bool, by_rows: bool) -> dict[DecodeChoice, 
     # would pick whichever candidate launches fastest on the host, not what a CUDA graph then replays. The spin
     # covers the slowest candidate's launch: the TMA walk's, a tensor descriptor per operand, takes up to twice a tile
     # launch's host time (35-150 us a launch on the H200's host).
-    spin = int(max(_SPIN_MIN_CYCLES, 2 * host_s * _SPIN_CYCLES_PER_S))
-    # Each timed launch finds L2 flushed, as in serving, where every other layer runs between two calls of one layer's
-    # decode: timed back to back, a pool under L2's size (32 sequences of 35B bf16 state: 32 MB) stayed resident
-    # across launches and the order of the candidates moved their times by up to 14% (H200,
-    # benchmarks/gdn/tuner_probe.py), enough to keep a tile config over the walk. Median of five rounds over all
-    # candidates. The flush reads: the layers between two decode calls of one layer stream their weights (a MoE
-    # layer's are GBs), which leaves L2 holding clean lines. A flush by a write left ~L2's size of dirty lines for
-    # the timed launch to write back, 50 MB of another's traffic beside a 64 MB pool, and its ranking of the
-    # candidates changed between runs (35B bf16, 64 sequences: the walk with q, k, v by TMA 75.4% of copy bandwidth,
-    # then 72.3; benchmarks/gdn/decode_regs.py --steady, "cold" against "clean"). The
-    # flush buffer (twice L2, ~100 MB on an H200) and the scratch pool go back to torch's caching allocator after the
-    # tuning, which an engine's first eager calls (its memory profiling) include.
     flush = torch.empty(2 * _l2_bytes(q.device), dtype=torch.int8, device=q.device)
+    t0 = time.perf_counter()
+    flush.max()
+    host_s += time.perf_counter() - t0  # the read queued behind the spin too
+    torch.cuda.synchronize()
+    spin = int(max(_SPIN_MIN_CYCLES, 2 * host_s * _SPIN_CYCLES_PER_S))
+    # Each timed launch finds L2 holding clean lines only, as in serving after the layers between two decode calls of
+    # one layer have streamed their weights, and is charged with writing back what it leaves dirty, which a step pays
+    # in steady state (the writes compete with the next layers' reads). Timed on one pool back to back, a pool under
+    # L2's size (32 sequences of 35B bf16 state: 32 MB) stayed resident across launches and the order of the
+    # candidates moved their times by up to 14% (H200, benchmarks/gdn/tuner_probe.py), enough to keep a tile config
+    # over the walk. Timed as one launch after a flush and no more, a launch paid for none of the writes it left in L2
+    # (up to L2's size): at 35B bf16 with 64 sequences the walk (q, k, v by TMA) and the prefetching row loop (4, 128,
+    # 1) came within 2% of each other, either one kept from run to run, while back to back, as `bench gdn` and a
+    # decode loop run them, the prefetching loop is 5% faster (results/tuner_probe_prefetch_h200.txt). The read after
+    # the launch writes its dirty lines back; its own time, the same read after a clean L2, is subtracted. Median of
+    # five rounds over all candidates. The flush buffer (twice L2, ~100 MB on an H200) and the scratch pool go back to
+    # torch's caching allocator after the tuning, which an engine's first eager calls (its memory profiling) include.
+    nothing = [_charged_ms(lambda: None, spin, flush) for _ in range(5)]
     times: dict[DecodeChoice, list[float]] = {c: [] for c in cands}
     for _ in range(5):
         for choice in cands:
-            times[choice].append(_cold_ms(lambda c=choice: _launch_choice(c, *sub), spin, flush))
+            times[choice].append(_charged_ms(lambda c=choice: _launch_choice(c, *sub), spin, flush))
+        nothing.append(_charged_ms(lambda: None, spin, flush))
     del flush
+    read_ms = sorted(nothing)[len(nothing) // 2]
+    times = {c: [t - read_ms for t in ts] for c, ts in times.items()}
     best_ms = {c: sorted(ts)[len(ts) // 2] for c, ts in times.items()}
     return best_ms
 
