@@ -281,10 +281,22 @@ STEADY_ROWS = ((8, 64, 4, 3), (8, 128, 4, 3), (16, 128, 4, 3))
 STEADY_REGS3 = ()
 
 
+def _dirty_ms(launch, spin: int, flush: torch.Tensor) -> float:
+    """ms of one ``launch`` after ``flush`` (2x L2) was written: L2 holds ~its size of another's dirty lines, which the
+    launch writes back (how the decode tuner flushed until the thirteenth session)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush.zero_()
+    torch.cuda._sleep(spin)
+    start.record()
+    launch()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def _clean_ms(launch, spin: int, flush: torch.Tensor) -> float:
     """ms of one ``launch`` that finds L2 holding clean lines only: ``flush`` (2x L2) is read, not written, first, so
-    the launch pays no write-back of anyone else's dirty lines (`triton_recurrent._cold_ms` writes its flush buffer,
-    which leaves ~L2's size of dirty lines for the timed launch to write back)."""
+    the launch pays no write-back of anyone else's dirty lines (`_dirty_ms` leaves ~L2's size of them)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     flush.sum()
     torch.cuda._sleep(spin)
@@ -299,8 +311,9 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
     """Interleaved timing (`run`) moved one config by 12 points between two runs (rows (8, 64, 4, 3)
     at 35B, 64 sequences: 70.8 then 83.2): each call finds the L2 its predecessor left, and a 64 MB pool's write-backs
     land in whichever call comes next. Here each candidate is timed as `bench gdn` times decode (its own calls back to
-    back, median of ``iters``), in ``rounds`` rounds of rotated order; as the tuner times it (`triton_recurrent._cold_ms`:
-    one launch after L2 is flushed by a write, median of 5: "cold"); and after a flush by a read ("clean", `_clean_ms`).
+    back, median of ``iters``), in ``rounds`` rounds of rotated order; as the tuner timed it until this session (one
+    launch after L2 is flushed by a write, median of 5: "cold", `_dirty_ms`); and after a flush by a read ("clean",
+    `_clean_ms`).
     Steady state reads the slots the previous call wrote: a serving engine runs every other layer between two calls of
     one layer's decode, so what is left in L2 then is other layers' data, as in "cold" or "clean"."""
     from hybridkv.kernels.gdn import triton_recurrent as tr
@@ -353,7 +366,7 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
                 for n in order:
                     steady_ms[n].append(bench_timing._median_ms(fns[n], iters))
             spin = bench_timing._spin_cycles(max(bench_timing._host_ms(f) for f in fns.values()))
-            cold = {n: sorted(tr._cold_ms(fns[n], spin, flush) for _ in range(5))[2] for n in names}
+            cold = {n: sorted(_dirty_ms(fns[n], spin, flush) for _ in range(5))[2] for n in names}
             clean = {n: sorted(_clean_ms(fns[n], spin, flush) for _ in range(5))[2] for n in names}
             nbytes = 2 * N * HV * D * D * pool.element_size()
             shape = f"{model} B={N} {str(dtype).removeprefix('torch.')}"

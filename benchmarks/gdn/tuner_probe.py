@@ -2,12 +2,13 @@
 
 Twelfth session, H200: at 32 sequences of 35B bf16 the tuner kept the tile kernel (32, 2), which `decode_probe` timed at
 69.7% of copy bandwidth, while the TMA walk with q, k, v by TMA reached 77.1%. Per candidate, here:
-- "in tuning": what `_tuning_ms` measured (per launch), which the tuner's pick is the fastest of;
+- "in tuning": what `_tuning_ms` measured (per launch; since the thirteenth session each launch from a clean L2 and
+  charged with writing back what it leaves dirty, `triton_recurrent._charged_ms`), which the tuner's pick is the
+  fastest of;
 - "b2b": the tuner's former measurement, five launches back to back behind a spin on its dense scratch pool (slots
   0..N-1), best of three rounds: the pool stays in L2 when it is smaller (32 MB here against the H200's 50 MB);
-- "cold": one launch on the bench's pool (random slots among 2N) with L2 flushed first (`triton_recurrent._cold_ms`:
-  by a read since the thirteenth session), median of ``iters``: what a decode step sees in serving, where every other
-  layer runs between two calls of one layer's kernel;
+- "cold": one launch on the bench's pool (random slots among 2N) with L2 flushed first by a read (`_cold_ms`; by a
+  write until the thirteenth session), median of ``iters``;
 - "warm": one launch behind a spin, median of ``iters`` (`bench_timing._median_ms`, what `bench gdn` reports);
 - "host": the host time of one launch (median of 5, the GPU drained before each).
 
@@ -28,6 +29,19 @@ from hybridkv.kernels.gdn import bench_cases, bench_timing, triton_decode_prefet
 from hybridkv.kernels.gdn.triton_recurrent import DecodeChoice, DecodeKernel, _launch_choice
 
 from benchmarks.gdn.schedules import decode_inputs
+
+
+def _cold_ms(launch, spin: int, flush: torch.Tensor) -> float:
+    """ms of one ``launch`` that finds L2 holding only clean lines of ``flush`` (read, not written), queued behind a GPU
+    spin of ``spin`` cycles that outlasts its host time."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush.max()
+    torch.cuda._sleep(spin)
+    start.record()
+    launch()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def _b2b5(choice: DecodeChoice, args, spin: int) -> float:
@@ -84,7 +98,7 @@ def run(batches: list[int], iters: int, models=None, dtypes=("bfloat16", "float3
                         host.append((time.perf_counter() - t0) * 1e6)
                     torch.cuda.synchronize()
                     b2b = _b2b5(c, tuner_args, spin)
-                    cold = sorted(triton_recurrent._cold_ms(lambda c=c: _launch_choice(c, *bench_args), spin, flush)
+                    cold = sorted(_cold_ms(lambda c=c: _launch_choice(c, *bench_args), spin, flush)
                                   for _ in range(iters))[iters // 2]
                     warm = bench_timing._median_ms(lambda c=c: _launch_choice(c, *bench_args), iters)
                     rows.append((str(c), tuned[c] * 1e3, b2b * 1e3, cold * 1e3, warm * 1e3, sorted(host)[2]))

@@ -263,19 +263,6 @@ def _l2_bytes(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).L2_cache_size
 
 
-def _cold_ms(launch, spin: int, flush: torch.Tensor) -> float:
-    """ms of one ``launch`` that finds L2 holding only clean lines of ``flush`` (read, not written, so the launch writes
-    back nobody else's dirty lines), queued behind a GPU spin of ``spin`` cycles that outlasts its host time."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    flush.max()
-    torch.cuda._sleep(spin)
-    start.record()
-    launch()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def _charged_ms(launch, spin: int, flush: torch.Tensor) -> float:
     """ms of one ``launch`` that finds L2 holding clean lines only, plus the read of ``flush`` (2x L2) after it, which
     writes back whatever the launch left dirty; `_tuning_ms` subtracts that read's own time (`_charged_ms` of a no-op).
