@@ -270,7 +270,8 @@ def run(iters: int, batches: list[int]) -> list[dict]:
 
 
 # One warp a program first led at 35B bf16 64 sequences ((4, 128, 1, 2, 2): 80.1-80.6% of copy bandwidth, no CTA
-# barrier in the loop; results/decode_regs_steady3_h200.txt). A register cap of 48 spilled and lost 8 points (same file).
+# barrier in the loop; results/decode_regs_steady3_h200.txt). A register cap of 48 spilled and lost 8 points (same
+# file).
 # Other one-warp configs (two rows, three blocks ahead, one ahead, unrolled by four) lost to (4, 128, 1, 2, 2) at every
 # bf16 shape (results/decode_regs_steady4_h200.txt).
 STEADY_REGS = ((8, 128, 4, 2, 2), (16, 128, 4, 2, 2), (4, 128, 1, 2, 2), (8, 64, 4, 2, 2))

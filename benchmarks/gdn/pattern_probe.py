@@ -1,11 +1,11 @@
 """What decode's memory pattern alone reaches: the ceiling under issue #23's one missed decode goal.
 
-Every decode kernel tried at 35B with a bf16 state and 64 sequences lands at 71-76% of copy bandwidth, FlashInfer 0.7.2's
-included, while the goal is 80% and a copy of the same bytes reaches ~91% there. The copy reads one buffer and writes
-another, in one contiguous stream. Decode reads each sequence's slot (scattered over the pool) and writes it back in
+Every decode kernel tried at 35B with a bf16 state and 64 sequences lands at 71-76% of copy bandwidth, FlashInfer
+0.7.2's included, while the goal is 80% and a copy of the same bytes reaches ~91% there. The copy reads one buffer and
+writes another, in one contiguous stream. Decode reads each sequence's slot (scattered over the pool) and writes it back in
 place. This probe times that pattern with no arithmetic: the row-looped decode kernel's grid and pipeline
-(`triton_decode_rows`), each [BV, K] block loaded and stored straight back (``touch``), beside the same-size copy and the
-shipped decode step, all in one run:
+(`triton_decode_rows`), each [BV, K] block loaded and stored straight back (``touch``), beside the same-size copy and
+the shipped decode step, all in one run:
 
 - ``touch in place``: random slots, written back where they were read (decode's pattern);
 - ``touch in place, slots 0..N-1``: the same over contiguous slots;
@@ -134,8 +134,9 @@ def sweep(iters: int, batches: list[int]) -> list[dict]:
         idx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
         o = torch.empty_like(v)
         gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)
-        print(f"{model} B={N} bf16: the tuner's choice", {key[-3:]: c for key, c in triton_recurrent._decode_choice.items()
-                                                           if key[3] == torch.bfloat16 and key[0] == HV})
+        picks = {key[-3:]: c for key, c in triton_recurrent._decode_choice.items()
+                 if key[3] == torch.bfloat16 and key[0] == HV}
+        print(f"{model} B={N} bf16: the tuner's choice", picks)
         fns = {"decode (shipped)": lambda: gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)}
         for cfg in SWEEP:
             fns[f"touch {cfg}"] = lambda cfg=cfg: touch(pool, idx, cfg=cfg)

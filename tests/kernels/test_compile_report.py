@@ -72,8 +72,8 @@ def test_the_gluon_chain_keeps_the_state_in_registers(hopper):
 
 def test_bandwidth_bound_kernels_do_not_spill(hopper):
     for r in hopper.values():
-        if r.kernel in ("decode", "decode_tma", "decode_rows", "decode_prefetch", "recurrent_prefill", "conv_prefill", "conv_state",
-                        "conv_update"):
+        if r.kernel in ("decode", "decode_tma", "decode_rows", "decode_prefetch", "recurrent_prefill", "conv_prefill",
+                        "conv_state", "conv_update"):
             assert r.spill_bytes == 0, r
 
 

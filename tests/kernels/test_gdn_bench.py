@@ -218,6 +218,8 @@ def faked_cuda_on_cpu(monkeypatch):
     monkeypatch.setattr(bench_timing, "_ms_per_mcycle", lambda: 1.0)
     monkeypatch.setattr(bench, "_copy_gbps", lambda iters: 1000.0)
     monkeypatch.setattr(bench_timing, "B2B_CALLS", 2)
+    monkeypatch.setattr(bench_timing, "_flush_bytes", lambda: 1 << 16)
+    monkeypatch.setattr("hybridkv.kernels.gdn.bench_rows._flush_bytes", lambda: 1 << 16)
     monkeypatch.setattr(bench_cases, "PREFILL_SHAPES",
                         (bench_cases.PrefillShape(model="tiny", H=1, HV=2, lens=(70,)),
                          bench_cases.PrefillShape(model="tiny", H=1, HV=2, lens=(40, 30))))
@@ -414,6 +416,10 @@ def test_decode_rows_check_hybridkv_and_flashinfer_against_the_reference_faked_c
     assert fp32["fi_copy_pct"] > 0 and fp32["fi_copy_same_pct"] > 0 and fp32["speedup_vs_fi"] is not None
     assert bf16["fi_ms"] is None and bf16["fi_err"] is None and bf16["fi_copy_pct"] is None
     assert bf16["fi_copy_same_pct"] is None and all(r["copy_same_pct"] > 0 for r in (fp32, bf16))
+    # The tuner's timing too (a difference of two medians: on the CPU's clock it need not be positive), FlashInfer's
+    # where it ran.
+    assert all(r["charged_pct"] is not None for r in (fp32, bf16))
+    assert fp32["fi_charged_pct"] is not None and bf16["fi_charged_pct"] is None
     assert bf16["notes"] == ["FlashInfer: RuntimeError: no kernel for this state dtype"]
     derived = ("speedup_vs_fla", "speedup_vs_qla", "speedup_vs_fi", "notes")
     rows = [bench_rows_row(r, derived) for r in (fp32, bf16)]

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from hybridkv.kernels.gdn import baselines
 from hybridkv.kernels.gdn import bench_cases
 from hybridkv.kernels.gdn.bench_cases import CHUNK, D, PrefillShape, _inputs
-from hybridkv.kernels.gdn.bench_timing import Timing, _copy_gbps, _interleaved, _median_ms
+from hybridkv.kernels.gdn.bench_timing import (Timing, _charged_ms, _copy_gbps, _flush_bytes, _interleaved,
+                                               _median_ms)
 from hybridkv.kernels.gdn.bench_warmup import DISK_CACHED, IMPLS, TITLES, Warmed, _first_calls, _impls, _warm_parallel
 
 
@@ -41,6 +42,10 @@ class Row:
     # 8 GB copy of `copy_pct` has no launch and no ramp for a small pool to pay
     copy_same_pct: float | None = None
     fi_copy_same_pct: float | None = None
+    # decode: % of copy bandwidth timed as the decode tuner times (`bench_timing._charged_ms`: from a clean L2, charged
+    # with the write-back it leaves), not back to back on one pool
+    charged_pct: float | None = None
+    fi_charged_pct: float | None = None
     host_ms: float | None = None  # host time to queue one call (hidden behind the spin in `ms`)
     fla_host_ms: float | None = None
     qla_ms: float | None = None  # FlashQLA (prefill only)
@@ -249,6 +254,11 @@ def _decode_rows(fla, iters: int, copy_gbps: float, fi=None) -> list[Row]:
             if fi_err is not None:
                 fi_ms = _median_ms(lambda: fi(q, k, v, a16, b16, A_log, dt_bias, pool, idx32), iters)
             same_gbps = _copy_gbps(iters, pool[:N])  # as many bytes as the step moves
+            flush = torch.empty(_flush_bytes(), dtype=torch.int8, device=device)
+            charged = _charged_ms(lambda: gated_delta_rule_decode(*args, pool, idx), iters, flush)
+            fi_charged = None if fi_ms is None else _charged_ms(
+                lambda: fi(q, k, v, a16, b16, A_log, dt_bias, pool, idx32), iters, flush)
+            del flush
             gbps = state_bytes / ours / 1e6
             fla_gbps = None if theirs is None else fla_bytes / theirs / 1e6
             fi_gbps = None if fi_ms is None else state_bytes / fi_ms / 1e6
@@ -259,6 +269,9 @@ def _decode_rows(fla, iters: int, copy_gbps: float, fi=None) -> list[Row]:
                             fi_ms=fi_ms, fi_gbps=fi_gbps,
                             fi_copy_pct=None if fi_gbps is None else 100 * fi_gbps / copy_gbps,
                             copy_same_pct=100 * gbps / same_gbps,
+                            charged_pct=100 * state_bytes / charged / 1e6 / copy_gbps,
+                            fi_charged_pct=(None if fi_charged is None
+                                            else 100 * state_bytes / fi_charged / 1e6 / copy_gbps),
                             fi_copy_same_pct=None if fi_gbps is None else 100 * fi_gbps / same_gbps,
                             err=err, state_err=state_err, fi_err=fi_err, fi_state_err=fi_state_err, notes=notes,
                             first_call_s=first_s))

@@ -3,7 +3,8 @@
 `_timed` (and `_median_ms`, its device time) hides the host's queueing time, measured by `_host_ms`, behind a
 `torch.cuda._sleep` spin; `_b2b_ms` queues `B2B_CALLS` calls back to back; `_interleaved` times several
 implementations with their calls rotated round by round (`_rotations`); `_copy_gbps` is the device-to-device copy
-that decode's "% copy" divides by. The probes in benchmarks/gdn time with these too.
+that decode's "% copy" divides by; `_charged_ms` times a decode step as the decode tuner does. The probes in
+benchmarks/gdn time with these too.
 """
 
 from __future__ import annotations
@@ -131,6 +132,26 @@ def _interleaved(fns: dict[str, Callable[[], object]], iters: int) -> dict[str, 
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2]
+
+
+def _flush_bytes() -> int:
+    """Twice the current device's L2: what a read must cover to leave L2 holding its lines only."""
+    import torch
+
+    return 2 * torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+
+
+def _charged_ms(fn, iters: int, flush) -> float:
+    """ms of one call as the decode tuner times it (`triton_recurrent._charged_ms`): from a clean L2, charged with
+    writing back what it leaves dirty, median of ``iters``, the charging read's own time subtracted. ``_median_ms``
+    times a call back to back with its predecessor on the same pool, which no serving step sees; this is the other
+    view, for the decode rows."""
+    from hybridkv.kernels.gdn.triton_recurrent import _charged_ms as charged
+
+    spin = _spin_cycles(_host_ms(fn) + _host_ms(flush.max))
+    nothing = sorted(charged(lambda: None, spin, flush) for _ in range(iters))
+    times = sorted(charged(fn, spin, flush) for _ in range(iters))
+    return times[iters // 2] - nothing[iters // 2]
 
 
 def _copy_gbps(iters: int, src=None) -> float:
