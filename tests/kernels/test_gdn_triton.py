@@ -801,6 +801,36 @@ def test_prefetch_decode_matches_tile_kernel(N, state_dtype, cfg):
     assert torch.equal(o[idx < 0], torch.zeros_like(o[idx < 0]))
 
 
+@pytest.mark.parametrize(("K", "V"), [(32, 16), (64, 32), (256, 16)], ids=["k32-v16", "k64-v32", "k256-v16"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefetch_decode_on_small_heads_matches_reference(K, V, state_dtype):
+    """Heads of 16 or 32 value rows: one or two blocks a program, so the loop unrolled by two runs an odd count or
+    none at all, and ROWS and BV are capped at V (the interpreter, which CI runs, ignores the unrolling)."""
+    N, H, HV, slots = 9, 2, 4, 20
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    dev = dict(device="cuda", generator=gen)
+    q, k = torch.randn(N, H, K, **dev).bfloat16(), torch.randn(N, H, K, **dev).bfloat16()
+    v = torch.randn(N, HV, V, **dev).bfloat16()
+    a, b = torch.randn(N, HV, **dev), torch.randn(N, HV, **dev)
+    A_log, dt_bias = torch.randn(HV, **dev) * 0.5, torch.randn(HV, **dev) * 0.5
+    pool = (torch.randn(slots, HV, V, K, **dev) * 0.1).to(state_dtype)
+    idx = torch.randperm(slots, device="cuda", generator=gen)[:N]
+    idx[::4] = -1
+    want = pool.float().clone()
+    o_ref = ref.decode_reference(q, k, v, a, b, A_log, dt_bias, want, idx, K**-0.5, True, True)
+    live = idx >= 0
+    for cfg in (*triton_decode_prefetch.PREFETCH_CONFIGS, (16, 16, 1), (8, 16, 2)):
+        trial, o = pool.clone(), torch.full_like(v, float("nan"))
+        triton_decode_prefetch.launch(cfg, q, k, v, a, b, A_log, dt_bias, o, trial, idx, K**-0.5, True, 1.0, 20.0)
+        torch.cuda.synchronize()
+        assert rel_err(o[live], o_ref[live]) < 1e-2, cfg
+        assert rel_err(trial[idx[live]].float(), want[idx[live]]) < 1e-2, cfg
+        assert torch.equal(o[~live], torch.zeros_like(o[~live])), cfg
+        untouched = torch.ones(slots, dtype=torch.bool, device="cuda")
+        untouched[idx[live]] = False
+        assert torch.equal(trial[untouched], pool[untouched]), cfg
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tma_decode_with_qkv_by_tma_equals_tile_kernel(state_dtype):
     """q, k and v read through tensor descriptors (`QKV.TMA`, a probe candidate) from views of one mixed projection, as
@@ -847,7 +877,8 @@ def test_a_qkv_by_tma_choice_reads_by_loads_where_q_is_not_describable(state_dty
 
 def test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone():
     """`_tuning_ms` times each tile config, each TMA walk config, the walk's configs with a 128-byte v row once
-    more with q, k, v by TMA, each row-looped config and each register-prefetching one; every time is a positive device time, and the caller's pool
+    more with q, k, v by TMA, each row-looped config and each register-prefetching one; every time is a positive
+    device time (at 32 sequences a step takes ~20 us, well above the charged timing's noise), and the caller's pool
     is not touched (the tuning runs on a scratch pool)."""
     q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(32, 32, torch.bfloat16, 100, 10)
     before = pool.clone()

@@ -188,6 +188,12 @@ def _prefill_rows(shapes, loaded: tuple[baselines.Loaded | None, ...], iters: in
     return rows, where
 
 
+def _pct_of_copy(nbytes: int, ms: float, copy_gbps: float) -> float | None:
+    """% of copy bandwidth of ``nbytes`` moved in ``ms``; None where ``ms`` is no time (a charged time is a difference
+    of two medians: on a step shorter than that difference's noise it can come out at or below zero)."""
+    return 100 * nbytes / ms / 1e6 / copy_gbps if ms > 0 else None
+
+
 def _decode_rows(fla, iters: int, copy_gbps: float, fi=None) -> list[Row]:
     """Each decode shape: hybridkv's step, FLA's fused recurrent step (fla: the pair of `_load_fla`) and FlashInfer's
     pool decode (fi: `baselines.load_flashinfer_decode()`'s callable), timed on the same slot pool. hybridkv's and
@@ -269,9 +275,9 @@ def _decode_rows(fla, iters: int, copy_gbps: float, fi=None) -> list[Row]:
                             fi_ms=fi_ms, fi_gbps=fi_gbps,
                             fi_copy_pct=None if fi_gbps is None else 100 * fi_gbps / copy_gbps,
                             copy_same_pct=100 * gbps / same_gbps,
-                            charged_pct=100 * state_bytes / charged / 1e6 / copy_gbps,
-                            fi_charged_pct=(None if fi_charged is None
-                                            else 100 * state_bytes / fi_charged / 1e6 / copy_gbps),
+                            charged_pct=_pct_of_copy(state_bytes, charged, copy_gbps),
+                            fi_charged_pct=None if fi_charged is None else _pct_of_copy(state_bytes, fi_charged,
+                                                                                        copy_gbps),
                             fi_copy_same_pct=None if fi_gbps is None else 100 * fi_gbps / same_gbps,
                             err=err, state_err=state_err, fi_err=fi_err, fi_state_err=fi_state_err, notes=notes,
                             first_call_s=first_s))

@@ -286,10 +286,10 @@ def _tune_decode(args, rows: int, tma: bool, by_rows: bool) -> DecodeChoice:
 
 def _tuning_ms(args, rows: int, tma: bool, by_rows: bool) -> dict[DecodeChoice, float]:
     """Time each candidate on a scratch pool of `rows` slots (the caller's pool is never touched): ms of one launch
-    that finds L2 clean, charged with writing back what it leaves dirty (`_charged_ms`), median of five rounds.
-    ``tma``: the caller's pool can take the TMA walk
-    (`triton_decode_tma.eligible`), so its configs are candidates too; ``by_rows``: so can the row-looped kernel
-    (`triton_decode_rows.eligible`)."""
+    that finds L2 clean, charged with writing back what it leaves dirty (`_charged_ms`), median of five rounds
+    (fifteen on a scratch pool under half of L2). ``tma``: the caller's pool can take the TMA walk
+    (`triton_decode_tma.eligible`), so its configs are candidates too; ``by_rows``: so can the row-looped kernel and
+    its register-prefetching form (`triton_decode_rows.eligible`)."""
     q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, v_first, *rest = args
     scratch = torch.zeros((rows, *ssm_state.shape[1:]), dtype=ssm_state.dtype, device=ssm_state.device)
     idx = torch.arange(rows, device=q.device, dtype=state_indices.dtype)
@@ -340,11 +340,15 @@ def _tuning_ms(args, rows: int, tma: bool, by_rows: bool) -> dict[DecodeChoice, 
     # 1) came within 2% of each other, either one kept from run to run, while back to back, as `bench gdn` and a
     # decode loop run them, the prefetching loop is 5% faster (results/tuner_probe_prefetch_h200.txt). The read after
     # the launch writes its dirty lines back; its own time, the same read after a clean L2, is subtracted. Median of
-    # five rounds over all candidates. The flush buffer (twice L2, ~100 MB on an H200) and the scratch pool go back to
-    # torch's caching allocator after the tuning, which an engine's first eager calls (its memory profiling) include.
+    # five rounds over all candidates (fifteen for pools under half of L2). The flush buffer (twice L2, ~100 MB on an
+    # H200) and the scratch pool go back to torch's caching allocator after the tuning, which an engine's first eager
+    # calls (its memory profiling) include.
+    # Each sample carries the read of 2x L2 (~25 us on an H200), whose jitter is comparable to the gap between
+    # candidates when a step takes a few us: small pools get more rounds (a review's concern, not measured).
+    rounds = 5 if scratch.numel() * scratch.element_size() >= _l2_bytes(q.device) // 2 else 15
     nothing = [_charged_ms(lambda: None, spin, flush) for _ in range(5)]
     times: dict[DecodeChoice, list[float]] = {c: [] for c in cands}
-    for _ in range(5):
+    for _ in range(rounds):
         for choice in cands:
             times[choice].append(_charged_ms(lambda c=choice: _launch_choice(c, *sub), spin, flush))
         nothing.append(_charged_ms(lambda: None, spin, flush))
