@@ -34,6 +34,8 @@ import triton.language as tl
 from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_decode, triton_decode_rows
 from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _l2norm, _softplus
 
+from benchmarks.gdn.schedules import decode_inputs
+
 D = 128
 
 
@@ -221,13 +223,8 @@ def run(iters: int, batches: list[int]) -> list[dict]:
     for model, H, HV in bench_cases.DECODE_SHAPES:
         for N in batches:
             for dtype in (torch.bfloat16, torch.float32):
-                q = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
-                k = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
-                v = torch.randn(N, HV, D, device="cuda", dtype=torch.bfloat16)
-                a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
-                A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
-                pool = (torch.randn(2 * N, HV, D, D, device="cuda") * 0.1).to(dtype)
-                idx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
+                q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(N, H, HV, dtype)
+                idx = idx.to(torch.int32)
                 idx[5] = -1  # a pad, as vLLM's CUDA-graph batches have
                 args = (q, k, v, a, b, A_log, dt_bias)
                 o_want = torch.empty_like(v)
@@ -325,13 +322,8 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
     out = []
     for model, H, HV in bench_cases.DECODE_SHAPES:
         for N, dtype in ((n, getattr(torch, dt)) for n in batches for dt in dtypes):
-            q = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn(N, HV, D, device="cuda", dtype=torch.bfloat16)
-            a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
-            A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
-            pool = (torch.randn(2 * N, HV, D, D, device="cuda") * 0.1).to(dtype)
-            idx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
+            q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(N, H, HV, dtype)
+            idx = idx.to(torch.int32)
             args = (q, k, v, a, b, A_log, dt_bias)
             o = torch.empty_like(v)
             gated_delta_rule_decode(*args, pool, idx)  # tunes

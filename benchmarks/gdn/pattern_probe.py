@@ -32,6 +32,8 @@ import triton.language as tl
 
 from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_decode
 
+from benchmarks.gdn.schedules import decode_inputs
+
 D = 128
 TOUCH = (16, 128, 4, 3)  # (BV, ROWS, num_warps, stages): the row-looped kernel's bf16 probe config
 
@@ -74,13 +76,8 @@ def run(iters: int, batches: list[int]) -> list[dict]:
     for model, H, HV in bench_cases.DECODE_SHAPES:
         for N in batches:
             for dtype in (torch.bfloat16, torch.float32):
-                q = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
-                k = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
-                v = torch.randn(N, HV, D, device="cuda", dtype=torch.bfloat16)
-                a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
-                A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
-                pool = (torch.randn(2 * N, HV, D, D, device="cuda") * 0.1).to(dtype)
-                idx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
+                q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(N, H, HV, dtype)
+                idx = idx.to(torch.int32)
                 contig = torch.arange(N, device="cuda", dtype=torch.int32)
                 dst = torch.empty(N, HV, D, D, device="cuda", dtype=dtype)
                 same_src = pool[:N]
@@ -125,13 +122,8 @@ def sweep(iters: int, batches: list[int]) -> list[dict]:
     model, H, HV = bench_cases.DECODE_SHAPES[0]
     rows = []
     for N in batches:
-        q = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(N, HV, D, device="cuda", dtype=torch.bfloat16)
-        a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
-        A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
-        pool = (torch.randn(2 * N, HV, D, D, device="cuda") * 0.1).bfloat16()
-        idx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
+        q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(N, H, HV, torch.bfloat16)
+        idx = idx.to(torch.int32)
         o = torch.empty_like(v)
         gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)
         picks = {key[-3:]: c for key, c in triton_recurrent._decode_choice.items()
