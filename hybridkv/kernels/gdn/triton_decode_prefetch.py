@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _l2norm, _softplus
+from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _head_inputs
 
 # (BV rows a block, ROWS a program, num_warps): the probe's best for 35B bf16 at 64 sequences, for bf16 at 256
 # sequences, and for 397B bf16 at 64 sequences.
@@ -70,14 +70,8 @@ def _decode_prefetch_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indic
     # The first two blocks are requested before anything is waited for.
     s0, v0 = _block(base, v, i_nh, 0, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
     s1, v1 = _block(base, v, i_nh, 1, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
-    f_q = tl.load(q + (i_n * H + i_h) * K + o_k).to(tl.float32)
-    f_k = tl.load(k + (i_n * H + i_h) * K + o_k).to(tl.float32)
-    if L2NORM:
-        f_q = _l2norm(f_q)
-        f_k = _l2norm(f_k)
-    x = tl.load(a + i_nh).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
-    decay = tl.exp(-tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(x, softplus_beta, softplus_threshold))
-    beta = tl.sigmoid(tl.load(b + i_nh).to(tl.float32))
+    f_q, f_k, decay, beta = _head_inputs(q, k, a, b, A_log, dt_bias, i_n, i_h, i_hv, i_nh, o_k, softplus_beta,
+                                         softplus_threshold, H, K, L2NORM)
     # Unrolled by two so that ptxas renames the rotated registers instead of moving them (offline sm_90: 99 SASS
     # instructions a block at BV 8 against 129).
     for j in tl.range(0, NB, loop_unroll_factor=2):

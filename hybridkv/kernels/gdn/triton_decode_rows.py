@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _l2norm, _softplus
+from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _head_inputs
 
 # (BV rows a step, ROWS a program, num_warps, stages): the probe's best for fp32 (8, 64) and (4, 32) and for bf16
 # (8, 128), (16, 64) and (16, 128 at two stages).
@@ -44,14 +44,8 @@ def _decode_rows_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
     o_k = tl.arange(0, K)
     slot = tl.load(state_indices + i_n).to(tl.int64)
     live = slot >= 0
-    f_q = tl.load(q + (i_n * H + i_h) * K + o_k).to(tl.float32)
-    f_k = tl.load(k + (i_n * H + i_h) * K + o_k).to(tl.float32)
-    if L2NORM:
-        f_q = _l2norm(f_q)
-        f_k = _l2norm(f_k)
-    x = tl.load(a + i_nh).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
-    decay = tl.exp(-tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(x, softplus_beta, softplus_threshold))
-    beta = tl.sigmoid(tl.load(b + i_nh).to(tl.float32))
+    f_q, f_k, decay, beta = _head_inputs(q, k, a, b, A_log, dt_bias, i_n, i_h, i_hv, i_nh, o_k, softplus_beta,
+                                         softplus_threshold, H, K, L2NORM)
     base = state + tl.maximum(slot, 0) * stride_slot + i_hv * stride_head
     for j in tl.range(0, ROWS // BV, num_stages=STAGES):
         rows = i_r * ROWS + j * BV + tl.arange(0, BV)

@@ -46,6 +46,23 @@ def _delta_rule_step(b_s, b_q, b_k, b_v, b_beta, scale):
 
 
 @triton.jit
+def _head_inputs(q, k, a, b, A_log, dt_bias, i_n, i_h, i_hv, i_nh, o_k, softplus_beta, softplus_threshold,
+                 H: tl.constexpr, K: tl.constexpr, L2NORM: tl.constexpr):
+    """What one (sequence i_n, value head i_hv) step needs besides its state and v rows, as fp32: q and k of its key
+    head i_h (l2-normed with L2NORM), the decay e^g with g = -exp(A_log) softplus(a + dt_bias), and beta = sigmoid(b).
+    Shared by the row-looped kernels (`triton_decode_rows`, `triton_decode_prefetch`), so they agree bit for bit."""
+    f_q = tl.load(q + (i_n * H + i_h) * K + o_k).to(tl.float32)
+    f_k = tl.load(k + (i_n * H + i_h) * K + o_k).to(tl.float32)
+    if L2NORM:
+        f_q = _l2norm(f_q)
+        f_k = _l2norm(f_k)
+    x = tl.load(a + i_nh).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+    decay = tl.exp(-tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(x, softplus_beta, softplus_threshold))
+    beta = tl.sigmoid(tl.load(b + i_nh).to(tl.float32))
+    return f_q, f_k, decay, beta
+
+
+@triton.jit
 def _recurrent_kernel(q, k, v, g, beta, a, b, A_log, dt_bias, o, state, state_out, state_indices, cu_seqlens,
                       scale, T, stride_slot, stride_head, softplus_beta, softplus_threshold, H, HV,
                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
