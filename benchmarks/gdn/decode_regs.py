@@ -282,27 +282,15 @@ STEADY_REGS3 = ()
 def _dirty_ms(launch, spin: int, flush: torch.Tensor) -> float:
     """ms of one ``launch`` after ``flush`` (2x L2) was written: L2 holds ~its size of another's dirty lines, which the
     launch writes back (how the decode tuner flushed until the thirteenth session)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     flush.zero_()
-    torch.cuda._sleep(spin)
-    start.record()
-    launch()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return bench_timing._event_ms(launch, spin)
 
 
 def _clean_ms(launch, spin: int, flush: torch.Tensor) -> float:
     """ms of one ``launch`` that finds L2 holding clean lines only: ``flush`` (2x L2) is read, not written, first, so
     the launch pays no write-back of anyone else's dirty lines (`_dirty_ms` leaves ~L2's size of them)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     flush.sum()
-    torch.cuda._sleep(spin)
-    start.record()
-    launch()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return bench_timing._event_ms(launch, spin)
 
 
 def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", "float32")) -> list[dict]:

@@ -34,14 +34,8 @@ from benchmarks.gdn.schedules import decode_inputs
 def _cold_ms(launch, spin: int, flush: torch.Tensor) -> float:
     """ms of one ``launch`` that finds L2 holding only clean lines of ``flush`` (read, not written), queued behind a GPU
     spin of ``spin`` cycles that outlasts its host time."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     flush.max()
-    torch.cuda._sleep(spin)
-    start.record()
-    launch()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return bench_timing._event_ms(launch, spin)
 
 
 def _b2b5(choice: DecodeChoice, args, spin: int) -> float:

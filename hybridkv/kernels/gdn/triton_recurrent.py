@@ -284,15 +284,10 @@ def _charged_ms(launch, spin: int, flush: torch.Tensor) -> float:
     """ms of one ``launch`` that finds L2 holding clean lines only, plus the read of ``flush`` (2x L2) after it, which
     writes back whatever the launch left dirty; `_tuning_ms` subtracts that read's own time (`_charged_ms` of a no-op).
     Queued behind a GPU spin of ``spin`` cycles that outlasts the host time."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    from hybridkv.kernels.gdn.bench_timing import _event_ms
+
     flush.max()
-    torch.cuda._sleep(spin)
-    start.record()
-    launch()
-    flush.max()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return _event_ms(lambda: (launch(), flush.max()), spin)
 
 
 def _tune_decode(args, rows: int, tma: bool, by_rows: bool) -> DecodeChoice:
