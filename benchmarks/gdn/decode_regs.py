@@ -32,23 +32,13 @@ import triton
 import triton.language as tl
 
 from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_decode, triton_decode_rows
-from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _l2norm, _softplus
+# The shipped loop's block loads; STREAM=True everywhere here (evict-first at fp32 too, as this probe measured).
+from hybridkv.kernels.gdn.triton_decode_prefetch import _block
+from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _head_inputs, _softplus
 
 from benchmarks.gdn.schedules import decode_inputs
 
 D = 128
-
-
-@triton.jit
-def _block(base, v, i_nh, j, row0, o_r, o_k, live, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-           NB: tl.constexpr):
-    """Block j's state [BV, K] (raw dtype) and v rows [BV]; nothing read past the program's last block or for a pad."""
-    rows = row0 + j * BV + o_r
-    inside = j < NB
-    raw = tl.load(base + rows[:, None] * K + o_k[None, :], mask=live & inside, other=0.0,
-                  eviction_policy="evict_first")
-    b_v = tl.load(v + i_nh.to(tl.int64) * V + rows, mask=(rows < V) & inside, other=0.0)
-    return raw, b_v
 
 
 @triton.jit
@@ -72,37 +62,31 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
     live = slot >= 0
     base = state + tl.maximum(slot, 0) * stride_slot + i_hv * stride_head
     # The first DEPTH blocks go out before anything else is waited for.
-    s0, v0 = _block(base, v, i_nh, 0, row0, o_r, o_k, live, K, V, BV, NB)
+    s0, v0 = _block(base, v, i_nh, 0, row0, o_r, o_k, live, K, V, BV, NB, True)
     if DEPTH >= 2:
-        s1, v1 = _block(base, v, i_nh, 1, row0, o_r, o_k, live, K, V, BV, NB)
+        s1, v1 = _block(base, v, i_nh, 1, row0, o_r, o_k, live, K, V, BV, NB, True)
     if DEPTH >= 3:
-        s2, v2 = _block(base, v, i_nh, 2, row0, o_r, o_k, live, K, V, BV, NB)
+        s2, v2 = _block(base, v, i_nh, 2, row0, o_r, o_k, live, K, V, BV, NB, True)
     if CONST_QK:
         f_q = tl.full([K], 0.088388, tl.float32)
         f_k = tl.full([K], 0.088388, tl.float32)
         decay = 0.9
         beta = 0.5
     else:
-        f_q = tl.load(q + (i_n * H + i_h) * K + o_k).to(tl.float32)
-        f_k = tl.load(k + (i_n * H + i_h) * K + o_k).to(tl.float32)
-        if L2NORM:
-            f_q = _l2norm(f_q)
-            f_k = _l2norm(f_k)
-        x = tl.load(a + i_nh).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
-        decay = tl.exp(-tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(x, softplus_beta, softplus_threshold))
-        beta = tl.sigmoid(tl.load(b + i_nh).to(tl.float32))
+        f_q, f_k, decay, beta = _head_inputs(q, k, a, b, A_log, dt_bias, i_n, i_h, i_hv, i_nh, o_k, softplus_beta,
+                                             softplus_threshold, H, K, L2NORM)
     # UNROLL = DEPTH lets ptxas rename the rotated registers instead of moving them.
     for j in tl.range(0, NB, loop_unroll_factor=UNROLL):
         raw, b_v = s0, v0
         if DEPTH == 1:
-            s0, v0 = _block(base, v, i_nh, j + 1, row0, o_r, o_k, live, K, V, BV, NB)
+            s0, v0 = _block(base, v, i_nh, j + 1, row0, o_r, o_k, live, K, V, BV, NB, True)
         elif DEPTH == 2:
             s0, v0 = s1, v1
-            s1, v1 = _block(base, v, i_nh, j + 2, row0, o_r, o_k, live, K, V, BV, NB)
+            s1, v1 = _block(base, v, i_nh, j + 2, row0, o_r, o_k, live, K, V, BV, NB, True)
         else:
             s0, v0 = s1, v1
             s1, v1 = s2, v2
-            s2, v2 = _block(base, v, i_nh, j + 3, row0, o_r, o_k, live, K, V, BV, NB)
+            s2, v2 = _block(base, v, i_nh, j + 3, row0, o_r, o_k, live, K, V, BV, NB, True)
         rows = row0 + j * BV + o_r
         p = base + rows[:, None] * K + o_k[None, :]
         if TOUCH:
