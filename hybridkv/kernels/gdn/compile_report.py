@@ -124,6 +124,14 @@ def _specs() -> list[KernelSpec]:
         "T": "i32", "stride_slot": "i32", "stride_head": "i32", "softplus_beta": "fp32",
         "softplus_threshold": "fp32", "H": "i32", "HV": "i32",
     }
+    # The row-looped decode kernels' common arguments (`triton_decode_rows`, `triton_decode_prefetch`).
+    row_loop = dict(
+        signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "a": "*fp32", "b": "*fp32", "A_log": "*fp32",
+                   "dt_bias": "*fp32", "o": "*bf16", "state_indices": "*i32", "scale": "fp32", "stride_slot": "i32",
+                   "stride_head": "i32", "softplus_beta": "fp32", "softplus_threshold": "fp32"},
+        constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True},
+        aligned=("stride_slot", "stride_head"),
+    )
     specs = [
         KernelSpec(
             name="chunk_inverse", module=inverse, attr="_chunk_inverse_kernel",
@@ -271,12 +279,7 @@ def _specs() -> list[KernelSpec]:
         ),
         KernelSpec(
             name="decode_rows", module="hybridkv.kernels.gdn.triton_decode_rows", attr="_decode_rows_kernel",
-            signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "a": "*fp32", "b": "*fp32", "A_log": "*fp32",
-                       "dt_bias": "*fp32", "o": "*bf16", "state_indices": "*i32", "scale": "fp32",
-                       "stride_slot": "i32", "stride_head": "i32", "softplus_beta": "fp32",
-                       "softplus_threshold": "fp32"},
-            constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True},
-            aligned=("stride_slot", "stride_head"),
+            **row_loop,
             launches=tuple(
                 Launch(label=f"{dt} state BV={bv} ROWS={rows}", num_warps=w, num_stages=st,
                        constants={"BV": bv, "ROWS": rows, "STAGES": st, "STREAM": dt == "bf16", "state": dt})
@@ -285,12 +288,7 @@ def _specs() -> list[KernelSpec]:
         KernelSpec(
             name="decode_prefetch", module="hybridkv.kernels.gdn.triton_decode_prefetch",
             attr="_decode_prefetch_kernel",
-            signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "a": "*fp32", "b": "*fp32", "A_log": "*fp32",
-                       "dt_bias": "*fp32", "o": "*bf16", "state_indices": "*i32", "scale": "fp32",
-                       "stride_slot": "i32", "stride_head": "i32", "softplus_beta": "fp32",
-                       "softplus_threshold": "fp32"},
-            constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True},
-            aligned=("stride_slot", "stride_head"),
+            **row_loop,
             launches=tuple(
                 Launch(label=f"{dt} state BV={bv} ROWS={rows}", num_warps=w, num_stages=1,
                        constants={"BV": bv, "ROWS": rows, "STREAM": dt == "bf16", "state": dt})
