@@ -261,7 +261,7 @@ def _specs() -> list[KernelSpec]:
                        constants={"BV": bv, "ROWS": rows, "STREAM": dt == "bf16", "state": dt})
                 for dt in ("fp32", "bf16") for bv, rows, w in triton_decode_prefetch.PREFETCH_CONFIGS) + tuple(
                 # Heads of 16 value rows (one block a program: the unrolled loop runs once or not at all) and of K 32.
-                Launch(label=f"bf16 state K={k} V=16 BV={bv} ROWS={rows}", num_warps=w, num_stages=1,
+                Launch(label=f"bf16 state K={k} V=16 BV={min(bv, 16)} ROWS={min(rows, 16)}", num_warps=w, num_stages=1,
                        constants={"BV": min(bv, 16), "ROWS": min(rows, 16), "K": k, "V": 16, "STREAM": True,
                                   "state": "bf16"})
                 for k in (32, 128) for bv, rows, w in triton_decode_prefetch.PREFETCH_CONFIGS),
