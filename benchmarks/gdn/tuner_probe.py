@@ -5,6 +5,8 @@ Twelfth session, H200: at 32 sequences of 35B bf16 the tuner kept the tile kerne
 - "in tuning": what `_tuning_ms` measured (per launch; since the thirteenth session each launch from a clean L2 and
   charged with writing back what it leaves dirty, `triton_recurrent._charged_ms`), which the tuner's pick is the
   fastest of;
+- "tie": since the fourteenth session, the near-ties of "in tuning" (`triton_recurrent.DECODE_TIE`) timed once more,
+  each launch after one of its own (`DecodeTimings.steady`); the tuner keeps the fastest of these;
 - "b2b": the tuner's former measurement, five launches back to back behind a spin on its dense scratch pool (slots
   0..N-1), best of three rounds: the pool stays in L2 when it is smaller (32 MB here against the H200's 50 MB);
 - "cold": one launch on the bench's pool (random slots among 2N) with L2 flushed first by a read (`_cold_ms`; by a
@@ -79,8 +81,8 @@ def run(batches: list[int], iters: int, models=None, dtypes=("bfloat16", "float3
                     _launch_choice(c, *tuner_args)
                 torch.cuda.synchronize()
                 spin = 4_000_000
-                tuned = triton_recurrent._tuning_ms(tuner_args, N, True, True)
-                picked = min(tuned, key=tuned.__getitem__)
+                timings = triton_recurrent._tuning_ms(tuner_args, N, True, True)
+                tuned, picked = timings.charged, timings.pick()
                 flush = torch.empty(2 * triton_recurrent._l2_bytes(q.device), dtype=torch.int8, device="cuda")
                 rows = []
                 for c in cands:
@@ -95,13 +97,16 @@ def run(batches: list[int], iters: int, models=None, dtypes=("bfloat16", "float3
                     cold = sorted(_cold_ms(lambda c=c: _launch_choice(c, *bench_args), spin, flush)
                                   for _ in range(iters))[iters // 2]
                     warm = bench_timing._median_ms(lambda c=c: _launch_choice(c, *bench_args), iters)
-                    rows.append((str(c), tuned[c] * 1e3, b2b * 1e3, cold * 1e3, warm * 1e3, sorted(host)[2]))
+                    steady = timings.steady.get(c)
+                    rows.append((str(c), tuned[c] * 1e3, None if steady is None else steady * 1e3, b2b * 1e3,
+                                 cold * 1e3, warm * 1e3, sorted(host)[2]))
                 del flush
                 print(f"# {model} HV={HV} {str(dtype).removeprefix('torch.')} N={N}: the tuner picks {picked}",
                       flush=True)
-                for name, tt, bb, cold, warm, h in sorted(rows, key=lambda r: r[3]):
-                    print(f"  {name:28} in tuning {tt:7.2f} us  b2b {bb:7.2f}  cold {cold:7.2f}  warm {warm:7.2f}"
-                          f"  host {h:6.1f}", flush=True)
+                for name, tt, st, bb, cold, warm, h in sorted(rows, key=lambda r: r[1]):
+                    tie = "      -" if st is None else f"{st:7.2f}"
+                    print(f"  {name:28} in tuning {tt:7.2f} us  tie {tie}  b2b {bb:7.2f}  cold {cold:7.2f}"
+                          f"  warm {warm:7.2f}  host {h:6.1f}", flush=True)
 
 
 def main() -> None:

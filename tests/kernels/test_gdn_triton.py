@@ -883,7 +883,8 @@ def test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone():
     q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(32, 32, torch.bfloat16, 100, 10)
     before = pool.clone()
     args = (q, k, v, a, b, A_log, dt_bias, torch.empty_like(v), pool[:, 1], idx, 128**-0.5, True, True, 1.0, 20.0)
-    times = triton_recurrent._tuning_ms(args, 32, True, True)
+    timings = triton_recurrent._tuning_ms(args, 32, True, True)
+    times = timings.charged
     tma = triton_recurrent.DecodeKernel.TMA
     want = {(triton_recurrent.DecodeKernel.TILE, c, False) for c in triton_recurrent.DECODE_CONFIGS}
     want |= {(tma, c, False) for c in triton_decode_tma.TMA_CONFIGS}
@@ -892,6 +893,11 @@ def test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone():
     want |= {(triton_recurrent.DecodeKernel.PREFETCH, c, False) for c in triton_decode_prefetch.PREFETCH_CONFIGS}
     assert {(c.kernel, c.cfg, c.qkv_tma) for c in times} == want
     assert all(0 < ms < 10 for ms in times.values()), times
+    # The near-ties of the charged times, and only they, are timed once more; the pick is one of them.
+    near = triton_recurrent.near_ties(times)
+    assert set(timings.steady) == (set(near) if len(near) > 1 else set())
+    assert all(0 < ms < 10 for ms in timings.steady.values()), timings.steady
+    assert timings.pick() in near
     assert torch.equal(pool, before)
 
 

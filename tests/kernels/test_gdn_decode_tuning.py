@@ -1,0 +1,56 @@
+"""CPU: how the decode tuner chooses among its timings (`triton_recurrent.DecodeTimings`): the fastest charged time,
+unless others lie within `DECODE_TIE` of it, in which case the fastest of those in the steady timing. The timings
+themselves are a GPU test's (test_gdn_triton.py::test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("torch")
+
+from hybridkv.kernels.gdn import triton_recurrent as tr  # noqa: E402
+from hybridkv.kernels.gdn.triton_recurrent import DecodeChoice, DecodeKernel, DecodeTimings  # noqa: E402
+
+WALK = DecodeChoice(kernel=DecodeKernel.TMA, cfg=(64, 4, 4, 3), qkv_tma=True)
+PREFETCH = DecodeChoice(kernel=DecodeKernel.PREFETCH, cfg=(4, 128, 1))
+TILE = DecodeChoice(kernel=DecodeKernel.TILE, cfg=(32, 4))
+
+
+def test_a_clear_winner_of_the_charged_timing_is_kept_without_a_steady_timing():
+    charged = {WALK: 0.0400, PREFETCH: 0.0450, TILE: 0.0500}
+    assert tr.near_ties(charged) == [WALK]
+    assert DecodeTimings(charged=charged, steady={}).pick() is WALK
+
+
+def test_near_ties_are_decided_by_the_steady_timing():
+    # The H200's figures at 35B bf16 with 64 sequences (results/tuner_probe_charged_h200.txt), in ms.
+    charged = {WALK: 0.04019, PREFETCH: 0.04013, TILE: 0.0450}
+    steady = {WALK: 0.04278, PREFETCH: 0.03965}
+    assert tr.near_ties(charged) == [PREFETCH, WALK]
+    assert DecodeTimings(charged=charged, steady=steady).pick() == PREFETCH
+    # The steady timing decides even against the charged order.
+    charged = {WALK: 0.0400, PREFETCH: 0.0405}
+    assert DecodeTimings(charged=charged, steady={WALK: 0.041, PREFETCH: 0.039}).pick() == PREFETCH
+
+
+def test_the_tie_band_is_relative_to_the_best_time():
+    edge = 0.1 * (1 + tr.DECODE_TIE)
+    assert tr.near_ties({WALK: 0.1, PREFETCH: edge * 0.999, TILE: edge * 1.001}) == [WALK, PREFETCH]
+
+
+def test_a_charged_time_at_or_below_zero_keeps_a_band_no_wider_than_its_magnitude():
+    # A charged time is a difference of medians; on a step shorter than its noise it can be negative.
+    assert tr.near_ties({WALK: -0.001, PREFETCH: -0.001 + 0.001 * tr.DECODE_TIE / 2, TILE: 0.0}) == [WALK, PREFETCH]
+    assert tr.near_ties({WALK: 0.0, TILE: 1e-9}) == [WALK]
+
+
+def test_a_near_tie_without_a_steady_time_is_refused_with_its_name():
+    timings = DecodeTimings(charged={WALK: 0.040, PREFETCH: 0.040}, steady={WALK: 0.041})
+    with pytest.raises(ValueError, match=r"prefetch \(4, 128, 1\)"):
+        timings.pick()
+
+
+def test_no_candidates_is_refused():
+    with pytest.raises(ValueError, match="no decode candidates"):
+        tr.near_ties({})
