@@ -6,6 +6,7 @@
 #   ONLY=prefill ITERS=10 bash benchmarks/device/gdn.sh
 #   TESTS=0 bash benchmarks/device/gdn.sh         # benchmark only
 #   TEST_SHARD=1/2 TEST_S=480 BENCH=0 bash ...    # half of the GPU tests (then 2/2): the suite outgrew one call
+#   TEST_N=8 TEST_S=560 BENCH=0 bash ...          # the whole suite in eight processes (pytest-xdist from .whl)
 #   BREAKDOWN=1 bash benchmarks/device/gdn.sh     # first: per-kernel device time vs call time, hybridkv and FLA
 #   HOSTPROF=1 bash benchmarks/device/gdn.sh      # first: where each call's host time goes (cProfile), hybridkv and FLA
 #                                               # (NO_FLA=1: hybridkv only, without FLA's minutes of autotuning)
@@ -102,6 +103,9 @@ print("fla-core", fla.__version__, "flashinfer", flashinfer.__version__, "nvidia
 else
     "$PY" -m pip install -q --no-deps --no-index .whl/fla_core-0.6.0-py3-none-any.whl 2>&1 | tail -n 1
 fi
+if [ "${TEST_N:-0}" != 0 ]; then  # pytest-xdist from .whl (benchmarks/device/wheels.sh): tests in TEST_N processes
+    "$PY" -m pip install -q --no-deps --no-index .whl/execnet-*.whl .whl/pytest_xdist-*.whl 2>&1 | tail -n 1
+fi
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 split_probe() {  # the split form and the pipeline stages vs the fused form, with FLA (benchmarks/gdn/split_probe.py)
     PYTHONUNBUFFERED=1 timeout "${PROBE_S:-300}" "$PY" -m benchmarks.gdn.split_probe --iters "${ITERS:-10}" \
@@ -142,8 +146,25 @@ ids = [l.strip() for l in sys.stdin if "::" in l]
 print("\n".join(ids[i - 1::n]))' "$TEST_SHARD")
         echo "shard $TEST_SHARD: ${#tests[@]} tests"
     fi
+    # TEST_N=8: eight pytest processes share the GPU and the Triton compiles (pytest-xdist); --durations: where the
+    # time went.
     PYTHONUNBUFFERED=1 timeout "${TEST_S:-200}" "$PY" -m pytest -q -m gpu -p no:cacheprovider "${tests[@]}" \
-        ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/pytest.log" | tail -n 4
+        ${TEST_K:+-k "$TEST_K"} $([ "${TEST_N:-0}" != 0 ] && echo "-n $TEST_N") --durations=15 2>&1 \
+        | tee "$OUT/pytest.log" | tail -n 24
+    if [ "${TEST_N:-0}" != 0 ]; then
+        # Eight processes' caching allocators can take the GPU's memory between them (the fourteenth session: six
+        # tests out of memory, all passing alone): every failure is run once more, alone, and both runs are logged.
+        # "FAILED <node id> - <message>": an id can hold spaces (decode choices' ids), not " - ".
+        mapfile -t failed < <("$PY" -c 'import sys
+for line in open(sys.argv[1]):
+    if line.startswith("FAILED tests/"):
+        print(line[7:].rstrip("\n").split(" - ")[0])' "$OUT/pytest.log")
+        if [ "${#failed[@]}" != 0 ]; then
+            echo "again, one process: ${#failed[@]} failed"
+            PYTHONUNBUFFERED=1 timeout "${RERUN_S:-240}" "$PY" -m pytest -q -m gpu -p no:cacheprovider "${failed[@]}" \
+                2>&1 | tee "$OUT/pytest_rerun.log" | tail -n 6
+        fi
+    fi
 fi
 if [ "${PROBE:-0}" != 0 ]; then
     # Every chunk schedule / state config and the decode cache hints, with FLA (benchmarks/gdn/schedules.py).

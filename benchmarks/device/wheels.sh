@@ -14,6 +14,9 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     rapids-logger==0.3.0
 mkdir -p "$ROOT/.whl"
 python3 "$ROOT/benchmarks/device/trim_wheels.py" "$RAW" "$ROOT/.whl"
-python3 -m pip download -q --no-deps --only-binary=:all: -d "$ROOT/.whl" fla-core==0.6.0
+# pytest-xdist (and execnet) for gdn.sh's TEST_N: the GPU tests compile hundreds of Triton kernels, a CPU's work that
+# the device's 16 cores share out, so the whole suite fits in one call.
+python3 -m pip download -q --no-deps --only-binary=:all: -d "$ROOT/.whl" fla-core==0.6.0 pytest-xdist==3.8.0 \
+    execnet==2.1.2
 rm -rf "$RAW"
 du -sh "$ROOT/.whl"
