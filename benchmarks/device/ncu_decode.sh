@@ -12,6 +12,9 @@
 #   NCU_RING=1 bash benchmarks/device/ncu_decode.sh   # instead: the shipped walk and the Gluon ring walk, 64 and 256
 #                                                    # sequences; the stall table is in $OUT/ncu_decode_stalls.txt
 #                                                    # (NCU_CLOCK=none: unlocked clocks)
+#   NCU_PREFETCH=1 bash benchmarks/device/ncu_decode.sh  # instead: the shipped prefetching row loop at 35B bf16, 64
+#                                                        # sequences, and decode_regs.py's constant-q/k and store-back
+#                                                        # ablations of it (unlocked clocks unless NCU_CLOCK=base)
 set -u
 OUT=${OUT:-/tmp/hybridkv_ncu_out}
 mkdir -p "$OUT"
@@ -21,7 +24,27 @@ echo "ncu: ${ncu:-not found} $("${ncu:-true}" --version 2>/dev/null | tail -n 1)
 sections=$("$ncu" --list-sections 2>/dev/null | awk '{print $1}')
 extra=""
 grep -qx PmSampling <<<"$sections" && extra="--section PmSampling"
-if [ "${NCU_RING:-0}" != 0 ]; then
+if [ "${NCU_PREFETCH:-0}" != 0 ]; then
+    # Issue #23's one missed decode goal as it ships since the fourteenth session: the register-prefetching row loop
+    # (4, 128, 1 warp) at 35B bf16, 64 sequences, beside the same loop with q, k and the gates as constants (no loads,
+    # no norms) and with each block stored back unchanged (the memory pattern alone), benchmarks/gdn/decode_regs.py's
+    # ablations. At the bench's clocks (NCU_CLOCK=base: ncu's default lock).
+    timeout "${NCU_S:-200}" "$ncu" -k "regex:_decode_prefetch_kernel|_decode_regs_kernel" -c 3 --set full $extra \
+        --import-source yes --clock-control "${NCU_CLOCK:-none}" -o "$OUT/ncu_decode" -f "${PYTHON:-python3}" -c "
+import torch
+from benchmarks.gdn.schedules import decode_inputs
+from benchmarks.gdn import decode_regs
+from hybridkv.kernels.gdn import triton_decode_prefetch as p
+q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(64, 16, 32, torch.bfloat16)
+o = torch.empty_like(v)
+print('profiled launches: prefetch (4, 128, 1); the same with constant q, k, gates; the same storing blocks unchanged',
+      flush=True)
+p.launch((4, 128, 1), q, k, v, a, b, A_log, dt_bias, o, pool, idx, 128**-0.5, True, 1.0, 20.0)
+decode_regs.launch((4, 128, 1, 2, 2), q, k, v, a, b, A_log, dt_bias, o, pool, idx, 128**-0.5, const_qk=True)
+decode_regs.launch((4, 128, 1, 2, 2), q, k, v, a, b, A_log, dt_bias, o, pool, idx, 128**-0.5, touch=True)
+torch.cuda.synchronize()
+" >"$OUT/ncu_run.txt" 2>&1
+elif [ "${NCU_RING:-0}" != 0 ]; then
     # The shipped walk (64, 4, 4, 3) beside the Gluon ring walk (benchmarks/gdn/gluon_decode_ring.py, (64, 4, 3, 3), q/k/v
     # by TMA and by loads), at 64 and 256 sequences: where the ring's time goes (its fixed part is half the shipped
     # walk's, its us/MB 8-10% more). NCU_CLOCK=none profiles at the clocks the bench runs at (ncu locks the SM clock
@@ -75,7 +98,7 @@ dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_op_read.sum,lt
 lts__t_sector_hit_rate.pct,sm__cycles_elapsed.avg.per_second" >"$OUT/ncu_decode_stalls.txt" 2>&1
 [ -n "$extra" ] && "$ncu" --import "$OUT/ncu_decode.ncu-rep" --page raw --print-metric-instances values \
     --metrics "regex:pmsampling:.*(dram|throughput|warps_active)" >"$OUT/ncu_decode_pm.txt" 2>&1
-grep -i -E "decode_tma|duration|dram throughput|memory throughput|elapsed cycles|registers|achieved occupancy|\
+grep -i -E "decode_tma|_decode_prefetch_kernel|_decode_regs_kernel|duration|dram throughput|memory throughput|elapsed cycles|registers|achieved occupancy|\
 theoretical occupancy|block limit|warp cycles per issued|stall|l2 hit|mem busy|max bandwidth|waves" \
     "$OUT/ncu_decode.txt" | head -n 120
 ls -la "$OUT"

@@ -17,6 +17,7 @@ No shared memory, no cp.async group waits, no barrier in the loop.
 the prologue costs; ``touch`` stores each block back unchanged (the pattern alone, as pattern_probe's touch).
 
     python -m benchmarks.gdn.decode_regs [--iters 20] [--batch 64 256] [--json PATH] [--steady]
+        [--models 35B] [--dtypes bfloat16] [--regs 4,128,1,2,2 4,64,1,2,2@64]  (--steady's configs; @: a register cap)
 
 Each candidate's output and updated pool are compared with `triton_decode_rows`' (same arithmetic, same row sums:
 equal up to the sums' order). Run from the repository root on a CUDA machine.
@@ -47,7 +48,7 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
                         V: tl.constexpr, BV: tl.constexpr, ROWS: tl.constexpr, DEPTH: tl.constexpr,
                         L2NORM: tl.constexpr, STREAM: tl.constexpr, CONST_QK: tl.constexpr, TOUCH: tl.constexpr,
                         UNROLL: tl.constexpr = 1):
-    """`triton_decode_rows._decode_rows_kernel`'s grid and arithmetic; blocks prefetched into registers DEPTH (1-3)
+    """`triton_decode_rows._decode_rows_kernel`'s grid and arithmetic; blocks prefetched into registers DEPTH (1-4)
     ahead."""
     NR: tl.constexpr = V // ROWS
     NB: tl.constexpr = ROWS // BV
@@ -67,6 +68,8 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
         s1, v1 = _block(base, v, i_nh, 1, row0, o_r, o_k, live, K, V, BV, NB, True)
     if DEPTH >= 3:
         s2, v2 = _block(base, v, i_nh, 2, row0, o_r, o_k, live, K, V, BV, NB, True)
+    if DEPTH >= 4:
+        s3, v3 = _block(base, v, i_nh, 3, row0, o_r, o_k, live, K, V, BV, NB, True)
     if CONST_QK:
         f_q = tl.full([K], 0.088388, tl.float32)
         f_k = tl.full([K], 0.088388, tl.float32)
@@ -83,10 +86,15 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
         elif DEPTH == 2:
             s0, v0 = s1, v1
             s1, v1 = _block(base, v, i_nh, j + 2, row0, o_r, o_k, live, K, V, BV, NB, True)
-        else:
+        elif DEPTH == 3:
             s0, v0 = s1, v1
             s1, v1 = s2, v2
             s2, v2 = _block(base, v, i_nh, j + 3, row0, o_r, o_k, live, K, V, BV, NB, True)
+        else:
+            s0, v0 = s1, v1
+            s1, v1 = s2, v2
+            s2, v2 = s3, v3
+            s3, v3 = _block(base, v, i_nh, j + 4, row0, o_r, o_k, live, K, V, BV, NB, True)
         rows = row0 + j * BV + o_r
         p = base + rows[:, None] * K + o_k[None, :]
         if TOUCH:
@@ -180,8 +188,8 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     pools)."""
     bv, rows, warps, depth = cfg[:4]
     unroll = cfg[4] if len(cfg) > 4 else unroll
-    if depth not in (1, 2, 3):
-        raise ValueError(f"DEPTH must be 1, 2 or 3, got {depth}")
+    if depth not in (1, 2, 3, 4):
+        raise ValueError(f"DEPTH must be 1, 2, 3 or 4, got {depth}")
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     rows = min(rows, V)
@@ -277,7 +285,8 @@ def _clean_ms(launch, spin: int, flush: torch.Tensor) -> float:
     return bench_timing._event_ms(launch, spin)
 
 
-def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", "float32")) -> list[dict]:
+def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", "float32"), models=None,
+           regs=None, maxnreg=None) -> list[dict]:
     """Interleaved timing (`run`) moved one config by 12 points between two runs (rows (8, 64, 4, 3)
     at 35B, 64 sequences: 70.8 then 83.2): each call finds the L2 its predecessor left, and a 64 MB pool's write-backs
     land in whichever call comes next. Here each candidate is timed as `bench gdn` times decode (its own calls back to
@@ -292,7 +301,11 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
     print(f"{torch.cuda.get_device_name()} copy {copy_gbps:.0f} GB/s")
     flush = torch.empty(2 * tr._l2_bytes(torch.device("cuda")) // 4, dtype=torch.float32, device="cuda")
     out = []
+    regs = STEADY_REGS if regs is None else regs
+    maxnreg = STEADY_MAXNREG if maxnreg is None else maxnreg
     for model, H, HV in bench_cases.DECODE_SHAPES:
+        if models and model not in models:
+            continue
         for N, dtype in ((n, getattr(torch, dt)) for n in batches for dt in dtypes):
             q, k, v, a, b, A_log, dt_bias, pool, idx = decode_inputs(N, H, HV, dtype)
             idx = idx.to(torch.int32)
@@ -309,13 +322,19 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
             for cfg in STEADY_ROWS:
                 fns[f"rows {cfg}"] = lambda cfg=cfg: triton_decode_rows.launch(cfg, *args, o, pool, idx, D**-0.5,
                                                                                True, 1.0, 20.0)
-            for cfg in STEADY_REGS:
+            for cfg in regs:
                 fns[f"regs {cfg}"] = lambda cfg=cfg: launch(cfg, *args, o, pool, idx, D**-0.5)
-            for cfg, cap in STEADY_MAXNREG:
+            for cfg, cap in maxnreg:
                 fns[f"regs {cfg} maxnreg {cap}"] = lambda cfg=cfg, cap=cap: launch(cfg, *args, o, pool, idx, D**-0.5,
                                                                                    maxnreg=cap)
             o_want, want = torch.empty_like(v), pool.clone()
             launch(STEADY_REGS[0], *args, o_want, want, idx, D**-0.5)
+            for cfg in regs:  # every candidate against the first shipped-shape config: same arithmetic, same sums
+                trial, o_got = pool.clone(), torch.empty_like(v)
+                launch(cfg, *args, o_got, trial, idx, D**-0.5)
+                diff = max((o_got.float() - o_want.float()).abs().max().item(),
+                           (trial.float() - want.float()).abs().max().item())
+                print(f"regs {cfg}: max diff {diff:.1e}", flush=True)
             for cfg in STEADY_REGS3:
                 trial, o_got = pool.clone(), torch.empty_like(v)
                 launch3(cfg, *args, o_got, trial, idx, D**-0.5)
@@ -355,8 +374,17 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--steady", action="store_true", help="each candidate timed as bench gdn and the tuner do")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="--steady's state dtypes")
+    p.add_argument("--models", nargs="+", default=None, help="--steady's models of bench_cases.DECODE_SHAPES")
+    p.add_argument("--regs", nargs="+", default=None, help="--steady's configs BV,ROWS,warps,DEPTH,UNROLL[@maxnreg]")
     args = p.parse_args()
-    rows = steady(args.iters, args.batch, dtypes=args.dtypes) if args.steady else run(args.iters, args.batch)
+    regs = maxnreg = None
+    if args.regs:
+        parsed = [(tuple(int(x) for x in r.split("@")[0].split(",")), int(r.split("@")[1]) if "@" in r else None)
+                  for r in args.regs]
+        regs = tuple(c for c, cap in parsed if cap is None)
+        maxnreg = tuple((c, cap) for c, cap in parsed if cap is not None)
+    rows = (steady(args.iters, args.batch, dtypes=args.dtypes, models=args.models, regs=regs, maxnreg=maxnreg)
+            if args.steady else run(args.iters, args.batch))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
