@@ -35,7 +35,7 @@ import triton.language as tl
 from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_decode, triton_decode_rows
 # The shipped loop's block loads; STREAM=True everywhere here (evict-first at fp32 too, as this probe measured).
 from hybridkv.kernels.gdn.triton_decode_prefetch import _block
-from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _head_inputs, _softplus
+from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _head_inputs, _head_loads, _head_math, _softplus
 
 from benchmarks.gdn.schedules import decode_inputs
 
@@ -47,7 +47,7 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
                         softplus_beta, softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                         V: tl.constexpr, BV: tl.constexpr, ROWS: tl.constexpr, DEPTH: tl.constexpr,
                         L2NORM: tl.constexpr, STREAM: tl.constexpr, CONST_QK: tl.constexpr, TOUCH: tl.constexpr,
-                        UNROLL: tl.constexpr = 1):
+                        UNROLL: tl.constexpr = 1, QK_FIRST: tl.constexpr = False):
     """`triton_decode_rows._decode_rows_kernel`'s grid and arithmetic; blocks prefetched into registers DEPTH (1-4)
     ahead."""
     NR: tl.constexpr = V // ROWS
@@ -59,18 +59,24 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
     o_k = tl.arange(0, K)
     o_r = tl.arange(0, BV)
     row0 = i_r * ROWS
+    if QK_FIRST:
+        # q, k and the gate inputs requested before the slot index: the state loads wait for the index, and these
+        # loads would otherwise queue behind that wait.
+        r_q, r_k, r_a, r_dt, r_A, r_b = _head_loads(q, k, a, b, A_log, dt_bias, i_n, i_h, i_hv, i_nh, o_k, H, K)
     slot = tl.load(state_indices + i_n).to(tl.int64)
     live = slot >= 0
     base = state + tl.maximum(slot, 0) * stride_slot + i_hv * stride_head
     # The first DEPTH blocks go out before anything else is waited for.
-    s0, v0 = _block(base, v, i_nh, 0, row0, o_r, o_k, live, K, V, BV, NB, True)
+    s0, v0 = _block(base, v, i_nh, 0, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
     if DEPTH >= 2:
-        s1, v1 = _block(base, v, i_nh, 1, row0, o_r, o_k, live, K, V, BV, NB, True)
+        s1, v1 = _block(base, v, i_nh, 1, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
     if DEPTH >= 3:
-        s2, v2 = _block(base, v, i_nh, 2, row0, o_r, o_k, live, K, V, BV, NB, True)
+        s2, v2 = _block(base, v, i_nh, 2, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
     if DEPTH >= 4:
-        s3, v3 = _block(base, v, i_nh, 3, row0, o_r, o_k, live, K, V, BV, NB, True)
-    if CONST_QK:
+        s3, v3 = _block(base, v, i_nh, 3, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+    if QK_FIRST:
+        f_q, f_k, decay, beta = _head_math(r_q, r_k, r_a, r_dt, r_A, r_b, softplus_beta, softplus_threshold, L2NORM)
+    elif CONST_QK:
         f_q = tl.full([K], 0.088388, tl.float32)
         f_k = tl.full([K], 0.088388, tl.float32)
         decay = 0.9
@@ -82,19 +88,19 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
     for j in tl.range(0, NB, loop_unroll_factor=UNROLL):
         raw, b_v = s0, v0
         if DEPTH == 1:
-            s0, v0 = _block(base, v, i_nh, j + 1, row0, o_r, o_k, live, K, V, BV, NB, True)
+            s0, v0 = _block(base, v, i_nh, j + 1, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
         elif DEPTH == 2:
             s0, v0 = s1, v1
-            s1, v1 = _block(base, v, i_nh, j + 2, row0, o_r, o_k, live, K, V, BV, NB, True)
+            s1, v1 = _block(base, v, i_nh, j + 2, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
         elif DEPTH == 3:
             s0, v0 = s1, v1
             s1, v1 = s2, v2
-            s2, v2 = _block(base, v, i_nh, j + 3, row0, o_r, o_k, live, K, V, BV, NB, True)
+            s2, v2 = _block(base, v, i_nh, j + 3, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
         else:
             s0, v0 = s1, v1
             s1, v1 = s2, v2
             s2, v2 = s3, v3
-            s3, v3 = _block(base, v, i_nh, j + 4, row0, o_r, o_k, live, K, V, BV, NB, True)
+            s3, v3 = _block(base, v, i_nh, j + 4, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
         rows = row0 + j * BV + o_r
         p = base + rows[:, None] * K + o_k[None, :]
         if TOUCH:
@@ -183,7 +189,8 @@ def launch3(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, sca
 
 
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2=True, softplus_beta=1.0,
-           softplus_threshold=20.0, const_qk=False, touch=False, unroll=1, maxnreg=None) -> None:
+           softplus_threshold=20.0, const_qk=False, touch=False, unroll=1, maxnreg=None, qk_first=False,
+           stream=True) -> None:
     """cfg = (BV, ROWS, num_warps, DEPTH[, UNROLL]), ROWS capped at V and BV at ROWS (`triton_decode_rows.eligible`
     pools)."""
     bv, rows, warps, depth = cfg[:4]
@@ -197,7 +204,7 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     _decode_regs_kernel[(V // rows * N * HV,)](
         q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, ssm_state.stride(0), ssm_state.stride(1),
         float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, ROWS=rows, DEPTH=depth,
-        L2NORM=l2, STREAM=ssm_state.element_size() == 2, CONST_QK=const_qk, TOUCH=touch, UNROLL=unroll,
+        L2NORM=l2, STREAM=stream, CONST_QK=const_qk, TOUCH=touch, UNROLL=unroll, QK_FIRST=qk_first,
         num_warps=warps, num_stages=1, **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
 
@@ -286,7 +293,7 @@ def _clean_ms(launch, spin: int, flush: torch.Tensor) -> float:
 
 
 def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", "float32"), models=None,
-           regs=None, maxnreg=None) -> list[dict]:
+           regs=None, maxnreg=None, variants=None) -> list[dict]:
     """Interleaved timing (`run`) moved one config by 12 points between two runs (rows (8, 64, 4, 3)
     at 35B, 64 sequences: 70.8 then 83.2): each call finds the L2 its predecessor left, and a 64 MB pool's write-backs
     land in whichever call comes next. Here each candidate is timed as `bench gdn` times decode (its own calls back to
@@ -302,6 +309,7 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
     flush = torch.empty(2 * tr._l2_bytes(torch.device("cuda")) // 4, dtype=torch.float32, device="cuda")
     out = []
     regs = STEADY_REGS if regs is None else regs
+    variants = variants or {}
     maxnreg = STEADY_MAXNREG if maxnreg is None else maxnreg
     for model, H, HV in bench_cases.DECODE_SHAPES:
         if models and model not in models:
@@ -324,17 +332,20 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
                                                                                True, 1.0, 20.0)
             for cfg in regs:
                 fns[f"regs {cfg}"] = lambda cfg=cfg: launch(cfg, *args, o, pool, idx, D**-0.5)
+                for name, kw in variants.items():
+                    fns[f"regs {cfg} {name}"] = lambda cfg=cfg, kw=kw: launch(cfg, *args, o, pool, idx, D**-0.5, **kw)
             for cfg, cap in maxnreg:
                 fns[f"regs {cfg} maxnreg {cap}"] = lambda cfg=cfg, cap=cap: launch(cfg, *args, o, pool, idx, D**-0.5,
                                                                                    maxnreg=cap)
             o_want, want = torch.empty_like(v), pool.clone()
             launch(STEADY_REGS[0], *args, o_want, want, idx, D**-0.5)
-            for cfg in regs:  # every candidate against the first shipped-shape config: same arithmetic, same sums
+            for cfg, (name, kw) in ((c, v) for c in regs for v in (("", {}), *variants.items())):
+                # every candidate against the first shipped-shape config: same arithmetic, same sums
                 trial, o_got = pool.clone(), torch.empty_like(v)
-                launch(cfg, *args, o_got, trial, idx, D**-0.5)
+                launch(cfg, *args, o_got, trial, idx, D**-0.5, **kw)
                 diff = max((o_got.float() - o_want.float()).abs().max().item(),
                            (trial.float() - want.float()).abs().max().item())
-                print(f"regs {cfg}: max diff {diff:.1e}", flush=True)
+                print(f"regs {cfg} {name}: max diff {diff:.1e}", flush=True)
             for cfg in STEADY_REGS3:
                 trial, o_got = pool.clone(), torch.empty_like(v)
                 launch3(cfg, *args, o_got, trial, idx, D**-0.5)
@@ -376,14 +387,19 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="--steady's state dtypes")
     p.add_argument("--models", nargs="+", default=None, help="--steady's models of bench_cases.DECODE_SHAPES")
     p.add_argument("--regs", nargs="+", default=None, help="--steady's configs BV,ROWS,warps,DEPTH,UNROLL[@maxnreg]")
+    p.add_argument("--variants", nargs="+", default=[], choices=["qk-first", "no-stream"],
+                   help="--steady: each --regs config also with q, k and gates loaded before the slot index, and "
+                        "without the streaming cache hints")
     args = p.parse_args()
+    variants = {v: {"qk-first": {"qk_first": True}, "no-stream": {"stream": False}}[v] for v in args.variants}
     regs = maxnreg = None
     if args.regs:
         parsed = [(tuple(int(x) for x in r.split("@")[0].split(",")), int(r.split("@")[1]) if "@" in r else None)
                   for r in args.regs]
         regs = tuple(c for c, cap in parsed if cap is None)
         maxnreg = tuple((c, cap) for c, cap in parsed if cap is not None)
-    rows = (steady(args.iters, args.batch, dtypes=args.dtypes, models=args.models, regs=regs, maxnreg=maxnreg)
+    rows = (steady(args.iters, args.batch, dtypes=args.dtypes, models=args.models, regs=regs, maxnreg=maxnreg,
+                   variants=variants)
             if args.steady else run(args.iters, args.batch))
     if args.json:
         with open(args.json, "w") as f:

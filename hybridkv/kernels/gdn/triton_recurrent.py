@@ -46,20 +46,37 @@ def _delta_rule_step(b_s, b_q, b_k, b_v, b_beta, scale):
 
 
 @triton.jit
-def _head_inputs(q, k, a, b, A_log, dt_bias, i_n, i_h, i_hv, i_nh, o_k, softplus_beta, softplus_threshold,
-                 H: tl.constexpr, K: tl.constexpr, L2NORM: tl.constexpr):
-    """What one (sequence i_n, value head i_hv) step needs besides its state and v rows, as fp32: q and k of its key
-    head i_h (l2-normed with L2NORM), the decay e^g with g = -exp(A_log) softplus(a + dt_bias), and beta = sigmoid(b).
-    Shared by the row-looped kernels (`triton_decode_rows`, `triton_decode_prefetch`), so they agree bit for bit."""
-    f_q = tl.load(q + (i_n * H + i_h) * K + o_k).to(tl.float32)
-    f_k = tl.load(k + (i_n * H + i_h) * K + o_k).to(tl.float32)
+def _head_loads(q, k, a, b, A_log, dt_bias, i_n, i_h, i_hv, i_nh, o_k, H: tl.constexpr, K: tl.constexpr):
+    """The raw values `_head_math` turns into one (sequence i_n, value head i_hv) step's inputs: q and k of its key head
+    i_h, a, dt_bias, A_log and b. Apart from the math so that a kernel can request them before it waits for anything."""
+    r_q = tl.load(q + (i_n * H + i_h) * K + o_k)
+    r_k = tl.load(k + (i_n * H + i_h) * K + o_k)
+    return r_q, r_k, tl.load(a + i_nh), tl.load(dt_bias + i_hv), tl.load(A_log + i_hv), tl.load(b + i_nh)
+
+
+@triton.jit
+def _head_math(r_q, r_k, r_a, r_dt, r_A, r_b, softplus_beta, softplus_threshold, L2NORM: tl.constexpr):
+    """fp32 q and k (l2-normed with L2NORM), the decay e^g with g = -exp(A_log) softplus(a + dt_bias), and
+    beta = sigmoid(b), from `_head_loads`' values."""
+    f_q = r_q.to(tl.float32)
+    f_k = r_k.to(tl.float32)
     if L2NORM:
         f_q = _l2norm(f_q)
         f_k = _l2norm(f_k)
-    x = tl.load(a + i_nh).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
-    decay = tl.exp(-tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(x, softplus_beta, softplus_threshold))
-    beta = tl.sigmoid(tl.load(b + i_nh).to(tl.float32))
+    x = r_a.to(tl.float32) + r_dt.to(tl.float32)
+    decay = tl.exp(-tl.exp(r_A.to(tl.float32)) * _softplus(x, softplus_beta, softplus_threshold))
+    beta = tl.sigmoid(r_b.to(tl.float32))
     return f_q, f_k, decay, beta
+
+
+@triton.jit
+def _head_inputs(q, k, a, b, A_log, dt_bias, i_n, i_h, i_hv, i_nh, o_k, softplus_beta, softplus_threshold,
+                 H: tl.constexpr, K: tl.constexpr, L2NORM: tl.constexpr):
+    """What one (sequence i_n, value head i_hv) step needs besides its state and v rows, as fp32 (`_head_math` of
+    `_head_loads`). Shared by the row-looped kernels (`triton_decode_rows`, `triton_decode_prefetch`), so they agree bit
+    for bit."""
+    r_q, r_k, r_a, r_dt, r_A, r_b = _head_loads(q, k, a, b, A_log, dt_bias, i_n, i_h, i_hv, i_nh, o_k, H, K)
+    return _head_math(r_q, r_k, r_a, r_dt, r_A, r_b, softplus_beta, softplus_threshold, L2NORM)
 
 
 @triton.jit
