@@ -2,9 +2,7 @@
 (TRITON_INTERPRET=1, set before Triton is imported) against the pure-torch reference, for every
 schedule. Prints one JSON object: {schedule/l2norm: [o error, state error]}.
 
-Triton 3.6's interpreter has two numpy-2 faults that these kernels hit, patched here (test-only):
-a bf16 tl.dot multiplies the raw uint16 bit patterns, and a one-element array used as a loop bound
-fails int(). Neither touches compiled kernels.
+Triton 3.6's interpreter has two numpy-2 faults that these kernels hit, patched by interpreter_patches.py.
 """
 
 from __future__ import annotations
@@ -15,34 +13,9 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
 
-_dot = interpreter.InterpreterBuilder.create_dot
-
-
-def _as_float(handle):
-    if getattr(handle.dtype, "scalar", handle.dtype) == tl.bfloat16:
-        return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-    return handle
-
-
-def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-    return _dot(self, _as_float(a), _as_float(b), d, input_precision, max_num_imprecise_acc)
-
-
-_patch_tensor = interpreter._patch_lang_tensor
-
-
-def _patch_lang_tensor(tensor, scope):
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-
-interpreter.InterpreterBuilder.create_dot = _create_dot
-interpreter._patch_lang_tensor = _patch_lang_tensor
+import interpreter_patches  # noqa: E402, F401  (beside this script: the interpreter's numpy-2 faults)
 
 from hybridkv.kernels.gdn import reference, triton_chunk, triton_chunk_scan  # noqa: E402
 from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig  # noqa: E402
