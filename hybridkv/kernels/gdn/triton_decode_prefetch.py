@@ -5,7 +5,8 @@ global-memory latencies stayed on every program's critical path there: a block's
 for cp.async) are loaded in the loop and used at once, and the pipeliner issues the first state loads after the
 prologue that loads and l2-norms q and k. Here each block's state and v rows are plain loads into registers, issued two
 blocks before their use (loop-carried values: a load is waited for only where its value is first used), the first two
-before q and k are loaded. No shared-memory staging of the state (a few hundred bytes carry the output row's change of
+before q and k are l2-normed; q, k and the gate inputs are requested even before the slot index the state loads wait
+for. No shared-memory staging of the state (a few hundred bytes carry the output row's change of
 layout), no cp.async group waits; with one warp a program, no CTA barrier either.
 
 Measured on an H200 (benchmarks/gdn/decode_regs.py --steady, results/decode_regs_steady{3,4,5}_h200.txt, % of copy
