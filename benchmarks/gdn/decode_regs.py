@@ -307,6 +307,7 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
     copy_gbps = bench_timing._copy_gbps(iters)
     print(f"{torch.cuda.get_device_name()} copy {copy_gbps:.0f} GB/s")
     flush = torch.empty(2 * tr._l2_bytes(torch.device("cuda")) // 4, dtype=torch.float32, device="cuda")
+    byte_flush = flush.view(torch.int8)  # the tuner's flush reads int8 (`.max()`)
     out = []
     regs = STEADY_REGS if regs is None else regs
     variants = variants or {}
@@ -363,17 +364,22 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
             spin = bench_timing._spin_cycles(max(bench_timing._host_ms(f) for f in fns.values()))
             cold = {n: sorted(_dirty_ms(fns[n], spin, flush) for _ in range(5))[2] for n in names}
             clean = {n: sorted(_clean_ms(fns[n], spin, flush) for _ in range(5))[2] for n in names}
+            # As the decode tuner times a candidate (`triton_recurrent._charged_ms`): from a clean L2, charged with the
+            # write-back it leaves, the charging read's own time subtracted; median of 9.
+            read = sorted(tr._charged_ms(lambda: None, spin, byte_flush) for _ in range(9))[4]
+            charged = {n: sorted(tr._charged_ms(fns[n], spin, byte_flush) for _ in range(9))[4] - read for n in names}
             nbytes = 2 * N * HV * D * D * pool.element_size()
             shape = f"{model} B={N} {str(dtype).removeprefix('torch.')}"
             for n in names:
                 pcts = [100 * nbytes / ms / 1e6 / copy_gbps for ms in steady_ms[n]]
                 cold_pct = 100 * nbytes / cold[n] / 1e6 / copy_gbps
                 clean_pct = 100 * nbytes / clean[n] / 1e6 / copy_gbps
+                charged_pct = 100 * nbytes / charged[n] / 1e6 / copy_gbps if charged[n] > 0 else float("nan")
                 out.append({"shape": shape, "what": n, "steady_ms": steady_ms[n], "pct_copy": pcts,
                             "cold_ms": cold[n], "cold_pct_copy": cold_pct, "clean_ms": clean[n],
-                            "clean_pct_copy": clean_pct})
+                            "clean_pct_copy": clean_pct, "charged_ms": charged[n], "charged_pct_copy": charged_pct})
                 print(f"{shape:20} {n:58} steady {' '.join(f'{x:5.1f}' for x in pcts)} % copy; cold {cold_pct:5.1f}"
-                      f"; clean {clean_pct:5.1f}", flush=True)
+                      f"; clean {clean_pct:5.1f}; charged {charged_pct:5.1f}", flush=True)
             del pool, dst
     return out
 
