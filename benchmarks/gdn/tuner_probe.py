@@ -17,7 +17,7 @@ Twelfth session, H200: at 32 sequences of 35B bf16 the tuner kept the tile kerne
 The first two runs (results/tuner_probe_h200.txt) had the tuner timing five launches back to back: during the tuning
 the tile (32, 2) measured 17.5 us a launch, timed alone after it 19.9, while the walk measured 18.4 both times.
 
-    python -m benchmarks.gdn.tuner_probe [--batch 8 32 64] [--iters 20] [--models 35B] [--dtypes bfloat16]
+    python -m benchmarks.gdn.tuner_probe [--batch 8 32 64] [--iters 20] [--models 35B] [--dtypes bfloat16] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _b2b5(choice: DecodeChoice, args, spin: int) -> float:
     return best
 
 
-def run(batches: list[int], iters: int, models=None, dtypes=("bfloat16", "float32")) -> None:
+def run(batches: list[int], iters: int, models=None, dtypes=("bfloat16", "float32"), repeat: int = 0) -> None:
     for N in batches:
         for model, H, HV in bench_cases.DECODE_SHAPES:
             if models and model not in models:
@@ -81,6 +81,16 @@ def run(batches: list[int], iters: int, models=None, dtypes=("bfloat16", "float3
                     _launch_choice(c, *tuner_args)
                 torch.cuda.synchronize()
                 spin = 4_000_000
+                if repeat:
+                    # The tuner alone, `repeat` times afresh: does it keep the same candidate? (Its near-ties and
+                    # their steady times each time.)
+                    for r in range(repeat):
+                        t = triton_recurrent._tuning_ms(tuner_args, N, True, True)
+                        ties = ", ".join(f"{c} {t.charged[c] * 1e3:.2f}/{t.steady[c] * 1e3:.2f}"
+                                         for c in sorted(t.steady, key=t.steady.__getitem__))
+                        print(f"# {model} HV={HV} {str(dtype).removeprefix('torch.')} N={N} tuning {r + 1}: "
+                              f"{t.pick()}; near-ties charged/steady us: {ties or '-'}", flush=True)
+                    continue
                 timings = triton_recurrent._tuning_ms(tuner_args, N, True, True)
                 tuned, picked = timings.charged, timings.pick()
                 flush = torch.empty(2 * triton_recurrent._l2_bytes(q.device), dtype=torch.int8, device="cuda")
@@ -115,8 +125,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--models", nargs="+", default=None, help="of bench_cases.DECODE_SHAPES (default: all)")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--repeat", type=int, default=0, help="only the tuner, this many times afresh, its pick each time")
     a = p.parse_args()
-    run(a.batch, a.iters, a.models, a.dtypes)
+    run(a.batch, a.iters, a.models, a.dtypes, a.repeat)
 
 
 if __name__ == "__main__":

@@ -320,6 +320,7 @@ def _tune_decode(args, rows: int, tma: bool, by_rows: bool) -> DecodeChoice:
 # against 42.6 us), and one from a clean L2 2-3% ahead (decode_regs_depth4_h200.txt). So near-ties are timed once more
 # so, each launch after one of its own on the same pool, and the fastest of that is kept.
 DECODE_TIE = 0.04
+_STEADY_CALLS = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -428,12 +429,22 @@ def _tuning_ms(args, rows: int, tma: bool, by_rows: bool) -> DecodeTimings:
     if len(near) > 1:
         from hybridkv.kernels.gdn.bench_timing import _event_ms
 
-        # Interleaved, each timed launch right after an untimed one of the same candidate: it finds L2 as its own
-        # previous step left it (dirty lines of the pool to write back while it reads), not as another candidate's.
-        for _ in range(rounds):
+        # Interleaved, each sample after an untimed launch of the same candidate: it finds L2 as its own previous step
+        # left it (dirty lines of the pool to write back while it reads), not as another candidate's. A sample is the
+        # mean of `_STEADY_CALLS` launches back to back behind a spin that outlasts their host time, over three times
+        # the charged rounds. With one launch a sample, median of five, the tuner kept prefetch (16, 128, 4) at 35B bf16
+        # with 64 sequences in a run where a longer steady timing had it 1-2 points behind (4, 128, 1) and (8, 128, 4)
+        # (results/decode_regs_charged_h200.txt).
+        steady_spin = spin * _STEADY_CALLS
+
+        def calls(c):
+            for _ in range(_STEADY_CALLS):
+                _launch_choice(c, *sub)
+
+        for _ in range(3 * rounds):
             for choice in near:
                 _launch_choice(choice, *sub)
-                steady[choice].append(_event_ms(lambda c=choice: _launch_choice(c, *sub), spin))
+                steady[choice].append(_event_ms(lambda c=choice: calls(c), steady_spin) / _STEADY_CALLS)
     return DecodeTimings(charged=charged, steady={c: _median(ts) for c, ts in steady.items() if ts})
 
 
