@@ -18,6 +18,7 @@ the prologue costs; ``touch`` stores each block back unchanged (the pattern alon
 
     python -m benchmarks.gdn.decode_regs [--iters 20] [--batch 64 256] [--json PATH] [--steady]
         [--models 35B] [--dtypes bfloat16] [--regs 4,128,1,2,2 4,64,1,2,2@64]  (--steady's configs; @: a register cap)
+        [--regs3 4,128,1,32]  (--steady's configs of launch3: BV, ROWS, warps, KC)
 
 Each candidate's output and updated pool are compared with `triton_decode_rows`' (same arithmetic, same row sums:
 equal up to the sums' order). Run from the repository root on a CUDA machine.
@@ -293,7 +294,7 @@ def _clean_ms(launch, spin: int, flush: torch.Tensor) -> float:
 
 
 def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", "float32"), models=None,
-           regs=None, maxnreg=None, variants=None) -> list[dict]:
+           regs=None, maxnreg=None, variants=None, regs3=None) -> list[dict]:
     """Interleaved timing (`run`) moved one config by 12 points between two runs (rows (8, 64, 4, 3)
     at 35B, 64 sequences: 70.8 then 83.2): each call finds the L2 its predecessor left, and a 64 MB pool's write-backs
     land in whichever call comes next. Here each candidate is timed as `bench gdn` times decode (its own calls back to
@@ -347,7 +348,7 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
                 diff = max((o_got.float() - o_want.float()).abs().max().item(),
                            (trial.float() - want.float()).abs().max().item())
                 print(f"regs {cfg} {name}: max diff {diff:.1e}", flush=True)
-            for cfg in STEADY_REGS3:
+            for cfg in (STEADY_REGS3 if regs3 is None else regs3):
                 trial, o_got = pool.clone(), torch.empty_like(v)
                 launch3(cfg, *args, o_got, trial, idx, D**-0.5)
                 diff = max((o_got.float() - o_want.float()).abs().max().item(),
@@ -393,6 +394,8 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="--steady's state dtypes")
     p.add_argument("--models", nargs="+", default=None, help="--steady's models of bench_cases.DECODE_SHAPES")
     p.add_argument("--regs", nargs="+", default=None, help="--steady's configs BV,ROWS,warps,DEPTH,UNROLL[@maxnreg]")
+    p.add_argument("--regs3", nargs="+", default=None,
+                   help="--steady's configs of launch3 (K held as [K / KC, KC]): BV,ROWS,warps,KC")
     p.add_argument("--variants", nargs="+", default=[], choices=["qk-first", "no-stream"],
                    help="--steady: each --regs config also with q, k and gates loaded before the slot index, and "
                         "without the streaming cache hints")
@@ -404,8 +407,9 @@ def main() -> None:
                   for r in args.regs]
         regs = tuple(c for c, cap in parsed if cap is None)
         maxnreg = tuple((c, cap) for c, cap in parsed if cap is not None)
+    regs3 = None if args.regs3 is None else tuple(tuple(int(x) for x in r.split(",")) for r in args.regs3)
     rows = (steady(args.iters, args.batch, dtypes=args.dtypes, models=args.models, regs=regs, maxnreg=maxnreg,
-                   variants=variants)
+                   variants=variants, regs3=regs3)
             if args.steady else run(args.iters, args.batch))
     if args.json:
         with open(args.json, "w") as f:

@@ -85,7 +85,8 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     return int(regs.group(1)), int(stack.group(1))
 
 
-def compile_one(spec: KernelSpec, launch: Launch, arch: Arch) -> Report:
+def compiled_kernel(spec: KernelSpec, launch: Launch, arch: Arch):
+    """Triton's compiled kernel (its ``asm`` holds ttgir, ptx and cubin) of one launch of ``spec`` for ``arch``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -113,9 +114,21 @@ def compile_one(spec: KernelSpec, launch: Launch, arch: Arch) -> Report:
         from triton.experimental.gluon._runtime import GluonASTSource as source
     src = source(fn=fn, signature=full, constexprs={(index[a],): v for a, v in constants.items()},
                  attrs={(index[a],): [["tt.divisibility", 16]] for a in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", int(arch), 32),
-                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages,
-                                       **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg})})
+    return triton.compile(src, target=GPUTarget("cuda", int(arch), 32),
+                          options={"num_warps": launch.num_warps, "num_stages": launch.num_stages,
+                                   **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg})})
+
+
+def sass(cubin: bytes) -> str:
+    """cuobjdump's SASS listing of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def compile_one(spec: KernelSpec, launch: Launch, arch: Arch) -> Report:
+    compiled = compiled_kernel(spec, launch, arch)
     ptx = compiled.asm["ptx"]
     registers, spill = _resource_usage(compiled.asm["cubin"])
     counts = {kind: len(re.findall(pattern, ptx)) for kind, pattern in _MMA.items()}

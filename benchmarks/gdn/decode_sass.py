@@ -1,0 +1,86 @@
+"""Offline, on any machine: the SASS of the decode loop per block, for the shipped prefetching kernel and the probe's
+variants of it (benchmarks/gdn/decode_regs.py), compiled for sm_90 at 35B's shape (H 16, HV 32, dk = dv = 128).
+
+Why (results/ncu_decode_prefetch_h200.txt): at 35B bf16 with 64 sequences the shipped (4, 128, 1 warp) loop runs 14
+warps an SM, each waiting on its own blocks, and the work between two loads (about 190 instructions a block, 18 of them
+SHFL: two row sums over 16 lanes for each of a thread's two rows) stretches the time between them; with q, k constant or
+no arithmetic at all the same pattern ran 2% and 7% faster. A layout with fewer lanes a row takes fewer shuffles. This
+counts what each variant issues a block before device time is spent on it.
+
+    python -m benchmarks.gdn.decode_sass
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from hybridkv.kernels.gdn import compile_report
+from hybridkv.kernels.gdn.compile_specs import D, Arch, KernelSpec, Launch
+
+_ROW_LOOP = dict(
+    signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "a": "*fp32", "b": "*fp32", "A_log": "*fp32",
+               "dt_bias": "*fp32", "o": "*bf16", "state_indices": "*i32", "scale": "fp32", "stride_slot": "i32",
+               "stride_head": "i32", "softplus_beta": "fp32", "softplus_threshold": "fp32"},
+    aligned=("stride_slot", "stride_head"),
+    launches=(),
+)
+_SHAPE = {"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True}
+_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def _variants() -> list[tuple[str, KernelSpec, Launch, int]]:
+    """(name, spec, launch, blocks a loop iteration) for each variant."""
+    shipped = KernelSpec(name="prefetch", module="hybridkv.kernels.gdn.triton_decode_prefetch",
+                         attr="_decode_prefetch_kernel", constants=_SHAPE, **_ROW_LOOP)
+    regs = KernelSpec(name="regs", module="benchmarks.gdn.decode_regs", attr="_decode_regs_kernel",
+                      constants={**_SHAPE, "CONST_QK": False, "TOUCH": False, "QK_FIRST": True}, **_ROW_LOOP)
+    regs3 = KernelSpec(name="regs3", module="benchmarks.gdn.decode_regs", attr="_decode_regs3_kernel",
+                       constants=_SHAPE, **_ROW_LOOP)
+    out = []
+    for dt in ("bf16", "fp32"):
+        stream = dt == "bf16"
+        for bv, rows, warps in ((4, 128, 1), (8, 128, 4), (16, 128, 4)):
+            out.append((f"prefetch ({bv}, {rows}, {warps}) {dt}", shipped,
+                        Launch(label="", num_warps=warps, num_stages=1,
+                               constants={"BV": bv, "ROWS": rows, "STREAM": stream, "state": dt}), 2))
+        # K held as [K / KC, KC]: a row's sums cross KC / 8 lanes (bf16), not 16 (launch3 in decode_regs.py).
+        for bv, rows, warps, kc in ((4, 128, 1, 64), (4, 128, 1, 32), (8, 128, 2, 64), (8, 128, 4, 32)):
+            out.append((f"regs3 ({bv}, {rows}, {warps}, KC {kc}) {dt}", regs3,
+                        Launch(label="", num_warps=warps, num_stages=1,
+                               constants={"BV": bv, "ROWS": rows, "KC": kc, "STREAM": stream, "state": dt}), 2))
+        out.append((f"regs (4, 128, 1, 4, 4) {dt}", regs,
+                    Launch(label="", num_warps=1, num_stages=1,
+                           constants={"BV": 4, "ROWS": 128, "DEPTH": 4, "UNROLL": 4, "STREAM": stream, "state": dt}),
+                    4))
+    return out
+
+
+def loop_mix(listing: str) -> tuple[int, Counter]:
+    """(instructions, opcode counts) between the last backward branch's target and the branch: the main loop."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, listing.splitlines()) if m]
+    back = [(at, int(t.group(1), 16)) for at, ins in code
+            if (t := re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", ins)) and int(t.group(1), 16) < at]
+    if not back:
+        raise ValueError("no backward branch in the listing: no loop")
+    end, start = max(back)
+    body = [ins for at, ins in code if start <= at <= end]
+    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body)
+    return len(body), ops
+
+
+def main() -> None:
+    print(f"{'variant':38} {'regs':>4} {'a block':>7} {'SHFL':>5} {'FFMA':>5} {'FMUL':>5} {'FADD':>5} {'cvt':>5} "
+          f"{'LDG':>4} {'STG':>4}")
+    for name, spec, launch, blocks in _variants():
+        compiled = compile_report.compiled_kernel(spec, launch, Arch.HOPPER)
+        registers, _ = compile_report._resource_usage(compiled.asm["cubin"])
+        n, ops = loop_mix(compile_report.sass(compiled.asm["cubin"]))
+        cvt = ops["PRMT"] + ops["SHF"] + ops["F2FP"] + ops["IMAD"] * 0  # bf16 <-> fp32 unpacking and packing
+        per = {k: ops[k] / blocks for k in ("SHFL", "FFMA", "FMUL", "FADD", "LDG", "STG")}
+        print(f"{name:38} {registers:4d} {n / blocks:7.1f} {per['SHFL']:5.1f} {per['FFMA']:5.1f} {per['FMUL']:5.1f} "
+              f"{per['FADD']:5.1f} {cvt / blocks:5.1f} {per['LDG']:4.1f} {per['STG']:4.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
