@@ -12,9 +12,6 @@ counts what each variant issues a block before device time is spent on it.
 
 from __future__ import annotations
 
-import re
-from collections import Counter
-
 from hybridkv.kernels.gdn import compile_report
 from hybridkv.kernels.gdn.compile_specs import D, Arch, KernelSpec, Launch
 
@@ -26,7 +23,6 @@ _ROW_LOOP = dict(
     launches=(),
 )
 _SHAPE = {"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True}
-_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
 def _variants() -> list[tuple[str, KernelSpec, Launch, int]]:
@@ -56,27 +52,14 @@ def _variants() -> list[tuple[str, KernelSpec, Launch, int]]:
     return out
 
 
-def loop_mix(listing: str) -> tuple[int, Counter]:
-    """(instructions, opcode counts) between the last backward branch's target and the branch: the main loop."""
-    code = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, listing.splitlines()) if m]
-    back = [(at, int(t.group(1), 16)) for at, ins in code
-            if (t := re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", ins)) and int(t.group(1), 16) < at]
-    if not back:
-        raise ValueError("no backward branch in the listing: no loop")
-    end, start = max(back)
-    body = [ins for at, ins in code if start <= at <= end]
-    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body)
-    return len(body), ops
-
-
 def main() -> None:
     print(f"{'variant':38} {'regs':>4} {'a block':>7} {'SHFL':>5} {'FFMA':>5} {'FMUL':>5} {'FADD':>5} {'cvt':>5} "
           f"{'LDG':>4} {'STG':>4}")
     for name, spec, launch, blocks in _variants():
         compiled = compile_report.compiled_kernel(spec, launch, Arch.HOPPER)
         registers, _ = compile_report._resource_usage(compiled.asm["cubin"])
-        n, ops = loop_mix(compile_report.sass(compiled.asm["cubin"]))
-        cvt = ops["PRMT"] + ops["SHF"] + ops["F2FP"] + ops["IMAD"] * 0  # bf16 <-> fp32 unpacking and packing
+        n, ops = compile_report.loop_mix(compile_report.sass(compiled.asm["cubin"]))
+        cvt = ops["PRMT"] + ops["SHF"] + ops["F2FP"]  # bf16 <-> fp32 unpacking and packing (and some shifts)
         per = {k: ops[k] / blocks for k in ("SHFL", "FFMA", "FMUL", "FADD", "LDG", "STG")}
         print(f"{name:38} {registers:4d} {n / blocks:7.1f} {per['SHFL']:5.1f} {per['FFMA']:5.1f} {per['FMUL']:5.1f} "
               f"{per['FADD']:5.1f} {cvt / blocks:5.1f} {per['LDG']:4.1f} {per['STG']:4.1f}", flush=True)

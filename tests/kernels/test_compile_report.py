@@ -128,3 +128,32 @@ def test_the_prefetching_decode_keeps_its_loads_in_registers(hopper):
     assert pre
     for r in pre:
         assert r.registers <= 96 and r.spill_bytes == 0 and r.async_copies == 0 and r.shared_bytes <= 1024, r
+
+
+def test_the_loop_of_a_sass_listing_is_found_and_counted():
+    listing = """
+        /*0100*/                   MOV R1, c[0x0][0x28] ;
+        /*0110*/                   FFMA.FTZ R2, R3, R4, R5 ;
+        /*0120*/               @P0 SHFL.BFLY PT, R6, R2, 0x1, 0x1f ;
+        /*0130*/              @!P1 BRA 0x110 ;
+        /*0140*/                   EXIT ;
+        /*0150*/                   BRA 0x150;
+"""
+    n, ops = cr.loop_mix(listing)
+    assert n == 3 and ops == {"FFMA": 1, "SHFL": 1, "BRA": 1}
+    with pytest.raises(ValueError, match="no loop"):
+        cr.loop_mix("        /*0100*/                   EXIT ;\n")
+
+
+def test_the_prefetching_decode_loop_stays_near_190_instructions_a_block():
+    """The work between two of a warp's loads is what holds the missed decode goal back (Nsight Compute at 35B bf16, 64
+    sequences: results/ncu_decode_prefetch_h200.txt), so its size is pinned: the shipped (4, 128, 1 warp) loop, bf16,
+    two blocks an iteration, offline sm_90 on 2026-12-04: 380 instructions, 36 SHFL. A change that adds work to the
+    loop (a layout conversion, a reload of q or k) fails here before device time is spent on it."""
+    from hybridkv.kernels.gdn.compile_specs import Arch
+
+    spec = next(s for s in cr._specs() if s.name == "decode_prefetch")
+    launch = next(la for la in spec.launches if la.label == "bf16 state BV=4 ROWS=128")
+    compiled = cr.compiled_kernel(spec, launch, Arch.HOPPER)
+    n, ops = cr.loop_mix(cr.sass(compiled.asm["cubin"]))
+    assert n <= 400 and ops["SHFL"] <= 36, (n, ops.most_common(8))

@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -125,6 +126,23 @@ def sass(cubin: bytes) -> str:
         f.write(cubin)
         f.flush()
         return subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def loop_mix(listing: str) -> tuple[int, Counter]:
+    """(instructions, opcode counts) of a SASS listing's main loop: from the last backward branch's target to the
+    branch. Predicates are dropped and modifiers cut (`FFMA.FTZ` counts as FFMA)."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, listing.splitlines()) if m]
+    back = [(at, int(t.group(1), 16)) for at, ins in code
+            if (t := re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", ins)) and int(t.group(1), 16) < at]
+    if not back:
+        raise ValueError("no backward branch in the listing: no loop")
+    end, start = max(back)
+    body = [ins for at, ins in code if start <= at <= end]
+    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body)
+    return len(body), ops
 
 
 def compile_one(spec: KernelSpec, launch: Launch, arch: Arch) -> Report:
