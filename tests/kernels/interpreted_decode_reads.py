@@ -5,8 +5,9 @@ config, how many elements of the pool were read (and written) other than once am
 layer, and how many outside it (the other layer, unused slots, the pads' slot 0 under `tl.maximum(slot, 0)`).
 
 A prefetch past a program's last block would read the next head's rows a second time, or the next slot's first rows,
-and show here, while the outputs and the pool, which such a read does not change, stay right. The TMA walk reads through
-tensor descriptors, which this wrapper does not see; it is not covered.
+and show here, while the outputs and the pool, which such a read does not change, stay right. The TMA walk's descriptor
+loads and stores reach the same native load and store in the interpreter (as masked accesses of the box), so it is
+covered too.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class _Recorder:
 _recorder = _Recorder(interpreter._interpreter)
 interpreter._interpreter = _recorder
 
-from hybridkv.kernels.gdn import triton_decode_prefetch, triton_decode_rows, triton_recurrent  # noqa: E402
+from hybridkv.kernels.gdn import (triton_decode_prefetch, triton_decode_rows, triton_decode_tma,  # noqa: E402
+                                  triton_recurrent)
 
 
 def _counts(addresses: list[np.ndarray], pool: torch.Tensor) -> np.ndarray:
@@ -79,6 +81,9 @@ def main() -> int:
     launches |= {f"prefetch {cfg}": (lambda cfg=cfg: lambda *x: triton_decode_prefetch.launch(
         cfg, *x[:10], K**-0.5, True, 1.0, 20.0))() for cfg in (*triton_decode_prefetch.PREFETCH_CONFIGS, (8, 8, 1),
                                                                  (16, 32, 2))}
+    # The TMA walk's descriptor loads reach the same native load in the interpreter. Three "SMs": a walk that wraps.
+    launches |= {f"tma {cfg}": (lambda cfg=cfg: lambda *x: triton_decode_tma.launch(
+        cfg, *x[:10], K**-0.5, True, 1.0, 20.0, sms=3))() for cfg in triton_decode_tma.TMA_CONFIGS}
     out = {}
     for name, launch in launches.items():
         pool = (torch.randn(slots, 2, HV, V, K) * 0.1).bfloat16()

@@ -63,12 +63,13 @@ def test_chunk_kernels_in_the_interpreter_match_the_reference():
 
 
 def test_decode_kernels_read_and_write_each_live_state_element_once_and_nothing_else():
-    """Every shipped config of the tile, row-looped and register-prefetching decode kernels, in the interpreter with its
-    loads and stores recorded (`interpreted_decode_reads.py`): each element of the live slots' state in the decoded layer
-    is read once and written once, and nothing else of the pool is touched (the other layer, unused slots, a pad's slot
-    0, and past the pool's last slot). A prefetch past a program's last block leaves the outputs right and shows only
-    here (the prefetching kernel with that block's mask removed: 768-3,072 elements read outside, 3,072-31,744 twice)."""
-    from hybridkv.kernels.gdn import triton_decode_prefetch, triton_decode_rows
+    """Every shipped config of the tile, row-looped, register-prefetching and TMA decode kernels, in the interpreter
+    with its loads and stores recorded (`interpreted_decode_reads.py`): each element of the live slots' state in the
+    decoded layer is read once and written once, and nothing else of the pool is touched (the other layer, unused
+    slots, a pad's slot 0, and past the pool's last slot). A prefetch past a program's last block leaves the outputs
+    right and shows only here (the prefetching kernel with that block's mask removed: 768-3,072 elements read
+    outside, 3,072-31,744 twice)."""
+    from hybridkv.kernels.gdn import triton_decode_prefetch, triton_decode_rows, triton_decode_tma
 
     script = Path(__file__).with_name("interpreted_decode_reads.py")
     root = str(Path(__file__).resolve().parents[2])
@@ -78,7 +79,8 @@ def test_decode_kernels_read_and_write_each_live_state_element_once_and_nothing_
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     names = {"tile (32, 4)", "tile (64, 8)"} | {f"rows {c}" for c in triton_decode_rows.ROWS_CONFIGS} | {
-        f"prefetch {c}" for c in (*triton_decode_prefetch.PREFETCH_CONFIGS, (8, 8, 1), (16, 32, 2))}
+        f"prefetch {c}" for c in (*triton_decode_prefetch.PREFETCH_CONFIGS, (8, 8, 1), (16, 32, 2))} | {
+        f"tma {c}" for c in triton_decode_tma.TMA_CONFIGS}
     assert set(counts) == {f"{n}/{w}" for n in names for w in ("reads", "writes")}
     wrong = {name: c for name, c in counts.items() if c != [0, 0]}
     assert not wrong, wrong
