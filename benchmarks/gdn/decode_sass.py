@@ -13,26 +13,17 @@ counts what each variant issues a block before device time is spent on it.
 from __future__ import annotations
 
 from hybridkv.kernels.gdn import compile_report
-from hybridkv.kernels.gdn.compile_specs import D, Arch, KernelSpec, Launch
-
-_ROW_LOOP = dict(
-    signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "a": "*fp32", "b": "*fp32", "A_log": "*fp32",
-               "dt_bias": "*fp32", "o": "*bf16", "state_indices": "*i32", "scale": "fp32", "stride_slot": "i32",
-               "stride_head": "i32", "softplus_beta": "fp32", "softplus_threshold": "fp32"},
-    aligned=("stride_slot", "stride_head"),
-    launches=(),
-)
-_SHAPE = {"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True}
-
+from hybridkv.kernels.gdn.compile_specs import ROW_LOOP, Arch, KernelSpec, Launch
 
 def _variants() -> list[tuple[str, KernelSpec, Launch, int]]:
     """(name, spec, launch, blocks a loop iteration) for each variant."""
     shipped = KernelSpec(name="prefetch", module="hybridkv.kernels.gdn.triton_decode_prefetch",
-                         attr="_decode_prefetch_kernel", constants=_SHAPE, **_ROW_LOOP)
-    regs = KernelSpec(name="regs", module="benchmarks.gdn.decode_regs", attr="_decode_regs_kernel",
-                      constants={**_SHAPE, "CONST_QK": False, "TOUCH": False, "QK_FIRST": True}, **_ROW_LOOP)
-    regs3 = KernelSpec(name="regs3", module="benchmarks.gdn.decode_regs", attr="_decode_regs3_kernel",
-                       constants=_SHAPE, **_ROW_LOOP)
+                         attr="_decode_prefetch_kernel", launches=(), **ROW_LOOP)
+    regs = KernelSpec(name="regs", module="benchmarks.gdn.decode_regs", attr="_decode_regs_kernel", launches=(),
+                      **{**ROW_LOOP, "constants": {**ROW_LOOP["constants"], "CONST_QK": False, "TOUCH": False,
+                                                   "QK_FIRST": True}})
+    regs3 = KernelSpec(name="regs3", module="benchmarks.gdn.decode_regs", attr="_decode_regs3_kernel", launches=(),
+                       **ROW_LOOP)
     out = []
     for dt in ("bf16", "fp32"):
         stream = dt == "bf16"

@@ -73,17 +73,17 @@ def main() -> int:
     want = torch.zeros(slots, 2, HV, V, K, dtype=torch.int64)
     want[idx[idx >= 0], 1] = 1  # the decoded layer (1) of the live slots, once each
     want = want.reshape(-1).numpy()
-    launches = {f"tile {cfg}": (lambda cfg=cfg: lambda *x: triton_recurrent._launch_decode(
-        cfg, *x[:10], K**-0.5, True, True, 1.0, 20.0))() for cfg in ((32, 4), (64, 8))}
-    launches |= {f"rows {cfg}": (lambda cfg=cfg: lambda *x: triton_decode_rows.launch(
-        cfg, *x[:10], K**-0.5, True, 1.0, 20.0))() for cfg in triton_decode_rows.ROWS_CONFIGS}
+    launches = {f"tile {cfg}": lambda *x, cfg=cfg: triton_recurrent._launch_decode(
+        cfg, *x, K**-0.5, True, True, 1.0, 20.0) for cfg in ((32, 4), (64, 8))}
+    launches |= {f"rows {cfg}": lambda *x, cfg=cfg: triton_decode_rows.launch(cfg, *x, K**-0.5, True, 1.0, 20.0)
+                 for cfg in triton_decode_rows.ROWS_CONFIGS}
     # (8, 8, 1): one block a program, nothing to prefetch after it; (16, 32, 2): two.
-    launches |= {f"prefetch {cfg}": (lambda cfg=cfg: lambda *x: triton_decode_prefetch.launch(
-        cfg, *x[:10], K**-0.5, True, 1.0, 20.0))() for cfg in (*triton_decode_prefetch.PREFETCH_CONFIGS, (8, 8, 1),
-                                                                 (16, 32, 2))}
+    launches |= {f"prefetch {cfg}": lambda *x, cfg=cfg: triton_decode_prefetch.launch(
+        cfg, *x, K**-0.5, True, 1.0, 20.0)
+        for cfg in (*triton_decode_prefetch.PREFETCH_CONFIGS, (8, 8, 1), (16, 32, 2))}
     # The TMA walk's descriptor loads reach the same native load in the interpreter. Three "SMs": a walk that wraps.
-    launches |= {f"tma {cfg}": (lambda cfg=cfg: lambda *x: triton_decode_tma.launch(
-        cfg, *x[:10], K**-0.5, True, 1.0, 20.0, sms=3))() for cfg in triton_decode_tma.TMA_CONFIGS}
+    launches |= {f"tma {cfg}": lambda *x, cfg=cfg: triton_decode_tma.launch(cfg, *x, K**-0.5, True, 1.0, 20.0, sms=3)
+                 for cfg in triton_decode_tma.TMA_CONFIGS}
     out = {}
     for name, launch in launches.items():
         pool = (torch.randn(slots, 2, HV, V, K) * 0.1).bfloat16()

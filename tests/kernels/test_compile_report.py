@@ -150,10 +150,8 @@ def test_the_prefetching_decode_loop_stays_near_190_instructions_a_block():
     sequences: results/ncu_decode_prefetch_h200.txt), so its size is pinned: the shipped (4, 128, 1 warp) loop, bf16,
     two blocks an iteration, offline sm_90 on 2026-12-04: 380 instructions, 36 SHFL. A change that adds work to the
     loop (a layout conversion, a reload of q or k) fails here before device time is spent on it."""
-    from hybridkv.kernels.gdn.compile_specs import Arch
-
     spec = next(s for s in cr._specs() if s.name == "decode_prefetch")
     launch = next(la for la in spec.launches if la.label == "bf16 state BV=4 ROWS=128")
-    compiled = cr.compiled_kernel(spec, launch, Arch.HOPPER)
+    compiled = cr.compiled_kernel(spec, launch, cr.Arch.HOPPER)
     n, ops = cr.loop_mix(cr.sass(compiled.asm["cubin"]))
     assert n <= 400 and ops["SHFL"] <= 36, (n, ops.most_common(8))

@@ -136,7 +136,7 @@ def loop_mix(listing: str) -> tuple[int, Counter]:
     branch. Predicates are dropped and modifiers cut (`FFMA.FTZ` counts as FFMA)."""
     code = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, listing.splitlines()) if m]
     back = [(at, int(t.group(1), 16)) for at, ins in code
-            if (t := re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", ins)) and int(t.group(1), 16) < at]
+            if (t := re.search(r"\bBRA\s+0x([0-9a-f]+)", ins)) and int(t.group(1), 16) < at]
     if not back:
         raise ValueError("no backward branch in the listing: no loop")
     end, start = max(back)

@@ -44,6 +44,16 @@ class KernelSpec:
     archs: tuple[Arch, ...] = (Arch.HOPPER, Arch.BLACKWELL)  # what it is written for (Hopper's wgmma: Hopper only)
 
 
+# The row-looped decode kernels' common arguments (`triton_decode_rows`, `triton_decode_prefetch`), 35B's heads.
+ROW_LOOP = dict(
+    signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "a": "*fp32", "b": "*fp32", "A_log": "*fp32",
+               "dt_bias": "*fp32", "o": "*bf16", "state_indices": "*i32", "scale": "fp32", "stride_slot": "i32",
+               "stride_head": "i32", "softplus_beta": "fp32", "softplus_threshold": "fp32"},
+    constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True},
+    aligned=("stride_slot", "stride_head"),
+)
+
+
 def _has_gluon() -> bool:
     try:
         from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: F401
@@ -91,14 +101,6 @@ def _specs() -> list[KernelSpec]:
         "T": "i32", "stride_slot": "i32", "stride_head": "i32", "softplus_beta": "fp32",
         "softplus_threshold": "fp32", "H": "i32", "HV": "i32",
     }
-    # The row-looped decode kernels' common arguments (`triton_decode_rows`, `triton_decode_prefetch`).
-    row_loop = dict(
-        signature={"q": "*bf16", "k": "*bf16", "v": "*bf16", "a": "*fp32", "b": "*fp32", "A_log": "*fp32",
-                   "dt_bias": "*fp32", "o": "*bf16", "state_indices": "*i32", "scale": "fp32", "stride_slot": "i32",
-                   "stride_head": "i32", "softplus_beta": "fp32", "softplus_threshold": "fp32"},
-        constants={"H": 16, "HV": 32, "K": D, "V": D, "L2NORM": True},
-        aligned=("stride_slot", "stride_head"),
-    )
     specs = [
         KernelSpec(
             name="chunk_inverse", module=inverse, attr="_chunk_inverse_kernel",
@@ -246,7 +248,7 @@ def _specs() -> list[KernelSpec]:
         ),
         KernelSpec(
             name="decode_rows", module="hybridkv.kernels.gdn.triton_decode_rows", attr="_decode_rows_kernel",
-            **row_loop,
+            **ROW_LOOP,
             launches=tuple(
                 Launch(label=f"{dt} state BV={bv} ROWS={rows}", num_warps=w, num_stages=st,
                        constants={"BV": bv, "ROWS": rows, "STAGES": st, "STREAM": dt == "bf16", "state": dt})
@@ -255,7 +257,7 @@ def _specs() -> list[KernelSpec]:
         KernelSpec(
             name="decode_prefetch", module="hybridkv.kernels.gdn.triton_decode_prefetch",
             attr="_decode_prefetch_kernel",
-            **row_loop,
+            **ROW_LOOP,
             launches=tuple(
                 Launch(label=f"{dt} state BV={bv} ROWS={rows}", num_warps=w, num_stages=1,
                        constants={"BV": bv, "ROWS": rows, "STREAM": dt == "bf16", "state": dt})

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.kernels.gdn.bench_timing import _event_ms, _median
+
 
 @triton.jit
 def _l2norm(x):
@@ -301,8 +303,6 @@ def _charged_ms(launch, spin: int, flush: torch.Tensor) -> float:
     """ms of one ``launch`` that finds L2 holding clean lines only, plus the read of ``flush`` (2x L2) after it, which
     writes back whatever the launch left dirty; `_tuning_ms` subtracts that read's own time (`_charged_ms` of a no-op).
     Queued behind a GPU spin of ``spin`` cycles that outlasts the host time."""
-    from hybridkv.kernels.gdn.bench_timing import _event_ms
-
     flush.max()
     return _event_ms(lambda: (launch(), flush.max()), spin)
 
@@ -427,8 +427,6 @@ def _tuning_ms(args, rows: int, tma: bool, by_rows: bool) -> DecodeTimings:
     near = near_ties(charged)
     steady: dict[DecodeChoice, list[float]] = {c: [] for c in near}
     if len(near) > 1:
-        from hybridkv.kernels.gdn.bench_timing import _event_ms
-
         # Interleaved, each sample after an untimed launch of the same candidate: it finds L2 as its own previous step
         # left it (dirty lines of the pool to write back while it reads), not as another candidate's. A sample is the
         # mean of `_STEADY_CALLS` launches back to back behind a spin that outlasts their host time, over three times
@@ -446,10 +444,6 @@ def _tuning_ms(args, rows: int, tma: bool, by_rows: bool) -> DecodeTimings:
                 _launch_choice(choice, *sub)
                 steady[choice].append(_event_ms(lambda c=choice: calls(c), steady_spin) / _STEADY_CALLS)
     return DecodeTimings(charged=charged, steady={c: _median(ts) for c, ts in steady.items() if ts})
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
 
 
 def decode_fwd(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, scale, use_qk_l2norm_in_kernel,
