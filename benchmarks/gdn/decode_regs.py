@@ -44,13 +44,29 @@ D = 128
 
 
 @triton.jit
+def _sblock(base, v, i_nh, j, shift, row0, o_r, o_k, live, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+            NB: tl.constexpr, STREAM: tl.constexpr, STAGGER: tl.constexpr):
+    """`_block` j of a walk that starts at block ``shift`` and wraps around (STAGGER), or `_block` j itself."""
+    if STAGGER:
+        rows = row0 + ((j + shift) % NB) * BV + o_r
+        inside = j < NB
+        raw = tl.load(base + rows[:, None] * K + o_k[None, :], mask=live & inside, other=0.0,
+                      eviction_policy="evict_first" if STREAM else "")
+        b_v = tl.load(v + i_nh.to(tl.int64) * V + rows, mask=inside, other=0.0)
+    else:
+        raw, b_v = _block(base, v, i_nh, j, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+    return raw, b_v
+
+
+@triton.jit
 def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, scale, stride_slot, stride_head,
                         softplus_beta, softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                         V: tl.constexpr, BV: tl.constexpr, ROWS: tl.constexpr, DEPTH: tl.constexpr,
                         L2NORM: tl.constexpr, STREAM: tl.constexpr, CONST_QK: tl.constexpr, TOUCH: tl.constexpr,
-                        UNROLL: tl.constexpr = 1, QK_FIRST: tl.constexpr = False):
+                        UNROLL: tl.constexpr = 1, QK_FIRST: tl.constexpr = False, STAGGER: tl.constexpr = 0):
     """`triton_decode_rows._decode_rows_kernel`'s grid and arithmetic; blocks prefetched into registers DEPTH (1-4)
-    ahead."""
+    ahead. STAGGER (odd, or 0 for off): a program walks its blocks starting at block (pid * STAGGER) % NB and wraps
+    around, so that the programs in flight at one time do not all ask for the same offset of their 32 KB heads."""
     NR: tl.constexpr = V // ROWS
     NB: tl.constexpr = ROWS // BV
     pid = tl.program_id(0)
@@ -67,14 +83,15 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
     slot = tl.load(state_indices + i_n).to(tl.int64)
     live = slot >= 0
     base = state + tl.maximum(slot, 0) * stride_slot + i_hv * stride_head
+    shift = (pid * STAGGER) % NB
     # The first DEPTH blocks go out before anything else is waited for.
-    s0, v0 = _block(base, v, i_nh, 0, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+    s0, v0 = _sblock(base, v, i_nh, 0, shift, row0, o_r, o_k, live, K, V, BV, NB, STREAM, STAGGER)
     if DEPTH >= 2:
-        s1, v1 = _block(base, v, i_nh, 1, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+        s1, v1 = _sblock(base, v, i_nh, 1, shift, row0, o_r, o_k, live, K, V, BV, NB, STREAM, STAGGER)
     if DEPTH >= 3:
-        s2, v2 = _block(base, v, i_nh, 2, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+        s2, v2 = _sblock(base, v, i_nh, 2, shift, row0, o_r, o_k, live, K, V, BV, NB, STREAM, STAGGER)
     if DEPTH >= 4:
-        s3, v3 = _block(base, v, i_nh, 3, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+        s3, v3 = _sblock(base, v, i_nh, 3, shift, row0, o_r, o_k, live, K, V, BV, NB, STREAM, STAGGER)
     if QK_FIRST:
         f_q, f_k, decay, beta = _head_math(r_q, r_k, r_a, r_dt, r_A, r_b, softplus_beta, softplus_threshold, L2NORM)
     elif CONST_QK:
@@ -89,20 +106,24 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
     for j in tl.range(0, NB, loop_unroll_factor=UNROLL):
         raw, b_v = s0, v0
         if DEPTH == 1:
-            s0, v0 = _block(base, v, i_nh, j + 1, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+            s0, v0 = _sblock(base, v, i_nh, j + 1, shift, row0, o_r, o_k, live, K, V, BV, NB, STREAM, STAGGER)
         elif DEPTH == 2:
             s0, v0 = s1, v1
-            s1, v1 = _block(base, v, i_nh, j + 2, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+            s1, v1 = _sblock(base, v, i_nh, j + 2, shift, row0, o_r, o_k, live, K, V, BV, NB, STREAM, STAGGER)
         elif DEPTH == 3:
             s0, v0 = s1, v1
             s1, v1 = s2, v2
-            s2, v2 = _block(base, v, i_nh, j + 3, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+            s2, v2 = _sblock(base, v, i_nh, j + 3, shift, row0, o_r, o_k, live, K, V, BV, NB, STREAM, STAGGER)
         else:
             s0, v0 = s1, v1
             s1, v1 = s2, v2
             s2, v2 = s3, v3
-            s3, v3 = _block(base, v, i_nh, j + 4, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
-        rows = row0 + j * BV + o_r
+            s3, v3 = _sblock(base, v, i_nh, j + 4, shift, row0, o_r, o_k, live, K, V, BV, NB, STREAM, STAGGER)
+        if STAGGER:
+            jj = (j + shift) % NB
+        else:
+            jj = j
+        rows = row0 + jj * BV + o_r
         p = base + rows[:, None] * K + o_k[None, :]
         if TOUCH:
             tl.store(p, raw, mask=live, cache_modifier=".cs" if STREAM else "")
@@ -113,10 +134,13 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
 
 
 @triton.jit
-def _block3(base, v, i_nh, j, row0, o_c, o_r, o_e, live, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-            KC: tl.constexpr, NB: tl.constexpr):
-    """`_block` with the state block as [BV, K / KC, KC]: K cut into chunks of KC."""
-    rows = row0 + j * BV + o_r
+def _block3(base, v, i_nh, j, shift, row0, o_c, o_r, o_e, live, K: tl.constexpr, V: tl.constexpr,
+            BV: tl.constexpr, KC: tl.constexpr, NB: tl.constexpr, STAGGER: tl.constexpr):
+    """`_sblock` with the state block as [BV, K / KC, KC]: K cut into chunks of KC."""
+    if STAGGER:
+        rows = row0 + ((j + shift) % NB) * BV + o_r
+    else:
+        rows = row0 + j * BV + o_r
     inside = j < NB
     p = base + rows[:, None, None] * K + o_c[None, :, None] * KC + o_e[None, None, :]
     raw = tl.load(p, mask=live & inside, other=0.0, eviction_policy="evict_first")
@@ -128,11 +152,13 @@ def _block3(base, v, i_nh, j, row0, o_c, o_r, o_e, live, K: tl.constexpr, V: tl.
 def _decode_regs3_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, scale, stride_slot, stride_head,
                          softplus_beta, softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BV: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
-                         L2NORM: tl.constexpr, STREAM: tl.constexpr):
+                         L2NORM: tl.constexpr, STREAM: tl.constexpr, STAGGER: tl.constexpr = 0):
     """`_decode_regs_kernel` at DEPTH 2, UNROLL 2, with each block held as [BV, K / KC, KC]. A thread's 16-byte
     vector is along KC and Triton's coalescing puts the next lanes along the rows (the chunk and row axes tie on
     contiguity; the lower axis goes first, offline sm_90 TTGIR), so the K / KC chunks of a row sit in one thread and a
-    row's sums take log2(KC / vector) shuffles, not log2(K / vector) (16 lanes for a bf16 row of 128 as [BV, K])."""
+    row's sums take log2(KC / vector) shuffles, not log2(K / vector) (16 lanes for a bf16 row of 128 as [BV, K]).
+    q, k and the gate inputs are requested before the slot index, as the shipped kernel does; STAGGER as in
+    `_decode_regs_kernel`."""
     NR: tl.constexpr = V // ROWS
     NB: tl.constexpr = ROWS // BV
     C: tl.constexpr = K // KC
@@ -144,26 +170,33 @@ def _decode_regs3_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices,
     o_e = tl.arange(0, KC)
     o_r = tl.arange(0, BV)
     row0 = i_r * ROWS
+    o_qk = (i_n * H + i_h) * K + o_c[None, :, None] * KC + o_e[None, None, :]
+    r_q = tl.load(q + o_qk)
+    r_k = tl.load(k + o_qk)
+    r_a, r_dt, r_A, r_b = tl.load(a + i_nh), tl.load(dt_bias + i_hv), tl.load(A_log + i_hv), tl.load(b + i_nh)
     slot = tl.load(state_indices + i_n).to(tl.int64)
     live = slot >= 0
     base = state + tl.maximum(slot, 0) * stride_slot + i_hv * stride_head
-    s0, v0 = _block3(base, v, i_nh, 0, row0, o_c, o_r, o_e, live, K, V, BV, KC, NB)
-    s1, v1 = _block3(base, v, i_nh, 1, row0, o_c, o_r, o_e, live, K, V, BV, KC, NB)
-    o_qk = (i_n * H + i_h) * K + o_c[None, :, None] * KC + o_e[None, None, :]
-    f_q = tl.load(q + o_qk).to(tl.float32)
-    f_k = tl.load(k + o_qk).to(tl.float32)
+    shift = (pid * STAGGER) % NB
+    s0, v0 = _block3(base, v, i_nh, 0, shift, row0, o_c, o_r, o_e, live, K, V, BV, KC, NB, STAGGER)
+    s1, v1 = _block3(base, v, i_nh, 1, shift, row0, o_c, o_r, o_e, live, K, V, BV, KC, NB, STAGGER)
+    f_q = r_q.to(tl.float32)
+    f_k = r_k.to(tl.float32)
     if L2NORM:
         f_q = f_q * tl.rsqrt(tl.sum(tl.sum(f_q * f_q, 2), 1)[:, None, None] + 1e-6)
         f_k = f_k * tl.rsqrt(tl.sum(tl.sum(f_k * f_k, 2), 1)[:, None, None] + 1e-6)
     kq = tl.sum(tl.sum(f_k * f_q, 2), 1)  # [1]
-    x = tl.load(a + i_nh).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
-    decay = tl.exp(-tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(x, softplus_beta, softplus_threshold))
-    beta = tl.sigmoid(tl.load(b + i_nh).to(tl.float32))
+    x = r_a.to(tl.float32) + r_dt.to(tl.float32)
+    decay = tl.exp(-tl.exp(r_A.to(tl.float32)) * _softplus(x, softplus_beta, softplus_threshold))
+    beta = tl.sigmoid(r_b.to(tl.float32))
     for j in tl.range(0, NB, loop_unroll_factor=2):
         raw, b_v = s0, v0
         s0, v0 = s1, v1
-        s1, v1 = _block3(base, v, i_nh, j + 2, row0, o_c, o_r, o_e, live, K, V, BV, KC, NB)
-        rows = row0 + j * BV + o_r
+        s1, v1 = _block3(base, v, i_nh, j + 2, shift, row0, o_c, o_r, o_e, live, K, V, BV, KC, NB, STAGGER)
+        if STAGGER:
+            rows = row0 + ((j + shift) % NB) * BV + o_r
+        else:
+            rows = row0 + j * BV + o_r
         b_s = raw.to(tl.float32) * decay
         pred = tl.sum(tl.sum(b_s * f_k, 2), 1)
         b_sq = tl.sum(tl.sum(b_s * f_q, 2), 1)
@@ -177,8 +210,9 @@ def _decode_regs3_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices,
 
 def launch3(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2=True, softplus_beta=1.0,
             softplus_threshold=20.0) -> None:
-    """cfg = (BV, ROWS, num_warps, KC)."""
-    bv, rows, warps, kc = cfg
+    """cfg = (BV, ROWS, num_warps, KC[, STAGGER])."""
+    bv, rows, warps, kc = cfg[:4]
+    stagger = cfg[4] if len(cfg) > 4 else 0
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     rows = min(rows, V)
@@ -186,12 +220,12 @@ def launch3(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, sca
     _decode_regs3_kernel[(V // rows * N * HV,)](
         q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, ssm_state.stride(0), ssm_state.stride(1),
         float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, ROWS=rows, KC=min(kc, K),
-        L2NORM=l2, STREAM=ssm_state.element_size() == 2, num_warps=warps, num_stages=1)
+        L2NORM=l2, STREAM=ssm_state.element_size() == 2, STAGGER=stagger, num_warps=warps, num_stages=1)
 
 
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2=True, softplus_beta=1.0,
            softplus_threshold=20.0, const_qk=False, touch=False, unroll=1, maxnreg=None, qk_first=False,
-           stream=True) -> None:
+           stream=True, stagger=0) -> None:
     """cfg = (BV, ROWS, num_warps, DEPTH[, UNROLL]), ROWS capped at V and BV at ROWS (`triton_decode_rows.eligible`
     pools)."""
     bv, rows, warps, depth = cfg[:4]
@@ -206,7 +240,7 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
         q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, ssm_state.stride(0), ssm_state.stride(1),
         float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, ROWS=rows, DEPTH=depth,
         L2NORM=l2, STREAM=stream, CONST_QK=const_qk, TOUCH=touch, UNROLL=unroll, QK_FIRST=qk_first,
-        num_warps=warps, num_stages=1, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+        STAGGER=stagger, num_warps=warps, num_stages=1, **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
 
 # (BV, ROWS, num_warps, DEPTH, UNROLL)
@@ -277,6 +311,11 @@ STEADY_ROWS = ((8, 64, 4, 3), (8, 128, 4, 3), (16, 128, 4, 3))
 # (BV, ROWS, num_warps, KC) of `launch3`: none beat `launch` at its best configs (results/decode_regs_steady2_h200.txt:
 # 35B bf16 64 sequences 69-77% against 78.0-78.4; fewer shuffles, but 104-174 registers), so none is timed now.
 STEADY_REGS3 = ()
+# --variants: launch's keyword arguments beside each --regs config. "touch" (the pattern alone, each block stored back
+# unchanged) with and without "stagger" says whether the order in which the programs in flight walk their heads is what
+# the memory system minds.
+VARIANTS = {"qk-first": {"qk_first": True}, "no-stream": {"stream": False}, "stagger": {"stagger": 1},
+            "stagger7": {"stagger": 7}, "touch": {"touch": True}, "stagger-touch": {"stagger": 1, "touch": True}}
 
 
 def _dirty_ms(launch, spin: int, flush: torch.Tensor) -> float:
@@ -396,11 +435,10 @@ def main() -> None:
     p.add_argument("--regs", nargs="+", default=None, help="--steady's configs BV,ROWS,warps,DEPTH,UNROLL[@maxnreg]")
     p.add_argument("--regs3", nargs="+", default=None,
                    help="--steady's configs of launch3 (K held as [K / KC, KC]): BV,ROWS,warps,KC")
-    p.add_argument("--variants", nargs="+", default=[], choices=["qk-first", "no-stream"],
-                   help="--steady: each --regs config also with q, k and gates loaded before the slot index, and "
-                        "without the streaming cache hints")
+    p.add_argument("--variants", nargs="+", default=[], choices=list(VARIANTS),
+                   help="--steady: each --regs config also as each named variant (VARIANTS)")
     args = p.parse_args()
-    variants = {v: {"qk-first": {"qk_first": True}, "no-stream": {"stream": False}}[v] for v in args.variants}
+    variants = {v: VARIANTS[v] for v in args.variants}
     regs = maxnreg = None
     if args.regs:
         parsed = [(tuple(int(x) for x in r.split("@")[0].split(",")), int(r.split("@")[1]) if "@" in r else None)

@@ -21,9 +21,9 @@ def _variants() -> list[tuple[str, KernelSpec, Launch, int]]:
                          attr="_decode_prefetch_kernel", launches=(), **ROW_LOOP)
     regs = KernelSpec(name="regs", module="benchmarks.gdn.decode_regs", attr="_decode_regs_kernel", launches=(),
                       **{**ROW_LOOP, "constants": {**ROW_LOOP["constants"], "CONST_QK": False, "TOUCH": False,
-                                                   "QK_FIRST": True}})
+                                                   "QK_FIRST": True, "STAGGER": 0}})
     regs3 = KernelSpec(name="regs3", module="benchmarks.gdn.decode_regs", attr="_decode_regs3_kernel", launches=(),
-                       **ROW_LOOP)
+                       **{**ROW_LOOP, "constants": {**ROW_LOOP["constants"], "STAGGER": 0}})
     out = []
     for dt in ("bf16", "fp32"):
         stream = dt == "bf16"
@@ -36,6 +36,15 @@ def _variants() -> list[tuple[str, KernelSpec, Launch, int]]:
             out.append((f"regs3 ({bv}, {rows}, {warps}, KC {kc}) {dt}", regs3,
                         Launch(label="", num_warps=warps, num_stages=1,
                                constants={"BV": bv, "ROWS": rows, "KC": kc, "STREAM": stream, "state": dt}), 2))
+        # The same walks started at a block of their own (STAGGER): what the wrap-around costs a block.
+        out.append((f"regs (4, 128, 1, 2, 2) stagger {dt}", regs,
+                    Launch(label="", num_warps=1, num_stages=1,
+                           constants={"BV": 4, "ROWS": 128, "DEPTH": 2, "UNROLL": 2, "STREAM": stream, "state": dt,
+                                      "STAGGER": 1}), 2))
+        out.append((f"regs3 (4, 128, 1, KC 32) stagger {dt}", regs3,
+                    Launch(label="", num_warps=1, num_stages=1,
+                           constants={"BV": 4, "ROWS": 128, "KC": 32, "STREAM": stream, "state": dt, "STAGGER": 1}),
+                    2))
         out.append((f"regs (4, 128, 1, 4, 4) {dt}", regs,
                     Launch(label="", num_warps=1, num_stages=1,
                            constants={"BV": 4, "ROWS": 128, "DEPTH": 4, "UNROLL": 4, "STREAM": stream, "state": dt}),
