@@ -44,6 +44,16 @@ D = 128
 
 
 @triton.jit
+def _l2_prefetch(ptr, nbytes):
+    """Thread 0 of the program asks L2 for ``nbytes`` (a multiple of 16) from ``ptr`` (16-byte aligned) by one
+    cp.async.bulk.prefetch: DRAM is asked early, no register holds the bytes and nothing waits for them."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _sblock(base, v, i_nh, j, shift, row0, o_r, o_k, live, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
             NB: tl.constexpr, STREAM: tl.constexpr, STAGGER: tl.constexpr):
     """`_block` j of a walk that starts at block ``shift`` and wraps around (STAGGER), or `_block` j itself."""
@@ -63,9 +73,11 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
                         softplus_beta, softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                         V: tl.constexpr, BV: tl.constexpr, ROWS: tl.constexpr, DEPTH: tl.constexpr,
                         L2NORM: tl.constexpr, STREAM: tl.constexpr, CONST_QK: tl.constexpr, TOUCH: tl.constexpr,
-                        UNROLL: tl.constexpr = 1, QK_FIRST: tl.constexpr = False, STAGGER: tl.constexpr = 0):
+                        UNROLL: tl.constexpr = 1, QK_FIRST: tl.constexpr = False, STAGGER: tl.constexpr = 0,
+                        L2AHEAD: tl.constexpr = 0, L2ALL: tl.constexpr = False):
     """`triton_decode_rows._decode_rows_kernel`'s grid and arithmetic; blocks prefetched into registers DEPTH (1-4)
-    ahead. STAGGER (odd, or 0 for off): a program walks its blocks starting at block (pid * STAGGER) % NB and wraps
+    ahead. L2AHEAD (> DEPTH, or 0 for off): each block is also asked into L2 (`_l2_prefetch`) L2AHEAD blocks before its
+    use, those up to L2AHEAD before the loop; L2ALL: the program's whole row range is asked into L2 at once, first. STAGGER (odd, or 0 for off): a program walks its blocks starting at block (pid * STAGGER) % NB and wraps
     around, so that the programs in flight at one time do not all ask for the same offset of their 32 KB heads."""
     NR: tl.constexpr = V // ROWS
     NB: tl.constexpr = ROWS // BV
@@ -84,6 +96,9 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
     live = slot >= 0
     base = state + tl.maximum(slot, 0) * stride_slot + i_hv * stride_head
     shift = (pid * STAGGER) % NB
+    BLOCK_BYTES: tl.constexpr = BV * K * state.dtype.element_ty.primitive_bitwidth // 8
+    if L2ALL:
+        _l2_prefetch(base + row0 * K, NB * BLOCK_BYTES)
     # The first DEPTH blocks go out before anything else is waited for.
     s0, v0 = _sblock(base, v, i_nh, 0, shift, row0, o_r, o_k, live, K, V, BV, NB, STREAM, STAGGER)
     if DEPTH >= 2:
@@ -102,8 +117,15 @@ def _decode_regs_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, 
     else:
         f_q, f_k, decay, beta = _head_inputs(q, k, a, b, A_log, dt_bias, i_n, i_h, i_hv, i_nh, o_k, softplus_beta,
                                              softplus_threshold, H, K, L2NORM)
+    if L2AHEAD:
+        for i in tl.static_range(DEPTH, L2AHEAD):
+            if i < NB:
+                _l2_prefetch(base + (row0 + i * BV) * K, BLOCK_BYTES)
     # UNROLL = DEPTH lets ptxas rename the rotated registers instead of moving them.
     for j in tl.range(0, NB, loop_unroll_factor=UNROLL):
+        if L2AHEAD:
+            if j + L2AHEAD < NB:
+                _l2_prefetch(base + (row0 + (j + L2AHEAD) * BV) * K, BLOCK_BYTES)
         raw, b_v = s0, v0
         if DEPTH == 1:
             s0, v0 = _sblock(base, v, i_nh, j + 1, shift, row0, o_r, o_k, live, K, V, BV, NB, STREAM, STAGGER)
@@ -225,7 +247,7 @@ def launch3(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, sca
 
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2=True, softplus_beta=1.0,
            softplus_threshold=20.0, const_qk=False, touch=False, unroll=1, maxnreg=None, qk_first=False,
-           stream=True, stagger=0) -> None:
+           stream=True, stagger=0, l2ahead=0, l2all=False) -> None:
     """cfg = (BV, ROWS, num_warps, DEPTH[, UNROLL]), ROWS capped at V and BV at ROWS (`triton_decode_rows.eligible`
     pools)."""
     bv, rows, warps, depth = cfg[:4]
@@ -240,7 +262,7 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
         q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, ssm_state.stride(0), ssm_state.stride(1),
         float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, ROWS=rows, DEPTH=depth,
         L2NORM=l2, STREAM=stream, CONST_QK=const_qk, TOUCH=touch, UNROLL=unroll, QK_FIRST=qk_first,
-        STAGGER=stagger, num_warps=warps, num_stages=1, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+        STAGGER=stagger, L2AHEAD=l2ahead, L2ALL=l2all, num_warps=warps, num_stages=1, **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
 
 # (BV, ROWS, num_warps, DEPTH, UNROLL)
@@ -315,7 +337,9 @@ STEADY_REGS3 = ()
 # unchanged) with and without "stagger" says whether the order in which the programs in flight walk their heads is what
 # the memory system minds.
 VARIANTS = {"qk-first": {"qk_first": True}, "no-stream": {"stream": False}, "stagger": {"stagger": 1},
-            "stagger7": {"stagger": 7}, "touch": {"touch": True}, "stagger-touch": {"stagger": 1, "touch": True}}
+            "stagger7": {"stagger": 7}, "touch": {"touch": True}, "stagger-touch": {"stagger": 1, "touch": True},
+            "l2ahead4": {"l2ahead": 4}, "l2ahead8": {"l2ahead": 8}, "l2ahead16": {"l2ahead": 16}, "l2all": {"l2all": True},
+            "l2ahead8-touch": {"l2ahead": 8, "touch": True}, "l2all-touch": {"l2all": True, "touch": True}}
 
 
 def _dirty_ms(launch, spin: int, flush: torch.Tensor) -> float:

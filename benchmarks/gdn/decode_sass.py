@@ -21,7 +21,8 @@ def _variants() -> list[tuple[str, KernelSpec, Launch, int]]:
                          attr="_decode_prefetch_kernel", launches=(), **ROW_LOOP)
     regs = KernelSpec(name="regs", module="benchmarks.gdn.decode_regs", attr="_decode_regs_kernel", launches=(),
                       **{**ROW_LOOP, "constants": {**ROW_LOOP["constants"], "CONST_QK": False, "TOUCH": False,
-                                                   "QK_FIRST": True, "STAGGER": 0}})
+                                                   "QK_FIRST": True, "STAGGER": 0,
+                                                   "L2AHEAD": 0, "L2ALL": False}})
     regs3 = KernelSpec(name="regs3", module="benchmarks.gdn.decode_regs", attr="_decode_regs3_kernel", launches=(),
                        **{**ROW_LOOP, "constants": {**ROW_LOOP["constants"], "STAGGER": 0}})
     out = []
@@ -41,6 +42,11 @@ def _variants() -> list[tuple[str, KernelSpec, Launch, int]]:
                     Launch(label="", num_warps=1, num_stages=1,
                            constants={"BV": 4, "ROWS": 128, "DEPTH": 2, "UNROLL": 2, "STREAM": stream, "state": dt,
                                       "STAGGER": 1}), 2))
+        for extra in ({"L2AHEAD": 8}, {"L2ALL": True}):
+            out.append((f"regs (4, 128, 1, 2, 2) {next(iter(extra))} {dt}", regs,
+                        Launch(label="", num_warps=1, num_stages=1,
+                               constants={"BV": 4, "ROWS": 128, "DEPTH": 2, "UNROLL": 2, "STREAM": stream, "state": dt,
+                                          **extra}), 2))
         out.append((f"regs3 (4, 128, 1, KC 32) stagger {dt}", regs3,
                     Launch(label="", num_warps=1, num_stages=1,
                            constants={"BV": 4, "ROWS": 128, "KC": 32, "STREAM": stream, "state": dt, "STAGGER": 1}),
