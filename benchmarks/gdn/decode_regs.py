@@ -338,7 +338,7 @@ STEADY_REGS3 = ()
 # the memory system minds.
 VARIANTS = {"qk-first": {"qk_first": True}, "no-stream": {"stream": False}, "stagger": {"stagger": 1},
             "stagger7": {"stagger": 7}, "touch": {"touch": True}, "stagger-touch": {"stagger": 1, "touch": True},
-            "l2ahead4": {"l2ahead": 4}, "l2ahead8": {"l2ahead": 8}, "l2ahead16": {"l2ahead": 16}, "l2all": {"l2all": True},
+            "l2ahead3": {"l2ahead": 3}, "l2ahead4": {"l2ahead": 4}, "l2ahead6": {"l2ahead": 6}, "l2ahead8": {"l2ahead": 8}, "l2ahead16": {"l2ahead": 16}, "l2all": {"l2all": True},
             "l2ahead8-touch": {"l2ahead": 8, "touch": True}, "l2all-touch": {"l2all": True, "touch": True}}
 
 
@@ -346,6 +346,12 @@ def _dirty_ms(launch, spin: int, flush: torch.Tensor) -> float:
     """ms of one ``launch`` after ``flush`` (2x L2) was written: L2 holds ~its size of another's dirty lines, which the
     launch writes back (how the decode tuner flushed until the thirteenth session)."""
     flush.zero_()
+    return bench_timing._event_ms(launch, spin)
+
+
+def _after_ms(launch, before, spin: int) -> float:
+    """ms of one ``launch`` right after ``before`` (untimed)."""
+    before()
     return bench_timing._event_ms(launch, spin)
 
 
@@ -426,6 +432,12 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
                 for n in order:
                     steady_ms[n].append(bench_timing._median_ms(fns[n], iters))
             spin = bench_timing._spin_cycles(max(bench_timing._host_ms(f) for f in fns.values()))
+            # After another layer's decode step (the shipped kernel on a second pool of the same size): L2 holds that
+            # layer's dirty lines, none of this pool's, as in a stack of GDN layers with little between them.
+            pool2 = pool.clone()
+            other_layer = lambda: gated_delta_rule_decode(*args, pool2, idx)  # noqa: E731
+            other = {n: sorted(_after_ms(fns[n], other_layer, spin) for _ in range(9))[4] for n in names}
+            del pool2
             cold = {n: sorted(_dirty_ms(fns[n], spin, flush) for _ in range(5))[2] for n in names}
             clean = {n: sorted(_clean_ms(fns[n], spin, flush) for _ in range(5))[2] for n in names}
             # As the decode tuner times a candidate (`triton_recurrent._charged_ms`): from a clean L2, charged with the
@@ -438,12 +450,14 @@ def steady(iters: int, batches: list[int], rounds: int = 3, dtypes=("bfloat16", 
                 pcts = [100 * nbytes / ms / 1e6 / copy_gbps for ms in steady_ms[n]]
                 cold_pct = 100 * nbytes / cold[n] / 1e6 / copy_gbps
                 clean_pct = 100 * nbytes / clean[n] / 1e6 / copy_gbps
+                other_pct = 100 * nbytes / other[n] / 1e6 / copy_gbps
                 charged_pct = 100 * nbytes / charged[n] / 1e6 / copy_gbps if charged[n] > 0 else float("nan")
                 out.append({"shape": shape, "what": n, "steady_ms": steady_ms[n], "pct_copy": pcts,
                             "cold_ms": cold[n], "cold_pct_copy": cold_pct, "clean_ms": clean[n],
-                            "clean_pct_copy": clean_pct, "charged_ms": charged[n], "charged_pct_copy": charged_pct})
+                            "clean_pct_copy": clean_pct, "other_ms": other[n], "other_pct_copy": other_pct,
+                            "charged_ms": charged[n], "charged_pct_copy": charged_pct})
                 print(f"{shape:20} {n:58} steady {' '.join(f'{x:5.1f}' for x in pcts)} % copy; cold {cold_pct:5.1f}"
-                      f"; clean {clean_pct:5.1f}; charged {charged_pct:5.1f}", flush=True)
+                      f"; clean {clean_pct:5.1f}; charged {charged_pct:5.1f}; other {other_pct:5.1f}", flush=True)
             del pool, dst
     return out
 
