@@ -12,7 +12,7 @@ counts what each variant issues a block before device time is spent on it.
 
 from __future__ import annotations
 
-from hybridkv.kernels.gdn import compile_report
+from hybridkv.kernels.gdn import compile_report, triton_decode_prefetch
 from hybridkv.kernels.gdn.compile_specs import ROW_LOOP, Arch, KernelSpec, Launch
 
 def _variants() -> list[tuple[str, KernelSpec, Launch, int]]:
@@ -28,10 +28,11 @@ def _variants() -> list[tuple[str, KernelSpec, Launch, int]]:
     out = []
     for dt in ("bf16", "fp32"):
         stream = dt == "bf16"
-        for bv, rows, warps in ((4, 128, 1), (8, 128, 4), (16, 128, 4)):
-            out.append((f"prefetch ({bv}, {rows}, {warps}) {dt}", shipped,
-                        Launch(label="", num_warps=warps, num_stages=1,
-                               constants={"BV": bv, "ROWS": rows, "STREAM": stream, "state": dt}), 2))
+        for cfg in triton_decode_prefetch.PREFETCH_CONFIGS:
+            out.append((f"prefetch {cfg} {dt}", shipped,
+                        Launch(label="", num_warps=cfg[2], num_stages=1,
+                               constants={"BV": cfg[0], "ROWS": cfg[1], "STREAM": stream, "state": dt,
+                                          "L2AHEAD": cfg[3] if len(cfg) > 3 else 0}), 2))
         # K held as [K / KC, KC]: a row's sums cross KC / 8 lanes (bf16), not 16 (launch3 in decode_regs.py).
         for bv, rows, warps, kc in ((4, 128, 1, 64), (4, 128, 1, 32), (8, 128, 2, 64), (8, 128, 4, 32)):
             out.append((f"regs3 ({bv}, {rows}, {warps}, KC {kc}) {dt}", regs3,

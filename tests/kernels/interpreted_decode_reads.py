@@ -2,7 +2,9 @@
 Triton's CPU interpreter (TRITON_INTERPRET=1, set before Triton is imported). The interpreter's load and store are
 wrapped to record every address a load or store touches where its mask holds. Prints one JSON object: per kernel and
 config, how many elements of the pool were read (and written) other than once among the live slots' state of the decoded
-layer, and how many outside it (the other layer, unused slots, the pads' slot 0 under `tl.maximum(slot, 0)`).
+layer, and how many outside it (the other layer, unused slots, the pads' slot 0 under `tl.maximum(slot, 0)`); and for
+the L2 prefetches of `triton_decode_prefetch` (recorded by `interpreter_patches`), how many elements were asked for
+other than once each for the live rows a program reaches after its first two blocks, and how many in all.
 
 A prefetch past a program's last block would read the next head's rows a second time, or the next slot's first rows,
 and show here, while the outputs and the pool, which such a read does not change, stay right. The TMA walk's descriptor
@@ -52,6 +54,23 @@ from hybridkv.kernels.gdn import (triton_decode_prefetch, triton_decode_rows, tr
                                   triton_recurrent)
 
 
+def _l2_addresses(pool: torch.Tensor) -> list[np.ndarray]:
+    """Every byte address of each L2 prefetch issued (`interpreter_patches.l2_prefetches`), one per pool element."""
+    size = pool.element_size()
+    return [np.arange(a, a + n, size, dtype=np.int64) for a, n in interpreter_patches.l2_prefetches]
+
+
+def _want_l2(cfg: tuple, want: np.ndarray, slots: int, HV: int, V: int, K: int) -> np.ndarray:
+    """For a prefetching config with L2AHEAD: each live element of the decoded layer asked into L2 once, but for the
+    first two blocks of each program (those go straight into registers); without: none."""
+    if len(cfg) < 4 or not cfg[3]:
+        return np.zeros_like(want)
+    rows = min(cfg[1], V)
+    bv = min(cfg[0], rows)
+    late = (np.arange(V) % rows) >= 2 * bv  # a row's place in its program's walk
+    return want * np.broadcast_to(late[None, None, None, :, None], (slots, 2, HV, V, K)).reshape(-1)
+
+
 def _counts(addresses: list[np.ndarray], pool: torch.Tensor) -> np.ndarray:
     """How often each element of ``pool`` (contiguous) was touched."""
     base, size = pool.data_ptr(), pool.element_size()
@@ -59,6 +78,10 @@ def _counts(addresses: list[np.ndarray], pool: torch.Tensor) -> np.ndarray:
     flat = flat.astype(np.int64) - base
     inside = (flat >= 0) & (flat < pool.numel() * size)
     return np.bincount(flat[inside] // size, minlength=pool.numel())
+
+
+# Beside the shipped configs, at the test's small heads (K 32, V 64).
+EXTRA_PREFETCH = ((8, 8, 1), (16, 32, 2), (8, 64, 1, 3), (16, 32, 2, 3))
 
 
 def main() -> int:
@@ -77,10 +100,12 @@ def main() -> int:
         cfg, *x, K**-0.5, True, True, 1.0, 20.0) for cfg in ((32, 4), (64, 8))}
     launches |= {f"rows {cfg}": lambda *x, cfg=cfg: triton_decode_rows.launch(cfg, *x, K**-0.5, True, 1.0, 20.0)
                  for cfg in triton_decode_rows.ROWS_CONFIGS}
-    # (8, 8, 1): one block a program, nothing to prefetch after it; (16, 32, 2): two.
+    # (8, 8, 1): one block a program, nothing to prefetch after it; (16, 32, 2): two; with L2AHEAD, (8, 64, 1, 3):
+    # eight blocks, six asked into L2; (16, 32, 2, 3): none.
+    prefetch_cfgs = (*triton_decode_prefetch.PREFETCH_CONFIGS, *EXTRA_PREFETCH)
     launches |= {f"prefetch {cfg}": lambda *x, cfg=cfg: triton_decode_prefetch.launch(
-        cfg, *x, K**-0.5, True, 1.0, 20.0)
-        for cfg in (*triton_decode_prefetch.PREFETCH_CONFIGS, (8, 8, 1), (16, 32, 2))}
+        cfg, *x, K**-0.5, True, 1.0, 20.0) for cfg in prefetch_cfgs}
+    want_l2 = {f"prefetch {cfg}": _want_l2(cfg, want, slots, HV, V, K) for cfg in prefetch_cfgs}
     # The TMA walk's descriptor loads reach the same native load in the interpreter. Three "SMs": a walk that wraps.
     launches |= {f"tma {cfg}": lambda *x, cfg=cfg: triton_decode_tma.launch(cfg, *x, K**-0.5, True, 1.0, 20.0, sms=3)
                  for cfg in triton_decode_tma.TMA_CONFIGS}
@@ -90,11 +115,16 @@ def main() -> int:
         o = torch.empty_like(v)
         _recorder.reads.clear()
         _recorder.writes.clear()
+        interpreter_patches.l2_prefetches.clear()
         launch(q, k, v, a, b, A_log, dt_bias, o, pool[:, 1], idx)
         for what, addresses in (("reads", _recorder.reads), ("writes", _recorder.writes)):
             got = _counts(addresses, pool)
             out[f"{name}/{what}"] = [int(((got != 1) & (want == 1)).sum()), int(((got != 0) & (want == 0)).sum())]
-    print(json.dumps(out))
+        # L2 prefetches: [elements asked for other than as `_want_l2` says, how many were asked for].
+        got = _counts(_l2_addresses(pool), pool)
+        expect = want_l2.get(name, np.zeros_like(want))
+        out[f"{name}/l2"] = [int((got != expect).sum()), int(got.sum())]
+    print(json.dumps({"counts": out, "prefetch": {f"prefetch {cfg}": list(cfg) for cfg in prefetch_cfgs}}))
     return 0
 
 

@@ -68,7 +68,8 @@ def test_decode_kernels_read_and_write_each_live_state_element_once_and_nothing_
     decoded layer is read once and written once, and nothing else of the pool is touched (the other layer, unused
     slots, a pad's slot 0, and past the pool's last slot). A prefetch past a program's last block leaves the outputs
     right and shows only here (the prefetching kernel with that block's mask removed: 768-3,072 elements read
-    outside, 3,072-31,744 twice)."""
+    outside, 3,072-31,744 twice). The prefetching kernel's L2 prefetches (L2AHEAD) are recorded too: each asks only for
+    rows its program goes on to read, each once."""
     from hybridkv.kernels.gdn import triton_decode_prefetch, triton_decode_rows, triton_decode_tma
 
     script = Path(__file__).with_name("interpreted_decode_reads.py")
@@ -77,10 +78,20 @@ def test_decode_kernels_read_and_write_each_live_state_element_once_and_nothing_
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    names = {"tile (32, 4)", "tile (64, 8)"} | {f"rows {c}" for c in triton_decode_rows.ROWS_CONFIGS} | {
-        f"prefetch {c}" for c in (*triton_decode_prefetch.PREFETCH_CONFIGS, (8, 8, 1), (16, 32, 2))} | {
-        f"tma {c}" for c in triton_decode_tma.TMA_CONFIGS}
-    assert set(counts) == {f"{n}/{w}" for n in names for w in ("reads", "writes")}
-    wrong = {name: c for name, c in counts.items() if c != [0, 0]}
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts, prefetch = report["counts"], {name: tuple(c) for name, c in report["prefetch"].items()}
+    assert {f"prefetch {c}" for c in triton_decode_prefetch.PREFETCH_CONFIGS} <= set(prefetch)
+    names = {"tile (32, 4)", "tile (64, 8)"} | {f"rows {c}" for c in triton_decode_rows.ROWS_CONFIGS} | set(
+        prefetch) | {f"tma {c}" for c in triton_decode_tma.TMA_CONFIGS}
+    assert set(counts) == {f"{n}/{w}" for n in names for w in ("reads", "writes", "l2")}
+    wrong = {name: c for name, c in counts.items() if not name.endswith("/l2") and c != [0, 0]}
     assert not wrong, wrong
+    # L2 prefetches: each live row after a program's first two blocks asked for once, nothing else; and some asked for
+    # where L2AHEAD is on and its programs have more than two blocks (the test's heads: K 32, V 64, 4 live sequences).
+    l2 = {name.removesuffix("/l2"): c for name, c in counts.items() if name.endswith("/l2")}
+    assert all(mismatched == 0 for mismatched, _ in l2.values()), l2
+    for name, (_, asked) in l2.items():
+        cfg = prefetch.get(name, ())
+        rows = min(cfg[1], 64) if cfg else 0
+        on = len(cfg) > 3 and rows // min(cfg[0], rows) > 2
+        assert (asked > 0) == on, (name, asked)

@@ -16,8 +16,16 @@ by a read, as the weight streaming of the layers between two decode calls of a l
   the row-looped kernel; clean 85.0 against 83.9.
 - 35B and 397B bf16, 256 sequences: (8, 128, 4 warps) 86.6-89.1 against 83-86.3; clean 87.6-89.6 against 86.4-88.4.
 - fp32: 1-4 points behind `triton_decode_rows` at (8, 64, 4 warps, 3 stages), which the tuner keeps there.
-Ablations in the same probe: the grid and loop with nothing computed move 35B bf16 at 64 sequences at up to 95.6% of
-copy bandwidth (pattern_probe.py --sweep), so the gap left is decode's own work, not its memory pattern.
+Two blocks of registers a program do not ask DRAM far enough ahead, though: with nothing computed (each block stored
+back unchanged) the (4, 128, 1) walk moved 35B bf16 at 64 sequences at only 82% of copy bandwidth steady, against 90%
+for a copy of the same size (results/decode_regs_stagger_h200.txt); more blocks of registers cost registers and did not
+help (decode_regs_depth4_h200.txt). So a config may also ask L2 for each block L2AHEAD blocks before its use, by one
+thread's bulk prefetch (`_l2_prefetch`: no register, nothing waits for it). At (16, 128, 4 warps), three blocks ahead
+(decode_regs_other_h200.txt, % of copy bandwidth without / with):
+- 35B bf16, 64 sequences: steady 78.5 / 87.2; right after another layer's decode step 78.0 / 82.7; from a clean L2
+  83.0 / 83.8; charged with its write-back 77.3 / 78.6.
+- 397B bf16, 64 sequences: steady 85.7 / 86.4, after another layer 85.3 / 86.8, clean 87.1 / 88.3.
+At one warp a program the same prefetch cost 3 points from a clean L2 (84.8 / 80.9), so only four-warp configs take it.
 
 The arithmetic is the tile kernel's (`triton_recurrent._delta_rule_step`) block by block, as in `triton_decode_rows`,
 and the block layout is the same, so the two agree bit for bit (CPU interpreter). `triton_recurrent._tune_decode` times
@@ -31,9 +39,23 @@ import triton.language as tl
 
 from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _head_loads, _head_math
 
-# (BV rows a block, ROWS a program, num_warps): the probe's best for 35B bf16 at 64 sequences, for bf16 at 256
-# sequences, and for 397B bf16 at 64 sequences.
-PREFETCH_CONFIGS = ((4, 128, 1), (8, 128, 4), (16, 128, 4))
+# (BV rows a block, ROWS a program, num_warps[, L2AHEAD]): the probe's best for 35B bf16 at 64 sequences, for bf16 at
+# 256 sequences, and for 397B bf16 at 64 sequences; then the four-warp ones with each block also asked into L2 three
+# blocks before its use (`_l2_prefetch`). Not the one-warp config: there the prefetch cost 3 points from a clean L2
+# (results/decode_regs_l2pf_h200.txt, decode_regs_other_h200.txt).
+PREFETCH_CONFIGS = ((4, 128, 1), (8, 128, 4), (16, 128, 4), (16, 128, 4, 3), (8, 128, 4, 3))
+# The interpreter (tests) records what `_l2_prefetch` asks for by this text in its asm.
+L2_PREFETCH = "cp.async.bulk.prefetch.L2.global"
+_L2_PREFETCH_ASM = tl.constexpr("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                                f"@p {L2_PREFETCH} [$1], $2; mov.u32 $0, 0; }}")
+
+
+@triton.jit
+def _l2_prefetch(ptr, nbytes):
+    """Thread 0 of the program asks L2 for ``nbytes`` (a multiple of 16) from ``ptr`` (16-byte aligned): one
+    cp.async.bulk.prefetch, which takes no register and nothing waits for; the data reaches L2 without the program."""
+    tl.inline_asm_elementwise(
+        _L2_PREFETCH_ASM, "=r,l,r", [ptr.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -53,9 +75,11 @@ def _block(base, v, i_nh, j, row0, o_r, o_k, live, K: tl.constexpr, V: tl.conste
 def _decode_prefetch_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indices, scale, stride_slot, stride_head,
                             softplus_beta, softplus_threshold, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                             V: tl.constexpr, BV: tl.constexpr, ROWS: tl.constexpr, L2NORM: tl.constexpr,
-                            STREAM: tl.constexpr):
+                            STREAM: tl.constexpr, L2AHEAD: tl.constexpr):
     """Grid (V / ROWS * N * HV,), row blocks fastest (one axis: a second stops at 65535). A pad (slot < 0) reads
-    nothing, writes a zero output and leaves the pool alone."""
+    nothing, writes a zero output and leaves the pool alone. L2AHEAD (> 2, or 0 for off): each block from the third
+    on is also asked into L2 (`_l2_prefetch`) L2AHEAD blocks before its use, so DRAM is asked further ahead than two
+    blocks of registers reach."""
     NR: tl.constexpr = V // ROWS
     NB: tl.constexpr = ROWS // BV
     pid = tl.program_id(0)
@@ -75,10 +99,18 @@ def _decode_prefetch_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indic
     # The first two blocks are requested before anything is waited for.
     s0, v0 = _block(base, v, i_nh, 0, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
     s1, v1 = _block(base, v, i_nh, 1, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
+    BLOCK_BYTES: tl.constexpr = BV * K * state.dtype.element_ty.primitive_bitwidth // 8
+    if L2AHEAD:
+        for i in tl.static_range(2, min(L2AHEAD, NB)):
+            if live:
+                _l2_prefetch(base + (row0 + i * BV) * K, BLOCK_BYTES)
     f_q, f_k, decay, beta = _head_math(r_q, r_k, r_a, r_dt, r_A, r_b, softplus_beta, softplus_threshold, L2NORM)
     # Unrolled by two so that ptxas renames the rotated registers instead of moving them (offline sm_90: 99 SASS
     # instructions a block at BV 8 against 129).
     for j in tl.range(0, NB, loop_unroll_factor=2):
+        if L2AHEAD:
+            if live & (j + L2AHEAD < NB):
+                _l2_prefetch(base + (row0 + (j + L2AHEAD) * BV) * K, BLOCK_BYTES)
         raw, b_v = s0, v0
         s0, v0 = s1, v1
         s1, v1 = _block(base, v, i_nh, j + 2, row0, o_r, o_k, live, K, V, BV, NB, STREAM)
@@ -92,9 +124,12 @@ def _decode_prefetch_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indic
 
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, softplus_beta,
            softplus_threshold) -> None:
-    """One launch at ``cfg`` = (BV, ROWS, num_warps), ROWS capped at V and BV at ROWS; the caller has checked
-    `triton_decode_rows.eligible` (a V-first pool of contiguous K-element rows, power-of-two K and V >= 16)."""
-    bv, rows, warps = cfg
+    """One launch at ``cfg`` = (BV, ROWS, num_warps[, L2AHEAD]), ROWS capped at V and BV at ROWS; the caller has
+    checked `triton_decode_rows.eligible` (a V-first pool of contiguous K-element rows, power-of-two K and V >= 16)."""
+    bv, rows, warps = cfg[:3]
+    ahead = cfg[3] if len(cfg) > 3 else 0
+    if ahead and ahead <= 2:
+        raise ValueError(f"L2AHEAD must be 0 (off) or more than the two blocks held in registers, got {ahead}")
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     rows = min(rows, V)
@@ -103,4 +138,4 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     _decode_prefetch_kernel[(V // rows * N * HV,)](
         q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, ssm_state.stride(0), ssm_state.stride(1),
         float(softplus_beta), float(softplus_threshold), H=H, HV=HV, K=K, V=V, BV=bv, ROWS=rows, L2NORM=l2,
-        STREAM=ssm_state.element_size() == 2, num_warps=warps, num_stages=1)
+        STREAM=ssm_state.element_size() == 2, L2AHEAD=ahead, num_warps=warps, num_stages=1)

@@ -205,7 +205,7 @@ class DecodeKernel(enum.Enum):
 class DecodeChoice:
     kernel: DecodeKernel
     # TILE: (BV, num_warps); TMA: (BV, num_warps, programs per SM, stages); ROWS: (BV, ROWS, num_warps, stages);
-    # PREFETCH: (BV, ROWS, num_warps).
+    # PREFETCH: (BV, ROWS, num_warps[, blocks asked into L2 ahead]).
     cfg: tuple[int, ...]
     # TMA only: q, k and v through tensor descriptors (`triton_decode_tma.QKV.TMA`) where a call's tensors allow it
     # (`triton_decode_tma.qkv_describable`), else by loads: the same arithmetic, so the same bits, either way.
