@@ -55,3 +55,27 @@ def test_a_near_tie_without_a_steady_time_is_refused_with_its_name():
 def test_no_candidates_is_refused():
     with pytest.raises(ValueError, match="no decode candidates"):
         tr.near_ties({})
+
+
+def test_an_l2_prefetching_config_is_refused_for_a_pool_it_cannot_address():
+    """cp.async.bulk.prefetch faults on an address that is not 16-byte aligned and does not exist before sm_90: a
+    config that asks L2 ahead is refused, naming the pool, before anything is launched (the tuner offers such configs
+    only for pools the TMA walk can take, which asks as much)."""
+    import torch
+
+    from hybridkv.kernels.gdn import triton_decode_prefetch as tp
+
+    N, H, HV, K, V = 2, 1, 2, 16, 16
+    q = k = torch.zeros(N, H, K, dtype=torch.bfloat16)
+    v = o = torch.zeros(N, HV, V, dtype=torch.bfloat16)
+    a = b = torch.zeros(N, HV)
+    A_log = dt_bias = torch.zeros(HV)
+    flat = torch.zeros(4 * HV * V * K + 1, dtype=torch.bfloat16)
+    for pool in (flat[:-1].view(4, HV, V, K), flat[1:].view(4, HV, V, K)):  # a CPU pool; a 2-byte offset too
+        assert not tp.l2_prefetchable(pool)
+        with pytest.raises(ValueError, match=r"L2AHEAD=3 needs a pool on an sm_90\+ GPU .*base 0x[0-9a-f]+, strides"):
+            tp.launch((16, 128, 4, 3), q, k, v, a, b, A_log, dt_bias, o, pool, torch.zeros(N, dtype=torch.int32),
+                      K**-0.5, True, 1.0, 20.0)
+    with pytest.raises(ValueError, match="L2AHEAD must be 0 .* got 2"):
+        tp.launch((16, 128, 4, 2), q, k, v, a, b, A_log, dt_bias, o, flat[:-1].view(4, HV, V, K),
+                  torch.zeros(N, dtype=torch.int32), K**-0.5, True, 1.0, 20.0)

@@ -925,8 +925,9 @@ def test_decode_serves_more_sequence_heads_than_a_grid_axis_holds(choice):
 
 
 def test_decode_takes_another_kernel_where_tma_cannot_describe_the_pool():
-    """A pool view whose base is not 16-byte aligned, or a K-first pool, is not eligible for the TMA walk; the decode
-    call still runs (the tile kernel or the row-looped one, its own tuning key) and matches the reference."""
+    """A pool view whose base is not 16-byte aligned, or a K-first pool, is not eligible for the TMA walk nor for the
+    prefetching kernel's L2 prefetch; the decode call still runs (the tile kernel or the row-looped ones, its own
+    tuning key) and matches the reference."""
     q, k, v, a, b, A_log, dt_bias, _, idx = _decode_case(64, 32, torch.bfloat16, 100, 6)
     flat = (torch.randn(100 * 32 * 128 * 128 + 1, device="cuda") * 0.1).bfloat16()
     odd = flat[1:].view(100, 32, 128, 128)  # 2-byte offset: no tensor descriptor
@@ -942,6 +943,8 @@ def test_decode_takes_another_kernel_where_tma_cannot_describe_the_pool():
     choices = triton_recurrent.decode_choices()
     not_eligible = {key: c for key, c in choices.items() if key[-2] is False}
     assert not_eligible and all(c.kernel is not triton_recurrent.DecodeKernel.TMA for c in not_eligible.values())
+    # Nor a config that asks L2 ahead: its bulk prefetch faults on the misaligned view (a misaligned-address error).
+    assert all(len(c.cfg) < 4 for c in not_eligible.values() if c.kernel is triton_recurrent.DecodeKernel.PREFETCH)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -37,6 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hybridkv.kernels.gdn import pdl as _pdl
 from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _head_loads, _head_math
 
 # (BV rows a block, ROWS a program, num_warps[, L2AHEAD]): the probe's best for 35B bf16 at 64 sequences, for bf16 at
@@ -122,6 +123,17 @@ def _decode_prefetch_kernel(q, k, v, a, b, A_log, dt_bias, o, state, state_indic
                  cache_modifier=".cs" if STREAM else "")
 
 
+def l2_prefetchable(ssm_state) -> bool:
+    """Whether `_l2_prefetch` may ask for this pool's blocks: a pool on a Hopper or later GPU (cp.async.bulk is sm_90's)
+    whose base and two leading strides are 16-byte aligned (so is every block's first byte: rows are K elements, and
+    K * 2 bytes is a multiple of 16 for the power-of-two K >= 16 the kernel takes). A misaligned address faults."""
+    elt = ssm_state.element_size()
+    if ssm_state.device.type != "cuda" or ssm_state.data_ptr() % 16 or any(
+            ssm_state.stride(i) * elt % 16 for i in (0, 1)):
+        return False
+    return _pdl._major(ssm_state.device.index) >= 9
+
+
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, softplus_beta,
            softplus_threshold) -> None:
     """One launch at ``cfg`` = (BV, ROWS, num_warps[, L2AHEAD]), ROWS capped at V and BV at ROWS; the caller has
@@ -130,6 +142,10 @@ def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scal
     ahead = cfg[3] if len(cfg) > 3 else 0
     if ahead and ahead <= 2:
         raise ValueError(f"L2AHEAD must be 0 (off) or more than the two blocks held in registers, got {ahead}")
+    if ahead and not l2_prefetchable(ssm_state):
+        raise ValueError(f"L2AHEAD={ahead} needs a pool on an sm_90+ GPU with a 16-byte aligned base and leading "
+                         f"strides; got {ssm_state.device}, base {ssm_state.data_ptr():#x}, strides "
+                         f"{ssm_state.stride()[:2]} of {ssm_state.element_size()}-byte elements")
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     rows = min(rows, V)
