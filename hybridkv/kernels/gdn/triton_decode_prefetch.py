@@ -34,6 +34,8 @@ it beside the other kernels and keeps it per key only where it wins, on the pool
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -128,10 +130,11 @@ def l2_prefetchable(ssm_state) -> bool:
     whose base and two leading strides are 16-byte aligned (so is every block's first byte: rows are K elements, and
     K * 2 bytes is a multiple of 16 for the power-of-two K >= 16 the kernel takes). A misaligned address faults."""
     elt = ssm_state.element_size()
-    if ssm_state.device.type != "cuda" or ssm_state.data_ptr() % 16 or any(
-            ssm_state.stride(i) * elt % 16 for i in (0, 1)):
+    if ssm_state.data_ptr() % 16 or any(ssm_state.stride(i) * elt % 16 for i in (0, 1)):
         return False
-    return _pdl._major(ssm_state.device.index) >= 9
+    if ssm_state.device.type == "cpu":  # Triton's CPU interpreter (tests), which runs no asm unless told how
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return ssm_state.device.type == "cuda" and _pdl._major(ssm_state.device.index) >= 9
 
 
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, softplus_beta,
