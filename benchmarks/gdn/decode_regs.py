@@ -35,22 +35,12 @@ import triton.language as tl
 
 from hybridkv.kernels.gdn import bench_cases, bench_timing, gated_delta_rule_decode, triton_decode_rows
 # The shipped loop's block loads; STREAM=True everywhere here (evict-first at fp32 too, as this probe measured).
-from hybridkv.kernels.gdn.triton_decode_prefetch import _block
+from hybridkv.kernels.gdn.triton_decode_prefetch import _block, _l2_prefetch
 from hybridkv.kernels.gdn.triton_recurrent import _delta_rule_step, _head_inputs, _head_loads, _head_math, _softplus
 
 from benchmarks.gdn.schedules import decode_inputs
 
 D = 128
-
-
-@triton.jit
-def _l2_prefetch(ptr, nbytes):
-    """Thread 0 of the program asks L2 for ``nbytes`` (a multiple of 16) from ``ptr`` (16-byte aligned) by one
-    cp.async.bulk.prefetch: DRAM is asked early, no register holds the bytes and nothing waits for them."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

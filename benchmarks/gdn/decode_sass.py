@@ -32,7 +32,7 @@ def _variants() -> list[tuple[str, KernelSpec, Launch, int]]:
             out.append((f"prefetch {cfg} {dt}", shipped,
                         Launch(label="", num_warps=cfg[2], num_stages=1,
                                constants={"BV": cfg[0], "ROWS": cfg[1], "STREAM": stream, "state": dt,
-                                          "L2AHEAD": cfg[3] if len(cfg) > 3 else 0}), 2))
+                                          "L2AHEAD": triton_decode_prefetch.l2_ahead(cfg)}), 2))
         # K held as [K / KC, KC]: a row's sums cross KC / 8 lanes (bf16), not 16 (launch3 in decode_regs.py).
         for bv, rows, warps, kc in ((4, 128, 1, 64), (4, 128, 1, 32), (8, 128, 2, 64), (8, 128, 4, 32)):
             out.append((f"regs3 ({bv}, {rows}, {warps}, KC {kc}) {dt}", regs3,

@@ -63,7 +63,7 @@ def _l2_addresses(pool: torch.Tensor) -> list[np.ndarray]:
 def _want_l2(cfg: tuple, want: np.ndarray, slots: int, HV: int, V: int, K: int) -> np.ndarray:
     """For a prefetching config with L2AHEAD: each live element of the decoded layer asked into L2 once, but for the
     first two blocks of each program (those go straight into registers); without: none."""
-    if len(cfg) < 4 or not cfg[3]:
+    if not triton_decode_prefetch.l2_ahead(cfg):
         return np.zeros_like(want)
     rows = min(cfg[1], V)
     bv = min(cfg[0], rows)

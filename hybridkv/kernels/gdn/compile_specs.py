@@ -262,13 +262,13 @@ def _specs() -> list[KernelSpec]:
                 Launch(label=f"{dt} state BV={c[0]} ROWS={c[1]}{f' L2AHEAD={c[3]}' if len(c) > 3 else ''}",
                        num_warps=c[2], num_stages=1,
                        constants={"BV": c[0], "ROWS": c[1], "STREAM": dt == "bf16", "state": dt,
-                                  "L2AHEAD": c[3] if len(c) > 3 else 0})
+                                  "L2AHEAD": triton_decode_prefetch.l2_ahead(c)})
                 for dt in ("fp32", "bf16") for c in triton_decode_prefetch.PREFETCH_CONFIGS) + tuple(
                 # Heads of 16 value rows (one block a program: the unrolled loop runs once or not at all) and of K 32.
                 Launch(label=f"bf16 state K={k} V=16 BV={min(c[0], 16)} ROWS={min(c[1], 16)}"
                              f"{f' L2AHEAD={c[3]}' if len(c) > 3 else ''}", num_warps=c[2], num_stages=1,
                        constants={"BV": min(c[0], 16), "ROWS": min(c[1], 16), "K": k, "V": 16, "STREAM": True,
-                                  "state": "bf16", "L2AHEAD": c[3] if len(c) > 3 else 0})
+                                  "state": "bf16", "L2AHEAD": triton_decode_prefetch.l2_ahead(c)})
                 for k in (32, 128) for c in triton_decode_prefetch.PREFETCH_CONFIGS),
         ),
         KernelSpec(

@@ -137,12 +137,17 @@ def l2_prefetchable(ssm_state) -> bool:
     return ssm_state.device.type == "cuda" and _pdl._major(ssm_state.device.index) >= 9
 
 
+def l2_ahead(cfg: tuple[int, ...]) -> int:
+    """A config's L2AHEAD: its fourth field, 0 (no L2 prefetch) for a three-field config."""
+    return cfg[3] if len(cfg) > 3 else 0
+
+
 def launch(cfg, q, k, v, a, b, A_log, dt_bias, o, ssm_state, state_indices, scale, l2, softplus_beta,
            softplus_threshold) -> None:
     """One launch at ``cfg`` = (BV, ROWS, num_warps[, L2AHEAD]), ROWS capped at V and BV at ROWS; the caller has
     checked `triton_decode_rows.eligible` (a V-first pool of contiguous K-element rows, power-of-two K and V >= 16)."""
     bv, rows, warps = cfg[:3]
-    ahead = cfg[3] if len(cfg) > 3 else 0
+    ahead = l2_ahead(cfg)
     if ahead and ahead <= 2:
         raise ValueError(f"L2AHEAD must be 0 (off) or more than the two blocks held in registers, got {ahead}")
     if ahead and not l2_prefetchable(ssm_state):

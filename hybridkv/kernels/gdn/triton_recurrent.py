@@ -378,7 +378,7 @@ def _tuning_ms(args, rows: int, tma: bool, by_rows: bool) -> DecodeTimings:
         # Configs that ask L2 ahead (`triton_decode_prefetch.l2_prefetchable`) only where the caller's pool can take the
         # TMA walk, which asks as much of it (sm_90+, 16-byte aligned base and strides) and is part of the key.
         cands += [DecodeChoice(kernel=DecodeKernel.PREFETCH, cfg=c) for c in triton_decode_prefetch.PREFETCH_CONFIGS
-                  if len(c) < 4 or tma]
+                  if not triton_decode_prefetch.l2_ahead(c) or tma]
     for choice in cands:  # compile and warm every candidate before any is timed
         _launch_choice(choice, *sub)
     torch.cuda.synchronize()
