@@ -13,7 +13,7 @@ blocks pair:
 - field by field (:class:`FieldPlan`) otherwise: heterogeneous TP (several
   producers, head slices) and different block sizes. :func:`plan_sources` says
   which producer feeds which field (GQA-replicated heads read once), a
-  :class:`~descriptors.compiler.TransferPlanner` per producer matches the fields.
+  :class:`~hybridkv.descriptors.compiler.TransferPlanner` per producer matches the fields.
 
 The analyzer (descriptors/schemes.py) counts through the same planner, so its
 ``hybridkv`` count is what NIXL posts for the same request.
@@ -174,7 +174,7 @@ class DescriptorPlanner:
     ``pairing``: what this side's handshake promises. PAGES: peers must cut pages
     alike (checked at handshake). FIELDS: field tables travel and page shapes may
     differ; pages still pair whole wherever :func:`pairing_of` finds them cut alike.
-    ``bridge_padding``: see :class:`~descriptors.compiler.TransferPlanner`.
+    ``bridge_padding``: see :class:`~hybridkv.descriptors.compiler.TransferPlanner`.
     """
 
     pairing: Pairing = Pairing.FIELDS

@@ -27,7 +27,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sims.race import RaceClass, simulate
+    from hybridkv.sims.race import RaceClass, simulate
 
     policy = FencePolicy(args.policy)
     if args.requests <= 0:

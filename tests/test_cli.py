@@ -91,7 +91,7 @@ def test_group_help_lists_each_subcommand_with_what_it_does(capsys, group):
 
 
 def test_summary_comes_from_the_register_modules_docstring():
-    import descriptors.analyze_cli as analyze
+    import hybridkv.descriptors.analyze_cli as analyze
 
     assert cli.command_summary(analyze.register) == "descriptors each scheme issues for one request, side by side"
 
@@ -149,12 +149,12 @@ def test_a_missing_optional_dependency_names_its_extra(capsys, monkeypatch, argv
 
 
 def test_missing_matplotlib_stops_sim_pd_before_simulating(capsys, monkeypatch, tmp_path):
-    import sims.pd.sweep
+    import hybridkv.sims.pd.sweep
 
     def never(*_a, **_k):
         raise AssertionError("simulated although the plot could not be drawn")
 
-    monkeypatch.setattr(sims.pd.sweep, "run_variant", never)
+    monkeypatch.setattr(hybridkv.sims.pd.sweep, "run_variant", never)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     rc, _, err = _main(capsys, "sim", "pd", "--recipe", "seed-6xdep2-1xdep8", "--plot", str(tmp_path / "p.png"))
     assert rc == 1 and "pip install 'hybridkv[sims]'" in _one_error_line(err)
@@ -187,7 +187,7 @@ def test_missing_extra_only_for_optional_dependencies():
 @pytest.fixture
 def demo_handler(monkeypatch):
     """Make `hybridkv demo` run the given function instead (register reads `run` when it is called)."""
-    import connectors.reference.demo_cli as demo_cli
+    import hybridkv.connectors.reference.demo_cli as demo_cli
 
     def use(fn):
         monkeypatch.setattr(demo_cli, "run", fn)
@@ -270,7 +270,7 @@ def test_demo_timeout_covers_the_aggregated_baseline():
 
 
 def test_demo_timeout_dump_prints_without_a_traceback(capsys, monkeypatch):
-    import connectors.reference.demo as demo
+    import hybridkv.connectors.reference.demo as demo
 
     def stuck(_o):
         raise TimeoutError("demo timed out after 5.0 s with 3/8 requests done; what each worker holds:\n"
@@ -285,7 +285,7 @@ def test_demo_timeout_dump_prints_without_a_traceback(capsys, monkeypatch):
 
 _STUCK_DEMO = """
 import sys
-import connectors.reference.demo as demo
+import hybridkv.connectors.reference.demo as demo
 from hybridkv.cli import main
 
 # No baseline: all of --timeout goes to the disaggregated run, which 500 requests cannot finish in it.
@@ -333,7 +333,7 @@ class _W:
 
 
 def test_the_stuck_run_dump_survives_dead_and_vanishing_workers():
-    from connectors.reference.demo import _diagnose
+    from hybridkv.connectors.reference.demo import _diagnose
 
     text = _diagnose((("prefill", _W(_DeadProc())), ("decode", _W(_VanishingProc()))))
     assert text.splitlines() == ["prefill: process exited with -9",
@@ -349,8 +349,9 @@ def test_license_and_py_typed_are_shipped():
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "Copyright 2026 the hybridkv authors" in text
-    assert (ROOT / "hybridkv" / "py.typed").is_file()
-    assert "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["hybridkv"]
+    for folder in ("hybridkv", "descriptors", "connectors", "sims", "benchmarks"):
+        assert (ROOT / folder / "py.typed").is_file(), folder
+    assert "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["*"]
 
 
 def test_scripts_parse():

@@ -8,7 +8,7 @@ import pytest
 
 from hybridkv.cli import main
 from hybridkv.fencing.fence import FencePolicy
-from sims.race import RaceClass, simulate
+from hybridkv.sims.race import RaceClass, simulate
 
 N = 300
 

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from sims.pd.engine import simulate_point
-from sims.pd.params import (Arrivals, DecodeSpec, Distribution, Lengths, LinkSpec, PostingSpec, PrefillSpec,
+from hybridkv.sims.pd.engine import simulate_point
+from hybridkv.sims.pd.params import (Arrivals, DecodeSpec, Distribution, Lengths, LinkSpec, PostingSpec, PrefillSpec,
                             Scheduling, SimConfig, Sizing, StepCost, Traffic)
-from sims.pd.sweep import run_sweep
+from hybridkv.sims.pd.sweep import run_sweep
 
 BIG = 10**9  # block_tokens that no context reaches: blocks never grow
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from descriptors.schemes import Scheme, Workload, count_descriptors
+from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
 from hybridkv.cli import main
 from hybridkv.layout.presets import get_preset
-from sims.pd.params import Scheduling
-from sims.pd.recipe import RECIPE_DIR, load_recipe, parse_recipe, shipped_recipes
-from sims.pd.sweep import run_sweep
+from hybridkv.sims.pd.params import Scheduling
+from hybridkv.sims.pd.recipe import RECIPE_DIR, load_recipe, parse_recipe, shipped_recipes
+from hybridkv.sims.pd.sweep import run_sweep
 
 RECIPES = shipped_recipes()
 
@@ -220,7 +220,7 @@ def test_scheduling_override_is_applied():
 
 
 def test_one_variant_per_recipe_and_compare_names_carry_the_recipe():
-    from sims.pd.sweep import parse_schemes, variants
+    from hybridkv.sims.pd.sweep import parse_schemes, variants
 
     four, eight = load_recipe("seed-4xdep2-1xdep8"), load_recipe("seed-8xdep2-1xdep8")
     assert [v.name for v in variants([four, eight])] == [four.name, eight.name]

@@ -407,7 +407,7 @@ def _spread(values: list[float], scale: float = 1.0) -> dict:
 
 def _report(o, requests, expected, done, stats, ttft, faults, wall_s, aggregated_s, *, resent: int,
             exported: dict[str, dict], aggregated: dict) -> Report:
-    from descriptors.schemes import Scheme, Workload, count_descriptors
+    from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
     from hybridkv.fencing import TransferOutcome
 
     from .model import model_config

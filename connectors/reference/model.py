@@ -87,7 +87,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def _sdpa_backends():
     """Flash, memory-efficient or math SDPA, not cuDNN's: cuDNN builds an execution plan per new key
     length, and a decode step has a new one every time (11 ms of host time per call, measured on the
-    H200 with benchmarks/device/profile_demo_engine.py)."""
+    H200 with tools/device/profile_demo_engine.py)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -72,7 +72,7 @@ async def _worker(conn, o: WorkerOptions) -> None:
     import torch
 
     from hybridkv.fencing.fence import FencePolicy, NotYet
-    from descriptors.planning import DescriptorPlanner
+    from hybridkv.descriptors.planning import DescriptorPlanner
     from hybridkv.transport.endpoint import Consumer, FailurePolicy, Pairing, Producer, TransportConfig
     from hybridkv.transport.memory import from_layout
 

@@ -33,9 +33,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from connectors.sglang.messages import ComponentKeys, PeerLayout, ShapeOf
-from connectors.sglang.shapes import BufferShape, Parallel, Slicing
-from connectors.sglang.startup import state_type_name
+from hybridkv.connectors.sglang.messages import ComponentKeys, PeerLayout, ShapeOf
+from hybridkv.connectors.sglang.shapes import BufferShape, Parallel, Slicing
+from hybridkv.connectors.sglang.startup import state_type_name
 from hybridkv.layout.alloc import MemKind
 from hybridkv.fencing.fence import PoolLayout
 from hybridkv.ids import GroupId, RequestId

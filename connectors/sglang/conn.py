@@ -40,7 +40,7 @@ leaves to a backend, and runs everything else on hybridkv's core:
     `transfer_timeout_s` and the lease, then aborted, or quarantined where NIXL
     will not abort them (prefill_side.py).
 Heterogeneous attention TP (prefill TP != decode TP, KV heads and GDN heads):
-the planners come from connectors/sglang/pairing.py, which keys every byte
+the planners come from hybridkv.connectors/sglang/pairing.py, which keys every byte
 range of SGLang's buffers by what it holds (head, state dims) and lets the
 descriptor compiler pair the decode rank's slice with the prefill ranks that
 hold it, each field written by one prefill rank only. A pair that cannot match
@@ -66,18 +66,18 @@ from typing import Optional
 import numpy as np
 import zmq
 
-from connectors.sglang import messages as msgs
-from connectors.sglang import startup
-from connectors.sglang.adopt import AdoptedLayout, adopt_kv_args, from_peer, parallel_of
-from connectors.sglang.config import SGLangConfig
-from connectors.sglang.decode_side import DecodeImports, _Import
-from connectors.sglang.metrics import HybridKVSGLangMetrics
-from connectors.sglang.pairing import PeerPlan, plan_peer
-from connectors.sglang.peer_auth import PeerAuth
-from connectors.sglang.prefill_side import PrefillExports, TransferStats
-from connectors.sglang.retiring import RetiringAgents
-from connectors.sglang.sessions import AuthProbe, AuthStats, DecodeKeys, PrefillGate, Session
-from descriptors.compiler import TransferPlanner
+from hybridkv.connectors.sglang import messages as msgs
+from hybridkv.connectors.sglang import startup
+from hybridkv.connectors.sglang.adopt import AdoptedLayout, adopt_kv_args, from_peer, parallel_of
+from hybridkv.connectors.sglang.config import SGLangConfig
+from hybridkv.connectors.sglang.decode_side import DecodeImports, _Import
+from hybridkv.connectors.sglang.metrics import HybridKVSGLangMetrics
+from hybridkv.connectors.sglang.pairing import PeerPlan, plan_peer
+from hybridkv.connectors.sglang.peer_auth import PeerAuth
+from hybridkv.connectors.sglang.prefill_side import PrefillExports, TransferStats
+from hybridkv.connectors.sglang.retiring import RetiringAgents
+from hybridkv.connectors.sglang.sessions import AuthProbe, AuthStats, DecodeKeys, PrefillGate, Session
+from hybridkv.descriptors.compiler import TransferPlanner
 from hybridkv.layout.alloc import MemKind
 from hybridkv.transport.dataplane import DataPlane
 from hybridkv.transport.metrics import TransferMetrics

@@ -19,8 +19,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from connectors.sglang import messages as msgs
-from connectors.sglang.adopt import request_id
+from hybridkv.connectors.sglang import messages as msgs
+from hybridkv.connectors.sglang.adopt import request_id
 from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
 from hybridkv.ids import TransferId

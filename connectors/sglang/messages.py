@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from connectors.sglang.shapes import BufferShape, Parallel, Slicing
+from hybridkv.connectors.sglang.shapes import BufferShape, Parallel, Slicing
 from hybridkv import wire
 from hybridkv.fencing.request_state import Component, ComponentKind
 from hybridkv.wire.codec import unpack
@@ -134,7 +134,7 @@ class ComponentKeys:
 class PeerLayout:
     """A side's adopted layout: the regions, groups and field tables hybridkv's core sends
     for any layout (`hybridkv.transport.memory.from_layout`), and what SGLang says about
-    the buffers in them (see `connectors.sglang.adopt.from_peer`)."""
+    the buffers in them (see `hybridkv.connectors.sglang.adopt.from_peer`)."""
 
     regions: tuple[wire.RegionInfo, ...] = on_wire("regions", REGIONS)
     groups: tuple[wire.GroupInfo, ...] = on_wire("groups", GROUPS)

@@ -30,9 +30,9 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from connectors.sglang.adopt import AdoptedLayout
-from connectors.sglang.shapes import BufferShape, Parallel, Slicing, heads_of_rank
-from descriptors.compiler import TransferPlanner
+from hybridkv.connectors.sglang.adopt import AdoptedLayout
+from hybridkv.connectors.sglang.shapes import BufferShape, Parallel, Slicing, heads_of_rank
+from hybridkv.descriptors.compiler import TransferPlanner
 from hybridkv.layout.fields import FieldKind
 from hybridkv.layout.fields import Field, FieldKey
 from hybridkv.ids import GroupId

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from connectors.sglang import messages as msgs
-from connectors.sglang import sessions
-from connectors.sglang.sessions import DecodeKeys, PrefillGate, ReplySockets, Session
+from hybridkv.connectors.sglang import messages as msgs
+from hybridkv.connectors.sglang import sessions
+from hybridkv.connectors.sglang.sessions import DecodeKeys, PrefillGate, ReplySockets, Session
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.utils.network import NetworkAddress

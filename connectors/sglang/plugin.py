@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from connectors.sglang import BACKEND_NAME
+from hybridkv.connectors.sglang import BACKEND_NAME
 
 _ENUM_TARGET = "sglang.srt.disaggregation.utils.TransferBackend"
 _GET_KV_CLASS_TARGET = "sglang.srt.disaggregation.utils.get_kv_class"
@@ -36,8 +36,8 @@ def extended_transfer_backend(original: type[enum.Enum]) -> type[enum.Enum]:
 
 def hybridkv_classes() -> dict[str, type]:
     """Our classes, keyed by `KVClassType` value. Imports SGLang (and torch)."""
-    from connectors.sglang.conn import HybridKVBootstrapServer, HybridKVManager, HybridKVSender
-    from connectors.sglang.receiver import HybridKVReceiver
+    from hybridkv.connectors.sglang.conn import HybridKVBootstrapServer, HybridKVManager, HybridKVSender
+    from hybridkv.connectors.sglang.receiver import HybridKVReceiver
     from sglang.srt.disaggregation.base.conn import KVArgs
 
     return {

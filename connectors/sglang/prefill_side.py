@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from connectors.sglang import messages as msgs
-from connectors.sglang.adopt import KV_GROUP, request_id, room_of, state_blocks
+from hybridkv.connectors.sglang import messages as msgs
+from hybridkv.connectors.sglang.adopt import KV_GROUP, request_id, room_of, state_blocks
 from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
 from hybridkv.ids import TransferId

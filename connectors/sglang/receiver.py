@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import zmq
 
-from connectors.sglang.adopt import KV_GROUP, state_blocks
-from connectors.sglang.sessions import Session
+from hybridkv.connectors.sglang.adopt import KV_GROUP, state_blocks
+from hybridkv.connectors.sglang.sessions import Session
 from hybridkv.transport.metrics import FailureKind
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
 if TYPE_CHECKING:
-    from connectors.sglang.conn import HybridKVManager
+    from hybridkv.connectors.sglang.conn import HybridKVManager
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import logging
 from collections import OrderedDict
 from typing import Optional
 
-from connectors.sglang import messages as msgs
-from connectors.sglang.sessions import MAX_SESSIONS, Session
+from hybridkv.connectors.sglang import messages as msgs
+from hybridkv.connectors.sglang.sessions import MAX_SESSIONS, Session
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 logger = logging.getLogger(__name__)

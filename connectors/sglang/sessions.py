@@ -39,7 +39,7 @@ from typing import Optional
 
 import zmq
 
-from connectors.sglang import messages as msgs
+from hybridkv.connectors.sglang import messages as msgs
 from hybridkv import wire
 from hybridkv.transport import auth
 

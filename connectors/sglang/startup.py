@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from connectors.sglang.config import SGLangConfig
+from hybridkv.connectors.sglang.config import SGLangConfig
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Turn it on with::
 
     --kv-transfer-config '{"kv_connector": "HybridKVConnector",
-                           "kv_connector_module_path": "connectors.vllm",
+                           "kv_connector_module_path": "hybridkv.connectors.vllm",
                            "kv_role": "kv_producer"}'
 
 The class is resolved lazily so that importing ``connectors`` never imports
@@ -19,7 +19,7 @@ __all__ = ["HybridKVConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "HybridKVConnector":
-        from connectors.vllm.connector import HybridKVConnector
+        from hybridkv.connectors.vllm.connector import HybridKVConnector
 
         return HybridKVConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

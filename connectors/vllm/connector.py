@@ -1,8 +1,8 @@
 """HybridKVConnector: vLLM's KV connector interface, thin over hybridkv.
 
 One instance per role, as vLLM builds them: the scheduler process gets a
-:class:`~connectors.vllm.scheduler_half.SchedulerHalf`, each worker a
-:class:`~connectors.vllm.worker_half.WorkerHalf`; this class only forwards.
+:class:`~hybridkv.connectors.vllm.scheduler_half.SchedulerHalf`, each worker a
+:class:`~hybridkv.connectors.vllm.worker_half.WorkerHalf`; this class only forwards.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connectors.vllm.metadata import HybridKVConnectorMetadata
-from connectors.vllm.stats import HybridKVConnectorStats, HybridKVPromMetrics
+from hybridkv.connectors.vllm.metadata import HybridKVConnectorMetadata
+from hybridkv.connectors.vllm.stats import HybridKVConnectorStats, HybridKVPromMetrics
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,11 +55,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler = None
         self.worker = None
         if role is KVConnectorRole.SCHEDULER:
-            from connectors.vllm.scheduler_half import SchedulerHalf
+            from hybridkv.connectors.vllm.scheduler_half import SchedulerHalf
 
             self.scheduler = SchedulerHalf(vllm_config, kv_cache_config, engine_id=self.engine_id)
         else:
-            from connectors.vllm.worker_half import WorkerHalf
+            from hybridkv.connectors.vllm.worker_half import WorkerHalf
 
             self.worker = WorkerHalf(vllm_config, kv_cache_config, engine_id=self.engine_id)
 

@@ -10,8 +10,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from connectors.vllm.addressing import RankAddress
-from connectors.vllm.params import RemotePrefill
+from hybridkv.connectors.vllm.addressing import RankAddress
+from hybridkv.connectors.vllm.params import RemotePrefill
 
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per transfer group
 

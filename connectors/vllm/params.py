@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.vllm.addressing import RankAddress
+from hybridkv.connectors.vllm.addressing import RankAddress
 
 #: Keys that must all be present for a decode-side load. ``remote_capability`` is hybridkv's own:
 #: the request's capability token (hex), without which the producer serves no read of it.

@@ -34,10 +34,10 @@ from hybridkv.ids import RequestId, TransferId
 from hybridkv.transport.metrics import MetricsSnapshot, TransferMetrics
 from hybridkv.transport.auth import new_token
 
-from connectors.vllm.addressing import RankAddress, listen_port, ranks_from_handshake, resolve_host
-from connectors.vllm.config import HybridKVVllmConfig
-from connectors.vllm.metadata import BlockIds, HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder
-from connectors.vllm.params import RemotePrefill, producer_params, wants_remote_decode, wants_remote_prefill
+from hybridkv.connectors.vllm.addressing import RankAddress, listen_port, ranks_from_handshake, resolve_host
+from hybridkv.connectors.vllm.config import HybridKVVllmConfig
+from hybridkv.connectors.vllm.metadata import BlockIds, HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder
+from hybridkv.connectors.vllm.params import RemotePrefill, producer_params, wants_remote_decode, wants_remote_prefill
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

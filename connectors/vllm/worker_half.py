@@ -42,15 +42,15 @@ from hybridkv.errors import PeerError
 from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.transport.metrics import MetricsSnapshot
 
-from connectors.vllm.addressing import RankAddress, listen_port, resolve_host
-from connectors.vllm.config import HybridKVVllmConfig
-from connectors.vllm.metadata import (
+from hybridkv.connectors.vllm.addressing import RankAddress, listen_port, resolve_host
+from hybridkv.connectors.vllm.config import HybridKVVllmConfig
+from hybridkv.connectors.vllm.metadata import (
     HybridKVConnectorMetadata,
     HybridKVHandshakeMetadata,
     HybridKVWorkerMetadata,
     RecvOrder,
 )
-from connectors.vllm.params import RemotePrefill
+from hybridkv.connectors.vllm.params import RemotePrefill
 
 if TYPE_CHECKING:
     import torch
@@ -164,7 +164,7 @@ class WorkerHalf:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from hybridkv.transport.memory import from_layout
 
-        from connectors.vllm.layout_adopt import adopt_vllm_kv_caches
+        from hybridkv.connectors.vllm.layout_adopt import adopt_vllm_kv_caches
 
         self.layout = adopt_vllm_kv_caches(self.vllm_config, self.kv_cache_config, kv_caches, tp=self.tp,
                                            rank=self.rank)
@@ -191,7 +191,7 @@ class WorkerHalf:
     def _planner():
         from hybridkv.transport.endpoint import Pairing
 
-        from descriptors.planning import DescriptorPlanner
+        from hybridkv.descriptors.planning import DescriptorPlanner
 
         # Pairing by fields lets a decode instance of another TP size or block size read (the
         # handshake carries each side's field tables); the planner still pairs whole pages
@@ -286,7 +286,7 @@ class WorkerHalf:
         return agent
 
     async def _producer_agents(self, remote: RemotePrefill) -> tuple[tuple[str, ...], int]:
-        from descriptors.planning import source_ranks
+        from hybridkv.descriptors.planning import source_ranks
 
         # Which producer ranks hold this rank's heads, and how many decode ranks share each.
         ranks, readers = source_ranks(self.tp, self.rank, remote.tp_size)

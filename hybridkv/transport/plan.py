@@ -3,7 +3,7 @@
 The transport never pairs blocks itself. A :class:`Planner` turns one request's
 block lists into a :class:`TransferPlan`; the consumer (pull) or the producer
 (push) posts that plan as it is. hybridkv's planner is the descriptor compiler
-(``descriptors.planning.DescriptorPlanner``, one layer up); connectors hand it to
+(``hybridkv.descriptors.planning.DescriptorPlanner``, one layer up); connectors hand it to
 the endpoints, so the count an analyzer computes and what NIXL posts come from
 the same code.
 

@@ -2,7 +2,7 @@
 
 With ``UCX_PROTO_INFO=y`` UCX prints, per endpoint configuration and operation, which transport
 serves which message sizes. `hybridkv bench transfer --proto-log` captures that console for both of
-its processes and summarises which transports carried NIXL's reads (benchmarks/device/transfer_2gpu.sh too).
+its processes and summarises which transports carried NIXL's reads (tools/device/transfer_2gpu.sh too).
 """
 
 from __future__ import annotations

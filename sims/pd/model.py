@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from descriptors.hma import plan_hma
+from hybridkv.descriptors.hma import plan_hma
 from hybridkv.layout.geometry import AttentionSpec, GDNSpec, LayerKind, ModelGeometry
 from hybridkv.layout.presets import get_preset
 
@@ -34,7 +34,7 @@ def model_geometry(preset: str, ssm_dtype: str | None) -> ModelGeometry:
 
 
 def scheme_names() -> tuple[str, ...]:
-    from descriptors.schemes import Scheme
+    from hybridkv.descriptors.schemes import Scheme
 
     return tuple(s.value for s in Scheme)
 
@@ -54,10 +54,10 @@ def request_transfer(scheme: str, geometry: ModelGeometry, *, tokens: int,
     so the transfer is rank-to-rank with TP 1 on both sides.
     """
     try:
-        from descriptors.schemes import Scheme, Workload, count_descriptors
+        from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
     except ImportError as exc:
         raise RuntimeError(
-            f"the descriptor analyzer (descriptors.schemes) is not available: {exc}") from exc
+            f"the descriptor analyzer (hybridkv.descriptors.schemes) is not available: {exc}") from exc
     chosen = Scheme(check_scheme(scheme))
     count = count_descriptors(chosen, Workload(
         geometry=geometry, tokens=tokens, block_size=block_size, tp_prefill=1, tp_decode=1,

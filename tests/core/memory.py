@@ -6,7 +6,7 @@ import zlib
 
 import numpy as np
 
-from descriptors.compiler import TransferPlan
+from hybridkv.descriptors.compiler import TransferPlan
 from hybridkv.layout import Layout
 
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from descriptors.schemes import Scheme, Workload, count_all, count_descriptors, runs
+from hybridkv.descriptors.schemes import Scheme, Workload, count_all, count_descriptors, runs
 from hybridkv.cli import main
 from hybridkv.layout.geometry import AttentionSpec, GDNSpec, ModelGeometry
 from hybridkv.layout.presets import get_preset

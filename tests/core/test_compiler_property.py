@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from descriptors.compiler import TransferPlan, TransferPlanner, plan_sources
+from hybridkv.descriptors.compiler import TransferPlan, TransferPlanner, plan_sources
 from hybridkv.layout.alloc import NumpyAllocator
 from hybridkv.layout.fields import PageContent, attention_page_fields, gdn_page_fields
 from hybridkv.layout.geometry import AttentionSpec, DType, GDNSpec, LayerKind, ModelGeometry

@@ -1,11 +1,11 @@
 import numpy as np
 import pytest
 
-from descriptors.compiler import TransferPlanner
+from hybridkv.descriptors.compiler import TransferPlanner
 from hybridkv.layout.alloc import NumpyAllocator, VirtualAllocator
 from hybridkv.layout.fields import PageContent
 from hybridkv.layout.geometry import LayerKind
-from descriptors.hma import plan_hma
+from hybridkv.descriptors.hma import plan_hma
 from hybridkv.layout import GroupSpec, LayerBuffer, Layout, adopt_layout, plan_layout
 from hybridkv.layout.presets import get_preset
 
@@ -172,8 +172,8 @@ def test_core_imports_need_neither_torch_nor_nixl():
             "        if name.split('.')[0] in ('torch', 'nixl', 'nixl_cu12', 'nixl_cu13', 'ucxx', 'triton'):\n"
             "            raise ImportError('blocked ' + name)\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import hybridkv.layout.geometry, hybridkv.layout, descriptors.hma, hybridkv.layout.presets, descriptors\n"
-            "import descriptors.schemes, descriptors.analyze_cli\n"
+            "import hybridkv.layout.geometry, hybridkv.layout, hybridkv.descriptors.hma, hybridkv.layout.presets, hybridkv.descriptors\n"
+            "import hybridkv.descriptors.schemes, hybridkv.descriptors.analyze_cli\n"
             "from hybridkv.cli import main\n"
             "raise SystemExit(main(['analyze', '--model', 'qwen3.5-0.8b', '--json']))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

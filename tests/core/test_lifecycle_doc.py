@@ -40,7 +40,7 @@ def test_lifecycle_doc_runs():
 # --------------------------------------------------------------------------- citations of the docs
 
 ROOT = DOC.parents[1]
-_CITED_IN = ("hybridkv", "descriptors", "connectors", "sims", "tests", "benchmarks", "scripts")
+_CITED_IN = ("hybridkv", "descriptors", "connectors", "sims", "tests", "benchmarks", "scripts", "tools")
 # "docs/background/vllm.md section 9", "docs/background/nixl.md §1.3", or a bare "docs/design.md".
 _CITATION = re.compile(r"docs/([\w./-]+?\.md)(?:,?\s+(?:sections?\s+|§)(\d+(?:\.\d+)?))?")
 

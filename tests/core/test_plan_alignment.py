@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from descriptors.compiler import TransferPlanner
-from descriptors.planning import DescriptorPlanner, FieldPlan, PagePlan, pairing_of
+from hybridkv.descriptors.compiler import TransferPlanner
+from hybridkv.descriptors.planning import DescriptorPlanner, FieldPlan, PagePlan, pairing_of
 from hybridkv.layout import plan_layout
 from hybridkv.layout.alloc import NumpyAllocator
 from hybridkv.layout.geometry import LayerKind

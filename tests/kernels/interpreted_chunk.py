@@ -247,9 +247,9 @@ def decode_tma(out: dict) -> None:
                                       1.0, 20.0)
         same_prefetch &= torch.equal(pre_pool, tile_pool) and torch.equal(o_pre, o_tile)
     out["decode-prefetch/vs-tile"] = float(same_prefetch)
-    # The probe's walk with the row reductions on the tensor cores (benchmarks/gdn/decode_probe.py, bf16 states): k and
+    # The probe's walk with the row reductions on the tensor cores (tools/gdn/decode_probe.py, bf16 states): k and
     # q split in three bf16 terms keep the fp32 arithmetic, so on these inputs it equals the shipped walk too.
-    from benchmarks.gdn import decode_probe
+    from tools.gdn import decode_probe
 
     mma_pool, o_mma = before.clone(), torch.full_like(v, float("nan"))
     decode_probe.launch_tma_mma((32, 4, 2, 2), q, k, v, a, b, A_log, dt_bias, o_mma, mma_pool[:, 1], idx, sms=3)

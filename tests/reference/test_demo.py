@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from connectors.reference.demo import DemoOptions, run_demo
+from hybridkv.connectors.reference.demo import DemoOptions, run_demo
 
 pytestmark = pytest.mark.slow
 

@@ -1,13 +1,13 @@
 """The demo on a GPU (`hybridkv demo --device cuda`): Qwen3.5-0.8b-shaped caches in VRAM, moved by NIXL
 between two processes on one GPU (or cuda:0 -> cuda:1 where there are two), checked byte for byte and token
 by token. Needs a CUDA device and nixl-cu13: skipped in CI (no GPU), run on the H200 through
-benchmarks/device/demo_gpu.sh."""
+tools/device/demo_gpu.sh."""
 
 from __future__ import annotations
 
 import pytest
 
-from connectors.reference.demo import DemoOptions, run_demo
+from hybridkv.connectors.reference.demo import DemoOptions, run_demo
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from connectors.reference.engine import Engine, EngineConfig, Role
-from connectors.reference.model import TinyHybridModel
+from hybridkv.connectors.reference.engine import Engine, EngineConfig, Role
+from hybridkv.connectors.reference.model import TinyHybridModel
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_checksums_see_one_changed_byte_and_moved_words(model):
 
 def test_qwen_presets_have_hybridkvs_cache_geometry():
     """The GPU demo's model moves exactly the caches hybridkv plans for the real model."""
-    from connectors.reference.model import model_config
+    from hybridkv.connectors.reference.model import model_config
     from hybridkv.layout.presets import get_preset
 
     for name in ("qwen3.5-0.8b", "qwen3.5-2b"):
@@ -122,7 +122,7 @@ def test_qwen_presets_have_hybridkvs_cache_geometry():
 
 
 def test_demo_options_refuse_bad_devices():
-    from connectors.reference.demo import DemoOptions
+    from hybridkv.connectors.reference.demo import DemoOptions
 
     with pytest.raises(ValueError, match="--device 'tpu'"):
         DemoOptions(device="tpu")

@@ -34,7 +34,7 @@ from tests.sglang.pools import (  # noqa: F401 - re-exported for the tests
 )
 
 _PRELOAD = ["tests.sglang.pd_peer", "sglang.srt.disaggregation.common.conn", "sglang.srt.server_args",
-            "sglang.srt.plugins", "hybridkv.transport.dataplane", "descriptors.compiler"]
+            "sglang.srt.plugins", "hybridkv.transport.dataplane", "hybridkv.descriptors.compiler"]
 _ctx = None
 
 

@@ -12,10 +12,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from connectors.sglang import messages as msgs
-from connectors.sglang.adopt import KV_GROUP, AdoptedLayout, adopt_kv_args, from_peer
-from connectors.sglang.pairing import check_pair, plan_peer
-from descriptors.compiler import TransferPlan
+from hybridkv.connectors.sglang import messages as msgs
+from hybridkv.connectors.sglang.adopt import KV_GROUP, AdoptedLayout, adopt_kv_args, from_peer
+from hybridkv.connectors.sglang.pairing import check_pair, plan_peer
+from hybridkv.descriptors.compiler import TransferPlan
 from hybridkv import wire
 from hybridkv.layout.alloc import MemKind
 from hybridkv.fencing.request_state import ComponentKind

@@ -83,8 +83,8 @@ def _transfer(prefill, mgr, pools, room: int, src, dst, slot: int, aux: int, *, 
 def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
     """Wrong secret, no secret, raw frames, oversize frames, a proven peer reaching for another's room:
     each is refused or dropped, writes nothing, and the legitimate decode still gets its bytes."""
-    from connectors.sglang import messages as msgs
-    from connectors.sglang.sessions import SEAL_TAG
+    from hybridkv.connectors.sglang import messages as msgs
+    from hybridkv.connectors.sglang.sessions import SEAL_TAG
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr, pools = decode
@@ -173,7 +173,7 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
 
 def test_sealed_message_is_accepted_once_and_not_altered():
     """A recorded sealed message replayed, or altered, or sealed for the other direction, is dropped."""
-    from connectors.sglang.sessions import AuthStats, Session
+    from hybridkv.connectors.sglang.sessions import AuthStats, Session
 
     sid, key = b"d" * 32 + b"p" * 32, b"k" * 32
     decode = Session(sid=sid, key=key, peer=("127.0.0.1", 1), prefill_side=False)
@@ -263,8 +263,8 @@ def test_an_ended_session_takes_its_nixl_agent_along_and_fails_its_rooms_fake_cu
 
 def test_a_lab_probe_takes_only_the_challenge_that_answers_it():
     """A decode without a secret acts on a Challenge only if it answers one of its own probes, once."""
-    from connectors.sglang import messages as msgs
-    from connectors.sglang.sessions import AuthProbe, AuthStats, PrefillGate
+    from hybridkv.connectors.sglang import messages as msgs
+    from hybridkv.connectors.sglang.sessions import AuthProbe, AuthStats, PrefillGate
 
     sent = []
     stats = AuthStats()

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from connectors.sglang.config import SGLangConfig
+from hybridkv.connectors.sglang.config import SGLangConfig
 
 
 def test_defaults_without_environment():

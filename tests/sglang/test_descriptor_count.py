@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from connectors.sglang.adopt import KV_GROUP, adopt_kv_args
-from connectors.sglang.pairing import plan_peer
+from hybridkv.connectors.sglang.adopt import KV_GROUP, adopt_kv_args
+from hybridkv.connectors.sglang.pairing import plan_peer
 from hybridkv.layout.alloc import MemKind
 from sglang.srt.disaggregation.nixl.conn import num_kv_slots, repeat_indices_over_layers
 from tests.sglang import pools as pd_peer
@@ -82,7 +82,7 @@ def test_analyzer_sglang_nixl_model_matches_sglang_code_on_a_qwen35_request():
     """`hybridkv analyze`'s `sglang-nixl` count (a closed-form model) equals what
     SGLang's own helpers give for the same request: every page of every K and V
     layer buffer, plus one per (conv | temporal) x GDN layer state buffer."""
-    from descriptors.schemes import Scheme, Workload, count_descriptors
+    from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
     from hybridkv.layout.geometry import LayerKind
     from hybridkv.layout.presets import get_preset
 
@@ -105,7 +105,7 @@ def test_analyzer_sglang_nixl_model_matches_sglang_slice_path_at_different_tp():
     buffer) plus one per q/k/v conv sub-block and one per SSM state per GDN layer."""
     from sglang.srt.disaggregation.nixl.conn import expand_page_indices_for_slice
 
-    from descriptors.schemes import Scheme, Workload, count_descriptors
+    from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
     from hybridkv.layout.geometry import LayerKind
     from hybridkv.layout.presets import get_preset
 

@@ -24,7 +24,7 @@ def _receiver(mgr, addr: str, room: int):
 
 
 def _assert_clean_decode(mgr, room):
-    from connectors.sglang.adopt import request_id
+    from hybridkv.connectors.sglang.adopt import request_id
 
     assert room not in mgr.request_status
     assert room not in mgr._imports

@@ -22,7 +22,7 @@ def test_transfer_backend_enum_has_hybridkv_and_keeps_builtins():
 
 
 def test_get_kv_class_returns_ours_for_every_class_type():
-    from connectors.sglang import conn, receiver
+    from hybridkv.connectors.sglang import conn, receiver
     from sglang.srt.disaggregation.base.conn import KVArgs
 
     backend = utils.TransferBackend("hybridkv")

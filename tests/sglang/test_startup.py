@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.sglang.config import SGLangConfig
-from connectors.sglang.startup import MOVED_STATE_TYPES, check_parallel, check_state_types, drain_timeout
+from hybridkv.connectors.sglang.config import SGLangConfig
+from hybridkv.connectors.sglang.startup import MOVED_STATE_TYPES, check_parallel, check_state_types, drain_timeout
 from tests.sglang import pd_peer
 
 DEFERRED_TIMEOUT = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"

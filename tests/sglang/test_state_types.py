@@ -20,9 +20,9 @@ import types
 import numpy as np
 import pytest
 
-from connectors.sglang.adopt import KV_GROUP, adopt_kv_args, parallel_of
-from connectors.sglang.pairing import plan_peer, prefill_sources
-from connectors.sglang.shapes import Slicing
+from hybridkv.connectors.sglang.adopt import KV_GROUP, adopt_kv_args, parallel_of
+from hybridkv.connectors.sglang.pairing import plan_peer, prefill_sources
+from hybridkv.connectors.sglang.shapes import Slicing
 from hybridkv.layout.alloc import MemKind
 from tests.sglang import pools as model
 

@@ -78,7 +78,7 @@ def _consumer(secret):
 
 
 def _new_consumer(secret):
-    from descriptors.planning import DescriptorPlanner
+    from hybridkv.descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
 

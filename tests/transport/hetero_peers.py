@@ -53,7 +53,7 @@ def producer_main(opts, out, inbox) -> None:
 
 
 async def _producer(opts, out, inbox):
-    from descriptors.planning import DescriptorPlanner
+    from hybridkv.descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Pairing, Producer, TransportConfig
 
@@ -89,7 +89,7 @@ def consumer_main(opts, out, inbox) -> None:
 
 
 async def _consumer(opts, out, inbox):
-    from descriptors.planning import DescriptorPlanner
+    from hybridkv.descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
 

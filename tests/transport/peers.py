@@ -111,11 +111,11 @@ def counts(layout, tokens: int) -> dict[int, int]:
 
 def _take(sched, layout, rid: str, group: int, n: int, spec: dict | None) -> list[int]:
     """n blocks of a group for a request: the pool's next ones, or (``spec`` given) the analyzer's
-    block ids for fragmentation ``spec["f"]`` (descriptors.schemes.fragmented_blocks) from block
+    block ids for fragmentation ``spec["f"]`` (hybridkv.descriptors.schemes.fragmented_blocks) from block
     ``spec["start"]``; a state group's one block is ``spec["slot"]``."""
     if spec is None:
         return list(sched.allocate(rid, group, n))
-    from descriptors.schemes import fragmented_blocks
+    from hybridkv.descriptors.schemes import fragmented_blocks
 
     start = spec["slot"] if layout.group(group).block_tokens is None else spec["start"]
     ids = [int(b) for b in fragmented_blocks(n, spec["f"], start=start)]
@@ -140,7 +140,7 @@ def producer_main(opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
 
 
 async def _producer(opts, out, inbox):
-    from descriptors.planning import DescriptorPlanner
+    from hybridkv.descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Pairing, Producer, TransportConfig
     from hybridkv import wire
@@ -220,7 +220,7 @@ def consumer_main(opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
 
 
 async def _consumer(opts, out, inbox):
-    from descriptors.planning import DescriptorPlanner
+    from hybridkv.descriptors.planning import DescriptorPlanner
     from hybridkv import wire
     from hybridkv.errors import HandshakeRefused, HybridKVError
     from hybridkv.fencing.scheduler import TransferScheduler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from descriptors.planning import source_ranks
+from hybridkv.descriptors.planning import source_ranks
 from tests.transport import hetero_peers
 from tests.transport.harness import Proc
 
@@ -14,7 +14,7 @@ REQUESTS = [("r1", 200), ("r2", 70)]
 
 
 def _analyzer_descriptors(p_tp: int, d_tp: int, block: int, tokens: int) -> int:
-    from descriptors.schemes import Workload, hybridkv_plans
+    from hybridkv.descriptors.schemes import Workload, hybridkv_plans
     from tests.transport.peers import geometry
 
     w = Workload(geometry=geometry(), tokens=tokens, block_size=block, tp_prefill=p_tp, tp_decode=d_tp,

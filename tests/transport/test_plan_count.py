@@ -2,7 +2,7 @@
 planner predicted and the descriptors NIXL's telemetry says it posted are one number.
 
 Two real processes over NIXL (UCX, DRAM), pages paired whole (equal TP, equal block size):
-the blocks of each request are the analyzer's own (descriptors.schemes.fragmented_blocks) at
+the blocks of each request are the analyzer's own (hybridkv.descriptors.schemes.fragmented_blocks) at
 fragmentation 0, 0.5 and 1, so the analyzer's Workload describes exactly the request moved.
 """
 
@@ -21,7 +21,7 @@ SPECS = {"contiguous": {"f": 0.0, "start": 0, "slot": 0}, "half": {"f": 0.5, "st
 
 
 def _analyzer(tokens: int, fragmentation: float) -> int:
-    from descriptors.schemes import Scheme, Workload, count_descriptors
+    from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
     from tests.transport.peers import geometry
 
     w = Workload(geometry=geometry(), tokens=tokens, block_size=BLOCK, fragmentation=fragmentation)

@@ -57,8 +57,8 @@ import os, sys
 before = dict(os.environ)
 import hybridkv, hybridkv.cli
 import hybridkv.transport.control, hybridkv.transport.endpoint, hybridkv.transport.dataplane
-import hybridkv.transport.nixl_shim, hybridkv.transport.bench, hybridkv.transport.env
-import connectors.reference.serve, connectors.reference.demo, connectors.vllm.config
+import hybridkv.transport.nixl_shim, hybridkv.benchmarks.transfer.command, hybridkv.transport.env
+import hybridkv.connectors.reference.serve, hybridkv.connectors.reference.demo, hybridkv.connectors.vllm.config
 changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
 print("changed", changed)
 # ucxx writes UCX_* defaults of its own when imported: hybridkv imports it at the first listen or dial.
@@ -130,7 +130,7 @@ _SH_READS = re.compile(r"\$\{([A-Z][A-Z0-9_]*):[-+]")
 
 def _variables_in_source() -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
-    for top in ("hybridkv", "connectors", "descriptors", "sims", "benchmarks", "scripts", "tests"):
+    for top in ("hybridkv", "connectors", "descriptors", "sims", "benchmarks", "scripts", "tests", "tools"):
         for path in (ROOT / top).rglob("*"):
             if path.suffix == ".py":
                 text = path.read_text(errors="replace")
@@ -146,7 +146,7 @@ def _variables_in_source() -> dict[str, set[str]]:
     try:  # the SGLang backend builds its variable names from its config's keys
         from dataclasses import fields
 
-        from connectors.sglang.config import SGLangConfig
+        from hybridkv.connectors.sglang.config import SGLangConfig
     except ImportError:
         pass
     else:

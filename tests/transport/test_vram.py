@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from hybridkv.transport import bench, bench_posting, bench_sides, ucx_log
+from hybridkv.benchmarks.transfer import command as bench, bench_posting, bench_sides, ucx_log
 from tests.transport.harness import consumer, producer
 
 REQUESTS = [("v-long", 300, False), ("v-short", 20, False), ("v-mid", 100, True)]
@@ -60,7 +60,7 @@ def test_vram_round_trip_checksums(mode, devices):
 
 
 def _bench_args(*argv: str) -> argparse.Namespace:
-    from descriptors import bench_transfer
+    from hybridkv.descriptors import bench_transfer
 
     parser = argparse.ArgumentParser()
     bench_transfer.register(parser)  # the bench's options, and the planner `hybridkv bench transfer` runs with

@@ -59,7 +59,7 @@ def make_vllm_config(
                      num_gpu_blocks_override=num_blocks, mamba_ssm_cache_dtype=ssm_dtype)
     sc = SchedulerConfig(max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=512, async_scheduling=async_scheduling)
-    kvt = KVTransferConfig(kv_connector="HybridKVConnector", kv_connector_module_path="connectors.vllm",
+    kvt = KVTransferConfig(kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.connectors.vllm",
                            kv_role=role, kv_load_failure_policy=policy, engine_id=engine_id,
                            kv_connector_extra_config=dict(extra or {}))
     # The configs model a GPU deployment. vLLM's CPU platform, on a host whose CPU has AVX-512 BF16,
@@ -221,7 +221,7 @@ class StandInWorker:
     def execute(self, so) -> Any:
         from vllm.v1.outputs import KVConnectorOutput
 
-        from connectors.vllm.metadata import HybridKVConnectorMetadata, HybridKVWorkerMetadata
+        from hybridkv.connectors.vllm.metadata import HybridKVConnectorMetadata, HybridKVWorkerMetadata
 
         meta = so.kv_connector_metadata
         assert isinstance(meta, HybridKVConnectorMetadata)

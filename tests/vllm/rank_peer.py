@@ -85,9 +85,9 @@ def main() -> int:
     kcc = h.make_kv_cache_config(vc)
     conn, kv = h.make_worker(vc, kcc)
     layout = conn.worker.layout
-    from connectors.vllm.addressing import RankAddress
-    from connectors.vllm.metadata import HybridKVConnectorMetadata, RecvOrder
-    from connectors.vllm.params import RemotePrefill
+    from hybridkv.connectors.vllm.addressing import RankAddress
+    from hybridkv.connectors.vllm.metadata import HybridKVConnectorMetadata, RecvOrder
+    from hybridkv.connectors.vllm.params import RemotePrefill
 
     if role == "producer":
         gen = torch.Generator().manual_seed(1000 + cmd["rank"])

@@ -12,7 +12,7 @@ GROUPS = 4
 
 
 def test_listen_ports_are_unique_over_dp_engines_and_tp_ranks():
-    from connectors.vllm.addressing import listen_port
+    from hybridkv.connectors.vllm.addressing import listen_port
 
     ports = [listen_port(5600, dp_index=d, tp_size=2, tp_rank=r) for d in range(8) for r in range(2)]
     assert ports == list(range(5600, 5616))
@@ -50,9 +50,9 @@ def _prefilled_params(sched, d) -> dict:
 def test_params_name_every_rank_the_workers_reported():
     """A TP 2 group spread over two nodes: each worker reports its own node, port and agent
     through vLLM's handshake path, and kv_transfer_params name each rank's."""
-    from connectors.vllm.addressing import RankAddress
-    from connectors.vllm.metadata import HybridKVHandshakeMetadata
-    from connectors.vllm.params import RemotePrefill
+    from hybridkv.connectors.vllm.addressing import RankAddress
+    from hybridkv.connectors.vllm.metadata import HybridKVHandshakeMetadata
+    from hybridkv.connectors.vllm.params import RemotePrefill
 
     sched, d = _producer_scheduler(tp=2, dp_rank=1, dp_size=2)
     ranks = [RankAddress(host="10.0.0.1", port=6102, agent="hybridkv-a"),
@@ -84,7 +84,7 @@ def test_params_without_reports_name_the_configured_ports_of_this_dp_engine():
     ("10.0.0.1:6100", "expected one \\[host, port, agent\\] per producer TP rank"),
 ])
 def test_bad_remote_ranks_are_refused_naming_the_value(bad, message):
-    from connectors.vllm.params import RemotePrefill
+    from hybridkv.connectors.vllm.params import RemotePrefill
 
     params = {**h.remote_prefill_params("r", groups=GROUPS), "tp_size": 2, "remote_ranks": bad}
     with pytest.raises(ValueError, match=message):
@@ -92,7 +92,7 @@ def test_bad_remote_ranks_are_refused_naming_the_value(bad, message):
 
 
 def test_older_params_without_ranks_read_rank_r_at_port_plus_r():
-    from connectors.vllm.params import RemotePrefill
+    from hybridkv.connectors.vllm.params import RemotePrefill
 
     remote = RemotePrefill.from_params({**h.remote_prefill_params("r", groups=GROUPS), "tp_size": 2})
     assert [(a.host, a.port, a.agent) for a in map(remote.rank_address, range(2))] == [

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.vllm.config import HybridKVVllmConfig
+from hybridkv.connectors.vllm.config import HybridKVVllmConfig
 from hybridkv.fencing.fence import FencePolicy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,10 +110,10 @@ def test_an_unknown_hybridkv_key_is_refused():
 
 def test_other_unknown_keys_warn_and_are_ignored(caplog):
     """NixlConnector's keys (or a misspelt one of ours) do not stop the engine, but are named in the log."""
-    with caplog.at_level(logging.WARNING, logger="connectors.vllm.config"):
+    with caplog.at_level(logging.WARNING, logger="hybridkv.connectors.vllm.config"):
         cfg = HybridKVVllmConfig.from_extra_config({"backends": ["UCX"], "kv_lease_duraton": 5})
     assert cfg == HybridKVVllmConfig()
-    [rec] = [r for r in caplog.records if r.name == "connectors.vllm.config"]
+    [rec] = [r for r in caplog.records if r.name == "hybridkv.connectors.vllm.config"]
     assert "['backends', 'kv_lease_duraton']" in rec.getMessage()
 
 
@@ -133,7 +133,7 @@ def test_every_key_is_documented():
 
 def test_importable_without_vllm():
     """The config module is engine-independent: importing it does not import vLLM."""
-    code = "import sys, connectors.vllm.config; assert 'vllm' not in sys.modules, 'vllm imported'"
+    code = "import sys, hybridkv.connectors.vllm.config; assert 'vllm' not in sys.modules, 'vllm imported'"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
 

@@ -12,7 +12,7 @@ def test_factory_loads_connector_for_every_role(kv_role):
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA, supports_hma
 
-    from connectors.vllm import HybridKVConnector
+    from hybridkv.connectors.vllm import HybridKVConnector
 
     vc = h.make_vllm_config(role=kv_role)
     assert not vc.scheduler_config.disable_hybrid_kv_cache_manager  # HMA stayed on

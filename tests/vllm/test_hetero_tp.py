@@ -81,7 +81,7 @@ class Rank:
 
 def _analyzer(p_tp: int, d_tp: int, tokens: int) -> int:
     """The analyzer's count for hybridkv over vLLM pages (scheme hybridkv-vllm) on this config."""
-    from descriptors.schemes import Scheme, Workload, count_descriptors
+    from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
     from hybridkv.layout.hf_config import geometry_from_config
 
     hf = json.loads((ROOT / "tests/vllm/qwen3_next_tiny/config.json").read_text())

@@ -11,7 +11,7 @@ def _adopt(*, ssm_dtype="auto", supported=None):
     import torch
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    from connectors.vllm.layout_adopt import adopt_vllm_kv_caches
+    from hybridkv.connectors.vllm.layout_adopt import adopt_vllm_kv_caches
 
     vc = h.make_vllm_config(role="kv_consumer", ssm_dtype=ssm_dtype)
     kcc = h.make_kv_cache_config(vc, supported_layouts=supported)

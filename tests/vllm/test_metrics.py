@@ -122,8 +122,8 @@ def failures(sample) -> dict[str, float]:
 def test_a_real_load_and_a_lapsed_lease_read_back_through_vllm_stats(peer):
     from vllm.v1.engine import FinishReason
 
-    from connectors.vllm.connector import HybridKVConnector
-    from connectors.vllm.stats import HybridKVConnectorStats
+    from hybridkv.connectors.vllm.connector import HybridKVConnector
+    from hybridkv.connectors.vllm.stats import HybridKVConnectorStats
 
     vc, kcc, sched, conn, runner, d = decode()
     try:
@@ -174,7 +174,7 @@ def test_unabortable_stuck_read_keeps_blocks_until_it_ends_faked_stuck_read(peer
     from vllm.v1.engine import FinishReason
     from vllm.v1.request import RequestStatus
 
-    from connectors.vllm.worker_half import WorkerHalf
+    from hybridkv.connectors.vllm.worker_half import WorkerHalf
     from hybridkv.transport.dataplane import DataPlane, XferState
 
     stuck = {"on": True}

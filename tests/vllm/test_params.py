@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.vllm.params import RemotePrefill, producer_params
+from hybridkv.connectors.vllm.params import RemotePrefill, producer_params
 from hybridkv.transport.auth import new_token
 
 

@@ -38,7 +38,7 @@ def test_requests_that_share_a_block_export_it_under_counted_holds():
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import RequestStatus
 
-    from connectors.vllm.metadata import HybridKVWorkerMetadata
+    from hybridkv.connectors.vllm.metadata import HybridKVWorkerMetadata
 
     vc = h.make_vllm_config(role="kv_producer", prefix_caching=True)
     kcc = h.make_kv_cache_config(vc)

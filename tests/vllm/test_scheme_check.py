@@ -35,7 +35,7 @@ def test_analyzer_vllm_033_count_matches_nixl_connector(tokens, kernel_block, ss
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    from descriptors.schemes import Scheme, Workload, count_descriptors
+    from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
     from hybridkv.layout.hf_config import load_hf_config
 
     vc = h.make_vllm_config(role="kv_consumer", num_blocks=64, ssm_dtype=ssm_dtype)

@@ -12,7 +12,7 @@ from tests.vllm import harness as h
 
 
 def stats(**kw):
-    from connectors.vllm.stats import HybridKVConnectorStats
+    from hybridkv.connectors.vllm.stats import HybridKVConnectorStats
     from hybridkv.transport.metrics import TransferMetrics
 
     m = TransferMetrics()
@@ -39,7 +39,7 @@ def test_two_workers_and_the_scheduler_aggregate_as_vllm_does():
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
-    from connectors.vllm.connector import HybridKVConnector
+    from hybridkv.connectors.vllm.connector import HybridKVConnector
     from hybridkv.transport.metrics import FailureKind
 
     w0 = stats(transfers=[(1000, 2, 0.01)], failures=[FailureKind.TIMEOUT], quarantined=3)
@@ -68,7 +68,7 @@ def test_two_workers_and_the_scheduler_aggregate_as_vllm_does():
 
 
 def test_a_bad_payload_is_refused_naming_it():
-    from connectors.vllm.stats import HybridKVConnectorStats
+    from hybridkv.connectors.vllm.stats import HybridKVConnectorStats
 
     with pytest.raises(ValueError, match="unknown key"):
         HybridKVConnectorStats({"transfer_duration": [1.0]})  # NixlKVConnectorStats' payload
@@ -79,7 +79,7 @@ def test_a_bad_payload_is_refused_naming_it():
 
 
 def test_load_results_keep_only_the_latest():
-    from connectors.vllm.worker_half import LOAD_RESULTS_KEPT
+    from hybridkv.connectors.vllm.worker_half import LOAD_RESULTS_KEPT
 
     vc = h.make_vllm_config(role="kv_consumer", engine_id="decode-engine")
     kcc = h.make_kv_cache_config(vc)

@@ -3,7 +3,7 @@
 `chunk_gated_delta_rule` and `fused_recurrent_gated_delta_rule` are drop-ins for FLA's functions of
 the same names. `gated_delta_rule_decode` and the conv1d entries read and write state in place in
 slot pools, indexed by `state_indices` (-1 = pad). Tuned on Hopper (H200) only; measurements are in
-the README and benchmarks/gdn/README.md.
+the README and tools/gdn/README.md.
 
 Names resolve lazily so that `hybridkv.kernels.gdn.bench` (the CLI's register module) can be imported
 without torch.

@@ -1,7 +1,7 @@
 """How a chunked GDN call runs (`triton_chunk.chunk_gated_delta_rule_fwd`): the chain's form, the schedule, the
 fixed state configs and the rule that picks them from the call's shape (`plan`). Pure Python, so the rule is tested
 without Triton or a GPU (tests/kernels/test_gdn_schedule.py); the numbers behind each constant are in
-benchmarks/gdn/README.md.
+tools/gdn/README.md.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ SCAN_MAX_SEGMENTS = 8
 SCAN_MIN_SEGMENT_CHUNKS = 8
 # The scan's output chain where BV=32 would leave room for fewer than SCAN_MAX_SEGMENTS segments in one wave
 # (HV = 8 or 16 on 132 SMs): BV=64 halves its programs, so twice the segments fit, each half as long. H200, one
-# 8192-token prompt, scores form (benchmarks/gdn/scan_probe.py): HV=16 0.239 ms at (64, 4, 3) x4 against 0.274 at
+# 8192-token prompt, scores form (tools/gdn/scan_probe.py): HV=16 0.239 ms at (64, 4, 3) x4 against 0.274 at
 # (32, 4, 3) x4 and 0.288 pipelined; HV=8 (397B TP8), with the summaries at BV=64 beside it
 # (`triton_chunk_scan.summary_config`), 0.125 ms at (64, 4, 3) x8 against 0.141 at (32, 4, 3) x4 (1x32768: 0.379
 # against 0.479); HV=4 (35B TP8), where BV=32 already gives eight segments, 0.092 at (32, 4, 3) x8 against 0.100
@@ -98,7 +98,7 @@ SCAN_WIDE_CONFIG = (64, 4, 3)
 
 # The chain of batched calls where the Gluon chain can run them (Hopper, bf16, K = V = 128): half the state per
 # program, its wgmmas in flight together. H200, serial calls, chain kernel alone against the Triton state kernel
-# (benchmarks/device/results/inverse_probe_cap_h200.txt): 397B 4x8192 1,117 -> 1,014 us, 35B 4x8192 574 -> 521;
+# (tools/device/results/inverse_probe_cap_h200.txt): 397B 4x8192 1,117 -> 1,014 us, 35B 4x8192 574 -> 521;
 # the whole-state Gluon chain was 3-6% faster than Triton there and 11-27% slower on one prompt, this one faster on
 # every shape measured (also one prompt: 397B 1x8192 476 -> 402), but single prompts keep their own plans below,
 # which beat both.

@@ -4,7 +4,7 @@
 half the state per program for long bf16 batches (`chunk_plan.BATCH_GLUON_CHAIN`) and for one prompt of 397B-shaped
 heads in the scores form (`chunk_plan.PROMPT_GLUON_CHAIN`), beside the Triton chain
 (`triton_chunk._chunk_state_kernel`, whose arithmetic and inputs it takes: the inverse kernel's A, R, G and raw q, k,
-v); Gluon has no CPU interpreter, so it is checked on a GPU only. On the H200 (2026-12-02, benchmarks/gdn/README.md)
+v); Gluon has no CPU interpreter, so it is checked on a GPU only. On the H200 (2026-12-02, tools/gdn/README.md)
 the whole-state variant is 3-6% faster than the Triton chain where the (sequence, value head) pairs fill the SMs
 with equal lengths and 11-27% slower on one prompt or a ragged mix (the Triton chain splits V there, halving each
 program's chain); each chunk's GEMMs wait for each other, so it is bound by their latency, not by the tensor cores.

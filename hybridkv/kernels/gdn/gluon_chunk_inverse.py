@@ -1,7 +1,7 @@
 """The chunk inverse in Gluon (Triton's layout-explicit dialect): `triton_chunk_inverse._chunk_inverse_kernel`'s
 outputs (A = T, R, G; that docstring has the layouts) for GROUP value heads of a key head per program (the gram and the
 norms made once for them); the default on Hopper (`triton_chunk_inverse.default_inverse`), measured against the Triton
-kernel on the H200 (benchmarks/gdn/README.md).
+kernel on the H200 (tools/gdn/README.md).
 
 Why Gluon: the Triton kernel's forward substitution picks row i of L out of registers with a masked reduction in
 each of its 15 steps and reduces again for the product, and Triton chooses the layouts, so both reductions cross
@@ -24,7 +24,7 @@ With SCORES (`InverseConfig.scores`, the default on Hopper) it also makes the sc
 `triton_chunk_inverse._chunk_scores_kernel` would make after it from q and k loaded again: q k^T beside the gram,
 staged in shared memory, and each value head's P after its inversion by 16 x 16 blocks (`_store_scores`). H200: the
 inverse takes 54-103 us more for P (plus 23-28 for q k^T) where the scores kernel took 138-199 (4x8192;
-benchmarks/gdn/README.md, "Seventh session").
+tools/gdn/README.md, "Seventh session").
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a [64] row of fp3
 # loads of its blocks (8 rows) and the stores of the diagonal blocks' rows are served one row at a time. Padded, rows
 # of 64 are 68 words apart (8 rows: 8 disjoint 4-word bank groups), of 16 20 (8 rows of 16 bytes: disjoint).
 # H200, 397B 4x8192, inverse kernel alone: 595 -> 454 us with padding (shared loads had 6.1-way conflicts, Nsight
-# Compute, benchmarks/device/ncu_gdn.sh).
+# Compute, tools/device/ncu_gdn.sh).
 _PAD64 = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[64, 4]], [64, 64], [1, 0]))
 _ROWS_PAD = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[64, 4]], [16, 64], [1, 0]))
 _PAD16 = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[16, 4]], [64, 16], [1, 0]))
@@ -175,13 +175,13 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
     sq = gl.zeros([BT], gl.float32, layout=gl.SliceLayout(1, _ld(NW)))
     # Both operands of each step are read (ldmatrix, .trans for K^T) from one copy of k's columns in shared memory;
     # converted from registers, each step took 11 bar.sync (the transposed operand in eight rounds of scratch), and
-    # the kernel 2-3% longer (benchmarks/device/results/ab_gram_barriers_h200.txt).
+    # the kernel 2-3% longer (tools/device/results/ab_gram_barriers_h200.txt).
     if LOADS_AHEAD:
         # All of k and q in one load each, k into one shared tile whose 32-column slabs the products read: a program
         # waits for global memory once, not once per slab (slab by slab, the barrier between one slab's operand
         # reads and the next slab's store keeps the next slab's loads from starting early). The NVMMA layout stores
         # a tile wider than its swizzle as [64, 32] blocks one after another, so a slab is one block. H200, inverse
-        # kernel alone: 35B 4x8192 272 -> 241 us, 397B 4x8192 420 -> 393 (benchmarks/gdn/README.md); the default
+        # kernel alone: 35B 4x8192 272 -> 241 us, 397B 4x8192 420 -> 393 (tools/gdn/README.md); the default
         # (GLUON_INVERSE_CONFIG).
         kw = gl.allocate_shared_memory(k.dtype.element_ty, [BT, K], _KB)
         b_k = _rows(k, bos, T, i_h, r0, 0, H, K, NW, K)
@@ -250,7 +250,7 @@ def _gluon_inverse_kernel(q, k, g, beta, A, R, G, P, cu_seqlens, chunk_table, ro
         # Beta and the decays (value head) on the gram's rows and columns.
         b_b = gl.load(beta + (bos + r0 + o_t) * HV + i_hv, mask=live, other=0.0).to(gl.float32)
         # The gate's cumulative sum in a plain layout (a scan cannot run in `_mma`'s). A masked row sum in `_mma`'s
-        # layout instead (no shared memory, no bar.sync) made the kernel 7% slower (benchmarks/device/results/
+        # layout instead (no shared memory, no bar.sync) made the kernel 7% slower (tools/device/results/
         # ab_gram_barriers_h200.txt).
         g_vec = gl.load(g + (bos + r0 + o_v) * HV + i_hv, mask=r0 + o_v < T, other=0.0).to(gl.float32)
         c = gl.convert_layout(gl.associative_scan(g_vec, 0, _add), row)

@@ -32,7 +32,7 @@ One call runs the kernels one after the other (`Schedule.SERIAL`), or, where the
 programs than the GPU has SMs (one long sequence), in segments on two streams so that the inverse (and
 scores) of the next segment fill the SMs the chain leaves idle (`Schedule.PIPELINED`).
 
-Measurements behind these choices, with the commands that made them: benchmarks/gdn/README.md.
+Measurements behind these choices, with the commands that made them: tools/gdn/README.md.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ _chunk_state_tuned = triton.autotune(
 # The scores form's P by the TMA walk (`triton_chunk_scores_tma`) where it can run; False: the tile kernel
 # `_chunk_scores_kernel` everywhere. Off: on the H200 it lost to the tile kernel at four value heads per key head
 # (397B 4x8192 257 against 202 us) and gained 7% at two (35B 4x8192 132 against 141), no whole call faster
-# (benchmarks/gdn/README.md, "Scores kernel"); equal to the tile kernel bit for bit (interpreter and GPU tests).
+# (tools/gdn/README.md, "Scores kernel"); equal to the tile kernel bit for bit (interpreter and GPU tests).
 SCORES_TMA = False
 # Columns of W, Q', U, U' per program of the split form's parallel kernel.
 WU_COLUMNS = 64

@@ -21,7 +21,7 @@ Why it is built this way:
 - The forward substitution is built transposed (see `_inv_unit_lower16x4`), which keeps every step in
   the layout a reduction leaves it in.
 
-Every variant measured, with the command: benchmarks/gdn/README.md. How FlashQLA's and FlashInfer's inverses are
+Every variant measured, with the command: tools/gdn/README.md. How FlashQLA's and FlashInfer's inverses are
 built, and why they cost a fraction of this one (shared memory, which Triton's language does not expose):
 docs/background/gdn_peers.md section 3.
 """
@@ -57,7 +57,7 @@ class InverseConfig:
     maxnreg: int | None = None  # a register cap for ptxas (more programs per SM, maybe spills)
     # The group's value heads side by side in one program (`triton_chunk_inverse_stacked`) rather than
     # one after another: GROUP times the independent work per dependent step; the group is a power of two.
-    # Off: 2.2x slower than the shipped kernel on the H200 (397B 4x8192, benchmarks/gdn/README.md).
+    # Off: 2.2x slower than the shipped kernel on the H200 (397B 4x8192, tools/gdn/README.md).
     stacked: bool = False
     # The Gluon kernel (`gluon_chunk_inverse`; the default on Hopper, `default_inverse`): ``group`` value heads per
     # program, the substitution thread-local, every schedule. Its launch is its own (32 k columns per gram step): bkc
@@ -108,14 +108,14 @@ class InverseConfig:
 # faster with the transposed substitution, although the kernel spills a little more (sm_90).
 INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32")
 # The Gluon kernel with four value heads per program: the default on Hopper where it applies (`default_inverse`).
-# H200, serial calls, inverse kernel alone (benchmarks/gdn/README.md, 2026-12-02): 397B 4x8192 931 -> 589 us,
+# H200, serial calls, inverse kernel alone (tools/gdn/README.md, 2026-12-02): 397B 4x8192 931 -> 589 us,
 # 397B 1x8192 221 -> 161, 35B 4x8192 531 -> 349, 35B 1x8192 130 -> 97, 397B TP8 48 -> 27; the same error as the
 # Triton kernel on the bench's shapes and on the worst case. Its loads ahead (2026-12-03, sixth session,
-# benchmarks/device/results/inverse_probe_loads_ahead_h200.txt, same run): 35B 4x8192 272 -> 241 us, 397B 4x8192
+# tools/device/results/inverse_probe_loads_ahead_h200.txt, same run): 35B 4x8192 272 -> 241 us, 397B 4x8192
 # 420 -> 393, 397B 1x8192 118 -> 109, the same error.
 # Its scores (2026-12-03, seventh session): a scores-form call's P made by it by 16 x 16 blocks after each inversion
 # instead of by the scores kernel, which loaded q and k again; H200, same run, whole calls in their plans' forms
-# (benchmarks/device/results/scan_probe9_scores_inverse_h200.txt): 397B 4x8192 1.346 -> 1.275 ms, 397B 1x8192 0.424 ->
+# (tools/device/results/scan_probe9_scores_inverse_h200.txt): 397B 4x8192 1.346 -> 1.275 ms, 397B 1x8192 0.424 ->
 # 0.400, 397B 1x32768 1.602 -> 1.537, 397B TP8 0.125 -> 0.122, 35B 1x8192 0.319 -> 0.305, and 35B 4x8192 (now the
 # scores form, `chunk_plan.BATCH_SCORES_MIN_HEADS_PER_KEY`) 0.766 -> 0.703.
 GLUON_INVERSE_CONFIG = InverseConfig(method=0, bkc=64, merge_prec="tf32", gluon=True, loads_ahead=True, scores=True)

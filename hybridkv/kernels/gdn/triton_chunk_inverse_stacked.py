@@ -13,7 +13,7 @@ same order per head, so the two agree to rounding.
 The gram K K^T and the q and k norms are the key head's, as in the unstacked kernel; GROUP must be a power of
 two (`InverseConfig.group_for` picks one). Warps: a batched 16 x 16 GEMM spreads its batch over the warps, so
 at four warps and GROUP = 4 each warp owns one head; more warps than heads replicate the 16 x 16 tiles
-instead of splitting them. Opt-in until the H200 says it is faster (benchmarks/gdn/inverse_probe.py); offline
+instead of splitting them. Opt-in until the H200 says it is faster (tools/gdn/inverse_probe.py); offline
 sm_90 (`hybridkv kernels report`'s compiler): 255 registers and 24 B spilled at four warps, no spill at eight.
 """
 

@@ -25,7 +25,7 @@ On a GPU, one sequence, with BY_SEGMENT: the inverse runs segment by segment on 
 summary on a side stream as soon as its segment's inverse is done, so the summaries (a chain a segment long, a few dozen
 programs) fill the SMs the inverse leaves idle instead of waiting for the whole inverse; the scan waits for
 both. Ordered by events only, like `triton_chunk.Schedule.PIPELINED`, so correct however the GPU runs them. Off:
-measured slower on every shape (the inverse runs 3.5x slower beside the summaries; benchmarks/gdn/README.md).
+measured slower on every shape (the inverse runs 3.5x slower beside the summaries; tools/gdn/README.md).
 
 The chain work about doubles (the summary's 3 GEMMs on V + K columns beside the output chain's 5 or 6 on
 V), traded for a chain that is a segment long. `chunk_plan.plan` picks it only where the output
@@ -47,7 +47,7 @@ from hybridkv.kernels.gdn.triton_chunk_rows import _chain_program
 # Summary programs: BV columns of the augmented state each, four warps; two stages (as the batched state
 # kernel) when many (sequence, value head) pairs fill the SMs, three when at most SUMMARY_FEW_HEADS do, since
 # then each program walks a long segment alone and deeper load pipelining pays. Measured on the H200
-# (benchmarks/gdn/scan_probe.py, 2026-12-02): three stages took 397B TP8 (8 heads) 1x8192 from 0.202 to 0.190 ms
+# (tools/gdn/scan_probe.py, 2026-12-02): three stages took 397B TP8 (8 heads) 1x8192 from 0.202 to 0.190 ms
 # and 1x32768 from 0.598 to 0.552; at 16 heads (397B TP4, 35B TP2) they cost 21 us; 35B TP8 (4 heads) even.
 # Beside an output chain at BV=64 (`chunk_plan.SCAN_WIDE_CONFIG`) with few pairs, the summary at BV=64 too: half
 # the programs, one wave (397B TP8 1x8192 at eight segments: 0.138 -> 0.125 ms, 1x32768 0.430 -> 0.379;
@@ -59,7 +59,7 @@ SUMMARY_WIDE_FEW_HEADS_CONFIG = (64, 4, 3)
 SUMMARY_FEW_HEADS = 8
 # One sequence: True runs the inverse segment by segment with each summary as soon as its segment's is
 # done (the module docstring); False, the whole inverse, then every summary in one launch. Measured on the H200
-# (benchmarks/gdn/scan_probe.py): True lost everywhere, 0.291 against 0.202 ms at 397B TP8 1x8192.
+# (tools/gdn/scan_probe.py): True lost everywhere, 0.291 against 0.202 ms at 397B TP8 1x8192.
 BY_SEGMENT = False
 # The scan with each segment's start state kept in registers and M loaded whole, at eight warps
 # (`_segment_scan_kernel`'s WHOLE_M): within 1% of the slab walk on the H200, so off.

@@ -2,7 +2,7 @@
 
 `triton_chunk_inverse._chunk_scores_kernel` (one program per chunk row and key-head group) holds only the q and k
 bytes in flight that its own loads ask for, and waits for them before its GEMM: on the H200 it moved its bytes at
-about two thirds of copy speed (benchmarks/gdn/README.md, "Scores kernel"), and a loop over several rows with pointer
+about two thirds of copy speed (tools/gdn/README.md, "Scores kernel"), and a loop over several rows with pointer
 loads was slower still. Here a fixed number of programs (PER_SM per SM) walk the (chunk row, group) tiles with a
 stride, and Triton's pipeliner stages the next STAGES tiles' q and k in shared memory through tensor descriptors, as
 the decode walk does (`triton_decode_tma`); P leaves through a descriptor too.
@@ -31,7 +31,7 @@ from hybridkv.kernels.gdn.triton_decode_tma import _device
 # loads (the chunk table, then cu_seqlens); with P's staging and the row scales' copies a program takes 74-76 KB of
 # shared memory, and 192-255 registers at four warps, 113-200 at eight, so two programs fit an SM.
 CONFIG = (4, 2, 3)
-# What benchmarks/gdn/scores_probe.py times against the tile kernel (CONFIG among them).
+# What tools/gdn/scores_probe.py times against the tile kernel (CONFIG among them).
 CONFIGS = ((4, 2, 3), (8, 2, 3), (4, 1, 3), (8, 1, 3), (4, 4, 3))
 _TMA_ALIGN = 16  # bytes: a tensor descriptor's base address and every stride but the last
 

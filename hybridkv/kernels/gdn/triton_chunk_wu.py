@@ -15,7 +15,7 @@ chunk and value head in bf16);
 
 Why nothing picks it: its chain is shorter than the fused state kernel's, but the parallel kernel costs
 more than the chain saves, so a whole call is slower than the fused form on every benchmark shape
-(benchmarks/gdn/README.md). That kernel is latency-bound, not bandwidth-bound: few programs per SM, each
+(tools/gdn/README.md). That kernel is latency-bound, not bandwidth-bound: few programs per SM, each
 one chain of dependent GEMMs. Folding it into the inverse kernel, which holds T already, is the open
 next step.
 """

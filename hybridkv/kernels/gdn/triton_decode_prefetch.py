@@ -9,7 +9,7 @@ before q and k are l2-normed; q, k and the gate inputs are requested even before
 for. No shared-memory staging of the state (a few hundred bytes carry the output row's change of
 layout), no cp.async group waits; with one warp a program, no CTA barrier either.
 
-Measured on an H200 (benchmarks/gdn/decode_regs.py --steady, results/decode_regs_steady{3,4,5}_h200.txt, % of copy
+Measured on an H200 (tools/gdn/decode_regs.py --steady, results/decode_regs_steady{3,4,5}_h200.txt, % of copy
 bandwidth, each candidate's own calls back to back as `bench gdn` times them; "clean": one launch after L2 was filled
 by a read, as the weight streaming of the layers between two decode calls of a layer leaves it):
 - 35B bf16, 64 sequences: (4, 128, 1 warp) 79.7-80.6 against 72-74 for the TMA walk the tuner kept before and 75 for

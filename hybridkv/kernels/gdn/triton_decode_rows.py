@@ -1,12 +1,12 @@
 """The in-place slot decode with few state rows a thread: a program loops over its head's rows.
 
 FlashInfer 0.7.2's fp32 pool decode ran 4-5% ahead of the TMA walk at every fp32 shape of `bench gdn` in the same run
-(H200, 2026-12-04, benchmarks/device/results/bench_gdn_fi_decode_twelfth_h200.txt). Its shape, here in Triton: a
+(H200, 2026-12-04, tools/device/results/bench_gdn_fi_decode_twelfth_h200.txt). Its shape, here in Triton: a
 program takes ROWS of one (sequence, value head)'s V rows, loads q, k and the gates once, then steps through them BV
 rows at a time, the [BV, K] loads turned into cp.async STAGES deep by Triton's pipeliner and each updated block stored
 straight from registers. At (8, 64, 4 warps, 3 stages) that is 48 registers a thread (the TMA walk holds a [64, 128]
 tile in 128), so many programs share an SM and hide each other's load latency. Measured
-(benchmarks/gdn/decode_probe.py --rows, results/decode_probe_rows_h200.txt): fp32 state 3-4% faster than the tuner's
+(tools/gdn/decode_probe.py --rows, results/decode_probe_rows_h200.txt): fp32 state 3-4% faster than the tuner's
 previous choice at every shape (35B 64 sequences 83.0% of copy bandwidth against 79.9, 397B 256 sequences 92.1
 against 88.6); bf16 even at best. With it in the tuner, `bench gdn` fp32 decode went from 80.0-90.6% of copy
 bandwidth to 83.9-92.1 (results/bench_gdn_decode_rows_h200.txt; FlashInfer 85.2-94.7).

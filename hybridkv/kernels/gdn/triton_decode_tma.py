@@ -6,7 +6,7 @@ registers, four programs per SM, ~32 KB of state in flight per SM; at ~4.3 TB/s 
 Little's law wants well over that. Here a fixed number of programs (PER_SM per SM) each walk tiles with a
 stride, and Triton's pipeliner stages the next STAGES tiles' state in shared memory through a tensor
 descriptor, so the bytes in flight are bounded by shared memory, not registers. Measured on an H200
-(benchmarks/gdn/decode_probe.py, B = 256, 2026-12-02): bf16 state 77.8% -> 82.4% of copy bandwidth at
+(tools/gdn/decode_probe.py, B = 256, 2026-12-02): bf16 state 77.8% -> 82.4% of copy bandwidth at
 35B (HV=32) and 78.2% -> 84.8% at 397B (HV=64); fp32 85.6-86.9% either way. Results are bitwise equal to
 the tile kernel's (same arithmetic, `_delta_step`).
 
@@ -45,7 +45,7 @@ class QKV(enum.Enum):
     """How a tile's q, k and v rows reach the walk. LOADS: plain loads in the tile (2 bytes a thread: too narrow for
     cp.async, so Triton's pipeliner leaves them in the loop and each tile waits one global-load latency before its l2
     norms; Nsight Compute: the walk's top stall site, 13-23% of samples at 35B bf16). TMA: through tensor
-    descriptors, which the pipeliner stages ahead with the state. Measured on an H200 (benchmarks/gdn/decode_probe.py
+    descriptors, which the pipeliner stages ahead with the state. Measured on an H200 (tools/gdn/decode_probe.py
     --ring, results/decode_probe_ring5_h200.txt): at (64, 4, 4, 3) the fixed part of a call fell from 7.6 to 2.9 us
     and the per-MB rate rose 10% (35B bf16, fits through 64 and 256 sequences), so 35B bf16 at 64 sequences went
     from 70.9-71.6% of copy bandwidth to 73.3-74.0% while 256 sequences lost 5 points; the tuner takes both forms."""

@@ -406,7 +406,7 @@ def _tuning_ms(args, rows: int, tma: bool, by_rows: bool) -> DecodeTimings:
     # one layer have streamed their weights, and is charged with writing back what it leaves dirty, which a step pays
     # in steady state (the writes compete with the next layers' reads). Timed on one pool back to back, a pool under
     # L2's size (32 sequences of 35B bf16 state: 32 MB) stayed resident across launches and the order of the
-    # candidates moved their times by up to 14% (H200, benchmarks/gdn/tuner_probe.py), enough to keep a tile config
+    # candidates moved their times by up to 14% (H200, tools/gdn/tuner_probe.py), enough to keep a tile config
     # over the walk. Timed as one launch after a flush and no more, a launch paid for none of the writes it left in L2
     # (up to L2's size): at 35B bf16 with 64 sequences the walk (q, k, v by TMA) and the prefetching row loop (4, 128,
     # 1) came within 2% of each other, either one kept from run to run, while back to back, as `bench gdn` and a
