@@ -70,6 +70,11 @@ def get_kv_class_around(original_fn: Any, transfer_backend: Any, class_type: Any
 
 def register() -> None:
     """Entry point of group `sglang.srt.plugins`; run by `load_plugins()`."""
+    from hybridkv.connectors.versions import Engine, check_engine_version
+
+    # Before any hook: SGLang logs a plugin's exception with its message and goes on without the
+    # backend, so `--disaggregation-transfer-backend hybridkv` is then refused as an unknown choice.
+    check_engine_version(Engine.SGLANG)
     from sglang.srt.arg_groups.choices import (
         DISAGG_TRANSFER_BACKEND_CHOICES,
         add_disagg_transfer_backend_choices,

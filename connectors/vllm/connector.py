@@ -23,8 +23,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hybridkv.connectors.versions import Engine, check_engine_version
 from hybridkv.connectors.vllm.metadata import HybridKVConnectorMetadata
 from hybridkv.connectors.vllm.stats import HybridKVConnectorStats, HybridKVPromMetrics
+
+# vLLM imports this module when it builds the connector, in the scheduler and in every worker:
+# another vLLM minor release is refused there, before any request is served.
+check_engine_version(Engine.VLLM)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
