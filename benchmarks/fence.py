@@ -36,10 +36,8 @@ The headline ``median_us`` is the fenced scheduler under full churn.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,6 +58,8 @@ GOAL_US = 20.0
 # variant sees the same load from other processes, long enough that each runs
 # with its own data in the caches, as a scheduler does between engine steps.
 CHUNK = 50
+# A step costs ~20 us per variant, four variants: a million steps is minutes.
+MAX_STEPS = 1_000_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,20 +247,25 @@ def measure(names: list[str], *, steps: int, warmup: int, seed: int) -> dict[str
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.description = "Per-step overhead of the fence table and transfer scheduler, 1,000 requests in flight."
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
+    from hybridkv.cli import bounded
+
+    parser.add_argument("--steps", type=bounded(int, MAX_STEPS), default=3000,
+                        help="engine steps each variant runs (at least 10; the first tenth, at least 50, warm up)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the engine's choices")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from hybridkv.cli import print_json
+
     if args.steps < 10:
         raise ValueError(f"--steps {args.steps}; expected at least 10")
     warmup = max(50, args.steps // 10)
     r = measure(list(VARIANTS), steps=args.steps, warmup=warmup, seed=args.seed)
     fenced = r["fenced"]
     if args.json:
-        json.dump(
+        print_json(
             {
                 "median_us": round(fenced.median_us, 2),
                 "p90_us": round(fenced.p90_us, 2),
@@ -273,10 +278,8 @@ def run(args: argparse.Namespace) -> int:
                 },
                 "mix": MIX,
             },
-            sys.stdout,
             indent=2,
         )
-        sys.stdout.write("\n")
         return 0
     from rich.console import Console
     from rich.table import Table

@@ -11,18 +11,27 @@ request's blocks and, inside, over every layer's fields, merging runs as it goes
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
+
+# Bounds. Tokens: 64x the longest context of any preset (262,144). Runs: a timed run of ours is
+# ~100 us and one of the Python loop ~100 ms, so the bounds are minutes each.
+MAX_TOKENS = 1 << 24
+MAX_RUNS = 1_000_000
+MAX_BASELINE_RUNS = 10_000
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.description = "Time per-request descriptor planning against a per-block Python loop."
-    parser.add_argument("--model", default="qwen3.5-397b-a17b")
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--runs", type=int, default=2000, help="timed runs of ours (>= 1000 for the goal)")
-    parser.add_argument("--baseline-runs", type=int, default=50, help="timed runs of the Python loop")
-    parser.add_argument("--json", action="store_true")
+    from hybridkv.cli import bounded
+
+    parser.add_argument("--model", default="qwen3.5-397b-a17b", help="geometry preset")
+    parser.add_argument("--tokens", type=bounded(int, MAX_TOKENS), default=8192, help="prompt tokens of the request")
+    parser.add_argument("--runs", type=bounded(int, MAX_RUNS), default=2000,
+                        help="timed runs of ours (>= 1000 for the goal)")
+    parser.add_argument("--baseline-runs", type=bounded(int, MAX_BASELINE_RUNS), default=50,
+                        help="timed runs of the Python loop")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
 
@@ -67,13 +76,14 @@ def _median_us(fn, runs: int) -> float:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from hybridkv.cli import print_json
     from hybridkv.layout.alloc import VirtualAllocator
     from hybridkv.layout.geometry import LayerKind
     from hybridkv.layout import plan_layout
     from hybridkv.layout.presets import get_preset
 
-    from .compiler import TransferPlanner
-    from .schemes import Workload, fragmented_blocks
+    from hybridkv.descriptors.compiler import TransferPlanner
+    from hybridkv.descriptors.schemes import Workload, fragmented_blocks
 
     if args.runs < 1 or args.baseline_runs < 1:
         raise ValueError(f"--runs and --baseline-runs must be >= 1, got {args.runs}, {args.baseline_runs}")
@@ -111,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         "outputs_identical": same,
     }
     if args.json:
-        print(json.dumps(result))
+        print_json(result)
         return 0
     print(f"{geometry.name}, {args.tokens} tokens, block {bs}: {plan.num_descriptors} descriptors, "
           f"{plan.nbytes / 2**20:.1f} MiB (per-peer setup {setup_ms:.1f} ms, once)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 # Per-descriptor cost and link bandwidth of the transfer-time estimate: NIXL/UCX over
 # CMA on a 2-vCPU machine, unmerged descriptors (docs/background/nixl.md section 2.1).
@@ -11,25 +10,42 @@ DEFAULT_PER_DESC_US = 2.0
 DEFAULT_LINK_GBPS = 10.0
 
 
+# Bounds of the sizes (argparse refuses more, naming the bound). Tokens: 64x the longest context of
+# any preset (Qwen3.5: 262,144 native); past that the request is no model's. TP: as many GPUs as one
+# NVL72 domain, more than any model's KV heads can split over. Block sizes: 1 GiB of tokens per
+# block is beyond any engine's page.
+MAX_TOKENS = 1 << 24
+MAX_TP = 72
+MAX_BLOCK = 1 << 20
+# The time estimate's figures: a second per descriptor and 100 TB/s are past any real NIC.
+MAX_PER_DESC_US = 1e6
+MAX_LINK_GBPS = 1e5
+
+
 def register(parser: argparse.ArgumentParser) -> None:
+    from hybridkv.cli import bounded
+
     parser.description = "Count the transfer descriptors each engine's scheme issues for one request."
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="a preset name (default: qwen3.5-397b-a17b)")
-    src.add_argument("--config", default=None, help="a Hugging Face config.json (or its directory)")
-    parser.add_argument("--tokens", type=int, default=8192, help="prompt tokens of the request")
-    parser.add_argument("--block-size", type=int, default=None,
+    src.add_argument("--config", default=None,
+                     help="a Hugging Face config.json (or its directory) instead of a preset (default: none)")
+    parser.add_argument("--tokens", type=bounded(int, MAX_TOKENS), default=8192, help="prompt tokens of the request")
+    parser.add_argument("--block-size", type=bounded(int, MAX_BLOCK), default=None,
                         help="engine block size in tokens, a multiple of 16 (default: the HMA-aligned size)")
-    parser.add_argument("--tp-prefill", type=int, default=1)
-    parser.add_argument("--tp-decode", type=int, default=1)
-    parser.add_argument("--kernel-block-size", type=int, default=None,
+    parser.add_argument("--tp-prefill", type=bounded(int, MAX_TP), default=1, help="tensor-parallel size of prefill")
+    parser.add_argument("--tp-decode", type=bounded(int, MAX_TP), default=1, help="tensor-parallel size of decode")
+    parser.add_argument("--kernel-block-size", type=bounded(int, MAX_BLOCK), default=None,
                         help="attention kernel block size; vllm-0.33 issues one descriptor per kernel block "
                              "(default: the logical block, e.g. FlashAttention; FlashInfer splits to 16)")
-    parser.add_argument("--ssm-dtype", choices=("float32", "bfloat16"), default=None)
+    parser.add_argument("--ssm-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="dtype of the GDN SSM state (default: the preset's or config's)")
     parser.add_argument("--fragmentation", type=float, default=1.0,
-                        help="fraction of consecutive block pairs not adjacent in memory (1.0: none adjacent)")
-    parser.add_argument("--per-desc-us", type=float, default=DEFAULT_PER_DESC_US,
+                        help="fraction of consecutive block pairs not adjacent in memory, 0 to 1 (1.0: none adjacent)"
+                             " (default: 1.0)")
+    parser.add_argument("--per-desc-us", type=bounded(float, MAX_PER_DESC_US), default=DEFAULT_PER_DESC_US,
                         help="per-descriptor cost for the time estimate (us)")
-    parser.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
+    parser.add_argument("--link-gbps", type=bounded(float, MAX_LINK_GBPS), default=DEFAULT_LINK_GBPS,
                         help="link bandwidth for the time estimate (GB/s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
@@ -45,6 +61,8 @@ def load_geometry(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from hybridkv.cli import print_json
+
     from .schemes import Scheme, Workload, count_all
 
     if args.per_desc_us < 0 or args.link_gbps <= 0:
@@ -66,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 "kernel_block_size": args.kernel_block_size, "per_desc_us": args.per_desc_us,
                 "link_gbps": args.link_gbps}
     if args.json:
-        print(json.dumps({"workload": workload, "schemes": rows}))
+        print_json({"workload": workload, "schemes": rows})
         return 0
     _print_table(workload, rows)
     return 0

@@ -35,40 +35,53 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import secrets
 import sys
 
 from hybridkv.benchmarks.transfer.measure import _measure
+from hybridkv.cli import CommandError, MissingExtra, bounded, print_json
 from hybridkv.descriptors.planning import DescriptorPlanner
 from hybridkv.transport.config import Pairing
 from hybridkv.benchmarks.transfer.posting import parse_splits
 from hybridkv.benchmarks.transfer.sides import _geometry, _producer_main, parse_devices
 
+# Bounds. Tokens: Qwen3.5's native context; each of the two processes registers twice the request
+# (its layout and the raw span), 17 GiB for qwen3.5-9b at the bound. Iterations: each is a full
+# round of every variant, ~1 s on a CPU machine. Block size: tokens per block past any engine's page.
+MAX_TOKENS = 262_144
+MAX_ITERS = 1000
+MAX_BLOCK = 1 << 16
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="qwen3.5-9b", help="geometry preset (default qwen3.5-9b)")
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--layers", type=int, default=None, help="scale the layer count down (multiple of 4)")
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--mem", choices=("dram", "vram"), default="dram")
+    parser.add_argument("--tokens", type=bounded(int, MAX_TOKENS), default=8192, help="tokens of the one request")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="scale the layer count down (a multiple of 4; default: all the preset's)")
+    parser.add_argument("--block-size", type=bounded(int, MAX_BLOCK), default=64, help="tokens per block")
+    parser.add_argument("--iters", type=bounded(int, MAX_ITERS), default=5,
+                        help="timed rounds (each runs every variant once; the median is reported)")
+    parser.add_argument("--mem", choices=("dram", "vram"), default="dram",
+                        help="where both sides' memory is: host DRAM or GPU VRAM")
     parser.add_argument("--devices", default=None, metavar="P,C",
                         help="--mem vram: producer on cuda:P, consumer on cuda:C (default 0,0)")
     parser.add_argument("--proto-log", default=None, metavar="PATH",
-                        help="UCX_PROTO_INFO=y in both processes, their console kept in PATH, transports summarised")
+                        help="UCX_PROTO_INFO=y in both processes, their console kept in PATH, transports summarised "
+                             "(default: off)")
     parser.add_argument("--raw-splits", default="1", metavar="N[,N...]",
-                        help="also post the raw span cut into N equal descriptors, for each N (default 1: only the "
-                             "one-descriptor baseline); shows whether UCX overlaps descriptors")
+                        help="also post the raw span cut into N equal descriptors, for each N from 1 to 4096 (default "
+                             "1: only the one-descriptor baseline); shows whether UCX overlaps descriptors")
     parser.add_argument("--settle-ms", type=float, default=20.0,
-                        help="quiet time before each timed variant, for the control messages of the one before it")
+                        help="quiet time before each timed variant, for the control messages of the one before it, "
+                             "0 to 10000 (default: 20.0)")
     parser.add_argument("--read-notif", choices=("on", "off"), default="off",
                         help="hybridkv's READs carry a NIXL notification (TransportConfig.notify_reads)")
     parser.add_argument("--probe-bytes", type=int, default=64,
                         help="bytes per descriptor of the posting probe (the vllm-0.33 list and one descriptor, "
-                             "posted with this length each, CPU of the posting thread timed; default 64)")
+                             "posted with this length each, CPU of the posting thread timed), 1 to 1048576 "
+                             "(default 64)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     # Both sides cut pages alike, so the planner promises pages (and posts the prepped-list index
     # pairs of the compiler's affine fast path).
@@ -90,15 +103,15 @@ def run(args: argparse.Namespace) -> int:
     _geometry(args.model, args.layers)
     devices = parse_devices(args.devices, args.mem)
     if args.mem == "vram":
-        try:
-            import torch
-        except ImportError as exc:
-            raise ValueError(f"--mem vram needs torch with CUDA; importing torch failed: {exc}") from exc
+        import torch  # missing: main() names the extra
+
         if not torch.cuda.is_available():
-            raise ValueError("--mem vram needs a CUDA device; none is visible")
+            # The machine, not the input: exit 1 like `hybridkv demo --device cuda`.
+            raise CommandError("--mem vram: torch sees no CUDA device")
         n = torch.cuda.device_count()
         if max(devices) >= n:
             raise ValueError(f"--devices {args.devices!r}; only {n} CUDA device(s) visible (indices 0..{n - 1})")
+    _require_nixl()
     from hybridkv.transport import ucx_log
     from hybridkv.transport.env import apply_ucx_defaults
 
@@ -124,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
                 if kind == "invalid":
                     raise ValueError(addr)
                 if kind == "error":
-                    raise RuntimeError(f"producer failed: {addr}")
+                    # The producer's failure ends the run; its traceback (for a bug report) goes under the line.
+                    raise CommandError(f"the producer process failed: {addr}")
                 report = asyncio.run(_measure(args, addr, out, devices))
             finally:
                 proc.join(10)
@@ -143,10 +157,22 @@ def run(args: argparse.Namespace) -> int:
         with open(args.proto_log, errors="replace") as f:
             report["transports"] = ucx_log.summarize_transports(f.read())
     if args.json:
-        print(json.dumps(report))
+        print_json(report)
     else:
         _print(report)
     return 0
+
+
+def _require_nixl() -> None:
+    """Before any process starts: without NIXL, one line naming the extra, not the producer's failure."""
+    from hybridkv.transport.nixl_shim import load_nixl
+
+    try:
+        load_nixl()
+    except MissingExtra:
+        raise
+    except ImportError as exc:
+        raise MissingExtra("NIXL", "transport", detail=str(exc)) from exc
 
 
 def _print(rep: dict) -> None:

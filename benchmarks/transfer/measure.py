@@ -14,6 +14,7 @@ import statistics
 from hybridkv.benchmarks.transfer.copy import _copy_ceiling
 from hybridkv.benchmarks.transfer.posting import _span_rows, _timed, _vllm_ids, _vllm_scheme_rows, parse_splits, posting_fit
 from hybridkv.benchmarks.transfer.sides import _side
+from hybridkv.cli import CommandError
 
 
 async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
@@ -97,7 +98,8 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
                     sched.allocate(rid, g.group_id, pools.pool_sizes[g.group_id])
                 res = await cons.fetch(rid, comps, token=args.capabilities[i])
                 if res.outcome is not Outcome.READY or res.nbytes != nbytes:
-                    raise RuntimeError(f"fetch {rid}: {res.outcome.name} {res.error} ({res.nbytes} of {nbytes} bytes)")
+                    # A transfer that failed ends the run (exit 1); it is not a bug of the bench.
+                    raise CommandError(f"fetch {rid}: {res.outcome.name} {res.error} ({res.nbytes} of {nbytes} bytes)")
                 hyb += [res.seconds] * kept
                 posts["hybridkv"] += [res.post_seconds] * kept
                 desc, idx, planned = res.descriptors, res.indices, res.planned
@@ -128,7 +130,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
         sched.request_finished(f"req{i}")
     msg = out.get(timeout=60)
     if msg[0] == "error":
-        raise RuntimeError(f"producer failed: {msg[1]}")
+        raise CommandError(f"the producer process failed: {msg[1]}")
     await cons.close()
     del raw_span  # registered with NIXL: freed only after the agent is done with it
     copy = _copy_ceiling(nbytes, devices if args.mem == "vram" else None, args.iters)

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import time
+import traceback
 
 
 def parse_devices(text: str | None, mem: str) -> tuple[int, int]:
@@ -94,8 +95,8 @@ def _producer_main(args_d: dict, out: mp.Queue) -> None:
         asyncio.run(_producer(argparse.Namespace(**args_d), out))
     except ValueError as exc:  # bad input: the parent raises it as such (one line, no traceback)
         out.put(("invalid", str(exc)))
-    except BaseException as exc:  # surface in the parent rather than hang it
-        out.put(("error", f"{type(exc).__name__}: {exc}"))
+    except BaseException as exc:  # surface in the parent rather than hang it, with what a bug report needs
+        out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc().rstrip()}"))
 
 
 async def _producer(args, out) -> None:

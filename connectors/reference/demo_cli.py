@@ -3,28 +3,35 @@
 from __future__ import annotations
 
 import argparse
-import json
 
-from hybridkv.cli import CommandError
+from hybridkv.cli import CommandError, bounded, print_json
 
 from .demo import MAX_ASYNC_DEPTH
 
 FAULTS = ("drop-transfer", "kill-decode", "late-completion", "stall-prefill")
+# Bounds of the sizes. Requests: each is prefilled, moved and decoded for real, a few per second
+# on a CPU; 4,096 already needs a --timeout far above the default. Prompts and chunks: 4,096 tokens,
+# 4x the cuda default, whose pools are sized from --max-prompt. Timeout: a day.
+MAX_REQUESTS = 4096
+MAX_PROMPT = 4096
+MAX_TIMEOUT_S = 86_400.0
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Disaggregated prefill -> decode of a small Qwen3.5-shaped hybrid model over NIXL, "
                           "compared token by token with an aggregated run.")
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=bounded(int, MAX_REQUESTS), default=32,
+                        help="requests sent through prefill -> decode")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model weights and the prompts")
     parser.add_argument("--async-depth", type=int, default=1,
                         help=f"steps the scheduler runs ahead of the worker (0 to {MAX_ASYNC_DEPTH})")
     parser.add_argument("--policy", choices=("fenced", "none"), default="fenced",
                         help="fence policy of both engines (none shows what breaks)")
-    parser.add_argument("--failure-policy", choices=("recompute", "fail"), default="recompute")
+    parser.add_argument("--failure-policy", choices=("recompute", "fail"), default="recompute",
+                        help="what the decode side does with a request whose transfer failed")
     parser.add_argument("--inject", action="append", default=[], choices=FAULTS,
-                        help="inject a real fault (repeatable)")
-    parser.add_argument("--timeout", type=float, default=240.0,
+                        help="inject a real fault (repeatable; default: none)")
+    parser.add_argument("--timeout", type=bounded(float, MAX_TIMEOUT_S), default=240.0,
                         help="seconds the whole run (aggregated baseline, then disaggregated) may take "
                              "before it stops and says what is stuck")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -35,11 +42,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="tiny (the CPU default) or a Qwen3.5 preset: qwen3.5-0.8b (the cuda default), "
                              "qwen3.5-2b")
-    parser.add_argument("--max-prompt", type=int, default=None,
+    parser.add_argument("--max-prompt", type=bounded(int, MAX_PROMPT), default=None,
                         help="longest prompt in tokens (default 120 on cpu, 1024 on cuda)")
-    parser.add_argument("--chunk-size", type=int, default=None,
+    parser.add_argument("--chunk-size", type=bounded(int, MAX_PROMPT), default=None,
                         help="chunked-prefill tokens per step (default 32 on cpu, 256 on cuda)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
 
@@ -56,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from exc
     bad = report.mismatches or report.leaked_blocks or report.byte_mismatches
     if args.json:
-        out = {k: v for k, v in vars(report).items() if k != "extra"}
-        print(json.dumps(out))
+        print_json({k: v for k, v in vars(report).items() if k != "extra"})
     else:
         _print(report)
     return 1 if bad else 0

@@ -3,33 +3,37 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
+
+from .params import MAX_CONCURRENCY, MAX_REQUEST_RATE, MAX_SEEDS
 
 
 def register(parser: argparse.ArgumentParser) -> None:
+    from hybridkv.cli import bounded
+
     parser.description = (
         "Simulate prefill endpoints, KV/state transfers and decode endpoints over a load sweep "
         "(closed-loop users or open-loop request rates), several seeds per point; descriptor counts "
         "come from the descriptor analyzer.")
     parser.add_argument("--recipe", action="append", required=True, metavar="FILE",
                         help="recipe YAML (or the name of a shipped one, e.g. seed-6xdep2-1xdep8); "
-                             "repeat for one curve per recipe")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--plot", metavar="OUT.png", help="write a Pareto plot (tokens/s/GPU vs tokens/s/user)")
+                             "repeat for one curve per recipe (required)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    parser.add_argument("--plot", metavar="OUT.png",
+                        help="write a Pareto plot (tokens/s/GPU vs tokens/s/user) (default: no plot)")
     parser.add_argument("--compare-schemes", metavar="A,B[,...]",
                         help="run each recipe once per descriptor scheme (the first is the baseline of the "
-                             "ratios), e.g. vllm-0.33,hybridkv")
+                             "ratios), e.g. vllm-0.33,hybridkv (default: the recipe's scheme only)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="with --compare-schemes: move one cost at a time (posting and wire cost per "
                              "descriptor, bandwidth, async scheduling) and report each scheme and the gain")
     load = parser.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, nargs="+", metavar="N",
-                      help="closed loop: these user counts instead of the recipe's sweep")
-    load.add_argument("--request-rate", type=float, nargs="+", metavar="R",
-                      help="open loop: Poisson arrivals at these requests per second instead of the recipe's sweep")
-    parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
-    parser.add_argument("--seeds", type=int, default=None, metavar="N",
+    load.add_argument("--concurrency", type=bounded(int, MAX_CONCURRENCY), nargs="+", metavar="N",
+                      help="closed loop: these user counts instead of the recipe's sweep (default: the recipe's)")
+    load.add_argument("--request-rate", type=bounded(float, MAX_REQUEST_RATE), nargs="+", metavar="R",
+                      help="open loop: Poisson arrivals at these requests per second instead of the recipe's sweep "
+                           "(default: the recipe's)")
+    parser.add_argument("--seed", type=int, default=0, help="first seed")
+    parser.add_argument("--seeds", type=bounded(int, MAX_SEEDS), default=None, metavar="N",
                         help="seeds per point, S..S+N-1 (default: the recipe's sweep.seeds, else 3)")
     parser.set_defaults(handler=run)
 
@@ -40,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         import matplotlib  # noqa: F401
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hybridkv.cli import CommandError, print_json
 
     from .params import Arrivals
     from .recipe import load_recipe
@@ -91,11 +97,10 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         if "descriptor analyzer" not in str(exc):
             raise
-        print(f"hybridkv: {exc}", file=sys.stderr)
-        return 1
+        raise CommandError(str(exc)) from exc
     if args.sensitivity:
         if args.json:
-            print(json.dumps(sensitivity_json(rows, schemes), indent=2, allow_nan=False))
+            print_json(sensitivity_json(rows, schemes), indent=2, allow_nan=False)
         else:
             out.print(sensitivity_table(rows, schemes, recipes[0].sweep.arrivals))
         return 0
@@ -104,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"wrote {path}")
     if args.json:
         # allow_nan=False: a non-finite figure is a bug to see, never `Infinity` in the output.
-        print(json.dumps(as_json(results), indent=2, allow_nan=False))
+        print_json(as_json(results), indent=2, allow_nan=False)
     else:
         print_report(results, out)
     return 0

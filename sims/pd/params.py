@@ -39,6 +39,26 @@ class Distribution(enum.Enum):
     LOGNORMAL = "lognormal"
 
 
+# Bounds of a recipe's sizes (and the CLI's overrides): past them a run does not end in useful
+# time, so they are refused at once, naming the bound. Every endpoint, rank and user is simulated
+# one by one: the shipped recipes have 1-8 endpoints of up to 8 ranks and up to 5,120 users.
+# Endpoints: 1,024 per side, beyond any one deployment. Ranks: 1,024 per endpoint, past the
+# largest expert-parallel groups. Users: 100,000, 20x the seed topology's sweep.
+MAX_ENDPOINTS = 1024
+MAX_RANKS = 1024
+MAX_CONCURRENCY = 100_000
+# Requests per second of an open loop: 100x the closed loop's users over a one-second step.
+MAX_REQUEST_RATE = 1e7
+# Tokens of one prompt, output or batch: 64x the longest context of any preset (262,144).
+MAX_TOKENS = 1 << 24
+# A point's window: 500x the default measure window of 2,048 completions.
+MAX_WINDOW_REQUESTS = 1_000_000
+# Seeds per point: a spread needs a few; 100 per point already multiplies a sweep's hours by 30.
+MAX_SEEDS = 100
+# Points on a curve: a Pareto curve needs tens.
+MAX_LOADS = 100
+
+
 def check_number(name: str, value: float, *, positive: bool = False) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise ValueError(f"{name}={value!r}: expected a finite number")
@@ -46,9 +66,11 @@ def check_number(name: str, value: float, *, positive: bool = False) -> None:
         raise ValueError(f"{name}={value!r}: expected a {'positive' if positive else 'non-negative'} number")
 
 
-def check_int(name: str, value: int, *, minimum: int = 1) -> None:
+def check_int(name: str, value: int, *, minimum: int = 1, maximum: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name}={value!r}: expected an integer >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}={value!r}: above the bound {maximum:,}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +91,7 @@ class Lengths:
 
     def __post_init__(self) -> None:
         check_int(f"{self.name}.low", self.low)
-        check_int(f"{self.name}.high", self.high, minimum=self.low)
+        check_int(f"{self.name}.high", self.high, minimum=self.low, maximum=MAX_TOKENS)
         check_number(f"{self.name}.mean", self.mean, positive=True)
         check_number(f"{self.name}.cv", self.cv)
         if not self.low <= self.mean <= self.high:
@@ -79,7 +101,7 @@ class Lengths:
 
     @classmethod
     def fixed(cls, name: str, n: int) -> Lengths:
-        check_int(name, n)
+        check_int(name, n, maximum=MAX_TOKENS)
         return cls(name=name, kind=Distribution.FIXED, mean=n, low=n, high=n)
 
     def draw(self, rng: random.Random) -> int:
@@ -176,9 +198,9 @@ class PrefillSpec:
     cost: StepCost
 
     def __post_init__(self) -> None:
-        check_int("prefill.endpoints", self.endpoints)
-        check_int("prefill.ranks", self.ranks)
-        check_int("prefill.max_batched_tokens", self.max_batched_tokens)
+        check_int("prefill.endpoints", self.endpoints, maximum=MAX_ENDPOINTS)
+        check_int("prefill.ranks", self.ranks, maximum=MAX_RANKS)
+        check_int("prefill.max_batched_tokens", self.max_batched_tokens, maximum=MAX_TOKENS)
         check_int("prefill.blocks_per_rank", self.blocks_per_rank)
         if not self.cost.smallest_step_s() > 0:
             raise ValueError("prefill.cost: every term is zero, so a prefill step takes no time "
@@ -199,9 +221,9 @@ class DecodeSpec:
     cost: StepCost
 
     def __post_init__(self) -> None:
-        check_int("decode.endpoints", self.endpoints)
-        check_int("decode.ranks", self.ranks)
-        check_int("decode.ranks_per_node", self.ranks_per_node)
+        check_int("decode.endpoints", self.endpoints, maximum=MAX_ENDPOINTS)
+        check_int("decode.ranks", self.ranks, maximum=MAX_RANKS)
+        check_int("decode.ranks_per_node", self.ranks_per_node, maximum=MAX_RANKS)
         check_int("decode.blocks_per_rank", self.blocks_per_rank)
         if not self.cost.smallest_step_s() > 0:
             raise ValueError("decode.cost: every term is zero, so a decode step takes no time "
@@ -300,9 +322,9 @@ class SimConfig:
                 f"the longest prompt ({self.traffic.isl.high} tokens) needs {need} prefill blocks but an "
                 f"endpoint has {self.prefill.blocks_per_rank * self.prefill.ranks}: it could never be prefilled")
         if self.warmup_requests is not None:
-            check_int("warmup_requests", self.warmup_requests, minimum=0)
+            check_int("warmup_requests", self.warmup_requests, minimum=0, maximum=MAX_WINDOW_REQUESTS)
         if self.measure_requests is not None:
-            check_int("measure_requests", self.measure_requests)
+            check_int("measure_requests", self.measure_requests, maximum=MAX_WINDOW_REQUESTS)
 
     @property
     def total_gpus(self) -> int:

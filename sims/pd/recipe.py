@@ -15,8 +15,9 @@ from typing import Any
 
 import yaml
 
-from .params import (Arrivals, DecodeSpec, Distribution, Lengths, LinkSpec, PostingSpec, PrefillSpec,
-                     Scheduling, SimConfig, StepCost, Traffic, check_int, check_number)
+from .params import (MAX_CONCURRENCY, MAX_LOADS, MAX_REQUEST_RATE, MAX_SEEDS, MAX_WINDOW_REQUESTS, Arrivals,
+                     DecodeSpec, Distribution, Lengths, LinkSpec, PostingSpec, PrefillSpec, Scheduling, SimConfig,
+                     StepCost, Traffic, check_int, check_number)
 
 SOURCE_KINDS = ("cited", "measured", "derived", "assumed")
 RECIPE_DIR = Path(__file__).parent.parent / "recipes"
@@ -184,7 +185,7 @@ class Recipe:
         if loads is None and arrivals is not self.sweep.arrivals:
             raise ValueError(f"the recipe sweeps {self.sweep.arrivals.value}-loop loads; give the "
                              f"{arrivals.value}-loop ones (--concurrency or --request-rate)")
-        check_int("seeds", sweep.seeds)
+        check_int("seeds", sweep.seeds, maximum=MAX_SEEDS)
         return replace(self, sweep=sweep)
 
     def sim_config(self, *, scheme: str | None = None, scheduling: Scheduling | None = None) -> SimConfig:
@@ -217,12 +218,18 @@ def _loads(values: Any, arrivals: Arrivals) -> tuple[float, ...]:
     key = "sweep.concurrency" if arrivals is Arrivals.CLOSED else "sweep.request_rate"
     if not isinstance(values, list) or not values:
         raise ValueError(f"{key}={values!r}: expected a non-empty list")
+    if len(values) > MAX_LOADS:
+        raise ValueError(f"{key} has {len(values)} points: above the bound {MAX_LOADS}")
     for v in values:
         if arrivals is Arrivals.CLOSED:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{key} has {v!r}: expected integers >= 1")
+            if v > MAX_CONCURRENCY:
+                raise ValueError(f"{key} has {v!r}: above the bound {MAX_CONCURRENCY:,} users")
         elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"{key} has {v!r}: expected finite request rates > 0 (requests per second)")
+        elif v > MAX_REQUEST_RATE:
+            raise ValueError(f"{key} has {v!r}: above the bound {MAX_REQUEST_RATE:,.0f} requests per second")
     if list(values) != sorted(set(values)):
         raise ValueError(f"{key}={values!r}: expected strictly increasing values")
     return tuple(values)
@@ -296,10 +303,13 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
     arrivals = Arrivals.CLOSED if closed else Arrivals.OPEN
     loads = _loads(sw.raw("concurrency" if closed else "request_rate"), arrivals)
     seeds = sw.integer("seeds", DEFAULT_SEEDS)
-    check_int("sweep.seeds", seeds)
-    sweep = Sweep(arrivals=arrivals, loads=loads, stop_at_capacity=stop,
-                  warmup_requests=sw.optional_int("warmup_requests"),
-                  measure_requests=sw.optional_int("measure_requests"), seeds=seeds)
+    check_int("sweep.seeds", seeds, maximum=MAX_SEEDS)
+    window = {key: sw.optional_int(key) for key in ("warmup_requests", "measure_requests")}
+    for key, value in window.items():
+        if value is not None:
+            check_int(f"sweep.{key}", value, minimum=0 if key == "warmup_requests" else 1,
+                      maximum=MAX_WINDOW_REQUESTS)
+    sweep = Sweep(arrivals=arrivals, loads=loads, stop_at_capacity=stop, seeds=seeds, **window)
     sw.done()
     sources = _sources(top.raw("sources", leaf=False), leaves)
     top.done()
