@@ -268,7 +268,7 @@ sys.meta_path.insert(0, _Block())
 
 @pytest.mark.parametrize("argv,blocked,extra", [
     (("analyze", "--model", "qwen3.5-0.8b"), ("rich",), "cli"),  # the table needs rich
-    (("sim", "race", "--requests", "5"), ("rich",), "cli"),
+    (("sim", "race", "--requests", "5"), ("rich",), "sims"),  # the sims extra has rich too
     (("sim", "pd", "--recipe", "seed-4xdep2-1xdep8", "--json"), ("yaml",), "sims"),
     (("demo", "--requests", "1"), ("torch",), "kernels"),
     (("bench", "transfer", "--layers", "4", "--tokens", "64", "--iters", "1"), ("nixl", "nixl_cu12", "nixl_cu13"),
@@ -285,6 +285,30 @@ def test_a_missing_optional_module_is_one_line_exit_1_naming_its_extra(argv, blo
 
 def test_rich_and_yaml_map_to_the_cli_and_sims_extras():
     assert cli.OPTIONAL_MODULES["rich"] == "cli" and cli.OPTIONAL_MODULES["yaml"] == "sims"
+
+
+def test_a_sim_command_is_pointed_at_the_sims_extra_which_has_rich():
+    import tomllib
+
+    rich = ModuleNotFoundError("x", name="rich")
+    assert install_hint("cli") in cli.missing_extra(rich, "analyze")
+    assert install_hint("sims") in cli.missing_extra(rich, "sim pd")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for group, (extra, modules) in cli.COMMAND_EXTRAS.items():
+        named = {req.split(">")[0].split("=")[0].lower() for req in extras[extra]}
+        assert {{"yaml": "pyyaml"}.get(m, m) for m in modules} <= named, (group, extras[extra])
+
+
+def test_a_peer_or_transfer_failure_is_one_line_exit_1(capsys, monkeypatch):
+    import hybridkv.descriptors.analyze_cli as analyze
+    from hybridkv.errors import PeerLost
+
+    def lost(_args):
+        raise PeerLost("the producer's connection dropped")
+
+    monkeypatch.setattr(analyze, "run", lost)
+    assert main(["analyze"]) == cli.EXIT_FAILED
+    assert _one_error_line(capsys.readouterr().err) == "hybridkv: error: PeerLost: the producer's connection dropped"
 
 
 def test_install_hints_say_how_to_install_from_a_checkout_or_a_wheel():
