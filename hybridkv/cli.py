@@ -39,6 +39,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 import hybridkv
+from hybridkv.errors import MissingExtra, install_hint
 
 ENTRY_POINT_GROUP = "hybridkv.commands"
 
@@ -87,24 +88,7 @@ class CommandError(Exception):
     traceback. The message's first line is the error line; further lines are details under it."""
 
 
-def install_hint(extra: str) -> str:
-    """How to install one of hybridkv's extras, in the same words everywhere: hybridkv comes from a
-    checkout or a built wheel, not from the public package index."""
-    return (f'install hybridkv\'s "{extra}" extra: pip install -e \'.[{extra}]\' in a checkout, '
-            f"or pip install '<wheel>[{extra}]'")
-
-
 _HINT = re.compile(r'install hybridkv\'s "[^"]+" extra')
-
-
-class MissingExtra(ImportError):
-    """An optional dependency is not installed: says what and which extra installs it. `detail`
-    (e.g. what was tried) goes on the lines under the error line."""
-
-    def __init__(self, what: str, extra: str, detail: str = "") -> None:
-        self.extra = extra
-        text = f"{what} is not installed; {install_hint(extra)}"
-        super().__init__(f"{text}\n{detail}" if detail else text)
 
 
 # ----------------------------------------------------------------------------- bounds

@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from hybridkv import wire
-from hybridkv.errors import PeerLost
+from hybridkv.errors import MissingExtra, PeerLost
 from hybridkv.transport.env import apply_ucx_defaults
 
 
@@ -42,8 +42,7 @@ def _ucxx():
     try:
         import ucxx
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError("ucxx is not installed; expected ucxx-cu12 or ucxx-cu13 "
-                          "(pip install 'hybridkv[transport]')") from exc
+        raise MissingExtra("ucxx", "transport", detail="expected ucxx-cu12 or ucxx-cu13") from exc
     return ucxx
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from hybridkv.errors import MissingExtra
 from hybridkv.transport.env import apply_ucx_defaults
 
 _CANDIDATES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
@@ -31,8 +32,5 @@ def load_nixl() -> ModuleType:
         if hasattr(mod, "nixl_agent") and hasattr(mod, "nixl_agent_config"):
             return mod
         errors.append(f"{name}: has no nixl_agent")
-    raise ImportError(
-        "NIXL is not installed; expected one of " + ", ".join(_CANDIDATES)
-        + " (pip install 'hybridkv[transport]' or nixl-cu12 / nixl-cu13 matching torch's CUDA major). Tried: "
-        + "; ".join(errors)
-    )
+    raise MissingExtra("NIXL", "transport", detail="expected one of " + ", ".join(_CANDIDATES)
+                       + " (a CUDA 13 host: the transport-cu13 extra). Tried: " + "; ".join(errors))
