@@ -52,15 +52,21 @@ prefill adds NIXL agents, takes METADATA and ABORTs, and pushes statuses only
 within proven sessions, and binds each room to the decode agent that claimed it.
 A decode agent whose session ended leaves NIXL once its rooms' writes are over, and
 those rooms fail (retiring.py).
+
+The manager is SGLang's (a CommonKVManager, which SGLang's disaggregation code
+calls) and composes hybridkv's parts, each with its own state, given what it
+uses: SGLang's rooms (rooms.py), the scheduler over the pools (fenced_blocks.py),
+the authentication (peer_auth.py); on a prefill rank the exports (prefill_side.py),
+their drains (drains.py), the retiring decode agents (retiring.py) and the decode
+ranks' registrations (registrations.py); on a decode rank the imports
+(decode_side.py). The manager runs the threads, routes received messages to the
+parts and answers SGLang's hooks through them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import queue
 import threading
-from collections import OrderedDict, defaultdict
 from typing import Optional
 
 import numpy as np
@@ -68,26 +74,26 @@ import zmq
 
 from hybridkv.connectors.sglang import messages as msgs
 from hybridkv.connectors.sglang import startup
-from hybridkv.connectors.sglang.adopt import AdoptedLayout, adopt_kv_args, from_peer, parallel_of
+from hybridkv.connectors.sglang.adopt import adopt_kv_args, parallel_of, request_id
 from hybridkv.connectors.sglang.config import SGLangConfig
-from hybridkv.connectors.sglang.decode_side import DecodeImports, _Import
+from hybridkv.connectors.sglang.decode_side import DecodeImports
+from hybridkv.connectors.sglang.drains import Drains
+from hybridkv.connectors.sglang.fenced_blocks import FencedBlocks
 from hybridkv.connectors.sglang.metrics import HybridKVSGLangMetrics
-from hybridkv.connectors.sglang.pairing import PeerPlan, plan_peer
 from hybridkv.connectors.sglang.peer_auth import PeerAuth
 from hybridkv.connectors.sglang.prefill_side import PrefillExports, TransferStats
+from hybridkv.connectors.sglang.registrations import Peer, Registrations
 from hybridkv.connectors.sglang.retiring import RetiringAgents
-from hybridkv.connectors.sglang.sessions import AuthProbe, AuthStats, DecodeKeys, PrefillGate, Session
-from hybridkv.descriptors.compiler import TransferPlanner
+from hybridkv.connectors.sglang.rooms import Rooms
+from hybridkv.connectors.sglang.sessions import AuthStats, DecodeKeys
+from hybridkv.fencing.request_state import Component
+from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.layout.alloc import MemKind
 from hybridkv.transport.dataplane import DataPlane
 from hybridkv.transport.metrics import TransferMetrics
-from hybridkv.fencing.request_state import Component
-from hybridkv.fencing.scheduler import TransferScheduler
-from hybridkv.ids import RequestId, TransferId
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,
-    AbortNotification,
     CommonKVBootstrapServer,
     CommonKVManager,
     CommonKVSender,
@@ -96,21 +102,19 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_device, get_parallel, linear_attn_tp_size
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.utils.network import NetworkAddress
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _Peer:
-    agent_name: str
-    layout: AdoptedLayout
-    planners: dict[Component, Optional[TransferPlanner]]  # None: another prefill rank writes these fields
-    plan: Optional[PeerPlan]
-    rejection: Optional[str]
+def _sglang_room(frames: list[bytes]):
+    """The room an SGLang message (KV_STATUS, ABORT_ACK) names, or None."""
+    try:
+        return int(frames[1] if frames[0] in (b"KV_STATUS", b"ABORT_ACK") else frames[0])
+    except (IndexError, ValueError):
+        return None
 
 
-class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, PeerAuth, CommonKVManager):
+class HybridKVManager(CommonKVManager):
     kv_status_msg_tag = b"KV_STATUS"
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
@@ -120,6 +124,14 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, PeerAuth, C
     # instead of its pages going back to the allocator at once.
     supports_deferred_decode_kv_release = True
 
+    #: prefill mode's parts (None on a decode rank)
+    exports: Optional[PrefillExports] = None
+    drains: Optional[Drains] = None
+    retiring: Optional[RetiringAgents] = None
+    registrations: Optional[Registrations] = None
+    #: decode mode's part (None on a prefill rank)
+    imports: Optional[DecodeImports] = None
+
     def __init__(
         self,
         args: KVArgs,
@@ -127,8 +139,8 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, PeerAuth, C
         server_args: ServerArgs,
         is_mla_backend: Optional[bool] = False,
     ):
-        # Layout, agent and scheduler exist before the base class registers to
-        # the bootstrap server: a decode may connect right after.
+        # Layout and agent exist before the base class registers to the
+        # bootstrap server: a decode may connect right after.
         self.config = SGLangConfig.from_server_args(server_args)
         par = get_parallel()
         decode = disaggregation_mode == DisaggregationMode.DECODE
@@ -142,12 +154,6 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, PeerAuth, C
                 "decode" if decode else "prefill")
         #: what the authentication let in and dropped (sessions.py)
         self.auth_stats = AuthStats()
-        self.gate: Optional[PrefillGate] = None
-        self.keys: Optional[DecodeKeys] = None
-        self.probe: Optional[AuthProbe] = None  # decode without a secret: which prefill ranks require one
-        self._auth_required: set[tuple[str, int]] = set()  # prefill ranks that answered a probe
-        # decode: the prefill ranks (ip, port) each room's receiver expects to hear from, oldest first
-        self._room_writers: OrderedDict[int, frozenset[tuple[str, int]]] = OrderedDict()
         # Refused or settled before anything is registered or bound (startup.py).
         startup.check_parallel(pp_size=par.pp_size, attn_cp_size=par.attn_cp_size,
                                role="decode" if decode else "prefill")
@@ -176,39 +182,45 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, PeerAuth, C
         except ImportError as e:  # sglang requires prometheus-client; a stripped install may lack it
             logger.warning("hybridkv: no sglang:hybridkv_* metrics (%s); pip install prometheus-client", e)
             self.prom = None
-        self._room_bytes: dict[int, int] = {}  # prefill: bytes this rank wrote per room (get_transfer_metric)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        # The scheduler is not thread-safe: SGLang's thread, the workers, the
-        # listener and the heartbeat thread all take this lock around it.
-        self.sched_lock = threading.RLock()
-        self._inflight: dict[int, int] = defaultdict(int)  # prefill: chunks queued or being written
-        self._exports: dict[int, set[TransferId]] = defaultdict(set)  # prefill: outbound reads in flight
-        self._imports: dict[int, _Import] = {}  # decode
-        self._drain_waiters: dict[int, set[tuple[str, int]]] = {}
-        self._init_retiring()  # prefill: decode agents whose session ended (retiring.py)
-        self._held_since: dict[int, float] = {}  # decode: rooms SGLang holds for a deferred release
-        self._stuck: dict[TransferId, object] = {}  # prefill: reads whose WRITEs NIXL would not abort
-        self.transfer_timeout_s = self.config.transfer_timeout_s  # an attribute: tests shorten it
-        #: blocks the engine handed back that the scheduler does not yet let it reuse: (group, block)
-        self.fenced: set[tuple[int, int]] = set()
-        self.peers: dict[str, _Peer] = {}
+        #: the decode ranks registered here (prefill): their agents, layouts and planners
+        self.peers: dict[str, Peer] = {}
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        if secret is not None:
-            self._start_auth(secret, decode=decode)
-        elif decode:
-            self.probe = AuthProbe(local=(self.local_ip, int(self.rank_port)), send=self._push_to_prefill,
-                                   stats=self.auth_stats)
-        self.sched = TransferScheduler(self.adopted.pool_layout(), managed_pool=False,
-                                       lease_s=self.config.lease_s(self.drain_timeout_s))
+        self.rooms = Rooms(self)
+        self.auth = PeerAuth(
+            secret=secret, decode=decode, local=(self.local_ip, int(self.rank_port)), zmq_ctx=self._zmq_ctx,
+            config=self.config, stats=self.auth_stats, rooms=self.rooms,
+            retire_agent=lambda agent, reason: self.retiring.retire(agent, reason),
+            forget_registration=self.forget_registration,
+            settle=lambda room, reason: self.imports.settle_imports(room, reason))
+        self.blocks = FencedBlocks(TransferScheduler(self.adopted.pool_layout(), managed_pool=False,
+                                                     lease_s=self.config.lease_s(self.drain_timeout_s)))
         if disaggregation_mode == DisaggregationMode.PREFILL:
-            self._queues = [queue.Queue() for _ in range(self.config.workers)]
-            for i, q in enumerate(self._queues):
-                self._spawn(self._worker_loop, f"hybridkv-worker-{i}", q)
-            self._spawn(self._prefill_control_loop, "hybridkv-control")
+            self._start_prefill()
         else:
-            self._spawn(self._decode_listener_loop, "hybridkv-listener")
-            self._heartbeat_thread = self._start_heartbeat_checker_thread()
+            self._start_decode()
+
+    def _start_prefill(self) -> None:
+        self.exports = PrefillExports(
+            blocks=self.blocks, rooms=self.rooms, adopted=self.adopted, dp=self.dp, peers=self.peers,
+            config=self.config, metrics=self.metrics, stats=self.stats,
+            on_settled=lambda room: self.drains.maybe_send(room), stop=self._stop)
+        self.drains = Drains(rooms=self.rooms, drained=self.exports.drained, lock=self.blocks.lock)
+        self.retiring = RetiringAgents(rooms=self.rooms, peers=self.peers, exports=self.exports, drains=self.drains,
+                                       dp=self.dp, lock=self.blocks.lock)
+        self.registrations = Registrations(
+            adopted=self.adopted, dp=self.dp, peers=self.peers, rooms=self.rooms, auth=self.auth,
+            exports=self.exports, drains=self.drains, retiring=self.retiring)
+        for i, q in enumerate(self.exports.queues):
+            self._spawn(self.exports.worker_loop, f"hybridkv-worker-{i}", q)
+        self._spawn(self._prefill_control_loop, "hybridkv-control")
+
+    def _start_decode(self) -> None:
+        self.imports = DecodeImports(blocks=self.blocks, adopted=self.adopted, metrics=self.metrics,
+                                     drain_timeout_s=self.drain_timeout_s)
+        self._spawn(self._decode_listener_loop, "hybridkv-listener")
+        self._heartbeat_thread = self._start_heartbeat_checker_thread()
 
     # ------------------------------------------------------------ lifecycle
     def _spawn(self, fn, name: str, *args) -> None:
@@ -224,38 +236,65 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, PeerAuth, C
         for t in self._threads:
             t.join(timeout=5)
         self.dp.close()
-        if getattr(self, "_reply_socks", None) is not None:
-            self._reply_socks.close()
+        self.auth.close()
         for sock in list(self._socket_cache.values()) + list(self._monitor_cache.values()):
             sock.close(linger=0)
         self.server_socket.close(linger=0)
 
-    def inflight(self, room: int) -> int:
-        with self.sched_lock:
-            return self._inflight.get(room, 0)
+    # ------------------------------------------------------------ what tests and tools read
+    @property
+    def sched(self) -> TransferScheduler:
+        return self.blocks.sched
+
+    @property
+    def sched_lock(self) -> threading.RLock:
+        return self.blocks.lock
+
+    @property
+    def fenced(self) -> set[tuple[int, int]]:
+        """Blocks the engine handed back that the scheduler does not yet let it reuse: (group, block)."""
+        return self.blocks.fenced
+
+    @property
+    def keys(self) -> Optional[DecodeKeys]:
+        return self.auth.keys
 
     def fingerprint(self) -> str:
         return self.adopted.layout.shape_fingerprint
 
-    # ------------------------------------------------------------ scheduler helpers (hold sched_lock)
-    def _drop_request(self, rid: RequestId, *, export: bool = False) -> None:
-        """Hand a request's blocks back: still-fenced ones are remembered in `fenced`."""
-        if not self.sched.has_request(rid):
-            return
-        blocks = [(g, int(b)) for g in range(self.sched.layout.num_groups) for b in self.sched.blocks(rid, g)]
-        self.fenced.update(blocks)
-        if export:
-            self.sched.export_done(rid)
-        else:
-            self.sched.abort(rid)
-        self._collect_reusable()
+    def inflight(self, room: int) -> int:
+        """Prefill: the room's chunks queued or being written."""
+        return self.exports.inflight(room) if self.exports is not None else 0
 
-    def _collect_reusable(self) -> None:
-        # One pool per group, so the pool index is the group.
-        for pool, block in self.sched.take_reusable():
-            self.fenced.discard((pool, int(block)))
+    def exporting(self, room: int) -> bool:
+        """The scheduler still holds the room (prefill: a read of its source pages may be queued or running)."""
+        with self.blocks.lock:
+            return self.blocks.sched.has_request(request_id(room))
 
-    # ------------------------------------------------------------ decode -> prefill messages
+    def imports_in_flight(self, room: int) -> int:
+        return self.imports.imports_in_flight(room) if self.imports is not None else 0
+
+    def missing_components(self, room: int) -> list[Component]:
+        """Decode: the room's components not landed."""
+        return self.imports.missing_components(room) if self.imports is not None else []
+
+    def publish_metrics(self) -> None:
+        """Observe what was counted since the last call into the sglang:hybridkv_* series."""
+        snap = self.metrics.take()
+        if self.prom is not None and not snap.is_empty():
+            self.prom.observe(snap)
+
+    # ------------------------------------------------------------ SGLang's calls and hooks
+    def add_transfer_request(
+        self, bootstrap_room: int, kv_indices, index_slice: slice, is_last_chunk: bool,
+        aux_index: Optional[int] = None, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None,
+        *, wait_event=None, indices_event=None, trace_ctx=None,
+    ):
+        if self.disaggregation_mode != DisaggregationMode.PREFILL:
+            raise RuntimeError("add_transfer_request called on a decode manager")
+        return self.exports.add_chunk(bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index,
+                                      state_indices, wait_event)
+
     def build_receiver_registration_message(self) -> list[bytes]:
         return msgs.Register(
             endpoint=self.local_ip, port=self.rank_port, agent_name=self.dp.name, agent_metadata=self.dp.metadata(),
@@ -281,7 +320,51 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, PeerAuth, C
             is_dummy=bool(is_dummy),
         ).to_frames()
 
-    # ------------------------------------------------------------ prefill side
+    def _room_notify_targets(self, bootstrap_room: int):
+        infos = self.transfer_infos.get(bootstrap_room) or {}
+        targets = []
+        for md in list(infos.values()):
+            if not md.is_dummy and (md.endpoint, md.port) not in targets:
+                targets.append((md.endpoint, md.port))
+        return targets
+
+    def _send_multipart_locked(self, endpoint: str, parts: list[bytes], is_ipv6: bool = False):
+        """Every push of this prefill rank (SGLang's KV_STATUS, LANDED, DRAINED, STUCK) goes sealed, and only
+        to a decode rank that proved the secret."""
+        if self.auth.gate is None:
+            return super()._send_multipart_locked(endpoint, parts, is_ipv6=is_ipv6)
+        session = self.auth.session_for(endpoint)
+        if session is None:
+            raise RuntimeError(f"no authenticated session with {endpoint}; nothing is sent to it")
+        sock = self._connect(endpoint, is_ipv6=is_ipv6)
+        with self._socket_send_locks[endpoint]:
+            sock.send_multipart(session.seal(parts))  # sealed under the lock: sequence numbers leave in order
+
+    def forget_registration(self, prefill: tuple[str, int]) -> None:
+        """Decode: SGLang's cached registrations with that prefill rank go; the next request there registers again."""
+        with self.connection_lock:
+            for key in [k for k, infos in self.connection_pool.items()
+                        if any((i["rank_ip"], int(i["rank_port"])) == prefill for i in infos or ())]:
+                del self.connection_pool[key]
+
+    # SGLang's deferred decode KV release and heartbeat (decode_side.py says how they hold the pages)
+    def register_deferred_abort_room(self, bootstrap_room: int) -> int:
+        generation = super().register_deferred_abort_room(bootstrap_room)
+        self.imports.hold(bootstrap_room)
+        return generation
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        return self.imports.release_safe(bootstrap_room)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        super().clear_deferred_abort_state(bootstrap_room)
+        self.imports.released(bootstrap_room)
+
+    def _handle_node_failure(self, failed_bootstrap_addr: str):
+        self.imports.writer_dead(failed_bootstrap_addr)
+        super()._handle_node_failure(failed_bootstrap_addr)
+
+    # ------------------------------------------------------------ the control threads
     def _recv(self, tick=None):
         poller = zmq.Poller()
         poller.register(self.server_socket, zmq.POLLIN)
@@ -295,27 +378,28 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, PeerAuth, C
                     logger.exception("hybridkv: periodic check failed")
             self.publish_metrics()
 
-    def publish_metrics(self) -> None:
-        """Observe what was counted since the last call into the sglang:hybridkv_* series."""
-        snap = self.metrics.take()
-        if self.prom is not None and not snap.is_empty():
-            self.prom.observe(snap)
+    def tick(self) -> None:
+        """Prefill control thread, every loop: expire export leases, end stuck writes that settled, remove
+        decode agents that retired once their writes are over (retiring.py)."""
+        self.exports.expire_leases()
+        self.exports.watch_stuck()
+        self.retiring.reap()
 
     def _prefill_control_loop(self) -> None:
         for frames in self._recv(tick=self.tick):
             try:
-                got = self._unproven_message(frames)
+                got = self.auth.open(frames)
                 if got is None:
                     continue
                 session, frames = got
                 if frames and frames[0] == ABORT_TAG:
-                    self._on_abort(frames, session)
+                    self.registrations.on_abort(frames, session)
                 elif frames and frames[0] == msgs.TAG:
                     m = msgs.decode(frames)
                     if isinstance(m, msgs.Register):
-                        self._on_register(m, session)
+                        self.registrations.on_register(m, session)
                     elif isinstance(m, msgs.Metadata):
-                        self._on_metadata(m, session)
+                        self.registrations.on_metadata(m, session)
                     else:
                         raise ValueError(f"prefill got a {type(m).__name__} message")
                 else:
@@ -323,115 +407,39 @@ class HybridKVManager(PrefillExports, RetiringAgents, DecodeImports, PeerAuth, C
             except Exception:
                 logger.exception("hybridkv: dropped a control message")
 
-    def _on_register(self, reg: msgs.Register, session: Optional[Session] = None) -> None:
-        if session is not None:
-            owner = self.gate.agent_owner(reg.agent_name)
-            if (reg.endpoint, reg.port) != session.peer:
-                return self._foreign(session, f"REGISTER names another address ({reg.endpoint}:{reg.port})")
-            if owner is not None and owner is not session and owner.peer != session.peer:
-                return self._foreign(session, f"REGISTER names agent {reg.agent_name!r}, registered by another peer")
-        peer_layout = from_peer(reg.layout)
-        rejection = None
-        plan = None
-        mine = self.adopted.parallel
-        try:
-            theirs = peer_layout.parallel
-            if (reg.attn_tp_size, reg.attn_tp_rank) != (theirs.attn_tp, theirs.attn_rank):
-                raise ValueError(f"the message says decode rank {reg.attn_tp_rank}/{reg.attn_tp_size}, its layout "
-                                 f"{theirs.attn_rank}/{theirs.attn_tp}")
-            if tuple(reg.state_types) != self.adopted.state_types:
-                raise ValueError(f"state types {list(self.adopted.state_types)} on the prefill, "
-                                 f"{list(reg.state_types)} on the decode; expected the same model")
-            plan = plan_peer(self.adopted, peer_layout)
-        except ValueError as e:
-            rejection = (f"hybridkv cannot pair prefill rank {mine.attn_rank}/{mine.attn_tp} with decode rank "
-                         f"{reg.attn_tp_rank}/{reg.attn_tp_size}: {e}")
-        name = self.dp.add_peer(reg.agent_metadata, peer_layout.memory)
-        if name != reg.agent_name:
-            if name not in self.peers:
-                self.dp.remove_peer(name)
-            raise ValueError(f"agent metadata names {name!r} but the message says {reg.agent_name!r}")
-        if session is not None:
-            if session.agent is not None and session.agent != name:
-                # The decode rank at that address restarted with another agent: the old one retires.
-                self._retire_agent(session.agent, f"decode rank {reg.endpoint}:{reg.port} registered another "
-                                                  f"NIXL agent ({name}); its previous one is removed")
-            session.agent = name
-        self.peers[name] = _Peer(agent_name=name, layout=peer_layout, planners=plan.planners if plan else {},
-                                 plan=plan, rejection=rejection)
-        if rejection:
-            logger.error("hybridkv: decode %s refused: %s", name, rejection)
-
-    def _on_metadata(self, md: msgs.Metadata, session: Optional[Session] = None) -> None:
-        room = md.room
-        if session is not None and not self._may_claim(md, session):
-            return
-        peer = self.peers.get(md.agent_name)
-        infos = self.transfer_infos.setdefault(room, {})
-        infos[md.agent_name] = md
-        if peer is None or peer.rejection:
-            reason = peer.rejection if peer else f"decode agent {md.agent_name} never registered"
-            self.record_failure(room, reason)
-            self.conclude_failure(bootstrap_room=room, failure_reason=reason)
-            return
-        if len(infos) == md.required_dst_info_num:
-            self.req_to_decode_prefix_len[room] = next(
-                (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len), 0
-            )
-            self.update_status(room, KVPoll.WaitingForInput)
-
-    def _room_notify_targets(self, bootstrap_room: int):
-        infos = self.transfer_infos.get(bootstrap_room) or {}
-        targets = []
-        for md in list(infos.values()):
-            if not md.is_dummy and (md.endpoint, md.port) not in targets:
-                targets.append((md.endpoint, md.port))
-        return targets
-
-    def _on_abort(self, frames: list[bytes], session: Optional[Session] = None) -> None:
-        note = AbortNotification.from_zmq(frames)
-        if note is None:
-            return
-        room = note.room
-        if session is not None:
-            if note.decode_ip is not None and (note.decode_ip, note.decode_port) != session.peer:
-                return self._foreign(session, f"ABORT for room {room} names another address")
-            claimed = self.transfer_infos.get(room)
-            if claimed and session.agent not in claimed:
-                self._foreign(session, f"ABORT for room {room}, claimed by another decode")
-                # Answered as an unknown room is (DRAINED at once), so the answer tells nothing of the room.
-                if note.decode_ip is not None:
-                    frames = msgs.Drained(room=room, prefill_rank=self._prefill_unique_rank()).to_frames()
-                    self._push(note.decode_ip, note.decode_port, frames, f"DRAINED for room {room}")
-                return
-        if room in self.request_status and self.check_status(room) != KVPoll.Success:
-            self.record_failure(room, "Aborted by decode-side abort notification.")
-            self.update_status(room, KVPoll.Failed)
-        if note.decode_ip and note.decode_port:
-            with self.sched_lock:
-                self._drain_waiters.setdefault(room, set()).add((note.decode_ip, int(note.decode_port)))
-        self.retire_export(room)
-        self._maybe_send_drained(room)
-
-    def _maybe_send_drained(self, room: int) -> None:
-        with self.sched_lock:
-            if not self._drained(room):
-                return
-            waiters = self._drain_waiters.pop(room, None)
-            failed = self._fail_when_drained.pop(room, None)
-        if failed is not None:
-            self._tell_failed(room, failed)
-        frames = msgs.Drained(room=room, prefill_rank=self._prefill_unique_rank()).to_frames()
-        for ip, port in waiters or ():
-            self._push(ip, port, frames, f"DRAINED for room {room}")
-
-    def _push(self, ip: str, port: int, frames: list[bytes], what: str) -> None:
-        na = NetworkAddress(ip, port)
-        try:
-            self._send_multipart_locked(na.to_tcp(), frames, is_ipv6=na.is_ipv6)
-        except Exception as e:
-            logger.warning("hybridkv: %s to %s:%s failed: %s", what, ip, port, e)
-
+    def _decode_listener_loop(self) -> None:
+        for frames in self._recv():
+            try:
+                got = self.auth.open(frames)
+                if got is None:
+                    continue
+                session, frames = got
+                m = msgs.decode(frames) if frames and frames[0] == msgs.TAG else None
+                if isinstance(m, msgs.SessionEnded) and session is not None:
+                    self.auth.session_ended(session)
+                    continue
+                if session is not None:
+                    room = m.room if m is not None and hasattr(m, "room") else _sglang_room(frames)
+                    if not self.auth.writes(session.peer, room):
+                        # A proven prefill rank speaks only of rooms this rank expects it to write.
+                        self.auth.foreign(session, f"a message about room {room}, which it does not write")
+                        continue
+                if m is not None:
+                    self.imports.on_message(m)
+                    continue
+                if self.handle_abort_ack_message(frames):
+                    continue
+                parsed = self.parse_kv_status_message(frames)
+                if parsed is None:
+                    raise ValueError(f"unknown message tag {frames[0][:16]!r}")
+                room, status, rank, reason = parsed
+                self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
+                                          failure_reason=reason)
+                if status in (KVPoll.Success, KVPoll.Failed):
+                    # A prefill rank reports a terminal status only with every handle settled.
+                    self.imports.note_quiet(room, rank)
+            except Exception:
+                logger.exception("hybridkv: dropped a decode-side message")
 
 
 class HybridKVSender(CommonKVSender):
@@ -442,11 +450,12 @@ class HybridKVSender(CommonKVSender):
     def poll(self) -> KVPoll:
         status = super().poll()
         if status in (KVPoll.Success, KVPoll.Failed):
-            self.kv_mgr.retire_export(self.bootstrap_room)
-            sent = self.kv_mgr.take_room_bytes(self.bootstrap_room)
+            exports = self.kv_mgr.exports
+            exports.retire_export(self.bootstrap_room)
+            sent = exports.take_room_bytes(self.bootstrap_room)
             if sent is not None:
                 self._sent_bytes = (self._sent_bytes or 0) + sent
-            if self.kv_mgr.exporting(self.bootstrap_room):
+            if exports.exporting(self.bootstrap_room):
                 # The scheduler frees source pages on a terminal state; an
                 # outbound read of them is still queued or running.
                 return KVPoll.Transferring
@@ -454,8 +463,8 @@ class HybridKVSender(CommonKVSender):
 
     def abort(self) -> None:
         super().abort()
-        self.kv_mgr.retire_export(self.bootstrap_room)
-        self.kv_mgr.take_room_bytes(self.bootstrap_room)
+        self.kv_mgr.exports.retire_export(self.bootstrap_room)
+        self.kv_mgr.exports.take_room_bytes(self.bootstrap_room)
 
     def get_transfer_metric(self):
         """SGLang's KVTransferMetric, with the bytes this rank's WRITEs moved for the room (SGLang's

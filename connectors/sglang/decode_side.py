@@ -20,21 +20,14 @@ from collections import defaultdict
 import numpy as np
 
 from hybridkv.connectors.sglang import messages as msgs
-from hybridkv.connectors.sglang.adopt import request_id
+from hybridkv.connectors.sglang.adopt import AdoptedLayout, request_id
+from hybridkv.connectors.sglang.fenced_blocks import FencedBlocks
 from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
 from hybridkv.ids import TransferId
-from sglang.srt.disaggregation.base.conn import KVPoll
+from hybridkv.transport.metrics import TransferMetrics
 
 logger = logging.getLogger(__name__)
-
-
-def _sglang_room(frames: list[bytes]):
-    """The room an SGLang message (KV_STATUS, ABORT_ACK) names, or None."""
-    try:
-        return int(frames[1] if frames[0] in (b"KV_STATUS", b"ABORT_ACK") else frames[0])
-    except (IndexError, ValueError):
-        return None
 
 
 @dataclasses.dataclass
@@ -53,7 +46,17 @@ class _Import:
 
 
 class DecodeImports:
-    """Mixin of HybridKVManager (decode mode)."""
+    """The decode manager's imports. Given the shared scheduler (`blocks`), the layout (which components a
+    group holds), the metrics and the drain timeout; the manager's listener and SGLang's hooks call it."""
+
+    def __init__(self, *, blocks: FencedBlocks, adopted: AdoptedLayout, metrics: TransferMetrics,
+                 drain_timeout_s: float) -> None:
+        self.blocks = blocks
+        self.adopted = adopted
+        self.metrics = metrics
+        self.drain_timeout_s = drain_timeout_s
+        self._imports: dict[int, _Import] = {}
+        self._held_since: dict[int, float] = {}  # rooms SGLang holds for a deferred release
 
     def begin_import(self, room: int, bootstrap_addr: str, writers: int, blocks: dict[int, np.ndarray]) -> None:
         """Assign the request's blocks and post one import per component, before anything is published.
@@ -62,39 +65,39 @@ class DecodeImports:
         handed out a page that a write of an earlier request may still reach.
         """
         rid = request_id(room)
-        with self.sched_lock:
-            if room in self._imports or self.sched.has_request(rid):
+        with self.blocks.lock:
+            if room in self._imports or self.blocks.sched.has_request(rid):
                 raise ValueError(f"room {room} already has destinations published; expected a new room")
             comps = [c for g in sorted(blocks) for c in self.adopted.components_of(g) if len(blocks[g])]
-            self.sched.add_request(rid, expect=comps)
+            self.blocks.sched.add_request(rid, expect=comps)
             tids: dict[Component, TransferId] = {}
             try:
                 for g in sorted(blocks):
-                    self.sched.assign(rid, g, [int(b) for b in blocks[g]])
+                    self.blocks.sched.assign(rid, g, [int(b) for b in blocks[g]])
                 for c in comps:
-                    tid = self.sched.post_import(rid, components=[c])
+                    tid = self.blocks.sched.post_import(rid, components=[c])
                     if isinstance(tid, NotYet):
                         raise ValueError(f"room {room}: the scheduler refused the import of {c}: {tid.reason.value}")
                     tids[c] = tid
             except ValueError:
                 for tid in tids.values():
-                    self.sched.transfer_failed(tid)  # nothing was published: no write can come
-                self.sched.abort(rid)
-                self._collect_reusable()
+                    self.blocks.sched.transfer_failed(tid)  # nothing was published: no write can come
+                self.blocks.sched.abort(rid)
+                self.blocks.collect_reusable()
                 raise
             self._imports[room] = _Import(bootstrap_addr=bootstrap_addr, writers=max(1, writers), tids=tids)
 
     def end_import(self, room: int, *, landed: bool) -> bool:
         """Receiver side: the engine is done with the room. True if nothing is in flight any more."""
         rid = request_id(room)
-        with self.sched_lock:
+        with self.blocks.lock:
             imp = self._imports.get(room)
             if landed:
-                if self.sched.has_request(rid):
-                    self.sched.request_finished(rid)  # the pages belong to the running request now
-                    self._collect_reusable()
+                if self.blocks.sched.has_request(rid):
+                    self.blocks.sched.request_finished(rid)  # the pages belong to the running request now
+                    self.blocks.collect_reusable()
             else:
-                self._drop_request(rid)
+                self.blocks.drop(rid)
             if imp is None or not imp.tids:
                 self._imports.pop(room, None)
                 return True
@@ -102,31 +105,31 @@ class DecodeImports:
             return False
 
     def imports_in_flight(self, room: int) -> int:
-        with self.sched_lock:
+        with self.blocks.lock:
             imp = self._imports.get(room)
             return len(imp.tids) if imp else 0
 
     def import_ready(self, room: int) -> bool:
-        with self.sched_lock:
+        with self.blocks.lock:
             rid = request_id(room)
-            return self.sched.has_request(rid) and self.sched.is_ready(rid)
+            return self.blocks.sched.has_request(rid) and self.blocks.sched.is_ready(rid)
 
     def missing_components(self, room: int) -> list[Component]:
         """Components of the room not landed: still in flight, or ended without landing."""
-        with self.sched_lock:
+        with self.blocks.lock:
             imp = self._imports.get(room)
             return imp.unlanded + list(imp.tids) if imp else []
 
     def settle_imports(self, room: int, reason: str) -> None:
         """Every writer of the room is quiet (or gone): imports still open will never land."""
-        with self.sched_lock:
+        with self.blocks.lock:
             imp = self._imports.get(room)
             if imp is None:
                 return
             if imp.tids:
                 logger.info("hybridkv: room %s: %d import(s) end unlanded (%s)", room, len(imp.tids), reason)
             for comp, tid in imp.tids.items():
-                self.sched.transfer_failed(tid)
+                self.blocks.sched.transfer_failed(tid)
                 imp.unlanded.append(comp)
             imp.tids.clear()
             if imp.quarantined:
@@ -134,7 +137,7 @@ class DecodeImports:
                 imp.quarantined = 0
             if imp.cleared:
                 self._imports.pop(room, None)
-            self._collect_reusable()
+            self.blocks.collect_reusable()
 
     # ------------------------------------------------------------ SGLang's deferred decode KV release
     # decode.py: when the MIN-reduced poll of a request is Failed, every decode rank
@@ -147,20 +150,20 @@ class DecodeImports:
     # began holding; the drain timeout is never longer (startup.py), and hybridkv's
     # hold clock starts when the ABORT is armed (register_deferred_abort_room), which
     # SGLang does before it starts its own, so hybridkv's deadline comes first.
+    # The manager's hooks of those names call these.
 
-    def register_deferred_abort_room(self, bootstrap_room: int) -> int:
-        generation = super().register_deferred_abort_room(bootstrap_room)
-        with self.sched_lock:
-            self._held_since.setdefault(bootstrap_room, time.monotonic())
-        return generation
+    def hold(self, room: int) -> None:
+        """SGLang holds the room for a deferred release (register_deferred_abort_room)."""
+        with self.blocks.lock:
+            self._held_since.setdefault(room, time.monotonic())
 
-    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+    def release_safe(self, room: int) -> bool:
         """True once no import into the room's blocks is in flight in hybridkv's scheduler:
         every writer is quiet (KV_STATUS, DRAINED, a STUCK write ended), dead, or the
-        drain deadline passed. SGLang's count of ABORT_ACKs (`required_acks`) is not
-        needed: DRAINED says the same, and a STUCK writer's Failed status does not."""
-        room = bootstrap_room
-        with self.sched_lock:
+        drain deadline passed. SGLang's count of ABORT_ACKs (is_abort_release_safe's
+        `required_acks`) is not needed: DRAINED says the same, and a STUCK writer's Failed
+        status does not."""
+        with self.blocks.lock:
             imp = self._imports.get(room)
             if imp is None or not imp.tids:
                 return True
@@ -171,20 +174,32 @@ class DecodeImports:
         self.settle_imports(room, "drain deadline passed")
         return True
 
-    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
-        super().clear_deferred_abort_state(bootstrap_room)
-        with self.sched_lock:
-            self._held_since.pop(bootstrap_room, None)
-        if self.imports_in_flight(bootstrap_room):
+    def released(self, room: int) -> None:
+        """SGLang released the room it held (clear_deferred_abort_state)."""
+        with self.blocks.lock:
+            self._held_since.pop(room, None)
+        if self.imports_in_flight(room):
             # Not expected (the drain timeout is never longer than SGLang's): the pages go
             # back to its allocator. The scheduler keeps them fenced (a new transfer into
             # them is refused), but the engine may hand them to a running request.
             logger.error(
                 "hybridkv: SGLang released room %s with %d import(s) in flight before the drain timeout (%.0f s) "
-                "ended them", bootstrap_room, self.imports_in_flight(bootstrap_room), self.drain_timeout_s)
+                "ended them", room, self.imports_in_flight(room), self.drain_timeout_s)
+
+    # ------------------------------------------------------------ what the prefill ranks say (the manager's listener)
+    def on_message(self, m: msgs.Message) -> None:
+        """A LANDED, DRAINED or STUCK of a prefill rank."""
+        if isinstance(m, msgs.Landed):
+            self._on_landed(m)
+        elif isinstance(m, msgs.Drained):
+            self.note_quiet(m.room, m.prefill_rank, drained=True)
+        elif isinstance(m, msgs.Stuck):
+            self._on_stuck(m)
+        else:
+            raise ValueError(f"decode got a {type(m).__name__} message")
 
     def _on_landed(self, landed: msgs.Landed) -> None:
-        with self.sched_lock:
+        with self.blocks.lock:
             imp = self._imports.get(landed.room)
             if imp is None:
                 return
@@ -193,10 +208,11 @@ class DecodeImports:
                     continue
                 imp.landed_from[comp].add(landed.prefill_rank)
                 if len(imp.landed_from[comp]) >= imp.writers:
-                    self.sched.transfer_landed(imp.tids.pop(comp))
+                    self.blocks.sched.transfer_landed(imp.tids.pop(comp))
 
-    def _note_quiet(self, room: int, rank: int, *, drained: bool = False) -> None:
-        with self.sched_lock:
+    def note_quiet(self, room: int, rank: int, *, drained: bool = False) -> None:
+        """That prefill rank will write nothing more into the room (a terminal status, or DRAINED)."""
+        with self.blocks.lock:
             imp = self._imports.get(room)
             if imp is None:
                 return
@@ -209,72 +225,22 @@ class DecodeImports:
         if done:
             self.settle_imports(room, "every writer is quiet")
 
-    def _decode_listener_loop(self) -> None:
-        for frames in self._recv():
-            try:
-                got = self._unproven_message(frames)
-                if got is None:
-                    continue
-                session, frames = got
-                m = msgs.decode(frames) if frames and frames[0] == msgs.TAG else None
-                if isinstance(m, msgs.SessionEnded) and session is not None:
-                    self._on_session_ended(session)
-                    continue
-                if session is not None:
-                    room = m.room if m is not None and hasattr(m, "room") else _sglang_room(frames)
-                    with self.sched_lock:
-                        writers = self._room_writers.get(room, ()) if room is not None else ()
-                    if session.peer not in writers:
-                        # A proven prefill rank speaks only of rooms this rank expects it to write.
-                        self._foreign(session, f"a message about room {room}, which it does not write")
-                        continue
-                if m is not None:
-                    if isinstance(m, msgs.Landed):
-                        self._on_landed(m)
-                    elif isinstance(m, msgs.Drained):
-                        self._note_quiet(m.room, m.prefill_rank, drained=True)
-                    elif isinstance(m, msgs.Stuck):
-                        self._on_stuck(m)
-                    else:
-                        raise ValueError(f"decode got a {type(m).__name__} message")
-                    continue
-                if self.handle_abort_ack_message(frames):
-                    continue
-                parsed = self.parse_kv_status_message(frames)
-                if parsed is None:
-                    raise ValueError(f"unknown message tag {frames[0][:16]!r}")
-                room, status, rank, reason = parsed
-                self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
-                                          failure_reason=reason)
-                if status in (KVPoll.Success, KVPoll.Failed):
-                    # A prefill rank reports a terminal status only with every handle settled.
-                    self._note_quiet(room, rank)
-            except Exception:
-                logger.exception("hybridkv: dropped a decode-side message")
-
-    def _on_session_ended(self, session) -> None:
-        """The prefill rank evicted this rank's session: the next room there registers again (a new handshake)."""
-        logger.warning("hybridkv: prefill rank %s:%s ended this decode rank's session; the next request there "
-                       "registers again", *session.peer)
-        self.keys.ended(session)
-        self.forget_registration(session.peer)
-
     def _on_stuck(self, m: msgs.Stuck) -> None:
-        with self.sched_lock:
+        with self.blocks.lock:
             imp = self._imports.get(m.room)
             if imp is None:
                 return
             imp.stuck.add(m.prefill_rank)
             rid = request_id(m.room)
-            if not imp.quarantined and imp.tids and self.sched.has_request(rid):
+            if not imp.quarantined and imp.tids and self.blocks.sched.has_request(rid):
                 # A write NIXL would not abort may still land: the room's blocks
                 # stay out of reuse until that writer drains.
-                imp.quarantined = sum(len(self.sched.blocks(rid, g)) for g in range(self.sched.layout.num_groups))
+                imp.quarantined = self.blocks.count(rid)
                 self.metrics.quarantined(imp.quarantined)
 
-    def _handle_node_failure(self, failed_bootstrap_addr: str):
-        with self.sched_lock:
-            rooms = [r for r, imp in self._imports.items() if imp.bootstrap_addr == failed_bootstrap_addr]
+    def writer_dead(self, bootstrap_addr: str) -> None:
+        """SGLang's heartbeat declared that prefill dead: its rooms' imports end."""
+        with self.blocks.lock:
+            rooms = [r for r, imp in self._imports.items() if imp.bootstrap_addr == bootstrap_addr]
         for room in rooms:
-            self.settle_imports(room, f"prefill {failed_bootstrap_addr} is dead")
-        super()._handle_node_failure(failed_bootstrap_addr)
+            self.settle_imports(room, f"prefill {bootstrap_addr} is dead")

@@ -20,21 +20,29 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import threading
 import time
-from typing import Any, Optional
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from hybridkv.connectors.sglang import messages as msgs
-from hybridkv.connectors.sglang.adopt import KV_GROUP, request_id, room_of, state_blocks
+from hybridkv.connectors.sglang.adopt import KV_GROUP, AdoptedLayout, request_id, room_of, state_blocks
+from hybridkv.connectors.sglang.config import SGLangConfig
+from hybridkv.connectors.sglang.fenced_blocks import FencedBlocks
+from hybridkv.connectors.sglang.rooms import Rooms
 from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
 from hybridkv.ids import TransferId
-from hybridkv.transport.dataplane import Op, Transfer, XferState
-from hybridkv.transport.metrics import FailureKind
+from hybridkv.transport.dataplane import DataPlane, Op, Transfer, XferState
+from hybridkv.transport.metrics import FailureKind, TransferMetrics
 from hybridkv.transport.plan import TransferPlan
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.utils import DisaggregationMode
+
+if TYPE_CHECKING:
+    from hybridkv.connectors.sglang.registrations import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -72,39 +80,58 @@ class TransferStats:
 
 
 class PrefillExports:
-    """Mixin of HybridKVManager (prefill mode): add_transfer_request and the workers."""
+    """The prefill manager's exports: `add_chunk` (SGLang's add_transfer_request) and the workers.
 
-    def add_transfer_request(
-        self, bootstrap_room: int, kv_indices, index_slice: slice, is_last_chunk: bool,
-        aux_index: Optional[int] = None, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None,
-        *, wait_event=None, indices_event=None, trace_ctx=None,
-    ):
-        if self.disaggregation_mode != DisaggregationMode.PREFILL:
-            raise RuntimeError("add_transfer_request called on a decode manager")
+    Given the shared scheduler (`blocks`), SGLang's rooms, the layout, the NIXL data plane, the
+    registered decode peers (read only: their planners) and `on_settled`, called with a room
+    each time a chunk or a stuck write of it ended (drains.py tells who waits for that)."""
+
+    def __init__(self, *, blocks: FencedBlocks, rooms: Rooms, adopted: AdoptedLayout, dp: DataPlane,
+                 peers: Mapping[str, Peer], config: SGLangConfig, metrics: TransferMetrics, stats: TransferStats,
+                 on_settled: Callable[[int], None], stop: threading.Event) -> None:
+        self.blocks = blocks
+        self.rooms = rooms
+        self.adopted = adopted
+        self.dp = dp  # an attribute: tests put a fake NIXL in its place
+        self.peers = peers
+        self.config = config
+        self.metrics = metrics
+        self.stats = stats
+        self.on_settled = on_settled
+        self.stop = stop
+        self.transfer_timeout_s = config.transfer_timeout_s  # an attribute: tests shorten it
+        self.queues: list[queue.Queue] = [queue.Queue() for _ in range(config.workers)]
+        self._inflight: dict[int, int] = defaultdict(int)  # chunks queued or being written
+        self._exports: dict[int, set[TransferId]] = defaultdict(set)  # outbound reads in flight
+        self._stuck: dict[TransferId, _StuckWrite] = {}  # reads whose WRITEs NIXL would not abort
+        self._room_bytes: dict[int, int] = {}  # bytes this rank wrote per room (get_transfer_metric)
+
+    def add_chunk(self, room: int, kv_indices, index_slice: slice, is_last_chunk: bool,
+                  aux_index: Optional[int], state_indices: Optional[list], wait_event) -> None:
         if is_last_chunk and aux_index is None:
-            raise ValueError(f"room {bootstrap_room}: the last chunk needs an aux index")
-        if bootstrap_room not in self.transfer_infos:
+            raise ValueError(f"room {room}: the last chunk needs an aux index")
+        if not self.rooms.claimed(room):
             return None  # dummy rank, or cleared
-        chunk = _Chunk(room=bootstrap_room, kv_indices=np.asarray(kv_indices, dtype=np.int64),
+        chunk = _Chunk(room=room, kv_indices=np.asarray(kv_indices, dtype=np.int64),
                        index_slice=index_slice, is_last=is_last_chunk, aux_index=aux_index,
                        state_indices=state_indices, wait_event=wait_event)
         try:
-            with self.sched_lock:
+            with self.blocks.lock:
                 self._hold_sources(chunk)
-                self._inflight[bootstrap_room] += 1
+                self._inflight[room] += 1
         except ValueError as e:
             # Nothing was posted for this chunk; earlier ones (if any) settle on their own.
-            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=f"hybridkv refused the chunk: {e}")
-            self.retire_export(bootstrap_room)
+            self.rooms.conclude_failure(room, f"hybridkv refused the chunk: {e}")
+            self.retire_export(room)
             return None
-        self.update_status(bootstrap_room, KVPoll.Transferring)
-        self._queues[bootstrap_room % len(self._queues)].put(chunk)
+        self.rooms.update_status(room, KVPoll.Transferring)
+        self.queues[room % len(self.queues)].put(chunk)
         return None
 
     def _hold_sources(self, chunk: _Chunk) -> None:
         """The chunk's source blocks join the room's export (held until every read of them is terminal)."""
         rid = request_id(chunk.room)
-        sched = self.sched
+        sched = self.blocks.sched
         if not sched.has_request(rid):
             sched.add_request(rid)
             sched.request_finished(rid, export=True)  # its blocks are read by outbound writes from now on
@@ -134,27 +161,38 @@ class PrefillExports:
                     except ValueError:
                         pass
 
+    # ------------------------------------------------------------ queries (senders, drains, retiring)
+    def inflight(self, room: int) -> int:
+        with self.blocks.lock:
+            return self._inflight.get(room, 0)
+
+    def drained(self, room: int) -> bool:
+        """No chunk of the room is queued, being written or stuck."""
+        with self.blocks.lock:
+            return self._inflight.get(room, 0) == 0 and not any(st.room == room for st in self._stuck.values())
+
     def retire_export(self, room: int) -> None:
         """Drop the room's export once nothing of it is queued or being read and it is terminal."""
-        with self.sched_lock:
+        with self.blocks.lock:
             if self._inflight.get(room, 0) > 0 or self._exports.get(room):
                 return
             self._exports.pop(room, None)
-            status = self.request_status.get(room)
+            status = self.rooms.status(room)
             if status is None or status in (KVPoll.Success, KVPoll.Failed):
-                self._drop_request(request_id(room), export=True)
+                self.blocks.drop(request_id(room), export=True)
 
     def take_room_bytes(self, room: int) -> Optional[int]:
         """Bytes this rank wrote for the room (every chunk), once; None if it wrote none."""
-        with self.sched_lock:
+        with self.blocks.lock:
             return self._room_bytes.pop(room, None)
 
     def exporting(self, room: int) -> bool:
-        with self.sched_lock:
-            return self.sched.has_request(request_id(room))
+        with self.blocks.lock:
+            return self.blocks.sched.has_request(request_id(room))
 
-    def _worker_loop(self, q: queue.Queue) -> None:
-        while not self._stop.is_set():
+    # ------------------------------------------------------------ workers
+    def worker_loop(self, q: queue.Queue) -> None:
+        while not self.stop.is_set():
             try:
                 chunk = q.get(timeout=self.config.poll_interval_s)
             except queue.Empty:
@@ -164,14 +202,14 @@ class PrefillExports:
             except Exception:
                 logger.exception("hybridkv: worker failed on room %s", chunk.room)
             finally:
-                with self.sched_lock:
+                with self.blocks.lock:
                     self._inflight[chunk.room] -= 1
                     if self._inflight[chunk.room] <= 0:
                         del self._inflight[chunk.room]
                 self.retire_export(chunk.room)
-                self._maybe_send_drained(chunk.room)
+                self.on_settled(chunk.room)
 
-    def _plans_for(self, chunk: _Chunk, md: msgs.Metadata, peer) -> list[tuple[Component, Optional[TransferPlan]]]:
+    def _plans_for(self, chunk: _Chunk, md: msgs.Metadata, peer: Peer) -> list[tuple[Component, Optional[TransferPlan]]]:
         """Per component, the compiled plan. Raises ValueError before anything is posted."""
         dst_pages = md.kv_indices[chunk.index_slice]
         if len(dst_pages) != len(chunk.kv_indices):
@@ -203,15 +241,15 @@ class PrefillExports:
     def _process(self, chunk: _Chunk) -> None:
         room = chunk.room
         rid = request_id(room)
-        status = self.request_status.get(room)
-        infos = self.transfer_infos.get(room)
+        status = self.rooms.status(room)
+        infos = self.rooms.infos(room)
         if status is None or status == KVPoll.Failed or infos is None:
             return  # aborted or cleared: nothing is written for it
         if chunk.wait_event is not None and hasattr(chunk.wait_event, "synchronize"):
             chunk.wait_event.synchronize()  # export fence: the device finished writing the source
-            if self.request_status.get(room) in (None, KVPoll.Failed):
+            if self.rooms.status(room) in (None, KVPoll.Failed):
                 return  # aborted while the device was still writing the source
-        self.update_status(room, KVPoll.Transferring)
+        self.rooms.update_status(room, KVPoll.Transferring)
         xfers: list[Transfer] = []
         tid = None
         sent: list[Component] = []
@@ -223,14 +261,15 @@ class PrefillExports:
         try:
             targets = [(md, self.peers[md.agent_name]) for md in list(infos.values()) if not md.is_dummy]
             plans = [(md, self._plans_for(chunk, md, peer)) for md, peer in targets]
-            with self.sched_lock:
-                self.sched.heartbeat(rid)
-                posted = self.sched.post_export(rid)
+            with self.blocks.lock:
+                sched = self.blocks.sched
+                sched.heartbeat(rid)
+                posted = sched.post_export(rid)
                 if isinstance(posted, NotYet):
                     raise RuntimeError(f"the scheduler refused the read of room {room}: {posted.reason.value}")
                 tid = posted
                 self._exports[room].add(tid)
-                lease = self.sched.leases.deadline(rid)
+                lease = sched.leases.deadline(rid)
             # A write past its export lease reads pages that may be released: abort it there.
             deadline = min(deadline, lease) if lease is not None else deadline
             for md, comp_plans in plans:
@@ -262,23 +301,24 @@ class PrefillExports:
         if error is None and xfers:
             self.metrics.transfer(nbytes=nbytes, descriptors=descriptors, seconds=time.perf_counter() - t0,
                                   post_seconds=post_seconds)
-            with self.sched_lock:
+            with self.blocks.lock:
                 self._room_bytes[room] = self._room_bytes.get(room, 0) + nbytes
         if error is not None:
             self.metrics.failure(FailureKind.TRANSFER)
-            self.conclude_failure(bootstrap_room=room, failure_reason=f"hybridkv transfer failed: {error}")
+            self.rooms.conclude_failure(room, f"hybridkv transfer failed: {error}")
             self._end_export(room, tid, ok=False)
             return
         self._end_export(room, tid, ok=True)
         if chunk.is_last:
             # Every chunk of the room ran on this worker, in order, and settled:
             # the KV component is complete with this one.
-            landed = msgs.Landed(room=room, prefill_rank=self._prefill_unique_rank(),
+            landed = msgs.Landed(room=room, prefill_rank=self.rooms.prefill_rank(),
                                  components=tuple(sent)).to_frames()
-            for ip, port in self._room_notify_targets(room):
-                self._push(ip, port, landed, f"LANDED for room {room}")
-            self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
-            self.transfer_infos.pop(room, None) if self.check_status(room) == KVPoll.Success else None
+            for ip, port in self.rooms.notify_targets(room):
+                self.rooms.push(ip, port, landed, f"LANDED for room {room}")
+            self.rooms.conclude_success(room)
+            if self.rooms.check_status(room) == KVPoll.Success:
+                self.rooms.forget_claims(room)
 
     def _abandon(self, room: int, tid: Optional[TransferId], xfers: list[Transfer], running: list[Transfer],
                  error: Optional[Exception]) -> None:
@@ -295,84 +335,77 @@ class PrefillExports:
         why = (f"hybridkv: writes of room {room} still running after {self.transfer_timeout_s:.0f} s "
                f"or past the export lease" + (f" (and: {error})" if error else ""))
         if not refused:
-            self.conclude_failure(bootstrap_room=room, failure_reason=why + "; aborted")
+            self.rooms.conclude_failure(room, why + "; aborted")
             self._end_export(room, tid, ok=False)
             return
-        targets = self._room_notify_targets(room)
-        with self.sched_lock:
+        targets = self.rooms.notify_targets(room)
+        with self.blocks.lock:
             # Handles exist only after the read was posted, so tid is set. The room may
             # end now; the scheduler keeps its source blocks out of reuse until then.
             self._exports[room].discard(tid)
-            rid = request_id(room)
-            held = sum(len(self.sched.blocks(rid, g)) for g in range(self.sched.layout.num_groups)
-                       ) if self.sched.has_request(rid) else 0
+            held = self.blocks.count(request_id(room))
             self._stuck[tid] = _StuckWrite(room=room, transfers=refused, targets=targets, blocks=held)
         self.metrics.quarantined(held)
-        frames = msgs.Stuck(room=room, prefill_rank=self._prefill_unique_rank()).to_frames()
+        frames = msgs.Stuck(room=room, prefill_rank=self.rooms.prefill_rank()).to_frames()
         for ip, port in targets:
-            self._push(ip, port, frames, f"STUCK for room {room}")
+            self.rooms.push(ip, port, frames, f"STUCK for room {room}")
         logger.error("hybridkv: room %s: NIXL refused to abort %d write(s); its pages stay quarantined",
                      room, len(refused))
-        self.conclude_failure(bootstrap_room=room, failure_reason=(
+        self.rooms.conclude_failure(room, (
             why + f"; NIXL refused to abort {len(refused)} of them: the decode pages stay quarantined until "
             "they end"))
 
-    def tick(self) -> None:
-        """Control thread, every loop: expire export leases, end stuck writes that settled, remove decode
-        agents that retired once their writes are over (retiring.py)."""
-        self._expire_leases()
-        if self._stuck:
-            self._watch_stuck()
-        if self._retiring:
-            self._reap_retired()
-
-    def _expire_leases(self) -> None:
-        with self.sched_lock:
-            now = self.sched.leases.now()
-            for rid in self.sched.request_ids():
-                d = self.sched.leases.deadline(rid)
+    # ------------------------------------------------------------ control thread, every loop
+    def expire_leases(self) -> None:
+        with self.blocks.lock:
+            sched = self.blocks.sched
+            now = sched.leases.now()
+            for rid in sched.request_ids():
+                d = sched.leases.deadline(rid)
                 if d is not None and d < now:
-                    self.fenced.update((g, int(b)) for g in range(self.sched.layout.num_groups)
-                                       for b in self.sched.blocks(rid, g))
-            lapsed = self.sched.poll()  # releases their blocks (a read in flight keeps its own fenced)
-            self._collect_reusable()
+                    self.blocks.fenced.update(self.blocks.blocks(rid))
+            lapsed = sched.poll()  # releases their blocks (a read in flight keeps its own fenced)
+            self.blocks.collect_reusable()
         for rid in lapsed:
             self.metrics.lease_expired()
             room = room_of(rid)
-            if self.request_status.get(room) not in (None, KVPoll.Success, KVPoll.Failed):
-                self.conclude_failure(bootstrap_room=room, failure_reason=(
-                    f"hybridkv: the export lease of room {room} lapsed ({self.sched.leases.duration_s:.0f} s "
+            if self.rooms.status(room) not in (None, KVPoll.Success, KVPoll.Failed):
+                self.rooms.conclude_failure(room, (
+                    f"hybridkv: the export lease of room {room} lapsed ({sched.leases.duration_s:.0f} s "
                     "without a chunk); its source pages are released"))
 
-    def _watch_stuck(self) -> None:
-        with self.sched_lock:
+    def watch_stuck(self) -> None:
+        """End the reads whose WRITEs NIXL would not abort once NIXL settled them."""
+        if not self._stuck:
+            return
+        with self.blocks.lock:
             items = list(self._stuck.items())
         for tid, st in items:
             if any(self.dp.state(x) is XferState.IN_PROGRESS for x in st.transfers):
                 continue
             for x in st.transfers:
                 self.dp.release(x)
-            with self.sched_lock:
+            with self.blocks.lock:
                 self._stuck.pop(tid, None)
-                self.sched.transfer_failed(tid)
-                self._collect_reusable()
+                self.blocks.sched.transfer_failed(tid)
+                self.blocks.collect_reusable()
             self.metrics.quarantine_released(st.blocks)
             logger.info("hybridkv: room %s: the write NIXL would not abort has ended", st.room)
-            frames = msgs.Drained(room=st.room, prefill_rank=self._prefill_unique_rank()).to_frames()
+            frames = msgs.Drained(room=st.room, prefill_rank=self.rooms.prefill_rank()).to_frames()
             for ip, port in st.targets:
-                self._push(ip, port, frames, f"DRAINED for room {st.room}")
-            self._maybe_send_drained(st.room)
+                self.rooms.push(ip, port, frames, f"DRAINED for room {st.room}")
+            self.on_settled(st.room)
 
     def _end_export(self, room: int, tid: Optional[TransferId], *, ok: bool) -> None:
         if tid is None:
             return
-        with self.sched_lock:
+        with self.blocks.lock:
             self._exports[room].discard(tid)
             if ok:
-                self.sched.transfer_landed(tid)
+                self.blocks.sched.transfer_landed(tid)
             else:
-                self.sched.transfer_failed(tid)
-            self._collect_reusable()
+                self.blocks.sched.transfer_failed(tid)
+            self.blocks.collect_reusable()
 
     def _settle(self, xfers: list[Transfer], deadline: float) -> tuple[int, list[Transfer]]:
         """Wait until no WRITE is in progress or the deadline passed: (errored, still running)."""

@@ -1,5 +1,5 @@
 """The decode side's end of a room in SGLang's terms (`HybridKVReceiver`): SGLang's CommonKVReceiver, with the
-import fenced through the manager (`conn.HybridKVManager`, decode_side.py) and what SGLang sends to prefill ranks
+import fenced through the manager's imports (`conn.HybridKVManager.imports`, decode_side.py) and what SGLang sends to prefill ranks
 sealed to each rank's authenticated session (sessions.py). The module docstring of conn.py says why each step is
 where it is."""
 
@@ -37,7 +37,7 @@ class HybridKVReceiver(CommonKVReceiver):
     def _setup_bootstrap_infos(self):
         super()._setup_bootstrap_infos()
         if self.bootstrap_infos:
-            self.kv_mgr.expect_writers(self.bootstrap_room, self._writers())
+            self.kv_mgr.auth.expect_writers(self.bootstrap_room, self._writers())
             self._fail_if_auth_required()
 
     def _writers(self) -> frozenset[tuple[str, int]]:
@@ -46,7 +46,7 @@ class HybridKVReceiver(CommonKVReceiver):
     def _fail_if_auth_required(self) -> bool:
         """Without a secret: a prefill rank of this room answered a probe (sessions.AuthProbe): fail now."""
         mgr = self.kv_mgr
-        reason = mgr.auth_refusal(self._writers()) if mgr.probe is not None else None
+        reason = mgr.auth.refusal(self._writers()) if mgr.auth.probe is not None else None
         if reason is None:
             return False
         mgr.record_failure(self.bootstrap_room, reason)
@@ -57,13 +57,13 @@ class HybridKVReceiver(CommonKVReceiver):
     def _register_kv_args(self) -> bool:
         """A fresh authenticated session with each prefill rank before SGLang sends it our REGISTER."""
         mgr = self.kv_mgr
-        if mgr.probe is not None and self.bootstrap_infos:
+        if mgr.auth.probe is not None and self.bootstrap_infos:
             for info in self.bootstrap_infos:
-                mgr.probe_prefill((info["rank_ip"], int(info["rank_port"])))
-        if mgr.keys is not None and self.bootstrap_infos:
+                mgr.auth.probe_prefill((info["rank_ip"], int(info["rank_port"])))
+        if mgr.auth.keys is not None and self.bootstrap_infos:
             for info in self.bootstrap_infos:
                 try:
-                    mgr.keys.handshake((info["rank_ip"], int(info["rank_port"])), mgr.config.handshake_timeout_s)
+                    mgr.auth.keys.handshake((info["rank_ip"], int(info["rank_port"])), mgr.config.handshake_timeout_s)
                 except ValueError as e:
                     mgr.record_failure(self.bootstrap_room, f"hybridkv: {e}")
                     self.conclude_state = KVPoll.Failed
@@ -76,7 +76,7 @@ class HybridKVReceiver(CommonKVReceiver):
         with the session that rank proved; an instance method here, so SGLang's calls through `self`
         reach it."""
         sock, lock = super()._connect_to_bootstrap_server(bootstrap_info)
-        keys = self.kv_mgr.keys
+        keys = self.kv_mgr.auth.keys
         if keys is None:
             return sock, lock
         prefill = (bootstrap_info["rank_ip"], int(bootstrap_info["rank_port"]))
@@ -101,7 +101,7 @@ class HybridKVReceiver(CommonKVReceiver):
             if aux_index is not None:
                 blocks[mgr.adopted.aux_group] = np.asarray([aux_index], dtype=np.int64)
             try:
-                mgr.begin_import(self.bootstrap_room, self.bootstrap_addr, self._writers_expected(), blocks)
+                mgr.imports.begin_import(self.bootstrap_room, self.bootstrap_addr, self._writers_expected(), blocks)
             except ValueError as e:
                 # Nothing was published: failing here frees nothing a write can reach.
                 mgr.metrics.failure(FailureKind.FENCED)
@@ -120,15 +120,15 @@ class HybridKVReceiver(CommonKVReceiver):
         mgr = self.kv_mgr
         room = self.bootstrap_room
         if status == KVPoll.Success:
-            if mgr.import_ready(room):
-                mgr.end_import(room, landed=True)
+            if mgr.imports.import_ready(room):
+                mgr.imports.end_import(room, landed=True)
                 self._final = KVPoll.Success
                 return KVPoll.Success
             # Every prefill rank said Success (after its LANDED, on the same
             # socket) and is quiet, yet a component never landed (#39846).
-            missing = mgr.missing_components(room)
-            mgr.settle_imports(room, "prefill reported success")
-            mgr.end_import(room, landed=False)
+            missing = mgr.imports.missing_components(room)
+            mgr.imports.settle_imports(room, "prefill reported success")
+            mgr.imports.end_import(room, landed=False)
             names = ", ".join(f"{c.kind.value}@group{c.group}" for c in missing) or "?"
             mgr.metrics.failure(FailureKind.INCOMPLETE)
             mgr.record_failure(room, f"prefill reported success but components [{names}] never landed")
@@ -138,8 +138,8 @@ class HybridKVReceiver(CommonKVReceiver):
             return KVPoll.Failed
         if status != KVPoll.Failed:
             return status
-        if not self._published or mgr.imports_in_flight(room) == 0:
-            mgr.end_import(room, landed=False)
+        if not self._published or mgr.imports.imports_in_flight(room) == 0:
+            mgr.imports.end_import(room, landed=False)
             self._final = KVPoll.Failed
             return KVPoll.Failed
         # Ask the prefill ranks to stop and to say when nothing is in flight.
@@ -149,8 +149,8 @@ class HybridKVReceiver(CommonKVReceiver):
             self._drain_since = now
         if now - self._drain_since >= mgr.drain_timeout_s:
             logger.error("hybridkv: room %s released after %.0fs without a drain answer", room, now - self._drain_since)
-            mgr.settle_imports(room, "drain deadline passed")
-            mgr.end_import(room, landed=False)
+            mgr.imports.settle_imports(room, "drain deadline passed")
+            mgr.imports.end_import(room, landed=False)
             self._final = KVPoll.Failed
             return KVPoll.Failed
         return KVPoll.Transferring
@@ -159,12 +159,12 @@ class HybridKVReceiver(CommonKVReceiver):
         super().abort()
         # The engine gives the request up: its blocks go back to the scheduler,
         # which keeps any with an import in flight out of reuse.
-        self.kv_mgr.end_import(self.bootstrap_room, landed=False)
+        self.kv_mgr.imports.end_import(self.bootstrap_room, landed=False)
 
     def clear(self) -> None:
         super().clear()
         if self._final is None:
-            self.kv_mgr.end_import(self.bootstrap_room, landed=False)
+            self.kv_mgr.imports.end_import(self.bootstrap_room, landed=False)
 
 
 class _Sealing:

@@ -9,10 +9,8 @@ the decode rank at its address registers another agent. Then:
   ranks (decode TP above prefill TP) fails for all of them, as one rank's failure fails the
   request on every decode rank anyway;
 * each such room's decode ranks are told Failed only when no chunk of the room is queued, being
-  written or stuck (``drained``), because a decode reads a terminal status as "nothing will land
-  any more" and frees the pages; the ended session still seals that message (sessions.py);
-* the decode rank is told its session ended (if it was evicted rather than replaced), so that it
-  registers again before its next room there;
+  written or stuck (drains.py), because a decode reads a terminal status as "nothing will land
+  any more" and frees the pages; the ended session still seals that message (peer_auth.py);
 * the agent is removed from NIXL (``DataPlane.remove_peer``: remove_remote_agent) at that point too,
   not before: this rank's WRITEs in flight name it.
 """
@@ -21,12 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import OrderedDict
-from typing import Optional
+import threading
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING
 
-from hybridkv.connectors.sglang import messages as msgs
-from hybridkv.connectors.sglang.sessions import MAX_SESSIONS, Session
+from hybridkv.connectors.sglang.drains import Drains
+from hybridkv.connectors.sglang.prefill_side import PrefillExports
+from hybridkv.connectors.sglang.rooms import Rooms
+from hybridkv.transport.dataplane import DataPlane
 from sglang.srt.disaggregation.base.conn import KVPoll
+
+if TYPE_CHECKING:
+    from hybridkv.connectors.sglang.registrations import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -38,72 +42,50 @@ class _Retiring:
 
 
 class RetiringAgents:
-    """Mixin of HybridKVManager (prefill mode, with a secret). The control thread calls it."""
+    """The prefill manager's retiring decode agents. Given SGLang's rooms, the registered peers (an agent that
+    retires leaves them), the exports and drains of its rooms, the data plane it is removed from, and the lock
+    the drains are read under. The authentication (an ended session) and the registrations (a decode rank
+    that registered another agent) call `retire`; the control thread calls `reap`."""
 
-    def _init_retiring(self) -> None:
+    def __init__(self, *, rooms: Rooms, peers: MutableMapping[str, Peer], exports: PrefillExports, drains: Drains,
+                 dp: DataPlane, lock: threading.RLock) -> None:
+        self.rooms = rooms
+        self.peers = peers
+        self.exports = exports
+        self.drains = drains
+        self.dp = dp
+        self.lock = lock
         self._retiring: dict[str, _Retiring] = {}
-        # Rooms failed by a retiring agent -> the reason and their decode ranks, told once drained. The ranks are
-        # taken when it retires: SGLang may clear the room (and its transfer_infos) before it drains.
-        self._fail_when_drained: dict[int, tuple[str, list[tuple[str, int]]]] = {}
-        # Sessions that ended, by the decode's ZMQ endpoint: what is still told to a decode rank whose session
-        # ended (its rooms' Failed) is sealed with them; bounded, the oldest forgotten first.
-        self._ended: OrderedDict[str, Session] = OrderedDict()
 
-    def session_for(self, endpoint: str) -> Optional[Session]:
-        """The session that seals a push to `endpoint`: the live one, else the last one that ended."""
-        return self.gate.by_peer.get(endpoint) or self._ended.get(endpoint)
+    def agents(self) -> list[str]:
+        """The agents retiring now, sorted (for tests)."""
+        with self.lock:
+            return sorted(self._retiring)
 
-    def _session_ended(self, session: Session) -> None:
-        """PrefillGate's on_end."""
-        self._ended.pop(session.tcp, None)
-        self._ended[session.tcp] = session
-        while len(self._ended) > MAX_SESSIONS:
-            self._ended.popitem(last=False)
-        if self.gate.by_peer.get(session.tcp) is None:
-            # Evicted, not replaced: the decode rank does not know, and would seal its next METADATA with it.
-            self._push(*session.peer, msgs.SessionEnded(prefill_rank=self._prefill_unique_rank()).to_frames(),
-                       "the end of its session")
-        agent = session.agent
-        if agent is None or self.gate.agent_owner(agent) is not None:
-            return  # it never registered, or the session that replaced it took the agent over
-        self._retire_agent(agent, f"the authenticated session of decode rank {session.peer[0]}:{session.peer[1]} "
-                                  f"ended (more than max_sessions = {self.config.max_sessions} decode ranks, or "
-                                  "replaced); its NIXL agent is removed")
-
-    def _retire_agent(self, agent: str, reason: str) -> None:
+    def retire(self, agent: str, reason: str) -> None:
         if self.peers.pop(agent, None) is None:
             return
-        rooms = frozenset(r for r, infos in list(self.transfer_infos.items()) if agent in infos)
-        targets = {room: self._room_notify_targets(room) for room in rooms}
-        with self.sched_lock:
+        rooms = self.rooms.claimed_by(agent)
+        targets = {room: self.rooms.notify_targets(room) for room in rooms}
+        with self.lock:
             self._retiring[agent] = _Retiring(rooms=rooms, reason=reason)
             for room in rooms:
-                self._fail_when_drained.setdefault(room, (f"hybridkv: {reason}", targets[room]))
+                self.drains.fail_when_drained(room, f"hybridkv: {reason}", targets[room])
         logger.warning("hybridkv: decode agent %s retires (%s); %d room(s) fail", agent, reason, len(rooms))
         for room in rooms:
-            self.record_failure(room, f"hybridkv: {reason}")
-            self.update_status(room, KVPoll.Failed)  # nothing more is posted for it; no status yet: none made
-            self.retire_export(room)
-            self._maybe_send_drained(room)
-        self._reap_retired()
+            self.rooms.record_failure(room, f"hybridkv: {reason}")
+            self.rooms.update_status(room, KVPoll.Failed)  # nothing more is posted for it; no status yet: none made
+            self.exports.retire_export(room)
+            self.drains.maybe_send(room)
+        self.reap()
 
-    def _drained(self, room: int) -> bool:
-        """Hold sched_lock."""
-        return self._inflight.get(room, 0) == 0 and not any(st.room == room for st in self._stuck.values())
-
-    def _tell_failed(self, room: int, failed: tuple[str, list[tuple[str, int]]]) -> None:
-        """The room's decode ranks learn it failed (it is drained)."""
-        reason, targets = failed
-        if self.conclude_failure(bootstrap_room=room, failure_reason=reason, targets=targets) is None:
-            # No sender, or cleared already (SGLang's conclude does nothing for a room without a status): told here.
-            self.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed,
-                                        failure_reason=reason)
-
-    def _reap_retired(self) -> None:
+    def reap(self) -> None:
         """Remove the retiring agents none of whose rooms has a write queued, running or stuck."""
-        with self.sched_lock:
+        if not self._retiring:
+            return
+        with self.lock:
             done = [a for a, r in self._retiring.items()
-                    if all(self._drained(room) and room not in self._fail_when_drained for room in r.rooms)]
+                    if all(self.exports.drained(room) and not self.drains.failure_pending(room) for room in r.rooms)]
             for a in done:
                 del self._retiring[a]
         for a in done:

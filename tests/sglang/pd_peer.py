@@ -387,32 +387,32 @@ class _State:
     def fake_stuck(self, abort_ok: bool):
         """From now on every WRITE reads as still running, and an abort is accepted or
         refused as asked: a NIXL handle that hangs cannot be caused on one machine."""
-        self.mgr.dp = _StuckPlane(self.mgr.dp, abort_ok)
+        self.mgr.exports.dp = _StuckPlane(self.mgr.exports.dp, abort_ok)
 
     def unstick(self, _=None):
         """The hung WRITEs end (their real state shows again); the fake goes away."""
-        fake = self.mgr.dp
+        fake = self.mgr.exports.dp
         fake.stuck = False
-        self.mgr.dp = fake.real
+        self.mgr.exports.dp = fake.real
         return fake.aborts
 
     def hold_writes(self, _=None):
         """From now on every WRITE is held back (not posted, reads as running, NIXL refuses
         to abort it) until `release_held`: a handle that hangs cannot be caused on one machine."""
-        self.mgr.dp = _HeldPlane(self.mgr.dp)
+        self.mgr.exports.dp = _HeldPlane(self.mgr.exports.dp)
 
     def held(self, _=None):
-        return len(self.mgr.dp.held)
+        return len(self.mgr.exports.dp.held)
 
     def release_held(self, _=None):
         """The held WRITEs are posted for real (a late write), wait for them to land; the fake stays
         until the watcher released them (it calls the fake's release), then goes away."""
-        fake = self.mgr.dp
+        fake = self.mgr.exports.dp
         fake.post_held()
         deadline = time.monotonic() + 20
         while any(x.real is not None for x in fake.held) and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.mgr.dp = fake.real
+        self.mgr.exports.dp = fake.real
         return len(fake.held)
 
     # decode: SGLang's own DecodeTransferQueue (decode.py) over this rank's receivers,
@@ -474,16 +474,18 @@ class _State:
     def stats(self, room=None):
         mgr = self.mgr
         st = mgr.stats
+        ex, imp = mgr.exports, mgr.imports  # the prefill's parts or the decode's (the other is None)
         with mgr.sched_lock:
             sched = dict(requests=mgr.sched.requests_in_flight(), transfers=mgr.sched.transfers_in_flight(),
-                         exports={r: len(t) for r, t in mgr._exports.items() if t}, fenced=sorted(mgr.fenced),
-                         imports=list(mgr._imports))
+                         exports={r: len(t) for r, t in ex._exports.items() if t} if ex else {},
+                         fenced=sorted(mgr.fenced), imports=list(imp._imports) if imp else [])
         return dict(chunks=st.chunks, handles=st.handles, descriptors=st.descriptors, bytes=st.bytes,
-                    pages=st.pages, inflight=dict(getattr(mgr, "_inflight", {})), rooms=list(mgr.request_status),
-                    transfer_infos=list(getattr(mgr, "transfer_infos", {})), waiters=dict(mgr._drain_waiters),
+                    pages=st.pages, inflight=dict(ex._inflight) if ex else {}, rooms=list(mgr.request_status),
+                    transfer_infos=list(getattr(mgr, "transfer_infos", {})),
+                    waiters=mgr.drains.waiting() if mgr.drains else {},
                     exporting=mgr.exporting(room) if room is not None else None, peers=len(mgr.peers),
-                    retiring=sorted(mgr._retiring),
-                    failures=dict(mgr.failure_records), stuck=len(getattr(mgr, "_stuck", {})),
+                    retiring=mgr.retiring.agents() if mgr.retiring else [],
+                    failures=dict(mgr.failure_records), stuck=len(ex._stuck) if ex else 0,
                     auth=dataclasses.asdict(mgr.auth_stats), **sched)
 
 

@@ -243,7 +243,7 @@ def test_an_ended_session_takes_its_nixl_agent_along_and_fails_its_rooms_fake_cu
         assert st["peers"] == 1 and not st["retiring"] and st["requests"] == 0 and st["transfers"] == 0
         assert not st["fenced"] and not st["inflight"]
         with mgr.sched_lock:
-            assert mgr.sched.requests_in_flight() == 0 and not mgr.fenced and not mgr._imports
+            assert mgr.sched.requests_in_flight() == 0 and not mgr.fenced and not mgr.imports._imports
         assert not any(any(b) for b in pools.page_bytes(dst_waiting + dst_moving))
 
         assert prefill.call("sender", 2103) == KVPoll.WaitingForInput

@@ -77,7 +77,7 @@ def test_decode_tp2_held_write_on_one_rank_keeps_pages_out_of_the_free_list_fake
     decode = (d0, d1)
     addr = _setup(ranks, secret=True)
     room = 3001
-    p1.call("patch", ("transfer_timeout_s", 1.0))
+    p1.call("patch", ("exports.transfer_timeout_s", 1.0))
     p1.call("hold_writes")
     aux = [d.call("enqueue", (room, addr, DST_PAGES, DST_SLOT)) for d in decode]
     assert aux[0] == aux[1]
@@ -157,7 +157,7 @@ def test_decode_tp2_write_held_past_sglang_release_timeout_ends_in_hybridkv_firs
     try:
         addr = _setup(ranks, secret=False)
         room = 3002
-        p1.call("patch", ("transfer_timeout_s", 1.0))
+        p1.call("patch", ("exports.transfer_timeout_s", 1.0))
         p1.call("hold_writes")
         aux = [d.call("enqueue", (room, addr, DST_PAGES, DST_SLOT)) for d in decode][0]
         assert p0.call("sender", room) == WAITING_FOR_INPUT and p1.call("sender", room) == WAITING_FOR_INPUT

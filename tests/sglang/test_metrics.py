@@ -105,7 +105,7 @@ def test_stuck_write_counts_a_timeout_and_quarantined_pages_fake_nixl_handle(dec
     mgr, _ = decode
     room = 2003
     pbefore, dbefore = prefill.call("metrics"), decode_samples(mgr)
-    prefill.call("patch", ("transfer_timeout_s", 1.0))
+    prefill.call("patch", ("exports.transfer_timeout_s", 1.0))
     prefill.call("fake_stuck", False)
     try:
         r = pd_peer.receiver(mgr, prefill.addr, room)
@@ -139,4 +139,4 @@ def test_stuck_write_counts_a_timeout_and_quarantined_pages_fake_nixl_handle(dec
         assert delta(dbefore, dafter, "sglang:hybridkv_quarantined_pages_current") == 0
         r.clear()
     finally:
-        prefill.call("patch", ("transfer_timeout_s", 30.0))
+        prefill.call("patch", ("exports.transfer_timeout_s", 30.0))

@@ -27,7 +27,7 @@ def _assert_clean_decode(mgr, room):
     from hybridkv.connectors.sglang.adopt import request_id
 
     assert room not in mgr.request_status
-    assert room not in mgr._imports
+    assert room not in mgr.imports._imports
     assert room not in mgr.failure_records
     with mgr.sched_lock:
         assert not mgr.sched.has_request(request_id(room))
@@ -236,7 +236,7 @@ def test_stuck_write_is_aborted_at_its_deadline_fake_nixl_handle(decode, prefill
 
     mgr, _ = decode
     room = 1009
-    prefill.call("patch", ("transfer_timeout_s", 1.0))
+    prefill.call("patch", ("exports.transfer_timeout_s", 1.0))
     prefill.call("fake_stuck", True)
     try:
         r = _receiver(mgr, prefill.addr, room)
@@ -250,7 +250,7 @@ def test_stuck_write_is_aborted_at_its_deadline_fake_nixl_handle(decode, prefill
             r.failure_exception()
     finally:
         aborts = prefill.call("unstick")
-        prefill.call("patch", ("transfer_timeout_s", 30.0))
+        prefill.call("patch", ("exports.transfer_timeout_s", 30.0))
     assert aborts and all(aborts)
     _assert_clean_decode(mgr, room)
     _assert_clean_prefill(prefill, room)
@@ -266,7 +266,7 @@ def test_stuck_write_nixl_will_not_abort_keeps_pages_quarantined_fake_nixl_handl
 
     mgr, _ = decode
     room = 1010
-    prefill.call("patch", ("transfer_timeout_s", 1.0))
+    prefill.call("patch", ("exports.transfer_timeout_s", 1.0))
     prefill.call("fake_stuck", False)
     try:
         r = _receiver(mgr, prefill.addr, room)
@@ -294,7 +294,7 @@ def test_stuck_write_nixl_will_not_abort_keeps_pages_quarantined_fake_nixl_handl
         with pytest.raises(Exception, match="refused to abort"):
             r.failure_exception()
     finally:
-        prefill.call("patch", ("transfer_timeout_s", 30.0))
+        prefill.call("patch", ("exports.transfer_timeout_s", 30.0))
     _assert_clean_decode(mgr, room)
     _assert_clean_prefill(prefill, room)
 

@@ -1,0 +1,142 @@
+"""Prefill side: what decode ranks send a prefill rank about themselves and their rooms.
+
+REGISTER (a decode rank's NIXL agent and layout): the agent is added to NIXL and paired with this
+rank (pairing.py), or kept with the reason it cannot be (every room it claims then fails).
+METADATA (a room's destinations): the room waits for input once every destination rank claimed it.
+ABORT (SGLang's): the room fails, and the decode rank is told DRAINED once nothing of the room is
+in flight here (drains.py). With a secret, each comes within a proven session, and a decode rank
+names only its own address and agent and claims only rooms no other decode rank holds (peer_auth.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import MutableMapping
+from typing import Optional
+
+from hybridkv.connectors.sglang import messages as msgs
+from hybridkv.connectors.sglang.adopt import AdoptedLayout, from_peer
+from hybridkv.connectors.sglang.drains import Drains
+from hybridkv.connectors.sglang.pairing import PeerPlan, plan_peer
+from hybridkv.connectors.sglang.peer_auth import PeerAuth
+from hybridkv.connectors.sglang.prefill_side import PrefillExports
+from hybridkv.connectors.sglang.retiring import RetiringAgents
+from hybridkv.connectors.sglang.rooms import Rooms
+from hybridkv.connectors.sglang.sessions import Session
+from hybridkv.descriptors.compiler import TransferPlanner
+from hybridkv.fencing.request_state import Component
+from hybridkv.transport.dataplane import DataPlane
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import AbortNotification
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Peer:
+    """A registered decode rank's NIXL agent."""
+
+    agent_name: str
+    layout: AdoptedLayout
+    planners: dict[Component, Optional[TransferPlanner]]  # None: another prefill rank writes these fields
+    plan: Optional[PeerPlan]
+    rejection: Optional[str]
+
+
+class Registrations:
+    """The prefill manager's control messages from decode ranks. Given this rank's layout and data plane, the
+    registered peers (this adds them), SGLang's rooms, the authentication, and the exports, drains and
+    retiring agents an ABORT or a new agent touches."""
+
+    def __init__(self, *, adopted: AdoptedLayout, dp: DataPlane, peers: MutableMapping[str, Peer], rooms: Rooms,
+                 auth: PeerAuth, exports: PrefillExports, drains: Drains, retiring: RetiringAgents) -> None:
+        self.adopted = adopted
+        self.dp = dp
+        self.peers = peers
+        self.rooms = rooms
+        self.auth = auth
+        self.exports = exports
+        self.drains = drains
+        self.retiring = retiring
+
+    def on_register(self, reg: msgs.Register, session: Optional[Session] = None) -> None:
+        if session is not None:
+            owner = self.auth.agent_owner(reg.agent_name)
+            if (reg.endpoint, reg.port) != session.peer:
+                return self.auth.foreign(session, f"REGISTER names another address ({reg.endpoint}:{reg.port})")
+            if owner is not None and owner is not session and owner.peer != session.peer:
+                return self.auth.foreign(session, f"REGISTER names agent {reg.agent_name!r}, registered by another peer")
+        peer_layout = from_peer(reg.layout)
+        rejection = None
+        plan = None
+        mine = self.adopted.parallel
+        try:
+            theirs = peer_layout.parallel
+            if (reg.attn_tp_size, reg.attn_tp_rank) != (theirs.attn_tp, theirs.attn_rank):
+                raise ValueError(f"the message says decode rank {reg.attn_tp_rank}/{reg.attn_tp_size}, its layout "
+                                 f"{theirs.attn_rank}/{theirs.attn_tp}")
+            if tuple(reg.state_types) != self.adopted.state_types:
+                raise ValueError(f"state types {list(self.adopted.state_types)} on the prefill, "
+                                 f"{list(reg.state_types)} on the decode; expected the same model")
+            plan = plan_peer(self.adopted, peer_layout)
+        except ValueError as e:
+            rejection = (f"hybridkv cannot pair prefill rank {mine.attn_rank}/{mine.attn_tp} with decode rank "
+                         f"{reg.attn_tp_rank}/{reg.attn_tp_size}: {e}")
+        name = self.dp.add_peer(reg.agent_metadata, peer_layout.memory)
+        if name != reg.agent_name:
+            if name not in self.peers:
+                self.dp.remove_peer(name)
+            raise ValueError(f"agent metadata names {name!r} but the message says {reg.agent_name!r}")
+        if session is not None:
+            if session.agent is not None and session.agent != name:
+                # The decode rank at that address restarted with another agent: the old one retires.
+                self.retiring.retire(session.agent, f"decode rank {reg.endpoint}:{reg.port} registered another "
+                                                  f"NIXL agent ({name}); its previous one is removed")
+            session.agent = name
+        self.peers[name] = Peer(agent_name=name, layout=peer_layout, planners=plan.planners if plan else {},
+                                 plan=plan, rejection=rejection)
+        if rejection:
+            logger.error("hybridkv: decode %s refused: %s", name, rejection)
+
+    def on_metadata(self, md: msgs.Metadata, session: Optional[Session] = None) -> None:
+        room = md.room
+        if session is not None and not self.auth.may_claim(md, session):
+            return
+        peer = self.peers.get(md.agent_name)
+        infos = self.rooms.claim(room)
+        infos[md.agent_name] = md
+        if peer is None or peer.rejection:
+            reason = peer.rejection if peer else f"decode agent {md.agent_name} never registered"
+            self.rooms.record_failure(room, reason)
+            self.rooms.conclude_failure(room, reason)
+            return
+        if len(infos) == md.required_dst_info_num:
+            self.rooms.set_decode_prefix_len(room, next(
+                (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len), 0
+            ))
+            self.rooms.update_status(room, KVPoll.WaitingForInput)
+
+    def on_abort(self, frames: list[bytes], session: Optional[Session] = None) -> None:
+        note = AbortNotification.from_zmq(frames)
+        if note is None:
+            return
+        room = note.room
+        if session is not None:
+            if note.decode_ip is not None and (note.decode_ip, note.decode_port) != session.peer:
+                return self.auth.foreign(session, f"ABORT for room {room} names another address")
+            claimed = self.rooms.infos(room)
+            if claimed and session.agent not in claimed:
+                self.auth.foreign(session, f"ABORT for room {room}, claimed by another decode")
+                # Answered as an unknown room is (DRAINED at once), so the answer tells nothing of the room.
+                if note.decode_ip is not None:
+                    frames = msgs.Drained(room=room, prefill_rank=self.rooms.prefill_rank()).to_frames()
+                    self.rooms.push(note.decode_ip, note.decode_port, frames, f"DRAINED for room {room}")
+                return
+        if self.rooms.has_status(room) and self.rooms.check_status(room) != KVPoll.Success:
+            self.rooms.record_failure(room, "Aborted by decode-side abort notification.")
+            self.rooms.update_status(room, KVPoll.Failed)
+        if note.decode_ip and note.decode_port:
+            self.drains.wait(room, (note.decode_ip, int(note.decode_port)))
+        self.exports.retire_export(room)
+        self.drains.maybe_send(room)
