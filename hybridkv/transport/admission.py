@@ -1,8 +1,8 @@
 """Who the producer lets in: its side of the handshake, and the listener's bounds.
 
-:class:`_Admission` is a base of :class:`~hybridkv.transport.producer.Producer`. A connection
-first proves the shared secret (:mod:`hybridkv.transport.auth`), reading at most
-``wire.MAX_PREAUTH_BYTES`` per frame until it has, then sends its Hello; only then is its NIXL
+:class:`Admission` is held by :class:`~hybridkv.transport.producer.Producer` and runs its
+listener. A connection first proves the shared secret (:mod:`hybridkv.transport.auth`), reading at
+most ``wire.MAX_PREAUTH_BYTES`` per frame until it has, then sends its Hello; only then is its NIXL
 agent added and the producer's Hello (metadata, region table) sent. A peer that has not proved the
 secret is told "refused" and nothing more. Around that, from the producer's pump: messages queued
 under ucxx tags nobody receives are drained (a flood of them closes every connection still
@@ -14,27 +14,57 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, PeerLost, ProtocolViolation
 from hybridkv.transport import auth, control
 from hybridkv.transport.memory import MemoryMap
-from hybridkv.transport.side import _Peer, _send_quietly
+from hybridkv.transport.side import Peer, Side, send_quietly
 
 log = logging.getLogger(__name__)
 
 
-class _Admission:
-    """The producer's admission: mixed into Producer, which provides peers, stats, config, dp,
-    hello(), check_hello(), _serve() and _peer_lost()."""
+class Admission:
+    """The producer's admission. Given the side (its config, counters, data plane, peers and
+    Hello), ``serve`` (awaited with each peer let in, once it is in ``side.peers``: its control
+    messages, for as long as it stays) and ``lost`` (a peer let in whose channel failed first)."""
 
-    def _init_admission(self) -> None:
+    def __init__(self, side: Side, *, serve: Callable[[Peer], Awaitable[None]],
+                 lost: Callable[[Peer], None]) -> None:
+        self._side = side
+        self._serve = serve
+        self._lost = lost
+        self._connected = asyncio.Event()
+        self._listener = None
         self._handshaking = 0
         self._unproven: dict[control.Channel, float] = {}  # channels in their handshake -> when they opened
         self._drain = control.Drainer()
         self._channels: set[control.Channel] = set()  # every control channel open now
         self._strays: control.StrayConnections | None = None
         self._next_sweep = 0.0
+
+    def listen(self) -> int:
+        """Start listening (``TransportConfig.port``, 0 for any); returns the port."""
+        cfg = self._side.config
+        listener = self._listener = control.listen(self._accept, cfg.port, allow=cfg.allowlist,
+                                                   on_refused=self._refused_peer)
+        self._strays = control.StrayConnections(int(listener.port), idle_s=cfg.idle_connection_s)
+        return int(listener.port)
+
+    def _refused_peer(self, address: str | None) -> None:
+        self._side.stats.refused_peers += 1
+        log.warning("closed a control connection from %s: not in allowed_peers %s",
+                    address or "an unreadable address", list(self._side.config.allowed_peers))
+
+    async def wait_peer(self, timeout_s: float) -> None:
+        """Until a first peer was let in."""
+        await asyncio.wait_for(self._connected.wait(), timeout_s)
+
+    def close(self) -> None:
+        """Stop listening."""
+        if self._listener is not None:
+            self._listener.close()
 
     async def _accept(self, ch: control.Channel) -> None:
         self._channels.add(ch)
@@ -44,11 +74,12 @@ class _Admission:
             self._channels.discard(ch)
 
     async def _accept_channel(self, ch: control.Channel) -> None:
-        if self._handshaking >= self.config.max_handshakes:
+        side = self._side
+        if self._handshaking >= side.config.max_handshakes:
             # A flood of connections that never finish the handshake: each costs a task and a UCX
             # endpoint until its timeout, so past the bound a new one is closed unread.
-            self.stats.refused += 1
-            self.stats.unauthenticated += 1
+            side.stats.refused += 1
+            side.stats.unauthenticated += 1
             await ch.close()
             return
         self._handshaking += 1
@@ -56,9 +87,9 @@ class _Admission:
         try:
             got = await self._handshake_or_refusal(ch)
             if not isinstance(got, tuple):
-                self.stats.refused += 1
+                side.stats.refused += 1
                 reason, diffs = (str(got), got.differences) if isinstance(got, HandshakeRefused) else (_REFUSED, ())
-                await _send_quietly(ch, wire.Refuse(reason=reason[: wire.MAX_TEXT], differences=diffs))
+                await send_quietly(ch, wire.Refuse(reason=reason[: wire.MAX_TEXT], differences=diffs))
                 # A moment before closing, in the handshake's slot: a consumer that sent its Hello
                 # right behind its proof reads the refusal instead of a reset.
                 await asyncio.sleep(_REFUSE_LINGER_S)
@@ -68,12 +99,12 @@ class _Admission:
             self._handshaking -= 1
             self._unproven.pop(ch, None)
         msg, remote = got
-        peer = _Peer(agent=msg.agent, channel=ch, memory=remote, lease_s=msg.lease_s)
-        self.peers[peer.agent] = peer
+        peer = Peer(agent=msg.agent, channel=ch, memory=remote, lease_s=msg.lease_s)
+        side.peers[peer.agent] = peer
         try:
-            await ch.send(self.hello())
+            await ch.send(side.hello())
         except PeerLost:
-            self._peer_lost(peer)
+            self._lost(peer)
             return
         self._connected.set()
         await self._serve(peer)
@@ -81,17 +112,18 @@ class _Admission:
     async def _handshake_or_refusal(self, ch: control.Channel):
         """(Hello, memory map) of a peer let in; else what to refuse it with: a HandshakeRefused
         (an authenticated peer hears what differs) or None ("refused", nothing more)."""
+        side = self._side
         proven: list[bool] = []  # the handshake appends once the peer proved the secret
         try:
-            return await asyncio.wait_for(self._handshake(ch, proven), self.config.handshake_timeout_s)
+            return await asyncio.wait_for(self._handshake(ch, proven), side.config.handshake_timeout_s)
         except asyncio.TimeoutError:
-            self.stats.unauthenticated += not proven
-            log.info("refused a control connection: no handshake within %s s", self.config.handshake_timeout_s)
+            side.stats.unauthenticated += not proven
+            log.info("refused a control connection: no handshake within %s s", side.config.handshake_timeout_s)
         except _Unproven as exc:
-            self.stats.unauthenticated += 1
+            side.stats.unauthenticated += 1
             log.info("refused a control connection before authentication: %s", exc)
         except HandshakeRefused as exc:
-            if self.config.secret is None:
+            if side.config.secret is None:
                 # Unauthenticated peers learn nothing of ours: the differences are logged here only.
                 log.warning("refused a consumer's handshake: %s", exc)
                 return HandshakeRefused(_REFUSED)
@@ -106,7 +138,8 @@ class _Admission:
         """Auth both ways, then the consumer's Hello; its NIXL agent is added only once both
         held. Raises _Unproven (the peer learns "refused"), HandshakeRefused (an authenticated
         peer learns what differs) or a transport error."""
-        secret = self.config.secret
+        side = self._side
+        secret = side.config.secret
         knock = await _recv_unproven(ch)
         if not isinstance(knock, wire.Auth) or len(knock.nonce) != wire.NONCE_BYTES:
             raise _Unproven(f"first message is {type(knock).__name__}; expected Auth with a nonce")
@@ -122,34 +155,31 @@ class _Admission:
         msg = await ch.recv()
         if not isinstance(msg, wire.Hello):
             raise ProtocolViolation(f"message after Auth is {type(msg).__name__}; expected Hello")
-        remote = self.check_hello(msg)
-        if msg.agent in self.peers or msg.agent == self.dp.name:
+        remote = side.check_hello(msg)
+        if msg.agent in side.peers or msg.agent == side.dp.name:
             raise HandshakeRefused("a peer of that NIXL agent name is already connected", [
                 wire.Difference(field="agent", local=None, remote=msg.agent)])
         try:
-            agent = self.dp.add_peer(msg.metadata, remote)
+            agent = side.dp.add_peer(msg.metadata, remote)
         except Exception as exc:  # NIXL refused the metadata (forged, or of another build)
             raise HandshakeRefused(f"NIXL refused the peer's metadata: {type(exc).__name__}") from exc
         if agent != msg.agent:
-            if agent not in self.peers:
-                self._drop_agent(agent)
+            if agent not in side.peers:
+                side.drop_agent(agent)
             raise HandshakeRefused("the peer's NIXL metadata names another agent than its Hello", [
                 wire.Difference(field="agent", local=agent, remote=msg.agent)])
         return msg, remote
 
-    def _drop_agent(self, agent: str) -> None:
-        try:
-            self.dp.remove_peer(agent)
-        except Exception:
-            pass
-
-    def _drain_queued(self) -> None:
+    def sweep(self) -> None:
+        """From the pump: drop control messages queued for nobody (the listener is what gets
+        flooded) and shut down connections on the listener port that never became a channel."""
+        stats = self._side.stats
         now = time.monotonic()
         if self._strays is not None and now >= self._next_sweep:
-            self._next_sweep = now + min(1.0, self.config.idle_connection_s / 4)
-            self.stats.swept += self._strays({ch.peer for ch in self._channels})
+            self._next_sweep = now + min(1.0, self._side.config.idle_connection_s / 4)
+            stats.swept += self._strays({ch.peer for ch in self._channels})
         dropped = self._drain()
-        self.stats.drained += dropped
+        stats.drained += dropped
         if dropped < _FLOOD_MESSAGES:
             return  # a closed channel's leftovers, not a flood
         # Messages under made-up tags come from a peer that bypasses the channel; UCX cannot say
@@ -160,7 +190,7 @@ class _Admission:
         for ch, opened in list(self._unproven.items()):
             if now - opened > _FLOOD_UNPROVEN_S:
                 del self._unproven[ch]
-                self.stats.cut_off += 1
+                stats.cut_off += 1
                 asyncio.ensure_future(ch.close())
 
 
@@ -181,4 +211,4 @@ async def _recv_unproven(ch: control.Channel) -> wire.Message:
         raise _Unproven(str(exc)) from None
 
 
-__all__: list[str] = []
+__all__ = ["Admission"]

@@ -3,11 +3,15 @@
 A :class:`Consumer` may be connected to several producers (one per prefill TP
 rank it needs); one import then has a *part* per producer and lands only when
 every part landed: the scheduler sees one transfer for the whole request, so
-its components become visible together (rule 4) or not at all. Here: the
-producers as peers, what they say on the control channel, the leases the consumer
-renews and the requests it releases. How it dials a producer (the handshake,
-retried) is in :mod:`hybridkv.transport.dial`; what one import runs through, in
-:mod:`hybridkv.transport.fetch`.
+its components become visible together (rule 4) or not at all.
+
+The consumer is five parts, one module each, and delegates to them: its core
+(:class:`~hybridkv.transport.side.Side`: data plane, peers, counters, the pump), how
+it dials a producer (:class:`~hybridkv.transport.dial.Dialer`: the handshake, retried),
+what it asked for (:class:`~hybridkv.transport.parts.Parts`), what it hears from its
+producers and the leases it renews (:class:`~hybridkv.transport.links.ProducerLinks`)
+and what one import runs through (:class:`~hybridkv.transport.fetch.Importer`). Here:
+the calls of its API, and the requests it releases.
 
 The consumer never pairs blocks itself: its :class:`~hybridkv.transport.plan.Planner`
 (given at construction) is prepared once per set of producers and turns each
@@ -19,52 +23,78 @@ pages), any other as ``(addr, len, dev)`` rows.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from hybridkv import wire
 from hybridkv.errors import PeerError, PeerLost
 from hybridkv.transport import auth
-from hybridkv.transport.config import TransportConfig
-from hybridkv.transport.dial import _Dial
-from hybridkv.transport.fetch import _Fetch, _Part
+from hybridkv.transport.config import Result, TransportConfig
+from hybridkv.transport.dataplane import Transfer, XferState
+from hybridkv.transport.dial import Dialer
+from hybridkv.transport.fetch import Importer, Work
+from hybridkv.transport.links import ProducerLinks
+from hybridkv.transport.memory import MemoryMap
 from hybridkv.transport.metrics import FailureKind
+from hybridkv.transport.parts import Parts
 from hybridkv.transport.plan import PeerPlanner, Planner
-from hybridkv.transport.side import _Peer, _remember, _rid_of, _send_quietly, _Side
+from hybridkv.transport.side import Peer, Side, send_quietly
 
 
-class Consumer(_Fetch, _Dial, _Side):
-    """Decode side: dials producers and imports requests from them."""
+class Consumer:
+    """Decode side: dials producers and imports requests from them.
+
+    ``memory``, ``scheduler``, ``config``, ``planner``, ``pairing``, ``dp`` (the data plane),
+    ``compat`` (the handshake's compatibility fields), ``stats``, ``metrics`` and ``peers``
+    (connected producers by NIXL agent name) are its core's, exposed for connectors and tests:
+    read them, never rebind them.
+    """
 
     role = wire.Role.CONSUMER
 
     def __init__(self, memory, scheduler, config=None, *, planner: Planner) -> None:
-        super().__init__(memory, scheduler, config or TransportConfig(), planner)
-        self.peers: dict[str, _Peer] = {}
-        self._parts: dict[tuple[str, str], _Part] = {}
-        self._tasks: list[asyncio.Task] = []
-        self._hb_sent: dict[str, float] = {}
-        self._seq = 0
-        self._init_dial()
-        # (agent, request) this consumer released: an Export arriving after is refused at
-        # once, not renewed for a reader that will never come (bounded).
-        self._released: OrderedDict[tuple[str, str], bytes] = OrderedDict()  # -> the request's token
+        side = self._side = Side(memory, scheduler, config or TransportConfig(), planner, role=self.role)
+        self.memory, self.scheduler, self.config, self.planner = side.memory, side.scheduler, side.config, side.planner
+        self.pairing, self.dp, self.compat = side.pairing, side.dp, side.compat
+        self.stats, self.metrics, self.peers = side.stats, side.metrics, side.peers
         #: the planner prepared per set of producers (agent names, in the order read)
         self.plans: dict[tuple[str, ...], PeerPlanner] = {}
-        self._init_fetch()
-        self._warn_if_open("")
+        self._tasks: list[asyncio.Task] = []  # per producer: its control channel and its heartbeats
+        self._parts = Parts()
+        self._links = ProducerLinks(side, self._parts)
+        self._dialer = Dialer(side, on_peer=self._on_peer)
+        # post and wait are this object's, looked up here: a subclass's override is what runs.
+        self._importer = Importer(side, self._parts, want=self.want, prepared=self.prepared, lost=self._links.lost,
+                                  post=self._post, wait=self._wait_xfer)
+        side.warn_if_open("")
+
+    def hello(self) -> wire.Hello:
+        return self._side.hello()
+
+    def check_hello(self, h: wire.Hello) -> MemoryMap:
+        """Refuse an incompatible peer, saying what differs; returns its memory map."""
+        return self._side.check_hello(h)
 
     def describe(self) -> dict:
-        return {**super().describe(),
-                "parts": {f"{a}/{r}": {"wanted": p.wanted, "exported": p.export.done(), "landed": p.landed.is_set(),
-                                       "failed": p.failed, "lease_lost": p.lease_lost}
-                          for (a, r), p in self._parts.items()}}
+        """What is in flight, for an operator or a stuck test to print (plain data)."""
+        return {**self._side.describe(), "parts": self._parts.describe()}
 
     @property
-    def peer(self) -> _Peer | None:
+    def peer(self) -> Peer | None:
         """The first producer connected (the only one in the common 1:1 case)."""
         return next(iter(self.peers.values()), None)
+
+    async def connect(self, host: str, port: int) -> str:
+        """Handshake; returns the producer's agent name. A timeout or an unreachable producer is
+        retried (``TransportConfig.handshake_retries``, with backoff). Raises HandshakeRefused
+        (saying what differs, never retried), HandshakeTimeout or PeerLost once the tries are spent.
+        Callers connecting to one address at once share one call (as the connectors do)."""
+        return await self._dialer.connect(host, port)
+
+    def _on_peer(self, peer: Peer) -> None:
+        # A producer let in: serve its channel, renew its leases, pump its notifications.
+        loop = asyncio.get_running_loop()
+        self._tasks += [loop.create_task(self._links.serve(peer)), loop.create_task(self._links.heartbeats(peer))]
+        self._side.start_pump(self._links.on_notif)
 
     def prepared(self, agents: Sequence[str]) -> PeerPlanner:
         """The planner prepared for an import from these producers (made on first use)."""
@@ -75,7 +105,7 @@ class Consumer(_Fetch, _Dial, _Side):
             self.plans[key] = prepared
         return prepared
 
-    def _peer(self, agent: str | None) -> _Peer:
+    def _peer(self, agent: str | None) -> Peer:
         if agent is None:
             if len(self.peers) != 1:
                 raise ValueError(f"{len(self.peers)} producers connected; expected exactly one or a producer name")
@@ -85,16 +115,6 @@ class Consumer(_Fetch, _Dial, _Side):
             raise ValueError(f"producer {agent!r}; expected one of {sorted(self.peers)}")
         return peer
 
-    def _part(self, rid: str, peer: _Peer, token: bytes) -> _Part:
-        part = self._parts.get((peer.agent, rid))
-        if part is None:
-            part = _Part(rid=rid, peer=peer, export=asyncio.get_running_loop().create_future(), token=token)
-            self._parts[(peer.agent, rid)] = part
-        elif part.token != token:
-            raise ValueError(f"request {rid!r} was asked for with another capability token; expected the one "
-                             "the producer side issued with it")
-        return part
-
     async def want(self, request_id: str, *, token: bytes, peer: str | None = None, readers: int = 1) -> None:
         """Ask a producer for a request (``fetch`` does this; calling it earlier lets the
         Export arrive ahead). ``token``: the request's capability, issued by the producer side
@@ -103,70 +123,58 @@ class Consumer(_Fetch, _Dial, _Side):
             raise ValueError(f"readers = {readers}; expected 1..{wire.MAX_READERS}")
         auth.check_token(token, f"request {request_id!r}: token")
         p = self._peer(peer)
-        part = self._part(request_id, p, token)
+        part = self._parts.open(request_id, p, token)
         if part.wanted:
             return
         part.wanted = True
         try:
             await p.channel.send(wire.Want(request_id=request_id, token=token, readers=readers))
         except PeerLost:
-            self._lost(p)
+            self._links.lost(p)
 
     def exported(self, request_id: str, *, peer: str | None = None) -> bool:
         """Whether the producer's Export for the request arrived."""
-        part = self._parts.get((self._peer(peer).agent, request_id))
+        part = self._parts.get(self._peer(peer).agent, request_id)
         return part is not None and part.export.done()
 
-    # ------------------------------------------------------------ control messages
-    async def _serve(self, peer: _Peer) -> None:
-        while not self._closing:
-            msg = await self._next_message(peer)
-            if msg is None:
-                self._lost(peer)
-                return
-            if isinstance(msg, wire.Export):
-                token = self._released.get((peer.agent, msg.request_id))
-                if token is not None:
-                    await _send_quietly(peer.channel, wire.Failure(
-                        request_id=msg.request_id, code=wire.FailureCode.ABORTED, detail="released by the consumer",
-                        token=token))
-                    continue
-                part = self._parts.get((peer.agent, msg.request_id))
-                if part is None:
-                    self.stats.unknown += 1  # never asked for (an Export comes only after a Want)
-                elif not part.export.done():
-                    part.export.set_result((msg, time.monotonic()))
-            elif isinstance(msg, wire.Lease):
-                self._on_lease(peer, msg)
-            elif isinstance(msg, (wire.Failure, wire.Done)):
-                part = self._parts.get((peer.agent, msg.request_id))
-                if part is None or msg.token != part.token:
-                    self.stats.unknown += 1
-                elif not (isinstance(msg, wire.Done) and msg.ok):
-                    part.failed = msg.detail if isinstance(msg, wire.Failure) else "producer failed"
-                    part.kind = _KIND_OF_CODE.get(msg.code, FailureKind.REFUSED) if isinstance(
-                        msg, wire.Failure) else FailureKind.TRANSFER
-                    if not part.export.done():  # refused before any Export (claimed, unknown)
-                        part.export.set_exception(PeerError(f"producer refused {msg.request_id}: {part.failed}"))
-                    part.landed.set()
-            elif isinstance(msg, wire.Bye):
-                self._lost(peer)
-                return
-            else:
-                self.stats.rejected += 1
+    async def fetch(self, request_id: str, components: Iterable, *, token: bytes,
+                    peers: Sequence[str] | None = None, readers: int = 1) -> Result:
+        """Import a request whose blocks the engine allocated (scheduler.add_request(expect=...)).
 
-    def _lost(self, peer: _Peer) -> None:
-        if not peer.alive:
-            return
-        peer.alive = False
-        for (agent, _), part in self._parts.items():
-            if agent != peer.agent:
-                continue
-            if part.failed is None:
-                part.failed, part.kind = "producer lost", FailureKind.PEER_LOST
-            if not part.export.done():
-                part.export.set_exception(PeerLost("producer lost"))
-            part.landed.set()
+        Asks each producer in ``peers`` (default: the only one connected) for the
+        request, waits for their Exports, posts the transfer the planner made when
+        the fence allows, and ends in a defined state: READY once every part landed,
+        or per the failure policy RECOMPUTE or FAILED. ``token``: the request's capability,
+        issued by the producer side with the request. ``readers``: consumers sharing each
+        producer's copy.
+        """
+        auth.check_token(token, f"request {request_id!r}: token")
+        comps = tuple(components)
+        targets = [self._peer(a) for a in peers] if peers else [self._peer(None)]
+        return await self._importer.fetch(request_id, comps, token=token, targets=targets, readers=readers)
+
+    def settling(self, request_id: str) -> bool:
+        """Whether a READ of the request that NIXL would not abort may still write its blocks."""
+        return self._importer.settling(request_id)
+
+    async def settled(self, request_id: str) -> None:
+        """Wait until no READ of the request may still write its blocks: a failed import whose
+        READ NIXL would not abort ends only when that READ does (rule 5). At once otherwise."""
+        await self._importer.settled(request_id)
+
+    # Hooks of the import path (given to the Importer); the reference demo's fault injection
+    # overrides _post and _wait_xfer, and calls _give_up for an import that cannot start.
+    def _post(self, w: Work, notif: bytes) -> Transfer:
+        """Post one producer's READ."""
+        return self._importer.post_read(w, notif)
+
+    async def _wait_xfer(self, xfer: Transfer, until: Callable[[], float] | None = None) -> XferState:
+        """The transfer's terminal state, or IN_PROGRESS once ``until()`` (a monotonic time) passed."""
+        return await self._side.wait_xfer(xfer, until)
+
+    def _give_up(self, rid: str, comps, error: str, *, kind: FailureKind = FailureKind.TRANSFER) -> Result:
+        """Failed before any transfer was posted: recomputed or failed per the failure policy."""
+        return self._importer.give_up(rid, comps, error, kind=kind)
 
     def alive(self, agent: str) -> bool:
         """Whether the producer ``agent`` is connected and its control channel works."""
@@ -179,8 +187,7 @@ class Consumer(_Fetch, _Dial, _Side):
         blocks now instead of when the lease lapses. A fetch of it in progress fails. ``token``:
         the request's capability (the producer ignores a release without it)."""
         p = self._peer(peer)
-        _remember(self._released, (p.agent, request_id), token)
-        part = self._parts.pop((p.agent, request_id), None)
+        part = self._parts.release(p.agent, request_id, token)
         if part is not None:
             part.failed = part.failed or detail
             if not part.export.done():
@@ -188,8 +195,8 @@ class Consumer(_Fetch, _Dial, _Side):
                 part.export.exception()  # retrieved: nobody may wait on it
             part.landed.set()
         if p.alive:
-            await _send_quietly(p.channel, wire.Failure(request_id=request_id, code=wire.FailureCode.ABORTED,
-                                                        detail=detail[: wire.MAX_TEXT], token=token))
+            await send_quietly(p.channel, wire.Failure(request_id=request_id, code=wire.FailureCode.ABORTED,
+                                                       detail=detail[: wire.MAX_TEXT], token=token))
 
     async def forget(self, agent: str) -> None:
         """Drop a producer (a restarted one answers under a new agent name at the same address):
@@ -198,83 +205,26 @@ class Consumer(_Fetch, _Dial, _Side):
         if peer is None:
             return
         was_alive = peer.alive
-        self._lost(peer)
+        self._links.lost(peer)
         if was_alive:
-            await _send_quietly(peer.channel, wire.Bye(reason="forgotten"))
+            await send_quietly(peer.channel, wire.Bye(reason="forgotten"))
         await peer.channel.close()
         for key in [k for k in self.plans if agent in k]:
             del self.plans[key]
-        self._hb_sent.pop(agent, None)
-        try:
-            self.dp.remove_peer(agent)
-        except Exception:  # NIXL may already have dropped a dead peer; nothing else refers to it
-            pass
-
-    def _on_lease(self, peer: _Peer, msg: wire.Lease) -> None:
-        part = self._parts.get((peer.agent, msg.request_id))
-        if part is None:
-            return
-        if msg.lease_s <= 0:
-            part.lease_lost = True
-            return
-        # Conservative: from when our renewal left, not when the answer came (lease.py).
-        sent = self._hb_sent.get(peer.agent, time.monotonic())
-        deadline = sent + msg.lease_s * (1 - self.config.lease_margin)
-        if deadline > part.deadline or part.deadline == float("inf"):
-            part.deadline = deadline
-            # The request's lease is its shortest part's.
-            earliest = min(p.deadline for (_, r), p in self._parts.items() if r == msg.request_id)
-            if earliest != float("inf") and self.scheduler.has_request(msg.request_id):
-                self.scheduler.lease_renewed(msg.request_id, earliest)
-
-    async def _heartbeats(self, peer: _Peer) -> None:
-        period = self.config.heartbeat_s or max(0.05, peer.lease_s / 6)
-        while not self._closing and peer.alive:
-            await asyncio.sleep(period)
-            tickets = [wire.Ticket(request_id=r, token=p.token) for (a, r), p in self._parts.items()
-                       if a == peer.agent and p.export.done()]
-            self._seq += 1
-            self._hb_sent[peer.agent] = time.monotonic()
-            try:
-                # In pieces the wire allows; the producer answers one before it reads the next.
-                for i in range(0, max(len(tickets), 1), wire.MAX_REQUESTS_PER_HEARTBEAT):
-                    await peer.channel.send(wire.Heartbeat(
-                        seq=self._seq, tickets=tuple(tickets[i:i + wire.MAX_REQUESTS_PER_HEARTBEAT])))
-            except PeerLost:
-                self._lost(peer)
-                return
-
-    def _on_notif(self, agent: str, msg: bytes) -> None:
-        rid = _rid_of(msg)
-        part = self._parts.get((agent, rid)) if rid is not None else None
-        if part is None or self.config.mode is not wire.Mode.PUSH:
-            self.stats.unknown += 1
-            return
-        if part.notified:
-            self.stats.duplicates += 1
-            return
-        part.notified = True
-        part.landed.set()
+        self._links.forget(agent)
+        self._side.drop_agent(agent)
 
     async def close(self) -> None:
-        self._closing = True
+        self._side.start_closing()
         for t in self._tasks:
             t.cancel()
-        await self._close_dialing()
+        self._importer.cancel()
+        await self._dialer.close()
         for peer in self.peers.values():
             if peer.alive:
-                await _send_quietly(peer.channel, wire.Bye(reason="closing"))
+                await send_quietly(peer.channel, wire.Bye(reason="closing"))
                 await peer.channel.close()
-        await super().close()
+        await self._side.close()
 
 
-#: What a producer's Failure says, as a failure kind.
-_KIND_OF_CODE = {
-    wire.FailureCode.TRANSFER_ERROR: FailureKind.TRANSFER,
-    wire.FailureCode.LEASE_EXPIRED: FailureKind.LEASE,
-    wire.FailureCode.UNKNOWN_REQUEST: FailureKind.REFUSED,
-    wire.FailureCode.ABORTED: FailureKind.REFUSED,
-    wire.FailureCode.PROTOCOL: FailureKind.PROTOCOL,
-    wire.FailureCode.CLAIMED: FailureKind.REFUSED,
-}
-
+__all__ = ["Consumer"]

@@ -1,7 +1,8 @@
 """How the consumer gets in: its side of the handshake, retried, one dial per producer address.
 
-:class:`_Dial` is a base of :class:`~hybridkv.transport.consumer.Consumer`, as
-:class:`~hybridkv.transport.admission._Admission` is of the producer. The consumer proves the shared
+A :class:`~hybridkv.transport.consumer.Consumer` holds a :class:`Dialer`, as a
+:class:`~hybridkv.transport.producer.Producer` holds an
+:class:`~hybridkv.transport.admission.Admission`. The consumer proves the shared
 secret and checks the producer's proof (:mod:`hybridkv.transport.auth`) before it sends its Hello;
 only a producer whose Hello checks out becomes a peer (its NIXL agent added, its control messages
 served, its leases renewed). A handshake that times out is not cancelled (see ``_connect_once``):
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, HandshakeTimeout, PeerLost, ProtocolViolation
 from hybridkv.transport import auth, control
 from hybridkv.transport.metrics import FailureKind
-from hybridkv.transport.side import _Peer, _send_quietly
+from hybridkv.transport.side import Peer, Side, send_quietly
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +27,13 @@ log = logging.getLogger(__name__)
 _LATE_TRY_LIMIT_S = 600.0
 
 
-class _Dial:
-    """The consumer's dialling: mixed into Consumer, which provides peers, config, metrics, dp,
-    _tasks, hello(), check_hello(), _serve(), _heartbeats() and _start_pump()."""
+class Dialer:
+    """The consumer's dialling. Given the side (its config, metrics, data plane, peers and Hello)
+    and ``on_peer``, called with each producer let in once it is in ``side.peers``."""
 
-    def _init_dial(self) -> None:
+    def __init__(self, side: Side, *, on_peer: Callable[[Peer], None]) -> None:
+        self._side = side
+        self._on_peer = on_peer
         self._dialing: dict[tuple[str, int], asyncio.Task] = {}  # a handshake in flight per producer address
 
     async def connect(self, host: str, port: int) -> str:
@@ -40,11 +44,11 @@ class _Dial:
         try:
             return await self._connect_retrying(host, port)
         except Exception:
-            self.metrics.failure(FailureKind.HANDSHAKE)
+            self._side.metrics.failure(FailureKind.HANDSHAKE)
             raise
 
     async def _connect_retrying(self, host: str, port: int) -> str:
-        cfg = self.config
+        cfg = self._side.config
         for attempt in range(cfg.handshake_retries + 1):
             try:
                 return await self._connect_once(host, port)
@@ -58,7 +62,7 @@ class _Dial:
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     async def _connect_once(self, host: str, port: int) -> str:
-        timeout = self.config.handshake_timeout_s
+        timeout = self._side.config.handshake_timeout_s
         # Waited for, never cancelled: ucxx's endpoint creation and receives post UCX requests into
         # buffers that a cancellation frees while the request stays posted, so a producer that
         # answers after a cancelled try (one resumed from a stall) writes into freed memory (a
@@ -79,29 +83,28 @@ class _Dial:
         if not isinstance(reply, wire.Hello):
             await ch.close()
             raise ProtocolViolation(f"handshake reply is {type(reply).__name__}; expected Hello or Refuse")
+        side = self._side
         try:
-            remote = self.check_hello(reply)
+            remote = side.check_hello(reply)
         except HandshakeRefused:
-            await _send_quietly(ch, wire.Bye(reason="incompatible"))
+            await send_quietly(ch, wire.Bye(reason="incompatible"))
             await ch.close()
             raise
-        agent = self.dp.add_peer(reply.metadata, remote)
-        if agent in self.peers:  # dialled twice: keep the first channel
-            await _send_quietly(ch, wire.Bye(reason="already connected"))
+        agent = side.dp.add_peer(reply.metadata, remote)
+        if agent in side.peers:  # dialled twice: keep the first channel
+            await send_quietly(ch, wire.Bye(reason="already connected"))
             await ch.close()
             return agent
-        self.dp.connect(agent)
-        peer = _Peer(agent=agent, channel=ch, memory=remote, lease_s=reply.lease_s)
-        self.peers[agent] = peer
-        loop = asyncio.get_running_loop()
-        self._tasks += [loop.create_task(self._serve(peer)), loop.create_task(self._heartbeats(peer))]
-        self._start_pump()
+        side.dp.connect(agent)
+        peer = Peer(agent=agent, channel=ch, memory=remote, lease_s=reply.lease_s)
+        side.peers[agent] = peer
+        self._on_peer(peer)
         return agent
 
     async def _exchange_hellos(self, host: str, port: int) -> tuple[control.Channel, wire.Message]:
         # The dial's own limit is far out: _connect_once bounds the wait without cancelling (see there).
         ch = await control.dial(host, port, _LATE_TRY_LIMIT_S)
-        secret = self.config.secret
+        secret = self._side.config.secret
         # Both sides prove the secret before either sends its metadata (auth.py).
         nonce = auth.new_nonce()
         await ch.send(wire.Auth(nonce=nonce, proof=b""))
@@ -124,7 +127,7 @@ class _Dial:
                                        "a producer configured with the same TransportConfig.secret")
             try:
                 await ch.send(wire.Auth(nonce=b"", proof=auth.proof(secret, wire.Role.CONSUMER, nonce, reply.nonce)))
-                await ch.send(self.hello())
+                await ch.send(self._side.hello())
             except PeerLost as lost:
                 # A producer that refused our proof closes at once: its Refuse may be
                 # here before our Hello could leave, and says more than the reset.
@@ -136,7 +139,7 @@ class _Dial:
                 reply = await ch.recv()
         return ch, reply
 
-    async def _close_dialing(self) -> None:
+    async def close(self) -> None:
         """Handshakes nobody waits for any more: ended here, their channels closed."""
         dialing, self._dialing = list(self._dialing.values()), {}
         for t in dialing:
@@ -146,4 +149,4 @@ class _Dial:
                 await result[0].close()
 
 
-__all__: list[str] = []
+__all__ = ["Dialer"]

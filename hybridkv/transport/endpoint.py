@@ -5,12 +5,25 @@ asks for the requests it wants (``wire.Want``): the prefill side need not know
 which decode instance will read a request. The producer exports a request to
 whoever asked; a request several decode ranks share (``readers``, heterogeneous
 TP) ends when every reader is done; any other claim on it is refused
-(``FailureCode.CLAIMED``). The producer lives in :mod:`hybridkv.transport.producer`
-(its side of the handshake in :mod:`hybridkv.transport.admission`), the consumer in
-:mod:`hybridkv.transport.consumer` (its side in :mod:`hybridkv.transport.dial`, its imports in
-:mod:`hybridkv.transport.fetch`), the base they share in
-:mod:`hybridkv.transport.side` and their configuration and results in
-:mod:`hybridkv.transport.config`.
+(``FailureCode.CLAIMED``).
+
+Each endpoint holds its parts, one object per module, each given what it uses
+(as :class:`~hybridkv.fencing.scheduler.TransferScheduler` holds its rules):
+
+- both: :class:`~hybridkv.transport.side.Side` (:mod:`~hybridkv.transport.side`), the core
+  the other parts share: memory map, scheduler, config, planner, data plane, peers, counters,
+  the ``Hello`` and the pump;
+- :class:`Producer` (:mod:`~hybridkv.transport.producer`): its listener and side of the
+  handshake, :class:`~hybridkv.transport.admission.Admission`; its exports, the asks for
+  them and their ends, :class:`~hybridkv.transport.exports.Exports`;
+- :class:`Consumer` (:mod:`~hybridkv.transport.consumer`): its side of the handshake,
+  :class:`~hybridkv.transport.dial.Dialer`; what it asked for,
+  :class:`~hybridkv.transport.parts.Parts`; what it hears from its producers and the leases it
+  renews, :class:`~hybridkv.transport.links.ProducerLinks`; one import,
+  :class:`~hybridkv.transport.fetch.Importer`.
+
+Their configuration and results are in :mod:`hybridkv.transport.config`.
+
 Both drive their transfers through a :class:`~hybridkv.fencing.scheduler.TransferScheduler`:
 a transfer is posted only when the fence allows it (``post_export`` /
 ``post_import``) and its end is reported back (``transfer_landed`` /
@@ -31,18 +44,12 @@ progress thread is off by default; docs/background/nixl.md §1.3).
 
 from __future__ import annotations
 
-# The endpoint is split by what each part holds: configuration and results
-# (config), the base both sides share (side), the producer (producer, admission)
-# and the consumer (consumer, dial, fetch). Callers import from here.
+# Callers import the endpoints, their configuration and results from here.
 from hybridkv.transport.config import FailurePolicy, Outcome, Pairing, Result, Stats, TransportConfig
 from hybridkv.transport.consumer import Consumer
 from hybridkv.transport.plan import PeerPlanner, Planner, TransferPlan
 from hybridkv.transport.producer import Producer
 from hybridkv.transport.side import NOTIF_PREFIX as NOTIF_PREFIX
-from hybridkv.transport.side import _Peer as _Peer
-from hybridkv.transport.side import _rid_of as _rid_of
-from hybridkv.transport.side import _send_quietly as _send_quietly
-from hybridkv.transport.side import _Side as _Side
 
 __all__ = ["Consumer", "FailurePolicy", "Outcome", "Pairing", "PeerPlanner", "Planner", "Producer", "Result", "Stats",
            "TransferPlan", "TransportConfig"]

@@ -1,6 +1,6 @@
 """What one import runs through: the Exports awaited, the transfer posted when the fence allows, the end.
 
-:class:`_Fetch` is a base of :class:`~hybridkv.transport.consumer.Consumer`. ``fetch`` asks each
+:class:`Importer` is held by :class:`~hybridkv.transport.consumer.Consumer`. ``fetch`` asks each
 producer for its *part* of the request, waits for every Export, plans the transfer with the planner
 prepared for those producers, posts it only when the scheduler's fence allows (``post_import``) and
 ends the request in a defined state: READY once every part landed, else per the failure policy
@@ -14,166 +14,168 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from hybridkv import wire
 from hybridkv.errors import HybridKVError, PeerLost
 from hybridkv.fencing import NotYet, NotYetReason, TransferOutcome
-from hybridkv.transport import auth
 from hybridkv.transport.config import FailurePolicy, Outcome, Result
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.metrics import FailureKind
+from hybridkv.transport.parts import Part, Parts
 from hybridkv.transport.plan import PeerPlanner, TransferPlan
-from hybridkv.transport.side import NOTIF_PREFIX, _Peer, _send_quietly
+from hybridkv.transport.side import NOTIF_PREFIX, Peer, Side, send_quietly
 
 
-@dataclass(eq=False, kw_only=True)
-class _Part:
-    """One producer's share of an import."""
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Work:
+    """One producer's READ of an import: its part and the plan for it."""
 
-    rid: str
-    peer: _Peer
-    export: asyncio.Future  # -> (wire.Export, receipt time)
-    token: bytes  # the request's capability, as the producer side issued it
-    deadline: float = float("inf")
-    landed: asyncio.Event = field(default_factory=asyncio.Event)
-    failed: str | None = None  # the producer will not write / the blocks are gone / it refused
-    kind: FailureKind | None = None  # why, for the metrics
-    lease_lost: bool = False
-    notified: bool = False
-    wanted: bool = False
-
-
-@dataclass(eq=False, kw_only=True)
-class _Work:
-    part: _Part
+    part: Part
     plan: TransferPlan  # src: the producer's side, dst: ours
 
 
-class _Fetch:
-    """The consumer's import path: mixed into Consumer, which provides config, scheduler, memory, dp,
-    stats, metrics, _parts, _tasks, _peer(), _part(), want(), prepared(), _lost() and _wait_xfer()."""
+class Importer:
+    """The consumer's import path. Given the side (its config, scheduler, memory map, data plane
+    and counters), the consumer's parts table, and from the consumer:
 
-    def _init_fetch(self) -> None:
+    - ``want(request_id, *, token, peer, readers)``: ask a producer for a request;
+    - ``prepared(agents)``: the planner prepared for a set of producers;
+    - ``lost(peer)``: a producer's channel failed;
+    - ``post(work, notif)`` and ``wait(xfer, until)``: post one producer's READ (:meth:`post_read`)
+      and wait for a transfer's end (``Side.wait_xfer``). They are the consumer's own methods, so
+      that a subclass (the reference demo's fault injection) can override them.
+    """
+
+    def __init__(self, side: Side, parts: Parts, *, want: Callable[..., Awaitable[None]],
+                 prepared: Callable[[Sequence[str]], PeerPlanner], lost: Callable[[Peer], None],
+                 post: Callable[[Work, bytes], Transfer],
+                 wait: Callable[[Transfer, Callable[[], float] | None], Awaitable[XferState]]) -> None:
+        self._parts = parts
+        self._want = want
+        self._prepared = prepared
+        self._lost = lost
+        self._post = post
+        self._wait_xfer = wait
+        self._config = side.config
+        self._scheduler = side.scheduler
+        self._memory = side.memory
+        self._dp = side.dp
+        self._stats = side.stats
+        self._metrics = side.metrics
         #: requests whose READ NIXL would not abort: ends when the READ does (see settled())
         self._settling: dict[str, asyncio.Task] = {}
 
-    async def fetch(self, request_id: str, components: Iterable, *, token: bytes,
-                    peers: Sequence[str] | None = None, readers: int = 1) -> Result:
-        """Import a request whose blocks the engine allocated (scheduler.add_request(expect=...)).
+    def cancel(self) -> None:
+        """The consumer closes: waits for READs NIXL would not abort end here."""
+        for task in list(self._settling.values()):
+            task.cancel()
 
-        Asks each producer in ``peers`` (default: the only one connected) for the
-        request, waits for their Exports, posts the transfer the planner made when
-        the fence allows, and ends in a defined state: READY once every part landed,
-        or per the failure policy RECOMPUTE or FAILED. ``token``: the request's capability,
-        issued by the producer side with the request. ``readers``: consumers sharing each
-        producer's copy.
-        """
-        auth.check_token(token, f"request {request_id!r}: token")
-        comps = tuple(components)
-        targets = [self._peer(a) for a in peers] if peers else [self._peer(None)]
+    async def fetch(self, request_id: str, comps: tuple, *, token: bytes, targets: Sequence[Peer],
+                    readers: int) -> Result:
+        """``Consumer.fetch``, its token checked and its producers found (``targets``)."""
         if len({p.agent for p in targets}) != len(targets):
             raise ValueError(f"producers {[p.agent for p in targets]} repeat; expected distinct ones")
-        if len(targets) > 1 and self.config.mode is not wire.Mode.PULL:
-            raise ValueError(f"{len(targets)} producers for one request in {self.config.mode.name} mode; "
+        if len(targets) > 1 and self._config.mode is not wire.Mode.PULL:
+            raise ValueError(f"{len(targets)} producers for one request in {self._config.mode.name} mode; "
                              "expected pull mode")
-        parts = [self._part(request_id, p, token) for p in targets]
+        parts = [self._parts.open(request_id, p, token) for p in targets]
         async def ask_and_wait():
             for p in targets:
-                await self.want(request_id, token=token, peer=p.agent, readers=readers)
+                await self._want(request_id, token=token, peer=p.agent, readers=readers)
             return await asyncio.gather(*(asyncio.shield(x.export) for x in parts))
 
         try:
             try:
                 # Asking is inside the timeout too: a send that never completes must not hang the import.
-                got = await asyncio.wait_for(ask_and_wait(), self.config.export_timeout_s)
+                got = await asyncio.wait_for(ask_and_wait(), self._config.export_timeout_s)
             except asyncio.TimeoutError:
                 await self._tell_parts(parts, "no export from every producer in time")
-                return self._give_up(request_id, comps, "no export from the producer in time",
-                                     kind=FailureKind.NO_EXPORT)
+                return self.give_up(request_id, comps, "no export from the producer in time",
+                                    kind=FailureKind.NO_EXPORT)
             except HybridKVError as exc:  # lost, or refused (claimed by another consumer)
                 await self._tell_parts(parts, str(exc))
                 kind = FailureKind.PEER_LOST if isinstance(exc, PeerLost) else next(
                     (p.kind for p in parts if p.kind is not None), FailureKind.REFUSED)
-                return self._give_up(request_id, comps, str(exc), kind=kind)
+                return self.give_up(request_id, comps, str(exc), kind=kind)
             result = await self._import(request_id, parts, got, comps)
             if result.outcome is Outcome.READY and result.planned is not None:  # pull: this side posted
-                self.metrics.transfer(nbytes=result.nbytes, seconds=result.seconds, post_seconds=result.post_seconds,
-                                      descriptors=result.planned if result.descriptors is None else result.descriptors)
+                self._metrics.transfer(nbytes=result.nbytes, seconds=result.seconds, post_seconds=result.post_seconds,
+                                       descriptors=result.planned if result.descriptors is None else result.descriptors)
             return result
         finally:
             for p in targets:
-                self._parts.pop((p.agent, request_id), None)
+                self._parts.pop(p.agent, request_id)
 
-    async def _tell_parts(self, parts: Sequence[_Part], detail: str) -> None:
+    async def _tell_parts(self, parts: Sequence[Part], detail: str) -> None:
         """Producers that exported to us while the import gave up: their blocks are free."""
         for part in parts:
             if part.export.done() and not part.export.cancelled() and part.export.exception() is None:
-                await _send_quietly(part.peer.channel, wire.Failure(
+                await send_quietly(part.peer.channel, wire.Failure(
                     request_id=part.rid, code=wire.FailureCode.ABORTED, detail=detail[: wire.MAX_TEXT],
                     token=part.token))
 
-    def _work(self, part: _Part, export: wire.Export, mine: dict[int, np.ndarray], planned: PeerPlanner,
-              source: int) -> _Work:
+    def _work(self, part: Part, export: wire.Export, mine: dict[int, np.ndarray], planned: PeerPlanner,
+              source: int) -> Work:
         wire.check_blocks(export.blocks, part.peer.memory.group_bounds(), what=f"export of {part.rid}")
         theirs = {g.group_id: np.asarray(g.ids, dtype=np.int64) for g in export.blocks}
         plan = planned.plan(source, theirs, mine)
         plan.check()
-        return _Work(part=part, plan=plan)
+        return Work(part=part, plan=plan)
 
-    async def _import(self, rid: str, parts: list[_Part], got, comps) -> Result:
-        sched = self.scheduler
+    async def _import(self, rid: str, parts: list[Part], got, comps) -> Result:
+        sched = self._scheduler
         for part, (export, received) in zip(parts, got):
             if part.deadline == float("inf"):
-                part.deadline = received + export.lease_s * (1 - self.config.lease_margin)
-        mine = {g.group_id: np.asarray(sched.blocks(rid, g.group_id), dtype=np.int64) for g in self.memory.groups}
+                part.deadline = received + export.lease_s * (1 - self._config.lease_margin)
+        mine = {g.group_id: np.asarray(sched.blocks(rid, g.group_id), dtype=np.int64) for g in self._memory.groups}
         try:
             # Push mode posts the producer's plan; planning here too refuses a mismatched export early.
-            planned = self.prepared([p.peer.agent for p in parts])
+            planned = self._prepared([p.peer.agent for p in parts])
             work = [self._work(part, export, mine, planned, i) for i, (part, (export, _)) in enumerate(zip(parts, got))]
         except ValueError as exc:
-            self.stats.rejected += 1
+            self._stats.rejected += 1
             for part in parts:
-                await _send_quietly(part.peer.channel, wire.Failure(
+                await send_quietly(part.peer.channel, wire.Failure(
                     request_id=rid, code=wire.FailureCode.PROTOCOL, detail=str(exc)[: wire.MAX_TEXT],
                     token=part.token))
-            return self._give_up(rid, comps, f"export does not match the request: {exc}", kind=FailureKind.PROTOCOL)
+            return self.give_up(rid, comps, f"export does not match the request: {exc}", kind=FailureKind.PROTOCOL)
         fenced_from = time.perf_counter()
         while True:
             failed = next((p.failed for p in parts if p.failed), None)
             if failed or any(p.lease_lost for p in parts):
                 await self._tell_parts(parts, failed or "lease lost")
                 kind = next((p.kind for p in parts if p.failed), None) or FailureKind.LEASE
-                return self._give_up(rid, comps, failed or "lease lost before the transfer started", kind=kind)
+                return self.give_up(rid, comps, failed or "lease lost before the transfer started", kind=kind)
             tid = sched.post_import(rid, components=comps, lease_deadline=min(p.deadline for p in parts))
             if not isinstance(tid, NotYet):
                 break
             if tid.reason is NotYetReason.LEASE_TOO_SHORT:
                 await self._tell_parts(parts, "lease too short")
-                return self._give_up(rid, comps, "lease expired before the transfer could start",
-                                     kind=FailureKind.LEASE)
-            await asyncio.sleep(self.config.pump_idle_s)
+                return self.give_up(rid, comps, "lease expired before the transfer could start",
+                                    kind=FailureKind.LEASE)
+            await asyncio.sleep(self._config.pump_idle_s)
         fence_wait = time.perf_counter() - fenced_from
-        if self.config.mode is wire.Mode.PULL:
+        if self._config.mode is wire.Mode.PULL:
             result = await self._pull_parts(rid, tid, work)
         else:
             result = await self._push(parts[0], tid)
         return dataclasses.replace(result, fence_wait_seconds=fence_wait)
 
-    async def _end_parts(self, work: Sequence[_Work], ok: bool) -> None:
+    async def _end_parts(self, work: Sequence[Work], ok: bool) -> None:
         for w in work:
-            await _send_quietly(w.part.peer.channel, wire.Done(request_id=w.part.rid, ok=ok, token=w.part.token))
+            await send_quietly(w.part.peer.channel, wire.Done(request_id=w.part.rid, ok=ok, token=w.part.token))
 
-    def _post(self, w: _Work, notif: bytes) -> Transfer:
-        """Post one producer's READ (the demo's fault injection overrides this)."""
-        return self.dp.post_plan(Op.READ, w.part.peer.agent, w.plan, notif)
+    def post_read(self, w: Work, notif: bytes) -> Transfer:
+        """Post one producer's READ: what the consumer's ``post`` does unless overridden."""
+        return self._dp.post_plan(Op.READ, w.part.peer.agent, w.plan, notif)
 
-    async def _pull_parts(self, rid: str, tid: int, work: list[_Work]) -> Result:
+    async def _pull_parts(self, rid: str, tid: int, work: list[Work]) -> Result:
         t0 = time.perf_counter()
-        notif = NOTIF_PREFIX + rid.encode() if self.config.notify_reads else b""
+        notif = NOTIF_PREFIX + rid.encode() if self._config.notify_reads else b""
         posted: list[Transfer] = []
         error = None
         for w in work:
@@ -187,7 +189,7 @@ class _Fetch:
         post_seconds = time.perf_counter() - t0
         # Every posted READ ends before the blocks are judged: bytes may land until then (rule 5).
         # Past the lease the bytes are not trusted anyway; past the timeout the peer or link is stuck.
-        give_up_at = time.monotonic() + self.config.transfer_timeout_s
+        give_up_at = time.monotonic() + self._config.transfer_timeout_s
         parts = [w.part for w in work]
         until = lambda: min(give_up_at, min(p.deadline for p in parts))  # noqa: E731 - leases renew meanwhile
         states = [await self._wait_xfer(x, until) for x in posted]
@@ -196,18 +198,18 @@ class _Fetch:
         if stuck:
             return await self._abandon(rid, tid, work, posted, stuck)
         ok = error is None and all(s is XferState.DONE for s in states)
-        tel = [self.dp.telemetry(x) for x in posted] if self.config.dataplane.telemetry and ok else None
+        tel = [self._dp.telemetry(x) for x in posted] if self._config.dataplane.telemetry and ok else None
         for x in posted:
-            self.dp.release(x)
+            self._dp.release(x)
         if not ok:
-            self.scheduler.transfer_failed(tid)
+            self._scheduler.transfer_failed(tid)
             await self._end_parts(work, False)
             return self._policy(rid, error or "READ failed", kind=FailureKind.TRANSFER)
         if any(w.part.lease_lost for w in work):
-            self.scheduler.transfer_failed(tid)
+            self._scheduler.transfer_failed(tid)
             await self._end_parts(work, False)
             return self._policy(rid, "lease lapsed during the READ: bytes not trusted", kind=FailureKind.LEASE)
-        outcome = self.scheduler.transfer_landed(tid)
+        outcome = self._scheduler.transfer_landed(tid)
         await self._end_parts(work, True)
         if outcome is not TransferOutcome.ACCEPTED:
             return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
@@ -217,27 +219,26 @@ class _Fetch:
                       indices=sum(w.plan.num_indices for w in work), nbytes=sum(x.nbytes for x in posted),
                       seconds=seconds, post_seconds=post_seconds)
 
-    async def _abandon(self, rid: str, tid: int, work: list[_Work], posted: list[Transfer],
+    async def _abandon(self, rid: str, tid: int, work: list[Work], posted: list[Transfer],
                        stuck: list[Transfer]) -> Result:
         """READs still in progress past their lease or the timeout: abort them. Aborted, the
         import failed like any other; not abortable, its blocks are quarantined until NIXL
         ends the READ (it may still write them) and the request fails."""
-        self.stats.timed_out += 1
-        self.metrics.failure(FailureKind.TIMEOUT)
-        unabortable = [x for x in stuck if not self.dp.abort(x)]
+        self._stats.timed_out += 1
+        self._metrics.failure(FailureKind.TIMEOUT)
+        unabortable = [x for x in stuck if not self._dp.abort(x)]
         for x in posted:
             if x not in stuck:
-                self.dp.release(x)
+                self._dp.release(x)
         await self._end_parts(work, False)
-        why = f"READ of {rid} not done within its lease or {self.config.transfer_timeout_s} s"
+        why = f"READ of {rid} not done within its lease or {self._config.transfer_timeout_s} s"
         if not unabortable:
-            self.scheduler.transfer_failed(tid)
+            self._scheduler.transfer_failed(tid)
             return self._policy(rid, why + "; aborted", kind=None)
-        blocks = sum(len(self.scheduler.blocks(rid, g.group_id)) for g in self.memory.groups)
-        self.metrics.quarantined(blocks)
-        self.scheduler.abort(rid)  # rule 5: the blocks stay out of the pool while the READ is active
+        blocks = sum(len(self._scheduler.blocks(rid, g.group_id)) for g in self._memory.groups)
+        self._metrics.quarantined(blocks)
+        self._scheduler.abort(rid)  # rule 5: the blocks stay out of the pool while the READ is active
         task = asyncio.get_running_loop().create_task(self._settle_later(rid, tid, unabortable, blocks))
-        self._tasks.append(task)
         self._settling[rid] = task
         return Result(request_id=rid, outcome=Outcome.FAILED, error=why + "; could not abort, blocks quarantined")
 
@@ -245,11 +246,11 @@ class _Fetch:
         try:
             for x in xfers:
                 # At the idle pace, not _wait_xfer's spin: this READ is already known to hang.
-                while self.dp.state(x) is XferState.IN_PROGRESS:
-                    await asyncio.sleep(self.config.pump_idle_s)
-                self.dp.release(x)
-            self.scheduler.transfer_failed(tid)
-            self.metrics.quarantine_released(blocks)
+                while self._dp.state(x) is XferState.IN_PROGRESS:
+                    await asyncio.sleep(self._config.pump_idle_s)
+                self._dp.release(x)
+            self._scheduler.transfer_failed(tid)
+            self._metrics.quarantine_released(blocks)
         finally:
             if self._settling.get(rid) is asyncio.current_task():
                 del self._settling[rid]
@@ -265,10 +266,10 @@ class _Fetch:
         if task is not None:
             await asyncio.shield(task)
 
-    async def _push(self, part: _Part, tid: int) -> Result:
-        rid, peer, sched = part.rid, part.peer, self.scheduler
+    async def _push(self, part: Part, tid: int) -> Result:
+        rid, peer, sched = part.rid, part.peer, self._scheduler
         blocks = tuple(wire.GroupBlocks(group_id=g.group_id, ids=tuple(int(b) for b in sched.blocks(rid, g.group_id)))
-                       for g in self.memory.groups)
+                       for g in self._memory.groups)
         t0 = time.perf_counter()
         try:
             await peer.channel.send(wire.Import(request_id=rid, blocks=blocks))
@@ -281,9 +282,9 @@ class _Fetch:
                 # Past the lease: ask the producer to stop, but keep the blocks quarantined
                 # until it confirms or the write lands (it may be in flight).
                 told = True
-                await _send_quietly(peer.channel, wire.Failure(request_id=rid, code=wire.FailureCode.LEASE_EXPIRED,
-                                                               detail="consumer lease deadline passed",
-                                                               token=part.token))
+                await send_quietly(peer.channel, wire.Failure(request_id=rid, code=wire.FailureCode.LEASE_EXPIRED,
+                                                              detail="consumer lease deadline passed",
+                                                              token=part.token))
             try:
                 await asyncio.wait_for(part.landed.wait(), max(left, 0.05) if not told else None)
             except asyncio.TimeoutError:
@@ -301,20 +302,20 @@ class _Fetch:
         """The import failed after a transfer was posted: apply the failure policy (``kind``: why,
         for the metrics; None where it was counted already)."""
         if kind is not None:
-            self.metrics.failure(kind)
-        if self.config.failure_policy is FailurePolicy.RECOMPUTE and self.scheduler.has_request(rid):
-            self.scheduler.recompute(rid)
+            self._metrics.failure(kind)
+        if self._config.failure_policy is FailurePolicy.RECOMPUTE and self._scheduler.has_request(rid):
+            self._scheduler.recompute(rid)
             return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
-        self.scheduler.abort(rid)
+        self._scheduler.abort(rid)
         return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
 
-    def _give_up(self, rid: str, comps, error: str, *, kind: FailureKind = FailureKind.TRANSFER) -> Result:
+    def give_up(self, rid: str, comps, error: str, *, kind: FailureKind = FailureKind.TRANSFER) -> Result:
         """Failed before any transfer was posted: nothing is in flight. Under RECOMPUTE the request
         computes locally even while steps touching its blocks are pending (a stalled decode): a load
         that can no longer complete degrades, it does not fail."""
-        self.metrics.failure(kind)
-        sched = self.scheduler
-        if self.config.failure_policy is FailurePolicy.RECOMPUTE and sched.has_request(rid):
+        self._metrics.failure(kind)
+        sched = self._scheduler
+        if self._config.failure_policy is FailurePolicy.RECOMPUTE and sched.has_request(rid):
             sched.recompute(rid)
             return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
         sched.abort(rid)
@@ -326,4 +327,4 @@ def _kind_of_outcome(outcome: TransferOutcome) -> FailureKind:
     return FailureKind.LEASE if outcome is TransferOutcome.LATE else FailureKind.TRANSFER
 
 
-__all__: list[str] = []
+__all__ = ["Importer", "Work"]

@@ -1,11 +1,12 @@
-"""What producer and consumer share: the handshake, the pump, and their peers.
+"""What producer and consumer share: one endpoint's core, its peers, and the pump.
 
-:class:`_Side` is the base of :class:`~hybridkv.transport.producer.Producer` and
-:class:`~hybridkv.transport.consumer.Consumer`: it builds and checks the
-``Hello`` (compatibility fields, role, and what the side's planner promises:
-pages cut alike, or field tables for pairing by fields), pumps the NIXL agent on
-the asyncio loop and waits on transfers. The design is in
-:mod:`hybridkv.transport.endpoint`.
+:class:`Side` is held by :class:`~hybridkv.transport.producer.Producer` and
+:class:`~hybridkv.transport.consumer.Consumer`, and is the interface their parts
+(admission, dialling, exports, imports) are given: the memory map, scheduler, config and
+planner the endpoint was built with, its data plane, its connected peers and its counters.
+It builds and checks the ``Hello`` (compatibility fields, role, and what the side's planner
+promises: pages cut alike, or field tables for pairing by fields), pumps the NIXL agent on
+the asyncio loop and waits on transfers. The design is in :mod:`hybridkv.transport.endpoint`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridkv import wire
@@ -25,13 +27,16 @@ from hybridkv.transport.memory import PAGE_SHAPE_FIELDS, MemoryMap, check_peer_s
 from hybridkv.transport.metrics import TransferMetrics
 from hybridkv.transport.plan import Planner
 
+#: What a completion notification starts with; the request id follows.
 NOTIF_PREFIX = b"hkv:"
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False, kw_only=True)
-class _Peer:
+class Peer:
+    """One connected peer: its NIXL agent, control channel and memory map."""
+
     agent: str
     channel: control.Channel
     memory: MemoryMap
@@ -48,14 +53,15 @@ class _Peer:
 _REMEMBER = 1 << 16
 
 
-def _remember(seen: OrderedDict, key, value=None) -> None:
+def remember(seen: OrderedDict, key, value=None) -> None:
     """Record ``key`` in a bounded, oldest-first memory of ids."""
     seen[key] = value
     if len(seen) > _REMEMBER:
         seen.popitem(last=False)
 
 
-def _rid_of(notif: bytes) -> str | None:
+def rid_of(notif: bytes) -> str | None:
+    """The request id a completion notification names, or None if it is not one of ours."""
     if not notif.startswith(NOTIF_PREFIX):
         return None
     try:
@@ -64,10 +70,22 @@ def _rid_of(notif: bytes) -> str | None:
         return None
 
 
-class _Side:
-    role: wire.Role
+async def send_quietly(ch: control.Channel, msg: wire.Message) -> None:
+    """Send, ignoring a lost peer (its loss is noticed where its channel is read)."""
+    try:
+        await ch.send(msg)
+    except PeerLost:
+        pass
 
-    def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig, planner: Planner) -> None:
+
+class Side:
+    """One endpoint's core. Its attributes are the interface its parts share: read them, never
+    rebind them. ``peers`` is the one table of connected peers (NIXL agent name -> :class:`Peer`);
+    ``closing`` turns true when the endpoint starts closing."""
+
+    def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig, planner: Planner, *,
+                 role: wire.Role) -> None:
+        self.role = role
         self.memory = memory
         self.scheduler = scheduler
         self.config = config
@@ -83,9 +101,10 @@ class _Side:
         self.stats = Stats()
         #: what moved, failed and waited, taken by the connector that reports it (metrics.py)
         self.metrics = TransferMetrics()
+        self.peers: dict[str, Peer] = {}
+        self.closing = False
         self._pump_task: asyncio.Task | None = None
-        self._busy = 0
-        self._closing = False
+        self._busy = 0  # transfers being waited on: the pump spins while any is
 
     def hello(self) -> wire.Hello:
         return wire.Hello(
@@ -113,7 +132,7 @@ class _Side:
                 wire.Difference(field="layout", local="field tables", remote=None)])
         return remote
 
-    def _warn_if_open(self, where: str) -> None:
+    def warn_if_open(self, where: str) -> None:
         """Unauthenticated mode is for a lab: say so once, when the endpoint starts."""
         if self.config.secret is None:
             log.warning("hybridkv %s%s runs WITHOUT a shared secret: any peer that reaches it gets its NIXL "
@@ -123,25 +142,34 @@ class _Side:
 
     def describe(self) -> dict:
         """What is in flight, for an operator or a stuck test to print (plain data)."""
-        return {"role": self.role.name, "closing": self._closing, "busy": self._busy,
+        return {"role": self.role.name, "closing": self.closing, "busy": self._busy,
                 "pump": None if self._pump_task is None else ("done" if self._pump_task.done() else "running"),
                 "peers": {a: p.alive for a, p in self.peers.items()}, "stats": vars(self.stats).copy()}
 
-    def _start_pump(self) -> None:
+    def start_pump(self, on_notif: Callable[[str, bytes], None], tick: Callable[[], None] | None = None) -> None:
+        """Pump the NIXL agent from now on (once; later calls do nothing): each completion
+        notification goes to ``on_notif(agent, message)``, then ``tick()`` runs, every round."""
         if self._pump_task is None:
-            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump(on_notif, tick))
 
-    async def _pump(self) -> None:
+    async def _pump(self, on_notif: Callable[[str, bytes], None], tick: Callable[[], None] | None) -> None:
         cfg = self.config
-        while not self._closing:
+        while not self.closing:
             for agent, msgs in self.dp.pump().items():
                 for m in msgs:
-                    self._on_notif(agent, m)
-            self._drain_queued()
-            self._tick()
+                    on_notif(agent, m)
+            if tick is not None:
+                tick()
             await asyncio.sleep(cfg.pump_busy_s if self._busy else cfg.pump_idle_s)
 
-    async def _next_message(self, peer) -> wire.Message | None:
+    def spin_up(self) -> None:
+        """A transfer is being waited on: the pump runs at its busy pace until :meth:`spin_down`."""
+        self._busy += 1
+
+    def spin_down(self) -> None:
+        self._busy -= 1
+
+    async def next_message(self, peer: Peer) -> wire.Message | None:
         """The peer's next well-formed message (malformed ones are counted and skipped); None once lost."""
         while True:
             try:
@@ -151,16 +179,7 @@ class _Side:
             except PeerLost:
                 return None
 
-    def _on_notif(self, agent: str, msg: bytes) -> None:  # pragma: no cover - overridden
-        pass
-
-    def _tick(self) -> None:
-        pass
-
-    def _drain_queued(self) -> None:
-        """Drop control messages queued for nobody (the producer's listener is what gets flooded)."""
-
-    async def _wait_xfer(self, xfer: Transfer, until=None) -> XferState:
+    async def wait_xfer(self, xfer: Transfer, until: Callable[[], float] | None = None) -> XferState:
         """The transfer's terminal state, or IN_PROGRESS once ``until()`` (a monotonic time) passed."""
         self._busy += 1
         try:
@@ -172,8 +191,19 @@ class _Side:
         finally:
             self._busy -= 1
 
+    def drop_agent(self, agent: str) -> None:
+        """Unload a peer's NIXL agent (``remove_remote_agent``), which NIXL may have dropped already."""
+        try:
+            self.dp.remove_peer(agent)
+        except Exception:  # nothing else refers to it
+            pass
+
+    def start_closing(self) -> None:
+        """From now on the endpoint's loops stop and a lost peer's channel is not closed twice."""
+        self.closing = True
+
     async def close(self) -> None:
-        self._closing = True
+        self.closing = True
         if self._pump_task is not None:
             self._pump_task.cancel()
             try:
@@ -183,11 +213,4 @@ class _Side:
         self.dp.close()
 
 
-async def _send_quietly(ch: control.Channel, msg: wire.Message) -> None:
-    try:
-        await ch.send(msg)
-    except PeerLost:
-        pass
-
-
-__all__ = ["NOTIF_PREFIX"]
+__all__ = ["NOTIF_PREFIX", "Peer", "Side", "remember", "rid_of", "send_quietly"]
