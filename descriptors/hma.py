@@ -5,8 +5,8 @@ pool serves all (docs/background/vllm.md section 3):
 - group_size = the smallest per-kind layer count (the largest if max < 1.5 * min);
 - each kind's layers are split as layers[i::num_groups], the last group padded;
 - the attention block size is raised to the smallest multiple of the kernel
-  alignment whose attention page holds a GDN state, and the state page is padded
-  to the attention page;
+  alignment whose attention page holds a GDN state (the largest state of any
+  state kind), and the state page is padded to the attention page;
 - a sliding-window group keeps only its tail: cdiv(window, block) + 1 blocks.
 Layer i of every group aliases the same physical tensor, so there are
 group_size shared tensors.
@@ -15,10 +15,10 @@ group_size shared tensors.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridkv.ids import GroupId
-from hybridkv.layout.geometry import AttentionSpec, GDNSpec, LayerKind, ModelGeometry
+from hybridkv.layout.geometry import LayerKind, LayerSpec, ModelGeometry, Paging
 from hybridkv.layout.regions import KERNEL_ALIGNMENT, check_block_size
 
 
@@ -29,18 +29,13 @@ class KVCacheGroup:
     layer_indices: tuple[int, ...]
     block_size: int
     window: int | None = None
+    spec: LayerSpec = field(repr=False)  # the (per-rank) spec of its layers
 
     def blocks_for_tokens(self, tokens: int) -> int:
         """Blocks this group holds for a request of `tokens` prompt tokens."""
         if tokens <= 0:
             raise ValueError(f"tokens must be positive, got {tokens}")
-        if self.kind is LayerKind.GDN:
-            return 1
-        blocks = math.ceil(tokens / self.block_size)
-        if self.kind is LayerKind.SLIDING_WINDOW:
-            assert self.window is not None
-            blocks = min(blocks, math.ceil(self.window / self.block_size) + 1)
-        return blocks
+        return self.spec.blocks_for_tokens(tokens, self.block_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,19 +60,27 @@ def aligned_block_size(geometry: ModelGeometry, block_size: int | None = None,
     """The attention block size vLLM ends up with (raised so a page holds a GDN state)."""
     if block_size is not None:
         check_block_size(block_size, alignment)
-    attn_kinds = [k for k in geometry.kinds() if k.is_attention]
-    gdn = LayerKind.GDN in geometry.kinds()
     base = block_size if block_size is not None else alignment
-    if not attn_kinds or not gdn:
-        return block_size if block_size is not None else alignment
+    states = _state_bytes(geometry)
+    if not _paged(geometry, Paging.TOKENS) or not states:
+        return base
     per_token = _attention_bytes_per_token(geometry)
-    state = geometry.spec_of(LayerKind.GDN).state_bytes  # type: ignore[union-attr]
-    needed = alignment * math.ceil(state / (alignment * per_token))
+    needed = alignment * math.ceil(max(states) / (alignment * per_token))
     return max(base, needed)
 
 
+def _paged(geometry: ModelGeometry, paging: Paging) -> list[LayerSpec]:
+    return [s for s in geometry.specs() if s.paging is paging]
+
+
+def _state_bytes(geometry: ModelGeometry) -> list[int]:
+    # A state page does not depend on the block size.
+    return [s.page_bytes(KERNEL_ALIGNMENT) for s in _paged(geometry, Paging.STATE)]
+
+
 def _attention_bytes_per_token(geometry: ModelGeometry) -> int:
-    sizes = {geometry.spec_of(k).bytes_per_token for k in geometry.kinds() if k.is_attention}  # type: ignore[union-attr]
+    # A token page is linear in its tokens: its bytes for one token.
+    sizes = {s.page_bytes(1) for s in _paged(geometry, Paging.TOKENS)}
     if len(sizes) != 1:
         raise ValueError(
             f"attention kinds of {geometry.name!r} have different page sizes per token {sorted(sizes)}; "
@@ -99,17 +102,14 @@ def plan_hma(geometry: ModelGeometry, block_size: int | None = None,
         layers = geometry.layer_indices(kind)
         num_groups = math.ceil(len(layers) / group_size)
         spec = geometry.spec_of(kind)
-        window = spec.window if isinstance(spec, AttentionSpec) else None
         for i in range(num_groups):
             groups.append(KVCacheGroup(
                 group_id=GroupId(len(groups)), kind=kind, layer_indices=tuple(layers[i::num_groups]),
-                block_size=bs, window=window,
+                block_size=bs, window=spec.window, spec=spec,
             ))
-    if any(k.is_attention for k in kinds):
+    if _paged(geometry, Paging.TOKENS):
         page = bs * _attention_bytes_per_token(geometry)
     else:
-        spec = geometry.spec_of(LayerKind.GDN)
-        assert isinstance(spec, GDNSpec)
-        page = spec.state_bytes
+        page = max(_state_bytes(geometry))
     return HMAPlan(geometry=geometry, groups=tuple(groups), block_size=bs, page_bytes=page,
                    group_size=group_size)

@@ -13,14 +13,13 @@ Counts are totals over all (prefill rank -> decode rank) reads of the request.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from hybridkv.layout import check_block_size, plan_layout
 from hybridkv.layout.alloc import VirtualAllocator
-from hybridkv.layout.geometry import GDNSpec, LayerKind, ModelGeometry
+from hybridkv.layout.geometry import LayerSpec, ModelGeometry, Paging
 from hybridkv.transport.memory import from_layout
 from hybridkv.transport.plan import TransferPlan
 
@@ -36,10 +35,6 @@ class Scheme(enum.Enum):
     MOONCAKE = "mooncake"            # contiguous runs per layer buffer
     HYBRIDKV_VLLM = "hybridkv-vllm"  # vLLM 0.33 HMA pages in a block-outermost layout (BLHNC)
     HYBRIDKV = "hybridkv"            # planned layout + coalescing (real compiler)
-
-
-# GDN sub-reads per state block in vLLM 0.33: conv Q, K, V runs (DS layout) + SSM (docs/background/vllm.md section 4, #41869).
-GDN_SUB_READS = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,45 +138,35 @@ def _useful_bytes(w: Workload, clip_window: bool = True) -> int:
     KV heads that a decode TP above the head count replicates are counted once per rank holding them.
     """
     b = w.effective_block_size
-    n = math.ceil(w.tokens / b)
-    total = 0
-    for spec in w.geometry.shard(w.tp_decode).layers:
-        if isinstance(spec, GDNSpec):
-            total += spec.state_bytes
-        else:
-            blocks = n
-            if clip_window and spec.kind is LayerKind.SLIDING_WINDOW:
-                blocks = min(n, math.ceil(spec.window / b) + 1)
-            total += blocks * spec.page_bytes(b)
+    total = sum(s.blocks_for_tokens(w.tokens, b, clip_window=clip_window) * s.page_bytes(b)
+                for s in w.geometry.shard(w.tp_decode).layers)
     return total * w.tp_decode
 
 
-def _layer_counts(w: Workload) -> tuple[int, int, int]:
+def _kinds(w: Workload) -> list[tuple[LayerSpec, int]]:
+    """(spec, layer count) of each kind of the model: the engine models count per kind from these."""
     g = w.geometry
-    return (len(g.layer_indices(LayerKind.FULL_ATTENTION)), len(g.layer_indices(LayerKind.SLIDING_WINDOW)),
-            len(g.layer_indices(LayerKind.GDN)))
+    return [(g.spec_of(k), len(g.layer_indices(k))) for k in g.kinds()]
 
 
-def _blocks(w: Workload, kind: LayerKind, clip_window: bool = True) -> int:
-    b = w.effective_block_size
-    n = math.ceil(w.tokens / b)
-    if kind is LayerKind.SLIDING_WINDOW and clip_window:
-        window = w.geometry.spec_of(kind).window  # type: ignore[union-attr]
-        n = min(n, math.ceil(window / b) + 1)
-    return n
+def _blocks(w: Workload, spec: LayerSpec, clip_window: bool = True) -> int:
+    return spec.blocks_for_tokens(w.tokens, w.effective_block_size, clip_window=clip_window)
+
+
+def _engine_regions(w: Workload) -> int:
+    """Regions an engine registering each layer's unpacked tensors has (vLLM legacy, SGLang, Mooncake)."""
+    return sum(spec.engine_tensors * layers for spec, layers in _kinds(w))
 
 
 # --------------------------------------------------------------------------- schemes
 
 
 def _vllm_legacy(w: Workload) -> SchemeCount:
-    fa, sw, gdn = _layer_counts(w)
-    n = math.ceil(w.tokens / w.effective_block_size)
     # No HMA: every attention layer holds every block (no window clipping), K and V
     # are separate regions; GDN layers modelled as conv + SSM regions, one state each.
-    per_read = 2 * (fa + sw) * n + 2 * gdn
+    per_read = sum(spec.engine_tensors * layers * _blocks(w, spec, clip_window=False) for spec, layers in _kinds(w))
     return SchemeCount(scheme=Scheme.VLLM_LEGACY, descriptors=per_read * w.reads_per_request,
-                       bytes=_useful_bytes(w, clip_window=False), regions=2 * (fa + sw + gdn))
+                       bytes=_useful_bytes(w, clip_window=False), regions=_engine_regions(w))
 
 
 def _vllm_hma_like(w: Workload, *, kv_halves: int, scheme: Scheme, ppl: int = 1) -> SchemeCount:
@@ -189,8 +174,9 @@ def _vllm_hma_like(w: Workload, *, kv_halves: int, scheme: Scheme, ppl: int = 1)
     r = hma.num_tensors
     per_read = 0
     for grp in hma.groups:
-        if grp.kind is LayerKind.GDN:
-            per_read += r * GDN_SUB_READS  # state blocks are never scaled by the kernel-block ratio
+        if grp.spec.paging is Paging.STATE:
+            # Read per sub-block (GDN: conv Q, K, V + SSM); never scaled by the kernel-block ratio.
+            per_read += r * grp.spec.page_sub_reads * grp.blocks_for_tokens(w.tokens)
         else:
             per_read += kv_halves * r * grp.blocks_for_tokens(w.tokens) * ppl
     return SchemeCount(scheme=scheme, descriptors=per_read * w.reads_per_request, bytes=_useful_bytes(w),
@@ -206,35 +192,29 @@ def _vllm_033(w: Workload) -> SchemeCount:
 
 
 def _sglang_nixl(w: Workload) -> SchemeCount:
-    fa, sw, gdn = _layer_counts(w)
-    if w.tp_prefill != w.tp_decode:
-        # SGLang's slice path: a head slice of an NHD page is strided, one descriptor per token of
-        # every page per K/V layer buffer (expand_page_indices_for_slice); a GDN state slice is one
-        # per q/k/v sub-block of the conv state plus one for the SSM (compute_mamba_state_slice_byte_blocks).
-        page = w.effective_block_size
-        per_read = 2 * fa * _blocks(w, LayerKind.FULL_ATTENTION) * page
-        if sw:
-            per_read += 2 * sw * _blocks(w, LayerKind.SLIDING_WINDOW) * page
-        per_read += 4 * gdn
-        return SchemeCount(scheme=Scheme.SGLANG_NIXL, descriptors=per_read * w.reads_per_request,
-                           bytes=_useful_bytes(w), regions=2 * (fa + sw + gdn))
-    per_read = 2 * fa * _blocks(w, LayerKind.FULL_ATTENTION)
-    if sw:
-        per_read += 2 * sw * _blocks(w, LayerKind.SLIDING_WINDOW)
-    per_read += 2 * gdn  # conv + temporal (SSM) state buffer per mamba layer
+    per_read = 0
+    for spec, layers in _kinds(w):
+        if w.tp_prefill == w.tp_decode:
+            # One descriptor per page per layer buffer (K and V; conv and temporal (SSM) state).
+            per_read += spec.engine_tensors * layers * _blocks(w, spec)
+        elif spec.paging is Paging.TOKENS:
+            # SGLang's slice path: a head slice of an NHD page is strided, one descriptor per token of
+            # every page per K/V layer buffer (expand_page_indices_for_slice).
+            per_read += spec.engine_tensors * layers * _blocks(w, spec) * w.effective_block_size
+        else:
+            # A GDN state slice is one per q/k/v sub-block of the conv state plus one for the SSM
+            # (compute_mamba_state_slice_byte_blocks).
+            per_read += spec.page_sub_reads * layers * _blocks(w, spec)
     return SchemeCount(scheme=Scheme.SGLANG_NIXL, descriptors=per_read * w.reads_per_request,
-                       bytes=_useful_bytes(w), regions=2 * (fa + sw + gdn))
+                       bytes=_useful_bytes(w), regions=_engine_regions(w))
 
 
 def _mooncake(w: Workload) -> SchemeCount:
-    fa, sw, gdn = _layer_counts(w)
-    f = w.fragmentation
-    per_read = 2 * fa * runs(_blocks(w, LayerKind.FULL_ATTENTION), f)
-    if sw:
-        per_read += 2 * sw * runs(_blocks(w, LayerKind.SLIDING_WINDOW), f)
-    per_read += 2 * gdn
+    # Contiguous runs of blocks per layer buffer.
+    per_read = sum(spec.engine_tensors * layers * runs(_blocks(w, spec), w.fragmentation)
+                   for spec, layers in _kinds(w))
     return SchemeCount(scheme=Scheme.MOONCAKE, descriptors=per_read * w.reads_per_request,
-                       bytes=_useful_bytes(w), regions=2 * (fa + sw + gdn))
+                       bytes=_useful_bytes(w), regions=_engine_regions(w))
 
 
 def _hybridkv_vllm(w: Workload) -> SchemeCount:
@@ -249,10 +229,9 @@ def _hybridkv_vllm(w: Workload) -> SchemeCount:
             # Block-outermost: one block of a group is one span over its r layer pages.
             per_read += runs(n, w.fragmentation)
             nbytes += n * r * hma.page_bytes
-        elif grp.kind is LayerKind.GDN:
-            per_read += r * GDN_SUB_READS * n
         else:
-            per_read += r * n  # a head slice is contiguous only inside one layer's page
+            # A head slice is contiguous only inside one layer's page, and there per sub-block.
+            per_read += r * grp.spec.page_sub_reads * n
     if not same_tp:
         nbytes = _useful_bytes(w) // w.reads_per_request
     return SchemeCount(scheme=Scheme.HYBRIDKV_VLLM, descriptors=per_read * w.reads_per_request,
@@ -264,18 +243,8 @@ def hybridkv_plans(w: Workload) -> list[TransferPlan]:
     read, the src ranks of each dst rank as a connector picks them (source_ranks)."""
     g = w.geometry
     bs, bd = w.effective_block_size, w.decode_block_size
-    blocks_needed = {}
-    for kind in g.kinds():
-        if kind is LayerKind.GDN:
-            blocks_needed[kind] = (1, 1)
-        else:
-            ns = math.ceil(w.tokens / bs)
-            nd = math.ceil(w.tokens / bd)
-            if kind is LayerKind.SLIDING_WINDOW:
-                window = g.spec_of(kind).window  # type: ignore[union-attr]
-                ns = min(ns, math.ceil(window / bs) + 1)
-                nd = min(nd, math.ceil(window / bd) + 1)
-            blocks_needed[kind] = (ns, nd)
+    blocks_needed = {kind: (g.spec_of(kind).blocks_for_tokens(w.tokens, bs),
+                            g.spec_of(kind).blocks_for_tokens(w.tokens, bd)) for kind in g.kinds()}
     pages = {k: 2 * max(v) + 2 for k, v in blocks_needed.items()}
     alloc = VirtualAllocator()
     srcs = [plan_layout(g, block_size=bs, num_blocks=pages, allocator=alloc, tp=w.tp_prefill, rank=r)

@@ -21,7 +21,7 @@ import torch
 
 from hybridkv.layout.alloc import MemKind
 from hybridkv.layout.fields import PageContent
-from hybridkv.layout.geometry import DType, LayerKind
+from hybridkv.layout.geometry import DType, LayerSpec, ModelGeometry, Paging
 from hybridkv.layout.hf_config import geometry_from_config
 from hybridkv.ids import GroupId
 from hybridkv.layout import GroupSpec, Layout, LayerBuffer, adopt_layout
@@ -67,7 +67,6 @@ def adopt_vllm_kv_caches(
             "DS: start vLLM with VLLM_SSM_CONV_STATE_LAYOUT=DS on both prefill and decode"
         )
     ssm_dtype = None
-    groups: list[GroupSpec] = []
     spec_of: dict[str, object] = {}
     group_of: dict[str, int] = {}
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -77,33 +76,29 @@ def adopt_vllm_kv_caches(
             spec_of[name] = layer_spec
             group_of[name] = gid
         if isinstance(spec, MambaSpec):
-            kind, tokens = LayerKind.GDN, None
             ssm_dtype = _TORCH_DTYPES.get(spec.dtypes[-1])
-        elif isinstance(spec, AttentionSpec):
-            window = getattr(spec, "sliding_window", None)
-            kind = LayerKind.SLIDING_WINDOW if window else LayerKind.FULL_ATTENTION
-            tokens = spec.block_size
-        else:
+        elif not isinstance(spec, AttentionSpec):
             raise ValueError(f"KV cache group {gid} has a {type(spec).__name__}; expected attention or Mamba/GDN")
-        groups.append(GroupSpec(group_id=GroupId(gid), kind=kind,
-                                layer_indices=tuple(layer_index(n) for n in group.layer_names),
-                                block_tokens=tokens))
     hf = vllm_config.model_config.hf_text_config.to_dict()
     hf.setdefault("torch_dtype", str(vllm_config.model_config.dtype).removeprefix("torch."))
     geometry = geometry_from_config(hf, name=str(vllm_config.model_config.model), ssm_dtype=ssm_dtype)
+    # A group's kind, its block tokens and its pages' content are its layers' spec's facts (issue 46 will
+    # build that spec from vLLM's own instead of the HF config); vLLM's spec must agree with it.
+    groups = [_group(gid, group, geometry) for gid, group in enumerate(kv_cache_config.kv_cache_groups)]
     # Head-outer pages for the layouts whose H sits outside N.
-    content = PageContent.ATTN_HND if layout_name in ("LBHNC", "BLHNC", "BHLNC", "LHBNC") else PageContent.ATTN_NHD
+    head_outer = layout_name in ("LBHNC", "BLHNC", "BHLNC", "LHBNC")
     buffers = []
     for name, t in kv_caches.items():
         if name not in spec_of:
             raise ValueError(f"register_kv_caches got layer {name!r}, which no KV cache group holds")
         spec = spec_of[name]
         mem = MemKind.VRAM if t.device.type == "cuda" else MemKind.DRAM
+        layer = layer_index(name)
         buffers.append(LayerBuffer(
-            layer=layer_index(name), group_id=GroupId(group_of[name]), addr=int(t.data_ptr()),
+            layer=layer, group_id=GroupId(group_of[name]), addr=int(t.data_ptr()),
             block_stride=int(t.stride(0)) * t.element_size(), page_bytes=int(spec.page_size_bytes),
             num_blocks=int(t.shape[0]),
-            content=PageContent.GDN if isinstance(spec, MambaSpec) else content,
+            content=_layer_spec(geometry, layer).engine_content(head_outer=head_outer),
             mem=mem, device_id=int(t.device.index or 0),
         ))
     layout = adopt_layout(geometry, groups, buffers, tp=tp, rank=rank)
@@ -116,3 +111,26 @@ def adopt_vllm_kv_caches(
                     "BLHNC but the attention backends did not allow it)", layout_name, len(layout.regions),
                     len(buffers))
     return layout
+
+
+def _layer_spec(geometry: ModelGeometry, layer: int) -> LayerSpec:
+    if not 0 <= layer < geometry.num_layers:
+        raise ValueError(f"vLLM KV cache layer {layer} is outside the model's {geometry.num_layers} layers")
+    return geometry.layers[layer]
+
+
+def _group(gid: int, group, geometry: ModelGeometry) -> GroupSpec:
+    """One vLLM KV-cache group as a hybridkv GroupSpec, checked against the model's spec of its layers."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    spec = group.kv_cache_spec
+    layers = tuple(layer_index(n) for n in group.layer_names)
+    if not layers:
+        raise ValueError(f"KV cache group {gid} holds no layers")
+    ours = _layer_spec(geometry, layers[0])
+    vllm_window = getattr(spec, "sliding_window", None) or None
+    if isinstance(spec, MambaSpec) != (ours.paging is Paging.STATE) or (vllm_window is None) != (ours.window is None):
+        raise ValueError(f"KV cache group {gid} is vLLM's {type(spec).__name__} (sliding window {vllm_window}), but "
+                         f"layer {layers[0]} of the model config is {ours.kind.value}")
+    return GroupSpec(group_id=GroupId(gid), kind=ours.kind, layer_indices=layers,
+                     block_tokens=ours.block_tokens(spec.block_size))

@@ -14,10 +14,11 @@ derives them so that an engine adopting hybridkv does not re-derive them by hand
   could be handed out through the other while still fenced. Groups with regions
   of their own (hybridkv's planned layout, SGLang's KV pages and Mamba slots)
   get a pool each.
-- **components**: an attention group (full or sliding window) arrives as one
-  piece, its KV; a GDN group as two, conv state and SSM state, because engines
-  move them as separate transfers and a request is complete only when both have
-  landed (fencing rule 4, ``docs/design.md``). A group of opaque buffers
+- **components**: what a group's layer kind says arrives separately (its spec's
+  ``components``): an attention group (full or sliding window) one piece, its KV;
+  a GDN group two, conv state and SSM state, because engines move them as
+  separate transfers and a request is complete only when both have landed
+  (fencing rule 4, ``docs/design.md``). A group of opaque buffers
   (:func:`~hybridkv.layout.adopt_buffers`) carries no layer kind, so it is taken
   to arrive as one piece; an engine that moves one opaque group in several
   transfers names its components itself, as the SGLang connector does.
@@ -28,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The package, not its modules: fencing's internal module names are not API.
-from hybridkv.fencing import Component, PoolLayout, attention_component, gdn_components
-from hybridkv.layout import LayerKind, Layout
+from hybridkv.fencing import Component, ComponentKind, PoolLayout
+from hybridkv.layout import Layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,10 +110,9 @@ def scheduler_inputs(layout: Layout) -> SchedulerInputs:
 
     components: list[Component] = []
     for g in groups:
-        if g.kind is LayerKind.GDN:
-            components.extend(gdn_components(g.group_id))
-        else:  # full or sliding-window attention, or opaque buffers: one piece
-            components.append(attention_component(g.group_id))
+        # Opaque buffers carry no kind: one piece.
+        kinds = (ComponentKind.KV,) if g.kind is None else g.kind.spec_class.components
+        components.extend(Component(group=g.group_id, kind=k) for k in kinds)
     return SchedulerInputs(
         pools=PoolLayout(pool_sizes=tuple(pool_sizes), group_pools=tuple(group_pools)),
         components=tuple(components),

@@ -19,12 +19,8 @@ from typing import Any, Self
 
 from hybridkv.fencing.fence import NEVER
 from hybridkv.ids import GroupId, RequestId, TransferId
-
-
-class ComponentKind(enum.Enum):
-    KV = "kv"
-    CONV = "conv"
-    SSM = "ssm"
+# Which components a group has is its layer kind's fact (LayerSpec.components), so the enum lives with the kinds.
+from hybridkv.layout.kinds.base import ComponentKind
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, init=False)

@@ -1,6 +1,8 @@
 """The layout engine: what a model's caches are and where every byte of every block lives.
 
-- :mod:`~hybridkv.layout.geometry`: layer kinds and their specs (bytes per token, GDN state), TP sharding;
+- :mod:`~hybridkv.layout.kinds`: the layer kinds, one spec class per kind holding its facts (bytes,
+  paging, components, TP sharding, page fields); :class:`LayerKind` names each kind's spec class;
+- :mod:`~hybridkv.layout.geometry`: a model's layers (one spec each) and TP sharding;
 - :mod:`~hybridkv.layout.presets` / :mod:`~hybridkv.layout.hf_config`: geometries by name or from a
   Hugging Face ``config.json``;
 - :mod:`~hybridkv.layout.fields`: what sits inside one page (named byte ranges with a logical identity);
@@ -11,7 +13,9 @@
 
 from hybridkv.layout.alloc import Allocation, Allocator, MemKind, NumpyAllocator, TorchAllocator, VirtualAllocator
 from hybridkv.layout.fields import Field, FieldKey, FieldKind, PageContent
-from hybridkv.layout.geometry import AttentionSpec, ConvLayout, DType, GDNSpec, LayerKind, ModelGeometry
+from hybridkv.layout.geometry import (
+    AttentionSpec, ConvLayout, DType, GDNSpec, LayerKind, LayerSpec, ModelGeometry, Paging,
+)
 from hybridkv.layout.hf_config import geometry_from_config, load_hf_config
 from hybridkv.layout.presets import PRESET_NAMES, get_preset
 from hybridkv.layout.regions import (
@@ -32,8 +36,9 @@ from hybridkv.layout.regions import (
 
 __all__ = [
     "KERNEL_ALIGNMENT", "Allocation", "Allocator", "AttentionSpec", "Buffer", "ConvLayout", "DType", "Field",
-    "FieldKey", "FieldKind", "GDNSpec", "GroupLayout", "GroupSpec", "LayerBuffer", "LayerKind", "Layout",
-    "MemKind", "ModelGeometry", "NumpyAllocator", "PRESET_NAMES", "PageContent", "Placement", "Region", "RegionId",
+    "FieldKey", "FieldKind", "GDNSpec", "GroupLayout", "GroupSpec", "LayerBuffer", "LayerKind", "LayerSpec",
+    "Layout", "MemKind", "ModelGeometry", "NumpyAllocator", "PRESET_NAMES", "PageContent", "Paging", "Placement",
+    "Region", "RegionId",
     "TorchAllocator", "VirtualAllocator", "adopt_buffers", "adopt_layout", "check_block_size",
     "geometry_from_config", "get_preset", "load_hf_config", "plan_layout",
 ]

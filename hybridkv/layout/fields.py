@@ -4,14 +4,16 @@ A field key says what the bytes *are* (component, layer, global head), so two
 sides with different TP, block size or layout can be matched key by key. A field
 with `token_bytes > 0` holds `[tokens][token_bytes]` contiguously and can be split
 on token boundaries (different block sizes on the two sides).
+
+What each kind's pages hold is the kind's own (``hybridkv.layout.kinds``: a spec's
+``page_fields`` and ``planned_fields``); this module has the vocabulary they use.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-
-from hybridkv.layout.geometry import AttentionSpec, ConvLayout, GDNSpec, k_heads_of_rank, kv_heads_of_rank
+from typing import Any
 
 
 class FieldKind(enum.Enum):
@@ -47,83 +49,18 @@ class PageContent(enum.Enum):
     GDN = "gdn"             # [conv | ssm | pad], conv in the spec's conv layout
 
 
-def attention_page_fields(spec: AttentionSpec, layer: int, *, tp: int, rank: int, block_size: int,
-                          content: PageContent = PageContent.ATTN_HND) -> tuple[Field, ...]:
-    """Fields of one attention layer's page. `spec` is the unsharded spec."""
-    heads = kv_heads_of_rank(spec, tp, rank)
-    tb = spec.head_bytes_per_token
-    if content is PageContent.ATTN_NHD:
-        return (Field(key=(FieldKind.KV_TOKEN_MAJOR, layer, heads.start), offset=0,
-                      nbytes=block_size * tb * len(heads), token_bytes=tb * len(heads)),)
-    if content is not PageContent.ATTN_HND:
-        raise ValueError(f"attention pages are ATTN_HND or ATTN_NHD, got {content}")
-    head_page = block_size * tb
-    return tuple(Field(key=(FieldKind.KV, layer, h), offset=i * head_page, nbytes=head_page, token_bytes=tb)
-                 for i, h in enumerate(heads))
-
-
-def gdn_group_unit_fields(spec: GDNSpec, layer: int, k_head: int, *, offset: int = 0) -> tuple[Field, ...]:
-    """Fields of one GVA group (one key head and its value heads), DS conv rows then SSM.
-
-    This is the unit hybridkv's planned layout puts side by side, so that any
-    contiguous range of key heads (a TP shard) is one contiguous run.
-    """
-    row = (spec.conv_kernel - 1) * spec.conv_dtype.itemsize
-    vpk = spec.v_heads_per_k_head
-    fields = [
-        Field(key=(FieldKind.CONV_Q, layer, k_head), offset=offset, nbytes=spec.head_k_dim * row),
-        Field(key=(FieldKind.CONV_K, layer, k_head), offset=offset + spec.head_k_dim * row,
-              nbytes=spec.head_k_dim * row),
-    ]
-    at = offset + 2 * spec.head_k_dim * row
-    for j in range(vpk):
-        fields.append(Field(key=(FieldKind.CONV_V, layer, k_head * vpk + j), offset=at, nbytes=spec.head_v_dim * row))
-        at += spec.head_v_dim * row
-    at = align(at, 16)
-    ssm = spec.head_v_dim * spec.head_k_dim * spec.ssm_dtype.itemsize
-    for j in range(vpk):
-        fields.append(Field(key=(FieldKind.SSM, layer, k_head * vpk + j), offset=at, nbytes=ssm))
-        at += ssm
-    return tuple(fields)
-
-
-def gdn_unit_bytes(spec: GDNSpec) -> int:
-    last = gdn_group_unit_fields(spec, 0, 0)[-1]
-    return align(last.offset + last.nbytes, 16)
-
-
-def gdn_page_fields(spec: GDNSpec, layer: int, *, tp: int, rank: int) -> tuple[Field, ...]:
-    """Fields of one GDN layer's engine page: [conv (per-rank) | ssm (per-rank)] (vLLM/SGLang)."""
-    kheads = k_heads_of_rank(spec, tp, rank)
-    local_k = len(kheads)
-    vpk = spec.v_heads_per_k_head
-    local_v = local_k * vpk
-    itemsize = spec.conv_dtype.itemsize
-    state_len = spec.conv_kernel - 1
-    local_conv_dim = 2 * local_k * spec.head_k_dim + local_v * spec.head_v_dim
-    conv_bytes = local_conv_dim * state_len * itemsize
-    fields: list[Field] = []
-    if spec.conv_layout is ConvLayout.SD:
-        fields.append(Field(key=(FieldKind.CONV_SD, layer, kheads.start), offset=0, nbytes=conv_bytes))
-    else:
-        row = state_len * itemsize
-        for i, kh in enumerate(kheads):
-            fields.append(Field(key=(FieldKind.CONV_Q, layer, kh), offset=i * spec.head_k_dim * row,
-                                nbytes=spec.head_k_dim * row))
-        k_base = local_k * spec.head_k_dim * row
-        for i, kh in enumerate(kheads):
-            fields.append(Field(key=(FieldKind.CONV_K, layer, kh), offset=k_base + i * spec.head_k_dim * row,
-                                nbytes=spec.head_k_dim * row))
-        v_base = 2 * k_base
-        for j in range(local_v):
-            fields.append(Field(key=(FieldKind.CONV_V, layer, kheads.start * vpk + j),
-                                offset=v_base + j * spec.head_v_dim * row, nbytes=spec.head_v_dim * row))
-    ssm = spec.head_v_dim * spec.head_k_dim * spec.ssm_dtype.itemsize
-    for j in range(local_v):
-        fields.append(Field(key=(FieldKind.SSM, layer, kheads.start * vpk + j), offset=conv_bytes + j * ssm,
-                            nbytes=ssm))
-    return tuple(fields)
-
-
 def align(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+# The per-kind page layouts live with their kinds; their old names stay importable from here.
+_MOVED = {"attention_page_fields": "attention", "gdn_page_fields": "gdn", "gdn_group_unit_fields": "gdn",
+          "gdn_unit_bytes": "gdn"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module(f"hybridkv.layout.kinds.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

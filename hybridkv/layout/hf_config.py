@@ -4,6 +4,10 @@ Qwen3-Next (`full_attention_interval`, `linear_*`), Qwen3.5 (may nest under
 `text_config`, may carry `layer_types` and `mamba_ssm_dtype`) and Gemma 3
 (`sliding_window`, `sliding_window_pattern` or `layer_types`). A missing or
 contradictory key is a ValueError that names it.
+
+A model family is parsed here; a kind's `layer_types` name is the kind's own
+(`LayerKind.hf_layer_type`). Inside an engine the layout comes from the engine, not
+from here (docs/design.md, "Derive from the engine").
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ def load_hf_config(path: str | Path, *, ssm_dtype: DType | str | None = None) ->
 
 
 def geometry_from_config(raw: dict[str, Any], *, name: str = "model", ssm_dtype=None) -> ModelGeometry:
-    cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    cfg: dict[str, Any] = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
     model_type = str(cfg.get("model_type", raw.get("model_type", "")))
     dtype = DType.parse(_get(cfg, "torch_dtype", default=None) or _get(cfg, "dtype", default="bfloat16"),
                         what="torch_dtype")
@@ -63,7 +67,8 @@ def _int(cfg: dict[str, Any], key: str, default: Any = _MISSING) -> int:
     return value
 
 
-def _layer_kinds_from_types(cfg: dict[str, Any], n: int, names: dict[str, LayerKind]) -> list[LayerKind] | None:
+def _layer_kinds_from_types(cfg: dict[str, Any], n: int, family: tuple[LayerKind, ...]) -> list[LayerKind] | None:
+    names = {k.hf_layer_type: k for k in family}
     types = cfg.get("layer_types")
     if types is None:
         return None
@@ -78,11 +83,12 @@ def _layer_kinds_from_types(cfg: dict[str, Any], n: int, names: dict[str, LayerK
     return kinds
 
 
-def _layer_kinds(cfg: dict[str, Any], names: dict[str, LayerKind], *, every_key: str,
+def _layer_kinds(cfg: dict[str, Any], family: tuple[LayerKind, ...], *, every_key: str,
                  other: LayerKind) -> list[LayerKind]:
-    """Layer kinds from `layer_types`, or from "every Nth layer is full attention"; both must agree."""
+    """Layer kinds (of the model family's `family`) from `layer_types` (each kind's HF name), or from
+    "every Nth layer is full attention"; both must agree."""
     n = _int(cfg, "num_hidden_layers")
-    kinds = _layer_kinds_from_types(cfg, n, names)
+    kinds = _layer_kinds_from_types(cfg, n, family)
     if cfg.get(every_key) is not None:
         every = _int(cfg, every_key)
         if every > n:
@@ -100,8 +106,8 @@ def _layer_kinds(cfg: dict[str, Any], names: dict[str, LayerKind], *, every_key:
 
 
 def _qwen_layers(cfg: dict[str, Any], dtype: DType, ssm_dtype) -> tuple[LayerSpec, ...]:
-    kinds = _layer_kinds(cfg, {"linear_attention": LayerKind.GDN, "full_attention": LayerKind.FULL_ATTENTION},
-                         every_key="full_attention_interval", other=LayerKind.GDN)
+    kinds = _layer_kinds(cfg, (LayerKind.GDN, LayerKind.FULL_ATTENTION), every_key="full_attention_interval",
+                         other=LayerKind.GDN)
     if ssm_dtype is not None:
         ssm = DType.parse(ssm_dtype, what="ssm dtype")
     else:
@@ -120,17 +126,18 @@ def _qwen_layers(cfg: dict[str, Any], dtype: DType, ssm_dtype) -> tuple[LayerSpe
         conv_dtype=dtype,
         ssm_dtype=ssm,
     )
-    return tuple(gdn if k is LayerKind.GDN else attn for k in kinds)
+    specs: dict[LayerKind, LayerSpec] = {LayerKind.GDN: gdn, LayerKind.FULL_ATTENTION: attn}
+    return tuple(specs[k] for k in kinds)
 
 
 def _gemma_layers(cfg: dict[str, Any], dtype: DType) -> tuple[LayerSpec, ...]:
     window = _int(cfg, "sliding_window")
-    kinds = _layer_kinds(
-        cfg, {"sliding_attention": LayerKind.SLIDING_WINDOW, "full_attention": LayerKind.FULL_ATTENTION},
-        every_key="sliding_window_pattern", other=LayerKind.SLIDING_WINDOW)
+    kinds = _layer_kinds(cfg, (LayerKind.SLIDING_WINDOW, LayerKind.FULL_ATTENTION),
+                         every_key="sliding_window_pattern", other=LayerKind.SLIDING_WINDOW)
     heads = _int(cfg, "num_key_value_heads")
     head_dim = _int(cfg, "head_dim")
     full = AttentionSpec(num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
     local = AttentionSpec(kind=LayerKind.SLIDING_WINDOW, num_kv_heads=heads, head_dim=head_dim,
                           dtype=dtype, window=window)
-    return tuple(local if k is LayerKind.SLIDING_WINDOW else full for k in kinds)
+    specs: dict[LayerKind, LayerSpec] = {LayerKind.SLIDING_WINDOW: local, LayerKind.FULL_ATTENTION: full}
+    return tuple(specs[k] for k in kinds)

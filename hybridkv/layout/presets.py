@@ -97,7 +97,7 @@ def get_preset(name: str, *, ssm_dtype: DType | str | None = None) -> ModelGeome
     else:
         raise ValueError(f"unknown model {name!r}; presets are: {', '.join(PRESET_NAMES)}")
     if ssm_dtype is not None:
-        if LayerKind.GDN not in geometry.kinds():
+        if not geometry.has_ssm_state:
             raise ValueError(f"--ssm-dtype applies to GDN models; {key} has no GDN layers")
         geometry = geometry.with_ssm_dtype(DType.parse(ssm_dtype, what="ssm dtype"))
     return geometry

@@ -23,16 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from hybridkv.layout.alloc import Allocation, Allocator, MemKind
-from hybridkv.layout.fields import (
-    FieldKind,
-    Field,
-    PageContent,
-    attention_page_fields,
-    gdn_group_unit_fields,
-    gdn_page_fields,
-    gdn_unit_bytes,
-)
-from hybridkv.layout.geometry import AttentionSpec, GDNSpec, LayerKind, ModelGeometry, k_heads_of_rank, kv_heads_of_rank
+from hybridkv.layout.fields import Field, FieldKind, PageContent
+from hybridkv.layout.geometry import LayerKind, ModelGeometry
 from hybridkv.ids import BlockId, GroupId, RegionId
 
 #: Attention kernels take block sizes in multiples of this many tokens.
@@ -147,7 +139,7 @@ def plan_layout(
             raise ValueError(f"num_blocks for {kind.value} must be a positive int, got {count!r}")
         layers = geometry.layer_indices(kind)
         spec = geometry.spec_of(kind)
-        fields, page = _block_fields(spec, layers, tp=tp, rank=rank, block_size=block_size)
+        fields, page = spec.planned_fields(layers, tp=tp, rank=rank, block_size=block_size)
         alloc = allocator.allocate(page * count)
         allocations.append(alloc)
         rid = RegionId(len(regions))
@@ -155,32 +147,12 @@ def plan_layout(
                               mem=alloc.mem, device_id=alloc.device_id))
         groups.append(GroupLayout(
             group_id=GroupId(len(groups)), kind=kind, layer_indices=layers,
-            block_tokens=None if kind is LayerKind.GDN else block_size,
+            block_tokens=spec.block_tokens(block_size),
             placements=(Placement(region_id=rid, fields=fields),),
-            window=spec.window if isinstance(spec, AttentionSpec) else None,
+            window=spec.window,
         ))
     return Layout(geometry=geometry, tp=tp, rank=rank, regions=tuple(regions), groups=tuple(groups),
                   allocations=tuple(allocations))
-
-
-def _block_fields(spec, layers: tuple[int, ...], *, tp: int, rank: int, block_size: int):
-    out: list[Field] = []
-    at = 0
-    if isinstance(spec, AttentionSpec):
-        tb = spec.head_bytes_per_token
-        head_page = block_size * tb
-        for h in kv_heads_of_rank(spec, tp, rank):
-            for layer in layers:
-                out.append(Field(key=(FieldKind.KV, layer, h), offset=at, nbytes=head_page, token_bytes=tb))
-                at += head_page
-        return tuple(out), at
-    assert isinstance(spec, GDNSpec)
-    unit = gdn_unit_bytes(spec)
-    for kh in k_heads_of_rank(spec, tp, rank):
-        for layer in layers:
-            out.extend(gdn_group_unit_fields(spec, layer, kh, offset=at))
-            at += unit
-    return tuple(out), at
 
 
 # --------------------------------------------------------------------------- adopt
@@ -196,7 +168,7 @@ class LayerBuffer:
     block_stride: int
     page_bytes: int
     num_blocks: int
-    content: PageContent
+    content: PageContent | None = None  # None: its kind's one arrangement (LayerSpec.engine_content)
     mem: MemKind = MemKind.DRAM
     device_id: int = 0
 
@@ -242,7 +214,8 @@ def adopt_layout(
         spec = geometry.layers[buf.layer]
         if spec.kind is not group.kind:
             raise ValueError(f"layer {buf.layer} is {spec.kind.value} but group {group.group_id} is {group.kind.value}")
-        fields = _page_fields(spec, buf, tp=tp, rank=rank, block_tokens=group.block_tokens)
+        fields = spec.page_fields(buf.layer, tp=tp, rank=rank, block_tokens=group.block_tokens,
+                                  content=buf.content)
         used = max(f.offset + f.nbytes for f in fields)
         if used > buf.page_bytes:
             raise ValueError(f"layer {buf.layer}: its {spec.kind.value} state needs {used} bytes per page, "
@@ -261,20 +234,9 @@ def adopt_layout(
             group_id=g.group_id, kind=g.kind, layer_indices=g.layer_indices, block_tokens=g.block_tokens,
             placements=tuple(Placement(region_id=rid, fields=tuple(sorted(fs, key=lambda f: f.offset)))
                              for rid, fs in sorted(placements.get(g.group_id, {}).items())),
-            window=spec.window if isinstance(spec, AttentionSpec) else None,
+            window=spec.window,
         ))
     return Layout(geometry=geometry, tp=tp, rank=rank, regions=tuple(regions), groups=tuple(layouts))
-
-
-def _page_fields(spec, buf: LayerBuffer, *, tp: int, rank: int, block_tokens: int | None) -> tuple[Field, ...]:
-    if isinstance(spec, AttentionSpec):
-        if block_tokens is None:
-            raise ValueError(f"attention layer {buf.layer} needs a group with block_tokens")
-        return attention_page_fields(spec, buf.layer, tp=tp, rank=rank, block_size=block_tokens,
-                                     content=buf.content)
-    if buf.content is not PageContent.GDN:
-        raise ValueError(f"GDN layer {buf.layer} needs PageContent.GDN, got {buf.content}")
-    return gdn_page_fields(spec, buf.layer, tp=tp, rank=rank)
 
 
 def _merge_slices(slices, members):

@@ -1,0 +1,114 @@
+"""Full and sliding-window attention: K|V pages of block_size tokens, sharded by KV head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from hybridkv.layout.fields import Field, FieldKind, PageContent
+from hybridkv.layout.kinds import LayerKind
+from hybridkv.layout.kinds.base import ComponentKind, DType, LayerSpec, Paging, check_rank, positive
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec(LayerSpec):
+    """A full or sliding-window attention layer. K and V are both counted."""
+
+    kind: LayerKind = LayerKind.FULL_ATTENTION
+    num_kv_heads: int
+    head_dim: int
+    dtype: DType = DType.BFLOAT16
+    window: int | None = None
+
+    paging: ClassVar[Paging] = Paging.TOKENS
+    components: ClassVar[tuple[ComponentKind, ...]] = (ComponentKind.KV,)
+    engine_tensors: ClassVar[int] = 2  # K and V
+    page_sub_reads: ClassVar[int] = 1  # K|V packed; a head-outer page's head slice is one run
+
+    def __post_init__(self) -> None:
+        if self.kind.spec_class is not AttentionSpec:
+            raise ValueError(f"AttentionSpec kind must be an attention kind, got {self.kind}")
+        positive("num_kv_heads", self.num_kv_heads)
+        positive("head_dim", self.head_dim)
+        if self.kind is LayerKind.SLIDING_WINDOW:
+            if self.window is None:
+                raise ValueError("a sliding-window layer needs a window, got None")
+            positive("window", self.window)
+        elif self.window is not None:
+            raise ValueError(f"a full-attention layer takes no window, got {self.window}")
+
+    @property
+    def head_bytes_per_token(self) -> int:
+        """K and V of one head for one token (vLLM 0.33 packs K|V in the content dim)."""
+        return 2 * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_kv_heads * self.head_bytes_per_token
+
+    @property
+    def dtypes(self) -> tuple[DType, ...]:
+        return (self.dtype,)
+
+    def page_bytes(self, block_size: int) -> int:
+        return block_size * self.bytes_per_token
+
+    def shard(self, tp: int) -> AttentionSpec:
+        heads = self.num_kv_heads
+        # vLLM replicates KV heads when TP exceeds them: each rank keeps one head.
+        if tp > heads:
+            if tp % heads:
+                raise ValueError(f"tp {tp} must be a multiple of num_kv_heads {heads} when it exceeds them")
+            return replace(self, num_kv_heads=1)
+        if heads % tp:
+            raise ValueError(f"num_kv_heads {heads} is not divisible by tp {tp}")
+        return replace(self, num_kv_heads=heads // tp)
+
+    def page_fields(self, layer: int, *, tp: int, rank: int, block_tokens: int | None,
+                    content: PageContent | None) -> tuple[Field, ...]:
+        if block_tokens is None:
+            raise ValueError(f"attention layer {layer} needs a group with block_tokens")
+        return attention_page_fields(self, layer, tp=tp, rank=rank, block_size=block_tokens, content=content)
+
+    def engine_content(self, *, head_outer: bool) -> PageContent:
+        return PageContent.ATTN_HND if head_outer else PageContent.ATTN_NHD
+
+    def planned_fields(self, layers: tuple[int, ...], *, tp: int, rank: int,
+                       block_size: int) -> tuple[tuple[Field, ...], int]:
+        # Head-major across layers: a rank's heads are one run of the block.
+        tb = self.head_bytes_per_token
+        head_page = block_size * tb
+        out: list[Field] = []
+        at = 0
+        for h in kv_heads_of_rank(self, tp, rank):
+            for layer in layers:
+                out.append(Field(key=(FieldKind.KV, layer, h), offset=at, nbytes=head_page, token_bytes=tb))
+                at += head_page
+        return tuple(out), at
+
+
+def kv_heads_of_rank(spec: AttentionSpec, tp: int, rank: int) -> range:
+    """Global KV-head indices held by `rank` of `tp` (spec is the unsharded spec)."""
+    check_rank(tp, rank)
+    heads = spec.num_kv_heads
+    if tp > heads:
+        spec.shard(tp)  # validates divisibility
+        h = rank // (tp // heads)
+        return range(h, h + 1)
+    per = spec.shard(tp).num_kv_heads
+    return range(rank * per, (rank + 1) * per)
+
+
+def attention_page_fields(spec: AttentionSpec, layer: int, *, tp: int, rank: int, block_size: int,
+                          content: PageContent | None = PageContent.ATTN_HND) -> tuple[Field, ...]:
+    """Fields of one attention layer's page. `spec` is the unsharded spec."""
+    heads = kv_heads_of_rank(spec, tp, rank)
+    tb = spec.head_bytes_per_token
+    if content is PageContent.ATTN_NHD:
+        return (Field(key=(FieldKind.KV_TOKEN_MAJOR, layer, heads.start), offset=0,
+                      nbytes=block_size * tb * len(heads), token_bytes=tb * len(heads)),)
+    if content is not PageContent.ATTN_HND:
+        raise ValueError(f"attention pages are ATTN_HND or ATTN_NHD, got {content}")
+    head_page = block_size * tb
+    return tuple(Field(key=(FieldKind.KV, layer, h), offset=i * head_page, nbytes=head_page, token_bytes=tb)
+                 for i, h in enumerate(heads))
