@@ -405,7 +405,7 @@ def test_bench_fence_reports_every_line() -> None:
     import io
     import json
 
-    from hybridkv.sims import bench_fence
+    from hybridkv.benchmarks import fence as bench_fence
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
