@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 
 from hybridkv.descriptors.hma import plan_hma
-from hybridkv.layout.geometry import AttentionSpec, GDNSpec, LayerKind, ModelGeometry
+from hybridkv.layout.geometry import ModelGeometry
+from hybridkv.layout.kinds.base import Paging
 from hybridkv.layout.presets import get_preset
 
 from .params import Sizing
@@ -100,16 +101,15 @@ def cache_model(geometry: ModelGeometry, scheme: str, *, block_size: int | None)
     plan = plan_hma(geometry, block_size=block_size)
     if scheme not in NON_HMA_SCHEMES:
         return CacheModel(scheme=scheme, block_size=plan.block_size, block_bytes=plan.page_bytes * plan.num_tensors,
-                          groups=tuple((g.kind is LayerKind.GDN, g.window if g.kind is LayerKind.SLIDING_WINDOW
-                                        else None) for g in plan.groups))
+                          groups=tuple((g.spec.paging is Paging.STATE, g.window) for g in plan.groups))
     # No HMA: one block holds `block_size` tokens of every attention layer, all of them kept
     # (no window clipping); GDN state, where a model has it, stays one padded page per layer.
-    attn = [s for s in geometry.layers if isinstance(s, AttentionSpec)]
-    gdn = [s for s in geometry.layers if isinstance(s, GDNSpec)]
-    block_bytes = sum(s.page_bytes(plan.block_size) for s in attn)
+    tokens = [s for s in geometry.layers if s.paging is Paging.TOKENS]
+    states = [s for s in geometry.layers if s.paging is Paging.STATE]
+    block_bytes = sum(s.page_bytes(plan.block_size) for s in tokens)
     groups: list[tuple[bool, int | None]] = [(False, None)]
-    if gdn:
-        state_blocks = math.ceil(sum(s.state_bytes for s in gdn) / block_bytes)
+    if states:
+        state_blocks = math.ceil(sum(s.page_bytes(plan.block_size) for s in states) / block_bytes)
         groups += [(True, None)] * state_blocks
     return CacheModel(scheme=scheme, block_size=plan.block_size, block_bytes=block_bytes, groups=tuple(groups))
 
