@@ -17,49 +17,13 @@ import torch  # noqa: E402
 
 import interpreter_patches  # noqa: E402, F401  (beside this script: the interpreter's numpy-2 faults)
 
-from hybridkv.kernels.gdn import reference, triton_chunk, triton_chunk_scan  # noqa: E402
-from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig  # noqa: E402
-
-PRODUCT_FORM = InverseConfig(group=1, bkc=128, method=1, prec="tf32x3", merge_prec="tf32x3")
+from hybridkv.kernels.gdn import naive as reference  # noqa: E402
+from hybridkv.kernels.gdn import chunk as triton_chunk
 
 
 def rel(a, b) -> float:
     a, b = a.double(), b.double()
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
-
-
-def inverse_outputs(kernel, group, q, k, g, beta, cu, l2):
-    """A, R, G of one launch of an inverse kernel over every chunk (serial: one segment)."""
-    _, T, H, K = q.shape
-    HV = g.shape[2]
-    cu, table, _, NC = triton_chunk._chunk_tables(cu, 1, T, q.device)
-    A = torch.full((NC, HV, 64, 64), float("nan"), dtype=torch.bfloat16)
-    R = torch.full((NC, HV, 8, 64), float("nan"))
-    G = torch.full((NC, HV), float("nan"))
-    kernel[(NC, HV // group)](q, k, g, beta, A, R, G, cu, table, 0, 0, NC, K**-0.5, H, HV, K=K, BK=K, BKC=64,
-                              GROUP=group, L2NORM=l2, METHOD=0, PREC="tf32x3", MPREC="tf32", SEGMENTED=False)
-    return A, R, G
-
-
-def stacked_inverse() -> dict:
-    """The stacked inverse kernel (a group's value heads side by side) against the shipped one, output by
-    output: two key heads of four value heads each (a group each), two sequences, the first with a partial
-    last chunk. The shipped kernel is the one the reference checks above vouch for."""
-    from hybridkv.kernels.gdn.triton_chunk_inverse import _chunk_inverse_kernel
-    from hybridkv.kernels.gdn.triton_chunk_inverse_stacked import _chunk_inverse_stacked_kernel
-
-    lens, H, HV, K = [100, 30], 2, 8, 128
-    T = sum(lens)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    q, k = ((torch.randn(1, T, H, K) * 4 ** (2 * torch.rand(1, T, H, 1) - 1)).bfloat16() for _ in range(2))
-    g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 3)
-    beta = torch.rand(1, T, HV)
-    want = inverse_outputs(_chunk_inverse_kernel, 4, q, k, g, beta, cu, True)
-    got = inverse_outputs(_chunk_inverse_stacked_kernel, 4, q, k, g, beta, cu, True)
-    # NaN in both: rows past the last chunk, which neither kernel writes.
-    diff = max((a.float() - b.float()).abs().nan_to_num(0.0).max().item() if a.isnan().equal(b.isnan())
-               else float("inf") for a, b in zip(got, want))
-    return {"inverse-stacked/g4": [diff, diff]}
 
 
 def sequences(lens: list[int], out: dict, l2s: tuple[bool, ...] = (True, False)) -> None:
@@ -87,11 +51,6 @@ def sequences(lens: list[int], out: dict, l2s: tuple[bool, ...] = (True, False))
             o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
                                                            config=(64, 4, 2), schedule=schedule, segments=3)
             out[f"{len(lens)}seq/{schedule.value}/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
-        # The split form: W, Q', U, U' made in parallel, three GEMMs per chunk on the chain.
-        o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
-                                                       config=(64, 4, 2), schedule=triton_chunk.Schedule.PIPELINED,
-                                                       segments=3, form=triton_chunk.Form.SPLIT)
-        out[f"{len(lens)}seq/split-pipelined/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
         # The scores form: P made in parallel, loaded by the chain.
         o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
                                                        config=(64, 4, 2), schedule=triton_chunk.Schedule.PIPELINED,
@@ -110,11 +69,6 @@ def sequences(lens: list[int], out: dict, l2s: tuple[bool, ...] = (True, False))
                                                            schedule=triton_chunk.Schedule.SCAN, segments=3,
                                                            form=triton_chunk.Form.SCORES)
             out[f"{len(lens)}seq/scores-scan/l2={l2}"] = [rel(o, o_ref_s), rel(s, s_ref_s)]
-        # The other inverse path: one value head per program, k whole, the product-form inverse.
-        o, s = triton_chunk.chunk_gated_delta_rule_fwd(qq, kk, v, g, beta, K**-0.5, h0, True, cu, l2, False,
-                                                       config=(64, 4, 2), schedule=triton_chunk.Schedule.SERIAL,
-                                                       inverse=PRODUCT_FORM)
-        out[f"{len(lens)}seq/serial-product-form/l2={l2}"] = [rel(o, o_ref), rel(s, s_ref)]
 
 
 def half_precision(out: dict) -> None:
@@ -147,27 +101,6 @@ def half_precision(out: dict) -> None:
     out["fp16-k64-v96/scan"] = [rel(o, o_ref), rel(s.transpose(-1, -2), s_ref)]
 
 
-def whole_m_scan(out: dict) -> None:
-    """The scan kernel holding each start state in registers (`triton_chunk_scan.SCAN_WHOLE_M`), one sequence of
-    five chunks in three segments, slow gates (a start state carried wrongly shows)."""
-    T, H, HV, K = 300, 1, 2, 128
-    cu = torch.tensor([0, T])
-    q, k = (torch.randn(1, T, H, K).bfloat16() for _ in range(2))
-    v = torch.randn(1, T, HV, K).bfloat16()
-    g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV) + 7)
-    beta = torch.rand(1, T, HV)
-    h0 = torch.randn(1, HV, K, K) * 0.1
-    o_ref, s_ref = reference.chunk_reference(q, k, v, g, beta, K**-0.5, h0, True, cu, True)
-    triton_chunk_scan.SCAN_WHOLE_M = True
-    try:
-        o, s = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, K**-0.5, h0, True, cu, True, False,
-                                                       config=(64, 4, 2), schedule=triton_chunk.Schedule.SCAN,
-                                                       segments=3, form=triton_chunk.Form.SCORES)
-    finally:
-        triton_chunk_scan.SCAN_WHOLE_M = False
-    out["1seq/scores-scan-whole-m"] = [rel(o, o_ref), rel(s, s_ref)]
-
-
 # Two halves of about equal interpreter time (l2norm on or off, and the rest split between them), which
 # test_gdn_interpreted runs side by side: the interpreter is single-threaded and CI has two cores.
 def decode_tma(out: dict) -> None:
@@ -175,12 +108,12 @@ def decode_tma(out: dict) -> None:
     and a walk that wraps (more tiles than programs): [o error, state error] against the reference, then
     "decode-tma/vs-tile": the largest difference from the tile kernel on the same inputs (the same arithmetic, so
     zero), "decode-tma/untouched": 1.0 when layer 0, the pads' and the unused slots are bit for bit as before, and
-    "decode-tma/direct-store": 1.0 when the walk storing from registers leaves pool and output equal to it,
     "decode-tma/qkv-tma": 1.0 when reading q, k, v through tensor descriptors changes no bit, and
-    "decode-tma/mma": the largest difference from it of the probe's walk with its reductions on the tensor cores,
     "decode-rows/vs-tile": 1.0 when the row-looped kernel equals the tile kernel bit for bit at three configs.
     "decode-prefetch/vs-tile": the same for its register-prefetching form at every shipped config and two more."""
-    from hybridkv.kernels.gdn import triton_decode_tma, triton_recurrent
+    from hybridkv.kernels.gdn import decode_tma as triton_decode_tma
+    from hybridkv.kernels.gdn import fused_recurrent as triton_recurrent
+    from hybridkv.kernels.gdn import decode_kernels
 
     N, H, HV, K, V, slots = 5, 2, 4, 32, 64, 9
     q, k = torch.randn(N, H, K).bfloat16(), torch.randn(N, H, K).bfloat16()
@@ -199,7 +132,7 @@ def decode_tma(out: dict) -> None:
     out["decode-tma"] = [rel(o, o_ref), rel(pool[:, 1][idx[idx >= 0]], want[idx[idx >= 0]])]
     tile_pool = before.clone()
     o_tile = torch.empty_like(v)
-    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, K**-0.5,
+    decode_kernels._launch_tile((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, K**-0.5,
                                     True, True, 1.0, 20.0)
     out["decode-tma/vs-tile"] = max((o.float() - o_tile.float()).abs().max().item(),
                                     (pool.float() - tile_pool.float()).abs().max().item())
@@ -207,12 +140,6 @@ def decode_tma(out: dict) -> None:
     untouched[idx[idx >= 0]] = False
     same = torch.equal(pool[:, 0], before[:, 0]) and torch.equal(pool[untouched], before[untouched])
     out["decode-tma/untouched"] = float(same and torch.equal(o[1], torch.zeros_like(o[1])))
-    # The direct store (`Store.DIRECT`, a probe candidate) writes the same tiles from registers: equal bit for bit,
-    # the other layer and the pads' slots untouched too.
-    direct_pool, o_direct = before.clone(), torch.full_like(v, float("nan"))
-    triton_decode_tma.launch((32, 4, 2, 2), q, k, v, a, b, A_log, dt_bias, o_direct, direct_pool[:, 1], idx, K**-0.5,
-                             True, 1.0, 20.0, sms=3, store=triton_decode_tma.Store.DIRECT)
-    out["decode-tma/direct-store"] = float(torch.equal(direct_pool, pool) and torch.equal(o_direct, o))
     # q, k and v through tensor descriptors (`QKV.TMA`, a tuner candidate): the same values, so the same bits as the
     # walk's plain loads at the same config. K = 64 and BV 64 here: every row TMA stages must be 128 bytes.
     q64, k64 = torch.randn(N, H, 64).bfloat16(), torch.randn(N, H, 64).bfloat16()
@@ -227,7 +154,7 @@ def decode_tma(out: dict) -> None:
                                       and not torch.equal(plain_pool, pool64))
     # The row-looped kernel (`triton_decode_rows`): the tile kernel's arithmetic block by block; in the interpreter the
     # row sums do not depend on the layout, so the same bits, pads and the other layer untouched.
-    from hybridkv.kernels.gdn import triton_decode_rows
+    from hybridkv.kernels.gdn import decode_rows as triton_decode_rows
 
     same_rows = True
     for cfg in ((8, 64, 4, 3), (4, 32, 4, 3), (16, 128, 4, 2)):  # ROWS capped at V = 64: one program a head too
@@ -238,7 +165,7 @@ def decode_tma(out: dict) -> None:
     out["decode-rows/vs-tile"] = float(same_rows)
     # Its register-prefetching form (`triton_decode_prefetch`): the same blocks, the same arithmetic, so the same bits.
     # (8, 8, 1): one block a program, an odd count for the loop unrolled by two and nothing to prefetch past it.
-    from hybridkv.kernels.gdn import triton_decode_prefetch
+    from hybridkv.kernels.gdn import decode_prefetch as triton_decode_prefetch
 
     same_prefetch = True
     for cfg in (*triton_decode_prefetch.PREFETCH_CONFIGS, (8, 8, 1), (16, 32, 2)):
@@ -247,71 +174,19 @@ def decode_tma(out: dict) -> None:
                                       1.0, 20.0)
         same_prefetch &= torch.equal(pre_pool, tile_pool) and torch.equal(o_pre, o_tile)
     out["decode-prefetch/vs-tile"] = float(same_prefetch)
-    # The probe's walk with the row reductions on the tensor cores (tools/gdn/decode_probe.py, bf16 states): k and
-    # q split in three bf16 terms keep the fp32 arithmetic, so on these inputs it equals the shipped walk too.
-    from tools.gdn import decode_probe
-
-    mma_pool, o_mma = before.clone(), torch.full_like(v, float("nan"))
-    decode_probe.launch_tma_mma((32, 4, 2, 2), q, k, v, a, b, A_log, dt_bias, o_mma, mma_pool[:, 1], idx, sms=3)
-    out["decode-tma/mma"] = max((o_mma.float() - o.float()).abs().max().item(),
-                                (mma_pool.float() - pool.float()).abs().max().item())
-
-
-def scores_tma(out: dict) -> None:
-    """The scores form's TMA walk (`triton_chunk_scores_tma`) against the tile kernel on the same row scales: two key
-    heads of four value heads, groups of two and four, three sequences (the first with a partial last chunk followed by
-    an inf in the next one's first rows, which must stay out of the first's P), a walk that wraps (more tiles than
-    programs), and one sequence in a segment (rows row0 on, chunks c_lo <= i < c_hi). "scores-tma/g*": the largest
-    difference over the rows both write, then 1.0 where the TMA walk wrote exactly those rows (NaN elsewhere)."""
-    from hybridkv.kernels.gdn import triton_chunk_scores_tma
-    from hybridkv.kernels.gdn.triton_chunk_inverse import _chunk_scores_kernel
-
-    lens, H, HV, K = [100, 70, 64], 2, 8, 64
-    T = sum(lens)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    q, k = (torch.randn(1, T, H, K).bfloat16() for _ in range(2))
-    q[0, 100:102] = k[0, 100:102] = float("inf")
-    cu, table, _, NC = triton_chunk._chunk_tables(cu, 1, T, q.device)
-    R = torch.rand(NC, HV, 8, 64)
-    R[:, :, 4] = -torch.cumsum(0.05 * torch.rand(NC, HV, 64), -1)
-
-    def both(group, rows, row0=0, c_lo=0, c_hi=0, segmented=False, cu=cu, table=table, q=q, k=k):
-        P = [torch.full((NC, HV, 64, 64), float("nan"), dtype=torch.bfloat16) for _ in range(2)]
-        _chunk_scores_kernel[(rows, HV // group)](q, k, R, P[0], cu, table, row0, c_lo, c_hi, H, HV, K=K, BK=K,
-                                                  GROUP=group, SEGMENTED=segmented)
-        triton_chunk_scores_tma.launch(q, k, R, P[1], cu, table, rows, group, row0, c_lo, c_hi, segmented, sms=2,
-                                       config=(4, 2, 2))
-        written = ~P[0].isnan()
-        same_rows = float(torch.equal(written, ~P[1].isnan()))
-        # The inf's own sequence (1) is inf in both; the others must be finite and equal.
-        seq = torch.full((NC,), -1)
-        seq[:len(table)] = table[:, 0]
-        clear = (seq != 1)[:, None, None, None] & written
-        diff = (P[1].float() - P[0].float()).abs()[clear]
-        return (diff.max().item() if diff.isfinite().all() else float("inf"), same_rows)
-
-    for group in (2, 4):
-        out[f"scores-tma/g{group}"] = list(both(group, NC))
-    # One sequence of 230 tokens, chunks 1 and 2 of 4, as a pipelined call's segment.
-    q1, k1 = (torch.randn(1, 230, H, K).bfloat16() for _ in range(2))
-    one, one_table, _, _ = triton_chunk._chunk_tables(torch.tensor([0, 230]), 1, 230, q.device)
-    out["scores-tma/segment"] = list(both(4, 2, 1, 1, 3, True, one, one_table, q1, k1))
 
 
 PARTS = {
     "l2": lambda out: (sequences([400, 64, 30], out, (True,)), sequences([300], out, (True,)), half_precision(out),
                        decode_tma(out)),
     "no-l2": lambda out: (sequences([400, 64, 30], out, (False,)), sequences([300], out, (False,)),
-                          out.update(stacked_inverse()), whole_m_scan(out), scores_tma(out)),
+                          ),
 }
 
 
 def main(part: str) -> int:
     if part not in PARTS:
         raise ValueError(f"part must be one of {sorted(PARTS)}, got {part!r}")
-    # One sequence's scan by segment (the inverse and the summaries launched segment by segment): the
-    # one-sequence cases take that path, the three-sequence case (never by segment) the other.
-    triton_chunk_scan.BY_SEGMENT = True
     torch.manual_seed(0)
     out: dict = {}
     PARTS[part](out)

@@ -50,8 +50,11 @@ class _Recorder:
 _recorder = _Recorder(interpreter._interpreter)
 interpreter._interpreter = _recorder
 
-from hybridkv.kernels.gdn import (triton_decode_prefetch, triton_decode_rows, triton_decode_tma,  # noqa: E402
-                                  triton_recurrent)
+from hybridkv.kernels.gdn import decode_prefetch as triton_decode_prefetch
+from hybridkv.kernels.gdn import decode_rows as triton_decode_rows
+from hybridkv.kernels.gdn import decode_tma as triton_decode_tma
+from hybridkv.kernels.gdn import fused_recurrent as triton_recurrent
+from hybridkv.kernels.gdn import decode_kernels
 
 
 def _l2_addresses(pool: torch.Tensor) -> list[np.ndarray]:
@@ -96,7 +99,7 @@ def main() -> int:
     want = torch.zeros(slots, 2, HV, V, K, dtype=torch.int64)
     want[idx[idx >= 0], 1] = 1  # the decoded layer (1) of the live slots, once each
     want = want.reshape(-1).numpy()
-    launches = {f"tile {cfg}": lambda *x, cfg=cfg: triton_recurrent._launch_decode(
+    launches = {f"tile {cfg}": lambda *x, cfg=cfg: decode_kernels._launch_tile(
         cfg, *x, K**-0.5, True, True, 1.0, 20.0) for cfg in ((32, 4), (64, 8))}
     launches |= {f"rows {cfg}": lambda *x, cfg=cfg: triton_decode_rows.launch(cfg, *x, K**-0.5, True, 1.0, 20.0)
                  for cfg in triton_decode_rows.ROWS_CONFIGS}

@@ -50,7 +50,7 @@ _inline_asm = interpreter.InterpreterBuilder.create_inline_asm
 
 
 def _create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
-    from hybridkv.kernels.gdn.triton_decode_prefetch import L2_PREFETCH
+    from hybridkv.kernels.gdn.decode_prefetch import L2_PREFETCH
 
     if L2_PREFETCH not in asm:
         return _inline_asm(self, asm, constraints, values, types, is_pure, pack)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hybridkv.kernels.gdn.breakdown import Breakdown, render
+from hybridkv.benchmarks.gdn.breakdown import Breakdown, render
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -49,7 +49,9 @@ def test_bench_gdn_refuses_with_a_clear_error(args, message):
 
 def test_tuned_choices_name_each_self_tuning_kernel():
     pytest.importorskip("triton")
-    from hybridkv.kernels.gdn import bench, triton_chunk, triton_recurrent  # noqa: F401
+    from hybridkv.benchmarks.gdn import command as bench  # noqa: F401
+    from hybridkv.kernels.gdn import chunk as triton_chunk
+    from hybridkv.kernels.gdn import fused_recurrent as triton_recurrent
 
     tuned = bench._tuned_choices()
     assert set(tuned) == {"chunk state (H, HV, log2 work, K, V; BV, warps, stages)", "decode (kernel, config)"}
@@ -102,7 +104,7 @@ def faked_fla(monkeypatch):
 def test_fla_column_bypasses_the_flash_qla_dispatch_faked_fla_modules(faked_fla):
     import os
 
-    from hybridkv.kernels.gdn import baselines
+    from hybridkv.benchmarks.gdn import baselines
 
     assert baselines.fla_default_backend() == "flash_qla"  # what a plain FLA call would time
     loaded = baselines.load_fla_chunk()
@@ -118,14 +120,15 @@ def test_fla_column_bypasses_the_flash_qla_dispatch_faked_fla_modules(faked_fla)
     finally:
         del os.environ["FLA_FLASH_QLA"]
     # The probes' loader hands out the same function.
-    from hybridkv.kernels.gdn import bench_rows
+    from hybridkv.benchmarks.gdn import rows as bench_rows
 
     chunk, recurrent = bench_rows._load_fla(False)
     assert chunk() == "triton" and recurrent() == "recurrent"
 
 
 def test_fla_column_left_empty_when_the_switch_does_not_bypass_the_dispatch_faked_fla_modules(faked_fla):
-    from hybridkv.kernels.gdn import baselines, bench_rows
+    from hybridkv.benchmarks.gdn import baselines
+    from hybridkv.benchmarks.gdn import rows as bench_rows
 
     faked_fla.state["honours_switch"] = False  # a later FLA that renamed its switch
     loaded = baselines.load_fla_chunk()
@@ -137,7 +140,7 @@ def test_fla_column_left_empty_when_the_switch_does_not_bypass_the_dispatch_fake
 def test_flash_qla_is_called_through_its_own_api_with_auto_cp_faked_flash_qla_module(monkeypatch):
     import types
 
-    from hybridkv.kernels.gdn import baselines
+    from hybridkv.benchmarks.gdn import baselines
 
     seen = {}
     qla = types.ModuleType("flash_qla")
@@ -151,7 +154,7 @@ def test_flash_qla_is_called_through_its_own_api_with_auto_cp_faked_flash_qla_mo
 
 
 def test_flash_qla_absent_or_broken_leaves_its_column_empty(monkeypatch, tmp_path):
-    from hybridkv.kernels.gdn import baselines
+    from hybridkv.benchmarks.gdn import baselines
 
     monkeypatch.setitem(sys.modules, "flash_qla", None)  # not installed
     loaded = baselines.load_flash_qla()
@@ -167,7 +170,7 @@ def test_flash_qla_absent_or_broken_leaves_its_column_empty(monkeypatch, tmp_pat
 
 
 def test_prefill_shapes_are_issue_23s_table_and_shape_selection():
-    from hybridkv.kernels.gdn import bench_cases
+    from hybridkv.benchmarks.gdn import cases as bench_cases
 
     assert [s.label for s in bench_cases.PREFILL_SHAPES] == [
         "397B H=16 HV=64 1x8192", "397B H=16 HV=64 4x8192", "397B H=16 HV=64 1x32768", "397B TP8 H=2 HV=8 1x8192",
@@ -179,7 +182,7 @@ def test_prefill_shapes_are_issue_23s_table_and_shape_selection():
 
 
 def test_rotations_give_every_implementation_each_place_in_turn():
-    from hybridkv.kernels.gdn import bench_timing
+    from hybridkv.benchmarks.gdn import timing as bench_timing
 
     assert list(bench_timing._rotations(["a", "b", "c"], 4)) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
                                                           ["a", "b", "c"]]
@@ -193,7 +196,9 @@ def faked_cuda_on_cpu(monkeypatch):
     torch = pytest.importorskip("torch")
     import time
 
-    from hybridkv.kernels.gdn import bench, bench_cases, bench_timing
+    from hybridkv.benchmarks.gdn import command as bench
+    from hybridkv.benchmarks.gdn import cases as bench_cases
+    from hybridkv.benchmarks.gdn import timing as bench_timing
 
     class Event:
         def __init__(self, enable_timing: bool = False):
@@ -219,7 +224,7 @@ def faked_cuda_on_cpu(monkeypatch):
     monkeypatch.setattr(bench, "_copy_gbps", lambda iters: 1000.0)
     monkeypatch.setattr(bench_timing, "B2B_CALLS", 2)
     monkeypatch.setattr(bench_timing, "_flush_bytes", lambda: 1 << 16)
-    monkeypatch.setattr("hybridkv.kernels.gdn.bench_rows._flush_bytes", lambda: 1 << 16)
+    monkeypatch.setattr("hybridkv.benchmarks.gdn.rows._flush_bytes", lambda: 1 << 16)
     monkeypatch.setattr(bench_cases, "PREFILL_SHAPES",
                         (bench_cases.PrefillShape(model="tiny", H=1, HV=2, lens=(70,)),
                          bench_cases.PrefillShape(model="tiny", H=1, HV=2, lens=(40, 30))))
@@ -227,7 +232,7 @@ def faked_cuda_on_cpu(monkeypatch):
 
 
 def test_timed_calls_interleave_round_by_round_faked_cuda_on_cpu(faked_cuda_on_cpu):
-    from hybridkv.kernels.gdn import bench_timing
+    from hybridkv.benchmarks.gdn import timing as bench_timing
 
     log: list[str] = []
     fns = {name: (lambda name=name: log.append(name)) for name in ("a", "b", "c")}
@@ -243,7 +248,7 @@ def test_timed_calls_interleave_round_by_round_faked_cuda_on_cpu(faked_cuda_on_c
 def _bench_args(*args: str):
     import argparse
 
-    from hybridkv.kernels.gdn import bench
+    from hybridkv.benchmarks.gdn import command as bench
 
     parser = argparse.ArgumentParser()
     bench.register(parser)
@@ -256,7 +261,10 @@ def test_bench_checks_every_column_against_the_fp32_reference_faked_cuda_and_bas
 
     import torch
 
-    from hybridkv.kernels.gdn import baselines, bench_timing, bench_warmup, chunk_gated_delta_rule
+    from hybridkv.kernels.gdn import chunk_gated_delta_rule
+    from hybridkv.benchmarks.gdn import baselines
+    from hybridkv.benchmarks.gdn import timing as bench_timing
+    from hybridkv.benchmarks.gdn import warmup as bench_warmup
     from tests.kernels import flashinfer_contract
 
     bench = faked_cuda_on_cpu
@@ -314,7 +322,9 @@ def test_bench_checks_every_column_against_the_fp32_reference_faked_cuda_and_bas
 def test_bench_without_flash_qla_shows_its_columns_empty_faked_cuda(faked_cuda_on_cpu, monkeypatch, capsys):
     import json
 
-    from hybridkv.kernels.gdn import baselines, bench_rows, bench_timing
+    from hybridkv.benchmarks.gdn import baselines
+    from hybridkv.benchmarks.gdn import rows as bench_rows
+    from hybridkv.benchmarks.gdn import timing as bench_timing
 
     bench = faked_cuda_on_cpu
     monkeypatch.setattr(bench_timing, "B2B_ROUNDS", 1)
@@ -342,11 +352,12 @@ def test_bench_without_flash_qla_shows_its_columns_empty_faked_cuda(faked_cuda_o
 def test_warm_up_processes_feed_first_call_times_faked_subprocesses(monkeypatch):
     import subprocess
 
-    from hybridkv.kernels.gdn import bench_cases, bench_warmup
+    from hybridkv.benchmarks.gdn import cases as bench_cases
+    from hybridkv.benchmarks.gdn import warmup as bench_warmup
 
     class Proc:
         def __init__(self, cmd, **kw):
-            assert cmd[1:4] == ["-m", "hybridkv.kernels.gdn.bench_warmup", cmd[3]]
+            assert cmd[1:4] == ["-m", "hybridkv.benchmarks.gdn.warmup", cmd[3]]
             self.index = int(cmd[3])
             self.returncode = 0 if self.index != 2 else 1
 
@@ -373,7 +384,7 @@ def test_warm_up_processes_feed_first_call_times_faked_subprocesses(monkeypatch)
 
 
 def test_a_charged_time_at_or_below_zero_leaves_the_column_empty():
-    from hybridkv.kernels.gdn import bench_rows
+    from hybridkv.benchmarks.gdn import rows as bench_rows
 
     assert bench_rows._pct_of_copy(1_000_000, 0.0, 1000.0) is None
     assert bench_rows._pct_of_copy(1_000_000, -0.001, 1000.0) is None
@@ -390,7 +401,9 @@ def test_decode_rows_check_hybridkv_and_flashinfer_against_the_reference_faked_c
 
     import torch
 
-    from hybridkv.kernels.gdn import baselines, bench_cases, reference
+    from hybridkv.benchmarks.gdn import baselines
+    from hybridkv.benchmarks.gdn import cases as bench_cases
+    from hybridkv.kernels.gdn import naive as reference
     from tests.kernels import flashinfer_contract
 
     bench = faked_cuda_on_cpu
@@ -411,11 +424,11 @@ def test_decode_rows_check_hybridkv_and_flashinfer_against_the_reference_faked_c
     monkeypatch.setattr(baselines, "load_fla_recurrent", lambda: None)
     monkeypatch.setattr(baselines, "load_flashinfer_decode",
                         lambda: baselines.Loaded(name="flashinfer_decode", fn=fp32_only, note="faked decode"))
-    assert bench.run(_bench_args("--only", "decode", "--iters", "2", "--json")) == 0
+    assert bench.run(_bench_args("--only", "decode", "--iters", "2", "--json", "--pool", "vllm")) == 0
     blob = json.loads(capsys.readouterr().out)
     assert blob["flashinfer_decode"] and blob["flashinfer_decode_note"] == "faked decode"
     fp32, bf16 = blob["rows"]
-    assert (fp32["shape"], bf16["shape"]) == ("tiny H=1 HV=2 B=3 float32 state", "tiny H=1 HV=2 B=3 bfloat16 state")
+    assert (fp32["shape"], bf16["shape"]) == ("tiny HV=2 B=3 float32 vllm", "tiny HV=2 B=3 bfloat16 vllm")
     # Each started from the same pool as the reference: bf16 output rounding only (a step from an already-updated
     # pool would be off by the size of the state, ~0.1).
     for r in (fp32, bf16):
@@ -433,13 +446,13 @@ def test_decode_rows_check_hybridkv_and_flashinfer_against_the_reference_faked_c
     rows = [bench_rows_row(r, derived) for r in (fp32, bf16)]
     text = bench.render("header", rows, {})
     assert "decode: max |error| vs the fp32 reference" in text
-    line = next(line for line in text.splitlines() if line.startswith("tiny H=1 HV=2 B=3 bfloat16 state "))
-    assert line.split()[7] == line.split()[9] == "-"  # FlashInfer's output and state errors (after hybridkv's)
-    assert "  tiny H=1 HV=2 B=3 bfloat16 state: FlashInfer: RuntimeError: no kernel for this state dtype" in text
+    line = next(line for line in text.splitlines() if line.startswith("tiny HV=2 B=3 bfloat16 vllm "))
+    assert line.split()[6] == line.split()[8] == "-"  # FlashInfer's output and state errors (after hybridkv's)
+    assert "  tiny HV=2 B=3 bfloat16 vllm: FlashInfer: RuntimeError: no kernel for this state dtype" in text
 
 
 def bench_rows_row(blob_row: dict, derived: tuple[str, ...]):
-    from hybridkv.kernels.gdn import bench_rows
+    from hybridkv.benchmarks.gdn import rows as bench_rows
 
     return bench_rows.Row(**{k: (tuple(v) if k == "notes" else v) for k, v in blob_row.items() if k not in derived
                              or k == "notes"})

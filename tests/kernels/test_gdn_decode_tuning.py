@@ -9,8 +9,9 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("torch")
 
-from hybridkv.kernels.gdn import triton_recurrent as tr  # noqa: E402
-from hybridkv.kernels.gdn.triton_recurrent import DecodeChoice, DecodeKernel, DecodeTimings  # noqa: E402
+from hybridkv.kernels.gdn import decode_tune as tr  # noqa: E402
+from hybridkv.kernels.gdn.decode_kernels import DecodeChoice, DecodeKernel  # noqa: E402
+from hybridkv.kernels.gdn.decode_tune import DecodeTimings  # noqa: E402
 
 WALK = DecodeChoice(kernel=DecodeKernel.TMA, cfg=(64, 4, 4, 3), qkv_tma=True)
 PREFETCH = DecodeChoice(kernel=DecodeKernel.PREFETCH, cfg=(4, 128, 1))
@@ -63,7 +64,7 @@ def test_an_l2_prefetching_config_is_refused_for_a_pool_it_cannot_address():
     only for pools the TMA walk can take, which asks as much)."""
     import torch
 
-    from hybridkv.kernels.gdn import triton_decode_prefetch as tp
+    from hybridkv.kernels.gdn import decode_prefetch as tp
 
     N, H, HV, K, V = 2, 1, 2, 16, 16
     q = k = torch.zeros(N, H, K, dtype=torch.bfloat16)

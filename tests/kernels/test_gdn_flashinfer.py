@@ -11,7 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.kernels.gdn import baselines, flashinfer_args, reference  # noqa: E402
+from hybridkv.benchmarks.gdn import baselines  # noqa: E402
+from hybridkv.benchmarks.gdn import flashinfer_args
+from hybridkv.kernels.gdn import naive as reference
 from tests.kernels import flashinfer_contract  # noqa: E402
 
 

@@ -32,31 +32,18 @@ def test_chunk_kernels_in_the_interpreter_match_the_reference():
         assert proc.returncode == 0, err[-3000:]
         errors.update(json.loads(out.strip().splitlines()[-1]))
     assert set(errors) == {f"{n}seq/{s}/l2={l2}" for n in (3, 1)
-                           for s in ("serial", "pipelined", "split-pipelined", "scores-pipelined", "serial-product-form")
+                           for s in ("serial", "pipelined", "scores-pipelined")
                            for l2 in (True, False)} | {f"{n}seq/scores-scan/l2=True" for n in (3, 1)} | {
-                               f"fp16-k64-v96/{f}" for f in ("fused", "split", "scores", "scan")} | {
-                               "inverse-stacked/g4", "1seq/scores-scan-whole-m", "decode-tma", "decode-tma/vs-tile",
-                               "decode-tma/untouched", "decode-tma/direct-store", "decode-tma/qkv-tma",
-                               "decode-rows/vs-tile", "decode-prefetch/vs-tile",
-                               "decode-tma/mma", "scores-tma/g2", "scores-tma/g4", "scores-tma/segment"}
-    # The scores' TMA walk against the tile kernel (`interpreted_chunk.scores_tma`): the same q k^T and epilogue, so
-    # equal to rounding, on exactly the rows the tile kernel writes, with a neighbour's inf kept out.
-    for name in ("scores-tma/g2", "scores-tma/g4", "scores-tma/segment"):
-        diff, same_rows = errors.pop(name)
-        assert diff < 1e-2 and same_rows == 1.0, (name, diff, same_rows)
-    # The stacked inverse kernel against the shipped one: the same sums per head, so equal to rounding
-    # (a head's outputs written to another head's rows, or a row left unwritten, is an error of order 1).
-    assert errors.pop("inverse-stacked/g4")[0] < 1e-3
+                               f"fp16-k64-v96/{f}" for f in ("fused", "scores", "scan")} | {
+                               "decode-tma", "decode-tma/vs-tile", "decode-tma/untouched", "decode-tma/qkv-tma",
+                               "decode-rows/vs-tile", "decode-prefetch/vs-tile"}
     # The TMA decode walk does the tile kernel's arithmetic in the same order: equal bit for bit, pads, the
     # other layer and unused slots untouched, pads' outputs zero.
     assert errors.pop("decode-tma/vs-tile") == 0.0
     assert errors.pop("decode-tma/untouched") == 1.0
-    assert errors.pop("decode-tma/direct-store") == 1.0
     assert errors.pop("decode-tma/qkv-tma") == 1.0
     assert errors.pop("decode-rows/vs-tile") == 1.0
     assert errors.pop("decode-prefetch/vs-tile") == 1.0
-    # Another order of the same fp32 sums: at most a last-bit flip of a bf16 state or output.
-    assert errors.pop("decode-tma/mma") < 2e-3
     for name, (o_err, s_err) in errors.items():
         # bf16 inputs and GEMM operands, as on the GPU (the GPU tests' bound).
         assert o_err < 2e-2 and s_err < 2e-2, (name, o_err, s_err)
@@ -70,7 +57,9 @@ def test_decode_kernels_read_and_write_each_live_state_element_once_and_nothing_
     right and shows only here (the prefetching kernel with that block's mask removed: 768-3,072 elements read
     outside, 3,072-31,744 twice). The prefetching kernel's L2 prefetches (L2AHEAD) are recorded too: each asks only for
     rows its program goes on to read, each once."""
-    from hybridkv.kernels.gdn import triton_decode_prefetch, triton_decode_rows, triton_decode_tma
+    from hybridkv.kernels.gdn import decode_prefetch as triton_decode_prefetch
+    from hybridkv.kernels.gdn import decode_rows as triton_decode_rows
+    from hybridkv.kernels.gdn import decode_tma as triton_decode_tma
 
     script = Path(__file__).with_name("interpreted_decode_reads.py")
     root = str(Path(__file__).resolve().parents[2])

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from hybridkv.kernels.gdn import chunk_plan  # noqa: E402
-from hybridkv.kernels.gdn import triton_chunk as tc  # noqa: E402
+from hybridkv.kernels.gdn import chunk as tc  # noqa: E402
 
 
 SCORES, FUSED = tc.Form.SCORES, tc.Form.FUSED
@@ -41,31 +41,30 @@ def test_the_plan_follows_how_many_chain_programs_fill_the_sms(N, HV, want):
 ])
 def test_batches_the_triton_chain_would_take_autotuned_run_the_gluon_chain_where_it_can(N, HV, per_key, form):
     p = chunk_plan.plan(N, HV, 128, 128, 132, 128, gluon=True, heads_per_key=per_key)
-    assert p == chunk_plan.Plan(form=form, schedule=SERIAL, config=None, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
+    assert p == chunk_plan.Plan(form=form, schedule=SERIAL, config=None, gluon_chain=True)
     # where it cannot: Triton's chain, fused (its scores form was slower on batches)
     assert chunk_plan.plan(N, HV, 128, 128, 132, 128, heads_per_key=per_key) == chunk_plan.Plan(
         form=FUSED, schedule=SERIAL, config=None)
-    # a form the caller fixed is kept: the scores form on the Gluon chain, the split form on Triton's
+    # a form the caller fixed is kept
     assert chunk_plan.plan(N, HV, 128, 128, 132, 128, form=SCORES, gluon=True).form is SCORES
-    assert chunk_plan.plan(N, HV, 128, 128, 132, 128, form=tc.Form.SPLIT, gluon=True).gluon_chain is None
+    assert chunk_plan.plan(N, HV, 128, 128, 132, 128, form=FUSED, gluon=True).form is FUSED
 
 
 @pytest.mark.parametrize(("N", "HV", "chunks", "form"), [
     (1, 132, 128, None), (1, 8, 128, None), (1, 32, 128, None),  # prompts planned other than serial at BV=64
     (2, 16, 128, None), (33, 1, 128, None),  # pipelined batches too
     (4, 32, chunk_plan.PIPELINE_MIN_CHUNKS - 1, None),  # short batches: not measured
-    (4, 32, 128, tc.Form.SPLIT),  # the split form's W/U the Gluon chain does not take
 ])
 def test_the_gluon_chain_is_planned_for_long_fused_batches_and_serial_prompts_only(N, HV, chunks, form):
-    assert chunk_plan.plan(N, HV, 128, 128, 132, chunks, form=form, gluon=True).gluon_chain is None
+    assert not chunk_plan.plan(N, HV, 128, 128, 132, chunks, form=form, gluon=True).gluon_chain
 
 
 def test_a_prompt_of_many_value_heads_runs_its_scores_form_on_the_gluon_chain_where_it_can():
     """397B-shaped heads, one prompt: serial at BV=64 in the scores form, the chain in Gluon loading P."""
     p = chunk_plan.plan(1, 64, 128, 128, 132, 128, gluon=True)
     assert p == chunk_plan.Plan(form=SCORES, schedule=SERIAL, config=chunk_plan.ONE_PER_SM_CONFIG,
-                                gluon_chain=chunk_plan.PROMPT_GLUON_CHAIN)
-    assert chunk_plan.plan(1, 64, 128, 128, 132, 128).gluon_chain is None
+                                gluon_chain=True)
+    assert not chunk_plan.plan(1, 64, 128, 128, 132, 128).gluon_chain
 
 
 def test_four_byte_inputs_pipeline_at_two_stages_and_skip_the_bv64_plan():
@@ -96,14 +95,6 @@ def test_scan_segments_fill_one_wave_of_the_output_chain():
     assert chunk_plan.scan_segments(100, 132, 128) == 2  # never fewer than two
 
 
-def test_a_scan_refuses_the_split_form():
-    q = torch.zeros(1, 64, 1, 64)
-    v, g = torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1)
-    with pytest.raises(ValueError, match="scan.*split"):
-        tc.chunk_gated_delta_rule_fwd(q, q, v, g, g, 1.0, None, False, None, False, False, config=(32, 4, 2),
-                                      schedule=SCAN, form=tc.Form.SPLIT)
-
-
 def test_a_short_prompt_stays_serial_and_autotuned():
     fused = chunk_plan.Plan(form=FUSED, schedule=SERIAL, config=None)
     assert chunk_plan.plan(1, 32, 128, 128, 132, chunk_plan.PIPELINE_MIN_CHUNKS - 1) == fused
@@ -123,7 +114,6 @@ def test_the_callers_form_is_kept():
                                                                       config=(32, 4, 3))
     assert chunk_plan.plan(1, 64, 128, 128, 132, 128, form=FUSED) == chunk_plan.Plan(form=FUSED, schedule=SERIAL, config=None)
     assert chunk_plan.plan(4, 32, 128, 128, 132, 128, form=SCORES) == chunk_plan.Plan(form=SCORES, schedule=SERIAL, config=None)
-    assert chunk_plan.plan(1, 32, 128, 128, 132, 128, form=tc.Form.SPLIT).form is tc.Form.SPLIT
 
 
 def _inputs(T=200, H=2, HV=4):
@@ -134,15 +124,8 @@ def _inputs(T=200, H=2, HV=4):
 
 def test_a_form_that_is_not_a_form_is_refused_with_its_value():
     q, k, v, g, beta = _inputs()
-    with pytest.raises(ValueError, match="form must be a Form .*got 'split'"):
-        tc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, None, True, None, True, False, form="split")
-
-
-def test_the_split_form_refuses_a_single_stage_chain_with_its_config():
-    q, k, v, g, beta = _inputs()
-    with pytest.raises(ValueError, match=r"num_stages >= 2 .*got config \(32, 4, 1\)"):
-        tc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, None, True, None, True, False, config=(32, 4, 1),
-                                      form=tc.Form.SPLIT)
+    with pytest.raises(ValueError, match="form must be a Form .*got 'scores'"):
+        tc.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, None, True, None, True, False, form="scores")
 
 
 def test_a_bad_form_is_refused_before_an_empty_call_returns():
@@ -175,31 +158,18 @@ def test_segments_must_be_positive(segments):
     (4, 16, 16, 1),
 ])
 def test_inverse_groups_value_heads_of_one_key_head(group, H, HV, want):
-    from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
+    from hybridkv.kernels.gdn.inverse import InverseConfig
 
     got = InverseConfig(group=group).group_for(H, HV)
     assert got == want and (HV // H) % got == 0
 
 
-@pytest.mark.parametrize(("H", "HV", "want"), [(16, 64, 4), (16, 48, 1), (16, 96, 2), (2, 10, 1)])
-def test_a_stacked_inverse_group_is_a_power_of_two(H, HV, want):
-    """The stacked kernel indexes its heads with tl.arange, so its group is the largest power-of-two divisor
-    of HV / H up to the configured one: 27B's three value heads per key head go one by one, six go two by two."""
-    from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
+@pytest.mark.parametrize(("bad", "match"), [(dict(group=0), "group must be an int >= 1, got 0"),
+                                            (dict(gluon=1), "gluon must be a bool, got 1")])
+def test_a_bad_inverse_config_is_refused_with_its_values(bad, match):
+    from hybridkv.kernels.gdn.inverse import InverseConfig
 
-    got = InverseConfig(group=4, stacked=True).group_for(H, HV)
-    assert got == want and (HV // H) % got == 0 and got & (got - 1) == 0
-
-
-@pytest.mark.parametrize("bad", [dict(group=0), dict(bkc=48), dict(warps=3), dict(stages=0), dict(method=2),
-                                 dict(prec="fp16"), dict(merge_prec="bf16"), dict(loads_ahead=True),
-                                 dict(scores=True),  # the scores are made from the Gluon kernel's loads ahead
-                                 dict(method=0, merge_prec="tf32", gluon=True, scores=True),
-                                 dict(method=0, merge_prec="tf32", gluon=True, warps=8)])  # Gluon: 2 or 4 warps
-def test_a_bad_inverse_config_is_refused_with_its_values(bad):
-    from hybridkv.kernels.gdn.triton_chunk_inverse import InverseConfig
-
-    with pytest.raises(ValueError, match="bad inverse config InverseConfig"):
+    with pytest.raises(ValueError, match=match):
         InverseConfig(**bad)
 
 
@@ -214,13 +184,11 @@ def test_a_bad_inverse_config_is_refused_with_its_values(bad):
     ("cpu", None, "torch.bfloat16", 128, False),  # no Gluon interpreter: CI's path stays the Triton kernel
 ])
 def test_the_default_inverse_is_the_gluon_kernel_on_hopper_only(device, capability, dtype, K, gluon):
-    from hybridkv.kernels.gdn.triton_chunk_inverse import GLUON_INVERSE_CONFIG, INVERSE_CONFIG, default_inverse
+    from hybridkv.kernels.gdn.inverse import GLUON_INVERSE_CONFIG, INVERSE_CONFIG, default_inverse
 
     got = default_inverse(device, capability, dtype, K)
     assert got == (GLUON_INVERSE_CONFIG if gluon else INVERSE_CONFIG)
     assert got.gluon == gluon
-    # On Hopper the inverse makes a scores-form call's P itself; the Triton kernel leaves it to the scores kernel.
-    assert got.scores == got.loads_ahead == gluon
     # A Triton whose Gluon lacks what the kernel uses (older than the 3.6 it was written against): Triton's kernel.
     assert default_inverse(device, capability, dtype, K, gluon_ready=False) == INVERSE_CONFIG
 
@@ -230,11 +198,10 @@ def test_the_default_inverse_is_the_gluon_kernel_on_hopper_only(device, capabili
     ({"capability": (8, 0)}, False), ({"capability": (10, 0)}, False), ({"capability": None}, False),  # wgmma: sm_90
     ({"dtype": "torch.float16"}, False), ({"dtype": "torch.float32"}, False),  # its TMA boxes and GEMMs are bf16
     ({"K": 64}, False), ({"V": 256}, False),  # written for K = V = 128
-    ({"form": FUSED}, True), ({"form": SCORES}, True), ({"form": tc.Form.SPLIT}, False),  # it takes no W/U
     ({"gluon_ready": False}, False),
 ])
 def test_only_bf16_calls_on_hopper_may_be_planned_onto_the_gluon_chain(change, fits):
-    base = dict(capability=(9, 0), dtype="torch.bfloat16", K=128, V=128, form=None, gluon_ready=True)
+    base = dict(capability=(9, 0), dtype="torch.bfloat16", K=128, V=128, gluon_ready=True)
     assert chunk_plan.gluon_chain_fits(**{**base, **change}) is fits
 
 
@@ -248,57 +215,42 @@ def test_the_gluon_inverse_is_refused_where_it_cannot_run_faked_cuda_tensor():
     operands): a ValueError naming the value, before any kernel runs."""
     import dataclasses
 
-    inverse = dataclasses.replace(tc.INVERSE_CONFIG, gluon=True)
+    from hybridkv.kernels.gdn.inverse import GLUON_INVERSE_CONFIG as inverse
     q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
     v = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
     g, beta = torch.zeros(1, 64, 2), torch.zeros(1, 64, 2)
     with pytest.raises(ValueError, match="the Gluon inverse runs on a CUDA GPU only, got q on cpu"):
         tc.chunk_gated_delta_rule_fwd(q, q, v, g, beta, 1.0, None, False, None, True, False, inverse=inverse)
-    from hybridkv.kernels.gdn import gluon_chunk_inverse
+    from hybridkv.kernels.gdn.gluon import inverse as gluon_chunk_inverse
 
     class Cuda:  # only the attributes `launch` reads before it refuses
         is_cuda, dtype, shape = True, torch.float32, (1, 64, 1, 128)
 
     with pytest.raises(ValueError, match="takes bf16 or fp16 q and k, got torch.float32 and torch.float32"):
         gluon_chunk_inverse.launch(Cuda(), Cuda(), g, beta, None, None, None, None, None, 1, 1.0, True)
-    with pytest.raises(ValueError, match="gluon and stacked are two different kernels"):
-        dataclasses.replace(tc.INVERSE_CONFIG, gluon=True, stacked=True)
-    with pytest.raises(ValueError, match="got method=1, merge_prec='tf32'$"):
-        dataclasses.replace(tc.INVERSE_CONFIG, gluon=True, method=1)
-    with pytest.raises(ValueError, match="got method=0, merge_prec='tf32x3'$"):
-        dataclasses.replace(tc.INVERSE_CONFIG, gluon=True, merge_prec="tf32x3")
 
 
 def test_the_gluon_chain_is_refused_where_it_cannot_run():
-    """`gluon_chain=GluonChain(...)` outside what it was written for (serial calls of the fused form, on a CUDA GPU)
-    or badly configured: a ValueError naming the value, before any kernel runs."""
+    """`gluon_chain=True` outside what it was written for (serial calls on a CUDA GPU) or not a bool: a ValueError
+    naming the value, before any kernel runs."""
     q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
     v = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
     g, beta = torch.zeros(1, 64, 2), torch.zeros(1, 64, 2)
     args = (q, q, v, g, beta, 1.0, None, False, None, True, False)
-    chain = tc.GluonChain()
-    with pytest.raises(ValueError,
-                       match="the Gluon chain runs serial calls of the fused or scores form, got schedule pipelined"):
-        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=chain, schedule=PIPELINED, config=(32, 4, 3))
-    with pytest.raises(ValueError, match="got schedule serial and form split"):
-        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=chain, form=tc.Form.SPLIT)
+    with pytest.raises(ValueError, match="the Gluon chain runs serial calls, got schedule pipelined"):
+        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True, schedule=PIPELINED, config=(32, 4, 3))
     with pytest.raises(ValueError, match="the Gluon chain runs on a CUDA GPU only, got q on cpu"):
-        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=tc.GluonChain(overlap=1, rows=64))
-    with pytest.raises(ValueError, match="gluon_chain must be a GluonChain or None, got True"):
         tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=True)
-    with pytest.raises(ValueError,
-                       match=r"bad Gluon chain GluonChain\(overlap=3, rows=128, staged_scales=False\): overlap 0, 1 or 2"):
-        tc.GluonChain(overlap=3)
-    with pytest.raises(ValueError, match=r"bad Gluon chain GluonChain\(overlap=0, rows=32, staged_scales=False\)"):
-        tc.GluonChain(rows=32)
-    with pytest.raises(ValueError, match=r"staged_scales=1\): .* staged_scales True or False"):
-        tc.GluonChain(staged_scales=1)
+    with pytest.raises(ValueError, match="gluon_chain must be True, False or None, got 1"):
+        tc.chunk_gated_delta_rule_fwd(*args, gluon_chain=1)
+    with pytest.raises(ValueError, match="inverse must be an InverseConfig or None, got 'gluon'"):
+        tc.chunk_gated_delta_rule_fwd(*args, inverse="gluon")
 
 
 def test_the_summaries_follow_a_wide_output_chain_where_heads_are_few():
     """397B TP8 (8 value heads): the output chain at BV=64 over eight segments, and the summaries at BV=64 beside it;
     more heads keep the many-heads summary, a BV=32 chain the few-heads one."""
-    from hybridkv.kernels.gdn import triton_chunk_scan
+    from hybridkv.kernels.gdn import chunk_scan as triton_chunk_scan
 
     p = chunk_plan.plan(1, 8, 128, 128, 132, 128)
     assert chunk_plan.scan_segments(128 // p.config[0] * 8, 132, 128) == 8
@@ -319,18 +271,11 @@ def test_programmatic_dependent_launches_are_for_cuda_gpus_only(monkeypatch):
     assert not pdl.enabled(torch.device("cuda", 0))  # decided before the device is asked
 
 
-def test_a_decode_store_that_is_not_a_store_is_refused_with_its_value():
-    from hybridkv.kernels.gdn import triton_decode_tma
-
-    with pytest.raises(ValueError, match="store must be a triton_decode_tma.Store, got 'direct'"):
-        triton_decode_tma.launch((64, 4, 4, 3), *([None] * 10), 1.0, True, 1.0, 20.0, store="direct")
-
-
 def test_qkv_by_tma_is_refused_where_a_stage_of_v_would_be_misaligned():
     """`QKV.TMA` stages a v row of BV elements per tile: BV 32 of bf16 is 64 bytes, which would misalign every other
     stage (the Gluon ring walk faulted so on an H200), so the launch is refused with the value before any kernel; and a
     qkv that is not a `QKV` is refused with its value."""
-    from hybridkv.kernels.gdn import triton_decode_tma
+    from hybridkv.kernels.gdn import decode_tma as triton_decode_tma
 
     q, k = torch.zeros(4, 2, 128, dtype=torch.bfloat16), torch.zeros(4, 2, 128, dtype=torch.bfloat16)
     v = torch.zeros(4, 4, 128, dtype=torch.bfloat16)
@@ -341,7 +286,7 @@ def test_qkv_by_tma_is_refused_where_a_stage_of_v_would_be_misaligned():
     short = (torch.zeros(4, 2, 32, dtype=torch.bfloat16), torch.zeros(4, 2, 32, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="K \\* 2 bytes to be a multiple of 128, got K=32"):
         triton_decode_tma.launch((64, 4, 4, 3), *short, *args[2:], sms=1, qkv=triton_decode_tma.QKV.TMA)
-    with pytest.raises(ValueError, match="qkv must be a triton_decode_tma.QKV, got 'tma'"):
+    with pytest.raises(ValueError, match="qkv must be a decode_tma.QKV, got 'tma'"):
         triton_decode_tma.launch((64, 4, 4, 3), *args, sms=1, qkv="tma")
     odd = torch.zeros(4 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 2, 128)  # a 2-byte offset: no descriptor
     with pytest.raises(ValueError, match="needs q as \\[N, heads, D\\]"):
@@ -352,7 +297,7 @@ def test_qkv_by_tma_is_a_candidate_only_where_a_descriptor_takes_q_k_and_v():
     """The tuner offers `QKV.TMA` forms only where `qkv_describable` holds, and a call whose tensors it does not hold
     for takes the loads (same bits): contiguous rows with a 128-byte v row at the config's BV (capped at V), a
     16-byte aligned base, [N, heads, D]."""
-    from hybridkv.kernels.gdn import triton_decode_tma
+    from hybridkv.kernels.gdn import decode_tma as triton_decode_tma
 
     q, k = torch.zeros(4, 2, 128, dtype=torch.bfloat16), torch.zeros(4, 2, 128, dtype=torch.bfloat16)
     v = torch.zeros(4, 4, 128, dtype=torch.bfloat16)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.kernels.gdn import reference, seq_groups
+from hybridkv.kernels.gdn import seq_groups
+from hybridkv.kernels.gdn import naive as reference
 
 
 def _inputs(B, T, H=2, HV=4, D=16, seed=0):

@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from hybridkv.kernels.gdn.inverse import INVERSE_CONFIG  # noqa: E402
 from hybridkv.kernels.gdn import (  # noqa: E402
     causal_conv1d_fn,
     causal_conv1d_update,
@@ -18,13 +19,14 @@ from hybridkv.kernels.gdn import (  # noqa: E402
     fused_recurrent_gated_delta_rule,
     gated_delta_rule_decode,
 )
-from hybridkv.kernels.gdn import reference as ref  # noqa: E402
-from hybridkv.kernels.gdn import (  # noqa: E402
-    triton_decode_prefetch,
-    triton_decode_rows,
-    triton_decode_tma,
-    triton_recurrent,
-)
+from hybridkv.kernels.gdn import naive as ref  # noqa: E402
+from hybridkv.kernels.gdn import decode_prefetch as triton_decode_prefetch
+from hybridkv.kernels.gdn import decode_rows as triton_decode_rows
+from hybridkv.kernels.gdn import decode_tma as triton_decode_tma
+from hybridkv.kernels.gdn import fused_recurrent as triton_recurrent
+from hybridkv.kernels.gdn import decode
+from hybridkv.kernels.gdn import decode_tune
+from hybridkv.kernels.gdn import decode_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -119,7 +121,7 @@ STATE_CONFIGS = ((64, 4, 2), (64, 8, 2), (64, 4, 1), (32, 4, 2), (128, 8, 2))
 @pytest.mark.parametrize(("lens", "H", "HV", "batch"), [PREFILL[0], PREFILL[6], PREFILL[7]])
 def test_every_state_config_matches_reference(config, lens, H, HV, batch):
     """Every configuration the state kernel's autotuner may pick, v-first too."""
-    from hybridkv.kernels.gdn import triton_chunk
+    from hybridkv.kernels.gdn import chunk as triton_chunk
 
     assert triton_chunk.STATE_CONFIGS == STATE_CONFIGS
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=3)
@@ -156,28 +158,6 @@ def test_chunk_with_identical_keys_no_decay_full_beta():
     assert st_err < 5e-2
 
 
-@pytest.mark.parametrize("warps", [2, 4])
-@pytest.mark.parametrize(("lens", "H", "HV", "batch"), [PREFILL[1], PREFILL[4], PREFILL[6], PREFILL[7]])
-def test_stacked_inverse_matches_reference(warps, lens, H, HV, batch):
-    """The inverse with a group's value heads side by side (`InverseConfig.stacked`, opt-in until measured
-    faster), in serial calls, and on the worst case of the test above."""
-    import dataclasses
-
-    from hybridkv.kernels.gdn import triton_chunk
-
-    inverse = dataclasses.replace(triton_chunk.INVERSE_CONFIG, stacked=True, warps=warps)
-    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=4)
-    N = batch or len(lens)
-    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
-    o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
-                                                    config=(64, 4, 2), inverse=inverse)
-    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
-    assert rel_err(o, o_ref) < 2e-2 and rel_err(st, st_ref) < 2e-2
-    o_err, st_err = worst_case_errors(lambda q, k, v, g, beta, cu: triton_chunk.chunk_gated_delta_rule_fwd(
-        q, k, v, g, beta, 128**-0.5, None, True, cu, True, False, config=(64, 4, 2), inverse=inverse))
-    assert o_err < 5e-2 and st_err < 5e-2
-
-
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("l2norm", [True, False])
 @pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
@@ -192,9 +172,9 @@ def test_gluon_inverse_matches_the_reference_and_the_triton_inverse(lens, H, HV,
     norm the keys come normalized, as a model that asks for none passes them."""
     import dataclasses
 
-    from hybridkv.kernels.gdn import triton_chunk
+    from hybridkv.kernels.gdn import chunk as triton_chunk
 
-    inverse = dataclasses.replace(triton_chunk.INVERSE_CONFIG, gluon=True, group=group)
+    inverse = dataclasses.replace(INVERSE_CONFIG, gluon=True, group=group)
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=7, unit=not l2norm)
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
@@ -202,7 +182,7 @@ def test_gluon_inverse_matches_the_reference_and_the_triton_inverse(lens, H, HV,
     o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm, False,
                                                     inverse=inverse, **call)
     o_tri, st_tri = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu,
-                                                            l2norm, False, inverse=triton_chunk.INVERSE_CONFIG,
+                                                            l2norm, False, inverse=INVERSE_CONFIG,
                                                             **call)
     assert rel_err(o, o_tri) < 5e-3 and rel_err(st, st_tri) < 5e-3
     if sum(lens) * (batch or 1) <= 4096:
@@ -219,59 +199,24 @@ def test_gluon_inverse_in_a_segmented_call_equals_the_triton_inverse(schedule):
     and final state as with the Triton inverse, to rounding."""
     import dataclasses
 
-    from hybridkv.kernels.gdn import triton_chunk
+    from hybridkv.kernels.gdn import chunk as triton_chunk
 
-    inverse = dataclasses.replace(triton_chunk.INVERSE_CONFIG, gluon=True)
+    inverse = dataclasses.replace(INVERSE_CONFIG, gluon=True)
     q, k, v, g, beta, cu = make([3000], 2, 8, seed=8, slow=True)
     call = dict(config=(32, 4, 3), schedule=triton_chunk.Schedule(schedule), segments=3)
     got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
                                                   inverse=inverse, **call)
     want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False,
-                                                   inverse=triton_chunk.INVERSE_CONFIG, **call)
+                                                   inverse=INVERSE_CONFIG, **call)
     assert rel_err(got[0], want[0]) < 5e-3 and rel_err(got[1], want[1]) < 5e-3
 
 
-@pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize(("lens", "H", "HV", "batch", "l2norm", "schedule"), [
-    pytest.param([200, 64, 1000, 7], 2, 8, None, True, "serial", id="varlen-ragged"),
-    pytest.param([300], 4, 16, 2, False, "serial", id="batch-2x300-no-l2"),
-    pytest.param([3000], 2, 8, None, True, "pipelined", id="segmented-3000"),
-    pytest.param([8192], 16, 32, 2, True, "serial", id="35B-2x8192"),
-])
-def test_gluon_inverse_with_its_loads_ahead_equals_the_shipped_one(lens, H, HV, batch, l2norm, schedule, group):
-    """`InverseConfig(loads_ahead=True)`: k and q loaded whole, k's slabs read from one shared tile. The gram's
-    products are the same in the same order, so without the kernel's l2 norm the call is bit for bit the shipped
-    one's; with it, q's squared norms are summed in another order: rounding only, which flips the last bit of a few
-    bf16 outputs (relative error 1.0-1.3e-5 on the H200; the Gluon and Triton inverses differ by up to 5e-3)."""
-    import dataclasses
-
-    from hybridkv.kernels.gdn import triton_chunk
-    from hybridkv.kernels.gdn.triton_chunk_inverse import GLUON_INVERSE_CONFIG
-
-    shipped = dataclasses.replace(GLUON_INVERSE_CONFIG, group=group, loads_ahead=False, scores=False)
-    ahead = dataclasses.replace(shipped, loads_ahead=True)
-    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=9, unit=not l2norm)
-    N = batch or len(lens)
-    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
-    call = dict(config=(32, 4, 3) if schedule == "pipelined" else (64, 4, 2),
-                schedule=triton_chunk.Schedule(schedule), **({"segments": 3} if schedule == "pipelined" else {}))
-    got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm, False,
-                                                  inverse=ahead, **call)
-    want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm, False,
-                                                   inverse=shipped, **call)
-    assert not got[0].isnan().any() and not got[1].isnan().any()
-    if l2norm:
-        assert rel_err(got[0], want[0]) < 1e-4 and rel_err(got[1], want[1]) < 1e-4
-    else:
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-def _inverse_outputs(q, k, g, beta, cu, l2norm, group, scores_in_inverse, warps=2, maxnreg=None):
-    """A, R, G and the scores form's P of every live chunk row: made by the Gluon inverse with loads ahead (on
-    ``warps`` warps, under ``maxnreg``), and P by it (``scores_in_inverse``, `InverseConfig.scores`) or by the scores
-    kernel after it."""
-    from hybridkv.kernels.gdn import gluon_chunk_inverse, triton_chunk
-    from hybridkv.kernels.gdn.triton_chunk_inverse import SCORES_WARPS, _chunk_scores_kernel
+def _inverse_outputs(q, k, g, beta, cu, l2norm, group, scores_in_inverse):
+    """A, R, G and the scores form's P of every live chunk row: made by the Gluon inverse, and P by it
+    (``scores_in_inverse``) or by the scores kernel after it."""
+    from hybridkv.kernels.gdn.gluon import inverse as gluon_chunk_inverse
+    from hybridkv.kernels.gdn import chunk as triton_chunk
+    from hybridkv.kernels.gdn.inverse import SCORES_WARPS, _chunk_scores_kernel
 
     B, T, H, K = q.shape
     HV = beta.shape[-1]
@@ -280,8 +225,8 @@ def _inverse_outputs(q, k, g, beta, cu, l2norm, group, scores_in_inverse, warps=
     P = q.new_empty((NC, HV, 64, 64))
     R = q.new_empty((NC, HV, triton_chunk._NROW, 64), dtype=torch.float32)
     G = q.new_empty((NC, HV), dtype=torch.float32)
-    gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, table, NC, 128**-0.5, l2norm, group, maxnreg=maxnreg,
-                               loads_ahead=True, P=P if scores_in_inverse else None, warps=warps)
+    gluon_chunk_inverse.launch(q, k, g, beta, A, R, G, cu, table, NC, 128**-0.5, l2norm, group,
+                               P=P if scores_in_inverse else None)
     if not scores_in_inverse:
         _chunk_scores_kernel[(NC, HV // group)](q, k, R, P, cu, table, 0, 0, 0, H, HV, K=K, BK=K, GROUP=group,
                                                 SEGMENTED=False, num_warps=SCORES_WARPS, num_stages=1)
@@ -296,7 +241,7 @@ def _inverse_outputs(q, k, g, beta, cu, l2norm, group, scores_in_inverse, warps=
     pytest.param([8192], 16, 64, 2, True, id="397B-2x8192"),
 ])
 def test_gluon_inverse_makes_the_scores_kernels_scores(lens, H, HV, batch, l2norm, group):
-    """`InverseConfig(scores=True)`: the inverse's own P against the scores kernel's from the same R, every element
+    """The Gluon inverse's own P against the scores kernel's from the same R, every element
     (rows past a sequence's end included, zero in both), to the rounding of q k^T's sums (mma.sync here, the scores
     kernel's dot there); A, R and G bit for bit those of the inverse without the scores."""
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=10, unit=not l2norm)
@@ -309,27 +254,6 @@ def test_gluon_inverse_makes_the_scores_kernels_scores(lens, H, HV, batch, l2nor
     assert not torch.triu(p_got.float(), 1).any()  # the causal mask
 
 
-@pytest.mark.parametrize(("group", "maxnreg"), [(1, None), (2, 168), (4, 168), (4, 128)])
-@pytest.mark.parametrize(("lens", "H", "HV", "batch", "l2norm"), [
-    pytest.param([200, 64, 1000, 7, 1], 2, 8, None, True, id="varlen-ragged"),
-    pytest.param([300], 4, 16, 2, False, id="batch-2x300-no-l2"),
-    pytest.param([8192], 16, 64, 2, True, id="397B-2x8192"),
-])
-def test_gluon_inverse_on_four_warps_equals_two(lens, H, HV, batch, l2norm, group, maxnreg):
-    """`InverseConfig(warps=4)`: the Gluon inverse's tiles split over four warps (its substitution done twice over),
-    under the register caps the scan probe times (168: three programs per SM; 128: four, spilling 120 B): A, R, G and
-    P against the two-warp kernel's, every live element, to rounding (the same products; a sum may be split another
-    way), P's causal mask kept."""
-    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=12, unit=not l2norm)
-    got = _inverse_outputs(q, k, g, beta, cu, l2norm, group, True, warps=4, maxnreg=maxnreg)
-    want = _inverse_outputs(q, k, g, beta, cu, l2norm, group, True)
-    for name, x, y in zip("ARGP", got, want):
-        live = ~torch.isnan(y)  # R's last row is written by neither
-        assert torch.equal(torch.isnan(x), ~live), name
-        assert rel_err(x[live], y[live]) < 1e-3, name
-    assert not torch.triu(got[3].float(), 1).any()
-
-
 @pytest.mark.parametrize(("lens", "H", "HV", "batch", "schedule", "dtype"), [
     pytest.param([200, 64, 1000, 7], 2, 8, None, "serial", torch.bfloat16, id="varlen-ragged"),
     pytest.param([3000], 2, 8, None, "pipelined", torch.bfloat16, id="segmented-3000"),
@@ -338,26 +262,24 @@ def test_gluon_inverse_on_four_warps_equals_two(lens, H, HV, batch, l2norm, grou
     pytest.param([8192], 16, 32, 2, "gluon", torch.bfloat16, id="35B-2x8192-gluon-chain"),
 ])
 def test_scores_form_with_the_scores_in_the_inverse_equals_the_scores_kernels(lens, H, HV, batch, schedule, dtype):
-    """Whole scores-form calls with P made by the inverse (`InverseConfig.scores`) against the same calls with the
+    """Whole scores-form calls with P made by the Gluon inverse against the same calls with the Triton inverse and the
     scores kernel, in every schedule that runs the scores form, and on the batch plan's Gluon chain: equal to the
     rounding of P; and against the reference where it is small enough to run. fp16: a prompt planned in the scores
     form takes the Gluon inverse (16-bit q and k) and so its P in fp16."""
-    import dataclasses
-
-    from hybridkv.kernels.gdn import chunk_plan, triton_chunk
-    from hybridkv.kernels.gdn.triton_chunk_inverse import GLUON_INVERSE_CONFIG
+    from hybridkv.kernels.gdn import chunk as triton_chunk
+    from hybridkv.kernels.gdn.inverse import GLUON_INVERSE_CONFIG, INVERSE_CONFIG
 
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=11, slow=schedule != "serial", dtype=dtype)
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
     call = dict(form=triton_chunk.Form.SCORES)
     if schedule == "gluon":
-        call.update(schedule=triton_chunk.Schedule.SERIAL, gluon_chain=chunk_plan.BATCH_GLUON_CHAIN)
+        call.update(schedule=triton_chunk.Schedule.SERIAL, gluon_chain=True)
     else:
         call.update(schedule=triton_chunk.Schedule(schedule), config=(64, 4, 2) if schedule == "serial" else (32, 4, 3),
                     **({} if schedule == "serial" else {"segments": 3}))
-    with_scores = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=True)
-    without = dataclasses.replace(GLUON_INVERSE_CONFIG, scores=False)
+    with_scores = GLUON_INVERSE_CONFIG
+    without = INVERSE_CONFIG  # the Triton inverse, then the scores kernel
     got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
                                                   inverse=with_scores, **call)
     want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
@@ -375,20 +297,20 @@ def test_scores_form_with_the_scores_in_the_inverse_equals_the_scores_kernels(le
     pytest.param([8192], 16, 64, 2, True, id="397B-2x8192"),
 ])
 def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, batch, l2norm, gluon_inverse):
-    """The Gluon chain (`gluon_chain=GluonChain()`, the whole state per program), after either inverse: against the
+    """The Gluon chain (`gluon_chain=True`), after either inverse: against the
     reference and against the Triton chain after the same inverse, from an initial state, with the final state.
     Ragged sequences check what its 64-row TMA boxes read past a sequence's end (the next sequence's rows) reaches
     neither o nor the state."""
     import dataclasses
 
-    from hybridkv.kernels.gdn import triton_chunk
+    from hybridkv.kernels.gdn import chunk as triton_chunk
 
-    inverse = dataclasses.replace(triton_chunk.INVERSE_CONFIG, gluon=gluon_inverse)
+    inverse = dataclasses.replace(INVERSE_CONFIG, gluon=gluon_inverse)
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=9, slow=True, unit=not l2norm)
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
     o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm, False,
-                                                    inverse=inverse, gluon_chain=triton_chunk.GluonChain())
+                                                    inverse=inverse, gluon_chain=True)
     o_tri, st_tri = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, l2norm,
                                                             False, config=(64, 4, 2), inverse=inverse)
     assert rel_err(o, o_tri) < 1e-2 and rel_err(st, st_tri) < 1e-2
@@ -398,59 +320,27 @@ def test_gluon_chain_matches_the_reference_and_the_triton_chain(lens, H, HV, bat
     # A V-first state (hybridkv's pool layout) is the transposed view of the same numbers.
     h0_vf = h0.transpose(-1, -2).contiguous()
     o_vf, st_vf = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0_vf, True, cu, l2norm, True,
-                                                          inverse=inverse, gluon_chain=triton_chunk.GluonChain())
+                                                          inverse=inverse, gluon_chain=True)
     assert torch.equal(o_vf, o) and torch.equal(st_vf, st.transpose(-1, -2))
 
 
-@pytest.mark.parametrize(("overlap", "rows", "staged"), [(1, 128, False), (2, 128, False), (0, 64, False),
-                                                      (1, 64, False), (2, 64, False), (0, 128, True), (1, 64, True)])
-@pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
-    pytest.param([150, 64, 1000, 7], 2, 8, None, id="varlen-ragged"),
-    pytest.param([8192], 16, 64, 2, id="397B-2x8192"),
-])
-def test_gluon_chain_variants_equal_the_synchronous_whole_state_chain(lens, H, HV, batch, overlap, rows, staged):
-    """`GluonChain(overlap, rows, staged_scales)`: the wgmmas in flight together (overlap), half the state's value rows
-    per program (rows=64) and the row scales by TMA (staged): the same products as the synchronous whole-state kernel,
-    so the same output and final state to rounding, from an initial state, V-first too; against the reference where it
-    is cheap. Ragged sequences check that a half-state program reads, zeroes and writes only its own 64 columns of v, o
-    and the state."""
-    from hybridkv.kernels.gdn import triton_chunk
-
-    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=12, slow=True)
-    N = batch or len(lens)
-    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
-    call = (q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
-    chain = triton_chunk.GluonChain(overlap=overlap, rows=rows, staged_scales=staged)
-    o0, st0 = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=triton_chunk.GluonChain())
-    o, st = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=chain)
-    assert rel_err(o, o0) < 1e-3 and rel_err(st, st0) < 1e-3
-    if batch is None:
-        o_ref, st_ref = ref.chunk_reference(*call)
-        assert rel_err(o, o_ref) < 2e-2 and rel_err(st, st_ref) < 2e-2
-    h0_vf = h0.transpose(-1, -2).contiguous()
-    o_vf, st_vf = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0_vf, True, cu, True, True,
-                                                          gluon_chain=chain)
-    assert torch.equal(o_vf, o) and torch.equal(st_vf, st.transpose(-1, -2))
-
-
-@pytest.mark.parametrize(("overlap", "rows"), [(0, 64), (1, 64), (0, 128)])
 @pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
     pytest.param([150, 64, 1000, 7], 2, 8, None, id="varlen-ragged"),
     pytest.param([8192], 16, 64, None, id="397B-1x8192"),
     pytest.param([4096], 16, 64, 3, id="397B-3x4096"),  # a batch (`BATCH_SCORES_MIN_HEADS_PER_KEY`)
 ])
-def test_gluon_chain_loading_the_scores_equals_the_triton_scores_chain(lens, H, HV, batch, overlap, rows):
-    """The scores form on the Gluon chain (`chunk_plan.PROMPT_GLUON_CHAIN`'s kernel: P from the scores kernel by TMA,
+def test_gluon_chain_loading_the_scores_equals_the_triton_scores_chain(lens, H, HV, batch):
+    """The scores form on the Gluon chain (P by TMA,
     SCORES_IN): against the Triton chain of the same form, the Gluon chain that makes its own scores, and the
     reference where it is cheap; from an initial state, V-first too. Ragged sequences: an inf in the next sequence's
     first rows reaches neither this sequence's o nor its state."""
-    from hybridkv.kernels.gdn import triton_chunk
+    from hybridkv.kernels.gdn import chunk as triton_chunk
 
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=13, slow=True)
     N = batch or len(lens)
     h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
     call = (q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
-    chain = triton_chunk.GluonChain(overlap=overlap, rows=rows)
+    chain = True
     scores = dict(form=triton_chunk.Form.SCORES, schedule=triton_chunk.Schedule.SERIAL)
     o, st = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, gluon_chain=chain, **scores)
     o_tri, st_tri = triton_chunk.chunk_gated_delta_rule_fwd(*call, False, config=(64, 4, 3), **scores)
@@ -471,109 +361,11 @@ def test_gluon_chain_loading_the_scores_equals_the_triton_scores_chain(lens, H, 
         assert torch.equal(o_inf[0, :lens[0]], o[0, :lens[0]]) and torch.equal(st_inf[0], st[0])
 
 
-@pytest.mark.parametrize("config", [(4, 2, 3), (8, 2, 3), (4, 1, 3), (8, 1, 3), (4, 4, 3)])
-@pytest.mark.parametrize(("lens", "H", "HV", "batch"), [
-    pytest.param([150, 64, 1000, 7, 1], 2, 8, None, id="varlen-ragged"),
-    pytest.param([8192], 16, 64, 2, id="397B-2x8192"),
-    pytest.param([3000], 16, 32, None, id="35B-segment"),
-])
-def test_scores_tma_walk_equals_the_tile_kernel(lens, H, HV, batch, config):
-    """`triton_chunk_scores_tma` at each probed config (`CONFIGS`) against `_chunk_scores_kernel` on the same row
-    scales: equal to rounding, on exactly the rows the tile kernel writes (NaN-filled buffers), walks that wrap (more
-    tiles than programs); an inf in the next sequence's first rows stays out of the first sequence's P; a segment of
-    one sequence (rows row0 on, c_lo <= chunk < c_hi) writes that segment only."""
-    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_inverse, triton_chunk_scores_tma
-
-    assert config in triton_chunk_scores_tma.CONFIGS
-    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=23)
-    if batch is None and len(lens) > 1:
-        for x in (q, k):
-            x[0, lens[0]:lens[0] + 2] = float("inf")
-    B, T = q.shape[:2]
-    cu_, table, _, NC = triton_chunk._chunk_tables(cu, B, T, q.device)
-    R = torch.rand(NC, HV, 8, 64, device="cuda")
-    R[:, :, 4] = -torch.cumsum(0.05 * torch.rand(NC, HV, 64, device="cuda"), -1)
-    group = 4 if (HV // H) % 4 == 0 else 2
-    segment = lens == [3000]
-    rows, row0, c_lo, c_hi = (20, 10, 10, 30) if segment else (NC, 0, 0, 0)
-    P = [torch.full((NC, HV, 64, 64), float("nan"), device="cuda", dtype=q.dtype) for _ in range(2)]
-    triton_chunk_inverse._chunk_scores_kernel[(rows, HV // group)](
-        q, k, R, P[0], cu_, table, row0, c_lo, c_hi, H, HV, K=128, BK=128, GROUP=group, SEGMENTED=segment,
-        num_warps=triton_chunk_inverse.SCORES_WARPS, num_stages=1)
-    assert triton_chunk_scores_tma.eligible(q, k, P[1])
-    triton_chunk_scores_tma.launch(q, k, R, P[1], cu_, table, rows, group, row0, c_lo, c_hi, segment,
-                                   sms=torch.cuda.get_device_properties(0).multi_processor_count // 4, config=config)
-    written = ~P[0].isnan()
-    assert torch.equal(written, ~P[1].isnan())
-    if segment:
-        assert written[10:30].all() and not written[:10].any() and not written[30:].any()
-    clear = written.clone()
-    if batch is None and len(lens) > 1:
-        clear[(table[:, 0] == 1)] = False  # the inf's own sequence
-        assert P[1][clear].isfinite().all()
-    assert rel_err(P[1][clear], P[0][clear]) < 2e-3
-
-
-@pytest.mark.parametrize("schedule", ["serial", "pipelined", "scan", "gluon"])
-def test_a_scores_call_with_the_tma_walk_equals_one_with_the_tile_kernel(schedule, monkeypatch):
-    """`triton_chunk.SCORES_TMA` (on here, whatever the shipped setting): a scores-form call whose P comes from the TMA
-    walk gives the output and final state of one whose P comes from the tile kernel, to rounding, in every schedule (a
-    pipelined call's walk runs SEGMENTED, the scan's once over every chunk, the Gluon chain loads its P by TMA), and the
-    tile kernel is not launched. Both run only where the inverse does not make P (`InverseConfig.scores`, on in the
-    Hopper default): with the default inverse neither is launched, and the call gives the same to rounding."""
-    import dataclasses
-
-    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_scores_tma
-    from hybridkv.kernels.gdn.triton_chunk_inverse import default_inverse
-
-    default = default_inverse("cuda", torch.cuda.get_device_capability(), "torch.bfloat16", 128)
-    no_scores = dataclasses.replace(default, scores=False)
-
-    lens, H, HV = ([3000, 700], 2, 8) if schedule in ("serial", "gluon") else ([3000], 2, 8)
-    q, k, v, g, beta, cu = make(lens, H, HV, seed=24, slow=True)
-    h0 = torch.randn(len(lens), HV, 128, 128, device="cuda") * 0.1
-    call = dict(form=triton_chunk.Form.SCORES)
-    if schedule == "gluon":
-        call.update(gluon_chain=triton_chunk.GluonChain(rows=64, overlap=1), schedule=triton_chunk.Schedule.SERIAL)
-    else:
-        call.update(config=(32, 4, 3), schedule=triton_chunk.Schedule(schedule), segments=3)
-    launched = []
-    real = triton_chunk._chunk_scores_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    walked = []
-    real_walk = triton_chunk_scores_tma.launch
-    monkeypatch.setattr(triton_chunk_scores_tma, "launch", lambda *a, **kw: walked.append(1) or real_walk(*a, **kw))
-    monkeypatch.setattr(triton_chunk, "_chunk_scores_kernel", Counting())
-    monkeypatch.setattr(triton_chunk, "SCORES_TMA", True)
-    got = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
-                                                  inverse=no_scores, **call)
-    assert launched == [] and walked
-    monkeypatch.setattr(triton_chunk, "SCORES_TMA", False)
-    want = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
-                                                   inverse=no_scores, **call)
-    assert launched
-    assert rel_err(got[0], want[0]) < 2e-3 and rel_err(got[1], want[1]) < 2e-3
-    if default.scores:  # P by the inverse only: no scores kernel of either kind
-        launched.clear(), walked.clear()
-        monkeypatch.setattr(triton_chunk, "SCORES_TMA", True)
-        own = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
-                                                      inverse=default, **call)
-        assert launched == [] and walked == []
-        assert rel_err(own[0], want[0]) < 2e-3 and rel_err(own[1], want[1]) < 2e-3
-    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
-    assert rel_err(got[0], o_ref) < 2e-2 and rel_err(got[1], st_ref) < 2e-2
-
-
 def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
     """`default_inverse`: on an sm_90 GPU with bf16 inputs a plain call (the engines' path) launches the Gluon
     inverse, in every schedule the plan picks (serial batches, pipelined and scanned single prompts); elsewhere the
     Triton kernel."""
-    from hybridkv.kernels.gdn import gluon_chunk_inverse
+    from hybridkv.kernels.gdn.gluon import inverse as gluon_chunk_inverse
 
     launched = []
     real = gluon_chunk_inverse.launch
@@ -588,12 +380,14 @@ def test_a_call_naming_no_inverse_runs_the_gluon_kernel_on_hopper(monkeypatch):
 
 
 def test_a_plain_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch):
-    """`chunk_plan.BATCH_GLUON_CHAIN` and `PROMPT_GLUON_CHAIN`: on an sm_90 GPU a plain call of several long bf16
+    """The planned Gluon chain: on an sm_90 GPU a plain call of several long bf16
     sequences, or of one prompt of 397B-shaped heads, launches the Gluon chain as planned (with the inverse's P for the
     prompt and for batches of two or more value heads per key head, `BATCH_SCORES_MIN_HEADS_PER_KEY`) and gives what
     an explicit call with that chain and form gives (whose numerics the chain tests check against the reference); fp16
     and other GPUs do not launch it."""
-    from hybridkv.kernels.gdn import chunk_plan, gluon_chunk_chain, triton_chunk
+    from hybridkv.kernels.gdn import chunk_plan
+    from hybridkv.kernels.gdn.gluon import chain as gluon_chunk_chain
+    from hybridkv.kernels.gdn import chunk as triton_chunk
 
     launched = []
     real = gluon_chunk_chain.launch
@@ -611,9 +405,7 @@ def test_a_plain_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch):
         assert bool(launched) == planned, (lens, batch, dtype, launched)
         assert torch.isfinite(o).all() and torch.isfinite(st).all()
         if planned:
-            chain = chunk_plan.BATCH_GLUON_CHAIN if batch else chunk_plan.PROMPT_GLUON_CHAIN
-            assert (launched[0]["rows"], launched[0]["overlap"], launched[0]["staged_scales"]) == (
-                chain.rows, chain.overlap, chain.staged_scales)
+            chain = True
             assert (launched[0]["P"] is not None) == scores, (lens, batch, HV)
             form = triton_chunk.Form.SCORES if scores else triton_chunk.Form.FUSED
             o1, st1 = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True,
@@ -622,14 +414,13 @@ def test_a_plain_call_runs_the_planned_gluon_chain_on_hopper(monkeypatch):
             assert torch.equal(o, o1) and torch.equal(st, st1)
 
 
-@pytest.mark.parametrize(("overlap", "rows", "staged"), [(0, 128, False), (1, 64, False), (1, 64, True)])
-def test_gluon_chain_keeps_a_neighbours_inf_out_of_a_sequence(overlap, rows, staged):
+def test_gluon_chain_keeps_a_neighbours_inf_out_of_a_sequence():
     """Its TMA boxes read past a sequence's end into the next one: an inf there must not reach this sequence's o or
     state (0 * inf would be NaN; the kernel zeroes those rows of k and v)."""
-    from hybridkv.kernels.gdn import triton_chunk
+    from hybridkv.kernels.gdn import chunk as triton_chunk
 
     q, k, v, g, beta, cu = make([150, 300], 2, 8, seed=10)
-    call = dict(gluon_chain=triton_chunk.GluonChain(overlap=overlap, rows=rows, staged_scales=staged))
+    call = dict(gluon_chain=True)
     o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, None, True, cu, True, False, **call)
     for x in (q, k, v):
         x[0, 150:152] = float("inf")
@@ -726,7 +517,7 @@ def _tile_decode(q, k, v, a, b, A_log, dt_bias, pool, idx):
     """(a copy of the two-layer pool with layer 1 stepped, output) by the tile kernel at (32, 4): what the other decode
     kernels are checked against."""
     tile_pool, o_tile = pool.clone(), torch.empty_like(v)
-    triton_recurrent._launch_decode((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
+    decode_kernels._launch_tile((32, 4), q, k, v, a, b, A_log, dt_bias, o_tile, tile_pool[:, 1], idx, 128**-0.5,
                                     True, True, 1.0, 20.0)
     return tile_pool, o_tile
 
@@ -863,38 +654,38 @@ def test_a_qkv_by_tma_choice_reads_by_loads_where_q_is_not_describable(state_dty
     flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
     odd = flat[1:].view_as(q)
     odd.copy_(q)
-    choice = triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.TMA, cfg=(64, 4, 4, 3), qkv_tma=True)
+    choice = decode_kernels.DecodeChoice(kernel=decode_kernels.DecodeKernel.TMA, cfg=(64, 4, 4, 3), qkv_tma=True)
     assert not triton_decode_tma.qkv_describable(choice.cfg, odd, k, v)
     assert triton_decode_tma.qkv_describable(choice.cfg, q, k, v)
     tile_pool, o_tile = _tile_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)
     for q_in in (q, odd):
         trial, o = pool.clone(), torch.full_like(v, float("nan"))
-        triton_recurrent._launch_choice(choice, q_in, k, v, a, b, A_log, dt_bias, o, trial[:, 1], idx, 128**-0.5, True,
+        decode_kernels.launch(choice, q_in, k, v, a, b, A_log, dt_bias, o, trial[:, 1], idx, 128**-0.5, True,
                                         True, 1.0, 20.0)
         torch.cuda.synchronize()
         assert torch.equal(o, o_tile) and torch.equal(trial, tile_pool)
 
 
 def test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone():
-    """`_tuning_ms` times each tile config, each TMA walk config, the walk's configs with a 128-byte v row once
-    more with q, k, v by TMA, each row-looped config and each register-prefetching one; every time is a positive
+    """`decode_tune.tuning_ms` times each tile config, each TMA walk config, the walk's configs with a 128-byte v row
+    once more with q, k, v by TMA, each row-looped config and each register-prefetching one; every time is a positive
     device time (at 32 sequences a step takes ~20 us, well above the charged timing's noise), and the caller's pool
-    is not touched (the tuning runs on a scratch pool)."""
+    is left as it was (the tuner times in it, at its slots and pads, and puts the touched slots back)."""
     q, k, v, a, b, A_log, dt_bias, pool, idx = _decode_case(32, 32, torch.bfloat16, 100, 10)
     before = pool.clone()
     args = (q, k, v, a, b, A_log, dt_bias, torch.empty_like(v), pool[:, 1], idx, 128**-0.5, True, True, 1.0, 20.0)
-    timings = triton_recurrent._tuning_ms(args, 32, True, True)
+    timings = decode_tune.tuning_ms(args, tma=True, by_rows=True)
     times = timings.charged
-    tma = triton_recurrent.DecodeKernel.TMA
-    want = {(triton_recurrent.DecodeKernel.TILE, c, False) for c in triton_recurrent.DECODE_CONFIGS}
+    tma = decode_kernels.DecodeKernel.TMA
+    want = {(decode_kernels.DecodeKernel.TILE, c, False) for c in decode_kernels.TILE_CONFIGS}
     want |= {(tma, c, False) for c in triton_decode_tma.TMA_CONFIGS}
     want |= {(tma, c, True) for c in triton_decode_tma.TMA_CONFIGS if c[0] * 2 % 128 == 0}
-    want |= {(triton_recurrent.DecodeKernel.ROWS, c, False) for c in triton_decode_rows.ROWS_CONFIGS}
-    want |= {(triton_recurrent.DecodeKernel.PREFETCH, c, False) for c in triton_decode_prefetch.PREFETCH_CONFIGS}
+    want |= {(decode_kernels.DecodeKernel.ROWS, c, False) for c in triton_decode_rows.ROWS_CONFIGS}
+    want |= {(decode_kernels.DecodeKernel.PREFETCH, c, False) for c in triton_decode_prefetch.PREFETCH_CONFIGS}
     assert {(c.kernel, c.cfg, c.qkv_tma) for c in times} == want
     assert all(0 < ms < 10 for ms in times.values()), times
     # The near-ties of the charged times, and only they, are timed once more; the pick is one of them.
-    near = triton_recurrent.near_ties(times)
+    near = decode_tune.near_ties(times)
     assert set(timings.steady) == (set(near) if len(near) > 1 else set())
     assert all(0 < ms < 10 for ms in timings.steady.values()), timings.steady
     assert timings.pick() in near
@@ -902,10 +693,10 @@ def test_decode_tuning_times_every_candidate_and_leaves_the_pool_alone():
 
 
 @pytest.mark.parametrize("choice", [
-    triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.TILE, cfg=(32, 4)),
-    triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.ROWS, cfg=(8, 64, 4, 3)),
-    triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.PREFETCH, cfg=(4, 128, 1)),
-    triton_recurrent.DecodeChoice(kernel=triton_recurrent.DecodeKernel.TMA, cfg=(64, 4, 4, 3), qkv_tma=True),
+    decode_kernels.DecodeChoice(kernel=decode_kernels.DecodeKernel.TILE, cfg=(32, 4)),
+    decode_kernels.DecodeChoice(kernel=decode_kernels.DecodeKernel.ROWS, cfg=(8, 64, 4, 3)),
+    decode_kernels.DecodeChoice(kernel=decode_kernels.DecodeKernel.PREFETCH, cfg=(4, 128, 1)),
+    decode_kernels.DecodeChoice(kernel=decode_kernels.DecodeKernel.TMA, cfg=(64, 4, 4, 3), qkv_tma=True),
 ], ids=str)
 def test_decode_serves_more_sequence_heads_than_a_grid_axis_holds(choice):
     """1,040 sequences of 64 value heads: 66,560 (sequence, head) pairs, past the 65,535 a second grid axis takes (the
@@ -916,8 +707,7 @@ def test_decode_serves_more_sequence_heads_than_a_grid_axis_holds(choice):
     want = layer.clone()
     o_ref = ref.decode_reference(q, k, v, a, b, A_log, dt_bias, want, idx, 128**-0.5, True, True)
     o = torch.full_like(v, float("nan"))
-    triton_recurrent._launch_choice(choice, q, k, v, a, b, A_log, dt_bias, o, layer, idx, 128**-0.5, True, True, 1.0,
-                                    20.0)
+    decode_kernels.launch(choice, q, k, v, a, b, A_log, dt_bias, o, layer, idx, 128**-0.5, True, True, 1.0, 20.0)
     torch.cuda.synchronize()
     live = idx >= 0
     assert rel_err(o[live], o_ref[live]) < 1e-2
@@ -940,11 +730,11 @@ def test_decode_takes_another_kernel_where_tma_cannot_describe_the_pool():
     assert rel_err(o[live], o_ref[live]) < 1e-2
     assert rel_err(odd[idx[live]], want[idx[live]]) < 1e-2
     # The key's last two fields: whether the TMA walk and the row-looped kernel can read the pool.
-    choices = triton_recurrent.decode_choices()
-    not_eligible = {key: c for key, c in choices.items() if key[-2] is False}
-    assert not_eligible and all(c.kernel is not triton_recurrent.DecodeKernel.TMA for c in not_eligible.values())
+    choices = decode.decode_choices()
+    not_eligible = {key: c for key, c in choices.items() if key[8] is False}  # key[8]: the TMA walk can take the pool
+    assert not_eligible and all(c.kernel is not decode_kernels.DecodeKernel.TMA for c in not_eligible.values())
     # Nor a config that asks L2 ahead: its bulk prefetch faults on the misaligned view (a misaligned-address error).
-    assert all(len(c.cfg) < 4 for c in not_eligible.values() if c.kernel is triton_recurrent.DecodeKernel.PREFETCH)
+    assert all(len(c.cfg) < 4 for c in not_eligible.values() if c.kernel is decode_kernels.DecodeKernel.PREFETCH)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -1005,7 +795,6 @@ def test_conv1d_one_sequence_without_offsets():
     assert rel_err(y, y_ref) < 1e-2
 
 
-
 SCHEDULE_CASES = [PREFILL[0], PREFILL[3], PREFILL[4], PREFILL[6], PREFILL[7]]
 
 
@@ -1013,7 +802,7 @@ SCHEDULE_CASES = [PREFILL[0], PREFILL[3], PREFILL[4], PREFILL[6], PREFILL[7]]
 def test_pipelined_schedule_matches_reference(lens, H, HV, batch):
     """Segments of the inverse on one stream, the chain on another: every pipeline config, 1 to 8
     segments (more segments than some sequences have chunks), v-first too."""
-    from hybridkv.kernels.gdn import triton_chunk
+    from hybridkv.kernels.gdn import chunk as triton_chunk
 
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=8)
     N = batch or len(lens)
@@ -1035,7 +824,8 @@ def test_pipelined_schedule_matches_reference(lens, H, HV, batch):
 def test_pipelined_equals_serial_bit_for_bit_and_repeats():
     """The pipelined call computes what the serial one does, in the same order: a chain segment that
     ran before its inverse segment had landed, or a state handed on wrongly, would differ."""
-    from hybridkv.kernels.gdn import chunk_plan, triton_chunk
+    from hybridkv.kernels.gdn import chunk_plan
+    from hybridkv.kernels.gdn import chunk as triton_chunk
 
     q, k, v, g, beta, cu = make([8192], 16, 32, seed=9)
     plan = chunk_plan.plan(1, 32, 128, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
@@ -1078,7 +868,7 @@ def test_a_planned_gluon_chain_batch_in_a_cuda_graph(monkeypatch):
     """A plain batched call, which on Hopper runs the planned Gluon chain with its TMA descriptors built on the host at
     launch: captured, the descriptors are launch parameters held by value and the inverse's outputs come from the
     graph's pool, so a replay on new inputs gives what an eager call gives (and the chain ran in both)."""
-    from hybridkv.kernels.gdn import gluon_chunk_chain
+    from hybridkv.kernels.gdn.gluon import chain as gluon_chunk_chain
 
     launched = []
     real = gluon_chunk_chain.launch
@@ -1118,41 +908,11 @@ def test_pipelined_on_a_side_stream_of_the_caller():
     assert torch.equal(o2, want[0]) and torch.equal(st, want[1])
 
 
-# triton_chunk.CHAIN_CONFIGS, spelled out as STATE_CONFIGS is.
-CHAIN_CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 8, 2), (16, 4, 2), (32, 4, 3), (16, 4, 3))
-
-
-@pytest.mark.parametrize(("lens", "H", "HV", "batch"), SCHEDULE_CASES + [PREFILL[2]])
-def test_split_form_matches_reference(lens, H, HV, batch):
-    """The split form (W, Q', U, U' made in parallel, three GEMMs per chunk on the chain): serial and
-    pipelined, 1 to 8 segments, v-first too."""
-    from hybridkv.kernels.gdn import triton_chunk
-
-    assert triton_chunk.CHAIN_CONFIGS == CHAIN_CONFIGS
-    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=14)
-    N = batch or len(lens)
-    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
-    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
-    serial, pipelined = triton_chunk.Schedule.SERIAL, triton_chunk.Schedule.PIPELINED
-    # Every chain config on one long sequence; elsewhere the fastest one, pipelined, and v-first.
-    configs = CHAIN_CONFIGS if lens == [8192] and HV == 32 and batch is None else ((32, 4, 3),)
-    cases = [(c, serial, 1, False) for c in configs] + [
-        ((32, 4, 3), pipelined, 3, False), ((64, 4, 2), pipelined, 8, True)]
-    for config, schedule, segments, v_first in cases:
-        h = h0.transpose(-1, -2).contiguous() if v_first else h0
-        o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h, True, cu, True, v_first,
-                                                        config=config, schedule=schedule, segments=segments,
-                                                        form=triton_chunk.Form.SPLIT)
-        st = st.transpose(-1, -2) if v_first else st
-        assert rel_err(o, o_ref) < 2e-2, (config, schedule, segments)
-        assert rel_err(st, st_ref) < 2e-2, (config, schedule, segments)
-
-
-@pytest.mark.parametrize("form", ["SPLIT", "SCORES"])
+@pytest.mark.parametrize("form", ["SCORES"])
 def test_other_forms_with_identical_keys_no_decay_full_beta(form):
     """The inverse's worst case (see above) through the split form, whose W and U are T times bf16
     operands rounded once more, and the scores form (P rounded to bf16 once, as on the chain)."""
-    from hybridkv.kernels.gdn import triton_chunk
+    from hybridkv.kernels.gdn import chunk as triton_chunk
 
     o_err, st_err = worst_case_errors(lambda q, k, v, g, beta, cu: triton_chunk.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, 128**-0.5, None, True, cu, True, False, form=triton_chunk.Form[form]))
@@ -1176,7 +936,7 @@ def test_fp32_inputs_one_long_sequence_auto_schedule():
 def test_scores_form_matches_reference(lens, H, HV, batch):
     """The scores form (P made in parallel and loaded by the chain): autotuned serial, forced serial and
     pipelined configs, v-first too; and a pipelined call equals a serial one bit for bit."""
-    from hybridkv.kernels.gdn import triton_chunk
+    from hybridkv.kernels.gdn import chunk as triton_chunk
 
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=16)
     N = batch or len(lens)
@@ -1203,16 +963,13 @@ SCAN_CASES = [pytest.param([8192], 2, 8, None, id="397B-TP8-1x8192"), PREFILL[0]
               PREFILL[7]]
 
 
-@pytest.mark.parametrize("by_segment", [False, True], ids=["whole-inverse-first", "by-segment"])
 @pytest.mark.parametrize(("lens", "H", "HV", "batch"), SCAN_CASES)
-def test_scan_schedule_matches_reference(lens, H, HV, batch, by_segment, monkeypatch):
+def test_scan_schedule_matches_reference(lens, H, HV, batch):
     """Segments of every sequence at once from scanned start states (`triton_chunk_scan`): both forms,
     1 to 16 segments (more segments than some sequences have chunks), v-first, with and without an
-    initial state; slow gates, so that each segment's start state matters. By segment: one sequence's
-    summaries on the side stream as each segment's inverse is done (`triton_chunk_scan.BY_SEGMENT`)."""
-    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_scan
-
-    monkeypatch.setattr(triton_chunk_scan, "BY_SEGMENT", by_segment)
+    initial state; slow gates, so that each segment's start state matters."""
+    from hybridkv.kernels.gdn import chunk as triton_chunk
+    from hybridkv.kernels.gdn import chunk_scan as triton_chunk_scan
 
     q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=21, slow=True)
     N = batch or len(lens)
@@ -1233,30 +990,12 @@ def test_scan_schedule_matches_reference(lens, H, HV, batch, by_segment, monkeyp
         assert rel_err(st, st_ref) < 2e-2, (form, config, segments)
 
 
-@pytest.mark.parametrize(("lens", "H", "HV", "batch"), [SCAN_CASES[0], PREFILL[6]])
-def test_scan_with_whole_m_in_registers_matches_reference(lens, H, HV, batch, monkeypatch):
-    """The scan kernel holding each start state in registers (`triton_chunk_scan.SCAN_WHOLE_M`, opt-in)."""
-    from hybridkv.kernels.gdn import triton_chunk, triton_chunk_scan
-
-    monkeypatch.setattr(triton_chunk_scan, "SCAN_WHOLE_M", True)
-    q, k, v, g, beta, cu = make(lens, H, HV, batch=batch, seed=24, slow=True)
-    N = batch or len(lens)
-    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
-    o_ref, st_ref = ref.chunk_reference(q, k, v, g, beta, 128**-0.5, h0, True, cu, True)
-    for segments in (2, 4, 8):
-        o, st = triton_chunk.chunk_gated_delta_rule_fwd(q, k, v, g, beta, 128**-0.5, h0, True, cu, True, False,
-                                                        config=(32, 4, 3), schedule=triton_chunk.Schedule.SCAN,
-                                                        segments=segments, form=triton_chunk.Form.SCORES)
-        assert rel_err(o, o_ref) < 2e-2 and rel_err(st, st_ref) < 2e-2, segments
-
-
-@pytest.mark.parametrize("by_segment", [False, True], ids=["whole-inverse-first", "by-segment"])
-def test_scan_is_the_plan_for_tp8_heads_and_matches_reference_in_a_cuda_graph(by_segment, monkeypatch):
+def test_scan_is_the_plan_for_tp8_heads_and_matches_reference_in_a_cuda_graph():
     """397B at TP8 (H=2, HV=8), one 8192-token prompt: the plan is the scan, and a captured call replayed
-    on new inputs gives what an eager call gives (by segment: the side stream's summaries in the graph)."""
-    from hybridkv.kernels.gdn import chunk_plan, triton_chunk, triton_chunk_scan
-
-    monkeypatch.setattr(triton_chunk_scan, "BY_SEGMENT", by_segment)
+    on new inputs gives what an eager call gives."""
+    from hybridkv.kernels.gdn import chunk_plan
+    from hybridkv.kernels.gdn import chunk as triton_chunk
+    from hybridkv.kernels.gdn import chunk_scan as triton_chunk_scan
 
     plan = chunk_plan.plan(1, 8, 128, 128, triton_chunk._sm_count(torch.cuda.current_device()), 128)
     assert plan.schedule is triton_chunk.Schedule.SCAN, plan

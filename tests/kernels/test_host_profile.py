@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from hybridkv.kernels.gdn import host_profile
+from hybridkv.benchmarks.gdn import host_profile
 
 
 def _checks():

@@ -13,19 +13,7 @@
 #   PROBE=1 BENCH=0 bash tools/device/gdn.sh # tests, then every chunk schedule/config and decode hint
 #                                               # (PROBE_ONLY=prefill PROBE_SHAPES=4x8192 PROBE_QUICK=1: serial, the plan
 #                                               # and pipelined x2 / x4 on the batched shapes only)
-#   SPLITPROBE=1 BENCH=0 bash tools/device/gdn.sh # tests, then the split form and pipeline stages vs fused
-#   SPLITFIRST=1 TESTS=0 BENCH=0 bash tools/device/gdn.sh # that probe first (BENCH=0 exits only after a probe
-#                                                           # branch: SPLITPROBE or PROBE; else the bench follows)
-#   SCORESFIRST=1 ... bash tools/device/gdn.sh  # first: the scores kernel alone vs a copy (tools/gdn/scores_probe.py)
-#   INVFIRST=1 ... bash tools/device/gdn.sh     # then the inverse kernel's variants (tools/gdn/inverse_probe.py)
-#   DECODEFIRST=1 ... bash tools/device/gdn.sh  # first: persistent and TMA decode candidates (tools/gdn/decode_probe.py)
-#                                                   # at DECODE_BATCH sequences (256; "64 256": both);
-#                                                   # DECODE_STORE=1: the shipped TMA walk against its --store
-#                                                   # candidates only (direct store, tensor-core sums, Gluon walk);
-#                                                   # DECODE_RING=1: against the Gluon ring walk only;
-#                                                   # DECODE_ROWS=1: against the row-looped kernel only
-#   SCANFIRST=1 ... bash tools/device/gdn.sh    # first: each shape's plan against its variants (scan_probe.py);
-#                                                   # SCAN_SHAPES="397B 1x8192,4x8192" picks labels with spaces
+#   POOLS=1 ... bash tools/device/gdn.sh        # first: the decode tuner in vLLM/SGLang-shaped slot pools (pool_probe.py)
 #   QLA=1 bash tools/device/gdn.sh  # FlashQLA beside FLA's Triton path (issue 23), carry [".whl-qla"] built here by
 #                                        # tools/device/flashqla_wheels.sh (fla-core is in it); prefill only, no
 #                                        # tests unless ONLY= / TESTS=1 say otherwise; QLA_BUDGET_S (420 s) in all
@@ -36,11 +24,13 @@
 #                                        # them into .pkgs-fi and runs the prefill bench; FI_BUDGET_S (520 s) in all.
 #                                        # FI=1 ONLY=decode: FlashInfer's pool decode beside hybridkv's instead (ONLY=
 #                                        # empty: both)
-# hybridkv is not installed there: the bench runs through its module's own register/handler.
+# hybridkv is not installed there: the bench runs through its module's own register/handler, and benchmarks/ is linked
+# in as hybridkv/benchmarks (what the editable install's package-dir does here).
 set -u
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/hybridkv_gdn_out}
 mkdir -p "$OUT"
+[ -e hybridkv/benchmarks ] || ln -s "$PWD/benchmarks" hybridkv/benchmarks
 if [ "${FI:-0}" = land ]; then
     # A call before the last of an FI run: its .whl-fi folder stays on this machine for the next call (ignored
     # folders do while it is warm). Checks the part(s) here, and what the install takes from the image.
@@ -107,33 +97,10 @@ if [ "${TEST_N:-0}" != 0 ]; then  # pytest-xdist from .whl (tools/device/wheels.
     "$PY" -m pip install -q --no-deps --no-index .whl/execnet-*.whl .whl/pytest_xdist-*.whl 2>&1 | tail -n 1
 fi
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
-split_probe() {  # the split form and the pipeline stages vs the fused form, with FLA (tools/gdn/split_probe.py)
-    PYTHONUNBUFFERED=1 timeout "${PROBE_S:-300}" "$PY" -m tools.gdn.split_probe --iters "${ITERS:-10}" \
-        --json "$OUT/split.json" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/split.txt"
-}
-if [ "${SCORESFIRST:-0}" != 0 ]; then
-    PYTHONUNBUFFERED=1 timeout "${SCORES_S:-120}" "$PY" -m tools.gdn.scores_probe --iters "${ITERS:-20}" \
-        --json "$OUT/scores.json" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/scores.txt"
+if [ "${POOLS:-0}" != 0 ]; then  # the decode tuner's pick in engine-shaped slot pools, in-pool vs dense-scratch tuning
+    PYTHONUNBUFFERED=1 timeout "${POOLS_S:-250}" "$PY" -m tools.gdn.pool_probe --iters "${ITERS:-15}" \
+        --json "$OUT/decode_tuner_pools.json" 2>&1 | grep -v -i warn | tee "$OUT/decode_tuner_pools.txt"
 fi
-if [ "${SCANFIRST:-0}" != 0 ]; then  # the scan schedule vs the pipelined one, TP-sharded heads (tools/gdn/scan_probe.py)
-    # SCAN_SHAPES: labels with spaces, comma-separated ("397B 1x8192,4x8192"); else PROBE_SHAPES' words.
-    IFS=, read -r -a scan_shapes <<<"${SCAN_SHAPES:-${PROBE_SHAPES:-}}"
-    [ -z "${SCAN_SHAPES:-}" ] && [ -n "${PROBE_SHAPES:-}" ] && read -r -a scan_shapes <<<"$PROBE_SHAPES"
-    PYTHONUNBUFFERED=1 timeout "${SCAN_S:-240}" "$PY" -m tools.gdn.scan_probe --iters "${ITERS:-20}" \
-        --json "$OUT/scan.json" ${scan_shapes[0]:+--shapes "${scan_shapes[@]}"} 2>&1 | grep -v -i warn \
-        | tee "$OUT/scan.txt"
-fi
-if [ "${DECODEFIRST:-0}" != 0 ]; then
-    PYTHONUNBUFFERED=1 timeout "${DECODE_S:-240}" "$PY" -m tools.gdn.decode_probe --iters "${ITERS:-20}" \
-        --batch ${DECODE_BATCH:-256} --json "$OUT/decode.json" $([ "${DECODE_STORE:-0}" != 0 ] && echo --store) \
-        $([ "${DECODE_RING:-0}" != 0 ] && echo --ring) $([ "${DECODE_ROWS:-0}" != 0 ] && echo --rows) \
-        2>&1 | grep -v -i warn | tee "$OUT/decode.txt"
-fi
-if [ "${INVFIRST:-0}" != 0 ]; then  # the inverse kernel's variants, serial, with the worst case's error
-    PYTHONUNBUFFERED=1 timeout "${INV_S:-150}" "$PY" -m tools.gdn.inverse_probe --iters "${ITERS:-10}" \
-        --json "$OUT/inverse.json" ${INV_SHAPES:+--shapes $INV_SHAPES} 2>&1 | grep -v -i warn | tee "$OUT/inverse.txt"
-fi
-[ "${SPLITFIRST:-0}" != 0 ] && split_probe  # before the tests, when device time is short
 if [ "${TESTS:-1}" != 0 ]; then
     # TEST_SHARD=i/n: every n-th GPU test from the i-th (1-based) of the collected order, so that the whole suite
     # (203 tests, about 9.5 minutes on an H200 in the eleventh session) fits in n calls of one device call's limit.
@@ -173,14 +140,10 @@ if [ "${PROBE:-0}" != 0 ]; then
         ${PROBE_QUICK:+--quick} 2>&1 | tee "$OUT/schedules.txt"
     [ "${BENCH:-1}" = 0 ] && exit 0
 fi
-if [ "${SPLITPROBE:-0}" != 0 ]; then
-    split_probe
-    [ "${BENCH:-1}" = 0 ] && exit 0
-fi
 MAIN=$(mktemp --suffix=.py)
 cat >"$MAIN" <<'PYEOF'
 import argparse, sys
-from hybridkv.kernels.gdn import bench
+from hybridkv.benchmarks.gdn import command as bench
 p = argparse.ArgumentParser()
 bench.register(p)
 a = p.parse_args(sys.argv[1:])

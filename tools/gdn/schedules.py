@@ -15,15 +15,14 @@ import sys
 
 import torch
 
-from hybridkv.kernels.gdn import (
-    bench_cases,
-    bench_rows,
-    bench_timing,
-    chunk_plan,
-    gated_delta_rule_decode,
-    triton_chunk,
-    triton_recurrent,
-)
+from hybridkv.kernels.gdn import chunk_plan, gated_delta_rule_decode
+from hybridkv.benchmarks.gdn import cases as bench_cases
+from hybridkv.benchmarks.gdn import rows as bench_rows
+from hybridkv.benchmarks.gdn import timing as bench_timing
+from hybridkv.kernels.gdn import chunk as triton_chunk
+from hybridkv.kernels.gdn import fused_recurrent as triton_recurrent
+from hybridkv.kernels.gdn import decode
+from hybridkv.kernels.gdn import decode_kernels
 
 
 def rel(a, b) -> float:
@@ -44,7 +43,7 @@ def probe_args(doc: str) -> argparse.Namespace:
 def reference_cases(shapes: list[str]):
     """The bench's prefill shapes whose label contains any of ``shapes`` (all without any), each with the
     pure-torch reference in fp32: (label, args, kwargs, o_ref, state_ref)."""
-    from hybridkv.kernels.gdn import reference
+    from hybridkv.kernels.gdn import naive as reference
 
     for shape, _B, _T, _H, _HV, args, kw in bench_cases._prefill_cases():
         if shapes and not any(x in shape for x in shapes):
@@ -123,9 +122,9 @@ def decode(iters: int, copy_gbps: float) -> list[dict]:
             o = torch.empty_like(v)
             nbytes = N * HV * 128 * 128 * 2 * pool.element_size()
             gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)  # tunes
-            for cfg in triton_recurrent.DECODE_CONFIGS:
+            for cfg in decode_kernels.TILE_CONFIGS:
                 for stream in ((False, True) if dtype == torch.bfloat16 else (False,)):
-                    fn = lambda: triton_recurrent._launch_decode(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx,
+                    fn = lambda: decode_kernels._launch_tile(cfg, q, k, v, a, b, A_log, dt_bias, o, pool, idx,
                                                                  128**-0.5, True, True, 1.0, 20.0, stream=stream)
                     ms = bench_timing._median_ms(fn, iters)
                     gbps = nbytes / ms / 1e6
@@ -133,7 +132,7 @@ def decode(iters: int, copy_gbps: float) -> list[dict]:
                                      pct_copy=100 * gbps / copy_gbps))
                     print(f"decode {model} HV={HV} {str(dtype):15} {cfg} stream={stream!s:5} {ms:.4f} ms "
                           f"{gbps:6.0f} GB/s {100 * gbps / copy_gbps:5.1f}% copy", flush=True)
-            print("tuned:", triton_recurrent.decode_choices(), flush=True)
+            print("tuned:", decode.decode_choices(), flush=True)
             del pool
     return rows
 

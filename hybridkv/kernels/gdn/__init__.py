@@ -1,12 +1,12 @@
 """Gated DeltaNet kernels: chunked prefill, fused recurrent/decode, causal conv1d.
 
-`chunk_gated_delta_rule` and `fused_recurrent_gated_delta_rule` are drop-ins for FLA's functions of
-the same names. `gated_delta_rule_decode` and the conv1d entries read and write state in place in
-slot pools, indexed by `state_indices` (-1 = pad). Tuned on Hopper (H200) only; measurements are in
-the README and tools/gdn/README.md.
+`chunk_gated_delta_rule` and `fused_recurrent_gated_delta_rule` are drop-ins for FLA's functions of the same names.
+`gated_delta_rule_decode` and the conv1d entries read and write state in place in slot pools, indexed by
+`state_indices` (-1 = pad). Modules by stage: `chunk` (prefill, planned by `chunk_plan`, with `inverse`,
+`chunk_scan` and the Hopper backend in `gluon/`), `fused_recurrent` and `decode*` (decode and its tuner), `conv`,
+and `naive` (the torch references). docs/kernels.md describes them.
 
-Names resolve lazily so that `hybridkv.kernels.gdn.bench` (the CLI's register module) can be imported
-without torch.
+Names resolve lazily, so importing this package imports neither torch nor Triton.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Public GDN entries: validate, then run the reference (CPU tensors) or the Triton kernel (CUDA)."""
+"""Public GDN entries: validate, then run the torch reference (`naive`, CPU tensors) or the kernels (CUDA)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import enum
 
 import torch
 
-from hybridkv.kernels.gdn import reference
+from hybridkv.kernels.gdn import naive
 
 
 class ConvActivation(enum.Enum):
@@ -100,10 +100,10 @@ def chunk_gated_delta_rule(
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             use_qk_l2norm_in_kernel, state_v_first)
     if _on_cuda(q, k, v, g, beta, initial_state, cu_seqlens):
-        from hybridkv.kernels.gdn import seq_groups, triton_chunk
+        from hybridkv.kernels.gdn import chunk, seq_groups
 
-        return seq_groups.by_groups(triton_chunk.chunk_gated_delta_rule_fwd, *args)
-    return reference.chunk_reference(*args)
+        return seq_groups.by_groups(chunk.chunk_gated_delta_rule_fwd, *args)
+    return naive.chunk_reference(*args)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -129,10 +129,10 @@ def fused_recurrent_gated_delta_rule(
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             use_qk_l2norm_in_kernel, state_v_first)
     if _on_cuda(q, k, v, g, beta, initial_state, cu_seqlens):
-        from hybridkv.kernels.gdn import triton_recurrent
+        from hybridkv.kernels.gdn import fused_recurrent
 
-        return triton_recurrent.fused_recurrent_fwd(*args)
-    return reference.recurrent_reference(*args)
+        return fused_recurrent.fused_recurrent_fwd(*args)
+    return naive.recurrent_reference(*args)
 
 
 def _check_slots(name: str, state_indices: torch.Tensor, rows: int, num_slots: int) -> None:
@@ -197,10 +197,10 @@ def gated_delta_rule_decode(
     args = (q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, scale, use_qk_l2norm_in_kernel,
             state_v_first, softplus_beta, softplus_threshold)
     if _on_cuda(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices):
-        from hybridkv.kernels.gdn import triton_recurrent
+        from hybridkv.kernels.gdn import decode
 
-        return triton_recurrent.decode_fwd(*args)
-    return reference.decode_reference(*args)
+        return decode.decode_fwd(*args)
+    return naive.decode_reference(*args)
 
 
 def _check_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -249,10 +249,10 @@ def causal_conv1d_fn(
     silu = activation is ConvActivation.SILU
     args = (x, weight, bias, cu_seqlens, conv_state, state_indices, has_initial_state, silu)
     if _on_cuda(x, weight, bias, cu_seqlens, conv_state, state_indices, has_initial_state):
-        from hybridkv.kernels.gdn import triton_conv
+        from hybridkv.kernels.gdn import conv
 
-        return triton_conv.conv1d_fwd(*args)
-    return reference.conv1d_reference(*args)
+        return conv.conv1d_fwd(*args)
+    return naive.conv1d_reference(*args)
 
 
 def causal_conv1d_update(
@@ -273,7 +273,7 @@ def causal_conv1d_update(
     silu = activation is ConvActivation.SILU
     args = (x, conv_state, weight, bias, state_indices, silu)
     if _on_cuda(x, conv_state, weight, bias, state_indices):
-        from hybridkv.kernels.gdn import triton_conv
+        from hybridkv.kernels.gdn import conv
 
-        return triton_conv.conv1d_update_fwd(*args)
-    return reference.conv1d_update_reference(*args)
+        return conv.conv1d_update_fwd(*args)
+    return naive.conv1d_update_reference(*args)
