@@ -78,7 +78,6 @@ def run(args: argparse.Namespace) -> int:
 
     from hybridkv.cli import print_json
     from hybridkv.layout.alloc import VirtualAllocator
-    from hybridkv.layout.geometry import LayerKind
     from hybridkv.layout import plan_layout
     from hybridkv.layout.presets import get_preset
 
@@ -100,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     setup_ms = (time.perf_counter() - t0) * 1e3
     sb, db = {}, {}
     for g in src.groups:
-        count = 1 if g.kind is LayerKind.GDN else n
+        count = 1 if g.block_tokens is None else n  # a state group: one page per request
         sb[g.group_id] = fragmented_blocks(count, 1.0)
         db[g.group_id] = fragmented_blocks(count, 1.0, start=1)
     plan = planner.compile(sb, db)

@@ -45,7 +45,7 @@ def _side(args, seed: int, device: int):
     from hybridkv import wire
     from hybridkv.layout.alloc import NumpyAllocator, TorchAllocator
     from hybridkv.fencing import scheduler_inputs
-    from hybridkv.layout.geometry import LayerKind
+    from hybridkv.layout.kinds.base import Paging
     from hybridkv.layout import plan_layout
     from hybridkv.transport.memory import MemoryMap, from_layout
 
@@ -58,7 +58,7 @@ def _side(args, seed: int, device: int):
     else:
         alloc = NumpyAllocator()
     nblocks = -(-args.tokens // args.block_size)
-    counts = {k: (1 if k is LayerKind.GDN else nblocks) for k in geo.kinds()}
+    counts = {k: (1 if geo.spec_of(k).paging is Paging.STATE else nblocks) for k in geo.kinds()}
     layout = plan_layout(geo, block_size=args.block_size, num_blocks=counts, allocator=alloc)
     mm = from_layout(layout)
     total = sum(r.page_bytes * r.num_pages for r in mm.regions)

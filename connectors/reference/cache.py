@@ -17,7 +17,8 @@ import torch
 
 from hybridkv.layout import Layout, plan_layout
 from hybridkv.layout.alloc import NumpyAllocator, TorchAllocator
-from hybridkv.layout.fields import FieldKind, gdn_group_unit_fields, gdn_unit_bytes
+from hybridkv.layout.fields import FieldKind
+from hybridkv.layout.kinds.gdn import gdn_group_unit_fields, gdn_unit_bytes
 from hybridkv.layout.geometry import AttentionSpec, DType, GDNSpec, LayerKind, ModelGeometry
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}

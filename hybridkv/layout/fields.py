@@ -51,16 +51,3 @@ class PageContent(enum.Enum):
 
 def align(n: int, to: int) -> int:
     return -(-n // to) * to
-
-
-# The per-kind page layouts live with their kinds; their old names stay importable from here.
-_MOVED = {"attention_page_fields": "attention", "gdn_page_fields": "gdn", "gdn_group_unit_fields": "gdn",
-          "gdn_unit_bytes": "gdn"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(f"hybridkv.layout.kinds.{_MOVED[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

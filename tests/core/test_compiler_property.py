@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from hybridkv.descriptors.compiler import TransferPlan, TransferPlanner, plan_sources
 from hybridkv.layout.alloc import NumpyAllocator
-from hybridkv.layout.fields import PageContent, attention_page_fields, gdn_page_fields
+from hybridkv.layout.fields import PageContent
+from hybridkv.layout.kinds.attention import attention_page_fields
+from hybridkv.layout.kinds.gdn import gdn_page_fields
 from hybridkv.layout.geometry import AttentionSpec, DType, GDNSpec, LayerKind, ModelGeometry
 from hybridkv.layout import GroupSpec, LayerBuffer, Layout, adopt_layout, plan_layout
 

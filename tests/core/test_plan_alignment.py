@@ -128,7 +128,9 @@ def _engine_layout(g, *, reverse: bool):
     order, or reversed (engines number regions by address, so the same group lists its layers
     in another order)."""
     from hybridkv.layout import GroupSpec, LayerBuffer, Layout, adopt_layout
-    from hybridkv.layout.fields import PageContent, attention_page_fields, gdn_page_fields
+    from hybridkv.layout.fields import PageContent
+    from hybridkv.layout.kinds.attention import attention_page_fields
+    from hybridkv.layout.kinds.gdn import gdn_page_fields
 
     groups, pages = [], []
     for gid, kind in enumerate(g.kinds()):

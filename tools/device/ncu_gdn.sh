@@ -14,7 +14,8 @@ timeout "${NCU_S:-150}" "$ncu" -k "regex:${NCU_KERNEL:-gluon_inverse|gluon_chain
     --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats --section Occupancy \
     --section ComputeWorkloadAnalysis --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
     "${PYTHON:-python3}" -c "
-from hybridkv.kernels.gdn import bench_cases, chunk_gated_delta_rule
+from hybridkv.kernels.gdn import chunk_gated_delta_rule
+from hybridkv.benchmarks.gdn import cases as bench_cases
 for shape, B, T, H, HV, args, kw in bench_cases._prefill_cases():
     if shape.startswith('397B') and '4x8192' in shape:
         chunk_gated_delta_rule(*args, cu_seqlens=kw['cu_seqlens'], use_qk_l2norm_in_kernel=True, output_final_state=True)
