@@ -40,6 +40,8 @@ import os
 import sys
 from dataclasses import asdict
 
+from hybridkv.cli import CommandError, bounded, print_json
+
 from hybridkv.benchmarks.gdn import baselines, cases
 from hybridkv.benchmarks.gdn.cases import _prefill_cases, _select
 from hybridkv.benchmarks.gdn.rows import Row, _decode_rows, _prefill_rows
@@ -50,8 +52,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     parser.add_argument("--json-file", default=None, metavar="PATH",
                         help="also write the JSON there, rewritten after each prefill shape (a run cut short "
-                             "keeps the shapes it finished), and print the table")
-    parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median)")
+                             "keeps the shapes it finished), and print the table (default: none)")
+    # Bounds keep a typo from running for hours (a shape's measurement is iters calls of each column).
+    parser.add_argument("--iters", type=bounded(int, 10_000), default=20, help="timed calls per measurement (median)")
     parser.add_argument("--no-fla", action="store_true", help="skip the FLA baseline")
     parser.add_argument("--no-qla", action="store_true", help="skip FlashQLA even when flash_qla imports")
     parser.add_argument("--no-fi", action="store_true", help="skip FlashInfer even when flashinfer imports")
@@ -65,10 +68,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "pads)")
     parser.add_argument("--shape", action="append", default=None, metavar="TEXT",
                         help="prefill shapes whose label contains TEXT (repeatable; default: all)")
-    parser.add_argument("--warm-jobs", type=int, default=None, metavar="N",
+    parser.add_argument("--warm-jobs", type=bounded(int, 256), default=None, metavar="N",
                         help="with FlashQLA: first calls (compiles) of the prefill shapes in N parallel processes "
                              "before timing (default: one per shape, at most the CPU count; 0: in this process)")
-    parser.add_argument("--warm-timeout", type=float, default=240.0, metavar="S",
+    parser.add_argument("--warm-timeout", type=bounded(float, 3600.0), default=240.0, metavar="S",
                         help="with FlashQLA: seconds each warm-up process may take; a shape whose warm-up did not "
                              "finish is measured without FlashQLA")
     parser.add_argument("--breakdown", action="store_true",
@@ -216,19 +219,20 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        raise ValueError("bench gdn needs a CUDA device")
+        # The machine, not the input: exit 1 like `hybridkv demo --device cuda`.
+        raise CommandError("bench gdn: torch sees no CUDA device")
     fla = None if args.no_fla else baselines.load_fla_chunk()
     recurrent = None if args.no_fla else baselines.load_fla_recurrent()
     fla_pair = None if fla is None or fla.fn is None or recurrent is None else (fla.fn, recurrent)
     if args.breakdown:
         found = _breakdowns(fla_pair, args.iters, echo=not args.json)
         if args.json:
-            print(json.dumps({"device": torch.cuda.get_device_name(), "breakdown": found}, indent=1))
+            print_json({"device": torch.cuda.get_device_name(), "breakdown": found}, indent=1)
         return 0
     if args.host_profile:
         found = _host_profiles(fla_pair, args.iters, echo=not args.json)
         if args.json:
-            print(json.dumps({"device": torch.cuda.get_device_name(), "host_profile": found}, indent=1))
+            print_json({"device": torch.cuda.get_device_name(), "host_profile": found}, indent=1)
         return 0
     qla = None if args.no_qla or args.only == "decode" else baselines.load_flash_qla()
     fi = None if args.no_fi or args.only == "decode" else baselines.load_flashinfer()
@@ -263,8 +267,8 @@ def run(args: argparse.Namespace) -> int:
     tuned = _tuned_choices()
     dump(rows)
     if args.json:
-        print(json.dumps(to_json(device=device, copy_gbps=copy_gbps, fla=fla, qla=qla, fi=fi, rows=rows,
-                                 tuned=tuned, first_calls=first_calls, fi_decode=fi_decode), indent=1))
+        print_json(to_json(device=device, copy_gbps=copy_gbps, fla=fla, qla=qla, fi=fi, rows=rows,
+                           tuned=tuned, first_calls=first_calls, fi_decode=fi_decode), indent=1)
         return 0
     print(render(header + f"; first calls {first_calls}", rows, tuned))
     return 0
