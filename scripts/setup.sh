@@ -26,7 +26,6 @@ pip install -q "torch==2.13.0" 2> >(grep -v "is ignored: it is neither" >&2)
 flock 9
 pip install -q -e ".[dev,transport,sims]" 2> >(grep -v "is ignored: it is neither" >&2)
 flock -u 9
-# Triton as on the H200 test machine: `hybridkv kernels report` and its tests compile every kernel for
-# sm_90 and sm_100 with Triton's bundled ptxas, no GPU needed.
+# Triton as on the GPU test machine: the kernels' CPU tests run them in Triton's interpreter.
 pip install -q "triton==3.6.0" 2> >(grep -v "is ignored: it is neither" >&2)
 echo "$want" > "$STAMP"

@@ -126,20 +126,12 @@ def test_demo_async_depth_names_a_flag_that_exists(capsys):
     assert "--async-depth" in capsys.readouterr().out
 
 
-@pytest.mark.skipif("kernels.report" not in _commands(), reason="no `hybridkv kernels report` installed")
-def test_kernels_report_refuses_a_bad_kernel_before_printing_anything(capsys):
-    pytest.importorskip("triton")
-    rc, out, err = _main(capsys, "kernels", "report", "--kernel", "nope")
-    assert rc == 2 and out == "" and "--kernel 'nope'" in _one_error_line(err)
-
-
 # ----------------------------------------------------------------------------- missing extras
 
 
 @pytest.mark.parametrize("argv,module,extra", [
     (("demo", "--requests", "1"), "torch", "kernels"),
     (("bench", "gdn"), "torch", "kernels"),
-    (("kernels", "report"), "triton", "kernels"),
 ])
 def test_a_missing_optional_dependency_names_its_extra(capsys, monkeypatch, argv, module, extra):
     if ".".join(argv[:2]) not in _commands() and argv[0] not in _commands():

@@ -31,10 +31,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     flashinfer-python==0.7.2 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
     nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.12 fla-core==0.6.0
 du -sh "$WORK"/raw/*.whl
-python3 "$ROOT/benchmarks/device/trim_fi_wheels.py" "$WORK/raw" "$WORK/stored"
+python3 "$ROOT/tools/device/trim_fi_wheels.py" "$WORK/raw" "$WORK/stored"
 rm -rf "$ROOT"/.whl-fi[0-9]*
 echo "packing (xz -9e of ~330 MB: a few minutes)"
-python3 "$ROOT/benchmarks/device/wheel_parts.py" pack "$WORK/stored" "$ROOT/.whl-fi" --part-mib "$PART_MIB"
+python3 "$ROOT/tools/device/wheel_parts.py" pack "$WORK/stored" "$ROOT/.whl-fi" --part-mib "$PART_MIB"
 tree=$(cd "$ROOT" && { git ls-files -z; git ls-files -z -o --exclude-standard; } | xargs -0 du -cb 2>/dev/null \
     | awk '$2 == "total" {s += $1} END {print s}')
 for d in "$ROOT"/.whl-fi[0-9]*; do

@@ -16,6 +16,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     fla-core==0.6.0
 du -sh "$RAW"/*.whl
 rm -rf "$ROOT/.whl-qla"
-python3 "$ROOT/benchmarks/device/trim_qla_wheels.py" "$RAW" "$ROOT/.whl-qla"
+python3 "$ROOT/tools/device/trim_qla_wheels.py" "$RAW" "$ROOT/.whl-qla"
 total=$(du -cb "$ROOT"/.whl-qla/*.whl | tail -n 1 | cut -f 1)
 echo ".whl-qla: $((total / 1048576)) MiB (the device call's working tree, repository included, must stay under 64 MiB)"

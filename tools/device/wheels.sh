@@ -13,7 +13,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     nixl-cu13==1.5.1 ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 librmm-cu13==26.10.0 \
     rapids-logger==0.3.0
 mkdir -p "$ROOT/.whl"
-python3 "$ROOT/benchmarks/device/trim_wheels.py" "$RAW" "$ROOT/.whl"
+python3 "$ROOT/tools/device/trim_wheels.py" "$RAW" "$ROOT/.whl"
 # pytest-xdist (and execnet) for gdn.sh's TEST_N: the GPU tests compile hundreds of Triton kernels, a CPU's work that
 # the device's 16 cores share out, so the whole suite fits in one call.
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$ROOT/.whl" fla-core==0.6.0 pytest-xdist==3.8.0 \
