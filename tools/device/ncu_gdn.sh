@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Nsight Compute on the GDN prefill kernels (issue #23), on the device: one plain 397B 4x8192 call (the plan's: the
+# Nsight Compute on the GDN prefill kernels on the device: one plain 397B 4x8192 call (the plan's: the
 # Gluon inverse, then the batch plan's Gluon chain); throughput, shared-memory bank conflicts, every warp-stall reason
 # per issued instruction and occupancy of each launch that NCU_KERNEL matches, into $OUT/ncu.txt (the lines that say
-# where the time goes are printed). Its first runs (2026-12-02: the inverse's shared buffers unpadded and padded) are
-# in tools/device/results/ncu_inverse_h200.txt.
+# where the time goes are printed).
 set -u
 OUT=${OUT:-/tmp/hybridkv_ncu_out}
 mkdir -p "$OUT"
