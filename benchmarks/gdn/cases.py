@@ -96,6 +96,25 @@ def decode_step(pool: Pool, N: int, device) -> DecodeStep:
     idx = idx.to(torch.int32 if pool is Pool.VLLM else torch.int64)  # pads after the live rows, as engines pad
     live = torch.arange(N, device=device)
     return DecodeStep(slots=slots, indices=idx, live=live)
+
+
+def decode_inputs(rows: int, H: int, HV: int, device) -> tuple:
+    """Random inputs of a decode step of ``rows`` rows, pads included: (q, k, v, a, b, A_log, dt_bias). q, k, v in
+    bf16 as the layer's projection gives them; the raw gates a, b and the layer's A_log, dt_bias in fp32."""
+    import torch
+
+    q, k = (torch.randn(rows, H, D, device=device).bfloat16() for _ in range(2))
+    v = torch.randn(rows, HV, D, device=device).bfloat16()
+    a, b = torch.randn(rows, HV, device=device), torch.randn(rows, HV, device=device)
+    A_log, dt_bias = torch.randn(HV, device=device) * 0.5, torch.randn(HV, device=device) * 0.5
+    return q, k, v, a, b, A_log, dt_bias
+
+
+def decode_pool(slots: int, HV: int, dtype, device):
+    """A random state pool `[slots, HV, V, K]` of ``dtype``."""
+    import torch
+
+    return (torch.randn(slots, HV, D, D, device=device) * 0.1).to(dtype)
 D = 128
 CHUNK = 64
 DEVICE = "cuda"  # where the prefill inputs are made (tests run the bench's bookkeeping on the CPU)

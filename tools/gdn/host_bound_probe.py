@@ -16,7 +16,7 @@ from hybridkv.benchmarks.gdn import cases
 from hybridkv.benchmarks.gdn.timing import _copy_gbps, _median_ms
 from hybridkv.kernels.gdn import gated_delta_rule_decode
 
-D = 128
+D = cases.D
 
 
 def main() -> int:
@@ -30,11 +30,8 @@ def main() -> int:
             for dtype in (torch.float32, torch.bfloat16):
                 step = cases.decode_step(cases.Pool.VLLM, N, "cuda")
                 R = step.indices.numel()
-                q, k = (torch.randn(R, H, D, device="cuda").bfloat16() for _ in range(2))
-                v = torch.randn(R, HV, D, device="cuda").bfloat16()
-                ga, gb = torch.randn(R, HV, device="cuda"), torch.randn(R, HV, device="cuda")
-                A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
-                pool = (torch.randn(step.slots, HV, D, D, device="cuda") * 0.1).to(dtype)
+                q, k, v, ga, gb, A_log, dt_bias = cases.decode_inputs(R, H, HV, "cuda")
+                pool = cases.decode_pool(step.slots, HV, dtype, "cuda")
 
                 def call():
                     return gated_delta_rule_decode(q, k, v, ga, gb, A_log, dt_bias, pool, step.indices)

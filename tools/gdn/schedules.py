@@ -102,14 +102,10 @@ def prefill(iters: int, fla, shapes: list[str], quick: bool) -> list[dict]:
 
 
 def decode_inputs(N: int, H: int, HV: int, dtype: torch.dtype) -> tuple:
-    """The bench's decode step: (q, k, v, a, b, A_log, dt_bias, pool, idx), N rows on N of 2N slots."""
-    q = torch.randn(N, H, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(N, H, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(N, HV, 128, device="cuda", dtype=torch.bfloat16)
-    a, b = torch.randn(N, HV, device="cuda"), torch.randn(N, HV, device="cuda")
-    A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
-    pool = (torch.randn(2 * N, HV, 128, 128, device="cuda") * 0.1).to(dtype)
-    idx = torch.randperm(2 * N, device="cuda")[:N]
+    """The bench's dense decode step: (q, k, v, a, b, A_log, dt_bias, pool, idx), N rows on N of 2N slots."""
+    step = bench_cases.decode_step(bench_cases.Pool.DENSE, N, "cuda")
+    q, k, v, a, b, A_log, dt_bias = bench_cases.decode_inputs(N, H, HV, "cuda")
+    pool, idx = bench_cases.decode_pool(step.slots, HV, dtype, "cuda"), step.indices
     return q, k, v, a, b, A_log, dt_bias, pool, idx
 
 

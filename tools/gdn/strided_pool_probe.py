@@ -20,7 +20,7 @@ from hybridkv.benchmarks.gdn import cases
 from hybridkv.benchmarks.gdn.timing import _copy_gbps, _median_ms
 from hybridkv.kernels.gdn import decode, gated_delta_rule_decode
 
-D = 128
+D = cases.D
 CONV_KERNEL = 4
 
 
@@ -32,7 +32,7 @@ def _views(slots: int, H: int, HV: int, dtype, layers: int) -> dict[str, torch.T
     conv = (2 * H * D + HV * D) * (CONV_KERNEL - 1)
     page = ssm + conv
     page += -(-page // 16)  # the padding up to the attention page
-    out = {"contiguous": (torch.randn(slots, HV, D, D, device="cuda") * 0.1).to(dtype)}
+    out = {"contiguous": cases.decode_pool(slots, HV, dtype, "cuda")}
     for name, per_block in (("page", 1), (f"{layers} layers a block", layers)):
         raw = torch.zeros(slots, per_block, page, device="cuda", dtype=dtype)
         layer = raw[:, per_block // 2]
@@ -54,10 +54,7 @@ def main() -> int:
             for dtype in (torch.float32, torch.bfloat16):
                 step = cases.decode_step(cases.Pool.VLLM, N, "cuda")
                 R = step.indices.numel()
-                q, k = (torch.randn(R, H, D, device="cuda").bfloat16() for _ in range(2))
-                v = torch.randn(R, HV, D, device="cuda").bfloat16()
-                ga, gb = torch.randn(R, HV, device="cuda"), torch.randn(R, HV, device="cuda")
-                A_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda") * 0.5
+                q, k, v, ga, gb, A_log, dt_bias = cases.decode_inputs(R, H, HV, "cuda")
                 state_bytes = N * HV * D * D * 2 * torch.empty((), dtype=dtype).element_size()
                 cells = []
                 for name, pool in _views(step.slots, H, HV, dtype, a.layers).items():
