@@ -39,7 +39,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 import hybridkv
-from hybridkv.errors import MissingExtra, install_hint
+from hybridkv.errors import HybridKVError, MissingExtra, install_hint
 
 ENTRY_POINT_GROUP = "hybridkv.commands"
 
@@ -314,8 +314,6 @@ def error(message: str, status: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hybridkv.errors import HybridKVError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)
