@@ -99,6 +99,24 @@ DECODE = [{"role": "consumer", "dp_rank": 0, "dp_size": 2, "policy": "recompute"
           {"role": "consumer", "dp_rank": 1, "dp_size": 2, "policy": "fail", "max_num_seqs": 1}]
 
 
+def _warm_up(engines: list[Engine]) -> None:
+    """Each decode engine loads one request from each prefill engine before the tests, retried until
+    one lands. A decode renews a producer's lease only over a link, and the first link's handshake
+    (two NIXL agents, metadata both ways) took over 4 s on a loaded 2-core CI host: longer than
+    prefill DP rank 1's lease, so the first test's loads lapsed. The tests are about routing, leases
+    and restarts, not about the cost of a first handshake."""
+    for d in engines[2:]:
+        for p in engines[:2]:
+            for attempt in range(3):
+                rid = f"warm-{engines.index(d)}-{engines.index(p)}-{attempt}"
+                params, _ = p.prefill({rid: 16})
+                if not d.decode([(rid, 16, 1, params[rid])])[rid]["failed"]:
+                    break
+            else:
+                raise AssertionError(f"decode engine {engines.index(d)} never loaded from prefill engine "
+                                     f"{engines.index(p)} in 3 tries (see the engines' log)")
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two prefill DP engines sharing one host and one base port, and a decode endpoint of two
@@ -110,6 +128,7 @@ def cluster(tmp_path_factory):
     engines = [Engine(c, log) for c in cmds]
     try:
         addresses = [e.ready() for e in engines]
+        _warm_up(engines)
         yield {"base": base, "log": log, "engines": engines, "addresses": addresses, "cmds": cmds}
     finally:
         for e in engines:  # all at once: each takes seconds to close its NIXL agent
