@@ -19,6 +19,11 @@ from hybridkv.transport import auth
 from hybridkv.transport.allowlist import PeerAllowlist
 from hybridkv.transport.dataplane import DataPlaneConfig
 
+#: Whether an endpoint without a secret refuses to start unless ``insecure_no_auth`` says lab mode
+#: by name. Off (a loud warning only) until every connector passes ``insecure_no_auth`` through
+#: from its own configuration; see :func:`check_auth_mode`.
+REQUIRE_SECRET = False
+
 
 class FailurePolicy(enum.Enum):
     """What a failed import turns into (vLLM's ``kv_load_failure_policy``)."""
@@ -74,6 +79,11 @@ class TransportConfig:
     # auth.load_secret from a file or an environment variable). None: any peer that reaches the
     # port is served, and the endpoint logs a warning when it starts. Kept out of repr().
     secret: bytes | None = field(default=None, repr=False)
+    # Lab mode, by name: no secret, and any peer that reaches the port gets the NIXL metadata (and
+    # with it one-sided access to this process's registered memory). Without a secret and without
+    # this, an endpoint refuses to start (REQUIRE_SECRET); with it, it logs so loudly at start and
+    # its metrics say so (MetricsSnapshot.insecure_no_auth).
+    insecure_no_auth: bool = False
     # Producer bounds, per peer and in total: connections still in their handshake (each costs a
     # task and a UCX endpoint until handshake_timeout_s), and Wants that came before their export
     # (a peer past its share is disconnected; it alone loses, never a consumer within its share).
@@ -88,6 +98,11 @@ class TransportConfig:
     def __post_init__(self) -> None:
         if self.secret is not None:
             auth.check_secret(self.secret, "TransportConfig.secret")
+        if not isinstance(self.insecure_no_auth, bool):
+            raise ValueError(f"TransportConfig.insecure_no_auth = {self.insecure_no_auth!r}; expected a bool")
+        if self.insecure_no_auth and self.secret is not None:
+            raise ValueError("TransportConfig.insecure_no_auth = True with a secret; expected one of the two "
+                             "(a secret authenticates every peer, insecure_no_auth serves any)")
         if not isinstance(self.idle_connection_s, (int, float)) or not self.idle_connection_s > 0:
             raise ValueError(f"TransportConfig.idle_connection_s = {self.idle_connection_s!r}; expected seconds > 0")
         for key in ("max_handshakes", "max_wants_per_peer", "max_wants"):
@@ -107,6 +122,17 @@ class TransportConfig:
     @property
     def allowlist(self) -> PeerAllowlist | None:
         return PeerAllowlist.parse(self.allowed_peers) if self.allowed_peers else None
+
+
+def check_auth_mode(config: TransportConfig, what: str) -> None:
+    """Refuse to start an endpoint that has no secret unless lab mode was asked for by name
+    (``insecure_no_auth``). Raises ValueError naming both ways out."""
+    if config.secret is None and not config.insecure_no_auth and REQUIRE_SECRET:
+        raise ValueError(
+            f"hybridkv {what}: no TransportConfig.secret; expected a shared secret (read it with "
+            "hybridkv.transport.auth.load_secret from a file `hybridkv secret FILE` wrote, or an environment "
+            "variable), or insecure_no_auth=True to run unauthenticated in a lab, where any peer that reaches "
+            "the port can read and write this process's registered memory")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,4 +164,4 @@ class Stats:
     timed_out: int = 0  # transfers abandoned past their lease or the transfer timeout
 
 
-__all__ = ["FailurePolicy", "Outcome", "Pairing", "Result", "Stats", "TransportConfig"]
+__all__ = ["REQUIRE_SECRET", "FailurePolicy", "Outcome", "Pairing", "Result", "Stats", "TransportConfig", "check_auth_mode"]

@@ -59,6 +59,9 @@ class MetricsSnapshot:
     fence_wait_steps: tuple[int, ...] = ()  # one per load: steps it waited for the fence to allow it
     quarantined_blocks: int = 0  # blocks kept out of reuse because a transfer into/out of them could not stop
     released_blocks: int = 0  # of those, blocks whose transfer has since ended
+    # 1 while an endpoint of this worker runs in lab mode (TransportConfig.insecure_no_auth: no
+    # secret, any peer served): a gauge, not a count, so merging takes the larger, never the sum.
+    insecure_no_auth: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.transfer_seconds)
@@ -68,7 +71,7 @@ class MetricsSnapshot:
         for kind, count in self.failures.items():
             if not isinstance(kind, FailureKind) or not _is_count(count):
                 raise ValueError(f"failures[{kind!r}] = {count!r}; expected a FailureKind and a count >= 0")
-        for name in _COUNTS:
+        for name in (*_COUNTS, "insecure_no_auth"):
             if not _is_count(getattr(self, name)):
                 raise ValueError(f"{name} = {getattr(self, name)!r}; expected an int >= 0")
 
@@ -90,13 +93,14 @@ class MetricsSnapshot:
         for kind, n in other.failures.items():
             failures[kind] = failures.get(kind, 0) + n
         return MetricsSnapshot(**{n: getattr(self, n) + getattr(other, n) for n in _LISTS + _COUNTS},
-                               failures=failures)
+                               failures=failures, insecure_no_auth=max(self.insecure_no_auth, other.insecure_no_auth))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (str keys, lists, ints, floats): what an engine sends between processes."""
         out: dict[str, Any] = {n: list(getattr(self, n)) for n in _LISTS}
         out["failures"] = {k.value: n for k, n in self.failures.items()}
         out.update({n: getattr(self, n) for n in _COUNTS})
+        out["insecure_no_auth"] = self.insecure_no_auth
         return out
 
     @classmethod
@@ -104,10 +108,10 @@ class MetricsSnapshot:
         """The inverse of :meth:`to_dict`; a missing key counts as zero, an unknown one is refused."""
         if not isinstance(data, Mapping):
             raise ValueError(f"metrics payload {data!r}; expected a mapping")
-        unknown = sorted(set(data) - set(_LISTS) - set(_COUNTS) - {"failures"})
+        unknown = sorted(set(data) - set(_LISTS) - set(_COUNTS) - {"failures", "insecure_no_auth"})
         if unknown:
             raise ValueError(f"metrics payload has unknown key(s) {unknown}; expected some of "
-                             f"{sorted(_LISTS + _COUNTS + ('failures',))}")
+                             f"{sorted(_LISTS + _COUNTS + ('failures', 'insecure_no_auth'))}")
         kinds = {k.value: k for k in FailureKind}
         failures = {}
         for name, n in dict(data.get("failures") or {}).items():
@@ -115,7 +119,7 @@ class MetricsSnapshot:
                 raise ValueError(f"failure kind {name!r}; expected one of {sorted(kinds)}")
             failures[kinds[name]] = n
         return cls(**{n: tuple(data.get(n, ())) for n in _LISTS}, **{n: data.get(n, 0) for n in _COUNTS},
-                   failures=failures)
+                   failures=failures, insecure_no_auth=data.get("insecure_no_auth", 0))
 
 
 def _is_count(v: Any) -> bool:
@@ -128,6 +132,8 @@ class TransferMetrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        #: set by an endpoint started in lab mode (no secret); every take reports it, never reset
+        self.insecure_no_auth = False
         self._reset()
 
     def _reset(self) -> None:
@@ -181,7 +187,7 @@ class TransferMetrics:
                                    bytes=tuple(self._bytes), descriptors=tuple(self._descs),
                                    failures=dict(self._failures), lease_expiries=self._expiries,
                                    fence_wait_steps=tuple(self._waits), quarantined_blocks=self._quarantined,
-                                   released_blocks=self._released)
+                                   released_blocks=self._released, insecure_no_auth=int(self.insecure_no_auth))
             self._reset()
         return snap
 

@@ -35,9 +35,9 @@ class Producer:
 
     role = wire.Role.PRODUCER
 
-    def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig = TransportConfig(), *,
+    def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig | None = None, *,
                  planner: Planner) -> None:
-        side = self._side = Side(memory, scheduler, config, planner, role=self.role)
+        side = self._side = Side(memory, scheduler, config or TransportConfig(), planner, role=self.role)
         self.memory, self.scheduler, self.config, self.planner = side.memory, side.scheduler, side.config, side.planner
         self.pairing, self.dp, self.compat = side.pairing, side.dp, side.compat
         self.stats, self.metrics, self.peers = side.stats, side.metrics, side.peers

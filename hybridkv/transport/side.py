@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, PeerLost
 from hybridkv.transport import control
+from hybridkv.transport import config as _config
 from hybridkv.transport.config import Pairing, Stats, TransportConfig
 from hybridkv.transport.dataplane import DataPlane, Transfer, XferState
 from hybridkv.transport.memory import PAGE_SHAPE_FIELDS, MemoryMap, check_peer_shapes
@@ -85,6 +86,8 @@ class Side:
 
     def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig, planner: Planner, *,
                  role: wire.Role) -> None:
+        # Before anything is registered: an endpoint without a secret starts only in lab mode, by name.
+        _config.check_auth_mode(config, role.name.lower())
         self.role = role
         self.memory = memory
         self.scheduler = scheduler
@@ -101,6 +104,7 @@ class Side:
         self.stats = Stats()
         #: what moved, failed and waited, taken by the connector that reports it (metrics.py)
         self.metrics = TransferMetrics()
+        self.metrics.insecure_no_auth = config.secret is None
         self.peers: dict[str, Peer] = {}
         self.closing = False
         self._pump_task: asyncio.Task | None = None
@@ -133,12 +137,14 @@ class Side:
         return remote
 
     def warn_if_open(self, where: str) -> None:
-        """Unauthenticated mode is for a lab: say so once, when the endpoint starts."""
+        """Unauthenticated mode is for a lab: say so loudly, once, when the endpoint starts."""
         if self.config.secret is None:
-            log.warning("hybridkv %s%s runs WITHOUT a shared secret: any peer that reaches it gets its NIXL "
-                        "metadata and one-sided access to the registered KV cache. Set TransportConfig.secret "
-                        "(from a file or environment variable) on both sides; see README 'Security'.",
-                        self.role.name.lower(), f" {where}" if where else "")
+            log.warning("INSECURE: hybridkv %s%s runs WITHOUT a shared secret (%s): any peer that reaches it gets "
+                        "its NIXL metadata and one-sided READ and WRITE access to this process's registered "
+                        "memory, and over UCX's software transports to more of it (docs/security.md). Set "
+                        "TransportConfig.secret (auth.load_secret; `hybridkv secret FILE` makes one) on both sides.",
+                        self.role.name.lower(), f" {where}" if where else "",
+                        "insecure_no_auth" if self.config.insecure_no_auth else "no secret given")
 
     def describe(self) -> dict:
         """What is in flight, for an operator or a stuck test to print (plain data)."""

@@ -83,7 +83,7 @@ def _new_consumer(secret):
     from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
 
     layout, memory, pools = peers.build(3)
-    cfg = TransportConfig(secret=secret, handshake_timeout_s=5.0)
+    cfg = TransportConfig(secret=secret, insecure_no_auth=secret is None, handshake_timeout_s=5.0)
     return Consumer(memory, TransferScheduler(pools, lease_s=30.0), cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
 
 

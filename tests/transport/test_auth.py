@@ -132,3 +132,40 @@ def test_a_producer_frame_over_the_preauth_limit_is_refused_before_allocation():
     assert result, done.stderr[-2000:]
     assert result[0].startswith("RESULT ProtocolViolation"), result
     assert f"expected 1..{wire.MAX_PREAUTH_BYTES}" in result[0] and "before proving" in result[0], result
+
+
+def _endpoint(config):
+    """A consumer endpoint on a small real layout (its NIXL agent is made only if the config passes)."""
+    from hybridkv.descriptors.planning import DescriptorPlanner
+    from hybridkv.fencing.scheduler import TransferScheduler
+    from hybridkv.transport.endpoint import Consumer, Pairing
+    from tests.transport import peers
+
+    _, memory, pools = peers.build(5)
+    return Consumer(memory, TransferScheduler(pools, lease_s=30.0), config,
+                    planner=DescriptorPlanner(pairing=Pairing.PAGES))
+
+
+def test_without_a_secret_an_endpoint_starts_only_in_lab_mode_by_name(monkeypatch, caplog):
+    """Secure by default: no secret and no insecure_no_auth is refused before any NIXL agent exists, with a
+    message naming the opt-in; lab mode by name starts, logs INSECURE and says so in its metrics."""
+    import logging
+
+    from hybridkv.transport import config as config_mod
+
+    monkeypatch.setattr(config_mod, "REQUIRE_SECRET", True)
+    with pytest.raises(ValueError, match=r"no TransportConfig.secret; expected a shared secret .* or "
+                                         r"insecure_no_auth=True"):
+        _endpoint(TransportConfig())
+    with pytest.raises(ValueError, match="insecure_no_auth = True with a secret; expected one of the two"):
+        TransportConfig(secret=SECRET, insecure_no_auth=True)
+    with pytest.raises(ValueError, match="insecure_no_auth = 'yes'; expected a bool"):
+        TransportConfig(insecure_no_auth="yes")  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="hybridkv.transport.side"):
+        lab = _endpoint(TransportConfig(insecure_no_auth=True))
+    assert any("INSECURE" in r.message and "insecure_no_auth" in r.message for r in caplog.records)
+    assert lab.metrics.take().insecure_no_auth == 1 and lab.metrics.take().to_dict()["insecure_no_auth"] == 1
+    lab.dp.close()
+    proven = _endpoint(TransportConfig(secret=SECRET))
+    assert proven.metrics.take().insecure_no_auth == 0
+    proven.dp.close()
