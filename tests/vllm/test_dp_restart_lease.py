@@ -19,29 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_ports
 from tests.vllm.test_hetero_tp import Rank
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def _port_pair_below_ephemeral() -> int:
-    """Two free consecutive ports below Linux's ephemeral range: the restarted engine must get its
-    port back, and a port in that range may meanwhile be taken by any outgoing connection."""
-    import random
-    import socket
-
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low - 2)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("0.0.0.0", port))
-                b.bind(("0.0.0.0", port + 1))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no two consecutive free ports below the ephemeral range")
 
 
 class Engine(Rank):
@@ -122,7 +104,7 @@ def cluster(tmp_path_factory):
     """Two prefill DP engines sharing one host and one base port, and a decode endpoint of two
     DP engines: four processes, started side by side once for the module (vLLM's import is
     most of a process's start-up)."""
-    base = _port_pair_below_ephemeral()
+    base = free_ports(2)
     log = open(tmp_path_factory.mktemp("dp") / "engines.log", "w")
     cmds = [{**c, "port": base} for c in PREFILL] + DECODE
     engines = [Engine(c, log) for c in cmds]

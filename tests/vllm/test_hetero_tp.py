@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -24,21 +23,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_ports
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 class Rank:
@@ -99,12 +89,12 @@ def _analyzer(p_tp: int, d_tp: int, tokens: int) -> int:
     pytest.param(2, 1, 2, id="P2-D1x2"),
 ])
 def test_hetero_tp_vllm_ranks(tmp_path, p_tp, d_tp, instances, capsys):
-    port = _free_port_pair()
+    port = free_ports(2)
     from vllm.utils.network_utils import get_ip
 
     # Prefill rank 0 at 127.0.0.1, ranks r > 0 "on another node": this host's own address, through
     # "auto", each at its own base + r (as on separate hosts, whose ports need not follow rank 0's).
-    bases = [port] + [_free_port_pair() for _ in range(1, p_tp)]
+    bases = [port] + [free_ports(p_tp) for _ in range(1, p_tp)]
     hosts = ["127.0.0.1"] + ["auto"] * (p_tp - 1)
     advertised = ["127.0.0.1"] + [get_ip()] * (p_tp - 1)
     requests = [[f"r{i}", 100 + 37 * i] for i in range(instances)]

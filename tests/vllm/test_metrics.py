@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -23,21 +22,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_ports
+
 from tests.vllm import harness as h
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE_S = 8.0  # a loaded 2-core machine may take seconds between the prefill and the decode asking
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Peer:
     def __init__(self, tmp: Path) -> None:
-        self.port = _free_port()
+        self.port = free_ports()
         self.log = open(tmp / "serving_peer.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.vllm.serving_peer", str(self.port), str(LEASE_S)],

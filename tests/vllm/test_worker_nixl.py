@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -21,15 +20,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from tests.ports import free_ports
+
 from tests.vllm import harness as h
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _read(proc, timeout: float) -> dict:
@@ -50,7 +45,7 @@ def _read(proc, timeout: float) -> dict:
 def test_request_moves_between_two_worker_processes(tmp_path, async_scheduling):
     from vllm.v1.engine import FinishReason
 
-    port = _free_port()
+    port = free_ports()
     log = open(tmp_path / "peer.log", "w")
     peer = subprocess.Popen(
         [sys.executable, "-m", "tests.vllm.prefill_peer", str(port), "async" if async_scheduling else "sync"],
@@ -116,7 +111,7 @@ def test_failed_load_by_policy_recompute_recovers(fault):
     runner = h.RealWorker(conn, kv_caches, sched, writes=False)
     d = h.Driver(sched, runner, async_scheduling=False)
     params = h.remote_prefill_params("d1", groups=len(kcc.transfer_group_ids))
-    params["remote_port"] = _free_port()  # nobody listens there
+    params["remote_port"] = free_ports()  # nobody listens there
     if fault == "tp2_unreachable":
         params["tp_size"] = 2
     sched.add_request(h.make_request("d1", prompt_len=100, max_tokens=2, params=params))
