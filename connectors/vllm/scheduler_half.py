@@ -4,9 +4,10 @@ vLLM owns the block pool; hybridkv's :class:`~hybridkv.fencing.scheduler.Transfe
 (engine-owned pool mode) decides *when* a block may be written by an incoming
 transfer, read by an outgoing one, or handed back to vLLM:
 
-* every scheduled step is reported with the blocks its requests hold
-  (``touched``), and every executed step comes back from the workers as a
-  watermark (:class:`HybridKVWorkerMetadata.step`);
+* every scheduled step is reported with the blocks it writes (``touched``: its new tokens' blocks,
+  the GDN/Mamba state slots, the blocks vLLM may free while the request still runs; see
+  :mod:`~hybridkv.connectors.vllm.step_writes`), never a cached prefix block it only reads, and every
+  executed step comes back from the workers as a watermark (:class:`HybridKVWorkerMetadata.step`);
 * decode side: a load is given to the worker only when hybridkv's import rule
   allows writing all its target blocks, i.e. no step still in flight touches
   them (Race A: under ``--async-scheduling`` vLLM may reallocate a block that
@@ -38,6 +39,7 @@ from hybridkv.connectors.vllm.addressing import RankAddress, listen_port, ranks_
 from hybridkv.connectors.vllm.config import HybridKVVllmConfig
 from hybridkv.connectors.vllm.metadata import BlockIds, HybridKVConnectorMetadata, HybridKVWorkerMetadata, RecvOrder
 from hybridkv.connectors.vllm.params import RemotePrefill, producer_params, wants_remote_decode, wants_remote_prefill
+from hybridkv.connectors.vllm.step_writes import StepWrites
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -112,6 +114,8 @@ class SchedulerHalf:
             lease_s=self.hold_s,
             clock=clock,
         )
+        # What each step writes; on an engine that imports, also what a preempted request still read.
+        self._writes = StepWrites(kv_cache_config, imports=vllm_config.kv_transfer_config.is_kv_consumer)
         self._kv_cache_manager: KVCacheManager | None = None
         self._null_block = 0
         self._step = -1
@@ -232,6 +236,7 @@ class SchedulerHalf:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
+        self._writes.forget(rid)
         if rid in self._intents:
             self._release(rid)  # finished (aborted) while queued: never allocated, never read
         if rid in self._pending:
@@ -361,14 +366,11 @@ class SchedulerHalf:
         return meta
 
     def _touched(self, scheduler_output: SchedulerOutput) -> set[int]:
-        """Every block a request scheduled in this step holds: the step may touch any."""
+        """The blocks this step writes (a cached prefix block it only reads is not one of them)."""
         manager = self._kv_cache_manager
         if manager is None:
             raise RuntimeError("the KV cache manager was never bound to the connector")
-        out: set[int] = set()
-        for rid in scheduler_output.num_scheduled_tokens:
-            for ids in manager.get_block_ids(rid):
-                out.update(ids)
+        out = self._writes.of_step(scheduler_output, manager)
         out.discard(self._null_block)
         return out
 

@@ -1,0 +1,153 @@
+"""Which blocks one vLLM step writes: what the scheduler half fences for that step.
+
+A block's fence is the last step that may still change it (docs/design.md, "Fencing"). A step writes
+the blocks of the tokens it computes and each GDN/Mamba group's state slots; it only *reads* the
+blocks of the tokens before them. Fencing those reads too would hold back every export of a request
+that shares a hot prefix (a system prompt): some running request reads the prefix in every step, so
+its fence would never settle while traffic lasts.
+
+A read matters only to a block vLLM hands to an import while the read is still in flight, which
+needs the reader to have let the block go:
+
+* a finished request: its last step's output is discarded, so what it read no longer matters;
+* a block vLLM frees while the request still runs (a sliding window's or a chunk's past blocks, an
+  align-mode Mamba state that moved on): the step that last read it is fenced here, because each
+  group's range starts at the first block that step may read, not at the first it writes;
+* a preempted request: vLLM delivers its in-flight output after all. On an engine that imports, its
+  blocks are fenced at the step that preempted it (once per preemption, off the per-step path).
+
+Per step this costs a few index operations per scheduled request and group, never a walk over a
+request's whole block table. Positions come from the scheduler output (``num_computed_tokens`` as
+the step was scheduled, before vLLM advances it).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class Reach(enum.Enum):
+    """How far before a step's first token its writes and freeable reads start, in one group."""
+
+    #: Full attention: the blocks of the tokens it computes, nothing before them.
+    TOKENS = "tokens"
+    #: Sliding window / chunked local attention: from the first token it still attends to
+    #: (vLLM frees the blocks before that while the request runs).
+    WINDOW = "window"
+    #: Align-mode Mamba/GDN: from the state slot it copies from to the end of the table (the running
+    #: slot, checkpoints and speculative slots; vLLM retires passed slots while the request runs).
+    STATE = "state"
+    #: Anything else (a Mamba group in "none" mode, whose few slots are all live; a spec kind not
+    #: modelled here): every block the request holds.
+    ALL = "all"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupWrites:
+    reach: Reach
+    block_size: int
+    #: WINDOW: tokens before the first computed one the step still reads (window - 1), or the chunk
+    #: size for chunked local attention (``chunk`` > 0).
+    back: int = 0
+    chunk: int = 0
+
+    def first_block(self, start: int) -> int:
+        if self.reach is Reach.TOKENS:
+            return start // self.block_size
+        if self.reach is Reach.WINDOW:
+            first = start - start % self.chunk if self.chunk else start - self.back
+            return max(0, first) // self.block_size
+        if self.reach is Reach.STATE:
+            return max(0, start - 1) // self.block_size
+        return 0
+
+    def last_block(self, end: int, held: int) -> int:
+        """One past the last block index the step may write (``held``: the table's length)."""
+        if self.reach is Reach.TOKENS or self.reach is Reach.WINDOW:
+            return min(held, -(-end // self.block_size))
+        return held
+
+
+def group_writes(spec: Any) -> GroupWrites:
+    """The rule for one KV cache group's spec (vLLM's classes, matched exactly: a subclass may page
+    differently, and then every block it holds is fenced)."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
+
+    kind = type(spec)
+    bs = int(spec.block_size)
+    if kind in (FullAttentionSpec, MLAAttentionSpec):
+        # A uniform-spec group may carry a window or a chunk on the full-attention class.
+        if spec.sliding_window is not None:
+            return GroupWrites(reach=Reach.WINDOW, block_size=bs, back=int(spec.sliding_window) - 1)
+        if spec.attention_chunk_size is not None:
+            return GroupWrites(reach=Reach.WINDOW, block_size=bs, chunk=int(spec.attention_chunk_size))
+        return GroupWrites(reach=Reach.TOKENS, block_size=bs)
+    if kind in (SlidingWindowSpec, SlidingWindowMLASpec):
+        return GroupWrites(reach=Reach.WINDOW, block_size=bs, back=int(spec.sliding_window) - 1)
+    if kind is ChunkedLocalAttentionSpec:
+        return GroupWrites(reach=Reach.WINDOW, block_size=bs, chunk=int(spec.attention_chunk_size))
+    if kind is MambaSpec and spec.mamba_cache_mode == "align":
+        return GroupWrites(reach=Reach.STATE, block_size=bs)
+    return GroupWrites(reach=Reach.ALL, block_size=bs)
+
+
+class StepWrites:
+    """The block ids each scheduled step writes, over every KV cache group (one shared pool)."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig, *, imports: bool) -> None:
+        self.groups: tuple[GroupWrites, ...] = tuple(group_writes(g.kv_cache_spec)
+                                                     for g in kv_cache_config.kv_cache_groups)
+        self.imports = imports
+        # imports only: each running request's block tables (vLLM's live lists, not copies) as of its
+        # last step, for the step that preempts it.
+        self._tables: dict[str, Sequence[Sequence[Any]]] = {}
+
+    def of_step(self, so: SchedulerOutput, manager: KVCacheManager) -> set[int]:
+        out: set[int] = set()
+        tables = self._tables
+        if self.imports and so.preempted_req_ids:
+            for rid in so.preempted_req_ids:
+                for blocks in tables.pop(rid, ()):
+                    out.update([b.block_id for b in blocks])
+        starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        groups = self.groups
+        get_blocks = manager.get_blocks
+        add = out.add
+        for rid, n in so.num_scheduled_tokens.items():
+            held = get_blocks(rid).blocks
+            if self.imports:
+                tables[rid] = held
+            start = starts.get(rid)
+            for rule, blocks in zip(groups, held):
+                if start is None or rule.reach is Reach.ALL:
+                    for b in blocks:
+                        add(b.block_id)
+                    continue
+                first = rule.first_block(start)
+                last = rule.last_block(start + n, len(blocks))
+                for i in range(first, last):
+                    add(blocks[i].block_id)
+        for copy in so.kv_cache_block_copies or ():
+            add(copy.dst_block_id)  # a copy-on-write fills this step's block from a cached one
+        return out
+
+    def forget(self, rid: str) -> None:
+        """The request finished: vLLM discards what its in-flight step computed."""
+        self._tables.pop(rid, None)
