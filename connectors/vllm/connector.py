@@ -59,6 +59,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.engine_id: str = kvt.engine_id or str(uuid.uuid4())
         self.scheduler = None
         self.worker = None
+        # A KV cache hybridkv cannot move is refused here, in either role, naming the layer and why
+        # (vLLM builds the workers' connectors before it allocates the KV tensors).
+        from hybridkv.connectors.vllm.specs import adopt_specs
+
+        if kv_cache_config is not None:
+            adopt_specs(vllm_config, kv_cache_config)
         if role is KVConnectorRole.SCHEDULER:
             from hybridkv.connectors.vllm.scheduler_half import SchedulerHalf
 

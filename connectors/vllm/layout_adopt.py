@@ -1,30 +1,33 @@
 """Adopt vLLM 0.33's KV cache tensors into a hybridkv :class:`~hybridkv.layout.Layout`.
 
-vLLM allocates one backing buffer; every KV-cache group overlays it from byte
-0, and layer ``l`` of block ``b`` of a group starts at
-``offset + l*layer_stride + b*block_stride`` (``KVCacheTensor``). Each layer's
-tensor is a view into that buffer: attention ``[B, H, N, C]`` with C = K|V of
-one head, GDN a raw ``int8`` page ``[conv | ssm | pad]``. hybridkv de-duplicates
-the aliased views by address and merges side-by-side pages, so under a
-block-outermost layout (BLHNC) one logical block of every group becomes one
-span of one region.
+What each layer holds comes from vLLM's ``KVCacheConfig`` (``specs.py``); where its
+bytes are comes from the tensors vLLM hands to ``register_kv_caches``. vLLM allocates
+one backing buffer; every KV-cache group overlays it from byte 0, and layer ``l`` of
+block ``b`` of a group starts at ``offset + l*layer_stride + b*block_stride``
+(``KVCacheTensor``). Each layer's tensor is a view into that buffer: attention
+``[B, H, N, C]`` with C = K|V of one head (or MLA's latent), a Mamba-type state a raw
+``int8`` page ``[conv | ssm | pad]``. Where the attention kernel's blocks are smaller
+than the scheduler's (FlashInfer's 16-token kernel blocks under the hybrid allocator's
+large blocks), the tensor's first dimension counts kernel blocks: ``ratio`` of them
+make one logical block. hybridkv de-duplicates the aliased views by address and merges
+side-by-side pages, so under a block-outermost layout (BLHNC) one logical block of every
+group becomes one span of one region.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
-from hybridkv.layout.alloc import MemKind
-from hybridkv.layout.fields import PageContent
-from hybridkv.layout.geometry import DType, LayerSpec, ModelGeometry, Paging
-from hybridkv.layout.hf_config import geometry_from_config
 from hybridkv.ids import GroupId
-from hybridkv.layout import GroupSpec, Layout, LayerBuffer, adopt_layout
+from hybridkv.layout import LayerBuffer, Layout, adopt_layout
+from hybridkv.layout.alloc import MemKind
+from hybridkv.layout.kinds.base import Paging
+
+from hybridkv.connectors.vllm.specs import AdoptedSpecs, adopt_specs
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -32,15 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_TORCH_DTYPES = {torch.float32: DType.FLOAT32, torch.bfloat16: DType.BFLOAT16, torch.float16: DType.FLOAT16}
-
-
-def layer_index(name: str) -> int:
-    m = _LAYER.search(name)
-    if m is None:
-        raise ValueError(f"KV cache layer name {name!r}; expected one containing 'layers.<index>.'")
-    return int(m.group(1))
+#: vLLM's KV cache layouts whose H sits outside N (head-outer pages).
+_HEAD_OUTER = ("LBHNC", "BLHNC", "BHLNC", "LHBNC")
 
 
 def conv_layout_is_ds() -> bool:
@@ -56,81 +52,59 @@ def adopt_vllm_kv_caches(
     *,
     tp: int = 1,
     rank: int = 0,
+    specs: AdoptedSpecs | None = None,
 ) -> Layout:
-    """The hybridkv layout of the tensors vLLM handed to ``register_kv_caches``."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
+    """The hybridkv layout of the tensors vLLM handed to ``register_kv_caches``.
 
+    ``specs``: what :func:`~hybridkv.connectors.vllm.specs.adopt_specs` made of ``kv_cache_config``
+    (made here when not given)."""
+    specs = adopt_specs(vllm_config, kv_cache_config, tp=tp) if specs is None else specs
     layout_name = vllm_config.cache_config.get_resolved_kv_cache_layout().name
-    if kv_cache_config.has_mamba_layers and not conv_layout_is_ds():
-        raise ValueError(
-            "the GDN/Mamba conv state is in the SD layout; hybridkv moves it per TP sub-block and needs "
-            "DS: start vLLM with VLLM_SSM_CONV_STATE_LAYOUT=DS on both prefill and decode"
-        )
-    ssm_dtype = None
-    spec_of: dict[str, object] = {}
-    group_of: dict[str, int] = {}
-    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        for name in group.layer_names:
-            layer_spec = spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
-            spec_of[name] = layer_spec
-            group_of[name] = gid
-        if isinstance(spec, MambaSpec):
-            ssm_dtype = _TORCH_DTYPES.get(spec.dtypes[-1])
-        elif not isinstance(spec, AttentionSpec):
-            raise ValueError(f"KV cache group {gid} has a {type(spec).__name__}; expected attention or Mamba/GDN")
-    hf = vllm_config.model_config.hf_text_config.to_dict()
-    hf.setdefault("torch_dtype", str(vllm_config.model_config.dtype).removeprefix("torch."))
-    geometry = geometry_from_config(hf, name=str(vllm_config.model_config.model), ssm_dtype=ssm_dtype)
-    # A group's kind, its block tokens and its pages' content are its layers' spec's facts (issue 46 will
-    # build that spec from vLLM's own instead of the HF config); vLLM's spec must agree with it.
-    groups = [_group(gid, group, geometry) for gid, group in enumerate(kv_cache_config.kv_cache_groups)]
-    # Head-outer pages for the layouts whose H sits outside N.
-    head_outer = layout_name in ("LBHNC", "BLHNC", "BHLNC", "LHBNC")
+    head_outer = layout_name in _HEAD_OUTER
+    num_blocks = int(kv_cache_config.num_blocks)
+    index = {n: i for i, n in enumerate(specs.layer_names)}
     buffers = []
+    skipped = []
     for name, t in kv_caches.items():
-        if name not in spec_of:
-            raise ValueError(f"register_kv_caches got layer {name!r}, which no KV cache group holds")
-        spec = spec_of[name]
-        mem = MemKind.VRAM if t.device.type == "cuda" else MemKind.DRAM
-        layer = layer_index(name)
+        layer = index.get(name)
+        if layer is None:
+            # A layer that shares another's cache, or a group vLLM does not transfer (NixlConnector skips
+            # them too): its bytes are not the request's to move.
+            skipped.append(name)
+            continue
+        ours = specs.geometry.layers[layer]
+        vllm_spec = specs.vllm_specs[name]
+        rows = int(t.shape[0]) if t.dim() > 1 else 0
+        if rows <= 0 or rows % num_blocks:
+            raise ValueError(f"KV cache layer {name!r}: its tensor of shape {tuple(t.shape)} does not hold "
+                             f"{num_blocks} blocks (or kernel blocks of them) in its first dimension")
+        ratio = rows // num_blocks
+        if ratio > 1 and ours.paging is not Paging.TOKENS:
+            raise ValueError(f"KV cache layer {name!r}: a {ours.kind.value} state page split into {ratio} kernel "
+                             "blocks; expected one page per block")
         buffers.append(LayerBuffer(
-            layer=layer, group_id=GroupId(group_of[name]), addr=int(t.data_ptr()),
-            block_stride=int(t.stride(0)) * t.element_size(), page_bytes=int(spec.page_size_bytes),
-            num_blocks=int(t.shape[0]),
-            content=_layer_spec(geometry, layer).engine_content(head_outer=head_outer),
-            mem=mem, device_id=int(t.device.index or 0),
+            layer=layer, group_id=GroupId(specs.group_of[name]), addr=int(t.data_ptr()),
+            block_stride=int(t.stride(0)) * t.element_size() * ratio, page_bytes=int(vllm_spec.page_size_bytes),
+            num_blocks=num_blocks, content=ours.engine_content(head_outer=head_outer),
+            mem=MemKind.VRAM if t.device.type == "cuda" else MemKind.DRAM, device_id=int(t.device.index or 0),
+            kernel_tokens=int(vllm_spec.block_size) // ratio if ratio > 1 else None,
         ))
-    layout = adopt_layout(geometry, groups, buffers, tp=tp, rank=rank)
+    if skipped:
+        log.debug("hybridkv: KV cache layers in no transfer group, not moved: %s", skipped)
+    missing = [n for n in specs.layer_names if n not in kv_caches]
+    if missing:
+        raise ValueError(f"register_kv_caches got no tensor for KV cache layer(s) {missing} of vLLM's KVCacheConfig")
+    try:
+        layout = adopt_layout(specs.geometry, specs.groups, buffers, tp=tp, rank=rank)
+    except ValueError as exc:
+        names = ", ".join(f"{i}={n}" for i, n in enumerate(specs.layer_names))
+        raise ValueError(f"{exc} (hybridkv's layer numbers: {names})") from exc
     if layout_name.startswith("B"):
-        log.info("hybridkv adopted vLLM's %s KV cache: %d region(s) for %d layer tensors", layout_name,
-                 len(layout.regions), len(buffers))
+        log.info("hybridkv adopted vLLM's %s KV cache: %d region(s) for %d layer tensors (%s)", layout_name,
+                 len(layout.regions), len(buffers), specs.describe())
     else:
         log.warning("hybridkv adopted vLLM's %s KV cache: %d regions for %d layer tensors; not block-outermost, "
                     "so a request moves with one descriptor per layer slot per block (hybridkv asked for "
                     "BLHNC but the attention backends did not allow it)", layout_name, len(layout.regions),
                     len(buffers))
     return layout
-
-
-def _layer_spec(geometry: ModelGeometry, layer: int) -> LayerSpec:
-    if not 0 <= layer < geometry.num_layers:
-        raise ValueError(f"vLLM KV cache layer {layer} is outside the model's {geometry.num_layers} layers")
-    return geometry.layers[layer]
-
-
-def _group(gid: int, group, geometry: ModelGeometry) -> GroupSpec:
-    """One vLLM KV-cache group as a hybridkv GroupSpec, checked against the model's spec of its layers."""
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    spec = group.kv_cache_spec
-    layers = tuple(layer_index(n) for n in group.layer_names)
-    if not layers:
-        raise ValueError(f"KV cache group {gid} holds no layers")
-    ours = _layer_spec(geometry, layers[0])
-    vllm_window = getattr(spec, "sliding_window", None) or None
-    if isinstance(spec, MambaSpec) != (ours.paging is Paging.STATE) or (vllm_window is None) != (ours.window is None):
-        raise ValueError(f"KV cache group {gid} is vLLM's {type(spec).__name__} (sliding window {vllm_window}), but "
-                         f"layer {layers[0]} of the model config is {ours.kind.value}")
-    return GroupSpec(group_id=GroupId(gid), kind=ours.kind, layer_indices=layers,
-                     block_tokens=ours.block_tokens(spec.block_size))

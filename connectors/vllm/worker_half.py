@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from hybridkv.fencing.fence import PoolLayout
-from hybridkv.fencing.request_state import Component, attention_component, gdn_components
+from hybridkv.fencing.request_state import Component
 from hybridkv.errors import PeerError
 from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.transport.metrics import MetricsSnapshot
@@ -113,7 +113,7 @@ LOAD_RESULTS_KEPT = 1024
 
 class WorkerHalf:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, engine_id: str) -> None:
-        from vllm.v1.kv_cache_interface import MambaSpec
+        from hybridkv.connectors.vllm.specs import adopt_specs
 
         kvt = vllm_config.kv_transfer_config
         self.config = cfg = HybridKVVllmConfig.from_vllm_config(vllm_config)
@@ -133,11 +133,12 @@ class WorkerHalf:
         self.allowed_peers = cfg.allowed_peers  # checked by the config: a bad entry fails at startup, named
         self.secret = cfg.secret()  # read once, here: a missing file or variable fails at start-up, named
         self.transfer_groups = tuple(kv_cache_config.transfer_group_ids)
-        comps: list[Component] = []
-        for g in self.transfer_groups:
-            spec = kv_cache_config.kv_cache_groups[g].kv_cache_spec
-            comps.extend(gdn_components(g) if isinstance(spec, MambaSpec) else (attention_component(g),))
-        self.components = tuple(comps)
+        #: what vLLM's KVCacheConfig holds, as hybridkv moves it; a cache it cannot move is refused here,
+        #: before vLLM allocates the tensors (specs.py names the layer and why)
+        self.specs = adopt_specs(vllm_config, kv_cache_config, tp=self.tp)
+        # Each group's separately-arriving pieces are its kind's (attention KV; GDN conv and SSM; a state).
+        self.components = tuple(Component(group=g.group_id, kind=c) for g in self.specs.groups
+                                for c in self.specs.geometry.layers[g.layer_indices[0]].components)
         self.layout = None
         self.memory = None
         self._step = -1
@@ -167,7 +168,7 @@ class WorkerHalf:
         from hybridkv.connectors.vllm.layout_adopt import adopt_vllm_kv_caches
 
         self.layout = adopt_vllm_kv_caches(self.vllm_config, self.kv_cache_config, kv_caches, tp=self.tp,
-                                           rank=self.rank)
+                                           rank=self.rank, specs=self.specs)
         self.memory = from_layout(self.layout)
         groups = len(self.kv_cache_config.kv_cache_groups)
         self._ts = _RenewalsReported(

@@ -14,7 +14,7 @@
 from hybridkv.layout.alloc import Allocation, Allocator, MemKind, NumpyAllocator, TorchAllocator, VirtualAllocator
 from hybridkv.layout.fields import Field, FieldKey, FieldKind, PageContent
 from hybridkv.layout.geometry import (
-    AttentionSpec, ConvLayout, DType, GDNSpec, LayerKind, LayerSpec, ModelGeometry, Paging,
+    AttentionSpec, ConvLayout, DType, GDNSpec, LayerKind, LayerSpec, ModelGeometry, Paging, StateSpec,
 )
 from hybridkv.layout.hf_config import geometry_from_config, load_hf_config
 from hybridkv.layout.presets import PRESET_NAMES, get_preset
@@ -38,7 +38,7 @@ __all__ = [
     "KERNEL_ALIGNMENT", "Allocation", "Allocator", "AttentionSpec", "Buffer", "ConvLayout", "DType", "Field",
     "FieldKey", "FieldKind", "GDNSpec", "GroupLayout", "GroupSpec", "LayerBuffer", "LayerKind", "LayerSpec",
     "Layout", "MemKind", "ModelGeometry", "NumpyAllocator", "PRESET_NAMES", "PageContent", "Paging", "Placement",
-    "Region", "RegionId",
+    "Region", "RegionId", "StateSpec",
     "TorchAllocator", "VirtualAllocator", "adopt_buffers", "adopt_layout", "check_block_size",
     "geometry_from_config", "get_preset", "load_hf_config", "plan_layout",
 ]

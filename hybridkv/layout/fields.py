@@ -25,6 +25,9 @@ class FieldKind(enum.Enum):
     CONV_SD = "conv_sd"          # SD conv state, all local channels: not head-splittable
     SSM = "ssm"                  # SSM state (dv, dk) of one value head
     OPAQUE = "opaque"            # an engine buffer's item moved as bytes (see layout.adopt_buffers)
+    STATE = "state"              # one tensor of a recurrent state taken as a whole (kinds/state.py)
+    KV_KERNEL = "kv_kernel"      # K|V of one head in one kernel block of a head-outer page split into
+                                 # kernel blocks (head slot: kernel block * heads + head): not token-splittable
 
 
 FieldKey = tuple[FieldKind, int, int]  # (component, layer, global head; first head for whole-rank fields)

@@ -13,6 +13,7 @@ from hybridkv.layout.kinds import LayerKind
 from hybridkv.layout.kinds.attention import AttentionSpec, kv_heads_of_rank
 from hybridkv.layout.kinds.base import ComponentKind, DType, LayerSpec, Paging, positive
 from hybridkv.layout.kinds.gdn import ConvLayout, GDNSpec, k_heads_of_rank
+from hybridkv.layout.kinds.state import StateSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,5 +76,5 @@ def shard_layer(spec: LayerSpec, tp: int) -> LayerSpec:
 
 __all__ = [
     "AttentionSpec", "ComponentKind", "ConvLayout", "DType", "GDNSpec", "LayerKind", "LayerSpec", "ModelGeometry",
-    "Paging", "k_heads_of_rank", "kv_heads_of_rank", "shard_layer",
+    "Paging", "StateSpec", "k_heads_of_rank", "kv_heads_of_rank", "shard_layer",
 ]

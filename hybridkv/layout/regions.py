@@ -171,6 +171,9 @@ class LayerBuffer:
     content: PageContent | None = None  # None: its kind's one arrangement (LayerSpec.engine_content)
     mem: MemKind = MemKind.DRAM
     device_id: int = 0
+    #: tokens of the attention kernel's blocks where the engine splits a block into smaller ones
+    #: (each laid out like a page of that many tokens); None: not split
+    kernel_tokens: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,8 +217,12 @@ def adopt_layout(
         spec = geometry.layers[buf.layer]
         if spec.kind is not group.kind:
             raise ValueError(f"layer {buf.layer} is {spec.kind.value} but group {group.group_id} is {group.kind.value}")
-        fields = spec.page_fields(buf.layer, tp=tp, rank=rank, block_tokens=group.block_tokens,
-                                  content=buf.content)
+        if buf.kernel_tokens is None:
+            fields = spec.page_fields(buf.layer, tp=tp, rank=rank, block_tokens=group.block_tokens,
+                                      content=buf.content)
+        else:
+            fields = spec.kernel_page_fields(buf.layer, tp=tp, rank=rank, block_tokens=group.block_tokens,
+                                             kernel_tokens=buf.kernel_tokens, content=buf.content)
         used = max(f.offset + f.nbytes for f in fields)
         if used > buf.page_bytes:
             raise ValueError(f"layer {buf.layer}: its {spec.kind.value} state needs {used} bytes per page, "

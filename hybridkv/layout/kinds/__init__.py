@@ -29,6 +29,8 @@ class LayerKind(enum.Enum):
     FULL_ATTENTION = ("full_attention", "attention:AttentionSpec", "full_attention")
     SLIDING_WINDOW = ("sliding_window", "attention:AttentionSpec", "sliding_attention")
     GDN = ("gdn", "gdn:GDNSpec", "linear_attention")
+    CHUNKED_LOCAL = ("chunked_local", "attention:AttentionSpec", "chunked_attention")
+    MAMBA = ("mamba", "state:StateSpec", "mamba")
 
     hf_layer_type: str
 

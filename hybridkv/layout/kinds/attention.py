@@ -12,13 +12,23 @@ from hybridkv.layout.kinds.base import ComponentKind, DType, LayerSpec, Paging, 
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec(LayerSpec):
-    """A full or sliding-window attention layer. K and V are both counted."""
+    """A full, sliding-window or chunked-local attention layer. K and V are both counted.
+
+    MLA is one latent "head" per token that every TP rank holds whole: ``num_kv_heads=1``,
+    ``head_dim_v=0`` (no separate V). Quantized caches: ``dtype`` is the storage type,
+    ``encoding`` what the bytes mean (vLLM's kv-cache dtype, e.g. ``fp8_e4m3``), and
+    ``head_token_bytes`` a head's bytes per token where the engine packs more than K|V
+    (scales, packed latents) into it.
+    """
 
     kind: LayerKind = LayerKind.FULL_ATTENTION
     num_kv_heads: int
     head_dim: int
     dtype: DType = DType.BFLOAT16
     window: int | None = None
+    head_dim_v: int | None = None  # None: head_dim; 0: no V (MLA's latent)
+    head_token_bytes: int | None = None
+    encoding: str | None = None
 
     paging: ClassVar[Paging] = Paging.TOKENS
     components: ClassVar[tuple[ComponentKind, ...]] = (ComponentKind.KV,)
@@ -30,17 +40,32 @@ class AttentionSpec(LayerSpec):
             raise ValueError(f"AttentionSpec kind must be an attention kind, got {self.kind}")
         positive("num_kv_heads", self.num_kv_heads)
         positive("head_dim", self.head_dim)
-        if self.kind is LayerKind.SLIDING_WINDOW:
+        if self.head_dim_v is not None and (not isinstance(self.head_dim_v, int) or self.head_dim_v < 0):
+            raise ValueError(f"head_dim_v must be an int >= 0 or None, got {self.head_dim_v!r}")
+        if self.head_token_bytes is not None:
+            positive("head_token_bytes", self.head_token_bytes)
+        if self.kind in (LayerKind.SLIDING_WINDOW, LayerKind.CHUNKED_LOCAL):
             if self.window is None:
-                raise ValueError("a sliding-window layer needs a window, got None")
+                raise ValueError(f"a {self.kind.value} layer needs a window, got None")
             positive("window", self.window)
         elif self.window is not None:
             raise ValueError(f"a full-attention layer takes no window, got {self.window}")
 
+    @classmethod
+    def windowed(cls, *, window: int | None, chunked: bool = False, **fields) -> AttentionSpec:
+        """The attention spec of a layer that keeps `window` tokens (None: all of them): sliding,
+        or, with `chunked`, the current chunk of `window` tokens (chunked local attention)."""
+        if window is None:
+            return cls(**fields)
+        return cls(kind=LayerKind.CHUNKED_LOCAL if chunked else LayerKind.SLIDING_WINDOW, window=window, **fields)
+
     @property
     def head_bytes_per_token(self) -> int:
         """K and V of one head for one token (vLLM 0.33 packs K|V in the content dim)."""
-        return 2 * self.head_dim * self.dtype.itemsize
+        if self.head_token_bytes is not None:
+            return self.head_token_bytes
+        v = self.head_dim if self.head_dim_v is None else self.head_dim_v
+        return (self.head_dim + v) * self.dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:
@@ -72,6 +97,24 @@ class AttentionSpec(LayerSpec):
 
     def engine_content(self, *, head_outer: bool) -> PageContent:
         return PageContent.ATTN_HND if head_outer else PageContent.ATTN_NHD
+
+    def kernel_page_fields(self, layer: int, *, tp: int, rank: int, block_tokens: int | None,
+                           kernel_tokens: int, content: PageContent | None) -> tuple[Field, ...]:
+        """Fields of a page the engine splits into kernel blocks of `kernel_tokens` tokens, each laid
+        out like a page of that many tokens. Token-major pages are unchanged by the split; in a
+        head-outer page a head's tokens are one run per kernel block (FieldKind.KV_KERNEL)."""
+        if block_tokens is None or kernel_tokens <= 0 or block_tokens % kernel_tokens:
+            raise ValueError(f"attention layer {layer}: kernel blocks of {kernel_tokens} tokens do not tile its "
+                             f"blocks of {block_tokens} tokens")
+        if content is PageContent.ATTN_NHD or kernel_tokens == block_tokens:
+            return self.page_fields(layer, tp=tp, rank=rank, block_tokens=block_tokens, content=content)
+        if content is not PageContent.ATTN_HND:
+            raise ValueError(f"attention pages are ATTN_HND or ATTN_NHD, got {content}")
+        heads = kv_heads_of_rank(self, tp, rank)
+        run = kernel_tokens * self.head_bytes_per_token
+        return tuple(Field(key=(FieldKind.KV_KERNEL, layer, k * self.num_kv_heads + h),
+                           offset=(k * len(heads) + i) * run, nbytes=run)
+                     for k in range(block_tokens // kernel_tokens) for i, h in enumerate(heads))
 
     def planned_fields(self, layers: tuple[int, ...], *, tp: int, rank: int,
                        block_size: int) -> tuple[tuple[Field, ...], int]:

@@ -24,23 +24,33 @@ class DType(enum.Enum):
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
     FLOAT8_E4M3 = "float8_e4m3"
+    FLOAT8_E5M2 = "float8_e5m2"
+    # Storage types of quantized KV caches (vLLM keeps fp8/int8/nvfp4 caches as bytes; what the bytes
+    # mean is the spec's `encoding`, e.g. vLLM's kv-cache dtype name).
+    UINT8 = "uint8"
+    INT8 = "int8"
 
     @property
     def itemsize(self) -> int:
-        return 4 if self is DType.FLOAT32 else 1 if self is DType.FLOAT8_E4M3 else 2
+        return _ITEMSIZE[self]
 
     @classmethod
     def parse(cls, value: str | DType, *, what: str = "dtype") -> DType:
         if isinstance(value, DType):
             return value
         aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
-                   "float": "float32", "fp8": "float8_e4m3", "float8_e4m3fn": "float8_e4m3"}
+                   "float": "float32", "fp8": "float8_e4m3", "float8_e4m3fn": "float8_e4m3",
+                   "fp8_e4m3": "float8_e4m3", "fp8_e5m2": "float8_e5m2"}
         name = aliases.get(str(value).lower(), str(value).lower())
         try:
             return cls(name)
         except ValueError:
             choices = ", ".join(d.value for d in cls)
             raise ValueError(f"{what} {value!r} is not one of: {choices}") from None
+
+
+_ITEMSIZE = {DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.FLOAT16: 2, DType.FLOAT8_E4M3: 1, DType.FLOAT8_E5M2: 1,
+             DType.UINT8: 1, DType.INT8: 1}
 
 
 class Paging(enum.Enum):
@@ -56,6 +66,7 @@ class ComponentKind(enum.Enum):
     KV = "kv"
     CONV = "conv"
     SSM = "ssm"
+    STATE = "state"  # a recurrent state an engine moves as one piece (Mamba/Mamba2/short-conv pages)
 
 
 class LayerSpec(abc.ABC):
@@ -114,6 +125,12 @@ class LayerSpec(abc.ABC):
     def page_fields(self, layer: int, *, tp: int, rank: int, block_tokens: int | None,
                     content: PageContent | None) -> tuple[Field, ...]:
         """Fields of one layer's page as an engine lays it out (adopting its tensors)."""
+
+    def kernel_page_fields(self, layer: int, *, tp: int, rank: int, block_tokens: int | None,
+                           kernel_tokens: int, content: PageContent | None) -> tuple[Field, ...]:
+        """Fields of an engine page split into kernel blocks of `kernel_tokens` tokens (attention
+        kernels smaller than the logical block). Only token kinds have kernel blocks."""
+        raise ValueError(f"a {self.kind.value} layer's page ({layer}) is not split into kernel blocks")
 
     def engine_content(self, *, head_outer: bool) -> PageContent | None:
         """Which of this kind's page arrangements an engine uses (`head_outer`: its KV layout puts heads
