@@ -37,6 +37,7 @@ class Admission:
         self._lost = lost
         self._connected = asyncio.Event()
         self._listener = None
+        self._address = ""
         self._handshaking = 0
         self._unproven: dict[control.Channel, float] = {}  # channels in their handshake -> when they opened
         self._drain = control.Drainer()
@@ -49,6 +50,7 @@ class Admission:
         cfg = self._side.config
         listener = self._listener = control.listen(self._accept, cfg.port, allow=cfg.allowlist,
                                                    on_refused=self._refused_peer)
+        self._address = auth.address(cfg.host, int(listener.port))  # what a consumer's proof must name
         self._strays = control.StrayConnections(int(listener.port), idle_s=cfg.idle_connection_s)
         return int(listener.port)
 
@@ -135,26 +137,43 @@ class Admission:
         return None
 
     async def _handshake(self, ch: control.Channel, proven: list) -> tuple[wire.Hello, MemoryMap]:
-        """Auth both ways, then the consumer's Hello; its NIXL agent is added only once both
-        held. Raises _Unproven (the peer learns "refused"), HandshakeRefused (an authenticated
-        peer learns what differs) or a transport error."""
+        """Auth both ways (the consumer proves first), then the consumer's Hello, sealed; its NIXL
+        agent is added only once all held. Raises _Unproven (the peer learns "refused"),
+        HandshakeRefused (an authenticated peer learns what differs) or a transport error."""
         side = self._side
         secret = side.config.secret
         knock = await _recv_unproven(ch)
-        if not isinstance(knock, wire.Auth) or len(knock.nonce) != wire.NONCE_BYTES:
-            raise _Unproven(f"first message is {type(knock).__name__}; expected Auth with a nonce")
+        if not isinstance(knock, wire.Auth) or len(knock.nonce) != wire.NONCE_BYTES or not knock.agent \
+                or not knock.address:
+            raise _Unproven(f"first message is {type(knock).__name__}; expected Auth with a nonce, the address "
+                            "dialled and an agent name")
         nonce = auth.new_nonce()
-        await ch.send(wire.Auth(nonce=nonce, proof=auth.proof(secret, wire.Role.PRODUCER, knock.nonce, nonce)))
+        # Nothing here proves anything: a peer that has not proved the secret gets no HMAC to guess it from.
+        await ch.send(wire.Auth(nonce=nonce, address=self._address, agent=side.dp.name))
         answer = await _recv_unproven(ch)
         if not isinstance(answer, wire.Auth):
             raise _Unproven(f"second message is {type(answer).__name__}; expected Auth")
-        if not auth.proves(secret, wire.Role.CONSUMER, knock.nonce, nonce, answer.proof):
+        transcript = auth.Transcript(consumer_nonce=knock.nonce, producer_nonce=nonce, dialled=knock.address,
+                                     producer=self._address, consumer_agent=knock.agent, producer_agent=side.dp.name)
+        if not auth.proves(secret, wire.Role.CONSUMER, transcript, answer.proof):
             raise _Unproven("the peer did not prove the shared secret")
         proven.append(True)
         self._unproven.pop(ch, None)
+        if secret is not None and knock.address != self._address:
+            # It proved the secret over the address it dialled, which is not this producer's: whoever it
+            # dialled passes our words on (a relay), or TransportConfig.host is not what consumers dial.
+            raise HandshakeRefused(
+                f"the consumer dialled {knock.address}, not this producer ({self._address}): a relay between "
+                "them, or TransportConfig.host is not the address consumers dial")
+        await ch.send(wire.Auth(proof=auth.proof(secret, wire.Role.PRODUCER, transcript)))
+        if secret is not None:
+            ch.seal(auth.Sealer(auth.session_key(secret, transcript), wire.Role.PRODUCER))
         msg = await ch.recv()
         if not isinstance(msg, wire.Hello):
             raise ProtocolViolation(f"message after Auth is {type(msg).__name__}; expected Hello")
+        if msg.agent != knock.agent:
+            raise HandshakeRefused("the peer's Hello names another agent than its Auth", [
+                wire.Difference(field="agent", local=knock.agent, remote=msg.agent)])
         remote = side.check_hello(msg)
         if msg.agent in side.peers or msg.agent == side.dp.name:
             raise HandshakeRefused("a peer of that NIXL agent name is already connected", [

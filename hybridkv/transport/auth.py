@@ -1,12 +1,17 @@
 """Who may talk to an endpoint: the shared secret, the handshake's proofs, request capabilities.
 
 Peers prove they hold one shared secret before either sends its NIXL metadata or region table
-(whoever has those can READ and WRITE the registered memory one-sidedly): the consumer sends a
-fresh nonce, the producer answers with its own nonce and an HMAC-SHA256 over both, the consumer
-checks it and answers with its HMAC over both. The two proofs carry different labels, so neither
-side's proof can be replayed as the other's, and fresh nonces on both sides make a recorded
-exchange useless. Without a secret (a lab) the same messages travel with empty proofs and each
-side logs a warning when it starts.
+(whoever has those can READ and WRITE the registered memory one-sidedly). The consumer sends a
+fresh nonce, the address it dialled and its agent name; the producer answers with its own nonce,
+its own address and agent name, and nothing else. The consumer proves first (an HMAC-SHA256 over
+all of it, the :class:`Transcript`), so the producer hands no HMAC to a peer that did not prove
+the secret (no offline guessing from its answers); the producer checks that proof and that the
+address dialled is its own, then proves in turn. The two proofs carry different labels, so neither
+replays as the other; fresh nonces make a recorded exchange useless; the addresses make a relayed
+one fail (a relay is dialled at its own address). Every frame after the proofs, the Hellos first,
+is sealed under a session key derived from the secret and the transcript (:class:`Sealer`).
+Without a secret (a lab, ``insecure_no_auth``) the same messages travel with empty proofs, nothing
+is sealed, and each side logs a warning when it starts.
 
 A request's capability is a random token (:func:`new_token`) the producer side issues with the
 request (vLLM: ``kv_transfer_params``; the demo: the router's hand-off); every message about the
@@ -23,13 +28,19 @@ import hashlib
 import hmac
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv import wire
 
 MIN_SECRET_BYTES = 16  # 128 bits; a shorter secret is refused, not padded
-_PRODUCER = b"hybridkv-auth-v2 producer"
-_CONSUMER = b"hybridkv-auth-v2 consumer"
+# Labels of protocol 3; distinct from every other protocol's (the SGLang sessions'), so no proof or
+# key of one is accepted by another.
+_PRODUCER = b"hybridkv-transport-v3 producer proof"
+_CONSUMER = b"hybridkv-transport-v3 consumer proof"
+_SESSION = b"hybridkv-transport-v3 session key"
+_P2C = b"hybridkv-transport-v3 producer to consumer"
+_C2P = b"hybridkv-transport-v3 consumer to producer"
 
 
 def load_secret(*, file: str | os.PathLike | None = None, env: str | None = None) -> bytes:
@@ -68,26 +79,85 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(wire.NONCE_BYTES)
 
 
-def producer_proof(secret: bytes, consumer_nonce: bytes, producer_nonce: bytes) -> bytes:
-    return hmac.new(secret, _PRODUCER + consumer_nonce + producer_nonce, hashlib.sha256).digest()
+def address(host: str, port: int) -> str:
+    """An address as both sides of a handshake name it: ``host:port`` (``[v6]:port``)."""
+    return f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}"
 
 
-def consumer_proof(secret: bytes, consumer_nonce: bytes, producer_nonce: bytes) -> bytes:
-    return hmac.new(secret, _CONSUMER + consumer_nonce + producer_nonce, hashlib.sha256).digest()
+@dataclass(frozen=True, kw_only=True)
+class Transcript:
+    """What a handshake's proofs and its session key cover: both nonces and the connection as the
+    consumer dialled it and as the producer names itself. A relay between them changes the
+    address the consumer dialled (its own, not the producer's), so its transcript is not the
+    producer's and no proof or key carries over."""
+
+    consumer_nonce: bytes
+    producer_nonce: bytes
+    dialled: str  # the address the consumer dialled
+    producer: str  # the producer's own address (TransportConfig.host and its listening port)
+    consumer_agent: str
+    producer_agent: str
+
+    def parts(self) -> tuple[bytes, ...]:
+        return (self.consumer_nonce, self.producer_nonce, self.dialled.encode(), self.producer.encode(),
+                self.consumer_agent.encode(), self.producer_agent.encode())
 
 
-def proof(secret: bytes | None, prover: wire.Role, consumer_nonce: bytes, producer_nonce: bytes) -> bytes:
-    """What ``prover`` sends in the handshake: its proof over both nonces, empty without a secret (a lab)."""
+_LABEL = {wire.Role.PRODUCER: _PRODUCER, wire.Role.CONSUMER: _CONSUMER}
+
+
+def proof(secret: bytes | None, prover: wire.Role, transcript: Transcript) -> bytes:
+    """What ``prover`` sends in the handshake: its proof over the transcript, empty without a secret (a lab)."""
     if secret is None:
         return b""
-    make = producer_proof if prover is wire.Role.PRODUCER else consumer_proof
-    return make(secret, consumer_nonce, producer_nonce)
+    return labelled_proof(secret, _LABEL[prover], *transcript.parts())
 
 
-def proves(secret: bytes | None, prover: wire.Role, consumer_nonce: bytes, producer_nonce: bytes,
-           got: bytes) -> bool:
+def proves(secret: bytes | None, prover: wire.Role, transcript: Transcript, got: bytes) -> bool:
     """Whether ``got`` is ``prover``'s proof; without a secret (a lab) any is, as both sides send none."""
-    return secret is None or proven(proof(secret, prover, consumer_nonce, producer_nonce), got)
+    return secret is None or proven(proof(secret, prover, transcript), got)
+
+
+def session_key(secret: bytes, transcript: Transcript) -> bytes:
+    """The key every frame after the proofs is sealed with (:class:`Sealer`)."""
+    return labelled_proof(secret, _SESSION, *transcript.parts())
+
+
+class Sealer:
+    """Seals and opens one channel's frames under its session key: each frame's body is followed
+    by an HMAC-SHA256 over the direction, the frame's number in that direction and the body, so
+    a frame injected, altered, replayed, reordered or reflected does not open. The numbers are
+    implicit (a channel is one ordered stream), so nothing about them travels."""
+
+    def __init__(self, key: bytes, role: wire.Role) -> None:
+        self._key = key
+        self._out, self._in = (_P2C, _C2P) if role is wire.Role.PRODUCER else (_C2P, _P2C)
+        self._sent = 0
+        self._opened = 0
+
+    def _mac(self, direction: bytes, n: int, body: bytes) -> bytes:
+        h = hmac.new(self._key, direction, hashlib.sha256)
+        h.update(n.to_bytes(8, "big"))
+        h.update(body)
+        return h.digest()
+
+    def seal(self, body: bytes) -> bytes:
+        """The frame to send (callers serialise sends: the numbers follow the order of calls)."""
+        mac = self._mac(self._out, self._sent, body)
+        self._sent += 1
+        return body + mac
+
+    def open(self, frame: bytes) -> bytes:
+        """The body of the next frame received; ValueError where it does not open (the channel is
+        then useless: the caller drops it)."""
+        if len(frame) <= wire.MAC_BYTES:
+            raise ValueError(f"sealed frame of {len(frame)} bytes; expected a body and a {wire.MAC_BYTES}-byte MAC")
+        body, mac = frame[:-wire.MAC_BYTES], frame[-wire.MAC_BYTES:]
+        if not proven(self._mac(self._in, self._opened, body), mac):
+            raise ValueError(f"frame {self._opened} from the peer does not carry the session's MAC (altered, "
+                             "injected, replayed or out of order)")
+        self._opened += 1
+        return body
 
 
 def labelled_proof(secret: bytes, label: bytes, *parts: bytes) -> bytes:
@@ -127,5 +197,5 @@ def check_token(token: object, what: str = "capability token") -> bytes:
     return token
 
 
-__all__ = ["MIN_SECRET_BYTES", "check_secret", "check_token", "consumer_proof", "labelled_proof", "load_secret",
-           "new_nonce", "new_token", "producer_proof", "proof", "proves", "proven", "token_from_hex"]
+__all__ = ["MIN_SECRET_BYTES", "Sealer", "Transcript", "address", "check_secret", "check_token", "labelled_proof",
+           "load_secret", "new_nonce", "new_token", "proof", "proves", "proven", "session_key", "token_from_hex"]

@@ -12,6 +12,8 @@ what an endpoint refused or ignored. The design is in
 from __future__ import annotations
 
 import enum
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hybridkv import wire
@@ -84,6 +86,10 @@ class TransportConfig:
     # this, an endpoint refuses to start (REQUIRE_SECRET); with it, it logs so loudly at start and
     # its metrics say so (MetricsSnapshot.insecure_no_auth).
     insecure_no_auth: bool = False
+    # Operator-supplied compatibility fields (e.g. {"model": "...", "revision": "..."}), exchanged in
+    # the authenticated handshake next to the transport's own: a pair whose maps differ (a key on one
+    # side only counts) is refused at its first handshake, naming each differing key and both values.
+    compat: Mapping[str, str] = field(default_factory=dict)
     # Producer bounds, per peer and in total: connections still in their handshake (each costs a
     # task and a UCX endpoint until handshake_timeout_s), and Wants that came before their export
     # (a peer past its share is disconnected; it alone loses, never a consumer within its share).
@@ -98,6 +104,8 @@ class TransportConfig:
     def __post_init__(self) -> None:
         if self.secret is not None:
             auth.check_secret(self.secret, "TransportConfig.secret")
+        _check_compat(self.compat)
+        object.__setattr__(self, "compat", types.MappingProxyType(dict(self.compat)))  # frozen like the rest
         if not isinstance(self.insecure_no_auth, bool):
             raise ValueError(f"TransportConfig.insecure_no_auth = {self.insecure_no_auth!r}; expected a bool")
         if self.insecure_no_auth and self.secret is not None:
@@ -122,6 +130,22 @@ class TransportConfig:
     @property
     def allowlist(self) -> PeerAllowlist | None:
         return PeerAllowlist.parse(self.allowed_peers) if self.allowed_peers else None
+
+
+#: Room left in a Hello's compatibility map for the transport's own fields.
+MAX_OPERATOR_COMPAT = wire.MAX_COMPAT_FIELDS - 16
+
+
+def _check_compat(compat: object) -> None:
+    if not isinstance(compat, Mapping):
+        raise ValueError(f"TransportConfig.compat = {compat!r}; expected a mapping of str to str")
+    if len(compat) > MAX_OPERATOR_COMPAT:
+        raise ValueError(f"TransportConfig.compat has {len(compat)} keys; expected at most {MAX_OPERATOR_COMPAT}")
+    for k, v in compat.items():
+        if not isinstance(k, str) or not 0 < len(k) <= wire.MAX_COMPAT_NAME:
+            raise ValueError(f"TransportConfig.compat key {k!r}; expected a str of 1..{wire.MAX_COMPAT_NAME} chars")
+        if not isinstance(v, str) or len(v) > wire.MAX_NAME:
+            raise ValueError(f"TransportConfig.compat[{k!r}] = {v!r}; expected a str of at most {wire.MAX_NAME} chars")
 
 
 def check_auth_mode(config: TransportConfig, what: str) -> None:

@@ -61,17 +61,25 @@ class Channel:
         self._ep = endpoint
         self._send_lock = asyncio.Lock()
         self.closed = False
+        self._sealer = None  # auth.Sealer once the handshake's proofs held: every frame MACed from then on
         self._tag = _recv_tag(endpoint)
         if self._tag is not None:
             _LIVE_TAGS.add(self._tag)
         # The connection UCX accepted for it: StrayConnections leaves it alone.
         self.peer = remote_sockaddr(endpoint) if hasattr(endpoint, "ucp_endpoint") else None
 
+    def seal(self, sealer) -> None:
+        """From now on every frame sent is sealed and every frame received must open
+        (:class:`hybridkv.transport.auth.Sealer`): one that does not ends the channel (PeerLost)."""
+        self._sealer = sealer
+
     async def send(self, msg: wire.Message) -> None:
         data = wire.encode(msg)
-        header = np.array([len(data)], dtype="<u8")
-        body = np.frombuffer(data, dtype=np.uint8)
         async with self._send_lock:
+            if self._sealer is not None:  # sealed in the order sent: the MAC numbers the frame
+                data = self._sealer.seal(data)
+            header = np.array([len(data)], dtype="<u8")
+            body = np.frombuffer(data, dtype=np.uint8)
             try:
                 await self._ep.send(header)
                 await self._ep.send(body)
@@ -83,6 +91,9 @@ class Channel:
         """The next message; a frame longer than ``limit`` is a WireError before anything is
         allocated for it (the caller closes the channel: its body is still queued)."""
         header = np.zeros(1, dtype="<u8")
+        sealer = self._sealer
+        if sealer is not None:
+            limit += wire.MAC_BYTES
         try:
             await self._ep.recv(header)
             n = int(header[0])
@@ -95,7 +106,13 @@ class Channel:
         except Exception as exc:
             self.closed = True
             raise PeerLost(f"control channel receive failed: {type(exc).__name__}: {exc}") from exc
-        return wire.decode(body.tobytes())
+        data = body.tobytes()
+        if sealer is not None:
+            try:
+                data = sealer.open(data)
+            except ValueError as exc:  # not the session's peer (or not its frame): the caller closes it
+                raise PeerLost(f"control channel: {exc}") from None
+        return wire.decode(data)
 
     async def close(self) -> None:
         _LIVE_TAGS.discard(self._tag)  # what is still queued for it is nobody's now

@@ -79,7 +79,9 @@ class Dialer:
         ch, reply = attempt.result()
         if isinstance(reply, wire.Refuse):
             await ch.close()
-            raise HandshakeRefused(f"refused by {host}:{port}: {reply.reason}", reply.differences)
+            # The producer lists what differs as it sees it: local is ours here.
+            mine = [wire.Difference(field=d.field, local=d.remote, remote=d.local) for d in reply.differences]
+            raise HandshakeRefused(f"refused by {host}:{port}: {reply.reason}", mine)
         if not isinstance(reply, wire.Hello):
             await ch.close()
             raise ProtocolViolation(f"handshake reply is {type(reply).__name__}; expected Hello or Refuse")
@@ -91,6 +93,12 @@ class Dialer:
             await ch.close()
             raise
         agent = side.dp.add_peer(reply.metadata, remote)
+        if agent != reply.agent:  # the metadata must be of the agent that proved itself in the handshake
+            if agent not in side.peers:
+                side.drop_agent(agent)
+            await ch.close()
+            raise ProtocolViolation(f"{host}:{port} sent NIXL metadata of agent {agent!r}; its Hello named "
+                                    f"{reply.agent!r}")
         if agent in side.peers:  # dialled twice: keep the first channel
             await send_quietly(ch, wire.Bye(reason="already connected"))
             await ch.close()
@@ -104,39 +112,41 @@ class Dialer:
     async def _exchange_hellos(self, host: str, port: int) -> tuple[control.Channel, wire.Message]:
         # The dial's own limit is far out: _connect_once bounds the wait without cancelling (see there).
         ch = await control.dial(host, port, _LATE_TRY_LIMIT_S)
-        secret = self._side.config.secret
-        # Both sides prove the secret before either sends its metadata (auth.py).
+        side = self._side
+        secret = side.config.secret
+        # Both sides prove the secret, over this connection as each sees it, before either sends its
+        # metadata (auth.py); this side proves first, and only to the address it chose to dial.
+        dialled = auth.address(host, port)
         nonce = auth.new_nonce()
-        await ch.send(wire.Auth(nonce=nonce, proof=b""))
-        try:
-            # Nothing the producer says before it proved the secret needs more than a pre-auth frame
-            # (its Auth or a Refuse): a longer one is refused before anything is allocated for it.
-            reply = await ch.recv(limit=wire.MAX_PREAUTH_BYTES)
-        except wire.WireError as exc:
+        await ch.send(wire.Auth(nonce=nonce, address=dialled, agent=side.dp.name))
+        reply = await _recv_preauth(ch, host, port)
+        if not isinstance(reply, wire.Auth):
+            return ch, reply
+        if len(reply.nonce) != wire.NONCE_BYTES or not reply.agent or not reply.address:
             await ch.close()
-            raise ProtocolViolation(f"{host}:{port} answered the handshake with {exc}, before proving the "
-                                    "shared secret") from None
-        if isinstance(reply, wire.Auth):
-            if len(reply.nonce) != wire.NONCE_BYTES:
-                await ch.close()
-                raise ProtocolViolation(f"{host}:{port} answered Auth without a nonce")
-            if not auth.proves(secret, wire.Role.PRODUCER, nonce, reply.nonce, reply.proof):
-                await ch.close()
-                raise HandshakeRefused(f"{host}:{port} did not prove the shared secret "
-                                       f"({'no proof' if not reply.proof else 'a wrong proof'}); expected "
-                                       "a producer configured with the same TransportConfig.secret")
-            try:
-                await ch.send(wire.Auth(nonce=b"", proof=auth.proof(secret, wire.Role.CONSUMER, nonce, reply.nonce)))
-                await ch.send(self._side.hello())
-            except PeerLost as lost:
-                # A producer that refused our proof closes at once: its Refuse may be
-                # here before our Hello could leave, and says more than the reset.
-                try:
-                    reply = await ch.recv(limit=wire.MAX_PREAUTH_BYTES)
-                except (PeerLost, wire.WireError):
-                    raise lost from None
-            else:
-                reply = await ch.recv()
+            raise ProtocolViolation(f"{host}:{port} answered Auth without a nonce, its address or its agent name")
+        transcript = auth.Transcript(consumer_nonce=nonce, producer_nonce=reply.nonce, dialled=dialled,
+                                     producer=reply.address, consumer_agent=side.dp.name, producer_agent=reply.agent)
+        try:
+            await ch.send(wire.Auth(proof=auth.proof(secret, wire.Role.CONSUMER, transcript)))
+        except PeerLost:
+            pass  # a producer that refused at once: its Refuse may be here, and says more than the reset
+        reply = await _recv_preauth(ch, host, port)
+        if not isinstance(reply, wire.Auth):
+            return ch, reply
+        if not auth.proves(secret, wire.Role.PRODUCER, transcript, reply.proof):
+            await ch.close()
+            raise HandshakeRefused(f"{host}:{port} did not prove the shared secret over this connection "
+                                   f"({'no proof' if not reply.proof else 'a wrong proof'}); expected a producer "
+                                   "configured with the same TransportConfig.secret, dialled directly")
+        if secret is not None:
+            ch.seal(auth.Sealer(auth.session_key(secret, transcript), wire.Role.CONSUMER))
+        await ch.send(side.hello())
+        reply = await ch.recv()
+        if isinstance(reply, wire.Hello) and reply.agent != transcript.producer_agent:
+            await ch.close()
+            raise ProtocolViolation(f"{host}:{port} sent a Hello of agent {reply.agent!r}; its Auth named "
+                                    f"{transcript.producer_agent!r}")
         return ch, reply
 
     async def close(self) -> None:
@@ -147,6 +157,17 @@ class Dialer:
         for result in await asyncio.gather(*dialing, return_exceptions=True):
             if isinstance(result, tuple):
                 await result[0].close()
+
+
+async def _recv_preauth(ch: control.Channel, host: str, port: int) -> wire.Message:
+    # Nothing the producer says before it proved the secret needs more than a pre-auth frame (its
+    # Auth or a Refuse): a longer one is refused before anything is allocated for it.
+    try:
+        return await ch.recv(limit=wire.MAX_PREAUTH_BYTES)
+    except wire.WireError as exc:
+        await ch.close()
+        raise ProtocolViolation(f"{host}:{port} answered the handshake with {exc}, before proving the "
+                                "shared secret") from None
 
 
 __all__ = ["Dialer"]

@@ -100,7 +100,11 @@ class Side:
         if self.pairing is Pairing.FIELDS:
             # Pages may be cut differently; the field tables in the handshake say how.
             compat = {k: v for k, v in compat.items() if k not in PAGE_SHAPE_FIELDS}
-        self.compat = compat
+        clash = sorted(set(config.compat) & set(compat))
+        if clash:
+            raise ValueError(f"TransportConfig.compat keys {clash} are the transport's own compatibility fields; "
+                             f"expected other names than {sorted(compat)}")
+        self.compat = {**compat, **config.compat}
         self.stats = Stats()
         #: what moved, failed and waited, taken by the connector that reports it (metrics.py)
         self.metrics = TransferMetrics()

@@ -31,6 +31,7 @@ from hybridkv.wire.layout_table import GroupTable, LayoutTable, PlacementTable
 from hybridkv.wire.limits import MAX_ADDR as MAX_ADDR
 from hybridkv.wire.limits import MAX_BLOCKS_PER_GROUP as MAX_BLOCKS_PER_GROUP
 from hybridkv.wire.limits import MAX_COMPAT_FIELDS as MAX_COMPAT_FIELDS
+from hybridkv.wire.limits import MAX_COMPAT_NAME as MAX_COMPAT_NAME
 from hybridkv.wire.limits import MAX_FIELDS as MAX_FIELDS
 from hybridkv.wire.limits import MAX_GROUPS as MAX_GROUPS
 from hybridkv.wire.limits import MAX_I32 as MAX_I32
@@ -44,6 +45,7 @@ from hybridkv.wire.limits import MAX_PREAUTH_BYTES as MAX_PREAUTH_BYTES
 from hybridkv.wire.limits import MAX_REQUESTS_PER_HEARTBEAT as MAX_REQUESTS_PER_HEARTBEAT
 from hybridkv.wire.limits import NONCE_BYTES as NONCE_BYTES
 from hybridkv.wire.limits import PROOF_BYTES as PROOF_BYTES
+from hybridkv.wire.limits import MAC_BYTES as MAC_BYTES
 from hybridkv.wire.limits import TOKEN_BYTES as TOKEN_BYTES
 from hybridkv.wire.limits import MAX_TEXT as MAX_TEXT
 from hybridkv.wire.limits import PROTOCOL_VERSION, WireError

@@ -11,7 +11,9 @@ from hybridkv.errors import HybridKVError
 
 # 2: the handshake authenticates both peers (Auth) before any Hello, and every message about one
 # request carries that request's capability token.
-PROTOCOL_VERSION = 2
+# 3: the proofs bind the connection (the address dialled, the producer's own, both agent names), the
+# consumer proves first, and every frame after the proofs carries a MAC under the session's key.
+PROTOCOL_VERSION = 3
 
 MAX_MESSAGE_BYTES = 16 << 20
 # Frames a peer may send before it proved the shared secret (its Auth messages): a few KiB,
@@ -19,6 +21,7 @@ MAX_MESSAGE_BYTES = 16 << 20
 MAX_PREAUTH_BYTES = 4 << 10
 NONCE_BYTES = 32
 PROOF_BYTES = 32  # HMAC-SHA256
+MAC_BYTES = 32  # HMAC-SHA256 under the session key, after each sealed frame's body
 TOKEN_BYTES = 16  # a request's capability: secrets.token_bytes, 128 bits
 MAX_METADATA_BYTES = 4 << 20
 MAX_NAME = 256
@@ -45,6 +48,6 @@ class WireError(ValueError, HybridKVError):
 
 __all__ = [
     "MAX_ADDR", "MAX_BLOCKS_PER_GROUP", "MAX_COMPAT_FIELDS", "MAX_COMPAT_NAME", "MAX_FIELDS", "MAX_GROUPS",
-    "MAX_I32", "MAX_I63", "MAX_LAYERS", "MAX_LEASE_S", "MAX_MESSAGE_BYTES", "MAX_METADATA_BYTES", "MAX_NAME", "MAX_PREAUTH_BYTES", "NONCE_BYTES", "PROOF_BYTES", "TOKEN_BYTES",
+    "MAX_I32", "MAX_I63", "MAX_LAYERS", "MAX_LEASE_S", "MAX_MESSAGE_BYTES", "MAX_METADATA_BYTES", "MAX_NAME", "MAX_PREAUTH_BYTES", "NONCE_BYTES", "PROOF_BYTES", "MAC_BYTES", "TOKEN_BYTES",
     "MAX_READERS", "MAX_REGIONS", "MAX_REQUESTS_PER_HEARTBEAT", "MAX_TEXT", "MAX_TP", "PROTOCOL_VERSION", "WireError",
 ]

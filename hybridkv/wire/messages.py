@@ -52,12 +52,16 @@ _DIFFERENCE = Record(cls=Difference, specs=(
 @message(Kind.AUTH)
 @dataclass(frozen=True, kw_only=True)
 class Auth(Message):
-    """The handshake's first messages, before any Hello: a fresh nonce, and an HMAC over both
-    nonces proving the shared secret (empty where the sender has none, or has nothing to prove
-    yet). Small: a listener reads at most ``MAX_PREAUTH_BYTES`` from an unproven peer."""
+    """The handshake's first messages, before any Hello. First each side's fresh nonce with the
+    connection as it sees it (the consumer: the address it dialled and its agent name; the producer:
+    its own address and agent name), then each side's HMAC over all of that, proving the shared
+    secret (empty where the sender has none). Small: a listener reads at most
+    ``MAX_PREAUTH_BYTES`` from an unproven peer."""
 
-    nonce: bytes = on_wire("nonce", Exact(size=NONCE_BYTES, empty=True))
-    proof: bytes = on_wire("proof", Exact(size=PROOF_BYTES, empty=True))
+    nonce: bytes = on_wire("nonce", Exact(size=NONCE_BYTES, empty=True), default=b"")
+    proof: bytes = on_wire("proof", Exact(size=PROOF_BYTES, empty=True), default=b"")
+    address: str = on_wire("addr", Text(limit=MAX_NAME, empty=True), default="")
+    agent: str = on_wire("agent", Text(limit=MAX_NAME, empty=True), default="")
 
 
 @dataclass(frozen=True, kw_only=True)

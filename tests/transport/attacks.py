@@ -10,6 +10,8 @@ producer's RSS, open file descriptors and CPU time throughout.
 ``tests/transport/test_attacks.py`` runs every attack at a small scale against one producer in CI.
 
 Attacks (``ATTACKS``):
+- ``relay``: a peer without the secret that a legitimate decode dials forwards the handshake to the
+  producer (as is, then with the dialled address rewritten), keeps the decode's Hello and sends its own.
 - ``no_secret``: a real consumer without the secret, then one with a wrong secret, asks to connect.
 - ``forged_hello``: a valid Hello (real NIXL metadata) as the first frame, then after an Auth with a
   forged proof.
@@ -36,7 +38,7 @@ import traceback
 
 from tests.transport import harness, peers
 
-ATTACKS = ("no_secret", "forged_hello", "big_frames", "unknown_tags", "raw_tcp", "claim", "heartbeat_flood",
+ATTACKS = ("relay", "no_secret", "forged_hello", "big_frames", "unknown_tags", "raw_tcp", "claim", "heartbeat_flood",
            "want_flood")
 REQUESTS = [("r-legit", 200, False), ("r-legit2", 60, True)]
 
@@ -77,14 +79,19 @@ def _consumer(secret):
     return _CONSUMERS[secret]
 
 
-def _new_consumer(secret):
+def _new_consumer(secret, seed: int = 3, **over):
+    return _new_consumer_with_layout(secret, seed, **over)[0]
+
+
+def _new_consumer_with_layout(secret, seed: int = 3, **over):
     from hybridkv.descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
 
-    layout, memory, pools = peers.build(3)
-    cfg = TransportConfig(secret=secret, insecure_no_auth=secret is None, handshake_timeout_s=5.0)
-    return Consumer(memory, TransferScheduler(pools, lease_s=30.0), cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
+    layout, memory, pools = peers.build(seed)
+    cfg = TransportConfig(secret=secret, insecure_no_auth=secret is None, **{"handshake_timeout_s": 5.0, **over})
+    cons = Consumer(memory, TransferScheduler(pools, lease_s=30.0), cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
+    return cons, layout
 
 
 async def _no_secret(opts) -> dict:
@@ -123,6 +130,8 @@ def _describe(msg) -> str:
 
     if isinstance(msg, wire.Refuse):
         return f"Refuse({msg.reason!r}, differences={len(msg.differences)})"
+    if isinstance(msg, wire.Auth):
+        return f"Auth(proof={len(msg.proof)})"
     return msg if isinstance(msg, str) else type(msg).__name__
 
 
@@ -137,9 +146,9 @@ async def _forged_hello(opts) -> dict:
     said.append(_describe(await _reply(ch)))
     await ch.close()
     ch = await _dial()
-    await ch.send(wire.Auth(nonce=secrets.token_bytes(32), proof=b""))
-    said.append(_describe(await _reply(ch)))
-    await ch.send(wire.Auth(nonce=b"", proof=secrets.token_bytes(32)))  # a guessed proof
+    await ch.send(wire.Auth(nonce=secrets.token_bytes(32), address="%s:%d" % _ADDR, agent=hello.agent))
+    said.append(_describe(await _reply(ch)))  # the producer's nonce, and no proof to guess the secret from
+    await ch.send(wire.Auth(proof=secrets.token_bytes(32)))  # a guessed proof
     await ch.send(hello)
     said.append(_describe(await _reply(ch)))
     await ch.close()
@@ -222,10 +231,16 @@ async def _authenticated():
     cons = _new_consumer(peers.SECRET)  # its own agent name: a name already connected is refused
     _INSIDERS.append(cons)
     ch = await _dial()
-    nonce = auth.new_nonce()
-    await ch.send(wire.Auth(nonce=nonce, proof=b""))
+    nonce, dialled = auth.new_nonce(), auth.address(*_ADDR)
+    await ch.send(wire.Auth(nonce=nonce, address=dialled, agent=cons.dp.name))
     r = await ch.recv()
-    await ch.send(wire.Auth(nonce=b"", proof=auth.consumer_proof(peers.SECRET, nonce, r.nonce)))
+    t = auth.Transcript(consumer_nonce=nonce, producer_nonce=r.nonce, dialled=dialled, producer=r.address,
+                        consumer_agent=cons.dp.name, producer_agent=r.agent)
+    await ch.send(wire.Auth(proof=auth.proof(peers.SECRET, wire.Role.CONSUMER, t)))
+    r = await ch.recv()
+    if not isinstance(r, wire.Auth):
+        raise RuntimeError(f"the insider's handshake failed: {r}")
+    ch.seal(auth.Sealer(auth.session_key(peers.SECRET, t), wire.Role.CONSUMER))
     await ch.send(cons.hello())
     hello = await ch.recv()
     if not isinstance(hello, wire.Hello):
@@ -304,7 +319,133 @@ async def _want_flood(opts) -> dict:
     return {"wants_sent": sent, "ended_with": _describe(got[-1]) if got else None}
 
 
-_ATTACKS = {"no_secret": _no_secret, "forged_hello": _forged_hello, "big_frames": _big_frames,
+_KEEP: list = []  # receive buffers of cancelled raw receives: UCX may still write into them
+
+
+async def _raw_recv(ch) -> bytes:
+    """One frame as it travels (sealed or not), unparsed: what a relay forwards."""
+    import numpy as np
+
+    header = np.zeros(1, dtype="<u8")
+    _KEEP.append(header)
+    await ch._ep.recv(header)
+    body = np.empty(max(1, min(int(header[0]), 1 << 25)), dtype=np.uint8)
+    _KEEP.append(body)
+    await ch._ep.recv(body)
+    return body.tobytes()
+
+
+async def _raw_send(ch, data: bytes) -> None:
+    import numpy as np
+
+    await ch._ep.send(np.array([len(data)], dtype="<u8"))
+    await ch._ep.send(np.frombuffer(data, dtype=np.uint8).copy())
+
+
+async def _settle(dp, xfer, others, timeout_s: float = 5.0) -> str:
+    """A transfer's end, pumping this agent and the others (the target must be progressed)."""
+    stop = time.monotonic() + timeout_s
+    while time.monotonic() < stop:
+        state = dp.state(xfer)
+        if state.name != "IN_PROGRESS":
+            return state.name
+        for other in others:
+            other.pump()
+        await asyncio.sleep(0.002)
+    return "IN_PROGRESS"
+
+
+async def _relay(opts) -> dict:
+    """A peer without the secret that a legitimate decode dials (vLLM lets a client's request name the
+    producer): it forwards the handshake both ways, keeps the decode's Hello and sends the producer its
+    own instead. Once with the frames as they are, once rewriting the address the decode dialled to the
+    producer's. What it got: the producer's NIXL metadata (then it READs a page, compared with the
+    producer's known contents) and the decode's (then it WRITEs a page of the decode's, checked there)."""
+    return {mode: await _relay_once(rewrite) for mode, rewrite in (("forwarded", False), ("rewritten", True))}
+
+
+async def _relay_once(rewrite: bool) -> dict:
+    import dataclasses
+
+    import numpy as np
+
+    from hybridkv import wire
+    from hybridkv.errors import HybridKVError
+    from hybridkv.transport import control
+    from hybridkv.transport.dataplane import Op
+    from hybridkv.transport.memory import MemoryMap
+
+    decode, dlayout = _new_consumer_with_layout(peers.SECRET, seed=5, handshake_timeout_s=3.0, handshake_retries=0)
+    relay, rlayout = _new_consumer_with_layout(None, seed=4)
+    _INSIDERS.extend([decode, relay])
+    got: dict = {"frames": []}
+    tasks: list = []
+    channels: list = []
+
+    async def pump(src, dst, to_producer: bool):
+        while True:
+            frame = await _raw_recv(src)
+            try:
+                msg = wire.decode(frame)
+            except Exception:
+                msg = None  # sealed, or not ours to read
+            if to_producer and isinstance(msg, wire.Hello):
+                got["decode_hello"] = msg  # the decode's metadata: kept, and ours sent in its place
+                await dst.send(relay.hello())
+                got["injected"] = True
+                continue
+            if not to_producer and isinstance(msg, wire.Hello) and got.get("injected"):
+                got["producer_hello"] = msg
+                continue
+            if rewrite and to_producer and isinstance(msg, wire.Auth) and getattr(msg, "address", ""):
+                frame = wire.encode(dataclasses.replace(msg, address="%s:%d" % _ADDR))
+            got["frames"].append(("to producer: " if to_producer else "to decode: ") + _describe(msg or "sealed"))
+            await _raw_send(dst, frame)
+
+    async def on_connect(ch_d):
+        ch_p = await _dial()
+        channels.extend([ch_d, ch_p])
+        tasks.extend([asyncio.ensure_future(pump(ch_d, ch_p, True)), asyncio.ensure_future(pump(ch_p, ch_d, False))])
+
+    listener = control.listen(on_connect, port=0)
+    try:
+        await decode.connect("127.0.0.1", int(listener.port))
+        said = "connected"
+    except HybridKVError as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    await asyncio.sleep(0.5)
+    report = {"decode_said": said, "frames": got["frames"], "producer_metadata": "producer_hello" in got,
+              "decode_metadata": "decode_hello" in got, "read_byte_exact": None, "write_landed": None}
+    if "producer_hello" in got:
+        ph = got["producer_hello"]
+        agent = relay.dp.add_peer(ph.metadata, MemoryMap(regions=ph.regions, groups=ph.groups, table=ph.layout))
+        r0, l0 = ph.regions[0], relay.memory.regions[0]
+        x = relay.dp.post_rows(Op.READ, agent, np.array([[l0.base_addr, r0.page_bytes, l0.device_id]]),
+                               np.array([[r0.base_addr, r0.page_bytes, r0.device_id]]))
+        state = await _settle(relay.dp, x, [])
+        reference = peers.build(1)[0]  # the producer's memory is filled from seed 1
+        want = reference.allocations[0].owner[:r0.page_bytes].tobytes()
+        report["read_byte_exact"] = state == "DONE" and rlayout.allocations[0].owner[:r0.page_bytes].tobytes() == want
+    if "decode_hello" in got:
+        dh = got["decode_hello"]
+        agent = relay.dp.add_peer(dh.metadata, MemoryMap(regions=dh.regions, groups=dh.groups, table=dh.layout))
+        d0, l0 = dh.regions[0], relay.memory.regions[0]
+        before = dlayout.allocations[0].owner[:d0.page_bytes].tobytes()
+        x = relay.dp.post_rows(Op.WRITE, agent, np.array([[l0.base_addr + l0.stride, d0.page_bytes, l0.device_id]]),
+                               np.array([[d0.base_addr, d0.page_bytes, d0.device_id]]))
+        state = await _settle(relay.dp, x, [decode.dp])  # a decode's loop pumps its agent as it serves others
+        after = dlayout.allocations[0].owner[:d0.page_bytes].tobytes()
+        ours = rlayout.allocations[0].owner[l0.stride:l0.stride + d0.page_bytes].tobytes()
+        report["write_landed"] = state == "DONE" and after == ours != before
+    for ch in channels:
+        await ch.close()
+    for t in tasks:
+        t.cancel()
+    listener.close()
+    return report
+
+
+_ATTACKS = {"relay": _relay, "no_secret": _no_secret, "forged_hello": _forged_hello, "big_frames": _big_frames,
             "unknown_tags": _unknown_tags, "raw_tcp": _raw_tcp, "claim": _claim,
             "heartbeat_flood": _heartbeat_flood, "want_flood": _want_flood}
 _ADDR: tuple[str, int] = ("127.0.0.1", 0)

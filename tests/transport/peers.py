@@ -151,7 +151,7 @@ async def _producer(opts, out, inbox):
     sched = TransferScheduler(pools, lease_s=opts.get("lease_s", 30.0), managed_pool=not opts.get("fragmentation"))
     cfg = TransportConfig(mode=wire.Mode[opts.get("mode", "PULL")],
                           allowed_peers=tuple(opts.get("allowed_peers", ())), secret=opts.get("secret", SECRET),
-                          insecure_no_auth=opts.get("secret", SECRET) is None,
+                          insecure_no_auth=opts.get("secret", SECRET) is None, compat=opts.get("compat", {}),
                           handshake_timeout_s=opts.get("handshake_timeout_s", 5.0),
                           max_wants_per_peer=opts.get("max_wants_per_peer", 4096),
                           idle_connection_s=opts.get("idle_connection_s", 10.0))
@@ -243,7 +243,8 @@ async def _consumer(opts, out, inbox):
                               handshake_retries=opts.get("handshake_retries", 2),
                               handshake_backoff_s=opts.get("handshake_backoff_s", 0.5),
                               secret=att.get("secret", opts.get("secret", SECRET)),
-                              insecure_no_auth=att.get("secret", opts.get("secret", SECRET)) is None)
+                              insecure_no_auth=att.get("secret", opts.get("secret", SECRET)) is None,
+                              compat=att.get("compat", opts.get("compat", {})))
         cons = Consumer(memory, sched, cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
         if "protocol" in att:
             cons.compat["protocol"] = att["protocol"]

@@ -35,10 +35,19 @@ def test_every_attack_class_costs_the_attacker_not_the_producer():
     # Unauthenticated: no metadata, no compatibility values, one word.
     no_secret, wrong_secret = a["no_secret"]["said"]
     assert no_secret.startswith("HandshakeRefused") and no_secret.endswith(": refused"), no_secret
-    assert "did not prove the shared secret" in wrong_secret, wrong_secret  # the consumer checks the producer too
-    assert a["forged_hello"]["said"] == [REFUSED, "Auth", REFUSED]  # the producer's Auth carries no metadata
+    assert wrong_secret.startswith("HandshakeRefused") and wrong_secret.endswith(": refused"), wrong_secret
+    # The producer's Auth carries no metadata and no proof: nothing to guess the secret from offline.
+    assert a["forged_hello"]["said"] == [REFUSED, "Auth(proof=0)", REFUSED]
+    # A relay a legitimate decode dialled, forwarding the handshake as is or with the dialled address
+    # rewritten: it gets neither side's NIXL metadata, so it reads nothing and writes nothing.
+    for mode in ("forwarded", "rewritten"):
+        relay = a["relay"][mode]
+        assert not relay["producer_metadata"] and not relay["decode_metadata"], (mode, relay)
+        assert relay["read_byte_exact"] is None and relay["write_landed"] is None, (mode, relay)
+        assert relay["decode_said"].startswith("HandshakeRefused"), (mode, relay)
+    assert "not this producer" in a["relay"]["forwarded"]["decode_said"]
     assert a["big_frames"]["said"] == [REFUSED]
-    assert stats["unauthenticated"] >= 3 + a["big_frames"]["connections"]
+    assert stats["unauthenticated"] >= 4 + a["big_frames"]["connections"]
     # Raw TCP connections that never became a channel were ended by the producer while held open.
     raw = a["raw_tcp"]
     assert raw["ended_by_producer"] == raw["connections"] > 0 and stats["swept"] >= raw["connections"], raw

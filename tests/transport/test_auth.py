@@ -44,29 +44,64 @@ def test_config_checks_the_secret_and_keeps_it_out_of_repr():
             TransportConfig(**{key: 0})
 
 
-def test_proofs_bind_both_nonces_the_role_and_the_secret():
-    a, b = auth.new_nonce(), auth.new_nonce()
-    p = auth.producer_proof(SECRET, a, b)
-    assert len(p) == wire.PROOF_BYTES and len(a) == wire.NONCE_BYTES
-    assert auth.proven(p, auth.producer_proof(SECRET, a, b))
+def _transcript(**over) -> auth.Transcript:
+    base = dict(consumer_nonce=b"c" * 32, producer_nonce=b"p" * 32, dialled="10.0.0.2:5000",
+                producer="10.0.0.2:5000", consumer_agent="decode-agent", producer_agent="prefill-agent")
+    return auth.Transcript(**{**base, **over})
+
+
+def test_proofs_bind_the_connection_the_role_and_the_secret():
+    """Each proof covers both nonces, the address dialled, the producer's own address and both agent
+    names: a relay's transcript (dialled at its own address) is never the producer's."""
+    t = _transcript()
+    p = auth.proof(SECRET, wire.Role.PRODUCER, t)
+    assert len(p) == wire.PROOF_BYTES
+    assert auth.proves(SECRET, wire.Role.PRODUCER, t, p)
     # A producer's proof is no consumer's (no reflection), and any other input changes it.
-    assert p != auth.consumer_proof(SECRET, a, b)
-    assert p != auth.producer_proof(SECRET, b, a)
-    assert p != auth.producer_proof(SECRET + b"x", a, b)
+    assert not auth.proves(SECRET, wire.Role.CONSUMER, t, p)
+    assert not auth.proves(SECRET + b"x", wire.Role.PRODUCER, t, p)
+    for field, value in [("consumer_nonce", b"d" * 32), ("producer_nonce", b"q" * 32), ("dialled", "10.0.0.9:5000"),
+                         ("producer", "10.0.0.2:5001"), ("consumer_agent", "other"), ("producer_agent", "other")]:
+        assert not auth.proves(SECRET, wire.Role.PRODUCER, _transcript(**{field: value}), p), field
+    # Length-prefixed parts: moving a byte from one field to the next is another transcript.
+    assert auth.proof(SECRET, wire.Role.PRODUCER, _transcript(dialled="a", producer="bc")) != \
+        auth.proof(SECRET, wire.Role.PRODUCER, _transcript(dialled="ab", producer="c"))
     assert not auth.proven(p, b"")
+    assert auth.session_key(SECRET, t) not in (p, auth.proof(SECRET, wire.Role.CONSUMER, t))
 
 
 def test_each_role_sends_its_own_proof_and_none_without_a_secret():
-    a, b = auth.new_nonce(), auth.new_nonce()
+    t = _transcript()
     producer, consumer = wire.Role.PRODUCER, wire.Role.CONSUMER
-    assert auth.proof(SECRET, producer, a, b) == auth.producer_proof(SECRET, a, b)
-    assert auth.proof(SECRET, consumer, a, b) == auth.consumer_proof(SECRET, a, b)
-    assert auth.proves(SECRET, producer, a, b, auth.producer_proof(SECRET, a, b))
-    assert not auth.proves(SECRET, consumer, a, b, auth.producer_proof(SECRET, a, b))
-    assert not auth.proves(SECRET, producer, a, b, b"")
+    assert auth.proof(SECRET, producer, t) != auth.proof(SECRET, consumer, t)
+    assert not auth.proves(SECRET, producer, t, b"")
     # A lab: both sides send empty proofs and neither checks.
-    assert auth.proof(None, producer, a, b) == auth.proof(None, consumer, a, b) == b""
-    assert auth.proves(None, consumer, a, b, b"")
+    assert auth.proof(None, producer, t) == auth.proof(None, consumer, t) == b""
+    assert auth.proves(None, consumer, t, b"")
+    assert auth.address("10.0.0.2", 5000) == "10.0.0.2:5000" and auth.address("::1", 5000) == "[::1]:5000"
+
+
+def test_sealed_frames_open_only_in_order_in_their_direction_under_their_key():
+    key = auth.session_key(SECRET, _transcript())
+    prod, cons = auth.Sealer(key, wire.Role.PRODUCER), auth.Sealer(key, wire.Role.CONSUMER)
+    frames = [prod.seal(b"hello"), prod.seal(b"export")]
+    assert cons.open(frames[0]) == b"hello" and cons.open(frames[1]) == b"export"
+    replayed = auth.Sealer(key, wire.Role.CONSUMER)
+    replayed.open(frames[0])
+    with pytest.raises(ValueError, match="frame 1 from the peer does not carry the session's MAC"):
+        replayed.open(frames[0])  # replayed
+    with pytest.raises(ValueError, match="frame 0 .* does not carry"):
+        auth.Sealer(key, wire.Role.CONSUMER).open(frames[1])  # out of order
+    with pytest.raises(ValueError, match="does not carry"):
+        auth.Sealer(key, wire.Role.PRODUCER).open(frames[0])  # reflected to its sender
+    with pytest.raises(ValueError, match="does not carry"):
+        auth.Sealer(auth.session_key(SECRET, _transcript(dialled="relay:1")), wire.Role.CONSUMER).open(frames[0])
+    altered = bytearray(frames[0])
+    altered[0] ^= 1
+    with pytest.raises(ValueError, match="does not carry"):
+        auth.Sealer(key, wire.Role.CONSUMER).open(bytes(altered))
+    with pytest.raises(ValueError, match="expected a body and a 32-byte MAC"):
+        auth.Sealer(key, wire.Role.CONSUMER).open(b"x" * 32)
 
 
 def test_tokens_are_random_and_travel_as_hex():
@@ -92,7 +127,10 @@ from hybridkv.transport.dial import Dialer
 
 
 class Side:  # all a dial reads before the producer proved the secret
-    config = TransportConfig(secret=b"s" * 32)
+    config = TransportConfig(secret=bytes(range(32)))
+
+    class dp:
+        name = "decode-agent"
 
 
 async def main():
@@ -169,3 +207,26 @@ def test_without_a_secret_an_endpoint_starts_only_in_lab_mode_by_name(monkeypatc
     proven = _endpoint(TransportConfig(secret=SECRET))
     assert proven.metrics.take().insecure_no_auth == 0
     proven.dp.close()
+
+
+def test_an_operator_compat_map_that_differs_refuses_the_pair_naming_each_key_and_both_values():
+    """TransportConfig.compat travels in the authenticated Hello: a key whose values differ, or that one
+    side has and the other lacks, refuses the pair at its first handshake; equal maps connect."""
+    from tests.transport.harness import consumer, producer
+
+    with pytest.raises(ValueError, match=r"TransportConfig.compat\['model'\] = 3; expected a str"):
+        TransportConfig(compat={"model": 3})  # type: ignore[dict-item]
+    ops = {"model": "qwen3-next", "revision": "r1"}
+    prod = producer(compat=ops)
+    try:
+        host, port, _ = prod.expect("addr")
+        cons = consumer((host, port), attempts=[
+            {"name": "differs", "compat": {"model": "qwen3-next", "revision": "r2", "quant": "fp8"}},
+            {"name": "same", "compat": dict(ops)}])
+        name, fields, text = cons.expect("refused")
+        assert name == "differs" and fields == ["quant", "revision"], (fields, text)
+        assert "revision: local 'r2', peer 'r1'" in text and "quant: local 'fp8', peer None" in text, text
+        assert cons.expect("connected") == "same"
+        cons.expect("finished")
+    finally:
+        prod.stop()

@@ -93,25 +93,25 @@ _PINNED_HELLO = wire.Hello(
         placements=(wire.PlacementTable(region_id=0, rows=np.array([(1, 3, 0, 0, 32, 4)], "<i8").tobytes()),)),)))
 PINNED = [
     (wire.Done(request_id="r1", ok=True, token=TOKEN),
-     "83a17602a16b05a16283a3726964a27231a26f6bc3a5746f6b656ec410000102030405060708090a0b0c0d0e0f"),
+     "83a17603a16b05a16283a3726964a27231a26f6bc3a5746f6b656ec410000102030405060708090a0b0c0d0e0f"),
     (wire.Export(request_id="r1", blocks=(wire.GroupBlocks(group_id=0, ids=(3, 1, 2)),
                                           wire.GroupBlocks(group_id=1, ids=(7,))), lease_s=12.5),
-     "83a17602a16b03a16283a3726964a27231a6626c6f636b73929200c40c0300000001000000020000009201c40407000000a76c6561"
+     "83a17603a16b03a16283a3726964a27231a6626c6f636b73929200c40c0300000001000000020000009201c40407000000a76c6561"
      "73655f73cb4029000000000000"),
     (wire.Refuse(reason="incompatible", differences=(Difference(field="dtype", local="bf16", remote=None),)),
-     "83a17602a16b02a16282a6726561736f6eac696e636f6d70617469626c65a564696666739193a56474797065a462663136c0"),
+     "83a17603a16b02a16282a6726561736f6eac696e636f6d70617469626c65a564696666739193a56474797065a462663136c0"),
     (wire.Failure(request_id="r1", code=wire.FailureCode.CLAIMED, detail="taken", token=TOKEN),
-     "83a17602a16b06a16284a3726964a27231a4636f646506a664657461696ca574616b656ea5746f6b656ec410000102030405060708"
+     "83a17603a16b06a16284a3726964a27231a4636f646506a664657461696ca574616b656ea5746f6b656ec410000102030405060708"
      "090a0b0c0d0e0f"),
     (wire.Want(request_id="r1", token=TOKEN, readers=2),
-     "83a17602a16b0aa16283a3726964a27231a5746f6b656ec410000102030405060708090a0b0c0d0e0fa77265616465727302"),
+     "83a17603a16b0aa16283a3726964a27231a5746f6b656ec410000102030405060708090a0b0c0d0e0fa77265616465727302"),
     (wire.Heartbeat(seq=5, tickets=(wire.Ticket(request_id="a", token=TOKEN),)),
-     "83a17602a16b07a16282a373657105a77469636b6574739192a161c410000102030405060708090a0b0c0d0e0f"),
-    (wire.Auth(nonce=bytes(range(32)), proof=b""),
-     "83a17602a16b0ba16282a56e6f6e6365c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa57072"
-     "6f6f66c400"),
+     "83a17603a16b07a16282a373657105a77469636b6574739192a161c410000102030405060708090a0b0c0d0e0f"),
+    (wire.Auth(nonce=bytes(range(32)), proof=b"", address="127.0.0.1:5", agent="a"),
+     "83a17603a16b0ba16284a56e6f6e6365c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa57072"
+     "6f6f66c400a461646472ab3132372e302e302e313a35a56167656e74a161"),
     (_PINNED_HELLO,
-     "83a17602a16b01a1628aa56167656e74a27030a86d65746164617461c4016da4726f6c6501a46d6f646502a6636f6d70617481a870"
+     "83a17603a16b01a1628aa56167656e74a27030a86d65746164617461c4016da4726f6c6501a46d6f646502a6636f6d70617481a870"
      "726f746f636f6ca131a468617368c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa7726567"
      "696f6e73919700cd10004040020201a667726f7570739192009100a76c656173655f73cb403e000000000000a66c61796f757493"
      "0201919600010800c40403000000919200c4300100000000000000030000000000000000000000000000000000000000000000"
@@ -171,8 +171,8 @@ BAD = {
     "heartbeat ticket without token": _raw(wire.Kind.HEARTBEAT, {"seq": 1, "tickets": [["a"]]}),
     "heartbeat too many tickets": _raw(wire.Kind.HEARTBEAT, {
         "seq": 1, "tickets": [["a", TOKEN]] * (wire.MAX_REQUESTS_PER_HEARTBEAT + 1)}),
-    "auth short nonce": _raw(wire.Kind.AUTH, {"nonce": b"x" * 31, "proof": b""}),
-    "auth short proof": _raw(wire.Kind.AUTH, {"nonce": b"", "proof": b"x" * 31}),
+    "auth short nonce": _raw(wire.Kind.AUTH, {"nonce": b"x" * 31, "proof": b"", "addr": "", "agent": ""}),
+    "auth short proof": _raw(wire.Kind.AUTH, {"nonce": b"", "proof": b"x" * 31, "addr": "", "agent": ""}),
     "layout field past page": _raw(wire.Kind.HELLO, {**_body(_hello(layout=_layout(((1, 3, 0, 40, 32, 4),))))}),
     # offset + nbytes wraps an int64: the end check must not see it as ending early
     "layout field end wraps": _raw(wire.Kind.HELLO, {**_body(_hello(layout=_layout(((1, 3, 0, 2**63 - 1, 4, 4),))))}),
@@ -198,7 +198,7 @@ REASONS = {
     "wrong type": r"^done\.ok is int; expected a bool$",
     "empty rid": r"^request id has length 0; expected 1\.\.256$",
     "unknown kind": r"^kind = 99; expected one of \[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11\]$",
-    "unknown version": r"^protocol version 1; expected 2$",
+    "unknown version": rf"^protocol version 1; expected {wire.PROTOCOL_VERSION}$",
     "negative block id": r"^import\.blocks\[0\]\.ids has negative id -1; expected ids >= 0$",
     "repeated group": r"^import\.blocks lists group 0 twice; expected each group once$",
     "nan lease": r"^lease\.lease_s = nan; expected a finite number in 0\.0\.\.86400\.0$",
