@@ -63,6 +63,54 @@ def test_descriptor_counts_come_from_the_analyzer():
             > recipe.sim_config(scheme="hybridkv").sizing.transfer(isl)[0])
 
 
+def test_kernel_block_size_key_reaches_the_analyzer(tmp_path):
+    """vLLM 0.33 builds one id per attention kernel block: FlashInfer's 16-token blocks under the seed's
+    1,072-token logical blocks give 8,220 ids for an 8,192-token request, not 300 (issue 49); hybridkv's
+    own schemes do not depend on it. The key takes its count from the analyzer, like every other count."""
+    seed = load_recipe("seed-4xdep2-1xdep8")
+    assert seed.kernel_block_size is None
+    assert seed.sim_config(scheme="vllm-0.33").sizing.transfer(8192)[0] == 300
+
+    def k16(d):
+        d["model"]["kernel_block_size"] = 16
+        d["sources"]["model.kernel_block_size"] = "assumed: FlashInfer's 16-token kernel blocks (Blackwell)"
+
+    recipe = load_recipe(_small_recipe(tmp_path, k16))
+    assert recipe.kernel_block_size == 16
+    geometry = get_preset(recipe.preset, ssm_dtype=recipe.ssm_dtype)
+    for scheme in ("vllm-0.33", "hybridkv-vllm", "hybridkv"):
+        expected = count_descriptors(Scheme(scheme), Workload(
+            geometry=geometry, tokens=8192, block_size=recipe.block_size, fragmentation=recipe.fragmentation,
+            kernel_block_size=16))
+        assert recipe.sim_config(scheme=scheme).sizing.transfer(8192) == (expected.descriptors, expected.bytes)
+    assert recipe.sim_config(scheme="vllm-0.33").sizing.transfer(8192)[0] == 8220
+    assert seed.with_kernel_block_size(16).sim_config(scheme="vllm-0.33").sizing.transfer(8192)[0] == 8220
+    # The key, like every other, needs its source.
+    def unsourced(d):
+        d["model"]["kernel_block_size"] = 16
+
+    with pytest.raises(ValueError, match="model.kernel_block_size"):
+        load_recipe(_small_recipe(tmp_path, unsourced))
+
+
+def test_kernel_block_size_that_does_not_divide_the_block_is_one_line(tmp_path, capsys):
+    def k32(d):
+        d["model"]["kernel_block_size"] = 32
+        d["sources"]["model.kernel_block_size"] = "assumed: a test"
+
+    assert main(["sim", "pd", "--recipe", str(_small_recipe(tmp_path, k32)), "--concurrency", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "model.kernel_block_size=32" in err and "1072" in err and "Traceback" not in err, err
+    # The CLI flag overrides the recipe and is checked the same way.
+    assert main(["sim", "pd", "--recipe", str(_small_recipe(tmp_path)), "--concurrency", "64",
+                 "--kernel-block-size", "32"]) == 2
+    assert "model.kernel_block_size=32" in capsys.readouterr().err
+    assert main(["sim", "pd", "--recipe", str(_small_recipe(tmp_path)), "--concurrency", "64", "--seeds", "1",
+                 "--kernel-block-size", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["variants"][0]["descriptors_per_request"] == 8220, out["variants"][0]
+
+
 def test_the_pr35758_recipe_moves_the_prs_descriptor_counts():
     # 63 blocks of 64 tokens on gemma-3-4b-it: 4,284 descriptors without HMA, 1,650 with (the PR's text).
     recipe = load_recipe("pr35758-1p1d-gemma3-4b")

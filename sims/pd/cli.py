@@ -6,6 +6,8 @@ import argparse
 
 from .params import MAX_CONCURRENCY, MAX_REQUEST_RATE, MAX_SEEDS
 
+MAX_KERNEL_BLOCK = 4096
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     from hybridkv.cli import bounded
@@ -32,6 +34,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--request-rate", type=bounded(float, MAX_REQUEST_RATE), nargs="+", metavar="R",
                       help="open loop: Poisson arrivals at these requests per second instead of the recipe's sweep "
                            "(default: the recipe's)")
+    parser.add_argument("--kernel-block-size", type=bounded(int, MAX_KERNEL_BLOCK), default=None, metavar="TOKENS",
+                        help="the attention backend's kernel block, e.g. 16 for FlashInfer (vLLM 0.33 builds one id "
+                             "per kernel block); overrides the recipe's model.kernel_block_size (default: the "
+                             "recipe's, else the logical block)")
     parser.add_argument("--seed", type=int, default=0, help="first seed")
     parser.add_argument("--seeds", type=bounded(int, MAX_SEEDS), default=None, metavar="N",
                         help="seeds per point, S..S+N-1 (default: the recipe's sweep.seeds, else 3)")
@@ -58,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if args.sensitivity and (schemes is None or len(args.recipe) != 1 or args.plot):
         raise ValueError("--sensitivity needs --compare-schemes A,B[,...] and one --recipe (and no --plot)")
     recipes = [load_recipe(p) for p in args.recipe]
+    if args.kernel_block_size is not None:
+        recipes = [r.with_kernel_block_size(args.kernel_block_size) for r in recipes]
     if args.concurrency:
         recipes = [r.with_sweep(tuple(args.concurrency), arrivals=Arrivals.CLOSED) for r in recipes]
     elif args.request_rate:

@@ -47,8 +47,18 @@ def check_scheme(scheme: str) -> str:
     return scheme
 
 
-def request_transfer(scheme: str, geometry: ModelGeometry, *, tokens: int,
-                     block_size: int | None, fragmentation: float) -> TransferCount:
+def check_kernel_block_size(geometry: ModelGeometry, *, block_size: int | None, kernel_block_size: int) -> None:
+    """Refuses a kernel block that does not divide the logical block (the analyzer's rule), naming both."""
+    from hybridkv.descriptors.schemes import Workload
+
+    try:
+        Workload(geometry=geometry, tokens=1, block_size=block_size, kernel_block_size=kernel_block_size)
+    except ValueError as exc:
+        raise ValueError(f"model.kernel_block_size={kernel_block_size!r}: {exc}") from None
+
+
+def request_transfer(scheme: str, geometry: ModelGeometry, *, tokens: int, block_size: int | None,
+                     fragmentation: float, kernel_block_size: int | None = None) -> TransferCount:
     """Descriptors and bytes one request's prompt cache costs to move under `scheme`.
 
     Data+expert parallel endpoints keep a request's whole attention/GDN cache on one rank,
@@ -62,7 +72,7 @@ def request_transfer(scheme: str, geometry: ModelGeometry, *, tokens: int,
     chosen = Scheme(check_scheme(scheme))
     count = count_descriptors(chosen, Workload(
         geometry=geometry, tokens=tokens, block_size=block_size, tp_prefill=1, tp_decode=1,
-        fragmentation=fragmentation))
+        fragmentation=fragmentation, kernel_block_size=kernel_block_size))
     return TransferCount(scheme=chosen.value, descriptors=int(count.descriptors), bytes=int(count.bytes))
 
 
@@ -115,7 +125,7 @@ def cache_model(geometry: ModelGeometry, scheme: str, *, block_size: int | None)
 
 
 def sizing(geometry: ModelGeometry, scheme: str, *, block_size: int | None, fragmentation: float,
-           decode: CacheModel, prefill: CacheModel) -> Sizing:
+           decode: CacheModel, prefill: CacheModel, kernel_block_size: int | None = None) -> Sizing:
     # Whole blocks move, so one analyzer count per block count serves every prompt length (and
     # every point and seed of a sweep: hybridkv's count runs the real compiler).
     counts: dict[int, tuple[int, int]] = {}
@@ -125,7 +135,7 @@ def sizing(geometry: ModelGeometry, scheme: str, *, block_size: int | None, frag
         got = counts.get(blocks)
         if got is None:
             count = request_transfer(scheme, geometry, tokens=isl, block_size=block_size,
-                                     fragmentation=fragmentation)
+                                     fragmentation=fragmentation, kernel_block_size=kernel_block_size)
             got = counts[blocks] = (count.descriptors, count.bytes)
         return got
 

@@ -152,6 +152,9 @@ class Recipe:
     preset: str
     ssm_dtype: str | None
     block_size: int | None
+    # The attention backend's kernel block (FlashInfer: 16 tokens) when it splits the logical block;
+    # vLLM 0.33 builds one id per kernel block, so the analyzer's count depends on it.
+    kernel_block_size: int | None
     traffic: Traffic
     prefill_endpoints: int
     prefill_ranks: int
@@ -188,6 +191,14 @@ class Recipe:
         check_int("seeds", sweep.seeds, maximum=MAX_SEEDS)
         return replace(self, sweep=sweep)
 
+    def with_kernel_block_size(self, kernel_block_size: int) -> Recipe:
+        """The recipe with another attention kernel block (checked against its logical block)."""
+        from .model import check_kernel_block_size, model_geometry
+
+        check_kernel_block_size(model_geometry(self.preset, self.ssm_dtype), block_size=self.block_size,
+                                kernel_block_size=kernel_block_size)
+        return replace(self, kernel_block_size=kernel_block_size)
+
     def sim_config(self, *, scheme: str | None = None, scheduling: Scheduling | None = None) -> SimConfig:
         """Resolve the model, the scheme's cache layout and the analyzer's counts into plain numbers."""
         from .model import cache_model, model_geometry, sizing
@@ -195,8 +206,8 @@ class Recipe:
         scheme = scheme or self.scheme
         geometry = model_geometry(self.preset, self.ssm_dtype)
         decode = cache_model(geometry, scheme, block_size=self.block_size)
-        size = sizing(geometry, scheme, block_size=self.block_size, fragmentation=self.fragmentation,
-                      decode=decode, prefill=decode)
+        size = sizing(geometry, scheme, block_size=self.block_size, kernel_block_size=self.kernel_block_size,
+                      fragmentation=self.fragmentation, decode=decode, prefill=decode)
         return SimConfig(
             prefill=PrefillSpec(endpoints=self.prefill_endpoints, ranks=self.prefill_ranks,
                                 max_batched_tokens=self.prefill_max_batched_tokens,
@@ -260,6 +271,7 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
     preset = model.text("preset")
     ssm_dtype = model.text("ssm_dtype", None)
     block_size = model.optional_int("block_size")
+    kernel_block_size = model.optional_int("kernel_block_size")
     model.done()
     workload = top.section("workload")
     traffic = Traffic(isl=_lengths(workload, "isl"), osl=_lengths(workload, "osl"),
@@ -322,12 +334,18 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
     from .model import check_scheme
 
     check_scheme(scheme)
+    if kernel_block_size is not None:
+        from .model import check_kernel_block_size, model_geometry
+
+        check_kernel_block_size(model_geometry(preset, ssm_dtype), block_size=block_size,
+                                kernel_block_size=kernel_block_size)
     # Validate the counts now, not at the first simulated point (blocks come with the model).
     PrefillSpec(endpoints=prefill["endpoints"], ranks=prefill["ranks"], max_batched_tokens=prefill["max_batched_tokens"],
                 blocks_per_rank=1, cost=prefill["cost"])
     DecodeSpec(endpoints=decode["endpoints"], ranks=decode["ranks"], ranks_per_node=decode["ranks_per_node"],
                blocks_per_rank=1, cost=decode["cost"])
-    return Recipe(name=name, path=path, preset=preset, ssm_dtype=ssm_dtype, block_size=block_size, traffic=traffic,
+    return Recipe(name=name, path=path, preset=preset, ssm_dtype=ssm_dtype, block_size=block_size,
+                  kernel_block_size=kernel_block_size, traffic=traffic,
                   prefill_endpoints=prefill["endpoints"], prefill_ranks=prefill["ranks"],
                   prefill_max_batched_tokens=prefill["max_batched_tokens"],
                   prefill_cache_bytes_per_rank=prefill["cache"], prefill_cost=prefill["cost"],
