@@ -194,6 +194,7 @@ class HybridKVManager(CommonKVManager):
             retire_agent=lambda agent, reason: self.retiring.retire(agent, reason),
             forget_registration=self.forget_registration,
             settle=lambda room, reason: self.imports.settle_imports(room, reason))
+        self.rooms.on_forget = self.auth.release_room  # a room whose claims go leaves its session's count
         self.blocks = FencedBlocks(TransferScheduler(self.adopted.pool_layout(), managed_pool=False,
                                                      lease_s=self.config.lease_s(self.drain_timeout_s)))
         if disaggregation_mode == DisaggregationMode.PREFILL:
@@ -205,7 +206,8 @@ class HybridKVManager(CommonKVManager):
         self.exports = PrefillExports(
             blocks=self.blocks, rooms=self.rooms, adopted=self.adopted, dp=self.dp, peers=self.peers,
             config=self.config, metrics=self.metrics, stats=self.stats,
-            on_settled=lambda room: self.drains.maybe_send(room), stop=self._stop)
+            on_settled=lambda room: self.drains.maybe_send(room),
+            fail_room=lambda room, reason: self.drains.fail(room, reason), stop=self._stop)
         self.drains = Drains(rooms=self.rooms, drained=self.exports.drained, lock=self.blocks.lock)
         self.retiring = RetiringAgents(rooms=self.rooms, peers=self.peers, exports=self.exports, drains=self.drains,
                                        dp=self.dp, lock=self.blocks.lock)
@@ -317,7 +319,7 @@ class HybridKVManager(CommonKVManager):
             aux_index=int(aux_index if aux_index is not None else -1),
             state_indices=states if not is_dummy else (),
             required_dst_info_num=int(required_dst_info_num), decode_prefix_len=int(decode_prefix_len or 0),
-            is_dummy=bool(is_dummy),
+            is_dummy=bool(is_dummy), generation=self.imports.generation(int(bootstrap_room)),
         ).to_frames()
 
     def _room_notify_targets(self, bootstrap_room: int):
@@ -408,7 +410,7 @@ class HybridKVManager(CommonKVManager):
                 logger.exception("hybridkv: dropped a control message")
 
     def _decode_listener_loop(self) -> None:
-        for frames in self._recv():
+        for frames in self._recv(tick=self.imports.tick):
             try:
                 got = self.auth.open(frames)
                 if got is None:
@@ -436,8 +438,8 @@ class HybridKVManager(CommonKVManager):
                 self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
                                           failure_reason=reason)
                 if status in (KVPoll.Success, KVPoll.Failed):
-                    # A prefill rank reports a terminal status only with every handle settled.
-                    self.imports.note_quiet(room, rank)
+                    # Success comes after the rank's last WRITE ended (drained); Failed does not (decode_side.py).
+                    self.imports.note_status(room, rank, success=status == KVPoll.Success, reason=reason)
             except Exception:
                 logger.exception("hybridkv: dropped a decode-side message")
 
@@ -446,6 +448,15 @@ class HybridKVSender(CommonKVSender):
     kv_mgr: HybridKVManager
 
     _sent_bytes: Optional[int] = None
+
+    def __init__(self, mgr: HybridKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False):
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+        refused = mgr.registrations.take_refusal(bootstrap_room) if mgr.registrations is not None else None
+        if refused is not None and mgr.request_status.get(bootstrap_room) not in (None, KVPoll.Failed):
+            # A decode rank of the room was refused before this sender existed (it was told then).
+            mgr.record_failure(bootstrap_room, refused)
+            mgr.update_status(bootstrap_room, KVPoll.Failed)
 
     def poll(self) -> KVPoll:
         status = super().poll()
@@ -463,8 +474,14 @@ class HybridKVSender(CommonKVSender):
 
     def abort(self) -> None:
         super().abort()
-        self.kv_mgr.exports.retire_export(self.bootstrap_room)
-        self.kv_mgr.exports.take_room_bytes(self.bootstrap_room)
+        mgr = self.kv_mgr
+        mgr.exports.retire_export(self.bootstrap_room)
+        mgr.exports.take_room_bytes(self.bootstrap_room)
+        # SGLang's abort paths (AbortReq, chunked prefill's) never clear the sender: its decode ranks are told
+        # Failed now (and DRAINED once nothing of the room is in flight here), and the room's claims, which
+        # count against each decode's authenticated session, go then.
+        mgr.drains.fail(self.bootstrap_room, mgr.rooms.failure(self.bootstrap_room) or "Aborted by AbortReq.",
+                        end=True)
 
     def get_transfer_metric(self):
         """SGLang's KVTransferMetric, with the bytes this rank's WRITEs moved for the room (SGLang's

@@ -1,13 +1,17 @@
 """Decode side of the hybridkv SGLang backend: published destinations are fenced imports.
 
-`begin_import` assigns a request's pages, slots and aux row in the fencing
-scheduler and posts one import per component before SGLang publishes them; a
-component lands on the writer's LANDED message; imports still open when every
-writer is quiet (KV_STATUS, DRAINED), dead, or past the drain deadline end as
-failed. Blocks the engine hands back (abort, clear) stay out of reuse while an
-import into them is open: `fenced` lists them. A writer that said STUCK (NIXL
-would not abort its WRITE) is quiet only on its DRAINED, not on its Failed
-status.
+`begin_import` assigns a request's pages, slots and aux row in the fencing scheduler and posts one
+import per component before SGLang publishes them; what the prefill ranks say about the room goes
+to hybridkv's `ImportLedger` (hybridkv/fencing/imports.py), which decides when they end: a component
+lands once every writer's LANDED named it; the imports end, and the room's blocks may go back, only
+when every writer said DRAINED (or reported Success, sent only after its last WRITE ended) or the
+drain deadline passed. A writer's Failed status, a STUCK, SGLang declaring the prefill dead (its
+bootstrap server runs in another process than the writers) or the engine's abort fail the room and
+start the deadline, nothing more. Blocks the engine hands back (abort, clear) stay out of reuse while
+an import into them is open: `fenced` lists them.
+
+Each import has a generation, sent in the METADATA and echoed by the prefill's LANDED, STUCK and
+DRAINED: a message of an earlier request that used the same room never touches a later one.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import defaultdict
+from typing import Optional
 
 import numpy as np
 
@@ -23,6 +27,7 @@ from hybridkv.connectors.sglang import messages as msgs
 from hybridkv.connectors.sglang.adopt import AdoptedLayout, request_id
 from hybridkv.connectors.sglang.fenced_blocks import FencedBlocks
 from hybridkv.fencing.fence import NotYet
+from hybridkv.fencing.imports import ImportLedger
 from hybridkv.fencing.request_state import Component
 from hybridkv.ids import TransferId
 from hybridkv.transport.metrics import TransferMetrics
@@ -31,17 +36,12 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class _Import:
-    """Decode side: a room whose destinations were (or are about to be) published."""
+class _Room:
+    """What the SGLang side keeps of an import beside the ledger's entry."""
 
     bootstrap_addr: str
-    writers: int  # prefill ranks expected to write
-    tids: dict[Component, TransferId]  # imports still in flight
-    landed_from: dict[Component, set[int]] = dataclasses.field(default_factory=lambda: defaultdict(set))
-    quiet: set[int] = dataclasses.field(default_factory=set)
-    stuck: set[int] = dataclasses.field(default_factory=set)  # ranks whose Failed status is not quiet
-    unlanded: list[Component] = dataclasses.field(default_factory=list)  # ended without landing
-    cleared: bool = False
+    generation: int
+    abort_sent: bool = False  # SGLang sent the prefill ranks an ABORT for this import
     quarantined: int = 0  # blocks held out of reuse since a writer said STUCK (for the metrics)
 
 
@@ -54,60 +54,79 @@ class DecodeImports:
         self.blocks = blocks
         self.adopted = adopted
         self.metrics = metrics
-        self.drain_timeout_s = drain_timeout_s
-        self._imports: dict[int, _Import] = {}
-        self._held_since: dict[int, float] = {}  # rooms SGLang holds for a deferred release
+        self.ledger = ImportLedger(blocks.sched, drain_timeout_s=drain_timeout_s)
+        self._rooms: dict[int, _Room] = {}
 
-    def begin_import(self, room: int, bootstrap_addr: str, writers: int, blocks: dict[int, np.ndarray]) -> None:
-        """Assign the request's blocks and post one import per component, before anything is published.
+    @property
+    def drain_timeout_s(self) -> float:
+        return self.ledger.drain_timeout_s
+
+    @drain_timeout_s.setter
+    def drain_timeout_s(self, seconds: float) -> None:  # tests shorten it
+        self.ledger.drain_timeout_s = float(seconds)
+
+    def begin_import(self, room: int, bootstrap_addr: str, writers: int, blocks: dict[int, np.ndarray]) -> int:
+        """Assign the request's blocks and post one import per component, before anything is published;
+        returns the import's generation (the METADATA carries it).
 
         ValueError (nothing applied) if a block is held or still fenced: SGLang
         handed out a page that a write of an earlier request may still reach.
         """
         rid = request_id(room)
         with self.blocks.lock:
-            if room in self._imports or self.blocks.sched.has_request(rid):
+            sched = self.blocks.sched
+            if room in self.ledger or sched.has_request(rid):
                 raise ValueError(f"room {room} already has destinations published; expected a new room")
             comps = [c for g in sorted(blocks) for c in self.adopted.components_of(g) if len(blocks[g])]
-            self.blocks.sched.add_request(rid, expect=comps)
+            sched.add_request(rid, expect=comps)
             tids: dict[Component, TransferId] = {}
             try:
                 for g in sorted(blocks):
-                    self.blocks.sched.assign(rid, g, [int(b) for b in blocks[g]])
+                    sched.assign(rid, g, [int(b) for b in blocks[g]])
                 for c in comps:
-                    tid = self.blocks.sched.post_import(rid, components=[c])
+                    tid = sched.post_import(rid, components=[c])
                     if isinstance(tid, NotYet):
                         raise ValueError(f"room {room}: the scheduler refused the import of {c}: {tid.reason.value}")
                     tids[c] = tid
             except ValueError:
                 for tid in tids.values():
-                    self.blocks.sched.transfer_failed(tid)  # nothing was published: no write can come
-                self.blocks.sched.abort(rid)
+                    sched.transfer_failed(tid)  # nothing was published: no write can come
+                sched.abort(rid)
                 self.blocks.collect_reusable()
                 raise
-            self._imports[room] = _Import(bootstrap_addr=bootstrap_addr, writers=max(1, writers), tids=tids)
+            generation = self.ledger.open(room, request=rid, tids=tids, writers=max(1, writers))
+            self._rooms[room] = _Room(bootstrap_addr=bootstrap_addr, generation=generation)
+            return generation
+
+    def generation(self, room: int) -> int:
+        """The room's import generation (0: none, e.g. a dummy rank's METADATA)."""
+        with self.blocks.lock:
+            r = self._rooms.get(room)
+            return r.generation if r is not None else 0
 
     def end_import(self, room: int, *, landed: bool) -> bool:
         """Receiver side: the engine is done with the room. True if nothing is in flight any more."""
         rid = request_id(room)
         with self.blocks.lock:
-            imp = self._imports.get(room)
             if landed:
                 if self.blocks.sched.has_request(rid):
                     self.blocks.sched.request_finished(rid)  # the pages belong to the running request now
                     self.blocks.collect_reusable()
             else:
                 self.blocks.drop(rid)
-            if imp is None or not imp.tids:
-                self._imports.pop(room, None)
-                return True
-            imp.cleared = True
-            return False
+            gone = self.ledger.release(room)
+            if gone:
+                self._forget(room)
+            return gone
+
+    def rooms(self) -> list[int]:
+        """Rooms with an import entry (open, or ended and not yet released by the engine)."""
+        with self.blocks.lock:
+            return sorted(set(self.ledger.keys()) | set(self._rooms))
 
     def imports_in_flight(self, room: int) -> int:
         with self.blocks.lock:
-            imp = self._imports.get(room)
-            return len(imp.tids) if imp else 0
+            return self.ledger.in_flight(room)
 
     def import_ready(self, room: int) -> bool:
         with self.blocks.lock:
@@ -117,27 +136,60 @@ class DecodeImports:
     def missing_components(self, room: int) -> list[Component]:
         """Components of the room not landed: still in flight, or ended without landing."""
         with self.blocks.lock:
-            imp = self._imports.get(room)
-            return imp.unlanded + list(imp.tids) if imp else []
+            return self.ledger.missing(room)
 
     def settle_imports(self, room: int, reason: str) -> None:
-        """Every writer of the room is quiet (or gone): imports still open will never land."""
+        """No writer can write into the room (nothing was published to any, or every one reported its whole
+        transfer complete): imports still open end unlanded now."""
         with self.blocks.lock:
-            imp = self._imports.get(room)
-            if imp is None:
-                return
-            if imp.tids:
-                logger.info("hybridkv: room %s: %d import(s) end unlanded (%s)", room, len(imp.tids), reason)
-            for comp, tid in imp.tids.items():
-                self.blocks.sched.transfer_failed(tid)
-                imp.unlanded.append(comp)
-            imp.tids.clear()
-            if imp.quarantined:
-                self.metrics.quarantine_released(imp.quarantined)
-                imp.quarantined = 0
-            if imp.cleared:
-                self._imports.pop(room, None)
-            self.blocks.collect_reusable()
+            n = self.ledger.in_flight(room)
+            if self.ledger.settle(room, reason):
+                logger.info("hybridkv: room %s: %d import(s) end unlanded (%s)", room, n, reason)
+                self._ended(room)
+
+    def fail(self, room: int, reason: str) -> None:
+        """The room failed here (a writer's Failed, SGLang's abort or hold): its drain deadline starts.
+        Nothing is released: a writer may still be writing."""
+        with self.blocks.lock:
+            self.ledger.fail(room, reason)
+
+    def abort_sent(self, room: int) -> None:
+        """SGLang sent the room's ABORT: the prefill ranks answer DRAINED once nothing of it is in flight."""
+        with self.blocks.lock:
+            r = self._rooms.get(room)
+            if r is not None:
+                r.abort_sent = True
+
+    def check_deadline(self, room: int) -> bool:
+        """End the room's imports if its drain deadline passed. True if nothing of it is in flight."""
+        with self.blocks.lock:
+            if self.ledger.check_deadline(room):
+                logger.error("hybridkv: room %s: imports ended by the drain deadline (%.0f s) without every "
+                             "writer's DRAINED", room, self.drain_timeout_s)
+                self._ended(room)
+            return self.ledger.in_flight(room) == 0
+
+    def tick(self) -> None:
+        """The listener thread, every loop: end the imports whose drain deadline passed (a room SGLang
+        released, or whose receiver nobody polls any more, is ended here)."""
+        with self.blocks.lock:
+            for room in self.ledger.expire():
+                logger.error("hybridkv: room %s: imports ended by the drain deadline (%.0f s) without every "
+                             "writer's DRAINED", room, self.drain_timeout_s)
+                self._ended(room)
+
+    def _ended(self, room: int) -> None:
+        """The room's imports ended (under the lock): metrics, reusable blocks, the room's record."""
+        r = self._rooms.get(room)
+        if r is not None and r.quarantined:
+            self.metrics.quarantine_released(r.quarantined)
+            r.quarantined = 0
+        if room not in self.ledger:
+            self._forget(room)
+        self.blocks.collect_reusable()
+
+    def _forget(self, room: int) -> None:
+        self._rooms.pop(room, None)
 
     # ------------------------------------------------------------ SGLang's deferred decode KV release
     # decode.py: when the MIN-reduced poll of a request is Failed, every decode rank
@@ -147,37 +199,23 @@ class DecodeImports:
     # MIN-reduces the answers, so the ranks release together, then calls
     # kv_mgr.clear_deferred_abort_state and receiver.clear(). SGLang releases anyway
     # once SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT passed since it
-    # began holding; the drain timeout is never longer (startup.py), and hybridkv's
-    # hold clock starts when the ABORT is armed (register_deferred_abort_room), which
-    # SGLang does before it starts its own, so hybridkv's deadline comes first.
+    # began holding; the drain timeout is never longer (startup.py), and the ledger's
+    # deadline starts at the room's first failure (at the latest when the ABORT is
+    # armed, register_deferred_abort_room), before SGLang's own, so it comes first.
     # The manager's hooks of those names call these.
 
     def hold(self, room: int) -> None:
         """SGLang holds the room for a deferred release (register_deferred_abort_room)."""
-        with self.blocks.lock:
-            self._held_since.setdefault(room, time.monotonic())
+        self.fail(room, "held by SGLang for a deferred release")
 
     def release_safe(self, room: int) -> bool:
-        """True once no import into the room's blocks is in flight in hybridkv's scheduler:
-        every writer is quiet (KV_STATUS, DRAINED, a STUCK write ended), dead, or the
-        drain deadline passed. SGLang's count of ABORT_ACKs (is_abort_release_safe's
-        `required_acks`) is not needed: DRAINED says the same, and a STUCK writer's Failed
-        status does not."""
-        with self.blocks.lock:
-            imp = self._imports.get(room)
-            if imp is None or not imp.tids:
-                return True
-            since = self._held_since.setdefault(room, time.monotonic())
-        if time.monotonic() - since < self.drain_timeout_s:
-            return False
-        logger.error("hybridkv: room %s released after %.0fs without a drain answer", room, time.monotonic() - since)
-        self.settle_imports(room, "drain deadline passed")
-        return True
+        """True once no import into the room's blocks is in flight: every writer drained (DRAINED, or
+        Success after its last WRITE), or the drain deadline passed. SGLang's count of ABORT_ACKs
+        (is_abort_release_safe's `required_acks`) is the same question, answered per writer here."""
+        return self.check_deadline(room)
 
     def released(self, room: int) -> None:
         """SGLang released the room it held (clear_deferred_abort_state)."""
-        with self.blocks.lock:
-            self._held_since.pop(room, None)
         if self.imports_in_flight(room):
             # Not expected (the drain timeout is never longer than SGLang's): the pages go
             # back to its allocator. The scheduler keeps them fenced (a new transfer into
@@ -190,57 +228,64 @@ class DecodeImports:
     def on_message(self, m: msgs.Message) -> None:
         """A LANDED, DRAINED or STUCK of a prefill rank."""
         if isinstance(m, msgs.Landed):
-            self._on_landed(m)
+            with self.blocks.lock:
+                if self._current(m.room, m.generation):
+                    self.ledger.landed(m.room, m.prefill_rank, m.components)
+                    if m.room not in self.ledger:
+                        self._forget(m.room)
         elif isinstance(m, msgs.Drained):
-            self.note_quiet(m.room, m.prefill_rank, drained=True)
+            self._on_drained(m)
         elif isinstance(m, msgs.Stuck):
             self._on_stuck(m)
         else:
             raise ValueError(f"decode got a {type(m).__name__} message")
 
-    def _on_landed(self, landed: msgs.Landed) -> None:
-        with self.blocks.lock:
-            imp = self._imports.get(landed.room)
-            if imp is None:
-                return
-            for comp in landed.components:
-                if comp not in imp.tids:
-                    continue
-                imp.landed_from[comp].add(landed.prefill_rank)
-                if len(imp.landed_from[comp]) >= imp.writers:
-                    self.blocks.sched.transfer_landed(imp.tids.pop(comp))
+    def _current(self, room: int, generation: int, *, after_abort: bool = False) -> bool:
+        """A prefill's message names the room's current import: its generation, or 0 (the prefill did not
+        know it: the room's METADATA never reached it, or it was cleared there) for an import that sent
+        its ABORT, which that answers."""
+        r = self._rooms.get(room)
+        if r is None:
+            return False
+        return generation == r.generation or (after_abort and generation == 0 and r.abort_sent)
 
-    def note_quiet(self, room: int, rank: int, *, drained: bool = False) -> None:
-        """That prefill rank will write nothing more into the room (a terminal status, or DRAINED)."""
+    def _on_drained(self, m: msgs.Drained) -> None:
         with self.blocks.lock:
-            imp = self._imports.get(room)
-            if imp is None:
+            if not self._current(m.room, m.generation, after_abort=True):
                 return
-            if drained:
-                imp.stuck.discard(rank)
-            elif rank in imp.stuck:
-                return  # it said STUCK: a write may still land until its DRAINED
-            imp.quiet.add(rank)
-            done = len(imp.quiet) >= imp.writers
-        if done:
-            self.settle_imports(room, "every writer is quiet")
+            if self.ledger.drained(m.room, m.prefill_rank):
+                self._ended(m.room)
+
+    def note_status(self, room: int, rank: int, *, success: bool, reason: Optional[str] = None) -> None:
+        """A prefill rank's terminal KV_STATUS. Success comes only after its last WRITE of the room ended: it is
+        drained. Failed is not: it may still be writing (a refused last chunk, an expired lease, a WRITE
+        NIXL would not abort); the room fails and its deadline starts."""
+        with self.blocks.lock:
+            if room not in self._rooms:
+                return
+            if success:
+                if self.ledger.drained(room, rank):
+                    self._ended(room)
+            else:
+                self.ledger.writer_failed(room, rank, reason or "prefill reported Failed")
 
     def _on_stuck(self, m: msgs.Stuck) -> None:
         with self.blocks.lock:
-            imp = self._imports.get(m.room)
-            if imp is None:
+            r = self._rooms.get(m.room)
+            if r is None or not self._current(m.room, m.generation):
                 return
-            imp.stuck.add(m.prefill_rank)
+            self.ledger.writer_failed(m.room, m.prefill_rank, "a WRITE NIXL would not abort may still land")
             rid = request_id(m.room)
-            if not imp.quarantined and imp.tids and self.blocks.sched.has_request(rid):
-                # A write NIXL would not abort may still land: the room's blocks
-                # stay out of reuse until that writer drains.
-                imp.quarantined = self.blocks.count(rid)
-                self.metrics.quarantined(imp.quarantined)
+            if not r.quarantined and self.ledger.in_flight(m.room) and self.blocks.sched.has_request(rid):
+                # For the metrics: the room's blocks stay out of reuse until that writer drains.
+                r.quarantined = self.blocks.count(rid)
+                self.metrics.quarantined(r.quarantined)
 
     def writer_dead(self, bootstrap_addr: str) -> None:
-        """SGLang's heartbeat declared that prefill dead: its rooms' imports end."""
+        """SGLang's heartbeat lost that prefill's bootstrap server: its rooms fail. Not drained: the
+        server runs in the tokenizer-manager process, the writers in the scheduler ranks, which may live
+        on; the imports end on every writer's DRAINED (the ABORT asks for it) or at the deadline."""
         with self.blocks.lock:
-            rooms = [r for r, imp in self._imports.items() if imp.bootstrap_addr == bootstrap_addr]
-        for room in rooms:
-            self.settle_imports(room, f"prefill {bootstrap_addr} is dead")
+            for room, r in self._rooms.items():
+                if r.bootstrap_addr == bootstrap_addr:
+                    self.ledger.fail(room, f"lost the prefill's bootstrap server {bootstrap_addr}")

@@ -1,10 +1,18 @@
 """Prefill side: who is told when a room's writes are over.
 
-A room is drained when no chunk of it is queued, being written or stuck (prefill_side.py). Two
-kinds of decode rank wait for that: one that sent an ABORT for the room (it holds its pages until
-this rank's DRAINED), and the decode ranks of a room that failed because its decode agent retired
-(retiring.py): they are told Failed only once drained, because a decode reads a terminal status as
-"nothing will land any more" and frees the pages.
+A room is drained when no chunk of it is queued, being written or stuck (prefill_side.py). A decode
+rank frees a room's pages only once every prefill rank that writes it said DRAINED (a Failed status
+is not enough: a rank may fail a room while an earlier chunk of it is still being written), so every
+decode rank that may wait is told DRAINED once the room is, with the generation of its import:
+
+* one that sent an ABORT for the room (`wait`);
+* every decode rank of a room that failed here (`fail`: refused chunk, failed or aborted WRITE,
+  lapsed lease, SGLang's abort): told Failed at once, and DRAINED once drained;
+* the decode ranks of a room that failed because its decode agent retired (retiring.py): they are
+  told Failed only once drained (`fail_when_drained`), and DRAINED with it.
+
+A room that ended here (SGLang's abort, which never clears the sender) leaves SGLang's claims (and
+with them its authenticated session's room count) once drained (`end`).
 """
 
 from __future__ import annotations
@@ -24,19 +32,36 @@ class Drains:
         self.rooms = rooms
         self.drained = drained
         self.lock = lock
-        self._waiters: dict[int, set[Endpoint]] = {}  # decode ranks that sent an ABORT for the room
+        # decode ranks to tell DRAINED, with their import's generation (0: not known here)
+        self._waiters: dict[int, dict[Endpoint, int]] = {}
         # Rooms failed by a retiring agent -> the reason and their decode ranks, told once drained. The ranks are
         # taken when it retires: SGLang may clear the room (and its transfer_infos) before it drains.
-        self._fail_when_drained: dict[int, tuple[str, list[Endpoint]]] = {}
+        self._fail_when_drained: dict[int, tuple[str, dict[Endpoint, int]]] = {}
+        self._ending: set[int] = set()  # rooms whose claims go once drained
 
-    def wait(self, room: int, decode: Endpoint) -> None:
-        """That decode rank sent an ABORT for the room: it is told DRAINED once the room is."""
+    def wait(self, room: int, decode: Endpoint, generation: int = 0) -> None:
+        """That decode rank waits for the room's DRAINED (it sent an ABORT, or the room failed here)."""
         with self.lock:
-            self._waiters.setdefault(room, set()).add(decode)
+            got = self._waiters.setdefault(room, {})
+            got[decode] = generation or got.get(decode, 0)
+
+    def fail(self, room: int, reason: str, *, end: bool = False) -> None:
+        """The room failed on this rank: its decode ranks are told Failed now and DRAINED once nothing of it
+        is in flight here. With `end` (SGLang ended the room without clearing it) its claims go then too."""
+        with self.lock:
+            gens = self.rooms.generations(room)
+            for decode, gen in gens.items():
+                self.wait(room, decode, gen)
+            if end:
+                self._ending.add(room)
+        if self.rooms.conclude_failure(room, reason) is None and gens:
+            self.rooms.send_status(list(gens), room, KVPoll.Failed, reason)  # no status here (cleared): told anyway
+        self.maybe_send(room)
 
     def fail_when_drained(self, room: int, reason: str, targets: list[Endpoint]) -> None:
         with self.lock:
-            self._fail_when_drained.setdefault(room, (reason, targets))
+            gens = self.rooms.generations(room)
+            self._fail_when_drained.setdefault(room, (reason, {t: gens.get(t, 0) for t in targets}))
 
     def failure_pending(self, room: int) -> bool:
         """The room's decode ranks are still to be told it failed."""
@@ -46,24 +71,31 @@ class Drains:
     def waiting(self) -> dict[int, set[Endpoint]]:
         """The rooms decode ranks wait on (a copy, for tests)."""
         with self.lock:
-            return dict(self._waiters)
+            return {room: set(w) for room, w in self._waiters.items()}
 
     def maybe_send(self, room: int) -> None:
         """If the room is drained, tell whoever waits for it."""
         with self.lock:
             if not self.drained(room):
                 return
-            waiters = self._waiters.pop(room, None)
+            waiters = self._waiters.pop(room, {})
             failed = self._fail_when_drained.pop(room, None)
+            ending = room in self._ending
+            self._ending.discard(room)
         if failed is not None:
-            self._tell_failed(room, failed)
-        frames = msgs.Drained(room=room, prefill_rank=self.rooms.prefill_rank()).to_frames()
-        for ip, port in waiters or ():
+            reason, targets = failed
+            self._tell_failed(room, reason, list(targets))
+            for t, gen in targets.items():
+                waiters.setdefault(t, gen)
+        rank = self.rooms.prefill_rank()
+        for (ip, port), gen in waiters.items():
+            frames = msgs.Drained(room=room, prefill_rank=rank, generation=gen).to_frames()
             self.rooms.push(ip, port, frames, f"DRAINED for room {room}")
+        if ending:
+            self.rooms.forget_claims(room)
 
-    def _tell_failed(self, room: int, failed: tuple[str, list[Endpoint]]) -> None:
+    def _tell_failed(self, room: int, reason: str, targets: list[Endpoint]) -> None:
         """The room's decode ranks learn it failed (it is drained)."""
-        reason, targets = failed
         if self.rooms.conclude_failure(room, reason, targets=targets) is None:
             # No sender, or cleared already (SGLang's conclude does nothing for a room without a status): told here.
             self.rooms.send_status(targets, room, KVPoll.Failed, reason)

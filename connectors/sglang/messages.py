@@ -33,7 +33,7 @@ from hybridkv.wire.schema import Record, Spec, on_wire, record_of
 
 TAG = b"HYBRIDKV"
 AUTH_TAG = b"HYBRIDKV-AUTH"  # the handshake, before the peer proved the shared secret
-VERSION = 4
+VERSION = 5  # 5: METADATA, LANDED, STUCK and DRAINED carry the decode import's generation
 
 
 class MsgType(enum.Enum):
@@ -108,6 +108,8 @@ POSITIVE = Int(lo=1, hi=MAX_I32)
 ROOM = Int(lo=0, hi=(1 << 64) - 1)
 RANK = Int(lo=0, hi=MAX_I32)
 PORT = Int(lo=0, hi=65535)
+# A decode import's generation (decode_side.py); 0: not known to the sender (the room is not claimed here).
+GENERATION = Int(lo=0, hi=(1 << 63) - 1)
 NAME = Text(limit=MAX_NAME)
 TP = Int(lo=1, hi=MAX_TP)
 _PARALLEL = _record(Parallel, attn_tp=TP, attn_rank=Int(lo=0, hi=MAX_TP - 1), state_tp=TP, page_size=POSITIVE,
@@ -183,12 +185,14 @@ class Metadata(Message):
     required_dst_info_num: int = on_wire("required", POSITIVE)
     decode_prefix_len: int = on_wire("prefix_len", COUNT)
     is_dummy: bool = on_wire("dummy", Flag())
+    generation: int = on_wire("generation", GENERATION)  # the decode's import of the room; echoed back
 
 
 @dataclass(frozen=True, kw_only=True)
 class Drained(Message):
     room: int = on_wire("room", ROOM)
     prefill_rank: int = on_wire("rank", RANK)
+    generation: int = on_wire("generation", GENERATION)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,6 +201,7 @@ class Stuck(Message):
 
     room: int = on_wire("room", ROOM)
     prefill_rank: int = on_wire("rank", RANK)
+    generation: int = on_wire("generation", GENERATION)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,6 +219,7 @@ class Landed(Message):
     room: int = on_wire("room", ROOM)
     prefill_rank: int = on_wire("rank", RANK)
     components: tuple[Component, ...] = on_wire("components", ListOf(item=_COMPONENT, limit=3 * MAX_GROUPS))
+    generation: int = on_wire("generation", GENERATION)
 
 
 # ---------------------------------------------------------------- the handshake (sessions.py)

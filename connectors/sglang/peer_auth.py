@@ -216,6 +216,16 @@ class PeerAuth:
         self.stats.foreign += 1
         logger.warning("hybridkv: dropped a message from %s:%s: %s", *session.peer, what)
 
+    def release_room(self, room: int, agents: frozenset[str]) -> None:
+        """Prefill: the room ended for these decode agents (its claims went): it no longer counts against
+        their sessions' MAX_ROOMS_PER_SESSION."""
+        if self.gate is None:
+            return
+        for agent in agents:
+            session = self.gate.agent_owner(agent)
+            if session is not None:
+                session.rooms.pop(room, None)
+
     def may_claim(self, md: msgs.Metadata, session: Session) -> bool:
         """A proven decode rank names only its own agent and address, joins a room only while it has room
         for another destination rank, and holds at most MAX_ROOMS_PER_SESSION rooms here."""

@@ -64,7 +64,6 @@ class _StuckWrite:
 
     room: int
     transfers: list[Transfer]
-    targets: list  # decode endpoints to tell DRAINED
     blocks: int = 0  # source blocks kept out of reuse until they end (for the metrics)
 
 
@@ -83,12 +82,14 @@ class PrefillExports:
     """The prefill manager's exports: `add_chunk` (SGLang's add_transfer_request) and the workers.
 
     Given the shared scheduler (`blocks`), SGLang's rooms, the layout, the NIXL data plane, the
-    registered decode peers (read only: their planners) and `on_settled`, called with a room
-    each time a chunk or a stuck write of it ended (drains.py tells who waits for that)."""
+    registered decode peers (read only: their planners), `on_settled`, called with a room
+    each time a chunk or a stuck write of it ended, and `fail_room`, which fails a room on this rank
+    (drains.py: its decode ranks are told Failed now and DRAINED once nothing of it is in flight)."""
 
     def __init__(self, *, blocks: FencedBlocks, rooms: Rooms, adopted: AdoptedLayout, dp: DataPlane,
                  peers: Mapping[str, Peer], config: SGLangConfig, metrics: TransferMetrics, stats: TransferStats,
-                 on_settled: Callable[[int], None], stop: threading.Event) -> None:
+                 on_settled: Callable[[int], None], fail_room: Callable[[int, str], None],
+                 stop: threading.Event) -> None:
         self.blocks = blocks
         self.rooms = rooms
         self.adopted = adopted
@@ -98,6 +99,7 @@ class PrefillExports:
         self.metrics = metrics
         self.stats = stats
         self.on_settled = on_settled
+        self.fail_room = fail_room
         self.stop = stop
         self.transfer_timeout_s = config.transfer_timeout_s  # an attribute: tests shorten it
         self.queues: list[queue.Queue] = [queue.Queue() for _ in range(config.workers)]
@@ -120,8 +122,9 @@ class PrefillExports:
                 self._hold_sources(chunk)
                 self._inflight[room] += 1
         except ValueError as e:
-            # Nothing was posted for this chunk; earlier ones (if any) settle on their own.
-            self.rooms.conclude_failure(room, f"hybridkv refused the chunk: {e}")
+            # Nothing was posted for this chunk; earlier ones (if any) may still be writing: decode
+            # hears Failed now and DRAINED once they settled.
+            self.fail_room(room, f"hybridkv refused the chunk: {e}")
             self.retire_export(room)
             return None
         self.rooms.update_status(room, KVPoll.Transferring)
@@ -305,17 +308,17 @@ class PrefillExports:
                 self._room_bytes[room] = self._room_bytes.get(room, 0) + nbytes
         if error is not None:
             self.metrics.failure(FailureKind.TRANSFER)
-            self.rooms.conclude_failure(room, f"hybridkv transfer failed: {error}")
+            self.fail_room(room, f"hybridkv transfer failed: {error}")
             self._end_export(room, tid, ok=False)
             return
         self._end_export(room, tid, ok=True)
         if chunk.is_last:
             # Every chunk of the room ran on this worker, in order, and settled:
             # the KV component is complete with this one.
-            landed = msgs.Landed(room=room, prefill_rank=self.rooms.prefill_rank(),
-                                 components=tuple(sent)).to_frames()
-            for ip, port in self.rooms.notify_targets(room):
-                self.rooms.push(ip, port, landed, f"LANDED for room {room}")
+            rank = self.rooms.prefill_rank()
+            for (ip, port), gen in self.rooms.generations(room).items():
+                landed = msgs.Landed(room=room, prefill_rank=rank, components=tuple(sent), generation=gen)
+                self.rooms.push(ip, port, landed.to_frames(), f"LANDED for room {room}")
             self.rooms.conclude_success(room)
             if self.rooms.check_status(room) == KVPoll.Success:
                 self.rooms.forget_claims(room)
@@ -335,23 +338,23 @@ class PrefillExports:
         why = (f"hybridkv: writes of room {room} still running after {self.transfer_timeout_s:.0f} s "
                f"or past the export lease" + (f" (and: {error})" if error else ""))
         if not refused:
-            self.rooms.conclude_failure(room, why + "; aborted")
+            self.fail_room(room, why + "; aborted")
             self._end_export(room, tid, ok=False)
             return
-        targets = self.rooms.notify_targets(room)
         with self.blocks.lock:
             # Handles exist only after the read was posted, so tid is set. The room may
             # end now; the scheduler keeps its source blocks out of reuse until then.
             self._exports[room].discard(tid)
             held = self.blocks.count(request_id(room))
-            self._stuck[tid] = _StuckWrite(room=room, transfers=refused, targets=targets, blocks=held)
+            self._stuck[tid] = _StuckWrite(room=room, transfers=refused, blocks=held)
         self.metrics.quarantined(held)
-        frames = msgs.Stuck(room=room, prefill_rank=self.rooms.prefill_rank()).to_frames()
-        for ip, port in targets:
+        rank = self.rooms.prefill_rank()
+        for (ip, port), gen in self.rooms.generations(room).items():
+            frames = msgs.Stuck(room=room, prefill_rank=rank, generation=gen).to_frames()
             self.rooms.push(ip, port, frames, f"STUCK for room {room}")
         logger.error("hybridkv: room %s: NIXL refused to abort %d write(s); its pages stay quarantined",
                      room, len(refused))
-        self.rooms.conclude_failure(room, (
+        self.fail_room(room, (
             why + f"; NIXL refused to abort {len(refused)} of them: the decode pages stay quarantined until "
             "they end"))
 
@@ -370,7 +373,7 @@ class PrefillExports:
             self.metrics.lease_expired()
             room = room_of(rid)
             if self.rooms.status(room) not in (None, KVPoll.Success, KVPoll.Failed):
-                self.rooms.conclude_failure(room, (
+                self.fail_room(room, (
                     f"hybridkv: the export lease of room {room} lapsed ({sched.leases.duration_s:.0f} s "
                     "without a chunk); its source pages are released"))
 
@@ -391,10 +394,7 @@ class PrefillExports:
                 self.blocks.collect_reusable()
             self.metrics.quarantine_released(st.blocks)
             logger.info("hybridkv: room %s: the write NIXL would not abort has ended", st.room)
-            frames = msgs.Drained(room=st.room, prefill_rank=self.rooms.prefill_rank()).to_frames()
-            for ip, port in st.targets:
-                self.rooms.push(ip, port, frames, f"DRAINED for room {st.room}")
-            self.on_settled(st.room)
+            self.on_settled(st.room)  # DRAINED to the decode ranks once nothing else of the room is in flight
 
     def _end_export(self, room: int, tid: Optional[TransferId], *, ok: bool) -> None:
         if tid is None:

@@ -6,7 +6,6 @@ where it is."""
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -30,7 +29,6 @@ class HybridKVReceiver(CommonKVReceiver):
     def __init__(self, mgr: HybridKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
         self._published = False
         self._final: Optional[KVPoll] = None
-        self._drain_since: Optional[float] = None
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
     # ------------------------------------------------------------ authentication (sessions.py)
@@ -138,22 +136,21 @@ class HybridKVReceiver(CommonKVReceiver):
             return KVPoll.Failed
         if status != KVPoll.Failed:
             return status
-        if not self._published or mgr.imports.imports_in_flight(room) == 0:
-            mgr.imports.end_import(room, landed=False)
-            self._final = KVPoll.Failed
-            return KVPoll.Failed
-        # Ask the prefill ranks to stop and to say when nothing is in flight.
-        self.ensure_abort_notified()
-        now = time.monotonic()
-        if self._drain_since is None:
-            self._drain_since = now
-        if now - self._drain_since >= mgr.drain_timeout_s:
-            logger.error("hybridkv: room %s released after %.0fs without a drain answer", room, now - self._drain_since)
-            mgr.imports.settle_imports(room, "drain deadline passed")
-            mgr.imports.end_import(room, landed=False)
-            self._final = KVPoll.Failed
-            return KVPoll.Failed
-        return KVPoll.Transferring
+        if self._published:
+            # Failed is not drained: ask the prefill ranks to stop and to say DRAINED once nothing of the
+            # room is in flight; the drain deadline runs from the room's first failure (the ledger's).
+            mgr.imports.fail(room, "the room failed")
+            self.ensure_abort_notified()
+            if not mgr.imports.check_deadline(room):
+                return KVPoll.Transferring
+        mgr.imports.end_import(room, landed=False)
+        self._final = KVPoll.Failed
+        return KVPoll.Failed
+
+    def _send_abort_notification(self, *, force_arm: bool = False):
+        # Every path of SGLang's that sends the ABORT (abort, the waiting timeout, clear) comes here.
+        super()._send_abort_notification(force_arm=force_arm)
+        self.kv_mgr.imports.abort_sent(self.bootstrap_room)
 
     def abort(self) -> None:
         super().abort()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 from collections.abc import MutableMapping
 from typing import Optional
 
@@ -31,6 +32,8 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import AbortNotification
 
 logger = logging.getLogger(__name__)
+
+_MAX_REFUSED = 1 << 16
 
 
 @dataclasses.dataclass
@@ -59,6 +62,9 @@ class Registrations:
         self.exports = exports
         self.drains = drains
         self.retiring = retiring
+        # rooms refused before SGLang made their sender -> why; the sender fails when made (bounded: a room
+        # whose sender never comes is forgotten, oldest first)
+        self._refused: OrderedDict[int, str] = OrderedDict()
 
     def on_register(self, reg: msgs.Register, session: Optional[Session] = None) -> None:
         if session is not None:
@@ -104,18 +110,42 @@ class Registrations:
         if session is not None and not self.auth.may_claim(md, session):
             return
         peer = self.peers.get(md.agent_name)
+        if peer is None or peer.rejection:
+            return self._refuse(md, peer.rejection if peer else f"decode agent {md.agent_name} never registered")
+        if self.rooms.status(room) == KVPoll.Failed:
+            # Failed here before this decode rank's METADATA came (SGLang's abort, a refused chunk): told now.
+            return self._refuse(md, self.rooms.failure(room) or "the room failed on the prefill")
         infos = self.rooms.claim(room)
         infos[md.agent_name] = md
-        if peer is None or peer.rejection:
-            reason = peer.rejection if peer else f"decode agent {md.agent_name} never registered"
-            self.rooms.record_failure(room, reason)
-            self.rooms.conclude_failure(room, reason)
-            return
         if len(infos) == md.required_dst_info_num:
             self.rooms.set_decode_prefix_len(room, next(
                 (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len), 0
             ))
             self.rooms.update_status(room, KVPoll.WaitingForInput)
+
+    def _refuse(self, md: msgs.Metadata, reason: str) -> None:
+        """A decode rank this rank will never write for the room: it is told Failed and DRAINED now, whether or
+        not SGLang has a sender for the room yet (routers send to both servers at once, so METADATA often comes
+        first, and SGLang says nothing of a room without a status). The room fails here too: at once if its
+        sender exists, else as soon as it is made (`take_refusal`)."""
+        room = md.room
+        logger.error("hybridkv: room %s refused for decode %s: %s", room, md.agent_name, reason)
+        self.auth.release_room(room, frozenset((md.agent_name,)))
+        decode = (md.endpoint, md.port)
+        self.rooms.send_status([decode], room, KVPoll.Failed, reason)
+        drained = msgs.Drained(room=room, prefill_rank=self.rooms.prefill_rank(), generation=md.generation)
+        self.rooms.push(md.endpoint, md.port, drained.to_frames(), f"DRAINED for refused room {room}")
+        if self.rooms.has_status(room):
+            if self.rooms.status(room) != KVPoll.Failed:
+                self.drains.fail(room, reason)  # the room's other decode ranks, if any, hear it too
+        else:
+            self._refused[room] = reason
+            while len(self._refused) > _MAX_REFUSED:
+                self._refused.popitem(last=False)
+
+    def take_refusal(self, room: int) -> Optional[str]:
+        """Why a decode rank of the room was refused before SGLang made its sender (once), or None."""
+        return self._refused.pop(room, None)
 
     def on_abort(self, frames: list[bytes], session: Optional[Session] = None) -> None:
         note = AbortNotification.from_zmq(frames)
@@ -130,13 +160,15 @@ class Registrations:
                 self.auth.foreign(session, f"ABORT for room {room}, claimed by another decode")
                 # Answered as an unknown room is (DRAINED at once), so the answer tells nothing of the room.
                 if note.decode_ip is not None:
-                    frames = msgs.Drained(room=room, prefill_rank=self.rooms.prefill_rank()).to_frames()
+                    frames = msgs.Drained(room=room, prefill_rank=self.rooms.prefill_rank(), generation=0).to_frames()
                     self.rooms.push(note.decode_ip, note.decode_port, frames, f"DRAINED for room {room}")
                 return
-        if self.rooms.has_status(room) and self.rooms.check_status(room) != KVPoll.Success:
+        if self.rooms.has_status(room) and self.rooms.check_status(room) not in (KVPoll.Success, KVPoll.Failed):
+            # (A room failed already keeps its first reason: a decode answers a Failed with this ABORT.)
             self.rooms.record_failure(room, "Aborted by decode-side abort notification.")
             self.rooms.update_status(room, KVPoll.Failed)
         if note.decode_ip and note.decode_port:
-            self.drains.wait(room, (note.decode_ip, int(note.decode_port)))
+            decode = (note.decode_ip, int(note.decode_port))
+            self.drains.wait(room, decode, self.rooms.generations(room).get(decode, 0))
         self.exports.retire_export(room)
         self.drains.maybe_send(room)

@@ -11,6 +11,7 @@ has the calls that change them and tell the decode ranks (``update_status``,
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Optional
 
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -29,6 +30,9 @@ class Rooms:
 
     def __init__(self, mgr: CommonKVManager) -> None:
         self._mgr = mgr
+        #: called with a room and the decode agents that claimed it when its claims are forgotten here (the
+        #: authentication's per-session room count, peer_auth.py); set once the manager's parts exist
+        self.on_forget: Callable[[int, frozenset[str]], None] = lambda room, agents: None
 
     # ------------------------------------------------------------ status
     def status(self, room: int) -> Optional[KVPoll]:
@@ -43,6 +47,11 @@ class Rooms:
 
     def update_status(self, room: int, status: KVPoll) -> None:
         self._mgr.update_status(room, status)
+
+    def failure(self, room: int) -> Optional[str]:
+        """The room's recorded failure reason, or None."""
+        with self._mgr.failure_lock:
+            return self._mgr.failure_records.get(room)
 
     def record_failure(self, room: int, reason: str) -> None:
         self._mgr.record_failure(room, reason)
@@ -76,7 +85,14 @@ class Rooms:
         return frozenset(r for r, infos in list(self._mgr.transfer_infos.items()) if agent in infos)
 
     def forget_claims(self, room: int) -> None:
-        self._mgr.transfer_infos.pop(room, None)
+        infos = self._mgr.transfer_infos.pop(room, None)
+        if infos:
+            self.on_forget(room, frozenset(infos))
+
+    def generations(self, room: int) -> dict[Endpoint, int]:
+        """The decode import generation each of the room's decode ranks sent with its METADATA (decode_side.py)."""
+        return {(md.endpoint, md.port): md.generation
+                for md in list((self._mgr.transfer_infos.get(room) or {}).values()) if not md.is_dummy}
 
     def set_decode_prefix_len(self, room: int, n: int) -> None:
         self._mgr.req_to_decode_prefix_len[room] = n

@@ -8,6 +8,8 @@ written, reused or computed on (the fencing rules of ``docs/design.md``). Undern
 - :mod:`~hybridkv.fencing.lease`: renewable leases on exported blocks;
 - :mod:`~hybridkv.fencing.request_state`: request and transfer records, and :class:`Component`,
   one separately-arriving piece of a request's cache.
+- :mod:`~hybridkv.fencing.imports`: :class:`ImportLedger`, per writer, when an import into a consumer's
+  blocks is over (every writer drained, or the drain deadline passed);
 - :mod:`~hybridkv.fencing.pools`: :func:`~hybridkv.fencing.pools.scheduler_inputs`, a layout ->
   the scheduler's pools and components (exported by ``hybridkv``, not here: it imports this package).
 
@@ -29,12 +31,14 @@ from hybridkv.fencing.request_state import (
     gdn_components,
 )
 from hybridkv.fencing.scheduler import StepTicket, TransferScheduler
+from hybridkv.fencing.imports import ImportLedger, ImportState
 
 # Last: pools builds on the names above (it imports them from this package).
 from hybridkv.fencing.pools import SchedulerInputs, scheduler_inputs  # noqa: E402
 
 __all__ = [
-    "NEVER", "Clock", "Component", "ComponentKind", "FencePolicy", "FenceTable", "LeaseGrant", "LeaseTable",
+    "NEVER", "Clock", "Component", "ComponentKind", "FencePolicy", "FenceTable", "ImportLedger", "ImportState",
+    "LeaseGrant", "LeaseTable",
     "NotYet", "NotYetReason", "PoolLayout", "SchedulerInputs", "RequestPhase", "StepTicket", "TransferDirection",
     "TransferOutcome", "TransferScheduler", "attention_component", "gdn_components", "scheduler_inputs",
 ]

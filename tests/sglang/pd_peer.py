@@ -318,6 +318,17 @@ class _State:
         if event is not None and not event.entered.wait(30):
             raise RuntimeError(f"room {room}: no worker picked up the gated chunk")
 
+    def send_tail(self, room: int, pages, slot, chunks: int):
+        """The last chunk of a `send(..., last=False)`, with the state slot (None: no state)."""
+        part = np.array_split(np.asarray(pages, dtype=np.int32), chunks)[-1]
+        self.peers[room].send(part, state_indices=[[slot]] if slot is not None else None)
+
+    def stop_server(self, _=None):
+        """Stop the bootstrap server this rank hosts (SGLang runs it in the tokenizer-manager process: it
+        can go while the scheduler ranks, and their writes, live on)."""
+        self.server.close()
+        self.server = None
+
     def open_gate(self, room: int):
         self.gates.pop(room).set()
 
@@ -450,11 +461,7 @@ class _State:
 
     def fill(self, pages, slot: int, value: int):
         """A running request the allocator handed these blocks to writes them."""
-        for t in self.pools.k + self.pools.v:
-            for p in pages:
-                t[p * PAGE_SIZE:(p + 1) * PAGE_SIZE].fill_(value)
-        self.pools.conv[:, slot].fill_(value)
-        self.pools.ssm[:, slot].fill_(value)
+        self.pools.fill(pages, slot, value)
 
     def metrics(self, _=None):
         """Every sglang:hybridkv_* sample of this process's Prometheus registry, after the
@@ -478,7 +485,7 @@ class _State:
         with mgr.sched_lock:
             sched = dict(requests=mgr.sched.requests_in_flight(), transfers=mgr.sched.transfers_in_flight(),
                          exports={r: len(t) for r, t in ex._exports.items() if t} if ex else {},
-                         fenced=sorted(mgr.fenced), imports=list(imp._imports) if imp else [])
+                         fenced=sorted(mgr.fenced), imports=imp.rooms() if imp else [])
         return dict(chunks=st.chunks, handles=st.handles, descriptors=st.descriptors, bytes=st.bytes,
                     pages=st.pages, inflight=dict(ex._inflight) if ex else {}, rooms=list(mgr.request_status),
                     transfer_infos=list(getattr(mgr, "transfer_infos", {})),

@@ -106,6 +106,14 @@ class Pools:
     def aux_bytes(self, row: int) -> bytes:
         return self.aux[row].numpy().tobytes()
 
+    def fill(self, pages, slot: int, value: int) -> None:
+        """What a running request the allocator handed these blocks to writes into them."""
+        for t in self.k + self.v:
+            for p in pages:
+                t[p * PAGE_SIZE:(p + 1) * PAGE_SIZE].fill_(value)
+        self.conv[:, slot].fill_(value)
+        self.ssm[:, slot].fill_(value)
+
     def zero(self) -> None:
         for t in self.k + self.v + [self.conv, self.ssm, self.aux]:
             t.zero_()

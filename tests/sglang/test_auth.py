@@ -126,7 +126,7 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
         # ... an oversize handshake frame is dropped unread (no answer), a sealed message of a made-up
         # session and SGLang's own unsealed ABORT for a room are dropped.
         push.send_multipart([msgs.AUTH_TAG, b"\x93" + b"x" * 8192])
-        push.send_multipart([SEAL_TAG, b"s" * 72, b"m" * 32, *msgs.Drained(room=2001, prefill_rank=0).to_frames()])
+        push.send_multipart([SEAL_TAG, b"s" * 72, b"m" * 32, *msgs.Drained(room=2001, prefill_rank=0, generation=0).to_frames()])
         push.send_multipart([b"ABORT", b"2001", b"127.0.0.1", str(back).encode()])
         st = _until(lambda: (s := prefill.call("stats"))["auth"]["oversize"] > before["oversize"]
                     and s["auth"]["unproven"] >= before_raw["unproven"] + 2 and s)
@@ -243,7 +243,7 @@ def test_an_ended_session_takes_its_nixl_agent_along_and_fails_its_rooms_fake_cu
         assert st["peers"] == 1 and not st["retiring"] and st["requests"] == 0 and st["transfers"] == 0
         assert not st["fenced"] and not st["inflight"]
         with mgr.sched_lock:
-            assert mgr.sched.requests_in_flight() == 0 and not mgr.fenced and not mgr.imports._imports
+            assert mgr.sched.requests_in_flight() == 0 and not mgr.fenced and not mgr.imports.rooms()
         assert not any(any(b) for b in pools.page_bytes(dst_waiting + dst_moving))
 
         assert prefill.call("sender", 2103) == KVPoll.WaitingForInput

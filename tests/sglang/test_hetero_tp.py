@@ -119,22 +119,38 @@ def test_prefill_tp1_to_decode_tp2(ranks, secret):
     pd_peer.check_auth([p0], [d0, d1], secret)
 
 
-def test_incompatible_head_counts_are_refused_naming_them(ranks):
+@pytest.mark.parametrize("order", ["sender_first", "metadata_first"])
+def test_incompatible_head_counts_are_refused_naming_them(ranks, order):
     """Decode ranks built for 4 KV heads against a 2-head prefill: the prefill
     refuses them at registration; both sides end Failed with the reason, and
-    nothing was posted."""
+    nothing was posted. In either order: a router sends the request to both
+    servers at once, so the decode's METADATA often comes before SGLang made the
+    prefill's sender, for which SGLang says nothing; both sides still fail within
+    2 s (not after SGLang's 300 s timeouts)."""
+    import time
+
     p0, d0, d1 = ranks
     addr = _setup(ranks, [("prefill", 1, 0, 2), ("decode", 2, 0, 4), ("decode", 2, 1, 4)])
-    room = 2003
-    p0.call("sender", (room, False))
+    room = 2003 if order == "sender_first" else 2004
+    if order == "sender_first":
+        p0.call("sender", (room, False))
+    t0 = time.monotonic()
     for r in (d0, d1):
         r.call("receive", (room, addr, DST_PAGES, DST_AUX, DST_SLOT))
     for r in (d0, d1):
-        status, reason = r.call("wait", room)
+        status, reason = r.call("wait", (room, 10))
         assert status == FAILED
         assert "2 KV heads in total on the prefill, 4 on the decode" in reason, reason
         assert "prefill rank 0/1" in reason and "decode rank" in reason
-    status, reason = p0.call("wait", room)
+    assert time.monotonic() - t0 < 2.0
+    if order == "metadata_first":
+        t0 = time.monotonic()
+        assert p0.call("sender", (room, False)) == FAILED  # made after the refusal: failed at once
+    status, reason = p0.call("wait", (room, 10))
     assert status == FAILED and "4 on the decode" in reason
+    assert time.monotonic() - t0 < 2.0
     assert p0.call("stats")["handles"] == 0
+    for r in (d0, d1):
+        st = r.call("stats")
+        assert st["requests"] == 0 and st["transfers"] == 0 and not st["fenced"] and not st["imports"]
     pd_peer.check_auth([p0], [d0, d1], secret=True)  # the refusal reached proven decode ranks, sealed

@@ -27,7 +27,7 @@ def _assert_clean_decode(mgr, room):
     from hybridkv.connectors.sglang.adopt import request_id
 
     assert room not in mgr.request_status
-    assert room not in mgr.imports._imports
+    assert room not in mgr.imports.rooms()
     assert room not in mgr.failure_records
     with mgr.sched_lock:
         assert not mgr.sched.has_request(request_id(room))
@@ -299,12 +299,120 @@ def test_stuck_write_nixl_will_not_abort_keeps_pages_quarantined_fake_nixl_handl
     _assert_clean_prefill(prefill, room)
 
 
-def test_killed_prefill_fails_the_decode_request(decode, prefill):
-    """The prefill process dies after decode published its destinations: the
-    heartbeat declares it dead, which also proves no write of it is coming, so
-    the scheduler ends the imports and the pages become reusable. Runs last:
-    it kills the module's prefill (a fresh process would cost another
-    SGLang start-up)."""
+MARK = 0x3C  # what a request the allocator handed the pages to writes into them
+
+
+def _reuse_when_released_and_check_after_the_late_write(mgr, pools, r, prefill, dst, slot, hold_s=2.0):
+    """SGLang's allocator, as a witness: the moment the decode side fails the room (its pages go back), a new
+    request writes MARK into them. Then the held WRITE is let go (a late write) and the pages are compared
+    with what the new request wrote. Returns the reason the room failed with and whether it failed while the
+    write was still held."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    def reuse():
+        reason = pd_peer.failure_of(r)  # SGLang's failure path (clears the receiver; the pages go back)
+        pools.fill(dst, slot, MARK)
+        return reason, pools.page_bytes(dst), pools.slot_bytes(slot)
+
+    t_end = time.monotonic() + hold_s
+    early = None
+    while time.monotonic() < t_end:
+        st = r.poll()
+        if st == KVPoll.Failed:
+            early = reuse()
+            break
+        assert st == KVPoll.Transferring, st
+        assert mgr.imports_in_flight(r.bootstrap_room) == 4  # the pages stay published, out of reuse
+        time.sleep(0.05)
+    assert prefill.call("release_held") == 1  # the held WRITE is posted for real and lands
+    if early is None:
+        assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}, timeout=20) == KVPoll.Failed
+        reason, want_kv, want_slot = reuse()
+    else:
+        reason, want_kv, want_slot = early
+    time.sleep(0.3)  # anything still to land from the old room has landed by now
+    assert pools.page_bytes(dst) == want_kv and pools.slot_bytes(slot) == want_slot, (
+        "the old room's late write landed in pages handed to another request")
+    return reason, early is not None
+
+
+def test_last_chunk_refused_while_chunk_one_is_held_keeps_the_pages_until_it_drains_fake_nixl_handle(
+        decode, prefill):
+    """Chunk 1's WRITE is held (faked: a NIXL handle that hangs cannot be caused on one machine) when the
+    prefill refuses the last chunk (a state slot outside its pool) and reports Failed at once. Failed is not
+    drained: decode keeps the room's pages until the prefill says DRAINED, after the held write landed; a
+    request the pages then go to keeps its bytes."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, pools = decode
+    room, src = 1011, [1, 2, 3, 4]
+    dst, slot, aux = [24, 25, 26, 27], 5, DST_AUX + 4
+    prefill.call("hold_writes")
+    r = _receiver(mgr, prefill.addr, room)
+    r.send_metadata(np.asarray(dst, dtype=np.int32), aux, [[slot]])
+    assert prefill.call("sender", room) == KVPoll.WaitingForInput
+    prefill.call("send", (room, src, SRC_SLOT, SRC_AUX, 2, False, False))  # chunk 1 only
+    deadline = time.monotonic() + 20
+    while prefill.call("held") == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert prefill.call("held") == 1, "chunk 1's WRITE was never posted"
+    prefill.call("send_tail", (room, src, pd_peer.MAMBA_SLOTS + 5, 2))  # refused: nothing posted
+    deadline = time.monotonic() + 10
+    while mgr.request_status.get(room) != KVPoll.Failed and time.monotonic() < deadline:
+        time.sleep(0.01)  # the prefill's Failed reached decode
+    reason, early = _reuse_when_released_and_check_after_the_late_write(mgr, pools, r, prefill, dst, slot)
+    assert not early, "decode released the pages while chunk 1's write was held"
+    assert "refused the chunk" in reason and "outside its pool" in reason, reason
+    pools.zero()
+    _assert_clean_decode(mgr, room)
+    status, _ = prefill.call("wait", (room, 10))
+    assert status == KVPoll.Failed
+    _assert_clean_prefill(prefill, room)
+
+
+def test_bootstrap_server_stopped_while_a_write_is_held_keeps_the_pages_until_it_drains_fake_nixl_handle(decode):
+    """The prefill's bootstrap server stops (SGLang runs it in the tokenizer-manager process) while its
+    scheduler rank's WRITE is held (faked NIXL handle): decode's heartbeat declares the prefill lost and
+    fails the room, but the writer lives on. Decode keeps the pages until that rank answers its ABORT with
+    DRAINED, after the held write landed. Its own prefill process: the stopped server ends it for later tests."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, pools = decode
+    p, port = pd_peer.prefill_rank()
+    try:
+        addr = f"127.0.0.1:{port}"
+        room, src = 1012, [1, 2, 3, 4]
+        dst, slot, aux = [33, 34, 35, 36], 6, DST_AUX + 5
+        p.call("hold_writes")
+        r = _receiver(mgr, addr, room)
+        r.send_metadata(np.asarray(dst, dtype=np.int32), aux, [[slot]])
+        assert p.call("sender", room) == KVPoll.WaitingForInput
+        p.call("send", (room, src, SRC_SLOT, SRC_AUX, 1))
+        deadline = time.monotonic() + 20
+        while p.call("held") == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.call("held") == 1, "the WRITE was never posted"
+        p.call("stop_server")
+        deadline = time.monotonic() + 30
+        while mgr.request_status.get(room) != KVPoll.Failed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mgr.request_status.get(room) == KVPoll.Failed, "the heartbeat never declared the prefill lost"
+        reason, early = _reuse_when_released_and_check_after_the_late_write(mgr, pools, r, p, dst, slot)
+        assert not early, "decode released the pages while the prefill rank's write was held"
+        assert reason is not None  # SGLang keeps the last reason: its ABORT's echo, or the lost connection
+        pools.zero()
+        _assert_clean_decode(mgr, room)
+    finally:
+        p.close()
+
+
+def test_killed_prefill_fails_the_decode_request_and_its_pages_wait_for_the_drain_deadline(decode, prefill):
+    """The prefill process dies after decode published its destinations: the heartbeat
+    declares it dead, which fails the room, but is no proof that no write is coming (the
+    bootstrap server and the writers are different processes in a deployment): the imports
+    stay open, the pages fenced, until the drain deadline (shortened here), then the room
+    fails and the pages become reusable. Runs last: it kills the module's prefill (a fresh
+    process would cost another SGLang start-up)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr, _ = decode
@@ -314,11 +422,26 @@ def test_killed_prefill_fails_the_decode_request(decode, prefill):
     r.send_metadata(np.asarray([60, 61], dtype=np.int32), DST_AUX, [[1]])
     assert p.call("sender", room) == KVPoll.WaitingForInput
     assert mgr.imports_in_flight(room) == 4
-    p.proc.kill()
-    p.proc.join(10)
-    t0 = time.monotonic()
-    assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}, timeout=30) == KVPoll.Failed
-    assert time.monotonic() - t0 < 20
+    saved = mgr.imports.drain_timeout_s
+    mgr.imports.drain_timeout_s = 3.0
+    try:
+        p.proc.kill()
+        p.proc.join(10)
+        t0 = time.monotonic()
+        deadline = t0 + 30
+        while mgr.request_status.get(room) != KVPoll.Failed and time.monotonic() < deadline:
+            assert r.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)
+            time.sleep(0.05)
+        t_failed = time.monotonic()
+        assert mgr.request_status.get(room) == KVPoll.Failed, "the heartbeat never declared the prefill dead"
+        while time.monotonic() < t_failed + 2.0:
+            assert r.poll() == KVPoll.Transferring  # failed, but a write may still come: pages held
+            assert mgr.imports_in_flight(room) == 4
+            time.sleep(0.1)
+        assert pd_peer.wait_poll(r, {KVPoll.Failed, KVPoll.Success}, timeout=10) == KVPoll.Failed
+        assert time.monotonic() - t_failed < 8
+    finally:
+        mgr.imports.drain_timeout_s = saved
     with pytest.raises(Exception, match="Lost connection"):
         r.failure_exception()
     _assert_clean_decode(mgr, room)
