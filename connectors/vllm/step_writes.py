@@ -106,6 +106,17 @@ def group_writes(spec: Any) -> GroupWrites:
     return GroupWrites(reach=Reach.ALL, block_size=bs)
 
 
+class _ByRequest:
+    """One group's blocks of a request through vLLM's public API (the fallback of _block_tables)."""
+
+    def __init__(self, manager: KVCacheManager, group: int) -> None:
+        self.manager = manager
+        self.group = group
+
+    def get(self, rid: str) -> Sequence[Any]:
+        return self.manager.get_blocks(rid).blocks[self.group]
+
+
 class StepWrites:
     """The block ids each scheduled step writes, over every KV cache group (one shared pool)."""
 
@@ -119,34 +130,64 @@ class StepWrites:
 
     def of_step(self, so: SchedulerOutput, manager: KVCacheManager) -> set[int]:
         out: set[int] = set()
-        tables = self._tables
-        if self.imports and so.preempted_req_ids:
-            for rid in so.preempted_req_ids:
-                for blocks in tables.pop(rid, ()):
-                    out.update([b.block_id for b in blocks])
+        maps = self._block_tables(manager)
+        if self.imports:
+            self._track(so, maps, out)
         starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
-        groups = self.groups
-        get_blocks = manager.get_blocks
+        scheduled = [(rid, starts.get(rid), n) for rid, n in so.num_scheduled_tokens.items()]
+        # Groups that page alike (the GDN groups of a hybrid) share one rule; per rule and group the
+        # loop over the scheduled requests is inlined (it is this module's whole per-step cost).
         add = out.add
-        for rid, n in so.num_scheduled_tokens.items():
-            held = get_blocks(rid).blocks
-            if self.imports:
-                tables[rid] = held
-            start = starts.get(rid)
-            for rule, blocks in zip(groups, held):
-                if start is None or rule.reach is Reach.ALL:
-                    for b in blocks:
-                        add(b.block_id)
+        update = out.update
+        for g, by_request in zip(self.groups, maps):
+            # Plain bools, not Enum members: an Enum attribute costs a lookup per request here.
+            tokens, state, window = g.reach is Reach.TOKENS, g.reach is Reach.STATE, g.reach is Reach.WINDOW
+            bs, back, chunk = g.block_size, g.back, g.chunk
+            get = by_request.get
+            for rid, start, n in scheduled:
+                blocks = get(rid)
+                if not blocks:
                     continue
-                first = rule.first_block(start)
-                last = rule.last_block(start + n, len(blocks))
-                for i in range(first, last):
-                    add(blocks[i].block_id)
+                if tokens and start is not None:
+                    first, last = start // bs, -(-(start + n) // bs)
+                elif state and start is not None:
+                    first, last = ((start - 1) // bs if start else 0), len(blocks)
+                elif window and start is not None:
+                    first = max(0, start - start % chunk if chunk else start - back) // bs
+                    last = -(-(start + n) // bs)
+                else:
+                    first, last = 0, len(blocks)
+                if last - first == 1:  # most steps: one token, or a chunk inside one block
+                    if first < len(blocks):
+                        add(blocks[first].block_id)
+                else:
+                    update([b.block_id for b in blocks[first:last]])
         for copy in so.kv_cache_block_copies or ():
             add(copy.dst_block_id)  # a copy-on-write fills this step's block from a cached one
         return out
+
+    def _track(self, so: SchedulerOutput, maps: list[Any], out: set[int]) -> None:
+        """Imports: a preempted request's blocks are fenced at the step that preempted it (its in-flight
+        step may still read them, and vLLM delivers what that step computes). vLLM keeps a request's
+        block lists for its whole run (appends and nulls in place), so they are taken once, when it
+        is first scheduled (or resumed), and read when it is preempted."""
+        tables = self._tables
+        for rid in so.preempted_req_ids or ():
+            for blocks in tables.pop(rid, ()):
+                out.update([b.block_id for b in blocks])
+        cached = so.scheduled_cached_reqs
+        for rid in [r.req_id for r in so.scheduled_new_reqs] + list(cached.resumed_req_ids):
+            tables[rid] = [m.get(rid) or () for m in maps]
+
+    def _block_tables(self, manager: KVCacheManager) -> list[Any]:
+        """Each group's request -> blocks map: vLLM's own (live lists, nothing copied). vLLM's public
+        ``get_blocks`` builds a fresh object per request and call, most of this module's cost."""
+        managers = getattr(getattr(manager, "coordinator", None), "single_type_managers", None)
+        if managers is not None and len(managers) == len(self.groups):
+            return [m.req_to_blocks for m in managers]
+        return [_ByRequest(manager, g) for g in range(len(self.groups))]
 
     def forget(self, rid: str) -> None:
         """The request finished: vLLM discards what its in-flight step computed."""
