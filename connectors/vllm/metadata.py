@@ -49,6 +49,10 @@ class HybridKVConnectorMetadata(KVConnectorMetadata):
     #: Decode side: queued requests this engine will not read (aborted, nothing left to load):
     #: the worker tells their producer ranks, which free the blocks at once.
     releases: dict[str, RemotePrefill] = field(default_factory=dict)
+    #: Decode side: loads the scheduler refused (why), e.g. a producer that computed another token range
+    #: than this engine schedules: the worker reports them failed, so ``kv_load_failure_policy`` applies
+    #: (recompute or fail) and no block of theirs is written or cached.
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)

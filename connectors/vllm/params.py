@@ -33,7 +33,9 @@ class RemotePrefill:
     block_ids: tuple[tuple[int, ...], ...]
     token: bytes = dataclasses.field(repr=False)
     tp_size: int = 1
-    num_tokens: int = 0
+    #: Prompt tokens the producer computed (``remote_num_tokens``): decode loads exactly this range or
+    #: nothing. None in params that do not say (not hybridkv's producer): the range is not checked.
+    num_tokens: int | None = None
     #: Every producer TP rank's address and incarnation (``remote_ranks``); empty in params of
     #: older producers, whose rank r is taken to listen on ``host:port + r``.
     ranks: tuple[RankAddress, ...] = ()
@@ -75,6 +77,10 @@ class RemotePrefill:
         if not isinstance(raw_ranks, Sequence) or isinstance(raw_ranks, (str, bytes)):
             raise ValueError(f"remote_ranks = {raw_ranks!r}; expected one [host, port, agent] per producer TP rank")
         ranks = tuple(RankAddress.from_json(a, what=f"remote_ranks[{i}]") for i, a in enumerate(raw_ranks))
+        num_tokens = params.get("remote_num_tokens")
+        if num_tokens is not None and (not isinstance(num_tokens, int) or isinstance(num_tokens, bool)
+                                       or num_tokens < 0):
+            raise ValueError(f"remote_num_tokens = {num_tokens!r}; expected a non-negative int")
         if ranks and len(ranks) != tp:
             raise ValueError(f"remote_ranks lists {len(ranks)} rank(s); expected tp_size = {tp}")
         return cls(
@@ -85,7 +91,7 @@ class RemotePrefill:
             block_ids=tuple(groups),
             token=token,
             tp_size=tp,
-            num_tokens=int(params.get("remote_num_tokens") or 0),
+            num_tokens=num_tokens,
             ranks=ranks,
         )
 

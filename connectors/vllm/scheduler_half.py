@@ -129,6 +129,8 @@ class SchedulerHalf:
         self._intents: dict[str, RemotePrefill] = {}
         self._new_intents: dict[str, RemotePrefill] = {}
         self._releases: dict[str, RemotePrefill] = {}  # to be told to the producer: we will not read them
+        self._refused: dict[str, str] = {}  # loads refused (why): the worker reports them failed
+        self._warned_no_range = False
         # prefill side
         self._exports: dict[str, BlockIds] = {}  # exporting, not yet offered to readers
         self._capabilities: dict[str, bytes] = {}  # their tokens, until offered
@@ -205,12 +207,35 @@ class SchedulerHalf:
                         request.request_id, e)
             params["do_remote_prefill"] = False
             return 0, False
+        count = self._load_end(request) - num_computed_tokens
+        # A token range the producer did not compute is still claimed: the load is then refused in
+        # update_state_after_alloc and reported failed, so vLLM applies kv_load_failure_policy.
+        return (count, True) if count > 0 else (0, False)
+
+    def _load_end(self, request: Request) -> int:
+        """The prompt tokens decode loads (all but the backoff, which it computes itself)."""
         n = len(request.prompt_token_ids or ())
         back = self.prefill_backoff
-        if back and n > back:
-            n -= back
-        count = n - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        return n - back if back and n > back else n
+
+    def _range_error(self, request: Request, remote: RemotePrefill) -> str | None:
+        """Why the producer's blocks do not hold what decode would load, or None. The loaded range is
+        paired with the tail of the producer's blocks (a local prefix hit keeps the front): a producer
+        that computed fewer or more tokens than decode loads would hand over blocks and a GDN state of
+        other positions, which then enter decode's prefix cache as if they were this prompt's."""
+        end = self._load_end(request)
+        if remote.num_tokens is None:
+            if not self._warned_no_range:
+                self._warned_no_range = True
+                log.warning("kv_transfer_params without remote_num_tokens (request %s): the token range loaded "
+                            "cannot be checked against what the producer computed", request.request_id)
+            return None
+        if remote.num_tokens != end:
+            return (f"the producer computed {remote.num_tokens} prompt tokens (remote_num_tokens), this engine "
+                    f"loads {end} ({len(request.prompt_token_ids or ())} prompt tokens less the "
+                    f"{self.prefill_backoff} it computes itself): a different template, tokenizer, model or "
+                    "speculative setting between prefill and decode")
+        return None
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -221,12 +246,20 @@ class SchedulerHalf:
         if num_external_tokens <= 0:
             self._release(rid)  # nothing to read (a local hit covers it): the producer may free now
             return
-        self._intents.pop(rid, None)  # the load takes over
         try:
             remote = RemotePrefill.from_params(params)
         except ValueError as e:
             log.warning("request %s: not loading its KV: %s", rid, e)
             return
+        why = self._range_error(request, remote)
+        if why is not None:
+            # Never a shifted load: the worker reports it failed, vLLM recomputes or fails the request
+            # (kv_load_failure_policy) and frees its blocks uncached; the producer frees its export now.
+            log.warning("request %s: refusing to load its KV from %s: %s", rid, remote.engine_id, why)
+            self._release(rid)
+            self._refused[rid] = why
+            return
+        self._intents.pop(rid, None)  # the load takes over
         local = self._clip(tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups()))
         self.ts.add_request(RequestId(rid), expect=self.components)
         self._pending[rid] = (remote, local)
@@ -363,6 +396,7 @@ class SchedulerHalf:
         meta.exports_ended, self._ended = self._ended, []
         meta.heartbeats, self._new_intents = self._new_intents, {}
         meta.releases, self._releases = self._releases, {}
+        meta.refused, self._refused = self._refused, {}
         return meta
 
     def _touched(self, scheduler_output: SchedulerOutput) -> set[int]:
@@ -495,7 +529,7 @@ class SchedulerHalf:
             and self.ts.transfers_in_flight() == 0
             and not (self._pending or self._inflight or self._held_back or self._releasing or self._exports)
             and not (self._offered or self._inject_recving or self._inject_sending)
-            and not (self._intents or self._new_intents or self._releases)
+            and not (self._intents or self._new_intents or self._releases or self._refused)
         )
 
     def phase(self, rid: str) -> RequestPhase | None:

@@ -32,3 +32,18 @@ def test_a_load_without_a_usable_capability_is_refused(capability, message):
     params["remote_capability"] = capability
     with pytest.raises(ValueError, match=message):
         RemotePrefill.from_params(params)
+
+
+@pytest.mark.parametrize("num_tokens", [-1, "20", 2.5, True])
+def test_a_token_count_that_is_not_one_is_refused(num_tokens):
+    params = _params(new_token())
+    params["remote_num_tokens"] = num_tokens
+    with pytest.raises(ValueError, match=r"remote_num_tokens = .*; expected a non-negative int"):
+        RemotePrefill.from_params(params)
+
+
+def test_the_token_count_travels_and_may_be_absent():
+    params = _params(new_token())
+    assert RemotePrefill.from_params(params).num_tokens == 20
+    del params["remote_num_tokens"]
+    assert RemotePrefill.from_params(params).num_tokens is None  # not hybridkv's producer: not checked
