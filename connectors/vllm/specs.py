@@ -279,4 +279,32 @@ def _gdn(ctx: _Context, name: str, spec: Any, shapes, dtypes) -> GDNSpec | None:
         return None  # not GDN's head structure after all: moved whole
 
 
-__all__ = ["AdoptedSpecs", "UnsupportedKVCache", "adopt_specs", "natural_key"]
+def compat_fields(vllm_config: VllmConfig) -> dict[str, str]:
+    """What both sides of a transfer must agree on beyond the layout tables (which already carry every
+    layer's dtypes, heads and state shapes): the model, the kv-cache dtype as configured (fp8_e4m3 and
+    fp8_e5m2 share a storage type), the speculative config (a draft layer's KV is only meaningful to the
+    same drafter) and hybridkv's version. Block sizes and the TP size may differ: hybridkv pairs those by
+    fields. Sent in the transport's authenticated handshake; a pair that differs is refused there."""
+    import hashlib
+
+    import hybridkv
+
+    def short(value: str) -> str:
+        return value if len(value) <= 128 else hashlib.sha256(value.encode()).hexdigest()[:32]
+
+    mc = vllm_config.model_config
+    spec = getattr(vllm_config, "speculative_config", None)
+    speculative = "none"
+    if spec is not None:
+        draft = getattr(spec, "draft_model_config", None)
+        speculative = (f"{spec.method}:{spec.num_speculative_tokens}:"
+                       f"{getattr(draft, 'model', None)}:{getattr(spec, 'kv_cache_dtype', None)}")
+    return {
+        "vllm.model": short(f"{mc.model}@{getattr(mc, 'revision', None)}"),
+        "vllm.kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "vllm.speculative": short(speculative),
+        "hybridkv.version": str(hybridkv.__version__),
+    }
+
+
+__all__ = ["AdoptedSpecs", "UnsupportedKVCache", "adopt_specs", "compat_fields", "natural_key"]

@@ -160,6 +160,8 @@ class WorkerHalf:
         #: request -> the transport's result of its load (descriptors posted, bytes, seconds); the
         #: latest LOAD_RESULTS_KEPT only. The metrics (get_kv_connector_stats) count every load.
         self.load_results: RecentResults = RecentResults(LOAD_RESULTS_KEPT)
+        #: request -> why its load failed (a handshake refusal names the difference); the latest only
+        self.load_errors: RecentResults = RecentResults(LOAD_RESULTS_KEPT)
 
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -184,9 +186,11 @@ class WorkerHalf:
         from hybridkv.transport.endpoint import FailurePolicy, TransportConfig
 
         # vLLM applies kv_load_failure_policy itself; the transport only reports.
+        from hybridkv.connectors.vllm.specs import compat_fields
+
         return TransportConfig(host=self.host, port=port, failure_policy=FailurePolicy.FAIL,
                                export_timeout_s=self.export_timeout_s, allowed_peers=self.allowed_peers,
-                               secret=self.secret)
+                               secret=self.secret, compat=compat_fields(self.vllm_config))
 
     @staticmethod
     def _planner():
@@ -233,6 +237,11 @@ class WorkerHalf:
             self._call(self._release(rid, remote))
         for order in meta.recvs:
             self._call(self._load(order))
+        for rid, why in meta.refused.items():  # never started: failed at once (kv_load_failure_policy)
+            self.load_errors[rid] = why
+            with self._lock:
+                self._recving.add(rid)
+                self._failed.add(rid)
         for rid, blocks in meta.exports_ready.items():
             self._call(self._export(rid, blocks, meta.capabilities[rid]))
 
@@ -346,6 +355,7 @@ class WorkerHalf:
                 self._ts.abort(prid)
             self._ts.take_reusable()
         if not ok:
+            self.load_errors[rid] = error
             log.warning("hybridkv load of %s (remote %s) failed: %s", rid, prid, error)
         with self._lock:
             self._recving.add(rid)  # vLLM expects failed loads in finished_recving too

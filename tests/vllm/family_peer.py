@@ -7,7 +7,8 @@ export as the scheduler half offers it (``exports_ready``). Protocol, one JSON o
   <- {"ready": true}
   -> {"case": name, "pages": path, "tokens": n}
   <- {"params": kv_transfer_params}        (the exported pages saved at path, layer by layer)
-  <- {"sent": bool}                        once the consumer read them (or 60 s passed)
+  -> {"finish": true, "expect_read": bool} once the consumer's load ended
+  <- {"sent": bool}                        whether the consumer read them (waiting up to 30 s if expected)
   -> {"quit": true}
 """
 
@@ -52,8 +53,9 @@ def serve(case: str, pages_path: str, tokens: int) -> None:
                                  block_ids=blocks, tp_size=1, num_tokens=tokens, lease_s=30, ranks=(w.advertised,),
                                  token=token)
         print(json.dumps({"params": params}), flush=True)
-        deadline, sent = time.monotonic() + 60, False
-        while not sent and time.monotonic() < deadline:
+        finish = json.loads(sys.stdin.readline())  # the consumer's load ended (landed or refused)
+        deadline, sent = time.monotonic() + (30 if finish.get("expect_read", True) else 0), False
+        while not sent and time.monotonic() <= deadline:
             sent = rid in w.transfer_results().finished_sending
             time.sleep(0.01)
         print(json.dumps({"sent": sent}), flush=True)

@@ -120,22 +120,21 @@ def prefill(tmp_path_factory):
         log.close()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(fam.CASES))
-def test_a_request_moves_prefill_to_decode_layer_by_layer(case, prefill, tmp_path):
+def _load(prefill, tmp_path, *, produced: str, consumed: str, expect_read: bool):
+    """The peer exports a request of case ``produced``; a decode worker of case ``consumed`` loads it.
+    Returns (decode connector, tensors, KV cache config, its blocks, the producer's pages, failed?)."""
     from hybridkv.connectors.vllm.metadata import HybridKVConnectorMetadata, RecvOrder
     from hybridkv.connectors.vllm.params import RemotePrefill
 
     pages = tmp_path / "pages.msgpack"
-    prefill.stdin.write(json.dumps({"case": case, "pages": str(pages), "tokens": TOKENS}) + "\n")
+    prefill.stdin.write(json.dumps({"case": produced, "pages": str(pages), "tokens": TOKENS}) + "\n")
     prefill.stdin.flush()
     params = _read(prefill, 120)["params"]
-    vc, kcc, kv = fam.build(case, role="kv_consumer", engine_id="decode-engine")
+    vc, kcc, kv = fam.build(consumed, role="kv_consumer", engine_id="decode-engine")
     conn, _ = _worker(vc, kcc, kv)
     try:
         # Decode holds the request in other blocks than prefill did (its own pool).
-        local = fam.request_blocks(kcc, tokens=TOKENS, first=kcc.num_blocks - sum(len(b) for b in params[
-            "remote_block_ids"]))
+        local = fam.request_blocks(kcc, tokens=TOKENS, first=kcc.num_blocks // 2)
         order = RecvOrder(request_id="d1", transfer_id=1, local_block_ids=local,
                           remote=RemotePrefill.from_params(params))
         conn.worker.start_step(HybridKVConnectorMetadata(step=0, recvs=[order]))
@@ -147,8 +146,21 @@ def test_a_request_moves_prefill_to_decode_layer_by_layer(case, prefill, tmp_pat
             done |= r.finished_recving
             failed |= r.failed_recving
             time.sleep(0.01)
-        assert not failed, conn.worker.load_results.get("d1")
-        sent = msgpack.unpackb(pages.read_bytes(), raw=False)
+    finally:
+        prefill.stdin.write(json.dumps({"finish": True, "expect_read": expect_read}) + "\n")
+        prefill.stdin.flush()
+    sent = _read(prefill, 90)["sent"]
+    return conn, kv, kcc, local, msgpack.unpackb(pages.read_bytes(), raw=False), bool(failed), sent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(fam.CASES))
+def test_a_request_moves_prefill_to_decode_layer_by_layer(case, prefill, tmp_path):
+    conn, kv, kcc, local, sent, failed, read = _load(prefill, tmp_path, produced=case, consumed=case,
+                                                     expect_read=True)
+    try:
+        assert not failed, conn.worker.load_errors.get("d1")
+        assert read  # the producer saw its export read
         got = fam.read(kv, kcc, local)
         assert set(got) == set(sent) == set(conn.worker.specs.layer_names)  # every layer, draft included
         for name in sent:
@@ -157,7 +169,23 @@ def test_a_request_moves_prefill_to_decode_layer_by_layer(case, prefill, tmp_pat
         if fam.CASES[case].get("mtp"):
             draft = got["mtp.layers.0.self_attn.attn"]
             assert any(any(page) for page in draft)  # the draft layer's KV moved with the request
-        assert _read(prefill, 90)["sent"]  # the producer saw the read end
+    finally:
+        conn.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("produced", "consumed"), [
+    ("qwen3.5-mtp-bf16", "qwen3.5-bf16"),  # MTP on prefill only: a draft layer and conv column decode lacks
+    ("qwen3.5-fp8", "qwen3.5-bf16"),  # fp8 KV on prefill only
+])
+def test_an_incompatible_pair_is_refused_at_the_handshake(produced, consumed, prefill, tmp_path):
+    """Layouts from each side's KVCacheConfig (and vLLM's speculative config and kv-cache dtype in the
+    handshake's compatibility map) differ: the pair is refused before a byte moves, never a shifted read."""
+    conn, *_, failed, sent = _load(prefill, tmp_path, produced=produced, consumed=consumed, expect_read=False)
+    try:
+        assert failed and not sent
+        error = str(conn.worker.load_errors["d1"])
+        assert "HandshakeRefused" in error, error
     finally:
         conn.shutdown()
 
