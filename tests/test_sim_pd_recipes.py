@@ -111,6 +111,28 @@ def test_kernel_block_size_that_does_not_divide_the_block_is_one_line(tmp_path, 
     assert out["variants"][0]["descriptors_per_request"] == 8220, out["variants"][0]
 
 
+def test_each_scheme_posts_where_its_connector_does(tmp_path):
+    """`--compare-schemes` charged every scheme to the decode step; vLLM's NixlConnector posts there
+    (start_load_kv) but hybridkv's connector posts from its transport thread. `by-scheme` (the shipped
+    recipes) gives each its own; true/false still force one answer for all."""
+    seed = load_recipe("seed-4xdep2-1xdep8")
+    assert seed.posting_on_step is None
+    on = {s: seed.sim_config(scheme=s).posting.on_step for s in ("vllm-0.33", "vllm-hma", "hybridkv-vllm", "hybridkv")}
+    assert on == {"vllm-0.33": True, "vllm-hma": True, "hybridkv-vllm": False, "hybridkv": False}
+
+    def forced(d):
+        d["transfer"]["posting"]["on_step"] = True
+
+    recipe = load_recipe(_small_recipe(tmp_path, forced))
+    assert recipe.sim_config(scheme="hybridkv").posting.on_step is True
+
+    def bad(d):
+        d["transfer"]["posting"]["on_step"] = "sometimes"
+
+    with pytest.raises(ValueError, match="on_step='sometimes'.*by-scheme"):
+        load_recipe(_small_recipe(tmp_path, bad))
+
+
 def test_the_pr35758_recipe_moves_the_prs_descriptor_counts():
     # 63 blocks of 64 tokens on gemma-3-4b-it: 4,284 descriptors without HMA, 1,650 with (the PR's text).
     recipe = load_recipe("pr35758-1p1d-gemma3-4b")

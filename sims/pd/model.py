@@ -47,6 +47,19 @@ def check_scheme(scheme: str) -> str:
     return scheme
 
 
+# Where each scheme's connector posts a transfer. vLLM's NixlConnector builds and posts its READs in
+# start_load_kv, inside the decode worker's step (docs/background/vllm.md section 1); hybridkv's vLLM
+# connector posts from its transport thread (connectors/vllm/worker_half.py); SGLang's NIXL and Mooncake
+# backends push from the prefill's transfer worker threads (../shared/anchors/sglang.md), off the step.
+_ON_STEP = {"vllm-legacy": True, "vllm-hma": True, "vllm-0.33": True, "sglang-nixl": False, "mooncake": False,
+            "hybridkv-vllm": False, "hybridkv": False}
+
+
+def posts_on_step(scheme: str) -> bool:
+    """Whether `scheme`'s connector posts on the decode step (else on a thread of its own)."""
+    return _ON_STEP[check_scheme(scheme)]
+
+
 def check_kernel_block_size(geometry: ModelGeometry, *, block_size: int | None, kernel_block_size: int) -> None:
     """Refuses a kernel block that does not divide the logical block (the analyzer's rule), naming both."""
     from hybridkv.descriptors.schemes import Workload

@@ -169,6 +169,9 @@ class Recipe:
     scheme: str
     fragmentation: float
     posting: PostingSpec
+    # Where each scheme posts: None = the thread its connector posts from (model.posts_on_step), or one
+    # answer for every scheme compared.
+    posting_on_step: bool | None
     link: LinkSpec
     scheduling: Scheduling
     sweep: Sweep
@@ -199,6 +202,12 @@ class Recipe:
                                 kernel_block_size=kernel_block_size)
         return replace(self, kernel_block_size=kernel_block_size)
 
+    def posting_for(self, scheme: str) -> PostingSpec:
+        from .model import posts_on_step
+
+        on_step = posts_on_step(scheme) if self.posting_on_step is None else self.posting_on_step
+        return replace(self.posting, on_step=on_step)
+
     def sim_config(self, *, scheme: str | None = None, scheduling: Scheduling | None = None) -> SimConfig:
         """Resolve the model, the scheme's cache layout and the analyzer's counts into plain numbers."""
         from .model import cache_model, model_geometry, sizing
@@ -218,11 +227,15 @@ class Recipe:
                               ranks_per_node=self.decode_ranks_per_node,
                               blocks_per_rank=decode.per_rank(self.cache_bytes_per_rank, "decode.cache_bytes_per_rank"),
                               cost=self.decode_cost),
-            posting=self.posting, link=self.link, sizing=size, traffic=self.traffic,
+            posting=self.posting_for(scheme), link=self.link, sizing=size, traffic=self.traffic,
             scheduling=scheduling or self.scheduling,
             warmup_requests=self.sweep.warmup_requests,
             measure_requests=self.sweep.measure_requests,
         )
+
+
+#: transfer.posting.on_step's value for "where the scheme's own connector posts".
+BY_SCHEME = "by-scheme"
 
 
 def _loads(values: Any, arrivals: Arrivals) -> tuple[float, ...]:
@@ -293,8 +306,14 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
     if not 0.0 <= fragmentation <= 1.0:
         raise ValueError(f"transfer.fragmentation={fragmentation!r}: expected a fraction in [0, 1]")
     post = xfer.section("posting")
+    on_step = post.raw("on_step")
+    if on_step == BY_SCHEME:
+        on_step = None
+    elif not isinstance(on_step, bool):
+        raise ValueError(f"transfer.posting.on_step={on_step!r}: expected true, false or {BY_SCHEME!r} (each "
+                         "scheme where its connector posts: vLLM's on the decode step, hybridkv's on its own thread)")
     posting = PostingSpec(per_descriptor_s=post.number("per_descriptor_s"),
-                          per_transfer_s=post.number("per_transfer_s"), on_step=post.raw("on_step"))
+                          per_transfer_s=post.number("per_transfer_s"), on_step=bool(on_step))
     post.done()
     wire = xfer.section("link")
     link = LinkSpec(per_descriptor_s=wire.number("per_descriptor_s"), bytes_per_s=wire.number("bytes_per_s"),
@@ -352,6 +371,7 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
                   decode_endpoints=decode["endpoints"], decode_ranks=decode["ranks"],
                   decode_ranks_per_node=decode["ranks_per_node"], cache_bytes_per_rank=decode["cache"],
                   decode_cost=decode["cost"], scheme=scheme, fragmentation=fragmentation, posting=posting,
+                  posting_on_step=on_step,
                   link=link, scheduling=scheduling, sweep=sweep, sources=sources)
 
 
