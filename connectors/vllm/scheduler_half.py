@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.fencing.fence import NotYet, PoolLayout
@@ -361,7 +362,8 @@ class SchedulerHalf:
         self._step += 1
         step = self._step
         touched = self._touched(scheduler_output)
-        self.ts.step_scheduled(step, touched=[(0, b) for b in touched])
+        # Pool 0: vLLM's hybrid allocator shares one block id space over all groups (no list built).
+        self.ts.step_scheduled(step, touched=zip(repeat(0), touched))
         meta = HybridKVConnectorMetadata(step=step)
         for rid in list(self._pending):
             remote, local = self._pending[rid]
