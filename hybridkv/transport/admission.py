@@ -12,9 +12,11 @@ unproven), and TCP connections on the listener port that never become a channel 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, PeerLost, ProtocolViolation
@@ -38,8 +40,11 @@ class Admission:
         self._connected = asyncio.Event()
         self._listener = None
         self._address = ""
-        self._handshaking = 0
-        self._unproven: dict[control.Channel, float] = {}  # channels in their handshake -> when they opened
+        # channels in their handshake, oldest first, and how many of them each address holds
+        self._pending: dict[control.Channel, _Pending] = {}
+        self._per_address: collections.Counter = collections.Counter()
+        self._fd_budget: int | None = None  # fds past which new connections wait (back-pressure)
+        self._pressure = False
         self._drain = control.Drainer()
         self._channels: set[control.Channel] = set()  # every control channel open now
         self._strays: control.StrayConnections | None = None
@@ -52,6 +57,7 @@ class Admission:
                                                    on_refused=self._refused_peer)
         self._address = auth.address(cfg.host, int(listener.port))  # what a consumer's proof must name
         self._strays = control.StrayConnections(int(listener.port), idle_s=cfg.idle_connection_s)
+        self._fd_budget = fd_budget(cfg.fd_budget)
         return int(listener.port)
 
     def _refused_peer(self, address: str | None) -> None:
@@ -77,15 +83,16 @@ class Admission:
 
     async def _accept_channel(self, ch: control.Channel) -> None:
         side = self._side
-        if self._handshaking >= side.config.max_handshakes:
+        address = ch.peer[0] if ch.peer else None
+        if not self._make_room(address):
             # A flood of connections that never finish the handshake: each costs a task and a UCX
-            # endpoint until its timeout, so past the bound a new one is closed unread.
+            # endpoint until its timeout, so past the bounds (and every slot taken by a peer that is
+            # still answering) a new one is closed unread; so is any while fds are short.
             side.stats.refused += 1
             side.stats.unauthenticated += 1
             await ch.close()
             return
-        self._handshaking += 1
-        self._unproven[ch] = time.monotonic()
+        self._add_pending(ch, address)
         try:
             got = await self._handshake_or_refusal(ch)
             if not isinstance(got, tuple):
@@ -98,8 +105,7 @@ class Admission:
                 await ch.close()
                 return
         finally:
-            self._handshaking -= 1
-            self._unproven.pop(ch, None)
+            self._drop_pending(ch)
         msg, remote = got
         peer = Peer(agent=msg.agent, channel=ch, memory=remote, lease_s=msg.lease_s)
         side.peers[peer.agent] = peer
@@ -110,6 +116,45 @@ class Admission:
             return
         self._connected.set()
         await self._serve(peer)
+
+    def _add_pending(self, ch: control.Channel, address: str | None) -> None:
+        self._pending[ch] = _Pending(address=address, heard=time.monotonic())
+        self._per_address[address] += 1
+
+    def _drop_pending(self, ch: control.Channel) -> None:
+        pending = self._pending.pop(ch, None)
+        if pending is not None:
+            self._per_address[pending.address] -= 1
+            if self._per_address[pending.address] <= 0:
+                del self._per_address[pending.address]
+
+    def _heard(self, ch: control.Channel) -> None:
+        pending = self._pending.get(ch)
+        if pending is not None:
+            pending.heard = time.monotonic()
+
+    def _make_room(self, address: str | None) -> bool:
+        """Whether a new connection from ``address`` may start its handshake. Past the bound per
+        address or in total, the slot of the handshake silent longest (of that address, or of any)
+        is taken, if that one has been silent longer than a peer that answers takes: a consumer
+        proves the secret within a round trip of connecting, so silence is a half-open handshake's,
+        and a flood of them cannot keep a consumer that answers out."""
+        cfg = self._side.config
+        if self._pressure:
+            return False
+        full_address = self._per_address[address] >= cfg.max_handshakes_per_address
+        if len(self._pending) < cfg.max_handshakes and not full_address:
+            return True
+        now = time.monotonic()
+        silent = [(p.heard, ch) for ch, p in self._pending.items()
+                  if not p.proven and now - p.heard > _ANSWER_S and (not full_address or p.address == address)]
+        if not silent:
+            return False
+        victim = min(silent, key=lambda hc: hc[0])[1]
+        self._drop_pending(victim)
+        self._side.stats.cut_off += 1
+        asyncio.ensure_future(victim.close())
+        return True
 
     async def _handshake_or_refusal(self, ch: control.Channel):
         """(Hello, memory map) of a peer let in; else what to refuse it with: a HandshakeRefused
@@ -143,6 +188,7 @@ class Admission:
         side = self._side
         secret = side.config.secret
         knock = await _recv_unproven(ch)
+        self._heard(ch)
         if not isinstance(knock, wire.Auth) or len(knock.nonce) != wire.NONCE_BYTES or not knock.agent \
                 or not knock.address:
             raise _Unproven(f"first message is {type(knock).__name__}; expected Auth with a nonce, the address "
@@ -150,6 +196,7 @@ class Admission:
         nonce = auth.new_nonce()
         # Nothing here proves anything: a peer that has not proved the secret gets no HMAC to guess it from.
         await ch.send(wire.Auth(nonce=nonce, address=self._address, agent=side.dp.name))
+        self._heard(ch)  # its silence counts from here: the turn is the peer's
         answer = await _recv_unproven(ch)
         if not isinstance(answer, wire.Auth):
             raise _Unproven(f"second message is {type(answer).__name__}; expected Auth")
@@ -158,7 +205,9 @@ class Admission:
         if not auth.proves(secret, wire.Role.CONSUMER, transcript, answer.proof):
             raise _Unproven("the peer did not prove the shared secret")
         proven.append(True)
-        self._unproven.pop(ch, None)
+        pending = self._pending.get(ch)
+        if pending is not None:
+            pending.proven = True  # no longer a half-open handshake: its slot is not taken from it
         if secret is not None and knock.address != self._address:
             # It proved the secret over the address it dialled, which is not this producer's: whoever it
             # dialled passes our words on (a relay), or TransportConfig.host is not what consumers dial.
@@ -191,12 +240,16 @@ class Admission:
 
     def sweep(self) -> None:
         """From the pump: drop control messages queued for nobody (the listener is what gets
-        flooded) and shut down connections on the listener port that never became a channel."""
+        flooded), end connections on the listener port that never became a channel, and hold new
+        connections back while the process is short of fds."""
         stats = self._side.stats
         now = time.monotonic()
         if self._strays is not None and now >= self._next_sweep:
-            self._next_sweep = now + min(1.0, self._side.config.idle_connection_s / 4)
-            stats.swept += self._strays({ch.peer for ch in self._channels})
+            self._next_sweep = now + min(_SWEEP_S, self._side.config.idle_connection_s / 4)
+            self._check_fds()
+            stats.swept += self._strays({ch.peer for ch in self._channels}, pressure=self._pressure)
+            if self._pressure:
+                self._close_unproven(_ANSWER_S)  # half-open handshakes hold fds too
         dropped = self._drain()
         stats.drained += dropped
         if dropped < _FLOOD_MESSAGES:
@@ -205,18 +258,63 @@ class Admission:
         # which, and its buffers grow faster than they drain. A consumer proves the secret within
         # milliseconds of connecting, so a connection still unproven this long into a flood is
         # closed: the flood costs the flooder its connection.
+        self._close_unproven(_FLOOD_UNPROVEN_S)
+
+    def _close_unproven(self, older_s: float) -> None:
         now = time.monotonic()
-        for ch, opened in list(self._unproven.items()):
-            if now - opened > _FLOOD_UNPROVEN_S:
-                del self._unproven[ch]
-                stats.cut_off += 1
+        for ch, pending in list(self._pending.items()):
+            if not pending.proven and now - pending.heard > older_s:
+                self._drop_pending(ch)
+                self._side.stats.cut_off += 1
                 asyncio.ensure_future(ch.close())
 
+    def _check_fds(self) -> None:
+        """Back-pressure: past the fd budget, no new handshake starts and every stray connection
+        goes at once, until the count is back under it (with some room, so it does not flap)."""
+        if self._fd_budget is None:
+            return
+        held = control.open_fds()
+        if held is None:
+            return
+        was = self._pressure
+        self._pressure = held >= self._fd_budget if not was else held >= self._fd_budget * 0.9
+        if self._pressure and not was:
+            self._side.stats.fd_pressure += 1
+            log.warning("%d file descriptors open, past the budget of %d (TransportConfig.fd_budget of the "
+                        "process limit): new connections are closed unread and stray ones ended until it falls",
+                        held, self._fd_budget)
 
+
+def fd_budget(fraction: float) -> int | None:
+    """The fd count past which a producer holds new connections back: ``fraction`` of the soft
+    RLIMIT_NOFILE (None where there is none to read)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return None
+    return max(1, int(soft * fraction))
+
+
+@dataclass(eq=False, kw_only=True)
+class _Pending:
+    """A connection in its handshake: where from, since when the turn is its peer's (it sent a frame, or
+    this side answered one), whether it proved the secret."""
+
+    address: str | None
+    heard: float
+    proven: bool = False
+
+
+_SWEEP_S = 0.5  # at most this long between two looks at the listener's connections and the fd count
+_ANSWER_S = 0.5  # a peer that answers sends its next handshake frame within this (a round trip); a half-open one does not
 _REFUSED = "refused"  # all an unauthenticated peer is told
 _REFUSE_LINGER_S = 0.2
 _FLOOD_MESSAGES = 32  # dropped in one pump tick: a flood under made-up tags is going on
-_FLOOD_UNPROVEN_S = 0.25  # then connections unproven for longer than this are closed
+_FLOOD_UNPROVEN_S = 1.0  # then connections unproven and silent for longer than this are closed
 
 
 class _Unproven(Exception):

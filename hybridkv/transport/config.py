@@ -94,6 +94,12 @@ class TransportConfig:
     # task and a UCX endpoint until handshake_timeout_s), and Wants that came before their export
     # (a peer past its share is disconnected; it alone loses, never a consumer within its share).
     max_handshakes: int = 64
+    # ... and from one address. Past either bound, a new connection takes the slot of the handshake
+    # silent longest (a half-open one), so a consumer that answers always gets in.
+    max_handshakes_per_address: int = 16
+    # Producer: past this fraction of the process's fd limit (RLIMIT_NOFILE), new connections are
+    # closed unread and stray ones ended at once, until the count falls (back-pressure).
+    fd_budget: float = 0.8
     max_wants_per_peer: int = 4096
     max_wants: int = 65536
     # Producer: a TCP connection to the listener's port that has not become a control channel after
@@ -113,7 +119,10 @@ class TransportConfig:
                              "(a secret authenticates every peer, insecure_no_auth serves any)")
         if not isinstance(self.idle_connection_s, (int, float)) or not self.idle_connection_s > 0:
             raise ValueError(f"TransportConfig.idle_connection_s = {self.idle_connection_s!r}; expected seconds > 0")
-        for key in ("max_handshakes", "max_wants_per_peer", "max_wants"):
+        if not isinstance(self.fd_budget, (int, float)) or not 0 < self.fd_budget <= 1:
+            raise ValueError(f"TransportConfig.fd_budget = {self.fd_budget!r}; expected a fraction of the fd limit "
+                             "in (0, 1]")
+        for key in ("max_handshakes", "max_handshakes_per_address", "max_wants_per_peer", "max_wants"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"TransportConfig.{key} = {v!r}; expected an int >= 1")
@@ -183,7 +192,8 @@ class Stats:
     cut_off: int = 0  # peers disconnected for flooding (Wants past their share, renewals faster than answered)
     forbidden: int = 0  # messages naming a request with a token that is not its capability (of `rejected`)
     drained: int = 0  # queued UCX messages nobody would receive, discarded
-    swept: int = 0  # TCP connections to the listener port shut down for never becoming a channel
+    swept: int = 0  # TCP connections to the listener port ended for never becoming a channel
+    fd_pressure: int = 0  # times the producer's open fds passed TransportConfig.fd_budget
     rejected: int = 0  # messages refused (malformed, unexported blocks)
     timed_out: int = 0  # transfers abandoned past their lease or the transfer timeout
 

@@ -247,14 +247,19 @@ def remote_sockaddr(ep) -> tuple[str, int] | None:
 
 
 class StrayConnections:
-    """Shuts down TCP connections to the listener's port that never became a channel.
+    """Ends TCP connections to the listener's port that never became a channel.
 
     UCX accepts every TCP connection on the listener's port itself and waits, with no timeout, for
     a UCX connection request on it: a raw connection that never sends one (or sends garbage and
     stays) holds a file descriptor for as long as its peer keeps it open, below anything hybridkv
-    sees. Linux only: the listener's established connections are read from /proc; each whose peer
-    is not a live channel's (``remote_sockaddr``) for ``idle_s`` is shut down (``shutdown(2)`` on a
-    duplicate of UCX's fd, which UCX then sees end and closes). Nothing is swept while some live
+    sees; one that sends more garbage than UCX's connection request holds (2 KiB) and closes stays
+    in CLOSE-WAIT for good, and UCX's progress thread spins on it. Linux only: this process's
+    connections on the listener's port are read from /proc in every TCP state (CLOSE-WAIT,
+    LAST-ACK, FIN-WAIT, CLOSING as well as ESTABLISHED); each whose peer is not a live channel's
+    (``remote_sockaddr``) is ended: at once in a dead state, after ``idle_s`` while established, and
+    at once under fd pressure. Ending is ``connect(AF_UNSPEC)`` on a duplicate of UCX's fd (a TCP
+    disconnect, as a reset): UCX then sees the connection fail and closes its fd (a ``shutdown``
+    only closes the TCP side, and UCX keeps the fd and spins). Nothing is swept while some live
     channel's address cannot be read (it could not be told apart from a stray one).
     """
 
@@ -262,37 +267,75 @@ class StrayConnections:
         self.port, self.idle_s = port, idle_s
         self._seen: dict[int, float] = {}  # socket inode -> first seen stray
 
-    def __call__(self, live: set[tuple[str, int] | None]) -> int:
-        """Connections shut down now."""
+    def __call__(self, live: set[tuple[str, int] | None], *, pressure: bool = False) -> int:
+        """Connections ended now; under ``pressure`` (fds near the budget) established strays too,
+        however young."""
         if None in live or not os.path.isdir("/proc/self/fd"):
             return 0
-        fds: dict[int, int] = {}  # socket inode -> fd
-        try:
-            for name in os.listdir("/proc/self/fd"):
-                try:
-                    target = os.readlink(f"/proc/self/fd/{name}")
-                except OSError:
-                    continue
-                if target.startswith("socket:["):
-                    fds[int(target[8:-1])] = int(name)
-        except OSError:
+        fds = _socket_fds()
+        if fds is None:
             return 0
         now, swept, strays = time.monotonic(), 0, set()
-        for inode, peer in _established(self.port):
+        for inode, peer, state in _connections(self.port):
             if inode not in fds or peer in live or _mapped(peer) in live:
                 continue
             strays.add(inode)
             first = self._seen.setdefault(inode, now)
-            if now - first < self.idle_s:
+            if state == _ESTABLISHED and now - first < self.idle_s and not pressure:
                 continue
-            try:
-                with socket.socket(fileno=os.dup(fds[inode])) as s:
-                    s.shutdown(socket.SHUT_RDWR)
+            if _disconnect(fds[inode]):
                 swept += 1
-            except OSError:
-                pass
         self._seen = {i: t for i, t in self._seen.items() if i in strays}
         return swept
+
+
+def open_fds() -> int | None:
+    """How many file descriptors this process holds (Linux; None elsewhere)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+def _socket_fds() -> dict[int, int] | None:
+    """socket inode -> fd, for this process's sockets."""
+    fds: dict[int, int] = {}
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{name}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                fds[int(target[8:-1])] = int(name)
+    except OSError:
+        return None
+    return fds
+
+
+class _Sockaddr(ctypes.Structure):
+    _fields_ = [("family", ctypes.c_ushort), ("data", ctypes.c_char * 14)]
+
+
+@functools.cache
+def _libc_connect():
+    fn = ctypes.CDLL(None, use_errno=True).connect
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _disconnect(fd: int) -> bool:
+    """A TCP disconnect of the socket behind ``fd`` (``connect`` to AF_UNSPEC), through a duplicate."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return False
+    try:
+        addr = _Sockaddr(family=socket.AF_UNSPEC)
+        return _libc_connect()(dup, ctypes.byref(addr), ctypes.sizeof(addr)) == 0
+    finally:
+        os.close(dup)
 
 
 def _mapped(peer: tuple[str, int]) -> tuple[str, int]:
@@ -301,8 +344,14 @@ def _mapped(peer: tuple[str, int]) -> tuple[str, int]:
     return (ip[7:], port) if ip.startswith("::ffff:") else (f"::ffff:{ip}", port)
 
 
-def _established(port: int):
-    """(inode, (peer ip, peer port)) of this process's namespace's established TCP connections on local ``port``."""
+_ESTABLISHED = "01"
+# LISTEN is the listener; TIME-WAIT and CLOSE hold no fd of ours; SYN states are not accepted yet.
+_NOT_SWEPT = frozenset({"02", "03", "06", "07", "0A"})
+
+
+def _connections(port: int):
+    """(inode, (peer ip, peer port), state) of this namespace's TCP connections on local ``port``
+    that a process may hold (established, or dead and waiting for their holder to close them)."""
     for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
         try:
             with open(path) as f:
@@ -311,7 +360,7 @@ def _established(port: int):
             continue
         for line in lines:
             cols = line.split()
-            if len(cols) < 10 or cols[3] != "01":  # TCP_ESTABLISHED
+            if len(cols) < 10 or cols[3] in _NOT_SWEPT:
                 continue
             local, remote = cols[1].split(":"), cols[2].split(":")
             if int(local[1], 16) != port:
@@ -319,7 +368,7 @@ def _established(port: int):
             raw = bytes.fromhex(remote[0])
             # /proc prints the address as 32-bit words in host (little-endian) order
             raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            yield int(cols[9]), (socket.inet_ntop(family, raw), int(remote[1], 16))
+            yield int(cols[9]), (socket.inet_ntop(family, raw), int(remote[1], 16)), cols[3]
 
 
 async def dial(host: str, port: int, timeout_s: float) -> Channel:

@@ -18,6 +18,9 @@ Attacks (``ATTACKS``):
 - ``big_frames``: connections that each announce and send a 16 MiB frame before any Hello.
 - ``unknown_tags``: connections that never handshake and send messages under ucxx tags nobody receives.
 - ``raw_tcp``: plain TCP connections sending garbage to the listener port, held open a while.
+- ``close_wait``: plain TCP connections sending garbage and closing at once (150 at scale 1).
+- ``half_open``: 80 connections that send a first Auth and then nothing, re-opened when closed, while six
+  legitimate consumers (another process) connect.
 - ``claim``: an authenticated peer asks for, renews and ends the legitimate consumer's request with
   a guessed token, and renews ids that do not exist.
 - ``heartbeat_flood``: an authenticated peer sends Heartbeats of 1,024 guessed tickets as fast as it can.
@@ -38,12 +41,13 @@ import traceback
 
 from tests.transport import harness, peers
 
-ATTACKS = ("relay", "no_secret", "forged_hello", "big_frames", "unknown_tags", "raw_tcp", "claim", "heartbeat_flood",
+ATTACKS = ("relay", "no_secret", "forged_hello", "big_frames", "unknown_tags", "raw_tcp", "close_wait", "half_open", "claim", "heartbeat_flood",
            "want_flood")
 REQUESTS = [("r-legit", 200, False), ("r-legit2", 60, True)]
 
 #: per attack, at scale 1 (CI); the table multiplies the counts by --scale
-SMALL = {"connections": 8, "tag_seconds": 1.5, "tag_bytes": 4096, "heartbeats": 40, "wants": 600, "hold_s": 3.0}
+SMALL = {"connections": 8, "tag_seconds": 1.5, "tag_bytes": 4096, "heartbeats": 40, "wants": 600, "hold_s": 3.0,
+         "close_wait": 150, "half_open": 80, "half_open_s": 60.0}
 #: the producer's Want bound per peer at scale 1 (its default, 4096, at larger scales)
 SMALL_WANTS_PER_PEER = 256
 
@@ -221,6 +225,81 @@ async def _raw_tcp(opts) -> dict:
             ended += 1
         s.close()
     return {"connections": len(socks), "ended_by_producer": ended}
+
+
+async def _close_wait(opts) -> dict:
+    """Raw TCP connections that send garbage and close at once (their producer side stays in CLOSE-WAIT
+    until the producer closes it): as many as ``close_wait``, as fast as the listener accepts them."""
+    n, opened = opts["close_wait"], 0
+    fds = lambda: len(os.listdir(f"/proc/{opts['pid']}/fd"))  # noqa: E731 - the producer's
+    before = peak = fds()
+    for _ in range(n):
+        try:
+            s = socket.create_connection(_ADDR, timeout=2.0)
+            s.sendall(secrets.token_bytes(4096))  # more than a UCX connection request holds (2 KiB)
+            s.close()
+            opened += 1
+        except OSError:
+            await asyncio.sleep(0.01)  # the listener's backlog is full: it is behind, not gone
+    t0, back = time.monotonic(), None
+    while time.monotonic() - t0 < 10.0:  # until the producer holds no more fds than before
+        now = fds()
+        peak = max(peak, now)
+        if now <= before:
+            back = round(time.monotonic() - t0, 2)
+            break
+        await asyncio.sleep(0.05)
+    return {"connections": opened, "fds_before": before, "fds_peak": peak, "fds_back_after_s": back}
+
+
+def _first_auth(agent: str):
+    """A consumer's first Auth (of the protocol this checkout speaks: the table is also made on older ones)."""
+    import dataclasses
+
+    from hybridkv import wire
+
+    names = {f.name for f in dataclasses.fields(wire.Auth)}
+    extra = {"address": "%s:%d" % _ADDR, "agent": agent} if "address" in names else {}
+    return wire.Auth(nonce=secrets.token_bytes(32), proof=b"", **extra)
+
+
+async def _half_open(opts) -> dict:
+    """``half_open`` connections that each send a valid first Auth and then nothing, re-opened as soon as
+    the producer closes one, until the test's six legitimate consumers (another process: the secret,
+    default handshake timeout and retries) have connected or given up, or ``half_open_s`` passed."""
+    from hybridkv.errors import PeerLost
+
+    n = opts["half_open"]
+    stop = time.monotonic() + opts["half_open_s"]
+    opened = [0]
+
+    async def one():
+        while time.monotonic() < stop:
+            try:
+                ch = await _dial()
+                opened[0] += 1
+                await ch.send(_first_auth("half-open"))
+                try:  # silence until the producer closes it (or the attack ends)
+                    await asyncio.wait_for(ch.recv(), max(0.05, stop - time.monotonic()))
+                except (asyncio.TimeoutError, PeerLost, Exception):
+                    pass
+                await ch.close()
+            except Exception:
+                await asyncio.sleep(0.05)
+
+    flood = [asyncio.ensure_future(one()) for _ in range(n)]
+    await asyncio.sleep(1.0)  # every slot taken first
+    _OUT.put(("flooding", None))
+    while time.monotonic() < stop:
+        try:
+            if _INBOX.get_nowait() == "legit-done":
+                break
+        except Exception:
+            pass
+        await asyncio.sleep(0.05)
+    stop = time.monotonic()
+    await asyncio.gather(*flood, return_exceptions=True)
+    return {"half_open": n, "opened": opened[0]}
 
 
 async def _authenticated():
@@ -446,14 +525,18 @@ async def _relay_once(rewrite: bool) -> dict:
 
 
 _ATTACKS = {"relay": _relay, "no_secret": _no_secret, "forged_hello": _forged_hello, "big_frames": _big_frames,
-            "unknown_tags": _unknown_tags, "raw_tcp": _raw_tcp, "claim": _claim,
+            "unknown_tags": _unknown_tags, "raw_tcp": _raw_tcp, "close_wait": _close_wait, "half_open": _half_open, "claim": _claim,
             "heartbeat_flood": _heartbeat_flood, "want_flood": _want_flood}
 _ADDR: tuple[str, int] = ("127.0.0.1", 0)
 
 
+_OUT = _INBOX = None  # the attacker process's queues to the test (half_open hands over mid-attack)
+
+
 def _attacker_entry(opts: dict, out, inbox) -> None:
-    global _ADDR
+    global _ADDR, _OUT, _INBOX
     _ADDR = tuple(opts["addr"])
+    _OUT, _INBOX = out, inbox
     attacker_main(opts, out, inbox)
 
 
@@ -491,11 +574,40 @@ class Monitor(threading.Thread):
         self.join(2)
 
 
+def _legit_during_half_open(att, addr) -> list[str]:
+    """Six legitimate consumers, one after another in one process, while the half-open flood runs."""
+    import queue
+
+    att.expect("flooding", 60.0)
+    cons = harness.consumer(addr, attempts=[{"name": f"legit-{i}"} for i in range(6)])
+    said: list[str] = []
+    deadline = time.monotonic() + 90.0
+    try:
+        while len(said) < 6 and time.monotonic() < deadline:
+            try:
+                kind, value = cons.out.get(timeout=0.2)
+            except queue.Empty:
+                if not cons.p.is_alive():
+                    break
+                continue
+            if kind == "connected":
+                said.append("connected")
+            elif kind in ("connect_failed", "refused"):
+                said.append(f"{value[0]}: {value[1]}" if kind == "connect_failed" else f"refused: {value[2]}")
+            elif kind == "error":
+                said.append(f"error: {value}")
+                break
+    finally:
+        att.send("legit-done")
+        cons.stop()
+    return said
+
+
 def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: float = 2.0,
         idle_connection_s: float = 1.5, **over) -> dict:
     """Producer, attacks, then the legitimate consumer; what the producer paid and what the
     consumer got. Raises AssertionError (with the processes' words) where a process failed."""
-    knobs = {k: (v * scale if k in ("connections", "heartbeats", "wants") else v) for k, v in SMALL.items()}
+    knobs = {k: (v * scale if k in ("connections", "heartbeats", "wants", "close_wait") else v) for k, v in SMALL.items()}
     if scale > 1:
         knobs["wants"] = max(knobs["wants"], 65536)
     knobs.update(over)
@@ -509,9 +621,13 @@ def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: 
         time.sleep(0.3)
         before = mon.mark()
         cpu0 = mon.samples[before]
-        att = harness.Proc(_attacker_entry, {"attacks": list(attacks), "addr": (host, port), **knobs})
+        att = harness.Proc(_attacker_entry, {"attacks": list(attacks), "addr": (host, port), "pid": pid, **knobs})
         try:
+            legit_during = _legit_during_half_open(att, (host, port)) if "half_open" in attacks else None
             reports = att.expect("report", 120.0)
+            if legit_during is not None:
+                reports["half_open"].update(consumers=legit_during,
+                                            connected=sum(s == "connected" for s in legit_during))
         finally:
             att.p.join(20)
             if att.p.is_alive():
@@ -544,6 +660,8 @@ def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: 
             "fds": {"before": s[before]["fds"], "peak": max(x["fds"] for x in s[before:]),
                     "after_attack": s[settled]["fds"], "after": s[after]["fds"]},
             "cpu_pct_during_attack": 100 * (window[-1]["cpu"] - cpu0["cpu"]) / max(1e-6, window[-1]["t"] - cpu0["t"]),
+            # after the attacker is gone, until the legitimate consumer comes (a leak keeps burning)
+            "cpu_pct_after_attack": 100 * (s[settled]["cpu"] - s[attacked]["cpu"]) / max(1e-6, s[settled]["t"] - s[attacked]["t"]),
             "legit": {rid: outcome for rid, outcome, *_ in results},
             "byte_exact": got == {rid: sent[rid] for rid, _, _ in REQUESTS},
             "producer": {rid: outcome for rid, outcome, _ in presults},
@@ -562,6 +680,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tag-bytes", type=int, default=SMALL["tag_bytes"], help="unknown_tags: bytes per message")
     ap.add_argument("--tag-seconds", type=float, default=SMALL["tag_seconds"], help="unknown_tags: how long each sends")
     ap.add_argument("--tag-connections", type=int, help="unknown_tags: connections (default: 8 x scale)")
+    ap.add_argument("--close-wait", type=int, help="close_wait: connections (default: 150 x scale)")
+    ap.add_argument("--settle-s", type=float, default=2.0, help="how long after the attack the producer is sampled")
     ap.add_argument("--hold-s", type=float, default=SMALL["hold_s"], help="raw_tcp: how long the connections stay open")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -571,14 +691,17 @@ def main(argv=None) -> int:
         over = {"tag_bytes": args.tag_bytes, "tag_seconds": args.tag_seconds, "hold_s": args.hold_s}
         if name == "unknown_tags" and args.tag_connections:
             over["connections"] = args.tag_connections
-        r = run([name], scale=args.scale, handshake_timeout_s=max(2.0, args.tag_seconds + 1), **over)
+        if args.close_wait:
+            over["close_wait"] = args.close_wait
+        r = run([name], scale=args.scale, settle_s=args.settle_s, handshake_timeout_s=max(2.0, args.tag_seconds + 1),
+                **over)
         r["wall_s"] = time.monotonic() - t0
         rows.append((name, r))
         if args.json:
             print(json.dumps({"attack": name, **r}, default=str), flush=True)
     if not args.json:
         print(f"{'attack':16} {'what the attacker did / was told':58} {'RSS MB before/peak/after':>25} "
-              f"{'fds before/peak/after':>22} {'CPU%':>5}  legit")
+              f"{'fds before/peak/after':>22} {'CPU% during/after':>9}  legit")
         for name, r in rows:
             a = r["attacks"][name]
             what = {k: v for k, v in a.items() if k != "seconds"}
@@ -586,7 +709,8 @@ def main(argv=None) -> int:
             legit = "byte-exact" if r["byte_exact"] and set(r["legit"].values()) == {"READY"} else f"FAILED {r['legit']}"
             print(f"{name:16} {json.dumps(what, default=str)[:58]:58} "
                   f"{rss['before']:7.0f}/{rss['peak']:5.0f}/{rss['after_attack']:5.0f}  "
-                  f"{fds['before']:8d}/{fds['peak']:4d}/{fds['after_attack']:4d}  {r['cpu_pct_during_attack']:5.0f}  "
+                  f"{fds['before']:8d}/{fds['peak']:4d}/{fds['after_attack']:4d}  {r['cpu_pct_during_attack']:5.0f}"
+                  f"/{r['cpu_pct_after_attack']:3.0f}  "
                   f"{legit}; producer freed all: {r['producer_free']}")
             print(f"{'':16} stats {r['stats']}")
     return 0

