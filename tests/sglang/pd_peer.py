@@ -329,6 +329,29 @@ class _State:
         self.server.close()
         self.server = None
 
+    def abort_rooms(self, rooms, claim_timeout: float = 5.0):
+        """SGLang's prefill-side abort of each room, as its abort paths do it (AbortReq, chunked prefill's
+        _retire_aborted_prefill_result): once the room's METADATA is in, its sender is made and aborted, never
+        cleared. Returns how many never got their METADATA claimed, the rooms still claimed here and the most
+        rooms any authenticated session holds."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        mgr, never = self.mgr, 0
+        for room in rooms:
+            deadline = time.monotonic() + claim_timeout
+            while room not in mgr.transfer_infos and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            if room not in mgr.transfer_infos:
+                never += 1
+                claim_timeout = 0.05  # dropped (the session holds too many rooms): the rest fail fast
+            s = kv_class("SENDER")(mgr, f"127.0.0.1:{mgr.bootstrap_port}", room)
+            if s.poll() == KVPoll.WaitingForInput:
+                s.init(1, 0)
+            s.abort()
+        gate = mgr.auth.gate
+        held = max((len(x.rooms) for x in gate.by_peer.values()), default=0) if gate is not None else 0
+        return dict(never_claimed=never, claimed=len(mgr.transfer_infos), session_rooms=held)
+
     def open_gate(self, room: int):
         self.gates.pop(room).set()
 

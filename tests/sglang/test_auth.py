@@ -171,6 +171,44 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
     assert mgr.auth_stats.sessions == 1 and mgr.auth_stats.foreign == 0
 
 
+def test_prefill_side_aborts_leave_the_session_and_never_lock_the_decode_rank_out(prefill, decode):
+    """SGLang's prefill-side abort paths (AbortReq, chunked prefill's _retire_aborted_prefill_result) abort
+    the sender and never clear it. 5,000 rooms of one proven decode rank (more than MAX_ROOMS_PER_SESSION)
+    are claimed by its sealed METADATA and then aborted on the prefill; each leaves SGLang's claims and the
+    session once nothing of it is in flight, and the decode rank's next request still arrives byte for byte.
+    The METADATA are the decode's own, sealed with its session and sent on SGLang's socket to the prefill rank
+    (real receivers would cost a page allocation each; the prefill processes them as any)."""
+    from hybridkv.connectors.sglang import messages as msgs
+    from hybridkv.connectors.sglang.sessions import MAX_ROOMS_PER_SESSION
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    mgr, pools = decode
+    prefill_ep = ("127.0.0.1", prefill.rank_port)
+    _transfer(prefill, mgr, pools, 2301, PAGES_A, DST_A, 6, 9)  # a proven, registered session
+    session = mgr.keys.session(prefill_ep)
+    sock, lock = CommonKVReceiver._connect(f"tcp://{prefill_ep[0]}:{prefill_ep[1]}")
+    n, base = 5000, 10_000_000
+    assert n > MAX_ROOMS_PER_SESSION
+    t0 = time.monotonic()
+    for start in range(base, base + n, 500):
+        batch = list(range(start, min(start + 500, base + n)))
+        for room in batch:
+            mgr.auth.expect_writers(room, frozenset([prefill_ep]))  # as its receiver would
+            md = msgs.Metadata(room=room, endpoint=mgr.local_ip, port=int(mgr.rank_port), agent_name=mgr.dp.name,
+                               kv_indices=np.asarray([60], dtype=np.int32), aux_index=15,
+                               state_indices=(np.asarray([7], dtype=np.int32),), required_dst_info_num=1,
+                               decode_prefix_len=0, is_dummy=False, generation=0)
+            with lock:
+                sock.send_multipart(session.seal(md.to_frames()))
+        st = prefill.call("abort_rooms", (batch,))
+        assert st["never_claimed"] == 0, st  # no METADATA dropped as one room too many
+    elapsed = time.monotonic() - t0
+    assert st["claimed"] <= 1 and st["session_rooms"] <= 1, st
+    _transfer(prefill, mgr, pools, 2302, PAGES_B, [48, 49, 50, 51], 7, 12)
+    assert mgr.auth_stats.foreign == 0
+    print(f"{n} prefill-side aborts in {elapsed:.1f} s")
+
+
 def test_sealed_message_is_accepted_once_and_not_altered():
     """A recorded sealed message replayed, or altered, or sealed for the other direction, is dropped."""
     from hybridkv.connectors.sglang.sessions import AuthStats, Session
