@@ -44,7 +44,7 @@ from hybridkv.benchmarks.transfer.measure import _measure
 from hybridkv.cli import CommandError, MissingExtra, bounded, print_json
 from hybridkv.descriptors.planning import DescriptorPlanner
 from hybridkv.transport.config import Pairing
-from hybridkv.benchmarks.transfer.posting import parse_splits
+from hybridkv.benchmarks.transfer.posting import parse_curve, parse_splits
 from hybridkv.benchmarks.transfer.sides import _geometry, _producer_main, parse_devices
 
 # Bounds. Tokens: Qwen3.5's native context; each of the two processes registers twice the request
@@ -73,6 +73,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw-splits", default="1", metavar="N[,N...]",
                         help="also post the raw span cut into N equal descriptors, for each N from 1 to 4096 (default "
                              "1: only the one-descriptor baseline); shows whether UCX overlaps descriptors")
+    parser.add_argument("--posting-curve", default=None, metavar="N[,N...]",
+                        help="also post N descriptors for each N (1 to 262,144): the raw span cut into N touching "
+                             "pieces (does NIXL merge them?) and N pieces of --probe-bytes kept apart; thread CPU "
+                             "of make + post, time to DONE and NIXL's posted count for each (default: off)")
     parser.add_argument("--settle-ms", type=float, default=20.0,
                         help="quiet time before each timed variant, for the control messages of the one before it, "
                              "0 to 10000 (default: 20.0)")
@@ -94,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.block_size <= 0:
         raise ValueError(f"--block-size {args.block_size}; expected a positive number of tokens")
     parse_splits(args.raw_splits)
+    parse_curve(args.posting_curve)
     if not 1 <= args.probe_bytes <= 1 << 20:
         raise ValueError(f"--probe-bytes {args.probe_bytes}; expected 1 to 1048576")
     if not 0 <= args.settle_ms <= 10_000:
@@ -202,6 +207,15 @@ def _print(rep: dict) -> None:
     if len(rep["raw_split_GBps"]) > 1:
         print("  raw span cut into N descriptors: " + ", ".join(
             f"N={n}: {g:.2f} GB/s" for n, g in rep["raw_split_GBps"].items()))
+    if rep.get("posting_curve"):
+        print(f"  posting curve (median; CPU = the posting thread's make + post, landed = post to DONE):")
+        print(f"    {'N':>8} | {'touching: posted':>16}{'CPU us':>11}{'landed us':>11} | "
+              f"{'apart: posted':>13}{'CPU us':>11}{'landed us':>11}{'CPU us/desc':>12}")
+        for n, row in rep["posting_curve"].items():
+            a, g = row["touching"], row["apart"]
+            print(f"    {int(n):>8,} | {a['posted']:>16,}{a['post_cpu_us']:>11,.0f}{a['landed_us']:>11,.0f} | "
+                  f"{g['posted']:>13,}{g['post_cpu_us']:>11,.0f}{g['landed_us']:>11,.0f}"
+                  f"{g['post_cpu_us'] / int(n):>12.3f}")
     t = rep.get("transports")
     if t:
         print(f"  UCX transports on NIXL's data path: {', '.join(t['tls']) or 'none seen'}")

@@ -12,7 +12,8 @@ import random
 import statistics
 
 from hybridkv.benchmarks.transfer.copy import _copy_ceiling
-from hybridkv.benchmarks.transfer.posting import _span_rows, _timed, _vllm_ids, _vllm_scheme_rows, parse_splits, posting_fit
+from hybridkv.benchmarks.transfer.posting import (_span_rows, _timed, _vllm_ids, _vllm_scheme_rows, gapped_rows,
+                                                  parse_curve, parse_splits, posting_fit)
 from hybridkv.benchmarks.transfer.sides import _side
 from hybridkv.cli import CommandError
 
@@ -51,6 +52,17 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
                      agent.prep_xfer_dlist(peer.agent, _span_rows(rr.base_addr, nbytes, rr.device_id, n),
                                            peer.memory.mem.name),
                      np.arange(n, dtype=np.int32)) for n in splits}
+    # The posting curve: N touching pieces of the span, and N small pieces kept apart, each side.
+    curve = parse_curve(args.posting_curve)
+    curve_lists = {}
+    for n in curve:
+        for shape, rows in (("touching", lambda r, n=n: _span_rows(r.base_addr, nbytes, r.device_id, n)),
+                            ("apart", lambda r, n=n: gapped_rows(r.base_addr, nbytes, r.device_id, n,
+                                                                 args.probe_bytes))):
+            curve_lists[(shape, n)] = (agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(lr), mem),
+                                       agent.prep_xfer_dlist(peer.agent, rows(rr), peer.memory.mem.name),
+                                       np.arange(n, dtype=np.int32))
+    curve_runs: dict[tuple[str, int], list[tuple[int, float, float]]] = {k: [] for k in curve_lists}
     # (c) the vLLM 0.33 scheme's list over the same pages.
     vl = _vllm_scheme_rows(memory, layout, ar, gr, n_attn, n_gdn, blocks)
     vr = _vllm_scheme_rows(peer.memory, layout, ar, gr, n_attn, n_gdn, blocks)
@@ -82,7 +94,8 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     # the previous one settle first: on the H200s a baseline READ started right after a fetch (its Done
     # message, the producer's next export) took ~4 ms instead of ~0.2 ms in every round, which a fixed
     # (or merely rotated) order charged to one variant only.
-    variants = ["hybridkv", *(("raw", n) for n in splits), "raw_notif", "vllm", "probe_one", "probe_vllm"]
+    variants = ["hybridkv", *(("raw", n) for n in splits), "raw_notif", "vllm", "probe_one", "probe_vllm",
+                *curve_lists]
     probe: dict[str, list[tuple[int, float]]] = {"probe_one": [], "probe_vllm": []}
     raw_notif: list[float] = []
     for i in range(args.iters + 1):
@@ -117,6 +130,10 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
                 vll += [vt] * kept
                 posts["vllm_scheme"] += [v_post] * kept
                 cpu["vllm_scheme"] += [v_cpu] * kept
+            elif var in curve_lists:
+                l_h, r_h, ids = curve_lists[var]
+                landed, posted, _, post_cpu = _timed(agent, "READ", l_h, ids, r_h, ids)
+                curve_runs[var] += [(posted, post_cpu, landed)] * kept
             else:
                 l_h, r_h, ids = raw_lists[var[1]]
                 rt, posted, post_s, post_cpu = _timed(agent, "READ", l_h, ids, r_h, ids)
@@ -167,6 +184,11 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
                     "from": f"posting: {args.probe_bytes}-byte descriptors, 1 vs the vllm-0.33 list's "
                             f"{probe['probe_vllm'][0][0]} (ids built per post), thread CPU; wire: one-span READ "
                             f"({r_desc} posted) vs the vllm-0.33 list ({v_desc} posted), time to DONE after the post"},
+        "posting_curve": {str(n): {shape: {
+            "posted": curve_runs[(shape, n)][0][0],
+            "post_cpu_us": round(med(c for _, c, _ in curve_runs[(shape, n)]) * 1e6, 1),
+            "landed_us": round(med(t for _, _, t in curve_runs[(shape, n)]) * 1e6, 1)}
+            for shape in ("touching", "apart")} for n in curve},
         "samples_GBps": {name: [round(gbps(t), 1) for t in ts]
                          for name, ts in (("hybridkv", hyb), ("raw", raw), ("vllm_scheme", vll))},
     }

@@ -22,6 +22,36 @@ def parse_splits(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys([1, *ns]))
 
 
+MAX_CURVE = 262_144
+
+
+def parse_curve(text: str | None) -> tuple[int, ...]:
+    """--posting-curve "1,64,1024": descriptor counts, each 1..MAX_CURVE, increasing."""
+    if not text:
+        return ()
+    try:
+        ns = [int(p) for p in text.split(",")]
+    except ValueError:
+        ns = []
+    if not ns or any(n < 1 or n > MAX_CURVE for n in ns) or ns != sorted(set(ns)):
+        raise ValueError(f"--posting-curve {text!r}; expected increasing comma-separated descriptor counts from 1 "
+                         f"to {MAX_CURVE:,}")
+    return tuple(ns)
+
+
+def gapped_rows(base: int, nbytes: int, device: int, n: int, piece: int):
+    """n descriptors of `piece` bytes spread evenly over [base, base + nbytes), none touching the next, so
+    no layer of NIXL or UCX can merge them: what many small scattered pages (kernel blocks, head slices)
+    cost to post and to land."""
+    import numpy as np
+
+    stride = nbytes // n
+    if stride <= piece:
+        raise ValueError(f"{n:,} descriptors of {piece} bytes do not fit apart in {nbytes:,} bytes; "
+                         "lower --posting-curve's largest count or --probe-bytes")
+    return np.array([[base + i * stride, piece, device] for i in range(n)], np.uint64)
+
+
 def _span_rows(base: int, nbytes: int, device: int, n: int):
     """n descriptors covering [base, base + nbytes), equal but for the remainder on the last."""
     import numpy as np
