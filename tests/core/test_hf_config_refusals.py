@@ -45,3 +45,69 @@ def test_sliding_window_pattern_beyond_the_layer_count_is_refused():
 def test_interval_equal_to_the_layer_count_is_fine():
     g = geometry_from_config(dict(QWEN_NEXT, full_attention_interval=8))
     assert g.layer_indices(LayerKind.FULL_ATTENTION) == (7,)
+
+
+# --------------------------------------------------------------------------- the families beside the GDN hybrids
+
+LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "hidden_size": 512, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("extra", [{}, {"model_type": "qwen3", "sliding_window": None},
+                                   {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}])
+def test_dense_models_are_full_attention(extra):
+    """Llama, Qwen2/3 (which carry a sliding window they do not use): every layer full attention, not the
+    misleading "sliding_window must be a positive integer" of a Gemma parse."""
+    g = geometry_from_config(dict(LLAMA, **extra))
+    assert g.kinds() == (LayerKind.FULL_ATTENTION,) and g.num_layers == 4
+    assert (g.layers[0].num_kv_heads, g.layers[0].head_dim) == (2, 64)
+
+
+def test_mistral_window_applies_to_every_layer():
+    g = geometry_from_config(dict(LLAMA, model_type="mistral", sliding_window=4096))
+    assert g.kinds() == (LayerKind.SLIDING_WINDOW,) and g.layers[0].window == 4096
+
+
+NEMOTRON_H = {"model_type": "nemotron_h", "hybrid_override_pattern": "M-M*-M", "num_hidden_layers": 6,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 256,
+              "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4,
+              "torch_dtype": "bfloat16"}
+
+
+def test_nemotron_h_mamba2_hybrid():
+    g = geometry_from_config(NEMOTRON_H)
+    assert [s.kind for s in g.layers] == [LayerKind.MAMBA, LayerKind.MAMBA, LayerKind.FULL_ATTENTION,
+                                          LayerKind.MAMBA]  # MLP layers hold no cache
+    mamba = g.layers[0]
+    assert mamba.shapes == ((8 * 32 + 2 * 2 * 16, 3), (8, 32, 16))
+    # vLLM 0.33 sizes this model's Mamba2 page at 18,304 bytes (conv bf16 + SSM fp32, tests/vllm/models).
+    assert mamba.page_bytes(16) == 18304
+    assert g.shard(2).layers[0].shapes == ((160, 3), (4, 32, 16))
+
+
+def test_granite_4_mamba2_hybrid():
+    cfg = {"model_type": "granitemoehybrid", "num_hidden_layers": 4, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "hidden_size": 512, "layer_types": ["mamba", "mamba", "mamba", "attention"],
+           "mamba_n_heads": 16, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4,
+           "torch_dtype": "bfloat16"}
+    g = geometry_from_config(cfg)
+    assert g.kinds() == (LayerKind.MAMBA, LayerKind.FULL_ATTENTION) and g.num_layers == 4
+
+
+def test_mamba2_pattern_refuses_an_unknown_layer():
+    with pytest.raises(ValueError, match=r"'hybrid_override_pattern' has \['X'\]; expected M \(Mamba2\)"):
+        geometry_from_config(dict(NEMOTRON_H, hybrid_override_pattern="MX*"))
+
+
+def test_deepseek_mla_is_one_latent_per_token():
+    cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "num_attention_heads": 128, "kv_lora_rank": 512,
+           "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}
+    g = geometry_from_config(cfg)
+    spec = g.layers[0]
+    assert (spec.num_kv_heads, spec.head_dim, spec.head_dim_v, spec.bytes_per_token) == (1, 576, 0, 576 * 2)
+    assert g.shard(8).layers[0].num_kv_heads == 1  # every rank holds the whole latent
+
+
+def test_a_config_without_attention_is_named():
+    with pytest.raises(ValueError, match=r"model_type 'whisper_encoder' has no 'num_attention_heads'"):
+        geometry_from_config({"model_type": "whisper_encoder", "num_hidden_layers": 2})

@@ -11,7 +11,7 @@ known here, so a state moves only between sides of the TP size it was taken at
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from hybridkv.layout.fields import Field, FieldKind, PageContent
@@ -29,6 +29,9 @@ class StateSpec(LayerSpec):
     replicated: bool = False
     #: what the engine calls the state (vLLM's mamba_type: "mamba2", "short_conv", ...)
     family: str = "mamba"
+    #: every tensor's first dimension splits evenly across TP ranks (Mamba2 heads and conv channels, for
+    #: offline analysis from a TP-1 spec); a rank's share is still moved whole, between equal TP sizes
+    splits: bool = False
 
     kind: ClassVar[LayerKind] = LayerKind.MAMBA
     paging: ClassVar[Paging] = Paging.STATE
@@ -62,6 +65,10 @@ class StateSpec(LayerSpec):
 
     def shard(self, tp: int) -> StateSpec:
         positive("tp", tp)
+        if self.splits and self.taken_tp == 1 and tp > 1 and not self.replicated:
+            if any(s[0] % tp for s in self.shapes):
+                raise ValueError(f"a {self.family} state of shapes {self.shapes} does not split across TP {tp}")
+            return replace(self, shapes=tuple((s[0] // tp, *s[1:]) for s in self.shapes), taken_tp=tp)
         if not self.replicated and tp != self.taken_tp:
             raise ValueError(f"a {self.family} state taken at TP {self.taken_tp} moves only between TP "
                              f"{self.taken_tp} sides (hybridkv does not know its heads), not at TP {tp}")
