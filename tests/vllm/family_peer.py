@@ -31,9 +31,9 @@ def serve(case: str, pages_path: str, tokens: int) -> None:
     from tests.vllm import harness as h
 
     try:
-        from tests.ports import free_ports
-    except ImportError:  # pragma: no cover - older checkouts
-        from tests.vllm.test_worker_nixl import _free_port as free_ports
+        from tests.ports import free_ports  # free below the ephemeral range, on every interface
+    except ImportError:  # pragma: no cover - a checkout without it
+        free_ports = _bound_port
     vc, kcc, kv = fam.build(case, role="kv_producer", engine_id="prefill-engine",
                             extra={"side_channel_port": free_ports(), "kv_lease_duration": 30})
     h.make_scheduler(vc, kcc, async_scheduling=False)  # the scheduler half starts for this model too
@@ -61,6 +61,14 @@ def serve(case: str, pages_path: str, tokens: int) -> None:
         print(json.dumps({"sent": sent}), flush=True)
     finally:
         conn.shutdown()
+
+
+def _bound_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> int:
