@@ -8,8 +8,10 @@ the key. This module does not import vLLM.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -23,6 +25,22 @@ log = logging.getLogger(__name__)
 #: connector's setting: refused rather than warned about.
 OWN_PREFIX = "hybridkv_"
 
+#: vLLM 0.33 NixlConnector's own kv_connector_extra_config keys (nixl/*.py, get_from_extra_config).
+#: A deployment switching from it keeps them in the same dict: accepted and ignored (logged at INFO),
+#: never taken for a misspelling of ours. ``kv_lease_duration`` is shared and read by both.
+NIXL_KEYS = frozenset({"backends", "bidirectional_kv_xfer", "decoder_kv_blocks_ttl", "enforce_handshake_compat",
+                       "engine_ttl", "kv_recompute_threshold", "num_threads", "push_registration_timeout"})
+
+#: NixlConnector's environment variables for what hybridkv's side_channel_* keys set (vLLM's envs.py).
+#: Read as NixlConnector reads them, when the key is absent; a key that says otherwise is refused.
+ENV_KEYS = {"side_channel_host": "VLLM_NIXL_SIDE_CHANNEL_HOST", "side_channel_port": "VLLM_NIXL_SIDE_CHANNEL_PORT"}
+
+#: An unknown key this close to a known one (difflib's ratio) is a misspelling: refused, naming it.
+NEAR_MISS = 0.75
+
+#: Keys that would put the secret itself into this config, which travels on a command line.
+INLINE_SECRET = frozenset({"secret", "shared_secret", "hybridkv_secret", "auth_secret"})
+
 
 @dataclass(frozen=True, kw_only=True)
 class HybridKVVllmConfig:
@@ -33,10 +51,12 @@ class HybridKVVllmConfig:
         Address each prefill worker advertises in ``kv_transfer_params`` (``remote_ranks``) and
         a decode instance dials. Set it to an address decode can reach, or ``"auto"``: each
         worker advertises its own node's address (vLLM's ``VLLM_HOST_IP`` or default route), as
-        a TP group spread over nodes needs.
+        a TP group spread over nodes needs. Absent: NixlConnector's ``VLLM_NIXL_SIDE_CHANNEL_HOST``
+        if set; set both to different values and start-up fails, naming both.
     ``side_channel_port`` (int, ``5600``)
         Base control port: worker (TP rank) r of DP engine d listens on
         port + d x tensor_parallel_size + r, so DP engines on one host never collide. 1..65535.
+        Absent: NixlConnector's ``VLLM_NIXL_SIDE_CHANNEL_PORT`` if set (as the base port), as above.
     ``kv_lease_duration`` (float seconds, ``30``)
         How long a finished request's blocks stay held for a reader that has not finished; decode
         heartbeats renew it. The scheduler hands the blocks back to vLLM only after 1.5 x this.
@@ -49,9 +69,14 @@ class HybridKVVllmConfig:
     ``secret_file`` (str path or null, ``null``) / ``secret_env`` (str or null, ``null``)
         Where the shared secret both sides prove in the handshake is read from: a file, or the
         environment variable of that name (at most one of the two; the secret itself never goes in
-        this config, which travels on a command line). Read once at start-up; unreadable, unset or
-        shorter than 16 bytes fails there, naming the key. Neither: unauthenticated (a warning
-        at start-up); see the README's "Security".
+        this config, which travels on a command line). Read once at start-up, by both halves (the
+        scheduler's before vLLM loads weights); unreadable, unset or shorter than 16 bytes fails
+        there, naming the key: never a warning. Neither: unauthenticated (the transport warns at
+        start-up, or refuses without ``insecure_no_auth``); see the README's "Security".
+    ``insecure_no_auth`` (bool, ``false``)
+        Lab mode, by name: run without a shared secret, so any peer that reaches a worker's port
+        can read and write its registered memory. Passed to the transport (TransportConfig); the
+        endpoints log it loudly and report it in their metrics. Refused together with a secret key.
     ``tp_rank`` (int or null, ``null``)
         This worker's TP rank, where vLLM's distributed group does not exist (a worker built
         outside vLLM's executor, as the tests do). Null: asked of vLLM, 0 without a group.
@@ -59,10 +84,11 @@ class HybridKVVllmConfig:
         Whether the scheduler half enforces hybridkv's fencing rules. ``"none"`` exists only to
         show what breaks without them (the race tests); never set it in a deployment.
 
-    Keys it does not know: a ``hybridkv_*`` key is refused (a typo of one of ours); any other is
-    logged as a warning and ignored. vLLM's NixlConnector ignores unknown keys silently, and
-    deployments moving from it keep its keys (``backends``, ``num_threads``, ...) in the same dict,
-    so refusing those would break a drop-in switch; the warning still shows a misspelt key.
+    Keys it does not know: NixlConnector's own (``backends``, ``num_threads``, ... :data:`NIXL_KEYS`)
+    are accepted and ignored, so a deployment switches from it without editing its dict. A
+    ``hybridkv_*`` key, one within a misspelling of a known key ("did you mean ``secret_file``?",
+    difflib) and one that would hold the secret itself are refused at start-up; any other is logged as
+    a warning and ignored.
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -73,6 +99,7 @@ class HybridKVVllmConfig:
     secret_file: str | None = None
     secret_env: str | None = None
     tp_rank: int | None = None
+    insecure_no_auth: bool = False
     hybridkv_fence_policy: FencePolicy = FencePolicy.FENCED
 
     def __post_init__(self) -> None:
@@ -100,6 +127,11 @@ class HybridKVVllmConfig:
                              "most one source of the shared secret")
         _check(self.tp_rank is None or (_is_int(self.tp_rank) and self.tp_rank >= 0),
                "tp_rank", self.tp_rank, "null or a non-negative int")
+        _check(isinstance(self.insecure_no_auth, bool), "insecure_no_auth", self.insecure_no_auth, "a bool")
+        if self.insecure_no_auth and (self.secret_file is not None or self.secret_env is not None):
+            raise ValueError("kv_connector_extra_config sets 'insecure_no_auth' and a secret ('secret_file' or "
+                             "'secret_env'); expected one of the two (a secret authenticates every peer, "
+                             "insecure_no_auth serves any)")
         _check(isinstance(self.hybridkv_fence_policy, FencePolicy), "hybridkv_fence_policy",
                self.hybridkv_fence_policy, "a FencePolicy")
 
@@ -120,20 +152,55 @@ class HybridKVVllmConfig:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> HybridKVVllmConfig:
-        """Parse ``kv_connector_extra_config`` (absent keys take the defaults above)."""
+    def from_extra_config(cls, extra: Mapping[str, Any] | None,
+                          env: Mapping[str, str] | None = None) -> HybridKVVllmConfig:
+        """Parse ``kv_connector_extra_config`` (absent keys take NixlConnector's environment variables
+        where it has one, :data:`ENV_KEYS`, then the defaults above). ``env``: the process environment
+        unless given."""
         extra = {} if extra is None else extra
         if not isinstance(extra, Mapping):
             raise ValueError(f"kv_connector_extra_config = {extra!r}; expected a JSON object")
+        env = os.environ if env is None else env
         known = set(cls.keys())
-        unknown = sorted(str(k) for k in extra if k not in known)
+        unknown = sorted(str(k) for k in extra if k not in known and k not in NIXL_KEYS)
         ours = [k for k in unknown if k.startswith(OWN_PREFIX)]
         if ours:
             raise ValueError(f"kv_connector_extra_config has unknown hybridkv key(s) {ours}; "
                              f"expected one of {sorted(known)}")
+        inline = [k for k in unknown if k.lower() in INLINE_SECRET]
+        if inline:
+            raise ValueError(f"kv_connector_extra_config[{inline[0]!r}]: the shared secret never goes in this config "
+                             "(it travels on a command line); expected 'secret_file' or 'secret_env' naming where "
+                             "to read it")
+        for k in unknown:
+            near = difflib.get_close_matches(k, sorted(known | NIXL_KEYS), n=1, cutoff=NEAR_MISS)
+            if near:
+                whose = "a NixlConnector key hybridkv ignores" if near[0] in NIXL_KEYS else "hybridkv's key"
+                raise ValueError(f"kv_connector_extra_config has unknown key {k!r}; did you mean `{near[0]}` "
+                                 f"({whose})?")
         if unknown:
             log.warning("HybridKVConnector ignores kv_connector_extra_config key(s) %s; it reads %s",
                         unknown, sorted(known))
+        nixl = sorted(k for k in extra if k in NIXL_KEYS)
+        if nixl:
+            log.info("HybridKVConnector ignores NixlConnector's kv_connector_extra_config key(s) %s", nixl)
+        extra = dict(extra)
+        for key, var in ENV_KEYS.items():
+            value = env.get(var)
+            if value is None:
+                continue
+            parse = _host if key == "side_channel_host" else _int
+            try:
+                parsed = parse(var, value)
+            except ValueError:
+                raise ValueError(f"environment variable {var} = {value!r} (NixlConnector's, read for hybridkv's "
+                                 f"{key!r}); expected {'a host name or address' if parse is _host else 'a TCP port'}"
+                                 ) from None
+            if key not in extra:
+                extra[key] = parsed
+            elif parsed != parse(key, extra[key]):
+                raise ValueError(f"kv_connector_extra_config[{key!r}] = {extra[key]!r} and the environment's "
+                                 f"{var} = {value!r} disagree; expected one of them, or the same value")
         parsers = {
             "side_channel_host": _host,
             "side_channel_port": _int,
@@ -143,6 +210,7 @@ class HybridKVVllmConfig:
             "secret_file": _optional_str,
             "secret_env": _optional_str,
             "tp_rank": _optional_int,
+            "insecure_no_auth": _bool,
             "hybridkv_fence_policy": _fence_policy,
         }
         return cls(**{k: parsers[k](k, extra[k]) for k in cls.keys() if k in extra})
@@ -162,7 +230,9 @@ class HybridKVVllmConfig:
         if kvt is None:
             raise ValueError("vllm_config.kv_transfer_config is None; expected a KVTransferConfig "
                              "naming HybridKVConnector")
-        return cls.from_extra_config(kvt.kv_connector_extra_config)
+        cfg = cls.from_extra_config(kvt.kv_connector_extra_config)
+        cfg.secret()  # a secret key that cannot be used stops this half at start-up, whichever half it is
+        return cfg
 
 
 def _check(ok: bool, key: str, value: Any, expected: str) -> None:
@@ -218,6 +288,13 @@ def _peers(key: str, v: Any) -> tuple[str, ...]:
     _check(isinstance(v, (list, tuple)) and all(isinstance(p, str) for p in v), key, v,
            "a list of addresses/CIDR networks or one comma-separated string")
     return tuple(p.strip() for p in v)
+
+
+def _bool(key: str, v: Any) -> bool:
+    if isinstance(v, str) and v.strip().lower() in ("true", "false"):
+        return v.strip().lower() == "true"
+    _check(isinstance(v, bool), key, v, "true or false")
+    return v
 
 
 def _fence_policy(key: str, v: Any) -> FencePolicy:

@@ -24,6 +24,7 @@ DEFAULTS = {
     "secret_file": None,
     "secret_env": None,
     "tp_rank": None,
+    "insecure_no_auth": False,
     "hybridkv_fence_policy": FencePolicy.FENCED,
 }
 
@@ -32,7 +33,7 @@ def test_defaults_live_in_one_place():
     """An empty (or absent) extra config is the dataclass's defaults, and those are the documented ones."""
     assert set(HybridKVVllmConfig.keys()) == set(DEFAULTS)
     for extra in (None, {}):
-        cfg = HybridKVVllmConfig.from_extra_config(extra)
+        cfg = HybridKVVllmConfig.from_extra_config(extra, env={})
         assert cfg == HybridKVVllmConfig()
         assert {k: getattr(cfg, k) for k in DEFAULTS} == DEFAULTS
 
@@ -52,11 +53,13 @@ def test_defaults_live_in_one_place():
     ("secret_env", " HYBRIDKV_SECRET ", "HYBRIDKV_SECRET"),
     ("tp_rank", 3, 3),
     ("tp_rank", None, None),
+    ("insecure_no_auth", True, True),
+    ("insecure_no_auth", "false", False),
     ("hybridkv_fence_policy", "none", FencePolicy.NONE),
     ("hybridkv_fence_policy", "FENCED", FencePolicy.FENCED),
 ])
 def test_each_key_parses(key, given, parsed):
-    cfg = HybridKVVllmConfig.from_extra_config({key: given})
+    cfg = HybridKVVllmConfig.from_extra_config({key: given}, env={})
     assert getattr(cfg, key) == parsed
     # every other key keeps its default
     assert all(getattr(cfg, k) == v for k, v in DEFAULTS.items() if k != key)
@@ -108,13 +111,50 @@ def test_an_unknown_hybridkv_key_is_refused():
         HybridKVVllmConfig.from_extra_config({"hybridkv_fence": "none"})
 
 
-def test_other_unknown_keys_warn_and_are_ignored(caplog):
-    """NixlConnector's keys (or a misspelt one of ours) do not stop the engine, but are named in the log."""
-    with caplog.at_level(logging.WARNING, logger="hybridkv.connectors.vllm.config"):
-        cfg = HybridKVVllmConfig.from_extra_config({"backends": ["UCX"], "kv_lease_duraton": 5})
+def test_nixl_connector_keys_are_accepted_and_other_unknown_keys_warn(caplog):
+    """A deployment switching from NixlConnector keeps its keys; a key neither knows is named in the log."""
+    nixl = {"backends": ["UCX"], "num_threads": 8, "enforce_handshake_compat": True, "kv_recompute_threshold": 4}
+    with caplog.at_level(logging.INFO, logger="hybridkv.connectors.vllm.config"):
+        cfg = HybridKVVllmConfig.from_extra_config({**nixl, "lmcache_chunk": 256}, env={})
     assert cfg == HybridKVVllmConfig()
-    [rec] = [r for r in caplog.records if r.name == "hybridkv.connectors.vllm.config"]
-    assert "['backends', 'kv_lease_duraton']" in rec.getMessage()
+    msgs = [r.getMessage() for r in caplog.records if r.name == "hybridkv.connectors.vllm.config"]
+    assert any("NixlConnector's" in m and str(sorted(nixl)) in m for m in msgs)
+    assert any(r.levelno == logging.WARNING and "['lmcache_chunk']" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(("key", "meant"), [
+    ("secret_flie", "secret_file"), ("side_chanel_host", "side_channel_host"), ("kv_lease_duraton", "kv_lease_duration"),
+    ("secretfile", "secret_file"), ("insecure_noauth", "insecure_no_auth"), ("num_thread", "num_threads"),
+])
+def test_a_misspelt_key_is_refused_naming_the_key_meant(key, meant):
+    """A NixlConnector recipe with a typo would otherwise run unauthenticated or advertise 127.0.0.1."""
+    with pytest.raises(ValueError, match=rf"unknown key '{key}'; did you mean `{meant}`"):
+        HybridKVVllmConfig.from_extra_config({key: "x"}, env={})
+
+
+def test_the_secret_itself_is_refused_in_the_config():
+    with pytest.raises(ValueError, match=r"\['secret'\]: the shared secret never goes in this config"):
+        HybridKVVllmConfig.from_extra_config({"secret": "0123456789abcdef"}, env={})
+
+
+def test_nixl_side_channel_environment_is_read_as_nixl_connector_reads_it():
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.2.3.4", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5700"}
+    cfg = HybridKVVllmConfig.from_extra_config({}, env=env)
+    assert (cfg.side_channel_host, cfg.side_channel_port) == ("10.2.3.4", 5700)
+    # The keys win when they say the same; when they disagree, start-up fails naming both.
+    assert HybridKVVllmConfig.from_extra_config({"side_channel_port": 5700}, env=env).side_channel_port == 5700
+    with pytest.raises(ValueError, match=r"\['side_channel_host'\] = '10.9.9.9' and the environment's "
+                                         r"VLLM_NIXL_SIDE_CHANNEL_HOST = '10.2.3.4' disagree"):
+        HybridKVVllmConfig.from_extra_config({"side_channel_host": "10.9.9.9"}, env=env)
+    with pytest.raises(ValueError, match=r"environment variable VLLM_NIXL_SIDE_CHANNEL_PORT = 'x' .*; expected a TCP port"):
+        HybridKVVllmConfig.from_extra_config({}, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "x"})
+    with pytest.raises(ValueError, match=r"\['side_channel_port'\] = 70000; expected a TCP port"):
+        HybridKVVllmConfig.from_extra_config({}, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "70000"})
+
+
+def test_insecure_no_auth_and_a_secret_are_refused_together():
+    with pytest.raises(ValueError, match="sets 'insecure_no_auth' and a secret"):
+        HybridKVVllmConfig.from_extra_config({"insecure_no_auth": True, "secret_env": "X"}, env={})
 
 
 def test_extra_config_must_be_a_mapping():
@@ -166,6 +206,21 @@ def test_both_halves_build_the_same_config():
     assert (s.side_host, s.side_port, s.lease_s, s.hold_s) == ("10.1.2.3", 5620, 4.0, 6.0)
     assert (w.host, w.base_port, w.lease_s, w.export_timeout_s, w.allowed_peers, w.rank) == (
         "10.1.2.3", 5620, 4.0, 9.0, ("10.0.0.0/8",), 0)
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_an_unusable_secret_stops_either_half_at_startup(role, monkeypatch):
+    """Never a warning: the scheduler half fails too, before vLLM loads any weight."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tests.vllm import harness as h
+
+    monkeypatch.delenv("HKV_UNSET_SECRET", raising=False)
+    vc = h.make_vllm_config(role="kv_both", extra={"secret_env": "HKV_UNSET_SECRET"})
+    with pytest.raises(ValueError, match=r"\['secret_env'\]: environment variable 'HKV_UNSET_SECRET' is not set"):
+        KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole[role],
+                                            kv_cache_config=h.make_kv_cache_config(vc))
 
 
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
