@@ -217,7 +217,11 @@ class HybridKVVllmConfig:
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> HybridKVVllmConfig:
-        """From a ``VllmConfig``: its ``kv_transfer_config.kv_connector_extra_config``."""
+        """From a ``VllmConfig``: its ``kv_transfer_config.kv_connector_extra_config``. Both halves build it
+        first, so from here on hybridkv's logs follow vLLM's logging set-up (logs.py)."""
+        from hybridkv.connectors.vllm.logs import follow_vllm_logging
+
+        follow_vllm_logging()
         parallel = getattr(vllm_config, "parallel_config", None)
         for key in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
             n = getattr(parallel, key, 1)
