@@ -234,9 +234,22 @@ class HybridKVVllmConfig:
         if kvt is None:
             raise ValueError("vllm_config.kv_transfer_config is None; expected a KVTransferConfig "
                              "naming HybridKVConnector")
+        _check_buffer_device(getattr(kvt, "kv_buffer_device", None))
         cfg = cls.from_extra_config(kvt.kv_connector_extra_config)
         cfg.secret()  # a secret key that cannot be used stops this half at start-up, whichever half it is
         return cfg
+
+
+def _check_buffer_device(device: str | None) -> None:
+    """hybridkv reads and writes the KV cache where vLLM allocated it (pull, in place): the only buffer
+    device it honours is that one. NixlConnector's host staging buffer (``kv_buffer_device='cpu'`` on a
+    GPU) is refused rather than silently ignored."""
+    from vllm.platforms import current_platform  # only from_vllm_config gets here: vLLM is there
+
+    own = current_platform.device_type
+    if device is not None and device != own:
+        raise ValueError(f"kv_transfer_config.kv_buffer_device = {device!r}; HybridKVConnector moves the KV cache "
+                         f"in place in {own!r} memory and has no staging buffer: expected {own!r} (vLLM's default)")
 
 
 def _check(ok: bool, key: str, value: Any, expected: str) -> None:

@@ -142,9 +142,13 @@ class SchedulerHalf:
         self._releasing: dict[str, set[int]] = {}
         self._owner: dict[int, set[str]] = {}  # a shared block may be waited on by several requests
         self._inject_sending: set[str] = set()
-        # Reported to vLLM by us; a late worker report of the same id must not
-        # reach vLLM, which asserts the request still exists.
-        self._reported_sending: dict[str, None] = {}
+        # Exports offered to the worker whose finished_sending it has not reported yet: it reports each
+        # exactly once, whatever becomes of the export.
+        self._owed: set[str] = set()
+        # Reported to vLLM by us while the worker still owed its report: that late report must not
+        # reach vLLM, which asserts the request still exists. Each entry leaves when the report comes,
+        # so it holds at most the exports in flight (no cap that could drop one).
+        self._reported_sending: set[str] = set()
         self._warned_no_watermark = False
         #: fence waits and quarantines seen here; the workers count the transfers (stats.py)
         self.metrics = TransferMetrics()
@@ -189,7 +193,10 @@ class SchedulerHalf:
         if not wants_remote_decode(params) or params.get("_hybridkv_truncated"):
             return
         back = self.prefill_backoff
-        if back and request.num_prompt_tokens > back and request.prompt_token_ids is not None:
+        # A request that skips reading the prefix cache (prompt logprobs) wants every prompt token computed
+        # here, and decode loads nothing of it (vLLM gives it no external tokens): never truncated.
+        if (back and request.num_prompt_tokens > back and request.prompt_token_ids is not None
+                and not request.get_skip_reading_prefix_cache()):
             del request.prompt_token_ids[-back:]
             del request._all_token_ids[-back:]
             request.num_prompt_tokens -= back
@@ -393,6 +400,7 @@ class SchedulerHalf:
                 meta.exports_ready[rid] = self._exports.pop(rid)
                 meta.capabilities[rid] = self._capabilities.pop(rid)
                 self._offered.add(rid)
+                self._owed.add(rid)
         for rid in self.ts.poll():
             self._export_released(rid)
         meta.exports_ended, self._ended = self._ended, []
@@ -454,9 +462,10 @@ class SchedulerHalf:
         self._inject_recving = set()
         sending = set(output.finished_sending or ())
         for rid in list(sending):
+            self._owed.discard(rid)
             if rid in self._reported_sending:
                 sending.discard(rid)
-                del self._reported_sending[rid]
+                self._reported_sending.discard(rid)
                 continue
             if rid not in self._export_blocks and rid not in self._releasing:
                 continue  # not ours
@@ -470,10 +479,7 @@ class SchedulerHalf:
                 self._ended.append(rid)
         self._drain_reusable()
         sending |= self._inject_sending
-        for rid in self._inject_sending:
-            self._reported_sending[rid] = None
-        while len(self._reported_sending) > 65536:
-            del self._reported_sending[next(iter(self._reported_sending))]
+        self._reported_sending |= self._inject_sending & self._owed
         self._inject_sending = set()
         output.finished_recving = recving
         output.finished_sending = sending

@@ -260,3 +260,21 @@ def test_an_unusable_secret_fails_at_start_up_naming_its_key(extra, message, mon
 def test_both_secret_sources_are_refused():
     with pytest.raises(ValueError, match="sets both 'secret_file' and 'secret_env'"):
         HybridKVVllmConfig.from_extra_config({"secret_file": "/a", "secret_env": "B"})
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_a_staging_buffer_device_is_refused_not_ignored(role, monkeypatch):
+    """NixlConnector's host buffer (kv_buffer_device='cpu' on a GPU) is something hybridkv does not do."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.platforms import current_platform
+
+    from tests.vllm import harness as h
+
+    vc = h.make_vllm_config(role="kv_both")
+    kcc = h.make_kv_cache_config(vc)
+    assert vc.kv_transfer_config.kv_buffer_device == current_platform.device_type  # vLLM's default: accepted
+    HybridKVVllmConfig.from_vllm_config(vc)
+    vc.kv_transfer_config.kv_buffer_device = "xpu" if current_platform.device_type == "cpu" else "cpu"
+    with pytest.raises(ValueError, match=r"kv_buffer_device = '\w+'; HybridKVConnector moves the KV cache in place"):
+        KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole[role], kv_cache_config=kcc)

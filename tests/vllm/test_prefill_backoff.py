@@ -51,3 +51,17 @@ def test_producer_truncates_exactly_what_the_consumer_does_not_load(tmp_path, sp
     params = h.remote_prefill_params("d1", groups=4)
     req = h.make_request("d1", prompt_len=PROMPT, max_tokens=8, params=params)
     assert cons.get_num_new_matched_tokens(req, 0) == (PROMPT - expected, True)
+
+
+def test_a_prompt_logprobs_request_is_not_truncated(tmp_path):
+    """Its prompt logprobs need every prompt token computed on the prefill, and vLLM gives it no external
+    tokens on decode (skip_reading_prefix_cache), which recomputes it whole, as NixlConnector does."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    _, prod = connector(tmp_path, "kv_producer", None)
+    sp = SamplingParams(max_tokens=8, prompt_logprobs=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    req = Request(request_id="p1", prompt_token_ids=list(range(PROMPT)), sampling_params=sp, pooling_params=None)
+    assert req.get_skip_reading_prefix_cache()
+    prod.on_new_request(req)
+    assert req.num_prompt_tokens == PROMPT and len(req.prompt_token_ids) == PROMPT

@@ -229,3 +229,38 @@ def test_abort_while_the_fence_holds_the_load_back():
     d.run()
     assert not worker.orders  # the load never started
     assert_all_returned(sched, d)
+
+
+def test_a_late_worker_report_never_reaches_vllm_however_many_came_between():
+    """The scheduler hands an export's blocks back to vLLM when its lease lapses; the worker's own report
+    of that export comes later and must be dropped (vLLM asserts the request still exists), even after
+    more than 65,536 other exports were handed back meanwhile (the former bound on what was remembered)."""
+    import time
+
+    sched, worker, d = setup(role="kv_producer", async_scheduling=True, extra={"kv_lease_duration": 0.2})
+    worker.consumer_reads = False
+    sched.add_request(h.make_request("p1", prompt_len=40, max_tokens=1, params={"do_remote_decode": True}))
+    d.run(until=lambda: "p1" in d.finished)
+    half = sched.connector.scheduler
+    deadline = time.monotonic() + 10
+    while "p1" in sched.requests and time.monotonic() < deadline:  # the lease lapses, vLLM frees p1
+        d.step()
+        time.sleep(0.05)
+    assert "p1" not in sched.requests
+    # 65,536 other exports handed back to vLLM meanwhile, their own worker reports still owed.
+    others = {f"x{i}" for i in range(65_536)}
+    half._owed |= others
+    half._inject_sending |= others
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from hybridkv.connectors.vllm.metadata import HybridKVWorkerMetadata
+
+    out = KVConnectorOutput(kv_connector_worker_meta=HybridKVWorkerMetadata(step=half.ts.watermark))
+    half.update_connector_output(out)
+    assert others <= out.finished_sending
+    worker._reads["p1"] = 1  # the worker's own report of p1, late
+    d.run()
+    assert "p1" not in half._reported_sending
+    half._owed -= others
+    half._reported_sending -= others
+    assert_all_returned(sched, d)
