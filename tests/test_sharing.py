@@ -143,3 +143,71 @@ def test_holds_are_counted_under_either_policy(policy: FencePolicy) -> None:
     s.request_finished("b")
     assert sorted(s.take_reusable()) == [(0, 2), (0, 3)]
     s.audit()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("end", ["done_before_the_read_completed", "lease_lapsed"])
+def test_a_shared_block_whose_exports_read_outlives_its_request_is_not_reused_by_the_last_holder(end: str) -> None:
+    """a and b share a block; a's export is being read when a's request ends (the consumer's Done came before the
+    read's completion, or a's lease lapsed); then b, the last holder, finishes. The block must wait for the
+    read: before, b's release put it straight on the free list (b has no transfer of its own) and audit passed."""
+    clock = _Clock()
+    s = TransferScheduler(PoolLayout.shared(num_blocks=2, num_groups=1), lease_s=10.0, clock=clock)
+    s.add_request("a")
+    blocks = s.allocate("a", 0, 1)
+    s.add_request("b")
+    s.share("b", 0, blocks)
+    s.step_scheduled(0, joined=["a", "b"])
+    s.step_completed(0)
+    s.request_finished("a", export=True)
+    tid = s.post_export("a")
+    if end == "lease_lapsed":
+        clock.now = 11.0
+        assert s.poll() == ["a"]
+    else:
+        assert s.export_done("a")
+    s.request_finished("b")
+    s.audit()
+    s.add_request("c")
+    assert isinstance(s.allocate("c", 0, 2), NotYet)  # one block is free, the other still read
+    s.transfer_landed(tid)
+    assert s.allocate("c", 0, 2) == (1, 0)
+    s.audit()
+
+
+def test_share_refuses_a_block_an_import_is_writing() -> None:
+    """The importer aborts while its write is in flight and a sharer finishes: the block would go back with the
+    RDMA write still landing. So no second hold on a block being written (share, and assign of a held block);
+    the aborted importer's block stays quarantined until the write ends."""
+    s = _managed(blocks=2)
+    s.add_request("a", expect=(KV,))
+    blocks = s.allocate("a", 0, 1)
+    tid = s.post_import("a", components=(KV,))
+    s.add_request("b")
+    with pytest.raises(ValueError, match="being written by an import"):
+        s.share("b", 0, blocks)
+    s.abort("a")
+    with pytest.raises(ValueError, match="being written by an import"):
+        s.share("b", 0, blocks)  # parked under the write: still refused
+    s.request_finished("b")
+    s.add_request("c")
+    assert isinstance(s.allocate("c", 0, 2), NotYet)
+    s.transfer_failed(tid)
+    assert len(s.allocate("c", 0, 2)) == 2
+    s.audit()
+
+    e = TransferScheduler(PoolLayout.shared(num_blocks=2, num_groups=1), managed_pool=False)
+    e.add_request("a", expect=(KV,))
+    e.assign("a", 0, [0])
+    e.post_import("a", components=(KV,))
+    e.add_request("b")
+    with pytest.raises(ValueError, match="being written by an import"):
+        e.assign("b", 0, [0])
+    e.audit()

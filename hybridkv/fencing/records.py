@@ -107,17 +107,18 @@ class SchedulerRecords:
             holder[k] = None
         if imported:
             imported.difference_update(keys)
+        # A transfer may read or write these blocks: this request's own, or one that outlived its request
+        # (another holder's read of a shared block, a transfer of a quarantined block a prefix hit took back).
+        readers, writers = t.readers, t.writers
+        busy = bool(rec.transfers) or any(map(readers.__getitem__, keys)) or any(map(writers.__getitem__, keys))
         if rec.transfers:
             transfers = self.transfers
             for tid in rec.transfers:
                 transfers[tid].orphaned = True
-            self.pool.park_many(keys)
-        elif uniform:
-            # Idle: a block stays quarantined (parked) while any transfer reads or
-            # writes it, so a held block's only transfers are its holder's - none here.
-            self.pool.park_idle(keys, hs)
+        if busy or not uniform:
+            self.pool.park_many(keys)  # per block: quarantined while a transfer touches it
         else:
-            self.pool.park_many(keys)
+            self.pool.park_idle(keys, hs)  # idle and one fence: one entry, no per-block checks
         rec.blocks.clear()
 
     def audit(self) -> None:
@@ -147,11 +148,17 @@ class SchedulerRecords:
             raise RuntimeError("transfer reader/writer counts disagree with the fence table")
         if self.pool.managed:
             for k in range(total):
-                states = (held[k] > 0) + self.pool.is_parked(k) + self.pool.is_free(k)
+                free = self.pool.is_free(k)
+                states = (held[k] > 0) + self.pool.is_parked(k) + free
                 if states != 1:
                     raise RuntimeError(
                         f"block key {k}: held {held[k]}, parked {self.pool.is_parked(k)}, "
-                        f"free {self.pool.is_free(k)}; expected exactly one"
+                        f"free {free}; expected exactly one"
+                    )
+                if free and self.fenced and (readers[k] or writers[k]):
+                    raise RuntimeError(
+                        f"block key {k} is free with {readers[k]} reader(s) and {writers[k]} writer(s) in flight; "
+                        "expected a free block no transfer touches"
                     )
 
 

@@ -138,6 +138,7 @@ class RequestSteps(RecordsView):
                     f"block {t.block_of(k)} of group {group} is already held by request {request!r}; "
                     "expected a block it does not hold"
                 )
+            self._refuse_written(k, group, request)
         for k in keys:
             t.add_hold(k, rec)
         _extend_held(rec, group, keys)
@@ -164,11 +165,21 @@ class RequestSteps(RecordsView):
                     f"block {t.block_of(k)} of group {group} is neither held nor parked; expected a "
                     "block another request holds or released (a cached prefix)"
                 )
+            self._refuse_written(k, group, request)
         for k in keys:
             if t.holder[k] is None and pool.is_parked(k):
                 pool.unpark(k)
             t.add_hold(k, rec)
         _extend_held(rec, group, keys)
+
+    def _refuse_written(self, key: int, group: int, request: RequestId) -> None:
+        """Rule 7: a block an inbound transfer is writing holds no cached prefix yet; a second holder would
+        outlive the importer's abort and free the block under the write."""
+        if self._fenced and self._table.writers[key]:
+            raise ValueError(
+                f"block {self._table.block_of(key)} of group {group} is being written by an import; request "
+                f"{request!r} may hold it only once that write ended (expected a block no transfer writes)"
+            )
 
     def free_blocks(self, request: RequestId, group: int, blocks: Sequence[int]) -> None:
         rec = self._records.require(request)
