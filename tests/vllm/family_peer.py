@@ -6,9 +6,9 @@ factory, registered with the tensors; a request's blocks filled with random byte
 export as the scheduler half offers it (``exports_ready``). Protocol, one JSON object per line:
   <- {"ready": true}
   -> {"case": name, "pages": path, "tokens": n}
-  <- {"params": kv_transfer_params}        (the exported pages saved at path, layer by layer)
+  <- {"case": name, "params": kv_transfer_params}   (the exported pages saved at path, layer by layer)
   -> {"finish": true, "expect_read": bool} once the consumer's load ended
-  <- {"sent": bool}                        whether the consumer read them (waiting up to 30 s if expected)
+  <- {"case": name, "sent": bool}          whether the consumer read them (waiting up to 30 s if expected)
   -> {"quit": true}
 """
 
@@ -52,13 +52,13 @@ def serve(case: str, pages_path: str, tokens: int) -> None:
         params = producer_params(engine_id="prefill-engine", request_id=rid, host="127.0.0.1", port=w.listen_port,
                                  block_ids=blocks, tp_size=1, num_tokens=tokens, lease_s=30, ranks=(w.advertised,),
                                  token=token)
-        print(json.dumps({"params": params}), flush=True)
+        print(json.dumps({"case": case, "params": params}), flush=True)
         finish = json.loads(sys.stdin.readline())  # the consumer's load ended (landed or refused)
         deadline, sent = time.monotonic() + (30 if finish.get("expect_read", True) else 0), False
         while not sent and time.monotonic() <= deadline:
             sent = rid in w.transfer_results().finished_sending
             time.sleep(0.01)
-        print(json.dumps({"sent": sent}), flush=True)
+        print(json.dumps({"case": case, "sent": sent}), flush=True)
     finally:
         conn.shutdown()
 
