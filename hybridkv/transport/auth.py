@@ -24,16 +24,28 @@ line, where every local user can read it (``/proc/*/cmdline``).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
+import logging
 import os
+import re
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv import wire
 
-MIN_SECRET_BYTES = 16  # 128 bits; a shorter secret is refused, not padded
+MIN_SECRET_BYTES = 32  # 256 bits: a shorter secret is refused (STRICT_SECRETS), not padded
+LEGACY_MIN_SECRET_BYTES = 16  # refused whatever STRICT_SECRETS says (the rule before it)
+MIN_DISTINCT_BYTES = 16  # 32 random bytes have ~30 distinct values; a pattern or a word has far fewer
+#: Whether a secret that breaks a strength rule (:func:`secret_weakness`), or a secret file that
+#: group or others can read, is refused. Off (a warning naming the rule) until the connectors' test
+#: harnesses use strong secrets, like ``config.REQUIRE_SECRET``.
+STRICT_SECRETS = False
+SECRET_FIX = "make one with `hybridkv secret FILE` (32 random bytes as hex, a file of mode 0600)"
 # Labels of protocol 3; distinct from every other protocol's (the SGLang sessions'), so no proof or
 # key of one is accepted by another.
 _PRODUCER = b"hybridkv-transport-v3 producer proof"
@@ -41,21 +53,31 @@ _CONSUMER = b"hybridkv-transport-v3 consumer proof"
 _SESSION = b"hybridkv-transport-v3 session key"
 _P2C = b"hybridkv-transport-v3 producer to consumer"
 _C2P = b"hybridkv-transport-v3 consumer to producer"
+_NOTIF = b"hybridkv-transport-v3 completion notification"
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 def load_secret(*, file: str | os.PathLike | None = None, env: str | None = None) -> bytes:
     """The shared secret from a file (one trailing newline dropped) or an environment variable;
-    exactly one of the two. Raises ValueError naming the source and what was expected."""
+    exactly one of the two. Raises ValueError naming the source and what was expected: a file group
+    or others can read, or a weak secret (:func:`check_secret`), is refused (``STRICT_SECRETS``)."""
     if (file is None) == (env is None):
         raise ValueError(f"secret file={file!r}, env={env!r}; expected exactly one of the two")
     if file is not None:
         path = Path(file)
         try:
+            mode = path.stat().st_mode
             data = path.read_bytes()
         except OSError as exc:
             raise ValueError(f"secret file {str(path)!r} cannot be read: {exc.strerror}; "
                              "expected a readable file holding the shared secret") from None
         source = f"secret file {str(path)!r}"
+        if stat.S_IMODE(mode) & 0o077:
+            # Any local user who can read it can authenticate as a peer (and read registered memory).
+            _refuse_or_warn(f"{source} has mode {stat.S_IMODE(mode):04o}: group or others can access it; "
+                            f"expected mode 0600 or 0400 (chmod 600 {str(path)!r}), or {SECRET_FIX}")
         data = data[:-1] if data.endswith(b"\n") else data
     else:
         value = os.environ.get(env)
@@ -68,11 +90,77 @@ def load_secret(*, file: str | os.PathLike | None = None, env: str | None = None
 
 
 def check_secret(secret: bytes, source: str = "secret") -> None:
+    """Refuse a secret that can be guessed: fewer than ``MIN_SECRET_BYTES`` bytes, text that is not
+    the hex or base64 of as many random bytes (a passphrase), or fewer than ``MIN_DISTINCT_BYTES``
+    distinct byte values (a pattern). ValueError naming the source, the rule and the fix; with
+    ``STRICT_SECRETS`` off a warning only, except below ``LEGACY_MIN_SECRET_BYTES``."""
     if not isinstance(secret, bytes):
         raise ValueError(f"{source} is {type(secret).__name__}; expected bytes")
+    weakness = secret_weakness(secret)
+    if weakness is None:
+        return
+    message = f"{source} {weakness}; {SECRET_FIX}"
+    if len(secret) < LEGACY_MIN_SECRET_BYTES:
+        raise ValueError(message)
+    _refuse_or_warn(message)
+
+
+def secret_weakness(secret: bytes) -> str | None:
+    """Which strength rule ``secret`` breaks (words to follow its source's name), or None.
+
+    The bytes as given are the key both sides use; the decoding is only how its strength is judged:
+    a secret that is all printable text must be hex or base64 (mixed case, as base64 of random bytes
+    always is) of at least ``MIN_SECRET_BYTES`` bytes, since text of that length is otherwise a
+    passphrase, guessable far below its length."""
     if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"{source} has {len(secret)} bytes; expected at least {MIN_SECRET_BYTES} "
-                         "(e.g. `head -c 32 /dev/urandom | base64 > secret`)")
+        return f"has {len(secret)} bytes; expected at least {MIN_SECRET_BYTES} random bytes"
+    raw, kind = _decoded(secret)
+    if raw is None:
+        return (f"is text of {len(secret)} characters that is neither hex nor base64 (a passphrase can be "
+                f"guessed offline); expected the hex or base64 of at least {MIN_SECRET_BYTES} random bytes")
+    if len(raw) < MIN_SECRET_BYTES:
+        return f"is {kind} of {len(raw)} bytes; expected at least {MIN_SECRET_BYTES} decoded bytes"
+    distinct = len(set(raw))
+    if distinct < MIN_DISTINCT_BYTES:
+        what = f"decoded from {kind}" if kind != "binary" else "binary"
+        return (f"has {distinct} distinct byte values ({what}); expected at least {MIN_DISTINCT_BYTES}, "
+                "as random bytes have (a pattern or a repeated value is not a secret)")
+    return None
+
+
+_HEX = re.compile(rb"(?:[0-9a-fA-F]{2})+")
+_B64 = re.compile(rb"[A-Za-z0-9+/]+={0,2}|[A-Za-z0-9_-]+={0,2}")
+
+
+def _decoded(secret: bytes) -> tuple[bytes | None, str]:
+    """The bytes a secret stands for and how it was read: as is (binary), or decoded from hex or
+    base64 where it is printable text; (None, "text") for text that is neither."""
+    try:
+        text = secret.decode("utf-8")
+    except UnicodeDecodeError:
+        return secret, "binary"
+    if not text.isprintable():
+        return secret, "binary"
+    if _HEX.fullmatch(secret):
+        return bytes.fromhex(text), "hex"
+    letters = [c for c in text if c.isalpha()]
+    mixed = any(c.isupper() for c in letters) and any(c.islower() for c in letters)
+    if _B64.fullmatch(secret) and mixed:
+        padded = secret.rstrip(b"=")
+        padded += b"=" * (-len(padded) % 4)
+        try:
+            return base64.b64decode(padded.replace(b"-", b"+").replace(b"_", b"/"), validate=True), "base64"
+        except (binascii.Error, ValueError):
+            pass
+    return None, "text"
+
+
+def _refuse_or_warn(message: str) -> None:
+    if STRICT_SECRETS:
+        raise ValueError(message)
+    if message not in _warned:  # once per process and source: configs are built often
+        _warned.add(message)
+        log.warning("weak shared secret (refused once hybridkv.transport.auth.STRICT_SECRETS is on): %s", message)
 
 
 def new_nonce() -> bytes:
@@ -197,5 +285,5 @@ def check_token(token: object, what: str = "capability token") -> bytes:
     return token
 
 
-__all__ = ["MIN_SECRET_BYTES", "Sealer", "Transcript", "address", "check_secret", "check_token", "labelled_proof",
-           "load_secret", "new_nonce", "new_token", "proof", "proves", "proven", "session_key", "token_from_hex"]
+__all__ = ["LEGACY_MIN_SECRET_BYTES", "MIN_DISTINCT_BYTES", "MIN_SECRET_BYTES", "SECRET_FIX", "STRICT_SECRETS", "Sealer", "Transcript", "address", "check_secret", "check_token", "labelled_proof",
+           "load_secret", "new_nonce", "secret_weakness", "new_token", "proof", "proves", "proven", "session_key", "token_from_hex"]

@@ -102,7 +102,7 @@ async def _no_secret(opts) -> dict:
     from hybridkv.errors import HybridKVError
 
     said = []
-    for secret in (None, b"not-the-shared-secret-0123456789"):
+    for secret in (None, b"c6d834a5a00e70605b396ba2a563b1c952f84c348679bab1821aacd2e8f165fc"):  # none, a wrong one
         cons = _consumer(secret)
         try:
             await cons.connect(*opts["addr"])

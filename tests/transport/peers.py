@@ -18,7 +18,8 @@ import traceback
 import numpy as np
 
 # Both peers prove this secret unless a test passes ``secret=None`` (unauthenticated) or another one.
-SECRET = b"hybridkv-tests-shared-secret-0123"
+# As `hybridkv secret` writes one: the hex of 32 random bytes (auth.check_secret refuses weaker ones).
+SECRET = b"55d10b05bbdceb41722b60c053311a2d724ebe2669fd4989c2a0e9d8eaa0bfe1"
 
 
 def token(rid: str) -> bytes:

@@ -8,12 +8,23 @@ from hybridkv import wire
 from hybridkv.transport import auth
 from hybridkv.transport.config import TransportConfig
 
-SECRET = b"0123456789abcdef0123"
+SECRET = b"2b64d066c6b894281b6f884cb058811e2662b3fac1cf457ec46bc168e41e8cc8"  # hex of 32 random bytes
 
 
-def test_the_secret_comes_from_a_file_or_an_environment_variable(tmp_path, monkeypatch):
-    path = tmp_path / "secret"
-    path.write_bytes(SECRET + b"\n")  # as `echo` or `base64` write it
+@pytest.fixture
+def strict(monkeypatch):
+    """The strength rules and the file-mode check refuse (as they will once the lead turns them on)."""
+    monkeypatch.setattr(auth, "STRICT_SECRETS", True)
+
+
+def _private(path, data: bytes):
+    path.write_bytes(data)
+    path.chmod(0o600)
+    return path
+
+
+def test_the_secret_comes_from_a_file_or_an_environment_variable(tmp_path, monkeypatch, strict):
+    path = _private(tmp_path / "secret", SECRET + b"\n")  # as `echo` or `base64` write it
     assert auth.load_secret(file=path) == SECRET
     monkeypatch.setenv("HKV_SECRET", SECRET.decode())
     assert auth.load_secret(env="HKV_SECRET") == SECRET
@@ -24,7 +35,8 @@ def test_the_secret_comes_from_a_file_or_an_environment_variable(tmp_path, monke
     ({"file": "/a", "env": "B"}, "expected exactly one of the two"),
     ({"file": "/nonexistent/hkv"}, r"secret file '/nonexistent/hkv' cannot be read"),
     ({"env": "HKV_UNSET"}, r"environment variable 'HKV_UNSET' is not set"),
-    ({"env": "HKV_SHORT"}, r"environment variable 'HKV_SHORT' has 5 bytes; expected at least 16"),
+    ({"env": "HKV_SHORT"}, r"environment variable 'HKV_SHORT' has 5 bytes; expected at least 32 random bytes; "
+                           r"make one with `hybridkv secret FILE`"),
 ])
 def test_an_unusable_secret_is_named(kw, message, monkeypatch):
     monkeypatch.delenv("HKV_UNSET", raising=False)
@@ -34,14 +46,70 @@ def test_an_unusable_secret_is_named(kw, message, monkeypatch):
 
 
 def test_config_checks_the_secret_and_keeps_it_out_of_repr():
-    with pytest.raises(ValueError, match="TransportConfig.secret has 3 bytes; expected at least 16"):
-        TransportConfig(secret=b"abc")
+    with pytest.raises(ValueError, match="TransportConfig.secret has 3 bytes; expected at least 32"):
+        TransportConfig(secret=b"abc")  # below 16 bytes: refused even with STRICT_SECRETS off
     with pytest.raises(ValueError, match="TransportConfig.secret is str; expected bytes"):
         TransportConfig(secret=SECRET.decode())  # type: ignore[arg-type]
     assert SECRET.decode() not in repr(TransportConfig(secret=SECRET))
     for key in ("max_handshakes", "max_wants_per_peer", "max_wants"):
         with pytest.raises(ValueError, match=f"TransportConfig.{key} = 0; expected an int >= 1"):
             TransportConfig(**{key: 0})
+
+
+# The test suites' weak secrets of the other harnesses, and what each breaks.
+WEAK = [
+    (b"0123456789abcdef-file", "has 21 bytes; expected at least 32 random bytes"),
+    (b"correct horse battery staple 42!", "is text of 32 characters that is neither hex nor base64"),
+    (b"rank-peers-shared-secret-0123456789", "is text of 35 characters that is neither hex nor base64"),
+    (b"correcthorsebatterystaplecorrecthorsebattery", "neither hex nor base64"),  # base64's alphabet, one case
+    (b"s" * 32, "neither hex nor base64"),
+    (b"0123456789abcdef" * 2, "is hex of 16 bytes; expected at least 32 decoded bytes"),
+    (b"0123456789abcdef" * 4, r"has 8 distinct byte values \(decoded from hex\); expected at least 16"),
+    (bytes(range(8)) * 4 + b"\xff", r"has 9 distinct byte values \(binary\); expected at least 16"),
+    (b"AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGw==", "is base64 of 28 bytes; expected at least 32 decoded bytes"),
+]
+
+
+@pytest.mark.parametrize(("secret", "rule"), WEAK)
+def test_a_weak_secret_is_refused_naming_the_rule_and_the_fix(secret, rule, strict):
+    with pytest.raises(ValueError, match=f"TransportConfig.secret .*{rule}.*make one with `hybridkv secret FILE`"):
+        TransportConfig(secret=secret)
+
+
+def test_strong_secrets_pass_in_each_form(strict):
+    import base64
+    import secrets
+
+    for _ in range(200):  # random bytes never trip a rule: as raw bytes, hex, base64 and url-safe base64
+        raw = secrets.token_bytes(32)
+        for form in (raw, raw.hex().encode(), raw.hex().upper().encode(), base64.b64encode(raw),
+                     base64.urlsafe_b64encode(raw).rstrip(b"=")):
+            assert auth.secret_weakness(form) is None, form
+            TransportConfig(secret=form)
+
+
+def test_a_weak_secret_is_a_warning_until_strict_secrets_is_on(caplog):
+    import logging
+
+    assert auth.STRICT_SECRETS is False  # the lead turns it on with config.REQUIRE_SECRET
+    with caplog.at_level(logging.WARNING, logger="hybridkv.transport.auth"):
+        TransportConfig(secret=b"hybridkv-tests-shared-secret-0123-warned")
+    assert any("neither hex nor base64" in r.message and "STRICT_SECRETS" in r.message for r in caplog.records)
+
+
+def test_a_secret_file_group_or_others_can_read_is_refused(tmp_path, strict):
+    path = _private(tmp_path / "secret", SECRET)
+    assert auth.load_secret(file=path) == SECRET
+    path.chmod(0o400)
+    assert auth.load_secret(file=path) == SECRET
+    for mode in (0o640, 0o644, 0o604, 0o660):
+        path.chmod(mode)
+        with pytest.raises(ValueError, match=rf"secret file '{path}' has mode {mode:04o}: group or others can "
+                                             rf"access it; expected mode 0600 or 0400 \(chmod 600 '{path}'\)"):
+            auth.load_secret(file=path)
+    weak = _private(tmp_path / "weak", b"correct horse battery staple 42!\n")
+    with pytest.raises(ValueError, match=rf"secret file '{weak}' is text of 32 characters that is neither"):
+        auth.load_secret(file=weak)
 
 
 def _transcript(**over) -> auth.Transcript:
