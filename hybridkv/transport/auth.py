@@ -99,10 +99,10 @@ def check_secret(secret: bytes, source: str = "secret") -> None:
     weakness = secret_weakness(secret)
     if weakness is None:
         return
-    message = f"{source} {weakness}; {SECRET_FIX}"
-    if len(secret) < LEGACY_MIN_SECRET_BYTES:
-        raise ValueError(message)
-    _refuse_or_warn(message)
+    if len(secret) < LEGACY_MIN_SECRET_BYTES and not STRICT_SECRETS:
+        raise ValueError(f"{source} has {len(secret)} bytes; expected at least {LEGACY_MIN_SECRET_BYTES} "
+                         f"({MIN_SECRET_BYTES} random bytes once STRICT_SECRETS is on); {SECRET_FIX}")
+    _refuse_or_warn(f"{source} {weakness}; {SECRET_FIX}")
 
 
 def secret_weakness(secret: bytes) -> str | None:
