@@ -188,7 +188,8 @@ class WorkerHalf:
         # vLLM applies kv_load_failure_policy itself; the transport only reports.
         from hybridkv.connectors.vllm.specs import compat_fields
 
-        return TransportConfig(host=self.host, port=port, failure_policy=FailurePolicy.FAIL,
+        # The address consumers dial (protocol 3 binds it into the proofs): "auto" resolved, as advertised.
+        return TransportConfig(host=resolve_host(self.host), port=port, failure_policy=FailurePolicy.FAIL,
                                export_timeout_s=self.export_timeout_s, allowed_peers=self.allowed_peers,
                                secret=self.secret, compat=compat_fields(self.vllm_config))
 

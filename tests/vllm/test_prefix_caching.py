@@ -20,7 +20,8 @@ import msgpack
 import pytest
 
 from tests.vllm import harness as h
-from tests.vllm.test_worker_nixl import _free_port, _read
+from tests.ports import free_ports
+from tests.vllm.test_worker_nixl import _read
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +82,7 @@ ZERO = ("d", 129, 1, 129)
 def test_prefix_caching_at_both_ends_moves_only_the_missing_suffix(tmp_path):
     from vllm.v1.engine import FinishReason
 
-    port = _free_port()
+    port = free_ports()
     log = open(tmp_path / "peer.log", "w")
     peer = subprocess.Popen([sys.executable, "-m", "tests.vllm.prefix_peer", str(port)], cwd=ROOT,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
