@@ -30,10 +30,7 @@ def serve(case: str, pages_path: str, tokens: int) -> None:
     from tests.vllm import families as fam
     from tests.vllm import harness as h
 
-    try:
-        from tests.ports import free_ports  # free below the ephemeral range, on every interface
-    except ImportError:  # pragma: no cover - a checkout without it
-        free_ports = _bound_port
+    from tests.ports import free_ports
     vc, kcc, kv = fam.build(case, role="kv_producer", engine_id="prefill-engine",
                             extra={"side_channel_port": free_ports(), "kv_lease_duration": 30})
     h.make_scheduler(vc, kcc, async_scheduling=False)  # the scheduler half starts for this model too
@@ -61,14 +58,6 @@ def serve(case: str, pages_path: str, tokens: int) -> None:
         print(json.dumps({"case": case, "sent": sent}), flush=True)
     finally:
         conn.shutdown()
-
-
-def _bound_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:
