@@ -59,7 +59,9 @@ def test_requests_that_share_a_block_export_it_under_counted_holds():
         assert delay and params is not None
         reqs.append(r)
     assert half.ts.holders(att, 4) == ("a", "b")
-    half.build_connector_meta(type("SO", (), {"num_scheduled_tokens": {}})())
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    half.build_connector_meta(SchedulerOutput.make_empty())
     half.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=HybridKVWorkerMetadata(step=0)))
     out = KVConnectorOutput(finished_sending={"a"}, kv_connector_worker_meta=HybridKVWorkerMetadata(step=0))
     half.update_connector_output(out)
