@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hybridkv.transport import config as transport_config
 from hybridkv.transport.auth import load_secret
 from hybridkv.transport.dataplane import DataPlaneConfig
 
@@ -15,6 +16,7 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _SECRET_KEYS = frozenset({"secret_file", "secret_env"})
 _INT_KEYS = frozenset({"workers", "max_sessions"})
+_BOOL_KEYS = frozenset({"progress_thread", "insecure_no_auth"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +50,13 @@ class SGLangConfig:
       decode ranks prove before any NIXL metadata travels is read from: a file, or the
       environment variable of that name (at most one; 16 bytes or more). The secret
       itself is never a value of these keys: they name where it is. Neither: the
-      backend runs unauthenticated, as before, and warns at start-up (a lab).
+      backend runs unauthenticated and warns at start-up (a lab); once hybridkv's
+      transport requires a secret (``hybridkv.transport.config.REQUIRE_SECRET``), only
+      with ``insecure_no_auth``.
+    * ``insecure_no_auth`` (false): lab mode by name, hybridkv's transport's
+      ``TransportConfig.insecure_no_auth``: no secret, and any process that reaches a
+      rank's ZMQ port can have KV written into memory it controls. Refused together
+      with a secret.
     * ``handshake_timeout_s`` (5): how long a decode rank waits for a prefill rank to
       answer its authentication handshake before the request fails.
     * ``max_sessions`` (256): proven decode ranks a prefill rank keeps a session with.
@@ -67,6 +75,7 @@ class SGLangConfig:
     secret_env: str | None = None
     handshake_timeout_s: float = 5.0
     max_sessions: int = 256
+    insecure_no_auth: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -74,7 +83,7 @@ class SGLangConfig:
             if f.name in _SECRET_KEYS:
                 if v is not None and (not isinstance(v, str) or v.strip() == ""):
                     raise ValueError(f"{f.name} = {v!r}; expected unset or a non-empty string")
-            elif f.name == "progress_thread":
+            elif f.name in _BOOL_KEYS:
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name} = {v!r}; expected a bool")
             elif f.name in _INT_KEYS:
@@ -86,11 +95,20 @@ class SGLangConfig:
         if self.secret_file is not None and self.secret_env is not None:
             raise ValueError(f"secret_file = {self.secret_file!r} and secret_env = {self.secret_env!r} are both set; "
                              "expected at most one source of the shared secret")
+        if self.insecure_no_auth and (self.secret_file is not None or self.secret_env is not None):
+            raise ValueError("insecure_no_auth = True with a shared secret (secret_file or secret_env); expected one "
+                             "of the two (a secret authenticates every rank, insecure_no_auth serves any)")
 
     def secret(self) -> bytes | None:
         """The shared secret, read from its file or environment variable now (None: unauthenticated).
-        ValueError naming the key and what is wrong (unreadable, unset, shorter than 16 bytes)."""
+        ValueError naming the key and what is wrong (unreadable, unset, shorter than 16 bytes), or, where
+        hybridkv's transport requires a secret, that neither it nor ``insecure_no_auth`` is set."""
         if self.secret_file is None and self.secret_env is None:
+            if not self.insecure_no_auth and transport_config.REQUIRE_SECRET:
+                raise ValueError(f"hybridkv SGLang backend: no shared secret ({_ENV_PREFIX}SECRET_FILE or "
+                                 f"{_ENV_PREFIX}SECRET_ENV); expected one, or {_ENV_PREFIX}INSECURE_NO_AUTH=1 to run "
+                                 "unauthenticated in a lab, where any process that reaches a rank's port can have KV "
+                                 "written into memory it controls")
             return None
         key = "secret_file" if self.secret_file is not None else "secret_env"
         try:
@@ -131,7 +149,7 @@ class SGLangConfig:
 def _parse(var: str, raw: str, key: str) -> Any:
     if key in _SECRET_KEYS:
         return raw  # a path or a variable name, never the secret itself
-    if key == "progress_thread":
+    if key in _BOOL_KEYS:
         if raw.lower() in _TRUE:
             return True
         if raw.lower() in _FALSE:

@@ -148,9 +148,10 @@ class HybridKVManager(CommonKVManager):
         secret = self.config.secret()
         if secret is None:
             logger.warning(
-                "hybridkv: no shared secret (HYBRIDKV_SGLANG_SECRET_FILE or HYBRIDKV_SGLANG_SECRET_ENV): this %s rank "
+                "hybridkv: no shared secret (HYBRIDKV_SGLANG_SECRET_FILE or HYBRIDKV_SGLANG_SECRET_ENV)%s: this %s rank "
                 "accepts REGISTER/METADATA/ABORT from any process that reaches its ZMQ port, which can then have KV "
                 "written into memory it controls; unauthenticated mode is for a lab only",
+                ", lab mode by name (HYBRIDKV_SGLANG_INSECURE_NO_AUTH)" if self.config.insecure_no_auth else "",
                 "decode" if decode else "prefill")
         #: what the authentication let in and dropped (sessions.py)
         self.auth_stats = AuthStats()

@@ -49,7 +49,8 @@ def context():
 
 # The shared secret of ranks that run authenticated, as an operator sets it (HYBRIDKV_SGLANG_SECRET_ENV names
 # the variable holding it); LAB_ENV unsets both: no secret, SGLang's unauthenticated lab mode.
-SECRET = "correct horse battery staple 42"
+# Hex of 32 random bytes, as `hybridkv secret FILE` writes one (a passphrase breaks auth.STRICT_SECRETS).
+SECRET = "e7e4b2d31b850d7cae4f204c97cb20387ab357fadf05b978cb8ea07e88c5aea9"
 SECRET_ENV = {"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": SECRET}
 LAB_ENV = {"HYBRIDKV_SGLANG_SECRET_ENV": None, "HKV_TEST_SECRET": None}
 
