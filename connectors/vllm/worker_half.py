@@ -191,7 +191,8 @@ class WorkerHalf:
         # The address consumers dial (protocol 3 binds it into the proofs): "auto" resolved, as advertised.
         return TransportConfig(host=resolve_host(self.host), port=port, failure_policy=FailurePolicy.FAIL,
                                export_timeout_s=self.export_timeout_s, allowed_peers=self.allowed_peers,
-                               secret=self.secret, compat=compat_fields(self.vllm_config))
+                               secret=self.secret, insecure_no_auth=self.config.insecure_no_auth,
+                               compat=compat_fields(self.vllm_config))
 
     @staticmethod
     def _planner():
@@ -414,6 +415,8 @@ class WorkerHalf:
         return HybridKVHandshakeMetadata(tp_rank=self.rank, address=self.advertised)
 
     def shutdown(self) -> None:
+        """Close the transport within SHUTDOWN_S in all, and never raise: vLLM calls this while it tears
+        the engine down, where an exception (a peer that never answers the close) stops the rest."""
         if self._loop is None:
             return
 
@@ -423,16 +426,24 @@ class WorkerHalf:
             if self._producer is not None:
                 await self._producer.close()
 
+        deadline = time.monotonic() + SHUTDOWN_S
+        closing = self._call(close_all())
         try:
-            self._call(close_all()).result(timeout=10)
+            closing.result(timeout=SHUTDOWN_S)
+        except Exception as exc:  # the bound passed (TimeoutError), or the close itself failed
+            closing.cancel()
+            log.warning("hybridkv worker shutdown: the transport did not close cleanly within %.0f s (%s: %s); "
+                        "stopping it", SHUTDOWN_S, type(exc).__name__, exc)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._thread is not None:
-                self._thread.join(timeout=10)
+                self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
             self._loop = None
 
 
 _GONE_REMEMBERED = 4096
+#: The most shutdown() takes, the transport's close and its thread's stop together.
+SHUTDOWN_S = 10.0
 
 
 def _remember(seen: dict[str, None], agent: str) -> None:
