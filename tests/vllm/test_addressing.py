@@ -29,7 +29,11 @@ def test_pipeline_and_context_parallelism_are_refused_at_startup(role, key):
     vc = h.make_vllm_config(role="kv_both")
     kcc = h.make_kv_cache_config(vc)
     setattr(vc.parallel_config, key, 2)
-    with pytest.raises(ValueError, match=rf"does not support {key} = 2; expected 1"):
+    # Decode context parallelism is refused by the layout check (it shards attention layers' tokens), which
+    # runs first and names the layer; pipeline parallelism by the addressing check.
+    expected = (r"decode context parallelism \(2\) shards its tokens" if key == "decode_context_parallel_size"
+                else rf"does not support {key} = 2; expected 1")
+    with pytest.raises(ValueError, match=expected):
         KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole[role], kv_cache_config=kcc)
 
 
