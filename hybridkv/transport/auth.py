@@ -54,6 +54,7 @@ _SESSION = b"hybridkv-transport-v3 session key"
 _P2C = b"hybridkv-transport-v3 producer to consumer"
 _C2P = b"hybridkv-transport-v3 consumer to producer"
 _NOTIF = b"hybridkv-transport-v3 completion notification"
+NOTIF_TAG_BYTES = 16  # a notification's tag (Sealer.tag): 128 bits, unforgeable without the session key
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -235,6 +236,23 @@ class Sealer:
         self._sent += 1
         return body + mac
 
+    def tag(self, body: bytes) -> bytes:
+        """The tag of a NIXL completion notification this side sends on the session's behalf:
+        notifications travel outside the channel (a UCX active message naming only an agent, which
+        anyone who loaded the peer's metadata can send under any name), so the tag is what binds one
+        to this session. Not numbered: a repeated notification is a duplicate, told apart by its id."""
+        return self._notif_mac(self._out, body)
+
+    def tag_ok(self, body: bytes, tag: bytes) -> bool:
+        """Whether ``tag`` is the session peer's tag of the notification ``body``."""
+        return proven(self._notif_mac(self._in, body), tag)
+
+    def _notif_mac(self, direction: bytes, body: bytes) -> bytes:
+        h = hmac.new(self._key, _NOTIF, hashlib.sha256)
+        h.update(direction)
+        h.update(body)
+        return h.digest()[:NOTIF_TAG_BYTES]
+
     def open(self, frame: bytes) -> bytes:
         """The body of the next frame received; ValueError where it does not open (the channel is
         then useless: the caller drops it)."""
@@ -285,5 +303,5 @@ def check_token(token: object, what: str = "capability token") -> bytes:
     return token
 
 
-__all__ = ["LEGACY_MIN_SECRET_BYTES", "MIN_DISTINCT_BYTES", "MIN_SECRET_BYTES", "SECRET_FIX", "STRICT_SECRETS", "Sealer", "Transcript", "address", "check_secret", "check_token", "labelled_proof",
+__all__ = ["LEGACY_MIN_SECRET_BYTES", "MIN_DISTINCT_BYTES", "NOTIF_TAG_BYTES", "MIN_SECRET_BYTES", "SECRET_FIX", "STRICT_SECRETS", "Sealer", "Transcript", "address", "check_secret", "check_token", "labelled_proof",
            "load_secret", "new_nonce", "secret_weakness", "new_token", "proof", "proves", "proven", "session_key", "token_from_hex"]

@@ -68,6 +68,12 @@ class Channel:
         # The connection UCX accepted for it: StrayConnections leaves it alone.
         self.peer = remote_sockaddr(endpoint) if hasattr(endpoint, "ucp_endpoint") else None
 
+    @property
+    def sealer(self):
+        """The channel's auth.Sealer (None before its handshake's proofs, or in a lab): completion
+        notifications of its requests are tagged under the same session key."""
+        return self._sealer
+
     def seal(self, sealer) -> None:
         """From now on every frame sent is sealed and every frame received must open
         (:class:`hybridkv.transport.auth.Sealer`): one that does not ends the channel (PeerLost)."""

@@ -29,7 +29,8 @@ a transfer is posted only when the fence allows it (``post_export`` /
 ``post_import``) and its end is reported back (``transfer_landed`` /
 ``transfer_failed``), so the fence table stays consistent on every path.
 
-Completion travels as a NIXL notification (``hkv:<request id>``), which
+Completion travels as a NIXL notification (``hkv:<request id>``, with a secret
+followed by a tag under the session's key, so no other peer can send it), which
 reaches the target after the data: in pull mode the consumer's READ tells the
 producer it may free the blocks; in push mode the producer's WRITE tells the
 consumer its blocks are filled. The control channel carries the rest

@@ -29,7 +29,7 @@ from hybridkv.transport.config import Outcome, Result
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.plan import PeerPlanner
-from hybridkv.transport.side import NOTIF_PREFIX, Peer, Side, remember, rid_of, send_quietly
+from hybridkv.transport.side import Peer, Side, notification, remember, send_quietly
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,10 @@ class Exports:
             msg = await self._side.next_message(peer)
             if msg is None:
                 self.peer_lost(peer)
+                return
+            if not peer.alive:
+                # Cut off (or lost) while its frames were still arriving: what it sent after that goes
+                # with it, never into the tables (a Want would wait there for an export for ever).
                 return
             self._on_message(peer, msg)
 
@@ -290,7 +294,7 @@ class Exports:
                 prepared = self._plans[peer.agent] = self._planner.prepare((self._memory,), peer.memory)
             plan = prepared.plan(0, rec.blocks, dst)
             plan.check()
-            notif = NOTIF_PREFIX + rec.rid.encode()
+            notif = notification(peer, rec.rid)
             rec.posted_at = time.perf_counter()
             rec.xfer = xfer = self._dp.post_plan(Op.WRITE, peer.agent, plan, notif)
             rec.descriptors = plan.num_descriptors
@@ -364,14 +368,15 @@ class Exports:
 
     def on_notif(self, agent: str, msg: bytes) -> None:
         """A completion notification: in pull mode, a reader's READ is done."""
-        rid = rid_of(msg)
+        rid = self._side.notified(agent, msg)
+        if rid is None:
+            return  # not ours, or not from the session of that agent name: counted there
         seen = f"{agent}\0{rid}"
-        if rid is not None and seen in self._notified:
+        if seen in self._notified:
             self._stats.duplicates += 1  # a completion repeated: already terminal, ignored
             return
-        if rid is not None:
-            remember(self._notified, seen)
-        rec = self._exports.get(rid) if rid is not None else None
+        remember(self._notified, seen)
+        rec = self._exports.get(rid)
         if rec is None or agent not in rec.claims or self._config.mode is not wire.Mode.PULL:
             if rid not in self._finished:
                 self._stats.unknown += 1  # never ours (or not from that peer): ignored

@@ -27,7 +27,7 @@ from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.parts import Part, Parts
 from hybridkv.transport.plan import PeerPlanner, TransferPlan
-from hybridkv.transport.side import NOTIF_PREFIX, Peer, Side, send_quietly
+from hybridkv.transport.side import Peer, Side, notification, send_quietly
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -175,12 +175,13 @@ class Importer:
 
     async def _pull_parts(self, rid: str, tid: int, work: list[Work]) -> Result:
         t0 = time.perf_counter()
-        notif = NOTIF_PREFIX + rid.encode() if self._config.notify_reads else b""
         posted: list[Transfer] = []
         error = None
         for w in work:
             if w.plan.num_descriptors == 0:
                 continue  # nothing of this producer's is needed here (GQA duplicate): Done tells it
+            # tagged for the session of the producer it goes to (side.notification)
+            notif = notification(w.part.peer, rid) if self._config.notify_reads else b""
             try:
                 posted.append(self._post(w, notif))
             except Exception as exc:

@@ -16,7 +16,7 @@ from hybridkv import wire
 from hybridkv.errors import PeerError, PeerLost
 from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.parts import Parts
-from hybridkv.transport.side import Peer, Side, rid_of, send_quietly
+from hybridkv.transport.side import Peer, Side, send_quietly
 
 
 class ProducerLinks:
@@ -122,8 +122,10 @@ class ProducerLinks:
     def on_notif(self, agent: str, msg: bytes) -> None:
         """A completion notification: in push mode, the producer's WRITE of a part landed."""
         side = self._side
-        rid = rid_of(msg)
-        part = self._parts.get(agent, rid) if rid is not None else None
+        rid = side.notified(agent, msg)
+        if rid is None:
+            return  # not ours, or not from the session of that agent name: counted there
+        part = self._parts.get(agent, rid)
         if part is None or side.config.mode is not wire.Mode.PUSH:
             side.stats.unknown += 1
             return

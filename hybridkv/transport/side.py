@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, PeerLost
-from hybridkv.transport import control
+from hybridkv.transport import auth, control
 from hybridkv.transport import config as _config
 from hybridkv.transport.config import Pairing, Stats, TransportConfig
 from hybridkv.transport.dataplane import DataPlane, Transfer, XferState
@@ -69,6 +69,15 @@ def rid_of(notif: bytes) -> str | None:
         return notif[len(NOTIF_PREFIX):].decode()
     except UnicodeDecodeError:
         return None
+
+
+def notification(peer: Peer, rid: str) -> bytes:
+    """The completion notification of request ``rid`` to ``peer``: ``NOTIF_PREFIX`` and the id, and
+    with a secret a NUL and the session's tag (auth.Sealer.tag), so that only this session's peer
+    can have sent it."""
+    body = NOTIF_PREFIX + rid.encode()
+    sealer = peer.channel.sealer
+    return body if sealer is None else body + b"\0" + sealer.tag(body)
 
 
 async def send_quietly(ch: control.Channel, msg: wire.Message) -> None:
@@ -149,6 +158,31 @@ class Side:
                         "TransportConfig.secret (auth.load_secret; `hybridkv secret FILE` makes one) on both sides.",
                         self.role.name.lower(), f" {where}" if where else "",
                         "insecure_no_auth" if self.config.insecure_no_auth else "no secret given")
+
+    def notified(self, agent: str, msg: bytes) -> str | None:
+        """The request a completion notification from ``agent`` names, or None (counted here: in
+        ``stats.unknown`` where it is not one of ours or no peer of that name is connected, in
+        ``stats.forbidden`` where, with a secret, it lacks the tag of that peer's session). NIXL names
+        the sender as the sender names itself, so without the tag any peer holding this side's
+        metadata could end another session's transfer under its agent name."""
+        if self.config.secret is None:
+            body = msg
+        else:
+            peer = self.peers.get(agent)
+            n = auth.NOTIF_TAG_BYTES  # the tag is binary: it may hold a NUL itself
+            body, sep, tag = msg[:-n - 1], msg[-n - 1:-n], msg[-n:]
+            if peer is None or peer.channel.sealer is None:
+                self.stats.unknown += 1  # no session of that name (gone, or never)
+                return None
+            if len(msg) <= n + 1 or sep != b"\0" or not peer.channel.sealer.tag_ok(body, tag):
+                self.stats.forbidden += 1
+                log.warning("dropped a completion notification under the agent name %r without its session's "
+                            "tag (another peer sending under that name?)", agent)
+                return None
+        rid = rid_of(body)
+        if rid is None:
+            self.stats.unknown += 1
+        return rid
 
     def describe(self) -> dict:
         """What is in flight, for an operator or a stuck test to print (plain data)."""

@@ -25,6 +25,11 @@ Attacks (``ATTACKS``):
   a guessed token, and renews ids that do not exist.
 - ``heartbeat_flood``: an authenticated peer sends Heartbeats of 1,024 guessed tickets as fast as it can.
 - ``want_flood``: an authenticated peer sends Wants for random ids (65,536 at full scale).
+- ``forged_notif``: an authenticated peer claims a request of its own (``VICTIM``) and does not read it yet;
+  a NIXL agent that takes its agent name (seen in its plaintext Auth on the network) and loads the
+  producer's metadata sends the completion notification of that request: does the producer end the claim?
+- ``cut_off_backlog``: an authenticated peer sends its share of Wants and as many again at once, so that
+  frames are still arriving when it is cut off: none of them may stay in the producer's tables.
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ import traceback
 from tests.transport import harness, peers
 
 ATTACKS = ("relay", "no_secret", "forged_hello", "big_frames", "unknown_tags", "raw_tcp", "close_wait", "half_open", "claim", "heartbeat_flood",
-           "want_flood")
+           "want_flood", "cut_off_backlog", "forged_notif")
 REQUESTS = [("r-legit", 200, False), ("r-legit2", 60, True)]
+VICTIM = ("r-victim", 40, False)  # exported too when forged_notif runs: the insider's own request
 
 #: per attack, at scale 1 (CI); the table multiplies the counts by --scale
 SMALL = {"connections": 8, "tag_seconds": 1.5, "tag_bytes": 4096, "heartbeats": 40, "wants": 600, "hold_s": 3.0,
@@ -324,6 +330,7 @@ async def _authenticated():
     hello = await ch.recv()
     if not isinstance(hello, wire.Hello):
         raise RuntimeError(f"the insider's handshake failed: {hello}")
+    cons.producer_hello = hello  # its NIXL metadata, for attacks on the data plane
     return cons, ch
 
 
@@ -396,6 +403,54 @@ async def _want_flood(opts) -> dict:
     got = await asyncio.wait_for(reader, 35.0)
     await ch.close()
     return {"wants_sent": sent, "ended_with": _describe(got[-1]) if got else None}
+
+
+async def _cut_off_backlog(opts) -> dict:
+    from hybridkv import wire
+
+    cons, ch = await _authenticated()
+    token = secrets.token_bytes(16)
+    n = 2 * opts["wants_per_peer"] + 64
+    reader = asyncio.ensure_future(_collect(ch, 10.0))
+    sends = [asyncio.ensure_future(ch.send(wire.Want(request_id=f"backlog-{i}", token=token))) for i in range(n)]
+    done = await asyncio.gather(*sends, return_exceptions=True)
+    got = await asyncio.wait_for(reader, 15.0)
+    await ch.close()
+    return {"wants_sent": sum(d is None for d in done), "ended_with": _describe(got[-1]) if got else None}
+
+
+async def _forged_notif(opts) -> dict:
+    """The insider claims VICTIM with its token; another NIXL agent, named as the insider's, sends the
+    producer VICTIM's completion notification (as a peer that watched the insider's handshake could).
+    Then the insider renews VICTIM: a lease of 0 says the forged notification ended its claim (in PULL
+    mode the producer then frees the pages the reader was about to READ)."""
+    from hybridkv import wire
+    from hybridkv.transport.dataplane import DataPlane, DataPlaneConfig
+    from hybridkv.transport.memory import MemoryMap
+
+    cons, ch = await _authenticated()
+    rid, tok = VICTIM[0], peers.token(VICTIM[0])
+    await ch.send(wire.Want(request_id=rid, token=tok))
+    export = await asyncio.wait_for(ch.recv(), 10.0)
+    if not isinstance(export, wire.Export):
+        return {"claimed": _describe(export)}
+    hello = cons.producer_hello
+    forger = DataPlane(cons.memory, DataPlaneConfig(name=cons.dp.name))
+    try:
+        forger.add_peer(hello.metadata, MemoryMap(regions=hello.regions, groups=hello.groups, table=hello.layout))
+        for msg in (b"hkv:" + rid.encode(), b"hkv:" + rid.encode() + b"\0" + bytes(16)):  # old form, a guessed tag
+            forger.notify(hello.agent, msg)
+        for _ in range(100):
+            forger.pump()
+            await asyncio.sleep(0.005)
+        await ch.send(wire.Heartbeat(seq=1, tickets=(wire.Ticket(request_id=rid, token=tok),)))
+        got = [m for m in await _collect(ch, 1.0) if isinstance(m, wire.Lease)]
+        lease = got[0].lease_s if got else None
+    finally:
+        await ch.send(wire.Done(request_id=rid, ok=True, token=tok))  # ends it, where the forger did not
+        await asyncio.sleep(0.2)
+        forger.close()
+    return {"claimed": "Export", "lease_after_forged_notif": lease, "claim_ended_by_forger": lease == 0.0}
 
 
 _KEEP: list = []  # receive buffers of cancelled raw receives: UCX may still write into them
@@ -526,7 +581,8 @@ async def _relay_once(rewrite: bool) -> dict:
 
 _ATTACKS = {"relay": _relay, "no_secret": _no_secret, "forged_hello": _forged_hello, "big_frames": _big_frames,
             "unknown_tags": _unknown_tags, "raw_tcp": _raw_tcp, "close_wait": _close_wait, "half_open": _half_open, "claim": _claim,
-            "heartbeat_flood": _heartbeat_flood, "want_flood": _want_flood}
+            "heartbeat_flood": _heartbeat_flood, "want_flood": _want_flood,
+            "cut_off_backlog": _cut_off_backlog, "forged_notif": _forged_notif}
 _ADDR: tuple[str, int] = ("127.0.0.1", 0)
 
 
@@ -611,8 +667,9 @@ def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: 
     if scale > 1:
         knobs["wants"] = max(knobs["wants"], 65536)
     knobs.update(over)
-    prod = harness.producer(requests=REQUESTS, handshake_timeout_s=handshake_timeout_s, peer_timeout_s=120.0,
-                            linger_s=0.5, max_wants_per_peer=SMALL_WANTS_PER_PEER if scale == 1 else 4096,
+    knobs["wants_per_peer"] = SMALL_WANTS_PER_PEER if scale == 1 else 4096
+    prod = harness.producer(requests=REQUESTS + ([VICTIM] if "forged_notif" in attacks else []), handshake_timeout_s=handshake_timeout_s, peer_timeout_s=120.0,
+                            linger_s=0.5, max_wants_per_peer=knobs["wants_per_peer"],
                             idle_connection_s=idle_connection_s)
     try:
         host, port, pid = prod.expect("addr")
@@ -668,6 +725,8 @@ def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: 
             "consumer_in_flight": cstate["in_flight"],
             "producer_free": pstate["free"] == pstate["total"], "producer_in_flight": pstate["in_flight"],
             "producer_requests": pstate["requests"], "stats": pstate["stats"],
+            # Wants still waiting for an export in the producer's tables once every peer is gone
+            "producer_wants_ahead": pstate.get("wants_ahead"),
         }
     finally:
         prod.stop()

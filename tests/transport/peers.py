@@ -196,6 +196,7 @@ async def _producer(opts, out, inbox):
     out.put(("state", {"free": [sched.free_count(p) for p in range(len(pools.pool_sizes))],
                        "total": list(pools.pool_sizes), "in_flight": sched.transfers_in_flight(),
                        "requests": sched.requests_in_flight(), "stats": vars(prod.stats),
+                       "wants_ahead": sum(prod.describe()["wants_ahead"].values()),
                        "metrics": prod.metrics.take().to_dict(), "placement": placement(layout)}))
     await _await_inbox(inbox, "stop", prod)
     await prod.close()
@@ -303,9 +304,13 @@ async def _run_requests(opts, out, inbox, layout, sched, cons):
     digests = {r.request_id: digest(layout, plans[r.request_id]) for r in results}
     if opts.get("duplicate_notif_fake"):
         # A misbehaving peer: completions repeated and for unknown requests.
+        from hybridkv.transport.side import notification
+
         for r in results:
-            cons.dp.notify(cons.peer.agent, b"hkv:" + r.request_id.encode())
-        cons.dp.notify(cons.peer.agent, b"hkv:never-exported")
+            cons.dp.notify(cons.peer.agent, notification(cons.peer, r.request_id))
+        cons.dp.notify(cons.peer.agent, notification(cons.peer, "never-exported"))
+        # ... and one without its session's tag (with a secret; in a lab it is one more duplicate)
+        cons.dp.notify(cons.peer.agent, b"hkv:" + results[0].request_id.encode())
         await asyncio.sleep(0.3)
     sched.audit()
     out.put(("results", [(r.request_id, r.outcome.name, r.error, r.descriptors, r.indices, r.nbytes, r.planned)

@@ -31,6 +31,7 @@ def _legit_consumer_served(r) -> None:
     assert set(r["producer"].values()) == {"DONE"}
     assert r["producer_free"] and r["producer_in_flight"] == 0 and r["producer_requests"] == 0
     assert r["consumer_in_flight"] == 0
+    assert r["producer_wants_ahead"] == 0  # nothing of a peer gone stays in its tables
 
 
 def test_every_attack_class_costs_the_attacker_not_the_producer():
@@ -68,7 +69,14 @@ def test_every_attack_class_costs_the_attacker_not_the_producer():
     # Floods: the flooding peer is cut off (Wants) or its excess renewals dropped (Heartbeats).
     assert a["heartbeat_flood"]["heartbeats"] > 0 and stats["rejected"] > 0
     assert a["want_flood"]["ended_with"] == "PeerLost"
-    assert stats["cut_off"] >= 1  # the Want flooder
+    assert stats["cut_off"] >= 2  # the Want flooders
+    # Frames still arriving from a peer cut off go with it (35 of its Wants stayed for good before).
+    assert a["cut_off_backlog"]["ended_with"] == "PeerLost", a["cut_off_backlog"]
+    # A completion notification sent under another session's agent name, untagged or with a guessed tag,
+    # ends nothing: the claim is renewed afterwards (before, the producer ended it and freed the pages).
+    forged = a["forged_notif"]
+    assert forged["claimed"] == "Export" and forged["claim_ended_by_forger"] is False, forged
+    assert forged["lease_after_forged_notif"] > 0 and stats["forbidden"] >= 3 + 2
     # What it cost the producer (about 5 MB on a quiet machine), and what the legitimate consumer got.
     rss = r["rss_mb"]
     assert rss["peak"] - rss["before"] < 100, rss

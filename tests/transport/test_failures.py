@@ -204,7 +204,8 @@ def test_duplicate_and_unknown_completions_fake_peer():
         assert _outcomes(cons.expect("results")) == {"r1": "READY"}
         assert _outcomes(prod.expect("results")) == {"r1": "DONE"}
         state = prod.expect("state")
-        assert state["stats"]["duplicates"] == 1 and state["stats"]["unknown"] == 1
+        assert state["stats"]["duplicates"] == 1 and state["stats"]["unknown"] == 1, str(state["stats"])
+        assert state["stats"]["forbidden"] == 1  # the untagged one: not this session's (side.notified)
         assert state["free"] == state["total"] and state["requests"] == 0
     finally:
         prod.stop()
