@@ -7,7 +7,9 @@ checked against what the rules of docs/design.md say it must answer, from bookke
 module's own (never the scheduler's records):
 
 * every block handed out (``allocate``) is settled (no scheduled step that may touch it is
-  pending), has no transfer reading or writing it, and no live holder (rules 2, 5, 6);
+  pending), has no transfer reading or writing it, and no live holder (rules 2, 5, 6, 7);
+* ``share`` (rule 7) adds a holder to another request's blocks, and is refused exactly when an import
+  writes one of them; an import into a block another request holds is refused;
 * ``post_export`` says yes exactly when every block of the request is settled and the read fits
   the lease (rules 1, 6); ``post_import`` exactly when no pending step touches the target blocks,
   no transfer reads them and the read fits the lease (rules 3, 6);
@@ -56,6 +58,7 @@ TICK = "tick"  # (TICK, dt): time passes; poll() expires lapsed leases
 WAIT = "wait"  # (WAIT, dt): time passes, nobody polls yet (a heartbeat may come first)
 RECOMPUTE = "recompute"  # (RECOMPUTE, i): a failed (or given-up) import computes locally
 GRAB = "grab"  # (GRAB,): hand every free block to a new request at once, then free it
+SHARE = "share"  # (SHARE, i, j): request j holds request i's attention blocks too (rule 7: a cached prefix)
 
 
 class Violation(AssertionError):
@@ -78,6 +81,7 @@ class _Req:
     expect: frozenset
     phase: str  # local, importing, failed, ready, exporting
     resident: bool = False
+    last: int = NEVER  # the last step scheduled while it was resident (its residency's fence)
     arrived: set = field(default_factory=set)
     abandoned: bool = False
 
@@ -105,9 +109,12 @@ class Oracle:
         self.s = TransferScheduler(PoolLayout.shared(num_blocks=BLOCKS, num_groups=2), policy=policy,
                                    lease_s=LEASE_S, clock=self.clock)
         self.fence = [NEVER] * BLOCKS  # last scheduled step that may touch the block
+        # The same without the live holders' residency (zeroing, and holders that let go): with a request's own
+        # residency, what rules 1 and 3 ask of its blocks (rule 7: they apply per holder).
+        self.frozen = [NEVER] * BLOCKS
         self.readers = [0] * BLOCKS
         self.writers = [0] * BLOCKS
-        self.holder: dict[int, str] = {}
+        self.holder: dict[int, list[str]] = {}  # rule 7: every live holder, the first first
         self.imported: set[int] = set()  # written by an import since allocated: never zero them
         self.zero_next: list[int] = []  # new attention blocks, zeroed by the next step
         self.scheduled = NEVER
@@ -126,11 +133,14 @@ class Oracle:
     def _settled(self, b: int) -> bool:
         return self.fence[b] <= self.watermark
 
+    def _settled_for(self, r: _Req, b: int) -> bool:
+        return max(self.frozen[b], r.last) <= self.watermark
+
     def _fresh(self, blocks, who: str) -> None:
         for b in blocks:
             why = ("a step that may touch it is pending" if not self._settled(b) else
                    "a transfer reads it" if self.readers[b] else "a transfer writes it" if self.writers[b] else
-                   f"request {self.holder[b]} holds it" if b in self.holder else None)
+                   f"request {self.holder[b][0]} holds it" if b in self.holder else None)
             if why:
                 raise Violation(f"block {b} handed to {who} while {why} (fence {self.fence[b]}, "
                                 f"watermark {self.watermark})")
@@ -139,13 +149,24 @@ class Oracle:
         """The scheduler forgot request ``r``: its blocks go back once the rules allow."""
         del self.reqs[r.rid]
         self.leases.pop(r.rid, None)
-        for b in r.blocks:
-            self.holder.pop(b, None)
-            self.imported.discard(b)
-        self.zero_next = [b for b in self.zero_next if b not in r.blocks]
+        gone = [b for b in r.blocks if self._let_go(b, r)]
+        self.imported.difference_update(gone)
+        self.zero_next = [b for b in self.zero_next if b not in gone]
         for x in self.xfers.values():
             if x.rid == r.rid:
                 x.orphaned = True
+
+    def _let_go(self, b: int, r: _Req) -> bool:
+        """``r`` releases its hold on block ``b`` (its residency freezes into the block's fence); True if that
+        was the last hold (rule 7)."""
+        self.frozen[b] = max(self.frozen[b], r.last)
+        hs = self.holder.get(b, [])
+        if r.rid in hs:
+            hs.remove(r.rid)
+        if hs:
+            return False
+        self.holder.pop(b, None)
+        return True
 
     def _allocate(self, rid: str, n: int) -> tuple[list[int], int] | None:
         s = self.s
@@ -182,7 +203,7 @@ class Oracle:
                  phase="importing" if remote else "local")
         self.reqs[rid] = r
         for b in r.blocks:
-            self.holder[b] = rid
+            self.holder[b] = [rid]
         self.zero_next += att  # hybrid models zero new attention blocks (vLLM #35219)
 
     def _op_step(self, mask: int) -> None:
@@ -202,11 +223,12 @@ class Oracle:
         self.pending.append(step)
         for b in zero:
             if b not in must_skip:
-                self.fence[b] = step
+                self.fence[b] = self.frozen[b] = step
         for r in joined:
             r.resident = True
         for r in self.reqs.values():
             if r.resident:
+                r.last = step
                 for b in r.blocks:
                     self.fence[b] = step
 
@@ -237,9 +259,9 @@ class Oracle:
             return
         b = r.att.pop()
         self.s.free_blocks(r.rid, ATT, [b])
-        self.holder.pop(b)
-        self.imported.discard(b)
-        self.zero_next = [k for k in self.zero_next if k != b]
+        if self._let_go(b, r):
+            self.imported.discard(b)
+            self.zero_next = [k for k in self.zero_next if k != b]
 
     def _op_abort(self, i: int) -> None:
         r = self._pick(i, lambda r: True)
@@ -261,11 +283,18 @@ class Oracle:
         if not comps:
             return
         deadline = None if lease_s is None else self.clock.now + lease_s
-        got = self.s.post_import(r.rid, components=comps, lease_deadline=deadline, expected_s=expected_s)
         blocks = (r.att if KV in comps else []) + ([r.gdn] if comps - {KV} else [])
+        if any(len(self.holder[b]) > 1 for b in blocks):
+            try:  # rule 7: an import never writes a block another request holds
+                self.s.post_import(r.rid, components=comps, lease_deadline=deadline, expected_s=expected_s)
+            except ValueError:
+                return
+            raise Violation(f"import into {r.rid} blocks {blocks} posted although another request holds some "
+                            "(rule 7)")
+        got = self.s.post_import(r.rid, components=comps, lease_deadline=deadline, expected_s=expected_s)
         if deadline is not None and self.clock.now + expected_s > deadline:
             want = NotYetReason.LEASE_TOO_SHORT
-        elif any(not self._settled(b) for b in blocks):
+        elif any(not self._settled_for(r, b) for b in blocks):
             want = NotYetReason.PENDING_STEP
         elif any(self.readers[b] for b in blocks):
             want = NotYetReason.TRANSFER_IN_FLIGHT
@@ -289,7 +318,7 @@ class Oracle:
             return
         got = self.s.post_export(r.rid, expected_s=expected_s)
         deadline = self.leases.get(r.rid)
-        if any(not self._settled(b) for b in r.blocks):
+        if any(not self._settled_for(r, b) for b in r.blocks):
             want = NotYetReason.PENDING_STEP
         elif deadline is None or self.clock.now + expected_s > deadline:
             want = NotYetReason.LEASE_TOO_SHORT
@@ -384,12 +413,42 @@ class Oracle:
         self.clock.now += dt
 
     def _op_recompute(self, i: int) -> None:
-        # Failed, or importing with nothing in flight (given up before a post, e.g. a lapsed lease).
-        r = self._pick(i, lambda r: r.phase in ("failed", "importing") and not any(
-            x.rid == r.rid and not x.orphaned for x in self.xfers.values()))
-        if r is not None:
-            self.s.recompute(r.rid)
-            r.phase = "local"
+        # Failed, or importing with nothing in flight (given up before a post, e.g. a lapsed lease); one with an
+        # import still writing its blocks may not give up (the write would land in blocks it computes on).
+        r = self._pick(i, lambda r: r.phase in ("failed", "importing"))
+        if r is None:
+            return
+        writing = any(x.rid == r.rid and not x.orphaned and x.inbound for x in self.xfers.values())
+        if writing and self.s.policy is FencePolicy.FENCED:
+            try:
+                self.s.recompute(r.rid)
+            except ValueError:
+                return
+            raise Violation(f"{r.rid} gave up its import (recompute) while an inbound write into its blocks runs")
+        self.s.recompute(r.rid)
+        r.phase = "local"
+
+    def _op_share(self, i: int, j: int) -> None:
+        r = self._pick(i, lambda r: True)
+        t = self._pick(j, lambda t: t is not r and t.phase in ("local", "ready"))
+        if r is None or t is None:
+            return
+        blocks = [b for b in r.att if b not in t.blocks]
+        if not blocks:
+            return
+        written = [b for b in blocks if self.writers[b]]
+        try:
+            self.s.share(t.rid, ATT, blocks)
+        except ValueError:
+            if written or self.s.policy is not FencePolicy.FENCED:
+                return
+            raise
+        if written and self.s.policy is FencePolicy.FENCED:
+            raise Violation(f"{t.rid} took a hold on blocks {written} an import is writing (rule 7: the importer's "
+                            "abort and this hold's release would free them under the write)")
+        t.att += blocks
+        for b in blocks:
+            self.holder[b].append(t.rid)
 
     def _op_grab(self) -> None:
         n = self.s.free_count()
