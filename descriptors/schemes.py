@@ -7,7 +7,10 @@ models of their code (docs/background/vllm.md sections 2-4 and 9, docs/backgroun
 the planner the transport runs (descriptors/planning.py: the same pairing
 decision and compiler), so its count is what NIXL posts for that request.
 
-Counts are totals over all (prefill rank -> decode rank) reads of the request.
+Counts are totals over all (prefill rank -> decode rank) reads of the request; `per_decode_rank` and
+`per_prefill_rank` are the largest share one rank of that side takes part in (vLLM's and hybridkv's
+connectors post from each decode rank, SGLang's and Mooncake's from each prefill rank: `POSTERS`), so
+`SchemeCount.per_posting_rank` is what one posting thread builds and posts for the request.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from .hma import HMAPlan, aligned_block_size, plan_hma
 from .planning import DescriptorPlanner, source_ranks
 
 
+class Side(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 class Scheme(enum.Enum):
     VLLM_LEGACY = "vllm-legacy"      # one per layer per K/V half per block, no HMA
     VLLM_HMA = "vllm-hma"            # PR #35758: HMA-shared tensors, K/V halves, SW tails
@@ -35,6 +43,32 @@ class Scheme(enum.Enum):
     MOONCAKE = "mooncake"            # contiguous runs per layer buffer
     HYBRIDKV_VLLM = "hybridkv-vllm"  # vLLM 0.33 HMA pages in a block-outermost layout (BLHNC)
     HYBRIDKV = "hybridkv"            # planned layout + coalescing (real compiler)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Poster:
+    """Who posts a scheme's transfer: each rank of `side`, inside that side's engine step (`on_step`) or on
+    a thread of the connector's own; `where` names the code, for the reader."""
+
+    side: Side
+    on_step: bool
+    where: str
+
+
+_VLLM_STEP = Poster(side=Side.DECODE, on_step=True,
+                    where="NixlConnector.start_load_kv, in each decode worker's step (docs/background/vllm.md section 1)")
+_SGLANG_WORKERS = ("SGLang's transfer worker threads on each prefill rank, WRITEs "
+                   "(../shared/anchors/sglang.md)")
+POSTERS: dict[Scheme, Poster] = {
+    Scheme.VLLM_LEGACY: _VLLM_STEP,
+    Scheme.VLLM_HMA: _VLLM_STEP,
+    Scheme.VLLM_033: _VLLM_STEP,
+    Scheme.SGLANG_NIXL: Poster(side=Side.PREFILL, on_step=False, where=_SGLANG_WORKERS),
+    Scheme.MOONCAKE: Poster(side=Side.PREFILL, on_step=False, where=_SGLANG_WORKERS),
+    Scheme.HYBRIDKV_VLLM: Poster(side=Side.DECODE, on_step=False,
+                                 where="hybridkv's transport thread on each decode worker (connectors/vllm/worker_half.py)"),
+    Scheme.HYBRIDKV: Poster(side=Side.DECODE, on_step=False, where="hybridkv's transport thread on each decode rank"),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +93,9 @@ class Workload:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if max(self.tp_prefill, self.tp_decode) % min(self.tp_prefill, self.tp_decode):
+            raise ValueError(f"tp_prefill {self.tp_prefill} and tp_decode {self.tp_decode}: one must be a multiple "
+                             "of the other (the engines' NIXL TP mapping)")
         if not 0.0 <= self.fragmentation <= 1.0:
             raise ValueError(f"fragmentation must be in [0, 1], got {self.fragmentation}")
         if self.kernel_block_size is not None:
@@ -94,13 +131,50 @@ class Workload:
         head slice of one prefill rank, or the slices of several when prefill TP is larger."""
         return max(self.tp_prefill, self.tp_decode)
 
+    @property
+    def reads_per_decode_rank(self) -> int:
+        """Prefill ranks one decode rank reads (its head slice of one, or several whole ones)."""
+        return max(1, self.tp_prefill // self.tp_decode)
+
+    @property
+    def reads_per_prefill_rank(self) -> int:
+        """Decode ranks that read one prefill rank (each its own head slice of it)."""
+        return max(1, self.tp_decode // self.tp_prefill)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchemeCount:
     scheme: Scheme
-    descriptors: int
-    bytes: int
-    regions: int  # regions registered per prefill rank
+    descriptors: int            # total over every (prefill rank, decode rank) read of the request
+    bytes: int                  # total over the decode ranks
+    regions: int                # regions registered per prefill rank
+    per_decode_rank: int        # the most any one decode rank reads
+    per_prefill_rank: int       # the most any one prefill rank is read by (or writes)
+    bytes_per_decode_rank: int  # the most any one decode rank receives
+    # What NIXL posts of `per_posting_rank` after merging pieces that touch on both sides, where this model
+    # knows they touch (vLLM 0.33's kernel blocks of one logical block at equal TP); else the same count.
+    nixl_posted_per_posting_rank: int
+
+    @property
+    def poster(self) -> Poster:
+        return POSTERS[self.scheme]
+
+    @property
+    def per_posting_rank(self) -> int:
+        """Descriptors (ids) one posting thread builds for the request: per decode rank or per prefill rank."""
+        return self.per_decode_rank if self.poster.side is Side.DECODE else self.per_prefill_rank
+
+
+
+def _closed_form(scheme: Scheme, w: Workload, *, per_read: int, nbytes: int, regions: int,
+                 posted_per_read: int | None = None) -> SchemeCount:
+    """A model's count from its per-read count: every read of the request costs the same."""
+    posted = per_read if posted_per_read is None else posted_per_read
+    poster_reads = (w.reads_per_decode_rank if POSTERS[scheme].side is Side.DECODE else w.reads_per_prefill_rank)
+    return SchemeCount(scheme=scheme, descriptors=per_read * w.reads_per_request, bytes=nbytes, regions=regions,
+                       per_decode_rank=per_read * w.reads_per_decode_rank,
+                       per_prefill_rank=per_read * w.reads_per_prefill_rank,
+                       bytes_per_decode_rank=nbytes // w.tp_decode, nixl_posted_per_posting_rank=posted * poster_reads)
 
 
 def runs(n: int, fragmentation: float) -> int:
@@ -165,11 +239,11 @@ def _vllm_legacy(w: Workload) -> SchemeCount:
     # No HMA: every attention layer holds every block (no window clipping), K and V
     # are separate regions; GDN layers modelled as conv + SSM regions, one state each.
     per_read = sum(spec.engine_tensors * layers * _blocks(w, spec, clip_window=False) for spec, layers in _kinds(w))
-    return SchemeCount(scheme=Scheme.VLLM_LEGACY, descriptors=per_read * w.reads_per_request,
-                       bytes=_useful_bytes(w, clip_window=False), regions=_engine_regions(w))
+    return _closed_form(Scheme.VLLM_LEGACY, w, per_read=per_read, nbytes=_useful_bytes(w, clip_window=False),
+                        regions=_engine_regions(w))
 
 
-def _vllm_hma_like(w: Workload, *, kv_halves: int, scheme: Scheme, ppl: int = 1) -> SchemeCount:
+def _vllm_hma_per_read(w: Workload, *, kv_halves: int, ppl: int) -> int:
     hma = _hma(w)
     r = hma.num_tensors
     per_read = 0
@@ -179,16 +253,22 @@ def _vllm_hma_like(w: Workload, *, kv_halves: int, scheme: Scheme, ppl: int = 1)
             per_read += r * grp.spec.page_sub_reads * grp.blocks_for_tokens(w.tokens)
         else:
             per_read += kv_halves * r * grp.blocks_for_tokens(w.tokens) * ppl
-    return SchemeCount(scheme=scheme, descriptors=per_read * w.reads_per_request, bytes=_useful_bytes(w),
-                       regions=kv_halves * r)
+    return per_read
 
 
 def _vllm_hma(w: Workload) -> SchemeCount:
-    return _vllm_hma_like(w, kv_halves=2, scheme=Scheme.VLLM_HMA)
+    return _closed_form(Scheme.VLLM_HMA, w, per_read=_vllm_hma_per_read(w, kv_halves=2, ppl=1),
+                        nbytes=_useful_bytes(w), regions=2 * _hma(w).num_tensors)
 
 
 def _vllm_033(w: Workload) -> SchemeCount:
-    return _vllm_hma_like(w, kv_halves=1, scheme=Scheme.VLLM_033, ppl=w.kernel_blocks_per_block)
+    per_read = _vllm_hma_per_read(w, kv_halves=1, ppl=w.kernel_blocks_per_block)
+    # At equal TP the kernel blocks of one logical block are whole and adjacent on both sides, so NIXL merges
+    # their ids into one descriptor (touching pieces merge: docs/benchmarks/transfer.md, posting curve, DRAM).
+    # At different TP each id is a head slice of its kernel block; the next kernel block's slice does not touch.
+    merged = (_vllm_hma_per_read(w, kv_halves=1, ppl=1) if w.tp_prefill == w.tp_decode else per_read)
+    return _closed_form(Scheme.VLLM_033, w, per_read=per_read, nbytes=_useful_bytes(w), regions=_hma(w).num_tensors,
+                        posted_per_read=merged)
 
 
 def _sglang_nixl(w: Workload) -> SchemeCount:
@@ -205,16 +285,14 @@ def _sglang_nixl(w: Workload) -> SchemeCount:
             # A GDN state slice is one per q/k/v sub-block of the conv state plus one for the SSM
             # (compute_mamba_state_slice_byte_blocks).
             per_read += spec.page_sub_reads * layers * _blocks(w, spec)
-    return SchemeCount(scheme=Scheme.SGLANG_NIXL, descriptors=per_read * w.reads_per_request,
-                       bytes=_useful_bytes(w), regions=_engine_regions(w))
+    return _closed_form(Scheme.SGLANG_NIXL, w, per_read=per_read, nbytes=_useful_bytes(w), regions=_engine_regions(w))
 
 
 def _mooncake(w: Workload) -> SchemeCount:
     # Contiguous runs of blocks per layer buffer.
     per_read = sum(spec.engine_tensors * layers * runs(_blocks(w, spec), w.fragmentation)
                    for spec, layers in _kinds(w))
-    return SchemeCount(scheme=Scheme.MOONCAKE, descriptors=per_read * w.reads_per_request,
-                       bytes=_useful_bytes(w), regions=_engine_regions(w))
+    return _closed_form(Scheme.MOONCAKE, w, per_read=per_read, nbytes=_useful_bytes(w), regions=_engine_regions(w))
 
 
 def _hybridkv_vllm(w: Workload) -> SchemeCount:
@@ -232,15 +310,13 @@ def _hybridkv_vllm(w: Workload) -> SchemeCount:
         else:
             # A head slice is contiguous only inside one layer's page, and there per sub-block.
             per_read += r * grp.spec.page_sub_reads * n
-    if not same_tp:
-        nbytes = _useful_bytes(w) // w.reads_per_request
-    return SchemeCount(scheme=Scheme.HYBRIDKV_VLLM, descriptors=per_read * w.reads_per_request,
-                       bytes=nbytes * w.reads_per_request if same_tp else _useful_bytes(w), regions=1)
+    return _closed_form(Scheme.HYBRIDKV_VLLM, w, per_read=per_read, regions=1,
+                        nbytes=nbytes * w.reads_per_request if same_tp else _useful_bytes(w))
 
 
-def hybridkv_plans(w: Workload) -> list[TransferPlan]:
-    """The real plans hybridkv's transport posts for this workload: one per (src rank, dst rank)
-    read, the src ranks of each dst rank as a connector picks them (source_ranks)."""
+def _hybridkv_reads(w: Workload) -> list[tuple[int, int, TransferPlan]]:
+    """(prefill rank, decode rank, plan) of every read hybridkv's transport posts for this workload,
+    the prefill ranks of each decode rank as a connector picks them (source_ranks)."""
     g = w.geometry
     bs, bd = w.effective_block_size, w.decode_block_size
     blocks_needed = {kind: (g.spec_of(kind).blocks_for_tokens(w.tokens, bs),
@@ -251,7 +327,7 @@ def hybridkv_plans(w: Workload) -> list[TransferPlan]:
             for r in range(w.tp_prefill)]
     src_maps = [from_layout(s) for s in srcs]
     planner = DescriptorPlanner()
-    plans = []
+    reads = []
     for d in range(w.tp_decode):
         dst = plan_layout(g, block_size=bd, num_blocks=pages, allocator=alloc, tp=w.tp_decode, rank=d)
         ranks, _ = source_ranks(w.tp_decode, d, w.tp_prefill)
@@ -261,17 +337,33 @@ def hybridkv_plans(w: Workload) -> list[TransferPlan]:
             ns, nd = blocks_needed[grp.kind]
             sb[grp.group_id] = fragmented_blocks(ns, w.fragmentation)
             db[grp.group_id] = fragmented_blocks(nd, w.fragmentation)
-        for i in range(len(ranks)):
+        for i, src in enumerate(ranks):
             plan = prepared.plan(i, sb, db)
             if plan.num_descriptors:  # a rank that feeds none of this rank's fields is not read
-                plans.append(plan)
-    return plans
+                reads.append((src, d, plan))
+    return reads
+
+
+def hybridkv_plans(w: Workload) -> list[TransferPlan]:
+    """The real plans hybridkv's transport posts for this workload: one per (src rank, dst rank) read."""
+    return [plan for _, _, plan in _hybridkv_reads(w)]
 
 
 def _hybridkv(w: Workload) -> SchemeCount:
-    plans = hybridkv_plans(w)
-    return SchemeCount(scheme=Scheme.HYBRIDKV, descriptors=sum(p.num_descriptors for p in plans),
-                       bytes=sum(p.nbytes for p in plans), regions=len(w.geometry.kinds()))
+    reads = _hybridkv_reads(w)
+
+    def most(ranks: list[int], sizes: list[int]) -> int:
+        per: dict[int, int] = {}
+        for rank, size in zip(ranks, sizes):
+            per[rank] = per.get(rank, 0) + size
+        return max(per.values(), default=0)
+
+    src, dst = [r[0] for r in reads], [r[1] for r in reads]
+    counts, sizes = [r[2].num_descriptors for r in reads], [r[2].nbytes for r in reads]
+    per_decode = most(dst, counts)
+    return SchemeCount(scheme=Scheme.HYBRIDKV, descriptors=sum(counts), bytes=sum(sizes),
+                       regions=len(w.geometry.kinds()), per_decode_rank=per_decode, per_prefill_rank=most(src, counts),
+                       bytes_per_decode_rank=most(dst, sizes), nixl_posted_per_posting_rank=per_decode)
 
 
 _COUNTERS = {

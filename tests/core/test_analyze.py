@@ -101,3 +101,98 @@ def test_kernel_block_split_multiplies_vllm_033_attention_reads():
     assert count_descriptors(Scheme.HYBRIDKV_VLLM, w).descriptors == 7  # block-outermost: still one span
     with pytest.raises(ValueError, match="must divide the block size 2096"):
         Workload(geometry=g, tokens=8192, kernel_block_size=64)
+
+
+def _qwen_bf16(**kw):
+    return Workload(geometry=get_preset("qwen3.5-397b-a17b", ssm_dtype="bfloat16"), tokens=8192, **kw)
+
+
+def test_per_rank_counts_are_what_one_posting_thread_sees():
+    """Counts are totals over every (prefill rank, decode rank) read; a posting thread sees its rank's share:
+    per decode rank where the decode pulls (vLLM, hybridkv), per prefill rank where the prefill pushes (SGLang,
+    Mooncake). Issue 49's TP 8 -> 2 with 16-token kernel blocks: 65,760 vLLM 0.33 ids, 32,880 per decode rank."""
+    w = _qwen_bf16(tp_prefill=8, tp_decode=2, kernel_block_size=16)
+    by = {c.scheme: c for c in count_all(w)}
+    vllm = by[Scheme.VLLM_033]
+    assert (vllm.descriptors, vllm.per_decode_rank, vllm.per_prefill_rank) == (65_760, 32_880, 8_220)
+    assert vllm.per_posting_rank == 32_880 and vllm.poster.on_step
+    # Head slices of consecutive kernel blocks do not touch: nothing for NIXL to merge at different TP.
+    assert vllm.nixl_posted_per_posting_rank == 32_880
+    assert vllm.bytes_per_decode_rank * 2 == vllm.bytes
+    sglang = by[Scheme.SGLANG_NIXL]
+    assert sglang.poster.side.value == "prefill" and sglang.per_posting_rank == sglang.descriptors // 8
+    ours = by[Scheme.HYBRIDKV]
+    assert ours.per_decode_rank * 2 == ours.descriptors == 24 and not ours.poster.on_step
+    # One decode rank reading from a TP 1 prefill: half the prefill rank's readers each.
+    up = {c.scheme: c for c in count_all(_qwen_bf16(tp_prefill=1, tp_decode=2))}
+    assert up[Scheme.VLLM_033].per_decode_rank == 300 and up[Scheme.VLLM_033].per_prefill_rank == 600
+    for c in count_all(_qwen_bf16(tp_prefill=2, tp_decode=2)):
+        assert c.per_decode_rank * 2 == c.descriptors
+
+
+def test_kernel_blocks_of_one_block_merge_in_nixl_at_equal_tp():
+    """vLLM 0.33 builds 8,220 ids at 16-token kernel blocks; the kernel blocks of one logical block touch on
+    both sides at equal TP, and NIXL posts touching pieces as one (docs/benchmarks/transfer.md), so 300 post."""
+    vllm = count_descriptors(Scheme.VLLM_033, _qwen_bf16(kernel_block_size=16))
+    assert (vllm.per_posting_rank, vllm.nixl_posted_per_posting_rank) == (8_220, 300)
+
+
+def test_tp_pair_that_neither_divides_is_refused():
+    attn = AttentionSpec(num_kv_heads=6, head_dim=16)
+    gdn = GDNSpec(num_k_heads=6, num_v_heads=6, head_k_dim=16, head_v_dim=16)
+    g = ModelGeometry(name="six-heads", layers=(gdn, gdn, gdn, attn))
+    with pytest.raises(ValueError, match="tp_prefill 2 and tp_decode 3: one must be a multiple"):
+        Workload(geometry=g, tokens=100, tp_prefill=2, tp_decode=3)
+
+
+def test_cli_answers_does_this_matter(capsys):
+    """`analyze` prints per scheme the ids a posting thread builds, what NIXL posts, the posting cost on that
+    thread from the measured figures (source named, GPU hosts flagged), and its share of the decode step."""
+    argv = ["analyze", "--model", "qwen3.5-397b-a17b", "--ssm-dtype", "bfloat16", "--tp-prefill", "8",
+            "--tp-decode", "2", "--kernel-block-size", "16", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"workload", "posting_cost", "budget", "schemes"}
+    cost = out["posting_cost"]
+    assert (cost["per_descriptor_us"], cost["per_transfer_us"]) == (2.0, 85.0)
+    assert "docs/benchmarks/transfer.md" in cost["source"] and "H100" in cost["gpu_host_note"]
+    budget = out["budget"]
+    assert budget["decode_step_ms"] == 10.0 and budget["transfers_per_step"] == 256 / 1024
+    assert set(budget["sources"]) == {"decode_step_ms", "decode_batch", "osl"}
+    rows = {r["name"]: r for r in out["schemes"]}
+    keys = {"per_decode_rank", "per_prefill_rank", "bytes_per_decode_rank", "posted_by", "per_posting_rank",
+            "nixl_posted_per_posting_rank", "posting_ms", "step_share"}
+    assert all(keys <= set(r) for r in rows.values())
+    vllm = rows["vllm-0.33"]
+    assert vllm["per_posting_rank"] == 32_880 and vllm["posted_by"] == {
+        "side": "decode", "on_step": True, "where": vllm["posted_by"]["where"]}
+    assert vllm["posting_ms"]["ids"] == pytest.approx((85 + 32_880 * 2.0) / 1e3)
+    assert vllm["step_share"]["ids"] == pytest.approx(vllm["posting_ms"]["ids"] * 0.25 / 10)
+    assert rows["hybridkv"]["per_posting_rank"] == 12 and rows["hybridkv"]["posted_by"]["on_step"] is False
+    assert rows["sglang-nixl"]["step_share"] is None  # posted on the prefill's threads
+    # The step budget and the measured cost are inputs: a GPU host's figures move the answer.
+    assert main([*argv[:-1], "--per-desc-us", "9", "--per-transfer-us", "142", "--step-ms", "30", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    vllm = next(r for r in out["schemes"] if r["name"] == "vllm-0.33")
+    assert vllm["posting_ms"]["ids"] == pytest.approx((142 + 32_880 * 9) / 1e3)
+    assert out["posting_cost"]["source"] == "given on the command line" and out["budget"]["sources"]["decode_step_ms"] == "given"
+    assert main(argv[:-1]) == 0
+    text = capsys.readouterr().out
+    assert "share of decode" in text and "decode step" in text and "32,880" in text
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--step-ms", "0"], "--step-ms 0.0: expected a decode step time > 0 ms"),
+    (["--decode-batch", "0"], "--decode-batch 0: expected an integer >= 1"),
+    (["--osl", "0"], "--osl 0: expected an integer >= 1"),
+    (["--per-transfer-us", "-1"], "--per-transfer-us must be >= 0"),
+    (["--step-ms", "nan"], "outside the bound"),
+])
+def test_cli_budget_bad_input_is_one_error_line(capsys, argv, needle):
+    try:
+        rc = main(["analyze", "--model", "qwen3.5-0.8b", *argv])
+    except SystemExit as exc:  # argparse's own refusals exit from inside main
+        rc = exc.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridkv: error: ") and needle in err and err.count("\n") == 1, err
