@@ -274,3 +274,35 @@ def test_all_zero_step_costs_are_refused_not_divided_by():
         config(decode_cost=StepCost.of())
     with pytest.raises(ValueError, match="prefill.cost: every term is zero"):
         config(prefill_cost=StepCost.of())
+
+
+def test_a_posting_thread_posts_its_share_and_the_link_carries_all():
+    # Attention TP > 1: each GPU of the decode rank posts its own 2 of the request's 10 descriptors, in
+    # parallel; all 10 and all the bytes cross the node's link. Posting 2 x 1 ms, then wire 10 x 1 ms + 10 ms.
+    size = Sizing(transfer=lambda _isl: (10, 1000), posted=lambda _isl: 2, decode_blocks=lambda _t: 1,
+                  prefill_blocks=lambda _t: 1, block_tokens=BIG)
+    p = simulate_point(config(size=size, post_desc=1e-3), 1)
+    assert p.posting_s == pytest.approx(0.002)
+    assert p.transfer_s == pytest.approx(0.002 + 0.010 + 0.010)
+    # Without a share, the thread posts them all.
+    assert simulate_point(config(post_desc=1e-3), 1).posting_s == pytest.approx(0.010)
+
+
+def test_capacity_is_the_highest_rate_without_backlog_growth():
+    # The link moves 50 prompts/s (20 ms each) and prefill holds each prompt's blocks until its transfer
+    # ends: 50/s is the capacity. The sweep brackets it, the search narrows it to 2% (a point is overloaded
+    # once its queue grows by 5% of the window's completions, so the bracket may sit a little above 50).
+    from hybridkv.sims.pd.sweep import CAPACITY_TOLERANCE, search_capacity, sweep_capacity
+
+    cfg = config(isl=Lengths(name="isl", kind=Distribution.UNIFORM, mean=100, low=50, high=150),
+                 warmup=50, measure=600)
+    points, _ = run_sweep(cfg, (20.0, 200.0), arrivals=Arrivals.OPEN, seeds=(0,), stop_at_capacity=False)
+    assert [p.overloaded for p in points] == [False, True]
+    bracket = sweep_capacity(points)
+    assert (bracket.rate, bracket.above, bracket.searched) == (20.0, 200.0, False)
+    found = search_capacity(cfg, bracket, seeds=(0,))
+    assert found.searched and found.above <= found.rate * (1 + CAPACITY_TOLERANCE)
+    assert 45 <= found.rate <= 56
+    # Closed loops have no backlog: never "overloaded".
+    closed, _ = run_sweep(cfg, (4,), seeds=(0,), stop_at_capacity=False)
+    assert not closed[0].overloaded

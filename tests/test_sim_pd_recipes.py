@@ -237,7 +237,12 @@ def test_cli_open_loop_and_sensitivity(tmp_path, capsys):
     assert out["variants"][0]["arrivals"] == "open" and out["points"][0]["load"] == 2
     assert main(["sim", "pd", "--recipe", str(small), "--concurrency", "64", "--seeds", "1", "--json",
                  "--compare-schemes", "vllm-0.33,hybridkv", "--sensitivity"]) == 0
-    rows = json.loads(capsys.readouterr().out)["sensitivity"]
+    doc = json.loads(capsys.readouterr().out)
+    rows = doc["sensitivity"]
+    # The model's sensitivity is the uncertainty to quote: the gain's range over every setting, per load.
+    assert doc["gain_metric"] == "tokens_per_s_per_gpu"
+    (rng,) = doc["gain_range"]
+    assert rng["load"] == 64 and rng["min"] <= min(r["gain"]["mean"] for r in rows) + 1e-12 <= rng["max"]
     knobs = {r["knob"] for r in rows}
     assert knobs == {"", "posting", "wire", "bandwidth", "scheduling"}
     # Free posting and free wire descriptors leave nothing for fewer descriptors to win, but bytes:
@@ -300,3 +305,93 @@ def test_one_variant_per_recipe_and_compare_names_carry_the_recipe():
     for bad in ("hybridkv", "hybridkv,hybridkv", "vllm-0.33,nope", "vllm-0.33,"):
         with pytest.raises(ValueError):
             parse_schemes(bad)
+
+
+def test_attention_tp_keys_take_their_counts_from_the_analyzer(tmp_path):
+    """prefill.attention_tp / decode.attention_tp: a rank is that many GPUs. The link carries every read of the
+    decode rank (the analyzer's total), each GPU's posting thread posts its own share (per_posting_rank), its
+    GPUs hold a head slice of each block, and every GPU counts. Issue 49's case: TP 8 -> 2 at 16-token kernel
+    blocks, 32,880 vLLM 0.33 ids per decode rank."""
+    def tp(d):
+        d["prefill"]["attention_tp"] = 8
+        d["decode"]["attention_tp"] = 2
+        d["model"]["kernel_block_size"] = 16
+        for key in ("prefill.attention_tp", "decode.attention_tp", "model.kernel_block_size"):
+            d["sources"][key] = "assumed: a test"
+
+    recipe = load_recipe(_small_recipe(tmp_path, tp))
+    assert (recipe.tp_prefill, recipe.tp_decode) == (8, 2)
+    geometry = get_preset(recipe.preset, ssm_dtype=recipe.ssm_dtype)
+    flat = load_recipe("seed-4xdep2-1xdep8").sim_config()
+    for scheme in ("vllm-0.33", "hybridkv-vllm", "hybridkv", "sglang-nixl"):
+        config = recipe.sim_config(scheme=scheme)
+        count = count_descriptors(Scheme(scheme), Workload(
+            geometry=geometry, tokens=8192, block_size=recipe.block_size, fragmentation=recipe.fragmentation,
+            kernel_block_size=16, tp_prefill=8, tp_decode=2))
+        assert config.sizing.transfer(8192) == (count.descriptors, count.bytes)
+        assert config.sizing.posted_descriptors(8192) == count.per_posting_rank
+    config = recipe.sim_config(scheme="vllm-0.33")
+    assert config.sizing.posted_descriptors(8192) == 32_880 and config.typical_posted() == 32_880
+    assert config.typical_transfer_s() > config.posting.seconds(32_880) > 0.05
+    assert config.total_gpus == 4 * 2 * 8 + 8 * 2
+    assert (config.prefill.gpus_per_rank, config.decode.gpus_per_rank) == (8, 2)
+    assert config.decode.ranks_per_node == 2  # 4 GPUs per tray, 2 per rank
+    # A TP 2 rank's GPUs each hold half of each block's heads: twice the blocks of a TP 1 rank.
+    assert config.decode.blocks_per_rank == pytest.approx(2 * flat.decode.blocks_per_rank, rel=0.01)
+    # The CLI flags override the recipe, checked alike; TP 1 (the shipped recipes) is unchanged.
+    assert load_recipe("seed-4xdep2-1xdep8").with_tp(8, 2).with_kernel_block_size(16).sim_config(
+        scheme="vllm-0.33").sizing.posted_descriptors(8192) == 32_880
+
+    def unsourced(d):
+        d["decode"]["attention_tp"] = 2
+
+    with pytest.raises(ValueError, match="decode.attention_tp"):
+        load_recipe(_small_recipe(tmp_path, unsourced))
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tp-decode", "8"], "decode.attention_tp=8: a decode rank's GPUs must fit whole in a node of "
+                           "decode.ranks_per_node=4"),
+    (["--tp-decode", "3"], "decode.attention_tp=3"),
+    (["--tp-prefill", "0"], "--tp-prefill 0: expected an integer >= 1"),
+])
+def test_attention_tp_bad_values_are_one_line(tmp_path, capsys, argv, message):
+    assert main(["sim", "pd", "--recipe", str(_small_recipe(tmp_path)), "--concurrency", "64", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridkv: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_cli_tp_pair_reports_what_a_posting_thread_posts(tmp_path, capsys):
+    assert main(["sim", "pd", "--recipe", str(_small_recipe(tmp_path)), "--concurrency", "64", "--seeds", "1",
+                 "--tp-prefill", "8", "--tp-decode", "2", "--kernel-block-size", "16", "--json",
+                 "--compare-schemes", "vllm-0.33,hybridkv"]) == 0
+    variants = {v["name"]: v for v in json.loads(capsys.readouterr().out)["variants"]}
+    vllm, ours = variants["vllm-0.33"], variants["hybridkv"]
+    assert (vllm["tp_prefill"], vllm["tp_decode"], vllm["total_gpus"]) == (8, 2, 80)
+    assert (vllm["descriptors_per_request"], vllm["descriptors_posted_per_thread"]) == (65_760, 32_880)
+    assert (ours["descriptors_per_request"], ours["descriptors_posted_per_thread"]) == (24, 12)
+    assert vllm["posting_on_step"] is True and ours["posting_on_step"] is False
+    assert vllm["ratio_metric"] == "tokens_per_s_per_gpu"
+
+
+def test_open_loop_compares_ttft_at_equal_rate_and_capacity_not_throughput(tmp_path, capsys):
+    """In open loop tok/s/GPU is the offered load: the report compares TTFT where neither side is overloaded
+    and the capacity (highest rate without backlog growth), never the throughput ratio."""
+    small = _small_recipe(tmp_path)
+    assert main(["sim", "pd", "--recipe", str(small), "--request-rate", "5", "400", "--seeds", "1", "--json",
+                 "--compare-schemes", "vllm-0.33,hybridkv-vllm", "--kernel-block-size", "16", "--capacity"]) == 0
+    variants = {v["name"]: v for v in json.loads(capsys.readouterr().out)["variants"]}
+    base, other = variants["vllm-0.33"], variants["hybridkv-vllm"]
+    assert base["ratio_metric"] == other["ratio_metric"] == "ttft_s"
+    assert other["ratio_to_first"]["5.0"]["mean"] < 1  # fewer ids: a shorter wait for the first token
+    assert other["ratio_to_first"]["400.0"] is None and other["points"][1]["overloaded"]  # no TTFT past capacity
+    for v in (base, other):
+        cap = v["capacity"]
+        assert cap["searched"] and 5 <= cap["rate"] < cap["above"] <= cap["rate"] * 1.02 + 1e-9
+    assert other["capacity_ratio_to_first"] == pytest.approx(other["capacity"]["rate"] / base["capacity"]["rate"])
+    assert main(["sim", "pd", "--recipe", str(small), "--request-rate", "5", "400", "--seeds", "1",
+                 "--compare-schemes", "vllm-0.33,hybridkv-vllm"]) == 0
+    text = capsys.readouterr().out
+    assert "offered load" in text and "capacity" in text and "overloaded" in text
+    assert main(["sim", "pd", "--recipe", str(small), "--concurrency", "64", "--capacity"]) == 2
+    assert "--capacity searches an open loop" in capsys.readouterr().err

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .params import MAX_CONCURRENCY, MAX_REQUEST_RATE, MAX_SEEDS
+from .params import MAX_CONCURRENCY, MAX_REQUEST_RATE, MAX_SEEDS, MAX_TP
 
 MAX_KERNEL_BLOCK = 4096
 
@@ -34,10 +34,19 @@ def register(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--request-rate", type=bounded(float, MAX_REQUEST_RATE), nargs="+", metavar="R",
                       help="open loop: Poisson arrivals at these requests per second instead of the recipe's sweep "
                            "(default: the recipe's)")
+    parser.add_argument("--capacity", action="store_true",
+                        help="open loop: bisect each variant's capacity (the highest rate without backlog growth) "
+                             "between the sweep's last rate without it and its first overloaded rate, to 2%%")
     parser.add_argument("--kernel-block-size", type=bounded(int, MAX_KERNEL_BLOCK), default=None, metavar="TOKENS",
                         help="the attention backend's kernel block, e.g. 16 for FlashInfer (vLLM 0.33 builds one id "
                              "per kernel block); overrides the recipe's model.kernel_block_size (default: the "
                              "recipe's, else the logical block)")
+    parser.add_argument("--tp-prefill", type=bounded(int, MAX_TP), default=None, metavar="P",
+                        help="attention TP of a prefill rank; overrides prefill.attention_tp, keeping every cost "
+                             "per rank as the recipe gives it (default: the recipe's, else 1)")
+    parser.add_argument("--tp-decode", type=bounded(int, MAX_TP), default=None, metavar="D",
+                        help="attention TP of a decode rank; overrides decode.attention_tp, likewise (default: the "
+                             "recipe's, else 1)")
     parser.add_argument("--seed", type=int, default=0, help="first seed")
     parser.add_argument("--seeds", type=bounded(int, MAX_SEEDS), default=None, metavar="N",
                         help="seeds per point, S..S+N-1 (default: the recipe's sweep.seeds, else 3)")
@@ -61,9 +70,17 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds is not None and args.seeds < 1:
         raise ValueError(f"--seeds {args.seeds}: expected an integer >= 1")
     schemes = parse_schemes(args.compare_schemes) if args.compare_schemes else None
+    if args.capacity and not args.request_rate:
+        raise ValueError("--capacity searches an open loop's capacity: give --request-rate R... (one rate below "
+                         "capacity and one above bracket it)")
     if args.sensitivity and (schemes is None or len(args.recipe) != 1 or args.plot):
         raise ValueError("--sensitivity needs --compare-schemes A,B[,...] and one --recipe (and no --plot)")
     recipes = [load_recipe(p) for p in args.recipe]
+    for flag, value in (("--tp-prefill", args.tp_prefill), ("--tp-decode", args.tp_decode)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: expected an integer >= 1")
+    if args.tp_prefill is not None or args.tp_decode is not None:
+        recipes = [r.with_tp(args.tp_prefill, args.tp_decode) for r in recipes]
     if args.kernel_block_size is not None:
         recipes = [r.with_kernel_block_size(args.kernel_block_size) for r in recipes]
     if args.concurrency:
@@ -98,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
                 for v in chosen:
                     progress.update(task, description=f"{v.name}")
                     done_before = progress.tasks[0].completed
-                    result = run_variant(v, seed=args.seed, on_point=lambda _p: progress.advance(task))
+                    result = run_variant(v, seed=args.seed, search=args.capacity,
+                                         on_point=lambda _p: progress.advance(task))
                     # Points cut by the capacity limit still count as done for the bar.
                     progress.update(task, completed=done_before + len(v.recipe.sweep.loads))
                     results.append(result)

@@ -26,15 +26,17 @@ from .params import Arrivals, PointResult, Scheduling, SimConfig
 
 
 class _Req:
-    __slots__ = ("isl", "osl", "descriptors", "nbytes", "rank", "endpoint", "t_arrive", "t_started",
+    __slots__ = ("isl", "osl", "descriptors", "posted", "nbytes", "rank", "endpoint", "t_arrive", "t_started",
                  "t_prefilled", "t_admitted", "t_transferred", "t_first", "t_finish", "waited", "blocks",
                  "prefill_blocks", "join", "cover", "epoch", "made", "recompute", "posting_s", "preempted",
                  "prefill")
 
-    def __init__(self, t: float, isl: int, osl: int, transfer: tuple[int, int]) -> None:
+    def __init__(self, t: float, isl: int, osl: int, transfer: tuple[int, int], posted: int) -> None:
         self.t_arrive = t
         self.isl, self.osl = isl, osl
+        # All of the rank's descriptors cross the link; one posting thread posts `posted` of them.
         self.descriptors, self.nbytes = transfer
+        self.posted = posted
         self.rank = self.endpoint = self.prefill = -1
         self.t_started = self.t_prefilled = self.t_admitted = self.t_transferred = math.nan
         self.t_first = self.t_finish = math.nan
@@ -175,7 +177,7 @@ class _Decode(Stepper):
         for rank in self.ranks:
             spent = 0.0
             for req in rank.to_post:
-                req.posting_s = posting.seconds(req.descriptors)
+                req.posting_s = posting.seconds(req.posted)
                 spent += req.posting_s
                 # The wire starts when this transfer's post returns, inside the step's CPU time.
                 self.sim.clock.at(t + spent, lambda now, r=req, lk=rank.link: self.sim.start_wire(lk, r, now))
@@ -343,7 +345,8 @@ class _PointSim:
     def submit(self, t: float) -> None:
         traffic = self.cfg.traffic
         isl, osl = traffic.isl.draw(self.rng), traffic.osl.draw(self.rng)
-        req = _Req(t, isl, osl, self.cfg.sizing.transfer(isl))
+        sizing = self.cfg.sizing
+        req = _Req(t, isl, osl, sizing.transfer(isl), sizing.posted_descriptors(isl))
         self.in_system += 1
         # Route to the prefill endpoint with the least queued work (ties: lowest index).
         target = min(self.prefills, key=lambda p: p.queued_tokens)
@@ -402,7 +405,7 @@ class _PointSim:
             rank.to_post.append(req)
             decode.wake(t)
         else:
-            req.posting_s = posting.seconds(req.descriptors)
+            req.posting_s = posting.seconds(req.posted)
             rank.post_free_at = max(t, rank.post_free_at) + req.posting_s
             self.clock.at(rank.post_free_at, lambda now: self.start_wire(rank.link, req, now))
         return True

@@ -26,8 +26,9 @@ NON_HMA_SCHEMES = ("vllm-legacy",)
 @dataclass(frozen=True, kw_only=True)
 class TransferCount:
     scheme: str
-    descriptors: int
-    bytes: int
+    descriptors: int   # every read of the request: what crosses the decode rank's link
+    posted: int        # what one posting thread builds and posts (the analyzer's per_posting_rank)
+    bytes: int         # over every GPU of the decode rank
 
 
 def model_geometry(preset: str, ssm_dtype: str | None) -> ModelGeometry:
@@ -47,46 +48,68 @@ def check_scheme(scheme: str) -> str:
     return scheme
 
 
-# Where each scheme's connector posts a transfer. vLLM's NixlConnector builds and posts its READs in
-# start_load_kv, inside the decode worker's step (docs/background/vllm.md section 1); hybridkv's vLLM
-# connector posts from its transport thread (connectors/vllm/worker_half.py); SGLang's NIXL and Mooncake
-# backends push from the prefill's transfer worker threads (../shared/anchors/sglang.md), off the step.
-_ON_STEP = {"vllm-legacy": True, "vllm-hma": True, "vllm-0.33": True, "sglang-nixl": False, "mooncake": False,
-            "hybridkv-vllm": False, "hybridkv": False}
-
-
 def posts_on_step(scheme: str) -> bool:
-    """Whether `scheme`'s connector posts on the decode step (else on a thread of its own)."""
-    return _ON_STEP[check_scheme(scheme)]
+    """Whether `scheme`'s connector posts on the decode step (else on a thread of its own): the analyzer's
+    POSTERS (vLLM's NixlConnector in start_load_kv on the decode step; hybridkv on its transport thread;
+    SGLang and Mooncake on the prefill's transfer threads)."""
+    from hybridkv.descriptors.schemes import POSTERS, Scheme
+
+    return POSTERS[Scheme(check_scheme(scheme))].on_step
 
 
-def check_kernel_block_size(geometry: ModelGeometry, *, block_size: int | None, kernel_block_size: int) -> None:
-    """Refuses a kernel block that does not divide the logical block (the analyzer's rule), naming both."""
+def transfer_workload(geometry: ModelGeometry, *, tokens: int, block_size: int | None,
+                      kernel_block_size: int | None = None, tp_prefill: int = 1, tp_decode: int = 1,
+                      fragmentation: float = 1.0):
+    """The analyzer's workload of one request (its checks: TP pair against the heads and each other,
+    kernel block against the block)."""
     from hybridkv.descriptors.schemes import Workload
 
+    return Workload(geometry=geometry, tokens=tokens, block_size=block_size, tp_prefill=tp_prefill,
+                    tp_decode=tp_decode, fragmentation=fragmentation, kernel_block_size=kernel_block_size)
+
+
+def check_kernel_block_size(geometry: ModelGeometry, *, block_size: int | None, kernel_block_size: int,
+                            tp_prefill: int = 1, tp_decode: int = 1) -> None:
+    """Refuses a kernel block that does not divide the logical block (the analyzer's rule), naming both."""
     try:
-        Workload(geometry=geometry, tokens=1, block_size=block_size, kernel_block_size=kernel_block_size)
+        transfer_workload(geometry, tokens=1, block_size=block_size, kernel_block_size=kernel_block_size,
+                          tp_prefill=tp_prefill, tp_decode=tp_decode)
     except ValueError as exc:
         raise ValueError(f"model.kernel_block_size={kernel_block_size!r}: {exc}") from None
 
 
-def request_transfer(scheme: str, geometry: ModelGeometry, *, tokens: int, block_size: int | None,
-                     fragmentation: float, kernel_block_size: int | None = None) -> TransferCount:
-    """Descriptors and bytes one request's prompt cache costs to move under `scheme`.
+def check_tp(geometry: ModelGeometry, *, tp_prefill: int, tp_decode: int) -> None:
+    """Refuses an attention TP pair the model's heads or the engines' TP mapping cannot take, naming both."""
+    try:
+        transfer_workload(geometry, tokens=1, block_size=None, tp_prefill=tp_prefill, tp_decode=tp_decode)
+    except ValueError as exc:
+        raise ValueError(f"prefill.attention_tp={tp_prefill!r}, decode.attention_tp={tp_decode!r}: {exc}") from None
 
-    Data+expert parallel endpoints keep a request's whole attention/GDN cache on one rank,
-    so the transfer is rank-to-rank with TP 1 on both sides.
+
+def request_transfer(scheme: str, geometry: ModelGeometry, *, tokens: int, block_size: int | None,
+                     fragmentation: float, kernel_block_size: int | None = None, tp_prefill: int = 1,
+                     tp_decode: int = 1) -> TransferCount:
+    """Descriptors and bytes one request's prompt cache costs to move under `scheme`, from the analyzer.
+
+    A simulated rank is one attention DP rank of `tp` GPUs. At attention TP 1 (the seed's DEP
+    endpoints) it is one GPU holding the request's whole attention/GDN cache, and the transfer is
+    rank-to-rank. At TP > 1 every GPU of the decode rank reads its head slice from the prefill GPUs
+    its connector maps it to: all of those reads cross the link (`descriptors`, `bytes`), and each
+    GPU's posting thread posts its own part in parallel, so one thread's count (`posted`, the
+    analyzer's per_posting_rank: per decode GPU for vLLM and hybridkv, per prefill GPU for SGLang and
+    Mooncake) is what a transfer's posting costs.
     """
     try:
-        from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
+        from hybridkv.descriptors.schemes import Scheme, count_descriptors
     except ImportError as exc:
         raise RuntimeError(
             f"the descriptor analyzer (hybridkv.descriptors.schemes) is not available: {exc}") from exc
     chosen = Scheme(check_scheme(scheme))
-    count = count_descriptors(chosen, Workload(
-        geometry=geometry, tokens=tokens, block_size=block_size, tp_prefill=1, tp_decode=1,
+    count = count_descriptors(chosen, transfer_workload(
+        geometry, tokens=tokens, block_size=block_size, tp_prefill=tp_prefill, tp_decode=tp_decode,
         fragmentation=fragmentation, kernel_block_size=kernel_block_size))
-    return TransferCount(scheme=chosen.value, descriptors=int(count.descriptors), bytes=int(count.bytes))
+    return TransferCount(scheme=chosen.value, descriptors=int(count.descriptors), posted=int(count.per_posting_rank),
+                         bytes=int(count.bytes))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,21 +161,22 @@ def cache_model(geometry: ModelGeometry, scheme: str, *, block_size: int | None)
 
 
 def sizing(geometry: ModelGeometry, scheme: str, *, block_size: int | None, fragmentation: float,
-           decode: CacheModel, prefill: CacheModel, kernel_block_size: int | None = None) -> Sizing:
+           decode: CacheModel, prefill: CacheModel, kernel_block_size: int | None = None, tp_prefill: int = 1,
+           tp_decode: int = 1) -> Sizing:
     # Whole blocks move, so one analyzer count per block count serves every prompt length (and
     # every point and seed of a sweep: hybridkv's count runs the real compiler).
-    counts: dict[int, tuple[int, int]] = {}
+    counts: dict[int, TransferCount] = {}
 
-    def transfer(isl: int) -> tuple[int, int]:
+    def count(isl: int) -> TransferCount:
         blocks = math.ceil(isl / decode.block_size)
         got = counts.get(blocks)
         if got is None:
-            count = request_transfer(scheme, geometry, tokens=isl, block_size=block_size,
-                                     fragmentation=fragmentation, kernel_block_size=kernel_block_size)
-            got = counts[blocks] = (count.descriptors, count.bytes)
+            got = counts[blocks] = request_transfer(
+                scheme, geometry, tokens=isl, block_size=block_size, fragmentation=fragmentation,
+                kernel_block_size=kernel_block_size, tp_prefill=tp_prefill, tp_decode=tp_decode)
         return got
 
     if decode.block_size != prefill.block_size:
         raise ValueError(f"prefill block size {prefill.block_size} != decode block size {decode.block_size}")
-    return Sizing(transfer=transfer, decode_blocks=decode.blocks, prefill_blocks=prefill.blocks,
-                  block_tokens=decode.block_size)
+    return Sizing(transfer=lambda isl: (count(isl).descriptors, count(isl).bytes), posted=lambda isl: count(isl).posted,
+                  decode_blocks=decode.blocks, prefill_blocks=prefill.blocks, block_tokens=decode.block_size)

@@ -57,6 +57,8 @@ MAX_WINDOW_REQUESTS = 1_000_000
 MAX_SEEDS = 100
 # Points on a curve: a Pareto curve needs tens.
 MAX_LOADS = 100
+# Attention TP of a rank: as many GPUs as one NVL72 domain (the analyzer's bound).
+MAX_TP = 72
 
 
 def check_number(name: str, value: float, *, positive: bool = False) -> None:
@@ -189,6 +191,9 @@ class PrefillSpec:
     (vLLM chunked prefill); its tokens are assumed evenly spread over the ranks. A request holds
     its prompt's blocks on the endpoint from its first chunk until its transfer has ended; the
     endpoint's ranks pool `blocks_per_rank` each.
+
+    A rank is one attention DP rank: `gpus_per_rank` GPUs (its attention TP) stepping as one, each
+    holding its head slice of every block; `cost` is that rank's step, `blocks_per_rank` its blocks.
     """
 
     endpoints: int
@@ -196,10 +201,12 @@ class PrefillSpec:
     max_batched_tokens: int
     blocks_per_rank: int
     cost: StepCost
+    gpus_per_rank: int = 1
 
     def __post_init__(self) -> None:
         check_int("prefill.endpoints", self.endpoints, maximum=MAX_ENDPOINTS)
         check_int("prefill.ranks", self.ranks, maximum=MAX_RANKS)
+        check_int("prefill.attention_tp", self.gpus_per_rank, maximum=MAX_RANKS)
         check_int("prefill.max_batched_tokens", self.max_batched_tokens, maximum=MAX_TOKENS)
         check_int("prefill.blocks_per_rank", self.blocks_per_rank)
         if not self.cost.smallest_step_s() > 0:
@@ -212,17 +219,23 @@ class DecodeSpec:
     """`endpoints` decode endpoints of `ranks` DP ranks; each rank holds its own requests'
     cache in `blocks_per_rank` blocks, allocated as the context grows. The ranks step in lockstep
     (expert parallel MoE), so a step lasts as long as the busiest rank's. `ranks_per_node` ranks
-    share one node's link."""
+    share one node's link.
+
+    A rank is one attention DP rank: `gpus_per_rank` GPUs (its attention TP) in one node, stepping
+    as one; each GPU holds its head slice of the rank's blocks and posts its own part of every
+    transfer, all in parallel (Sizing.posted is one GPU's part)."""
 
     endpoints: int
     ranks: int
     ranks_per_node: int
     blocks_per_rank: int
     cost: StepCost
+    gpus_per_rank: int = 1
 
     def __post_init__(self) -> None:
         check_int("decode.endpoints", self.endpoints, maximum=MAX_ENDPOINTS)
         check_int("decode.ranks", self.ranks, maximum=MAX_RANKS)
+        check_int("decode.attention_tp", self.gpus_per_rank, maximum=MAX_RANKS)
         check_int("decode.ranks_per_node", self.ranks_per_node, maximum=MAX_RANKS)
         check_int("decode.blocks_per_rank", self.blocks_per_rank)
         if not self.cost.smallest_step_s() > 0:
@@ -281,15 +294,21 @@ class LinkSpec:
 class Sizing:
     """Per-request sizes, from the model and the scheme (sims/pd/model.py) or given by a test.
 
-    transfer(isl) -> (descriptors, bytes) of moving a prompt of isl tokens; decode_blocks(tokens)
-    and prefill_blocks(tokens): blocks a request of that context holds. Blocks grow only where the
-    context passes a multiple of `block_tokens`.
+    transfer(isl) -> (descriptors, bytes) of moving a prompt of isl tokens, over every GPU of the
+    decode rank (what crosses the node's link); posted(isl): the descriptors one posting thread
+    builds and posts for it (one GPU's part at attention TP > 1; None: all of them);
+    decode_blocks(tokens) and prefill_blocks(tokens): blocks a request of that context holds. Blocks
+    grow only where the context passes a multiple of `block_tokens`.
     """
 
     transfer: Callable[[int], tuple[int, int]]
     decode_blocks: Callable[[int], int]
     prefill_blocks: Callable[[int], int]
     block_tokens: int
+    posted: Callable[[int], int] | None = None
+
+    def posted_descriptors(self, isl: int) -> int:
+        return self.transfer(isl)[0] if self.posted is None else self.posted(isl)
 
     def __post_init__(self) -> None:
         check_int("block_tokens", self.block_tokens)
@@ -328,8 +347,8 @@ class SimConfig:
 
     @property
     def total_gpus(self) -> int:
-        return (self.prefill.endpoints * self.prefill.ranks
-                + self.decode.endpoints * self.decode.ranks)
+        return (self.prefill.endpoints * self.prefill.ranks * self.prefill.gpus_per_rank
+                + self.decode.endpoints * self.decode.ranks * self.decode.gpus_per_rank)
 
     def typical(self) -> tuple[int, int, int]:
         """(descriptors, bytes, decode blocks) of a request of mean lengths, for titles."""
@@ -337,9 +356,13 @@ class SimConfig:
         d, b = self.sizing.transfer(isl)
         return d, b, self.sizing.decode_blocks(isl + round(self.traffic.osl.mean))
 
+    def typical_posted(self) -> int:
+        """Descriptors one posting thread posts for a request of mean lengths."""
+        return self.sizing.posted_descriptors(round(self.traffic.isl.mean))
+
     def typical_transfer_s(self) -> float:
         d, b, _ = self.typical()
-        return self.posting.seconds(d) + self.link.alone_s(d, b)
+        return self.posting.seconds(self.typical_posted()) + self.link.alone_s(d, b)
 
 
 METRICS = ("tokens_per_s_per_gpu", "output_tokens_per_s_per_gpu", "tokens_per_s_per_user", "ttft_s", "itl_s",

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .params import (MAX_CONCURRENCY, MAX_LOADS, MAX_REQUEST_RATE, MAX_SEEDS, MAX_WINDOW_REQUESTS, Arrivals,
+from .params import (MAX_CONCURRENCY, MAX_LOADS, MAX_TP, MAX_REQUEST_RATE, MAX_SEEDS, MAX_WINDOW_REQUESTS, Arrivals,
                      DecodeSpec, Distribution, Lengths, LinkSpec, PostingSpec, PrefillSpec, Scheduling, SimConfig,
                      StepCost, Traffic, check_int, check_number)
 
@@ -156,6 +156,10 @@ class Recipe:
     # vLLM 0.33 builds one id per kernel block, so the analyzer's count depends on it.
     kernel_block_size: int | None
     traffic: Traffic
+    # Attention TP of a prefill and of a decode rank (1: the seed's DEP ranks). A rank is then that many
+    # GPUs; the analyzer counts its reads at this TP pair (Sizing, sims/pd/model.py request_transfer).
+    tp_prefill: int
+    tp_decode: int
     prefill_endpoints: int
     prefill_ranks: int
     prefill_max_batched_tokens: int
@@ -163,6 +167,7 @@ class Recipe:
     prefill_cost: StepCost
     decode_endpoints: int
     decode_ranks: int
+    # GPUs sharing one node's link (at attention TP 1, ranks); the simulated ranks per link are this / tp_decode.
     decode_ranks_per_node: int
     cache_bytes_per_rank: float
     decode_cost: StepCost
@@ -199,8 +204,17 @@ class Recipe:
         from .model import check_kernel_block_size, model_geometry
 
         check_kernel_block_size(model_geometry(self.preset, self.ssm_dtype), block_size=self.block_size,
-                                kernel_block_size=kernel_block_size)
+                                kernel_block_size=kernel_block_size, tp_prefill=self.tp_prefill,
+                                tp_decode=self.tp_decode)
         return replace(self, kernel_block_size=kernel_block_size)
+
+    def with_tp(self, tp_prefill: int | None = None, tp_decode: int | None = None) -> Recipe:
+        """The recipe at another attention TP pair (checked against the heads, the node and the kernel
+        block). Every cost stays as given, per rank: a what-if of the transfer, not of the TP's step."""
+        out = replace(self, tp_prefill=tp_prefill or self.tp_prefill, tp_decode=tp_decode or self.tp_decode)
+        _check_tp(out.preset, out.ssm_dtype, out.tp_prefill, out.tp_decode, out.decode_ranks_per_node,
+                  out.block_size, out.kernel_block_size)
+        return out
 
     def posting_for(self, scheme: str) -> PostingSpec:
         from .model import posts_on_step
@@ -209,24 +223,32 @@ class Recipe:
         return replace(self.posting, on_step=on_step)
 
     def sim_config(self, *, scheme: str | None = None, scheduling: Scheduling | None = None) -> SimConfig:
-        """Resolve the model, the scheme's cache layout and the analyzer's counts into plain numbers."""
-        from .model import cache_model, model_geometry, sizing
+        """Resolve the model, the scheme's cache layout and the analyzer's counts into plain numbers.
+
+        At attention TP t a rank's GPUs each hold a 1/t head slice of its blocks (the sharded geometry), so
+        `cache_bytes_per_rank` (per GPU) holds that many blocks for the whole rank."""
+        from .model import cache_model, model_geometry, sizing, transfer_workload
 
         scheme = scheme or self.scheme
         geometry = model_geometry(self.preset, self.ssm_dtype)
-        decode = cache_model(geometry, scheme, block_size=self.block_size)
+        # One block size for both sides, as the analyzer takes it (the larger HMA-aligned size of the two TPs).
+        block = transfer_workload(geometry, tokens=1, block_size=self.block_size, tp_prefill=self.tp_prefill,
+                                  tp_decode=self.tp_decode).effective_block_size
+        decode = cache_model(geometry.shard(self.tp_decode), scheme, block_size=block)
+        prefill = cache_model(geometry.shard(self.tp_prefill), scheme, block_size=block)
         size = sizing(geometry, scheme, block_size=self.block_size, kernel_block_size=self.kernel_block_size,
-                      fragmentation=self.fragmentation, decode=decode, prefill=decode)
+                      fragmentation=self.fragmentation, decode=decode, prefill=prefill,
+                      tp_prefill=self.tp_prefill, tp_decode=self.tp_decode)
         return SimConfig(
             prefill=PrefillSpec(endpoints=self.prefill_endpoints, ranks=self.prefill_ranks,
                                 max_batched_tokens=self.prefill_max_batched_tokens,
-                                blocks_per_rank=decode.per_rank(self.prefill_cache_bytes_per_rank,
-                                                                "prefill.cache_bytes_per_rank"),
-                                cost=self.prefill_cost),
+                                blocks_per_rank=prefill.per_rank(self.prefill_cache_bytes_per_rank,
+                                                                 "prefill.cache_bytes_per_rank"),
+                                cost=self.prefill_cost, gpus_per_rank=self.tp_prefill),
             decode=DecodeSpec(endpoints=self.decode_endpoints, ranks=self.decode_ranks,
-                              ranks_per_node=self.decode_ranks_per_node,
+                              ranks_per_node=self.decode_ranks_per_node // self.tp_decode,
                               blocks_per_rank=decode.per_rank(self.cache_bytes_per_rank, "decode.cache_bytes_per_rank"),
-                              cost=self.decode_cost),
+                              cost=self.decode_cost, gpus_per_rank=self.tp_decode),
             posting=self.posting_for(scheme), link=self.link, sizing=size, traffic=self.traffic,
             scheduling=scheduling or self.scheduling,
             warmup_requests=self.sweep.warmup_requests,
@@ -236,6 +258,22 @@ class Recipe:
 
 #: transfer.posting.on_step's value for "where the scheme's own connector posts".
 BY_SCHEME = "by-scheme"
+
+
+def _check_tp(preset: str, ssm_dtype: str | None, tp_prefill: int, tp_decode: int, gpus_per_node: int,
+              block_size: int | None, kernel_block_size: int | None) -> None:
+    from .model import check_kernel_block_size, check_tp, model_geometry
+
+    for key, value in (("prefill.attention_tp", tp_prefill), ("decode.attention_tp", tp_decode)):
+        check_int(key, value, maximum=MAX_TP)
+    if gpus_per_node % tp_decode:
+        raise ValueError(f"decode.attention_tp={tp_decode}: a decode rank's GPUs must fit whole in a node of "
+                         f"decode.ranks_per_node={gpus_per_node} GPUs (a rank spread over nodes' links is not modelled)")
+    geometry = model_geometry(preset, ssm_dtype)
+    check_tp(geometry, tp_prefill=tp_prefill, tp_decode=tp_decode)
+    if kernel_block_size is not None:
+        check_kernel_block_size(geometry, block_size=block_size, kernel_block_size=kernel_block_size,
+                                tp_prefill=tp_prefill, tp_decode=tp_decode)
 
 
 def _loads(values: Any, arrivals: Arrivals) -> tuple[float, ...]:
@@ -291,12 +329,13 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
                       ramp_s=workload.number("ramp_s"))
     workload.done()
     pre = top.section("prefill")
-    prefill = dict(endpoints=pre.integer("endpoints"), ranks=pre.integer("ranks"),
+    # attention_tp (both sides): optional, 1 (the seed's DEP ranks) when left out.
+    prefill = dict(endpoints=pre.integer("endpoints"), ranks=pre.integer("ranks"), tp=pre.integer("attention_tp", 1),
                    max_batched_tokens=pre.integer("max_batched_tokens"),
                    cache=_positive_bytes(pre, "cache_bytes_per_rank"), cost=_cost(pre.section("cost")))
     pre.done()
     dec = top.section("decode")
-    decode = dict(endpoints=dec.integer("endpoints"), ranks=dec.integer("ranks"),
+    decode = dict(endpoints=dec.integer("endpoints"), ranks=dec.integer("ranks"), tp=dec.integer("attention_tp", 1),
                   ranks_per_node=dec.integer("ranks_per_node"), cache=_positive_bytes(dec, "cache_bytes_per_rank"),
                   cost=_cost(dec.section("cost")))
     dec.done()
@@ -353,18 +392,15 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
     from .model import check_scheme
 
     check_scheme(scheme)
-    if kernel_block_size is not None:
-        from .model import check_kernel_block_size, model_geometry
-
-        check_kernel_block_size(model_geometry(preset, ssm_dtype), block_size=block_size,
-                                kernel_block_size=kernel_block_size)
     # Validate the counts now, not at the first simulated point (blocks come with the model).
     PrefillSpec(endpoints=prefill["endpoints"], ranks=prefill["ranks"], max_batched_tokens=prefill["max_batched_tokens"],
                 blocks_per_rank=1, cost=prefill["cost"])
     DecodeSpec(endpoints=decode["endpoints"], ranks=decode["ranks"], ranks_per_node=decode["ranks_per_node"],
                blocks_per_rank=1, cost=decode["cost"])
+    _check_tp(preset, ssm_dtype, prefill["tp"], decode["tp"], decode["ranks_per_node"], block_size, kernel_block_size)
     return Recipe(name=name, path=path, preset=preset, ssm_dtype=ssm_dtype, block_size=block_size,
-                  kernel_block_size=kernel_block_size, traffic=traffic,
+                  kernel_block_size=kernel_block_size, traffic=traffic, tp_prefill=prefill["tp"],
+                  tp_decode=decode["tp"],
                   prefill_endpoints=prefill["endpoints"], prefill_ranks=prefill["ranks"],
                   prefill_max_batched_tokens=prefill["max_batched_tokens"],
                   prefill_cache_bytes_per_rank=prefill["cache"], prefill_cost=prefill["cost"],

@@ -1,4 +1,9 @@
-"""Tables, JSON and the Pareto plot of `hybridkv sim pd`: every figure as mean ± spread over seeds."""
+"""Tables, JSON and the Pareto plot of `hybridkv sim pd`: every figure as mean ± spread over seeds.
+
+Comparisons claim only what the loop allows (sims/pd/sweep.py): closed loop, throughput at equal users;
+open loop, capacity and TTFT at equal rate, never the throughput (it is the offered load). A ratio's
+± is the seed spread, which is far below the model's own sensitivity (`--sensitivity` gives that range).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from .params import METRICS, Arrivals
-from .sweep import PointSummary, SensitivityRow, SweepResult, paired_ratio
+from .sweep import (PointSummary, SensitivityRow, SweepResult, gain_metric, paired_ratio_or_none,
+                    sensitivity_range)
 
 
 def _load(arrivals: Arrivals, load: float) -> str:
@@ -25,9 +31,17 @@ def sweep_table(result: SweepResult) -> Table:
     cfg = result.config
     desc, nbytes, blocks = cfg.typical()
     seeds = len(result.points[0].runs) if result.points else 0
-    title = (f"{result.name}: {desc:,} descriptors, {nbytes / 2**20:,.0f} MiB, {cfg.typical_transfer_s() * 1e3:.2f} ms "
-             f"per transfer alone (mean lengths); {blocks} decode blocks of {cfg.decode.blocks_per_rank:,} per rank; "
-             f"{cfg.total_gpus} GPUs; mean ± spread over {seeds} seeds")
+    tp = cfg.decode.gpus_per_rank
+    posted = (f" ({cfg.typical_posted():,} posted per thread, TP {cfg.prefill.gpus_per_rank}->{tp})"
+              if cfg.typical_posted() != desc or tp > 1 or cfg.prefill.gpus_per_rank > 1 else "")
+    title = (f"{result.name}: {desc:,} descriptors{posted}, {nbytes / 2**20:,.0f} MiB, "
+             f"{cfg.typical_transfer_s() * 1e3:.2f} ms per transfer alone (mean lengths); {blocks} decode blocks of "
+             f"{cfg.decode.blocks_per_rank:,} per rank; {cfg.total_gpus} GPUs; mean ± spread over {seeds} seeds")
+    if result.arrivals is Arrivals.OPEN:
+        title += "; open loop: tok/s/GPU is the offered load below capacity"
+        if result.capacity is not None:
+            how = "searched" if result.capacity.searched else "from the sweep"
+            title += f"; capacity {result.capacity.describe()} ({how})"
     table = Table(title=title, title_justify="left")
     head = "users" if result.arrivals is Arrivals.CLOSED else "req/s"
     for col in (head, "tok/s/GPU", "out tok/s/GPU", "tok/s/user", "TTFT ms", "ITL ms", "xfer ms", "post ms",
@@ -35,7 +49,7 @@ def sweep_table(result: SweepResult) -> Table:
         table.add_column(col, justify="left" if col == "note" else "right")
     for p in result.points:
         notes = ["decode cache full: requests waited"] if p.capacity_bound else []
-        if result.arrivals is Arrivals.OPEN and p.mean("backlog_growth") > 0.05 * p.runs[0].completed:
+        if p.overloaded:
             notes.append(f"overloaded: the queue grew by {p.mean('backlog_growth'):,.0f} in the window")
         note = "; ".join(notes)
         table.add_row(_load(result.arrivals, p.load), _pm(p, "tokens_per_s_per_gpu", ",.0f"),
@@ -49,8 +63,20 @@ def sweep_table(result: SweepResult) -> Table:
 
 
 def comparison_table(results: Sequence[SweepResult], baseline: SweepResult) -> Table:
-    """tok/s/GPU of every variant per load, with its ratio to `baseline` taken seed by seed."""
-    table = Table(title=f"tok/s/GPU (mean ± spread), ratio to {baseline.name} seed by seed", title_justify="left")
+    """Closed loop: tok/s/GPU of every variant per load, with its ratio to `baseline` taken seed by seed.
+    Open loop: TTFT at each rate where neither is overloaded, then each variant's capacity."""
+    metric = gain_metric(baseline.arrivals)
+    if baseline.arrivals is Arrivals.CLOSED:
+        title = (f"tok/s/GPU (mean ± spread), ratio to {baseline.name} seed by seed (± is the seed spread; the "
+                 "model's own sensitivity, --sensitivity, is wider). TTFT is not compared in a closed loop: a "
+                 "faster decode refills the prefill queue")
+        fmt, scale = ",.0f", 1.0
+    else:
+        title = (f"TTFT ms at equal rate (mean ± spread), ratio to {baseline.name} seed by seed, where neither "
+                 "is overloaded; throughput is not compared (below capacity it is the offered load). Last row: "
+                 "capacity, the highest rate without backlog growth")
+        fmt, scale = ",.1f", 1e3
+    table = Table(title=title, title_justify="left")
     table.add_column("load", justify="right")
     for r in results:
         table.add_column(r.name, justify="right")
@@ -62,25 +88,51 @@ def comparison_table(results: Sequence[SweepResult], baseline: SweepResult) -> T
             if got is None:
                 row.append("-")
                 continue
-            cell = _pm(got, "tokens_per_s_per_gpu", ",.0f")
+            if got.overloaded:
+                row.append("overloaded")
+                continue
+            cell = _pm(got, metric, fmt, scale)
             if load in base and r is not baseline:
-                m, s = paired_ratio(base[load], got)
-                cell += f" ({m:.3f} ± {s:.3f}x)"
+                ratio = paired_ratio_or_none(base[load], got, metric)
+                cell += f" ({ratio[0]:.3f} ± {ratio[1]:.3f}x)" if ratio else " (baseline overloaded)"
+            row.append(cell)
+        table.add_row(*row)
+    if baseline.arrivals is Arrivals.OPEN:
+        row = ["capacity"]
+        for r in results:
+            cell = r.capacity.describe() if r.capacity else "-"
+            cap = capacity_ratio(baseline, r)
+            if cap is not None and r is not baseline:
+                cell += f" ({cap:.3f}x)"
             row.append(cell)
         table.add_row(*row)
     return table
 
 
+def capacity_ratio(baseline: SweepResult, other: SweepResult) -> float | None:
+    """other's capacity over baseline's (each the highest rate without backlog growth), where both are bracketed."""
+    a, b = baseline.capacity, other.capacity
+    if a is None or b is None or a.rate is None or b.rate is None or a.above is None or b.above is None:
+        return None
+    return b.rate / a.rate
+
+
 def sensitivity_table(rows: Sequence[SensitivityRow], schemes: Sequence[str], arrivals: Arrivals) -> Table:
+    metric = gain_metric(arrivals)
+    what = "tok/s/GPU" if arrivals is Arrivals.CLOSED else "TTFT at equal rate (below 1: faster)"
     table = Table(title=f"sensitivity: tok/s/GPU (mean ± spread over seeds); gain = {schemes[-1]} / {schemes[0]} "
-                        "seed by seed", title_justify="left")
+                        f"of {what}, seed by seed; last rows: the gain's range over every setting, the model's "
+                        "sensitivity (quote this, not the seed spread)", title_justify="left")
     for col in ("setting", "load", *schemes, "gain", f"xfer ms {schemes[0]}", f"TTFT ms {schemes[0]}"):
         table.add_column(col, justify="left" if col == "setting" else "right")
     for row in rows:
-        m, s = paired_ratio(row.points[0], row.points[-1])
+        ratio = paired_ratio_or_none(row.points[0], row.points[-1], metric)
         table.add_row(row.setting.label, _load(arrivals, row.load),
-                      *(_pm(p, "tokens_per_s_per_gpu", ",.0f") for p in row.points), f"{m:.4f} ± {s:.4f}",
+                      *(_pm(p, "tokens_per_s_per_gpu", ",.0f") for p in row.points),
+                      f"{ratio[0]:.4f} ± {ratio[1]:.4f}" if ratio else "overloaded",
                       f"{row.points[0].mean('transfer_s') * 1e3:.2f}", f"{row.points[0].mean('ttft_s') * 1e3:.1f}")
+    for load, (lo, hi) in sensitivity_range(rows).items():
+        table.add_row("range over settings", _load(arrivals, load), *[""] * len(schemes), f"{lo:.4f}-{hi:.4f}", "", "")
     return table
 
 
@@ -93,30 +145,40 @@ def print_report(results: Sequence[SweepResult], console: Console) -> None:
 
 def _point_json(p: PointSummary) -> dict[str, Any]:
     return {"load": p.load, "seeds": [r.seed for r in p.runs], "capacity_bound": p.capacity_bound,
+            "overloaded": p.overloaded,
             "mean": {m: p.mean(m) for m in METRICS}, "spread": {m: p.spread(m) for m in METRICS},
             "per_seed": {m: p.values(m) for m in ("tokens_per_s_per_gpu", "ttft_s", "itl_s")}}
 
 
 def as_json(results: Sequence[SweepResult]) -> dict[str, Any]:
-    """`points` is the first (default or baseline) variant's; `variants` holds every variant's."""
+    """`points` is the first (default or baseline) variant's; `variants` holds every variant's.
+
+    `ratio_to_first` is the comparison the loop allows, seed by seed: closed loop, tok/s/GPU at equal users;
+    open loop, TTFT at equal rate (null where either side is overloaded), plus `capacity` and
+    `capacity_ratio_to_first`. `ratio_metric` names which."""
     variants = []
     for r in results:
         cfg = r.config
         desc, nbytes, blocks = cfg.typical()
         base = {p.load: p for p in results[0].points}
-        ratios = {}
+        metric = gain_metric(r.arrivals)
+        ratios: dict[str, Any] = {}
         for p in r.points:
             if p.load in base:
-                m, s = paired_ratio(base[p.load], p)
-                ratios[str(p.load)] = {"mean": m, "spread": s}
+                got = paired_ratio_or_none(base[p.load], p, metric)
+                ratios[str(p.load)] = {"mean": got[0], "spread": got[1]} if got else None
+        cap = r.capacity
         variants.append({
             "name": r.name, "recipe": r.recipe, "scheme": r.scheme, "scheduling": cfg.scheduling.value,
-            "arrivals": r.arrivals.value,
-            "descriptors_per_request": desc, "transfer_bytes_per_request": nbytes,
-            "transfer_s_alone": cfg.typical_transfer_s(),
+            "arrivals": r.arrivals.value, "tp_prefill": cfg.prefill.gpus_per_rank, "tp_decode": cfg.decode.gpus_per_rank,
+            "descriptors_per_request": desc, "descriptors_posted_per_thread": cfg.typical_posted(),
+            "transfer_bytes_per_request": nbytes,
+            "transfer_s_alone": cfg.typical_transfer_s(), "posting_on_step": cfg.posting.on_step,
             "decode_blocks_per_request": blocks, "decode_blocks_per_rank": cfg.decode.blocks_per_rank,
             "total_gpus": cfg.total_gpus, "cut_at": r.cut_at, "skipped": list(r.skipped),
-            "ratio_to_first": ratios,
+            "ratio_metric": metric, "ratio_to_first": ratios,
+            "capacity": None if cap is None else {"rate": cap.rate, "above": cap.above, "searched": cap.searched},
+            "capacity_ratio_to_first": capacity_ratio(results[0], r) if r.arrivals is Arrivals.OPEN else None,
             "points": [_point_json(p) for p in r.points],
         })
     return {"points": variants[0]["points"] if variants else [], "variants": variants}
@@ -124,12 +186,14 @@ def as_json(results: Sequence[SweepResult]) -> dict[str, Any]:
 
 def sensitivity_json(rows: Sequence[SensitivityRow], schemes: Sequence[str]) -> dict[str, Any]:
     out = []
+    metric = gain_metric(rows[0].points[0].runs[0].arrivals) if rows else "tokens_per_s_per_gpu"
     for row in rows:
-        m, s = paired_ratio(row.points[0], row.points[-1])
+        got = paired_ratio_or_none(row.points[0], row.points[-1], metric)
         out.append({"setting": row.setting.label, "knob": row.setting.knob, "factor": row.setting.factor,
-                    "load": row.load, "gain": {"mean": m, "spread": s},
+                    "load": row.load, "gain": {"mean": got[0], "spread": got[1]} if got else None,
                     "schemes": {name: _point_json(p) for name, p in zip(schemes, row.points)}})
-    return {"sensitivity": out, "schemes": list(schemes)}
+    ranges = [{"load": load, "min": lo, "max": hi} for load, (lo, hi) in sensitivity_range(rows).items()]
+    return {"sensitivity": out, "schemes": list(schemes), "gain_metric": metric, "gain_range": ranges}
 
 
 def plot_pareto(results: Sequence[SweepResult], out: str | Path) -> Path:

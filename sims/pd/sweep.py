@@ -1,5 +1,12 @@
 """Load sweeps of one configuration over several seeds, the variants `--compare-schemes` runs,
-and the sensitivity table (posting cost, wire cost, bandwidth, async on/off)."""
+open-loop capacity (the highest rate without backlog growth), and the sensitivity table (posting
+cost, wire cost, bandwidth, async on/off).
+
+What a comparison may claim depends on the loop. Closed loop: throughput at equal users (TTFT is
+confounded: a faster decode sends the next request sooner and refills the prefill queue). Open loop:
+throughput is the offered load below capacity, so schemes compare by capacity and by TTFT at equal
+rate, where neither is overloaded.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +41,19 @@ class PointSummary:
     def capacity_bound(self) -> bool:
         return any(r.capacity_bound for r in self.runs)
 
+    @property
+    def overloaded(self) -> bool:
+        """Open loop only: the queue grew in the window by more than OVERLOAD_SHARE of the requests the
+        window completed (below capacity it only wanders by Poisson noise, a few percent at most)."""
+        return (bool(self.runs) and self.runs[0].arrivals is Arrivals.OPEN
+                and self.mean("backlog_growth") > OVERLOAD_SHARE * self.mean("completed"))
+
+
+# The backlog growth, as a share of a window's completions, past which an open-loop point is overloaded.
+# Past capacity the queue grows by (rate / capacity - 1) of the completions, so a point is flagged from
+# ~5% above its capacity: the capacity found is high by up to that much, for every scheme alike.
+OVERLOAD_SHARE = 0.05
+
 
 def paired_ratio(a: PointSummary, b: PointSummary, metric: str = "tokens_per_s_per_gpu") -> tuple[float, float]:
     """Mean and spread over seeds of b / a, seed by seed: the same seed draws the same requests and
@@ -55,6 +75,8 @@ class SweepResult:
     points: tuple[PointSummary, ...]
     # Loads not run because an earlier point already ran out of decode cache.
     skipped: tuple[float, ...]
+    # Open loop only: where the capacity lies (from the sweep, or searched).
+    capacity: Capacity | None = None
 
     @property
     def cut_at(self) -> float | None:
@@ -63,6 +85,14 @@ class SweepResult:
             if p.capacity_bound:
                 return p.load
         return None
+
+
+def paired_ratio_or_none(a: PointSummary, b: PointSummary, metric: str) -> tuple[float, float] | None:
+    """`paired_ratio`, or None where the comparison means nothing: an open-loop point either side overloaded
+    (its TTFT then grows with the run's length)."""
+    if a.overloaded or b.overloaded:
+        return None
+    return paired_ratio(a, b, metric)
 
 
 def run_point(config: SimConfig, load: float, *, arrivals: Arrivals, seeds: Sequence[int]) -> PointSummary:
@@ -85,6 +115,58 @@ def run_sweep(config: SimConfig, loads: Sequence[float], *, arrivals: Arrivals =
         if stop_at_capacity and point.capacity_bound:
             return tuple(points), tuple(loads[i + 1:])
     return tuple(points), ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capacity:
+    """Open-loop capacity: the highest rate run without backlog growth (`rate`; None: every rate run was
+    overloaded) and the lowest overloaded one above it (`above`; None: none was), so it lies in
+    [rate, above). `searched`: bisected between the sweep's two to `CAPACITY_TOLERANCE`."""
+
+    rate: float | None
+    above: float | None
+    searched: bool = False
+
+    def describe(self) -> str:
+        if self.rate is None:
+            return f"< {self.above:,.3g}/s"
+        if self.above is None:
+            return f">= {self.rate:,.3g}/s"
+        return f"{self.rate:,.3g}-{self.above:,.3g}/s"
+
+
+# Bisection stops when the overloaded rate is within this factor of the last rate without backlog growth.
+CAPACITY_TOLERANCE = 0.02
+
+
+def sweep_capacity(points: Sequence[PointSummary]) -> Capacity:
+    """The bracket a swept open loop gives: the rate below its first overloaded point, and that point."""
+    rate = None
+    for p in points:
+        if p.overloaded:
+            return Capacity(rate=rate, above=p.load)
+        rate = p.load
+    return Capacity(rate=rate, above=None)
+
+
+def search_capacity(config: SimConfig, bracket: Capacity, *, seeds: Sequence[int], max_steps: int = 12,
+                    on_point: Callable[[], None] | None = None) -> Capacity:
+    """Bisect (geometrically) between the bracket's rates until they are within CAPACITY_TOLERANCE."""
+    if bracket.rate is None or bracket.above is None:
+        return bracket
+    lo, hi = bracket.rate, bracket.above
+    for _ in range(max_steps):
+        if hi <= lo * (1 + CAPACITY_TOLERANCE):
+            break
+        mid = (lo * hi) ** 0.5
+        point = run_point(config, mid, arrivals=Arrivals.OPEN, seeds=seeds)
+        if on_point is not None:
+            on_point()
+        if point.overloaded:
+            hi = mid
+        else:
+            lo = mid
+    return Capacity(rate=lo, above=hi, searched=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,15 +208,25 @@ def seeds_of(recipe: Recipe, base: int) -> tuple[int, ...]:
     return tuple(range(base, base + recipe.sweep.seeds))
 
 
-def run_variant(variant: Variant, *, seed: int = 0,
-                on_point: Callable[[PointSummary], None] | None = None) -> SweepResult:
+def run_variant(variant: Variant, *, seed: int = 0, search: bool = False,
+                on_point: Callable[[PointSummary], None] | None = None,
+                on_search: Callable[[], None] | None = None) -> SweepResult:
+    """One variant's sweep; in open loop also its capacity (bisected between the sweep's rates if `search`).
+    An open loop runs every rate: a point past capacity is what brackets it."""
     recipe = variant.recipe
     config = recipe.sim_config(scheme=variant.scheme, scheduling=variant.scheduling)
-    points, skipped = run_sweep(config, recipe.sweep.loads, arrivals=recipe.sweep.arrivals,
-                                seeds=seeds_of(recipe, seed), stop_at_capacity=recipe.sweep.stop_at_capacity,
+    arrivals = recipe.sweep.arrivals
+    seeds = seeds_of(recipe, seed)
+    points, skipped = run_sweep(config, recipe.sweep.loads, arrivals=arrivals, seeds=seeds,
+                                stop_at_capacity=recipe.sweep.stop_at_capacity and arrivals is Arrivals.CLOSED,
                                 on_point=on_point)
+    capacity = None
+    if arrivals is Arrivals.OPEN:
+        capacity = sweep_capacity(points)
+        if search:
+            capacity = search_capacity(config, capacity, seeds=seeds, on_point=on_search)
     return SweepResult(name=variant.name, recipe=recipe.name, scheme=variant.scheme, config=config,
-                       arrivals=recipe.sweep.arrivals, points=points, skipped=skipped)
+                       arrivals=arrivals, points=points, skipped=skipped, capacity=capacity)
 
 
 # --- sensitivity ------------------------------------------------------------------------------
@@ -172,6 +264,23 @@ class SensitivityRow:
     load: float
     # One summary per scheme, in the order compared.
     points: tuple[PointSummary, ...]
+
+
+def gain_metric(arrivals: Arrivals) -> str:
+    """What a scheme's gain is read from: throughput at equal users (closed loop), TTFT at equal rate (open
+    loop, where throughput is the offered load)."""
+    return "tokens_per_s_per_gpu" if arrivals is Arrivals.CLOSED else "ttft_s"
+
+
+def sensitivity_range(rows: Sequence[SensitivityRow]) -> dict[float, tuple[float, float]]:
+    """Per load, the lowest and highest gain (last scheme over the first, seed by seed) over every setting:
+    how far the model's own inputs move the answer, the uncertainty to quote (the seed spread is far smaller)."""
+    out: dict[float, list[float]] = {}
+    for row in rows:
+        got = paired_ratio_or_none(row.points[0], row.points[-1], gain_metric(row.points[0].runs[0].arrivals))
+        if got is not None:
+            out.setdefault(row.load, []).append(got[0])
+    return {load: (min(v), max(v)) for load, v in out.items()}
 
 
 def sensitivity(recipe: Recipe, schemes: Sequence[str], loads: Sequence[float], *, seed: int = 0,
