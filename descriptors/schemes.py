@@ -58,7 +58,7 @@ class Poster:
 _VLLM_STEP = Poster(side=Side.DECODE, on_step=True,
                     where="NixlConnector.start_load_kv, in each decode worker's step (docs/background/vllm.md section 1)")
 _SGLANG_WORKERS = ("SGLang's transfer worker threads on each prefill rank, WRITEs "
-                   "(../shared/anchors/sglang.md)")
+                   "(docs/background/sglang.md)")
 POSTERS: dict[Scheme, Poster] = {
     Scheme.VLLM_LEGACY: _VLLM_STEP,
     Scheme.VLLM_HMA: _VLLM_STEP,
