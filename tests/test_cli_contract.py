@@ -123,6 +123,8 @@ def _json_runs(tmp_path: Path) -> dict[str, tuple[str, ...]]:
         "bench transfer": ("bench", "transfer", "--layers", "4", "--tokens", "1024", "--iters", "1", "--json"),
         "demo": ("demo", "--requests", "2", "--json"),
         "bench gdn": ("bench", "gdn", "--only", "decode", "--iters", "2", "--no-fla", "--no-qla", "--no-fi", "--json"),
+        "bench vllm-steps": ("bench", "vllm-steps", "--requests", "20", "--block-tokens", "16", "--prompt", "64",
+                             "--steps", "2", "--json"),
     }
 
 
@@ -143,6 +145,8 @@ def test_json_stdout_is_exactly_one_document(tmp_path, command):
     if command in ("demo", "bench transfer"):
         if not any(_importable(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")):
             pytest.skip("NIXL is not installed")
+    if command == "bench vllm-steps" and not _importable("vllm"):
+        pytest.skip("vLLM is not installed (the vllm extra; its own environment runs it)")
     if command == "bench gdn" and not _has_cuda():
         pytest.skip("bench gdn needs a CUDA device")
     proc = _run(*_json_runs(tmp_path)[command])
