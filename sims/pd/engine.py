@@ -25,6 +25,11 @@ from .loop import Clock, Link, Stepper
 from .params import Arrivals, PointResult, Scheduling, SimConfig
 
 
+# Bounds of an open loop's default windows, in completions (see _PointSim).
+OPEN_WARMUP_CAP = 8192
+OPEN_MEASURE_CAP = 16384
+
+
 class _Req:
     __slots__ = ("isl", "osl", "descriptors", "posted", "nbytes", "rank", "endpoint", "t_arrive", "t_started",
                  "t_prefilled", "t_admitted", "t_transferred", "t_first", "t_finish", "waited", "blocks",
@@ -332,6 +337,13 @@ class _PointSim:
         # measure the phase of a wave, not the steady state.
         self.warmup = max(2 * users, 512) if cfg.warmup_requests is None else cfg.warmup_requests
         self.measure = max(4 * users, 2048) if cfg.measure_requests is None else cfg.measure_requests
+        # An open loop has no user count to size its windows by: the requests in the system play that part,
+        # and they take a request's whole life (1,024 steps at the seed) to build up. A fixed window would
+        # measure the fill, whose growth reads as overload. So by default the window opens once the
+        # completions reach twice the requests in the system (or OPEN_WARMUP_CAP, for a point so far past
+        # capacity that they never do) and measures four times them (at most OPEN_MEASURE_CAP).
+        self.size_warmup = arrivals is Arrivals.OPEN and cfg.warmup_requests is None
+        self.size_measure = arrivals is Arrivals.OPEN and cfg.measure_requests is None
         self.window_open = self.warmup == 0
         self.t_open = 0.0
         self.t_close = math.nan
@@ -437,7 +449,10 @@ class _PointSim:
                 if len(self.stats.reqs) >= self.measure:
                     self.t_close = t
                     self.in_system_at_close = self.in_system
-        elif self.completed >= self.warmup:
+        elif self.completed >= self.warmup and (
+                not self.size_warmup or self.completed >= min(2 * self.in_system, OPEN_WARMUP_CAP)):
+            if self.size_measure:
+                self.measure = min(max(4 * self.in_system, self.measure), OPEN_MEASURE_CAP)
             self.window_open = True
             self.t_open = t
             self.in_system_at_open = self.in_system

@@ -121,8 +121,8 @@ def sensitivity_table(rows: Sequence[SensitivityRow], schemes: Sequence[str], ar
     metric = gain_metric(arrivals)
     what = "tok/s/GPU" if arrivals is Arrivals.CLOSED else "TTFT at equal rate (below 1: faster)"
     table = Table(title=f"sensitivity: tok/s/GPU (mean ± spread over seeds); gain = {schemes[-1]} / {schemes[0]} "
-                        f"of {what}, seed by seed; last rows: the gain's range over every setting, the model's "
-                        "sensitivity (quote this, not the seed spread)", title_justify="left")
+                        f"of {what}, seed by seed; last rows: the gain's range per knob (with the recipe as given), the "
+                        "model's sensitivity: quote it, not the seed spread", title_justify="left")
     for col in ("setting", "load", *schemes, "gain", f"xfer ms {schemes[0]}", f"TTFT ms {schemes[0]}"):
         table.add_column(col, justify="left" if col == "setting" else "right")
     for row in rows:
@@ -131,8 +131,8 @@ def sensitivity_table(rows: Sequence[SensitivityRow], schemes: Sequence[str], ar
                       *(_pm(p, "tokens_per_s_per_gpu", ",.0f") for p in row.points),
                       f"{ratio[0]:.4f} ± {ratio[1]:.4f}" if ratio else "overloaded",
                       f"{row.points[0].mean('transfer_s') * 1e3:.2f}", f"{row.points[0].mean('ttft_s') * 1e3:.1f}")
-    for load, (lo, hi) in sensitivity_range(rows).items():
-        table.add_row("range over settings", _load(arrivals, load), *[""] * len(schemes), f"{lo:.4f}-{hi:.4f}", "", "")
+    for (load, knob), (lo, hi) in sensitivity_range(rows).items():
+        table.add_row(f"range: {knob}", _load(arrivals, load), *[""] * len(schemes), f"{lo:.4f}-{hi:.4f}", "", "")
     return table
 
 
@@ -192,7 +192,8 @@ def sensitivity_json(rows: Sequence[SensitivityRow], schemes: Sequence[str]) -> 
         out.append({"setting": row.setting.label, "knob": row.setting.knob, "factor": row.setting.factor,
                     "load": row.load, "gain": {"mean": got[0], "spread": got[1]} if got else None,
                     "schemes": {name: _point_json(p) for name, p in zip(schemes, row.points)}})
-    ranges = [{"load": load, "min": lo, "max": hi} for load, (lo, hi) in sensitivity_range(rows).items()]
+    ranges = [{"load": load, "knob": knob, "min": lo, "max": hi}
+              for (load, knob), (lo, hi) in sensitivity_range(rows).items()]
     return {"sensitivity": out, "schemes": list(schemes), "gain_metric": metric, "gain_range": ranges}
 
 

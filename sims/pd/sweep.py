@@ -272,15 +272,26 @@ def gain_metric(arrivals: Arrivals) -> str:
     return "tokens_per_s_per_gpu" if arrivals is Arrivals.CLOSED else "ttft_s"
 
 
-def sensitivity_range(rows: Sequence[SensitivityRow]) -> dict[float, tuple[float, float]]:
-    """Per load, the lowest and highest gain (last scheme over the first, seed by seed) over every setting:
-    how far the model's own inputs move the answer, the uncertainty to quote (the seed spread is far smaller)."""
-    out: dict[float, list[float]] = {}
+def sensitivity_range(rows: Sequence[SensitivityRow]) -> dict[tuple[float, str], tuple[float, float]]:
+    """Per load and knob, the lowest and highest gain (last scheme over the first, seed by seed) over that knob's
+    settings and the recipe as given: how far the model's own inputs move the answer, the uncertainty to quote
+    (the seed spread is far smaller). Knobs a comparison does not favour (wire cost, bandwidth) give the
+    model's structural noise; the posting knob, how much of the gain is the posting cost."""
+    given: dict[float, float] = {}
+    out: dict[tuple[float, str], list[float]] = {}
     for row in rows:
         got = paired_ratio_or_none(row.points[0], row.points[-1], gain_metric(row.points[0].runs[0].arrivals))
-        if got is not None:
-            out.setdefault(row.load, []).append(got[0])
-    return {load: (min(v), max(v)) for load, v in out.items()}
+        if got is None:
+            continue
+        if not row.setting.knob:
+            given[row.load] = got[0]
+        else:
+            out.setdefault((row.load, row.setting.knob), []).append(got[0])
+    spans = {}
+    for (load, knob), gains in out.items():
+        gains = gains + ([given[load]] if load in given else [])
+        spans[(load, knob)] = (min(gains), max(gains))
+    return spans
 
 
 def sensitivity(recipe: Recipe, schemes: Sequence[str], loads: Sequence[float], *, seed: int = 0,
