@@ -1,6 +1,7 @@
-"""`hybridkv analyze`: descriptors each scheme issues for one request, side by side, and whether
-posting them matters: the ids one posting thread builds, what posting them costs on that thread, and
-the decode step it competes with."""
+"""`hybridkv analyze`: descriptors each scheme issues for one request, side by side.
+
+With whether posting them matters: the ids one posting thread builds, what posting them costs on that
+thread, and the decode step it competes with."""
 
 from __future__ import annotations
 
