@@ -63,6 +63,7 @@ for i in "${!ENGINES[@]}"; do
 done
 wait "$core_setup" || exit 1
 
+# --durations: the slowest tests in the log, to keep CI within its time (20 minutes on 2 cores).
 # The property suite at its CI size (>= 10,000 interleavings, issue 3), whoever runs this: not only
 # where a CI variable happens to be set.
 export HYBRIDKV_PROPERTY_EXAMPLES="${HYBRIDKV_PROPERTY_EXAMPLES:-10000}" HYBRIDKV_PROPERTY_MIN="${HYBRIDKV_PROPERTY_MIN:-10000}"
@@ -70,14 +71,14 @@ export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
 
 status=0
 run() { "$@" 2>&1 | tee -a "$LOGS/results.log"; return "${PIPESTATUS[0]}"; }
-run "$ROOT/.venv/bin/python" -m pytest -q --ignore=tests/vllm --ignore=tests/sglang "$@" || status=1
+run "$ROOT/.venv/bin/python" -m pytest -q --durations=15 --ignore=tests/vllm --ignore=tests/sglang "$@" || status=1
 for engine in "${ENGINES[@]}"; do
     if [[ " ${FAILED[*]-} " == *" $engine "* ]]; then
         echo "tests/${engine} not run: setting up .venv-${engine} failed (log: $LOGS/setup_${engine}.log)"
         status=1
         continue
     fi
-    run "$ROOT/.venv-${engine}/bin/python" -m pytest -q "tests/${engine}" "$@" || status=1
+    run "$ROOT/.venv-${engine}/bin/python" -m pytest -q --durations=15 "tests/${engine}" "$@" || status=1
 done
 # One closing line over every suite.
 python3 - "$LOGS/results.log" <<'PY'
