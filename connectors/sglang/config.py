@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
+import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -11,12 +14,19 @@ from hybridkv.transport import config as transport_config
 from hybridkv.transport.auth import load_secret
 from hybridkv.transport.dataplane import DataPlaneConfig
 
+logger = logging.getLogger(__name__)
+
 _ENV_PREFIX = "HYBRIDKV_SGLANG_"
+# SGLang's NIXL backend settings, read as SGLang reads them (its envs: the same names and defaults)
+NIXL_BACKEND_VAR = "SGLANG_DISAGGREGATION_NIXL_BACKEND"
+NIXL_PARAMS_VAR = "SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS"
+PREFILL_UCX_THREADS = 8  # SGLang's NIXL backend: a prefill agent posts with 8 UCX threads, a decode agent with none
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _SECRET_KEYS = frozenset({"secret_file", "secret_env"})
 _INT_KEYS = frozenset({"workers", "max_sessions"})
 _BOOL_KEYS = frozenset({"progress_thread", "insecure_no_auth"})
+_HOSTS_KEYS = frozenset({"allowed_decode_hosts"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,8 +49,9 @@ class SGLangConfig:
       300 s (its lease).
     * ``min_lease_s`` (60): the shortest export/import lease of the fencing
       scheduler; the lease is the larger of this and the drain timeout.
-    * ``workers`` (2): prefill threads that post and settle chunks (a room's chunks
-      always go to one of them, in order).
+    * ``workers`` (4): prefill threads that post and settle chunks. Chunks queue per
+      decode peer (a room's in order) and a stalled decode holds one thread, so up to
+      ``workers - 1`` stalled decodes delay no other decode.
     * ``poll_interval_s`` (0.2): how often the control threads wake without a
       message (stop flag, lease expiry, stuck writes).
     * ``settle_poll_s`` (0.0005): how often a worker polls the WRITEs it waits for.
@@ -62,12 +73,17 @@ class SGLangConfig:
     * ``max_sessions`` (256): proven decode ranks a prefill rank keeps a session with.
       Past it the oldest session ends: its NIXL agent is removed once no write to it is
       in flight, and the rooms it claimed fail.
+    * ``allowed_decode_hosts`` (unset): the IP addresses or networks (comma-separated,
+      ``10.0.0.0/8,192.168.1.7``) a prefill rank answers a decode's handshake at. Unset:
+      only the address the handshake came from, so a Hello cannot make the rank dial a
+      third host; set it where a decode host names another address than the one it
+      sends from (several NICs).
     """
 
     transfer_timeout_s: float = 30.0
     drain_timeout_s: float | None = None
     min_lease_s: float = 60.0
-    workers: int = 2
+    workers: int = 4
     poll_interval_s: float = 0.2
     settle_poll_s: float = 0.0005
     progress_thread: bool = True
@@ -76,11 +92,21 @@ class SGLangConfig:
     handshake_timeout_s: float = 5.0
     max_sessions: int = 256
     insecure_no_auth: bool = False
+    allowed_decode_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in _SECRET_KEYS:
+            if f.name in _HOSTS_KEYS:
+                if not isinstance(v, tuple) or not all(isinstance(h, str) for h in v):
+                    raise ValueError(f"{f.name} = {v!r}; expected a tuple of IP addresses or networks")
+                for h in v:
+                    try:
+                        ipaddress.ip_network(h, strict=False)
+                    except ValueError:
+                        raise ValueError(f"{f.name}: {h!r} is not an IP address or network; expected e.g. "
+                                         "10.0.0.7 or 10.0.0.0/8") from None
+            elif f.name in _SECRET_KEYS:
                 if v is not None and (not isinstance(v, str) or v.strip() == ""):
                     raise ValueError(f"{f.name} = {v!r}; expected unset or a non-empty string")
             elif f.name in _BOOL_KEYS:
@@ -140,13 +166,87 @@ class SGLangConfig:
     def lease_s(self, drain_timeout_s: float) -> float:
         return max(drain_timeout_s, self.min_lease_s)
 
-    def dataplane(self) -> DataPlaneConfig:
-        # NIXL's own defaults for an engine agent (progress thread on, no telemetry);
-        # "peer" error handling makes a WRITE to a dead process fail instead of hang.
-        return DataPlaneConfig(progress_thread=self.progress_thread, telemetry=False)
+    def decode_host_allowed(self, ip: str, source: str | None) -> bool:
+        """Whether a prefill rank may send a handshake reply to a decode naming `ip`, from a message that came
+        from `source` (the sending connection's IP; None: unknown)."""
+        named = _ip(ip)
+        if named is None:
+            return False
+        if self.allowed_decode_hosts:
+            return any(named in ipaddress.ip_network(h, strict=False) for h in self.allowed_decode_hosts)
+        return source is not None and named == _ip(source)
+
+    def dataplane(self, *, prefill: bool = False, ib_device: str | None = None, gpu_id: int = 0,
+                  environ: Mapping[str, str] = os.environ) -> DataPlaneConfig:
+        """The data plane of a rank, NIC and UCX settings as SGLang's NIXL backend takes them: the UCX backend
+        parameters of ``SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS`` (a JSON object of strings), 8 UCX threads
+        on a prefill rank unless they name ``num_threads``, and the NICs ``--disaggregation-ib-device`` maps
+        this rank's GPU to as UCX's ``device_list`` (not where ``UCX_NET_DEVICES`` is set: UCX takes that).
+        ValueError naming the setting for a backend other than UCX, parameters that do not parse, or a
+        ``device_list`` that contradicts the flag."""
+        backend = (environ.get(NIXL_BACKEND_VAR) or "UCX").strip()
+        if backend != "UCX":
+            raise ValueError(f"{NIXL_BACKEND_VAR}={backend!r}: hybridkv's SGLang backend moves bytes over NIXL's UCX "
+                             "backend only; expected UCX (or unset)")
+        raw = environ.get(NIXL_PARAMS_VAR) or "{}"
+        try:
+            given = json.loads(raw)
+        except ValueError as e:
+            raise ValueError(f"{NIXL_PARAMS_VAR}={raw!r} is not JSON ({e}); expected a JSON object of strings") from None
+        if not isinstance(given, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in given.items()):
+            raise ValueError(f"{NIXL_PARAMS_VAR}={raw!r}; expected a JSON object with string keys and values")
+        # "peer" error handling makes a WRITE to a dead process fail instead of hang (the operator may override)
+        params = {"ucx_error_handling_mode": "peer", **given}
+        if prefill:
+            params.setdefault("num_threads", str(PREFILL_UCX_THREADS))
+        if ib_device:
+            if environ.get("UCX_NET_DEVICES"):
+                logger.warning("hybridkv: UCX_NET_DEVICES is set; --disaggregation-ib-device is not applied (UCX "
+                               "takes UCX_NET_DEVICES)")
+            elif (devices := ucx_device_list(ib_device, gpu_id)) is not None:
+                if "device_list" in params and _device_names(params["device_list"]) != devices:
+                    raise ValueError(f"{NIXL_PARAMS_VAR} names device_list={params['device_list']!r} and "
+                                     f"--disaggregation-ib-device maps GPU {gpu_id} to {devices!r}; expected one "
+                                     "of the two, or both the same")
+                params["device_list"] = devices
+                logger.info("hybridkv: GPU %s bound to NIC(s) %s (UCX device_list)", gpu_id, devices)
+        # NIXL's own defaults for an engine agent otherwise (progress thread on, no telemetry)
+        return DataPlaneConfig(progress_thread=self.progress_thread, telemetry=False,
+                               ucx_params=tuple(params.items()))
+
+
+def ucx_device_list(ib_device: str, gpu_id: int) -> str | None:
+    """The NICs ``--disaggregation-ib-device`` gives GPU `gpu_id` (SGLang's own parser: a list for every GPU, a
+    {gpu: list} map, or a JSON file of one), as NIXL's UCX ``device_list`` takes them ("mlx5_0, mlx5_1"; NIXL
+    adds the port); None if it names none."""
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import get_ib_devices_for_gpu
+
+    devices = get_ib_devices_for_gpu(ib_device, gpu_id)
+    if devices is None:
+        return None
+    names = _device_names(devices)
+    if any(not n or ":" in n for n in names.split(", ")):
+        raise ValueError(f"--disaggregation-ib-device {ib_device!r} gives GPU {gpu_id} {devices!r}; expected NIC "
+                         "names without a port (mlx5_0, not mlx5_0:1): NIXL's UCX backend adds port 1")
+    return names
+
+
+def _device_names(devices: str) -> str:
+    return ", ".join(n.strip() for n in devices.split(","))
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return mapped if mapped is not None else ip
 
 
 def _parse(var: str, raw: str, key: str) -> Any:
+    if key in _HOSTS_KEYS:
+        return tuple(h.strip() for h in raw.split(",") if h.strip())
     if key in _SECRET_KEYS:
         return raw  # a path or a variable name, never the secret itself
     if key in _BOOL_KEYS:

@@ -51,7 +51,9 @@ message after that, both ways, is sealed to that session (sessions.py); the
 prefill adds NIXL agents, takes METADATA and ABORTs, and pushes statuses only
 within proven sessions, and binds each room to the decode agent that claimed it.
 A decode agent whose session ended leaves NIXL once its rooms' writes are over, and
-those rooms fail (retiring.py).
+those rooms fail (retiring.py). A prefill rank's route on SGLang's bootstrap server
+is MACed under the secret and the server takes no other (routes.py); a prefill rank
+answers a handshake only at the address it came from (or allowed_decode_hosts).
 
 The manager is SGLang's (a CommonKVManager, which SGLang's disaggregation code
 calls) and composes hybridkv's parts, each with its own state, given what it
@@ -71,9 +73,10 @@ from typing import Optional
 
 import numpy as np
 import zmq
+from aiohttp import web
 
 from hybridkv.connectors.sglang import messages as msgs
-from hybridkv.connectors.sglang import startup
+from hybridkv.connectors.sglang import routes, startup
 from hybridkv.connectors.sglang.adopt import adopt_kv_args, parallel_of, request_id
 from hybridkv.connectors.sglang.config import SGLangConfig
 from hybridkv.connectors.sglang.decode_side import DecodeImports
@@ -170,7 +173,15 @@ class HybridKVManager(CommonKVManager):
             args, device_mem=self.mem, gpu_id=int(getattr(args, "gpu_id", 0) or 0),
             parallel=parallel_of(args, attn_tp=par.attn_tp_size, attn_rank=par.attn_tp_rank,
                                  state_tp=linear_attn_tp_size(), mla=bool(is_mla_backend)))
-        self.dp = DataPlane(self.adopted.memory, self.config.dataplane())
+        # NIC binding and UCX threads as SGLang's NIXL backend takes them (config.py)
+        plane = self.config.dataplane(prefill=not decode, ib_device=getattr(args, "ib_device", None),
+                                      gpu_id=int(getattr(args, "gpu_id", 0) or 0))
+        try:
+            self.dp = DataPlane(self.adopted.memory, plane)
+        except Exception as e:  # NIXL's own error names no setting (NIXL_ERR_BACKEND)
+            raise RuntimeError(f"hybridkv: NIXL could not start its UCX backend with {dict(plane.ucx_params)} "
+                               f"({type(e).__name__}: {e}); check --disaggregation-ib-device and "
+                               "SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS") from e
         self.stats = TransferStats()
         #: what moved, failed and was quarantined; the control thread observes it into the
         #: sglang:hybridkv_* series (metrics.py) and starts over
@@ -179,7 +190,9 @@ class HybridKVManager(CommonKVManager):
             self.prom: Optional[HybridKVSGLangMetrics] = HybridKVSGLangMetrics({
                 "model_name": server_args.served_model_name or server_args.model_path,
                 "engine_type": DisaggregationMode.to_engine_type(disaggregation_mode.value),
-                "tp_rank": par.attn_tp_rank})
+                # SGLang's scheduler series: the TP rank, not the attention-TP one (every DP-attention group
+                # has an attention rank 0), and the replica's DP rank ("": none, as SGLang leaves it out)
+                "tp_rank": par.tp_rank, "dp_rank": "" if par.dp_rank is None else par.dp_rank})
         except ImportError as e:  # sglang requires prometheus-client; a stripped install may lack it
             logger.warning("hybridkv: no sglang:hybridkv_* metrics (%s); pip install prometheus-client", e)
             self.prom = None
@@ -187,6 +200,7 @@ class HybridKVManager(CommonKVManager):
         self._threads: list[threading.Thread] = []
         #: the decode ranks registered here (prefill): their agents, layouts and planners
         self.peers: dict[str, Peer] = {}
+        self._route_secret = secret  # a prefill rank's route is MACed under it (routes.py)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.rooms = Rooms(self)
         self.auth = PeerAuth(
@@ -215,8 +229,8 @@ class HybridKVManager(CommonKVManager):
         self.registrations = Registrations(
             adopted=self.adopted, dp=self.dp, peers=self.peers, rooms=self.rooms, auth=self.auth,
             exports=self.exports, drains=self.drains, retiring=self.retiring)
-        for i, q in enumerate(self.exports.queues):
-            self._spawn(self.exports.worker_loop, f"hybridkv-worker-{i}", q)
+        for i in range(self.config.workers):
+            self._spawn(self.exports.worker_loop, f"hybridkv-worker-{i}")
         self._spawn(self._prefill_control_loop, "hybridkv-control")
 
     def _start_decode(self) -> None:
@@ -323,6 +337,13 @@ class HybridKVManager(CommonKVManager):
             is_dummy=bool(is_dummy), generation=self.imports.generation(int(bootstrap_room)),
         ).to_frames()
 
+    def _register_topology_row(self, url: str, payload: dict) -> None:
+        """SGLang's PUT /route of this prefill rank, with a secret MACed over a nonce of the server's
+        (routes.py): no process without the secret can put another address in this rank's place."""
+        if self._route_secret is not None:
+            payload = routes.sign_route(self._route_secret, payload, routes.fetch_nonce(url))
+        super()._register_topology_row(url, payload)
+
     def _room_notify_targets(self, bootstrap_room: int):
         infos = self.transfer_infos.get(bootstrap_room) or {}
         targets = []
@@ -351,10 +372,12 @@ class HybridKVManager(CommonKVManager):
                 del self.connection_pool[key]
 
     # SGLang's deferred decode KV release and heartbeat (decode_side.py says how they hold the pages)
-    def register_deferred_abort_room(self, bootstrap_room: int) -> int:
-        generation = super().register_deferred_abort_room(bootstrap_room)
+    def register_deferred_abort_room(self, bootstrap_room: int) -> Optional[int]:
+        super().register_deferred_abort_room(bootstrap_room)  # SGLang's ACK tracker (hybridkv answers DRAINED)
         self.imports.hold(bootstrap_room)
-        return generation
+        # What the ABORT carries: the import's generation (None: nothing published), which the prefill ranks
+        # match with the room's METADATA (registrations.py)
+        return self.imports.generation(bootstrap_room) or None
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         return self.imports.release_safe(bootstrap_room)
@@ -373,7 +396,9 @@ class HybridKVManager(CommonKVManager):
         poller.register(self.server_socket, zmq.POLLIN)
         while not self._stop.is_set():
             if poller.poll(int(self.config.poll_interval_s * 1000)):
-                yield self.server_socket.recv_multipart()
+                frames = self.server_socket.recv_multipart(copy=False)
+                # The sending connection's IP: a prefill answers a handshake only there (sessions.PrefillGate)
+                yield [f.bytes for f in frames], frames[0].get("Peer-Address")
             if tick is not None:
                 try:
                     tick()
@@ -389,9 +414,9 @@ class HybridKVManager(CommonKVManager):
         self.retiring.reap()
 
     def _prefill_control_loop(self) -> None:
-        for frames in self._recv(tick=self.tick):
+        for frames, source in self._recv(tick=self.tick):
             try:
-                got = self.auth.open(frames)
+                got = self.auth.open(frames, source)
                 if got is None:
                     continue
                 session, frames = got
@@ -411,9 +436,9 @@ class HybridKVManager(CommonKVManager):
                 logger.exception("hybridkv: dropped a control message")
 
     def _decode_listener_loop(self) -> None:
-        for frames in self._recv(tick=self.imports.tick):
+        for frames, source in self._recv(tick=self.imports.tick):
             try:
-                got = self.auth.open(frames)
+                got = self.auth.open(frames, source)
                 if got is None:
                     continue
                 session, frames = got
@@ -494,4 +519,29 @@ class HybridKVSender(CommonKVSender):
 
 
 class HybridKVBootstrapServer(CommonKVBootstrapServer):
-    pass
+    """SGLang's bootstrap server. With a shared secret, a route (PUT /route) is taken only MACed under it
+    over a nonce this server issued (routes.py); anything else is answered 403 and changes nothing."""
+
+    def __init__(self, host: str, port: int):
+        secret = SGLangConfig.from_server_args(None).secret()  # the ranks' environment: one launch
+        self.route_guard = routes.RouteGuard(secret) if secret is not None else None
+        super().__init__(host, port)
+
+    def _setup_routes(self):
+        super()._setup_routes()
+        if self.route_guard is not None:
+            self.app.router.add_get(routes.NONCE_PATH, self._handle_route_nonce)
+
+    async def _handle_route_nonce(self, request: web.Request):
+        return web.json_response({"nonce": self.route_guard.nonce()})
+
+    async def _handle_route_put(self, request: web.Request):
+        if self.route_guard is not None:
+            try:
+                data = await request.json()
+            except ValueError:
+                data = None
+            why = self.route_guard.check(data)
+            if why is not None:
+                return web.Response(text=f"hybridkv: route refused: {why}", status=403)
+        return await super()._handle_route_put(request)

@@ -20,8 +20,9 @@ from collections.abc import Mapping
 from hybridkv.transport.metrics import FailureKind, MetricsSnapshot
 
 
-#: The labels of SGLang's scheduler metrics this backend's series carry.
-LABELS = ("model_name", "engine_type", "tp_rank")
+#: The labels of SGLang's scheduler metrics this backend's series carry (tp_rank: the TP rank, as SGLang's
+#: scheduler labels it, so every DP-attention rank has its own series; dp_rank: the replica's, "" for none).
+LABELS = ("model_name", "engine_type", "tp_rank", "dp_rank")
 
 
 @functools.cache

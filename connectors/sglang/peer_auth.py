@@ -75,7 +75,8 @@ class PeerAuth:
             self._reply_socks = ReplySockets(zmq_ctx)
             self.gate = PrefillGate(secret=secret, local=local, send=self._reply_unproven,
                                     tcp_of=lambda ip, port: NetworkAddress(ip, port).to_tcp(), stats=stats,
-                                    max_sessions=config.max_sessions, on_end=self._session_ended)
+                                    max_sessions=config.max_sessions, on_end=self._session_ended,
+                                    allowed=config.decode_host_allowed)
         elif decode:
             self.probe = AuthProbe(local=local, send=self._push_to_prefill, stats=stats)
 
@@ -146,8 +147,10 @@ class PeerAuth:
         self.forget_registration(session.peer)
 
     # ------------------------------------------------------------ both
-    def open(self, frames: list[bytes]) -> Optional[tuple[Optional[Session], list[bytes]]]:
-        """The frames to act on and the session they came in (None without a secret), or None: dropped."""
+    def open(self, frames: list[bytes],
+             source: Optional[str] = None) -> Optional[tuple[Optional[Session], list[bytes]]]:
+        """The frames to act on and the session they came in (None without a secret), or None: dropped.
+        `source`: the IP the frames came from (ZMQ's Peer-Address), which a prefill's handshake reply may go to."""
         auth = self.gate or self.keys
         if auth is None:
             if self.probe is not None and sessions.is_handshake(frames):
@@ -165,7 +168,10 @@ class PeerAuth:
                 return None
             return None, frames
         if sessions.is_handshake(frames):
-            auth.on_handshake(frames)
+            if self.gate is not None:
+                self.gate.on_handshake(frames, source)
+            else:
+                self.keys.on_handshake(frames)
             return None
         if not sessions.is_sealed(frames):
             # Anything unsealed (SGLang's own ABORT or KV_STATUS, a REGISTER, garbage) is from nobody proven.

@@ -5,8 +5,15 @@ SGLang 0.5.23 has no backend registry: the CLI choices are a list, the
 supported out-of-tree route is its general plugin framework: `load_plugins()`
 runs every `sglang.srt.plugins` entry point before argument parsing and in
 every scheduler process, then applies the registered hooks (and rebinds
-`from X import name` copies). We add the CLI choice, REPLACE the enum with one
-holding the original members plus ours, and wrap `get_kv_class`.
+`from X import name` copies). We add the CLI choice, add our member to the enum
+in place, and wrap `get_kv_class`.
+
+The plugin runs in every process where hybridkv is installed, whichever backend
+is chosen. So the enum is not replaced (a rebuilt enum's members are new
+objects: every member imported before the plugin loaded, e.g. a default in a
+module that compares ``backend == TransferBackend.NIXL``, stopped comparing
+equal to the ones SGLang looked up afterwards); it keeps its class and members
+and gains one more, which only ``TransferBackend("hybridkv")`` reaches.
 """
 
 from __future__ import annotations
@@ -16,22 +23,39 @@ from typing import Any
 
 from hybridkv.connectors.sglang import BACKEND_NAME
 
-_ENUM_TARGET = "sglang.srt.disaggregation.utils.TransferBackend"
 _GET_KV_CLASS_TARGET = "sglang.srt.disaggregation.utils.get_kv_class"
 _MEMBER_NAME = "HYBRIDKV"
 
 
-def extended_transfer_backend(original: type[enum.Enum]) -> type[enum.Enum]:
-    """The original enum's members plus ours.
+def add_member(enum_cls: type[enum.Enum], name: str, value: Any) -> enum.Enum:
+    """Add a member to an Enum class in place and return it (the existing one if `value` is a member).
 
-    An Enum with members cannot be subclassed, so it is rebuilt. Old and new
-    members are not equal to each other; code that may hold either compares
-    `.value`.
+    An Enum with members cannot be subclassed, and a rebuilt one would leave every member held from before
+    unequal to its own: so the member is made as the class makes its own (a plain Enum; SGLang's
+    TransferBackend is one) and entered where the class looks members up, by name, by value and in order.
     """
-    if any(m.value == BACKEND_NAME for m in original):
-        return original
-    members = [(m.name, m.value) for m in original] + [(_MEMBER_NAME, BACKEND_NAME)]
-    return enum.Enum(original.__name__, members, module=original.__module__, qualname=original.__qualname__)
+    existing = enum_cls._value2member_map_.get(value)
+    if existing is not None:
+        return existing
+    if name in enum_cls._member_map_:
+        raise ValueError(f"{enum_cls.__name__}.{name} is already {enum_cls._member_map_[name]!r}; expected a new name")
+    if enum_cls._member_type_ is not object:
+        raise TypeError(f"{enum_cls.__name__} mixes in {enum_cls._member_type_.__name__}; expected a plain Enum")
+    member = object.__new__(enum_cls)
+    member._name_ = name
+    member._value_ = value
+    member.__objclass__ = enum_cls
+    member._sort_order_ = len(enum_cls._member_names_)
+    add = getattr(enum_cls, "_add_member_", None)  # Python 3.13+: the class's own way in
+    if add is not None:
+        add(name, member)
+    else:
+        type.__setattr__(enum_cls, name, member)
+        enum_cls._member_map_[name] = member
+    if name not in enum_cls._member_names_:
+        enum_cls._member_names_.append(name)
+    enum_cls._value2member_map_[value] = member
+    return member
 
 
 def hybridkv_classes() -> dict[str, type]:
@@ -64,7 +88,7 @@ def get_kv_class_around(original_fn: Any, transfer_backend: Any, class_type: Any
     import sglang.srt.disaggregation.utils as utils
 
     if isinstance(transfer_backend, enum.Enum) and not isinstance(transfer_backend, utils.TransferBackend):
-        transfer_backend = utils.TransferBackend(value)
+        transfer_backend = utils.TransferBackend(value)  # (another plugin's enum, should one replace it)
     return original_fn(transfer_backend, class_type)
 
 
@@ -86,5 +110,5 @@ def register() -> None:
     if BACKEND_NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
         # It is list.extend: a bare string would add one choice per letter.
         add_disagg_transfer_backend_choices([BACKEND_NAME])
-    HookRegistry.register(_ENUM_TARGET, extended_transfer_backend(utils.TransferBackend), HookType.REPLACE)
+    add_member(utils.TransferBackend, _MEMBER_NAME, BACKEND_NAME)
     HookRegistry.register(_GET_KV_CLASS_TARGET, get_kv_class_around, HookType.AROUND)

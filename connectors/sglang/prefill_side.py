@@ -2,7 +2,9 @@
 
 Each chunk SGLang hands over joins the room's export in the fencing scheduler
 (its source pages, and with the last chunk the state slots and aux row, are
-assigned to the room); a worker waits for the device (SGLang's event), takes a
+assigned to the room) and the lane of the room's decode peers (lanes.py: one
+stalled decode holds one worker, never another decode's rooms); a worker
+waits for the device (SGLang's event), takes a
 `post_export` read, compiles one plan per component with the peer's planners,
 posts them as one WRITE per decode peer (`DataPlane.post_rows`: one NIXL handle
 per pair of memory kinds) and settles every one before the read is terminal. The
@@ -19,11 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -32,6 +33,7 @@ from hybridkv.connectors.sglang import messages as msgs
 from hybridkv.connectors.sglang.adopt import KV_GROUP, AdoptedLayout, request_id, room_of, state_blocks
 from hybridkv.connectors.sglang.config import SGLangConfig
 from hybridkv.connectors.sglang.fenced_blocks import FencedBlocks
+from hybridkv.connectors.sglang.lanes import Lanes
 from hybridkv.connectors.sglang.rooms import Rooms
 from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
@@ -102,7 +104,9 @@ class PrefillExports:
         self.fail_room = fail_room
         self.stop = stop
         self.transfer_timeout_s = config.transfer_timeout_s  # an attribute: tests shorten it
-        self.queues: list[queue.Queue] = [queue.Queue() for _ in range(config.workers)]
+        #: chunks to write, one lane per room's decode peers (lanes.py: a stalled decode holds one worker)
+        self.lanes: Lanes[_Chunk] = Lanes()
+        self._room_lane: dict[int, Hashable] = {}  # a room's lane while any chunk of it is queued or written
         self._inflight: dict[int, int] = defaultdict(int)  # chunks queued or being written
         self._exports: dict[int, set[TransferId]] = defaultdict(set)  # outbound reads in flight
         self._stuck: dict[TransferId, _StuckWrite] = {}  # reads whose WRITEs NIXL would not abort
@@ -121,6 +125,7 @@ class PrefillExports:
             with self.blocks.lock:
                 self._hold_sources(chunk)
                 self._inflight[room] += 1
+                lane = self._room_lane.setdefault(room, self._lane_of(room))
         except ValueError as e:
             # Nothing was posted for this chunk; earlier ones (if any) may still be writing: decode
             # hears Failed now and DRAINED once they settled.
@@ -128,8 +133,13 @@ class PrefillExports:
             self.retire_export(room)
             return None
         self.rooms.update_status(room, KVPoll.Transferring)
-        self.queues[room % len(self.queues)].put(chunk)
+        self.lanes.put(lane, chunk)
         return None
+
+    def _lane_of(self, room: int) -> Hashable:
+        """The decode agents that claimed the room: its chunks queue behind theirs only."""
+        return tuple(sorted(md.agent_name for md in list((self.rooms.infos(room) or {}).values())
+                            if not md.is_dummy))
 
     def _hold_sources(self, chunk: _Chunk) -> None:
         """The chunk's source blocks join the room's export (held until every read of them is terminal)."""
@@ -194,12 +204,12 @@ class PrefillExports:
             return self.blocks.sched.has_request(request_id(room))
 
     # ------------------------------------------------------------ workers
-    def worker_loop(self, q: queue.Queue) -> None:
+    def worker_loop(self) -> None:
         while not self.stop.is_set():
-            try:
-                chunk = q.get(timeout=self.config.poll_interval_s)
-            except queue.Empty:
+            got = self.lanes.take(self.config.poll_interval_s)
+            if got is None:
                 continue
+            lane, chunk = got
             try:
                 self._process(chunk)
             except Exception:
@@ -209,6 +219,8 @@ class PrefillExports:
                     self._inflight[chunk.room] -= 1
                     if self._inflight[chunk.room] <= 0:
                         del self._inflight[chunk.room]
+                        self._room_lane.pop(chunk.room, None)
+                self.lanes.done(lane)
                 self.retire_export(chunk.room)
                 self.on_settled(chunk.room)
 
@@ -313,7 +325,7 @@ class PrefillExports:
             return
         self._end_export(room, tid, ok=True)
         if chunk.is_last:
-            # Every chunk of the room ran on this worker, in order, and settled:
+            # Every chunk of the room ran before this one, in order, on its lane, and settled:
             # the KV component is complete with this one.
             rank = self.rooms.prefill_rank()
             for (ip, port), gen in self.rooms.generations(room).items():

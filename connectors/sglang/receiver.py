@@ -148,7 +148,11 @@ class HybridKVReceiver(CommonKVReceiver):
         return KVPoll.Failed
 
     def _send_abort_notification(self, *, force_arm: bool = False):
-        # Every path of SGLang's that sends the ABORT (abort, the waiting timeout, clear) comes here.
+        # Every path of SGLang's that sends the ABORT (abort, the waiting timeout, clear) comes here. The ABORT
+        # names the import's generation (the manager's register_deferred_abort_room answers it too, where SGLang
+        # arms its deferred release), so a prefill rank never fails a later request of the same room with it.
+        if self._abort_generation is None:
+            self._abort_generation = self.kv_mgr.imports.generation(self.bootstrap_room) or None
         super()._send_abort_notification(force_arm=force_arm)
         self.kv_mgr.imports.abort_sent(self.bootstrap_room)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import MutableMapping
 from typing import Optional
@@ -34,6 +35,7 @@ from sglang.srt.disaggregation.common.conn import AbortNotification
 logger = logging.getLogger(__name__)
 
 _MAX_REFUSED = 1 << 16
+_REFUSAL_TTL_S = 300.0  # SGLang's bootstrap timeout: a sender made later than this is another request's
 
 
 @dataclasses.dataclass
@@ -62,9 +64,9 @@ class Registrations:
         self.exports = exports
         self.drains = drains
         self.retiring = retiring
-        # rooms refused before SGLang made their sender -> why; the sender fails when made (bounded: a room
-        # whose sender never comes is forgotten, oldest first)
-        self._refused: OrderedDict[int, str] = OrderedDict()
+        # rooms refused before SGLang made their sender -> why, and when; the sender fails when made (bounded: a
+        # room whose sender never comes is forgotten, oldest first, and after _REFUSAL_TTL_S)
+        self._refused: OrderedDict[int, tuple[str, float]] = OrderedDict()
 
     def on_register(self, reg: msgs.Register, session: Optional[Session] = None) -> None:
         if session is not None:
@@ -139,13 +141,15 @@ class Registrations:
             if self.rooms.status(room) != KVPoll.Failed:
                 self.drains.fail(room, reason)  # the room's other decode ranks, if any, hear it too
         else:
-            self._refused[room] = reason
+            self._refused[room] = (reason, time.monotonic())
             while len(self._refused) > _MAX_REFUSED:
                 self._refused.popitem(last=False)
 
     def take_refusal(self, room: int) -> Optional[str]:
-        """Why a decode rank of the room was refused before SGLang made its sender (once), or None."""
-        return self._refused.pop(room, None)
+        """Why a decode rank of the room was refused before SGLang made its sender (once), or None (also for a
+        refusal older than SGLang's bootstrap timeout: that request is over, a room id used again is not it)."""
+        got = self._refused.pop(room, None)
+        return got[0] if got is not None and time.monotonic() - got[1] < _REFUSAL_TTL_S else None
 
     def on_abort(self, frames: list[bytes], session: Optional[Session] = None) -> None:
         note = AbortNotification.from_zmq(frames)
@@ -163,12 +167,21 @@ class Registrations:
                     frames = msgs.Drained(room=room, prefill_rank=self.rooms.prefill_rank(), generation=0).to_frames()
                     self.rooms.push(note.decode_ip, note.decode_port, frames, f"DRAINED for room {room}")
                 return
+        decode = (note.decode_ip, int(note.decode_port)) if note.decode_ip and note.decode_port else None
+        if decode is not None and note.generation and self.rooms.generations(room).get(decode) != note.generation:
+            # The ABORT of an import this rank does not hold for the room (its METADATA came earlier on the same
+            # socket: an earlier request that used the room id, or a refused claim): the room is not touched; that
+            # decode rank hears DRAINED for that import once nothing of the room is in flight here.
+            logger.info("hybridkv: room %s: ABORT of decode %s:%s's import %s, not the room's claim here; "
+                        "answered once drained", room, *decode, note.generation)
+            self.drains.wait(room, decode, note.generation)
+            self.drains.maybe_send(room)
+            return
         if self.rooms.has_status(room) and self.rooms.check_status(room) not in (KVPoll.Success, KVPoll.Failed):
             # (A room failed already keeps its first reason: a decode answers a Failed with this ABORT.)
             self.rooms.record_failure(room, "Aborted by decode-side abort notification.")
             self.rooms.update_status(room, KVPoll.Failed)
-        if note.decode_ip and note.decode_port:
-            decode = (note.decode_ip, int(note.decode_port))
+        if decode is not None:
             self.drains.wait(room, decode, self.rooms.generations(room).get(decode, 0))
         self.exports.retire_export(room)
         self.drains.maybe_send(room)

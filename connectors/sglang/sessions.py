@@ -74,6 +74,7 @@ class AuthStats:
     replayed: int = 0  # sealed messages whose sequence number was used
     foreign: int = 0  # a proven peer's message about an agent, address or room that is not its own
     throttled: int = 0  # replies not sent: over REPLIES_PER_S
+    disallowed: int = 0  # handshakes naming an address this rank does not dial (PrefillGate's `allowed`)
 
 
 def _endpoint(ip: str, port: int) -> bytes:
@@ -251,7 +252,7 @@ class PrefillGate:
     takes over its agent and rooms) after the new one is in place, so `agent_owner` already answers for it."""
 
     def __init__(self, *, secret: bytes, local: tuple[str, int], send, tcp_of, stats: AuthStats,
-                 max_sessions: int = MAX_SESSIONS, on_end=None) -> None:
+                 max_sessions: int = MAX_SESSIONS, on_end=None, allowed=None) -> None:
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions = {max_sessions!r}; expected an int >= 1")
         self._secret = secret
@@ -260,6 +261,9 @@ class PrefillGate:
         self._local = _endpoint(*local)
         self._send = send  # (ip, port, frames): a reply to an address that is not a session
         self._tcp_of = tcp_of  # (ip, port) -> the ZMQ endpoint string SGLang's sends name
+        # (named ip, the address the message came from or None) -> whether a reply may be sent to that ip:
+        # a Hello must not make this rank dial whatever address it names
+        self._allowed = allowed or (lambda ip, source: True)
         self.stats = stats
         self._cookie_key = secrets.token_bytes(32)
         self._throttle = _Throttle(REPLIES_PER_S)
@@ -272,9 +276,17 @@ class PrefillGate:
         mac = hmac.new(self._cookie_key, stamp + nd + _endpoint(ip, port), hashlib.sha256).digest()
         return stamp + mac[: wire.NONCE_BYTES - len(stamp)]
 
-    def on_handshake(self, frames: list[bytes]) -> None:
+    def on_handshake(self, frames: list[bytes], source: Optional[str] = None) -> None:
+        """A Hello or Proof that came from `source` (the sending connection's IP, if known)."""
         m = _read_handshake(frames, self.stats)
         if m is None:
+            return
+        if isinstance(m, (msgs.Hello, msgs.Proof)) and not self._allowed(m.endpoint, source):
+            self.stats.disallowed += 1
+            if self.stats.disallowed & (self.stats.disallowed - 1) == 0:  # 1, 2, 4, ...: the log is bounded
+                logger.warning("hybridkv: %d handshake(s) naming an address this rank does not dial dropped (the "
+                               "last: %s:%s, from %s); see HYBRIDKV_SGLANG_ALLOWED_DECODE_HOSTS",
+                               self.stats.disallowed, m.endpoint, m.port, source)
             return
         if isinstance(m, msgs.Hello):
             self._on_hello(m)

@@ -65,6 +65,11 @@ def configure(role: str, *, port: int, bootstrap_port: int, tp: int = 1, rank: i
     """SGLang's runtime context of TP rank `rank` of `tp` (of PP stage 0); `dp` > 1 is
     DP attention (`--enable-dp-attention --dp-size dp`: attention TP is tp // dp)."""
     os.environ["SGLANG_HOST_IP"] = "127.0.0.1"
+    if os.environ.get("HYBRIDKV_SGLANG_SECRET_ENV") or os.environ.get("HYBRIDKV_SGLANG_SECRET_FILE"):
+        os.environ.pop("HYBRIDKV_SGLANG_INSECURE_NO_AUTH", None)
+    else:
+        # A rank without a secret runs in lab mode by name, as an operator must once hybridkv requires secrets.
+        os.environ.setdefault("HYBRIDKV_SGLANG_INSECURE_NO_AUTH", "1")
     os.environ.setdefault("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "2")
     # Two misses, not one: a loaded CI machine can miss one health check of a live peer.
     os.environ.setdefault("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "2")
@@ -231,12 +236,16 @@ class _State:
         self.pools = make_pools(seed, tp=par.attn_tp_size, rank=par.attn_tp_rank, kv_heads=kv_heads)
         self.mgr = make_manager(role, self.pools, sa)
         return dict(agent=self.mgr.dp.name, attn_tp=par.attn_tp_size, attn_tp_rank=par.attn_tp_rank,
-                    attn_dp_rank=par.attn_dp_rank, num_dp_ranks=par.num_dp_ranks, rank_port=int(self.mgr.rank_port))
+                    attn_dp_rank=par.attn_dp_rank, num_dp_ranks=par.num_dp_ranks, rank_port=int(self.mgr.rank_port),
+                    metric_labels=dict(self.mgr.prom.labels) if self.mgr.prom is not None else None)
 
-    def start_manager(self, role: str, env: dict, tp: int = 1, pp: int = 1, extra_state: str | None = None):
+    def start_manager(self, role: str, env: dict, tp: int = 1, pp: int = 1, extra_state: str | None = None,
+                      ib_device: str | None = None):
         """Build a manager as SGLang's scheduler would, with `env` set (TP rank 0 of `tp`, PP size
-        `pp`, one more state component of type `extra_state`), then close it:
-        {"error": what stopped it or None, "drain_timeout_s": its drain timeout}."""
+        `pp`, one more state component of type `extra_state`, `--disaggregation-ib-device ib_device`), then
+        close it: {"error": what stopped it or None, "drain_timeout_s": its drain timeout}, and with
+        `ib_device` set "ucx": the parameters NIXL's UCX backend of its agent was created with (NIXL's own
+        get_backend_params)."""
         self.teardown()
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -245,6 +254,8 @@ class _State:
             sa = configure(role, port=free_port(), bootstrap_port=free_port(), tp=tp, pp=pp)
             self.pools = make_pools(None, tp=tp)
             args = self.pools.kv_args()
+            if ib_device is not None:
+                args.ib_device = ib_device
             if extra_state is not None:
                 from sglang.srt.disaggregation.base.conn import StateType
 
@@ -259,7 +270,10 @@ class _State:
 
             mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
             mgr = kv_class("MANAGER")(args, mode, sa, False)
-            return dict(error=None, drain_timeout_s=mgr.drain_timeout_s)
+            started = dict(error=None, drain_timeout_s=mgr.drain_timeout_s)
+            if ib_device is not None:
+                started["ucx"] = dict(mgr.dp.agent.get_backend_params("UCX"))
+            return started
         except Exception as e:
             return dict(error=f"{type(e).__name__}: {e}", drain_timeout_s=None)
         finally:
@@ -270,6 +284,31 @@ class _State:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+    def backend_enum_after_plugins(self, _=None):
+        """In a rank process that has not loaded SGLang's plugins yet: SGLang's TransferBackend members held
+        from before load_plugins() (as a module that imported one at its top holds it) against the ones
+        SGLang looks up after it."""
+        from sglang.srt.disaggregation import utils
+
+        cls, held = utils.TransferBackend, {m.name: m for m in utils.TransferBackend}
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+        after = utils.TransferBackend
+        return dict(same_class=after is cls, identical=all(after[n] is m for n, m in held.items()),
+                    equal=all(after(m.value) == m for m in held.values()), hybridkv=after("hybridkv").name,
+                    members=len(after))
+
+    def secure_gates(self, on: bool):
+        """hybridkv's secure-by-default gates in this rank process (transport.config.REQUIRE_SECRET,
+        transport.auth.STRICT_SECRETS; off until the lead turns them on): as asked, returning what they were."""
+        from hybridkv.transport import auth
+        from hybridkv.transport import config as transport_config
+
+        was = (transport_config.REQUIRE_SECRET, auth.STRICT_SECRETS)
+        transport_config.REQUIRE_SECRET = auth.STRICT_SECRETS = bool(on)
+        return was
 
     def setenv(self, env: dict):
         """Set (value) or unset (None) environment variables of this rank process."""
@@ -431,10 +470,11 @@ class _State:
         self.mgr.exports.dp = fake.real
         return fake.aborts
 
-    def hold_writes(self, _=None):
-        """From now on every WRITE is held back (not posted, reads as running, NIXL refuses
-        to abort it) until `release_held`: a handle that hangs cannot be caused on one machine."""
-        self.mgr.exports.dp = _HeldPlane(self.mgr.exports.dp)
+    def hold_writes(self, agent=None):
+        """From now on every WRITE (to decode agent `agent` only, if named) is held back (not posted, reads as
+        running, NIXL refuses to abort it) until `release_held`: a handle that hangs, or a decode that stalls,
+        cannot be caused on one machine."""
+        self.mgr.exports.dp = _HeldPlane(self.mgr.exports.dp, only=agent)
 
     def held(self, _=None):
         return len(self.mgr.exports.dp.held)
@@ -554,17 +594,19 @@ class _HeldXfer:
 
 
 class _HeldPlane:
-    """DataPlane whose WRITEs are held: `post_rows` records them and returns a stand-in that
-    reads as IN_PROGRESS and that NIXL refuses to abort; `post_held` posts them for real
+    """DataPlane whose WRITEs (to agent `only`, if set) are held: `post_rows` records them and returns a
+    stand-in that reads as IN_PROGRESS and that NIXL refuses to abort; `post_held` posts them for real
     (the fake of `hold_writes`)."""
 
-    def __init__(self, real) -> None:
-        self.real, self.held, self.aborts = real, [], []
+    def __init__(self, real, only=None) -> None:
+        self.real, self.held, self.aborts, self.only = real, [], [], only
 
     def __getattr__(self, name):
         return getattr(self.real, name)
 
     def post_rows(self, *args, **kwargs):
+        if self.only is not None and args[1] != self.only:
+            return self.real.post_rows(*args, **kwargs)
         x = _HeldXfer((args, kwargs))
         self.held.append(x)
         return x
@@ -587,6 +629,8 @@ class _HeldPlane:
         return self.real.state(xfer)
 
     def abort(self, xfer) -> bool:
+        if not isinstance(xfer, _HeldXfer):
+            return self.real.abort(xfer)
         self.aborts.append(False)
         return False
 

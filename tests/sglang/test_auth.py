@@ -209,6 +209,92 @@ def test_prefill_side_aborts_leave_the_session_and_never_lock_the_decode_rank_ou
     print(f"{n} prefill-side aborts in {elapsed:.1f} s")
 
 
+def _route(bootstrap_addr: str) -> int:
+    """The rank port SGLang's bootstrap server hands a decode for prefill rank (DP 0, CP 0, TP 0, PP 0)."""
+    import requests
+
+    got = requests.get(f"http://{bootstrap_addr}/route", timeout=5, params=dict(
+        prefill_dp_rank=0, prefill_cp_rank=0, target_tp_rank=0, target_pp_rank=0))
+    assert got.status_code == 200, got.text
+    return int(got.json()["rank_port"])
+
+
+def test_a_route_put_without_the_secret_is_refused_and_a_decode_still_reaches_the_real_rank(prefill, monkeypatch):
+    """SGLang's bootstrap server takes PUT /route from anyone (HTTP, no authentication of its own). A process
+    without the secret puts a dead address in the real prefill rank's place: refused (403), the route unchanged.
+    A registration MACed under the secret (as the rank sends it) but recorded and replayed after the rank
+    registered again is refused too. A decode that looks the rank up afterwards reaches it and gets its room
+    byte for byte (before: it dialled the dead address and failed the room at the handshake timeout)."""
+    import requests
+
+    from hybridkv.connectors.sglang import routes
+    from hybridkv.transport.auth import load_secret
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    url = f"http://{prefill.addr}/route"
+    dead = pd_peer.free_port()
+    rank = dict(attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0,
+                pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0, rank_ip="127.0.0.1",
+                page_size=pd_peer.PAGE_SIZE, kv_cache_dtype="auto")
+    forged = requests.put(url, json={**rank, "rank_port": dead}, timeout=5)
+    assert forged.status_code == 403 and "not MACed under the shared secret" in forged.text, forged.text
+    assert _route(prefill.addr) == prefill.rank_port
+
+    monkeypatch.setenv("HKV_TEST_SECRET", pd_peer.SECRET)
+    secret = load_secret(env="HKV_TEST_SECRET")
+    recorded = routes.sign_route(secret, {**rank, "rank_port": dead}, routes.fetch_nonce(url))
+    assert requests.put(url, json=recorded, timeout=5).status_code == 200  # the rank, before it restarted
+    again = routes.sign_route(secret, {**rank, "rank_port": prefill.rank_port}, routes.fetch_nonce(url))
+    assert requests.put(url, json=again, timeout=5).status_code == 200  # the rank registers again
+    assert requests.put(url, json=again, timeout=5).status_code == 200  # SGLang's retry of the same PUT
+    replayed = requests.put(url, json=recorded, timeout=5)
+    assert replayed.status_code == 403 and "nonce" in replayed.text, replayed.text
+    tampered = requests.put(url, json={**again, "rank_port": dead}, timeout=5)
+    assert tampered.status_code == 403 and "MAC" in tampered.text, tampered.text
+    assert _route(prefill.addr) == prefill.rank_port
+
+    fresh = _other_decode({**ENV, "HYBRIDKV_SGLANG_HANDSHAKE_TIMEOUT_S": "2"})  # looks the route up anew
+    try:
+        assert fresh.call("receive", (2401, prefill.addr, DST_A, 1, 3)) == KVPoll.WaitingForInput
+        assert prefill.call("sender", 2401) == KVPoll.WaitingForInput
+        prefill.call("send", (2401, PAGES_A, 3, 1, 2, False))
+        assert prefill.call("wait", (2401, 30)) == (KVPoll.Success, None)
+        assert fresh.call("wait", (2401, 30)) == (KVPoll.Success, None)
+        assert fresh.call("bytes", (DST_A, 3, 1)) == prefill.call("bytes", (PAGES_A, 3, 1))
+    finally:
+        fresh.close()
+
+
+def test_a_hello_naming_another_host_is_not_answered_there(prefill):
+    """An SGLang prefill rank answers a Hello at the address it names, 64 a second: anyone reaching its port
+    could make it dial any host. A Hello from 127.0.0.1 naming 127.0.0.2 (a listener there) gets no answer
+    there and is counted; one naming the address it came from is answered."""
+    from hybridkv.connectors.sglang import messages as msgs
+
+    ctx = zmq.Context.instance()
+    push, elsewhere, own = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+    try:
+        for sock in (push, elsewhere, own):
+            sock.setsockopt(zmq.LINGER, 0)
+        elsewhere.setsockopt(zmq.RCVTIMEO, 1500)
+        own.setsockopt(zmq.RCVTIMEO, 5000)
+        third = elsewhere.bind_to_random_port("tcp://127.0.0.2")
+        back = own.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{prefill.rank_port}")
+        before = prefill.call("stats")["auth"]
+        push.send_multipart(msgs.Hello(nonce=b"h" * 32, endpoint="127.0.0.2", port=third).to_frames())
+        with pytest.raises(zmq.Again):
+            elsewhere.recv_multipart()  # not dialled
+        push.send_multipart(msgs.Hello(nonce=b"i" * 32, endpoint="127.0.0.1", port=back).to_frames())
+        assert isinstance(msgs.decode_auth(own.recv_multipart()), msgs.Challenge)
+        after = prefill.call("stats")["auth"]
+        assert after["disallowed"] == before["disallowed"] + 1
+        assert after["challenges"] == before["challenges"] + 1
+    finally:
+        for sock in (push, elsewhere, own):
+            sock.close()
+
+
 def test_sealed_message_is_accepted_once_and_not_altered():
     """A recorded sealed message replayed, or altered, or sealed for the other direction, is dropped."""
     from hybridkv.connectors.sglang.sessions import AuthStats, Session

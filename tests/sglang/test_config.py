@@ -12,12 +12,13 @@ from hybridkv.connectors.sglang.config import SGLangConfig
 def test_defaults_without_environment():
     c = SGLangConfig.from_server_args(None, environ={})
     assert c == SGLangConfig()
-    assert (c.transfer_timeout_s, c.workers, c.progress_thread) == (30.0, 2, True)
+    assert (c.transfer_timeout_s, c.workers, c.progress_thread) == (30.0, 4, True)
     # Unset drain timeout: SGLang's waiting timeout, 300 s where the manager has none.
     assert c.drain_timeout(120.0) == 120.0 and c.drain_timeout(None) == 300.0
     assert c.lease_s(10.0) == 60.0 and c.lease_s(300.0) == 300.0
-    dp = c.dataplane()
+    dp = c.dataplane(environ={})
     assert dp.progress_thread and not dp.telemetry
+    assert dict(dp.ucx_params) == {"ucx_error_handling_mode": "peer"}  # a decode rank: no UCX threads
 
 
 def test_every_key_is_read_from_its_variable():
@@ -27,11 +28,12 @@ def test_every_key_is_read_from_its_variable():
            "HYBRIDKV_SGLANG_PROGRESS_THREAD": "off", "HYBRIDKV_SGLANG_SECRET_FILE": "/run/secret",
            "HYBRIDKV_SGLANG_SECRET_ENV": "", "HYBRIDKV_SGLANG_HANDSHAKE_TIMEOUT_S": "2",
            "HYBRIDKV_SGLANG_MAX_SESSIONS": "3", "HYBRIDKV_SGLANG_INSECURE_NO_AUTH": "no",
-           "HYBRIDKV_SGLANG_UNKNOWN": "x"}
+           "HYBRIDKV_SGLANG_ALLOWED_DECODE_HOSTS": "10.0.0.0/8, 192.168.1.7", "HYBRIDKV_SGLANG_UNKNOWN": "x"}
     c = SGLangConfig.from_server_args(None, environ=env)
     assert c == SGLangConfig(transfer_timeout_s=1.5, drain_timeout_s=9.0, min_lease_s=5.0, workers=4,
                              poll_interval_s=0.05, settle_poll_s=0.001, progress_thread=False,
-                             secret_file="/run/secret", handshake_timeout_s=2.0, max_sessions=3)
+                             secret_file="/run/secret", handshake_timeout_s=2.0, max_sessions=3,
+                             allowed_decode_hosts=("10.0.0.0/8", "192.168.1.7"))
     assert {f"HYBRIDKV_SGLANG_{f.name.upper()}" for f in dataclasses.fields(SGLangConfig)} == set(env) - {
         "HYBRIDKV_SGLANG_UNKNOWN"}
     assert c.drain_timeout(120.0) == 9.0 and c.lease_s(c.drain_timeout(None)) == 9.0
@@ -90,3 +92,47 @@ def test_insecure_no_auth_names_lab_mode_and_is_refused_with_a_secret(monkeypatc
     with pytest.raises(ValueError, match="no shared secret .*HYBRIDKV_SGLANG_INSECURE_NO_AUTH=1"):
         SGLangConfig().secret()
     assert c.secret() is None
+
+
+def test_decode_hosts_a_prefill_answers_a_handshake_at():
+    """Unset: only the address the handshake came from (a Hello cannot make a prefill rank dial a third host);
+    set: the hosts and networks named, whatever the handshake came from."""
+    c = SGLangConfig()
+    assert c.decode_host_allowed("127.0.0.1", "127.0.0.1") and c.decode_host_allowed("10.1.2.3", "::ffff:10.1.2.3")
+    assert not c.decode_host_allowed("127.0.0.2", "127.0.0.1") and not c.decode_host_allowed("127.0.0.1", None)
+    assert not c.decode_host_allowed("decode-host", "127.0.0.1")  # a name, not an address: never dialled
+    c = SGLangConfig.from_server_args(None, environ={"HYBRIDKV_SGLANG_ALLOWED_DECODE_HOSTS": "10.0.0.0/8,fd00::1"})
+    assert c.decode_host_allowed("10.9.8.7", "192.168.0.1") and c.decode_host_allowed("fd00::1", None)
+    assert not c.decode_host_allowed("11.0.0.1", "11.0.0.1")
+    with pytest.raises(ValueError, match=r"allowed_decode_hosts: 'decode-host' is not an IP address or network"):
+        SGLangConfig.from_server_args(None, environ={"HYBRIDKV_SGLANG_ALLOWED_DECODE_HOSTS": "decode-host"})
+
+
+def test_dataplane_takes_sglang_nixl_backend_settings_and_the_ib_device_flag():
+    """As SGLang's NIXL backend: its backend parameters (JSON), 8 UCX threads on a prefill rank unless they say
+    otherwise, the NICs --disaggregation-ib-device gives this rank's GPU as UCX's device_list (not over
+    UCX_NET_DEVICES); UCX only; bad or contradicting values are refused naming the setting."""
+    c = SGLangConfig()
+    params = '{"num_workers": "2"}'
+    env = {"SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS": params}
+    assert dict(c.dataplane(prefill=True, environ=env).ucx_params) == {
+        "ucx_error_handling_mode": "peer", "num_workers": "2", "num_threads": "8"}
+    env = {"SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS": '{"num_threads": "4", "ucx_error_handling_mode": "none"}'}
+    assert dict(c.dataplane(prefill=True, environ=env).ucx_params) == {
+        "ucx_error_handling_mode": "none", "num_threads": "4"}
+    nics = '{"0": "mlx5_0,mlx5_1", "1": "mlx5_2"}'
+    assert dict(c.dataplane(ib_device=nics, gpu_id=0, environ={}).ucx_params)["device_list"] == "mlx5_0, mlx5_1"
+    assert dict(c.dataplane(ib_device="mlx5_3", gpu_id=5, environ={}).ucx_params)["device_list"] == "mlx5_3"
+    assert "device_list" not in dict(c.dataplane(ib_device=nics, environ={"UCX_NET_DEVICES": "mlx5_4:1"}).ucx_params)
+    same = {"SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS": '{"device_list": "mlx5_2"}'}
+    assert dict(c.dataplane(ib_device=nics, gpu_id=1, environ=same).ucx_params)["device_list"] == "mlx5_2"
+    with pytest.raises(ValueError, match=r"device_list='mlx5_2' and --disaggregation-ib-device maps GPU 0 to "
+                                         r"'mlx5_0, mlx5_1'"):
+        c.dataplane(ib_device=nics, gpu_id=0, environ=same)
+    with pytest.raises(ValueError, match=r"expected NIC names without a port"):
+        c.dataplane(ib_device="mlx5_0:1", environ={})
+    with pytest.raises(ValueError, match=r"SGLANG_DISAGGREGATION_NIXL_BACKEND='LIBFABRIC': .* expected UCX"):
+        c.dataplane(environ={"SGLANG_DISAGGREGATION_NIXL_BACKEND": "LIBFABRIC"})
+    for bad in ("{num_threads: 8}", '{"num_threads": 8}', '["UCX"]'):
+        with pytest.raises(ValueError, match="SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS="):
+            c.dataplane(environ={"SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS": bad})

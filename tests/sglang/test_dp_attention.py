@@ -68,6 +68,11 @@ def test_dp_attention_2_to_2_any_prefill_dp_rank_to_any_decode_dp_rank(ranks):
     for dp_rank, r in enumerate(prefill + decode):
         assert (info[r]["attn_tp"], info[r]["attn_tp_rank"], info[r]["attn_dp_rank"], info[r]["num_dp_ranks"]) == (
             1, 0, dp_rank % 2, 2)
+        # Each rank its own sglang:hybridkv_* series, labelled with its TP rank as SGLang's scheduler series are
+        # (every DP-attention group's attention rank is 0).
+        labels = info[r]["metric_labels"]
+        assert (labels["tp_rank"], labels["dp_rank"], labels["engine_type"]) == (
+            str(dp_rank % 2), "", "prefill" if r in prefill else "decode"), labels
     # (room, prefill DP rank that computes it, decode DP rank that continues it): crossed, and one straight
     routes = [(4001, 1, 0), (4002, 0, 1), (4003, 0, 0)]
     for room, p, _ in routes:

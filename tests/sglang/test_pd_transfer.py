@@ -406,6 +406,111 @@ def test_bootstrap_server_stopped_while_a_write_is_held_keeps_the_pages_until_it
         p.close()
 
 
+def test_an_abort_of_an_earlier_request_never_fails_a_later_request_of_the_same_room(decode, prefill):
+    """Room ids are SGLang's to choose, and a later request may use one again. The decode's ABORT of an earlier
+    request of the room reaches the prefill late, after a later request of the same room claimed it (sent here
+    by hand, as the earlier receiver sent it: the earlier import's generation): the later request is not failed
+    and arrives byte for byte."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import AbortNotification
+
+    mgr, pools = decode
+    room, src, dst, slot, aux = 1013, [1, 2], [56, 57], 7, 14
+    r1 = _receiver(mgr, prefill.addr, room)
+    r1.send_metadata(np.asarray(dst, dtype=np.int32), aux, [[slot]])
+    earlier = mgr.imports.generation(room)
+    assert prefill.call("sender", room) == KVPoll.WaitingForInput
+    prefill.call("send", (room, src, SRC_SLOT, SRC_AUX, 1))
+    assert prefill.call("wait", (room, 30))[0] == KVPoll.Success
+    assert pd_peer.wait_poll(r1, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    r1.clear()
+    pools.zero()
+
+    r2 = _receiver(mgr, prefill.addr, room)
+    r2.send_metadata(np.asarray(dst, dtype=np.int32), aux, [[slot]])
+    assert mgr.imports.generation(room) != earlier
+    assert prefill.call("sender", room) == KVPoll.WaitingForInput
+    sock, lock = r2._connect_to_bootstrap_server(r2.bootstrap_infos[0])  # the socket the earlier ABORT took
+    with lock:
+        sock.send_multipart(AbortNotification(room=room, decode_ip=mgr.local_ip, decode_port=int(mgr.rank_port),
+                                              generation=earlier).to_zmq())
+    t_end = time.monotonic() + 1.0
+    while time.monotonic() < t_end:
+        assert prefill.call("poll", room) == KVPoll.WaitingForInput, "the earlier request's ABORT failed the room"
+        time.sleep(0.05)
+    prefill.call("send", (room, src, SRC_SLOT, SRC_AUX, 1))
+    assert prefill.call("wait", (room, 30)) == (KVPoll.Success, None)
+    assert pd_peer.wait_poll(r2, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success, pd_peer.failure_of(r2)
+    assert (pools.page_bytes(dst), pools.slot_bytes(slot), pools.aux_bytes(aux)) == prefill.call(
+        "bytes", (src, SRC_SLOT, SRC_AUX))
+    r2.clear()
+    pools.zero()
+    _assert_clean_decode(mgr, room)
+    _assert_clean_prefill(prefill, room)
+
+
+def test_a_stalled_decode_delays_no_room_of_another_decode_fake_nixl_handle(decode, prefill):
+    """Head of line: every WRITE to decode B's agent hangs (faked: a decode that stalls cannot be caused on one
+    machine). Rooms of decode A (this process) on the same prefill rank, of either room parity (the prefill used
+    to shard its workers by room % 2), are written and succeed while B's write still hangs; B's room succeeds
+    once its write is let go. Bytes compared on both decodes."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, pools = decode
+    b = pd_peer.Rank()
+    stalled, rooms = 3000, [3002, 3001, 3004, 3003]
+    src = [5, 6]
+    prefill.call("patch", ("exports.transfer_timeout_s", 120.0))  # the hung write is not given up meanwhile
+    try:
+        info = b.call("setup", ("decode", 1, 0, pd_peer.free_port(), None, False))
+        prefill.call("hold_writes", info["agent"])
+        assert b.call("receive", (stalled, prefill.addr, [1, 2], 3, 2)) == KVPoll.WaitingForInput  # aux 3, slot 2
+        assert prefill.call("sender", stalled) == KVPoll.WaitingForInput
+        prefill.call("send", (stalled, src, SRC_SLOT, SRC_AUX, 1))
+        deadline = time.monotonic() + 20
+        while prefill.call("held") == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert prefill.call("held") == 1, "decode B's WRITE was never posted"
+        dst = {room: ([48 + 2 * i, 49 + 2 * i], 1 + i, 10 + i) for i, room in enumerate(rooms)}
+        receivers = {}
+        for room, (pages, slot, aux) in dst.items():
+            receivers[room] = _receiver(mgr, prefill.addr, room)
+            receivers[room].send_metadata(np.asarray(pages, dtype=np.int32), aux, [[slot]])
+            assert prefill.call("sender", room) == KVPoll.WaitingForInput
+        t0 = time.monotonic()
+        for room in rooms:
+            prefill.call("send", (room, src, SRC_SLOT, SRC_AUX, 1))
+        done = {}
+        for room in rooms:
+            status, reason = prefill.call("wait", (room, 15))
+            assert status == KVPoll.Success, f"room {room} of decode A waited behind decode B's write: {reason}"
+            assert pd_peer.wait_poll(receivers[room], {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+            done[room] = time.monotonic() - t0
+        assert prefill.call("held") == 1  # B's write still hangs
+        assert b.call("poll", stalled) in (KVPoll.WaitingForInput, KVPoll.Transferring)
+        print(f"decode A's rooms done while decode B hangs, seconds after their sends: {done}")
+        want = prefill.call("bytes", (src, SRC_SLOT, SRC_AUX))
+        for room, (pages, slot, aux) in dst.items():
+            assert (pools.page_bytes(pages), pools.slot_bytes(slot), pools.aux_bytes(aux)) == want
+            receivers[room].clear()
+            _assert_clean_decode(mgr, room)
+        assert prefill.call("release_held") == 1
+        status, reason = b.call("wait", (stalled, 30))
+        assert status == KVPoll.Success, reason
+        assert b.call("bytes", ([1, 2], 2, 3)) == want  # pages, slot, aux row
+        assert prefill.call("wait", (stalled, 30))[0] == KVPoll.Success
+        for room in [stalled, *rooms]:
+            _assert_clean_prefill(prefill, room)
+    finally:
+        try:
+            prefill.call("release_held")  # a failed assertion left the fake in place
+        except RuntimeError:
+            pass
+        prefill.call("patch", ("exports.transfer_timeout_s", 30.0))
+        pools.zero()
+        b.close()
+
+
 def test_killed_prefill_fails_the_decode_request_and_its_pages_wait_for_the_drain_deadline(decode, prefill):
     """The prefill process dies after decode published its destinations: the heartbeat
     declares it dead, which fails the room, but is no proof that no write is coming (the

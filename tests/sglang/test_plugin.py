@@ -21,6 +21,20 @@ def test_transfer_backend_enum_has_hybridkv_and_keeps_builtins():
     assert {"mooncake", "nixl", "mori", "ascend", "fake"} <= values
 
 
+def test_builtin_members_held_from_before_the_plugin_loaded_stay_equal():
+    """The plugin loads in every SGLang process where hybridkv is installed, whichever backend is chosen: the
+    built-in members a module imported before it loaded stay the very members SGLang looks up after (a
+    replaced enum made them unequal: `backend == TransferBackend.NIXL` turned False)."""
+    from tests.sglang import pd_peer
+
+    r = pd_peer.Rank()
+    try:
+        got = r.call("backend_enum_after_plugins")
+    finally:
+        r.close()
+    assert got == dict(same_class=True, identical=True, equal=True, hybridkv="HYBRIDKV", members=6)
+
+
 def test_get_kv_class_returns_ours_for_every_class_type():
     from hybridkv.connectors.sglang import conn, receiver
     from sglang.srt.disaggregation.base.conn import KVArgs

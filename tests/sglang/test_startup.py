@@ -91,3 +91,40 @@ def test_real_decode_manager_takes_sglang_deferred_release_timeout(rank):
     assert rank.call("start_manager", ("decode", {DEFERRED_TIMEOUT: "45"}, 2)) == dict(error=None,
                                                                                        drain_timeout_s=45.0)
     assert rank.call("start_manager", ("decode", {DRAIN: "12"}, 2)) == dict(error=None, drain_timeout_s=12.0)
+
+
+@pytest.mark.slow
+def test_real_managers_refuse_to_start_without_a_secret_once_hybridkv_requires_one(rank):
+    """With hybridkv's secure-by-default gates on (transport.config.REQUIRE_SECRET, transport.auth.STRICT_SECRETS,
+    off until every connector passes them), a manager without a secret stops, naming the secret settings and the
+    lab-mode opt-in; lab mode by name (as this test harness runs every rank without a secret) and the harness's
+    secret (hex of 32 random bytes) both start."""
+    assert rank.call("secure_gates", True) == (False, False)
+    try:
+        for role in ("prefill", "decode"):
+            started = rank.call("start_manager", (role, {"HYBRIDKV_SGLANG_INSECURE_NO_AUTH": "0"}))
+            assert "no shared secret (HYBRIDKV_SGLANG_SECRET_FILE or HYBRIDKV_SGLANG_SECRET_ENV)" in started["error"]
+            assert "HYBRIDKV_SGLANG_INSECURE_NO_AUTH=1" in started["error"], started
+        assert rank.call("start_manager", ("decode", {"HYBRIDKV_SGLANG_INSECURE_NO_AUTH": "1"}))["error"] is None
+        assert rank.call("start_manager", ("decode", dict(pd_peer.SECRET_ENV)))["error"] is None
+    finally:
+        rank.call("secure_gates", False)
+
+
+@pytest.mark.slow
+def test_nic_binding_and_nixl_backend_params_reach_nixl(rank):
+    """As SGLang's NIXL backend takes them: SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS and 8 UCX threads on a
+    prefill rank (none on a decode rank) are what NIXL's UCX backend was created with (NIXL's own
+    get_backend_params of the real agent); --disaggregation-ib-device naming a NIC this machine lacks reaches
+    NIXL's backend creation as UCX's device_list, which fails there, naming it; another backend is refused."""
+    env = {"SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS": '{"num_workers": "2"}'}
+    started = rank.call("start_manager", ("prefill", env, 1, 1, None, ""))
+    assert started["error"] is None, started
+    assert started["ucx"] == {"ucx_error_handling_mode": "peer", "num_workers": "2", "num_threads": "8"}
+    started = rank.call("start_manager", ("decode", env, 1, 1, None, ""))
+    assert started["ucx"] == {"ucx_error_handling_mode": "peer", "num_workers": "2"}, started
+    started = rank.call("start_manager", ("decode", {}, 1, 1, None, '{"0": "hkv_no_such_nic0", "1": "mlx5_1"}'))
+    assert "NIXL could not start its UCX backend" in started["error"], started
+    assert "'device_list': 'hkv_no_such_nic0'" in started["error"], started
+    started = rank.call("start_manager", ("decode", {"SGLANG_DISAGGREGATION_NIXL_BACKEND": "UCCL"}))
+    assert "SGLANG_DISAGGREGATION_NIXL_BACKEND='UCCL'" in started["error"] and "expected UCX" in started["error"]
