@@ -69,6 +69,8 @@ class TransportConfig:
     pump_idle_s: float = 0.005
     # A posted READ still in progress after this long (or past its lease) is aborted: a stuck
     # peer or link must end as a failure the policy handles, never as an import that waits forever.
+    # Push: also the drain deadline, how long a failed import's blocks wait for the producer's word
+    # that its WRITE ended before they go back anyway (transport/drains.py).
     transfer_timeout_s: float = 60.0
     # PULL: whether the consumer's READ also carries a NIXL notification to the producer. Off: the
     # Done message says the same over the control channel, and on the H200s a READ with a

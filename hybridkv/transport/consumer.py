@@ -5,13 +5,15 @@ rank it needs); one import then has a *part* per producer and lands only when
 every part landed: the scheduler sees one transfer for the whole request, so
 its components become visible together (rule 4) or not at all.
 
-The consumer is five parts, one module each, and delegates to them: its core
+The consumer is six parts, one module each, and delegates to them: its core
 (:class:`~hybridkv.transport.side.Side`: data plane, peers, counters, the pump), how
 it dials a producer (:class:`~hybridkv.transport.dial.Dialer`: the handshake, retried),
 what it asked for (:class:`~hybridkv.transport.parts.Parts`), what it hears from its
-producers and the leases it renews (:class:`~hybridkv.transport.links.ProducerLinks`)
-and what one import runs through (:class:`~hybridkv.transport.fetch.Importer`). Here:
-the calls of its API, and the requests it releases.
+producers and the leases it renews (:class:`~hybridkv.transport.links.ProducerLinks`),
+what one import runs through (:class:`~hybridkv.transport.fetch.Importer`) and who may
+still write a posted import (:class:`~hybridkv.transport.drains.Drains`, the core's
+``ImportLedger``: blocks go back only once every writer landed or drained, or the drain
+deadline passed). Here: the calls of its API, and the requests it releases.
 
 The consumer never pairs blocks itself: its :class:`~hybridkv.transport.plan.Planner`
 (given at construction) is prepared once per set of producers and turns each
@@ -31,6 +33,7 @@ from hybridkv.transport import auth
 from hybridkv.transport.config import Result, TransportConfig
 from hybridkv.transport.dataplane import Transfer, XferState
 from hybridkv.transport.dial import Dialer
+from hybridkv.transport.drains import Drains
 from hybridkv.transport.fetch import Importer, Work
 from hybridkv.transport.links import ProducerLinks
 from hybridkv.transport.memory import MemoryMap
@@ -60,11 +63,12 @@ class Consumer:
         self.plans: dict[tuple[str, ...], PeerPlanner] = {}
         self._tasks: list[asyncio.Task] = []  # per producer: its control channel and its heartbeats
         self._parts = Parts()
-        self._links = ProducerLinks(side, self._parts)
+        self._drains = Drains(side)
+        self._links = ProducerLinks(side, self._parts, self._drains)
         self._dialer = Dialer(side, on_peer=self._on_peer)
         # post and wait are this object's, looked up here: a subclass's override is what runs.
         self._importer = Importer(side, self._parts, want=self.want, prepared=self.prepared, lost=self._links.lost,
-                                  post=self._post, wait=self._wait_xfer)
+                                  post=self._post, wait=self._wait_xfer, drains=self._drains)
         side.warn_if_open("")
 
     def hello(self) -> wire.Hello:
@@ -76,7 +80,7 @@ class Consumer:
 
     def describe(self) -> dict:
         """What is in flight, for an operator or a stuck test to print (plain data)."""
-        return {**self._side.describe(), "parts": self._parts.describe()}
+        return {**self._side.describe(), "parts": self._parts.describe(), "imports": self._drains.describe()}
 
     @property
     def peer(self) -> Peer | None:
@@ -94,7 +98,7 @@ class Consumer:
         # A producer let in: serve its channel, renew its leases, pump its notifications.
         loop = asyncio.get_running_loop()
         self._tasks += [loop.create_task(self._links.serve(peer)), loop.create_task(self._links.heartbeats(peer))]
-        self._side.start_pump(self._links.on_notif)
+        self._side.start_pump(self._links.on_notif, self._drains.expire)
 
     def prepared(self, agents: Sequence[str]) -> PeerPlanner:
         """The planner prepared for an import from these producers (made on first use)."""
@@ -154,7 +158,8 @@ class Consumer:
         return await self._importer.fetch(request_id, comps, token=token, targets=targets, readers=readers)
 
     def settling(self, request_id: str) -> bool:
-        """Whether a READ of the request that NIXL would not abort may still write its blocks."""
+        """Whether an import of the request that ended (failed) may still be written: a READ NIXL would
+        not abort, which holds its blocks until it ends (rule 5)."""
         return self._importer.settling(request_id)
 
     async def settled(self, request_id: str) -> None:
@@ -187,6 +192,9 @@ class Consumer:
         blocks now instead of when the lease lapses. A fetch of it in progress fails. ``token``:
         the request's capability (the producer ignores a release without it)."""
         p = self._peer(peer)
+        # A WRITE of the producer's may be in flight (push): the import fails, its blocks stay out of
+        # reuse until the producer drains or the drain deadline passes.
+        self._drains.aborted(p.agent, request_id, token, detail)
         part = self._parts.release(p.agent, request_id, token)
         if part is not None:
             part.failed = part.failed or detail

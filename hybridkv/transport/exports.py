@@ -426,9 +426,14 @@ class Exports:
             self._dp.release(rec.xfer)
         if tell is not None:
             tell = dataclasses.replace(tell, token=rec.token)  # the readers hold it; nobody else is told
+            told = [tell]
+            if isinstance(tell, wire.Failure) and self._config.mode is wire.Mode.PUSH:
+                # A Failure is not "drained" to a consumer (transport/drains.py): Done says that no WRITE
+                # of this side's can reach its blocks any more (here, its WRITE ended or none was posted).
+                told.append(wire.Done(request_id=rec.rid, ok=False, token=rec.token))
             for p in rec.claims.values():
                 if p.alive:
-                    asyncio.ensure_future(send_quietly(p.channel, tell))
+                    asyncio.ensure_future(_send_all(p.channel, told))
         if not rec.done.done():
             rec.done.set_result(Result(request_id=rec.rid, outcome=outcome, error=error))
 
@@ -455,6 +460,12 @@ class Exports:
         self._side.drop_agent(peer.agent)
         if not self._side.closing:
             asyncio.ensure_future(peer.channel.close())
+
+
+async def _send_all(ch, msgs: list[wire.Message]) -> None:
+    """In order, ignoring a lost peer."""
+    for m in msgs:
+        await send_quietly(ch, m)
 
 
 _MAX_LEASE_BATCHES = 8  # Heartbeats per peer whose Lease replies may wait to be sent (8,192 ids)

@@ -4,9 +4,13 @@
 producer for its *part* of the request, waits for every Export, plans the transfer with the planner
 prepared for those producers, posts it only when the scheduler's fence allows (``post_import``) and
 ends the request in a defined state: READY once every part landed, else per the failure policy
-(RECOMPUTE or FAILED). Pull mode posts one READ per producer and judges the blocks only once every
-READ ended (rule 5): one NIXL will not abort keeps them quarantined until it does (``settled``).
-Push mode asks the one producer to WRITE and waits for its notification or its word.
+(RECOMPUTE or FAILED). Every posted import is tracked by its writers in the consumer's
+:class:`~hybridkv.transport.drains.Drains` (the core's ``ImportLedger``), and its blocks are judged
+only once it is over (rule 5). Pull mode posts one READ per producer (each a writer) and waits for
+every READ to end: one NIXL will not abort keeps the import open, and its blocks quarantined, until it
+does (``settled``). Push mode asks the one producer to WRITE and waits for its notification or its
+Done; its Failure, losing it or our own abort only fail the import, which then ends when the producer
+drains or the drain deadline (``transfer_timeout_s``) passes.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import numpy as np
 
 from hybridkv import wire
 from hybridkv.errors import HybridKVError, PeerLost
-from hybridkv.fencing import NotYet, NotYetReason, TransferOutcome
+from hybridkv.fencing import ImportState, NotYet, NotYetReason, TransferOutcome
 from hybridkv.transport.config import FailurePolicy, Outcome, Result
 from hybridkv.transport.dataplane import Op, Transfer, XferState
+from hybridkv.transport.drains import Drains, Import
 from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.parts import Part, Parts
 from hybridkv.transport.plan import PeerPlanner, TransferPlan
@@ -53,7 +58,7 @@ class Importer:
     def __init__(self, side: Side, parts: Parts, *, want: Callable[..., Awaitable[None]],
                  prepared: Callable[[Sequence[str]], PeerPlanner], lost: Callable[[Peer], None],
                  post: Callable[[Work, bytes], Transfer],
-                 wait: Callable[[Transfer, Callable[[], float] | None], Awaitable[XferState]]) -> None:
+                 wait: Callable[[Transfer, Callable[[], float] | None], Awaitable[XferState]], drains: Drains) -> None:
         self._parts = parts
         self._want = want
         self._prepared = prepared
@@ -66,12 +71,14 @@ class Importer:
         self._dp = side.dp
         self._stats = side.stats
         self._metrics = side.metrics
-        #: requests whose READ NIXL would not abort: ends when the READ does (see settled())
-        self._settling: dict[str, asyncio.Task] = {}
+        #: who writes each posted import, and when it is over (rule 5, per writer)
+        self._drains = drains
+        #: waits for READs NIXL would not abort (their imports end when the READ does, see settled())
+        self._settling: set[asyncio.Task] = set()
 
     def cancel(self) -> None:
         """The consumer closes: waits for READs NIXL would not abort end here."""
-        for task in list(self._settling.values()):
+        for task in list(self._settling):
             task.cancel()
 
     async def fetch(self, request_id: str, comps: tuple, *, token: bytes, targets: Sequence[Peer],
@@ -160,9 +167,9 @@ class Importer:
             await asyncio.sleep(self._config.pump_idle_s)
         fence_wait = time.perf_counter() - fenced_from
         if self._config.mode is wire.Mode.PULL:
-            result = await self._pull_parts(rid, tid, work)
+            result = await self._pull_parts(rid, tid, work, comps)
         else:
-            result = await self._push(parts[0], tid)
+            result = await self._push(parts[0], tid, comps)
         return dataclasses.replace(result, fence_wait_seconds=fence_wait)
 
     async def _end_parts(self, work: Sequence[Work], ok: bool) -> None:
@@ -173,9 +180,9 @@ class Importer:
         """Post one producer's READ: what the consumer's ``post`` does unless overridden."""
         return self._dp.post_plan(Op.READ, w.part.peer.agent, w.plan, notif)
 
-    async def _pull_parts(self, rid: str, tid: int, work: list[Work]) -> Result:
+    async def _pull_parts(self, rid: str, tid: int, work: list[Work], comps: tuple) -> Result:
         t0 = time.perf_counter()
-        posted: list[Transfer] = []
+        posted: list[tuple[Work, Transfer]] = []
         error = None
         for w in work:
             if w.plan.num_descriptors == 0:
@@ -183,121 +190,169 @@ class Importer:
             # tagged for the session of the producer it goes to (side.notification)
             notif = notification(w.part.peer, rid) if self._config.notify_reads else b""
             try:
-                posted.append(self._post(w, notif))
+                posted.append((w, self._post(w, notif)))
             except Exception as exc:
                 error = str(exc)
                 break
         post_seconds = time.perf_counter() - t0
-        # Every posted READ ends before the blocks are judged: bytes may land until then (rule 5).
-        # Past the lease the bytes are not trusted anyway; past the timeout the peer or link is stuck.
+        if not posted:  # no READ went out: nothing can write the blocks, no writer to wait for
+            return await self._nothing_posted(rid, tid, work, error, post_seconds)
+        # Each READ is a writer of the blocks: its share lands when it completes, and the blocks are
+        # judged only once every READ ended (rule 5). Past the lease the bytes are not trusted; past
+        # the timeout the peer or link is stuck.
+        imp = self._drains.open(rid, tid, comps, [w.part.peer.agent for w, _ in posted])
+        if error is not None:
+            self._drains.fail(imp, f"a READ could not be posted: {error}")
         give_up_at = time.monotonic() + self._config.transfer_timeout_s
         parts = [w.part for w in work]
         until = lambda: min(give_up_at, min(p.deadline for p in parts))  # noqa: E731 - leases renew meanwhile
-        states = [await self._wait_xfer(x, until) for x in posted]
+        states = [await self._wait_xfer(x, until) for _, x in posted]
         seconds = time.perf_counter() - t0
-        stuck = [x for x, s in zip(posted, states) if s is XferState.IN_PROGRESS]
+        stuck = [wx for wx, s in zip(posted, states) if s is XferState.IN_PROGRESS]
         if stuck:
-            return await self._abandon(rid, tid, work, posted, stuck)
+            return await self._abandon(rid, imp, work, posted, stuck)
         ok = error is None and all(s is XferState.DONE for s in states)
-        tel = [self._dp.telemetry(x) for x in posted] if self._config.dataplane.telemetry and ok else None
-        for x in posted:
+        xfers = [x for _, x in posted]
+        tel = [self._dp.telemetry(x) for x in xfers] if self._config.dataplane.telemetry and ok else None
+        for x in xfers:
             self._dp.release(x)
+        lease_lost = any(w.part.lease_lost for w in work)
         if not ok:
-            self._scheduler.transfer_failed(tid)
+            self._drains.fail(imp, error or "READ failed")
+        elif lease_lost:
+            self._drains.fail(imp, "lease lapsed during the READ: bytes not trusted")
+        for (w, _), s in zip(posted, states):
+            # Every READ ended: a completed one landed its share (only drained, once the import failed),
+            # any other drained it.
+            (self._drains.landed if s is XferState.DONE else self._drains.drained)(imp, w.part.peer.agent)
+        self._drains.release(imp)
+        if not ok or lease_lost:
             await self._end_parts(work, False)
-            return self._policy(rid, error or "READ failed", kind=FailureKind.TRANSFER)
-        if any(w.part.lease_lost for w in work):
-            self._scheduler.transfer_failed(tid)
-            await self._end_parts(work, False)
+            if not ok:
+                return self._policy(rid, error or "READ failed", kind=FailureKind.TRANSFER)
             return self._policy(rid, "lease lapsed during the READ: bytes not trusted", kind=FailureKind.LEASE)
-        outcome = self._scheduler.transfer_landed(tid)
+        outcome = self._drains.outcome(imp)
         await self._end_parts(work, True)
         if outcome is not TransferOutcome.ACCEPTED:
+            outcome = outcome or TransferOutcome.UNKNOWN
             return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
         return Result(request_id=rid, outcome=Outcome.READY,
                       descriptors=None if tel is None else sum(t.descriptors for t in tel),
                       planned=sum(w.plan.num_descriptors for w in work),
-                      indices=sum(w.plan.num_indices for w in work), nbytes=sum(x.nbytes for x in posted),
+                      indices=sum(w.plan.num_indices for w in work), nbytes=sum(x.nbytes for x in xfers),
                       seconds=seconds, post_seconds=post_seconds)
 
-    async def _abandon(self, rid: str, tid: int, work: list[Work], posted: list[Transfer],
-                       stuck: list[Transfer]) -> Result:
+    async def _nothing_posted(self, rid: str, tid: int, work: list[Work], error: str | None,
+                              post_seconds: float) -> Result:
+        if error is not None or any(w.part.lease_lost for w in work):
+            self._scheduler.transfer_failed(tid)
+            await self._end_parts(work, False)
+            if error is not None:
+                return self._policy(rid, error, kind=FailureKind.TRANSFER)
+            return self._policy(rid, "lease lapsed before the READ: bytes not trusted", kind=FailureKind.LEASE)
+        outcome = self._scheduler.transfer_landed(tid)
+        await self._end_parts(work, True)
+        if outcome is not TransferOutcome.ACCEPTED:
+            return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
+        return Result(request_id=rid, outcome=Outcome.READY, descriptors=0 if self._config.dataplane.telemetry else None,
+                      planned=sum(w.plan.num_descriptors for w in work), indices=sum(w.plan.num_indices for w in work),
+                      post_seconds=post_seconds)
+
+    async def _abandon(self, rid: str, imp: Import, work: list[Work], posted: list[tuple[Work, Transfer]],
+                       stuck: list[tuple[Work, Transfer]]) -> Result:
         """READs still in progress past their lease or the timeout: abort them. Aborted, the
-        import failed like any other; not abortable, its blocks are quarantined until NIXL
-        ends the READ (it may still write them) and the request fails."""
+        import failed like any other; not abortable, it stays open in the ledger (its blocks
+        quarantined) until NIXL ends the READ (it may still write them), and the request fails."""
         self._stats.timed_out += 1
         self._metrics.failure(FailureKind.TIMEOUT)
-        unabortable = [x for x in stuck if not self._dp.abort(x)]
-        for x in posted:
-            if x not in stuck:
-                self._dp.release(x)
-        await self._end_parts(work, False)
         why = f"READ of {rid} not done within its lease or {self._config.transfer_timeout_s} s"
+        self._drains.fail(imp, why)
+        stuck_ids = {id(x) for _, x in stuck}
+        unabortable = [(w, x) for w, x in stuck if not self._dp.abort(x)]
+        held = {id(x) for _, x in unabortable}
+        for w, x in posted:
+            if id(x) in held:
+                continue
+            if id(x) not in stuck_ids:
+                self._dp.release(x)
+            self._drains.drained(imp, w.part.peer.agent)  # ended (or aborted): nothing more lands from it
+        await self._end_parts(work, False)
         if not unabortable:
-            self._scheduler.transfer_failed(tid)
+            self._drains.release(imp)
             return self._policy(rid, why + "; aborted", kind=None)
         blocks = sum(len(self._scheduler.blocks(rid, g.group_id)) for g in self._memory.groups)
-        self._metrics.quarantined(blocks)
         self._scheduler.abort(rid)  # rule 5: the blocks stay out of the pool while the READ is active
-        task = asyncio.get_running_loop().create_task(self._settle_later(rid, tid, unabortable, blocks))
-        self._settling[rid] = task
+        self._drains.release(imp, quarantined=blocks)
+        task = asyncio.get_running_loop().create_task(self._settle_later(imp, unabortable))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
         return Result(request_id=rid, outcome=Outcome.FAILED, error=why + "; could not abort, blocks quarantined")
 
-    async def _settle_later(self, rid: str, tid: int, xfers: list[Transfer], blocks: int) -> None:
-        try:
-            for x in xfers:
-                # At the idle pace, not _wait_xfer's spin: this READ is already known to hang.
-                while self._dp.state(x) is XferState.IN_PROGRESS:
-                    await asyncio.sleep(self._config.pump_idle_s)
-                self._dp.release(x)
-            self._scheduler.transfer_failed(tid)
-            self._metrics.quarantine_released(blocks)
-        finally:
-            if self._settling.get(rid) is asyncio.current_task():
-                del self._settling[rid]
+    async def _settle_later(self, imp: Import, xfers: list[tuple[Work, Transfer]]) -> None:
+        for w, x in xfers:
+            # At the idle pace, not _wait_xfer's spin: this READ is already known to hang.
+            while self._dp.state(x) is XferState.IN_PROGRESS:
+                await asyncio.sleep(self._config.pump_idle_s)
+            self._dp.release(x)
+            self._drains.drained(imp, w.part.peer.agent)  # the last one ends the import: the blocks go back
 
     def settling(self, request_id: str) -> bool:
-        """Whether a READ of the request that NIXL would not abort may still write its blocks."""
-        return request_id in self._settling
+        """Whether an import of the request that the consumer gave up may still write its blocks."""
+        return self._drains.settling(request_id)
 
     async def settled(self, request_id: str) -> None:
-        """Wait until no READ of the request may still write its blocks: a failed import whose
+        """Wait until no import of the request may still write its blocks: a failed import whose
         READ NIXL would not abort ends only when that READ does (rule 5). At once otherwise."""
-        task = self._settling.get(request_id)
-        if task is not None:
-            await asyncio.shield(task)
+        await self._drains.settled(request_id)
 
-    async def _push(self, part: Part, tid: int) -> Result:
+    async def _push(self, part: Part, tid: int, comps: tuple) -> Result:
         rid, peer, sched = part.rid, part.peer, self._scheduler
         blocks = tuple(wire.GroupBlocks(group_id=g.group_id, ids=tuple(int(b) for b in sched.blocks(rid, g.group_id)))
                        for g in self._memory.groups)
+        # The producer is the writer: opened before the Import goes (its notification may come at once).
+        imp = self._drains.open(rid, tid, comps, [peer.agent], part=part)
         t0 = time.perf_counter()
         try:
             await peer.channel.send(wire.Import(request_id=rid, blocks=blocks))
         except PeerLost:
             self._lost(peer)
         told = False
-        while not part.landed.is_set():
-            left = part.deadline - time.monotonic()
-            if left <= 0 and not told:
-                # Past the lease: ask the producer to stop, but keep the blocks quarantined
-                # until it confirms or the write lands (it may be in flight).
+        # Until the producer's notification lands it, or its Done drains it, or (once it failed: the
+        # producer's Failure, losing it, our lease deadline) the drain deadline passes.
+        while not imp.ended.is_set():
+            now = time.monotonic()
+            if not told and now >= part.deadline:
+                # Past the lease: ask the producer to stop, but keep the blocks out of reuse until it
+                # confirms, the write lands, or the drain deadline passes (it may be in flight).
                 told = True
                 await send_quietly(peer.channel, wire.Failure(request_id=rid, code=wire.FailureCode.LEASE_EXPIRED,
                                                               detail="consumer lease deadline passed",
                                                               token=part.token))
+                self._drains.fail(imp, "consumer lease deadline passed")
+                continue
+            self._drains.check_deadline(imp)
+            wake = [] if told else [part.deadline]
+            drain_by = self._drains.deadline(imp)
+            if drain_by is not None:
+                wake.append(drain_by)
+            # At least once a second: a renewed lease or a failure heard meanwhile moves these.
+            timeout = min([*(w - now for w in wake), 1.0])
             try:
-                await asyncio.wait_for(part.landed.wait(), max(left, 0.05) if not told else None)
+                await asyncio.wait_for(imp.ended.wait(), max(timeout, 0.01))
             except asyncio.TimeoutError:
                 pass
+        self._drains.release(imp)
         seconds = time.perf_counter() - t0
-        if part.notified and not part.lease_lost:
-            outcome = sched.transfer_landed(tid)  # LATE if past the deadline
+        if imp.state is ImportState.LANDED:  # every component landed, with nothing failed before
+            outcome = self._drains.outcome(imp) or TransferOutcome.UNKNOWN
             if outcome is TransferOutcome.ACCEPTED:
                 return Result(request_id=rid, outcome=Outcome.READY, seconds=seconds)
             return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
-        sched.transfer_failed(tid)
-        return self._policy(rid, part.failed or "lease lapsed", kind=part.kind or FailureKind.LEASE)
+        error = part.failed or imp.failure or "the producer ended the transfer without writing"
+        if imp.state is ImportState.EXPIRED:
+            error += (f"; no word that its WRITE ended within {self._config.transfer_timeout_s} s of the failure: "
+                      "blocks released at the drain deadline")
+        return self._policy(rid, error, kind=part.kind or FailureKind.LEASE)
 
     def _policy(self, rid: str, error: str, *, kind: FailureKind | None = FailureKind.TRANSFER) -> Result:
         """The import failed after a transfer was posted: apply the failure policy (``kind``: why,

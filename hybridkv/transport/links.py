@@ -4,7 +4,8 @@
 serves the control channel (an Export answers a Want; a Lease renews or ends a part's lease; a
 Failure or a failed Done ends a part; a Bye or a broken channel loses the producer) and sends
 Heartbeats for the parts exported to it, from which the producer answers with Leases. In push
-mode the producer's completion notification is what lands a part.
+mode the producer writes: its completion notification lands an import, its Done drains it, and its
+Failure or its loss only fail it (:mod:`hybridkv.transport.drains` says when it is over).
 """
 
 from __future__ import annotations
@@ -14,17 +15,20 @@ import time
 
 from hybridkv import wire
 from hybridkv.errors import PeerError, PeerLost
+from hybridkv.transport.drains import Drains
 from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.parts import Parts
 from hybridkv.transport.side import Peer, Side, send_quietly
 
 
 class ProducerLinks:
-    """Given the side (its config, scheduler and counters) and the consumer's parts table."""
+    """Given the side (its config, scheduler and counters), the consumer's parts table and its imports
+    by writer (``drains``)."""
 
-    def __init__(self, side: Side, parts: Parts) -> None:
+    def __init__(self, side: Side, parts: Parts, drains: Drains) -> None:
         self._side = side
         self._parts = parts
+        self._drains = drains
         self._hb_sent: dict[str, float] = {}  # producer agent -> when its last Heartbeat left
         self._seq = 0
 
@@ -51,9 +55,12 @@ class ProducerLinks:
             elif isinstance(msg, wire.Lease):
                 self._on_lease(peer, msg)
             elif isinstance(msg, (wire.Failure, wire.Done)):
+                # Push: about an import it may be writing (Done drains it, a Failure only fails it).
+                heard = self._drains.heard(peer.agent, msg)
                 part = parts.get(peer.agent, msg.request_id)
                 if part is None or msg.token != part.token:
-                    side.stats.unknown += 1
+                    if not heard:
+                        side.stats.unknown += 1
                 elif not (isinstance(msg, wire.Done) and msg.ok):
                     part.failed = msg.detail if isinstance(msg, wire.Failure) else "producer failed"
                     part.kind = _KIND_OF_CODE.get(msg.code, FailureKind.REFUSED) if isinstance(
@@ -68,10 +75,12 @@ class ProducerLinks:
                 side.stats.rejected += 1
 
     def lost(self, peer: Peer) -> None:
-        """The producer is gone: every part of it fails (once)."""
+        """The producer is gone: every part of it fails (once). An import it may be writing stays open
+        until it drains or the drain deadline passes: its writer may outlive its control channel."""
         if not peer.alive:
             return
         peer.alive = False
+        self._drains.lost(peer.agent, "producer lost")
         for part in self._parts.of(peer.agent):
             if part.failed is None:
                 part.failed, part.kind = "producer lost", FailureKind.PEER_LOST
@@ -120,20 +129,22 @@ class ProducerLinks:
                 return
 
     def on_notif(self, agent: str, msg: bytes) -> None:
-        """A completion notification: in push mode, the producer's WRITE of a part landed."""
+        """A completion notification: in push mode, the producer's WRITE of an import landed."""
         side = self._side
         rid = side.notified(agent, msg)
         if rid is None:
             return  # not ours, or not from the session of that agent name: counted there
         part = self._parts.get(agent, rid)
-        if part is None or side.config.mode is not wire.Mode.PUSH:
-            side.stats.unknown += 1
+        if side.config.mode is not wire.Mode.PUSH or not self._drains.notified(agent, rid):
+            # Not a write we wait for: one already over (repeated, or after its drain), or none.
+            if part is not None and side.config.mode is wire.Mode.PUSH:
+                side.stats.duplicates += 1
+            else:
+                side.stats.unknown += 1
             return
-        if part.notified:
-            side.stats.duplicates += 1
-            return
-        part.notified = True
-        part.landed.set()
+        if part is not None:
+            part.notified = True
+            part.landed.set()
 
 
 #: What a producer's Failure says, as a failure kind.
