@@ -58,7 +58,7 @@ def make_config(family: str, *, role: str = "kv_both", kv_cache_dtype: str = "au
     sc = SchedulerConfig(max_model_len=h.MAX_MODEL_LEN, is_encoder_decoder=False, max_num_seqs=8,
                          max_num_batched_tokens=512)
     kvt = KVTransferConfig(kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.connectors.vllm",
-                           kv_role=role, engine_id=engine_id, kv_connector_extra_config=dict(extra or {}))
+                           kv_role=role, engine_id=engine_id, kv_connector_extra_config=h.with_secret(extra))
     pc = ParallelConfig(tensor_parallel_size=1)
     spec = None
     if mtp:

@@ -21,12 +21,20 @@ import os
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
 
+import secrets  # noqa: E402
 from collections import deque  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 TINY_MODEL = Path(__file__).resolve().parent / "qwen3_next_tiny"
+#: The environment variable holding the tests' shared secret: hex of 32 random bytes (what `hybridkv
+#: secret` writes), fresh per test session, set here (and by conftest.py) before any peer process
+#: starts, so every process started with the environment proves the same one. Every connector config
+#: below reads it through ``secret_env`` unless it names its own secret or lab mode.
+SECRET_ENV = "HYBRIDKV_TEST_SECRET"
+os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
+_AUTH_KEYS = ("secret_file", "secret_env", "insecure_no_auth")
 MAX_MODEL_LEN = 1024
 SAMPLED_TOKEN = 11  # what the stand-in model runner samples
 
@@ -61,7 +69,7 @@ def make_vllm_config(
                          max_num_batched_tokens=512, async_scheduling=async_scheduling)
     kvt = KVTransferConfig(kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.connectors.vllm",
                            kv_role=role, kv_load_failure_policy=policy, engine_id=engine_id,
-                           kv_connector_extra_config=dict(extra or {}))
+                           kv_connector_extra_config=with_secret(extra))
     # The configs model a GPU deployment. vLLM's CPU platform, on a host whose CPU has AVX-512 BF16,
     # switches the GDN state to fp32 for its own CPU GDN kernels ("Reset SSM cache type to float32"),
     # which changes every page size and block count below; the hosts that run these tests differ in
@@ -81,6 +89,23 @@ def make_vllm_config(
     # GPU that is FlashAttention (kernel blocks: multiples of 16).
     current_platform._align_hybrid_block_size(vc, FlashAttentionBackend)
     return vc
+
+
+def with_secret(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """``extra`` with the tests' shared secret (``secret_env``), unless it names a secret or lab mode itself."""
+    extra = dict(extra or {})
+    if not any(k in extra for k in _AUTH_KEYS):
+        extra["secret_env"] = SECRET_ENV
+    return extra
+
+
+def secret_file(directory: str | os.PathLike) -> str:
+    """The tests' shared secret in a file of mode 0600 in ``directory``, as `hybridkv secret` writes it."""
+    path = os.path.join(directory, "hybridkv-secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(os.environ[SECRET_ENV] + "\n")
+    return path
 
 
 def layer_specs(vc) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
-import os
 import sys
 import tempfile
 import time
@@ -72,10 +71,9 @@ def main() -> int:
 
     cmd = json.loads(sys.stdin.readline())
     role = cmd["role"]
-    # Every rank proves one shared secret, read from a file as a deployment would (each rank its own copy).
-    secret_file = os.path.join(tempfile.mkdtemp(prefix="hkv-rank-peer-"), "secret")
-    with open(secret_file, "w") as f:
-        f.write("rank-peers-shared-secret-0123456789\n")
+    # Every rank proves one shared secret, read from a file of mode 0600 as a deployment would (each
+    # rank its own copy of the test session's secret).
+    secret_file = h.secret_file(tempfile.mkdtemp(prefix="hkv-rank-peer-"))
     extra = {"tp_rank": cmd["rank"], "kv_lease_duration": 60, "secret_file": secret_file}
     if role == "producer":
         extra["side_channel_port"] = cmd["port"]

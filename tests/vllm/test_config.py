@@ -201,7 +201,7 @@ def test_both_halves_build_the_same_config():
     kcc = h.make_kv_cache_config(vc)
     sched = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.SCHEDULER, kv_cache_config=kcc)
     work = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER, kv_cache_config=kcc)
-    assert sched.scheduler.config == work.worker.config == HybridKVVllmConfig.from_extra_config(extra)
+    assert sched.scheduler.config == work.worker.config == HybridKVVllmConfig.from_extra_config(h.with_secret(extra))
     s, w = sched.scheduler, work.worker
     assert (s.side_host, s.side_port, s.lease_s, s.hold_s) == ("10.1.2.3", 5620, 4.0, 6.0)
     assert (w.host, w.base_port, w.lease_s, w.export_timeout_s, w.allowed_peers, w.rank) == (
@@ -236,25 +236,45 @@ def test_a_bad_key_stops_either_half_at_startup(role):
                                             kv_cache_config=h.make_kv_cache_config(vc))
 
 
-def test_the_secret_comes_from_a_file_or_an_environment_variable(tmp_path, monkeypatch):
+@pytest.fixture(params=[False, True], ids=["lenient", "strict"])
+def strict_secrets(request, monkeypatch) -> bool:
+    """auth.STRICT_SECRETS off (today) and on (the flip): what must hold either way."""
+    from hybridkv.transport import auth
+
+    monkeypatch.setattr(auth, "STRICT_SECRETS", request.param)
+    return request.param
+
+
+def test_the_secret_comes_from_a_file_or_an_environment_variable(tmp_path, monkeypatch, strict_secrets):
+    import base64
+    import os
+    import secrets
+
+    text = secrets.token_hex(32)  # what `hybridkv secret FILE` writes
     path = tmp_path / "secret"
-    path.write_bytes(b"0123456789abcdef-file\n")
-    assert HybridKVVllmConfig.from_extra_config({"secret_file": str(path)}).secret() == b"0123456789abcdef-file"
-    monkeypatch.setenv("HKV_TEST_SECRET", "0123456789abcdef-env")
-    assert HybridKVVllmConfig.from_extra_config({"secret_env": "HKV_TEST_SECRET"}).secret() == b"0123456789abcdef-env"
-    assert HybridKVVllmConfig().secret() is None  # unauthenticated: the transport warns at start-up
+    path.write_text(text + "\n")
+    os.chmod(path, 0o600)
+    assert HybridKVVllmConfig.from_extra_config({"secret_file": str(path)}).secret() == text.encode()
+    b64 = base64.b64encode(secrets.token_bytes(32)).decode()
+    monkeypatch.setenv("HKV_TEST_SECRET", b64)
+    assert HybridKVVllmConfig.from_extra_config({"secret_env": "HKV_TEST_SECRET"}).secret() == b64.encode()
+    assert HybridKVVllmConfig().secret() is None  # no secret: refused at start-up unless insecure_no_auth
 
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({"secret_file": "/nonexistent/hkv-secret"}, r"\['secret_file'\]: secret file '/nonexistent/hkv-secret' cannot be read"),
     ({"secret_env": "HKV_UNSET_SECRET"}, r"\['secret_env'\]: environment variable 'HKV_UNSET_SECRET' is not set"),
-    ({"secret_env": "HKV_SHORT_SECRET"}, r"has 5 bytes; expected at least"),
+    ({"secret_env": "HKV_SHORT_SECRET"}, r"\['secret_env'\]: environment variable 'HKV_SHORT_SECRET' has 5 bytes; "
+                                         r"expected at least (16 \(32 random bytes once STRICT_SECRETS is on\)"
+                                         r"|32 random bytes); make one with `hybridkv secret FILE`"),
 ])
-def test_an_unusable_secret_fails_at_start_up_naming_its_key(extra, message, monkeypatch):
+def test_an_unusable_secret_fails_at_start_up_naming_its_key(extra, message, monkeypatch, strict_secrets):
     monkeypatch.delenv("HKV_UNSET_SECRET", raising=False)
     monkeypatch.setenv("HKV_SHORT_SECRET", "short")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as err:
         HybridKVVllmConfig.from_extra_config(extra).secret()
+    if "SHORT" in str(extra):  # the bound the message names is the one in force
+        assert ("at least 32 random bytes" in str(err.value)) is strict_secrets
 
 
 def test_both_secret_sources_are_refused():
