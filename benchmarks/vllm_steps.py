@@ -122,8 +122,9 @@ def _engine(model_dir: Path, *, block_tokens: int, requests: int, prompt: int) -
     sc = SchedulerConfig(max_model_len=max_len, is_encoder_decoder=False, max_num_seqs=requests,
                          # the whole untimed prefill in one step
                          max_num_batched_tokens=requests * prompt, async_scheduling=False)
+    # Only the scheduler half runs (no worker, nothing listens): lab mode by name, so no secret is needed.
     kvt = KVTransferConfig(kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.connectors.vllm",
-                           kv_role="kv_both", engine_id="bench")
+                           kv_role="kv_both", engine_id="bench", kv_connector_extra_config={"insecure_no_auth": True})
     # vLLM's CPU platform turns the GDN state to fp32 on hosts with AVX-512 BF16 (its CPU kernels);
     # the block sizes here model a GPU deployment, so the probe answers as a GPU host would.
     with mock.patch.object(torch.cpu, "_is_avx512_bf16_supported", return_value=False):

@@ -70,9 +70,10 @@ class HybridKVVllmConfig:
         Where the shared secret both sides prove in the handshake is read from: a file, or the
         environment variable of that name (at most one of the two; the secret itself never goes in
         this config, which travels on a command line). Read once at start-up, by both halves (the
-        scheduler's before vLLM loads weights); unreadable, unset or shorter than 16 bytes fails
-        there, naming the key: never a warning. Neither: unauthenticated (the transport warns at
-        start-up, or refuses without ``insecure_no_auth``); see the README's "Security".
+        scheduler's before vLLM loads weights); unreadable, unset or weak fails there, naming the
+        key (weak: auth.check_secret, a warning above 16 bytes until its ``STRICT_SECRETS`` is on).
+        Neither: refused at start-up unless ``insecure_no_auth`` (a warning until the transport's
+        ``REQUIRE_SECRET`` is on); see the README's "Security".
     ``insecure_no_auth`` (bool, ``false``)
         Lab mode, by name: run without a shared secret, so any peer that reaches a worker's port
         can read and write its registered memory. Passed to the transport (TransportConfig); the
@@ -236,8 +237,31 @@ class HybridKVVllmConfig:
                              "naming HybridKVConnector")
         _check_buffer_device(getattr(kvt, "kv_buffer_device", None))
         cfg = cls.from_extra_config(kvt.kv_connector_extra_config)
-        cfg.secret()  # a secret key that cannot be used stops this half at start-up, whichever half it is
+        # A secret key that cannot be used, or no secret without lab mode by name, stops this half at
+        # start-up, whichever half it is (the scheduler's before vLLM loads weights).
+        cfg.check_auth_mode(cfg.secret())
         return cfg
+
+    def check_auth_mode(self, secret: bytes | None) -> None:
+        """No secret: start only in lab mode, asked for by name (``insecure_no_auth``), and say so
+        loudly; without it, refused once the transport's ``REQUIRE_SECRET`` is on (a warning until then)."""
+        from hybridkv.transport import config as transport_config
+
+        if secret is not None:
+            return
+        if self.insecure_no_auth:
+            log.warning("INSECURE: HybridKVConnector runs in lab mode (kv_connector_extra_config 'insecure_no_auth': "
+                        "true): no shared secret, so any peer that reaches a worker's side-channel port gets its "
+                        "NIXL metadata and can read and write its registered memory (docs/security.md)")
+            return
+        message = ("HybridKVConnector has no shared secret: kv_connector_extra_config sets neither 'secret_file' nor "
+                   "'secret_env'; expected one of them, naming where a secret `hybridkv secret FILE` made is read "
+                   "(the same on every prefill and decode instance), or 'insecure_no_auth': true to run "
+                   "unauthenticated in a lab, where any peer that reaches a worker's port can read and write its "
+                   "registered memory")
+        if transport_config.REQUIRE_SECRET:
+            raise ValueError(message)
+        log.warning("%s (refused once hybridkv.transport.config.REQUIRE_SECRET is on)", message)
 
 
 def _check_buffer_device(device: str | None) -> None:
