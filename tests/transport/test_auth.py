@@ -88,13 +88,23 @@ def test_strong_secrets_pass_in_each_form(strict):
             TransportConfig(secret=form)
 
 
-def test_a_weak_secret_is_a_warning_until_strict_secrets_is_on(caplog):
+@pytest.mark.parametrize("strict_secrets", [False, True], ids=["lenient", "strict"])
+def test_a_weak_secret_is_a_warning_until_strict_secrets_is_on(strict_secrets, monkeypatch, caplog):
+    """Either way the rule is named: a warning with STRICT_SECRETS off (today), refused with it on."""
     import logging
 
-    assert auth.STRICT_SECRETS is False  # the lead turns it on with config.REQUIRE_SECRET
+    monkeypatch.setattr(auth, "STRICT_SECRETS", strict_secrets)
+    monkeypatch.setattr(auth, "_warned", set())  # warned once per process: an earlier test may have
+    weak = b"hybridkv-tests-shared-secret-0123-warned"
     with caplog.at_level(logging.WARNING, logger="hybridkv.transport.auth"):
-        TransportConfig(secret=b"hybridkv-tests-shared-secret-0123-warned")
-    assert any("neither hex nor base64" in r.message and "STRICT_SECRETS" in r.message for r in caplog.records)
+        if strict_secrets:
+            with pytest.raises(ValueError, match="TransportConfig.secret is text of 40 characters that is neither "
+                                                 "hex nor base64.*make one with `hybridkv secret FILE`"):
+                TransportConfig(secret=weak)
+        else:
+            TransportConfig(secret=weak)
+    warned = [r for r in caplog.records if "neither hex nor base64" in r.message and "STRICT_SECRETS" in r.message]
+    assert len(warned) == (0 if strict_secrets else 1)
 
 
 def test_a_secret_file_group_or_others_can_read_is_refused(tmp_path, strict):
