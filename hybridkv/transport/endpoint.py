@@ -35,9 +35,10 @@ reaches the target after the data: in pull mode the consumer's READ tells the
 producer it may free the blocks; in push mode the producer's WRITE tells the
 consumer its blocks are filled. The control channel carries the rest
 (:mod:`hybridkv.wire`). A push transfer is terminal for the consumer only on
-the notification, on the producer's word that it will not write (``Done``/
-``Failure``) or on losing the producer, never on a timer alone: bytes may still
-land in the blocks otherwise (rule 5).
+the notification or on the producer's ``Done`` (it will not write); its
+``Failure``, losing it, or the consumer's own abort fail the request and keep
+the blocks out of reuse until then or the drain deadline: bytes may still land
+in the blocks otherwise (rule 5; :mod:`hybridkv.transport.drains`).
 
 Everything runs on one asyncio loop, which also pumps the NIXL agent (the
 progress thread is off by default; docs/background/nixl.md §1.3).
