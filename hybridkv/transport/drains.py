@@ -50,6 +50,7 @@ class Import:
     failure: str | None = None  # why it failed (the first reason), None while it has not
     quarantined: int = 0  # blocks counted as quarantined: let go of by the engine while still open
     deadline_counted: bool = False  # push: its drain deadline runs (counted for the pump's expiry)
+    let_go: bool = False  # the import's fetch ended (the engine has the request's outcome)
 
 
 class Drains:
@@ -126,6 +127,7 @@ class Drains:
     def release(self, imp: Import, *, quarantined: int = 0) -> None:
         """The engine let go of the request. An import still open keeps its blocks out of reuse until it
         ends (``quarantined``: how many, for the metrics, counted now and again when it ends)."""
+        imp.let_go = True
         if imp.key in self._open and quarantined:
             imp.quarantined = quarantined
             self._side.metrics.quarantined(quarantined)
@@ -152,12 +154,12 @@ class Drains:
         return TransferOutcome.ACCEPTED if sched.phase(imp.rid) is RequestPhase.READY else TransferOutcome.LATE
 
     def settling(self, rid: str) -> bool:
-        """Whether an import of ``rid`` that the engine let go of may still be written."""
-        return any(i.rid == rid for i in self._open.values())
+        """Whether an import of ``rid`` whose fetch ended (failed) may still be written."""
+        return any(i.rid == rid and i.let_go for i in self._open.values())
 
     async def settled(self, rid: str) -> None:
-        """Wait until no import of ``rid`` may still be written."""
-        for imp in [i for i in self._open.values() if i.rid == rid]:
+        """Wait until no import of ``rid`` whose fetch ended may still be written."""
+        for imp in [i for i in self._open.values() if i.rid == rid and i.let_go]:
             await imp.ended.wait()
 
     # ------------------------------------------------------------ what producers say (push)

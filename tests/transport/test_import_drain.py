@@ -189,10 +189,11 @@ def _failure(token: bytes = b"t" * 16):
 def test_a_producers_failure_is_not_drained_its_done_is():
     drains, imp, sched, side = _drains()
     assert drains.heard("prefill-0", _failure())
-    assert not imp.ended.is_set() and sched.transfers_in_flight() == 1 and drains.settling("r")
+    assert not imp.ended.is_set() and sched.transfers_in_flight() == 1
     assert imp.failure == "producer failed the request: no slot"
     sched.abort("r")  # the engine lets go: the blocks stay out of the pool while the import is open
     drains.release(imp, quarantined=5)
+    assert drains.settling("r")
     assert sched.free_count(0) == 0 and sched.free_count(1) == 1
     assert drains.heard("prefill-0", _done())  # drained: nothing of its can land any more
     assert imp.ended.is_set() and sched.transfers_in_flight() == 0 and not drains.settling("r")
@@ -234,6 +235,7 @@ def test_a_lost_producers_import_ends_at_the_drain_deadline_not_before():
 def test_pull_a_failed_read_holds_its_blocks_until_it_ends_whatever_the_deadline():
     drains, imp, sched, _ = _drains("PULL", drain_s=0.01)
     drains.fail(imp, "READ not done within its timeout")
+    drains.release(imp)
     time.sleep(0.05)
     drains.expire()
     drains.check_deadline(imp)
