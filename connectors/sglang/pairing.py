@@ -94,11 +94,13 @@ def _check_hetero(prefill: AdoptedLayout, decode: AdoptedLayout) -> None:
         if par.state_tp != par.attn_tp:
             raise ValueError(f"{what}: the {side} shards linear-attention state over {par.state_tp} ranks and "
                              f"attention over {par.attn_tp}; expected the same group")
-        if par.draft_entries:
-            raise ValueError(f"{what}: the {side} has {par.draft_entries} speculative draft KV buffers; "
-                             "expected none with different TP")
         if par.kv_layout not in (None, "nhd", "NHD"):
             raise ValueError(f"{what}: the {side} KV layout is {par.kv_layout!r}; head slices need NHD pages")
+    if p.draft_entries != d.draft_entries:
+        raise ValueError(f"{what}: {p.draft_entries} speculative draft KV buffers on the prefill, {d.draft_entries} "
+                         "on the decode; expected the same draft model on both")
+    # Draft KV buffers (MTP/EAGLE, appended to SGLang's KV lists) are NHD pages of the same heads: sliced like KV,
+    # as SGLang's NIXL backend slices every entry of its KV lists (the per-buffer head-size checks below hold them).
     if p.mla != d.mla:
         raise ValueError(f"{what}: MLA on the prefill is {p.mla}, on the decode {d.mla}; expected the same model")
     if p.kv_heads != d.kv_heads:

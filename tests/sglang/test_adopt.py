@@ -77,7 +77,7 @@ def test_peer_with_other_item_sizes_at_equal_tp_is_refused_naming_the_buffer():
 @pytest.mark.parametrize("mutate, match", [
     (lambda lay: lay[0][0].__setitem__(5, 9), r"layout.regions\[0\].mem = 9; expected one of \[1, 2\]"),
     (lambda lay: lay.__setitem__(3, True), "state_groups is bool; expected an int"),
-    (lambda lay: lay[5][0][0].__setitem__(1, "bogus"), r"kind = 'bogus'; expected one of \['kv', 'conv', 'ssm'\]"),
+    (lambda lay: lay[5][0][0].__setitem__(1, "bogus"), r"kind = 'bogus'; expected one of \['kv', 'conv', 'ssm'"),
     (lambda lay: lay[4][0][1].__setitem__(0, "sliced"), "slicing = 'sliced'"),
     (lambda lay: lay[4].append(lay[4][0]), "lists key 0 twice"),
     (lambda lay: lay[6].__setitem__(1, 2), "attn_rank = 2; expected 0..0"),

@@ -26,9 +26,11 @@ DST_PAGES = np.array([12, 13, 14, 15, 30, 2])
 SRC_SLOT, DST_SLOT, SRC_AUX, DST_AUX = 3, 6, 2, 9
 
 
-def _side(seed, tp, rank, kv_heads=model.KV_HEADS):
+def _side(seed, tp, rank, kv_heads=model.KV_HEADS, draft=0):
+    """`draft`: the last `draft` of SGLang's KV buffers are speculative (MTP) draft KV, as SGLang appends them."""
     pools = model.make_pools(seed, tp=tp, rank=rank, kv_heads=kv_heads)
     args = pools.kv_args()
+    args.num_draft_entries = draft
     adopted = adopt_kv_args(args, device_mem=MemKind.DRAM, gpu_id=0,
                             parallel=parallel_of(args, attn_tp=tp, attn_rank=rank))
     return pools, args, adopted
@@ -49,9 +51,9 @@ def _rows(plan, src, dst):
     return out
 
 
-def _run(tp_p, tp_d, kv_heads=model.KV_HEADS):
-    prefill = [_side(7, tp_p, r, kv_heads) for r in range(tp_p)]
-    decode = [_side(None, tp_d, r, kv_heads) for r in range(tp_d)]
+def _run(tp_p, tp_d, kv_heads=model.KV_HEADS, draft=0):
+    prefill = [_side(7, tp_p, r, kv_heads, draft) for r in range(tp_p)]
+    decode = [_side(None, tp_d, r, kv_heads, draft) for r in range(tp_d)]
     written = {}
     for d, (_, _, dst) in enumerate(decode):
         for p in prefill_sources(tp_p, tp_d, d)[0]:
@@ -180,4 +182,27 @@ def test_incompatible_pairs_are_refused_naming_the_values(mutate, match):
     else:
         _, _, dst = _side(None, 1, 0, kv_heads=mutate["kv_heads"])
     with pytest.raises(ValueError, match=match):
+        plan_peer(src, dst)
+
+
+@pytest.mark.parametrize("tp_p, tp_d", [(2, 1), (1, 2), (4, 2)])
+def test_draft_kv_at_different_tp_is_sliced_like_kv(tp_p, tp_d):
+    """MTP in the usual layout (prefill TP 2 -> decode DP attention, i.e. attention TP 1): the draft model's KV
+    buffers SGLang appends to its KV lists (here the last layer's K and V, num_draft_entries = 2) are head-sliced
+    like the target's and land field by field; the rows are SGLang's own head slices over every KV entry. A pair
+    whose draft models differ is refused naming the counts."""
+    prefill, decode, written = _run(tp_p, tp_d, draft=2)
+    for d, (pools, _, _) in enumerate(decode):
+        want = model.make_pools(7, tp=tp_d, rank=d).named(SRC_PAGES, SRC_SLOT, SRC_AUX)
+        got = pools.named(DST_PAGES, DST_SLOT, DST_AUX)
+        assert [k for k in want if got[k] != want[k]] == []
+    for (p, d), (plan, rows) in written.items():
+        if tp_p == 4:
+            continue  # one head per rank on both sides: whole pages, where SGLang writes one row per token
+        kv = {(a, b, n) for c, (s, t) in rows.items() if c.group == KV_GROUP
+              for (a, n, _), (b, _, _) in zip(s.tolist(), t.tolist())}
+        assert kv == _sglang_rows(prefill[p][1], decode[d][1], tp_p, tp_d, d, state=False)
+    _, _, src = _side(7, 2, 0, draft=2)
+    _, _, dst = _side(None, 1, 0, draft=0)
+    with pytest.raises(ValueError, match="2 speculative draft KV buffers on the prefill, 0 on the decode"):
         plan_peer(src, dst)
