@@ -109,6 +109,11 @@ class HybridKVReceiver(CommonKVReceiver):
                 return None
             # From the first attempt on, some prefill rank may hold our destinations.
             self._published = True
+            if self._fail_if_auth_required():
+                # A prefill rank answered the probe while the imports opened, too late for its listener to end
+                # them (none was open yet): nothing was sent, so no write can come.
+                mgr.imports.settle_imports(self.bootstrap_room, "a writer requires authentication")
+                return None
         return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, **kwargs)
 
     def poll(self) -> KVPoll:
