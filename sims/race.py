@@ -23,6 +23,12 @@ its own scenario, enabling only the ingredients of that race:
   transfer is in flight; their pages are reused before the writer finished;
 * ``partial-state`` (SGLang #39846): KV, conv and SSM state arrive as separate
   transfers with separate latencies.
+* ``stuck-writers`` (SGLang #24527 with remote writers, issue 47): imports pushed by one or two
+  writers through the :class:`~hybridkv.fencing.imports.ImportLedger`; a writer may fail and still
+  write late (inside the drain deadline), drain late or never; the engine aborts a failed import
+  (and admits the request again under the same id: a new incarnation, while the old one's writers
+  may still write and speak) or gives it up and recomputes the prompt locally. A late write that
+  lands in a block of another request, another incarnation, or a request computing locally corrupts it.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class RaceClass(enum.Enum):
     ZEROING = "zeroing"
     ABORT_REUSE = "abort-reuse"
     PARTIAL_STATE = "partial-state"
+    STUCK_WRITERS = "stuck-writers"
 
 
 class Writer(enum.Enum):
@@ -141,6 +148,11 @@ def simulate(
         raise ValueError(f"requests = {requests!r}; expected a positive int")
     if not isinstance(async_depth, int) or not 0 <= async_depth <= 8:
         raise ValueError(f"async depth {async_depth!r}; expected an int in [0, 8]")
+    if race is RaceClass.STUCK_WRITERS:
+        from hybridkv.sims.race_stuck import simulate_stuck  # it builds on this module's names
+
+        return simulate_stuck(policy=policy, requests=requests, seed=seed, async_depth=async_depth,
+                              on_request_done=on_request_done)
     scen = Scenario.of(race)
     rng = random.Random(f"{seed}:{race.value}")
     blocks = 48
@@ -310,3 +322,4 @@ def simulate(
         steps=step + 1,
         causes=dict(sorted(causes.items())),
     )
+

@@ -39,6 +39,13 @@ def test_abort_scenario_aborts_and_still_drains() -> None:
     assert r.aborted > 0 and r.corrupted_any == 0
 
 
+def test_stuck_writers_abort_give_up_and_come_back_and_still_drain() -> None:
+    # Failed imports are aborted (the id comes back: a new incarnation) or given up (recompute) while
+    # stuck writers still write; fenced, nothing is corrupted and every block comes back (checked inside).
+    r = simulate(RaceClass.STUCK_WRITERS, policy=FencePolicy.FENCED, requests=N, seed=2, async_depth=2)
+    assert r.aborted > 0 and r.corrupted_any == 0, r.causes
+
+
 def test_deterministic_for_a_seed() -> None:
     a = simulate(RaceClass.ZEROING, policy=FencePolicy.NONE, requests=100, seed=7, async_depth=1)
     b = simulate(RaceClass.ZEROING, policy=FencePolicy.NONE, requests=100, seed=7, async_depth=1)
@@ -48,7 +55,7 @@ def test_deterministic_for_a_seed() -> None:
 def test_cli_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "race", "--policy", "none", "--requests", "100", "--seed", "3", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc["races"]) == {"free-reuse", "zeroing", "abort-reuse", "partial-state"}
+    assert set(doc["races"]) == {"free-reuse", "zeroing", "abort-reuse", "partial-state", "stuck-writers"}
     for v in doc["races"].values():
         assert v["requests"] == 100 and isinstance(v["corrupted"], int)
 

@@ -78,6 +78,76 @@ MUTANTS: tuple[Mutant, ...] = (
            original="        if self._fenced and rec.transfers:",
            replacement="        if False:",
            bug="rule 5: a request recomputes (gives its import up) while an inbound write into its blocks runs"),
+    # Issue 47 item 6: the ledger and the quarantine paths, by family. (1) a quarantined block released before
+    # its transfer is terminal or before the watermark passes its fence (also quarantine-ends-before-watermark)
+    Mutant(name="quarantine-ends-at-first-transfer", file="block_pool.py",
+           original="            if key in q and not readers[key] and not writers[key]:",
+           replacement="            if key in q:",
+           bug="rule 5: a quarantined block is released when one of its transfers ends while another still runs"),
+    Mutant(name="ledger-lands-on-first-writer", file="imports.py",
+           original="            if len(seen) >= e.writers:",
+           replacement="            if seen:",
+           bug="rule 5 per writer: a component's transfer ends at its first writer's LANDED, another still writes"),
+    Mutant(name="ledger-first-drained-ends", file="imports.py",
+           original="        if e.state is ImportState.OPEN and len(e.drained) >= e.writers:",
+           replacement="        if e.state is ImportState.OPEN and e.drained:",
+           bug="rule 5 per writer: an import ends at its first writer's DRAINED while another writer may write"),
+    Mutant(name="ledger-failed-is-drained", file="imports.py",
+           original="            e.failed.setdefault(writer, reason)",
+           replacement="            e.drained.add(writer)",
+           bug="rule 5: a writer's Failed counts as drained (a terminal status read as 'nothing in flight')"),
+    Mutant(name="ledger-deadline-now", file="imports.py",
+           original="            e.deadline = self.clock() + self.drain_timeout_s",
+           replacement="            e.deadline = self.clock()",
+           bug="rule 5: a failed import's drain deadline is its failure: its blocks settle while a writer writes"),
+    # (2) a quarantined block a prefix hit takes back (unpark), then freed by its old transfer's end or entry
+    Mutant(name="unpark-stays-quarantined", file="block_pool.py",
+           original="            self._quarantine.discard(key)  # no heap occurrence while quarantined",
+           replacement="            pass",
+           bug="rule 7: a quarantined block a prefix hit took back is freed, held, when its old transfer ends"),
+    Mutant(name="unpark-keeps-heap-entry", file="block_pool.py",
+           original="            self._stale[key] = self._stale.get(key, 0) + 1",
+           replacement="            pass",
+           bug="rule 7: a parked block a prefix hit took back is freed, held, by its old entry at the watermark"),
+    # (3) a dead incarnation's landing counted for the next request of the same id
+    Mutant(name="dead-incarnation-lands", file="transfers.py",
+           original="        rec = None if tr.orphaned else self._requests.get(tr.request)",
+           replacement="        rec = self._requests.get(tr.request)",
+           bug="rule 4: a transfer of a request that died lands for the next request of the same id"),
+    Mutant(name="drop-keeps-transfers", file="records.py",
+           original="                transfers[tid].orphaned = True",
+           replacement="                pass",
+           bug="rule 4: a dropped request's transfers stay its id's: their end counts for its next incarnation"),
+    Mutant(name="ledger-ignores-generation", file="imports.py",
+           original="        if e is None or (generation is not None and generation != e.generation):",
+           replacement="        if e is None:",
+           bug="rule 5: a writer's message of a dead generation counts for the import now under its key"),
+    # (4) a release that ignores the fence of a block settled later
+    Mutant(name="drop-assumes-one-fence", file="records.py",
+           original="                uniform = False",
+           replacement="                pass",
+           bug="rule 2: a request's blocks are released at its own fence though one is fenced later (zeroing)"),
+    Mutant(name="hold-release-forgets-residency", file="fence.py",
+           original="            self.fence[key] = hs",
+           replacement="            pass",
+           bug="rules 2, 7: a holder's release leaves its residency out of the block's fence"),
+    Mutant(name="park-joins-earlier-entry", file="block_pool.py",
+           original="        if tail is not None and tail[0] == fence:",
+           replacement="        if tail is not None and tail[0] <= fence:",
+           bug="rule 2: blocks fenced later join the last heap entry, released at its earlier fence"),
+    Mutant(name="quarantine-exit-joins-earlier-entry", file="block_pool.py",
+           original="                    if tail is not None and tail[0] == f:",
+           replacement="                    if tail is not None and tail[0] <= f:",
+           bug="rules 2, 5: a block leaving quarantine joins an entry of an earlier fence, released before it settles"),
+    # (5) a recompute (give-up) allowed while an inbound write still runs (also give-up-under-write)
+    Mutant(name="give-up-once-failed", file="steps.py",
+           original="        if self._fenced and rec.transfers:",
+           replacement="        if self._fenced and rec.transfers and rec.phase is not _FAILED:",
+           bug="rule 5: a failed import gives up (recompute) while another component's write still runs"),
+    Mutant(name="ledger-failure-settles", file="imports.py",
+           original="        return self.fail(key, reason)",
+           replacement="        return self.settle(key, reason)",
+           bug="rule 5: a writer's Failed ends the import at once; the request recomputes while that writer writes"),
     Mutant(name="finish-closes-at-watermark", file="steps.py",
            original="            rec.last_step = self._table.scheduled",
            replacement="            rec.last_step = self._table.watermark", within="request_finished",
@@ -198,11 +268,16 @@ def _child(machine: bool) -> int:
     from hybridkv.fencing.fence import FencePolicy
     from tests.property import test_rules
 
-    tests = [(n, lambda f=f: f(policy=FencePolicy.FENCED)) for n, f in sorted(vars(test_rules).items())
-             if n.startswith("test_rule")]
-    if machine:
-        from tests.property import test_fencing_machine
+    from tests.property import test_fencing_corpus, test_fencing_machine
 
+    # The machine's fixed corpus first (a second or two in all), then the rule tests, then the random machine.
+    tests = []
+    if os.environ.get("HYBRIDKV_PROPERTY_CORPUS", "1") != "0":
+        tests += [(f"test_fencing_corpus[{n}]", lambda n=n: test_fencing_corpus.replay(n))
+                  for n in sorted(test_fencing_corpus.CORPUS)]
+    tests += [(n, lambda f=f: f(policy=FencePolicy.FENCED)) for n, f in sorted(vars(test_rules).items())
+              if n.startswith("test_rule")]
+    if machine:
         tests.append(("test_fencing_two_sides", lambda: test_fencing_machine.test_fencing_two_sides("fenced")))
     for name, run in tests:
         try:

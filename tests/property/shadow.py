@@ -65,6 +65,15 @@ class Req:
     decoded: int = 0
     live: bool = True  # its outputs are used (not finished, not aborted)
     expect: dict[tuple[int, str], tuple] = field(default_factory=dict)
+    # Decode side. inc: which incarnation of the id (a request id reused after its old incarnation died);
+    # got: the components whose own transfer landed (what the scheduler's arrived() must say); push: its
+    # import is written by remote writers through the ImportLedger (else the decode side pulls); local: it
+    # gave its import up and computes its prompt here (recompute), writing its attention KV as a prefill does.
+    inc: int = 0
+    got: set = field(default_factory=set)
+    push: bool = False
+    local: bool = False
+    imp: object | None = None  # its PushImport, once posted
 
 
 @dataclass
@@ -97,7 +106,8 @@ class Worker:
         out: set[int] = set()
         for s in self.pending:
             out.update(s.zero)
-            for _, att, gdn, app in s.work:
+            for r, att, gdn, app in s.work:
+                out.update(r.pre)  # a cached prefix the step reads
                 out.update(att)
                 out.add(gdn)
                 out.update(app)
@@ -141,7 +151,7 @@ class Worker:
                         )
             r.v += 1
             writes = {(gdn, "conv"): (uid, "conv", r.v), (gdn, "ssm"): (uid, "ssm", r.v)}
-            if self.producer:  # prefill writes the prompt's KV; decode only appends
+            if self.producer or r.local:  # prefill (or a recompute) writes the prompt's KV; decode only appends
                 for i, k in enumerate(att):
                     writes[(k, "kv")] = (uid, "kv", i)
             for i, k in enumerate(app):
@@ -157,6 +167,9 @@ class Worker:
         r = self.reqs.pop(uid)
         r.live = False
         self.resident.pop(uid, None)
+        if self.zero_next:  # a block the request let go of is not the engine's to zero any more
+            mine = {*r.att, *r.app}
+            self.zero_next = [k for k in self.zero_next if k not in mine]
 
 
 @dataclass
@@ -166,4 +179,6 @@ class Xfer:
     cells: list[tuple[tuple[int, str], tuple[int, str]]]  # (source cell on P, destination cell on D)
     dtid: int
     ptid: int | None
+    inc: int = 0  # the decode-side incarnation that posted it
+    stuck: bool = False  # stalled: lands only when picked by name (land), never in passing
     done: bool = False

@@ -41,11 +41,12 @@ from tests.property.oracle import (
 )
 
 CI = bool(os.environ.get("CI"))
-# Per test; the CI run (HYBRIDKV_PROPERTY_EXAMPLES=10000) gives each of the six rule tests a fifteenth of the
-# machine's (a tenth of it for five before the rule-7 test and SHARE: the suite's time stays where it was).
-# 0: the fixed corpus alone (the mutation check's quick mode).
+# Per test; the CI run (HYBRIDKV_PROPERTY_EXAMPLES=10000) gives each of the six rule tests a tenth of the
+# budget and the two-sided machine two fifths (test_fencing_machine.py): the machine's examples grew dearer
+# (quarantine, incarnations, give-up, the import ledger), the suite's CPU time stays below what it was and
+# the total above 10,000. 0: the fixed corpus alone (the mutation check's quick mode).
 _ASKED = int(os.environ.get("HYBRIDKV_PROPERTY_EXAMPLES", 10_000 if CI else 300))
-EXAMPLES = max(50, _ASKED // 15)
+EXAMPLES = max(50, _ASKED // 10)
 # 0: generated examples alone (the mutation check's --generated-only: does the search find each bug?)
 _CORPUS = os.environ.get("HYBRIDKV_PROPERTY_CORPUS", "1") != "0"
 # The mutation check only asks whether a test fails: it sets 0, and a failure is not shrunk.
