@@ -66,6 +66,13 @@ class HybridKVVllmConfig:
     ``allowed_peers`` (list of str, or one comma-separated str; ``()``)
         Prefill side: addresses or CIDR networks that may open a control channel. The listener is
         open on every interface (ucxx 0.52), so this keeps other networks out. Empty: any peer.
+    ``allowed_producers`` (list of str, or one comma-separated str; ``()``)
+        Decode side: addresses or CIDR networks of the prefill workers this decode may dial. vLLM
+        accepts ``kv_transfer_params`` (``remote_host``, ``remote_ranks``) in a client's request body,
+        so without it a client can make the decode dial any host; a request naming a producer
+        outside it fails (``kv_load_failure_policy``) before anything is dialled, with a log line
+        naming the address. Host names in a request are refused: list the producers by address.
+        Empty: any producer (a warning at start-up).
     ``secret_file`` (str path or null, ``null``) / ``secret_env`` (str or null, ``null``)
         Where the shared secret both sides prove in the handshake is read from: a file, or the
         environment variable of that name (at most one of the two; the secret itself never goes in
@@ -97,6 +104,7 @@ class HybridKVVllmConfig:
     kv_lease_duration: float = 30.0
     export_timeout_s: float = 30.0
     allowed_peers: tuple[str, ...] = ()
+    allowed_producers: tuple[str, ...] = ()
     secret_file: str | None = None
     secret_env: str | None = None
     tp_rank: int | None = None
@@ -113,13 +121,15 @@ class HybridKVVllmConfig:
             v = getattr(self, key)
             _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
                    key, v, "a positive number of seconds")
-        _check(isinstance(self.allowed_peers, tuple) and all(isinstance(p, str) for p in self.allowed_peers),
-               "allowed_peers", self.allowed_peers, "a tuple of addresses or CIDR networks")
-        if self.allowed_peers:
-            try:
-                PeerAllowlist.parse(self.allowed_peers)
-            except ValueError as exc:
-                raise ValueError(f"kv_connector_extra_config['allowed_peers']: {exc}") from None
+        for key in ("allowed_peers", "allowed_producers"):
+            v = getattr(self, key)
+            _check(isinstance(v, tuple) and all(isinstance(p, str) for p in v),
+                   key, v, "a tuple of addresses or CIDR networks")
+            if v:
+                try:
+                    PeerAllowlist.parse(v)
+                except ValueError as exc:
+                    raise ValueError(f"kv_connector_extra_config[{key!r}]: {exc}") from None
         for key in ("secret_file", "secret_env"):
             v = getattr(self, key)
             _check(v is None or (isinstance(v, str) and v.strip() != ""), key, v, "null or a non-empty string")
@@ -208,6 +218,7 @@ class HybridKVVllmConfig:
             "kv_lease_duration": _seconds,
             "export_timeout_s": _seconds,
             "allowed_peers": _peers,
+            "allowed_producers": _peers,
             "secret_file": _optional_str,
             "secret_env": _optional_str,
             "tp_rank": _optional_int,

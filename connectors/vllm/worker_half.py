@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from hybridkv.fencing.fence import PoolLayout
 from hybridkv.fencing.request_state import Component
 from hybridkv.errors import PeerError
+from hybridkv.transport.allowlist import PeerAllowlist
 from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.transport.metrics import MetricsSnapshot
 
@@ -131,6 +132,12 @@ class WorkerHalf:
         self.lease_s = cfg.kv_lease_duration
         self.export_timeout_s = cfg.export_timeout_s
         self.allowed_peers = cfg.allowed_peers  # checked by the config: a bad entry fails at startup, named
+        # Which producers this decode dials: never simply what a request body names (a client can set it).
+        self.allowed_producers = PeerAllowlist.parse(cfg.allowed_producers) if cfg.allowed_producers else None
+        if self.allowed_producers is None and self.role in ("kv_consumer", "kv_both"):
+            log.warning("hybridkv decode dials any producer a request's kv_transfer_params name (a client can put "
+                        "them in its request body); set kv_connector_extra_config['allowed_producers'] to the "
+                        "prefill workers' addresses or networks")
         self.secret = cfg.secret()  # read once, here: a missing file or variable fails at start-up, named
         self.transfer_groups = tuple(kv_cache_config.transfer_group_ids)
         #: what vLLM's KVCacheConfig holds, as hybridkv moves it; a cache it cannot move is refused here,
@@ -255,6 +262,9 @@ class WorkerHalf:
 
         key = (address.host, address.port)
         want = address.agent
+        if self.allowed_producers is not None and not self.allowed_producers.allows(address.host):
+            raise PeerError(f"producer address {address.host}:{address.port} is not in allowed_producers; "
+                            "not dialled (a request's kv_transfer_params name it)")
         if want is not None and want in self._gone:
             raise PeerError(f"producer {want} at {address.host}:{address.port} is gone (restarted or stopped); "
                             f"this request was prefilled by it")

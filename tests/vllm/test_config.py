@@ -21,6 +21,7 @@ DEFAULTS = {
     "kv_lease_duration": 30.0,
     "export_timeout_s": 30.0,
     "allowed_peers": (),
+    "allowed_producers": (),
     "secret_file": None,
     "secret_env": None,
     "tp_rank": None,
