@@ -78,9 +78,9 @@ class HybridKVVllmConfig:
         environment variable of that name (at most one of the two; the secret itself never goes in
         this config, which travels on a command line). Read once at start-up, by both halves (the
         scheduler's before vLLM loads weights); unreadable, unset or weak fails there, naming the
-        key (weak: auth.check_secret, a warning above 16 bytes until its ``STRICT_SECRETS`` is on).
-        Neither: refused at start-up unless ``insecure_no_auth`` (a warning until the transport's
-        ``REQUIRE_SECRET`` is on); see the README's "Security".
+        key (weak: auth.check_secret; a warning instead where its ``STRICT_SECRETS`` is turned off).
+        Neither: refused at start-up unless ``insecure_no_auth`` (a warning instead where the
+        transport's ``REQUIRE_SECRET`` is turned off); see the README's "Security".
     ``insecure_no_auth`` (bool, ``false``)
         Lab mode, by name: run without a shared secret, so any peer that reaches a worker's port
         can read and write its registered memory. Passed to the transport (TransportConfig); the
@@ -255,7 +255,7 @@ class HybridKVVllmConfig:
 
     def check_auth_mode(self, secret: bytes | None) -> None:
         """No secret: start only in lab mode, asked for by name (``insecure_no_auth``), and say so
-        loudly; without it, refused once the transport's ``REQUIRE_SECRET`` is on (a warning until then)."""
+        loudly; without it, refused (a warning where the transport's ``REQUIRE_SECRET`` is turned off)."""
         from hybridkv.transport import config as transport_config
 
         if secret is not None:

@@ -42,9 +42,8 @@ MIN_SECRET_BYTES = 32  # 256 bits: a shorter secret is refused (STRICT_SECRETS),
 LEGACY_MIN_SECRET_BYTES = 16  # refused whatever STRICT_SECRETS says (the rule before it)
 MIN_DISTINCT_BYTES = 16  # 32 random bytes have ~30 distinct values; a pattern or a word has far fewer
 #: Whether a secret that breaks a strength rule (:func:`secret_weakness`), or a secret file that
-#: group or others can read, is refused. Off (a warning naming the rule) until the connectors' test
-#: harnesses use strong secrets, like ``config.REQUIRE_SECRET``.
-STRICT_SECRETS = False
+#: group or others can read, is refused (on; off gives a warning naming the rule instead).
+STRICT_SECRETS = True
 SECRET_FIX = "make one with `hybridkv secret FILE` (32 random bytes as hex, a file of mode 0600)"
 # Labels of protocol 3; distinct from every other protocol's (the SGLang sessions'), so no proof or
 # key of one is accepted by another.

@@ -22,9 +22,9 @@ from hybridkv.transport.allowlist import PeerAllowlist
 from hybridkv.transport.dataplane import DataPlaneConfig
 
 #: Whether an endpoint without a secret refuses to start unless ``insecure_no_auth`` says lab mode
-#: by name. Off (a loud warning only) until every connector passes ``insecure_no_auth`` through
-#: from its own configuration; see :func:`check_auth_mode`.
-REQUIRE_SECRET = False
+#: by name (secure by default; see :func:`check_auth_mode`). Every connector passes
+#: ``insecure_no_auth`` through from its own configuration.
+REQUIRE_SECRET = True
 
 
 class FailurePolicy(enum.Enum):

@@ -302,7 +302,7 @@ class _State:
 
     def secure_gates(self, on: bool):
         """hybridkv's secure-by-default gates in this rank process (transport.config.REQUIRE_SECRET,
-        transport.auth.STRICT_SECRETS; off until the lead turns them on): as asked, returning what they were."""
+        transport.auth.STRICT_SECRETS; on by default): as asked, returning what they were."""
         from hybridkv.transport import auth
         from hybridkv.transport import config as transport_config
 

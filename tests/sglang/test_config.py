@@ -53,13 +53,18 @@ def test_bad_values_are_refused_naming_the_variable(var, value, match):
 
 
 def test_secret_file_and_env_name_where_the_secret_is(tmp_path):
+    import secrets
+
+    strong = secrets.token_hex(32).encode()  # what `hybridkv secret` writes
     f = tmp_path / "secret"
-    f.write_bytes(b"s" * 32 + b"\n")
+    f.write_bytes(strong + b"\n")
+    f.chmod(0o600)  # group- or other-readable secret files are refused
     c = SGLangConfig.from_server_args(None, environ={"HYBRIDKV_SGLANG_SECRET_FILE": str(f)})
-    assert c.secret_file == str(f) and c.secret() == b"s" * 32  # one trailing newline dropped
+    assert c.secret_file == str(f) and c.secret() == strong  # one trailing newline dropped
     env = {"HYBRIDKV_SGLANG_SECRET_ENV": "MY_SECRET", "MY_SECRET": "e" * 20}
     assert SGLangConfig.from_server_args(None, environ=env).secret_env == "MY_SECRET"
-    assert SGLangConfig.from_server_args(None, environ={}).secret() is None  # lab mode
+    # No secret: lab mode only by name (secure by default: neither is refused, test_startup.py).
+    assert SGLangConfig.from_server_args(None, environ={"HYBRIDKV_SGLANG_INSECURE_NO_AUTH": "1"}).secret() is None
 
 
 def test_secret_sources_both_set_or_short_are_refused(tmp_path, monkeypatch):
@@ -68,6 +73,7 @@ def test_secret_sources_both_set_or_short_are_refused(tmp_path, monkeypatch):
         SGLangConfig.from_server_args(None, environ=both)
     f = tmp_path / "short"
     f.write_bytes(b"tooshort")
+    f.chmod(0o600)
     with pytest.raises(ValueError, match=r"HYBRIDKV_SGLANG_SECRET_FILE: secret file .* has 8 bytes; expected at "
                                          r"least \d+"):
         SGLangConfig(secret_file=str(f)).secret()
