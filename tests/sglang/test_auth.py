@@ -5,6 +5,7 @@ rank that is not the room's, and a hand-rolled ZMQ socket sending raw frames).""
 from __future__ import annotations
 
 import os
+import secrets
 import time
 
 import numpy as np
@@ -91,7 +92,8 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
     before = prefill.call("stats")["auth"]
 
     # A decode rank with another secret: the prefill's proof fails there, so it sends no REGISTER.
-    wrong = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": "another secret, 24 b"})
+    # A strong secret, but not the prefill's (weak ones are refused at start-up).
+    wrong = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": secrets.token_hex(32)})
     # A decode rank without a secret (lab mode): its REGISTER (and METADATA, if it sends it) for room 2001 go out
     # unsealed; its probe Hello is answered like any other, so it fails the room at once, naming the cause.
     lab = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": None})
