@@ -39,16 +39,25 @@ init_logger("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector").info(
 LINE = r"^\(\S+ pid=\d+\) {level} \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+:\d+\] {msg}$"
 
 
-def _run(**env: str) -> str:
-    out = subprocess.run([sys.executable, "-c", CODE], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_COLOR": "0", **env})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout + out.stderr
+def _start(**env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CODE], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_COLOR": "0", **env})
+
+
+def _output(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return out + err
 
 
 @pytest.mark.slow
 def test_connector_lines_follow_vllms_logging_set_up():
-    text = _run(VLLM_LOGGING_LEVEL="INFO", VLLM_CONFIGURE_LOGGING="1")
+    # Three fresh processes (each imports vLLM, most of the time), side by side.
+    procs = [_start(VLLM_LOGGING_LEVEL="INFO", VLLM_CONFIGURE_LOGGING="1"),
+             _start(VLLM_LOGGING_LEVEL="WARNING", VLLM_CONFIGURE_LOGGING="1"),
+             _start(VLLM_LOGGING_LEVEL="INFO", VLLM_CONFIGURE_LOGGING="0")]
+    info, warning, unconfigured = (_output(p) for p in procs)
+    text = info
     lines = text.splitlines()
     nixl = [x for x in lines if x.endswith("NIXL-INFO-LINE")]
     ours = [x for x in lines if x.endswith("HKV-INFO-LINE")]
@@ -63,11 +72,11 @@ def test_connector_lines_follow_vllms_logging_set_up():
     assert "[config.py:" in start[0] or "/config.py:" in start[0], start[0]
 
     # VLLM_LOGGING_LEVEL: the connector's INFO goes with vLLM's, its warnings stay.
-    text = _run(VLLM_LOGGING_LEVEL="WARNING", VLLM_CONFIGURE_LOGGING="1")
+    text = warning
     assert "NIXL-INFO-LINE" not in text and "HKV-INFO-LINE" not in text
     assert any(re.match(LINE.format(level="WARNING", msg="HKV-WARNING-LINE"), x) for x in text.splitlines())
 
     # VLLM_CONFIGURE_LOGGING=0: vLLM leaves logging alone, and so does the connector (Python's defaults).
-    text = _run(VLLM_LOGGING_LEVEL="INFO", VLLM_CONFIGURE_LOGGING="0")
+    text = unconfigured
     assert "HKV-INFO-LINE" not in text and "NIXL-INFO-LINE" not in text
     assert "HKV-WARNING-LINE" in text.splitlines()
