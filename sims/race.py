@@ -134,6 +134,23 @@ def _classify(got: tuple | None, part: str, landed: set[str], aborted: set[int])
     return None
 
 
+def admit(sched: TransferScheduler, rid: str, n_att: int) -> tuple[list, object]:
+    """A new request of every component: n_att attention blocks and one GDN slot, as page keys."""
+    sched.add_request(rid, expect=ALL)
+    att = list(sched.allocate(rid, ATT, n_att))  # type: ignore[arg-type]
+    gdn = sched.allocate(rid, GDN, 1)[0]  # type: ignore[index]
+    key = sched.table.key
+    return [key(ATT, b) for b in att], key(GDN, gdn)
+
+
+def transfer_expect(att: list, gdn: object, writer: object) -> dict:
+    """What the transfer of `writer` (a request, or a request's incarnation) puts in each of its pages."""
+    expect = {(k, "kv"): (Writer.TRANSFER, writer, ("kv", i)) for i, k in enumerate(att)}
+    expect[(gdn, "conv")] = (Writer.TRANSFER, writer, ("conv", 0))
+    expect[(gdn, "ssm")] = (Writer.TRANSFER, writer, ("ssm", 0))
+    return expect
+
+
 def simulate(
     race: RaceClass,
     *,
@@ -257,21 +274,9 @@ def simulate(
                 break
             uid = arrived
             arrived += 1
-            rid = str(uid)
-            sched.add_request(rid, expect=ALL)
-            att = list(sched.allocate(rid, ATT, n_att))  # type: ignore[arg-type]
-            gdn = sched.allocate(rid, GDN, 1)[0]  # type: ignore[index]
-            key = sched.table.key
-            r = _Req(
-                uid=uid,
-                att=[key(ATT, b) for b in att],
-                gdn=key(GDN, gdn),
-                decode_steps=rng.randint(2, 6),
-            )
-            for i, k in enumerate(r.att):
-                r.expect[(k, "kv")] = (Writer.TRANSFER, uid, ("kv", i))
-            r.expect[(r.gdn, "conv")] = (Writer.TRANSFER, uid, ("conv", 0))
-            r.expect[(r.gdn, "ssm")] = (Writer.TRANSFER, uid, ("ssm", 0))
+            att, gdn = admit(sched, str(uid), n_att)
+            r = _Req(uid=uid, att=att, gdn=gdn, decode_steps=rng.randint(2, 6))
+            r.expect.update(transfer_expect(att, gdn, uid))
             r.to_post = {frozenset((c,)) for c in ALL} if scen.split_components else {ALL}
             reqs[uid] = r
             if scen.zeroing:

@@ -22,7 +22,7 @@ from hybridkv.fencing.imports import ImportLedger
 from hybridkv.fencing.request_state import Component, RequestPhase, TransferOutcome
 from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.ids import TransferId
-from hybridkv.sims.race import ALL, ATT, CONV, GDN, KV, SSM, RaceClass, RaceResult, Writer, _Page
+from hybridkv.sims.race import CONV, GDN, KV, SSM, RaceClass, RaceResult, Writer, _Page, admit, transfer_expect
 
 DRAIN_TICKS = 12  # the ledger's drain deadline, in loop iterations
 _PART = {KV: "kv", CONV: "conv", SSM: "ssm"}
@@ -249,18 +249,10 @@ def simulate_stuck(*, policy: FencePolicy, requests: int, seed: int, async_depth
             else:
                 uid = arrived
                 arrived += 1
-            rid = str(uid)
-            sched.add_request(rid, expect=ALL)
-            att = list(sched.allocate(rid, ATT, n_att))  # type: ignore[arg-type]
-            gdn = sched.allocate(rid, GDN, 1)[0]  # type: ignore[index]
-            key = sched.table.key
+            att, gdn = admit(sched, str(uid), n_att)
             inc = incs[uid] = incs.get(uid, 0) + 1
-            r = _PReq(uid=uid, inc=inc, att=[key(ATT, b) for b in att], gdn=key(GDN, gdn),
-                      decode_steps=rng.randint(2, 6))
-            for i, k in enumerate(r.att):
-                r.expect[(k, "kv")] = (Writer.TRANSFER, (uid, inc), ("kv", i))
-            r.expect[(r.gdn, "conv")] = (Writer.TRANSFER, (uid, inc), ("conv", 0))
-            r.expect[(r.gdn, "ssm")] = (Writer.TRANSFER, (uid, inc), ("ssm", 0))
+            r = _PReq(uid=uid, inc=inc, att=att, gdn=gdn, decode_steps=rng.randint(2, 6))
+            r.expect.update(transfer_expect(att, gdn, (uid, inc)))
             reqs[uid] = r
         step += 1
         joined = [r for r in reqs.values() if r.uid not in resident and sched.is_ready(r.rid)]
