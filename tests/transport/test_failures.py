@@ -99,8 +99,8 @@ def test_consumer_killed_producer_releases_at_lease_end():
     prod = producer(requests=ONE, lease_s=1.0, linger_s=1.5)
     try:
         host, port, _ = prod.expect("addr")
-        cons = consumer((host, port), requests=ONE, signal_before_fetch=True)
-        cons.expect("about_to_fetch")
+        cons = consumer((host, port), requests=ONE, signal_before_fetch=True, handshake_timeout_s=30.0)
+        cons.expect("about_to_fetch", 90.0)
         cons.p.kill()
         assert _outcomes(prod.expect("results")) == {"r1": "FAILED"}
         state = prod.expect("state")
@@ -109,13 +109,14 @@ def test_consumer_killed_producer_releases_at_lease_end():
         prod.stop()
 
 
-@pytest.mark.parametrize("heartbeat_s", [None, 0.1])
+@pytest.mark.parametrize("heartbeat_s", [None, 0.2])
 def test_lease_expiry_without_renewal(heartbeat_s):
-    # Twice the lease before the fetch, and ten heartbeats per lease: margins a loaded 2-core CI keeps.
-    prod = producer(requests=ONE, lease_s=1.0, linger_s=0.3)
+    # Twice the lease before the fetch, and ten heartbeats per lease: margins a loaded 2-core CI keeps
+    # (a 1 s lease with heartbeats every 0.1 s lapsed on this project's loaded 2-core host).
+    prod = producer(requests=ONE, lease_s=2.0, linger_s=0.3)
     try:
         host, port, _ = prod.expect("addr")
-        cons = consumer((host, port), requests=ONE, wait_before_fetch_s=2.0,
+        cons = consumer((host, port), requests=ONE, wait_before_fetch_s=4.0, handshake_timeout_s=30.0,
                         heartbeat_s=100.0 if heartbeat_s is None else heartbeat_s)
         results = _outcomes(cons.expect("results"))
         cstate = cons.expect("state")
@@ -165,9 +166,10 @@ def test_read_from_a_stopped_producer_is_abandoned_not_awaited_forever(policy):
     prod = producer(requests=ONE, lease_s=30.0, linger_s=1.0)
     try:
         host, port, _ = prod.expect("addr")
+        # A generous handshake: a 5 s one timed out twice on a loaded 2-core CI host before the test began.
         cons = consumer((host, port), requests=ONE, signal_before_fetch=True, policy=policy,
-                        transfer_timeout_s=1.0)
-        cons.expect("about_to_fetch")
+                        transfer_timeout_s=1.0, handshake_timeout_s=30.0)
+        cons.expect("about_to_fetch", 90.0)
         prod.signal(signal.SIGSTOP)
         t0 = time.monotonic()
         cons.send("go")
