@@ -5,8 +5,10 @@ layer: K then V for MHA; item = one page of one layer), `state_data_ptrs` (per
 state type, one buffer per (state tensor x layer); item = one slot) and
 `aux_data_ptrs` (CPU metadata buffers; item = one request row). Each becomes a
 `hybridkv.layout.Buffer` of one group (0 = KV pages, 1.. = one group per state
-type, last = aux rows), keyed by its position in SGLang's lists so that the key
-names the same buffer on both sides; `adopt_buffers` de-duplicates and merges
+type, last = aux rows), keyed by what it holds (connectors/sglang/buffer_keys.py:
+target or draft KV entry, state entry, aux role) so that the key names the same
+buffer on both sides even where one side has a buffer the other has not (draft
+KV, an optional aux buffer); `adopt_buffers` de-duplicates and merges
 them into regions. Zero-size and null buffers (SGLang pads per-layer lists)
 carry nothing and are left out on both sides by the same rule.
 
@@ -33,6 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from hybridkv.connectors.sglang import buffer_keys as keys_of
 from hybridkv.connectors.sglang.messages import ComponentKeys, PeerLayout, ShapeOf
 from hybridkv.connectors.sglang.shapes import BufferShape, Parallel, Slicing
 from hybridkv.connectors.sglang.startup import state_type_name
@@ -207,25 +210,24 @@ def _per_entry(values: Any, c: int, n: int) -> list[Any] | None:
     return list(values[c])
 
 
-def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int, parallel: Parallel | None = None) -> AdoptedLayout:
-    """The layout of an SGLang `KVArgs` (no copy, no allocation)."""
+def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int, parallel: Parallel | None = None,
+                  aux_roles: tuple[str, ...] | None = None) -> AdoptedLayout:
+    """The layout of an SGLang `KVArgs` (no copy, no allocation). Buffers are keyed by what they
+    hold (buffer_keys.py): `aux_roles` names each aux buffer (None: keyed by position)."""
     parallel = parallel or parallel_of(kv_args)
     buffers: list[Buffer] = []
     shapes: dict[int, BufferShape] = {}
     components: list[tuple[Component, frozenset[int]]] = []
     dev = gpu_id if device_mem is MemKind.VRAM else 0
-    next_key = 0
 
     def add(group: int, ptrs: list[int], lens: list[int], items: list[int], mem: MemKind, d: int, what: str,
-            shape_of) -> list[int]:
-        nonlocal next_key
+            shape_of, key_of) -> list[int]:
         if not len(ptrs) == len(lens) == len(items):
             raise ValueError(f"{what} pointer lists disagree: {len(ptrs)} ptrs, {len(lens)} lens, "
                              f"{len(items)} item lens")
         keys = []
         for i, (p, n, it) in enumerate(zip(ptrs, lens, items)):
-            key = next_key
-            next_key += 1
+            key = key_of(i)
             if p < 0 or n < 0 or it < 0:
                 raise ValueError(f"{what} buffer {key}: pointer {p}, length {n}, item length {it}; expected >= 0")
             if p == 0 or n == 0 or it == 0:
@@ -239,8 +241,12 @@ def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int, parallel: P
         return keys
 
     kv_shape = BufferShape(slicing=Slicing.WHOLE if parallel.mla else Slicing.HEADS)
-    kv_keys = add(KV_GROUP, _ints(kv_args.kv_data_ptrs, "kv_data_ptrs"), _ints(kv_args.kv_data_lens, "kv_data_lens"),
-                  _ints(kv_args.kv_item_lens, "kv_item_lens"), device_mem, dev, "kv", lambda i, k: kv_shape)
+    kv_ptrs = _ints(kv_args.kv_data_ptrs, "kv_data_ptrs")
+    if parallel.draft_entries > len(kv_ptrs):
+        raise ValueError(f"num_draft_entries = {parallel.draft_entries} but the KV lists hold {len(kv_ptrs)} entries")
+    kv_keys = add(KV_GROUP, kv_ptrs, _ints(kv_args.kv_data_lens, "kv_data_lens"),
+                  _ints(kv_args.kv_item_lens, "kv_item_lens"), device_mem, dev, "kv", lambda i, k: kv_shape,
+                  lambda i: keys_of.kv_key(i, num_entries=len(kv_ptrs), num_draft=parallel.draft_entries))
     components.append((Component(group=GroupId(KV_GROUP), kind=ComponentKind.KV), frozenset(kv_keys)))
     state_ptrs = getattr(kv_args, "state_data_ptrs", None) or []
     state_lens = getattr(kv_args, "state_data_lens", None) or []
@@ -252,7 +258,7 @@ def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int, parallel: P
     for c, ps in enumerate(state_ptrs):
         group = 1 + c
         ptrs = _ints(ps, "state_data_ptrs")
-        first = next_key
+        first = keys_of.state_key(c, 0)
         layers = _ints(state_layers[c] if c < len(state_layers) else None, "state_layer_ids")
         kind = getattr(state_types[c], "name", str(state_types[c])) if c < len(state_types) else ""
         other = _other_state_shape(type_names[c] if c < len(type_names) else "", mla=parallel.mla, swa_nhd=swa_nhd)
@@ -272,7 +278,7 @@ def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int, parallel: P
 
         add(group, ptrs, _ints(state_lens[c] if c < len(state_lens) else None, "state_data_lens"),
             _ints(state_items[c] if c < len(state_items) else None, "state_item_lens"), device_mem, dev, "state",
-            state_shape)
+            state_shape, lambda i, c=c: keys_of.state_key(c, i))
         live = {b.key for b in buffers if b.group_id == group}
         if mamba:
             # SGLang's MambaPool lists its entries tensor-major x layer, conv first,
@@ -283,9 +289,13 @@ def adopt_kv_args(kv_args: Any, *, device_mem: MemKind, gpu_id: int, parallel: P
         else:
             components.append((Component(group=GroupId(group), kind=ComponentKind.KV), frozenset(live)))
     aux_group = 1 + len(state_ptrs)
-    aux_keys = add(aux_group, _ints(kv_args.aux_data_ptrs, "aux_data_ptrs"),
+    aux_ptrs = _ints(kv_args.aux_data_ptrs, "aux_data_ptrs")
+    if aux_roles is not None and len(aux_roles) != len(aux_ptrs):
+        raise ValueError(f"{len(aux_ptrs)} aux buffers but {len(aux_roles)} roles {list(aux_roles)}")
+    aux_keys = add(aux_group, aux_ptrs,
                    _ints(kv_args.aux_data_lens, "aux_data_lens"), _ints(kv_args.aux_item_lens, "aux_item_lens"),
-                   MemKind.DRAM, 0, "aux", lambda i, k: BufferShape(slicing=Slicing.WHOLE))
+                   MemKind.DRAM, 0, "aux", lambda i, k: BufferShape(slicing=Slicing.WHOLE),
+                   lambda i: keys_of.aux_key(i, aux_roles))
     components.append((Component(group=GroupId(aux_group), kind=ComponentKind.KV), frozenset(aux_keys)))
     if not buffers:
         raise ValueError("KVArgs lists no non-empty buffer; expected KV pages at least")

@@ -76,7 +76,7 @@ import zmq
 from aiohttp import web
 
 from hybridkv.connectors.sglang import messages as msgs
-from hybridkv.connectors.sglang import routes, startup
+from hybridkv.connectors.sglang import buffer_keys, routes, startup
 from hybridkv.connectors.sglang.adopt import adopt_kv_args, parallel_of, request_id
 from hybridkv.connectors.sglang.config import SGLangConfig
 from hybridkv.connectors.sglang.decode_side import DecodeImports
@@ -169,8 +169,16 @@ class HybridKVManager(CommonKVManager):
             deferred_timeout=envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get(),
             attn_tp_size=par.attn_tp_size)
         self.mem = MemKind.DRAM if get_device().device == "cpu" else MemKind.VRAM
+        # Aux buffers keyed by role from the switches SGLang's MetadataBuffers reads (buffer_keys.py)
+        n_aux = len(getattr(args, "aux_data_ptrs", None) or ())
+        aux_roles = buffer_keys.aux_roles(
+            n_aux, sampling_mask=bool(envs.SGLANG_ENABLE_DISAGG_SAMPLING_MASK.get()),
+            kv_checksum=bool(getattr(server_args, "disaggregation_enable_kv_checksum", False)))
+        if aux_roles is None and n_aux:
+            logger.warning("hybridkv: %d aux (metadata) buffers, which SGLang 0.5.23's MetadataBuffers does not "
+                           "explain; they pair by position, as SGLang's NIXL backend pairs them", n_aux)
         self.adopted = adopt_kv_args(
-            args, device_mem=self.mem, gpu_id=int(getattr(args, "gpu_id", 0) or 0),
+            args, device_mem=self.mem, gpu_id=int(getattr(args, "gpu_id", 0) or 0), aux_roles=aux_roles,
             parallel=parallel_of(args, attn_tp=par.attn_tp_size, attn_rank=par.attn_tp_rank,
                                  state_tp=linear_attn_tp_size(), mla=bool(is_mla_backend)))
         # NIC binding and UCX threads as SGLang's NIXL backend takes them (config.py)

@@ -122,7 +122,7 @@ _COMPONENT = _record(Component, group=GROUP_ID, kind=EnumValue(enum=ComponentKin
 # ---------------------------------------------------------------- the adopted layout, as its peer gets it
 @dataclass(frozen=True, kw_only=True)
 class ShapeOf:
-    key: int = on_wire("key", COUNT)  # the buffer's position in SGLang's pointer lists
+    key: int = on_wire("key", COUNT)  # what the buffer holds (buffer_keys.py)
     shape: BufferShape = on_wire("shape", _SHAPE)
 
 

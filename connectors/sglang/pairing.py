@@ -4,8 +4,9 @@ Equal or different attention TP, one rule: every byte range of an SGLang
 buffer item becomes a `hybridkv.layout.fields.Field` keyed by what it holds, and
 `descriptors.TransferPlanner` matches the two sides key by key (merging
 pieces that are back to back on both sides, so equal TP still moves whole
-items). Keys, per buffer (the layer slot of a key is the buffer's key: its
-position in SGLang's pointer lists, the same on both sides):
+items). Keys, per buffer (the layer slot of a key is the buffer's key, which
+names what it holds: buffer_keys.py; a buffer one side has and the other has
+not, draft KV or an optional aux buffer, is tolerated and not moved):
 
 * a KV page (NHD, `[page_size][local heads][head bytes]`): when both sides hold
   the same number of heads per rank, the whole item, keyed by its first head;
@@ -30,6 +31,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from hybridkv.connectors.sglang import buffer_keys as keys_of
 from hybridkv.connectors.sglang.adopt import AdoptedLayout
 from hybridkv.connectors.sglang.shapes import BufferShape, Parallel, Slicing, heads_of_rank
 from hybridkv.descriptors.compiler import TransferPlanner
@@ -63,30 +65,41 @@ def prefill_sources(prefill_tp: int, decode_tp: int, decode_rank: int) -> tuple[
 # --------------------------------------------------------------------------- compatibility
 
 
-def check_pair(prefill: AdoptedLayout, decode: AdoptedLayout) -> None:
-    """ValueError, naming the values, unless a prefill and a decode rank can pair."""
+def check_pair(prefill: AdoptedLayout, decode: AdoptedLayout) -> tuple[str, ...]:
+    """ValueError, naming the values, unless a prefill and a decode rank can pair; else what one side
+    has that the other has not and is tolerated (draft KV, optional aux buffers: buffer_keys.py), in words."""
     p, d = prefill.parallel, decode.parallel
     mine = {b.key: (b.group_id, prefill.shapes[b.key].slicing.value) for b in prefill.buffers}
     theirs = {b.key: (b.group_id, decode.shapes[b.key].slicing.value) for b in decode.buffers}
-    if mine != theirs:
-        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        raise ValueError(f"buffer {diff[0]} is (group, slicing) {mine.get(diff[0])} on the prefill and "
+    if p.draft_entries and d.draft_entries and p.draft_entries != d.draft_entries:
+        raise ValueError(f"{p.draft_entries} speculative draft KV buffers on the prefill, {d.draft_entries} "
+                         "on the decode; expected the same draft model on both (or on one side only)")
+    one_sided = set(mine) ^ set(theirs)
+    diff = sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
+    diff += sorted(k for k in one_sided if not keys_of.tolerated_one_sided(k))
+    if diff:
+        raise ValueError(f"{keys_of.describe(diff[0])} is (group, slicing) {mine.get(diff[0])} on the prefill and "
                          f"{theirs.get(diff[0])} on the decode ({len(diff)} buffers differ); expected the same model")
-    if dict(prefill.components) != dict(decode.components):
+    if {c for c, _ in prefill.components} != {c for c, _ in decode.components}:
         raise ValueError("the peers split their buffers into different components; expected the same model")
     if p.page_size != d.page_size:
         raise ValueError(f"page size {p.page_size} on the prefill, {d.page_size} on the decode; expected equal")
+    notes = tuple(f"{keys_of.describe(k)} only on the {'prefill' if k in mine else 'decode'}: not transferred"
+                  for k in sorted(one_sided))
     if p.attn_tp == d.attn_tp and p.state_tp == d.state_tp:
         for b in prefill.buffers:
+            if b.key in one_sided:
+                continue
             other = decode.buffer(b.key)
             if other.item_bytes != b.item_bytes:
-                raise ValueError(f"buffer {b.key}: item of {b.item_bytes} bytes on the prefill, {other.item_bytes} "
-                                 f"on the decode at equal TP {p.attn_tp}; expected the same model")
-        return
-    _check_hetero(prefill, decode)
+                raise ValueError(f"{keys_of.describe(b.key)}: item of {b.item_bytes} bytes on the prefill, "
+                                 f"{other.item_bytes} on the decode at equal TP {p.attn_tp}; expected the same model")
+        return notes
+    _check_hetero(prefill, decode, one_sided)
+    return notes
 
 
-def _check_hetero(prefill: AdoptedLayout, decode: AdoptedLayout) -> None:
+def _check_hetero(prefill: AdoptedLayout, decode: AdoptedLayout, one_sided: set[int]) -> None:
     p, d = prefill.parallel, decode.parallel
     what = f"prefill attention TP {p.attn_tp} -> decode TP {d.attn_tp}"
     prefill_sources(p.attn_tp, d.attn_tp, d.attn_rank)  # divisibility
@@ -96,9 +109,6 @@ def _check_hetero(prefill: AdoptedLayout, decode: AdoptedLayout) -> None:
                              f"attention over {par.attn_tp}; expected the same group")
         if par.kv_layout not in (None, "nhd", "NHD"):
             raise ValueError(f"{what}: the {side} KV layout is {par.kv_layout!r}; head slices need NHD pages")
-    if p.draft_entries != d.draft_entries:
-        raise ValueError(f"{what}: {p.draft_entries} speculative draft KV buffers on the prefill, {d.draft_entries} "
-                         "on the decode; expected the same draft model on both")
     # Draft KV buffers (MTP/EAGLE, appended to SGLang's KV lists) are NHD pages of the same heads: sliced like KV,
     # as SGLang's NIXL backend slices every entry of its KV lists (the per-buffer head-size checks below hold them).
     if p.mla != d.mla:
@@ -110,6 +120,8 @@ def _check_hetero(prefill: AdoptedLayout, decode: AdoptedLayout) -> None:
         if par.kv_heads % par.attn_tp and par.attn_tp % par.kv_heads:
             raise ValueError(f"{what}: {par.kv_heads} KV heads do not shard over attention TP {par.attn_tp}")
     for b in prefill.buffers:
+        if b.key in one_sided:
+            continue
         sp, sd, other = prefill.shapes[b.key], decode.shapes[b.key], decode.buffer(b.key)
         if sp.slicing is Slicing.RANK:
             kind = (f"state type {prefill.state_type_of(b.group_id)!r}" if 0 < b.group_id <= prefill.num_state_groups
@@ -221,8 +233,10 @@ def field_layout(side: AdoptedLayout, *, peer: Parallel) -> Layout:
     )
 
 
-def held_keys(side: AdoptedLayout, *, rank: int, peer: Parallel) -> set[FieldKey]:
-    return {f.key for b in side.buffers for f in buffer_fields(side, b.key, rank=rank, peer=peer)}
+def held_keys(side: AdoptedLayout, *, rank: int, peer: Parallel, only: set[int] | None = None) -> set[FieldKey]:
+    """Field keys of `side`'s rank `rank` (of the buffers in `only`, when given)."""
+    return {f.key for b in side.buffers if only is None or b.key in only
+            for f in buffer_fields(side, b.key, rank=rank, peer=peer)}
 
 
 # --------------------------------------------------------------------------- per peer
@@ -237,18 +251,21 @@ class PeerPlan:
     sources: tuple[int, ...]  # the prefill ranks the decode rank reads
     readers: int  # decode ranks that read each of those prefill ranks
     fields: int  # fields this rank writes per block
-    decode_fields: int  # fields the decode rank holds per block
+    decode_fields: int  # fields the decode rank holds per block (of the buffers both sides have)
+    #: buffers one side has and the other has not, tolerated and not transferred (in words, to log)
+    one_sided: tuple[str, ...] = ()
 
 
 def plan_peer(local: AdoptedLayout, peer: AdoptedLayout) -> PeerPlan:
     """Planners from this prefill rank to a decode rank; ValueError (naming values) if they cannot pair."""
-    check_pair(local, peer)
+    notes = check_pair(local, peer)
     p, d = local.parallel, peer.parallel
+    both = {b.key for b in local.buffers} & {b.key for b in peer.buffers}
     sources, readers = prefill_sources(p.attn_tp, d.attn_tp, d.attn_rank)
     if p.attn_rank not in sources:
         raise ValueError(f"decode rank {d.attn_rank}/{d.attn_tp} reads prefill ranks {list(sources)}; "
                          f"this is prefill rank {p.attn_rank}/{p.attn_tp}")
-    wanted = held_keys(peer, rank=d.attn_rank, peer=p)
+    wanted = held_keys(peer, rank=d.attn_rank, peer=p, only=both)
     holders = [(r, held_keys(local, rank=r, peer=d)) for r in sources]
     mine: set[FieldKey] = set()
     for k in wanted:
@@ -263,4 +280,5 @@ def plan_peer(local: AdoptedLayout, peer: AdoptedLayout) -> PeerPlan:
     for comp, buffers in local.components:
         keys = {k for k in mine if k[1] in buffers}
         planners[comp] = TransferPlanner(src, dst, keys=keys) if keys else None
-    return PeerPlan(planners=planners, sources=sources, readers=readers, fields=len(mine), decode_fields=len(wanted))
+    return PeerPlan(planners=planners, sources=sources, readers=readers, fields=len(mine), decode_fields=len(wanted),
+                    one_sided=notes)

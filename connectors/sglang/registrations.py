@@ -106,6 +106,9 @@ class Registrations:
                                  plan=plan, rejection=rejection)
         if rejection:
             logger.error("hybridkv: decode %s refused: %s", name, rejection)
+        elif plan is not None and plan.one_sided:
+            # SGLang's NIXL backend tolerates these too (check_peer_aux_buffer_count); said once per registration
+            logger.warning("hybridkv: decode %s: %s", name, "; ".join(plan.one_sided))
 
     def on_metadata(self, md: msgs.Metadata, session: Optional[Session] = None) -> None:
         room = md.room

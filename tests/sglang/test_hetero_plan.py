@@ -190,7 +190,7 @@ def test_draft_kv_at_different_tp_is_sliced_like_kv(tp_p, tp_d):
     """MTP in the usual layout (prefill TP 2 -> decode DP attention, i.e. attention TP 1): the draft model's KV
     buffers SGLang appends to its KV lists (here the last layer's K and V, num_draft_entries = 2) are head-sliced
     like the target's and land field by field; the rows are SGLang's own head slices over every KV entry. A pair
-    whose draft models differ is refused naming the counts."""
+    whose draft models differ is refused naming the counts (draft KV on one side only: test_one_sided.py)."""
     prefill, decode, written = _run(tp_p, tp_d, draft=2)
     for d, (pools, _, _) in enumerate(decode):
         want = model.make_pools(7, tp=tp_d, rank=d).named(SRC_PAGES, SRC_SLOT, SRC_AUX)
@@ -203,6 +203,6 @@ def test_draft_kv_at_different_tp_is_sliced_like_kv(tp_p, tp_d):
               for (a, n, _), (b, _, _) in zip(s.tolist(), t.tolist())}
         assert kv == _sglang_rows(prefill[p][1], decode[d][1], tp_p, tp_d, d, state=False)
     _, _, src = _side(7, 2, 0, draft=2)
-    _, _, dst = _side(None, 1, 0, draft=0)
-    with pytest.raises(ValueError, match="2 speculative draft KV buffers on the prefill, 0 on the decode"):
+    _, _, dst = _side(None, 1, 0, draft=4)
+    with pytest.raises(ValueError, match="2 speculative draft KV buffers on the prefill, 4 on the decode"):
         plan_peer(src, dst)
