@@ -69,11 +69,11 @@ wait "$core_setup" || exit 1
 export HYBRIDKV_PROPERTY_EXAMPLES="${HYBRIDKV_PROPERTY_EXAMPLES:-10000}" HYBRIDKV_PROPERTY_MIN="${HYBRIDKV_PROPERTY_MIN:-10000}"
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
 
-# The core suite and the engine suites side by side (the engine suites one after the other): each
-# suite's multi-process tests spend much of their time waiting on other processes, so two suites fill
-# the two cores CI has where one leaves them half idle (serial: 20 minutes; side by side: about 13).
-# Each suite writes its own log, printed whole when it ends; HYBRIDKV_TEST_SERIAL=1 runs them one
-# after another on the terminal, as before.
+# Two lanes side by side, one per core CI has: the core suite's multi-process tests spend much of
+# their time waiting on other processes, so one suite at a time leaves the cores half idle. Lane one:
+# the core suite but its CPU-bound parts; lane two: the engine suites, then those parts (the kernels
+# in Triton's interpreter, the fencing property suite). Each suite writes its own log, printed whole
+# when its lane ends; HYBRIDKV_TEST_SERIAL=1 runs them one after another.
 status=0
 suite() {  # $1: log name, then the command; status: pytest's
     local log="$LOGS/$1.log" t0=$SECONDS rc
@@ -83,7 +83,10 @@ suite() {  # $1: log name, then the command; status: pytest's
     echo "=== $(basename "$log" .log) suite: exit $rc after $((SECONDS - t0)) s (log: $log)" >> "$log"
     return $rc
 }
-CORE=("$ROOT/.venv/bin/python" -m pytest -q --durations=15 --ignore=tests/vllm --ignore=tests/sglang "$@")
+CPU_BOUND=(tests/kernels tests/property)
+CORE=("$ROOT/.venv/bin/python" -m pytest -q --durations=15 --ignore=tests/vllm --ignore=tests/sglang
+      "${CPU_BOUND[@]/#/--ignore=}" "$@")
+CORE_CPU=("$ROOT/.venv/bin/python" -m pytest -q --durations=15 "${CPU_BOUND[@]}" "$@")
 engine_suites() {
     local rc=0 engine
     for engine in "${ENGINES[@]}"; do
@@ -99,22 +102,24 @@ engine_suites() {
     return $rc
 }
 show() { local name; for name in "$@"; do cat "$LOGS/$name.log"; cat "$LOGS/$name.log" >> "$LOGS/results.log"; done; }
-ENGINE_LOGS=("${ENGINES[@]/#/suite_}")
+LANE_TWO=("${ENGINES[@]/#/suite_}" suite_core_cpu)
+lane_two() { local rc=0; engine_suites "$@" || rc=1; suite suite_core_cpu "${CORE_CPU[@]}" || rc=1; return $rc; }
 if [[ "${HYBRIDKV_TEST_SERIAL:-0}" == 1 ]]; then
     suite suite_core "${CORE[@]}" || status=1
     show suite_core
-    engine_suites "$@" || status=1
-    show "${ENGINE_LOGS[@]}"
+    lane_two "$@" || status=1
+    show "${LANE_TWO[@]}"
 else
-    echo "running the core suite and the engine suites (${ENGINES[*]-none}) side by side; each prints when it ends"
+    echo "running two lanes side by side: the core suite | the engine suites (${ENGINES[*]-none}), then" \
+         "${CPU_BOUND[*]}; each prints when its lane ends"
     suite suite_core "${CORE[@]}" &
     core_pid=$!
-    engine_suites "$@" &
-    engines_pid=$!
-    wait "$engines_pid" || status=1
-    show "${ENGINE_LOGS[@]}"
+    lane_two "$@" &
+    two_pid=$!
     wait "$core_pid" || status=1
     show suite_core
+    wait "$two_pid" || status=1
+    show "${LANE_TWO[@]}"
 fi
 # One closing line over every suite.
 python3 - "$LOGS/results.log" <<'PY'
