@@ -43,6 +43,9 @@ class Admission:
         # channels in their handshake, oldest first, and how many of them each address holds
         self._pending: dict[control.Channel, _Pending] = {}
         self._per_address: collections.Counter = collections.Counter()
+        # new connections waiting for a slot, oldest first (see _accept_channel)
+        self._waiting: collections.deque[_Waiter] = collections.deque()
+        self._admitting = False
         self._fd_budget: int | None = None  # fds past which new connections wait (back-pressure)
         self._pressure = False
         self._drain = control.Drainer()
@@ -84,15 +87,14 @@ class Admission:
     async def _accept_channel(self, ch: control.Channel) -> None:
         side = self._side
         address = ch.peer[0] if ch.peer else None
-        if not self._make_room(address):
+        if not await self._slot(ch, address):
             # A flood of connections that never finish the handshake: each costs a task and a UCX
-            # endpoint until its timeout, so past the bounds (and every slot taken by a peer that is
-            # still answering) a new one is closed unread; so is any while fds are short.
+            # endpoint, so one that waited too long for a slot, or finds the queue full, is closed
+            # unread; so is any while fds are short.
             side.stats.refused += 1
             side.stats.unauthenticated += 1
             await ch.close()
             return
-        self._add_pending(ch, address)
         try:
             got = await self._handshake_or_refusal(ch)
             if not isinstance(got, tuple):
@@ -127,27 +129,73 @@ class Admission:
             self._per_address[pending.address] -= 1
             if self._per_address[pending.address] <= 0:
                 del self._per_address[pending.address]
+            if self._waiting:
+                self._admit_waiting()
 
     def _heard(self, ch: control.Channel) -> None:
         pending = self._pending.get(ch)
         if pending is not None:
             pending.heard = time.monotonic()
 
-    def _make_room(self, address: str | None) -> bool:
-        """Whether a new connection from ``address`` may start its handshake. Past the bound per
-        address or in total, the slot of the handshake silent longest (of that address, or of any)
-        is taken, if that one has been silent longer than a peer that answers takes: a consumer
-        proves the secret within a round trip of connecting, so silence is a half-open handshake's,
-        and a flood of them cannot keep a consumer that answers out."""
-        cfg = self._side.config
+    async def _slot(self, ch: control.Channel, address: str | None) -> bool:
+        """Wait for a handshake slot (True: ``ch`` holds one now). Past the bounds a new connection is
+        not turned away but waits, unread, behind those that came before it: turned away, a consumer
+        that shares its address with a flood of half-open handshakes (loopback, a NAT) would get in
+        only at an instant when a slot had just gone stale, which the flood's own reconnections take
+        first; waiting, it is let in after the connections ahead of it, and a half-open handshake told
+        nothing keeps its attacker from reconnecting at once."""
         if self._pressure:
             return False
+        if not any(w.address == address for w in self._waiting) and self._make_room(address, time.monotonic()):
+            self._add_pending(ch, address)
+            return True
+        if len(self._waiting) >= self._side.config.max_handshakes * _WAITING_PER_SLOT:
+            return False
+        waiter = _Waiter(channel=ch, address=address, since=time.monotonic(),
+                         admitted=asyncio.get_running_loop().create_future())
+        self._waiting.append(waiter)
+        try:
+            return await waiter.admitted
+        finally:
+            if not waiter.admitted.done():  # the listener is closing
+                waiter.admitted.cancel()
+                self._waiting.remove(waiter)
+
+    def _admit_waiting(self) -> None:
+        """Hand the slots that are free, or whose handshake went stale, to the connections waiting,
+        oldest first (one that waited longer than a handshake may take is closed unread)."""
+        if self._admitting:
+            return  # a slot taken from a stale handshake below frees it through _drop_pending
+        self._admitting = True
+        try:
+            now = time.monotonic()
+            limit = self._side.config.handshake_timeout_s * _WAIT_TIMEOUTS
+            for waiter in list(self._waiting):
+                if waiter.admitted.done():
+                    self._waiting.remove(waiter)
+                elif self._pressure or now - waiter.since > limit:
+                    self._waiting.remove(waiter)
+                    waiter.admitted.set_result(False)
+                elif self._make_room(waiter.address, now):
+                    self._waiting.remove(waiter)
+                    self._add_pending(waiter.channel, waiter.address)
+                    waiter.admitted.set_result(True)
+        finally:
+            self._admitting = False
+
+    def _make_room(self, address: str | None, now: float) -> bool:
+        """Whether a connection from ``address`` may start its handshake now. Past the bound per address
+        or in total, it takes the slot of the handshake (of that address, or of the address holding the
+        most) that has waited longest on its peer, if that one has waited longer than a peer that answers
+        takes (_ANSWER_S): a consumer proves the secret within a round trip of connecting, so silence is
+        a half-open handshake's, and every handshake has that long to answer, however many come behind."""
+        cfg = self._side.config
         full_address = self._per_address[address] >= cfg.max_handshakes_per_address
         if len(self._pending) < cfg.max_handshakes and not full_address:
             return True
-        now = time.monotonic()
+        crowded = address if full_address else max(self._per_address, key=self._per_address.__getitem__)
         silent = [(p.heard, ch) for ch, p in self._pending.items()
-                  if not p.proven and now - p.heard > _ANSWER_S and (not full_address or p.address == address)]
+                  if not p.proven and p.address == crowded and now - p.heard > _ANSWER_S]
         if not silent:
             return False
         victim = min(silent, key=lambda hc: hc[0])[1]
@@ -250,6 +298,8 @@ class Admission:
             stats.swept += self._strays({ch.peer for ch in self._channels}, pressure=self._pressure)
             if self._pressure:
                 self._close_unproven(_ANSWER_S)  # half-open handshakes hold fds too
+        if self._waiting:
+            self._admit_waiting()
         dropped = self._drain()
         stats.drained += dropped
         if dropped < _FLOOD_MESSAGES:
@@ -300,6 +350,16 @@ def fd_budget(fraction: float) -> int | None:
 
 
 @dataclass(eq=False, kw_only=True)
+class _Waiter:
+    """A new connection waiting, unread, for a handshake slot; ``admitted`` says whether it got one."""
+
+    channel: control.Channel
+    address: str | None
+    since: float
+    admitted: asyncio.Future
+
+
+@dataclass(eq=False, kw_only=True)
 class _Pending:
     """A connection in its handshake: where from, since when the turn is its peer's (it sent a frame, or
     this side answered one), whether it proved the secret."""
@@ -311,6 +371,8 @@ class _Pending:
 
 _SWEEP_S = 0.5  # at most this long between two looks at the listener's connections and the fd count
 _ANSWER_S = 0.5  # a peer that answers sends its next handshake frame within this (a round trip); a half-open one does not
+_WAITING_PER_SLOT = 4  # new connections that may wait for a slot, per slot (max_handshakes)
+_WAIT_TIMEOUTS = 3  # a new connection waits for a slot at most this many handshake_timeout_s
 _REFUSED = "refused"  # all an unauthenticated peer is told
 _REFUSE_LINGER_S = 0.2
 _FLOOD_MESSAGES = 32  # dropped in one pump tick: a flood under made-up tags is going on

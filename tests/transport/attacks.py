@@ -285,8 +285,9 @@ async def _half_open(opts) -> dict:
                 ch = await _dial()
                 opened[0] += 1
                 await ch.send(_first_auth("half-open"))
-                try:  # silence until the producer closes it (or the attack ends)
-                    await asyncio.wait_for(ch.recv(), max(0.05, stop - time.monotonic()))
+                try:  # silence (whatever the producer answers) until it closes the connection or the attack ends
+                    while time.monotonic() < stop:
+                        await asyncio.wait_for(ch.recv(), max(0.05, stop - time.monotonic()))
                 except (asyncio.TimeoutError, PeerLost, Exception):
                     pass
                 await ch.close()
@@ -631,32 +632,41 @@ class Monitor(threading.Thread):
 
 
 def _legit_during_half_open(att, addr) -> list[str]:
-    """Six legitimate consumers, one after another in one process, while the half-open flood runs."""
-    import queue
-
+    """Six legitimate consumers, side by side in one process (the secret, default handshake timeout and
+    retries), while the half-open flood runs."""
     att.expect("flooding", 60.0)
-    cons = harness.consumer(addr, attempts=[{"name": f"legit-{i}"} for i in range(6)])
-    said: list[str] = []
-    deadline = time.monotonic() + 90.0
+    cons = harness.Proc(_legit_main, {"addr": addr, "consumers": 6})
     try:
-        while len(said) < 6 and time.monotonic() < deadline:
-            try:
-                kind, value = cons.out.get(timeout=0.2)
-            except queue.Empty:
-                if not cons.p.is_alive():
-                    break
-                continue
-            if kind == "connected":
-                said.append("connected")
-            elif kind in ("connect_failed", "refused"):
-                said.append(f"{value[0]}: {value[1]}" if kind == "connect_failed" else f"refused: {value[2]}")
-            elif kind == "error":
-                said.append(f"error: {value}")
-                break
+        return cons.expect("said", 90.0)
     finally:
         att.send("legit-done")
         cons.stop()
-    return said
+
+
+def _legit_main(opts: dict, out, inbox) -> None:
+    peers._quiet()
+    try:
+        out.put(("said", asyncio.run(_legit_connect(opts))))
+    except BaseException as exc:
+        out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+async def _legit_connect(opts: dict) -> list[str]:
+    from hybridkv.errors import HybridKVError
+
+    async def one(cons) -> str:
+        try:
+            await cons.connect(*opts["addr"])
+            return "connected"
+        except HybridKVError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    consumers = [_new_consumer(peers.SECRET, handshake_timeout_s=5.0) for _ in range(opts["consumers"])]
+    try:
+        return list(await asyncio.gather(*(one(c) for c in consumers)))
+    finally:
+        for c in consumers:
+            await c.close()
 
 
 def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: float = 2.0,

@@ -18,10 +18,6 @@ REFUSED = "Refuse('refused', differences=0)"  # all an unauthenticated peer is t
 
 
 TAG_FLOOD = "unknown_tags"
-# Not in CI: 80 half-open handshakes against one producer on loopback still keep some legitimate consumers
-# out (4-6 of 6 connect, as 5 of 6 before the per-address bound); `python -m tests.transport.attacks
-# --attack half_open` measures it. Open in docs/security.md.
-HALF_OPEN = "half_open"
 
 
 def _legit_consumer_served(r) -> None:
@@ -35,7 +31,7 @@ def _legit_consumer_served(r) -> None:
 
 
 def test_every_attack_class_costs_the_attacker_not_the_producer():
-    r = run([a for a in ATTACKS if a not in (TAG_FLOOD, HALF_OPEN)])
+    r = run([a for a in ATTACKS if a != TAG_FLOOD])
     a, stats = r["attacks"], r["stats"]
     # Unauthenticated: no metadata, no compatibility values, one word.
     no_secret, wrong_secret = a["no_secret"]["said"]
@@ -61,6 +57,12 @@ def test_every_attack_class_costs_the_attacker_not_the_producer():
     cw = a["close_wait"]
     assert cw["connections"] > 0 and cw["fds_back_after_s"] is not None and cw["fds_back_after_s"] < 5.0, cw
     assert stats["swept"] >= raw["connections"] + cw["connections"] // 2, stats
+    # 80 handshakes that send their Auth and fall silent, re-opened when cut, from the consumers' own address
+    # (loopback): past the bounds a newcomer waits its turn instead of being turned away, so each of six
+    # consumers meanwhile gets in (before: 0-4 of 6, turned away whenever no slot had gone stale).
+    ho = a["half_open"]
+    assert ho["connected"] == 6, ho["consumers"]
+    assert ho["opened"] > ho["half_open"] and stats["cut_off"] > 0, (ho, stats)  # cut and re-opened
     # An insider without the request's token: renewals say "gone" for a live id and an unknown one
     # alike, and nothing else is answered (no claim, no refusal naming anyone).
     assert a["claim"]["leases"] == {"r-legit": 0.0, "never-existed": 0.0}, a["claim"]
