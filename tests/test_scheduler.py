@@ -127,6 +127,35 @@ def test_rule3_step_touching_block_being_written_is_rejected_whole() -> None:
     s.step_scheduled(0)
 
 
+@pytest.mark.parametrize("policy", [FENCED, NONE])
+def test_pool_touched_ids_fence_like_pairs_and_bad_ids_apply_nothing(policy: FencePolicy) -> None:
+    """Block ids given per pool (vLLM's one shared pool: its ids as they are) fence as (group, block)
+    pairs do; a bad id is named and the step applies nothing, in a one-pool and a two-pool table."""
+    s = make(policy)
+    s.add_request("r", expect=ALL)
+    (b,) = s.allocate("r", 0, 1)
+    s.step_scheduled(0, pool_touched={0: {b}})
+    assert s.table.fence[s.table.key(0, b)] == 0
+    if policy is FENCED:
+        s.step_completed(0)
+        assert not isinstance(s.post_import("r", components=(KV,)), NotYet)
+        with pytest.raises(ValueError, match="inbound transfer is writing"):
+            s.step_scheduled(1, pool_touched={0: {b}})
+        assert s.scheduled_step == 0
+    one = TransferScheduler(PoolLayout.shared(num_blocks=8, num_groups=2), policy=policy, managed_pool=False)
+    two = TransferScheduler(PoolLayout.separate(num_blocks=(8, 4)), policy=policy, managed_pool=False)
+    for t, pool in ((one, 0), (two, 1)):
+        size = t.layout.pool_sizes[pool]
+        for bad in (-1, size, 2.0, "3", None):
+            with pytest.raises(ValueError, match=rf"blocks \[{bad!r}\] of pool {pool}; expected block ids"):
+                t.step_scheduled(0, pool_touched={pool: {1, bad}})
+            assert t.scheduled_step == -1 and t.table.fence == [-1] * t.layout.total_blocks
+        t.step_scheduled(0, pool_touched={pool: {size - 1}})
+        assert t.table.fence[t.table.key(pool, size - 1)] == 0
+    with pytest.raises(ValueError, match="pool 2; expected a pool index"):
+        two.step_scheduled(1, pool_touched={2: {0}})
+
+
 # Rule 4 (SGLang #39846): visible only when every component of every group arrived.
 @pytest.mark.parametrize("policy", [FENCED, NONE])
 def test_rule4_all_components_before_ready(policy: FencePolicy) -> None:

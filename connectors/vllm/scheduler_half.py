@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.fencing.fence import NotYet, PoolLayout
@@ -369,8 +368,8 @@ class SchedulerHalf:
         self._step += 1
         step = self._step
         touched = self._touched(scheduler_output)
-        # Pool 0: vLLM's hybrid allocator shares one block id space over all groups (no list built).
-        self.ts.step_scheduled(step, touched=zip(repeat(0), touched))
+        # Pool 0: vLLM's hybrid allocator shares one block id space over all groups (ids as they are).
+        self.ts.step_scheduled(step, pool_touched={0: touched})
         meta = HybridKVConnectorMetadata(step=step)
         for rid in list(self._pending):
             remote, local = self._pending[rid]

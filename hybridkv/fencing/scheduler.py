@@ -72,7 +72,7 @@ Nothing here imports torch or an engine.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from hybridkv.fencing.fence import FencePolicy, NotYet, PoolLayout
 from hybridkv.fencing.lease import Clock, LeaseGrant
@@ -226,12 +226,16 @@ class TransferScheduler:
         joined: Iterable[RequestId] = (),
         touched: Iterable[BlockRef] = (),
         zeroing: Iterable[BlockRef] = (),
+        pool_touched: Mapping[int, Collection[int]] | None = None,
     ) -> StepTicket:
         """The engine scheduled ``step``. ``joined`` requests enter the running batch
         (they must be ready); ``touched`` blocks are read or written by the step
         beyond what resident requests hold; ``zeroing`` blocks are initialised by it.
-        A step rejected (ValueError) leaves nothing applied."""
-        return self._steps.step_scheduled(step, joined, touched, zeroing)
+        ``pool_touched`` is more touched blocks, as block ids per pool (an engine whose
+        groups share one pool passes its ids as they are: no ``(group, block)`` pair per
+        block, the per-step cost of a large batch). A step rejected (ValueError) leaves
+        nothing applied."""
+        return self._steps.step_scheduled(step, joined, touched, zeroing, pool_touched)
 
     def step_completed(self, step: int) -> bool:
         """The worker finished ``step`` (and every earlier one). False if stale."""

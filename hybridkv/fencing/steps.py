@@ -10,7 +10,7 @@ them; the design is in :mod:`hybridkv.fencing.scheduler`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridkv.fencing.fence import NotYet, NotYetReason
@@ -39,6 +39,13 @@ def _extend_held(rec: RequestRecord, group: int, keys: list[int]) -> None:
         rec.blocks[group] = keys
     else:
         held.extend(keys)
+
+
+def _check_ids(blocks: Collection[int], pool: int, size: int) -> None:
+    """ValueError unless every id is an int block id of a pool of ``size`` blocks."""
+    bad = [b for b in blocks if b.__class__ is not int or not 0 <= b < size]
+    if bad:
+        raise ValueError(f"blocks {bad[:8]!r} of pool {pool}; expected block ids (int) in [0, {size})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,6 +252,7 @@ class RequestSteps(RecordsView):
         joined: Iterable[RequestId],
         touched: Iterable[BlockRef],
         zeroing: Iterable[BlockRef],
+        pool_touched: Mapping[int, Collection[int]] | None = None,
     ) -> StepTicket:
         t = self._table
         fenced = self._fenced
@@ -261,9 +269,19 @@ class RequestSteps(RecordsView):
                 )
             joiners.append(rec)
         writers = t.writers
-        touch_keys = t.keys(touched)
+        touch_keys: Collection[int] = t.keys(touched)
+        unchecked = False
+        if pool_touched:
+            touch_keys = self._pool_keys(pool_touched, touch_keys)  # type: ignore[arg-type]
+            unchecked = touch_keys is pool_touched.get(0)
+            if unchecked and not fenced:
+                _check_ids(touch_keys, 0, len(writers))
+                unchecked = False
         if fenced and touch_keys:
-            busy = [t.block_of(k) for k in touch_keys if writers[k]]
+            if unchecked:
+                busy = [t.block_of(k) for k in self._busy_pool_keys(touch_keys)]
+            else:
+                busy = [t.block_of(k) for k in touch_keys if writers[k]]
             if busy:
                 raise ValueError(
                     f"step {step!r} touches blocks {busy} that an inbound transfer is writing; "
@@ -300,6 +318,35 @@ class RequestSteps(RecordsView):
         skipped = set(skip)
         t.touch([k for i, k in enumerate(zero_keys) if i not in skipped], step)
         return StepTicket(step=step, skip_zeroing=tuple([zero_refs[i] for i in skip]))
+
+    def _pool_keys(self, pool_touched: Mapping[int, Collection[int]], keys: list[int]) -> Collection[int]:
+        """The table keys of blocks given per pool, each pool's ids checked at once (no pair per
+        block: an engine whose groups share one pool passes its block ids, which are the keys).
+        The ids of a table's only pool are checked in the step's writer check (_busy_pool_keys)."""
+        t = self._table
+        sizes = t.layout.pool_sizes
+        if len(sizes) == 1 and not keys and len(pool_touched) == 1 and 0 in pool_touched:
+            return pool_touched[0]
+        for pool, blocks in pool_touched.items():
+            if not isinstance(pool, int) or not 0 <= pool < len(sizes):
+                raise ValueError(f"pool {pool!r}; expected a pool index in [0, {len(sizes)})")
+            if blocks:
+                _check_ids(blocks, pool, sizes[pool])
+                base = self._pool_base[pool]
+                keys.extend(blocks if base == 0 else [base + b for b in blocks])
+        return keys
+
+    def _busy_pool_keys(self, keys: Collection[int]) -> list[int]:
+        """Keys of a one-pool table that an inbound transfer writes; ValueError naming any key that is
+        no block id of it. One pass over the keys does both (the writers list is the pool's size)."""
+        writers = self._table.writers
+        try:
+            flagged = [k for k in keys if k < 0 or writers[k]]
+        except (IndexError, TypeError):
+            flagged = [-1]
+        if flagged and min(flagged) < 0:
+            _check_ids(keys, 0, len(writers))
+        return flagged
 
     def step_completed(self, step: int) -> bool:
         if not self._table.advance_watermark(step):
