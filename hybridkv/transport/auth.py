@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv import wire
+from hybridkv.transport.allowlist import PeerAllowlist
 
 MIN_SECRET_BYTES = 32  # 256 bits: a shorter secret is refused (STRICT_SECRETS), not padded
 LEGACY_MIN_SECRET_BYTES = 16  # refused whatever STRICT_SECRETS says (the rule before it)
@@ -296,11 +297,32 @@ def token_from_hex(text: object, what: str = "capability token") -> bytes:
     return token
 
 
+@dataclass(frozen=True, kw_only=True)
+class Claimants:
+    """Who may present a request's capability: the decode it was issued for, named when it is issued
+    (``Producer.export(claimants=...)``). A session counts only if it proved the secret under one of
+    ``agents`` (its NIXL agent name, in the handshake's transcript), and, with ``networks``, if its
+    connection comes from one of them (a ``PeerAllowlist``). Empty (the default): whoever holds the token."""
+
+    agents: frozenset[str] = frozenset()
+    networks: PeerAllowlist | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.agents, frozenset) or not all(isinstance(a, str) and a for a in self.agents):
+            raise ValueError(f"Claimants.agents = {self.agents!r}; expected a frozenset of NIXL agent names")
+
+    def admit(self, agent: str, address: str | None) -> bool:
+        """Whether the session of ``agent``, connected from ``address``, may claim with the token."""
+        if self.agents and agent not in self.agents:
+            return False
+        return self.networks is None or self.networks.allows(address)
+
+
 def check_token(token: object, what: str = "capability token") -> bytes:
     if not isinstance(token, bytes) or len(token) != wire.TOKEN_BYTES:
         raise ValueError(f"{what} {token!r}; expected {wire.TOKEN_BYTES} bytes (hybridkv.transport.auth.new_token())")
     return token
 
 
-__all__ = ["LEGACY_MIN_SECRET_BYTES", "MIN_DISTINCT_BYTES", "NOTIF_TAG_BYTES", "MIN_SECRET_BYTES", "SECRET_FIX", "STRICT_SECRETS", "Sealer", "Transcript", "address", "check_secret", "check_token", "labelled_proof",
+__all__ = ["Claimants", "LEGACY_MIN_SECRET_BYTES", "MIN_DISTINCT_BYTES", "NOTIF_TAG_BYTES", "MIN_SECRET_BYTES", "SECRET_FIX", "STRICT_SECRETS", "Sealer", "Transcript", "address", "check_secret", "check_token", "labelled_proof",
            "load_secret", "new_nonce", "secret_weakness", "new_token", "proof", "proves", "proven", "session_key", "token_from_hex"]

@@ -25,6 +25,7 @@ import numpy as np
 from hybridkv import wire
 from hybridkv.errors import PeerLost
 from hybridkv.fencing import NotYet
+from hybridkv.transport.auth import Claimants
 from hybridkv.transport.config import Outcome, Result
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.metrics import FailureKind
@@ -41,6 +42,7 @@ class _Export:
     token: bytes  # the request's capability: every message about it must carry this
     blocks: dict[int, np.ndarray]
     done: asyncio.Future
+    claimants: Claimants | None = None  # the decode it was issued for (None: whoever holds the token)
     readers: int | None = None  # how many consumers share it (set by the first claim)
     claims: dict[str, Peer] = field(default_factory=dict)  # agent -> reader
     ended: dict[str, tuple[bool, str | None]] = field(default_factory=dict)  # agent -> (ok, detail)
@@ -81,7 +83,7 @@ class Exports:
         self._want_count = 0
         # Requests a consumer released before they were exported (it will never read them), with the
         # token it released them with: their export ends as soon as it starts if the tokens match.
-        self._released: OrderedDict[str, bytes] = OrderedDict()
+        self._released: OrderedDict[str, tuple[bytes, Peer]] = OrderedDict()
 
     def describe(self) -> dict:
         return {"exports": {r: {"claims": sorted(e.claims), "ended": sorted(e.ended), "readers": e.readers,
@@ -173,7 +175,7 @@ class Exports:
             self._wants[rid] = rest
             return  # another reader still wants it
         self._wants.pop(rid, None)
-        remember(self._released, rid, token)
+        remember(self._released, rid, (token, peer))
 
     async def _send_leases(self, peer: Peer) -> None:
         try:
@@ -192,7 +194,7 @@ class Exports:
         rid = msg.request_id
         rec = self._exports.get(rid)
         if rec is not None:
-            if hmac.compare_digest(rec.token, msg.token):
+            if _holds(rec, peer, msg.token):
                 self._claim(rec, peer, msg.readers, msg.token)
             else:
                 self._stats.forbidden += 1  # no answer: a refusal would say the request exists
@@ -328,9 +330,10 @@ class Exports:
                          tell=wire.Failure(request_id=rec.rid, code=wire.FailureCode.TRANSFER_ERROR,
                                            detail="WRITE failed"))
 
-    async def export(self, request_id: str, *, token: bytes, target: Peer | None) -> Result:
+    async def export(self, request_id: str, *, token: bytes, target: Peer | None,
+                     claimants: Claimants | None = None) -> Result:
         """``Producer.export``, its arguments checked: ``target`` is the consumer to offer the
-        request to unasked, if any."""
+        request to unasked, if any; ``claimants`` the sessions that may present ``token``."""
         sched = self._scheduler
         while True:
             if not sched.has_request(request_id):  # the lease lapsed (poll) before we got here
@@ -345,11 +348,11 @@ class Exports:
         blocks = {g.group_id: np.asarray(sched.blocks(request_id, g.group_id), dtype=np.int64)
                   for g in self._memory.groups}
         rec = _Export(rid=request_id, tid=tid, token=token, blocks=blocks,
-                      done=asyncio.get_running_loop().create_future())
+                      done=asyncio.get_running_loop().create_future(), claimants=claimants)
         self._exports[request_id] = rec
         released = self._released.pop(request_id, None)
         if released is not None:
-            if hmac.compare_digest(token, released):
+            if _holds(rec, released[1], released[0]):
                 self._finish(rec, ok=False, outcome=Outcome.FAILED, error="released by its consumer before the export")
                 return await rec.done
             self._stats.forbidden += 1  # released with a guessed token: ignored
@@ -360,7 +363,7 @@ class Exports:
             self._want_count -= 1
             if not asker.alive:
                 continue
-            if hmac.compare_digest(token, held):
+            if _holds(rec, asker, held):
                 self._claim(rec, asker, readers, held)
             else:
                 self._stats.forbidden += 1  # asked with a guessed token: no answer
@@ -469,6 +472,16 @@ async def _send_all(ch, msgs: list[wire.Message]) -> None:
 
 
 _MAX_LEASE_BATCHES = 8  # Heartbeats per peer whose Lease replies may wait to be sent (8,192 ids)
+
+
+def _holds(rec: _Export, peer: Peer, token: bytes) -> bool:
+    """Whether ``peer`` presents ``rec``'s capability: its token, on a session the capability was issued
+    for (an insider that saw the token elsewhere claims nothing: the decode it was issued for still can)."""
+    if not hmac.compare_digest(rec.token, token):
+        return False
+    if rec.claimants is None:
+        return True
+    return rec.claimants.admit(peer.agent, peer.channel.peer[0] if peer.channel.peer else None)
 
 
 __all__ = ["Exports"]

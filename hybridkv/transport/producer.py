@@ -70,7 +70,8 @@ class Producer:
     async def wait_peer(self, timeout_s: float) -> None:
         await self._admission.wait_peer(timeout_s)
 
-    async def export(self, request_id: str, *, token: bytes, peer: str | None = None) -> Result:
+    async def export(self, request_id: str, *, token: bytes, peer: str | None = None,
+                     claimants: auth.Claimants | None = None) -> Result:
         """Export a finished request (``request_finished(export=True)`` done) and wait until
         its readers are done with the blocks, failed, or the lease lapsed.
 
@@ -79,7 +80,9 @@ class Producer:
         first claim announced is refused. ``token`` is the request's capability
         (:func:`hybridkv.transport.auth.new_token`, handed to the decode side with the request):
         a Want, Heartbeat, Done or Failure without it is ignored. ``peer`` names a consumer to
-        offer it to unasked.
+        offer it to unasked. ``claimants`` binds the capability to the decode it is issued for (its
+        agent names, its networks): a Want with the token from any other session is ignored as one
+        with a wrong token is, so an insider that sees the token first claims nothing.
         """
         auth.check_token(token, f"export of {request_id!r}: token")
         target: Peer | None = None
@@ -87,7 +90,9 @@ class Producer:
             target = self.peers.get(peer)
             if target is None:
                 raise ValueError(f"peer {peer!r}; expected one of {sorted(self.peers)}")
-        return await self._exports.export(request_id, token=token, target=target)
+        if claimants is not None and not isinstance(claimants, auth.Claimants):
+            raise ValueError(f"export of {request_id!r}: claimants {claimants!r}; expected auth.Claimants or None")
+        return await self._exports.export(request_id, token=token, target=target, claimants=claimants)
 
     async def close(self) -> None:
         self._side.start_closing()

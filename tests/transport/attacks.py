@@ -28,6 +28,9 @@ Attacks (``ATTACKS``):
 - ``forged_notif``: an authenticated peer claims a request of its own (``VICTIM``) and does not read it yet;
   a NIXL agent that takes its agent name (seen in its plaintext Auth on the network) and loads the
   producer's metadata sends the completion notification of that request: does the producer end the claim?
+- ``claim_first``: an insider (the secret, a session of its own) that saw a request's token claims it
+  before the decode it was issued for (``BOUND``, exported bound to ``CLAIMANT``'s agent name); then that
+  decode claims it.
 - ``cut_off_backlog``: an authenticated peer sends its share of Wants and as many again at once, so that
   frames are still arriving when it is cut off: none of them may stay in the producer's tables.
 """
@@ -47,9 +50,11 @@ import traceback
 from tests.transport import harness, peers
 
 ATTACKS = ("relay", "no_secret", "forged_hello", "big_frames", "unknown_tags", "raw_tcp", "close_wait", "half_open", "claim", "heartbeat_flood",
-           "want_flood", "cut_off_backlog", "forged_notif")
+           "want_flood", "cut_off_backlog", "forged_notif", "claim_first")
 REQUESTS = [("r-legit", 200, False), ("r-legit2", 60, True)]
 VICTIM = ("r-victim", 40, False)  # exported too when forged_notif runs: the insider's own request
+BOUND = ("r-bound", 40, False)  # exported too when claim_first runs, its capability bound to CLAIMANT
+CLAIMANT = "hybridkv-claim-first-decode"  # the NIXL agent name of the decode BOUND is issued for
 
 #: per attack, at scale 1 (CI); the table multiplies the counts by --scale
 SMALL = {"connections": 8, "tag_seconds": 1.5, "tag_bytes": 4096, "heartbeats": 40, "wants": 600, "hold_s": 3.0,
@@ -309,12 +314,14 @@ async def _half_open(opts) -> dict:
     return {"half_open": n, "opened": opened[0]}
 
 
-async def _authenticated():
+async def _authenticated(name: str | None = None):
     """A raw channel that passed the handshake with the shared secret (an insider)."""
     from hybridkv import wire
     from hybridkv.transport import auth
+    from hybridkv.transport.dataplane import DataPlaneConfig
 
-    cons = _new_consumer(peers.SECRET)  # its own agent name: a name already connected is refused
+    # its own agent name (a name already connected is refused), or ``name``
+    cons = _new_consumer(peers.SECRET, dataplane=DataPlaneConfig(name=name))
     _INSIDERS.append(cons)
     ch = await _dial()
     nonce, dialled = auth.new_nonce(), auth.address(*_ADDR)
@@ -454,6 +461,29 @@ async def _forged_notif(opts) -> dict:
     return {"claimed": "Export", "lease_after_forged_notif": lease, "claim_ended_by_forger": lease == 0.0}
 
 
+async def _claim_first(opts) -> dict:
+    """An insider that saw BOUND's token (on the router's path, in a log) asks for it first; then the decode
+    it was issued for asks. Before capabilities were bound, the insider got the Export and the decode was
+    refused (CLAIMED)."""
+    from hybridkv import wire
+
+    rid, tok = BOUND[0], peers.token(BOUND[0])
+    insider, ich = await _authenticated()
+    decode, dch = await _authenticated(name=CLAIMANT)
+    await ich.send(wire.Want(request_id=rid, token=tok))
+    insider_got = await _collect(ich, 1.0)
+    await dch.send(wire.Want(request_id=rid, token=tok))
+    decode_got = await _collect(dch, 1.0)
+    for ch, got in ((ich, insider_got), (dch, decode_got)):  # whoever holds the claim ends it
+        if any(isinstance(m, wire.Export) for m in got):
+            await ch.send(wire.Done(request_id=rid, ok=True, token=tok))
+    await asyncio.sleep(0.2)
+    for ch in (ich, dch):
+        await ch.close()
+    return {"insider_got": sorted(_describe(m) for m in insider_got),
+            "decode_got": sorted(_describe(m) for m in decode_got)}
+
+
 _KEEP: list = []  # receive buffers of cancelled raw receives: UCX may still write into them
 
 
@@ -583,7 +613,7 @@ async def _relay_once(rewrite: bool) -> dict:
 _ATTACKS = {"relay": _relay, "no_secret": _no_secret, "forged_hello": _forged_hello, "big_frames": _big_frames,
             "unknown_tags": _unknown_tags, "raw_tcp": _raw_tcp, "close_wait": _close_wait, "half_open": _half_open, "claim": _claim,
             "heartbeat_flood": _heartbeat_flood, "want_flood": _want_flood,
-            "cut_off_backlog": _cut_off_backlog, "forged_notif": _forged_notif}
+            "cut_off_backlog": _cut_off_backlog, "forged_notif": _forged_notif, "claim_first": _claim_first}
 _ADDR: tuple[str, int] = ("127.0.0.1", 0)
 
 
@@ -678,7 +708,10 @@ def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: 
         knobs["wants"] = max(knobs["wants"], 65536)
     knobs.update(over)
     knobs["wants_per_peer"] = SMALL_WANTS_PER_PEER if scale == 1 else 4096
-    prod = harness.producer(requests=REQUESTS + ([VICTIM] if "forged_notif" in attacks else []), handshake_timeout_s=handshake_timeout_s, peer_timeout_s=120.0,
+    bound = "claim_first" in attacks
+    prod = harness.producer(requests=REQUESTS + ([VICTIM] if "forged_notif" in attacks else []) + ([BOUND] if bound else []),
+                            claimants={BOUND[0]: [CLAIMANT]} if bound else {},
+                            handshake_timeout_s=handshake_timeout_s, peer_timeout_s=120.0,
                             linger_s=0.5, max_wants_per_peer=knobs["wants_per_peer"],
                             idle_connection_s=idle_connection_s)
     try:

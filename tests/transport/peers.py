@@ -143,6 +143,7 @@ def producer_main(opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
 async def _producer(opts, out, inbox):
     from hybridkv.descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
+    from hybridkv.transport.auth import Claimants
     from hybridkv.transport.endpoint import Pairing, Producer, TransportConfig
     from hybridkv import wire
 
@@ -187,7 +188,8 @@ async def _producer(opts, out, inbox):
     if opts.get("stall_before_export_s"):
         time.sleep(opts["stall_before_export_s"])  # the whole process stalls (loop blocked): a stuck prefill
     out.put(("digests", {rid: digest(layout, b) for rid, b in plans.items()}))
-    results = await asyncio.gather(*(prod.export(rid, token=token(rid)) for rid in plans))
+    bound = {rid: Claimants(agents=frozenset(names)) for rid, names in opts.get("claimants", {}).items()}
+    results = await asyncio.gather(*(prod.export(rid, token=token(rid), claimants=bound.get(rid)) for rid in plans))
     for _ in range(int(opts.get("linger_s", 0) / 0.01)):
         await asyncio.sleep(0.01)  # let late notifications/leases arrive
     sched.poll()

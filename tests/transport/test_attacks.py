@@ -79,6 +79,12 @@ def test_every_attack_class_costs_the_attacker_not_the_producer():
     forged = a["forged_notif"]
     assert forged["claimed"] == "Export" and forged["claim_ended_by_forger"] is False, forged
     assert forged["lease_after_forged_notif"] > 0 and stats["forbidden"] >= 3 + 2
+    # An insider that saw a token claims nothing with it on its own session when the capability was issued for
+    # another decode (auth.Claimants); that decode then claims it (before: the insider got the Export and
+    # the decode was refused, CLAIMED).
+    first = a["claim_first"]
+    assert first["insider_got"] == [] and first["decode_got"] == ["Export"], first
+    assert stats["forbidden"] >= 3 + 2 + 1
     # What it cost the producer (about 5 MB on a quiet machine), and what the legitimate consumer got.
     rss = r["rss_mb"]
     assert rss["peak"] - rss["before"] < 100, rss
