@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU side of a session's checks in ONE device call, from the repo root:
+#   run(command="STEPS='probe tests demo bench' bash tools/device/checks.sh", carry=[".whl"])
+# (.whl from tools/device/wheels.sh). Steps, each bounded by `timeout`, output in $OUT/<step>.log:
+#   probe  what a metadata holder reaches in GPU memory over cuda_ipc (tests/transport/vram_reach_probe.py)
+#   tests  every GPU-marked test of the transport and the demo (VRAM, cuda_ipc)
+#   demo   `hybridkv demo --device cuda` (token- and byte-exact, fenced)
+#   bench  `hybridkv bench transfer --mem vram` ($BENCH_ARGS added)
+set +e
+set -u
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/hybridkv_device_out}
+SITE=${SITE:-/tmp/site}
+STEPS=${STEPS:-probe tests demo bench}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+T0=$(date +%s)
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+    >"$OUT/install.log" 2>&1 || { echo "wheel install failed"; tail "$OUT/install.log"; }
+export PYTHONPATH="$SITE:$PWD"
+"$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . >"$OUT/install_hkv.log" 2>&1 \
+    || { echo "editable install failed:"; tail -n 5 "$OUT/install_hkv.log"; }
+nvidia-smi -L
+CLI=("$PY" -c 'import sys; from hybridkv.cli import main; sys.exit(main())')
+step() {  # step NAME MAX_S CMD...
+    local name=$1 max=$2 s
+    shift 2
+    s=$(date +%s)
+    echo "=== [$name] at $((s - T0)) s: $*"
+    timeout -k 5 "$max" "$@" >"$OUT/$name.log" 2>&1
+    echo "=== [$name] rc=$? in $(($(date +%s) - s)) s"
+    grep -v "NIXL INFO\|^\s*$\|dropped a completion notification" "$OUT/$name.log" | tail -n "${TAIL:-40}"
+}
+for s in $STEPS; do
+    case $s in
+        probe) step probe 120 "$PY" -m tests.transport.vram_reach_probe ;;
+        tests) step tests "${TEST_S:-300}" "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/transport \
+                   tests/reference/test_demo_gpu.py ;;
+        demo) step demo 200 "${CLI[@]}" demo --device cuda --requests 32 ;;
+        bench) step bench "${BENCH_S:-240}" "${CLI[@]}" bench transfer --mem vram --tokens 8192 --iters 9 ${BENCH_ARGS:-} ;;
+        *) echo "unknown step $s" ;;
+    esac
+done
+echo "=== done in $(($(date +%s) - T0)) s"
