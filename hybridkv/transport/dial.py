@@ -81,7 +81,7 @@ class Dialer:
             await ch.close()
             # The producer lists what differs as it sees it: local is ours here.
             mine = [wire.Difference(field=d.field, local=d.remote, remote=d.local) for d in reply.differences]
-            raise HandshakeRefused(f"refused by {host}:{port}: {reply.reason}", mine)
+            raise HandshakeRefused(f"refused by {host}:{port}: {_refusal_reason(reply)}", mine)
         if not isinstance(reply, wire.Hello):
             await ch.close()
             raise ProtocolViolation(f"handshake reply is {type(reply).__name__}; expected Hello or Refuse")
@@ -168,6 +168,18 @@ async def _recv_preauth(ch: control.Channel, host: str, port: int) -> wire.Messa
         await ch.close()
         raise ProtocolViolation(f"{host}:{port} answered the handshake with {exc}, before proving the "
                                 "shared secret") from None
+
+
+def _refusal_reason(reply: wire.Refuse) -> str:
+    """The producer's reason without the differences it appends as it sees them: the consumer's error
+    lists them once, as this side sees them (its own value as local). A peer that has not proved the
+    shared secret, or any peer in lab mode, hears a bare "refused" (what differs would let it forge a
+    Hello that passes): the producer's log names it."""
+    reason = reply.reason
+    detail = "; ".join(str(d) for d in reply.differences)
+    if detail and reason.endswith(f": {detail}"):
+        return reason[: -len(detail) - 2]
+    return reason
 
 
 __all__ = ["Dialer"]

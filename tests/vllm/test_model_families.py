@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -177,6 +178,13 @@ def test_a_request_moves_prefill_to_decode_layer_by_layer(case, prefill, tmp_pat
         conn.shutdown()
 
 
+#: (produced, consumed) -> the compatibility key that differs, decode's value and prefill's.
+WHY_REFUSED = {
+    ("qwen3.5-mtp-bf16", "qwen3.5-bf16"): ("vllm.speculative", "none", "mtp:1:"),
+    ("qwen3.5-fp8", "qwen3.5-bf16"): ("vllm.kv_cache_dtype", "auto", "fp8"),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("produced", "consumed"), [
     ("qwen3.5-mtp-bf16", "qwen3.5-bf16"),  # MTP on prefill only: a draft layer and conv column decode lacks
@@ -190,6 +198,10 @@ def test_an_incompatible_pair_is_refused_at_the_handshake(produced, consumed, pr
         assert failed and not sent
         error = str(conn.worker.load_errors["d1"])
         assert "HandshakeRefused" in error, error
+        # The consumer's error names the key that differs and both values, as the producer's log does.
+        key, here, there = WHY_REFUSED[(produced, consumed)]
+        assert re.search(rf"{re.escape(key)}: local '{re.escape(here)}[^']*', peer '{re.escape(there)}", error), error
+        assert error.count(f"{key}:") == 1, error  # once, as decode sees it
     finally:
         conn.shutdown()
 
