@@ -8,19 +8,9 @@
 #   bench  `hybridkv bench transfer --mem vram` ($BENCH_ARGS added)
 set +e
 set -u
-PY=${PYTHON:-python3}
-OUT=${OUT:-/tmp/hybridkv_device_out}
-SITE=${SITE:-/tmp/site}
 STEPS=${STEPS:-probe tests demo bench}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 T0=$(date +%s)
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-    >"$OUT/install.log" 2>&1 || { echo "wheel install failed"; tail "$OUT/install.log"; }
-export PYTHONPATH="$SITE:$PWD"
-"$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . >"$OUT/install_hkv.log" 2>&1 \
-    || { echo "editable install failed:"; tail -n 5 "$OUT/install_hkv.log"; }
+source tools/device/env.sh
 nvidia-smi -L
 CLI=("$PY" -c 'import sys; from hybridkv.cli import main; sys.exit(main())')
 step() {  # step NAME MAX_S CMD...

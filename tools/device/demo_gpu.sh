@@ -5,21 +5,10 @@
 # `timeout` and its output kept in $OUT; the JSON lines are the reports.
 set +e
 set -u
-PY=${PYTHON:-python3}
-OUT=${OUT:-/tmp/hybridkv_device_out}
-SITE=${SITE:-/tmp/site}
 PAIR=${PAIR:-0,0}
 REQUESTS=${REQUESTS:-32}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 T0=$(date +%s)
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-    >"$OUT/install.log" 2>&1 || { echo "wheel install failed"; tail "$OUT/install.log"; }
-export PYTHONPATH="$SITE:$PWD"
-# `hybridkv demo` finds its subcommands through the package's entry points: install hybridkv (no deps, offline).
-"$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . >"$OUT/install_hkv.log" 2>&1 \
-    || { echo "editable install failed:"; tail -n 5 "$OUT/install_hkv.log"; }
+source tools/device/env.sh
 # main() imported rather than `-m hybridkv.cli`: as __main__ its CommandError is not the one the demo raises,
 # so a --timeout would end in a traceback instead of the error line.
 CLI=("$PY" -c 'import sys; from hybridkv.cli import main; sys.exit(main())' demo)
