@@ -103,17 +103,14 @@ def _engine(model_dir: Path, *, block_tokens: int, requests: int, prompt: int) -
 
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
-    from vllm.model_executor.models import ModelRegistry
     from vllm.platforms import current_platform
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
     from vllm.v1.structured_output import StructuredOutputManager
+
+    from hybridkv.benchmarks.vllm_model import plan_kv_cache, qwen3_next_layer_specs
 
     max_len = prompt + MAX_STEPS + 64
     blocks = requests * (-(-(prompt + 64) // block_tokens) + 12) + 64
@@ -134,28 +131,8 @@ def _engine(model_dir: Path, *, block_tokens: int, requests: int, prompt: int) -
     if vc.cache_config.block_size != block_tokens:
         raise RuntimeError(f"vLLM aligned the hybrid block to {vc.cache_config.block_size} tokens; the bench's "
                            f"model was shaped for {block_tokens}")
-    hf = vc.model_config.hf_text_config
-    cls, _ = ModelRegistry.resolve_model_cls(vc.model_config.architecture, model_config=vc.model_config)
-    shapes = tuple(tuple(s) for s in cls.get_mamba_state_shape_from_config(vc))
-    dtypes = tuple(cls.get_mamba_state_dtype_from_config(vc))
-    cache = vc.cache_config
-    specs: dict[str, Any] = {}
-    for i, kind in enumerate(hf.layer_types):
-        if kind == "full_attention":
-            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
-                block_size=cache.block_size, num_kv_heads=hf.num_key_value_heads, head_size=hf.head_dim,
-                dtype=vc.model_config.dtype)
-        else:
-            specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
-                shapes=shapes, dtypes=dtypes, block_size=cache.mamba_block_size,
-                page_size_padded=cache.mamba_page_size_padded, mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
-                mamba_cache_mode=cache.mamba_cache_mode)
-    layouts = [m.name for m in get_supported_kv_cache_layouts([FlashAttentionBackend])]
-    resolve_kv_cache_layout(vc, [layouts], specs.values())
-    kcc = get_kv_cache_config_from_groups(vc, get_kv_cache_groups(vc, specs), available_memory=1 << 50)
-    vc.cache_config.num_gpu_blocks = kcc.num_blocks
+    kcc = plan_kv_cache(vc, qwen3_next_layer_specs(vc), available_memory=1 << 50)
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kcc, vc)
-    kcc.hash_block_size = hash_block_size
     sched = Scheduler(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
                       block_size=block_size, hash_block_size=hash_block_size, log_stats=False)
     fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)

@@ -132,21 +132,10 @@ def layer_specs(vc, family: str) -> dict[str, Any]:
 
 
 def make_kv_cache_config(vc, family: str):
-    """vLLM's layout resolution, grouping and tensor planning (harness.make_kv_cache_config's recipe)."""
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
-    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    """vLLM's layout resolution, grouping and tensor planning (the harness's and the bench's recipe)."""
+    from hybridkv.benchmarks.vllm_model import plan_kv_cache
 
-    specs = layer_specs(vc, family)
-    if vc.cache_config.kv_cache_layout is None:
-        supported = [m.name for m in get_supported_kv_cache_layouts([FlashAttentionBackend])]
-        resolve_kv_cache_layout(vc, [supported], specs.values())
-    groups = get_kv_cache_groups(vc, specs)
-    kcc = get_kv_cache_config_from_groups(vc, groups, available_memory=1 << 40)
-    vc.cache_config.num_gpu_blocks = kcc.num_blocks
-    _, kcc.hash_block_size = resolve_kv_cache_block_sizes(kcc, vc)
-    return kcc
+    return plan_kv_cache(vc, layer_specs(vc, family))
 
 
 def allocate(vc, kcc, *, kernel_block: int | None = None):

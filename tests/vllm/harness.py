@@ -109,48 +109,17 @@ def secret_file(directory: str | os.PathLike) -> str:
 
 
 def layer_specs(vc) -> dict[str, Any]:
-    """Per-layer KV cache specs exactly as Qwen3-Next's layers declare them."""
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+    """Per-layer KV cache specs exactly as Qwen3-Next's layers declare them (shared with the bench)."""
+    from hybridkv.benchmarks.vllm_model import qwen3_next_layer_specs
 
-    hf = vc.model_config.hf_text_config
-    tp = vc.parallel_config.tensor_parallel_size
-    cls, _ = ModelRegistry.resolve_model_cls(vc.model_config.architecture, model_config=vc.model_config)
-    shapes = tuple(tuple(s) for s in cls.get_mamba_state_shape_from_config(vc))
-    dtypes = tuple(cls.get_mamba_state_dtype_from_config(vc))
-    cache = vc.cache_config
-    specs: dict[str, Any] = {}
-    for i, kind in enumerate(hf.layer_types):
-        if kind == "full_attention":
-            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
-                block_size=cache.block_size, num_kv_heads=max(1, hf.num_key_value_heads // tp),
-                head_size=hf.head_dim, dtype=vc.model_config.dtype)
-        else:
-            specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
-                shapes=shapes, dtypes=dtypes, block_size=cache.mamba_block_size,
-                page_size_padded=cache.mamba_page_size_padded, mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
-                mamba_cache_mode=cache.mamba_cache_mode)
-    return specs
+    return qwen3_next_layer_specs(vc)
 
 
 def make_kv_cache_config(vc, *, supported_layouts: list[str] | None = None):
     """vLLM's layout resolution, grouping and tensor planning for the tiny model."""
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
-    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from hybridkv.benchmarks.vllm_model import plan_kv_cache
 
-    specs = layer_specs(vc)
-    if supported_layouts is None:
-        supported_layouts = [m.name for m in get_supported_kv_cache_layouts([FlashAttentionBackend])]
-    resolve_kv_cache_layout(vc, [supported_layouts], specs.values())
-    groups = get_kv_cache_groups(vc, specs)
-    kcc = get_kv_cache_config_from_groups(vc, groups, available_memory=1 << 40)
-    # What the engine core records once the workers' caches are sized.
-    vc.cache_config.num_gpu_blocks = kcc.num_blocks
-    _, kcc.hash_block_size = resolve_kv_cache_block_sizes(kcc, vc)
-    return kcc
+    return plan_kv_cache(vc, layer_specs(vc), supported_layouts=supported_layouts)
 
 
 def make_scheduler(vc, kv_cache_config, *, async_scheduling: bool, log_stats: bool = False):
