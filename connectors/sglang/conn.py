@@ -209,6 +209,8 @@ class HybridKVManager(CommonKVManager):
         #: the decode ranks registered here (prefill): their agents, layouts and planners
         self.peers: dict[str, Peer] = {}
         self._route_secret = secret  # a prefill rank's route is MACed under it (routes.py)
+        if secret is not None and decode:
+            routes.sign_dp_queries(secret)  # SGLang's decode asks /query_dp_ranks through the base class
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.rooms = Rooms(self)
         self.auth = PeerAuth(
@@ -506,6 +508,13 @@ class HybridKVSender(CommonKVSender):
                 return KVPoll.Transferring
         return status
 
+    def _register_prefill_dp_rank(self) -> None:
+        """SGLang's /register_dp_rank of this prefill DP rank for the room, MACed with a secret (routes.py)."""
+        secret = self.kv_mgr._route_secret
+        if secret is None:
+            return super()._register_prefill_dp_rank()
+        routes.register_dp_rank(self.bootstrap_server_url, secret, self.bootstrap_room, self.kv_mgr.attn_dp_rank)
+
     def abort(self) -> None:
         super().abort()
         mgr = self.kv_mgr
@@ -553,3 +562,24 @@ class HybridKVBootstrapServer(CommonKVBootstrapServer):
             if why is not None:
                 return web.Response(text=f"hybridkv: route refused: {why}", status=403)
         return await super()._handle_route_put(request)
+
+    async def _handle_register_dp_rank(self, request: web.Request):
+        if self.route_guard is not None:
+            why = self.route_guard.check_dp_rank(await _json_or_none(request))
+            if why is not None:
+                return web.Response(text=f"hybridkv: DP rank registration refused: {why}", status=403)
+        return await super()._handle_register_dp_rank(request)
+
+    async def _handle_query_dp_ranks(self, request: web.Request):
+        if self.route_guard is not None:
+            why = self.route_guard.check_dp_query(await _json_or_none(request))
+            if why is not None:
+                return web.Response(text=f"hybridkv: DP rank query refused: {why}", status=403)
+        return await super()._handle_query_dp_ranks(request)
+
+
+async def _json_or_none(request: web.Request):
+    try:
+        return await request.json()
+    except ValueError:
+        return None

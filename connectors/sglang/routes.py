@@ -19,6 +19,15 @@ With a secret, a route is taken only from a rank that proves the secret:
 
 A registration without them, or with a wrong one, is answered 403 and changes nothing. Without a secret
 (lab mode) the server is SGLang's own.
+
+Under DP attention SGLang's server also keeps which prefill DP rank took a room: a prefill rank posts
+``/register_dp_rank`` (room, DP rank) and a decode posts ``/query_dp_ranks`` (rooms) to learn it. With a
+secret both bodies carry a MAC under it (``DP_MAC``, each with its own label) and the server refuses one
+without (403): no process without the secret can send a room to the wrong DP rank (the room then failed
+there) or read which rank took which room. No nonce: a recorded registration replayed says again what it
+said (its room and rank are under the MAC), and a replayed query asks again. SGLang's decode calls
+``CommonKVReceiver.query_prefill_dp_ranks`` itself, so a decode manager with a secret puts a MACing
+version in its place (:func:`sign_dp_queries`).
 """
 
 from __future__ import annotations
@@ -40,6 +49,9 @@ NONCE_PATH = "/hybridkv/route_nonce"
 ROUTE_NONCE = "hybridkv_route_nonce"
 ROUTE_MAC = "hybridkv_route_mac"
 _LABEL = b"hybridkv-sglang-v1 bootstrap route"
+DP_MAC = "hybridkv_mac"
+_DP_RANK_LABEL = b"hybridkv-sglang-v1 dp rank registration"
+_DP_QUERY_LABEL = b"hybridkv-sglang-v1 dp rank query"
 NONCE_TTL_S = 60.0  # a nonce not used within this long is forgotten
 _MAX_NONCES = 4096  # nonces issued and not yet used (oldest forgotten first)
 
@@ -56,6 +68,78 @@ def sign_route(secret: bytes, payload: Mapping[str, Any], nonce: str) -> dict[st
     signed = {**payload, ROUTE_NONCE: nonce}
     signed[ROUTE_MAC] = route_mac(secret, signed)
     return signed
+
+
+def _body_mac(secret: bytes, label: bytes, body: Mapping[str, Any]) -> str:
+    canonical = json.dumps({k: v for k, v in body.items() if k != DP_MAC}, sort_keys=True, separators=(",", ":"),
+                           ensure_ascii=True).encode()
+    return auth.labelled_proof(secret, label, canonical).hex()
+
+
+def sign_dp_rank(secret: bytes, room: int, dp_rank: int) -> dict[str, Any]:
+    """A prefill rank's ``/register_dp_rank`` body (SGLang's fields), MACed."""
+    body: dict[str, Any] = {"bootstrap_room": int(room), "dp_rank": int(dp_rank)}
+    body[DP_MAC] = _body_mac(secret, _DP_RANK_LABEL, body)
+    return body
+
+
+def sign_dp_query(secret: bytes, rooms: list) -> dict[str, Any]:
+    """A decode's ``/query_dp_ranks`` body (SGLang's field), MACed."""
+    body: dict[str, Any] = {"bootstrap_rooms": [int(r) for r in rooms]}
+    body[DP_MAC] = _body_mac(secret, _DP_QUERY_LABEL, body)
+    return body
+
+
+def register_dp_rank(server: str, secret: bytes, room: int, dp_rank: int, *, timeout_s: float = 5.0) -> bool:
+    """Post this prefill DP rank for ``room`` to the bootstrap server at ``server`` (host:port), MACed.
+    Failures are logged, never raised (SGLang's own registration does the same)."""
+    import requests
+
+    try:
+        r = requests.post(f"http://{server}/register_dp_rank", json=sign_dp_rank(secret, room, dp_rank),
+                          timeout=timeout_s)
+    except requests.RequestException as e:
+        logger.error("hybridkv: could not register DP rank %d for room %d at %s: %s", dp_rank, room, server, e)
+        return False
+    if r.status_code != 200:
+        logger.error("hybridkv: the bootstrap server at %s refused DP rank %d for room %d: HTTP %d %s", server,
+                     dp_rank, room, r.status_code, r.text[:200])
+        return False
+    return True
+
+
+def query_dp_ranks(server: str, secret: bytes, rooms: list, *, timeout_s: float = 5.0) -> dict[str, int]:
+    """{room (str): prefill DP rank} for the rooms the bootstrap server at ``server`` knows, asked MACed
+    ({} on any failure, logged, as SGLang's own query answers)."""
+    import requests
+
+    try:
+        from sglang.srt.disaggregation.common.conn import _get_bootstrap_session  # SGLang's pooled connection
+
+        post = _get_bootstrap_session(server).post
+    except ImportError:
+        post = requests.post
+    try:
+        r = post(f"http://{server}/query_dp_ranks", json=sign_dp_query(secret, rooms), timeout=timeout_s)
+        if r.status_code == 200:
+            got = r.json()
+            if isinstance(got, dict):
+                return got
+        logger.error("hybridkv: DP rank query at %s failed: HTTP %d %s", server, r.status_code, r.text[:200])
+    except (requests.RequestException, ValueError) as e:
+        logger.error("hybridkv: DP rank query at %s failed: %s", server, e)
+    return {}
+
+
+def sign_dp_queries(secret: bytes) -> None:
+    """Make SGLang's ``CommonKVReceiver.query_prefill_dp_ranks`` (which its decode scheduler calls on the
+    class itself) ask MACed under ``secret``, in this process."""
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    def query_prefill_dp_ranks(bootstrap_addr: str, bootstrap_rooms: list) -> dict[str, int]:
+        return query_dp_ranks(bootstrap_addr, secret, bootstrap_rooms)
+
+    CommonKVReceiver.query_prefill_dp_ranks = staticmethod(query_prefill_dp_ranks)
 
 
 def _slot(data: Mapping[str, Any]) -> tuple:
@@ -104,6 +188,25 @@ class RouteGuard:
                 return self._refuse("its nonce was never issued here, was used already, or is older than "
                                     f"{NONCE_TTL_S:.0f} s")
             self._accepted[slot] = mac
+        return None
+
+    def check_dp_rank(self, data: Any) -> Optional[str]:
+        """None if a ``/register_dp_rank`` body is MACed under the secret, else why not."""
+        return self._check_body(data, _DP_RANK_LABEL, "DP rank registration")
+
+    def check_dp_query(self, data: Any) -> Optional[str]:
+        """None if a ``/query_dp_ranks`` body is MACed under the secret, else why not."""
+        return self._check_body(data, _DP_QUERY_LABEL, "DP rank query")
+
+    def _check_body(self, data: Any, label: bytes, what: str) -> Optional[str]:
+        if not isinstance(data, dict):
+            return self._refuse(f"the {what} is not a JSON object")
+        mac = data.get(DP_MAC)
+        if not isinstance(mac, str):
+            return self._refuse(f"the {what} has no {DP_MAC}: it is not MACed under the shared secret (hybridkv "
+                                "ranks with HYBRIDKV_SGLANG_SECRET_FILE / _SECRET_ENV send it)")
+        if not auth.proven(_body_mac(self._secret, label, data).encode(), mac.encode()):
+            return self._refuse(f"the {what}'s MAC does not prove the shared secret")
         return None
 
     def _refuse(self, why: str) -> str:

@@ -1,0 +1,79 @@
+"""SGLang's bootstrap server under DP attention, with a shared secret: which prefill DP rank took a room
+(/register_dp_rank) and the decode's question (/query_dp_ranks) are taken only MACed under the secret
+(connectors/sglang/routes.py). Before, anyone reaching the server could send a room to the wrong DP rank
+(the room then failed there) or read which rank took which room. The full path (a prefill DP rank's sender
+registering, SGLang's decode querying) runs in test_dp_attention.py."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.sglang import pd_peer
+
+ROOM = 4242
+
+
+@pytest.fixture(scope="module")
+def server():
+    import requests
+
+    from hybridkv.connectors.sglang.conn import HybridKVBootstrapServer
+
+    saved = {k: os.environ.get(k) for k in pd_peer.SECRET_ENV}
+    os.environ.update(pd_peer.SECRET_ENV)  # the server reads the ranks' secret from the environment
+    try:
+        port = pd_peer.free_port()
+        srv = HybridKVBootstrapServer("127.0.0.1", port)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    addr = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if requests.get(f"http://{addr}/health", timeout=1).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, "the bootstrap server did not come up"
+        time.sleep(0.05)
+    yield addr
+    srv.close()
+
+
+def test_dp_rank_registrations_and_queries_need_the_secret(server, monkeypatch):
+    import requests
+
+    from hybridkv.connectors.sglang import routes
+    from hybridkv.transport.auth import load_secret
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    url = f"http://{server}"
+    # Without the secret: refused, nothing registered, nothing told.
+    forged = requests.post(f"{url}/register_dp_rank", json={"bootstrap_room": ROOM, "dp_rank": 1}, timeout=5)
+    assert forged.status_code == 403 and "not MACed under the shared secret" in forged.text, forged.text
+    asked = requests.post(f"{url}/query_dp_ranks", json={"bootstrap_rooms": [ROOM]}, timeout=5)
+    assert asked.status_code == 403 and "not MACed under the shared secret" in asked.text, asked.text
+
+    monkeypatch.setenv("HKV_TEST_SECRET", pd_peer.SECRET)
+    secret = load_secret(env="HKV_TEST_SECRET")
+    assert routes.register_dp_rank(server, secret, ROOM, 0)  # the prefill DP rank that took the room
+    # A registration MACed for DP rank 0 and altered to 1, a query's MAC on a registration, another secret: refused.
+    altered = {**routes.sign_dp_rank(secret, ROOM, 0), "dp_rank": 1}
+    assert requests.post(f"{url}/register_dp_rank", json=altered, timeout=5).status_code == 403
+    crossed = {"bootstrap_room": ROOM, "dp_rank": 1,
+               routes.DP_MAC: routes.sign_dp_query(secret, [ROOM])[routes.DP_MAC]}
+    assert requests.post(f"{url}/register_dp_rank", json=crossed, timeout=5).status_code == 403
+    other = bytes.fromhex("5a" * 16 + "a5" * 16).hex().encode()
+    assert requests.post(f"{url}/register_dp_rank", json=routes.sign_dp_rank(other, ROOM, 1),
+                         timeout=5).status_code == 403
+    assert routes.query_dp_ranks(server, other, [ROOM]) == {}
+
+    # SGLang's decode asks through CommonKVReceiver itself; a decode manager with the secret MACs its questions.
+    monkeypatch.setattr(CommonKVReceiver, "query_prefill_dp_ranks", CommonKVReceiver.query_prefill_dp_ranks)
+    assert CommonKVReceiver.query_prefill_dp_ranks(server, [ROOM]) == {}  # SGLang's own query: refused
+    routes.sign_dp_queries(secret)
+    assert CommonKVReceiver.query_prefill_dp_ranks(server, [ROOM, ROOM + 1]) == {str(ROOM): 0}
