@@ -24,6 +24,7 @@ from hybridkv.connectors.sglang import messages as msgs
 from hybridkv.connectors.sglang import sessions
 from hybridkv.connectors.sglang.config import SGLangConfig
 from hybridkv.connectors.sglang.rooms import Endpoint, Rooms
+from hybridkv.connectors.sglang.prefill_links import PrefillLinks
 from hybridkv.connectors.sglang.sessions import (
     MAX_SESSIONS,
     AuthProbe,
@@ -69,8 +70,12 @@ class PeerAuth:
         # prefill: sessions that ended, by the decode's ZMQ endpoint: what is still told to a decode rank whose
         # session ended (its rooms' Failed) is sealed with them; bounded, the oldest forgotten first.
         self._ended: OrderedDict[str, Session] = OrderedDict()
+        #: decode with a secret: the handshake per prefill rank, off SGLang's scheduler thread
+        self.links: Optional[PrefillLinks] = None
         if secret is not None and decode:
             self.keys = DecodeKeys(secret=secret, local=local, send=self._push_to_prefill, stats=stats)
+            self.links = PrefillLinks(keys=self.keys, timeout_s=config.handshake_timeout_s,
+                                      socket_of=self._socket_to_prefill)
         elif secret is not None:
             self._reply_socks = ReplySockets(zmq_ctx)
             self.gate = PrefillGate(secret=secret, local=local, send=self._reply_unproven,
@@ -84,10 +89,15 @@ class PeerAuth:
         if self._reply_socks is not None:
             self._reply_socks.close()
 
+    @staticmethod
+    def _socket_to_prefill(prefill: Endpoint):
+        """SGLang's (socket, lock) to a prefill rank: the one its REGISTER and METADATA take."""
+        na = NetworkAddress(*prefill)
+        return CommonKVReceiver._connect(na.to_tcp(), is_ipv6=na.is_ipv6)
+
     def _push_to_prefill(self, ip: str, port: int, frames: list[bytes]) -> None:
         # The socket SGLang's REGISTER and METADATA take to that rank: the Proof arrives before them.
-        na = NetworkAddress(ip, port)
-        sock, lock = CommonKVReceiver._connect(na.to_tcp(), is_ipv6=na.is_ipv6)
+        sock, lock = self._socket_to_prefill((ip, port))
         with lock:
             sock.send_multipart(frames)
 

@@ -12,7 +12,7 @@ import numpy as np
 import zmq
 
 from hybridkv.connectors.sglang.adopt import KV_GROUP, state_blocks
-from hybridkv.connectors.sglang.sessions import Session
+from hybridkv.connectors.sglang.prefill_links import Link, LinkState
 from hybridkv.transport.metrics import FailureKind
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
@@ -29,6 +29,8 @@ class HybridKVReceiver(CommonKVReceiver):
     def __init__(self, mgr: HybridKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
         self._published = False
         self._final: Optional[KVPoll] = None
+        self._links_used: list[Link] = []  # the links SGLang's sends for this room took (prefill_links.py)
+        self._link_failed = False
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
     # ------------------------------------------------------------ authentication (sessions.py)
@@ -53,36 +55,47 @@ class HybridKVReceiver(CommonKVReceiver):
         return True
 
     def _register_kv_args(self) -> bool:
-        """A fresh authenticated session with each prefill rank before SGLang sends it our REGISTER."""
+        """An authenticated session with each prefill rank before SGLang's REGISTER reaches it: the handshake
+        runs on a thread of its own (prefill_links.py) and the REGISTER waits in the link, so SGLang's
+        scheduler thread never waits for a prefill rank."""
         mgr = self.kv_mgr
         if mgr.auth.probe is not None and self.bootstrap_infos:
             for info in self.bootstrap_infos:
                 mgr.auth.probe_prefill((info["rank_ip"], int(info["rank_port"])))
-        if mgr.auth.keys is not None and self.bootstrap_infos:
+        if mgr.auth.links is not None and self.bootstrap_infos:
             for info in self.bootstrap_infos:
-                try:
-                    mgr.auth.keys.handshake((info["rank_ip"], int(info["rank_port"])), mgr.config.handshake_timeout_s)
-                except ValueError as e:
-                    mgr.record_failure(self.bootstrap_room, f"hybridkv: {e}")
-                    self.conclude_state = KVPoll.Failed
-                    mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-                    return False
+                mgr.auth.links.ensure((info["rank_ip"], int(info["rank_port"])))
         return super()._register_kv_args()
 
     def _connect_to_bootstrap_server(self, bootstrap_info: dict):
         """SGLang's socket to a prefill rank, sealing what SGLang sends on it (REGISTER, METADATA, ABORT)
-        with the session that rank proved; an instance method here, so SGLang's calls through `self`
-        reach it."""
+        with the session that rank proved, or holding it in the link until then; an instance method here,
+        so SGLang's calls through `self` reach it."""
         sock, lock = super()._connect_to_bootstrap_server(bootstrap_info)
-        keys = self.kv_mgr.auth.keys
-        if keys is None:
+        links = self.kv_mgr.auth.links
+        if links is None:
             return sock, lock
         prefill = (bootstrap_info["rank_ip"], int(bootstrap_info["rank_port"]))
-        session = keys.session(prefill)
-        if session is None:
+        link = links.current(prefill)
+        if link is None:
             raise zmq.ZMQError(zmq.EHOSTUNREACH,
                                f"no authenticated session with prefill rank {prefill[0]}:{prefill[1]}")
-        return _Sealing(sock, session), lock
+        self._links_used.append(link)
+        return _Sealing(sock, link), lock
+
+    def _fail_if_link_failed(self) -> None:
+        """A handshake this room's frames waited for failed: the room fails now, naming why (and SGLang
+        registers again for the next request). Where nothing of the room went out, no writer can write."""
+        failed = next((link for link in self._links_used if link.state is LinkState.FAILED), None)
+        if failed is None or self._link_failed:
+            return
+        self._link_failed = True
+        mgr = self.kv_mgr
+        mgr.record_failure(self.bootstrap_room, f"hybridkv: {failed.error}")
+        self.invalidate_cached_bootstrap_infos()
+        mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        if self._published and not any(link.delivered for link in self._links_used):
+            mgr.imports.settle_imports(self.bootstrap_room, "no prefill rank got the room (authentication failed)")
 
     def _writers_expected(self) -> int:
         return sum(1 for info in (self.bootstrap_infos or []) if not info.get("is_dummy"))
@@ -119,6 +132,8 @@ class HybridKVReceiver(CommonKVReceiver):
     def poll(self) -> KVPoll:
         if self._final is not None:
             return self._final
+        if self._links_used:
+            self._fail_if_link_failed()
         status = super().poll()
         mgr = self.kv_mgr
         room = self.bootstrap_room
@@ -174,11 +189,12 @@ class HybridKVReceiver(CommonKVReceiver):
 
 
 class _Sealing:
-    """What SGLang sends on the socket goes sealed (it sends under the socket's lock: in order)."""
+    """What SGLang sends on the socket goes through the link: sealed, or held until the session is proven
+    (SGLang sends under the socket's lock: in order)."""
 
-    def __init__(self, sock, session: Session) -> None:
+    def __init__(self, sock, link: Link) -> None:
         self._sock = sock
-        self._session = session
+        self._link = link
 
     def send_multipart(self, frames, *args, **kwargs):
-        return self._sock.send_multipart(self._session.seal(list(frames)), *args, **kwargs)
+        self._link.send(self._sock, list(frames))

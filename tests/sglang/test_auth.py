@@ -47,6 +47,15 @@ def decode():
     mgr.close()
 
 
+@pytest.fixture(scope="module")
+def lab():
+    """A rank without a secret (lab mode): a decode in the attack test, then a prefill that never answers a
+    decode's handshake (it drops the Hello); one process for both."""
+    r = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": None})
+    yield r
+    r.close()
+
+
 def _other_decode(env: dict) -> pd_peer.Rank:
     r = pd_peer.Rank()
     r.call("setenv", env)
@@ -81,7 +90,7 @@ def _transfer(prefill, mgr, pools, room: int, src, dst, slot: int, aux: int, *, 
     r.clear()
 
 
-def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
+def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode, lab):
     """Wrong secret, no secret, raw frames, oversize frames, a proven peer reaching for another's room:
     each is refused or dropped, writes nothing, and the legitimate decode still gets its bytes."""
     from hybridkv.connectors.sglang import messages as msgs
@@ -96,9 +105,8 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
     wrong = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": secrets.token_hex(32)})
     # A decode rank without a secret (lab mode): its REGISTER (and METADATA, if it sends it) for room 2001 go out
     # unsealed; its probe Hello is answered like any other, so it fails the room at once, naming the cause.
-    lab = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": None})
     try:
-        assert wrong.call("receive", (2001, prefill.addr, DST_A, 1, 3)) == KVPoll.Failed
+        wrong.call("receive", (2001, prefill.addr, DST_A, 1, 3))  # its handshake runs off the scheduler thread
         assert "did not prove the shared secret" in wrong.call("wait", (2001, 5))[1]
         t0 = time.monotonic()
         lab.call("receive", (2001, prefill.addr, DST_A, 1, 3))
@@ -153,7 +161,6 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
         assert wrong.call("all_zero") and lab.call("all_zero")
     finally:
         wrong.close()
-        lab.close()
 
     # A decode rank with the right secret (proven) cannot claim or abort a room another decode claimed.
     intruder = _other_decode(ENV)
@@ -171,6 +178,58 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode):
     finally:
         intruder.close()
     assert mgr.auth_stats.sessions == 1 and mgr.auth_stats.foreign == 0
+
+
+def test_a_prefill_rank_that_never_answers_the_handshake_does_not_stall_the_decode_scheduler(prefill, decode, lab):
+    """The handshake runs off SGLang's scheduler thread (prefill_links.py). A prefill rank without a secret drops
+    the decode's Hello: it never answers. The decode scheduler's loop (the silent rank's room made and init()ed,
+    i.e. registered, its destinations published, every room polled) waits for it at no step, while a room of a
+    healthy prefill rank moves on and lands; the silent rank's room fails once the handshake times out, naming
+    it, and its pages go back at once (nothing of the room went out, so no write can come)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, pools = decode
+    dst_silent = [56, 57, 58, 59]  # no other test's pages: nothing may land in them
+    port = pd_peer.free_port()
+    silent_rank = lab.call("setup", ("prefill", 1, 0, port, 7, True))["rank_port"]
+    silent = f"127.0.0.1:{port}"
+    mgr.auth.links.timeout_s = 1.0  # the production default is 5 s
+    try:
+        healthy = pd_peer.receiver(mgr, prefill.addr, 2501)
+        healthy.send_metadata(np.asarray(DST_A, dtype=np.int32), 9, [[6]])
+        assert prefill.call("sender", 2501) == KVPoll.WaitingForInput
+        _until(lambda: mgr.try_ensure_parallel_info(silent))  # SGLang's HTTP look-up, before the scheduler's step
+        steps = []
+        t0 = time.monotonic()
+        r = pd_peer.kv_class("RECEIVER")(mgr, silent, 2502)
+        r.init(0)
+        r.send_metadata(np.asarray(dst_silent, dtype=np.int32), 8, [[5]])
+        steps.append(time.monotonic() - t0)
+        prefill.call("send", (2501, PAGES_A, 3, 1, 2, False))
+        status = {}
+        while len(status) < 2 and time.monotonic() - t0 < 20:
+            t = time.monotonic()
+            polls = {"healthy": healthy.poll(), "silent": r.poll()}
+            steps.append(time.monotonic() - t)
+            status.update({k: (v, time.monotonic() - t0) for k, v in polls.items()
+                           if v in (KVPoll.Success, KVPoll.Failed) and k not in status})
+            time.sleep(0.01)
+        print(f"scheduler steps: {len(steps)}, longest {max(steps) * 1e3:.1f} ms")
+        assert max(steps) < 0.5, f"a scheduler step took {max(steps):.2f} s"
+        assert status["healthy"][0] == KVPoll.Success, pd_peer.failure_of(healthy)
+        assert status["healthy"][1] < 5
+        kv, state, aux_row = prefill.call("bytes", (PAGES_A, 3, 1))
+        assert pools.page_bytes(DST_A) == kv and pools.slot_bytes(6) == state and pools.aux_bytes(9) == aux_row
+        assert status["silent"][0] == KVPoll.Failed and status["silent"][1] < 4
+        assert f"prefill rank 127.0.0.1:{silent_rank} did not answer the authentication handshake within 1 s" \
+            in pd_peer.failure_of(r)
+        with mgr.sched_lock:
+            assert 2502 not in mgr.imports.rooms() and not mgr.fenced
+        assert not any(any(b) for b in pools.page_bytes(dst_silent))
+        healthy.clear()
+        r.clear()
+    finally:
+        mgr.auth.links.timeout_s = mgr.config.handshake_timeout_s
 
 
 def test_prefill_side_aborts_leave_the_session_and_never_lock_the_decode_rank_out(prefill, decode):
