@@ -96,8 +96,8 @@ class TransportConfig:
     # task and a UCX endpoint until handshake_timeout_s), and Wants that came before their export
     # (a peer past its share is disconnected; it alone loses, never a consumer within its share).
     max_handshakes: int = 64
-    # ... and from one address. Past either bound, a new connection takes the slot of the handshake
-    # silent longest (a half-open one), so a consumer that answers always gets in.
+    # ... and from one address. Past either bound, a new connection waits its turn, unread, and takes the
+    # slot of a handshake silent on its turn for 0.5 s (a half-open one): see transport/admission.py.
     max_handshakes_per_address: int = 16
     # Producer: past this fraction of the process's fd limit (RLIMIT_NOFILE), new connections are
     # closed unread and stray ones ended at once, until the count falls (back-pressure).
