@@ -20,6 +20,10 @@ from hybridkv.connectors.vllm.addressing import RankAddress
 #: the request's capability token (hex), without which the producer serves no read of it.
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids",
                "remote_capability")
+#: Prefill side, optional, hybridkv's own: the decode instance a router will hand the request to (its addresses
+#: or networks), for a router that picks the decode before it sends the prefill. The request's capability is
+#: then good only on a session from there (``hybridkv.transport.auth.Claimants``; docs/security.md).
+DECODE_HOSTS = "decode_hosts"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +98,23 @@ class RemotePrefill:
             num_tokens=num_tokens,
             ranks=ranks,
         )
+
+
+def claimants(params: Mapping[str, Any] | None):
+    """Prefill side: whom the request's capability is bound to (``DECODE_HOSTS``), or None (unbound: whichever
+    session presents the token first). Raises ValueError naming the value where it is not addresses/networks."""
+    hosts = params.get(DECODE_HOSTS) if params else None
+    if hosts is None:
+        return None
+    if isinstance(hosts, str):
+        hosts = [hosts]
+    if not isinstance(hosts, Sequence) or not hosts or not all(isinstance(h, str) for h in hosts):
+        raise ValueError(f"{DECODE_HOSTS} = {hosts!r}; expected the decode instance's IP addresses or networks "
+                         "(e.g. ['10.0.0.7'] or '10.0.1.0/24')")
+    from hybridkv.transport.allowlist import PeerAllowlist
+    from hybridkv.transport.auth import Claimants
+
+    return Claimants(networks=PeerAllowlist.parse(hosts))
 
 
 def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
