@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -78,6 +78,9 @@ class TransferStats:
     descriptors: int = 0
     bytes: int = 0
     pages: int = 0
+    #: descriptors built per chunk as rows (initialize_xfer) and posted as indices into prepped lists
+    row_descriptors: int = 0
+    prepped_descriptors: int = 0
 
 
 class PrefillExports:
@@ -224,8 +227,10 @@ class PrefillExports:
                 self.retire_export(chunk.room)
                 self.on_settled(chunk.room)
 
-    def _plans_for(self, chunk: _Chunk, md: msgs.Metadata, peer: Peer) -> list[tuple[Component, Optional[TransferPlan]]]:
-        """Per component, the compiled plan. Raises ValueError before anything is posted."""
+    def _plans_for(self, chunk: _Chunk, md: msgs.Metadata, peer: Peer
+                   ) -> tuple[list[tuple[Component, Optional[TransferPlan]]], Optional[tuple[np.ndarray, np.ndarray]]]:
+        """Per component, the compiled plan, and the KV pages (src, dst) that go through the peer's prepped
+        lists instead (different TP: sliced_lists.py). Raises ValueError before anything is posted."""
         dst_pages = md.kv_indices[chunk.index_slice]
         if len(dst_pages) != len(chunk.kv_indices):
             raise ValueError(
@@ -241,6 +246,7 @@ class PrefillExports:
                 raise ValueError(f"room {chunk.room}: decode sent no aux index")
             blocks[self.adopted.aux_group] = (np.asarray([int(chunk.aux_index)]), np.asarray([md.aux_index]))
         out = []
+        prepped = None
         for comp, planner in peer.planners.items():
             if comp.group not in blocks:
                 continue
@@ -250,8 +256,23 @@ class PrefillExports:
                 out.append((comp, None))
                 continue
             src, dst = blocks[comp.group]
+            if peer.kv_lists is not None and comp.group == peer.kv_lists.group:
+                peer.kv_lists.indices(src, dst)  # checked here, before anything is posted
+                prepped = (src, dst)
+                out.append((comp, None))
+                continue
             out.append((comp, planner.compile({comp.group: src}, {comp.group: dst})))
-        return out
+        return out, prepped
+
+    def _post(self, agent: str, peer: Peer, plan: TransferPlan, prepped) -> Iterator[Transfer]:
+        """The chunk's WRITEs to one decode agent: its KV slices through the prepped lists, the rest as rows."""
+        if prepped is not None:
+            xfer = peer.kv_lists.post(*prepped)
+            self.stats.prepped_descriptors += xfer.indices
+            yield xfer
+        if plan.num_descriptors:
+            self.stats.row_descriptors += plan.num_descriptors
+            yield self.dp.post_rows(Op.WRITE, agent, plan.src, plan.dst)
 
     def _process(self, chunk: _Chunk) -> None:
         room = chunk.room
@@ -275,7 +296,7 @@ class PrefillExports:
         post_seconds = 0.0
         try:
             targets = [(md, self.peers[md.agent_name]) for md in list(infos.values()) if not md.is_dummy]
-            plans = [(md, self._plans_for(chunk, md, peer)) for md, peer in targets]
+            plans = [(md, peer, *self._plans_for(chunk, md, peer)) for md, peer in targets]
             with self.blocks.lock:
                 sched = self.blocks.sched
                 sched.heartbeat(rid)
@@ -287,16 +308,15 @@ class PrefillExports:
                 lease = sched.leases.deadline(rid)
             # A write past its export lease reads pages that may be released: abort it there.
             deadline = min(deadline, lease) if lease is not None else deadline
-            for md, comp_plans in plans:
+            for md, peer, comp_plans, prepped in plans:
                 plan = TransferPlan.concat([p for _, p in comp_plans if p is not None and p.num_descriptors])
-                if plan.num_descriptors:
-                    xfer = self.dp.post_rows(Op.WRITE, md.agent_name, plan.src, plan.dst)
-                    xfers.append(xfer)
+                for xfer in self._post(md.agent_name, peer, plan, prepped):
+                    xfers.append(xfer)  # each as soon as it runs: it settles below whatever fails next
                     self.stats.handles += len(xfer.handles)
-                    self.stats.descriptors += plan.num_descriptors
-                    self.stats.bytes += plan.nbytes
-                    nbytes += plan.nbytes
-                    descriptors += plan.num_descriptors
+                    self.stats.descriptors += xfer.indices
+                    self.stats.bytes += xfer.nbytes
+                    nbytes += xfer.nbytes
+                    descriptors += xfer.indices
                 for comp, _ in comp_plans:
                     if comp not in sent:
                         sent.append(comp)

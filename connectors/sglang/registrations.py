@@ -18,7 +18,7 @@ from collections.abc import MutableMapping
 from typing import Optional
 
 from hybridkv.connectors.sglang import messages as msgs
-from hybridkv.connectors.sglang.adopt import AdoptedLayout, from_peer
+from hybridkv.connectors.sglang.adopt import KV_GROUP, AdoptedLayout, from_peer
 from hybridkv.connectors.sglang.drains import Drains
 from hybridkv.connectors.sglang.pairing import PeerPlan, plan_peer
 from hybridkv.connectors.sglang.peer_auth import PeerAuth
@@ -26,8 +26,10 @@ from hybridkv.connectors.sglang.prefill_side import PrefillExports
 from hybridkv.connectors.sglang.retiring import RetiringAgents
 from hybridkv.connectors.sglang.rooms import Rooms
 from hybridkv.connectors.sglang.sessions import Session
+from hybridkv.connectors.sglang.sliced_lists import SlicedKV
 from hybridkv.descriptors.compiler import TransferPlanner
-from hybridkv.fencing.request_state import Component
+from hybridkv.fencing.request_state import Component, ComponentKind
+from hybridkv.ids import GroupId
 from hybridkv.transport.dataplane import DataPlane
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import AbortNotification
@@ -47,6 +49,8 @@ class Peer:
     planners: dict[Component, Optional[TransferPlanner]]  # None: another prefill rank writes these fields
     plan: Optional[PeerPlan]
     rejection: Optional[str]
+    #: different attention TP: the KV slices as prepped lists, made once per agent (sliced_lists.py)
+    kv_lists: Optional[SlicedKV] = None
 
 
 class Registrations:
@@ -103,12 +107,29 @@ class Registrations:
                                                   f"NIXL agent ({name}); its previous one is removed")
             session.agent = name
         self.peers[name] = Peer(agent_name=name, layout=peer_layout, planners=plan.planners if plan else {},
-                                 plan=plan, rejection=rejection)
+                                 plan=plan, rejection=rejection, kv_lists=self._kv_lists(name, plan, peer_layout))
         if rejection:
             logger.error("hybridkv: decode %s refused: %s", name, rejection)
         elif plan is not None and plan.one_sided:
             # SGLang's NIXL backend tolerates these too (check_peer_aux_buffer_count); said once per registration
             logger.warning("hybridkv: decode %s: %s", name, "; ".join(plan.one_sided))
+
+    def _kv_lists(self, name: str, plan: Optional[PeerPlan], peer: AdoptedLayout) -> Optional[SlicedKV]:
+        """Different attention TP: the agent's KV slices as prepped lists, made at its first REGISTER and kept
+        (a chunk in flight may use them; they go when the agent retires). Equal TP posts whole-page runs."""
+        old = self.peers.get(name)
+        if old is not None and old.kv_lists is not None:
+            return old.kv_lists
+        if plan is None or self.adopted.parallel.attn_tp == peer.parallel.attn_tp:
+            return None
+        planner = plan.planners.get(Component(group=GroupId(KV_GROUP), kind=ComponentKind.KV))
+        if planner is None:
+            return None  # another prefill rank writes every KV field this decode rank holds
+        try:
+            return SlicedKV(dp=self.dp, agent_name=name, planner=planner, group=KV_GROUP)
+        except ValueError as e:  # not page to page, or mixed memory kinds: rows per chunk
+            logger.info("hybridkv: decode %s: KV slices posted as rows (%s)", name, e)
+            return None
 
     def on_metadata(self, md: msgs.Metadata, session: Optional[Session] = None) -> None:
         room = md.room

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import MutableMapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from hybridkv.connectors.sglang.drains import Drains
 from hybridkv.connectors.sglang.prefill_side import PrefillExports
@@ -31,6 +31,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 
 if TYPE_CHECKING:
     from hybridkv.connectors.sglang.registrations import Peer
+    from hybridkv.connectors.sglang.sliced_lists import SlicedKV
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 class _Retiring:
     rooms: frozenset[int]  # rooms it claimed, which fail; it is removed when none of them is drained
     reason: str
+    kv_lists: Optional[SlicedKV] = None  # its prepped lists (different TP), released with it
 
 
 class RetiringAgents:
@@ -63,12 +65,13 @@ class RetiringAgents:
             return sorted(self._retiring)
 
     def retire(self, agent: str, reason: str) -> None:
-        if self.peers.pop(agent, None) is None:
+        peer = self.peers.pop(agent, None)
+        if peer is None:
             return
         rooms = self.rooms.claimed_by(agent)
         targets = {room: self.rooms.notify_targets(room) for room in rooms}
         with self.lock:
-            self._retiring[agent] = _Retiring(rooms=rooms, reason=reason)
+            self._retiring[agent] = _Retiring(rooms=rooms, reason=reason, kv_lists=peer.kv_lists)
             for room in rooms:
                 self.drains.fail_when_drained(room, f"hybridkv: {reason}", targets[room])
         logger.warning("hybridkv: decode agent %s retires (%s); %d room(s) fail", agent, reason, len(rooms))
@@ -86,9 +89,10 @@ class RetiringAgents:
         with self.lock:
             done = [a for a, r in self._retiring.items()
                     if all(self.exports.drained(room) and not self.drains.failure_pending(room) for room in r.rooms)]
-            for a in done:
-                del self._retiring[a]
-        for a in done:
+            gone = [self._retiring.pop(a) for a in done]
+        for a, r in zip(done, gone):
+            if r.kv_lists is not None:
+                r.kv_lists.release()  # nothing of the agent runs: its rooms drained
             try:
                 self.dp.remove_peer(a)
             except Exception as e:  # NIXL's own error: the agent stays loaded, nothing else depends on it

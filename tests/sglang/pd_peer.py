@@ -551,6 +551,7 @@ class _State:
                          exports={r: len(t) for r, t in ex._exports.items() if t} if ex else {},
                          fenced=sorted(mgr.fenced), imports=imp.rooms() if imp else [])
         return dict(chunks=st.chunks, handles=st.handles, descriptors=st.descriptors, bytes=st.bytes,
+                    row_descriptors=st.row_descriptors, prepped_descriptors=st.prepped_descriptors,
                     pages=st.pages, inflight=dict(ex._inflight) if ex else {}, rooms=list(mgr.request_status),
                     transfer_infos=list(getattr(mgr, "transfer_infos", {})),
                     waiters=mgr.drains.waiting() if mgr.drains else {},

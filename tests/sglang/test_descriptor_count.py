@@ -120,3 +120,50 @@ def test_analyzer_sglang_nixl_model_matches_sglang_slice_path_at_different_tp():
     per_pair = len(expand_page_indices_for_slice(np.arange(3, 3 + pages, dtype=np.int32), 2 * fa, slots, page))
     per_pair += (3 + 1) * gdn
     assert count_descriptors(Scheme.SGLANG_NIXL, w).descriptors == per_pair * w.reads_per_request
+
+
+def test_different_tp_kv_goes_through_lists_prepped_once():
+    """Prefill TP 2 -> decode TP 1 (2 KV heads: each prefill rank holds one, a decode page both): a chunk's
+    KV slices are one make_prepped_xfer of index arrays into two lists prepped once per decode agent
+    (sliced_lists.py), as SGLang's NIXL backend does; before, every chunk built one row per token per page
+    per K/V layer buffer for initialize_xfer. Real NIXL (UCX) agents: the slices land where the rows put them."""
+    import time
+
+    from hybridkv.connectors.sglang.adopt import parallel_of
+    from hybridkv.connectors.sglang.sliced_lists import SlicedKV
+    from hybridkv.transport.dataplane import DataPlane, XferState
+
+    def side(seed, tp):
+        pools = pd_peer.make_pools(seed, tp=tp, rank=0)
+        args = pools.kv_args()
+        return pools, adopt_kv_args(args, device_mem=MemKind.DRAM, gpu_id=0,
+                                    parallel=parallel_of(args, attn_tp=tp, attn_rank=0))
+
+    (src_pools, src), (dst_pools, dst) = side(7, 2), side(None, 1)
+    kv = next(p for c, p in plan_peer(src, dst).planners.items() if c.group == KV_GROUP)
+    s_pages, d_pages = np.array([5, 6, 7, 20]), np.array([12, 13, 30, 2])
+    rows_per_chunk = kv.compile({KV_GROUP: s_pages}, {KV_GROUP: d_pages}).num_descriptors
+    assert rows_per_chunk == len(s_pages) * pd_peer.PAGE_SIZE * 2 * len(pd_peer.ATTN_LAYERS)
+    prefill, decode = DataPlane(src.memory), DataPlane(dst.memory)
+    try:
+        lists = SlicedKV(dp=prefill, agent_name=prefill.add_peer(decode.metadata(), dst.memory), planner=kv,
+                         group=KV_GROUP)
+        li, ri = lists.indices(s_pages, d_pages)
+        assert len(li) == len(ri) == rows_per_chunk  # the same descriptors, as indices: no row built per chunk
+        assert lists.listed == lists.pieces * (pd_peer.NUM_PAGES + 1) * 2  # built once, at registration
+        xfer = lists.post(s_pages, d_pages)
+        deadline = time.monotonic() + 30
+        while (state := prefill.state(xfer)) is XferState.IN_PROGRESS and time.monotonic() < deadline:
+            decode.pump()
+            time.sleep(0.001)
+        assert state is XferState.DONE
+        prefill.release(xfer)
+        lists.release()
+    finally:
+        prefill.close()
+        decode.close()
+    want = pd_peer.make_pools(7, tp=1).named(s_pages, 0, 0)
+    got = dst_pools.named(d_pages, 0, 0)
+    mine = [k for k in want if k[0] in ("K", "V") and k[3] == 0]  # head 0: prefill rank 0's
+    assert mine and [k for k in mine if got[k] != want[k]] == []
+    assert not any(any(got[k]) for k in want if k[0] in ("K", "V") and k[3] == 1)  # rank 1 writes head 1

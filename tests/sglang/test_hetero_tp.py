@@ -98,8 +98,12 @@ def test_prefill_tp2_to_decode_tp1(ranks):
     senders, receivers = _transfer(2001, addr, [p0, p1], [d0])
     assert all(s == (SUCCESS, None) for s in senders + receivers), (senders, receivers)
     _check_fields([d0], 1)
-    rows = [r.call("stats")["descriptors"] for r in (p0, p1)]
-    assert rows == [KV_ROWS + STATE_ROWS + 1, KV_ROWS + STATE_ROWS]
+    st = [r.call("stats") for r in (p0, p1)]
+    assert [s["descriptors"] for s in st] == [KV_ROWS + STATE_ROWS + 1, KV_ROWS + STATE_ROWS]
+    # The KV slices go as indices into lists prepped once per decode agent (sliced_lists.py): no KV row is
+    # built per chunk (before: KV_ROWS rows per request, rebuilt by initialize_xfer chunk by chunk).
+    assert [s["prepped_descriptors"] for s in st] == [KV_ROWS, KV_ROWS]
+    assert [s["row_descriptors"] for s in st] == [STATE_ROWS + 1, STATE_ROWS]
     _check_clean(2001, [p0, p1], [d0])
     pd_peer.check_auth([p0, p1], [d0], secret=True)
 
@@ -114,7 +118,9 @@ def test_prefill_tp1_to_decode_tp2(ranks, secret):
     senders, receivers = _transfer(2002, addr, [p0], [d0, d1])
     assert all(s == (SUCCESS, None) for s in senders + receivers), (senders, receivers)
     _check_fields([d0, d1], 2)
-    assert p0.call("stats")["descriptors"] == 2 * (KV_ROWS + STATE_ROWS + 1)
+    st = p0.call("stats")
+    assert st["descriptors"] == 2 * (KV_ROWS + STATE_ROWS + 1)
+    assert (st["prepped_descriptors"], st["row_descriptors"]) == (2 * KV_ROWS, 2 * (STATE_ROWS + 1))
     _check_clean(2002, [p0], [d0, d1])
     pd_peer.check_auth([p0], [d0, d1], secret)
 
