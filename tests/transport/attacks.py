@@ -471,9 +471,9 @@ async def _claim_first(opts) -> dict:
     insider, ich = await _authenticated()
     decode, dch = await _authenticated(name=CLAIMANT)
     await ich.send(wire.Want(request_id=rid, token=tok))
-    insider_got = await _collect(ich, 1.0)
+    insider_got = await _collect(ich, 0.5)  # the producer has its Want before the decode's
     await dch.send(wire.Want(request_id=rid, token=tok))
-    decode_got = await _collect(dch, 1.0)
+    decode_got = [await _reply(dch, 5.0)]
     for ch, got in ((ich, insider_got), (dch, decode_got)):  # whoever holds the claim ends it
         if any(isinstance(m, wire.Export) for m in got):
             await ch.send(wire.Done(request_id=rid, ok=True, token=tok))
@@ -661,12 +661,12 @@ class Monitor(threading.Thread):
         self.join(2)
 
 
-def _legit_during_half_open(att, addr) -> list[str]:
-    """Six legitimate consumers, side by side in one process (the secret, default handshake timeout and
-    retries), while the half-open flood runs."""
-    att.expect("flooding", 60.0)
-    cons = harness.Proc(_legit_main, {"addr": addr, "consumers": 6})
+def _legit_during_half_open(att, cons) -> list[str]:
+    """Six legitimate consumers, side by side in one process started beforehand (the secret, default
+    handshake timeout and retries), while the half-open flood runs."""
     try:
+        att.expect("flooding", 60.0)
+        cons.send("go")
         return cons.expect("said", 90.0)
     finally:
         att.send("legit-done")
@@ -676,12 +676,12 @@ def _legit_during_half_open(att, addr) -> list[str]:
 def _legit_main(opts: dict, out, inbox) -> None:
     peers._quiet()
     try:
-        out.put(("said", asyncio.run(_legit_connect(opts))))
+        out.put(("said", asyncio.run(_legit_connect(opts, inbox))))
     except BaseException as exc:
         out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-async def _legit_connect(opts: dict) -> list[str]:
+async def _legit_connect(opts: dict, inbox) -> list[str]:
     from hybridkv.errors import HybridKVError
 
     async def one(cons) -> str:
@@ -692,6 +692,7 @@ async def _legit_connect(opts: dict) -> list[str]:
             return f"{type(exc).__name__}: {exc}"
 
     consumers = [_new_consumer(peers.SECRET, handshake_timeout_s=5.0) for _ in range(opts["consumers"])]
+    await peers._await_inbox(inbox, "go", None, timeout_s=120.0)  # made while other attacks run
     try:
         return list(await asyncio.gather(*(one(c) for c in consumers)))
     finally:
@@ -722,8 +723,9 @@ def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: 
         before = mon.mark()
         cpu0 = mon.samples[before]
         att = harness.Proc(_attacker_entry, {"attacks": list(attacks), "addr": (host, port), "pid": pid, **knobs})
+        legit = harness.Proc(_legit_main, {"addr": (host, port), "consumers": 6}) if "half_open" in attacks else None
         try:
-            legit_during = _legit_during_half_open(att, (host, port)) if "half_open" in attacks else None
+            legit_during = _legit_during_half_open(att, legit) if legit is not None else None
             reports = att.expect("report", 120.0)
             if legit_during is not None:
                 reports["half_open"].update(consumers=legit_during,
