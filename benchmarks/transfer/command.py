@@ -40,7 +40,7 @@ import os
 import secrets
 import sys
 
-from hybridkv.benchmarks.transfer.measure import _measure
+from hybridkv.benchmarks.transfer.measure import _measure, print_schemes
 from hybridkv.cli import CommandError, MissingExtra, bounded, print_json
 from hybridkv.descriptors.planning import DescriptorPlanner
 from hybridkv.transport.config import Pairing
@@ -86,6 +86,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="bytes per descriptor of the posting probe (the vllm-0.33 list and one descriptor, "
                              "posted with this length each, CPU of the posting thread timed), 1 to 1048576 "
                              "(default 64)")
+    parser.add_argument("--spin-us", type=float, default=500.0,
+                        help="hybridkv's consumer polls its READ back to back this long before yielding to its event "
+                             "loop (DataPlaneConfig.spin_s), 0 to 1000000 (default 500)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     # Both sides cut pages alike, so the planner promises pages (and posts the prepped-list index
     # pairs of the compiler's affine fast path).
@@ -101,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     parse_curve(args.posting_curve)
     if not 1 <= args.probe_bytes <= 1 << 20:
         raise ValueError(f"--probe-bytes {args.probe_bytes}; expected 1 to 1048576")
+    if not 0 <= args.spin_us <= 1e6:
+        raise ValueError(f"--spin-us {args.spin_us}; expected 0 to 1000000")
     if not 0 <= args.settle_ms <= 10_000:
         raise ValueError(f"--settle-ms {args.settle_ms}; expected 0 to 10000")
     # Here as well as in the producer: a bad --model or --layers is said at once, as one line,
@@ -193,6 +198,7 @@ def _print(rep: dict) -> None:
              rep["vllm_vs_copy"]),
             ("(d) copy ceiling", "-", rep["copy_GBps"], rep["copy_GBps"] / rep["raw_GBps"], 1.0)):
         print(f"  {name:<26}{posted!s:>8}{g:>10.2f}{xr:>8.2f}{xc:>8.3f}")
+    print_schemes(rep)
     print(f"  hybridkv handed NIXL {rep['index_pairs']} index pairs; NIXL posted {rep['descriptors']} after merging;"
           f" the vllm-0.33 list has {rep['vllm_scheme_descriptors']}; copy: {rep['copy_kind']}")
     print(f"  make + post (median us): hybridkv {rep['post_us']['hybridkv']:.0f}, raw {rep['post_us']['raw']:.0f},"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
+import time
 
 from hybridkv.benchmarks.transfer.copy import _copy_ceiling
 from hybridkv.benchmarks.transfer.posting import (_span_rows, _timed, _vllm_ids, _vllm_scheme_rows, gapped_rows,
@@ -25,13 +26,27 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     from hybridkv.fencing import scheduler_inputs
     from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.config import Outcome
+    from hybridkv.transport.dataplane import DataPlaneConfig
     from hybridkv.transport.endpoint import Consumer, TransportConfig
     from hybridkv.transport.side import NOTIF_PREFIX
 
+    class Recording(Consumer):
+        """The consumer, also keeping the last plan it posted and its posting call's thread CPU."""
+
+        plan = None
+        post_cpu = 0.0
+
+        def _post(self, w, notif):
+            c0 = time.thread_time()
+            xfer = super()._post(w, notif)
+            self.post_cpu, self.plan = time.thread_time() - c0, w.plan
+            return xfer
+
     layout, memory, pools, raw_span = _side(args, 2, devices[1])  # raw_span: alive until the end (registered)
     sched = TransferScheduler(pools, lease_s=60.0)
-    cons = Consumer(memory, sched, TransportConfig(notify_reads=args.read_notif == "on", secret=args.secret),
-                    planner=args.planner)
+    cons = Recording(memory, sched, TransportConfig(notify_reads=args.read_notif == "on", secret=args.secret,
+                                                    dataplane=DataPlaneConfig(spin_s=args.spin_us / 1e6)),
+                     planner=args.planner)
     await cons.connect(*addr)
     comps = scheduler_inputs(layout).components
     peer = cons.peer
@@ -81,20 +96,21 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     if int(vl[:, 1].sum()) != nbytes:
         raise RuntimeError(f"vLLM-scheme list covers {int(vl[:, 1].sum())} bytes, expected {nbytes}")
     hyb, vll = [], []
-    posts: dict[str, list[float]] = {"hybridkv": [], "raw": [], "vllm_scheme": []}  # (build,) make + post only
-    cpu: dict[str, list[float]] = {"raw": [], "vllm_scheme": []}  # the same, CPU time of the posting thread
+    posts: dict[str, list[float]] = {"hybridkv": [], "plan": [], "raw": [], "vllm_scheme": []}  # (build,) make + post
+    cpu: dict[str, list[float]] = {k: [] for k in posts}  # the same, CPU time of the posting thread
+    plan_t: list[float] = []  # hybridkv's last plan, its index pairs posted with the raw span's NIXL calls
     block_ids = np.arange(blocks, dtype=np.int64)
     v_build = lambda: _vllm_ids(n_attn, block_ids, 2 * n_gdn)  # noqa: E731
     if not np.array_equal(v_build()[0], v_idx):
         raise RuntimeError("the vLLM-style id build does not index the vLLM-scheme list in order")
     raws: dict[int, list[float]] = {n: [] for n in splits}
-    desc = idx = planned = None
+    desc = idx = planned = plan_desc = None
     r_desc = v_desc = None
     # Each round runs every variant once, in a fresh seeded order, and lets the control traffic of
     # the previous one settle first: on the H200s a baseline READ started right after a fetch (its Done
     # message, the producer's next export) took ~4 ms instead of ~0.2 ms in every round, which a fixed
     # (or merely rotated) order charged to one variant only.
-    variants = ["hybridkv", *(("raw", n) for n in splits), "raw_notif", "vllm", "probe_one", "probe_vllm",
+    variants = ["hybridkv", "plan", *(("raw", n) for n in splits), "raw_notif", "vllm", "probe_one", "probe_vllm",
                 *curve_lists]
     probe: dict[str, list[tuple[int, float]]] = {"probe_one": [], "probe_vllm": []}
     raw_notif: list[float] = []
@@ -115,7 +131,16 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
                     raise CommandError(f"fetch {rid}: {res.outcome.name} {res.error} ({res.nbytes} of {nbytes} bytes)")
                 hyb += [res.seconds] * kept
                 posts["hybridkv"] += [res.post_seconds] * kept
+                cpu["hybridkv"] += [cons.post_cpu] * kept
                 desc, idx, planned = res.descriptors, res.indices, res.planned
+            elif var == "plan":
+                if cons.plan is None:  # the warm-up round ran it before any fetch
+                    continue
+                l_h, r_h = cons.dp.prepped(peer.agent)
+                pt, plan_desc, p_post, p_cpu = _timed(agent, "READ", l_h, cons.plan.dst_index, r_h, cons.plan.src_index)
+                plan_t += [pt] * kept
+                posts["plan"] += [p_post] * kept
+                cpu["plan"] += [p_cpu] * kept
             elif var == "raw_notif":  # the one-span READ carrying a notification, as hybridkv's may
                 l_h, r_h, ids = raw_lists[1]
                 raw_notif += [_timed(agent, "READ", l_h, ids, r_h, ids, NOTIF_PREFIX + b"baseline")[0]] * kept
@@ -162,19 +187,29 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
         "raw": (r_desc, med(t - p for t, p in zip(raw, posts["raw"]))),
         "vllm_scheme": (v_desc, med(t - p for t, p in zip(vll, posts["vllm_scheme"])))})
     c = gbps(copy["copy_s"])
+    # Per scheme, the same run: the posting call (thread CPU, wall) and post to landed, each against the
+    # one-span READ; x_raw_paired is the median of the per-round ratios (each round runs every scheme
+    # once, so a loaded machine's slow spell hits both sides of a ratio alike).
+    landed = {"hybridkv": hyb, "plan": plan_t, "raw": raw, "vllm_scheme": vll}
+    schemes = {name: {
+        "posted": {"hybridkv": desc, "plan": plan_desc, "raw": r_desc, "vllm_scheme": v_desc}[name],
+        "post_cpu_us": round(med(cpu[name]) * 1e6, 1), "post_us": round(med(posts[name]) * 1e6, 1),
+        "landed_us": round(med(ts) * 1e6, 1), "GBps": round(gbps(med(ts)), 3),
+        "x_raw": round(med(raw) / med(ts), 3),
+        "x_raw_paired": round(med(r_t / t for r_t, t in zip(raw, ts)), 3)} for name, ts in landed.items()}
     return {
         "model": geo.name, "tokens": args.tokens, "block_size": args.block_size, "layers": geo.num_layers,
         "mem": args.mem, "devices": list(devices) if args.mem == "vram" else None,
         "bytes": nbytes, "iters": args.iters, "processes": 2, "settle_ms": args.settle_ms,
-        "hybridkv_GBps": round(h, 3), "raw_GBps": round(r, 3), "ratio": round(h / r, 3),
+        "hybridkv_GBps": round(h, 3), "raw_GBps": round(r, 3), "ratio": round(h / r, 3), "schemes": schemes,
         "descriptors": desc, "planned_descriptors": planned, "index_pairs": idx, "raw_posted": r_desc,
         "vllm_scheme_descriptors": int(len(vl)), "vllm_scheme_posted": v_desc,
         "vllm_scheme_GBps": round(v, 3), "vllm_ratio": round(v / r, 3),
         "copy_GBps": round(c, 3), "copy_kind": copy["copy_kind"], "peer_access": copy["peer_access"],
         "hybridkv_vs_copy": round(h / c, 4), "raw_vs_copy": round(r / c, 4), "vllm_vs_copy": round(v / c, 4),
-        "median_s": {"hybridkv": statistics.median(hyb), "raw": statistics.median(raw),
+        "median_s": {"hybridkv": statistics.median(hyb), "plan": statistics.median(plan_t), "raw": statistics.median(raw),
                      "vllm_scheme": statistics.median(vll), "copy": copy["copy_s"]},
-        "read_notif": args.read_notif, "raw_notif_GBps": round(gbps(statistics.median(raw_notif)), 3),
+        "read_notif": args.read_notif, "spin_us": args.spin_us, "raw_notif_GBps": round(gbps(statistics.median(raw_notif)), 3),
         "raw_split_GBps": {str(n): round(gbps(statistics.median(ts)), 3) for n, ts in raws.items()},
         # Where a fixed per-request cost goes: making and posting vs waiting for DONE.
         "post_us": {name: round(statistics.median(ts) * 1e6, 1) for name, ts in posts.items()},
@@ -192,3 +227,19 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
         "samples_GBps": {name: [round(gbps(t), 1) for t in ts]
                          for name, ts in (("hybridkv", hyb), ("raw", raw), ("vllm_scheme", vll))},
     }
+
+
+_SCHEME_NAMES = {"raw": "(b) raw NIXL, one span", "hybridkv": "(a) hybridkv fetch",
+                 "plan": "(a') its plan, raw's calls", "vllm_scheme": "(c) vllm-0.33 list"}
+
+
+def print_schemes(rep: dict) -> None:
+    """The per-scheme table of a report: posting call and post to landed, side by side with raw."""
+    print("  per scheme (median; CPU and post: the posting call's thread CPU and wall time; landed: post to DONE;"
+          " paired: median of per-round ratios):")
+    print(f"    {'scheme':<28}{'posted':>7}{'CPU us':>10}{'post us':>10}{'landed us':>11}{'GB/s':>9}{'x raw':>7}"
+          f"{'paired':>8}")
+    for name in ("raw", "hybridkv", "plan", "vllm_scheme"):
+        r = rep["schemes"][name]
+        print(f"    {_SCHEME_NAMES[name]:<28}{r['posted']!s:>7}{r['post_cpu_us']:>10,.0f}{r['post_us']:>10,.0f}"
+              f"{r['landed_us']:>11,.0f}{r['GBps']:>9.2f}{r['x_raw']:>7.3f}{r['x_raw_paired']:>8.3f}")

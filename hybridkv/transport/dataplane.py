@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,14 +58,26 @@ class XferState(enum.Enum):
     ERROR = "ERR"
 
 
+_STATES = {s.value: s for s in XferState}
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataPlaneConfig:
     name: str | None = None  # agent name; unique per process (default: random)
     progress_thread: bool = False
     sync: SyncMode = SyncMode.STRICT
     telemetry: bool = True
+    #: how long a waiter (``Side.wait_xfer``) polls a transfer back to back before it yields to its
+    #: event loop between polls: one that lands within it is seen at once, not a loop round late
+    #: (a round with other tasks in it takes tens of us, a few % of a 320 MB NVLink READ). The loop
+    #: is blocked for at most this long per wait.
+    spin_s: float = 0.0005
     #: extra UCX backend parameters, e.g. {"ucx_error_handling_mode": "peer"}
     ucx_params: tuple[tuple[str, str], ...] = (("ucx_error_handling_mode", "peer"),)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.spin_s <= 1:
+            raise ValueError(f"DataPlaneConfig.spin_s = {self.spin_s}; expected 0 to 1 second")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,16 +156,24 @@ def group_by_kind(local_rows: np.ndarray, local: MemorySpans, remote_rows: np.nd
 
 class Transfer:
     """One posted transfer (one NIXL handle, or one per pair of memory kinds); poll with
-    :meth:`DataPlane.state`. ``handles`` holds those NIXL has not released yet."""
+    :meth:`DataPlane.state`. ``handles`` holds those NIXL has not released yet. ``nbytes`` may be
+    given as a function, called once when first read: summing page sizes costs a few us that the
+    post itself need not wait for."""
 
-    __slots__ = ("handles", "peer", "indices", "nbytes", "failed")
+    __slots__ = ("handles", "peer", "indices", "_nbytes", "failed")
 
-    def __init__(self, handles: list, peer: str, indices: int, nbytes: int) -> None:
+    def __init__(self, handles: list, peer: str, indices: int, nbytes: int | Callable[[], int]) -> None:
         self.handles = handles
         self.peer = peer
         self.indices = indices
-        self.nbytes = nbytes
+        self._nbytes = nbytes
         self.failed = False  # a handle failed to post after others were running
+
+    @property
+    def nbytes(self) -> int:
+        if callable(self._nbytes):
+            self._nbytes = int(self._nbytes())
+        return self._nbytes
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -220,6 +240,14 @@ class DataPlane:
         finally:
             self.agent.remove_remote_agent(peer)
 
+    def prepped(self, peer: str) -> tuple[object, object]:
+        """(this side's prepped region list, the peer's): what :meth:`post`'s index pairs index,
+        for a caller that posts the same pairs itself (``bench transfer``'s plain-NIXL baseline)."""
+        entry = self._peer(peer)
+        if self._local is None or entry.prepped is None:
+            raise ValueError(f"no prepped lists for {peer}: a side's regions mix memory kinds")
+        return self._local, entry.prepped
+
     def _peer(self, peer: str) -> _Peer:
         entry = self._peers.get(peer)
         if entry is None:
@@ -250,12 +278,12 @@ class DataPlane:
         ri = np.ascontiguousarray(remote_idx, dtype=np.int32)
         if li.shape != ri.shape or li.ndim != 1 or li.size == 0:
             raise ValueError(f"index arrays of shapes {li.shape} and {ri.shape}; expected equal non-empty 1-D")
-        nbytes = int(self._page_bytes[li].sum())
         try:
             h = self.agent.make_prepped_xfer(op.value, self._local, li, entry.prepped, ri, notif)
         except Exception as exc:  # nixl raises its own typed errors (nixlInvalidParamError, ...)
             raise TransferError(f"NIXL refused the transfer to {peer}: {type(exc).__name__}: {exc}") from exc
-        return self._start(Transfer([h], peer, li.size, nbytes))
+        page_bytes = self._page_bytes
+        return self._start(Transfer([h], peer, li.size, lambda: page_bytes[li].sum()))
 
     def post_rows(self, op: Op, peer: str, local_rows: np.ndarray, remote_rows: np.ndarray,
                   notif: bytes = b"") -> Transfer:
@@ -283,7 +311,7 @@ class DataPlane:
         except Exception as exc:
             self._release_all(handles)
             raise TransferError(f"NIXL refused the transfer to {peer}: {type(exc).__name__}: {exc}") from exc
-        return self._start(Transfer(handles, peer, lr.shape[0], int(lr[:, 1].sum())))
+        return self._start(Transfer(handles, peer, lr.shape[0], lambda: lr[:, 1].sum()))
 
     def _start(self, xfer: Transfer) -> Transfer:
         peer = xfer.peer
@@ -316,7 +344,8 @@ class DataPlane:
 
     def _state(self, handle) -> XferState:
         try:
-            return XferState(self.agent.check_xfer_state(handle))
+            # A dict, not XferState(value): this runs back to back while a waiter spins.
+            return _STATES.get(self.agent.check_xfer_state(handle), XferState.ERROR)
         except Exception:
             return XferState.ERROR
 

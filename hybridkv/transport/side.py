@@ -226,11 +226,13 @@ class Side:
     async def wait_xfer(self, xfer: Transfer, until: Callable[[], float] | None = None) -> XferState:
         """The transfer's terminal state, or IN_PROGRESS once ``until()`` (a monotonic time) passed."""
         self._busy += 1
+        spin_until = time.perf_counter() + self.dp.config.spin_s  # back to back first: a soon landing seen at once
         try:
             while (s := self.dp.state(xfer)) is XferState.IN_PROGRESS:
                 if until is not None and time.monotonic() > until():
                     return s
-                await asyncio.sleep(0)
+                if time.perf_counter() > spin_until:
+                    await asyncio.sleep(0)
             return s
         finally:
             self._busy -= 1

@@ -33,3 +33,12 @@ def test_bench_transfer_json(capsys):
     # (~2 ms) swamps a few dozen extra descriptors, and a CI run once saw raw above vllm_scheme.
     assert rep["post_cpu_us"] and all(v > 0 for v in rep["post_cpu_us"].values())
     assert rep["posting"]["per_descriptor_us"] > 0
+    # Per scheme, side by side with the one-span READ: the posting call's thread CPU and wall time and post to
+    # landed; "plan" is hybridkv's own index pairs posted with raw's bare NIXL calls (what hybridkv adds is
+    # hybridkv minus plan, what its descriptors cost is plan minus raw).
+    assert set(rep["schemes"]) == {"hybridkv", "plan", "raw", "vllm_scheme"}
+    for name, row in rep["schemes"].items():
+        assert row["post_cpu_us"] > 0 and row["post_us"] > 0 and row["landed_us"] >= row["post_us"], (name, row)
+        assert row["x_raw"] > 0 and row["x_raw_paired"] > 0
+    assert rep["schemes"]["raw"]["x_raw"] == 1.0 and rep["schemes"]["plan"]["posted"] == rep["descriptors"]
+    assert rep["spin_us"] == 500.0
