@@ -293,6 +293,31 @@ def _compile_group(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> _Columns | 
     )
 
 
+def piece_pages(t: PieceTable, sb: np.ndarray, db: np.ndarray):
+    """Per piece of ``t``: (piece index, src pages, dst pages) its copies pair, block lists aligned
+    as :meth:`TransferPlanner.compile` aligns them (for local copies: the staging pack/unpack)."""
+    sb, db = _blocks(sb, "src", t.group_id), _blocks(db, "dst", t.group_id)
+    if sb.shape[0] != db.shape[0] or t.src_block_tokens != t.dst_block_tokens:
+        sb, db = _align(t, sb, db)
+    ns, nd = sb.shape[0], db.shape[0]
+    if t.is_state:
+        pairs = ns
+    else:
+        pairs = -(-min(ns * t.src_block_tokens, nd * t.dst_block_tokens) // t.pair_tokens)
+    if pairs == 0:
+        return
+    _check_pages(sb, t.s_pages, "src", t.group_id)
+    _check_pages(db, t.d_pages, "dst", t.group_id)
+    s = np.arange(pairs, dtype=_I64)
+    for p in range(t.num_pieces):
+        i_s = t.s_k[p] + s * t.src_blocks_per_pair
+        i_d = t.d_k[p] + s * t.dst_blocks_per_pair
+        keep = (i_s < ns) & (i_d < nd)
+        if not keep.all():
+            i_s, i_d = i_s[keep], i_d[keep]
+        yield p, sb[i_s], db[i_d]
+
+
 def _check_pages(pages: np.ndarray, limits: np.ndarray, side: str, gid: int) -> None:
     if pages.size == 0:
         return

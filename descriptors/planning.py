@@ -33,6 +33,7 @@ from hybridkv.transport.memory import MemoryMap, check_peer_shapes, rebuild_layo
 from hybridkv.transport.plan import TransferPlan
 
 from .compiler import TransferPlanner, plan_sources
+from .staging import StagePlan, shared_keys
 
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)
 
@@ -156,6 +157,19 @@ class FieldPlan:
         self.planners: list[TransferPlanner | None] = [
             TransferPlanner(x, local, keys=assigned[i], bridge_padding=bridge_padding) if assigned.get(i) else None
             for i, x in enumerate(layouts)]
+        self._layouts, self._local, self._assigned = layouts, local, assigned
+        self._stagers: dict[int, StagePlan | None] = {}
+
+    def stager(self, source: int) -> StagePlan | None:
+        """How producer ``source`` stages what this rank reads from it, or None where it feeds nothing.
+        A producer stages every field of this rank it holds (:func:`shared_keys`); where GQA has this
+        rank read a replicated head from another producer, the plan reads the rest only."""
+        if source not in self._stagers:
+            reads = self._assigned.get(source)
+            src = self._layouts[source]
+            self._stagers[source] = StagePlan(src, self._local, shared_keys(src, self._local), reads) \
+                if reads else None
+        return self._stagers[source]
 
     def plan(self, source: int, source_blocks: Mapping[int, np.ndarray],
              dest_blocks: Mapping[int, np.ndarray]) -> TransferPlan:
@@ -190,6 +204,16 @@ class DescriptorPlanner:
             raise ValueError(f"{len(sources)} producer(s) whose pages are not cut like this side's; expected a "
                              "planner that pairs by fields (pairing=FIELDS)")
         return FieldPlan(sources, dest, bridge_padding=self.bridge_padding)
+
+    def stager(self, source: MemoryMap, dest: MemoryMap) -> StagePlan | None:
+        """Producer side: what it stages for consumer ``dest`` when asked (every field of ``dest``
+        it holds), or None where pages pair whole (nothing to gather) or nothing is shared."""
+        if page_regions([source], dest) is not None or source.layout is None:
+            return None
+        local = source.layout
+        remote = dest.layout if dest.layout is not None else rebuild_layout(dest, local.geometry)
+        keys = shared_keys(local, remote)
+        return StagePlan(local, remote, keys) if keys else None
 
 
 __all__ = ["DescriptorPlanner", "FieldPlan", "PagePlan", "page_regions", "pairing_of", "source_ranks"]

@@ -25,6 +25,7 @@ from hybridkv.layout.alloc import VirtualAllocator
 from hybridkv.layout.geometry import LayerSpec, ModelGeometry, Paging
 from hybridkv.transport.memory import from_layout
 from hybridkv.transport.plan import TransferPlan
+from hybridkv.transport.staging import Route, StagingConfig, StagingMode, route, slot_rows
 
 from .hma import HMAPlan, aligned_block_size, plan_hma
 from .planning import DescriptorPlanner, source_ranks
@@ -83,6 +84,9 @@ class Workload:
     # backend splits the HMA-raised logical block (e.g. FlashInfer's 16/32/64-token blocks) every
     # logical block costs block/kernel descriptors per region. None: kernel block = logical block.
     kernel_block_size: int | None = None
+    # hybridkv's staging at different TP (transport/staging.py), as both sides of its connectors are
+    # configured; None: no staging, every read sliced. Only the hybridkv schemes read it.
+    staging: StagingConfig | None = StagingConfig()
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, int) or self.tokens <= 0:
@@ -310,8 +314,25 @@ def _hybridkv_vllm(w: Workload) -> SchemeCount:
         else:
             # A head slice is contiguous only inside one layer's page, and there per sub-block.
             per_read += r * grp.spec.page_sub_reads * n
+    if not same_tp:
+        per_read = _staged_vllm(w, hma, sliced=per_read)
     return _closed_form(Scheme.HYBRIDKV_VLLM, w, per_read=per_read, regions=1,
                         nbytes=nbytes * w.reads_per_request if same_tp else _useful_bytes(w))
+
+
+def _staged_vllm(w: Workload, hma: HMAPlan, *, sliced: int) -> int:
+    """One read at different TP with staging (transport/staging.py's route): the producer packs the
+    decode rank's head slices block by block. Where the decode rank holds a slice of one producer
+    rank (D >= P) its block-outermost page is exactly such a packed block, so the slot lands in one
+    descriptor per run of its blocks; where it holds several producers' heads interleaved (P > D) the
+    slot would land slice by slice, so it reads it into a slot of its own (one descriptor)."""
+    if w.tp_decode >= w.tp_prefill:
+        direct = sum(runs(grp.blocks_for_tokens(w.tokens), w.fragmentation) for grp in hma.groups)
+    else:
+        direct = sliced
+    own_pool = w.staging is not None and w.staging.enabled
+    way = route(w.staging, sliced=sliced, direct=direct, own_pool=own_pool)
+    return {Route.SLICED: sliced, Route.DIRECT: min(direct, sliced), Route.SLOT: 1}[way]
 
 
 def _hybridkv_reads(w: Workload) -> list[tuple[int, int, TransferPlan]]:
@@ -338,10 +359,33 @@ def _hybridkv_reads(w: Workload) -> list[tuple[int, int, TransferPlan]]:
             sb[grp.group_id] = fragmented_blocks(ns, w.fragmentation)
             db[grp.group_id] = fragmented_blocks(nd, w.fragmentation)
         for i, src in enumerate(ranks):
-            plan = prepared.plan(i, sb, db)
+            plan = _staged(w, prepared, i, sb, db, prepared.plan(i, sb, db))
             if plan.num_descriptors:  # a rank that feeds none of this rank's fields is not read
                 reads.append((src, d, plan))
     return reads
+
+
+#: where the analyzer puts a producer's staging slot (any address: only contiguity counts)
+_SLOT_BASE = 1 << 46
+
+
+def _staged(w: Workload, prepared, source: int, sb, db, sliced: TransferPlan) -> TransferPlan:
+    """What the consumer posts for one read with staging, by the transport's own rule
+    (transport/staging.py ``route``; transport/fetch.py applies it to the same plans)."""
+    stager_of = getattr(prepared, "stager", None)
+    if w.staging is None or w.staging.mode is StagingMode.OFF or stager_of is None:
+        return sliced
+    stager = stager_of(source)
+    if stager is None:
+        return sliced
+    direct = stager.read(_SLOT_BASE, 0, sb, db)
+    way = route(w.staging, sliced=sliced.num_descriptors, direct=direct.num_descriptors,
+                own_pool=w.staging.enabled)
+    if way is Route.SLICED:
+        return sliced
+    if way is Route.DIRECT:
+        return direct if direct.num_descriptors <= sliced.num_descriptors else sliced
+    return slot_rows(_SLOT_BASE, 0, 2 * _SLOT_BASE, 0, stager.nbytes(sb))
 
 
 def hybridkv_plans(w: Workload) -> list[TransferPlan]:

@@ -41,6 +41,7 @@ from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.parts import Parts
 from hybridkv.transport.plan import PeerPlanner, Planner
 from hybridkv.transport.side import Peer, Side, send_quietly
+from hybridkv.transport.staging import StagePool, StagingConfig
 
 
 class Consumer:
@@ -54,7 +55,13 @@ class Consumer:
 
     role = wire.Role.CONSUMER
 
-    def __init__(self, memory, scheduler, config=None, *, planner: Planner) -> None:
+    def __init__(self, memory, scheduler, config=None, *, planner: Planner, staging: StagingConfig | None = None) -> None:
+        """``staging``: ask producers to stage heterogeneous-TP reads (transport/staging.py), with a
+        pool of this side's own (its region appended to ``memory``) to read them through where the
+        read would land in many pieces; None (default): never, every read is posted sliced."""
+        pool = StagePool(memory, staging) if staging is not None and staging.enabled and memory.regions else None
+        if pool is not None:
+            memory = pool.memory
         side = self._side = Side(memory, scheduler, config or TransportConfig(), planner, role=self.role)
         self.memory, self.scheduler, self.config, self.planner = side.memory, side.scheduler, side.config, side.planner
         self.pairing, self.dp, self.compat = side.pairing, side.dp, side.compat
@@ -68,7 +75,10 @@ class Consumer:
         self._dialer = Dialer(side, on_peer=self._on_peer)
         # post and wait are this object's, looked up here: a subclass's override is what runs.
         self._importer = Importer(side, self._parts, want=self.want, prepared=self.prepared, lost=self._links.lost,
-                                  post=self._post, wait=self._wait_xfer, drains=self._drains)
+                                  post=self._post, wait=self._wait_xfer, drains=self._drains, staging=staging,
+                                  pool=pool)
+        #: this side's staging pool (None: none)
+        self.staging = pool
         side.warn_if_open("")
 
     def hello(self) -> wire.Hello:
@@ -119,10 +129,12 @@ class Consumer:
             raise ValueError(f"producer {agent!r}; expected one of {sorted(self.peers)}")
         return peer
 
-    async def want(self, request_id: str, *, token: bytes, peer: str | None = None, readers: int = 1) -> None:
+    async def want(self, request_id: str, *, token: bytes, peer: str | None = None, readers: int = 1,
+                   stage: bool = False) -> None:
         """Ask a producer for a request (``fetch`` does this; calling it earlier lets the
         Export arrive ahead). ``token``: the request's capability, issued by the producer side
-        with the request. ``readers``: how many consumers read it together."""
+        with the request. ``readers``: how many consumers read it together. ``stage``: ask the producer to
+        pack this side's slices into a staging slot (``fetch`` decides; a producer without a pool ignores it)."""
         if not 1 <= readers <= wire.MAX_READERS:
             raise ValueError(f"readers = {readers}; expected 1..{wire.MAX_READERS}")
         auth.check_token(token, f"request {request_id!r}: token")
@@ -132,7 +144,7 @@ class Consumer:
             return
         part.wanted = True
         try:
-            await p.channel.send(wire.Want(request_id=request_id, token=token, readers=readers))
+            await p.channel.send(wire.Want(request_id=request_id, token=token, readers=readers, stage=stage))
         except PeerLost:
             self._links.lost(p)
 
@@ -142,7 +154,7 @@ class Consumer:
         return part is not None and part.export.done()
 
     async def fetch(self, request_id: str, components: Iterable, *, token: bytes,
-                    peers: Sequence[str] | None = None, readers: int = 1) -> Result:
+                    peers: Sequence[str] | None = None, readers: int = 1, stage: bool | None = None) -> Result:
         """Import a request whose blocks the engine allocated (scheduler.add_request(expect=...)).
 
         Asks each producer in ``peers`` (default: the only one connected) for the
@@ -150,12 +162,14 @@ class Consumer:
         the fence allows, and ends in a defined state: READY once every part landed,
         or per the failure policy RECOMPUTE or FAILED. ``token``: the request's capability,
         issued by the producer side with the request. ``readers``: consumers sharing each
-        producer's copy.
+        producer's copy. ``stage``: False reads this request sliced whatever the staging config
+        says (None: as it says).
         """
         auth.check_token(token, f"request {request_id!r}: token")
         comps = tuple(components)
         targets = [self._peer(a) for a in peers] if peers else [self._peer(None)]
-        return await self._importer.fetch(request_id, comps, token=token, targets=targets, readers=readers)
+        return await self._importer.fetch(request_id, comps, token=token, targets=targets, readers=readers,
+                                          stage=stage)
 
     def settling(self, request_id: str) -> bool:
         """Whether an import of the request that ended (failed) may still be written: a READ NIXL would

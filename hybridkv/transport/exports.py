@@ -31,6 +31,7 @@ from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.plan import PeerPlanner
 from hybridkv.transport.side import Peer, Side, notification, remember, send_quietly
+from hybridkv.transport.staging import Slot, StagePool, Stager
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class _Export:
     abort_asked: bool = False
     descriptors: int = 0  # push: what the WRITE posted, and when (for the metrics)
     posted_at: float = 0.0
+    slots: dict[str, Slot] = field(default_factory=dict)  # agent -> its staging slot (pull, staged)
 
     @property
     def peer(self) -> Peer | None:
@@ -61,8 +63,11 @@ class Exports:
     """The producer's exports. Given the side: its scheduler, config, planner, memory map, data
     plane, peers and counters."""
 
-    def __init__(self, side: Side) -> None:
+    def __init__(self, side: Side, staging: StagePool | None = None) -> None:
         self._side = side
+        #: where staged reads are packed (None: every Want is exported unstaged)
+        self._staging = staging
+        self._stagers: dict[str, Stager | None] = {}  # per consumer agent
         self._scheduler = side.scheduler
         self._config = side.config
         self._planner = side.planner
@@ -79,7 +84,7 @@ class Exports:
         self._notified: OrderedDict[str, None] = OrderedDict()
         # Wants that came before the request was exported (the consumer may be first), with the
         # token each asker holds; bounded per peer and in total (TransportConfig.max_wants*).
-        self._wants: dict[str, list[tuple[Peer, int, bytes]]] = {}
+        self._wants: dict[str, list[tuple[Peer, int, bytes, bool]]] = {}
         self._want_count = 0
         # Requests a consumer released before they were exported (it will never read them), with the
         # token it released them with: their export ends as soon as it starts if the tokens match.
@@ -87,8 +92,10 @@ class Exports:
 
     def describe(self) -> dict:
         return {"exports": {r: {"claims": sorted(e.claims), "ended": sorted(e.ended), "readers": e.readers,
-                                "writing": e.xfer is not None} for r, e in self._exports.items()},
-                "wants_ahead": {r: len(v) for r, v in self._wants.items()}}
+                                "writing": e.xfer is not None, "staged": sorted(e.slots)}
+                            for r, e in self._exports.items()},
+                "wants_ahead": {r: len(v) for r, v in self._wants.items()},
+                **({} if self._staging is None else {"staging": self._staging.describe()})}
 
     async def serve(self, peer: Peer) -> None:
         """A consumer's control messages, until it is lost or the producer closes."""
@@ -195,7 +202,7 @@ class Exports:
         rec = self._exports.get(rid)
         if rec is not None:
             if _holds(rec, peer, msg.token):
-                self._claim(rec, peer, msg.readers, msg.token)
+                self._claim(rec, peer, msg.readers, msg.token, msg.stage)
             else:
                 self._stats.forbidden += 1  # no answer: a refusal would say the request exists
             return
@@ -209,7 +216,7 @@ class Exports:
             self._refuse_want(peer, rid, wire.FailureCode.UNKNOWN_REQUEST,
                               f"request {rid} was already exported and its export has ended", msg.token)
             return
-        if any(p is peer for p, _, _ in self._wants.get(rid, ())):
+        if any(a[0] is peer for a in self._wants.get(rid, ())):
             self._stats.duplicates += 1
             return
         if peer.wants >= self._config.max_wants_per_peer:
@@ -217,14 +224,14 @@ class Exports:
             return
         if self._want_count >= self._config.max_wants:
             # Full: the peer holding the most waiting Wants goes (a flooder has them), not the asker.
-            worst = max({id(p): p for asks in self._wants.values() for p, _, _ in asks}.values(),
+            worst = max({id(a[0]): a[0] for asks in self._wants.values() for a in asks}.values(),
                         key=lambda p: p.wants)
             self._cut_off(worst, f"{worst.wants} requests asked for ahead, the most of any peer, with "
                                  f"{self._want_count} waiting in total")
             if worst is peer:
                 return
         pending = self._wants.setdefault(rid, [])
-        pending.append((peer, msg.readers, msg.token))
+        pending.append((peer, msg.readers, msg.token, msg.stage))
         peer.wants += 1
         self._want_count += 1
 
@@ -234,7 +241,7 @@ class Exports:
         log.warning("disconnected consumer %s: %s", peer.agent, why)
         self.peer_lost(peer)  # which closes its channel and removes its NIXL agent
 
-    def _claim(self, rec: _Export, peer: Peer, readers: int, token: bytes) -> None:
+    def _claim(self, rec: _Export, peer: Peer, readers: int, token: bytes, stage: bool = False) -> None:
         """Give the request to a consumer that asked for it, or refuse it clearly."""
         if peer.agent in rec.claims:
             self._stats.duplicates += 1  # asked twice by the same consumer: it has its Export
@@ -254,14 +261,43 @@ class Exports:
             return
         rec.readers = readers
         rec.claims[peer.agent] = peer
+        staged = self._stage(rec, peer) if stage and self._config.mode is wire.Mode.PULL else ()
+        if staged and not self._staging.config.fence:
+            # HYBRIDKV_STAGING_RULE_OFF: the slot goes back as soon as it is packed, while its reader
+            # has yet to read it (the next request's slices may land in it first).
+            self._staging.give_back(rec.slots.pop(peer.agent))
         deadline = self._scheduler.leases.deadline(rec.rid)
         left = max(0.0, deadline - self._scheduler.leases.now()) if deadline is not None else 0.0
-        asyncio.ensure_future(self._send_export(rec, peer, left))
+        asyncio.ensure_future(self._send_export(rec, peer, left, staged))
 
-    async def _send_export(self, rec: _Export, peer: Peer, left: float) -> None:
+    def _stage(self, rec: _Export, peer: Peer) -> tuple[int, ...]:
+        """Pack what ``peer`` reads into a staging slot: (offset, nbytes) for its Export, or ()
+        where this side cannot (no pool, nothing to gather for that peer, no free slot: the
+        consumer then posts the sliced plan). The slot is the export's until it ends."""
+        pool = self._staging
+        if pool is None:
+            return ()
+        if peer.agent not in self._stagers:
+            stager = getattr(self._planner, "stager", None)
+            try:
+                self._stagers[peer.agent] = None if stager is None else stager(self._memory, peer.memory)
+            except ValueError as exc:  # layouts that do not pair by fields: unstaged, the plan will say why
+                log.debug("no staging for %s: %s", peer.agent, exc)
+                self._stagers[peer.agent] = None
+        stager = self._stagers[peer.agent]
+        if stager is None:
+            return ()
+        slot = pool.take(stager.nbytes(rec.blocks))
+        if slot is None:
+            return ()  # full: unstaged (back-pressure falls back, never waits)
+        pool.copier.run(stager.pack(rec.blocks, base=slot.offset))
+        rec.slots[peer.agent] = slot
+        return (slot.offset, slot.nbytes)
+
+    async def _send_export(self, rec: _Export, peer: Peer, left: float, staged: tuple[int, ...] = ()) -> None:
         try:
             await peer.channel.send(wire.Export(
-                request_id=rec.rid, lease_s=left,
+                request_id=rec.rid, lease_s=left, stage=staged,
                 blocks=tuple(wire.GroupBlocks(group_id=g, ids=tuple(b.tolist())) for g, b in rec.blocks.items())))
         except PeerLost:
             self.peer_lost(peer)
@@ -358,13 +394,13 @@ class Exports:
             self._stats.forbidden += 1  # released with a guessed token: ignored
         if target is not None:
             self._claim(rec, target, 1, token)
-        for asker, readers, held in self._wants.pop(request_id, []):
+        for asker, readers, held, stage in self._wants.pop(request_id, []):
             asker.wants -= 1
             self._want_count -= 1
             if not asker.alive:
                 continue
             if _holds(rec, asker, held):
-                self._claim(rec, asker, readers, held)
+                self._claim(rec, asker, readers, held, stage)
             else:
                 self._stats.forbidden += 1  # asked with a guessed token: no answer
         return await rec.done
@@ -387,7 +423,9 @@ class Exports:
         self._reader_ended(rec, agent, True)
 
     def tick(self) -> None:
-        """From the pump: exports whose lease lapsed end."""
+        """From the pump: exports whose lease lapsed end; staging slots held past a lease go back."""
+        if self._staging is not None:
+            self._staging.tick(self._scheduler.leases.now())
         for rid in self._scheduler.poll():  # lapsed leases: the scheduler dropped the request
             rec = self._exports.get(rid)
             self._metrics.lease_expired()
@@ -403,7 +441,7 @@ class Exports:
         """The lease lapsed before export() (a stalled prefill): every consumer that asked for the
         request hears so now, not after its export timeout, and a later ask is refused at once."""
         remember(self._finished, rid)
-        for peer, _, held in self._wants.pop(rid, []):
+        for peer, _, held, _ in self._wants.pop(rid, []):
             peer.wants -= 1
             self._want_count -= 1
             if peer.alive:
@@ -420,8 +458,10 @@ class Exports:
         sched = self._scheduler
         (sched.transfer_landed if ok else sched.transfer_failed)(rec.tid)
         alive = all(p.alive for p in rec.claims.values())
+        freed = outcome is Outcome.DONE or outcome is Outcome.FAILED and alive
+        self._release_slots(rec, now=freed)
         if sched.has_request(rec.rid):
-            if outcome is Outcome.DONE or outcome is Outcome.FAILED and alive:
+            if freed:
                 sched.export_done(rec.rid)
             else:
                 sched.abort(rec.rid)  # a reader gone: held until the lease lapses (it may have been reading)
@@ -440,6 +480,22 @@ class Exports:
         if not rec.done.done():
             rec.done.set_result(Result(request_id=rec.rid, outcome=outcome, error=error))
 
+    def _release_slots(self, rec: _Export, *, now: bool) -> None:
+        """The export's staging slots go back with its blocks: now where every reader is done with
+        them, else (a reader may still be reading) when the lease lapses (a reader never reads past it)."""
+        if not rec.slots or self._staging is None:
+            return
+        leases = self._scheduler.leases
+        deadline = None if now else leases.deadline(rec.rid)
+        if not now and deadline is None:
+            deadline = leases.now() + leases.duration_s
+        for slot in rec.slots.values():
+            if deadline is None:
+                self._staging.give_back(slot)
+            else:
+                self._staging.hold(slot, deadline)
+        rec.slots.clear()
+
     def peer_lost(self, peer: Peer) -> None:
         """A consumer is gone (or cut off): its asks and claims end, its agent and channel go."""
         if not peer.alive:
@@ -447,8 +503,9 @@ class Exports:
         peer.alive = False
         self._peers.pop(peer.agent, None)
         self._plans.pop(peer.agent, None)
+        self._stagers.pop(peer.agent, None)
         if peer.wants:
-            for rid in [r for r, asks in self._wants.items() if any(p is peer for p, _, _ in asks)]:
+            for rid in [r for r, asks in self._wants.items() if any(a[0] is peer for a in asks)]:
                 self._wants[rid] = [a for a in self._wants[rid] if a[0] is not peer]
                 if not self._wants[rid]:
                     del self._wants[rid]

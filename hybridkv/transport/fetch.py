@@ -33,6 +33,20 @@ from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.parts import Part, Parts
 from hybridkv.transport.plan import PeerPlanner, TransferPlan
 from hybridkv.transport.side import Peer, Side, notification, send_quietly
+from hybridkv.transport.staging import (Route, Slot, StagePool, Stager, StagingConfig, StagingMode, route, slot_rows,
+                                       staging_region)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Staged:
+    """A staged part read through this side's own slot: the producer's slot, and how to unpack it."""
+
+    stager: Stager
+    src_blocks: dict[int, np.ndarray]
+    dst_blocks: dict[int, np.ndarray]
+    addr: int   # the producer's slot
+    dev: int
+    nbytes: int
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -41,6 +55,9 @@ class Work:
 
     part: Part
     plan: TransferPlan  # src: the producer's side, dst: ours
+    #: staged, best read through a slot of ours (the plan is the direct read, used where none is free)
+    staged: Staged | None = None
+    slot: Slot | None = None  # ours, taken at post time: the READ lands there, then it is unpacked
 
 
 class Importer:
@@ -58,8 +75,12 @@ class Importer:
     def __init__(self, side: Side, parts: Parts, *, want: Callable[..., Awaitable[None]],
                  prepared: Callable[[Sequence[str]], PeerPlanner], lost: Callable[[Peer], None],
                  post: Callable[[Work, bytes], Transfer],
-                 wait: Callable[[Transfer, Callable[[], float] | None], Awaitable[XferState]], drains: Drains) -> None:
+                 wait: Callable[[Transfer, Callable[[], float] | None], Awaitable[XferState]], drains: Drains,
+                 staging: StagingConfig | None = None, pool: StagePool | None = None) -> None:
         self._parts = parts
+        #: whether to ask producers to stage (None or OFF: never), and this side's own slots
+        self._staging = staging if staging is not None and staging.mode is not StagingMode.OFF else None
+        self._pool = pool
         self._want = want
         self._prepared = prepared
         self._lost = lost
@@ -82,7 +103,7 @@ class Importer:
             task.cancel()
 
     async def fetch(self, request_id: str, comps: tuple, *, token: bytes, targets: Sequence[Peer],
-                    readers: int) -> Result:
+                    readers: int, stage: bool | None = None) -> Result:
         """``Consumer.fetch``, its token checked and its producers found (``targets``)."""
         if len({p.agent for p in targets}) != len(targets):
             raise ValueError(f"producers {[p.agent for p in targets]} repeat; expected distinct ones")
@@ -90,9 +111,11 @@ class Importer:
             raise ValueError(f"{len(targets)} producers for one request in {self._config.mode.name} mode; "
                              "expected pull mode")
         parts = [self._parts.open(request_id, p, token) for p in targets]
+        flags = self._stage_flags(targets) if stage is not False else [False] * len(targets)
+
         async def ask_and_wait():
-            for p in targets:
-                await self._want(request_id, token=token, peer=p.agent, readers=readers)
+            for p, st in zip(targets, flags):
+                await self._want(request_id, token=token, peer=p.agent, readers=readers, stage=st)
             return await asyncio.gather(*(asyncio.shield(x.export) for x in parts))
 
         try:
@@ -125,13 +148,82 @@ class Importer:
                     request_id=part.rid, code=wire.FailureCode.ABORTED, detail=detail[: wire.MAX_TEXT],
                     token=part.token))
 
+    def _stage_flags(self, targets: Sequence[Peer]) -> list[bool]:
+        """Per producer: whether to ask it to stage (pull mode, staging on here, a field-paired read)."""
+        if self._staging is None or self._config.mode is not wire.Mode.PULL:
+            return [False] * len(targets)
+        try:
+            planned = self._prepared([p.agent for p in targets])
+        except ValueError:
+            return [False] * len(targets)  # refused again, with its reason, once the Exports are in
+        stager = getattr(planned, "stager", None)
+        return [stager is not None and stager(i) is not None for i in range(len(targets))]
+
     def _work(self, part: Part, export: wire.Export, mine: dict[int, np.ndarray], planned: PeerPlanner,
               source: int) -> Work:
         wire.check_blocks(export.blocks, part.peer.memory.group_bounds(), what=f"export of {part.rid}")
         theirs = {g.group_id: np.asarray(g.ids, dtype=np.int64) for g in export.blocks}
         plan = planned.plan(source, theirs, mine)
         plan.check()
-        return Work(part=part, plan=plan)
+        if not export.stage:
+            return Work(part=part, plan=plan)
+        return self._staged_work(part, export, theirs, mine, planned, source, plan)
+
+    def _staged_work(self, part: Part, export: wire.Export, theirs: dict[int, np.ndarray],
+                     mine: dict[int, np.ndarray], planned: PeerPlanner, source: int, sliced: TransferPlan) -> Work:
+        """The producer packed our slices into its slot: read the slot (straight into our pages where
+        that takes few descriptors, else through a slot of ours), unless the sliced plan is as short."""
+        stager_of = getattr(planned, "stager", None)
+        stager = None if stager_of is None else stager_of(source)
+        region = staging_region(part.peer.memory)
+        if stager is None or region is None or len(export.stage) != 2:
+            raise ValueError(f"export of {part.rid} names a staging slot {export.stage}; expected none from a "
+                             "producer this side cannot read staged")
+        offset, nbytes = export.stage
+        want = stager.nbytes(theirs)
+        if nbytes != want or offset + nbytes > region.stride * region.num_pages:
+            raise ValueError(f"export of {part.rid}: staging slot ({offset}, {nbytes} bytes); expected {want} bytes "
+                             f"inside the producer's staging region of {region.stride * region.num_pages}")
+        addr = region.base_addr + offset
+        direct = stager.read(addr, region.device_id, theirs, mine)
+        direct.check()
+        way = route(self._staging, sliced=sliced.num_descriptors, direct=direct.num_descriptors,
+                    own_pool=self._pool is not None)
+        if way is Route.SLICED:
+            return Work(part=part, plan=sliced)  # the slot goes unread; the export's end frees it
+        best = direct if direct.num_descriptors <= sliced.num_descriptors else sliced
+        if way is Route.DIRECT:
+            return Work(part=part, plan=best)
+        # Through our slot; the direct read (or the sliced plan) stays the fallback where none is free.
+        return Work(part=part, plan=best, staged=Staged(stager=stager, src_blocks=theirs, dst_blocks=mine,
+                                                        addr=addr, dev=region.device_id, nbytes=nbytes))
+
+    def _slot_for(self, w: Work) -> Work:
+        """At post time: a staged part reads into a slot of ours if one is free (else directly)."""
+        st, pool = w.staged, self._pool
+        if st is None or pool is None:
+            return w
+        slot = pool.take(st.nbytes)
+        if slot is None:
+            return w  # full: the direct read (back-pressure falls back, never waits)
+        plan = slot_rows(st.addr, st.dev, pool.base + slot.offset, pool.region.device_id, st.nbytes)
+        return dataclasses.replace(w, plan=plan, slot=slot)
+
+    def _unpack(self, work: Sequence[Work]) -> str | None:
+        """Every READ landed: staged parts go from our slots into our pages. An error, or None."""
+        for w in work:
+            if w.slot is not None and w.staged is not None:
+                try:
+                    self._pool.copier.run(w.staged.stager.unpack(w.staged.src_blocks, w.staged.dst_blocks,
+                                                                 base=w.slot.offset))
+                except Exception as exc:  # a bug, not the peer's: the import fails, the engine lives
+                    return f"unpacking the staged read failed: {type(exc).__name__}: {exc}"
+        return None
+
+    def _free_slot(self, w: Work) -> None:
+        """Its READ ended (landed, failed or aborted): nothing more lands in its slot."""
+        if w.slot is not None and self._pool is not None:
+            self._pool.give_back(w.slot)
 
     async def _import(self, rid: str, parts: list[Part], got, comps) -> Result:
         sched = self._scheduler
@@ -184,6 +276,7 @@ class Importer:
         t0 = time.perf_counter()
         posted: list[tuple[Work, Transfer]] = []
         error = None
+        work = [self._slot_for(w) for w in work]
         for w in work:
             if w.plan.num_descriptors == 0:
                 continue  # nothing of this producer's is needed here (GQA duplicate): Done tells it
@@ -194,6 +287,9 @@ class Importer:
             except Exception as exc:
                 error = str(exc)
                 break
+        for w in work:
+            if w.slot is not None and not any(p is w for p, _ in posted):
+                self._free_slot(w)  # never posted: nothing lands there
         post_seconds = time.perf_counter() - t0
         if not posted:  # no READ went out: nothing can write the blocks, no writer to wait for
             return await self._nothing_posted(rid, tid, work, error, post_seconds)
@@ -212,6 +308,11 @@ class Importer:
         if stuck:
             return await self._abandon(rid, imp, work, posted, stuck)
         ok = error is None and all(s is XferState.DONE for s in states)
+        if ok:
+            error = self._unpack([w for w, _ in posted])  # before the blocks are judged landed
+            ok = error is None
+        for w, _ in posted:
+            self._free_slot(w)
         xfers = [x for _, x in posted]
         tel = [self._dp.telemetry(x) for x in xfers] if self._config.dataplane.telemetry and ok else None
         for x in xfers:
@@ -275,6 +376,7 @@ class Importer:
                 continue
             if id(x) not in stuck_ids:
                 self._dp.release(x)
+            self._free_slot(w)
             self._drains.drained(imp, w.part.peer.agent)  # ended (or aborted): nothing more lands from it
         await self._end_parts(work, False)
         if not unabortable:
@@ -294,6 +396,7 @@ class Importer:
             while self._dp.state(x) is XferState.IN_PROGRESS:
                 await asyncio.sleep(self._config.pump_idle_s)
             self._dp.release(x)
+            self._free_slot(w)  # its slot too: the READ that could write it ended
             self._drains.drained(imp, w.part.peer.agent)  # the last one ends the import: the blocks go back
 
     def settling(self, request_id: str) -> bool:

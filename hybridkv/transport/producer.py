@@ -22,6 +22,7 @@ from hybridkv.transport.exports import Exports
 from hybridkv.transport.memory import MemoryMap
 from hybridkv.transport.plan import Planner
 from hybridkv.transport.side import Peer, Side, send_quietly
+from hybridkv.transport.staging import StagePool, StagingConfig
 
 
 class Producer:
@@ -36,12 +37,20 @@ class Producer:
     role = wire.Role.PRODUCER
 
     def __init__(self, memory: MemoryMap, scheduler, config: TransportConfig | None = None, *,
-                 planner: Planner) -> None:
+                 planner: Planner, staging: StagingConfig | None = None) -> None:
+        """``staging``: a pool to pack heterogeneous-TP reads into (transport/staging.py), in the
+        regions' memory kind, its region appended to ``memory``; None (default): no pool, every
+        read is posted sliced."""
+        pool = StagePool(memory, staging) if staging is not None and staging.enabled and memory.regions else None
+        if pool is not None:
+            memory = pool.memory
         side = self._side = Side(memory, scheduler, config or TransportConfig(), planner, role=self.role)
         self.memory, self.scheduler, self.config, self.planner = side.memory, side.scheduler, side.config, side.planner
         self.pairing, self.dp, self.compat = side.pairing, side.dp, side.compat
         self.stats, self.metrics, self.peers = side.stats, side.metrics, side.peers
-        self._exports = Exports(side)
+        self._exports = Exports(side, pool)
+        #: the staging pool (None: staging off on this side)
+        self.staging = pool
         self._admission = Admission(side, serve=self._exports.serve, lost=self._exports.peer_lost)
 
     def hello(self) -> wire.Hello:

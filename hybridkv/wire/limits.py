@@ -13,7 +13,8 @@ from hybridkv.errors import HybridKVError
 # request carries that request's capability token.
 # 3: the proofs bind the connection (the address dialled, the producer's own, both agent names), the
 # consumer proves first, and every frame after the proofs carries a MAC under the session's key.
-PROTOCOL_VERSION = 3
+# 4: Want may ask for staging and Export may name a staging slot (heterogeneous TP, transport/staging.py).
+PROTOCOL_VERSION = 4
 
 MAX_MESSAGE_BYTES = 16 << 20
 # Frames a peer may send before it proved the shared secret (its Auth messages): a few KiB,

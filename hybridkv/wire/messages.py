@@ -114,6 +114,9 @@ class Export(Message):
     request_id: str = on_wire("rid", REQUEST_ID)
     blocks: tuple[GroupBlocks, ...] = on_wire("blocks", BLOCKS)
     lease_s: float = on_wire("lease_s", LEASE_S)
+    # Staged (the Want asked, a slot was free): (offset, nbytes) of the packed slices in the producer's
+    # staging region (transport/staging.py); empty: read the blocks themselves.
+    stage: tuple[int, ...] = on_wire("stage", ListOf(item=Int(lo=0, hi=MAX_I63), limit=2), default=())
 
 
 @message(Kind.IMPORT)
@@ -177,6 +180,7 @@ class Want(Message):
     request_id: str = on_wire("rid", REQUEST_ID)
     token: bytes = on_wire("token", TOKEN)
     readers: int = on_wire("readers", Int(lo=1, hi=MAX_READERS), default=1)
+    stage: bool = on_wire("stage", Flag(), default=False)  # pack my slices into a staging slot (hetero TP)
 
 
 require_every_kind()

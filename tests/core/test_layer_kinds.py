@@ -223,5 +223,8 @@ def test_a_new_state_kind_flows_through_every_layer_with_two_files(tmp_path):
         assert counts["vllm-legacy"] == [reads * (2 * 3 * 16 + 2 * 6 + 1 * 3), moved, 2 * 3 + 2 * 6 + 1 * 3]
         # hybridkv's planner moves exactly those bytes, one descriptor per (fragmented) block and group:
         # 16 attention + 1 GDN + 1 toy per read, the heads of a read being one run of each block.
-        assert counts["hybridkv"] == [reads * 18, moved, 3]
+        if pair == "2->2":
+            assert counts["hybridkv"] == [reads * 18, moved, 3]
+        else:  # different TP: staged (transport/staging.py), one slot per read, the toy layers' slices in it
+            assert counts["hybridkv"][0] == reads and counts["hybridkv"][1] >= moved
         assert all(c[0] > 0 and c[1] >= moved for c in counts.values())

@@ -5,6 +5,11 @@ rank-specific pattern, and reports a digest per field key of each request: the
 field's bytes over the request's blocks in token order (clipped to the prompt
 for token-indexed fields). A decode rank must end with exactly the bytes of the
 prefill rank it was assigned each field from.
+
+``staging`` (a dict of StagingConfig fields, both sides): heterogeneous-TP reads go through
+staging slots (transport/staging.py), but for the requests listed in ``sliced``. ``want_first`` (consumer): ask for every request and wait
+for every Export before any READ, so that every slot is packed before the first is read (a slot
+reused early then corrupts a read for certain).
 """
 
 from __future__ import annotations
@@ -37,6 +42,18 @@ def _counts(layout, tokens):
     return {g.group_id: (1 if g.block_tokens is None else -(-tokens // g.block_tokens)) for g in layout.groups}
 
 
+def _staging(opts):
+    from hybridkv.transport.staging import StagingConfig, StagingMode
+
+    cfg = opts.get("staging")
+    if cfg is None:
+        return None
+    cfg = dict(cfg)
+    if "mode" in cfg:
+        cfg["mode"] = StagingMode(cfg["mode"])
+    return StagingConfig(**cfg)
+
+
 def _pools(layout):
     from hybridkv.fencing.fence import PoolLayout
 
@@ -58,9 +75,10 @@ async def _producer(opts, out, inbox):
     from hybridkv.transport.endpoint import Pairing, Producer, TransportConfig
 
     tp, rank = opts["tp"], opts["rank"]
-    layout, memory, _ = build(10 + rank, tp=tp, rank=rank, block=opts["block"])
+    layout, memory, _ = build(10 + rank, tp=tp, rank=rank, block=opts["block"], geo_over=opts.get("geo"))
     sched = TransferScheduler(_pools(layout), lease_s=30.0)
-    prod = Producer(memory, sched, TransportConfig(secret=SECRET), planner=DescriptorPlanner(pairing=Pairing.FIELDS))
+    prod = Producer(memory, sched, TransportConfig(secret=SECRET), planner=DescriptorPlanner(pairing=Pairing.FIELDS),
+                    staging=_staging(opts))
     out.put(("addr", await prod.start()))
     plans = {}
     for step, (rid, tokens) in enumerate(opts["requests"], 1):
@@ -75,7 +93,8 @@ async def _producer(opts, out, inbox):
     out.put(("results", [(r.request_id, r.outcome.name, r.error) for r in results]))
     pools = sched.layout.pool_sizes
     out.put(("state", {"free": [sched.free_count(p) for p in range(len(pools))], "total": list(pools),
-                       "in_flight": sched.transfers_in_flight()}))
+                       "in_flight": sched.transfers_in_flight(),
+                       "staging": None if prod.staging is None else prod.staging.describe()}))
     await _await_inbox(inbox, "stop", prod)
     await prod.close()
 
@@ -94,9 +113,10 @@ async def _consumer(opts, out, inbox):
     from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
 
     tp, rank = opts["tp"], opts["rank"]
-    layout, memory, _ = build(50 + rank, tp=tp, rank=rank, block=opts["block"])
+    layout, memory, _ = build(50 + rank, tp=tp, rank=rank, block=opts["block"], geo_over=opts.get("geo"))
     sched = TransferScheduler(_pools(layout), lease_s=30.0)
-    cons = Consumer(memory, sched, TransportConfig(secret=SECRET), planner=DescriptorPlanner(pairing=Pairing.FIELDS))
+    cons = Consumer(memory, sched, TransportConfig(secret=SECRET), planner=DescriptorPlanner(pairing=Pairing.FIELDS),
+                    staging=_staging(opts))
     agents = [await cons.connect(host, port) for host, port in opts["addrs"]]
     plan = cons.prepared(agents)
     comps = components(layout)
@@ -107,7 +127,16 @@ async def _consumer(opts, out, inbox):
         for g in _counts(layout, tokens):
             sched.allocate(rid + "-pad", g, 1)
         plans[rid] = {g: list(sched.allocate(rid, g, n)) for g, n in _counts(layout, tokens).items()}
-    results = await asyncio.gather(*(cons.fetch(rid, comps, token=token(rid), peers=agents, readers=opts["readers"])
+    sliced = set(opts.get("sliced", ()))  # requests read sliced whatever the staging config says
+    if opts.get("want_first"):
+        stage = cons._importer._stage_flags([cons.peers[a] for a in agents])
+        for rid in plans:
+            for a, st in zip(agents, stage):
+                await cons.want(rid, token=token(rid), peer=a, readers=opts["readers"], stage=st and rid not in sliced)
+        while not all(cons.exported(rid, peer=a) for rid in plans for a in agents):
+            await asyncio.sleep(0.005)
+    results = await asyncio.gather(*(cons.fetch(rid, comps, token=token(rid), peers=agents, readers=opts["readers"],
+                                                stage=False if rid in sliced else None)
                                      for rid in plans))
     sched.audit()
     out.put(("results", [(r.request_id, r.outcome.name, r.error, r.descriptors, r.nbytes, r.planned)
@@ -115,6 +144,59 @@ async def _consumer(opts, out, inbox):
     out.put(("fields", {rid: field_digests(layout, plans[rid], t) for rid, t in opts["requests"]}))
     out.put(("sources", {r: sorted(f"{k[0].value}/{k[1]}/{k[2]}" for k in keys) for r, keys in plan.sources.items()}))
     out.put(("state", {"phases": {rid: sched.phase(rid).name for rid in plans},
-                       "in_flight": sched.transfers_in_flight()}))
+                       "in_flight": sched.transfers_in_flight(),
+                       "staging": None if cons.staging is None else cons.staging.describe()}))
     await cons.close()
     out.put(("finished", None))
+
+
+def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts) -> dict:
+    """One process per rank on each side; every decode rank's fields compared with the producer rank
+    it read each from, every block and staging slot given back on both sides. Returns per request
+    the descriptors each decode rank posted (``per_rank``) and their sum (``total``)."""
+    from hybridkv.descriptors.planning import source_ranks
+    from tests.transport.harness import Proc
+
+    prods = [Proc(producer_main, {"tp": p_tp, "rank": r, "block": p_block, "requests": requests, **opts})
+             for r in range(p_tp)]
+    conss = []
+    try:
+        addrs = [p.expect("addr") for p in prods]
+        for d in range(d_tp):
+            ranks, readers = source_ranks(d_tp, d, p_tp)
+            conss.append(Proc(consumer_main, {
+                "tp": d_tp, "rank": d, "block": d_block, "requests": requests, "readers": readers,
+                "addrs": [addrs[r] for r in ranks], **opts}))
+        sent = [p.expect("fields") for p in prods]
+        per_rank = {rid: [] for rid, _ in requests}
+        bad = []
+        for cons in conss:
+            results = cons.expect("results")
+            assert {r[0]: r[1] for r in results} == {rid: "READY" for rid, _ in requests}, results
+            got = cons.expect("fields")
+            sources = cons.expect("sources")
+            owner = {key: rank for rank, keys in sources.items() for key in keys}
+            for rid, _ in requests:
+                assert set(owner) == set(got[rid])  # every field of this rank came from some producer rank
+                bad += [(rid, key, owner[key]) for key, digest in got[rid].items()
+                        if digest != sent[owner[key]][rid][key]]
+            for rid, _, _, desc, nbytes, planned in results:
+                assert desc and nbytes > 0
+                assert desc == planned, (rid, desc, planned)  # NIXL posted what the planner said
+                per_rank[rid].append(desc)
+            state = cons.expect("state")
+            assert set(state["phases"].values()) == {"READY"} and state["in_flight"] == 0
+            if state["staging"] is not None:  # every slot of ours back: its READ ended, it was unpacked
+                assert state["staging"]["free"] == state["staging"]["units"], state["staging"]
+            cons.expect("finished")
+        assert not bad, f"fields that differ from their producer's (request, field, producer rank): {bad[:8]}"
+        for p in prods:  # every producer rank freed its blocks: each reader told it Done
+            assert {r[0]: r[1] for r in p.expect("results")} == {rid: "DONE" for rid, _ in requests}
+            state = p.expect("state")
+            assert state["free"] == state["total"] and state["in_flight"] == 0
+            if state["staging"] is not None:
+                assert state["staging"]["free"] == state["staging"]["units"], state["staging"]
+        return {rid: {"per_rank": per_rank[rid], "total": sum(per_rank[rid])} for rid, _ in requests}
+    finally:
+        for p in prods + conss:
+            p.stop()

@@ -1,0 +1,171 @@
+"""Staged heterogeneous-TP reads: what a producer packs for one consumer rank, and how it is read.
+
+A :class:`StagePlan` is made once per (producer rank, consumer rank) from both layouts and the
+fields the consumer reads from that producer (``keys``). It defines the *compact page* of each
+group: the producer page's bytes of those fields, back to back in the producer's order (a
+layout of its own, :attr:`StagePlan.compact`, one region per group). A request's slot holds, group
+by group in group-id order, one compact page per producer block in the Export's order. Both sides
+build the same plan (the consumer from the producer's handshake tables), so the slot needs no
+description on the wire beyond where it is and how long.
+
+The three moves are piece tables of descriptors/pieces.py, run by the transport
+(:mod:`hybridkv.transport.staging`):
+- pack: producer pages -> compact pages (local copies, one per piece over all blocks);
+- read: compact pages in the producer's slot -> consumer pages, as transfer rows (the
+  descriptor compiler, so rows merge wherever consecutive blocks continue on both sides);
+- unpack: compact pages in the consumer's own slot -> its pages (local copies), for reads
+  whose rows would not merge (P > D: the consumer's pages interleave several producers' heads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+import numpy as np
+
+from hybridkv.layout import GroupLayout, Layout, Placement, Region
+from hybridkv.layout.fields import Field, FieldKey
+from hybridkv.transport.plan import TransferPlan
+from hybridkv.transport.staging import CopyStep, Place
+
+from . import pieces as pc
+from .compiler import TransferPlanner, piece_pages
+
+#: page count of a compact region: a bound for the compiler's checks, not memory
+_COMPACT_PAGES = 1 << 24
+
+
+def compact_layout(src: Layout, dst: Layout, keys: Collection[FieldKey]) -> Layout:
+    """The producer's pages cut down to ``keys``: per group of ``dst`` that holds one of them, a
+    region (base 0) whose page is those fields of the producer's page, in its order."""
+    keys = frozenset(keys)
+    regions, groups = [], []
+    for dg in dst.groups:
+        if not any(f.key in keys for p in dg.placements for f in p.fields):
+            continue
+        sg = src.group(dg.group_id)
+        mine = sorted(((p.region_id, f) for p in sg.placements for f in p.fields if f.key in keys),
+                      key=lambda rf: (rf[0], rf[1].offset))
+        fields, at = [], 0
+        for _, f in mine:
+            fields.append(Field(key=f.key, offset=at, nbytes=f.nbytes, token_bytes=f.token_bytes))
+            at += f.nbytes
+        rid = len(regions)
+        first = src.regions[sg.placements[0].region_id]
+        regions.append(Region(region_id=rid, base_addr=0, stride=at, page_bytes=at, num_pages=_COMPACT_PAGES,
+                              mem=first.mem, device_id=first.device_id))
+        groups.append(GroupLayout(group_id=dg.group_id, kind=sg.kind, layer_indices=sg.layer_indices,
+                                  block_tokens=sg.block_tokens, window=sg.window,
+                                  placements=(Placement(region_id=rid, fields=tuple(fields)),)))
+    return Layout(geometry=src.geometry, tp=src.tp, rank=src.rank, regions=tuple(regions), groups=tuple(groups))
+
+
+def shared_keys(src: Layout, dst: Layout) -> frozenset[FieldKey]:
+    """Every field of ``dst`` that ``src`` holds: what a producer stages for a consumer that asks."""
+    theirs = {f.key for g in src.groups for p in g.placements for f in p.fields}
+    return frozenset(f.key for g in dst.groups for p in g.placements for f in p.fields if f.key in theirs)
+
+
+class StagePlan:
+    """Producer ``src`` staging ``keys`` for consumer ``dst`` (module docstring); implements the
+    transport's :class:`~hybridkv.transport.staging.Stager`."""
+
+    def __init__(self, src: Layout, dst: Layout, keys: Collection[FieldKey],
+                 reads: Collection[FieldKey] | None = None) -> None:
+        """``keys``: what the producer packs (:func:`shared_keys`, both sides compute it alike);
+        ``reads``: what the consumer takes from it (default all; fewer where GQA has it read a
+        replicated head from another producer rank)."""
+        self.keys = frozenset(keys)
+        self.reads = self.keys if reads is None else frozenset(reads)
+        if not self.reads or not self.reads <= self.keys:
+            raise ValueError(f"staging {len(self.keys)} fields of which {len(self.reads)} are read; expected a "
+                             "non-empty read set inside what the producer packs")
+        self.src, self.dst = src, dst
+        self.compact = v = compact_layout(src, dst, self.keys)
+        self.page_bytes = {g.group_id: v.regions[g.placements[0].region_id].page_bytes for g in v.groups}
+        self._region = {g.group_id: g.placements[0].region_id for g in v.groups}
+        self._pack = {g.group_id: pc.merge_table(pc.field_table(src, src.group(g.group_id), v, g, self.keys))
+                      for g in v.groups}
+        self._unpack = {g.group_id: pc.merge_table(pc.field_table(v, g, dst, dst.group(g.group_id), self.reads))
+                        for g in v.groups}
+        self._read = TransferPlanner(v, dst, keys=self.reads)
+        self.groups = tuple(sorted(self.page_bytes))
+
+    def areas(self, src_blocks: Mapping[int, np.ndarray]) -> dict[int, tuple[int, int]]:
+        """Per group: (byte offset in the slot, block count)."""
+        out, at = {}, 0
+        for g in self.groups:
+            n = len(src_blocks.get(g, ()))
+            out[g] = (at, n)
+            at += n * self.page_bytes[g]
+        return out
+
+    def nbytes(self, src_blocks: Mapping[int, np.ndarray]) -> int:
+        return sum(len(src_blocks.get(g, ())) * self.page_bytes[g] for g in self.groups)
+
+    def pack(self, src_blocks: Mapping[int, np.ndarray], *, base: int = 0) -> list[CopyStep]:
+        """``base``: the slot's offset in the staging buffer."""
+        steps = []
+        for g, (at, n) in self.areas(src_blocks).items():
+            if n == 0:
+                continue
+            sb = np.asarray(src_blocks[g], dtype=np.int64)
+            steps += self._steps(self._pack[g], sb, np.arange(n, dtype=np.int64), src_slot=None, dst_slot=base + at,
+                                 stride=self.page_bytes[g], local=self.src)
+        return steps
+
+    def unpack(self, src_blocks: Mapping[int, np.ndarray], dst_blocks: Mapping[int, np.ndarray], *,
+               base: int = 0) -> list[CopyStep]:
+        """``base``: the offset in the consumer's staging buffer its slot starts at."""
+        steps = []
+        for g, (at, n) in self.areas(src_blocks).items():
+            if self._unpack[g].num_pieces == 0:
+                continue
+            db = np.asarray(dst_blocks.get(g, ()), dtype=np.int64)
+            steps += self._steps(self._unpack[g], np.arange(n, dtype=np.int64), db, src_slot=base + at, dst_slot=None,
+                                 stride=self.page_bytes[g], local=self.dst)
+        return steps
+
+    def _steps(self, t: pc.PieceTable, sb: np.ndarray, db: np.ndarray, *, src_slot: int | None,
+               dst_slot: int | None, stride: int, local: Layout) -> list[CopyStep]:
+        out = []
+        for p, s_pages, d_pages in piece_pages(t, sb, db):
+            s_reg, d_reg = int(t.s_region[p]), int(t.d_region[p])
+            src = Place(region=None, offset=src_slot + int(t.s_off[p]), stride=stride) if src_slot is not None \
+                else Place(region=s_reg, offset=int(t.s_off[p]), stride=local.regions[s_reg].stride)
+            dst = Place(region=None, offset=dst_slot + int(t.d_off[p]), stride=stride) if dst_slot is not None \
+                else Place(region=d_reg, offset=int(t.d_off[p]), stride=local.regions[d_reg].stride)
+            out.append(CopyStep(src=src, dst=dst, src_pages=s_pages, dst_pages=d_pages, length=int(t.length[p])))
+        return out
+
+    def read(self, slot_addr: int, slot_dev: int, src_blocks: Mapping[int, np.ndarray],
+             dst_blocks: Mapping[int, np.ndarray]) -> TransferPlan:
+        plans = []
+        for g, (at, n) in self.areas(src_blocks).items():
+            if g not in dst_blocks or self._unpack[g].num_pieces == 0:
+                continue
+            plan = self._read.compile({g: np.arange(n, dtype=np.int64)}, {g: dst_blocks[g]})
+            if plan.num_descriptors:
+                plan.src[:, 0] += slot_addr + at
+                plan.src[:, 2] = slot_dev
+                plans.append(plan)
+        return _merged(TransferPlan.concat(plans))
+
+
+def _merged(plan: TransferPlan) -> TransferPlan:
+    """Rows of consecutive groups that continue each other on both sides, merged."""
+    s, d = plan.src, plan.dst
+    if s.shape[0] < 2:
+        return plan
+    cont = (s[1:, 0] == s[:-1, 0] + s[:-1, 1]) & (d[1:, 0] == d[:-1, 0] + d[:-1, 1]) \
+        & (s[1:, 2] == s[:-1, 2]) & (d[1:, 2] == d[:-1, 2])
+    if not cont.any():
+        return plan
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    length = np.add.reduceat(s[:, 1], starts)
+    src, dst = s[starts].copy(), d[starts].copy()
+    src[:, 1] = dst[:, 1] = length
+    return TransferPlan(src=src, dst=dst, src_region=plan.src_region[starts], dst_region=plan.dst_region[starts])
+
+
+__all__ = ["StagePlan", "compact_layout", "shared_keys"]

@@ -1,0 +1,329 @@
+"""Staging for heterogeneous TP: a registered, bounded, fenced buffer that one read can cover.
+
+At different attention TP every page is head-sliced, so a sliced plan posts one descriptor per
+slice per block. With staging the producer *packs* what one consumer reads from it (that rank's
+head slices of the request's pages, block by block: the "compact pages" a
+:class:`Stager` defines) into a contiguous slot of its staging pool, and the consumer reads the
+slot. Where the slot's bytes would still land in many pieces on the consumer (P > D: its pages
+hold several producers' heads interleaved), the consumer reads the slot into a slot of its own
+pool (one descriptor) and *unpacks* it locally.
+
+A slot is a fenced resource with the rules of an exported block: the producer's slot is taken
+when the Export is made and given back only when that export ends with its blocks (every reader's
+Done or notification), or, where a reader may still be reading (lost, or failed while alive is
+unknown), when the lease lapses. The consumer's slot is given back only when its READ ended
+(landed, failed, or aborted; one NIXL would not abort keeps it until it ends). A pool is bounded:
+when no slot is free the producer exports unstaged (the consumer then posts the sliced plan) and
+the consumer reads directly: back-pressure falls back, it never waits (a Want that waited for a
+slot could wait on the very reads that free it).
+
+``HYBRIDKV_STAGING_RULE_OFF=1`` (read once, into :class:`StagingConfig`) switches the slot fence
+off: a producer slot goes back as soon as its Export is sent. Only tests use it, to show that a
+slot reused early corrupts a read.
+
+The pool's memory is a region appended to the side's :class:`~hybridkv.transport.memory.MemoryMap`
+(in no group), so NIXL registers it with the rest and the peer learns it in the handshake. Copies
+run on numpy for host memory and on torch for GPU memory (torch is imported only then).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import enum
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from hybridkv import wire
+from hybridkv.transport.memory import MemoryMap
+from hybridkv.transport.plan import TransferPlan
+
+RULE_OFF_ENV = "HYBRIDKV_STAGING_RULE_OFF"
+
+
+class StagingMode(enum.Enum):
+    AUTO = "auto"  # stage a field-paired (heterogeneous TP) read when it posts fewer descriptors
+    ON = "on"      # stage every field-paired read a slot can hold, even where the sliced plan is as short
+    OFF = "off"    # never: the sliced plan, as NixlConnector posts
+
+
+def _rule_off() -> bool:
+    return os.environ.get(RULE_OFF_ENV, "") not in ("", "0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagingConfig:
+    """``capacity_bytes``: the pool (0: no pool, never stage on this side); ``slot_bytes``: its
+    allocation unit. ``direct_rows``: a consumer reads a staged slot straight into its pages when
+    that takes at most this many descriptors, else through a slot of its own and a local unpack
+    (measured on the 2-core CPU box, DRAM: a descriptor costs ~2-3 us of posting, a local copy of a
+    few MB costs less than a few dozen of them). ``fence``: the slot fence (module docstring);
+    off only through the environment, for the test that shows why it is there."""
+
+    mode: StagingMode = StagingMode.AUTO
+    capacity_bytes: int = 64 << 20
+    slot_bytes: int = 64 << 10
+    direct_rows: int = 8
+    fence: bool = field(default_factory=lambda: not _rule_off())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, StagingMode):
+            raise ValueError(f"staging mode {self.mode!r}; expected a StagingMode")
+        if self.capacity_bytes < 0 or self.slot_bytes <= 0 or self.capacity_bytes % self.slot_bytes:
+            raise ValueError(f"staging capacity_bytes {self.capacity_bytes} and slot_bytes {self.slot_bytes}; "
+                             "expected slot_bytes > 0 and a capacity that is a multiple of it (0: no pool)")
+        if self.direct_rows < 1:
+            raise ValueError(f"staging direct_rows = {self.direct_rows}; expected at least 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode is not StagingMode.OFF and self.capacity_bytes > 0
+
+
+class Route(enum.Enum):
+    """How a consumer reads one producer's part of a request."""
+
+    SLICED = "sliced"  # the producer's pages, head slice by head slice (NixlConnector's list)
+    DIRECT = "direct"  # the producer's slot straight into this side's pages
+    SLOT = "slot"      # the producer's slot into a slot of this side's (one descriptor), then unpacked
+
+
+def route(config: StagingConfig | None, *, sliced: int, direct: int, own_pool: bool) -> Route:
+    """The consumer's choice for a staged part, from the descriptor counts of the sliced plan and
+    of the direct read (the one rule: the transport and the analyzer both call it). AUTO keeps
+    the sliced plan where it is already short (``direct_rows``), reads the slot directly where that
+    is short, and goes through its own slot otherwise; ON stages whatever the counts."""
+    if config is None or config.mode is StagingMode.OFF:
+        return Route.SLICED
+    if config.mode is StagingMode.AUTO and sliced <= config.direct_rows:
+        return Route.SLICED
+    if direct <= config.direct_rows or not own_pool:
+        return Route.DIRECT if direct <= sliced else Route.SLICED
+    return Route.SLOT
+
+
+# --------------------------------------------------------------------------- local copies
+
+
+@dataclass(frozen=True, kw_only=True)
+class Place:
+    """Where a piece of page p lies: ``region`` (None: this side's staging slot) at
+    ``offset + p * stride`` bytes from its base."""
+
+    region: int | None
+    offset: int
+    stride: int
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CopyStep:
+    """One piece over many pages: ``length`` bytes of src page ``src_pages[i]`` to dst page
+    ``dst_pages[i]``, for every i (one vectorised copy)."""
+
+    src: Place
+    dst: Place
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    length: int
+
+
+class Stager(Protocol):
+    """What one producer packs for one consumer rank and how that rank reads it (made by a
+    planner: ``hybridkv.descriptors.staging.StagePlan``). Block lists are the producer's
+    (``src``) and the consumer's (``dst``) per group, as a sliced plan takes them."""
+
+    def nbytes(self, src_blocks) -> int:
+        """Bytes the request's packed slices take."""
+        ...
+
+    def pack(self, src_blocks, *, base: int = 0) -> list[CopyStep]:
+        """Producer: its pages -> the slot at ``base`` in its staging buffer."""
+        ...
+
+    def read(self, slot_addr: int, slot_dev: int, src_blocks, dst_blocks) -> TransferPlan:
+        """Consumer: the producer's slot at ``slot_addr`` -> its own pages, as rows."""
+        ...
+
+    def unpack(self, src_blocks, dst_blocks, *, base: int = 0) -> list[CopyStep]:
+        """Consumer: its own slot at ``base`` (a copy of the producer's) -> its pages."""
+        ...
+
+
+def _host_bytes(addr: int, n: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
+
+
+class _CudaBytes:
+    """A device range for torch.as_tensor (the CUDA array interface; no copy)."""
+
+    def __init__(self, addr: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (addr, False), "version": 3,
+                                         "strides": None}
+
+
+class Copier:
+    """Runs :class:`CopyStep` lists on one side's memory (its regions and its staging buffer)."""
+
+    def __init__(self, memory: MemoryMap, slot_buffer) -> None:
+        self._memory = memory
+        self._buffer = slot_buffer  # numpy uint8 (host) or a torch uint8 tensor (device)
+        self._vram = memory.regions and memory.regions[0].mem is wire.Mem.VRAM
+        self._spans: dict[int, object] = {}
+
+    def _span(self, region: int | None):
+        if region is None:
+            return self._buffer
+        got = self._spans.get(region)
+        if got is None:
+            r = self._memory.regions[region]
+            n = r.stride * (r.num_pages - 1) + r.page_bytes
+            if self._vram:
+                import torch
+
+                got = torch.as_tensor(_CudaBytes(r.base_addr, n), device=f"cuda:{r.device_id}")
+            else:
+                got = _host_bytes(r.base_addr, n)
+            self._spans[region] = got
+        return got
+
+    def _rows(self, place: Place, pages: np.ndarray, length: int):
+        buf = self._span(place.region)
+        if self._vram:
+            import torch
+
+            top = int(pages.max()) + 1
+            view = buf.as_strided((top, length), (place.stride, 1), place.offset)
+            return view, torch.as_tensor(pages, device=buf.device)
+        top = int(pages.max()) + 1
+        view = np.lib.stride_tricks.as_strided(buf[place.offset:], shape=(top, length), strides=(place.stride, 1))
+        return view, pages
+
+    def run(self, steps: Sequence[CopyStep]) -> None:
+        for s in steps:
+            if s.src_pages.size == 0:
+                continue
+            src, si = self._rows(s.src, s.src_pages, s.length)
+            dst, di = self._rows(s.dst, s.dst_pages, s.length)
+            dst[di] = src[si]
+        if self._vram and steps:
+            import torch
+
+            torch.cuda.synchronize(self._buffer.device)  # landed before anyone is told
+
+
+# --------------------------------------------------------------------------- the pool
+
+
+@dataclass(eq=False, kw_only=True)
+class Slot:
+    """A run of pool units: bytes ``[offset, offset + nbytes)`` of the staging region."""
+
+    first: int
+    units: int
+    offset: int
+    nbytes: int
+
+
+class StagePool:
+    """One side's staging buffer: allocated and registered with the side's memory, handed out in
+    contiguous runs of ``slot_bytes`` units, first fit. Slots given back with :meth:`hold` wait
+    for their deadline (:meth:`tick`)."""
+
+    def __init__(self, memory: MemoryMap, config: StagingConfig) -> None:
+        self.config = config
+        self.units = config.capacity_bytes // config.slot_bytes
+        kinds = {r.mem for r in memory.regions}
+        if len(kinds) != 1:
+            raise ValueError(f"staging over regions of memory kinds {sorted(k.name for k in kinds)}; "
+                             "expected one kind (disable staging: StagingConfig(mode=StagingMode.OFF))")
+        mem = kinds.pop()
+        dev = memory.regions[0].device_id
+        if mem is wire.Mem.VRAM:
+            import torch
+
+            self.buffer = torch.zeros(config.capacity_bytes, dtype=torch.uint8, device=f"cuda:{dev}")
+            base = int(self.buffer.data_ptr())
+        else:
+            self.buffer = np.zeros(config.capacity_bytes, dtype=np.uint8)
+            base = int(self.buffer.ctypes.data)
+        self.region = wire.RegionInfo(region_id=len(memory.regions), base_addr=base, stride=config.slot_bytes,
+                                      page_bytes=config.slot_bytes, num_pages=self.units, mem=mem, device_id=dev)
+        #: the side's memory with the pool appended (what its data plane registers and its Hello sends)
+        self.memory = dataclasses.replace(memory, regions=memory.regions + (self.region,))
+        self.copier = Copier(self.memory, self.buffer)
+        self._used = np.zeros(self.units, dtype=bool)
+        self._held: list[tuple[float, Slot]] = []
+        self.taken = 0       # counters, for tests and describe()
+        self.full = 0
+
+    @property
+    def base(self) -> int:
+        return self.region.base_addr
+
+    def free_units(self) -> int:
+        return int((~self._used).sum())
+
+    def take(self, nbytes: int) -> Slot | None:
+        """A slot of at least ``nbytes``, or None when no run that long is free (the caller falls back)."""
+        units = -(-nbytes // self.config.slot_bytes)
+        if nbytes <= 0 or units > self.units:
+            self.full += nbytes > 0
+            return None
+        free = ~self._used
+        # first index of a run of `units` free units: windowed sum over the free map
+        c = np.concatenate(([0], np.cumsum(free, dtype=np.int64)))
+        runs = np.flatnonzero(c[units:] - c[:-units] == units)
+        if runs.size == 0:
+            self.full += 1
+            return None
+        first = int(runs[0])
+        self._used[first:first + units] = True
+        self.taken += 1
+        return Slot(first=first, units=units, offset=first * self.config.slot_bytes, nbytes=nbytes)
+
+    def give_back(self, slot: Slot) -> None:
+        if not self._used[slot.first:slot.first + slot.units].all():
+            raise RuntimeError(f"staging slot at unit {slot.first} given back twice")
+        self._used[slot.first:slot.first + slot.units] = False
+
+    def hold(self, slot: Slot, until: float) -> None:
+        """Give the slot back once ``tick(now)`` sees ``now >= until`` (a reader may still be reading)."""
+        self._held.append((until, slot))
+
+    def tick(self, now: float) -> None:
+        if not self._held:
+            return
+        keep = []
+        for until, slot in self._held:
+            if now >= until:
+                self.give_back(slot)
+            else:
+                keep.append((until, slot))
+        self._held = keep
+
+    def describe(self) -> dict:
+        return {"units": self.units, "free": self.free_units(), "held": len(self._held), "taken": self.taken,
+                "full": self.full}
+
+
+def staging_region(memory: MemoryMap) -> wire.RegionInfo | None:
+    """A peer's staging region: the one region no group places pages in (None without one)."""
+    used = {r for g in memory.groups for r in g.region_ids}
+    spare = [r for r in memory.regions if r.region_id not in used]
+    return spare[-1] if len(spare) == 1 else None
+
+
+def slot_rows(src_addr: int, src_dev: int, dst_addr: int, dst_dev: int, nbytes: int) -> TransferPlan:
+    """One row: the producer's slot to the consumer's."""
+    src = np.array([[src_addr, nbytes, src_dev]], dtype=np.int64)
+    dst = np.array([[dst_addr, nbytes, dst_dev]], dtype=np.int64)
+    z = np.zeros(1, dtype=np.int64)
+    return TransferPlan(src=src, dst=dst, src_region=z, dst_region=z.copy())
+
+
+__all__ = ["Copier", "CopyStep", "Place", "RULE_OFF_ENV", "Route", "Slot", "route", "StagePool", "Stager", "StagingConfig",
+           "StagingMode", "slot_rows", "staging_region"]
