@@ -710,7 +710,8 @@ def run(attacks, *, scale: int = 1, settle_s: float = 1.0, handshake_timeout_s: 
     knobs.update(over)
     knobs["wants_per_peer"] = SMALL_WANTS_PER_PEER if scale == 1 else 4096
     bound = "claim_first" in attacks
-    prod = harness.producer(requests=REQUESTS + ([VICTIM] if "forged_notif" in attacks else []) + ([BOUND] if bound else []),
+    extra = ([VICTIM] if "forged_notif" in attacks else []) + ([BOUND] if bound else [])
+    prod = harness.producer(requests=REQUESTS + extra,
                             claimants={BOUND[0]: [CLAIMANT]} if bound else {},
                             handshake_timeout_s=handshake_timeout_s, peer_timeout_s=120.0,
                             linger_s=0.5, max_wants_per_peer=knobs["wants_per_peer"],
