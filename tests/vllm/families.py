@@ -14,7 +14,7 @@ Families (``FAMILIES``):
   nemotron_h   Mamba2 hybrid, Nemotron-H-shaped
   deepseek     MLA, DeepSeek-V3-shaped
 Options: ``kv_cache_dtype`` ("auto", "fp8", ...), ``mtp`` (Qwen3.5 only: vLLM's MTP speculative
-config with one draft token; the draft layer ``mtp.layers.0.self_attn.attn``), ``kernel_block``
+config with that many draft tokens, True: one; the draft layer ``mtp.layers.0.self_attn.attn``), ``kernel_block``
 (allocate with attention kernel blocks of that many tokens inside each logical block).
 """
 
@@ -34,9 +34,9 @@ FAMILIES = {
 }
 
 
-def make_config(family: str, *, role: str = "kv_both", kv_cache_dtype: str = "auto", mtp: bool = False,
+def make_config(family: str, *, role: str = "kv_both", kv_cache_dtype: str = "auto", mtp: bool | int = False,
                 block_size: int = 16, num_blocks: int = 64, extra: dict[str, Any] | None = None,
-                engine_id: str = "engine-test", layout: str | None = None):
+                engine_id: str = "engine-test", layout: str | None = None, async_scheduling: bool = False):
     """A VllmConfig as ``vllm serve`` builds it for the family's tiny model (harness.make_vllm_config's recipe)."""
     import torch
     from unittest import mock
@@ -56,17 +56,18 @@ def make_config(family: str, *, role: str = "kv_both", kv_cache_dtype: str = "au
                      num_gpu_blocks_override=num_blocks, cache_dtype=kv_cache_dtype,
                      mamba_ssm_cache_dtype="float32" if family == "qwen3.5" else "auto")
     sc = SchedulerConfig(max_model_len=h.MAX_MODEL_LEN, is_encoder_decoder=False, max_num_seqs=8,
-                         max_num_batched_tokens=512)
+                         max_num_batched_tokens=512, async_scheduling=async_scheduling)
     kvt = KVTransferConfig(kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.connectors.vllm",
                            kv_role=role, engine_id=engine_id, kv_connector_extra_config=h.with_secret(extra))
     pc = ParallelConfig(tensor_parallel_size=1)
     spec = None
     if mtp:
-        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=mc,
+        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=int(mtp), target_model_config=mc,
                                  target_parallel_config=pc)
     with mock.patch.object(torch.cpu, "_is_avx512_bf16_supported", return_value=False):  # see harness
         vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kvt,
                         parallel_config=pc, speculative_config=spec)
+    vc.scheduler_config.async_scheduling = async_scheduling  # the CPU platform turns it off (see harness)
     if hybrid:
         current_platform._align_hybrid_block_size(vc, FlashAttentionBackend)
     if layout is not None:
@@ -163,13 +164,31 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def build(case: str, *, role: str, engine_id: str, extra: dict[str, Any] | None = None):
-    """(vllm config, KV cache config, tensors) of a case, as vLLM makes them."""
-    opts = dict(CASES[case])
-    family, kernel = opts.pop("family"), opts.pop("kernel_block", None)
+def build(case: str, *, role: str, engine_id: str, extra: dict[str, Any] | None = None, **overrides: Any):
+    """(vllm config, KV cache config, tensors) of a case, as vLLM makes them; ``overrides``: make_config
+    options over the case's (e.g. ``mtp=2`` draft tokens, ``async_scheduling``)."""
+    vc, kcc = config(case, role=role, engine_id=engine_id, extra=extra, **overrides)
+    return vc, kcc, allocate(vc, kcc, kernel_block={**CASES[case], **overrides}.get("kernel_block"))
+
+
+def config(case: str, *, role: str, engine_id: str = "engine-test", extra: dict[str, Any] | None = None,
+           **overrides: Any):
+    """(vllm config, KV cache config) of a case with make_config ``overrides``, nothing allocated."""
+    opts = {**CASES[case], **overrides}
+    family = opts.pop("family")
+    opts.pop("kernel_block", None)
     vc = make_config(family, role=role, engine_id=engine_id, extra=extra, **opts)
-    kcc = make_kv_cache_config(vc, family)
-    return vc, kcc, allocate(vc, kcc, kernel_block=kernel)
+    return vc, make_kv_cache_config(vc, family)
+
+
+def worker(vc, kcc, kv):
+    """A worker-role HybridKVConnector from vLLM's factory, registered with ``kv``."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    conn = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER, kv_cache_config=kcc)
+    conn.register_kv_caches(kv)
+    return conn
 
 
 def request_blocks(kcc, *, tokens: int, first: int) -> tuple[tuple[int, ...], ...]:

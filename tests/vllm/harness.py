@@ -262,6 +262,8 @@ class Driver:
         self.queue: deque = deque()
         self.finished: dict[str, Any] = {}  # request -> (finish reason, kv_transfer_params)
         self.steps = 0
+        #: request -> draft tokens scheduled for it, over all steps (speculative decoding)
+        self.drafts_scheduled: dict[str, int] = {}
         #: step -> {request: blocks it held when the step was scheduled}
         self.touched: dict[int, dict[str, set[int]]] = {}
         #: steps whose output was processed, and how many schedule() calls had
@@ -290,8 +292,13 @@ class Driver:
                 self.load_alloc_step.setdefault(rid, step)
         req_ids, kv_out = self.worker.execute(so)
         sampling = {rid for rid in req_ids if not self.sched.requests[rid].is_prefill_chunk}
+        # Speculative decoding: every draft is SAMPLED_TOKEN (see _update), so all are accepted, plus a bonus token.
+        spec = so.scheduled_spec_decode_tokens
+        for rid, tokens in spec.items():
+            self.drafts_scheduled[rid] = self.drafts_scheduled.get(rid, 0) + len(tokens)
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=[[SAMPLED_TOKEN] if r in sampling else [] for r in req_ids],
+                                sampled_token_ids=[[SAMPLED_TOKEN] * (1 + len(spec.get(r, ()))) if r in sampling
+                                                   else [] for r in req_ids],
                                 kv_connector_output=kv_out)
         self.queue.append((so, mro))
         while len(self.queue) >= self.depth:
@@ -301,6 +308,14 @@ class Driver:
         so, mro = self.queue.popleft()
         self.completed_at[so.kv_connector_metadata.step] = self.steps
         outs = self.sched.update_from_output(so, mro)
+        drafts = self.sched.num_spec_tokens
+        if drafts and self.depth == 1:
+            # The drafter's proposals for the next step (AsyncScheduler schedules placeholders itself).
+            from vllm.v1.outputs import DraftTokenIds
+
+            ids = [r for r in mro.req_ids if r in self.sched.requests and not self.sched.requests[r].is_finished()]
+            self.sched.update_draft_token_ids(DraftTokenIds(req_ids=ids, draft_token_ids=[[SAMPLED_TOKEN] * drafts
+                                                                                          for _ in ids]))
         for eco in outs.values():
             if eco.scheduler_stats is not None:
                 self.scheduler_stats.append(eco.scheduler_stats)
@@ -508,16 +523,23 @@ def nixl_connector_state(vc, kcc, kv_caches, ppl: int):
     )
 
 
-def nixl_connector_descriptor_ids(block_lists, *, kernel_block: int | None = None) -> int:
+def nixl_connector_descriptor_ids(block_lists, *, kernel_block: int | None = None,
+                                  case: tuple[str, dict[str, Any]] | None = None) -> int:
     """How many descriptor ids vLLM 0.33.0's NixlConnector hands NIXL to read these
-    per-transfer-group block lists of the tiny model, in the LBHNC layout it forces."""
+    per-transfer-group block lists of the tiny model (or of a families.py ``(case, options)``),
+    in the LBHNC layout it forces."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    vc = make_vllm_config(role="kv_consumer")
-    vc.cache_config.kv_cache_layout = "LBHNC"
-    kcc = make_kv_cache_config(vc)
+    if case is None:
+        vc = make_vllm_config(role="kv_consumer")
+        vc.cache_config.kv_cache_layout = "LBHNC"
+        kcc = make_kv_cache_config(vc)
+    else:
+        from tests.vllm import families as fam
+
+        vc, kcc = fam.config(case[0], role="kv_consumer", layout="LBHNC", **case[1])
     ppl = 1 if kernel_block is None else vc.cache_config.block_size // kernel_block
     kv = allocate_kv_cache(kcc, torch.device("cpu"), vc.cache_config.get_resolved_kv_cache_layout(), None)
     state = nixl_connector_state(vc, kcc, kv, ppl)

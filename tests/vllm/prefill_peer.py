@@ -2,6 +2,7 @@
 
 Real Scheduler + scheduler-half and worker-half HybridKVConnector, KV tensors
 allocated by vLLM's ``allocate_kv_cache``; the forward pass writes random bytes.
+Arguments: port, "async"|"sync"[, a families.py case, JSON of make_config options over it].
 Protocol on stdin/stdout, one JSON object per line:
   <- {"ready": port}
   -> {"prompt_len": n, "pages": path}
@@ -23,12 +24,22 @@ def main() -> int:
     async_scheduling = sys.argv[2] == "async"
     from tests.vllm import harness as h
 
-    vc = h.make_vllm_config(role="kv_producer", async_scheduling=async_scheduling, engine_id="prefill-engine",
-                            extra={"side_channel_port": port, "kv_lease_duration": 30})
-    kcc = h.make_kv_cache_config(vc)
+    extra = {"side_channel_port": port, "kv_lease_duration": 30}
+    if len(sys.argv) > 3:  # a families.py case, with make_config options over it (JSON)
+        from tests.vllm import families as fam
+
+        vc, kcc, kv_caches = fam.build(sys.argv[3], role="kv_producer", engine_id="prefill-engine", extra=extra,
+                                       async_scheduling=async_scheduling, **json.loads(sys.argv[4]))
+        conn = fam.worker(vc, kcc, kv_caches)
+    else:
+        vc = h.make_vllm_config(role="kv_producer", async_scheduling=async_scheduling, engine_id="prefill-engine",
+                                extra=extra)
+        kcc = h.make_kv_cache_config(vc)
+        conn, kv_caches = h.make_worker(vc, kcc)
     sched = h.make_scheduler(vc, kcc, async_scheduling=async_scheduling)
-    conn, kv_caches = h.make_worker(vc, kcc)
-    runner = h.RealWorker(conn, kv_caches, sched, writes=True, seed=port)
+    # A case's forward pass writes only what a model writes (its tokens' blocks, each GDN group's running-state
+    # slot): a speculative scratch slot stays zeros, so a transfer that picked one instead shows.
+    runner = h.RealWorker(conn, kv_caches, sched, writes=True, seed=port, only_new=len(sys.argv) > 3)
     d = h.Driver(sched, runner, async_scheduling=async_scheduling)
     print(json.dumps({"ready": conn.worker.listen_port}), flush=True)
     cmd = json.loads(sys.stdin.readline())

@@ -41,56 +41,76 @@ def _read(proc, timeout: float) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("async_scheduling", [pytest.param(True, id="async")])
-def test_request_moves_between_two_worker_processes(tmp_path, async_scheduling):
+def test_request_moves_between_two_worker_processes(tmp_path):
+    """Qwen3.5 with MTP speculative decoding (2 draft tokens) on both sides under async scheduling, as operators
+    run it: the prefill's real AsyncScheduler truncates the prompt by the backoff (GDN and the drafter's
+    lookahead, as NixlConnector's _prefill_backoff), decode's loads exactly that range, then decodes with draft
+    tokens scheduled; every layer's blocks arrive byte for byte, the draft layer's (``mtp.layers.0``)
+    included, each GDN group's running state and not a speculative scratch slot, in fewer NIXL descriptors
+    than NixlConnector's for the same config."""
     from vllm.v1.engine import FinishReason
 
+    from tests.vllm import families as fam
+
+    case, opts, prompt = "qwen3.5-mtp-bf16", {"mtp": 2}, 100
     port = free_ports()
     log = open(tmp_path / "peer.log", "w")
     peer = subprocess.Popen(
-        [sys.executable, "-m", "tests.vllm.prefill_peer", str(port), "async" if async_scheduling else "sync"],
+        [sys.executable, "-m", "tests.vllm.prefill_peer", str(port), "async", case, json.dumps(opts)],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    conn = None
     try:
-        vc = h.make_vllm_config(role="kv_consumer", async_scheduling=async_scheduling, engine_id="decode-engine")
-        kcc = h.make_kv_cache_config(vc)
-        sched = h.make_scheduler(vc, kcc, async_scheduling=async_scheduling)
-        conn, kv_caches = h.make_worker(vc, kcc)
-        runner = h.RealWorker(conn, kv_caches, sched, writes=False)
-        d = h.Driver(sched, runner, async_scheduling=async_scheduling)
+        vc, kcc, kv = fam.build(case, role="kv_consumer", engine_id="decode-engine", async_scheduling=True, **opts)
+        assert vc.num_speculative_tokens == 2
+        assert any(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) == 2 for g in kcc.kv_cache_groups)
+        conn = fam.worker(vc, kcc, kv)
+        sched = h.make_scheduler(vc, kcc, async_scheduling=True)
+        runner = h.RealWorker(conn, kv, sched, writes=False)
+        d = h.Driver(sched, runner, async_scheduling=True)
+        backoff = sched.connector.scheduler.prefill_backoff
+        assert backoff == max(1, vc.num_prefill_lookahead_tokens - 1)
         assert _read(peer, 120)["ready"] == port
         pages_path = tmp_path / "pages.msgpack"
-        peer.stdin.write(json.dumps({"prompt_len": 100, "pages": str(pages_path)}) + "\n")
+        peer.stdin.write(json.dumps({"prompt_len": prompt, "pages": str(pages_path)}) + "\n")
         peer.stdin.flush()
         params = _read(peer, 60)["params"]
-        # What a P/D proxy does: forward the producer's kv_transfer_params to decode.
-        sched.add_request(h.make_request("d1", prompt_len=100, max_tokens=4, params=params))
+        assert params["remote_num_tokens"] == prompt - backoff  # the prefill left the backoff to decode
+        sched.add_request(h.make_request("d1", prompt_len=prompt, max_tokens=8, params=params))
         d.run_for(60, until=lambda: "d1" in d.finished)
-        assert d.finished["d1"][0] is FinishReason.LENGTH, runner.failed
-        assert not runner.failed
+        assert d.finished["d1"][0] is FinishReason.LENGTH and not runner.failed, conn.worker.load_errors
+        assert d.drafts_scheduled.get("d1", 0) > 0  # decode ran speculative steps after the load
         sent = msgpack.unpackb(pages_path.read_bytes(), raw=False)
         got = runner.snapshots["d1"]
-        assert set(got) == set(sent) == set(kv_caches)  # every layer of every group moved
+        assert set(got) == set(sent) == set(kv) and "mtp.layers.0.self_attn.attn" in got
         for name in sent:
             assert len(got[name]) == len(sent[name]) > 0
             assert got[name] == sent[name], f"layer {name}: bytes differ"
+        # What the prefill's forward wrote, not zeros (it leaves speculative scratch slots untouched): the draft
+        # layer's KV moved, and each GDN group's running state did, not a scratch slot.
+        assert all(any(page) for name in got for page in got[name]), [n for n in got if not all(map(any, got[n]))]
+        # One GDN slot per state group: the running state, never a speculative scratch slot.
+        for g, ids in zip(kcc.transfer_group_ids, runner.order_blocks["d1"]):
+            if getattr(kcc.kv_cache_groups[g].kv_cache_spec, "num_speculative_blocks", None):
+                assert len(ids) == 1
         result = conn.worker.load_results["d1"]
         blocks = sum(len(b) for b in runner.order_blocks["d1"])
         # Block-outermost pages: at most one descriptor per block of every group
         # (NixlConnector posts one per layer region per block, per GDN sub-field).
         assert 0 < result.descriptors <= blocks
-        vllm_ids = h.nixl_connector_descriptor_ids(runner.order_blocks["d1"])
+        vllm_ids = h.nixl_connector_descriptor_ids(runner.order_blocks["d1"], case=(case, opts))
         assert result.descriptors < vllm_ids
         print(f"\nsame request, same config: hybridkv (BLHNC) posted {result.descriptors} NIXL descriptor(s) for "
               f"{blocks} blocks ({result.nbytes} bytes); vLLM 0.33.0 NixlConnector (LBHNC) would hand NIXL "
               f"{vllm_ids} descriptor ids")
         end = _read(peer, 90)
-        assert end["freed"], end  # the producer freed its blocks once the read was done
+        assert end["freed"], end
         d.run_for(10, until=lambda: h.free_blocks(sched) == kcc.num_blocks - 1)
         d.drain()
         assert sched.connector.scheduler.idle()
-        conn.shutdown()
     finally:
+        if conn is not None:
+            conn.shutdown()
         if peer.poll() is None:
             peer.kill()
         peer.wait(10)
