@@ -224,6 +224,7 @@ class Admission:
                 return HandshakeRefused(_REFUSED)
             return exc
         except (PeerLost, ProtocolViolation, wire.WireError) as exc:
+            side.stats.unauthenticated += not proven  # closed before it proved the secret (a half-open one cut)
             log.info("refused a control connection: handshake failed: %s", exc)
         except Exception as exc:  # nothing a peer sends may end the listener's task with a traceback
             log.warning("refused a control connection: handshake failed: %s: %s", type(exc).__name__, exc)

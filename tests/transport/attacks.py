@@ -278,30 +278,40 @@ async def _half_open(opts) -> dict:
     """``half_open`` connections that each send a valid first Auth and then nothing, re-opened as soon as
     the producer closes one, until the test's six legitimate consumers (another process: the secret,
     default handshake timeout and retries) have connected or given up, or ``half_open_s`` passed."""
-    from hybridkv.errors import PeerLost
-
     n = opts["half_open"]
-    stop = time.monotonic() + opts["half_open_s"]
+    ended = asyncio.Event()
     opened = [0]
 
+    async def until_closed(ch):
+        while True:
+            await ch.recv()  # PeerLost once the producer (or we) closed it
+
     async def one():
-        while time.monotonic() < stop:
+        while not ended.is_set():
             try:
                 ch = await _dial()
-                opened[0] += 1
-                await ch.send(_first_auth("half-open"))
-                try:  # silence (whatever the producer answers) until it closes the connection or the attack ends
-                    while time.monotonic() < stop:
-                        await asyncio.wait_for(ch.recv(), max(0.05, stop - time.monotonic()))
-                except (asyncio.TimeoutError, PeerLost, Exception):
-                    pass
-                await ch.close()
             except Exception:
                 await asyncio.sleep(0.05)
+                continue
+            opened[0] += 1
+            # Silence, whatever the producer answers, until it closes the connection or the attack ends. A
+            # pending receive is ended by closing the endpoint, never cancelled: a cancelled ucxx receive
+            # frees its buffer while UCX may still write into it.
+            reading = asyncio.ensure_future(until_closed(ch))
+            stopping = asyncio.ensure_future(ended.wait())
+            try:
+                await ch.send(_first_auth("half-open"))
+                await asyncio.wait({reading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            except Exception:
+                pass
+            stopping.cancel()
+            await ch.close()
+            await asyncio.gather(reading, return_exceptions=True)
 
     flood = [asyncio.ensure_future(one()) for _ in range(n)]
     await asyncio.sleep(1.0)  # every slot taken first
     _OUT.put(("flooding", None))
+    stop = time.monotonic() + opts["half_open_s"]
     while time.monotonic() < stop:
         try:
             if _INBOX.get_nowait() == "legit-done":
@@ -309,7 +319,7 @@ async def _half_open(opts) -> dict:
         except Exception:
             pass
         await asyncio.sleep(0.05)
-    stop = time.monotonic()
+    ended.set()
     await asyncio.gather(*flood, return_exceptions=True)
     return {"half_open": n, "opened": opened[0]}
 
