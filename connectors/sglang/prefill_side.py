@@ -264,15 +264,18 @@ class PrefillExports:
             out.append((comp, planner.compile({comp.group: src}, {comp.group: dst})))
         return out, prepped
 
-    def _post(self, agent: str, peer: Peer, plan: TransferPlan, prepped) -> Iterator[Transfer]:
-        """The chunk's WRITEs to one decode agent: its KV slices through the prepped lists, the rest as rows."""
+    def _post(self, agent: str, peer: Peer, plan: TransferPlan, prepped) -> Iterator[tuple[Transfer, int, int]]:
+        """The chunk's WRITEs to one decode agent, each with its descriptors and bytes: its KV slices through
+        the prepped lists, the rest as rows."""
         if prepped is not None:
-            xfer = peer.kv_lists.post(*prepped)
-            self.stats.prepped_descriptors += xfer.indices
-            yield xfer
+            src, dst = prepped
+            xfer = peer.kv_lists.post(src, dst)
+            n = peer.kv_lists.pieces * len(src)
+            self.stats.prepped_descriptors += n
+            yield xfer, n, peer.kv_lists.nbytes(len(src))
         if plan.num_descriptors:
             self.stats.row_descriptors += plan.num_descriptors
-            yield self.dp.post_rows(Op.WRITE, agent, plan.src, plan.dst)
+            yield self.dp.post_rows(Op.WRITE, agent, plan.src, plan.dst), plan.num_descriptors, plan.nbytes
 
     def _process(self, chunk: _Chunk) -> None:
         room = chunk.room
@@ -310,13 +313,13 @@ class PrefillExports:
             deadline = min(deadline, lease) if lease is not None else deadline
             for md, peer, comp_plans, prepped in plans:
                 plan = TransferPlan.concat([p for _, p in comp_plans if p is not None and p.num_descriptors])
-                for xfer in self._post(md.agent_name, peer, plan, prepped):
+                for xfer, n, size in self._post(md.agent_name, peer, plan, prepped):
                     xfers.append(xfer)  # each as soon as it runs: it settles below whatever fails next
                     self.stats.handles += len(xfer.handles)
-                    self.stats.descriptors += xfer.indices
-                    self.stats.bytes += xfer.nbytes
-                    nbytes += xfer.nbytes
-                    descriptors += xfer.indices
+                    self.stats.descriptors += n
+                    self.stats.bytes += size
+                    nbytes += size
+                    descriptors += n
                 for comp, _ in comp_plans:
                     if comp not in sent:
                         sent.append(comp)
