@@ -88,7 +88,8 @@ from hybridkv.connectors.sglang.prefill_side import PrefillExports, TransferStat
 from hybridkv.connectors.sglang.registrations import Peer, Registrations
 from hybridkv.connectors.sglang.retiring import RetiringAgents
 from hybridkv.connectors.sglang.rooms import Rooms
-from hybridkv.connectors.sglang.sessions import AuthStats, DecodeKeys
+from hybridkv.connectors.sglang.decode_keys import DecodeKeys
+from hybridkv.connectors.sglang.sessions import AuthStats
 from hybridkv.fencing.request_state import Component
 from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.layout.alloc import MemKind
@@ -99,7 +100,6 @@ from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,
     CommonKVBootstrapServer,
     CommonKVManager,
-    CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
@@ -407,7 +407,7 @@ class HybridKVManager(CommonKVManager):
         while not self._stop.is_set():
             if poller.poll(int(self.config.poll_interval_s * 1000)):
                 frames = self.server_socket.recv_multipart(copy=False)
-                # The sending connection's IP: a prefill answers a handshake only there (sessions.PrefillGate)
+                # The sending connection's IP: a prefill answers a handshake only there (prefill_gate.PrefillGate)
                 yield [f.bytes for f in frames], frames[0].get("Peer-Address")
             if tick is not None:
                 try:
@@ -478,61 +478,6 @@ class HybridKVManager(CommonKVManager):
                     self.imports.note_status(room, rank, success=status == KVPoll.Success, reason=reason)
             except Exception:
                 logger.exception("hybridkv: dropped a decode-side message")
-
-
-class HybridKVSender(CommonKVSender):
-    kv_mgr: HybridKVManager
-
-    _sent_bytes: Optional[int] = None
-
-    def __init__(self, mgr: HybridKVManager, bootstrap_addr: str, bootstrap_room: int,
-                 req_has_disagg_prefill_dp_rank: bool = False):
-        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
-        refused = mgr.registrations.take_refusal(bootstrap_room) if mgr.registrations is not None else None
-        if refused is not None and mgr.request_status.get(bootstrap_room) not in (None, KVPoll.Failed):
-            # A decode rank of the room was refused before this sender existed (it was told then).
-            mgr.record_failure(bootstrap_room, refused)
-            mgr.update_status(bootstrap_room, KVPoll.Failed)
-
-    def poll(self) -> KVPoll:
-        status = super().poll()
-        if status in (KVPoll.Success, KVPoll.Failed):
-            exports = self.kv_mgr.exports
-            exports.retire_export(self.bootstrap_room)
-            sent = exports.take_room_bytes(self.bootstrap_room)
-            if sent is not None:
-                self._sent_bytes = (self._sent_bytes or 0) + sent
-            if exports.exporting(self.bootstrap_room):
-                # The scheduler frees source pages on a terminal state; an
-                # outbound read of them is still queued or running.
-                return KVPoll.Transferring
-        return status
-
-    def _register_prefill_dp_rank(self) -> None:
-        """SGLang's /register_dp_rank of this prefill DP rank for the room, MACed with a secret (routes.py)."""
-        secret = self.kv_mgr._route_secret
-        if secret is None:
-            return super()._register_prefill_dp_rank()
-        routes.register_dp_rank(self.bootstrap_server_url, secret, self.bootstrap_room, self.kv_mgr.attn_dp_rank)
-
-    def abort(self) -> None:
-        super().abort()
-        mgr = self.kv_mgr
-        mgr.exports.retire_export(self.bootstrap_room)
-        mgr.exports.take_room_bytes(self.bootstrap_room)
-        # SGLang's abort paths (AbortReq, chunked prefill's) never clear the sender: its decode ranks are told
-        # Failed now (and DRAINED once nothing of the room is in flight here), and the room's claims, which
-        # count against each decode's authenticated session, go then.
-        mgr.drains.fail(self.bootstrap_room, mgr.rooms.failure(self.bootstrap_room) or "Aborted by AbortReq.",
-                        end=True)
-
-    def get_transfer_metric(self):
-        """SGLang's KVTransferMetric, with the bytes this rank's WRITEs moved for the room (SGLang's
-        own figure is pages x item sizes, which counts what hybridkv does not move, e.g. padding)."""
-        metric = super().get_transfer_metric()
-        if self._sent_bytes is not None:
-            metric.transfer_total_bytes = self._sent_bytes
-        return metric
 
 
 class HybridKVBootstrapServer(CommonKVBootstrapServer):

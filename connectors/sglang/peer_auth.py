@@ -1,4 +1,5 @@
-"""The SGLang manager's part of authentication (the handshake and sealing themselves: sessions.py).
+"""The SGLang manager's part of authentication (the handshake and sealing themselves: sessions.py,
+prefill_gate.py, decode_keys.py).
 
 `PeerAuth` starts the prefill's gate or the decode's keys (or, on a decode without a secret, its
 probe), decides which received frames the control loops act on (`open`: the session they were
@@ -25,15 +26,9 @@ from hybridkv.connectors.sglang import sessions
 from hybridkv.connectors.sglang.config import SGLangConfig
 from hybridkv.connectors.sglang.rooms import Endpoint, Rooms
 from hybridkv.connectors.sglang.prefill_links import PrefillLinks
-from hybridkv.connectors.sglang.sessions import (
-    MAX_SESSIONS,
-    AuthProbe,
-    AuthStats,
-    DecodeKeys,
-    PrefillGate,
-    ReplySockets,
-    Session,
-)
+from hybridkv.connectors.sglang.decode_keys import AuthProbe, DecodeKeys
+from hybridkv.connectors.sglang.prefill_gate import PrefillGate, ReplySockets
+from hybridkv.connectors.sglang.sessions import MAX_SESSIONS, AuthStats, Session
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.utils.network import NetworkAddress
@@ -171,7 +166,7 @@ class PeerAuth:
             if sessions.is_handshake(frames) or sessions.is_sealed(frames):
                 self.stats.unproven += 1
                 if self.stats.unproven & (self.stats.unproven - 1) == 0:  # 1, 2, 4, ...: a lab decode's
-                    # probes (sessions.AuthProbe) land here too, so the log is bounded
+                    # probes (decode_keys.AuthProbe) land here too, so the log is bounded
                     logger.warning("hybridkv: %d authentication message(s) dropped (from a decode with a shared "
                                    "secret, or one without asking whether this rank needs it): this rank has none "
                                    "(HYBRIDKV_SGLANG_SECRET_FILE / _SECRET_ENV)", self.stats.unproven)
@@ -191,7 +186,7 @@ class PeerAuth:
             return None
         return auth.open(frames)
 
-    # ------------------------------------------------------------ decode without a secret (sessions.AuthProbe)
+    # ------------------------------------------------------------ decode without a secret (decode_keys.AuthProbe)
     def probe_prefill(self, prefill: Endpoint) -> None:
         with self._lock:
             self._auth_required.discard(prefill)  # asked again: it may have been restarted without a secret

@@ -1,7 +1,7 @@
 """A decode rank's authenticated link to each prefill rank, made off SGLang's scheduler thread.
 
 SGLang registers a decode rank with a prefill rank from its scheduler thread (the receiver's `init`),
-and the shared-secret handshake (sessions.DecodeKeys) is a round trip of up to `handshake_timeout_s`.
+and the shared-secret handshake (decode_keys.DecodeKeys) is a round trip of up to `handshake_timeout_s`.
 Done there, one slow or unreachable prefill rank stalls every other room's poll for that long, once
 per prefill rank, one after another. Here the handshake runs on a thread of its own, once per prefill
 rank (again only after its session ended or the handshake failed); what SGLang sends to that rank
@@ -19,7 +19,8 @@ from typing import Callable, Optional
 
 import zmq
 
-from hybridkv.connectors.sglang.sessions import DecodeKeys, Session
+from hybridkv.connectors.sglang.decode_keys import DecodeKeys
+from hybridkv.connectors.sglang.sessions import Session
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ class HybridKVReceiver(CommonKVReceiver):
         return frozenset((info["rank_ip"], int(info["rank_port"])) for info in self.bootstrap_infos or ())
 
     def _fail_if_auth_required(self) -> bool:
-        """Without a secret: a prefill rank of this room answered a probe (sessions.AuthProbe): fail now."""
+        """Without a secret: a prefill rank of this room answered a probe (decode_keys.AuthProbe): fail now."""
         mgr = self.kv_mgr
         reason = mgr.auth.refusal(self._writers()) if mgr.auth.probe is not None else None
         if reason is None:

@@ -449,7 +449,9 @@ def test_an_ended_session_takes_its_nixl_agent_along_and_fails_its_rooms_fake_cu
 def test_a_lab_probe_takes_only_the_challenge_that_answers_it():
     """A decode without a secret acts on a Challenge only if it answers one of its own probes, once."""
     from hybridkv.connectors.sglang import messages as msgs
-    from hybridkv.connectors.sglang.sessions import AuthProbe, AuthStats, PrefillGate
+    from hybridkv.connectors.sglang.decode_keys import AuthProbe
+    from hybridkv.connectors.sglang.prefill_gate import PrefillGate
+    from hybridkv.connectors.sglang.sessions import AuthStats
 
     sent = []
     stats = AuthStats()

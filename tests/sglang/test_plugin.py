@@ -36,14 +36,14 @@ def test_builtin_members_held_from_before_the_plugin_loaded_stay_equal():
 
 
 def test_get_kv_class_returns_ours_for_every_class_type():
-    from hybridkv.connectors.sglang import conn, receiver
+    from hybridkv.connectors.sglang import conn, receiver, sender
     from sglang.srt.disaggregation.base.conn import KVArgs
 
     backend = utils.TransferBackend("hybridkv")
     expected = {
         KVClassType.KVARGS: KVArgs,
         KVClassType.MANAGER: conn.HybridKVManager,
-        KVClassType.SENDER: conn.HybridKVSender,
+        KVClassType.SENDER: sender.HybridKVSender,
         KVClassType.RECEIVER: receiver.HybridKVReceiver,
         KVClassType.BOOTSTRAP_SERVER: conn.HybridKVBootstrapServer,
     }
