@@ -36,7 +36,8 @@ FAMILIES = {
 
 def make_config(family: str, *, role: str = "kv_both", kv_cache_dtype: str = "auto", mtp: bool | int = False,
                 block_size: int = 16, num_blocks: int = 64, extra: dict[str, Any] | None = None,
-                engine_id: str = "engine-test", layout: str | None = None, async_scheduling: bool = False):
+                engine_id: str = "engine-test", layout: str | None = None, async_scheduling: bool = False,
+                mtp_modules: int = 1):
     """A VllmConfig as ``vllm serve`` builds it for the family's tiny model (harness.make_vllm_config's recipe)."""
     import torch
     from unittest import mock
@@ -49,7 +50,7 @@ def make_config(family: str, *, role: str = "kv_both", kv_cache_dtype: str = "au
 
     if mtp and family != "qwen3.5":
         raise ValueError(f"mtp is for qwen3.5 here, got {family!r}")
-    model = FAMILIES[family]
+    model = FAMILIES[family] if mtp_modules == 1 else _with_mtp_modules(FAMILIES[family], mtp_modules)
     mc = ModelConfig(model=str(model), skip_tokenizer_init=True, max_model_len=h.MAX_MODEL_LEN)
     hybrid = family in ("qwen3.5", "nemotron_h")
     cc = CacheConfig(block_size=block_size, mamba_cache_mode="none", enable_prefix_caching=True,
@@ -73,6 +74,24 @@ def make_config(family: str, *, role: str = "kv_both", kv_cache_dtype: str = "au
     if layout is not None:
         vc.cache_config.kv_cache_layout = layout
     return vc
+
+
+def _with_mtp_modules(model: Path, n: int) -> Path:
+    """The model's config with ``n`` MTP modules (``num_nextn_predict_layers``: vLLM then drafts with one
+    module per token, multi-module MTP), in a folder of its own that every test process derives alike."""
+    import json
+    import tempfile
+
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = n
+    out = Path(tempfile.gettempdir()) / f"hybridkv-tests-{model.name}-mtp{n}"
+    out.mkdir(exist_ok=True)
+    text = json.dumps(cfg)
+    if not (out / "config.json").exists() or (out / "config.json").read_text() != text:
+        tmp = out / f"config.json.{__import__('os').getpid()}"
+        tmp.write_text(text)
+        tmp.replace(out / "config.json")  # atomic: the other side's process may read it now
+    return out
 
 
 def layer_specs(vc, family: str) -> dict[str, Any]:
@@ -109,7 +128,7 @@ def layer_specs(vc, family: str) -> dict[str, Any]:
                 specs[f"model.layers.{i}.linear_attn"] = state(MambaAttentionBackendEnum.GDN_ATTN)
         if vc.speculative_config is not None:
             # Qwen3NextMTP: its decoder layers are full attention, named under "mtp."
-            for j in range(vc.speculative_config.num_speculative_tokens and 1):
+            for j in range(getattr(hf, "num_nextn_predict_layers", 1)):  # Qwen3NextMTP: one per module
                 specs[f"mtp.layers.{j}.self_attn.attn"] = attention(is_draft=True)
     elif family == "llama":
         for i in range(hf.num_hidden_layers):

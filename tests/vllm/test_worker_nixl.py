@@ -42,17 +42,18 @@ def _read(proc, timeout: float) -> dict:
 
 @pytest.mark.slow
 def test_request_moves_between_two_worker_processes(tmp_path):
-    """Qwen3.5 with MTP speculative decoding (2 draft tokens) on both sides under async scheduling, as operators
-    run it: the prefill's real AsyncScheduler truncates the prompt by the backoff (GDN and the drafter's
-    lookahead, as NixlConnector's _prefill_backoff), decode's loads exactly that range, then decodes with draft
-    tokens scheduled; every layer's blocks arrive byte for byte, the draft layer's (``mtp.layers.0``)
-    included, each GDN group's running state and not a speculative scratch slot, in fewer NIXL descriptors
+    """Qwen3.5 with MTP speculative decoding on both sides under async scheduling: the prefill's real
+    AsyncScheduler truncates the prompt by the backoff (the drafter's lookahead less one, as NixlConnector's
+    _prefill_backoff), decode's loads exactly that range, then decodes with draft tokens scheduled; every
+    layer's blocks arrive byte for byte, the draft layers' (``mtp.layers.N``) included, each GDN group's running state and not a speculative scratch slot, in fewer NIXL descriptors
     than NixlConnector's for the same config."""
     from vllm.v1.engine import FinishReason
 
     from tests.vllm import families as fam
 
-    case, opts, prompt = "qwen3.5-mtp-bf16", {"mtp": 2}, 100
+    # Three MTP modules drafting three tokens (multi-module MTP): the drafter's lookahead makes the backoff 2,
+    # beyond GDN's 1, so the prefill and decode halves must agree on it.
+    case, opts, prompt = "qwen3.5-mtp-bf16", {"mtp": 3, "mtp_modules": 3}, 100
     port = free_ports()
     log = open(tmp_path / "peer.log", "w")
     peer = subprocess.Popen(
@@ -62,14 +63,14 @@ def test_request_moves_between_two_worker_processes(tmp_path):
     conn = None
     try:
         vc, kcc, kv = fam.build(case, role="kv_consumer", engine_id="decode-engine", async_scheduling=True, **opts)
-        assert vc.num_speculative_tokens == 2
-        assert any(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) == 2 for g in kcc.kv_cache_groups)
+        assert vc.num_speculative_tokens == 3 and vc.speculative_config.use_multi_module_mtp()
+        assert any(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) == 3 for g in kcc.kv_cache_groups)
         conn = fam.worker(vc, kcc, kv)
         sched = h.make_scheduler(vc, kcc, async_scheduling=True)
         runner = h.RealWorker(conn, kv, sched, writes=False)
         d = h.Driver(sched, runner, async_scheduling=True)
         backoff = sched.connector.scheduler.prefill_backoff
-        assert backoff == max(1, vc.num_prefill_lookahead_tokens - 1)
+        assert backoff == vc.num_prefill_lookahead_tokens - 1 == 2
         assert _read(peer, 120)["ready"] == port
         pages_path = tmp_path / "pages.msgpack"
         peer.stdin.write(json.dumps({"prompt_len": prompt, "pages": str(pages_path)}) + "\n")
@@ -82,7 +83,7 @@ def test_request_moves_between_two_worker_processes(tmp_path):
         assert d.drafts_scheduled.get("d1", 0) > 0  # decode ran speculative steps after the load
         sent = msgpack.unpackb(pages_path.read_bytes(), raw=False)
         got = runner.snapshots["d1"]
-        assert set(got) == set(sent) == set(kv) and "mtp.layers.0.self_attn.attn" in got
+        assert set(got) == set(sent) == set(kv) and {f"mtp.layers.{j}.self_attn.attn" for j in range(3)} <= set(got)
         for name in sent:
             assert len(got[name]) == len(sent[name]) > 0
             assert got[name] == sent[name], f"layer {name}: bytes differ"
