@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import logging
@@ -11,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hybridkv.transport import config as transport_config
+from hybridkv.transport.allowlist import PeerAllowlist
 from hybridkv.transport.auth import load_secret
 from hybridkv.transport.dataplane import DataPlaneConfig
 
@@ -100,12 +102,11 @@ class SGLangConfig:
             if f.name in _HOSTS_KEYS:
                 if not isinstance(v, tuple) or not all(isinstance(h, str) for h in v):
                     raise ValueError(f"{f.name} = {v!r}; expected a tuple of IP addresses or networks")
-                for h in v:
+                if v:
                     try:
-                        ipaddress.ip_network(h, strict=False)
-                    except ValueError:
-                        raise ValueError(f"{f.name}: {h!r} is not an IP address or network; expected e.g. "
-                                         "10.0.0.7 or 10.0.0.0/8") from None
+                        PeerAllowlist.parse(v)  # the transport's allowlist: the same rule as allowed_peers
+                    except ValueError as e:
+                        raise ValueError(f"{f.name}: {e}") from None
             elif f.name in _SECRET_KEYS:
                 if v is not None and (not isinstance(v, str) or v.strip() == ""):
                     raise ValueError(f"{f.name} = {v!r}; expected unset or a non-empty string")
@@ -172,9 +173,13 @@ class SGLangConfig:
         named = _ip(ip)
         if named is None:
             return False
-        if self.allowed_decode_hosts:
-            return any(named in ipaddress.ip_network(h, strict=False) for h in self.allowed_decode_hosts)
+        if self._decode_hosts is not None:
+            return self._decode_hosts.allows(str(named))
         return source is not None and named == _ip(source)
+
+    @functools.cached_property
+    def _decode_hosts(self) -> PeerAllowlist | None:
+        return PeerAllowlist.parse(self.allowed_decode_hosts) if self.allowed_decode_hosts else None
 
     def dataplane(self, *, prefill: bool = False, ib_device: str | None = None, gpu_id: int = 0,
                   environ: Mapping[str, str] = os.environ) -> DataPlaneConfig:

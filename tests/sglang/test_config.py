@@ -110,7 +110,7 @@ def test_decode_hosts_a_prefill_answers_a_handshake_at():
     c = SGLangConfig.from_server_args(None, environ={"HYBRIDKV_SGLANG_ALLOWED_DECODE_HOSTS": "10.0.0.0/8,fd00::1"})
     assert c.decode_host_allowed("10.9.8.7", "192.168.0.1") and c.decode_host_allowed("fd00::1", None)
     assert not c.decode_host_allowed("11.0.0.1", "11.0.0.1")
-    with pytest.raises(ValueError, match=r"allowed_decode_hosts: 'decode-host' is not an IP address or network"):
+    with pytest.raises(ValueError, match=r"allowed_decode_hosts: allowed peer 'decode-host' is not an IP address or network"):
         SGLangConfig.from_server_args(None, environ={"HYBRIDKV_SGLANG_ALLOWED_DECODE_HOSTS": "decode-host"})
 
 
