@@ -26,6 +26,7 @@ from hybridkv.layout.geometry import LayerSpec, ModelGeometry, Paging
 from hybridkv.transport.memory import from_layout
 from hybridkv.transport.plan import TransferPlan
 from hybridkv.transport.staging import Route, StagingConfig, StagingMode, route, slot_rows
+from hybridkv.wire import Mem
 
 from .hma import HMAPlan, aligned_block_size, plan_hma
 from .planning import DescriptorPlanner, source_ranks
@@ -331,7 +332,8 @@ def _staged_vllm(w: Workload, hma: HMAPlan, *, sliced: int) -> int:
     else:
         direct = sliced
     own_pool = w.staging is not None and w.staging.enabled
-    way = route(w.staging, sliced=sliced, direct=direct, own_pool=own_pool)
+    nbytes = _useful_bytes(w) // w.reads_per_request  # one read's packed slices
+    way = route(w.staging, sliced=sliced, direct=direct, own_pool=own_pool, nbytes=nbytes, mem=STAGING_MEM)
     return {Route.SLICED: sliced, Route.DIRECT: min(direct, sliced), Route.SLOT: 1}[way]
 
 
@@ -367,6 +369,8 @@ def _hybridkv_reads(w: Workload) -> list[tuple[int, int, TransferPlan]]:
 
 #: where the analyzer puts a producer's staging slot (any address: only contiguity counts)
 _SLOT_BASE = 1 << 46
+#: the memory the analyzer weighs staging's copies in: a deployment's caches are on its GPUs
+STAGING_MEM = Mem.VRAM
 
 
 def _staged(w: Workload, prepared, source: int, sb, db, sliced: TransferPlan) -> TransferPlan:
@@ -380,7 +384,7 @@ def _staged(w: Workload, prepared, source: int, sb, db, sliced: TransferPlan) ->
         return sliced
     direct = stager.read(_SLOT_BASE, 0, sb, db)
     way = route(w.staging, sliced=sliced.num_descriptors, direct=direct.num_descriptors,
-                own_pool=w.staging.enabled)
+                own_pool=w.staging.enabled, nbytes=stager.nbytes(sb), mem=STAGING_MEM)
     if way is Route.SLICED:
         return sliced
     if way is Route.DIRECT:

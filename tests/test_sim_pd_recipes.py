@@ -373,8 +373,7 @@ def test_cli_tp_pair_reports_what_a_posting_thread_posts(tmp_path, capsys):
     vllm, ours = variants["vllm-0.33"], variants["hybridkv"]
     assert (vllm["tp_prefill"], vllm["tp_decode"], vllm["total_gpus"]) == (8, 2, 80)
     assert (vllm["descriptors_per_request"], vllm["descriptors_posted_per_thread"]) == (65_760, 32_880)
-    # staged (transport/staging.py): one slot per prefill rank a decode rank reads (24 and 12 sliced)
-    assert (ours["descriptors_per_request"], ours["descriptors_posted_per_thread"]) == (8, 4)
+    assert (ours["descriptors_per_request"], ours["descriptors_posted_per_thread"]) == (24, 12)
     assert vllm["posting_on_step"] is True and ours["posting_on_step"] is False
     assert vllm["ratio_metric"] == "tokens_per_s_per_gpu"
 

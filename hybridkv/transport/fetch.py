@@ -188,7 +188,7 @@ class Importer:
         direct = stager.read(addr, region.device_id, theirs, mine)
         direct.check()
         way = route(self._staging, sliced=sliced.num_descriptors, direct=direct.num_descriptors,
-                    own_pool=self._pool is not None)
+                    own_pool=self._pool is not None, nbytes=nbytes, mem=region.mem)
         if way is Route.SLICED:
             return Work(part=part, plan=sliced)  # the slot goes unread; the export's end frees it
         best = direct if direct.num_descriptors <= sliced.num_descriptors else sliced

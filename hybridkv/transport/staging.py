@@ -59,15 +59,18 @@ def _rule_off() -> bool:
 class StagingConfig:
     """``capacity_bytes``: the pool (0: no pool, never stage on this side); ``slot_bytes``: its
     allocation unit. ``direct_rows``: a consumer reads a staged slot straight into its pages when
-    that takes at most this many descriptors, else through a slot of its own and a local unpack
-    (measured on the 2-core CPU box, DRAM: a descriptor costs ~2-3 us of posting, a local copy of a
-    few MB costs less than a few dozen of them). ``fence``: the slot fence (module docstring);
-    off only through the environment, for the test that shows why it is there."""
+    that takes at most this many descriptors, else through a slot of its own and a local unpack.
+    ``descriptor_us`` and ``copy_gbps``: what AUTO weighs (:func:`route`): the posting cost of a
+    descriptor saved against the local copies staging adds; None: :data:`COSTS` for the memory kind.
+    ``fence``: the slot fence (module docstring); off only through the environment, for the test
+    that shows why it is there."""
 
     mode: StagingMode = StagingMode.AUTO
     capacity_bytes: int = 64 << 20
     slot_bytes: int = 64 << 10
     direct_rows: int = 8
+    descriptor_us: float | None = None
+    copy_gbps: float | None = None
     fence: bool = field(default_factory=lambda: not _rule_off())
 
     def __post_init__(self) -> None:
@@ -78,6 +81,16 @@ class StagingConfig:
                              "expected slot_bytes > 0 and a capacity that is a multiple of it (0: no pool)")
         if self.direct_rows < 1:
             raise ValueError(f"staging direct_rows = {self.direct_rows}; expected at least 1")
+        for name in ("descriptor_us", "copy_gbps"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"staging {name} = {v!r}; expected a positive number or None")
+
+    def costs(self, mem: wire.Mem) -> tuple[float, float]:
+        """(us per descriptor posted, GB/s of a local gather copy) for memory of kind ``mem``."""
+        us, gbps = COSTS[mem]
+        return (us if self.descriptor_us is None else self.descriptor_us,
+                gbps if self.copy_gbps is None else self.copy_gbps)
 
     @property
     def enabled(self) -> bool:
@@ -92,18 +105,33 @@ class Route(enum.Enum):
     SLOT = "slot"      # the producer's slot into a slot of this side's (one descriptor), then unpacked
 
 
-def route(config: StagingConfig | None, *, sliced: int, direct: int, own_pool: bool) -> Route:
-    """The consumer's choice for a staged part, from the descriptor counts of the sliced plan and
-    of the direct read (the one rule: the transport and the analyzer both call it). AUTO keeps
-    the sliced plan where it is already short (``direct_rows``), reads the slot directly where that
-    is short, and goes through its own slot otherwise; ON stages whatever the counts."""
+#: Per memory kind: (us of posting per descriptor, GB/s of a local gather copy). DRAM: measured on the
+#: 2-core CPU box (posting curve ~2 us per descriptor, docs/benchmarks/transfer.md; a numpy gather of
+#: 1.5-49 MB rows 0.6-1.0 GB/s under load). VRAM: the H100 split of issue 49 (~9 us per descriptor on
+#: the posting thread) and an assumed 500 GB/s gather (HBM; to be measured: docs/benchmarks/transfer.md).
+COSTS: dict[wire.Mem, tuple[float, float]] = {wire.Mem.DRAM: (2.0, 0.8), wire.Mem.VRAM: (9.0, 500.0)}
+
+
+def route(config: StagingConfig | None, *, sliced: int, direct: int, own_pool: bool, nbytes: int = 0,
+          mem: wire.Mem = wire.Mem.DRAM) -> Route:
+    """The consumer's choice for a staged part of ``nbytes`` packed bytes, from the descriptor counts
+    of the sliced plan and of the direct read (the one rule: the transport and the analyzer both call
+    it). The staged read is the direct one where that takes at most ``direct_rows`` descriptors (or
+    this side has no pool), else one descriptor into a slot of ours and an unpack. ON takes it
+    whatever it costs. AUTO takes it only where the descriptors it saves cost more to post than the
+    copies it adds (the producer's pack, and our unpack through a slot), at ``config.costs(mem)``:
+    on a CPU host a descriptor is worth ~2 KB of copying, on a GPU ~4 MB."""
     if config is None or config.mode is StagingMode.OFF:
         return Route.SLICED
-    if config.mode is StagingMode.AUTO and sliced <= config.direct_rows:
+    way = Route.DIRECT if direct <= config.direct_rows or not own_pool else Route.SLOT
+    staged = direct if way is Route.DIRECT else 1
+    if staged > sliced:
         return Route.SLICED
-    if direct <= config.direct_rows or not own_pool:
-        return Route.DIRECT if direct <= sliced else Route.SLICED
-    return Route.SLOT
+    if config.mode is StagingMode.ON:
+        return way
+    us, gbps = config.costs(mem)
+    copies = 1 if way is Route.DIRECT else 2
+    return way if (sliced - staged) * us > copies * nbytes / (gbps * 1e3) else Route.SLICED
 
 
 # --------------------------------------------------------------------------- local copies
@@ -256,6 +284,7 @@ class StagePool:
         self.memory = dataclasses.replace(memory, regions=memory.regions + (self.region,))
         self.copier = Copier(self.memory, self.buffer)
         self._used = np.zeros(self.units, dtype=bool)
+        self._live: dict[int, Slot] = {}  # first unit -> the slot holding it
         self._held: list[tuple[float, Slot]] = []
         self.taken = 0       # counters, for tests and describe()
         self.full = 0
@@ -283,11 +312,14 @@ class StagePool:
         first = int(runs[0])
         self._used[first:first + units] = True
         self.taken += 1
-        return Slot(first=first, units=units, offset=first * self.config.slot_bytes, nbytes=nbytes)
+        slot = self._live[first] = Slot(first=first, units=units, offset=first * self.config.slot_bytes,
+                                        nbytes=nbytes)
+        return slot
 
     def give_back(self, slot: Slot) -> None:
-        if not self._used[slot.first:slot.first + slot.units].all():
-            raise RuntimeError(f"staging slot at unit {slot.first} given back twice")
+        if self._live.get(slot.first) is not slot:
+            raise RuntimeError(f"staging slot at unit {slot.first} given back twice (or not this pool's)")
+        del self._live[slot.first]
         self._used[slot.first:slot.first + slot.units] = False
 
     def hold(self, slot: Slot, until: float) -> None:
@@ -325,5 +357,5 @@ def slot_rows(src_addr: int, src_dev: int, dst_addr: int, dst_dev: int, nbytes: 
     return TransferPlan(src=src, dst=dst, src_region=z, dst_region=z.copy())
 
 
-__all__ = ["Copier", "CopyStep", "Place", "RULE_OFF_ENV", "Route", "Slot", "route", "StagePool", "Stager", "StagingConfig",
+__all__ = ["COSTS", "Copier", "CopyStep", "Place", "RULE_OFF_ENV", "Route", "Slot", "route", "StagePool", "Stager", "StagingConfig",
            "StagingMode", "slot_rows", "staging_region"]

@@ -123,9 +123,13 @@ def test_per_rank_counts_are_what_one_posting_thread_sees():
     sglang = by[Scheme.SGLANG_NIXL]
     assert sglang.poster.side.value == "prefill" and sglang.per_posting_rank == sglang.descriptors // 8
     ours = by[Scheme.HYBRIDKV]
-    # Staged (transport/staging.py): each decode rank reads one slot per prefill rank it reads; sliced: 24.
-    assert ours.per_decode_rank * 2 == ours.descriptors == 8 and not ours.poster.on_step
-    assert count_descriptors(Scheme.HYBRIDKV, dataclasses.replace(w, staging=None)).descriptors == 24
+    assert ours.per_decode_rank * 2 == ours.descriptors == 24 and not ours.poster.on_step
+    # Staging (transport/staging.py) weighs copies against descriptors: hybridkv's own layout posts 3 per read
+    # and stays sliced; inside vLLM's layout a read is 600 head slices, staged into one slot per prefill rank.
+    ours_vllm = by[Scheme.HYBRIDKV_VLLM]
+    assert (ours_vllm.descriptors, ours_vllm.per_decode_rank) == (8, 4)
+    sliced = count_descriptors(Scheme.HYBRIDKV_VLLM, dataclasses.replace(w, staging=None))
+    assert (sliced.descriptors, sliced.per_decode_rank) == (2_400, 1_200)
     # One decode rank reading from a TP 1 prefill: half the prefill rank's readers each.
     up = {c.scheme: c for c in count_all(_qwen_bf16(tp_prefill=1, tp_decode=2))}
     assert up[Scheme.VLLM_033].per_decode_rank == 300 and up[Scheme.VLLM_033].per_prefill_rank == 600
@@ -171,8 +175,7 @@ def test_cli_answers_does_this_matter(capsys):
         "side": "decode", "on_step": True, "where": vllm["posted_by"]["where"]}
     assert vllm["posting_ms"]["ids"] == pytest.approx((85 + 32_880 * 2.0) / 1e3)
     assert vllm["step_share"]["ids"] == pytest.approx(vllm["posting_ms"]["ids"] * 0.25 / 10)
-    # staged (transport/staging.py): one slot per prefill rank a decode rank reads (12 sliced)
-    assert rows["hybridkv"]["per_posting_rank"] == 4 and rows["hybridkv"]["posted_by"]["on_step"] is False
+    assert rows["hybridkv"]["per_posting_rank"] == 12 and rows["hybridkv"]["posted_by"]["on_step"] is False
     assert rows["sglang-nixl"]["step_share"] is None  # posted on the prefill's threads
     # The step budget and the measured cost are inputs: a GPU host's figures move the answer.
     assert main([*argv[:-1], "--per-desc-us", "9", "--per-transfer-us", "142", "--step-ms", "30", "--json"]) == 0

@@ -1,0 +1,116 @@
+"""Staging (transport/staging.py, descriptors/staging.py) in one process, without NIXL: the pool's
+bounds and fence bookkeeping, the route rule, and pack -> slot -> unpack moving exactly the fields a
+decode rank reads from each producer rank (the multi-process path is tests/transport/test_hetero_tp.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridkv import wire
+from hybridkv.transport.staging import Route, StagePool, StagingConfig, StagingMode, route
+from tests.transport.hetero_peers import _counts, field_digests
+from tests.transport.peers import build
+
+
+def _pool(units=4, slot=1024):
+    _, memory, _ = build(1)
+    return StagePool(memory, StagingConfig(capacity_bytes=units * slot, slot_bytes=slot))
+
+
+def test_pool_is_bounded_and_falls_back_when_full():
+    pool = _pool()
+    a = pool.take(2048)
+    b = pool.take(1500)  # rounds up to two units
+    assert (a.first, a.units, b.first, b.units) == (0, 2, 2, 2)
+    assert pool.take(1) is None and pool.full == 1  # full: the caller posts the sliced plan
+    pool.give_back(a)
+    assert pool.take(3000) is None  # no run of three free units
+    c = pool.take(2048)
+    assert c.first == 0
+    with pytest.raises(RuntimeError, match="given back twice"):
+        pool.give_back(a)  # a slot given back twice is a bug, not a free run
+    assert pool.take(5 * 1024) is None  # larger than the pool
+
+
+def test_a_held_slot_goes_back_only_at_its_deadline():
+    pool = _pool()
+    s = pool.take(4096)
+    pool.hold(s, until=10.0)  # a reader may still be reading until its lease lapses
+    pool.tick(9.9)
+    assert pool.free_units() == 0 and pool.take(1) is None
+    pool.tick(10.0)
+    assert pool.free_units() == 4
+
+
+def test_pool_region_is_registered_with_the_side():
+    _, memory, _ = build(1)
+    pool = StagePool(memory, StagingConfig(capacity_bytes=1 << 16, slot_bytes=1 << 12))
+    assert pool.memory.regions[:-1] == memory.regions and pool.memory.groups == memory.groups
+    r = pool.memory.regions[-1]
+    assert (r.region_id, r.base_addr, r.num_pages * r.stride) == (len(memory.regions), pool.base, 1 << 16)
+
+
+def test_config_refuses_bad_values():
+    with pytest.raises(ValueError, match="multiple of it"):
+        StagingConfig(capacity_bytes=1000, slot_bytes=512)
+    with pytest.raises(ValueError, match="direct_rows = 0"):
+        StagingConfig(direct_rows=0)
+
+
+DRAM, VRAM = wire.Mem.DRAM, wire.Mem.VRAM
+
+
+@pytest.mark.parametrize("mode,sliced,direct,own,nbytes,mem,expected", [
+    (StagingMode.OFF, 100, 1, True, 0, DRAM, Route.SLICED),
+    (StagingMode.AUTO, 8, 1, True, 64 << 10, DRAM, Route.SLICED),   # 7 descriptors < 64 KB of copying
+    (StagingMode.AUTO, 100, 3, True, 64 << 10, DRAM, Route.DIRECT),  # the slot lands in few pieces
+    (StagingMode.AUTO, 100, 50, True, 64 << 10, DRAM, Route.SLOT),   # it would not: through a slot of ours
+    (StagingMode.AUTO, 100, 50, False, 64 << 10, DRAM, Route.DIRECT),
+    (StagingMode.AUTO, 100, 3, True, 1 << 20, DRAM, Route.SLICED),   # a CPU copies 1 MB slower than it posts 97
+    (StagingMode.AUTO, 100, 3, True, 1 << 20, VRAM, Route.DIRECT),   # a GPU does not
+    (StagingMode.ON, 2, 2, True, 1 << 30, DRAM, Route.DIRECT),       # ON: whatever it costs
+    (StagingMode.ON, 2, 50, False, 0, DRAM, Route.SLICED),           # ...but never more descriptors
+])
+def test_route(mode, sliced, direct, own, nbytes, mem, expected):
+    got = route(StagingConfig(mode=mode), sliced=sliced, direct=direct, own_pool=own, nbytes=nbytes, mem=mem)
+    assert got is expected
+
+
+@pytest.mark.parametrize("p_tp,d_tp,p_block,d_block", [(2, 1, 48, 48), (1, 2, 48, 48), (2, 1, 16, 32)])
+def test_pack_read_unpack_moves_each_field_from_its_producer(p_tp, d_tp, p_block, d_block):
+    """Producer pages -> its slot (pack) -> the decode rank's slot (one copy, the READ's job) -> its
+    pages (unpack): every field equals the producer rank's it was assigned from, and the direct read
+    of the slot covers the same bytes as the sliced plan in no more rows."""
+    from hybridkv.descriptors.planning import DescriptorPlanner, source_ranks
+
+    tokens = 200
+    prods = [build(10 + r, tp=p_tp, rank=r, block=p_block) for r in range(p_tp)]
+    for d in range(d_tp):
+        layout, memory, _ = build(50 + d, tp=d_tp, rank=d, block=d_block)
+        ranks, _ = source_ranks(d_tp, d, p_tp)
+        planned = DescriptorPlanner().prepare(tuple(prods[r][1] for r in ranks), memory)
+        mine = {g: np.arange(3, 3 + n) for g, n in _counts(layout, tokens).items()}
+        cons_pool = StagePool(memory, StagingConfig(capacity_bytes=1 << 20, slot_bytes=1 << 10))
+        for i, r in enumerate(ranks):
+            src_layout, src_memory, _ = prods[r]
+            theirs = {g: np.arange(1, 1 + n)[::-1].copy() for g, n in _counts(src_layout, tokens).items()}
+            stager = planned.stager(i)
+            ours = DescriptorPlanner().stager(src_memory, memory)  # what the producer packs by
+            assert stager.keys == ours.keys and stager.nbytes(theirs) == ours.nbytes(theirs)
+            prod_pool = StagePool(src_memory, StagingConfig(capacity_bytes=1 << 20, slot_bytes=1 << 10))
+            prod_pool.take(1)  # the request's slot is not at offset 0
+            slot = prod_pool.take(ours.nbytes(theirs))
+            prod_pool.copier.run(ours.pack(theirs, base=slot.offset))
+            sliced = planned.plan(i, theirs, mine)
+            direct = stager.read(prod_pool.base + slot.offset, 0, theirs, mine)
+            assert direct.num_descriptors <= sliced.num_descriptors and direct.nbytes == sliced.nbytes
+            own = cons_pool.take(slot.nbytes)
+            cons_pool.buffer[own.offset:own.offset + slot.nbytes] = \
+                prod_pool.buffer[slot.offset:slot.offset + slot.nbytes]
+            cons_pool.copier.run(stager.unpack(theirs, mine, base=own.offset))
+            expected = field_digests(src_layout, theirs, tokens)
+            got = field_digests(layout, mine, tokens)
+            for key in planned.sources[src_layout.rank]:
+                name = f"{key[0].value}/{key[1]}/{key[2]}"
+                assert got[name] == expected[name], (r, d, name)
