@@ -22,7 +22,7 @@ TAG_FLOOD = "unknown_tags"
 
 def _legit_consumer_served(r) -> None:
     fds = r["fds"]
-    assert fds["after"] == fds["before"], fds
+    assert fds["after"] <= fds["before"], fds  # no leak (the sample before may catch a transient fd of UCX's)
     assert set(r["legit"].values()) == {"READY"} and r["byte_exact"], r["legit"]
     assert set(r["producer"].values()) == {"DONE"}
     assert r["producer_free"] and r["producer_in_flight"] == 0 and r["producer_requests"] == 0
