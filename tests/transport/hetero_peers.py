@@ -7,7 +7,8 @@ for token-indexed fields). A decode rank must end with exactly the bytes of the
 prefill rank it was assigned each field from.
 
 ``staging`` (a dict of StagingConfig fields, both sides): heterogeneous-TP reads go through
-staging slots (transport/staging.py), but for the requests listed in ``sliced``. ``want_first`` (consumer): ask for every request and wait
+staging slots (transport/staging.py), but for the requests listed in ``sliced``. ``scatter``: blocks
+handed out one at a time across the requests (no run of neighbours); ``sequential``: one fetch at a time. ``want_first`` (consumer): ask for every request and wait
 for every Export before any READ, so that every slot is packed before the first is read (a slot
 reused early then corrupts a read for certain).
 """
@@ -54,6 +55,19 @@ def _staging(opts):
     return StagingConfig(**cfg)
 
 
+def _scattered(sched, layout, requests) -> dict:
+    """Blocks handed out one at a time, request after request (``scatter``): no two consecutive blocks
+    of a request are neighbours in memory while the others still take blocks, as in a busy engine."""
+    need = {rid: _counts(layout, tokens) for rid, tokens in requests}
+    plans: dict = {rid: {g: [] for g in need[rid]} for rid in need}
+    for g in next(iter(need.values())):
+        while any(len(plans[rid][g]) < need[rid][g] for rid in need):
+            for rid in need:
+                if len(plans[rid][g]) < need[rid][g]:
+                    plans[rid][g] += list(sched.allocate(rid, g, 1))
+    return plans
+
+
 def _pools(layout):
     from hybridkv.fencing.fence import PoolLayout
 
@@ -81,9 +95,14 @@ async def _producer(opts, out, inbox):
                     staging=_staging(opts))
     out.put(("addr", await prod.start()))
     plans = {}
+    if opts.get("scatter"):
+        for rid, _ in opts["requests"]:
+            sched.add_request(rid)
+        plans = _scattered(sched, layout, opts["requests"])
     for step, (rid, tokens) in enumerate(opts["requests"], 1):
-        sched.add_request(rid)
-        plans[rid] = {g: list(sched.allocate(rid, g, n)) for g, n in _counts(layout, tokens).items()}
+        if not opts.get("scatter"):
+            sched.add_request(rid)
+            plans[rid] = {g: list(sched.allocate(rid, g, n)) for g, n in _counts(layout, tokens).items()}
         sched.step_scheduled(step, joined=[rid])
         sched.step_completed(step)
         sched.request_finished(rid, export=True)
@@ -123,10 +142,14 @@ async def _consumer(opts, out, inbox):
     plans = {}
     for rid, tokens in opts["requests"]:
         sched.add_request(rid, expect=comps)
+        if opts.get("scatter"):
+            continue
         sched.add_request(rid + "-pad")  # the destination blocks sit elsewhere than the source's
         for g in _counts(layout, tokens):
             sched.allocate(rid + "-pad", g, 1)
         plans[rid] = {g: list(sched.allocate(rid, g, n)) for g, n in _counts(layout, tokens).items()}
+    if opts.get("scatter"):
+        plans = _scattered(sched, layout, opts["requests"])
     sliced = set(opts.get("sliced", ()))  # requests read sliced whatever the staging config says
     if opts.get("want_first"):
         stage = cons._importer._stage_flags([cons.peers[a] for a in agents])
@@ -135,11 +158,14 @@ async def _consumer(opts, out, inbox):
                 await cons.want(rid, token=token(rid), peer=a, readers=opts["readers"], stage=st and rid not in sliced)
         while not all(cons.exported(rid, peer=a) for rid in plans for a in agents):
             await asyncio.sleep(0.005)
-    results = await asyncio.gather(*(cons.fetch(rid, comps, token=token(rid), peers=agents, readers=opts["readers"],
-                                                stage=False if rid in sliced else None)
-                                     for rid in plans))
+    fetches = [cons.fetch(rid, comps, token=token(rid), peers=agents, readers=opts["readers"],
+                          stage=False if rid in sliced else None) for rid in plans]
+    if opts.get("sequential"):  # one at a time: each transfer's time is its own
+        results = [await f for f in fetches]
+    else:
+        results = await asyncio.gather(*fetches)
     sched.audit()
-    out.put(("results", [(r.request_id, r.outcome.name, r.error, r.descriptors, r.nbytes, r.planned)
+    out.put(("results", [(r.request_id, r.outcome.name, r.error, r.descriptors, r.nbytes, r.planned, r.seconds)
                          for r in results]))
     out.put(("fields", {rid: field_digests(layout, plans[rid], t) for rid, t in opts["requests"]}))
     out.put(("sources", {r: sorted(f"{k[0].value}/{k[1]}/{k[2]}" for k in keys) for r, keys in plan.sources.items()}))
@@ -169,6 +195,7 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
                 "addrs": [addrs[r] for r in ranks], **opts}))
         sent = [p.expect("fields") for p in prods]
         per_rank = {rid: [] for rid, _ in requests}
+        times: dict[str, list[float]] = {rid: [] for rid, _ in requests}
         bad = []
         for cons in conss:
             results = cons.expect("results")
@@ -180,10 +207,11 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
                 assert set(owner) == set(got[rid])  # every field of this rank came from some producer rank
                 bad += [(rid, key, owner[key]) for key, digest in got[rid].items()
                         if digest != sent[owner[key]][rid][key]]
-            for rid, _, _, desc, nbytes, planned in results:
+            for rid, _, _, desc, nbytes, planned, seconds in results:
                 assert desc and nbytes > 0
                 assert desc == planned, (rid, desc, planned)  # NIXL posted what the planner said
                 per_rank[rid].append(desc)
+                times[rid].append(seconds)
             state = cons.expect("state")
             assert set(state["phases"].values()) == {"READY"} and state["in_flight"] == 0
             if state["staging"] is not None:  # every slot of ours back: its READ ended, it was unpacked
@@ -196,7 +224,8 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
             assert state["free"] == state["total"] and state["in_flight"] == 0
             if state["staging"] is not None:
                 assert state["staging"]["free"] == state["staging"]["units"], state["staging"]
-        return {rid: {"per_rank": per_rank[rid], "total": sum(per_rank[rid])} for rid, _ in requests}
+        return {rid: {"per_rank": per_rank[rid], "total": sum(per_rank[rid]), "seconds": times[rid]}
+                for rid, _ in requests}
     finally:
         for p in prods + conss:
             p.stop()
