@@ -220,13 +220,19 @@ class Copier:
 
     def _rows(self, place: Place, pages: np.ndarray, length: int):
         buf = self._span(place.region)
+        size = int(buf.shape[0])
+        lo, hi = int(pages.min()), int(pages.max())
+        if lo < 0 or place.offset < 0 or place.offset + hi * place.stride + length > size:
+            # strided views do not check their bounds: a bad step must never touch memory past its span
+            where = "the staging slot" if place.region is None else f"region {place.region}"
+            raise ValueError(f"copy of pages {lo}..{hi} ({length} bytes at offset {place.offset}, stride "
+                             f"{place.stride}) runs past {where} ({size} bytes); expected it inside")
+        top = hi + 1
         if self._vram:
             import torch
 
-            top = int(pages.max()) + 1
             view = buf.as_strided((top, length), (place.stride, 1), place.offset)
             return view, torch.as_tensor(pages, device=buf.device)
-        top = int(pages.max()) + 1
         view = np.lib.stride_tricks.as_strided(buf[place.offset:], shape=(top, length), strides=(place.stride, 1))
         return view, pages
 
