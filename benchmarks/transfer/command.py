@@ -86,9 +86,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="bytes per descriptor of the posting probe (the vllm-0.33 list and one descriptor, "
                              "posted with this length each, CPU of the posting thread timed), 1 to 1048576 "
                              "(default 64)")
-    parser.add_argument("--spin-us", type=float, default=500.0,
+    parser.add_argument("--spin-us", type=float, default=0.0,
                         help="hybridkv's consumer polls its READ back to back this long before yielding to its event "
-                             "loop (DataPlaneConfig.spin_s), 0 to 1000000 (default 500)")
+                             "loop (DataPlaneConfig.spin_s), 0 to 1000000 (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     # Both sides cut pages alike, so the planner promises pages (and posts the prepped-list index
     # pairs of the compiler's affine fast path).

@@ -1,8 +1,11 @@
 """The consumer's side of `hybridkv bench transfer`: every variant timed, round by round, and the report.
 
-``_measure`` connects to the producer, runs (a) hybridkv's fetch, (b) the raw span (whole, cut, and
-with a notification), (c) the vLLM 0.33 list and the posting probe once per round in a shuffled
-order, then times (d) and returns the report that :func:`hybridkv.benchmarks.transfer.command.run` prints.
+``_measure`` connects to the producer, runs (a) hybridkv's fetch, (a') the plan that fetch posted, its
+index pairs posted with (b)'s bare NIXL calls, (b) the raw span (whole, cut, and with a notification),
+(c) the vLLM 0.33 list and the posting probe once per round in a shuffled order, then times (d) and
+returns the report that :func:`hybridkv.benchmarks.transfer.command.run` prints. Per scheme
+(``schemes``): the posting call's thread CPU and wall time and post to landed, each against (b); what
+hybridkv's own path adds is (a) against (a'), what its descriptors and memory cost NIXL is (a') against (b).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ into one span (:class:`MemorySpans`); rows are classified by the span they lie i
 Threading: with the progress thread off (the default: it slowed small
 descriptors on small machines), the *target* agent must be progressed or an
 initiator's transfer stays in progress; :meth:`DataPlane.pump` does that and
-the control loop calls it. An agent shared by several threads needs
+the control loop calls it. A waiter (``Side.wait_xfer``) may poll back to back for
+``DataPlaneConfig.spin_s`` (default 0) before it yields between polls. An agent shared by several threads needs
 ``SyncMode.STRICT`` (default) or ``RW``.
 """
 
@@ -59,6 +60,14 @@ class XferState(enum.Enum):
 
 
 _STATES = {s.value: s for s in XferState}
+_I32 = np.dtype(np.int32)
+
+
+def _int32(a) -> np.ndarray:
+    """``a`` as a C-contiguous int32 array; an array that is one already passes as it is, no numpy call."""
+    if type(a) is np.ndarray and a.dtype is _I32 and a.flags.c_contiguous:
+        return a
+    return np.ascontiguousarray(a, dtype=np.int32)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,10 +77,10 @@ class DataPlaneConfig:
     sync: SyncMode = SyncMode.STRICT
     telemetry: bool = True
     #: how long a waiter (``Side.wait_xfer``) polls a transfer back to back before it yields to its
-    #: event loop between polls: one that lands within it is seen at once, not a loop round late
-    #: (a round with other tasks in it takes tens of us, a few % of a 320 MB NVLink READ). The loop
-    #: is blocked for at most this long per wait.
-    spin_s: float = 0.0005
+    #: event loop between polls, blocking the loop that long at most per wait. Off: on one H100 a
+    #: fetch's READ was seen landed no later than a busy-polled raw READ (198 vs 211 us after the
+    #: post, 320 MB), so a spin buys nothing there; `bench transfer --spin-us` measures it.
+    spin_s: float = 0.0
     #: extra UCX backend parameters, e.g. {"ucx_error_handling_mode": "peer"}
     ucx_params: tuple[tuple[str, str], ...] = (("ucx_error_handling_mode", "peer"),)
 
@@ -268,22 +277,36 @@ class DataPlane:
         return self.post_rows(op, peer, local, remote, notif)
 
     def post(self, op: Op, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes = b"") -> Transfer:
-        """Make and post a transfer of local_idx[i] <-> remote_idx[i]; raises TransferError on refusal."""
-        entry = self._peer(peer)
-        if self._local is None or entry.prepped is None:
-            side = "this side's" if self._local is None else f"peer {peer}'s"
+        """Make and post a transfer of local_idx[i] <-> remote_idx[i]; raises TransferError on refusal.
+
+        The hot path of every fetch, and it runs cold (after a request's planning and control
+        traffic, every extra call, numpy conversion or reduction costs several us: the H100 bench
+        measured +38 us of posting CPU over the same pairs posted with bare NIXL calls): so one
+        handle is posted inline, int32 arrays pass unconverted, the byte count waits for its reader."""
+        entry = self._peers.get(peer)
+        local = self._local
+        if entry is None or local is None or entry.prepped is None:
+            entry = self._peer(peer)  # raises for a peer not connected
+            side = "this side's" if local is None else f"peer {peer}'s"
             raise ValueError(f"{side} regions mix memory kinds, so they have no prepped list; "
                              "expected post_rows for them")
-        li = np.ascontiguousarray(local_idx, dtype=np.int32)
-        ri = np.ascontiguousarray(remote_idx, dtype=np.int32)
-        if li.shape != ri.shape or li.ndim != 1 or li.size == 0:
+        li, ri = _int32(local_idx), _int32(remote_idx)
+        if li.ndim != 1 or li.shape != ri.shape or not li.size:
             raise ValueError(f"index arrays of shapes {li.shape} and {ri.shape}; expected equal non-empty 1-D")
+        agent = self.agent
         try:
-            h = self.agent.make_prepped_xfer(op.value, self._local, li, entry.prepped, ri, notif)
+            h = agent.make_prepped_xfer(op._value_, local, li, entry.prepped, ri, notif)
         except Exception as exc:  # nixl raises its own typed errors (nixlInvalidParamError, ...)
             raise TransferError(f"NIXL refused the transfer to {peer}: {type(exc).__name__}: {exc}") from exc
+        try:
+            state = agent.transfer(h)
+        except Exception as exc:
+            state = f"{type(exc).__name__}: {exc}"
+        if state != "PROC" and state != "DONE":
+            self._release(h)
+            raise TransferError(f"posting to {peer} failed ({state})")
         page_bytes = self._page_bytes
-        return self._start(Transfer([h], peer, li.size, lambda: page_bytes[li].sum()))
+        return Transfer([h], peer, li.size, lambda: page_bytes[li].sum())
 
     def post_rows(self, op: Op, peer: str, local_rows: np.ndarray, remote_rows: np.ndarray,
                   notif: bytes = b"") -> Transfer:

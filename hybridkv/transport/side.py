@@ -226,7 +226,7 @@ class Side:
     async def wait_xfer(self, xfer: Transfer, until: Callable[[], float] | None = None) -> XferState:
         """The transfer's terminal state, or IN_PROGRESS once ``until()`` (a monotonic time) passed."""
         self._busy += 1
-        spin_until = time.perf_counter() + self.dp.config.spin_s  # back to back first: a soon landing seen at once
+        spin_until = time.perf_counter() + self.dp.config.spin_s  # DataPlaneConfig.spin_s: back to back first
         try:
             while (s := self.dp.state(xfer)) is XferState.IN_PROGRESS:
                 if until is not None and time.monotonic() > until():

@@ -41,4 +41,4 @@ def test_bench_transfer_json(capsys):
         assert row["post_cpu_us"] > 0 and row["post_us"] > 0 and row["landed_us"] >= row["post_us"], (name, row)
         assert row["x_raw"] > 0 and row["x_raw_paired"] > 0
     assert rep["schemes"]["raw"]["x_raw"] == 1.0 and rep["schemes"]["plan"]["posted"] == rep["descriptors"]
-    assert rep["spin_us"] == 500.0
+    assert rep["spin_us"] == 0.0
