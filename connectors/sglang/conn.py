@@ -76,13 +76,13 @@ import zmq
 from aiohttp import web
 
 from hybridkv.connectors.sglang import messages as msgs
-from hybridkv.connectors.sglang import buffer_keys, routes, startup
+from hybridkv.connectors.sglang import routes, startup
 from hybridkv.connectors.sglang.adopt import adopt_kv_args, parallel_of, request_id
 from hybridkv.connectors.sglang.config import SGLangConfig
 from hybridkv.connectors.sglang.decode_side import DecodeImports
 from hybridkv.connectors.sglang.drains import Drains
 from hybridkv.connectors.sglang.fenced_blocks import FencedBlocks
-from hybridkv.connectors.sglang.metrics import HybridKVSGLangMetrics
+from hybridkv.connectors.sglang.metrics import HybridKVSGLangMetrics, metrics_for_engine
 from hybridkv.connectors.sglang.peer_auth import PeerAuth
 from hybridkv.connectors.sglang.prefill_side import PrefillExports, TransferStats
 from hybridkv.connectors.sglang.registrations import Peer, Registrations
@@ -169,16 +169,9 @@ class HybridKVManager(CommonKVManager):
             deferred_timeout=envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get(),
             attn_tp_size=par.attn_tp_size)
         self.mem = MemKind.DRAM if get_device().device == "cpu" else MemKind.VRAM
-        # Aux buffers keyed by role from the switches SGLang's MetadataBuffers reads (buffer_keys.py)
-        n_aux = len(getattr(args, "aux_data_ptrs", None) or ())
-        aux_roles = buffer_keys.aux_roles(
-            n_aux, sampling_mask=bool(envs.SGLANG_ENABLE_DISAGG_SAMPLING_MASK.get()),
-            kv_checksum=bool(getattr(server_args, "disaggregation_enable_kv_checksum", False)))
-        if aux_roles is None and n_aux:
-            logger.warning("hybridkv: %d aux (metadata) buffers, which SGLang 0.5.23's MetadataBuffers does not "
-                           "explain; they pair by position, as SGLang's NIXL backend pairs them", n_aux)
         self.adopted = adopt_kv_args(
-            args, device_mem=self.mem, gpu_id=int(getattr(args, "gpu_id", 0) or 0), aux_roles=aux_roles,
+            args, device_mem=self.mem, gpu_id=int(getattr(args, "gpu_id", 0) or 0),
+            aux_roles=startup.aux_roles(args, server_args, sampling_mask=envs.SGLANG_ENABLE_DISAGG_SAMPLING_MASK.get()),
             parallel=parallel_of(args, attn_tp=par.attn_tp_size, attn_rank=par.attn_tp_rank,
                                  state_tp=linear_attn_tp_size(), mla=bool(is_mla_backend)))
         # NIC binding and UCX threads as SGLang's NIXL backend takes them (config.py)
@@ -194,16 +187,10 @@ class HybridKVManager(CommonKVManager):
         #: what moved, failed and was quarantined; the control thread observes it into the
         #: sglang:hybridkv_* series (metrics.py) and starts over
         self.metrics = TransferMetrics()
-        try:
-            self.prom: Optional[HybridKVSGLangMetrics] = HybridKVSGLangMetrics({
-                "model_name": server_args.served_model_name or server_args.model_path,
-                "engine_type": DisaggregationMode.to_engine_type(disaggregation_mode.value),
-                # SGLang's scheduler series: the TP rank, not the attention-TP one (every DP-attention group
-                # has an attention rank 0), and the replica's DP rank ("": none, as SGLang leaves it out)
-                "tp_rank": par.tp_rank, "dp_rank": "" if par.dp_rank is None else par.dp_rank})
-        except ImportError as e:  # sglang requires prometheus-client; a stripped install may lack it
-            logger.warning("hybridkv: no sglang:hybridkv_* metrics (%s); pip install prometheus-client", e)
-            self.prom = None
+        self.prom: Optional[HybridKVSGLangMetrics] = metrics_for_engine(
+            model_name=server_args.served_model_name or server_args.model_path,
+            engine_type=DisaggregationMode.to_engine_type(disaggregation_mode.value),
+            tp_rank=par.tp_rank, dp_rank=par.dp_rank)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         #: the decode ranks registered here (prefill): their agents, layouts and planners

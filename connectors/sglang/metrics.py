@@ -15,9 +15,12 @@ control thread observes them here.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping
 
 from hybridkv.transport.metrics import FailureKind, MetricsSnapshot
+
+logger = logging.getLogger(__name__)
 
 
 #: The labels of SGLang's scheduler metrics this backend's series carry (tp_rank: the TP rank, as SGLang's
@@ -100,4 +103,17 @@ class HybridKVSGLangMetrics:
             self.quarantined_now.inc(s.quarantined_blocks - s.released_blocks)
 
 
-__all__ = ["HybridKVSGLangMetrics"]
+def metrics_for_engine(*, model_name: object, engine_type: object, tp_rank: int,
+                       dp_rank: int | None) -> HybridKVSGLangMetrics | None:
+    """A manager's series, labelled as SGLang's scheduler series are: the TP rank, not the attention-TP one
+    (every DP-attention group has an attention rank 0), and the replica's DP rank ("": none, as SGLang leaves
+    it out); None, said once, without prometheus-client (sglang requires it; a stripped install may lack it)."""
+    try:
+        return HybridKVSGLangMetrics({"model_name": model_name, "engine_type": engine_type, "tp_rank": tp_rank,
+                                      "dp_rank": "" if dp_rank is None else dp_rank})
+    except ImportError as e:
+        logger.warning("hybridkv: no sglang:hybridkv_* metrics (%s); pip install prometheus-client", e)
+        return None
+
+
+__all__ = ["HybridKVSGLangMetrics", "metrics_for_engine"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
+from hybridkv.connectors.sglang import buffer_keys
 from hybridkv.connectors.sglang.config import SGLangConfig
 
 logger = logging.getLogger(__name__)
@@ -103,3 +104,16 @@ def drain_timeout(config: SGLangConfig, *, decode: bool, waiting_timeout: float 
             f"into them to end; expected {DRAIN_VAR} <= {deferred_timeout:g} (or unset: it follows SGLang's), or a "
             f"longer {DEFERRED_TIMEOUT_VAR}")
     return config.drain_timeout_s
+
+
+def aux_roles(kv_args: Any, server_args: Any, *, sampling_mask: bool) -> tuple[str, ...] | None:
+    """The role of each aux (metadata) buffer, from the switches SGLang's MetadataBuffers reads
+    (``SGLANG_ENABLE_DISAGG_SAMPLING_MASK``, ``--disaggregation-enable-kv-checksum``: buffer_keys.py); None,
+    with a warning, where SGLang 0.5.23's MetadataBuffers does not explain them (paired by position then)."""
+    n = len(getattr(kv_args, "aux_data_ptrs", None) or ())
+    roles = buffer_keys.aux_roles(n, sampling_mask=bool(sampling_mask),
+                                  kv_checksum=bool(getattr(server_args, "disaggregation_enable_kv_checksum", False)))
+    if roles is None and n:
+        logger.warning("hybridkv: %d aux (metadata) buffers, which SGLang 0.5.23's MetadataBuffers does not explain; "
+                       "they pair by position, as SGLang's NIXL backend pairs them", n)
+    return roles
