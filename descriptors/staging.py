@@ -24,6 +24,7 @@ from collections.abc import Collection, Mapping
 import numpy as np
 
 from hybridkv.layout import GroupLayout, Layout, Placement, Region
+from hybridkv.ids import RegionId
 from hybridkv.layout.fields import Field, FieldKey
 from hybridkv.transport.plan import TransferPlan
 from hybridkv.transport.staging import CopyStep, Place
@@ -39,7 +40,8 @@ def compact_layout(src: Layout, dst: Layout, keys: Collection[FieldKey]) -> Layo
     """The producer's pages cut down to ``keys``: per group of ``dst`` that holds one of them, a
     region (base 0) whose page is those fields of the producer's page, in its order."""
     keys = frozenset(keys)
-    regions, groups = [], []
+    regions: list[Region] = []
+    groups: list[GroupLayout] = []
     for dg in dst.groups:
         if not any(f.key in keys for p in dg.placements for f in p.fields):
             continue
@@ -50,7 +52,7 @@ def compact_layout(src: Layout, dst: Layout, keys: Collection[FieldKey]) -> Layo
         for _, f in mine:
             fields.append(Field(key=f.key, offset=at, nbytes=f.nbytes, token_bytes=f.token_bytes))
             at += f.nbytes
-        rid = len(regions)
+        rid = RegionId(len(regions))
         first = src.regions[sg.placements[0].region_id]
         regions.append(Region(region_id=rid, base_addr=0, stride=at, page_bytes=at, num_pages=_COMPACT_PAGES,
                               mem=first.mem, device_id=first.device_id))
@@ -82,18 +84,21 @@ class StagePlan:
                              "non-empty read set inside what the producer packs")
         self.src, self.dst = src, dst
         self.compact = v = compact_layout(src, dst, self.keys)
-        self.page_bytes = {g.group_id: v.regions[g.placements[0].region_id].page_bytes for g in v.groups}
-        self._region = {g.group_id: g.placements[0].region_id for g in v.groups}
-        self._pack = {g.group_id: pc.merge_table(pc.field_table(src, src.group(g.group_id), v, g, self.keys))
-                      for g in v.groups}
-        self._unpack = {g.group_id: pc.merge_table(pc.field_table(v, g, dst, dst.group(g.group_id), self.reads))
-                        for g in v.groups}
+        self.page_bytes: dict[int, int] = {int(g.group_id): v.regions[g.placements[0].region_id].page_bytes
+                                           for g in v.groups}
+        self._pack: dict[int, pc.PieceTable] = {
+            int(g.group_id): pc.merge_table(pc.field_table(src, src.group(g.group_id), v, g, self.keys))
+            for g in v.groups}
+        self._unpack: dict[int, pc.PieceTable] = {
+            int(g.group_id): pc.merge_table(pc.field_table(v, g, dst, dst.group(g.group_id), self.reads))
+            for g in v.groups}
         self._read = TransferPlanner(v, dst, keys=self.reads)
         self.groups = tuple(sorted(self.page_bytes))
 
     def areas(self, src_blocks: Mapping[int, np.ndarray]) -> dict[int, tuple[int, int]]:
         """Per group: (byte offset in the slot, block count)."""
-        out, at = {}, 0
+        out: dict[int, tuple[int, int]] = {}
+        at = 0
         for g in self.groups:
             n = len(src_blocks.get(g, ()))
             out[g] = (at, n)

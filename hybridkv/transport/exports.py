@@ -262,10 +262,11 @@ class Exports:
         rec.readers = readers
         rec.claims[peer.agent] = peer
         staged = self._stage(rec, peer) if stage and self._config.mode is wire.Mode.PULL else ()
-        if staged and not self._staging.config.fence:
+        pool = self._staging
+        if staged and pool is not None and not pool.config.fence:
             # HYBRIDKV_STAGING_RULE_OFF: the slot goes back as soon as it is packed, while its reader
             # has yet to read it (the next request's slices may land in it first).
-            self._staging.give_back(rec.slots.pop(peer.agent))
+            pool.give_back(rec.slots.pop(peer.agent))
         deadline = self._scheduler.leases.deadline(rec.rid)
         left = max(0.0, deadline - self._scheduler.leases.now()) if deadline is not None else 0.0
         asyncio.ensure_future(self._send_export(rec, peer, left, staged))

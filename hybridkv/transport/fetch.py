@@ -211,10 +211,11 @@ class Importer:
 
     def _unpack(self, work: Sequence[Work]) -> str | None:
         """Every READ landed: staged parts go from our slots into our pages. An error, or None."""
+        pool = self._pool
         for w in work:
-            if w.slot is not None and w.staged is not None:
+            if pool is not None and w.slot is not None and w.staged is not None:
                 try:
-                    self._pool.copier.run(w.staged.stager.unpack(w.staged.src_blocks, w.staged.dst_blocks,
+                    pool.copier.run(w.staged.stager.unpack(w.staged.src_blocks, w.staged.dst_blocks,
                                                                  base=w.slot.offset))
                 except Exception as exc:  # a bug, not the peer's: the import fails, the engine lives
                     return f"unpacking the staged read failed: {type(exc).__name__}: {exc}"

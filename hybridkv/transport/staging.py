@@ -34,7 +34,7 @@ import enum
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -276,6 +276,7 @@ class StagePool:
                              "expected one kind (disable staging: StagingConfig(mode=StagingMode.OFF))")
         mem = kinds.pop()
         dev = memory.regions[0].device_id
+        self.buffer: Any  # numpy uint8 (host) or a torch uint8 tensor (device)
         if mem is wire.Mem.VRAM:
             import torch
 
