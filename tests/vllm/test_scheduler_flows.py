@@ -224,7 +224,7 @@ def test_abort_while_the_fence_holds_the_load_back():
     sched.add_request(h.make_request("r", prompt_len=60, max_tokens=2,
                                      params=h.remote_prefill_params("r", groups=GROUPS)))
     half = sched.connector.scheduler
-    d.run(until=lambda: "r" in half._pending)
+    d.run(until=lambda: "r" in half.loads._pending)
     sched.finish_requests("r", RequestStatus.FINISHED_ABORTED)
     d.run()
     assert not worker.orders  # the load never started
@@ -249,8 +249,8 @@ def test_a_late_worker_report_never_reaches_vllm_however_many_came_between():
     assert "p1" not in sched.requests
     # 65,536 other exports handed back to vLLM meanwhile, their own worker reports still owed.
     others = {f"x{i}" for i in range(65_536)}
-    half._owed |= others
-    half._inject_sending |= others
+    half.exports._owed |= others
+    half.exports._inject_sending |= others
     from vllm.v1.outputs import KVConnectorOutput
 
     from hybridkv.connectors.vllm.metadata import HybridKVWorkerMetadata
@@ -260,7 +260,7 @@ def test_a_late_worker_report_never_reaches_vllm_however_many_came_between():
     assert others <= out.finished_sending
     worker._reads["p1"] = 1  # the worker's own report of p1, late
     d.run()
-    assert "p1" not in half._reported_sending
-    half._owed -= others
-    half._reported_sending -= others
+    assert "p1" not in half.exports._reported_sending
+    half.exports._owed -= others
+    half.exports._reported_sending -= others
     assert_all_returned(sched, d)

@@ -59,7 +59,7 @@ def test_a_load_of_another_token_range_is_refused(policy, short_by):
             assert reason is FinishReason.LENGTH  # the whole prompt computed here instead
         # The producer is told at once that its export will not be read.
         half = sched.connector.scheduler
-        assert not half._intents and not half._refused
+        assert not half.loads._intents and not half.loads._refused
         assert_all_returned(sched, d)
     finally:
         conn.shutdown()
