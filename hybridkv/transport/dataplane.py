@@ -286,7 +286,7 @@ class DataPlane:
         entry = self._peers.get(peer)
         local = self._local
         if entry is None or local is None or entry.prepped is None:
-            entry = self._peer(peer)  # raises for a peer not connected
+            self._peer(peer)  # raises for a peer not connected
             side = "this side's" if local is None else f"peer {peer}'s"
             raise ValueError(f"{side} regions mix memory kinds, so they have no prepped list; "
                              "expected post_rows for them")
