@@ -30,6 +30,8 @@ def field_digests(layout, blocks: dict[int, list[int]], tokens: int) -> dict[str
         for p in g.placements:
             r = layout.regions[p.region_id]
             buf = layout.allocations[p.region_id].owner
+            if hasattr(buf, "cpu"):  # a GPU tensor (mem="vram"): its bytes, on the host
+                buf = buf.cpu().numpy()
             for f in p.fields:
                 data = b"".join(buf[b * r.stride + f.offset: b * r.stride + f.offset + f.nbytes].tobytes()
                                 for b in blocks.get(g.group_id, []))
@@ -89,7 +91,8 @@ async def _producer(opts, out, inbox):
     from hybridkv.transport.endpoint import Pairing, Producer, TransportConfig
 
     tp, rank = opts["tp"], opts["rank"]
-    layout, memory, _ = build(10 + rank, tp=tp, rank=rank, block=opts["block"], geo_over=opts.get("geo"))
+    layout, memory, _ = build(10 + rank, tp=tp, rank=rank, block=opts["block"], geo_over=opts.get("geo"),
+                              mem=opts.get("mem", "dram"))
     sched = TransferScheduler(_pools(layout), lease_s=30.0)
     prod = Producer(memory, sched, TransportConfig(secret=SECRET), planner=DescriptorPlanner(pairing=Pairing.FIELDS),
                     staging=_staging(opts))
@@ -132,7 +135,8 @@ async def _consumer(opts, out, inbox):
     from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
 
     tp, rank = opts["tp"], opts["rank"]
-    layout, memory, _ = build(50 + rank, tp=tp, rank=rank, block=opts["block"], geo_over=opts.get("geo"))
+    layout, memory, _ = build(50 + rank, tp=tp, rank=rank, block=opts["block"], geo_over=opts.get("geo"),
+                              mem=opts.get("mem", "dram"))
     sched = TransferScheduler(_pools(layout), lease_s=30.0)
     cons = Consumer(memory, sched, TransportConfig(secret=SECRET), planner=DescriptorPlanner(pairing=Pairing.FIELDS),
                     staging=_staging(opts))
@@ -229,3 +233,41 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
     finally:
         for p in prods + conss:
             p.stop()
+
+
+def main(argv=None) -> None:
+    """Staged against sliced reads, post to landed, in one run per TP pair (blocks scattered, one fetch at
+    a time, a sliced and a staged warm-up first), with NixlConnector's list for the same request:
+
+        .venv/bin/python -m tests.transport.hetero_peers [--mem vram] [--tokens 500]
+
+    On a GPU (``--mem vram``) every rank is a process on GPU 0 (cuda_ipc), staging copies run on torch."""
+    import argparse
+    import statistics
+
+    from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
+    from tests.transport.peers import geometry
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mem", choices=("dram", "vram"), default="dram")
+    ap.add_argument("--tokens", type=int, default=450)  # six requests fit the test layouts' 64 pages
+    args = ap.parse_args(argv)
+    four = {"num_kv_heads": 4, "num_k_heads": 4, "num_v_heads": 4}
+    t = args.tokens
+    reqs = [("w0", t), ("v0", t), ("s1", t), ("x1", t), ("s2", t), ("x2", t)]  # w0, v0: warm-ups
+    print(f"staged (ON) vs sliced, {t} tokens, block 48, blocks scattered, {args.mem}; ms post to landed, "
+          "per decode rank")
+    for p_tp, d_tp, geo in [(2, 1, None), (1, 2, None), (4, 1, four)]:
+        m = run_pair(p_tp, d_tp, 48, 48, reqs, staging={"mode": "on"}, sliced=["w0", "x1", "x2"], want_first=True,
+                     scatter=True, sequential=True, geo=geo, mem=args.mem)
+        w = Workload(geometry=geometry(**(geo or {})), tokens=t, block_size=48, tp_prefill=p_tp, tp_decode=d_tp,
+                     fragmentation=1.0)
+        nixl = count_descriptors(Scheme.VLLM_033, w).per_decode_rank
+        ms = lambda rids: round(statistics.median(x * 1e3 for r in rids for x in m[r]["seconds"]), 2)  # noqa: E731
+        print(f"P TP{p_tp} -> D TP{d_tp}: staged {max(m['s1']['per_rank'])} descriptors {ms(['s1', 's2'])} ms; "
+              f"sliced {max(m['x1']['per_rank'])} descriptors {ms(['x1', 'x2'])} ms; NixlConnector's list {nixl}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
