@@ -4,6 +4,8 @@ decode rank reads from each producer rank (the multi-process path is tests/trans
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -13,9 +15,13 @@ from tests.transport.hetero_peers import _counts, field_digests
 from tests.transport.peers import build
 
 
+@functools.lru_cache(maxsize=1)
+def _memory():
+    return build(1)[1]  # its layout's buffers live as long as the map (the layout holds them)
+
+
 def _pool(units=4, slot=1024):
-    _, memory, _ = build(1)
-    return StagePool(memory, StagingConfig(capacity_bytes=units * slot, slot_bytes=slot))
+    return StagePool(_memory(), StagingConfig(capacity_bytes=units * slot, slot_bytes=slot))
 
 
 def test_pool_is_bounded_and_falls_back_when_full():
