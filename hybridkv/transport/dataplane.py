@@ -270,9 +270,9 @@ class DataPlane:
         A plan's ``src`` is the producer's side, so this agent's side is ``dst`` when it READs
         (the consumer pulls) and ``src`` when it WRITEs (the producer pushes)."""
         reading = op is Op.READ
-        if plan.indexed:
-            local, remote = (plan.dst_index, plan.src_index) if reading else (plan.src_index, plan.dst_index)
-            return self.post(op, peer, local, remote, notif)
+        src_i, dst_i = plan.src_index, plan.dst_index
+        if src_i is not None and dst_i is not None:  # the index form (read directly: every fetch runs this)
+            return self.post(op, peer, dst_i if reading else src_i, src_i if reading else dst_i, notif)
         local, remote = (plan.dst, plan.src) if reading else (plan.src, plan.dst)
         return self.post_rows(op, peer, local, remote, notif)
 
