@@ -22,14 +22,17 @@ def server():
 
     from hybridkv.connectors.sglang.conn import HybridKVBootstrapServer
 
-    saved = {k: os.environ.get(k) for k in pd_peer.SECRET_ENV}
-    os.environ.update(pd_peer.SECRET_ENV)  # the server reads the ranks' secret from the environment
+    # The server reads the ranks' secret from the environment; an in-process rank set up earlier in this
+    # session may have left lab mode there (pd_peer.configure), which a secret refuses beside it.
+    saved = {k: os.environ.get(k) for k in (*pd_peer.SECRET_ENV, "HYBRIDKV_SGLANG_INSECURE_NO_AUTH")}
+    os.environ.pop("HYBRIDKV_SGLANG_INSECURE_NO_AUTH", None)
+    os.environ.update(pd_peer.SECRET_ENV)
     try:
         port = pd_peer.free_port()
         srv = HybridKVBootstrapServer("127.0.0.1", port)
     finally:
         for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     addr = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 10
     while True:
