@@ -6,6 +6,8 @@
 #   tests  every GPU-marked test of the transport and the demo (VRAM, cuda_ipc)
 #   demo   `hybridkv demo --device cuda` (token- and byte-exact, fenced)
 #   bench  `hybridkv bench transfer --mem vram` ($BENCH_ARGS added)
+#   planraw  hybridkv's plan against a raw one-span READ at three sizes (tools/device/plan_vs_raw.sh)
+#   staging  heterogeneous-TP staging against the sliced and NixlConnector lists, VRAM (tests/transport/hetero_peers.py)
 set +e
 set -u
 STEPS=${STEPS:-probe tests demo bench}
@@ -29,6 +31,8 @@ for s in $STEPS; do
                    tests/reference/test_demo_gpu.py ;;
         demo) step demo 200 "${CLI[@]}" demo --device cuda --requests 32 ;;
         bench) step bench "${BENCH_S:-240}" "${CLI[@]}" bench transfer --mem vram --tokens 8192 --iters 9 ${BENCH_ARGS:-} ;;
+        planraw) TAIL=60 step planraw "${PLANRAW_S:-330}" bash tools/device/plan_vs_raw.sh ;;
+        staging) step staging "${STAGING_S:-150}" "$PY" -m tests.transport.hetero_peers --mem vram ;;
         *) echo "unknown step $s" ;;
     esac
 done
