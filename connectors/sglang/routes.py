@@ -139,7 +139,19 @@ def sign_dp_queries(secret: bytes) -> None:
     def query_prefill_dp_ranks(bootstrap_addr: str, bootstrap_rooms: list) -> dict[str, int]:
         return query_dp_ranks(bootstrap_addr, secret, bootstrap_rooms)
 
+    _SGLANG_QUERY.setdefault("query_prefill_dp_ranks", CommonKVReceiver.__dict__["query_prefill_dp_ranks"])
     CommonKVReceiver.query_prefill_dp_ranks = staticmethod(query_prefill_dp_ranks)
+
+
+#: SGLang's own ``CommonKVReceiver.query_prefill_dp_ranks``, kept the first time :func:`sign_dp_queries` replaces it.
+_SGLANG_QUERY: dict[str, Any] = {}
+
+
+def sglang_query_prefill_dp_ranks() -> Any:
+    """SGLang's own (unMACed) DP-rank query of this process, whether or not :func:`sign_dp_queries` replaced it."""
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    return _SGLANG_QUERY.get("query_prefill_dp_ranks", CommonKVReceiver.__dict__["query_prefill_dp_ranks"])
 
 
 def _slot(data: Mapping[str, Any]) -> tuple:

@@ -76,7 +76,8 @@ def test_dp_rank_registrations_and_queries_need_the_secret(server, monkeypatch):
     assert routes.query_dp_ranks(server, other, [ROOM]) == {}
 
     # SGLang's decode asks through CommonKVReceiver itself; a decode manager with the secret MACs its questions.
-    monkeypatch.setattr(CommonKVReceiver, "query_prefill_dp_ranks", CommonKVReceiver.query_prefill_dp_ranks)
+    # SGLang's own query, even where an in-process decode manager of an earlier test replaced it already.
+    monkeypatch.setattr(CommonKVReceiver, "query_prefill_dp_ranks", routes.sglang_query_prefill_dp_ranks())
     assert CommonKVReceiver.query_prefill_dp_ranks(server, [ROOM]) == {}  # SGLang's own query: refused
     routes.sign_dp_queries(secret)
     assert CommonKVReceiver.query_prefill_dp_ranks(server, [ROOM, ROOM + 1]) == {str(ROOM): 0}
