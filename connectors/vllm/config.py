@@ -9,15 +9,17 @@ the key. This module does not import vLLM.
 from __future__ import annotations
 
 import difflib
+import enum
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from hybridkv.fencing.fence import FencePolicy
 from hybridkv.transport.allowlist import PeerAllowlist
+from hybridkv.transport.staging import StagingMode
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,14 @@ class HybridKVVllmConfig:
     ``tp_rank`` (int or null, ``null``)
         This worker's TP rank, where vLLM's distributed group does not exist (a worker built
         outside vLLM's executor, as the tests do). Null: asked of vLLM, 0 without a group.
+    ``staging`` (``"off"``, ``"auto"`` or ``"on"``, ``"off"``) / ``staging_capacity_mb`` (int, ``64``)
+        Heterogeneous TP (a decode instance of another TP size than the prefill's): the prefill packs
+        each decode rank's head slices of a request into a slot of a staging pool and the decode
+        rank reads the slot, a handful of descriptors instead of one per slice per block
+        (``hybridkv.transport.staging``). ``"auto"`` stages where the descriptors saved cost more to
+        post than the copies add; ``"on"`` wherever a slot holds the read. Set the same on both
+        sides; each worker then registers a pool of ``staging_capacity_mb`` MiB on its KV cache's
+        device, outside vLLM's memory accounting (leave that much free). Equal TP never stages.
     ``hybridkv_fence_policy`` (``"fenced"`` or ``"none"``, ``"fenced"``)
         Whether the scheduler half enforces hybridkv's fencing rules. ``"none"`` exists only to
         show what breaks without them (the race tests); never set it in a deployment.
@@ -109,6 +119,8 @@ class HybridKVVllmConfig:
     secret_env: str | None = None
     tp_rank: int | None = None
     insecure_no_auth: bool = False
+    staging: StagingMode = StagingMode.OFF
+    staging_capacity_mb: int = 64
     hybridkv_fence_policy: FencePolicy = FencePolicy.FENCED
 
     def __post_init__(self) -> None:
@@ -143,6 +155,9 @@ class HybridKVVllmConfig:
             raise ValueError("kv_connector_extra_config sets 'insecure_no_auth' and a secret ('secret_file' or "
                              "'secret_env'); expected one of the two (a secret authenticates every peer, "
                              "insecure_no_auth serves any)")
+        _check(isinstance(self.staging, StagingMode), "staging", self.staging, "a StagingMode")
+        _check(_is_int(self.staging_capacity_mb) and 1 <= self.staging_capacity_mb <= 65536, "staging_capacity_mb",
+               self.staging_capacity_mb, "an int of MiB, 1..65536")
         _check(isinstance(self.hybridkv_fence_policy, FencePolicy), "hybridkv_fence_policy",
                self.hybridkv_fence_policy, "a FencePolicy")
 
@@ -157,6 +172,14 @@ class HybridKVVllmConfig:
             return load_secret(file=self.secret_file, env=self.secret_env)
         except ValueError as exc:
             raise ValueError(f"kv_connector_extra_config[{key!r}]: {exc}") from None
+
+    def staging_config(self):
+        """The transport's staging config for this worker (None: no pool, never stage)."""
+        from hybridkv.transport.staging import StagingConfig
+
+        if self.staging is StagingMode.OFF:
+            return None
+        return StagingConfig(mode=self.staging, capacity_bytes=self.staging_capacity_mb << 20)
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -223,7 +246,9 @@ class HybridKVVllmConfig:
             "secret_env": _optional_str,
             "tp_rank": _optional_int,
             "insecure_no_auth": _bool,
-            "hybridkv_fence_policy": _fence_policy,
+            "staging": _choice(StagingMode),
+            "staging_capacity_mb": _int,
+            "hybridkv_fence_policy": _choice(FencePolicy),
         }
         return cls(**{k: parsers[k](k, extra[k]) for k in cls.keys() if k in extra})
 
@@ -349,9 +374,12 @@ def _bool(key: str, v: Any) -> bool:
     return v
 
 
-def _fence_policy(key: str, v: Any) -> FencePolicy:
-    if isinstance(v, FencePolicy):
-        return v
-    by_value = {p.value: p for p in FencePolicy}
-    _check(isinstance(v, str) and v.strip().lower() in by_value, key, v, f"one of {sorted(by_value)}")
-    return by_value[v.strip().lower()]
+def _choice(kind: type[enum.Enum]) -> Callable[[str, Any], Any]:
+    """A parser of one member of ``kind``, given as itself or by its value (any case)."""
+    def parse(key: str, v: Any) -> Any:
+        if isinstance(v, kind):
+            return v
+        by_value = {m.value: m for m in kind}
+        _check(isinstance(v, str) and v.strip().lower() in by_value, key, v, f"one of {sorted(by_value)}")
+        return by_value[v.strip().lower()]
+    return parse

@@ -215,7 +215,8 @@ class WorkerHalf:
     async def _start_producer(self) -> None:
         from hybridkv.transport.endpoint import Producer
 
-        self._producer = Producer(self.memory, self._ts, self._config(self.port), planner=self._planner())
+        self._producer = Producer(self.memory, self._ts, self._config(self.port), planner=self._planner(),
+                                  staging=self.config.staging_config())
         # A restarted engine may find its port still held for a moment (the previous incarnation's
         # connections closing): wait for it rather than fail start-up, within a bound.
         deadline = time.monotonic() + PORT_WAIT_S
@@ -269,7 +270,8 @@ class WorkerHalf:
             raise PeerError(f"producer {want} at {address.host}:{address.port} is gone (restarted or stopped); "
                             f"this request was prefilled by it")
         if self._consumer is None:
-            self._consumer = Consumer(self.memory, self._ts, self._config(), planner=self._planner())
+            self._consumer = Consumer(self.memory, self._ts, self._config(), planner=self._planner(),
+                                      staging=self.config.staging_config())
         current = self._agents.get(key)
         if current is not None and self._consumer.alive(current) and want in (None, current):
             return current

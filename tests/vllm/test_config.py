@@ -12,6 +12,7 @@ import pytest
 
 from hybridkv.connectors.vllm.config import HybridKVVllmConfig
 from hybridkv.fencing.fence import FencePolicy
+from hybridkv.transport.staging import StagingMode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,6 +27,8 @@ DEFAULTS = {
     "secret_env": None,
     "tp_rank": None,
     "insecure_no_auth": False,
+    "staging": StagingMode.OFF,
+    "staging_capacity_mb": 64,
     "hybridkv_fence_policy": FencePolicy.FENCED,
 }
 
@@ -58,6 +61,9 @@ def test_defaults_live_in_one_place():
     ("insecure_no_auth", "false", False),
     ("hybridkv_fence_policy", "none", FencePolicy.NONE),
     ("hybridkv_fence_policy", "FENCED", FencePolicy.FENCED),
+    ("staging", "Auto", StagingMode.AUTO),
+    ("staging", StagingMode.ON, StagingMode.ON),
+    ("staging_capacity_mb", "16", 16),
 ])
 def test_each_key_parses(key, given, parsed):
     cfg = HybridKVVllmConfig.from_extra_config({key: given}, env={})
@@ -73,6 +79,8 @@ def test_each_key_parses(key, given, parsed):
     ("side_channel_port", "http", "an int"),
     ("side_channel_port", 5600.5, "an int"),
     ("side_channel_port", 0, "a TCP port, 1..65535"),
+    ("staging", "always", "one of ['auto', 'off', 'on']"),
+    ("staging_capacity_mb", 0, "an int of MiB, 1..65536"),
     ("side_channel_port", 65536, "a TCP port, 1..65535"),
     ("kv_lease_duration", 0, "a positive number of seconds"),
     ("kv_lease_duration", -1, "a positive number of seconds"),
