@@ -41,6 +41,9 @@ class HybridKVConnectorMetadata(KVConnectorMetadata):
     #: Prefill side: the capability token of each request in ``exports_ready`` (the one
     #: returned in its kv_transfer_params): readers must present it.
     capabilities: dict[str, bytes] = field(default_factory=dict)
+    #: Prefill side: the decode addresses/networks a request's capability is bound to, where its
+    #: kv_transfer_params named them (``decode_hosts``); absent: unbound.
+    decode_hosts: dict[str, list[str]] = field(default_factory=dict)
     #: Prefill side: requests whose export ended (read done, lease lapsed, abort).
     exports_ended: list[str] = field(default_factory=list)
     #: Decode side: requests queued since the last step: the worker asks their producer ranks

@@ -20,7 +20,7 @@ from hybridkv.transport.metrics import TransferMetrics
 
 from hybridkv.connectors.vllm.addressing import RankAddress
 from hybridkv.connectors.vllm.metadata import BlockIds, HybridKVConnectorMetadata
-from hybridkv.connectors.vllm.params import producer_params, wants_remote_decode
+from hybridkv.connectors.vllm.params import DECODE_HOSTS, claimants, producer_params, wants_remote_decode
 
 if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
@@ -47,6 +47,7 @@ class Exports:
         self._ranks = ranks
         self._exports: dict[str, BlockIds] = {}  # exporting, not yet offered to readers
         self._capabilities: dict[str, bytes] = {}  # their tokens, until offered
+        self._decode_hosts: dict[str, list[str]] = {}  # where a request names its decode: bound to it
         self._offered: set[str] = set()
         self._export_blocks: dict[str, list[int]] = {}
         self._ended: list[str] = []
@@ -87,6 +88,11 @@ class Exports:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
+        try:  # whom the capability is bound to (a router that picks the decode first names it)
+            bound = claimants(params)
+        except ValueError as e:  # a client's value: refused for this request, never the engine
+            log.warning("request %s: not exporting its KV: %s", rid, e)
+            return False, None
         clipped = self._clip(tuple(tuple(g) for g in block_ids))
         if not any(clipped):
             return False, None
@@ -109,6 +115,9 @@ class Exports:
         # Issued here, where kv_transfer_params are made: the decode instance the router hands
         # them to presents it; no other peer can claim, renew or end the export.
         token = self._capabilities[rid] = new_token()
+        if bound is not None:  # validated above; the worker binds the export to these (metadata is pickled)
+            hosts = params[DECODE_HOSTS]
+            self._decode_hosts[rid] = [hosts] if isinstance(hosts, str) else list(hosts)
         return True, producer_params(
             token=token,
             engine_id=self.engine_id,
@@ -129,6 +138,8 @@ class Exports:
             if not isinstance(self.ts.export_ready(RequestId(rid)), NotYet):
                 meta.exports_ready[rid] = self._exports.pop(rid)
                 meta.capabilities[rid] = self._capabilities.pop(rid)
+                if rid in self._decode_hosts:
+                    meta.decode_hosts[rid] = self._decode_hosts.pop(rid)
                 self._offered.add(rid)
                 self._owed.add(rid)
         for rid in self.ts.poll():
@@ -151,6 +162,7 @@ class Exports:
             self._offered.discard(rid)
             self._exports.pop(rid, None)
             self._capabilities.pop(rid, None)
+            self._decode_hosts.pop(rid, None)
             if self.ts.export_done(RequestId(rid)):
                 self._hold_until_reusable(rid, self._export_blocks.pop(rid, []))
                 self._ended.append(rid)
@@ -165,6 +177,7 @@ class Exports:
         self.metrics.lease_expired()  # the scheduler's hold lapsed: the worker never reported the export ended
         self._exports.pop(rid, None)
         self._capabilities.pop(rid, None)
+        self._decode_hosts.pop(rid, None)
         self._offered.discard(rid)
         self._ended.append(rid)
         self._hold_until_reusable(rid, self._export_blocks.pop(rid, []))

@@ -51,7 +51,7 @@ from hybridkv.connectors.vllm.metadata import (
     HybridKVWorkerMetadata,
     RecvOrder,
 )
-from hybridkv.connectors.vllm.params import RemotePrefill
+from hybridkv.connectors.vllm.params import DECODE_HOSTS, RemotePrefill, claimants
 
 if TYPE_CHECKING:
     import torch
@@ -253,7 +253,7 @@ class WorkerHalf:
                 self._recving.add(rid)
                 self._failed.add(rid)
         for rid, blocks in meta.exports_ready.items():
-            self._call(self._export(rid, blocks, meta.capabilities[rid]))
+            self._call(self._export(rid, blocks, meta.capabilities[rid], meta.decode_hosts.get(rid)))
 
     async def _agent_for(self, address: RankAddress) -> str:
         """The producer agent at the address, dialled once (concurrent loads share the dial) and
@@ -376,7 +376,7 @@ class WorkerHalf:
             if not ok:
                 self._failed.add(rid)
 
-    async def _export(self, rid: str, blocks, token: bytes) -> None:
+    async def _export(self, rid: str, blocks, token: bytes, decode_hosts: list[str] | None = None) -> None:
         ts = self._ts
         try:
             ts.add_request(rid)
@@ -384,7 +384,9 @@ class WorkerHalf:
                 ts.assign(rid, g, ids)
             ts.request_finished(rid, export=True)
             # Whichever decode rank(s) ask for it (wire.Want) read it; the lease bounds the wait.
-            result = await self._producer.export(rid, token=token)
+            # decode_hosts: only a session from those networks may claim it (checked by the scheduler half).
+            bound = claimants({DECODE_HOSTS: decode_hosts}) if decode_hosts else None
+            result = await self._producer.export(rid, token=token, claimants=bound)
             log.debug("hybridkv export of %s: %s (%s)", rid, result.outcome.value, result.error)
         except Exception as exc:
             log.warning("hybridkv export of %s failed: %s", rid, exc)

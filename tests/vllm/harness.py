@@ -209,6 +209,7 @@ class StandInWorker:
     orders: list[tuple[int, str]] = field(default_factory=list)  # (step, request) of every load order seen
     order_blocks: dict[str, set[int]] = field(default_factory=dict)
     offered: list[tuple[int, str]] = field(default_factory=list)
+    bound: dict[str, list[str]] = field(default_factory=dict)  # prefill side: the decode_hosts an offer carried
     _loads: dict[str, int] = field(default_factory=dict)  # request -> steps left
     _reads: dict[str, int] = field(default_factory=dict)
 
@@ -225,6 +226,8 @@ class StandInWorker:
             self._loads[order.request_id] = self.fates.get(order.request_id, LoadFate()).after_steps
         for rid in meta.exports_ready:
             self.offered.append((meta.step, rid))
+            if rid in meta.decode_hosts:
+                self.bound[rid] = meta.decode_hosts[rid]
             if self.consumer_reads:
                 self._reads[rid] = 1
         for rid in meta.exports_ended:

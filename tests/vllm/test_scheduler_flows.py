@@ -94,6 +94,25 @@ def test_prefill_exports_and_frees_only_after_the_read(async_scheduling):
     assert_all_returned(sched, d)
 
 
+def test_decode_hosts_bind_the_export_and_a_bad_value_only_skips_that_request():
+    """A router that picks the decode first names it (kv_transfer_params ``decode_hosts``): the worker is told to
+    bind the capability to it (transport: only a session from there may claim). A client's bad value costs that
+    request its export, never the engine, and its blocks come back."""
+    sched, worker, d = setup(role="kv_producer", async_scheduling=False)
+    sched.add_request(h.make_request("bound", prompt_len=40, max_tokens=1,
+                                     params={"do_remote_decode": True, "decode_hosts": ["10.0.0.7", "10.1.0.0/16"]}))
+    sched.add_request(h.make_request("open", prompt_len=40, max_tokens=1, params={"do_remote_decode": True}))
+    sched.add_request(h.make_request("bad", prompt_len=40, max_tokens=1,
+                                     params={"do_remote_decode": True, "decode_hosts": "decode-1.example"}))
+    d.run(until=lambda: {"bound", "open", "bad"} <= set(d.finished))
+    assert d.finished["bad"][1] is None  # no kv_transfer_params: the decode computes it itself
+    assert d.finished["bound"][1]["do_remote_prefill"] and d.finished["open"][1]["do_remote_prefill"]
+    d.run()
+    assert {rid for _, rid in worker.offered} == {"bound", "open"}
+    assert worker.bound == {"bound": ["10.0.0.7", "10.1.0.0/16"]}
+    assert_all_returned(sched, d)
+
+
 @pytest.mark.parametrize("async_scheduling", MODES)
 def test_export_lease_lapses_without_a_reader(async_scheduling):
     sched, worker, d = setup(role="kv_producer", async_scheduling=async_scheduling,
