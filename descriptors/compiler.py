@@ -251,15 +251,19 @@ def _align(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> tuple[np.ndarray, n
     return sb, db
 
 
-def _compile_group(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> _Columns | None:
+def _paired(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """The block lists aligned (block sizes differ, or the counts do) and how many pairs of blocks they make."""
     if sb.shape[0] != db.shape[0] or t.src_block_tokens != t.dst_block_tokens:
         sb, db = _align(t, sb, db)
     ns, nd = sb.shape[0], db.shape[0]
     if t.is_state:
-        pairs = ns
-    else:
-        covered = min(ns * t.src_block_tokens, nd * t.dst_block_tokens)
-        pairs = -(-covered // t.pair_tokens)
+        return sb, db, ns
+    return sb, db, -(-min(ns * t.src_block_tokens, nd * t.dst_block_tokens) // t.pair_tokens)
+
+
+def _compile_group(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> _Columns | None:
+    sb, db, pairs = _paired(t, sb, db)
+    ns, nd = sb.shape[0], db.shape[0]
     if pairs == 0 or t.num_pieces == 0:
         return None
     _check_pages(sb, t.s_pages, "src", t.group_id)
@@ -296,14 +300,8 @@ def _compile_group(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> _Columns | 
 def piece_pages(t: PieceTable, sb: np.ndarray, db: np.ndarray):
     """Per piece of ``t``: (piece index, src pages, dst pages) its copies pair, block lists aligned
     as :meth:`TransferPlanner.compile` aligns them (for local copies: the staging pack/unpack)."""
-    sb, db = _blocks(sb, "src", t.group_id), _blocks(db, "dst", t.group_id)
-    if sb.shape[0] != db.shape[0] or t.src_block_tokens != t.dst_block_tokens:
-        sb, db = _align(t, sb, db)
+    sb, db, pairs = _paired(t, _blocks(sb, "src", t.group_id), _blocks(db, "dst", t.group_id))
     ns, nd = sb.shape[0], db.shape[0]
-    if t.is_state:
-        pairs = ns
-    else:
-        pairs = -(-min(ns * t.src_block_tokens, nd * t.dst_block_tokens) // t.pair_tokens)
     if pairs == 0:
         return
     _check_pages(sb, t.s_pages, "src", t.group_id)

@@ -58,3 +58,14 @@ def producer(**opts) -> Proc:
 
 def consumer(addr, **opts) -> Proc:
     return Proc(peers.consumer_main, {"addr": addr, **opts})
+
+
+def nixl_available() -> bool:
+    """Whether this environment can load NIXL (the tests that post through it skip otherwise)."""
+    try:
+        from hybridkv.transport.nixl_shim import load_nixl
+
+        load_nixl()
+    except ImportError:
+        return False
+    return True

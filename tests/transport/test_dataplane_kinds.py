@@ -13,18 +13,9 @@ import pytest
 from hybridkv import wire
 from hybridkv.transport.dataplane import DataPlane, DataPlaneConfig, Op, XferState
 from hybridkv.transport.memory import MemoryMap
+from tests.transport.harness import nixl_available
 
-def _nixl() -> bool:
-    try:
-        from hybridkv.transport.nixl_shim import load_nixl
-
-        load_nixl()
-    except ImportError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _nixl(), reason="needs NIXL")
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs NIXL")
 
 
 def _cuda():

@@ -19,16 +19,7 @@ from hybridkv.errors import TransferError
 from hybridkv.transport.dataplane import DataPlane, DataPlaneConfig, Op, Transfer, XferState
 from hybridkv.transport.memory import MemoryMap
 from hybridkv.transport.side import Side
-
-
-def _nixl() -> bool:
-    try:
-        from hybridkv.transport.nixl_shim import load_nixl
-
-        load_nixl()
-    except ImportError:
-        return False
-    return True
+from tests.transport.harness import nixl_available
 
 
 def _memory(buf: np.ndarray, pages: int) -> MemoryMap:
@@ -38,7 +29,7 @@ def _memory(buf: np.ndarray, pages: int) -> MemoryMap:
     return MemoryMap(regions=(region,), groups=(wire.GroupInfo(group_id=0, region_ids=(0,)),))
 
 
-@pytest.mark.skipif(not _nixl(), reason="needs NIXL")
+@pytest.mark.skipif(not nixl_available(), reason="needs NIXL")
 def test_post_counts_its_bytes_when_read_and_refuses_an_index_past_the_list():
     src, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
     local, remote = _memory(src, 8), _memory(dst, 8)
