@@ -8,15 +8,14 @@ from __future__ import annotations
 import argparse
 
 # Posting cost on the thread that posts, per descriptor that cannot merge and per transfer, and where
-# it was measured. The default is a CPU-box figure; a GPU host differs (GPU_HOST_NOTE).
-DEFAULT_PER_DESC_US = 2.0
-DEFAULT_PER_TRANSFER_US = 85.0
-POSTING_SOURCE = ("measured: `hybridkv bench transfer --posting-curve` on the 2-core CPU development box (DRAM, NIXL "
-                  "UCX over CMA): ~2 us of posting-thread CPU per descriptor that cannot merge (1.92-2.17 us from 1K "
-                  "to 131K) and ~85 us per transfer (docs/benchmarks/transfer.md, 'Posting curve')")
-GPU_HOST_NOTE = ("GPU hosts differ: one H100 (VRAM, cuda_ipc, two processes) gave ~9 us per descriptor + ~142 us in "
-                 "a first two-point split (docs/benchmarks/transfer.md, issue 49); give your host's figures with "
-                 "--per-desc-us and --per-transfer-us")
+# it was measured: a GPU host's (the deployments this is for); the CPU box's figure is in the note.
+DEFAULT_PER_DESC_US = 4.95
+DEFAULT_PER_TRANSFER_US = 60.0
+POSTING_SOURCE = ("measured: `hybridkv bench transfer --mem vram --posting-curve` on one H100 (two processes, NIXL UCX "
+                  "over cuda_ipc): 4.95 us of posting-thread CPU per descriptor that cannot merge (4.93-5.52 us from 64 "
+                  "to 131K) and ~60 us per transfer (docs/benchmarks/transfer.md, 'Posting curve')")
+GPU_HOST_NOTE = ("hosts differ: the 2-core CPU development box (DRAM, UCX over CMA) gave ~2 us per descriptor + ~85 us; "
+                 "RDMA hosts are not measured; give your host's figures with --per-desc-us and --per-transfer-us")
 # The step budget a posting competes with: one decode step of `DEFAULT_STEP_MS`, carrying `DEFAULT_BATCH`
 # requests of `DEFAULT_OSL` output tokens each, so batch / osl new requests (transfers) arrive per step.
 DEFAULT_STEP_MS = 10.0
@@ -66,10 +65,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="fraction of consecutive block pairs not adjacent in memory, 0 to 1 (1.0: none adjacent)"
                              " (default: 1.0)")
     parser.add_argument("--per-desc-us", type=bounded(float, MAX_PER_DESC_US), default=DEFAULT_PER_DESC_US,
-                        help="posting-thread CPU per descriptor that cannot merge, us (default: 2.0, measured on a "
-                             "2-core CPU box over DRAM; a GPU host's differs)")
+                        help="posting-thread CPU per descriptor that cannot merge, us (default: 4.95, measured on "
+                             "one H100 over cuda_ipc; other hosts differ)")
     parser.add_argument("--per-transfer-us", type=bounded(float, MAX_PER_DESC_US), default=DEFAULT_PER_TRANSFER_US,
-                        help="posting-thread CPU per transfer, us (default: 85.0, same measurement)")
+                        help="posting-thread CPU per transfer, us (default: 60.0, same measurement)")
     parser.add_argument("--step-ms", type=bounded(float, MAX_STEP_MS), default=DEFAULT_STEP_MS,
                         help="decode step time the posting competes with, ms (default: 10.0, assumed: the simulated "
                              "seed deployment steps in ~9-14 ms)")

@@ -402,15 +402,15 @@ def test_open_loop_compares_ttft_at_equal_rate_and_capacity_not_throughput(tmp_p
 
 
 def test_open_loop_window_waits_for_the_system_to_fill():
-    """At TP 8 -> 2 with 16-token kernel blocks vLLM 0.33's decode steps carry ~58 ms of posting each, a request
-    lives ~70 s and ~2,000 are in the system at 30 requests/s. A fixed window (512 completions, then 2,048)
-    measures that fill, and its growth reads as overload; the default window waits for twice the requests in the
-    system and measures four times them, and sees a steady state below capacity."""
+    """At TP 8 -> 2 with 16-token kernel blocks vLLM 0.33's decode steps carry ~163 ms of posting each (32,880 ids
+    at the H100's 4.95 us), so a request lives long and many are in the system at 15 requests/s. A fixed window
+    (512 completions, then 2,048) measures that fill, and its growth reads as overload; the default window waits
+    for twice the requests in the system and measures four times them, and sees a steady state below capacity."""
     from hybridkv.sims.pd.params import Arrivals
 
     recipe = load_recipe("seed-4xdep2-1xdep8").with_tp(8, 2).with_kernel_block_size(16)
     fixed = recipe.with_sweep(warmup_requests=512, measure_requests=2048).sim_config(scheme="vllm-0.33")
-    filling = simulate_point(fixed, 30.0, arrivals=Arrivals.OPEN)
+    filling = simulate_point(fixed, 15.0, arrivals=Arrivals.OPEN)
     assert filling.backlog_growth > 0.05 * filling.completed
-    steady = simulate_point(recipe.sim_config(scheme="vllm-0.33"), 30.0, arrivals=Arrivals.OPEN)
+    steady = simulate_point(recipe.sim_config(scheme="vllm-0.33"), 15.0, arrivals=Arrivals.OPEN)
     assert steady.completed > 4000 and abs(steady.backlog_growth) < 0.02 * steady.completed

@@ -161,8 +161,9 @@ def test_cli_answers_does_this_matter(capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"workload", "posting_cost", "budget", "schemes"}
     cost = out["posting_cost"]
-    assert (cost["per_descriptor_us"], cost["per_transfer_us"]) == (2.0, 85.0)
-    assert "docs/benchmarks/transfer.md" in cost["source"] and "H100" in cost["gpu_host_note"]
+    assert (cost["per_descriptor_us"], cost["per_transfer_us"]) == (4.95, 60.0)
+    assert "docs/benchmarks/transfer.md" in cost["source"] and "H100" in cost["source"]
+    assert "CPU" in cost["gpu_host_note"]
     budget = out["budget"]
     assert budget["decode_step_ms"] == 10.0 and budget["transfers_per_step"] == 256 / 1024
     assert set(budget["sources"]) == {"decode_step_ms", "decode_batch", "osl"}
@@ -173,15 +174,15 @@ def test_cli_answers_does_this_matter(capsys):
     vllm = rows["vllm-0.33"]
     assert vllm["per_posting_rank"] == 32_880 and vllm["posted_by"] == {
         "side": "decode", "on_step": True, "where": vllm["posted_by"]["where"]}
-    assert vllm["posting_ms"]["ids"] == pytest.approx((85 + 32_880 * 2.0) / 1e3)
+    assert vllm["posting_ms"]["ids"] == pytest.approx((60 + 32_880 * 4.95) / 1e3)
     assert vllm["step_share"]["ids"] == pytest.approx(vllm["posting_ms"]["ids"] * 0.25 / 10)
     assert rows["hybridkv"]["per_posting_rank"] == 12 and rows["hybridkv"]["posted_by"]["on_step"] is False
     assert rows["sglang-nixl"]["step_share"] is None  # posted on the prefill's threads
-    # The step budget and the measured cost are inputs: a GPU host's figures move the answer.
-    assert main([*argv[:-1], "--per-desc-us", "9", "--per-transfer-us", "142", "--step-ms", "30", "--json"]) == 0
+    # The step budget and the measured cost are inputs: another host's figures move the answer.
+    assert main([*argv[:-1], "--per-desc-us", "2", "--per-transfer-us", "85", "--step-ms", "30", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     vllm = next(r for r in out["schemes"] if r["name"] == "vllm-0.33")
-    assert vllm["posting_ms"]["ids"] == pytest.approx((142 + 32_880 * 9) / 1e3)
+    assert vllm["posting_ms"]["ids"] == pytest.approx((85 + 32_880 * 2) / 1e3)
     assert out["posting_cost"]["source"] == "given on the command line" and out["budget"]["sources"]["decode_step_ms"] == "given"
     assert main(argv[:-1]) == 0
     text = capsys.readouterr().out
