@@ -487,6 +487,15 @@ def make_worker(vc, kcc):
     return conn, kv_caches
 
 
+def real_decode(vc, kcc, *, async_scheduling: bool, log_stats: bool = False):
+    """A decode engine whose worker half is real (its own NIXL agent; it loads but writes no model output):
+    (scheduler, worker connector, runner, driver)."""
+    sched = make_scheduler(vc, kcc, async_scheduling=async_scheduling, log_stats=log_stats)
+    conn, kv_caches = make_worker(vc, kcc)
+    runner = RealWorker(conn, kv_caches, sched, writes=False)
+    return sched, conn, runner, Driver(sched, runner, async_scheduling=async_scheduling)
+
+
 def nixl_connector_state(vc, kcc, kv_caches, ppl: int):
     """The state vLLM 0.33.0's NixlConnector worker derives in ``register_kv_caches`` (see test_scheme_check)."""
     from types import SimpleNamespace

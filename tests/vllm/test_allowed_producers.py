@@ -19,10 +19,7 @@ def _decode_with(allowed: list[str] | None, listener: socket.socket):
     extra = {"allowed_producers": allowed} if allowed is not None else {}
     vc = h.make_vllm_config(role="kv_consumer", policy="recompute", engine_id="decode-engine", extra=extra)
     kcc = h.make_kv_cache_config(vc)
-    sched = h.make_scheduler(vc, kcc, async_scheduling=False)
-    conn, kv_caches = h.make_worker(vc, kcc)
-    runner = h.RealWorker(conn, kv_caches, sched, writes=False)
-    d = h.Driver(sched, runner, async_scheduling=False)
+    sched, conn, runner, d = h.real_decode(vc, kcc, async_scheduling=False)
     params = h.remote_prefill_params("d1", groups=len(kcc.transfer_group_ids))
     # A client's body names this host: a plain TCP listener that counts who connects (it never answers).
     params["remote_host"], params["remote_port"] = listener.getsockname()

@@ -81,10 +81,7 @@ def decode(policy: str = "fail", *, async_scheduling: bool = True):
     vc = h.make_vllm_config(role="kv_consumer", async_scheduling=async_scheduling, policy=policy,
                             engine_id="decode-engine")
     kcc = h.make_kv_cache_config(vc)
-    sched = h.make_scheduler(vc, kcc, async_scheduling=async_scheduling, log_stats=True)
-    conn, kv_caches = h.make_worker(vc, kcc)
-    runner = h.RealWorker(conn, kv_caches, sched, writes=False)
-    return vc, kcc, sched, conn, runner, h.Driver(sched, runner, async_scheduling=async_scheduling)
+    return vc, kcc, *h.real_decode(vc, kcc, async_scheduling=async_scheduling, log_stats=True)
 
 
 def through_vllm(vc, scheduler_stats):

@@ -22,13 +22,10 @@ LOADED = PROMPT - 1  # GDN: decode computes the last prompt token itself
 def _decode(policy: str, *, worker: str):
     vc = h.make_vllm_config(role="kv_consumer", async_scheduling=True, policy=policy)
     kcc = h.make_kv_cache_config(vc)
-    sched = h.make_scheduler(vc, kcc, async_scheduling=True)
     if worker == "real":
-        conn, kv_caches = h.make_worker(vc, kcc)
-        runner = h.RealWorker(conn, kv_caches, sched, writes=False)
-    else:
-        conn, runner = None, h.StandInWorker()
-    return sched, conn, runner, h.Driver(sched, runner, async_scheduling=True)
+        return h.real_decode(vc, kcc, async_scheduling=True)
+    sched, runner = h.make_scheduler(vc, kcc, async_scheduling=True), h.StandInWorker()
+    return sched, None, runner, h.Driver(sched, runner, async_scheduling=True)
 
 
 def _params(rid: str, num_tokens: int) -> dict:

@@ -127,10 +127,7 @@ def test_failed_load_by_policy_recompute_recovers(fault):
 
     vc = h.make_vllm_config(role="kv_consumer", policy="recompute", engine_id="decode-engine")
     kcc = h.make_kv_cache_config(vc)
-    sched = h.make_scheduler(vc, kcc, async_scheduling=False)
-    conn, kv_caches = h.make_worker(vc, kcc)
-    runner = h.RealWorker(conn, kv_caches, sched, writes=False)
-    d = h.Driver(sched, runner, async_scheduling=False)
+    sched, conn, runner, d = h.real_decode(vc, kcc, async_scheduling=False)
     params = h.remote_prefill_params("d1", groups=len(kcc.transfer_group_ids))
     params["remote_port"] = free_ports()  # nobody listens there
     if fault == "tp2_unreachable":
