@@ -11,8 +11,8 @@ from typing import Optional
 
 from hybridkv.connectors.sglang import messages as msgs
 from hybridkv.connectors.sglang.sessions import (
-    LABEL_DECODE, LABEL_PREFILL, MAX_SESSIONS, AuthStats, Session, derive_session_key, endpoint_bytes,
-    handshake_transcript, open_sealed, read_handshake, sealed_sid,
+    FORMAT, LABEL_DECODE, LABEL_PREFILL, MAX_SESSIONS, AuthStats, Session, derive_session_key, endpoint_bytes,
+    handshake_transcript, open_sealed, read_handshake,
 )
 from hybridkv.transport import auth
 
@@ -113,7 +113,7 @@ class DecodeKeys:
                 del self.by_peer[session.peer]
 
     def open(self, frames: list[bytes]) -> Optional[tuple[Session, list[bytes]]]:
-        sid = sealed_sid(frames)
+        sid = FORMAT.sid_of(frames)
         with self._lock:
             s = self.by_sid.get(sid) if sid is not None else None
         return open_sealed(s, frames, self.stats)

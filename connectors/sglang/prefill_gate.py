@@ -15,8 +15,8 @@ import zmq
 
 from hybridkv.connectors.sglang import messages as msgs
 from hybridkv.connectors.sglang.sessions import (
-    COOKIE_TTL_S, LABEL_DECODE, LABEL_PREFILL, MAX_SESSIONS, REFUSED, AuthStats, Session,
-    derive_session_key, endpoint_bytes, handshake_transcript, open_sealed, read_handshake, sealed_sid,
+    FORMAT, COOKIE_TTL_S, LABEL_DECODE, LABEL_PREFILL, MAX_SESSIONS, REFUSED, AuthStats, Session,
+    derive_session_key, endpoint_bytes, handshake_transcript, open_sealed, read_handshake,
 )
 from hybridkv import wire
 from hybridkv.transport import auth
@@ -185,7 +185,7 @@ class PrefillGate:
 
     # ------------------------------------------------------------ sealed messages
     def open(self, frames: list[bytes]) -> Optional[tuple[Session, list[bytes]]]:
-        sid = sealed_sid(frames)
+        sid = FORMAT.sid_of(frames)
         return open_sealed(self.by_sid.get(sid) if sid is not None else None, frames, self.stats)
 
     def agent_owner(self, agent: str) -> Optional[Session]:

@@ -12,8 +12,8 @@ prefill rank before its REGISTER:
    REGISTER) and sends ``Proof``: its proof over the same transcript, another label;
 4. the prefill checks the cookie (fresh, not used before) and the proof; only then is there a session,
    keyed by both nonces and the secret. Everything after (REGISTER, METADATA, ABORT one way; KV_STATUS,
-   LANDED, DRAINED, STUCK the other) travels sealed: ``[SEAL_TAG, sid + seq, mac, *frames]``, the MAC
-   over the direction's label, the sequence number and every frame, and a sequence number is accepted once.
+   LANDED, DRAINED, STUCK the other) travels sealed under that key (hybridkv.transport.sealing: the MAC
+   over the direction's label, the sequence number and every frame; a sequence number accepted once).
 
 Both endpoints are in the transcript, so a proof relayed through another address (a forged bootstrap
 route) fails, and a recorded exchange or sealed message is useless later (fresh nonces, one-time
@@ -31,15 +31,12 @@ prefill_gate.py, the decode's decode_keys.py.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import logging
-import threading
 from typing import Optional
 
 from hybridkv.connectors.sglang import messages as msgs
 from hybridkv import wire
-from hybridkv.transport import auth
+from hybridkv.transport import auth, sealing
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +51,8 @@ REFUSED = "refused"  # all a peer that has not proved the secret is told
 COOKIE_TTL_S = 30.0  # a Challenge's nonce is good for this long
 MAX_SESSIONS = 256  # sessions a decode rank keeps open for reading (a prefill rank's bound: max_sessions)
 MAX_ROOMS_PER_SESSION = 4096  # rooms one decode rank may hold open on one prefill rank
-MAX_SEALED_FRAMES = 8
-_WINDOW = 1024  # sequence numbers behind the highest one still accepted once
+#: ``[SEAL_TAG, sid + seq, mac, *frames]``, sid = both nonces (hybridkv.transport.sealing)
+FORMAT = sealing.SealedFormat(tag=SEAL_TAG, sid_bytes=2 * wire.NONCE_BYTES, max_frames=8)
 
 
 @dataclasses.dataclass
@@ -106,81 +103,35 @@ def open_sealed(session: Optional[Session], frames: list[bytes],
     return None if inner is None else (session, inner)
 
 
-class _Window:
-    """Sequence numbers seen: each accepted once, none more than _WINDOW behind the highest."""
-
-    def __init__(self) -> None:
-        self.top = -1
-        self.seen = 0  # bit i: top - i was accepted
-
-    def accept(self, seq: int) -> bool:
-        if seq > self.top:
-            shift = seq - self.top
-            self.seen = ((self.seen << shift) | 1) & ((1 << _WINDOW) - 1) if shift < _WINDOW else 1
-            self.top = seq
-            return True
-        back = self.top - seq
-        if back >= _WINDOW or self.seen >> back & 1:
-            return False
-        self.seen |= 1 << back
-        return True
-
-
 class Session:
-    """Keys and sequence numbers shared with one proven peer rank."""
+    """One proven peer rank: its sealer (hybridkv.transport.sealing) and what the prefill side binds to it."""
 
     def __init__(self, *, sid: bytes, key: bytes, peer: tuple[str, int], prefill_side: bool) -> None:
         self.sid = sid
         self.peer = peer  # the other rank's ZMQ endpoint (ip, port), as proven in the transcript
         self.tcp = ""  # the same as SGLang names it in a push ("tcp://ip:port")
-        self._key = key
-        self._send_label, self._recv_label = (_TO_DECODE, _TO_PREFILL) if prefill_side else (_TO_PREFILL, _TO_DECODE)
-        self._lock = threading.Lock()
-        self._next = 0
-        self._window = _Window()
+        send, recv = (_TO_DECODE, _TO_PREFILL) if prefill_side else (_TO_PREFILL, _TO_DECODE)
+        self._sealer = sealing.WindowedSealer(fmt=FORMAT, key=key, sid=sid, send_label=send, recv_label=recv)
         #: prefill side: the NIXL agent this decode rank registered, and the rooms it claimed (oldest first)
         self.agent: Optional[str] = None
         self.rooms: dict[int, None] = {}
 
-    def _mac(self, label: bytes, seq: bytes, frames: list[bytes]) -> bytes:
-        h = hmac.new(self._key, label + self.sid + seq, hashlib.sha256)
-        for f in frames:
-            h.update(len(f).to_bytes(8, "big"))
-            h.update(f)
-        return h.digest()
-
     def seal(self, frames: list[bytes]) -> list[bytes]:
-        # Called under the socket's send lock, so sequence numbers leave in order.
-        with self._lock:
-            seq = self._next.to_bytes(8, "big")
-            self._next += 1
-        frames = [bytes(f) for f in frames]
-        return [SEAL_TAG, self.sid + seq, self._mac(self._send_label, seq, frames), *frames]
+        return self._sealer.seal(frames)  # called under the socket's send lock: numbers leave in order
 
     def open(self, frames: list[bytes], stats: AuthStats) -> Optional[list[bytes]]:
         """The inner frames of a message sealed by the peer, or None (forged, altered or replayed: counted)."""
-        seq = frames[1][len(self.sid):]
-        inner = frames[3:]
-        if not auth.proven(self._mac(self._recv_label, seq, inner), frames[2]):
+        try:
+            return self._sealer.open(frames)
+        except sealing.Replayed:
+            stats.replayed += 1
+        except sealing.SealError:
             stats.unproven += 1
-            return None
-        with self._lock:
-            if not self._window.accept(int.from_bytes(seq, "big")):
-                stats.replayed += 1
-                return None
-        return inner
-
-
-def sealed_sid(frames: list[bytes]) -> Optional[bytes]:
-    """The session a sealed message names, or None if it is not one (checked before any state is looked up)."""
-    if (len(frames) < 4 or len(frames) > 3 + MAX_SEALED_FRAMES or frames[0] != SEAL_TAG
-            or len(frames[1]) != wire.NONCE_BYTES * 2 + 8 or len(frames[2]) != wire.PROOF_BYTES):
         return None
-    return frames[1][: wire.NONCE_BYTES * 2]
 
 
 def is_sealed(frames: list[bytes]) -> bool:
-    return bool(frames) and frames[0] == SEAL_TAG
+    return FORMAT.is_sealed(frames)
 
 
 def is_handshake(frames: list[bytes]) -> bool:
@@ -191,5 +142,5 @@ def derive_session_key(secret: bytes, nd: bytes, np_: bytes, decode_ep: bytes, p
     return auth.labelled_proof(secret, LABEL_KEY, *handshake_transcript(nd, np_, decode_ep, prefill_ep))
 
 
-__all__ = ["AuthStats", "MAX_ROOMS_PER_SESSION", "MAX_SESSIONS", "SEAL_TAG", "Session", "is_handshake", "is_sealed",
-           "sealed_sid"]
+__all__ = ["AuthStats", "FORMAT", "MAX_ROOMS_PER_SESSION", "MAX_SESSIONS", "SEAL_TAG", "Session", "is_handshake",
+           "is_sealed"]
