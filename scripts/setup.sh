@@ -14,8 +14,8 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     exit 0
 fi
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-# scripts/test.sh runs the three set-ups at once; an editable install rewrites the source tree's
-# hybridkv.egg-info, so that step holds a lock shared by all three.
+# An editable install rewrites the source tree's hybridkv.egg-info; the engine set-ups do too, and
+# scripts/test.sh runs them at once, so that step holds a lock shared by all three.
 mkdir -p "$ROOT/.logs"
 exec 9>"$ROOT/.logs/editable.lock"
 pip() { "$VENV/bin/python" -m pip "$@"; }

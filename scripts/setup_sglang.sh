@@ -15,9 +15,12 @@ want="$(cat pyproject.toml scripts/setup_sglang.sh | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     exit 0
 fi
-[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-# scripts/test.sh runs the three set-ups at once; an editable install rewrites the source tree's
-# hybridkv.egg-info, so that step holds a lock shared by all three.
+# Hard links to .venv's files (scripts/seed_env.sh), rebuilt from scratch when this script or
+# pyproject.toml changed.
+source "$ROOT/scripts/seed_env.sh"
+seed_env "$VENV"
+# scripts/test.sh runs the two engine set-ups at once; an editable install rewrites the source tree's
+# hybridkv.egg-info, so that step holds a lock shared by all three set-ups.
 mkdir -p "$ROOT/.logs"
 exec 9>"$ROOT/.logs/editable.lock"
 pip() { "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
@@ -26,13 +29,13 @@ pip install -q --upgrade pip >/dev/null
 # anything later from pulling a multi-GB CUDA build.
 pip install -q "torch==2.13.0"
 # What sglang's disaggregation layer (bootstrap server, Common* managers,
-# ServerArgs, plugin framework) imports on CPU, and prometheus-client (an sglang requirement) for the
+# ServerArgs, plugin framework) imports on CPU (Triton at .venv's version, so that its ~1 GB is shared), and prometheus-client (an sglang requirement) for the
 # backend's sglang:hybridkv_* metrics. sglang itself goes in with
 # --no-deps: its declared requirements are CUDA kernels and torch==2.14.1.
 pip install -q "torch==2.13.0" numpy msgspec requests pyzmq aiohttp orjson psutil pybase64 \
     pillow starlette packaging pydantic tqdm IPython "transformers==5.19.0" "tokenizers==0.23.2" \
     dill "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf \
-    "openai==2.8.0" partial-json-parser triton "torchvision==0.28.0" "prometheus-client==0.26.0"
+    "openai==2.8.0" partial-json-parser "triton==3.6.0" "torchvision==0.28.0" "prometheus-client==0.26.0"
 # sglang's declared requirements would pull CUDA kernels and torch==2.14.1;
 # pip's complaint about them is expected, so its resolver report is kept in
 # a log that is shown only if the step fails.

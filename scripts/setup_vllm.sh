@@ -20,14 +20,19 @@ want="$(cat pyproject.toml scripts/setup_vllm.sh | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     exit 0
 fi
-[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-# scripts/test.sh runs the three set-ups at once; an editable install rewrites the source tree's
-# hybridkv.egg-info, so that step holds a lock shared by all three.
+# Hard links to .venv's files (scripts/seed_env.sh), rebuilt from scratch when this script or
+# pyproject.toml changed.
+source "$ROOT/scripts/seed_env.sh"
+seed_env "$VENV"
+# scripts/test.sh runs the two engine set-ups at once; an editable install rewrites the source tree's
+# hybridkv.egg-info, so that step holds a lock shared by all three set-ups.
 mkdir -p "$ROOT/.logs"
 exec 9>"$ROOT/.logs/editable.lock"
 pip() { "$VENV/bin/python" -m pip "$@"; }
 quiet() { grep -v "is ignored: it is neither" >&2 || true; }
 pip install -q --upgrade pip >/dev/null
+# Triton came with the seed; this environment never had it, and vLLM picks other code paths when it imports.
+pip uninstall -q -y triton >/dev/null 2>&1 || true
 
 # One resolver run for torch (the CPU build on this machine's disk: asking for
 # it here keeps nixl's torch requirement from pulling a multi-GB CUDA build),

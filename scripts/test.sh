@@ -32,14 +32,15 @@ setup_env() {  # $1: the environment's directory, $2: its set-up script; status:
     fi
 }
 
-# The three environments take ~8 GB and the suites write to TMPDIR; a full disk shows up later as a
+# The three environments take ~4.5 GB (they share files: scripts/seed_env.sh) and the suites write to
+# TMPDIR; a full disk shows up later as a
 # failed pip install or an ENOSPC deep inside some test, so say so here, naming the numbers.
 free_gb() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 { printf "%d", $4 / 1048576 }'; }
 for where in "$ROOT" "${TMPDIR:-/tmp}"; do
     free="$(free_gb "$where")"
-    if [[ -n "$free" && "$free" -lt "${HYBRIDKV_MIN_FREE_GB:-10}" ]]; then
+    if [[ -n "$free" && "$free" -lt "${HYBRIDKV_MIN_FREE_GB:-5}" ]]; then
         echo "warning: only ${free} GB free on the disk of $where; building the test environments and running the"
-        echo "  suites needs about ${HYBRIDKV_MIN_FREE_GB:-10} GB (HYBRIDKV_MIN_FREE_GB); failures below may be ENOSPC"
+        echo "  suites needs about ${HYBRIDKV_MIN_FREE_GB:-5} GB (HYBRIDKV_MIN_FREE_GB); failures below may be ENOSPC"
     fi
 done
 
@@ -47,11 +48,11 @@ ENGINES=()
 for engine in vllm sglang; do
     [[ -f "scripts/setup_${engine}.sh" && -d "tests/${engine}" ]] && ENGINES+=("$engine")
 done
-# The three set-ups side by side (mostly unpacking and disk; they share only the step that rewrites the
-# source tree's hybridkv.egg-info, which takes a lock in each script), and all before any suite: the
+# .venv first: the engine environments start as hard links to its files (scripts/seed_env.sh). Then
+# the two engine set-ups side by side (mostly unpacking and disk; they share only the step that rewrites
+# the source tree's hybridkv.egg-info, which takes a lock in each script), and all before any suite: the
 # multi-process tests are timing-sensitive and a heavy install next to them made a demo test hang once.
-setup_env .venv scripts/setup.sh &
-core_setup=$!
+setup_env .venv scripts/setup.sh || exit 1
 ENGINE_SETUPS=()
 for engine in "${ENGINES[@]}"; do
     setup_env ".venv-${engine}" "scripts/setup_${engine}.sh" &
@@ -61,7 +62,6 @@ FAILED=()
 for i in "${!ENGINES[@]}"; do
     wait "${ENGINE_SETUPS[$i]}" || FAILED+=("${ENGINES[$i]}")
 done
-wait "$core_setup" || exit 1
 
 # --durations: the slowest tests in the log, to keep CI within its time (20 minutes on 2 cores).
 # The property suite at its CI size (>= 10,000 interleavings, issue 3), whoever runs this: not only
