@@ -1,68 +1,23 @@
-"""Manager, sender, receiver and bootstrap server of the `hybridkv` backend.
+"""The `hybridkv` backend's manager: SGLang's CommonKVManager, composed of hybridkv's parts.
 
-Built on SGLang's Common* layer (HTTP bootstrap, ZMQ sockets, rank mapping,
-KV_STATUS messages, timeouts, heartbeats); this module adds what that layer
-leaves to a backend, and runs everything else on hybridkv's core:
+SGLang's Common* layer keeps the HTTP bootstrap, the ZMQ sockets, the rank mapping, KV_STATUS,
+timeouts and heartbeats; the manager adds what it leaves to a backend and runs the rest on hybridkv's
+core, each part with its own state and given only what it uses:
 
-* layout: `hybridkv.layout.adopt_buffers` over SGLang's `kv_data_ptrs`, Mamba
-  `state_data_ptrs` and aux buffers (connectors/sglang/adopt.py); the peer's
-  Layout is rebuilt from its registration message;
-* descriptors: one `descriptors.TransferPlanner` per (peer, component), built at
-  registration; each chunk is `compile()`d into (addr, len, dev) rows, one per
-  run of pages consecutive on both sides per region (SGLang's NIXL backend: one
-  per page per layer buffer);
-* NIXL: hybridkv's `DataPlane` registers the Layout's regions once and posts
-  each chunk's plans as WRITEs (rows, one NIXL handle per pair of memory kinds);
-* fencing: a `hybridkv.fencing.scheduler.TransferScheduler` per manager over the
-  engine-owned pools (KV pages, one pool per state type, aux rows):
-  - decode: `send_metadata` assigns the request's pages/slots/row and posts one
-    import per component (KV; Mamba conv; Mamba SSM; aux) before anything is
-    published. A component lands only on the writer's LANDED message, sent
-    after every NIXL handle of it is DONE; the receiver reports Success only
-    when the scheduler says every expected component arrived (#39846). An
-    abort hands the blocks back to the scheduler, which keeps them out of reuse
-    while an import is in flight; imports become terminal only when every
-    writer is quiet for the room (KV_STATUS, DRAINED answer to the ABORT), the
-    writer is declared dead, or the drain deadline passed (#24527). The
-    receiver reports Failed, which lets SGLang free the pages, only then; a
-    page SGLang hands out while still fenced fails that new request before its
-    destinations are published. At decode TP > 1 SGLang MIN-reduces the ranks'
-    polls, so one rank's Failed fails the request on every rank while another
-    rank's write may still land: the manager opts into SGLang's deferred decode
-    KV release, which holds the request's pages on every rank until each rank's
-    `is_abort_release_safe` (the scheduler: no import of the room in flight)
-    says so (decode_side.py);
-  - prefill: each chunk is an export (`post_export`, lease renewed per chunk)
-    whose reads are terminal only once every handle settled; a sender reports
-    its terminal state only after the scheduler dropped the request, i.e. when
-    no read of its source pages is queued or running. The control thread
-    expires leases (`poll`); a chunk's WRITEs are bounded by
-    `transfer_timeout_s` and the lease, then aborted, or quarantined where NIXL
-    will not abort them (prefill_side.py).
-Heterogeneous attention TP (prefill TP != decode TP, KV heads and GDN heads):
-the planners come from hybridkv.connectors/sglang/pairing.py, which keys every byte
-range of SGLang's buffers by what it holds (head, state dims) and lets the
-descriptor compiler pair the decode rank's slice with the prefill ranks that
-hold it, each field written by one prefill rank only. A pair that cannot match
-is refused at registration, naming the values.
-Authentication (with HYBRIDKV_SGLANG_SECRET_FILE / _SECRET_ENV): a decode rank
-proves the shared secret to each prefill rank before its REGISTER, and every
-message after that, both ways, is sealed to that session (sessions.py); the
-prefill adds NIXL agents, takes METADATA and ABORTs, and pushes statuses only
-within proven sessions, and binds each room to the decode agent that claimed it.
-A decode agent whose session ended leaves NIXL once its rooms' writes are over, and
-those rooms fail (retiring.py). A prefill rank's route on SGLang's bootstrap server
-is MACed under the secret and the server takes no other (routes.py); a prefill rank
-answers a handshake only at the address it came from (or allowed_decode_hosts).
+* both roles: SGLang's buffers adopted as a Layout (adopt.py) registered once with NIXL (`DataPlane`),
+  the fencing scheduler over SGLang's pools (fenced_blocks.py), SGLang's rooms (rooms.py), and the
+  shared-secret sessions every control message is sealed in (peer_auth.py, sessions.py; routes on the
+  bootstrap server are MACed: routes.py, bootstrap.py);
+* prefill: REGISTER / METADATA / ABORT from decode ranks (registrations.py; planners per decode rank at
+  any attention TP: pairing.py), chunks as fenced exports written by bounded WRITEs (prefill_side.py),
+  DRAINED answers (drains.py), decode agents whose session ended (retiring.py);
+* decode: published destinations as fenced imports, released only once every writer drained or the
+  drain deadline passed (decode_side.py), fed by what prefill ranks send (decode_inbox.py). At decode
+  TP > 1 the manager opts into SGLang's deferred decode KV release, so a request failed on one rank
+  keeps its pages on every rank until each rank's imports allow it (`is_abort_release_safe`).
 
-The manager is SGLang's (a CommonKVManager, which SGLang's disaggregation code
-calls) and composes hybridkv's parts, each with its own state, given what it
-uses: SGLang's rooms (rooms.py), the scheduler over the pools (fenced_blocks.py),
-the authentication (peer_auth.py); on a prefill rank the exports (prefill_side.py),
-their drains (drains.py), the retiring decode agents (retiring.py) and the decode
-ranks' registrations (registrations.py); on a decode rank the imports
-(decode_side.py). The manager runs the threads, routes received messages to the
-parts and answers SGLang's hooks through them.
+The manager runs the threads (workers and control loop on a prefill rank, listener on a decode rank),
+hands received messages to the parts and answers SGLang's hooks through them.
 """
 
 from __future__ import annotations
@@ -73,12 +28,12 @@ from typing import Optional
 
 import numpy as np
 import zmq
-from aiohttp import web
 
 from hybridkv.connectors.sglang import messages as msgs
 from hybridkv.connectors.sglang import routes, startup
 from hybridkv.connectors.sglang.adopt import adopt_kv_args, parallel_of, request_id
 from hybridkv.connectors.sglang.config import SGLangConfig
+from hybridkv.connectors.sglang.decode_inbox import DecodeInbox
 from hybridkv.connectors.sglang.decode_side import DecodeImports
 from hybridkv.connectors.sglang.drains import Drains
 from hybridkv.connectors.sglang.fenced_blocks import FencedBlocks
@@ -95,26 +50,14 @@ from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.layout.alloc import MemKind
 from hybridkv.transport.dataplane import DataPlane
 from hybridkv.transport.metrics import TransferMetrics
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
-from sglang.srt.disaggregation.common.conn import (
-    ABORT_TAG,
-    CommonKVBootstrapServer,
-    CommonKVManager,
-)
+from sglang.srt.disaggregation.base.conn import KVArgs
+from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_device, get_parallel, linear_attn_tp_size
 from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-def _sglang_room(frames: list[bytes]):
-    """The room an SGLang message (KV_STATUS, ABORT_ACK) names, or None."""
-    try:
-        return int(frames[1] if frames[0] in (b"KV_STATUS", b"ABORT_ACK") else frames[0])
-    except (IndexError, ValueError):
-        return None
 
 
 class HybridKVManager(CommonKVManager):
@@ -233,6 +176,7 @@ class HybridKVManager(CommonKVManager):
     def _start_decode(self) -> None:
         self.imports = DecodeImports(blocks=self.blocks, adopted=self.adopted, metrics=self.metrics,
                                      drain_timeout_s=self.drain_timeout_s)
+        self.inbox = DecodeInbox(auth=self.auth, imports=self.imports, rooms=self.rooms)
         self._spawn(self._decode_listener_loop, "hybridkv-listener")
         self._heartbeat_thread = self._start_heartbeat_checker_thread()
 
@@ -414,21 +358,8 @@ class HybridKVManager(CommonKVManager):
         for frames, source in self._recv(tick=self.tick):
             try:
                 got = self.auth.open(frames, source)
-                if got is None:
-                    continue
-                session, frames = got
-                if frames and frames[0] == ABORT_TAG:
-                    self.registrations.on_abort(frames, session)
-                elif frames and frames[0] == msgs.TAG:
-                    m = msgs.decode(frames)
-                    if isinstance(m, msgs.Register):
-                        self.registrations.on_register(m, session)
-                    elif isinstance(m, msgs.Metadata):
-                        self.registrations.on_metadata(m, session)
-                    else:
-                        raise ValueError(f"prefill got a {type(m).__name__} message")
-                else:
-                    raise ValueError(f"unknown control message tag {frames[0][:16]!r}")
+                if got is not None:
+                    self.registrations.on_message(*got)
             except Exception:
                 logger.exception("hybridkv: dropped a control message")
 
@@ -436,82 +367,7 @@ class HybridKVManager(CommonKVManager):
         for frames, source in self._recv(tick=self.imports.tick):
             try:
                 got = self.auth.open(frames, source)
-                if got is None:
-                    continue
-                session, frames = got
-                m = msgs.decode(frames) if frames and frames[0] == msgs.TAG else None
-                if isinstance(m, msgs.SessionEnded) and session is not None:
-                    self.auth.session_ended(session)
-                    continue
-                if session is not None:
-                    room = m.room if m is not None and hasattr(m, "room") else _sglang_room(frames)
-                    if not self.auth.writes(session.peer, room):
-                        # A proven prefill rank speaks only of rooms this rank expects it to write.
-                        self.auth.foreign(session, f"a message about room {room}, which it does not write")
-                        continue
-                if m is not None:
-                    self.imports.on_message(m)
-                    continue
-                if self.handle_abort_ack_message(frames):
-                    continue
-                parsed = self.parse_kv_status_message(frames)
-                if parsed is None:
-                    raise ValueError(f"unknown message tag {frames[0][:16]!r}")
-                room, status, rank, reason = parsed
-                self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
-                                          failure_reason=reason)
-                if status in (KVPoll.Success, KVPoll.Failed):
-                    # Success comes after the rank's last WRITE ended (drained); Failed does not (decode_side.py).
-                    self.imports.note_status(room, rank, success=status == KVPoll.Success, reason=reason)
+                if got is not None:
+                    self.inbox.on_message(*got)
             except Exception:
                 logger.exception("hybridkv: dropped a decode-side message")
-
-
-class HybridKVBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's bootstrap server. With a shared secret, a route (PUT /route) is taken only MACed under it
-    over a nonce this server issued (routes.py); anything else is answered 403 and changes nothing."""
-
-    def __init__(self, host: str, port: int):
-        secret = SGLangConfig.from_server_args(None).secret()  # the ranks' environment: one launch
-        self.route_guard = routes.RouteGuard(secret) if secret is not None else None
-        super().__init__(host, port)
-
-    def _setup_routes(self):
-        super()._setup_routes()
-        if self.route_guard is not None:
-            self.app.router.add_get(routes.NONCE_PATH, self._handle_route_nonce)
-
-    async def _handle_route_nonce(self, request: web.Request):
-        return web.json_response({"nonce": self.route_guard.nonce()})
-
-    async def _handle_route_put(self, request: web.Request):
-        if self.route_guard is not None:
-            try:
-                data = await request.json()
-            except ValueError:
-                data = None
-            why = self.route_guard.check(data)
-            if why is not None:
-                return web.Response(text=f"hybridkv: route refused: {why}", status=403)
-        return await super()._handle_route_put(request)
-
-    async def _handle_register_dp_rank(self, request: web.Request):
-        if self.route_guard is not None:
-            why = self.route_guard.check_dp_rank(await _json_or_none(request))
-            if why is not None:
-                return web.Response(text=f"hybridkv: DP rank registration refused: {why}", status=403)
-        return await super()._handle_register_dp_rank(request)
-
-    async def _handle_query_dp_ranks(self, request: web.Request):
-        if self.route_guard is not None:
-            why = self.route_guard.check_dp_query(await _json_or_none(request))
-            if why is not None:
-                return web.Response(text=f"hybridkv: DP rank query refused: {why}", status=403)
-        return await super()._handle_query_dp_ranks(request)
-
-
-async def _json_or_none(request: web.Request):
-    try:
-        return await request.json()
-    except ValueError:
-        return None

@@ -60,7 +60,8 @@ def add_member(enum_cls: type[enum.Enum], name: str, value: Any) -> enum.Enum:
 
 def hybridkv_classes() -> dict[str, type]:
     """Our classes, keyed by `KVClassType` value. Imports SGLang (and torch)."""
-    from hybridkv.connectors.sglang.conn import HybridKVBootstrapServer, HybridKVManager
+    from hybridkv.connectors.sglang.bootstrap import HybridKVBootstrapServer
+    from hybridkv.connectors.sglang.conn import HybridKVManager
     from hybridkv.connectors.sglang.receiver import HybridKVReceiver
     from hybridkv.connectors.sglang.sender import HybridKVSender
     from sglang.srt.disaggregation.base.conn import KVArgs

@@ -1,7 +1,6 @@
 """The decode side's end of a room in SGLang's terms (`HybridKVReceiver`): SGLang's CommonKVReceiver, with the
 import fenced through the manager's imports (`conn.HybridKVManager.imports`, decode_side.py) and what SGLang sends to prefill ranks
-sealed to each rank's authenticated session (sessions.py). The module docstring of conn.py says why each step is
-where it is."""
+sealed to each rank's authenticated session (sessions.py; the handshake off SGLang's thread: prefill_links.py)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from hybridkv.fencing.request_state import Component, ComponentKind
 from hybridkv.ids import GroupId
 from hybridkv.transport.dataplane import DataPlane
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.common.conn import AbortNotification
+from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,19 @@ class Registrations:
         # rooms refused before SGLang made their sender -> why, and when; the sender fails when made (bounded: a
         # room whose sender never comes is forgotten, oldest first, and after _REFUSAL_TTL_S)
         self._refused: OrderedDict[int, tuple[str, float]] = OrderedDict()
+
+    def on_message(self, session: Optional[Session], frames: list[bytes]) -> None:
+        """What a decode rank sent (opened by the authentication): SGLang's ABORT, or REGISTER / METADATA."""
+        if frames and frames[0] == ABORT_TAG:
+            return self.on_abort(frames, session)
+        m = msgs.decode(frames) if frames and frames[0] == msgs.TAG else None
+        if isinstance(m, msgs.Register):
+            self.on_register(m, session)
+        elif isinstance(m, msgs.Metadata):
+            self.on_metadata(m, session)
+        else:
+            raise ValueError(f"prefill got {type(m).__name__ if m else f'the tag {frames[0][:16]!r}'}; expected "
+                             "ABORT, REGISTER or METADATA")
 
     def on_register(self, reg: msgs.Register, session: Optional[Session] = None) -> None:
         if session is not None:

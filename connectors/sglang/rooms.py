@@ -69,6 +69,18 @@ class Rooms:
         """SGLang's KV_STATUS to `targets`, whether or not the room has a status here."""
         self._mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=status, failure_reason=reason)
 
+    # ------------------------------------------------------------ decode: what prefill ranks say
+    def abort_ack(self, frames: list[bytes]) -> bool:
+        """SGLang's ABORT_ACK handling; whether `frames` was one."""
+        return self._mgr.handle_abort_ack_message(frames)
+
+    def parse_status(self, frames: list[bytes]):
+        """SGLang's KV_STATUS as (room, status, prefill rank, reason), or None."""
+        return self._mgr.parse_kv_status_message(frames)
+
+    def apply_prefill_status(self, room: int, status: KVPoll, rank: int, reason: Optional[str]) -> None:
+        self._mgr.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason)
+
     # ------------------------------------------------------------ prefill: who claimed the room
     def claimed(self, room: int) -> bool:
         return room in self._mgr.transfer_infos

@@ -1,7 +1,7 @@
 """The prefill side's end of a room in SGLang's terms (`HybridKVSender`): SGLang's CommonKVSender, with the
 room's exports held until no read of its source pages is queued or running (prefill_side.py), a refusal
-that came before the sender existed reported at once, and SGLang's abort paths telling the decode ranks.
-The module docstring of conn.py says why each step is where it is."""
+that came before the sender existed reported at once (registrations.py), and SGLang's abort paths telling
+the decode ranks (drains.py)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def test_builtin_members_held_from_before_the_plugin_loaded_stay_equal():
 
 
 def test_get_kv_class_returns_ours_for_every_class_type():
-    from hybridkv.connectors.sglang import conn, receiver, sender
+    from hybridkv.connectors.sglang import bootstrap, conn, receiver, sender
     from sglang.srt.disaggregation.base.conn import KVArgs
 
     backend = utils.TransferBackend("hybridkv")
@@ -45,7 +45,7 @@ def test_get_kv_class_returns_ours_for_every_class_type():
         KVClassType.MANAGER: conn.HybridKVManager,
         KVClassType.SENDER: sender.HybridKVSender,
         KVClassType.RECEIVER: receiver.HybridKVReceiver,
-        KVClassType.BOOTSTRAP_SERVER: conn.HybridKVBootstrapServer,
+        KVClassType.BOOTSTRAP_SERVER: bootstrap.HybridKVBootstrapServer,
     }
     assert set(expected) == set(KVClassType)
     for kind, cls in expected.items():

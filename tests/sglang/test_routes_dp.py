@@ -20,7 +20,7 @@ ROOM = 4242
 def server():
     import requests
 
-    from hybridkv.connectors.sglang.conn import HybridKVBootstrapServer
+    from hybridkv.connectors.sglang.bootstrap import HybridKVBootstrapServer
 
     # The server reads the ranks' secret from the environment; an in-process rank set up earlier in this
     # session may have left lab mode there (pd_peer.configure), which a secret refuses beside it.
