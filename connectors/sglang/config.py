@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridkv.transport import config as transport_config
 from hybridkv.transport.allowlist import PeerAllowlist
-from hybridkv.transport.auth import load_secret
+from hybridkv.transport.auth import load_configured_secret
 from hybridkv.transport.dataplane import DataPlaneConfig
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class SGLangConfig:
       ever a write target and nothing else progresses it.
     * ``secret_file`` / ``secret_env`` (unset): where the shared secret prefill and
       decode ranks prove before any NIXL metadata travels is read from: a file, or the
-      environment variable of that name (at most one; 16 bytes or more). The secret
+      environment variable of that name (at most one; 32 random bytes, as `hybridkv secret` makes). The secret
       itself is never a value of these keys: they name where it is. Neither: the
       backend runs unauthenticated and warns at start-up (a lab); once hybridkv's
       transport requires a secret (``hybridkv.transport.config.REQUIRE_SECRET``), only
@@ -128,7 +128,7 @@ class SGLangConfig:
 
     def secret(self) -> bytes | None:
         """The shared secret, read from its file or environment variable now (None: unauthenticated).
-        ValueError naming the key and what is wrong (unreadable, unset, shorter than 16 bytes), or, where
+        ValueError naming the key and what is wrong (unreadable, unset, weak: auth.check_secret), or, where
         hybridkv's transport requires a secret, that neither it nor ``insecure_no_auth`` is set."""
         if self.secret_file is None and self.secret_env is None:
             if not self.insecure_no_auth and transport_config.REQUIRE_SECRET:
@@ -136,12 +136,7 @@ class SGLangConfig:
                                  f"{_ENV_PREFIX}SECRET_ENV); expected one, or {_ENV_PREFIX}INSECURE_NO_AUTH=1 to run "
                                  "unauthenticated in a lab, where any process that reaches a rank's port can have KV "
                                  "written into memory it controls")
-            return None
-        key = "secret_file" if self.secret_file is not None else "secret_env"
-        try:
-            return load_secret(file=self.secret_file, env=self.secret_env)
-        except ValueError as e:
-            raise ValueError(f"{_ENV_PREFIX}{key.upper()}: {e}") from None
+        return load_configured_secret(file=self.secret_file, env=self.secret_env, key=lambda k: _ENV_PREFIX + k.upper())
 
     @classmethod
     def from_server_args(cls, server_args: Any = None, environ: Mapping[str, str] = os.environ) -> SGLangConfig:

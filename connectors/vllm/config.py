@@ -163,15 +163,10 @@ class HybridKVVllmConfig:
 
     def secret(self) -> bytes | None:
         """The shared secret, read from its file or environment variable (None: unauthenticated)."""
-        if self.secret_file is None and self.secret_env is None:
-            return None
-        from hybridkv.transport.auth import load_secret
+        from hybridkv.transport.auth import load_configured_secret
 
-        key = "secret_file" if self.secret_file is not None else "secret_env"
-        try:
-            return load_secret(file=self.secret_file, env=self.secret_env)
-        except ValueError as exc:
-            raise ValueError(f"kv_connector_extra_config[{key!r}]: {exc}") from None
+        return load_configured_secret(file=self.secret_file, env=self.secret_env,
+                                      key=lambda k: f"kv_connector_extra_config[{k!r}]")
 
     def staging_config(self):
         """The transport's staging config for this worker (None: no pool, never stage)."""

@@ -33,6 +33,7 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,18 @@ def load_secret(*, file: str | os.PathLike | None = None, env: str | None = None
         data = value.encode()
     check_secret(data, source)
     return data
+
+
+def load_configured_secret(*, file: str | None, env: str | None, key: Callable[[str], str]) -> bytes | None:
+    """A connector's secret from the setting that names its source (``secret_file`` or ``secret_env``, the
+    connector checked that at most one is set), None with neither; a ValueError of :func:`load_secret` is
+    prefixed by that setting as the connector spells it (``key("secret_file")``)."""
+    if file is None and env is None:
+        return None
+    try:
+        return load_secret(file=file, env=env)
+    except ValueError as e:
+        raise ValueError(f"{key('secret_file' if file is not None else 'secret_env')}: {e}") from None
 
 
 def check_secret(secret: bytes, source: str = "secret") -> None:
@@ -325,4 +338,4 @@ def check_token(token: object, what: str = "capability token") -> bytes:
 
 
 __all__ = ["Claimants", "LEGACY_MIN_SECRET_BYTES", "MIN_DISTINCT_BYTES", "NOTIF_TAG_BYTES", "MIN_SECRET_BYTES", "SECRET_FIX", "STRICT_SECRETS", "Sealer", "Transcript", "address", "check_secret", "check_token", "labelled_proof",
-           "load_secret", "new_nonce", "secret_weakness", "new_token", "proof", "proves", "proven", "session_key", "token_from_hex"]
+           "load_configured_secret", "load_secret", "new_nonce", "secret_weakness", "new_token", "proof", "proves", "proven", "session_key", "token_from_hex"]

@@ -30,6 +30,20 @@ def test_the_secret_comes_from_a_file_or_an_environment_variable(tmp_path, monke
     assert auth.load_secret(env="HKV_SECRET") == SECRET
 
 
+def test_a_connector_setting_names_the_secret_source_and_prefixes_its_errors(tmp_path, monkeypatch, strict):
+    """One loader for every connector's secret_file / secret_env: None without a source, errors named as the
+    connector spells the setting."""
+    key = "HKV_{}".format
+    assert auth.load_configured_secret(file=None, env=None, key=key) is None
+    path = _private(tmp_path / "secret", SECRET + b"\n")
+    assert auth.load_configured_secret(file=str(path), env=None, key=key) == SECRET
+    monkeypatch.delenv("HKV_UNSET", raising=False)
+    with pytest.raises(ValueError, match=r"^HKV_secret_env: environment variable 'HKV_UNSET' is not set"):
+        auth.load_configured_secret(file=None, env="HKV_UNSET", key=key)
+    with pytest.raises(ValueError, match=r"^HKV_secret_file: secret file '/nonexistent/hkv' cannot be read"):
+        auth.load_configured_secret(file="/nonexistent/hkv", env=None, key=key)
+
+
 @pytest.mark.parametrize(("kw", "message"), [
     ({}, "expected exactly one of the two"),
     ({"file": "/a", "env": "B"}, "expected exactly one of the two"),
