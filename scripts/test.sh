@@ -18,8 +18,12 @@ setup_env() {  # $1: the environment's directory, $2: its set-up script; status:
     # The script rewrites its stamp only when it installed something: an unchanged stamp is a skip.
     before="$(cat "$venv/.hybridkv-stamp" 2>/dev/null)"
     echo "setting up $venv (log: $log) ..."
-    if ! bash "$script" > "$log" 2>&1; then
-        echo "setting up $venv failed after $((SECONDS - t0)) s; the end of $log:"
+    # A second try when the first fails: downloads from the package index break off now and then (seen
+    # in CI: a wheel cut at the same byte through all of pip's resumes), and the scripts are idempotent.
+    if ! bash "$script" > "$log" 2>&1 \
+        && { echo "setting up $venv failed after $((SECONDS - t0)) s; trying once more (log: $log.1)"
+             mv "$log" "$log.1"; sleep 5; ! bash "$script" > "$log" 2>&1; }; then
+        echo "setting up $venv failed twice, after $((SECONDS - t0)) s; the end of $log:"
         tail -40 "$log"
         df -h "$ROOT" "${TMPDIR:-/tmp}" 2>/dev/null || true
         return 1
