@@ -121,6 +121,7 @@ def _json_runs(tmp_path: Path) -> dict[str, tuple[str, ...]]:
         "bench fence": ("bench", "fence", "--steps", "20", "--json"),
         # NIXL writes its INFO lines on stdout, in this process and in the ones it starts.
         "bench transfer": ("bench", "transfer", "--layers", "4", "--tokens", "1024", "--iters", "1", "--json"),
+        "bench staging": ("bench", "staging", "--tokens", "1024", "--tp", "2:1", "--iters", "1", "--json"),
         "demo": ("demo", "--requests", "2", "--json"),
         "bench gdn": ("bench", "gdn", "--only", "decode", "--iters", "2", "--no-fla", "--no-qla", "--no-fi", "--json"),
         "bench vllm-steps": ("bench", "vllm-steps", "--requests", "20", "--block-tokens", "16", "--prompt", "64",
@@ -240,6 +241,7 @@ def test_argparse_errors_are_one_line_exit_2_pointing_to_help(capsys, argv, need
     (("demo", "--devices", "0"), "--devices '0'; expected two CUDA device indices"),
     (("sim", "pd", "--recipe", "/nonexistent.yaml"), "is not a file"),
     (("bench", "transfer", "--layers", "3"), "--layers 3; expected a positive multiple of 4"),
+    (("bench", "staging", "--tp", "3:2"), "--tp '3:2': expected two different positive TP sizes"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, needle):
     assert main(list(argv)) == cli.EXIT_USAGE

@@ -239,7 +239,7 @@ def main(argv=None) -> None:
     """Staged against sliced reads, post to landed, in one run per TP pair (blocks scattered, one fetch at
     a time, a sliced and a staged warm-up first), with NixlConnector's list for the same request:
 
-        .venv/bin/python -m tests.transport.hetero_peers [--mem vram] [--tokens 500]
+        .venv/bin/python -m tests.transport.hetero_peers [--mem vram] [--tokens 500] [--pairs 2:1,1:2,4:1,8:2]
 
     On a GPU (``--mem vram``) every rank is a process on GPU 0 (cuda_ipc), staging copies run on torch."""
     import argparse
@@ -251,13 +251,18 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mem", choices=("dram", "vram"), default="dram")
     ap.add_argument("--tokens", type=int, default=450)  # six requests fit the test layouts' 64 pages
+    ap.add_argument("--pairs", default="2:1,1:2,4:1", metavar="P:D[,P:D...]",
+                    help="prefill TP : decode TP pairs; 8:2 starts ten processes")
     args = ap.parse_args(argv)
-    four = {"num_kv_heads": 4, "num_k_heads": 4, "num_v_heads": 4}
+    pairs = [tuple(int(x) for x in pair.split(":")) for pair in args.pairs.split(",")]
     t = args.tokens
     reqs = [("w0", t), ("v0", t), ("s1", t), ("x1", t), ("s2", t), ("x2", t)]  # w0, v0: warm-ups
     print(f"staged (ON) vs sliced, {t} tokens, block 48, blocks scattered, {args.mem}; ms post to landed, "
           "per decode rank")
-    for p_tp, d_tp, geo in [(2, 1, None), (1, 2, None), (4, 1, four)]:
+    for p_tp, d_tp in pairs:
+        # The test geometry has 2 KV heads; a TP above that needs as many heads as ranks.
+        heads = max(p_tp, d_tp)
+        geo = {"num_kv_heads": heads, "num_k_heads": heads, "num_v_heads": heads} if heads > 2 else None
         m = run_pair(p_tp, d_tp, 48, 48, reqs, staging={"mode": "on"}, sliced=["w0", "x1", "x2"], want_first=True,
                      scatter=True, sequential=True, geo=geo, mem=args.mem)
         w = Workload(geometry=geometry(**(geo or {})), tokens=t, block_size=48, tp_prefill=p_tp, tp_decode=d_tp,

@@ -32,7 +32,7 @@ for s in $STEPS; do
         demo) step demo 200 "${CLI[@]}" demo --device cuda --requests 32 ;;
         bench) step bench "${BENCH_S:-240}" "${CLI[@]}" bench transfer --mem vram --tokens 8192 --iters 9 ${BENCH_ARGS:-} ;;
         planraw) TAIL=60 step planraw "${PLANRAW_S:-330}" bash tools/device/plan_vs_raw.sh ;;
-        staging) step staging "${STAGING_S:-150}" "$PY" -m tests.transport.hetero_peers --mem vram ;;
+        staging) step staging "${STAGING_S:-240}" "$PY" -m tests.transport.hetero_peers --mem vram --pairs "${PAIRS:-2:1,1:2,4:1,8:2}" ;;
         *) echo "unknown step $s" ;;
     esac
 done

@@ -1,0 +1,206 @@
+"""`hybridkv bench staging`: what staging costs (the producer's gather) against what it saves (descriptors).
+
+Staging (``hybridkv/transport/staging.py``) packs the head slices one decode rank reads into a contiguous
+slot, so that rank posts a handful of descriptors instead of one per slice per block. Its ``auto`` mode
+takes that trade only where the descriptors saved cost more to post than the copies cost to run, at a
+posting cost per descriptor and a gather speed per memory kind (``staging.COSTS``). This command measures
+the gather on this machine, for one request in the setting engines produce (blocks scattered over a pool
+twice the request's size, no two adjacent), and prints it beside:
+
+* a plain contiguous copy of the same bytes, same run (the copy engine's ceiling: ``x copy``);
+* the descriptors the decode rank posts sliced and staged (the planners the transport uses), and the
+  posting time they cost at the per-descriptor figure of ``staging.COSTS``;
+* what ``auto`` decides with the assumed gather speed and with the measured one.
+
+On a GPU (``--mem vram``) the copies run on torch, as in the transport; on the host, numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+MAX_TOKENS = 1 << 20
+MAX_ITERS = 10_000
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Time the staging gather against a contiguous copy and the posting it saves."
+    from hybridkv.cli import bounded
+
+    parser.add_argument("--model", default="qwen3.5-9b", help="geometry preset (default qwen3.5-9b)")
+    parser.add_argument("--tokens", type=bounded(int, MAX_TOKENS), default=8192, help="tokens of the one request")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per block (vllm: raised as vLLM raises it) (default 64)")
+    parser.add_argument("--tp", default="2:1,4:1,8:2,1:2", metavar="P:D[,P:D...]",
+                        help="prefill TP : decode TP pairs (decode rank 0 and the producer ranks it reads)")
+    parser.add_argument("--layout", choices=("vllm", "hybridkv"), default="vllm",
+                        help="vllm: vLLM 0.33's hybrid-allocator pages, block-outermost, as the vLLM connector "
+                             "adopts them (a head slice is contiguous only inside one layer's page); hybridkv: "
+                             "its own planned layout (head-major pages: a slice is one piece per page)")
+    parser.add_argument("--mem", choices=("dram", "vram"), default="dram",
+                        help="host memory (numpy copies) or GPU 0 (torch copies) (default dram)")
+    parser.add_argument("--iters", type=bounded(int, MAX_ITERS), default=9, help="timed runs of each copy")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        try:
+            p, d = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise ValueError(f"--tp {text!r}: {item!r} is not P:D; expected e.g. 8:2") from None
+        if p <= 0 or d <= 0 or p == d or max(p, d) % min(p, d):
+            raise ValueError(f"--tp {item!r}: expected two different positive TP sizes, one a multiple of the other")
+        out.append((p, d))
+    return out
+
+
+def _vllm_layout(geo, *, tp: int, rank: int, block_size: int, pages: int, alloc):
+    """vLLM 0.33's hybrid-allocator tensors in the block-outermost order the vLLM connector asks for:
+    one allocation, [block][tensor slot][page], layer i of every group on slot i."""
+    from hybridkv.descriptors.hma import plan_hma
+    from hybridkv.layout import GroupSpec, LayerBuffer, Layout, adopt_layout
+    from hybridkv.layout.fields import PageContent
+    from hybridkv.layout.geometry import LayerKind
+
+    hma = plan_hma(geo.shard(tp), block_size)
+    page, slots = hma.page_bytes, hma.num_tensors
+    a = alloc.allocate(page * slots * pages)
+    groups, buffers = [], []
+    for grp in hma.groups:
+        state = grp.kind is LayerKind.GDN
+        groups.append(GroupSpec(group_id=grp.group_id, kind=grp.kind, layer_indices=grp.layer_indices,
+                                block_tokens=None if state else grp.block_size))
+        for i, layer in enumerate(grp.layer_indices):
+            buffers.append(LayerBuffer(layer=layer, group_id=grp.group_id, addr=a.addr + i * page,
+                                       block_stride=page * slots, page_bytes=page, num_blocks=pages,
+                                       content=PageContent.GDN if state else PageContent.ATTN_HND,
+                                       mem=a.mem, device_id=a.device_id))
+    got = adopt_layout(geo, groups, buffers, tp=tp, rank=rank)
+    return Layout(geometry=got.geometry, tp=tp, rank=rank, regions=got.regions, groups=got.groups, allocations=(a,))
+
+
+def _median_s(fn, iters: int, sync) -> float:
+    fn()
+    sync()  # warm-up: lazy CUDA set-up and page faults outside the clock
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _one_pair(args, p_tp: int, d_tp: int) -> dict:
+    import numpy as np
+
+    from hybridkv import wire
+    from hybridkv.layout import plan_layout
+    from hybridkv.layout.alloc import NumpyAllocator, TorchAllocator
+    from hybridkv.layout.presets import get_preset
+    from hybridkv.transport.memory import from_layout
+    from hybridkv.transport.staging import COSTS, Copier, Route, StagingConfig, StagingMode, route
+
+    from hybridkv.descriptors.compiler import TransferPlanner
+    from hybridkv.descriptors.planning import source_ranks
+    from hybridkv.descriptors.schemes import fragmented_blocks
+    from hybridkv.descriptors.staging import StagePlan, shared_keys
+
+    geo = get_preset(args.model)
+    if args.mem == "vram":
+        import torch
+
+        alloc = TorchAllocator("cuda:0")
+        sync = torch.cuda.synchronize
+    else:
+        alloc = NumpyAllocator()
+        sync = lambda: None  # noqa: E731
+    ranks, _ = source_ranks(d_tp, 0, p_tp)
+    if args.layout == "vllm":
+        from hybridkv.descriptors.hma import plan_hma
+
+        # vLLM raises the block size until a page holds a GDN state, per rank's shard; both sides at the
+        # larger of the two, since NixlConnector pairs equal block sizes
+        block = max(plan_hma(geo.shard(tp), args.block_size).groups[0].block_size for tp in (p_tp, d_tp))
+        n = -(-args.tokens // block)
+        pages = 2 * n + 2
+        src = _vllm_layout(geo, tp=p_tp, rank=ranks[0], block_size=block, pages=pages, alloc=alloc)
+        dst = _vllm_layout(geo, tp=d_tp, rank=0, block_size=block, pages=pages, alloc=alloc)
+    else:
+        block = args.block_size
+        n = -(-args.tokens // block)
+        pages = 2 * n + 2
+        src = plan_layout(geo, block_size=block, num_blocks=pages, allocator=alloc, tp=p_tp, rank=ranks[0])
+        dst = plan_layout(geo, block_size=block, num_blocks=pages, allocator=alloc, tp=d_tp, rank=0)
+    keys = shared_keys(src, dst)
+    stage = StagePlan(src, dst, keys)
+    sb = {g.group_id: fragmented_blocks(1 if g.block_tokens is None else n, 1.0) for g in src.groups}
+    db = {g.group_id: fragmented_blocks(1 if g.block_tokens is None else n, 1.0, start=1) for g in dst.groups}
+    sb = {g: b for g, b in sb.items() if g in stage.groups}
+    db = {g: b for g, b in db.items() if g in stage.groups}
+    nbytes = stage.nbytes(sb)
+    if args.mem == "vram":
+        import torch
+
+        slot = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+        other = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+        plain = lambda: other.copy_(slot)  # noqa: E731
+    else:
+        slot = np.empty(nbytes, dtype=np.uint8)
+        other = np.empty(nbytes, dtype=np.uint8)
+        plain = lambda: np.copyto(other, slot)  # noqa: E731
+    copier = Copier(from_layout(src), slot)
+    steps = stage.pack(sb)
+    gather_s = _median_s(lambda: copier.run(steps), args.iters, sync)
+    plain_s = _median_s(plain, args.iters, sync)
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        stage.pack(sb)
+    steps_us = (time.perf_counter() - t0) / args.iters * 1e6
+    sliced = TransferPlanner(src, dst, keys=keys).compile(sb, db).num_descriptors
+    direct = stage.read(0, 0, sb, db).num_descriptors
+    mem = wire.Mem.VRAM if args.mem == "vram" else wire.Mem.DRAM
+    us, assumed = COSTS[mem]
+    measured = nbytes / gather_s / 1e9
+    auto = StagingConfig(mode=StagingMode.AUTO, capacity_bytes=1 << 30)
+    choose = {name: route(auto, sliced=sliced, direct=direct, own_pool=True, nbytes=nbytes, mem=mem).value
+              for name in ("assumed",)}
+    # The same rule at the measured gather speed: the descriptors saved against one gather (and one
+    # unpack where the read goes through a slot of the consumer's).
+    way = Route.DIRECT if direct <= auto.direct_rows else Route.SLOT
+    staged = direct if way is Route.DIRECT else 1
+    copies = 1 if way is Route.DIRECT else 2
+    choose["measured"] = (way if (sliced - staged) * us > copies * nbytes / (measured * 1e3) else Route.SLICED).value
+    return {
+        "pair": f"{p_tp}:{d_tp}", "producer_rank": ranks[0], "block": block, "bytes": nbytes, "copy_steps": len(steps),
+        "gather_us": gather_s * 1e6, "gather_GBps": measured, "copy_us": plain_s * 1e6,
+        "copy_GBps": nbytes / plain_s / 1e9, "x_copy": plain_s / gather_s, "steps_us": steps_us,
+        "sliced": sliced, "staged": staged, "route": way.value, "posting_saved_us": (sliced - staged) * us,
+        "us_per_descriptor": us, "assumed_GBps": assumed, "auto_assumed": choose["assumed"],
+        "auto_measured": choose["measured"],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybridkv.cli import print_json
+
+    rows = [_one_pair(args, p, d) for p, d in _pairs(args.tp)]
+    if args.json:
+        print_json({"model": args.model, "tokens": args.tokens, "layout": args.layout, "mem": args.mem,
+                    "iters": args.iters, "rows": rows})
+        return 0
+    print(f"staging gather vs a contiguous copy of the same bytes, {args.model}, {args.tokens} tokens, "
+          f"{args.layout} layout, block {rows[0]['block']}, blocks scattered, {args.mem}, median of {args.iters}; "
+          "decode rank 0")
+    for r in rows:
+        print(f"  P{r['pair'].replace(':', ' -> D')}: {r['bytes'] / 1e6:8.1f} MB in {r['copy_steps']:3d} copies: "
+              f"gather {r['gather_us']:9.1f} us {r['gather_GBps']:7.1f} GB/s | copy {r['copy_us']:8.1f} us "
+              f"{r['copy_GBps']:7.1f} GB/s | x copy {r['x_copy']:.2f} | steps built {r['steps_us']:6.1f} us")
+        print(f"      descriptors sliced {r['sliced']} -> staged {r['staged']} ({r['route']}): "
+              f"{r['posting_saved_us']:.0f} us of posting saved at {r['us_per_descriptor']} us each; auto chooses "
+              f"{r['auto_assumed']} at the assumed {r['assumed_GBps']:g} GB/s, {r['auto_measured']} at the measured")
+    return 0
