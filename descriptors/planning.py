@@ -143,7 +143,8 @@ class FieldPlan:
     the field keys read from it.
     """
 
-    def __init__(self, sources: Sequence[MemoryMap], dest: MemoryMap, *, bridge_padding: bool = False) -> None:
+    def __init__(self, sources: Sequence[MemoryMap], dest: MemoryMap, *, bridge_padding: bool = False,
+                 coalesce: bool = True) -> None:
         local = dest.layout
         if local is None:
             raise ValueError("the consumer's memory map has no layout; expected one made by from_layout "
@@ -158,6 +159,7 @@ class FieldPlan:
             TransferPlanner(x, local, keys=assigned[i], bridge_padding=bridge_padding) if assigned.get(i) else None
             for i, x in enumerate(layouts)]
         self._layouts, self._local, self._assigned = layouts, local, assigned
+        self._coalesce = coalesce
         self._stagers: dict[int, StagePlan | None] = {}
 
     def stager(self, source: int) -> StagePlan | None:
@@ -178,7 +180,7 @@ class FieldPlan:
         planner = self.planners[source]
         if planner is None:
             return TransferPlan.empty()
-        return planner.compile(*_lists(source_blocks, dest_blocks))
+        return planner.compile(*_lists(source_blocks, dest_blocks), coalesce=self._coalesce)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,10 +191,13 @@ class DescriptorPlanner:
     alike (checked at handshake). FIELDS: field tables travel and page shapes may
     differ; pages still pair whole wherever :func:`pairing_of` finds them cut alike.
     ``bridge_padding``: see :class:`~hybridkv.descriptors.compiler.TransferPlanner`.
+    ``coalesce``: False posts a field plan piece by piece, block by block, as engines build their lists
+    (a baseline for benchmarks and tests; the transport never wants it).
     """
 
     pairing: Pairing = Pairing.FIELDS
     bridge_padding: bool = False
+    coalesce: bool = True
 
     def prepare(self, sources: Sequence[MemoryMap], dest: MemoryMap) -> PagePlan | FieldPlan:
         if not sources:
@@ -203,7 +208,7 @@ class DescriptorPlanner:
         if self.pairing is Pairing.PAGES:
             raise ValueError(f"{len(sources)} producer(s) whose pages are not cut like this side's; expected a "
                              "planner that pairs by fields (pairing=FIELDS)")
-        return FieldPlan(sources, dest, bridge_padding=self.bridge_padding)
+        return FieldPlan(sources, dest, bridge_padding=self.bridge_padding, coalesce=self.coalesce)
 
     def stager(self, source: MemoryMap, dest: MemoryMap) -> StagePlan | None:
         """Producer side: what it stages for consumer ``dest`` when asked (every field of ``dest``

@@ -138,8 +138,8 @@ async def _consumer(opts, out, inbox):
     layout, memory, _ = build(50 + rank, tp=tp, rank=rank, block=opts["block"], geo_over=opts.get("geo"),
                               mem=opts.get("mem", "dram"))
     sched = TransferScheduler(_pools(layout), lease_s=30.0)
-    cons = Consumer(memory, sched, TransportConfig(secret=SECRET), planner=DescriptorPlanner(pairing=Pairing.FIELDS),
-                    staging=_staging(opts))
+    planner = DescriptorPlanner(pairing=Pairing.FIELDS, coalesce=opts.get("coalesce", True))
+    cons = Consumer(memory, sched, TransportConfig(secret=SECRET), planner=planner, staging=_staging(opts))
     agents = [await cons.connect(host, port) for host, port in opts["addrs"]]
     plan = cons.prepared(agents)
     comps = components(layout)
@@ -235,15 +235,21 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
             p.stop()
 
 
+def _ms(m: dict, rids) -> float:
+    import statistics
+
+    return round(statistics.median(x * 1e3 for r in rids for x in m[r]["seconds"]), 2)
+
+
 def main(argv=None) -> None:
     """Staged against sliced reads, post to landed, in one run per TP pair (blocks scattered, one fetch at
-    a time, a sliced and a staged warm-up first), with NixlConnector's list for the same request:
+    a time, a sliced and a staged warm-up first), then the same requests posted unmerged, piece by piece and
+    block by block as engines build their lists, and NixlConnector's count for the request:
 
         .venv/bin/python -m tests.transport.hetero_peers [--mem vram] [--tokens 500] [--pairs 2:1,1:2,4:1,8:2]
 
     On a GPU (``--mem vram``) every rank is a process on GPU 0 (cuda_ipc), staging copies run on torch."""
     import argparse
-    import statistics
 
     from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
     from tests.transport.peers import geometry
@@ -268,10 +274,15 @@ def main(argv=None) -> None:
         w = Workload(geometry=geometry(**(geo or {})), tokens=t, block_size=48, tp_prefill=p_tp, tp_decode=d_tp,
                      fragmentation=1.0)
         nixl = count_descriptors(Scheme.VLLM_033, w).per_decode_rank
-        ms = lambda rids: round(statistics.median(x * 1e3 for r in rids for x in m[r]["seconds"]), 2)  # noqa: E731
+        ms = lambda rids: _ms(m, rids)  # noqa: E731
+        # The engine's way on the same memory: the sliced plan piece by piece, block by block, unmerged
+        # (what NixlConnector's list is, in this layout), posted by the same transport right after.
+        e = run_pair(p_tp, d_tp, 48, 48, [("n0", t), ("n1", t), ("n2", t)], coalesce=False, scatter=True,
+                     sequential=True, geo=geo, mem=args.mem)
         print(f"P TP{p_tp} -> D TP{d_tp}: staged {max(m['s1']['per_rank'])} descriptors {ms(['s1', 's2'])} ms; "
-              f"sliced {max(m['x1']['per_rank'])} descriptors {ms(['x1', 'x2'])} ms; NixlConnector's list {nixl}",
-              flush=True)
+              f"sliced {max(m['x1']['per_rank'])} descriptors {ms(['x1', 'x2'])} ms; unmerged (engine-style) "
+              f"{max(e['n1']['per_rank'])} descriptors {_ms(e, ['n1', 'n2'])} "
+              f"ms; NixlConnector's list {nixl}", flush=True)
 
 
 if __name__ == "__main__":
