@@ -1,5 +1,5 @@
-"""Mutation check of the fencing proof: plausible one-line bugs in hybridkv/fencing, each of which the
-property suite must catch.
+"""Mutation check of the fencing proof: plausible one-line bugs in hybridkv/fencing (and in the staging
+slots' bookkeeping, hybridkv/transport), each of which the property suite must catch.
 
     python -m tests.property.mutate                 # every mutant, the rule tests at 200 examples each
     python -m tests.property.mutate --corpus-only   # the fixed @example corpus alone (seconds a mutant)
@@ -33,16 +33,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FENCING = "hybridkv/fencing"
+TRANSPORT = "hybridkv/transport"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Mutant:
     name: str
-    file: str  # relative to hybridkv/fencing
+    file: str  # relative to ``package``
     original: str  # one whole line, exact (indentation included)
     replacement: str
     bug: str  # what goes wrong, in the rules' words
     within: str | None = None  # a function name, where the line also occurs elsewhere in the file
+    package: str = FENCING
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -196,6 +198,40 @@ MUTANTS: tuple[Mutant, ...] = (
            original="        return d is not None and self._clock() + duration_s <= d",
            replacement="        return d is not None and self._clock() <= d",
            bug="rule 6: an export starts a read that cannot finish inside the lease"),
+    # Issue 49: the staging slots (transport/staging.py, their use in exports.py and fetch.py), a fenced resource
+    # with the rules of an exported block; the staging machine (test_staging_machine.py) must catch each.
+    Mutant(name="slot-back-at-export-sent", file="exports.py", package=TRANSPORT,
+           original="        if staged and pool is not None and not pool.config.fence:",
+           replacement="        if staged and pool is not None:",
+           bug="rule 5: a producer slot goes back once packed, while its reader has yet to read it"),
+    Mutant(name="slot-back-at-first-reader", file="exports.py", package=TRANSPORT,
+           original="        rec.ended.setdefault(agent, (ok, detail))",
+           replacement="        rec.ended.setdefault(agent, (ok, detail)); self._release_slots(rec, now=True)",
+           bug="rules 5, 7: every reader's slot goes back at the first reader's Done while another reads"),
+    Mutant(name="slot-back-when-reader-lost", file="exports.py", package=TRANSPORT,
+           original="        self._release_slots(rec, now=freed)",
+           replacement="        self._release_slots(rec, now=True)",
+           bug="rules 5, 6: a lost reader's slot goes back at once, though it may read until the lease lapses"),
+    Mutant(name="slot-hold-frees-at-once", file="staging.py", package=TRANSPORT,
+           original="        self._held.append((until, slot))",
+           replacement="        self.give_back(slot)",
+           bug="rule 6: a slot held for a reader that may still read goes back without waiting for the lease"),
+    Mutant(name="slot-hold-ignores-deadline", file="staging.py", package=TRANSPORT,
+           original="            if now >= until:",
+           replacement="            if True:",
+           bug="rule 6: a held slot goes back at the pump's next tick, before the lease lapses"),
+    Mutant(name="slot-take-marks-one-unit", file="staging.py", package=TRANSPORT,
+           original="        self._used[first:first + units] = True",
+           replacement="        self._used[first] = True",
+           bug="a slot of several units marks only its first: the next slot overlaps it"),
+    Mutant(name="consumer-slot-back-at-post", file="fetch.py", package=TRANSPORT,
+           original="        return dataclasses.replace(w, plan=plan, slot=slot)",
+           replacement="        pool.give_back(slot); return dataclasses.replace(w, plan=plan, slot=slot)",
+           bug="rule 5: a consumer slot goes back when its READ is posted, while the READ writes it"),
+    Mutant(name="consumer-slot-back-before-read-ends", file="fetch.py", package=TRANSPORT,
+           original="            if id(x) in held:",
+           replacement="            if False:",
+           bug="rule 5: a READ NIXL would not abort loses its consumer slot (and its ledger entry) before it ends"),
 )
 
 
@@ -205,10 +241,10 @@ class MutantNotFound(RuntimeError):
 
 def apply(mutant: Mutant, root: Path) -> None:
     """Replace the mutant's line in the copy at ``root``; MutantNotFound unless it is there exactly once."""
-    path = root / FENCING / mutant.file
+    path = root / mutant.package / mutant.file
     lines = path.read_text().split("\n")
     hits = _find(mutant, lines)
-    where = f"{FENCING}/{mutant.file}" + (f", function {mutant.within}" if mutant.within else "")
+    where = f"{mutant.package}/{mutant.file}" + (f", function {mutant.within}" if mutant.within else "")
     if len(hits) != 1:
         raise MutantNotFound(
             f"mutant {mutant.name}: the line {mutant.original!r} occurs {len(hits)} times in {where}; "
@@ -270,13 +306,23 @@ def _child(machine: bool) -> int:
 
     from tests.property import test_fencing_corpus, test_fencing_machine
 
-    # The machine's fixed corpus first (a second or two in all), then the rule tests, then the random machine.
+    def staging():  # imported only when reached (the transport's modules): a fencing mutant stops before
+        from tests.property import test_staging_machine
+        return test_staging_machine
+
+    # The machine's fixed corpus first (a second or two in all), then the rule tests, the staging corpus and
+    # machine (a few seconds), then the random two-sided machine.
+    corpus = os.environ.get("HYBRIDKV_PROPERTY_CORPUS", "1") != "0"
     tests = []
-    if os.environ.get("HYBRIDKV_PROPERTY_CORPUS", "1") != "0":
+    if corpus:
         tests += [(f"test_fencing_corpus[{n}]", lambda n=n: test_fencing_corpus.replay(n))
                   for n in sorted(test_fencing_corpus.CORPUS)]
     tests += [(n, lambda f=f: f(policy=FencePolicy.FENCED)) for n, f in sorted(vars(test_rules).items())
               if n.startswith("test_rule")]
+    if corpus:
+        tests.append(("test_staging_corpus", lambda: [staging().replay(n) for n in sorted(staging().CORPUS)]))
+    if os.environ.get("HYBRIDKV_PROPERTY_EXAMPLES") != "0":
+        tests.append(("test_staging_slots", lambda: staging().test_staging_slots("fenced")))
     if machine:
         tests.append(("test_fencing_two_sides", lambda: test_fencing_machine.test_fencing_two_sides("fenced")))
     for name, run in tests:
@@ -306,7 +352,7 @@ def check(mutants, *, examples: int, seed: int, machine: bool, corpus: bool = Tr
         base = Path(tmp) / "original"
         _copy(base)
         for m in mutants:  # every line found before minutes are spent
-            if len(_find(m, (base / FENCING / m.file).read_text().split("\n"))) != 1:
+            if len(_find(m, (base / m.package / m.file).read_text().split("\n"))) != 1:
                 apply(m, base)  # raises, naming the mutant
         t0 = time.perf_counter()
         rc, out = run_suite(base, examples=examples, seed=seed, machine=machine, timeout_s=timeout_s, corpus=corpus)
