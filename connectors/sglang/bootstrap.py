@@ -1,7 +1,9 @@
-"""SGLang's bootstrap server for the `hybridkv` backend: with a shared secret, only routes MACed under it
-(routes.py says what is signed and why)."""
+"""SGLang's bootstrap server for the `hybridkv` backend: with a shared secret, only routes and questions
+MACed under it, and the answers a decode acts on MACed back (routes.py says what is signed and why)."""
 
 from __future__ import annotations
+
+import json
 
 from aiohttp import web
 
@@ -12,7 +14,9 @@ from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
 class HybridKVBootstrapServer(CommonKVBootstrapServer):
     """SGLang's bootstrap server. With a shared secret, a route (PUT /route) is taken only MACed under it
-    over a nonce this server issued (routes.py); anything else is answered 403 and changes nothing."""
+    over a nonce this server issued (routes.py); anything else is answered 403 and changes nothing. A rank's
+    route (GET /route) and the DP ranks of rooms (/query_dp_ranks) are answered only to a question MACed
+    under it, with a MAC over the question's nonce and the answer."""
 
     def __init__(self, host: str, port: int):
         secret = SGLangConfig.from_server_args(None).secret()  # the ranks' environment: one launch
@@ -41,12 +45,29 @@ class HybridKVBootstrapServer(CommonKVBootstrapServer):
                 return web.Response(text=f"hybridkv: DP rank registration refused: {why}", status=403)
         return await super()._handle_register_dp_rank(request)
 
+    async def _handle_route_get(self, request: web.Request):
+        if self.route_guard is None:
+            return await super()._handle_route_get(request)
+        query = dict(request.query)
+        why = self.route_guard.check_lookup(query)
+        if why is not None:
+            return web.Response(text=f"hybridkv: route lookup refused: {why}", status=403)
+        answer = await super()._handle_route_get(request)
+        if answer.status != 200 or not routes.is_rank_lookup(query):
+            return answer  # the parallel info (no rank address) and SGLang's refusals as SGLang answers them
+        return web.json_response(self.route_guard.seal_lookup(query, json.loads(answer.text)))
+
     async def _handle_query_dp_ranks(self, request: web.Request):
-        if self.route_guard is not None:
-            why = self.route_guard.check_dp_query(await _json_or_none(request))
-            if why is not None:
-                return web.Response(text=f"hybridkv: DP rank query refused: {why}", status=403)
-        return await super()._handle_query_dp_ranks(request)
+        if self.route_guard is None:
+            return await super()._handle_query_dp_ranks(request)
+        question = await _json_or_none(request)
+        why = self.route_guard.check_dp_query(question)
+        if why is not None:
+            return web.Response(text=f"hybridkv: DP rank query refused: {why}", status=403)
+        answer = await super()._handle_query_dp_ranks(request)
+        if answer.status != 200:
+            return answer
+        return web.json_response(self.route_guard.seal_dp_answer(question, json.loads(answer.text)))
 
 
 async def _json_or_none(request: web.Request):

@@ -1,6 +1,7 @@
 """The decode side's end of a room in SGLang's terms (`HybridKVReceiver`): SGLang's CommonKVReceiver, with the
 import fenced through the manager's imports (`conn.HybridKVManager.imports`, decode_side.py) and what SGLang sends to prefill ranks
-sealed to each rank's authenticated session (sessions.py; the handshake off SGLang's thread: prefill_links.py)."""
+sealed to each rank's authenticated session (sessions.py; the handshake off SGLang's thread: prefill_links.py);
+with a secret, a prefill rank's route is taken from the bootstrap server only MACed (routes.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import zmq
 
+from hybridkv.connectors.sglang import routes
 from hybridkv.connectors.sglang.adopt import KV_GROUP, state_blocks
 from hybridkv.connectors.sglang.prefill_links import Link, LinkState
 from hybridkv.transport.metrics import FailureKind
@@ -31,6 +33,20 @@ class HybridKVReceiver(CommonKVReceiver):
         self._links_used: list[Link] = []  # the links SGLang's sends for this room took (prefill_links.py)
         self._link_failed = False
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
+
+    # ------------------------------------------------------------ the bootstrap server's answers (routes.py)
+    def _get_bootstrap_info_from_server(self, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank):
+        """A prefill rank's route; with a secret asked MACed with a fresh nonce and taken only MACed back
+        (routes.lookup_route): None, as SGLang's lookup answers a failure, fails the room SGLang's way."""
+        secret = self.kv_mgr._route_secret
+        if secret is None:
+            return super()._get_bootstrap_info_from_server(prefill_dp_rank, prefill_cp_rank, target_tp_rank,
+                                                           target_pp_rank)
+        info = routes.lookup_route(self.bootstrap_addr, secret, prefill_dp_rank, prefill_cp_rank, target_tp_rank,
+                                   target_pp_rank)
+        if info is not None:
+            info["pp_rank"] = int(target_pp_rank)  # as SGLang's lookup adds it
+        return info
 
     # ------------------------------------------------------------ authentication (sessions.py)
     def _setup_bootstrap_infos(self):

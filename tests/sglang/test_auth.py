@@ -271,13 +271,13 @@ def test_prefill_side_aborts_leave_the_session_and_never_lock_the_decode_rank_ou
 
 
 def _route(bootstrap_addr: str) -> int:
-    """The rank port SGLang's bootstrap server hands a decode for prefill rank (DP 0, CP 0, TP 0, PP 0)."""
-    import requests
+    """The rank port SGLang's bootstrap server hands a decode for prefill rank (DP 0, CP 0, TP 0, PP 0), asked
+    and answered MACed as a decode with the secret asks (routes.py)."""
+    from hybridkv.connectors.sglang import routes
 
-    got = requests.get(f"http://{bootstrap_addr}/route", timeout=5, params=dict(
-        prefill_dp_rank=0, prefill_cp_rank=0, target_tp_rank=0, target_pp_rank=0))
-    assert got.status_code == 200, got.text
-    return int(got.json()["rank_port"])
+    got = routes.lookup_route(bootstrap_addr, pd_peer.SECRET.encode(), 0, 0, 0, 0)
+    assert got is not None
+    return int(got["rank_port"])
 
 
 def test_a_route_put_without_the_secret_is_refused_and_a_decode_still_reaches_the_real_rank(prefill, monkeypatch):
