@@ -10,7 +10,8 @@ it only adds what is missing, so the first call is the one that matters and the
 later ones are no-ops.
 
 A variable the operator set is never overridden, whatever its value (also an
-empty string: that is a choice too).
+empty string: that is a choice too). One default is ucxx's own (``UCXPY_ENABLE_PYTHON_FUTURE``),
+read when ucxx's context is made, at the same first listen or dial.
 
 Note that ``import ucxx`` writes defaults of its own (``UCX_MEMTYPE_CACHE``,
 ``UCX_RNDV_THRESH``, ``UCX_RNDV_FRAG_MEM_TYPE``, ``UCX_MAX_RNDV_RAILS``, on
@@ -45,11 +46,19 @@ WARN_UNUSED_ENV = "UCX_WARN_UNUSED_ENV_VARS"
 #: lets two live listeners share a port.
 REUSE_ADDR_ENV = "UCX_TCP_CM_REUSEADDR"
 
+#: ucxx (the control plane) waits for a request by polling it from the event loop unless its requests
+#: complete Python futures (its notifier thread): every connected channel at rest waits for its next
+#: frame, so polling kept a core per process busy (a connected producer and consumer at rest: 99% and
+#: 98% of a core each; with futures ~5%). ucxx reads it when its context is made (first listen or
+#: dial); hybridkv stops the notifier thread it brings at close and at exit (transport/control.py).
+PYTHON_FUTURE_ENV = "UCXPY_ENABLE_PYTHON_FUTURE"
+
 #: Every UCX default hybridkv applies: variable -> value, set only where the environment lacks it.
 UCX_DEFAULTS: MappingProxyType[str, str] = MappingProxyType({
     WARN_UNUSED_ENV: "n",
     CUDA_IPC_READS_ENV: "on",
     REUSE_ADDR_ENV: "y",
+    PYTHON_FUTURE_ENV: "1",
 })
 
 

@@ -257,6 +257,7 @@ class Side:
             except (asyncio.CancelledError, Exception):
                 pass
         self.dp.close()
+        control.release()  # ucxx's notifier thread and context, once no listener or channel is open
 
 
 __all__ = ["NOTIF_PREFIX", "Peer", "Side", "remember", "rid_of", "send_quietly"]

@@ -48,7 +48,7 @@ def test_an_empty_setting_is_the_operators_too():
 
 def test_the_defaults_are_the_documented_ones():
     assert dict(UCX_DEFAULTS) == {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
-                                  "UCX_TCP_CM_REUSEADDR": "y"}
+                                  "UCX_TCP_CM_REUSEADDR": "y", "UCXPY_ENABLE_PYTHON_FUTURE": "1"}
 
 
 # ------------------------------------------------------------ import leaves os.environ alone
@@ -96,7 +96,9 @@ async def main():
         await ch.close()
     listener = control.listen(handler, port=0)
     print("ENV", *(os.environ.get(k) for k in {keys!r}))
-    listener.close()
+    import ucxx
+    print("FUTURES", ucxx.core._ctx.enable_python_future)  # what ucxx's context made of it
+    listener.close()  # and no ucxx.stop_notifier_thread(): the process must still exit
 
 asyncio.run(main())
 """
@@ -104,17 +106,19 @@ asyncio.run(main())
 
 @pytest.mark.parametrize("probe", [_DATA_PLANE, _CONTROL_PLANE], ids=["data-plane", "control-plane"])
 @pytest.mark.parametrize("preset", [{}, {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto", "UCX_WARN_UNUSED_ENV_VARS": "y"},
-                                    {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "off"}],
-                         ids=["unset", "operator-set", "one-set"])
+                                    {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "off"}, {"UCXPY_ENABLE_PYTHON_FUTURE": "0"}],
+                         ids=["unset", "operator-set", "one-set", "futures-off"])
 def test_a_starting_plane_applies_the_defaults_unless_set(probe, preset):
     """Whichever plane starts first (each creates a UCX context, which reads the variables then) finds them
     set; nothing was set before it started; what the operator set stays."""
     keys = tuple(UCX_DEFAULTS)
     # UCX and NIXL log to stdout too: only the probe's own lines
-    before, after = [line.split()[1:] for line in _run(probe.format(keys=keys), _clean_env(**preset))
-                     if line.startswith("ENV ")]
+    lines = _run(probe.format(keys=keys), _clean_env(**preset))
+    before, after = [line.split()[1:] for line in lines if line.startswith("ENV ")]
     assert before == [preset.get(k, "None") for k in keys]
     assert after == [preset.get(k, UCX_DEFAULTS[k]) for k in keys]
+    if probe is _CONTROL_PLANE:  # ucxx's request futures on (no busy polling) unless the operator said 0
+        assert f"FUTURES {preset.get('UCXPY_ENABLE_PYTHON_FUTURE') != '0'}" in lines
 
 
 # ------------------------------------------------------------ docs/environment.md names every variable
