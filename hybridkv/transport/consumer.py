@@ -241,6 +241,9 @@ class Consumer:
         for t in self._tasks:
             t.cancel()
         self._importer.cancel()
+        # Done of the imports that landed goes before the Bye (a send takes well under a ms; a peer that
+        # takes the bound is stuck, and its lease frees the blocks anyway)
+        await self._importer.flush(min(self.config.export_timeout_s, 2.0))
         await self._dialer.close()
         for peer in self.peers.values():
             if peer.alive:

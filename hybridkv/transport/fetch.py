@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from hybridkv.transport.plan import PeerPlanner, TransferPlan
 from hybridkv.transport.side import Peer, Side, notification, send_quietly
 from hybridkv.transport.staging import (Route, Slot, StagePool, Stager, StagingConfig, StagingMode, route, slot_rows,
                                        staging_region)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -96,6 +99,8 @@ class Importer:
         self._drains = drains
         #: waits for READs NIXL would not abort (their imports end when the READ does, see settled())
         self._settling: set[asyncio.Task] = set()
+        #: Done messages of landed imports, still being sent (_end_parts_soon)
+        self._sending: set[asyncio.Task] = set()
 
     def cancel(self) -> None:
         """The consumer closes: waits for READs NIXL would not abort end here."""
@@ -269,6 +274,27 @@ class Importer:
         for w in work:
             await send_quietly(w.part.peer.channel, wire.Done(request_id=w.part.rid, ok=ok, token=w.part.token))
 
+    def _end_parts_soon(self, work: Sequence[Work], ok: bool) -> None:
+        """:meth:`_end_parts` in the background (:meth:`flush` waits for it): for a part whose READ ended."""
+        task = asyncio.get_running_loop().create_task(self._end_parts(work, ok))
+        self._sending.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self._sending.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # send_quietly lets only a bug through
+            log.warning("sending Done failed: %r", task.exception())
+
+    async def flush(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the Done messages still being sent (the consumer closes: they go
+        before its Bye); one still stuck then is cancelled (its producer's lease frees the blocks)."""
+        if not self._sending:
+            return
+        _, stuck = await asyncio.wait(set(self._sending), timeout=timeout_s)
+        for task in stuck:
+            task.cancel()
+        await asyncio.gather(*stuck, return_exceptions=True)
+
     def post_read(self, w: Work, notif: bytes) -> Transfer:
         """Post one producer's READ: what the consumer's ``post`` does unless overridden."""
         return self._dp.post_plan(Op.READ, w.part.peer.agent, w.plan, notif)
@@ -334,7 +360,10 @@ class Importer:
                 return self._policy(rid, error or "READ failed", kind=FailureKind.TRANSFER)
             return self._policy(rid, "lease lapsed during the READ: bytes not trusted", kind=FailureKind.LEASE)
         outcome = self._drains.outcome(imp)
-        await self._end_parts(work, True)
+        # Every READ ended and the ledger judged the blocks: Done only lets the producers free theirs, so
+        # the import returns without waiting for the send (two ucxx completions through its notifier
+        # thread: ~0.2 ms on an H100 host, ~1 ms on the 2-core box), in the channel's order of sends.
+        self._end_parts_soon(work, True)
         if outcome is not TransferOutcome.ACCEPTED:
             outcome = outcome or TransferOutcome.UNKNOWN
             return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
