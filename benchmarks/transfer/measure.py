@@ -1,7 +1,8 @@
 """The consumer's side of `hybridkv bench transfer`: every variant timed, round by round, and the report.
 
 ``_measure`` connects to the producer, runs (a) hybridkv's fetch, (a') the plan that fetch posted, its
-index pairs posted with (b)'s bare NIXL calls, (b) the raw span (whole, cut, and with a notification),
+index pairs posted with (b)'s bare NIXL calls, (a'') the same right after planning the request again (a post
+on a core in the state the fetch's own work leaves it), (b) the raw span (whole, cut, and with a notification),
 (c) the vLLM 0.33 list and the posting probe once per round in a shuffled order, then times (d) and
 returns the report that :func:`hybridkv.benchmarks.transfer.command.run` prints. Per scheme
 (``schemes``): the posting call's thread CPU and wall time and post to landed, each against (b); what
@@ -33,17 +34,45 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     from hybridkv.transport.endpoint import Consumer, TransportConfig
     from hybridkv.transport.side import NOTIF_PREFIX
 
+    class Replay:
+        """A prepared planner that keeps its last inputs, so that the bench can plan that request again."""
+
+        def __init__(self, inner) -> None:
+            self.inner, self.last = inner, None
+
+        def plan(self, source, theirs, mine):
+            self.last = (source, theirs, mine)
+            return self.inner.plan(source, theirs, mine)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
     class Recording(Consumer):
-        """The consumer, also keeping the last plan it posted and its posting call's thread CPU."""
+        """The consumer, also keeping the last plan it posted, its posting call's thread CPU, and when its
+        import started planning, posted and saw the READ landed (perf_counter)."""
 
         plan = None
         post_cpu = 0.0
+        planning_at = posted_at = landed_at = 0.0
+
+        def prepared(self, agents):
+            self.planning_at = time.perf_counter()  # the Exports are in: planning starts
+            key = tuple(agents)
+            if not isinstance(self.plans.get(key), Replay):
+                self.plans[key] = Replay(super().prepared(agents))
+            return self.plans[key]
 
         def _post(self, w, notif):
+            self.posted_at = time.perf_counter()
             c0 = time.thread_time()
             xfer = super()._post(w, notif)
             self.post_cpu, self.plan = time.thread_time() - c0, w.plan
             return xfer
+
+        async def _wait_xfer(self, xfer, until=None):
+            state = await super()._wait_xfer(xfer, until)
+            self.landed_at = time.perf_counter()
+            return state
 
     layout, memory, pools, raw_span = _side(args, 2, devices[1])  # raw_span: alive until the end (registered)
     sched = TransferScheduler(pools, lease_s=60.0)
@@ -99,9 +128,14 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     if int(vl[:, 1].sum()) != nbytes:
         raise RuntimeError(f"vLLM-scheme list covers {int(vl[:, 1].sum())} bytes, expected {nbytes}")
     hyb, vll = [], []
-    posts: dict[str, list[float]] = {"hybridkv": [], "plan": [], "raw": [], "vllm_scheme": []}  # (build,) make + post
+    posts: dict[str, list[float]] = {"hybridkv": [], "plan": [], "plan_cold": [], "raw": [],
+                                     "vllm_scheme": []}  # (build,) make + post
     cpu: dict[str, list[float]] = {k: [] for k in posts}  # the same, CPU time of the posting thread
     plan_t: list[float] = []  # hybridkv's last plan, its index pairs posted with the raw span's NIXL calls
+    cold_t: list[float] = []  # the same, right after planning that request again
+    # The fetch's own work around its READ: from the Exports in to the post (planning, the fence), and from
+    # the READ seen landed to the fetch's return (telemetry, the ledger, Done to the producer).
+    phases: dict[str, list[float]] = {"plan_to_post": [], "landed_to_return": []}
     block_ids = np.arange(blocks, dtype=np.int64)
     v_build = lambda: _vllm_ids(n_attn, block_ids, 2 * n_gdn)  # noqa: E731
     if not np.array_equal(v_build()[0], v_idx):
@@ -113,7 +147,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     # the previous one settle first: on the H200s a baseline READ started right after a fetch (its Done
     # message, the producer's next export) took ~4 ms instead of ~0.2 ms in every round, which a fixed
     # (or merely rotated) order charged to one variant only.
-    variants = ["hybridkv", "plan", *(("raw", n) for n in splits), "raw_notif", "vllm", "probe_one", "probe_vllm",
+    variants = ["hybridkv", "plan", "plan_cold", *(("raw", n) for n in splits), "raw_notif", "vllm", "probe_one", "probe_vllm",
                 *curve_lists]
     probe: dict[str, list[tuple[int, float]]] = {"probe_one": [], "probe_vllm": []}
     raw_notif: list[float] = []
@@ -129,6 +163,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
                 for g in layout.groups:
                     sched.allocate(rid, g.group_id, pools.pool_sizes[g.group_id])
                 res = await cons.fetch(rid, comps, token=args.capabilities[i])
+                returned = time.perf_counter()
                 if res.outcome is not Outcome.READY or res.nbytes != nbytes:
                     # A transfer that failed ends the run (exit 1); it is not a bug of the bench.
                     raise CommandError(f"fetch {rid}: {res.outcome.name} {res.error} ({res.nbytes} of {nbytes} bytes)")
@@ -136,6 +171,22 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
                 posts["hybridkv"] += [res.post_seconds] * kept
                 cpu["hybridkv"] += [cons.post_cpu] * kept
                 desc, idx, planned = res.descriptors, res.indices, res.planned
+                phases["plan_to_post"] += [cons.posted_at - cons.planning_at] * kept
+                phases["landed_to_return"] += [returned - cons.landed_at] * kept
+            elif var == "plan_cold":
+                if cons.plan is None:
+                    continue
+                # The consumer's own planning of that request again (its planner, the same block lists, the
+                # plan's checks), then its index pairs posted with raw's bare calls: a post in the state that
+                # the fetch's own work leaves the thread's caches in, without hybridkv's posting path.
+                replay = cons.plans[(peer.agent,)]
+                again = replay.inner.plan(*replay.last)
+                again.check()
+                l_h, r_h = cons.dp.prepped(peer.agent)
+                pt, _, p_post, p_cpu = _timed(agent, "READ", l_h, again.dst_index, r_h, again.src_index)
+                cold_t += [pt] * kept
+                posts["plan_cold"] += [p_post] * kept
+                cpu["plan_cold"] += [p_cpu] * kept
             elif var == "plan":
                 if cons.plan is None:  # the warm-up round ran it before any fetch
                     continue
@@ -173,7 +224,8 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
         sched.step_scheduled(i + 1, joined=[f"req{i}"])
         sched.step_completed(i + 1)
         sched.request_finished(f"req{i}")
-    msg = out.get(timeout=60)
+    # Off the event loop: the last fetch's Done may still be on its way to the producer.
+    msg = await asyncio.to_thread(out.get, True, 60)
     if msg[0] == "error":
         raise CommandError(f"the producer process failed: {msg[1]}")
     await cons.close()
@@ -193,9 +245,10 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     # Per scheme, the same run: the posting call (thread CPU, wall) and post to landed, each against the
     # one-span READ; x_raw_paired is the median of the per-round ratios (each round runs every scheme
     # once, so a loaded machine's slow spell hits both sides of a ratio alike).
-    landed = {"hybridkv": hyb, "plan": plan_t, "raw": raw, "vllm_scheme": vll}
+    landed = {"hybridkv": hyb, "plan": plan_t, "plan_cold": cold_t, "raw": raw, "vllm_scheme": vll}
     schemes = {name: {
-        "posted": {"hybridkv": desc, "plan": plan_desc, "raw": r_desc, "vllm_scheme": v_desc}[name],
+        "posted": {"hybridkv": desc, "plan": plan_desc, "plan_cold": plan_desc, "raw": r_desc,
+                   "vllm_scheme": v_desc}[name],
         "post_cpu_us": round(med(cpu[name]) * 1e6, 1), "post_us": round(med(posts[name]) * 1e6, 1),
         "landed_us": round(med(ts) * 1e6, 1), "GBps": round(gbps(med(ts)), 3),
         "x_raw": round(med(raw) / med(ts), 3),
@@ -210,6 +263,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
         "vllm_scheme_GBps": round(v, 3), "vllm_ratio": round(v / r, 3),
         "copy_GBps": round(c, 3), "copy_kind": copy["copy_kind"], "peer_access": copy["peer_access"],
         "hybridkv_vs_copy": round(h / c, 4), "raw_vs_copy": round(r / c, 4), "vllm_vs_copy": round(v / c, 4),
+        "fetch_phases_us": {k: round(med(ts) * 1e6, 1) for k, ts in phases.items()},
         "median_s": {"hybridkv": statistics.median(hyb), "plan": statistics.median(plan_t), "raw": statistics.median(raw),
                      "vllm_scheme": statistics.median(vll), "copy": copy["copy_s"]},
         "read_notif": args.read_notif, "spin_us": args.spin_us, "raw_notif_GBps": round(gbps(statistics.median(raw_notif)), 3),
@@ -233,16 +287,21 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
 
 
 _SCHEME_NAMES = {"raw": "(b) raw NIXL, one span", "hybridkv": "(a) hybridkv fetch",
-                 "plan": "(a') its plan, raw's calls", "vllm_scheme": "(c) vllm-0.33 list"}
+                 "plan": "(a') its plan, raw's calls", "plan_cold": "(a'') the same, re-planned first",
+                 "vllm_scheme": "(c) vllm-0.33 list"}
 
 
 def print_schemes(rep: dict) -> None:
     """The per-scheme table of a report: posting call and post to landed, side by side with raw."""
     print("  per scheme (median; CPU and post: the posting call's thread CPU and wall time; landed: post to DONE;"
           " paired: median of per-round ratios):")
-    print(f"    {'scheme':<28}{'posted':>7}{'CPU us':>10}{'post us':>10}{'landed us':>11}{'GB/s':>9}{'x raw':>7}"
+    print(f"    {'scheme':<33}{'posted':>7}{'CPU us':>10}{'post us':>10}{'landed us':>11}{'GB/s':>9}{'x raw':>7}"
           f"{'paired':>8}")
-    for name in ("raw", "hybridkv", "plan", "vllm_scheme"):
+    for name in ("raw", "hybridkv", "plan", "plan_cold", "vllm_scheme"):
         r = rep["schemes"][name]
-        print(f"    {_SCHEME_NAMES[name]:<28}{r['posted']!s:>7}{r['post_cpu_us']:>10,.0f}{r['post_us']:>10,.0f}"
+        print(f"    {_SCHEME_NAMES[name]:<33}{r['posted']!s:>7}{r['post_cpu_us']:>10,.0f}{r['post_us']:>10,.0f}"
               f"{r['landed_us']:>11,.0f}{r['GBps']:>9.2f}{r['x_raw']:>7.3f}{r['x_raw_paired']:>8.3f}")
+    ph = rep["fetch_phases_us"]
+    print(f"  hybridkv's fetch around its READ (median us): Exports in to the post {ph['plan_to_post']:,.0f}"
+          f" (planning, the fence); READ landed to the fetch's return {ph['landed_to_return']:,.0f}"
+          " (telemetry, the ledger, Done)")

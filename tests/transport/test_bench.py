@@ -35,8 +35,11 @@ def test_bench_transfer_json(capsys):
     assert rep["posting"]["per_descriptor_us"] > 0
     # Per scheme, side by side with the one-span READ: the posting call's thread CPU and wall time and post to
     # landed; "plan" is hybridkv's own index pairs posted with raw's bare NIXL calls (what hybridkv adds is
-    # hybridkv minus plan, what its descriptors cost is plan minus raw).
-    assert set(rep["schemes"]) == {"hybridkv", "plan", "raw", "vllm_scheme"}
+    # hybridkv minus plan, what its descriptors cost is plan minus raw); "plan_cold" posts them bare right after
+    # planning the request again (a post in the state the fetch's own work leaves the thread in).
+    assert set(rep["schemes"]) == {"hybridkv", "plan", "plan_cold", "raw", "vllm_scheme"}
+    assert set(rep["fetch_phases_us"]) == {"plan_to_post", "landed_to_return"}
+    assert all(v > 0 for v in rep["fetch_phases_us"].values())
     for name, row in rep["schemes"].items():
         assert row["post_cpu_us"] > 0 and row["post_us"] > 0 and row["landed_us"] >= row["post_us"], (name, row)
         assert row["x_raw"] > 0 and row["x_raw_paired"] > 0

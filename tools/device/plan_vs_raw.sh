@@ -41,6 +41,7 @@ print(f"{r['bytes'] / 1e6:.1f} MB, median of {r['iters']}; copy {r['copy_GBps']:
 for k, v in r["schemes"].items():
     print(f"  {k:<12} posted {v['posted']!s:>5}  CPU {v['post_cpu_us']:>9.1f} us  post {v['post_us']:>9.1f} us"
           f"  landed {v['landed_us']:>10.1f} us  {v['GBps']:>8.1f} GB/s  x raw {v['x_raw']:.3f} (paired {v['x_raw_paired']:.3f})")
+print(f"  fetch around its READ (us): {r.get('fetch_phases_us')}")
 EOF
         grep -i "error\|Traceback" "$OUT/plan_vs_raw_$i.err" | head -5
     done
