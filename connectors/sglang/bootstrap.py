@@ -15,8 +15,9 @@ from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 class HybridKVBootstrapServer(CommonKVBootstrapServer):
     """SGLang's bootstrap server. With a shared secret, a route (PUT /route) is taken only MACed under it
     over a nonce this server issued (routes.py); anything else is answered 403 and changes nothing. A rank's
-    route (GET /route) and the DP ranks of rooms (/query_dp_ranks) are answered only to a question MACed
-    under it, with a MAC over the question's nonce and the answer."""
+    route (GET /route) and the DP ranks of rooms (/query_dp_ranks) are answered MACed to a question MACed
+    under it (a rank's route is answered unMACed to SGLang's own question), with a MAC over the question's
+    nonce and the answer."""
 
     def __init__(self, host: str, port: int):
         secret = SGLangConfig.from_server_args(None).secret()  # the ranks' environment: one launch
@@ -53,8 +54,8 @@ class HybridKVBootstrapServer(CommonKVBootstrapServer):
         if why is not None:
             return web.Response(text=f"hybridkv: route lookup refused: {why}", status=403)
         answer = await super()._handle_route_get(request)
-        if answer.status != 200 or not routes.is_rank_lookup(query):
-            return answer  # the parallel info (no rank address) and SGLang's refusals as SGLang answers them
+        if answer.status != 200 or not routes.is_rank_lookup(query) or not routes.wants_sealed_answer(query):
+            return answer  # SGLang's own questions, the parallel info and SGLang's refusals as SGLang answers them
         return web.json_response(self.route_guard.seal_lookup(query, json.loads(answer.text)))
 
     async def _handle_query_dp_ranks(self, request: web.Request):

@@ -42,15 +42,21 @@ class HybridKVReceiver(CommonKVReceiver):
         if secret is None:
             return super()._get_bootstrap_info_from_server(prefill_dp_rank, prefill_cp_rank, target_tp_rank,
                                                            target_pp_rank)
-        info = routes.lookup_route(self.bootstrap_addr, secret, prefill_dp_rank, prefill_cp_rank, target_tp_rank,
-                                   target_pp_rank)
-        if info is not None:
-            info["pp_rank"] = int(target_pp_rank)  # as SGLang's lookup adds it
+        try:
+            info = routes.lookup_route(self.bootstrap_addr, secret, prefill_dp_rank, prefill_cp_rank,
+                                       target_tp_rank, target_pp_rank)
+        except routes.LookupRefused as e:
+            self._lookup_refused = f"hybridkv: {e}"  # the room's failure names it (_setup_bootstrap_infos)
+            return None
+        info["pp_rank"] = int(target_pp_rank)  # as SGLang's lookup adds it
         return info
 
     # ------------------------------------------------------------ authentication (sessions.py)
     def _setup_bootstrap_infos(self):
+        self._lookup_refused: Optional[str] = None
         super()._setup_bootstrap_infos()
+        if self._lookup_refused is not None and self.bootstrap_infos is None:
+            self.kv_mgr.record_failure(self.bootstrap_room, self._lookup_refused)  # in place of SGLang's words
         if self.bootstrap_infos:
             self.kv_mgr.auth.expect_writers(self.bootstrap_room, self._writers())
             self._fail_if_auth_required()

@@ -42,14 +42,17 @@ room whose route it could not fetch. SGLang's decode looks a rank's route up thr
 calls these two hooks with the arguments they take here (:func:`check_decode_hooks`), else refuses to
 start naming the version.
 
-``GET /route`` of a rank (which address to dial) is refused (403) to a question without the secret's
-MAC: it reveals the prefill ranks' addresses, and the decode sends a MACed question anyway, so refusing
-costs nothing. ``GET /route`` of the prefill's parallel info (every rank -1: sizes, page size, KV dtype,
-the prefill's HTTP port; no rank address) stays open and unMACed: SGLang's decode manager asks it itself
-(``CommonKVManager.try_ensure_parallel_info``). A forged answer there can make a decode map ranks wrongly
-(its rooms then fail; every address it dials still comes from a MACed answer) or send its prefill-recompute
-requests to another port of the bootstrap host: still open. A recorded MACed question replayed gets the
-current answer again (what an observer of the plain-HTTP exchange saw anyway).
+``GET /route`` without the secret stays open, answered as SGLang answers it: the rank addresses it
+reveals are the ports every rank listens on anyway (found by a scan of the prefill hosts; firewall them),
+and refusing it would cost a decode without the secret the diagnosis it gets today, at the prefill rank,
+of which setting it lacks. A MACed question whose MAC does not prove the secret is refused (403), so a
+decode with another secret fails its room at the lookup, naming why. The prefill's parallel info
+(``GET /route`` with every rank -1: sizes, page size, KV dtype, the prefill's HTTP port; no rank address)
+is answered unMACed even to a decode with the secret: SGLang's decode manager asks it itself
+(``CommonKVManager.try_ensure_parallel_info``). A forged one can make a decode map ranks wrongly (its rooms
+then fail; every address it dials still comes from a MACed answer) or send its prefill-recompute requests to
+another port of the bootstrap host: still open. A recorded MACed question replayed gets the current answer
+again (what an observer of the plain-HTTP exchange saw anyway).
 """
 
 from __future__ import annotations
@@ -129,12 +132,21 @@ def _answer_fault(secret: bytes, label: bytes, question: Mapping[str, Any], got:
     return None
 
 
+class LookupRefused(RuntimeError):
+    """A rank's route did not come, or came without the server's valid MAC (the message names both)."""
+
+
 def is_rank_lookup(query: Mapping[str, Any]) -> bool:
     """Whether a ``GET /route`` asks a rank's address (not the prefill's parallel info: every rank -1)."""
     try:
         return not all(int(query[k]) == -1 for k in _RANK_PARAMS)
     except (KeyError, TypeError, ValueError):
         return True
+
+
+def wants_sealed_answer(query: Mapping[str, Any]) -> bool:
+    """Whether a ``GET /route`` is a hybridkv decode's MACed question (answered MACed) or SGLang's own."""
+    return ANSWER_NONCE in query or REQUEST_MAC in query
 
 
 def _session_get_post(server: str) -> tuple[Any, Any]:
@@ -150,10 +162,10 @@ def _session_get_post(server: str) -> tuple[Any, Any]:
 
 
 def lookup_route(server: str, secret: bytes, prefill_dp_rank: int, prefill_cp_rank: int, target_tp_rank: int,
-                 target_pp_rank: int, *, timeout_s: float = 5.0) -> Optional[dict[str, Any]]:
+                 target_pp_rank: int, *, timeout_s: float = 5.0) -> dict[str, Any]:
     """The route (``rank_ip``, ``rank_port``) of one prefill rank from the bootstrap server at ``server``,
-    asked MACed with a fresh nonce and taken only with the server's MAC over question and answer; None on
-    any failure (logged naming the server and what failed), as SGLang's own lookup answers."""
+    asked MACed with a fresh nonce and taken only with the server's MAC over question and answer;
+    :class:`LookupRefused` naming the server and what failed (logged) otherwise."""
     import requests
 
     question: dict[str, Any] = {"prefill_dp_rank": str(int(prefill_dp_rank)),
@@ -167,19 +179,19 @@ def lookup_route(server: str, secret: bytes, prefill_dp_rank: int, prefill_cp_ra
     try:
         r = get(f"http://{server}/route", params=question, timeout=timeout_s)
         if r.status_code != 200:
-            logger.error("hybridkv: the bootstrap server at %s gave no route for %s: HTTP %d %s", server, rank,
-                         r.status_code, r.text[:200])
-            return None
+            why = f"the bootstrap server at {server} gave no route for {rank}: HTTP {r.status_code} {r.text[:200]}"
+            logger.error("hybridkv: %s", why)
+            raise LookupRefused(why)
         got = r.json()
     except (requests.RequestException, ValueError) as e:
-        logger.error("hybridkv: route lookup of %s at the bootstrap server %s failed: %s", server, rank, e)
-        return None
+        logger.error("hybridkv: route lookup of %s at the bootstrap server %s failed: %s", rank, server, e)
+        raise LookupRefused(f"route lookup of {rank} at the bootstrap server {server} failed: {e}") from e
     why = _answer_fault(secret, _LOOKUP_ANSWER_LABEL, question, got)
     if why is None and not (isinstance(got.get("rank_ip"), str) and isinstance(got.get("rank_port"), int)):
         why = f"the answer names no rank_ip (str) and rank_port (int): {str(got)[:200]}"
     if why is not None:
         logger.error("hybridkv: refused the bootstrap server %s's route for %s: %s", server, rank, why)
-        return None
+        raise LookupRefused(f"refused the bootstrap server {server}'s route for {rank}: {why}")
     return {k: v for k, v in got.items() if k != ANSWER_MAC}
 
 
@@ -357,10 +369,10 @@ class RouteGuard:
         return self._check_body(data, _DP_QUERY_LABEL, "DP rank query", nonce=True)
 
     def check_lookup(self, query: Mapping[str, Any]) -> Optional[str]:
-        """None if a ``GET /route`` asks the parallel info (open) or asks a rank's route with a nonce, MACed
-        under the secret; else why not."""
-        if not is_rank_lookup(query):
-            return None
+        """None unless a ``GET /route`` asks a rank's route MACed (a nonce or a MAC) and its MAC does not
+        prove the secret: then why not."""
+        if not is_rank_lookup(query) or not wants_sealed_answer(query):
+            return None  # SGLang's own question, answered as SGLang answers it (the docstring says why)
         return self._check_body(dict(query), _LOOKUP_LABEL, "route lookup", nonce=True)
 
     def seal_lookup(self, query: Mapping[str, Any], answer: Mapping[str, Any]) -> dict[str, Any]:
@@ -383,7 +395,7 @@ class RouteGuard:
             return self._refuse(f"the {what} has no {DP_MAC}: it is not MACed under the shared secret (hybridkv "
                                 "ranks with HYBRIDKV_SGLANG_SECRET_FILE / _SECRET_ENV send it)")
         if not auth.proven(_body_mac(self._secret, label, data).encode(), mac.encode()):
-            return self._refuse(f"the {what}'s MAC does not prove the shared secret")
+            return self._refuse(f"the {what}'s MAC did not prove the shared secret")
         return None
 
     def _refuse(self, why: str) -> str:

@@ -169,23 +169,26 @@ def test_a_decode_takes_a_route_only_maced_for_its_own_question(authenticated, c
         srv.between.mode = mode
         caplog.clear()
         with caplog.at_level(logging.ERROR, logger="hybridkv.connectors.sglang.routes"):
-            assert lookup() is None, mode  # SGLang then fails the room (could not fetch bootstrap info)
+            assert lookup() is None, mode  # SGLang then fails the room, with hybridkv's reason
         assert f"refused the bootstrap server {srv.between.addr}'s route" in caplog.text and why in caplog.text, \
             (mode, caplog.text)
     srv.between.mode = "pass"
     assert lookup()["rank_port"] == srv.rank_port
 
 
-def test_a_route_lookup_without_the_secret_is_refused_and_the_parallel_info_stays_open(authenticated):
+def test_a_route_lookup_maced_under_another_secret_is_refused_and_sglangs_own_answered(authenticated):
     import requests
 
+    from hybridkv.connectors.sglang import routes
+
+    other = b"5a" * 32
+    with pytest.raises(routes.LookupRefused, match="HTTP 403 .*did not prove the shared secret"):
+        routes.lookup_route(authenticated.addr, other, 0, 0, 0, 0)
     url = f"http://{authenticated.addr}/route"
-    rank = requests.get(url, params=dict(prefill_dp_rank=0, prefill_cp_rank=0, target_tp_rank=0, target_pp_rank=0),
-                        timeout=5)
-    assert rank.status_code == 403 and "not MACed under the shared secret" in rank.text, rank.text
-    info = requests.get(url, params=dict(prefill_dp_rank=-1, prefill_cp_rank=-1, target_tp_rank=-1,
-                                         target_pp_rank=-1), timeout=5)
-    assert info.status_code == 200 and info.json()["attn_tp_size"] == 1, info.text  # SGLang's manager asks it
+    plain = requests.get(url, params=dict(prefill_dp_rank=0, prefill_cp_rank=0, target_tp_rank=0, target_pp_rank=0),
+                         timeout=5)  # SGLang's own question (a decode without the secret): SGLang's answer
+    assert plain.status_code == 200 and plain.json() == {"rank_ip": "127.0.0.1",
+                                                         "rank_port": authenticated.rank_port}, plain.text
 
 
 def test_a_decode_takes_dp_ranks_only_maced_for_its_own_question(authenticated, caplog):
