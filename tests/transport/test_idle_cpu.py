@@ -126,6 +126,38 @@ print("ENDED", time.monotonic(), flush=True)
 """
 
 
+_CLOSE_STOPS_IT = """
+import asyncio, threading, time
+import ucxx
+from tests.transport import idle_peers
+
+def notifiers():
+    return sum(t.name == "UCX-Py Async Notifier Thread" for t in threading.enumerate())
+
+async def pair(seed):
+    prod = idle_peers._endpoint("producer", seed)
+    _, port = await prod.start()
+    cons = idle_peers._endpoint("consumer", seed + 1)
+    await cons.connect("127.0.0.1", port)
+    return prod, cons
+
+async def main():
+    prod, cons = await pair(1)
+    print("OPEN", notifiers(), ucxx.core._ctx is not None, flush=True)
+    await cons.close()
+    print("ONE CLOSED", notifiers(), flush=True)  # the producer's listener still uses it
+    await prod.close()
+    print("CLOSED", notifiers(), ucxx.core._ctx is None, flush=True)
+    prod, cons = await pair(3)  # the same loop again: a fresh context
+    print("AGAIN", notifiers(), flush=True)
+    await cons.close()
+    await prod.close()
+
+asyncio.run(main())
+print("ENDED", time.monotonic(), flush=True)
+"""
+
+
 def _probe(code: str) -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_WARN_UNUSED_ENV_VARS": "n"}
     env.pop("UCXPY_ENABLE_PYTHON_FUTURE", None)  # hybridkv's default, as a deployment gets it
@@ -152,3 +184,11 @@ def test_a_second_event_loop_gets_a_working_control_plane():
     """ucxx's futures are bound to the loop its context was made on: once that loop ended (with a
     listener left open on it), the next listen or dial on a new loop gets a fresh context."""
     assert "GOT second loop" in _probe(_TWO_LOOPS)
+
+
+def test_closing_the_last_endpoint_stops_the_notifier_thread():
+    """What a start made, the closes stop: once the producer and the consumer are closed, ucxx's notifier
+    thread is gone and its context dropped; the next start on the same loop gets a working one."""
+    lines = _probe(_CLOSE_STOPS_IT)
+    assert [line for line in lines if line.split()[0] in ("OPEN", "ONE", "CLOSED", "AGAIN")] == \
+        ["OPEN 1 True", "ONE CLOSED 1", "CLOSED 0 True", "AGAIN 1"], lines
