@@ -9,6 +9,7 @@ it costs ~10 s of CPU per process), so several ranks are cheap.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -59,6 +60,40 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def bootstrap_server(env: dict):
+    """hybridkv's bootstrap server in this process, its secret (or lab mode) read from `env` as a launch sets it."""
+    import requests
+
+    from hybridkv.connectors.sglang.bootstrap import HybridKVBootstrapServer
+
+    keys = (*SECRET_ENV, "HYBRIDKV_SGLANG_INSECURE_NO_AUTH")
+    saved = {k: os.environ.get(k) for k in keys}
+    for k in keys:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    try:
+        port = free_port()
+        srv = HybridKVBootstrapServer("127.0.0.1", port)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    addr = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if requests.get(f"http://{addr}/health", timeout=1).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, "the bootstrap server did not come up"
+        time.sleep(0.05)
+    try:
+        yield addr
+    finally:
+        srv.close()
 
 
 def configure(role: str, *, port: int, bootstrap_port: int, tp: int = 1, rank: int = 0, dp: int = 1, pp: int = 1):

@@ -49,8 +49,7 @@ def decode():
 
 @pytest.fixture(scope="module")
 def lab():
-    """A rank without a secret (lab mode): a decode in the attack test, then a prefill that never answers a
-    decode's handshake (it drops the Hello); one process for both."""
+    """A rank without a secret (lab mode): a decode in the attack test."""
     r = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": None})
     yield r
     r.close()
@@ -181,47 +180,58 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode, lab)
     assert mgr.auth_stats.sessions == 1 and mgr.auth_stats.foreign == 0
 
 
-def test_a_prefill_rank_that_never_answers_the_handshake_does_not_stall_the_decode_scheduler(prefill, decode, lab):
-    """The handshake runs off SGLang's scheduler thread (prefill_links.py). A prefill rank without a secret drops
-    the decode's Hello: it never answers. The decode scheduler's loop (the silent rank's room made and init()ed,
-    i.e. registered, its destinations published, every room polled) waits for it at no step, while a room of a
-    healthy prefill rank moves on and lands; the silent rank's room fails once the handshake times out, naming
-    it, and its pages go back at once (nothing of the room went out, so no write can come)."""
+def test_a_prefill_rank_that_never_answers_the_handshake_does_not_stall_the_decode_scheduler(prefill, decode):
+    """The handshake runs off SGLang's scheduler thread (prefill_links.py). A prefill rank whose route is
+    registered as it should be (MACed, on a bootstrap server with the secret) but whose port never answers (a
+    socket bound there that reads nothing: a rank stuck or gone): the decode scheduler's loop (the silent rank's
+    room made and init()ed, i.e. registered, its destinations published, every room polled) waits for it at no
+    step, while a room of a healthy prefill rank moves on and lands; the silent rank's room fails once the
+    handshake times out, naming it, and its pages go back at once (nothing of the room went out, so no write
+    can come)."""
+    import requests
     from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from hybridkv.connectors.sglang import routes
 
     mgr, pools = decode
     dst_silent = [56, 57, 58, 59]  # no other test's pages: nothing may land in them
-    port = pd_peer.free_port()
-    silent_rank = lab.call("setup", ("prefill", 1, 0, port, 7, True))["rank_port"]
-    silent = f"127.0.0.1:{port}"
+    sink = zmq.Context.instance().socket(zmq.PULL)
+    silent_rank = sink.bind_to_random_port("tcp://127.0.0.1")
+    rank = dict(attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0,
+                pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0, rank_ip="127.0.0.1",
+                page_size=pd_peer.PAGE_SIZE, kv_cache_dtype=mgr.kv_cache_dtype_str, rank_port=silent_rank)
     mgr.auth.links.timeout_s = 1.0  # the production default is 5 s
     try:
-        healthy = pd_peer.receiver(mgr, prefill.addr, 2501)
-        healthy.send_metadata(np.asarray(DST_A, dtype=np.int32), 9, [[6]])
-        assert prefill.call("sender", 2501) == KVPoll.WaitingForInput
-        _until(lambda: mgr.try_ensure_parallel_info(silent))  # SGLang's HTTP look-up, before the scheduler's step
-        steps = []
-        t0 = time.monotonic()
-        r = pd_peer.kv_class("RECEIVER")(mgr, silent, 2502)
-        r.init(0)
-        r.send_metadata(np.asarray(dst_silent, dtype=np.int32), 8, [[5]])
-        steps.append(time.monotonic() - t0)
-        prefill.call("send", (2501, PAGES_A, 3, 1, 2, False))
-        status = {}
-        while len(status) < 2 and time.monotonic() - t0 < 20:
-            t = time.monotonic()
-            polls = {"healthy": healthy.poll(), "silent": r.poll()}
-            steps.append(time.monotonic() - t)
-            status.update({k: (v, time.monotonic() - t0) for k, v in polls.items()
-                           if v in (KVPoll.Success, KVPoll.Failed) and k not in status})
-            time.sleep(0.01)
+        with pd_peer.bootstrap_server(ENV) as silent:
+            url = f"http://{silent}/route"
+            signed = routes.sign_route(pd_peer.SECRET.encode(), rank, routes.fetch_nonce(url))
+            assert requests.put(url, json=signed, timeout=5).status_code == 200
+            healthy = pd_peer.receiver(mgr, prefill.addr, 2501)
+            healthy.send_metadata(np.asarray(DST_A, dtype=np.int32), 9, [[6]])
+            assert prefill.call("sender", 2501) == KVPoll.WaitingForInput
+            _until(lambda: mgr.try_ensure_parallel_info(silent))  # SGLang's HTTP look-up, before the scheduler's step
+            steps = []
+            t0 = time.monotonic()
+            r = pd_peer.kv_class("RECEIVER")(mgr, silent, 2502)
+            r.init(0)
+            r.send_metadata(np.asarray(dst_silent, dtype=np.int32), 8, [[5]])
+            steps.append(time.monotonic() - t0)
+            prefill.call("send", (2501, PAGES_A, 3, 1, 2, False))
+            status = {}
+            while len(status) < 2 and time.monotonic() - t0 < 20:
+                t = time.monotonic()
+                polls = {"healthy": healthy.poll(), "silent": r.poll()}
+                steps.append(time.monotonic() - t)
+                status.update({k: (v, time.monotonic() - t0) for k, v in polls.items()
+                               if v in (KVPoll.Success, KVPoll.Failed) and k not in status})
+                time.sleep(0.01)
         print(f"scheduler steps: {len(steps)}, longest {max(steps) * 1e3:.1f} ms")
         assert max(steps) < 0.5, f"a scheduler step took {max(steps):.2f} s"
         assert status["healthy"][0] == KVPoll.Success, pd_peer.failure_of(healthy)
         assert status["healthy"][1] < 5
         kv, state, aux_row = prefill.call("bytes", (PAGES_A, 3, 1))
         assert pools.page_bytes(DST_A) == kv and pools.slot_bytes(6) == state and pools.aux_bytes(9) == aux_row
-        assert status["silent"][0] == KVPoll.Failed and status["silent"][1] < 4
+        assert status["silent"][0] == KVPoll.Failed and status["silent"][1] < 4, pd_peer.failure_of(r)
         assert f"prefill rank 127.0.0.1:{silent_rank} did not answer the authentication handshake within 1 s" \
             in pd_peer.failure_of(r)
         with mgr.sched_lock:
@@ -231,6 +241,7 @@ def test_a_prefill_rank_that_never_answers_the_handshake_does_not_stall_the_deco
         r.clear()
     finally:
         mgr.auth.links.timeout_s = mgr.config.handshake_timeout_s
+        sink.close(linger=0)
 
 
 def test_prefill_side_aborts_leave_the_session_and_never_lock_the_decode_rank_out(prefill, decode):

@@ -6,11 +6,9 @@ answers) pointed the decode at any address or sent its room to another DP rank. 
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import json
 import logging
-import os
 import threading
 import time
 from types import SimpleNamespace
@@ -27,40 +25,6 @@ RANK = dict(attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn
 
 def _secret() -> bytes:
     return pd_peer.SECRET.encode()  # as auth.load_secret reads it from the variable
-
-
-@contextlib.contextmanager
-def _server(env: dict):
-    """hybridkv's bootstrap server in this process, its secret (or lab mode) read from `env` as a launch sets it."""
-    import requests
-
-    from hybridkv.connectors.sglang.bootstrap import HybridKVBootstrapServer
-
-    keys = (*pd_peer.SECRET_ENV, "HYBRIDKV_SGLANG_INSECURE_NO_AUTH")
-    saved = {k: os.environ.get(k) for k in keys}
-    for k in keys:
-        os.environ.pop(k, None)
-    os.environ.update(env)
-    try:
-        port = pd_peer.free_port()
-        srv = HybridKVBootstrapServer("127.0.0.1", port)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    addr = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if requests.get(f"http://{addr}/health", timeout=1).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        assert time.monotonic() < deadline, "the bootstrap server did not come up"
-        time.sleep(0.05)
-    try:
-        yield addr
-    finally:
-        srv.close()
 
 
 class _Between:
@@ -132,7 +96,7 @@ def authenticated():
 
     from hybridkv.connectors.sglang import routes
 
-    with _server(pd_peer.SECRET_ENV) as addr:
+    with pd_peer.bootstrap_server(pd_peer.SECRET_ENV) as addr:
         url = f"http://{addr}/route"
         rank_port = pd_peer.free_port()
         signed = routes.sign_route(_secret(), {**RANK, "rank_port": rank_port}, routes.fetch_nonce(url))
@@ -215,7 +179,7 @@ def test_lab_mode_answers_as_sglang_does(monkeypatch):
     from hybridkv.connectors.sglang import routes
     from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
-    with _server({"HYBRIDKV_SGLANG_INSECURE_NO_AUTH": "1"}) as addr:
+    with pd_peer.bootstrap_server({"HYBRIDKV_SGLANG_INSECURE_NO_AUTH": "1"}) as addr:
         url = f"http://{addr}/route"
         rank_port = pd_peer.free_port()
         assert requests.put(url, json={**RANK, "rank_port": rank_port}, timeout=5).status_code == 200
