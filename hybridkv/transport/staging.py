@@ -107,9 +107,12 @@ class Route(enum.Enum):
 
 #: Per memory kind: (us of posting per descriptor, GB/s of a local gather copy). DRAM: measured on the
 #: 2-core CPU box (posting curve ~2 us per descriptor, docs/benchmarks/transfer.md; a numpy gather of
-#: 1.5-49 MB rows 0.6-1.0 GB/s under load). VRAM: the H100 split of issue 49 (~9 us per descriptor on
-#: the posting thread) and an assumed 500 GB/s gather (HBM; to be measured: docs/benchmarks/transfer.md).
-COSTS: dict[wire.Mem, tuple[float, float]] = {wire.Mem.DRAM: (2.0, 0.8), wire.Mem.VRAM: (9.0, 500.0)}
+#: 1.5-49 MB rows 0.6-1.0 GB/s under load). VRAM, one H100 (tools/device/results/): the posting curve's
+#: 4.95 us per scattered descriptor, and `hybridkv bench staging --mem vram`'s gather of vLLM's pages,
+#: 18-57 GB/s with a byte per index (1-4% of a plain copy; the 500 GB/s assumed before made AUTO stage
+#: where the sliced read was faster). The copier now moves 8-byte words; until that is measured on a GPU
+#: this stays the measured floor.
+COSTS: dict[wire.Mem, tuple[float, float]] = {wire.Mem.DRAM: (2.0, 0.8), wire.Mem.VRAM: (4.95, 30.0)}
 
 
 def route(config: StagingConfig | None, *, sliced: int, direct: int, own_pool: bool, nbytes: int = 0,
@@ -120,7 +123,7 @@ def route(config: StagingConfig | None, *, sliced: int, direct: int, own_pool: b
     this side has no pool), else one descriptor into a slot of ours and an unpack. ON takes it
     whatever it costs. AUTO takes it only where the descriptors it saves cost more to post than the
     copies it adds (the producer's pack, and our unpack through a slot), at ``config.costs(mem)``:
-    on a CPU host a descriptor is worth ~2 KB of copying, on a GPU ~4 MB."""
+    on a CPU host a descriptor is worth ~2 KB of copying, on a GPU ~150 KB."""
     if config is None or config.mode is StagingMode.OFF:
         return Route.SLICED
     way = Route.DIRECT if direct <= config.direct_rows or not own_pool else Route.SLOT
@@ -218,7 +221,7 @@ class Copier:
             self._spans[region] = got
         return got
 
-    def _rows(self, place: Place, pages: np.ndarray, length: int):
+    def _rows(self, place: Place, pages: np.ndarray, length: int, word: int):
         buf = self._span(place.region)
         size = int(buf.shape[0])
         lo, hi = int(pages.min()), int(pages.max())
@@ -227,26 +230,53 @@ class Copier:
             where = "the staging slot" if place.region is None else f"region {place.region}"
             raise ValueError(f"copy of pages {lo}..{hi} ({length} bytes at offset {place.offset}, stride "
                              f"{place.stride}) runs past {where} ({size} bytes); expected it inside")
-        top = hi + 1
+        view = rows_view(buf, place.offset, place.stride, hi + 1, length, word)
         if self._vram:
             import torch
 
-            view = buf.as_strided((top, length), (place.stride, 1), place.offset)
             return view, torch.as_tensor(pages, device=buf.device)
-        view = np.lib.stride_tricks.as_strided(buf[place.offset:], shape=(top, length), strides=(place.stride, 1))
         return view, pages
+
+    def _word(self, step: CopyStep) -> int:
+        """The widest element (8, 4, 2 or 1 bytes) that tiles both sides of ``step``: a gather moves one
+        element per index, so bytes one at a time ran at 1-4% of a plain copy on an H100 (bench staging)."""
+        parts = (step.length, step.src.offset, step.src.stride, step.dst.offset, step.dst.stride,
+                 _address(self._span(step.src.region)), _address(self._span(step.dst.region)))
+        return next(w for w in (8, 4, 2, 1) if all(p % w == 0 for p in parts))
 
     def run(self, steps: Sequence[CopyStep]) -> None:
         for s in steps:
             if s.src_pages.size == 0:
                 continue
-            src, si = self._rows(s.src, s.src_pages, s.length)
-            dst, di = self._rows(s.dst, s.dst_pages, s.length)
+            word = self._word(s)
+            src, si = self._rows(s.src, s.src_pages, s.length, word)
+            dst, di = self._rows(s.dst, s.dst_pages, s.length, word)
             dst[di] = src[si]
         if self._vram and steps:
             import torch
 
             torch.cuda.synchronize(self._buffer.device)  # landed before anyone is told
+
+
+def _address(buf) -> int:
+    return int(buf.data_ptr()) if hasattr(buf, "data_ptr") else int(buf.ctypes.data)
+
+
+#: element types by width, for :func:`rows_view`
+_NP_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def rows_view(buf, offset: int, stride: int, rows: int, length: int, word: int = 1):
+    """``rows`` rows of ``length`` bytes, ``stride`` apart from byte ``offset`` of the flat byte buffer ``buf``
+    (numpy or torch), as elements of ``word`` bytes (``length``, ``offset``, ``stride`` and the buffer's
+    address multiples of it). The caller checked the bounds."""
+    if hasattr(buf, "data_ptr"):
+        import torch
+
+        view = buf.as_strided((rows, length), (stride, 1), offset)
+        return view if word == 1 else view.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[word])
+    return np.ndarray(shape=(rows, length // word), dtype=_NP_WORDS[word], buffer=buf, offset=offset,
+                      strides=(stride, word))
 
 
 # --------------------------------------------------------------------------- the pool

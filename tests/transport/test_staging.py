@@ -177,3 +177,32 @@ def test_the_pool_property_catches_a_hold_that_frees_at_once():
     pool.hold = lambda slot, until: pool.give_back(slot)  # mutant: no wait for the lease
     with pytest.raises(AssertionError):
         _check_pool([("take", 2048), ("end", 0, False), ("take", 1024)], pool)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("word", [1, 2, 4, 8])
+def test_rows_view_in_words_moves_the_same_bytes(kind, word):
+    """The copier gathers in the widest element that tiles a step (a byte per index ran at 1-4% of a plain
+    copy on an H100): rows gathered and scattered as words land byte for byte where byte rows would, and
+    nothing between the rows changes. torch on the CPU runs the same view and index code as on a GPU."""
+    from hybridkv.transport.staging import rows_view
+
+    rng = np.random.default_rng(word)
+    src = rng.integers(0, 256, 4096, dtype=np.uint8)
+    pages_src = np.array([5, 1, 7, 3])
+    pages_dst = np.array([0, 2, 1, 3])
+    expected = np.zeros(2048, dtype=np.uint8)
+    for s, d in zip(pages_src, pages_dst):
+        expected[64 + d * 256: 64 + d * 256 + 40] = src[8 + s * 400: 8 + s * 400 + 40]
+    dst = np.zeros(2048, dtype=np.uint8)
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
+        a = rows_view(tsrc, 8, 400, 8, 40, word)
+        b = rows_view(tdst, 64, 256, 4, 40, word)
+        b[torch.as_tensor(pages_dst)] = a[torch.as_tensor(pages_src)]
+    else:
+        a = rows_view(src, 8, 400, 8, 40, word)
+        b = rows_view(dst, 64, 256, 4, 40, word)
+        b[pages_dst] = a[pages_src]
+    assert np.array_equal(dst, expected)

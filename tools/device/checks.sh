@@ -7,7 +7,8 @@
 #   demo   `hybridkv demo --device cuda` (token- and byte-exact, fenced)
 #   bench  `hybridkv bench transfer --mem vram` ($BENCH_ARGS added)
 #   planraw  hybridkv's plan against a raw one-span READ at three sizes (tools/device/plan_vs_raw.sh)
-#   staging  heterogeneous-TP staging against the sliced and NixlConnector lists, VRAM (tests/transport/hetero_peers.py)
+#   staging  heterogeneous-TP staging against the sliced and unmerged lists, VRAM (tests/transport/hetero_peers.py)
+#   gather   `hybridkv bench staging --mem vram`: the staging gather against a plain copy (the speed auto assumes)
 set +e
 set -u
 STEPS=${STEPS:-probe tests demo bench}
@@ -33,6 +34,7 @@ for s in $STEPS; do
         bench) step bench "${BENCH_S:-240}" "${CLI[@]}" bench transfer --mem vram --tokens 8192 --iters 9 ${BENCH_ARGS:-} ;;
         planraw) TAIL=60 step planraw "${PLANRAW_S:-330}" bash tools/device/plan_vs_raw.sh ;;
         staging) step staging "${STAGING_S:-240}" "$PY" -m tests.transport.hetero_peers --mem vram --pairs "${PAIRS:-2:1,1:2,4:1,8:2}" ;;
+        gather) step gather 120 "${CLI[@]}" bench staging --mem vram --iters 9 ;;
         *) echo "unknown step $s" ;;
     esac
 done
