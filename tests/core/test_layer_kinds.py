@@ -225,6 +225,7 @@ def test_a_new_state_kind_flows_through_every_layer_with_two_files(tmp_path):
         # 16 attention + 1 GDN + 1 toy per read, the heads of a read being one run of each block.
         if pair == "2->2":
             assert counts["hybridkv"] == [reads * 18, moved, 3]
-        else:  # different TP: staged (transport/staging.py), one slot per read, the toy layers' slices in it
-            assert counts["hybridkv"][0] == reads and counts["hybridkv"][1] >= moved
+        else:  # different TP: the same runs, head-sliced; staging's pack at the measured 30 GB/s (transport/
+            # staging.py COSTS) costs more than the 17 descriptors it would save per read, so AUTO reads sliced
+            assert counts["hybridkv"][0] == reads * 18 and counts["hybridkv"][1] >= moved
         assert all(c[0] > 0 and c[1] >= moved for c in counts.values())
