@@ -77,6 +77,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     layout, memory, pools, raw_span = _side(args, 2, devices[1])  # raw_span: alive until the end (registered)
     sched = TransferScheduler(pools, lease_s=60.0)
     cons = Recording(memory, sched, TransportConfig(notify_reads=args.read_notif == "on", secret=args.secret,
+                                                    insecure_host_memory=args.mem == "dram",
                                                     dataplane=DataPlaneConfig(spin_s=args.spin_us / 1e6)),
                      planner=args.planner)
     await cons.connect(*addr)

@@ -106,7 +106,8 @@ async def _producer(args, out) -> None:
 
     layout, memory, pools, keep = _side(args, 1, parse_devices(args.devices, args.mem)[0])
     sched = TransferScheduler(pools, lease_s=60.0)
-    prod = Producer(memory, sched, TransportConfig(secret=args.secret), planner=args.planner)
+    prod = Producer(memory, sched, TransportConfig(secret=args.secret, insecure_host_memory=args.mem == "dram"),
+                    planner=args.planner)
     host, port = await prod.start()
     out.put(("addr", (host, port)))
     await prod.wait_peer(60.0)

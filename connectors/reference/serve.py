@@ -91,7 +91,10 @@ async def _worker(conn, o: WorkerOptions) -> None:
     results: dict[str, dict] = {}
     from hybridkv.transport.auth import new_token
 
-    tcfg = TransportConfig(failure_policy=FailurePolicy(o.failure_policy), secret=o.secret)
+    # The demo's instances share one host and the CPU demo's caches are host memory, which UCX serves over
+    # shm/cma/tcp: accepted by name (transport/host_memory.py), as its one-host lab setting is.
+    tcfg = TransportConfig(failure_policy=FailurePolicy(o.failure_policy), secret=o.secret,
+                           insecure_host_memory=not o.device.startswith("cuda"))
     capabilities: dict[str, bytes] = {}  # decode: each request's token, from the router
     planner = DescriptorPlanner(pairing=Pairing.PAGES)  # both instances cut pages alike
     engine: Engine | None = None

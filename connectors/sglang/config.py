@@ -27,7 +27,7 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _SECRET_KEYS = frozenset({"secret_file", "secret_env"})
 _INT_KEYS = frozenset({"workers", "max_sessions"})
-_BOOL_KEYS = frozenset({"progress_thread", "insecure_no_auth"})
+_BOOL_KEYS = frozenset({"progress_thread", "insecure_no_auth", "insecure_host_memory"})
 _HOSTS_KEYS = frozenset({"allowed_decode_hosts"})
 
 
@@ -70,6 +70,11 @@ class SGLangConfig:
       ``TransportConfig.insecure_no_auth``: no secret, and any process that reaches a
       rank's ZMQ port can have KV written into memory it controls. Refused together
       with a secret.
+    * ``insecure_host_memory`` (false): with a secret, a rank whose registered buffers include host
+      memory (CPU pools; SGLang's metadata buffers are host memory on GPU servers too) starts only where
+      ``UCX_TLS`` leaves UCX no software transport (e.g. ``UCX_TLS=rc,cuda_ipc,cuda_copy``): tcp, shm and
+      cma do not bound a peer's WRITEs and READs to the registration, so a secret holder could reach the
+      whole rank process. True accepts that by name (``hybridkv.transport.host_memory``).
     * ``handshake_timeout_s`` (5): how long a decode rank waits for a prefill rank to
       answer its authentication handshake before the request fails.
     * ``max_sessions`` (256): proven decode ranks a prefill rank keeps a session with.
@@ -94,6 +99,7 @@ class SGLangConfig:
     handshake_timeout_s: float = 5.0
     max_sessions: int = 256
     insecure_no_auth: bool = False
+    insecure_host_memory: bool = False
     allowed_decode_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

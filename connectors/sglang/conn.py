@@ -45,10 +45,12 @@ from hybridkv.connectors.sglang.retiring import RetiringAgents
 from hybridkv.connectors.sglang.rooms import Rooms
 from hybridkv.connectors.sglang.decode_keys import DecodeKeys
 from hybridkv.connectors.sglang.sessions import AuthStats
+from hybridkv import wire
 from hybridkv.fencing.request_state import Component
 from hybridkv.fencing.scheduler import TransferScheduler
 from hybridkv.layout.alloc import MemKind
 from hybridkv.transport.dataplane import DataPlane
+from hybridkv.transport.host_memory import check_host_memory
 from hybridkv.transport.metrics import TransferMetrics
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.common.conn import CommonKVManager
@@ -117,6 +119,10 @@ class HybridKVManager(CommonKVManager):
             aux_roles=startup.aux_roles(args, server_args, sampling_mask=envs.SGLANG_ENABLE_DISAGG_SAMPLING_MASK.get()),
             parallel=parallel_of(args, attn_tp=par.attn_tp_size, attn_rank=par.attn_tp_rank,
                                  state_tp=linear_attn_tp_size(), mla=bool(is_mla_backend)))
+        check_host_memory(authenticated=secret is not None,
+                          host_memory=any(r.mem is wire.Mem.DRAM for r in self.adopted.memory.regions),
+                          accepted=self.config.insecure_host_memory, what="SGLang backend",
+                          opt_in="HYBRIDKV_SGLANG_INSECURE_HOST_MEMORY=1")
         # NIC binding and UCX threads as SGLang's NIXL backend takes them (config.py)
         plane = self.config.dataplane(prefill=not decode, ib_device=getattr(args, "ib_device", None),
                                       gpu_id=int(getattr(args, "gpu_id", 0) or 0))

@@ -87,6 +87,11 @@ class HybridKVVllmConfig:
         Lab mode, by name: run without a shared secret, so any peer that reaches a worker's port
         can read and write its registered memory. Passed to the transport (TransportConfig); the
         endpoints log it loudly and report it in their metrics. Refused together with a secret key.
+    ``insecure_host_memory`` (bool, ``false``)
+        With a secret and a KV cache in host memory (``kv_buffer_device: cpu``, CPU workers), a worker
+        starts only where ``UCX_TLS`` leaves UCX no software transport (tcp, shm, cma: they do not bound a
+        peer's READs to the registration, so a secret holder could reach the whole worker process);
+        true accepts that by name (``hybridkv.transport.host_memory``). GPU caches never need it.
     ``tp_rank`` (int or null, ``null``)
         This worker's TP rank, where vLLM's distributed group does not exist (a worker built
         outside vLLM's executor, as the tests do). Null: asked of vLLM, 0 without a group.
@@ -119,6 +124,7 @@ class HybridKVVllmConfig:
     secret_env: str | None = None
     tp_rank: int | None = None
     insecure_no_auth: bool = False
+    insecure_host_memory: bool = False
     staging: StagingMode = StagingMode.OFF
     staging_capacity_mb: int = 64
     hybridkv_fence_policy: FencePolicy = FencePolicy.FENCED
@@ -151,6 +157,8 @@ class HybridKVVllmConfig:
         _check(self.tp_rank is None or (_is_int(self.tp_rank) and self.tp_rank >= 0),
                "tp_rank", self.tp_rank, "null or a non-negative int")
         _check(isinstance(self.insecure_no_auth, bool), "insecure_no_auth", self.insecure_no_auth, "a bool")
+        _check(isinstance(self.insecure_host_memory, bool), "insecure_host_memory", self.insecure_host_memory,
+               "a bool")
         if self.insecure_no_auth and (self.secret_file is not None or self.secret_env is not None):
             raise ValueError("kv_connector_extra_config sets 'insecure_no_auth' and a secret ('secret_file' or "
                              "'secret_env'); expected one of the two (a secret authenticates every peer, "
@@ -241,6 +249,7 @@ class HybridKVVllmConfig:
             "secret_env": _optional_str,
             "tp_rank": _optional_int,
             "insecure_no_auth": _bool,
+            "insecure_host_memory": _bool,
             "staging": _choice(StagingMode),
             "staging_capacity_mb": _int,
             "hybridkv_fence_policy": _choice(FencePolicy),

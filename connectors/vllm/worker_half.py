@@ -179,6 +179,14 @@ class WorkerHalf:
         self.layout = adopt_vllm_kv_caches(self.vllm_config, self.kv_cache_config, kv_caches, tp=self.tp,
                                            rank=self.rank, specs=self.specs)
         self.memory = from_layout(self.layout)
+        # Before any thread or endpoint: named as this connector's key (the transport checks it again, by its name)
+        from hybridkv import wire
+        from hybridkv.transport.host_memory import check_host_memory
+
+        check_host_memory(authenticated=self.secret is not None,
+                          host_memory=any(r.mem is wire.Mem.DRAM for r in self.memory.regions),
+                          accepted=self.config.insecure_host_memory, what="HybridKVConnector",
+                          opt_in="kv_connector_extra_config 'insecure_host_memory': true")
         groups = len(self.kv_cache_config.kv_cache_groups)
         self._ts = _RenewalsReported(
             PoolLayout.shared(num_blocks=self.kv_cache_config.num_blocks, num_groups=groups),
@@ -199,6 +207,7 @@ class WorkerHalf:
         return TransportConfig(host=resolve_host(self.host), port=port, failure_policy=FailurePolicy.FAIL,
                                export_timeout_s=self.export_timeout_s, allowed_peers=self.allowed_peers,
                                secret=self.secret, insecure_no_auth=self.config.insecure_no_auth,
+                               insecure_host_memory=self.config.insecure_host_memory,
                                compat=compat_fields(self.vllm_config))
 
     @staticmethod

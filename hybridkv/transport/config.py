@@ -88,6 +88,10 @@ class TransportConfig:
     # this, an endpoint refuses to start (REQUIRE_SECRET); with it, it logs so loudly at start and
     # its metrics say so (MetricsSnapshot.insecure_no_auth).
     insecure_no_auth: bool = False
+    # With a secret, host-memory registrations start only where UCX_TLS leaves UCX no software transport
+    # (tcp, shm, cma...: they do not bound a peer's READs and WRITEs to the registration, so a secret
+    # holder could reach this whole process); True accepts that by name (transport/host_memory.py).
+    insecure_host_memory: bool = False
     # Operator-supplied compatibility fields (e.g. {"model": "...", "revision": "..."}), exchanged in
     # the authenticated handshake next to the transport's own: a pair whose maps differ (a key on one
     # side only counts) is refused at its first handshake, naming each differing key and both values.
@@ -114,8 +118,9 @@ class TransportConfig:
             auth.check_secret(self.secret, "TransportConfig.secret")
         _check_compat(self.compat)
         object.__setattr__(self, "compat", types.MappingProxyType(dict(self.compat)))  # frozen like the rest
-        if not isinstance(self.insecure_no_auth, bool):
-            raise ValueError(f"TransportConfig.insecure_no_auth = {self.insecure_no_auth!r}; expected a bool")
+        for key in ("insecure_no_auth", "insecure_host_memory"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"TransportConfig.{key} = {getattr(self, key)!r}; expected a bool")
         if self.insecure_no_auth and self.secret is not None:
             raise ValueError("TransportConfig.insecure_no_auth = True with a secret; expected one of the two "
                              "(a secret authenticates every peer, insecure_no_auth serves any)")

@@ -24,6 +24,7 @@ from hybridkv.transport import auth, control
 from hybridkv.transport import config as _config
 from hybridkv.transport.config import Pairing, Stats, TransportConfig
 from hybridkv.transport.dataplane import DataPlane, Transfer, XferState
+from hybridkv.transport.host_memory import check_host_memory
 from hybridkv.transport.memory import PAGE_SHAPE_FIELDS, MemoryMap, check_peer_shapes
 from hybridkv.transport.metrics import TransferMetrics
 from hybridkv.transport.plan import Planner
@@ -97,6 +98,10 @@ class Side:
                  role: wire.Role) -> None:
         # Before anything is registered: an endpoint without a secret starts only in lab mode, by name.
         _config.check_auth_mode(config, role.name.lower())
+        check_host_memory(authenticated=config.secret is not None,
+                          host_memory=any(r.mem is wire.Mem.DRAM for r in memory.regions),
+                          accepted=config.insecure_host_memory, what=role.name.lower(),
+                          opt_in="TransportConfig.insecure_host_memory=True")
         self.role = role
         self.memory = memory
         self.scheduler = scheduler

@@ -52,7 +52,10 @@ def context():
 # the variable holding it); LAB_ENV unsets both: no secret, SGLang's unauthenticated lab mode.
 # Hex of 32 random bytes, as `hybridkv secret FILE` writes one (a passphrase breaks auth.STRICT_SECRETS).
 SECRET = "e7e4b2d31b850d7cae4f204c97cb20387ab357fadf05b978cb8ea07e88c5aea9"
-SECRET_ENV = {"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": SECRET}
+#: With the secret, HYBRIDKV_SGLANG_INSECURE_HOST_MEMORY: these ranks' pools are host memory, which UCX serves over
+#: tcp, shm and cma here (hybridkv.transport.host_memory), as a CPU deployment would accept by name.
+SECRET_ENV = {"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": SECRET,
+              "HYBRIDKV_SGLANG_INSECURE_HOST_MEMORY": "1"}
 LAB_ENV = {"HYBRIDKV_SGLANG_SECRET_ENV": None, "HKV_TEST_SECRET": None}
 
 

@@ -101,7 +101,7 @@ def test_same_secret_transfers_and_every_attack_is_dropped(prefill, decode, lab)
 
     # A decode rank with another secret: the prefill's proof fails there, so it sends no REGISTER.
     # A strong secret, but not the prefill's (weak ones are refused at start-up).
-    wrong = _other_decode({"HYBRIDKV_SGLANG_SECRET_ENV": "HKV_TEST_SECRET", "HKV_TEST_SECRET": secrets.token_hex(32)})
+    wrong = _other_decode({**ENV, "HKV_TEST_SECRET": secrets.token_hex(32)})
     # A decode rank without a secret (lab mode): its REGISTER (and METADATA, if it sends it) for room 2001 go out
     # unsealed; its probe Hello is answered like any other, so it fails the room at once, naming the cause.
     try:

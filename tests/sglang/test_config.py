@@ -28,12 +28,13 @@ def test_every_key_is_read_from_its_variable():
            "HYBRIDKV_SGLANG_PROGRESS_THREAD": "off", "HYBRIDKV_SGLANG_SECRET_FILE": "/run/secret",
            "HYBRIDKV_SGLANG_SECRET_ENV": "", "HYBRIDKV_SGLANG_HANDSHAKE_TIMEOUT_S": "2",
            "HYBRIDKV_SGLANG_MAX_SESSIONS": "3", "HYBRIDKV_SGLANG_INSECURE_NO_AUTH": "no",
+           "HYBRIDKV_SGLANG_INSECURE_HOST_MEMORY": "yes",
            "HYBRIDKV_SGLANG_ALLOWED_DECODE_HOSTS": "10.0.0.0/8, 192.168.1.7", "HYBRIDKV_SGLANG_UNKNOWN": "x"}
     c = SGLangConfig.from_server_args(None, environ=env)
     assert c == SGLangConfig(transfer_timeout_s=1.5, drain_timeout_s=9.0, min_lease_s=5.0, workers=4,
                              poll_interval_s=0.05, settle_poll_s=0.001, progress_thread=False,
                              secret_file="/run/secret", handshake_timeout_s=2.0, max_sessions=3,
-                             allowed_decode_hosts=("10.0.0.0/8", "192.168.1.7"))
+                             insecure_host_memory=True, allowed_decode_hosts=("10.0.0.0/8", "192.168.1.7"))
     assert {f"HYBRIDKV_SGLANG_{f.name.upper()}" for f in dataclasses.fields(SGLangConfig)} == set(env) - {
         "HYBRIDKV_SGLANG_UNKNOWN"}
     assert c.drain_timeout(120.0) == 9.0 and c.lease_s(c.drain_timeout(None)) == 9.0

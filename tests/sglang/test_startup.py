@@ -112,6 +112,21 @@ def test_real_managers_refuse_to_start_without_a_secret_once_hybridkv_requires_o
 
 
 @pytest.mark.slow
+def test_real_managers_with_a_secret_on_host_memory_refuse_naming_the_opt_in(rank):
+    """These ranks' pools are host memory (CPU; SGLang's metadata buffers are host memory on GPU servers too): with a
+    secret and UCX free to pick tcp, shm or cma, which do not bound a peer to the registration, a manager stops
+    before its NIXL agent exists, naming UCX_TLS and HYBRIDKV_SGLANG_INSECURE_HOST_MEMORY=1; with the opt-in it
+    starts (the harness's setting)."""
+    bare = {**pd_peer.SECRET_ENV, "HYBRIDKV_SGLANG_INSECURE_HOST_MEMORY": "0"}
+    for role in ("prefill", "decode"):
+        started = rank.call("start_manager", (role, bare))
+        assert "host-memory KV cache with a shared secret" in started["error"], started
+        assert "UCX_TLS=rc,cuda_ipc" in started["error"], started
+        assert "HYBRIDKV_SGLANG_INSECURE_HOST_MEMORY=1" in started["error"], started
+    assert rank.call("start_manager", ("decode", dict(pd_peer.SECRET_ENV)))["error"] is None
+
+
+@pytest.mark.slow
 def test_nic_binding_and_nixl_backend_params_reach_nixl(rank):
     """As SGLang's NIXL backend takes them: SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS and 8 UCX threads on a
     prefill rank (none on a decode rank) are what NIXL's UCX backend was created with (NIXL's own

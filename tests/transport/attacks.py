@@ -104,7 +104,7 @@ def _new_consumer_with_layout(secret, seed: int = 3, **over):
     from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
 
     layout, memory, pools = peers.build(seed)
-    cfg = TransportConfig(secret=secret, insecure_no_auth=secret is None, **{"handshake_timeout_s": 5.0, **over})
+    cfg = TransportConfig(secret=secret, insecure_no_auth=secret is None, insecure_host_memory=secret is not None, **{"handshake_timeout_s": 5.0, **over})
     cons = Consumer(memory, TransferScheduler(pools, lease_s=30.0), cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
     return cons, layout
 

@@ -77,7 +77,7 @@ async def _producer(opts, out, inbox):
     layout, memory, pools = build(1)
     sched = TransferScheduler(pools, lease_s=30.0)
     mode = wire.Mode[opts["mode"]]
-    cfg = TransportConfig(mode=mode, secret=SECRET)
+    cfg = TransportConfig(mode=mode, secret=SECRET, insecure_host_memory=True)
     prod = Producer(memory, sched, cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
     host, port = await prod.start()
     out.put(("addr", (host, port, os.getpid())))
@@ -147,7 +147,8 @@ async def _consumer(opts, out, inbox):
     layout, memory, pools = build(2)
     sched = TransferScheduler(pools, lease_s=30.0)
     cfg = TransportConfig(mode=wire.Mode[opts["mode"]], failure_policy=FailurePolicy[opts["policy"]],
-                          transfer_timeout_s=opts["transfer_timeout_s"], secret=SECRET)
+                          transfer_timeout_s=opts["transfer_timeout_s"], secret=SECRET,
+                          insecure_host_memory=True)
     cons = Consumer(memory, sched, cfg, planner=DescriptorPlanner(pairing=Pairing.PAGES))
     if opts.get("abort_refused_fake"):
         # fake: NIXL refuses to abort the stuck READ (the one fault a real NIXL will not give on demand)

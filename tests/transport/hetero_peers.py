@@ -94,7 +94,9 @@ async def _producer(opts, out, inbox):
     layout, memory, _ = build(10 + rank, tp=tp, rank=rank, block=opts["block"], geo_over=opts.get("geo"),
                               mem=opts.get("mem", "dram"))
     sched = TransferScheduler(_pools(layout), lease_s=30.0)
-    prod = Producer(memory, sched, TransportConfig(secret=SECRET), planner=DescriptorPlanner(pairing=Pairing.FIELDS),
+    host = opts.get("mem", "dram") == "dram"  # tests/transport/peers.py HOST_MEMORY_OK
+    prod = Producer(memory, sched, TransportConfig(secret=SECRET, insecure_host_memory=host),
+                    planner=DescriptorPlanner(pairing=Pairing.FIELDS),
                     staging=_staging(opts))
     out.put(("addr", await prod.start()))
     plans = {}
@@ -139,7 +141,9 @@ async def _consumer(opts, out, inbox):
                               mem=opts.get("mem", "dram"))
     sched = TransferScheduler(_pools(layout), lease_s=30.0)
     planner = DescriptorPlanner(pairing=Pairing.FIELDS, coalesce=opts.get("coalesce", True))
-    cons = Consumer(memory, sched, TransportConfig(secret=SECRET), planner=planner, staging=_staging(opts))
+    host = opts.get("mem", "dram") == "dram"  # tests/transport/peers.py HOST_MEMORY_OK
+    cons = Consumer(memory, sched, TransportConfig(secret=SECRET, insecure_host_memory=host), planner=planner,
+                    staging=_staging(opts))
     agents = [await cons.connect(host, port) for host, port in opts["addrs"]]
     plan = cons.prepared(agents)
     comps = components(layout)

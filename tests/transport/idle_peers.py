@@ -21,7 +21,7 @@ def _endpoint(kind: str, seed: int):
 
     _, memory, pools = peers.build(seed)
     cls = Producer if kind == "producer" else Consumer
-    return cls(memory, TransferScheduler(pools, lease_s=30.0), TransportConfig(secret=peers.SECRET),
+    return cls(memory, TransferScheduler(pools, lease_s=30.0), TransportConfig(secret=peers.SECRET, insecure_host_memory=True),
                planner=DescriptorPlanner(pairing=Pairing.PAGES))
 
 

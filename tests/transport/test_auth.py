@@ -296,7 +296,7 @@ def test_without_a_secret_an_endpoint_starts_only_in_lab_mode_by_name(monkeypatc
     assert any("INSECURE" in r.message and "insecure_no_auth" in r.message for r in caplog.records)
     assert lab.metrics.take().insecure_no_auth == 1 and lab.metrics.take().to_dict()["insecure_no_auth"] == 1
     lab.dp.close()
-    proven = _endpoint(TransportConfig(secret=SECRET))
+    proven = _endpoint(TransportConfig(secret=SECRET, insecure_host_memory=True))
     assert proven.metrics.take().insecure_no_auth == 0
     proven.dp.close()
 

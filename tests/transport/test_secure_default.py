@@ -88,9 +88,9 @@ def test_a_secret_hybridkv_secret_wrote_starts_both_sides(gates_on, agents, tmp_
     secret = auth.load_secret(file=path)  # strict: strength and mode 0600 checked
 
     async def run():
-        prod = _endpoint("producer", TransportConfig(secret=secret))
+        prod = _endpoint("producer", TransportConfig(secret=secret, insecure_host_memory=True))
         _, port = await prod.start()
-        cons = _endpoint("consumer", TransportConfig(secret=secret), seed=6)
+        cons = _endpoint("consumer", TransportConfig(secret=secret, insecure_host_memory=True), seed=6)
         agent = await cons.connect("127.0.0.1", port)  # both proved the secret
         assert agent == prod.dp.name and list(prod.peers) == [cons.dp.name]
         metrics = (prod.metrics.take().insecure_no_auth, cons.metrics.take().insecure_no_auth)

@@ -92,10 +92,14 @@ def make_vllm_config(
 
 
 def with_secret(extra: dict[str, Any] | None) -> dict[str, Any]:
-    """``extra`` with the tests' shared secret (``secret_env``), unless it names a secret or lab mode itself."""
+    """``extra`` with the tests' shared secret (``secret_env``), unless it names a secret or lab mode itself;
+    with a secret, ``insecure_host_memory`` unless it says otherwise: these workers' caches are CPU tensors,
+    which UCX serves over tcp, shm and cma (hybridkv.transport.host_memory), as a CPU deployment would accept."""
     extra = dict(extra or {})
     if not any(k in extra for k in _AUTH_KEYS):
         extra["secret_env"] = SECRET_ENV
+    if not extra.get("insecure_no_auth"):
+        extra.setdefault("insecure_host_memory", True)
     return extra
 
 

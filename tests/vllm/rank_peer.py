@@ -74,7 +74,7 @@ def main() -> int:
     # Every rank proves one shared secret, read from a file of mode 0600 as a deployment would (each
     # rank its own copy of the test session's secret).
     secret_file = h.secret_file(tempfile.mkdtemp(prefix="hkv-rank-peer-"))
-    extra = {"tp_rank": cmd["rank"], "kv_lease_duration": 60, "secret_file": secret_file,
+    extra = {"tp_rank": cmd["rank"], "kv_lease_duration": 60, "secret_file": secret_file, "insecure_host_memory": True,
              "staging": cmd.get("staging", "off"), "staging_capacity_mb": 4}
     if role == "producer":
         extra["side_channel_port"] = cmd["port"]

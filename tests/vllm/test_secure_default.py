@@ -93,7 +93,8 @@ def test_a_secret_hybridkv_secret_wrote_starts_both_halves(source, gates_on, war
         auth = {"secret_env": "HKV_TEST_SECURE_DEFAULT"}
     else:
         auth = {"secret_file": str(path)}
-    vc = _vllm_config("kv_producer", {**auth, "side_channel_port": free_ports()})
+    # these caches are CPU tensors: host memory, accepted by name (test below)
+    vc = _vllm_config("kv_producer", {**auth, "side_channel_port": free_ports(), "insecure_host_memory": True})
     _create(vc, "SCHEDULER")
     conn, _ = h.make_worker(vc, h.make_kv_cache_config(vc))
     try:
@@ -103,6 +104,20 @@ def test_a_secret_hybridkv_secret_wrote_starts_both_halves(source, gates_on, war
         conn.shutdown()
     assert not [r.getMessage() for r in warnings_logged
                 if "INSECURE" in r.getMessage() or "secret" in r.getMessage()]
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_secret_on_host_memory_is_refused_at_start_naming_the_key(role, gates_on, monkeypatch):
+    """CPU caches (host memory) with a secret: UCX may serve them over tcp, shm or cma, which do not bound a peer
+    to the registration (hybridkv.transport.host_memory), so the worker refuses when it registers its caches,
+    before any endpoint or thread exists, naming UCX_TLS and the connector's key."""
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    vc = _vllm_config(role, {"secret_env": h.SECRET_ENV, "side_channel_port": free_ports()})
+    with pytest.raises(ValueError) as err:
+        h.make_worker(vc, h.make_kv_cache_config(vc))
+    msg = str(err.value)
+    assert msg.startswith("hybridkv HybridKVConnector: host-memory KV cache with a shared secret"), msg
+    assert "UCX_TLS=rc,cuda_ipc" in msg and "kv_connector_extra_config 'insecure_host_memory': true" in msg, msg
 
 
 @pytest.mark.parametrize(("data", "mode", "rule"), [
