@@ -6,9 +6,6 @@ registering, SGLang's decode querying) runs in test_dp_attention.py."""
 
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
 
 from tests.sglang import pd_peer
@@ -18,33 +15,11 @@ ROOM = 4242
 
 @pytest.fixture(scope="module")
 def server():
-    import requests
-
-    from hybridkv.connectors.sglang.bootstrap import HybridKVBootstrapServer
-
     # The server reads the ranks' secret from the environment; an in-process rank set up earlier in this
-    # session may have left lab mode there (pd_peer.configure), which a secret refuses beside it.
-    saved = {k: os.environ.get(k) for k in (*pd_peer.SECRET_ENV, "HYBRIDKV_SGLANG_INSECURE_NO_AUTH")}
-    os.environ.pop("HYBRIDKV_SGLANG_INSECURE_NO_AUTH", None)
-    os.environ.update(pd_peer.SECRET_ENV)
-    try:
-        port = pd_peer.free_port()
-        srv = HybridKVBootstrapServer("127.0.0.1", port)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    addr = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if requests.get(f"http://{addr}/health", timeout=1).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        assert time.monotonic() < deadline, "the bootstrap server did not come up"
-        time.sleep(0.05)
-    yield addr
-    srv.close()
+    # session may have left lab mode there (pd_peer.configure), which a secret refuses beside it:
+    # bootstrap_server sets exactly the secret's variables while it starts.
+    with pd_peer.bootstrap_server(pd_peer.SECRET_ENV) as addr:
+        yield addr
 
 
 def test_dp_rank_registrations_and_queries_need_the_secret(server, monkeypatch):
