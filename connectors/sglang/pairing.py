@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 from hybridkv.connectors.sglang import buffer_keys as keys_of
 from hybridkv.connectors.sglang.adopt import AdoptedLayout
-from hybridkv.connectors.sglang.shapes import BufferShape, Parallel, Slicing, heads_of_rank
+from hybridkv.connectors.sglang.shapes import BufferShape, Parallel, Slicing
+from hybridkv.layout.kinds.attention import heads_of_rank
 from hybridkv.descriptors.compiler import TransferPlanner
 from hybridkv.layout.fields import FieldKind
 from hybridkv.layout.fields import Field, FieldKey

@@ -65,15 +65,5 @@ class Parallel:
             raise ValueError(f"draft_entries = {self.draft_entries!r}; expected an int >= 0")
 
 
-def heads_of_rank(total: int, tp: int, rank: int) -> range:
-    """The global KV heads attention-TP rank `rank` holds (SGLang: max(1, H // tp); GQA
-    replicas when tp > H are consecutive ranks, `compute_head_slice_params`)."""
-    if tp <= total:
-        per = total // tp
-        return range(rank * per, (rank + 1) * per)
-    h = rank // (tp // total)
-    return range(h, h + 1)
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)

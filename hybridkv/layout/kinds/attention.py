@@ -130,16 +130,21 @@ class AttentionSpec(LayerSpec):
         return tuple(out), at
 
 
+def heads_of_rank(total: int, tp: int, rank: int) -> range:
+    """The global KV heads of ``total`` that rank ``rank`` of ``tp`` holds, as vLLM and SGLang shard them: a
+    contiguous share, or where ``tp`` > ``total`` one head replicated over consecutive ranks (GQA)."""
+    if tp > total:
+        h = rank // (tp // total)
+        return range(h, h + 1)
+    per = total // tp
+    return range(rank * per, (rank + 1) * per)
+
+
 def kv_heads_of_rank(spec: AttentionSpec, tp: int, rank: int) -> range:
     """Global KV-head indices held by `rank` of `tp` (spec is the unsharded spec)."""
     check_rank(tp, rank)
-    heads = spec.num_kv_heads
-    if tp > heads:
-        spec.shard(tp)  # validates divisibility
-        h = rank // (tp // heads)
-        return range(h, h + 1)
-    per = spec.shard(tp).num_kv_heads
-    return range(rank * per, (rank + 1) * per)
+    spec.shard(tp)  # validates divisibility
+    return heads_of_rank(spec.num_kv_heads, tp, rank)
 
 
 def attention_page_fields(spec: AttentionSpec, layer: int, *, tp: int, rank: int, block_size: int,
