@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from hybridkv.connectors.sglang import buffer_keys as keys_of
 from hybridkv.connectors.sglang.adopt import AdoptedLayout
 from hybridkv.connectors.sglang.shapes import BufferShape, Parallel, Slicing
-from hybridkv.layout.kinds.attention import heads_of_rank
 from hybridkv.descriptors.compiler import TransferPlanner
 from hybridkv.layout.fields import FieldKind
 from hybridkv.layout.fields import Field, FieldKey
+from hybridkv.layout.kinds.attention import heads_of_rank
 from hybridkv.ids import GroupId
 from hybridkv.layout import GroupLayout, Layout, Placement
 from hybridkv.fencing.request_state import Component
