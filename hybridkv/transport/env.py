@@ -50,7 +50,7 @@ REUSE_ADDR_ENV = "UCX_TCP_CM_REUSEADDR"
 #: complete Python futures (its notifier thread): every connected channel at rest waits for its next
 #: frame, so polling kept a core per process busy (a connected producer and consumer at rest: 99% and
 #: 98% of a core each; with futures ~5%). ucxx reads it when its context is made (first listen or
-#: dial); hybridkv stops the notifier thread it brings at close and at exit (transport/control.py).
+#: dial); hybridkv stops the notifier thread it brings at close and at exit (transport/ucxx_context.py).
 PYTHON_FUTURE_ENV = "UCXPY_ENABLE_PYTHON_FUTURE"
 
 #: Every UCX default hybridkv applies: variable -> value, set only where the environment lacks it.

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from hybridkv import wire
 from hybridkv.errors import HandshakeRefused, PeerLost
-from hybridkv.transport import auth, control
+from hybridkv.transport import auth, control, ucxx_context
 from hybridkv.transport import config as _config
 from hybridkv.transport.config import Pairing, Stats, TransportConfig
 from hybridkv.transport.dataplane import DataPlane, Transfer, XferState
@@ -262,7 +262,7 @@ class Side:
             except (asyncio.CancelledError, Exception):
                 pass
         self.dp.close()
-        control.release()  # ucxx's notifier thread and context, once no listener or channel is open
+        ucxx_context.release()  # ucxx's notifier thread and context, once no listener or channel is open
 
 
 __all__ = ["NOTIF_PREFIX", "Peer", "Side", "remember", "rid_of", "send_quietly"]
