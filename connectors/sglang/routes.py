@@ -91,9 +91,7 @@ _MAX_NONCES = 4096  # nonces issued and not yet used (oldest forgotten first)
 
 def route_mac(secret: bytes, payload: Mapping[str, Any]) -> str:
     """The MAC of a registration (every field but the MAC itself, the nonce included), hex."""
-    body = {k: v for k, v in payload.items() if k != ROUTE_MAC}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-    return auth.labelled_proof(secret, _LABEL, canonical).hex()
+    return auth.labelled_proof(secret, _LABEL, _canonical(payload, leave_out=ROUTE_MAC)).hex()
 
 
 def sign_route(secret: bytes, payload: Mapping[str, Any], nonce: str) -> dict[str, Any]:
