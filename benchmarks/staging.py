@@ -166,22 +166,20 @@ def _one_pair(args, p_tp: int, d_tp: int) -> dict:
     mem = wire.Mem.VRAM if args.mem == "vram" else wire.Mem.DRAM
     us, assumed = COSTS[mem]
     measured = nbytes / gather_s / 1e9
-    auto = StagingConfig(mode=StagingMode.AUTO, capacity_bytes=1 << 30)
-    choose = {name: route(auto, sliced=sliced, direct=direct, own_pool=True, nbytes=nbytes, mem=mem).value
-              for name in ("assumed",)}
-    # The same rule at the measured gather speed: the descriptors saved against one gather (and one
-    # unpack where the read goes through a slot of the consumer's).
-    way = Route.DIRECT if direct <= auto.direct_rows else Route.SLOT
-    staged = direct if way is Route.DIRECT else 1
-    copies = 1 if way is Route.DIRECT else 2
-    choose["measured"] = (way if (sliced - staged) * us > copies * nbytes / (measured * 1e3) else Route.SLICED).value
+    # staging's one rule (staging.route), as ON takes it and as AUTO weighs it at COSTS and at this gather
+    def decide(mode: StagingMode, gbps: float | None = None) -> Route:
+        cfg = StagingConfig(mode=mode, capacity_bytes=1 << 30, copy_gbps=gbps)
+        return route(cfg, sliced=sliced, direct=direct, own_pool=True, nbytes=nbytes, mem=mem)
+
+    way = decide(StagingMode.ON)
+    staged = {Route.DIRECT: direct, Route.SLOT: 1}.get(way, sliced)
     return {
         "pair": f"{p_tp}:{d_tp}", "producer_rank": ranks[0], "block": block, "bytes": nbytes, "copy_steps": len(steps),
         "gather_us": gather_s * 1e6, "gather_GBps": measured, "copy_us": plain_s * 1e6,
         "copy_GBps": nbytes / plain_s / 1e9, "x_copy": plain_s / gather_s, "steps_us": steps_us,
         "sliced": sliced, "staged": staged, "route": way.value, "posting_saved_us": (sliced - staged) * us,
-        "us_per_descriptor": us, "assumed_GBps": assumed, "auto_assumed": choose["assumed"],
-        "auto_measured": choose["measured"],
+        "us_per_descriptor": us, "assumed_GBps": assumed, "auto_assumed": decide(StagingMode.AUTO).value,
+        "auto_measured": decide(StagingMode.AUTO, measured).value,
     }
 
 
