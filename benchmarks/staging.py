@@ -156,6 +156,9 @@ def _one_pair(args, p_tp: int, d_tp: int) -> dict:
     copier = Copier(from_layout(src), slot)
     steps = stage.pack(sb)
     gather_s = _median_s(lambda: copier.run(steps), args.iters, sync)
+    # the same gather a byte per index (what the copier did before it moved words), same run
+    bytewise = Copier(from_layout(src), slot, max_word=1)
+    bytes_s = _median_s(lambda: bytewise.run(steps), args.iters, sync)
     plain_s = _median_s(plain, args.iters, sync)
     t0 = time.perf_counter()
     for _ in range(args.iters):
@@ -177,6 +180,7 @@ def _one_pair(args, p_tp: int, d_tp: int) -> dict:
         "pair": f"{p_tp}:{d_tp}", "producer_rank": ranks[0], "block": block, "bytes": nbytes, "copy_steps": len(steps),
         "gather_us": gather_s * 1e6, "gather_GBps": measured, "copy_us": plain_s * 1e6,
         "copy_GBps": nbytes / plain_s / 1e9, "x_copy": plain_s / gather_s, "steps_us": steps_us,
+        "bytewise_us": bytes_s * 1e6, "bytewise_GBps": nbytes / bytes_s / 1e9,
         "sliced": sliced, "staged": staged, "route": way.value, "posting_saved_us": (sliced - staged) * us,
         "us_per_descriptor": us, "assumed_GBps": assumed, "auto_assumed": decide(StagingMode.AUTO).value,
         "auto_measured": decide(StagingMode.AUTO, measured).value,
@@ -197,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"  P{r['pair'].replace(':', ' -> D')}: {r['bytes'] / 1e6:8.1f} MB in {r['copy_steps']:3d} copies: "
               f"gather {r['gather_us']:9.1f} us {r['gather_GBps']:7.1f} GB/s | copy {r['copy_us']:8.1f} us "
-              f"{r['copy_GBps']:7.1f} GB/s | x copy {r['x_copy']:.2f} | steps built {r['steps_us']:6.1f} us")
+              f"{r['copy_GBps']:7.1f} GB/s | x copy {r['x_copy']:.2f} | steps built {r['steps_us']:6.1f} us | "
+              f"a byte per index {r['bytewise_GBps']:6.1f} GB/s")
         print(f"      descriptors sliced {r['sliced']} -> staged {r['staged']} ({r['route']}): "
               f"{r['posting_saved_us']:.0f} us of posting saved at {r['us_per_descriptor']} us each; auto chooses "
               f"{r['auto_assumed']} at the assumed {r['assumed_GBps']:g} GB/s, {r['auto_measured']} at the measured")

@@ -199,11 +199,14 @@ class _CudaBytes:
 class Copier:
     """Runs :class:`CopyStep` lists on one side's memory (its regions and its staging buffer)."""
 
-    def __init__(self, memory: MemoryMap, slot_buffer) -> None:
+    def __init__(self, memory: MemoryMap, slot_buffer, *, max_word: int = 8) -> None:
+        if max_word not in (1, 2, 4, 8):
+            raise ValueError(f"copier max_word = {max_word!r}; expected 1, 2, 4 or 8 bytes")
         self._memory = memory
         self._buffer = slot_buffer  # numpy uint8 (host) or a torch uint8 tensor (device)
         self._vram = memory.regions and memory.regions[0].mem is wire.Mem.VRAM
         self._spans: dict[int, object] = {}
+        self._max_word = max_word  # below 8 only to measure what the word buys (bench staging)
 
     def _span(self, region: int | None):
         if region is None:
@@ -230,32 +233,40 @@ class Copier:
             where = "the staging slot" if place.region is None else f"region {place.region}"
             raise ValueError(f"copy of pages {lo}..{hi} ({length} bytes at offset {place.offset}, stride "
                              f"{place.stride}) runs past {where} ({size} bytes); expected it inside")
-        view = rows_view(buf, place.offset, place.stride, hi + 1, length, word)
-        if self._vram:
-            import torch
-
-            return view, torch.as_tensor(pages, device=buf.device)
-        return view, pages
+        return rows_view(buf, place.offset, place.stride, hi + 1, length, word)
 
     def _word(self, step: CopyStep) -> int:
         """The widest element (8, 4, 2 or 1 bytes) that tiles both sides of ``step``: a gather moves one
         element per index, so bytes one at a time ran at 1-4% of a plain copy on an H100 (bench staging)."""
         parts = (step.length, step.src.offset, step.src.stride, step.dst.offset, step.dst.stride,
                  _address(self._span(step.src.region)), _address(self._span(step.dst.region)))
-        return next(w for w in (8, 4, 2, 1) if all(p % w == 0 for p in parts))
+        return next(w for w in (8, 4, 2, 1) if w <= self._max_word and all(p % w == 0 for p in parts))
 
     def run(self, steps: Sequence[CopyStep]) -> None:
+        steps = [s for s in steps if s.src_pages.size]
+        if not steps:
+            return
+        # Views and bounds first: a bad step raises before any byte moved (no half-applied pack).
+        views = []
         for s in steps:
-            if s.src_pages.size == 0:
-                continue
             word = self._word(s)
-            src, si = self._rows(s.src, s.src_pages, s.length, word)
-            dst, di = self._rows(s.dst, s.dst_pages, s.length, word)
-            dst[di] = src[si]
-        if self._vram and steps:
-            import torch
+            views.append((self._rows(s.src, s.src_pages, s.length, word), self._rows(s.dst, s.dst_pages, s.length, word)))
+        if not self._vram:
+            for (src, dst), s in zip(views, steps):
+                dst[s.dst_pages] = src[s.src_pages]
+            return
+        import torch
 
-            torch.cuda.synchronize(self._buffer.device)  # landed before anyone is told
+        # Every step's page indices go up in one host-to-device copy: one per step (two blocking
+        # copies each) cost more than the gathers themselves at a few dozen steps.
+        flat = np.concatenate([np.concatenate((s.src_pages, s.dst_pages)) for s in steps]).astype(np.int64, copy=False)
+        index = torch.as_tensor(flat, device=self._buffer.device)
+        at = 0
+        for (src, dst), s in zip(views, steps):
+            n = s.src_pages.size
+            dst[index[at + n:at + 2 * n]] = src[index[at:at + n]]
+            at += 2 * n
+        torch.cuda.synchronize(self._buffer.device)  # landed before anyone is told
 
 
 def _address(buf) -> int:
