@@ -9,7 +9,8 @@ failures by kind, quarantined pages, lease expiries) is registered here as
 ``sglang:hybridkv_*``, with labels of SGLang's scheduler metrics, in the process's
 Prometheus registry (SGLang's ``/metrics`` serves it with ``--enable-metrics``). The figures are hybridkv's own
 (:mod:`hybridkv.transport.metrics`), counted by the manager's threads; the manager's
-control thread observes them here.
+control thread observes them here, through the loop every connector shares
+(:mod:`hybridkv.transport.snapshot_series`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 from collections.abc import Mapping
 
 from hybridkv.transport.metrics import FailureKind, MetricsSnapshot
+from hybridkv.transport.snapshot_series import SnapshotSeries, observe_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -84,23 +86,22 @@ class HybridKVSGLangMetrics:
         self.quarantined = c["quarantined"].labels(**self.labels)
         self.released = c["released"].labels(**self.labels)
         self.quarantined_now = c["now"].labels(**self.labels)
+        self._series = SnapshotSeries(
+            transfer_seconds=lambda secs: self.transfer_latency_ms.observe(secs * 1e3),
+            bytes=lambda n: self.transfer_mb.observe(n / 2**20), descriptors=lambda n: self.descriptors.observe(n),
+            failures=lambda kind, n: self.failed(kind).inc(n), lease_expiries=lambda n: self.lease_expired.inc(n),
+            quarantine=self._quarantine)
 
     def failed(self, kind: FailureKind):
         return self._failed.labels(**self.labels, kind=kind.value)
 
+    def _quarantine(self, quarantined: int, released: int) -> None:
+        self.quarantined.inc(quarantined)
+        self.released.inc(released)
+        self.quarantined_now.inc(quarantined - released)  # a livesum gauge: each process adds its own
+
     def observe(self, s: MetricsSnapshot) -> None:
-        for secs, nbytes, descs in zip(s.transfer_seconds, s.bytes, s.descriptors):
-            self.transfer_latency_ms.observe(secs * 1e3)
-            self.transfer_mb.observe(nbytes / 2**20)
-            self.descriptors.observe(descs)
-        for kind, n in s.failures.items():
-            self.failed(kind).inc(n)
-        if s.lease_expiries:
-            self.lease_expired.inc(s.lease_expiries)
-        if s.quarantined_blocks or s.released_blocks:
-            self.quarantined.inc(s.quarantined_blocks)
-            self.released.inc(s.released_blocks)
-            self.quarantined_now.inc(s.quarantined_blocks - s.released_blocks)
+        observe_snapshot(s, self._series)
 
 
 def metrics_for_engine(*, model_name: object, engine_type: object, tp_rank: int,

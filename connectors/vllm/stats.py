@@ -7,7 +7,8 @@ and vLLM does the rest exactly as for its NixlConnector (``nixl/stats.py``): the
 workers' stats are aggregated by ``KVOutputAggregator``, the scheduler's joined to
 them in ``update_from_output``, sent as ``to_dict()`` in ``SchedulerStats``, rebuilt
 by ``build_kv_connector_stats`` for the log line (``reduce``) and observed into the
-``vllm:hybridkv_*`` series by :class:`HybridKVPromMetrics`.
+``vllm:hybridkv_*`` series by :class:`HybridKVPromMetrics` (through the loop every connector
+shares, :mod:`hybridkv.transport.snapshot_series`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetricT
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from hybridkv.transport.metrics import FailureKind, MetricsSnapshot
+from hybridkv.transport.snapshot_series import SnapshotSeries, observe_snapshot
 
 
 class HybridKVConnectorStats(KVConnectorStats):
@@ -136,29 +138,30 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):
             documentation="Blocks in quarantine now (quarantined minus released).",
             multiprocess_mode="mostrecent", labelnames=labelnames))
         self._in_quarantine: dict[int, int] = {}
+        self._series: dict[int, SnapshotSeries] = {}  # per engine: where observe() puts a snapshot
 
     def failed(self, engine_idx: int, kind: FailureKind):
         return self._failed.labels(*self.per_engine_labelvalues[engine_idx], kind.value)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        s = MetricsSnapshot.from_dict(transfer_stats_data)
-        for secs, post, nbytes, descs in zip(s.transfer_seconds, s.post_seconds, s.bytes, s.descriptors):
-            self.xfer_time[engine_idx].observe(secs)
-            self.post_time[engine_idx].observe(post)
-            self.bytes_hist[engine_idx].observe(nbytes)
-            self.descriptors[engine_idx].observe(descs)
-        for kind, n in s.failures.items():
-            self.failed(engine_idx, kind).inc(n)
-        if s.lease_expiries:
-            self.expired[engine_idx].inc(s.lease_expiries)
-        for steps in s.fence_wait_steps:
-            self.fence_wait[engine_idx].observe(steps)
-        if s.quarantined_blocks or s.released_blocks:
-            self.quarantined[engine_idx].inc(s.quarantined_blocks)
-            self.released[engine_idx].inc(s.released_blocks)
-            now = self._in_quarantine.get(engine_idx, 0) + s.quarantined_blocks - s.released_blocks
-            self._in_quarantine[engine_idx] = now
-            self.quarantined_now[engine_idx].set(now)
+        series = self._series.get(engine_idx)
+        if series is None:
+            series = self._series[engine_idx] = self._series_of(engine_idx)
+        observe_snapshot(MetricsSnapshot.from_dict(transfer_stats_data), series)
+
+    def _series_of(self, i: int) -> SnapshotSeries:
+        def quarantine(quarantined: int, released: int) -> None:
+            self.quarantined[i].inc(quarantined)
+            self.released[i].inc(released)
+            now = self._in_quarantine.get(i, 0) + quarantined - released
+            self._in_quarantine[i] = now
+            self.quarantined_now[i].set(now)  # "mostrecent": this process keeps the total
+
+        return SnapshotSeries(
+            transfer_seconds=lambda v: self.xfer_time[i].observe(v), post_seconds=lambda v: self.post_time[i].observe(v),
+            bytes=lambda v: self.bytes_hist[i].observe(v), descriptors=lambda v: self.descriptors[i].observe(v),
+            failures=lambda kind, n: self.failed(i, kind).inc(n), lease_expiries=lambda n: self.expired[i].inc(n),
+            fence_wait_steps=lambda v: self.fence_wait[i].observe(v), quarantine=quarantine)
 
 
 __all__ = ["HybridKVConnectorStats", "HybridKVPromMetrics"]
