@@ -11,9 +11,10 @@ per pair of memory kinds) and settles every one before the read is terminal. The
 room's export is dropped, and its sender may report a terminal state, only when
 no chunk of it is queued or being read.
 
-Bounded: a chunk's WRITEs get `transfer_timeout_s` (and never past the export
-lease); past it they are aborted, or, where NIXL refuses, kept quarantined
-while the room fails (`_abandon`). The control thread expires export leases
+Bounded (the core's rule for both directions, hybridkv/transport/bounded.py): a
+chunk's WRITEs get `transfer_timeout_s` (and never past the export lease); past
+it they are aborted, or, where NIXL refuses, kept quarantined while the room
+fails (`_abandon`). The control thread expires export leases
 (`TransferScheduler.poll`) and fails the rooms whose lease lapsed.
 """
 
@@ -24,7 +25,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -38,7 +39,8 @@ from hybridkv.connectors.sglang.rooms import Rooms
 from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
 from hybridkv.ids import TransferId
-from hybridkv.transport.dataplane import DataPlane, Op, Transfer, XferState
+from hybridkv.transport import bounded
+from hybridkv.transport.dataplane import DataPlane, Op, Transfer
 from hybridkv.transport.metrics import FailureKind, TransferMetrics
 from hybridkv.transport.plan import TransferPlan
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -62,10 +64,9 @@ class _Chunk:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _StuckWrite:
-    """WRITEs NIXL refused to abort: the read stays in flight until they end."""
+    """Of WRITEs NIXL refused to abort (kept in `bounded.Unabortable`): the read stays in flight until they end."""
 
     room: int
-    transfers: list[Transfer]
     blocks: int = 0  # source blocks kept out of reuse until they end (for the metrics)
 
 
@@ -112,7 +113,8 @@ class PrefillExports:
         self._room_lane: dict[int, Hashable] = {}  # a room's lane while any chunk of it is queued or written
         self._inflight: dict[int, int] = defaultdict(int)  # chunks queued or being written
         self._exports: dict[int, set[TransferId]] = defaultdict(set)  # outbound reads in flight
-        self._stuck: dict[TransferId, _StuckWrite] = {}  # reads whose WRITEs NIXL would not abort
+        #: reads whose WRITEs NIXL would not abort
+        self._stuck: bounded.Unabortable[TransferId, _StuckWrite] = bounded.Unabortable(blocks.lock)
         self._room_bytes: dict[int, int] = {}  # bytes this rank wrote per room (get_transfer_metric)
 
     def add_chunk(self, room: int, kv_indices, index_slice: slice, is_last_chunk: bool,
@@ -185,7 +187,7 @@ class PrefillExports:
     def drained(self, room: int) -> bool:
         """No chunk of the room is queued, being written or stuck."""
         with self.blocks.lock:
-            return self._inflight.get(room, 0) == 0 and not any(st.room == room for st in self._stuck.values())
+            return self._inflight.get(room, 0) == 0 and not any(st.room == room for st in self._stuck.payloads())
 
     def retire_export(self, room: int) -> None:
         """Drop the room's export once nothing of it is queued or being read and it is terminal."""
@@ -256,7 +258,7 @@ class PrefillExports:
                 out.append((comp, None))
                 continue
             src, dst = blocks[comp.group]
-            if peer.kv_lists is not None and comp.group == peer.kv_lists.group:
+            if peer.kv_lists is not None and comp.group == KV_GROUP:
                 peer.kv_lists.indices(src, dst)  # checked here, before anything is posted
                 prepped = (src, dst)
                 out.append((comp, None))
@@ -269,7 +271,7 @@ class PrefillExports:
         the prepped lists, the rest as rows."""
         if prepped is not None:
             src, dst = prepped
-            xfer = peer.kv_lists.post(src, dst)
+            xfer = peer.kv_lists.post(Op.WRITE, src, dst)
             n = peer.kv_lists.pieces * len(src)
             self.stats.prepped_descriptors += n
             yield xfer, n, peer.kv_lists.nbytes(len(src))
@@ -328,7 +330,8 @@ class PrefillExports:
             post_seconds = time.perf_counter() - t0
         except Exception as e:
             error = e  # WRITEs already posted still settle below
-        failed, running = self._settle(xfers, deadline)
+        settled = bounded.settle(self.dp, xfers, deadline, self.config.settle_poll_s)
+        failed, running = settled.errors, settled.running
         if running:
             self._abandon(room, tid, xfers, running, error)
             return
@@ -358,7 +361,7 @@ class PrefillExports:
             if self.rooms.check_status(room) == KVPoll.Success:
                 self.rooms.forget_claims(room)
 
-    def _abandon(self, room: int, tid: Optional[TransferId], xfers: list[Transfer], running: list[Transfer],
+    def _abandon(self, room: int, tid: Optional[TransferId], xfers: list[Transfer], running: Sequence[Transfer],
                  error: Optional[Exception]) -> None:
         """WRITEs still running past the transfer timeout or the export lease: abort them.
         Aborted, the room fails like any failed transfer. One NIXL will not abort may still
@@ -366,10 +369,7 @@ class PrefillExports:
         the Failed status) to keep the room's pages until DRAINED, and the room fails now
         instead of hanging; the watcher ends the read once NIXL settles the handle."""
         self.metrics.failure(FailureKind.TIMEOUT)
-        refused = [x for x in running if not self.dp.abort(x)]
-        for x in xfers:
-            if x not in running:
-                self.dp.release(x)
+        refused = bounded.abort_or_keep(self.dp, xfers, running)
         why = (f"hybridkv: writes of room {room} still running after {self.transfer_timeout_s:.0f} s "
                f"or past the export lease" + (f" (and: {error})" if error else ""))
         if not refused:
@@ -381,7 +381,7 @@ class PrefillExports:
             # end now; the scheduler keeps its source blocks out of reuse until then.
             self._exports[room].discard(tid)
             held = self.blocks.count(request_id(room))
-            self._stuck[tid] = _StuckWrite(room=room, transfers=refused, blocks=held)
+            self._stuck.keep(tid, refused, _StuckWrite(room=room, blocks=held))
         self.metrics.quarantined(held)
         rank = self.rooms.prefill_rank()
         for (ip, port), gen in self.rooms.generations(room).items():
@@ -414,19 +414,11 @@ class PrefillExports:
 
     def watch_stuck(self) -> None:
         """End the reads whose WRITEs NIXL would not abort once NIXL settled them."""
-        if not self._stuck:
-            return
-        with self.blocks.lock:
-            items = list(self._stuck.items())
-        for tid, st in items:
-            if any(self.dp.state(x) is XferState.IN_PROGRESS for x in st.transfers):
-                continue
-            for x in st.transfers:
-                self.dp.release(x)
-            with self.blocks.lock:
-                self._stuck.pop(tid, None)
-                self.blocks.sched.transfer_failed(tid)
-                self.blocks.collect_reusable()
+        def end(tid: TransferId, _: _StuckWrite) -> None:
+            self.blocks.sched.transfer_failed(tid)
+            self.blocks.collect_reusable()
+
+        for st in self._stuck.reap(self.dp, end):
             self.metrics.quarantine_released(st.blocks)
             logger.info("hybridkv: room %s: the write NIXL would not abort has ended", st.room)
             self.on_settled(st.room)  # DRAINED to the decode ranks once nothing else of the room is in flight
@@ -441,22 +433,3 @@ class PrefillExports:
             else:
                 self.blocks.sched.transfer_failed(tid)
             self.blocks.collect_reusable()
-
-    def _settle(self, xfers: list[Transfer], deadline: float) -> tuple[int, list[Transfer]]:
-        """Wait until no WRITE is in progress or the deadline passed: (errored, still running)."""
-        pending = list(xfers)
-        failed = 0
-        while pending:
-            still = []
-            for x in pending:
-                s = self.dp.state(x)
-                if s is XferState.IN_PROGRESS:
-                    still.append(x)
-                elif s is XferState.ERROR:
-                    failed += 1
-            pending = still
-            if pending:
-                if time.monotonic() > deadline:
-                    return failed, pending
-                time.sleep(self.config.settle_poll_s)
-        return failed, []

@@ -26,11 +26,12 @@ from hybridkv.connectors.sglang.prefill_side import PrefillExports
 from hybridkv.connectors.sglang.retiring import RetiringAgents
 from hybridkv.connectors.sglang.rooms import Rooms
 from hybridkv.connectors.sglang.sessions import Session
-from hybridkv.connectors.sglang.sliced_lists import SlicedKV
+from hybridkv.connectors.sglang.sliced_lists import sliced_kv
 from hybridkv.descriptors.compiler import TransferPlanner
 from hybridkv.fencing.request_state import Component, ComponentKind
 from hybridkv.ids import GroupId
 from hybridkv.transport.dataplane import DataPlane
+from hybridkv.transport.piece_lists import PieceLists
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 
@@ -50,7 +51,7 @@ class Peer:
     plan: Optional[PeerPlan]
     rejection: Optional[str]
     #: different attention TP: the KV slices as prepped lists, made once per agent (sliced_lists.py)
-    kv_lists: Optional[SlicedKV] = None
+    kv_lists: Optional[PieceLists] = None
 
 
 class Registrations:
@@ -127,7 +128,7 @@ class Registrations:
             # SGLang's NIXL backend tolerates these too (check_peer_aux_buffer_count); said once per registration
             logger.warning("hybridkv: decode %s: %s", name, "; ".join(plan.one_sided))
 
-    def _kv_lists(self, name: str, plan: Optional[PeerPlan], peer: AdoptedLayout) -> Optional[SlicedKV]:
+    def _kv_lists(self, name: str, plan: Optional[PeerPlan], peer: AdoptedLayout) -> Optional[PieceLists]:
         """Different attention TP: the agent's KV slices as prepped lists, made at its first REGISTER and kept
         (a chunk in flight may use them; they go when the agent retires). Equal TP posts whole-page runs."""
         old = self.peers.get(name)
@@ -139,7 +140,7 @@ class Registrations:
         if planner is None:
             return None  # another prefill rank writes every KV field this decode rank holds
         try:
-            return SlicedKV(dp=self.dp, agent_name=name, planner=planner, group=KV_GROUP)
+            return sliced_kv(dp=self.dp, agent_name=name, planner=planner, group=KV_GROUP)
         except ValueError as e:  # not page to page, or mixed memory kinds: rows per chunk
             logger.info("hybridkv: decode %s: KV slices posted as rows (%s)", name, e)
             return None

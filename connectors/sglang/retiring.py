@@ -31,7 +31,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 
 if TYPE_CHECKING:
     from hybridkv.connectors.sglang.registrations import Peer
-    from hybridkv.connectors.sglang.sliced_lists import SlicedKV
+    from hybridkv.transport.piece_lists import PieceLists
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 class _Retiring:
     rooms: frozenset[int]  # rooms it claimed, which fail; it is removed when none of them is drained
     reason: str
-    kv_lists: Optional[SlicedKV] = None  # its prepped lists (different TP), released with it
+    kv_lists: Optional[PieceLists] = None  # its prepped lists (different TP), released with it
 
 
 class RetiringAgents:

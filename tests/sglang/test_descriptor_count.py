@@ -130,8 +130,8 @@ def test_different_tp_kv_goes_through_lists_prepped_once():
     import time
 
     from hybridkv.connectors.sglang.adopt import parallel_of
-    from hybridkv.connectors.sglang.sliced_lists import SlicedKV
-    from hybridkv.transport.dataplane import DataPlane, XferState
+    from hybridkv.connectors.sglang.sliced_lists import sliced_kv
+    from hybridkv.transport.dataplane import DataPlane, Op, XferState
 
     def side(seed, tp):
         pools = pd_peer.make_pools(seed, tp=tp, rank=0)
@@ -146,12 +146,12 @@ def test_different_tp_kv_goes_through_lists_prepped_once():
     assert rows_per_chunk == len(s_pages) * pd_peer.PAGE_SIZE * 2 * len(pd_peer.ATTN_LAYERS)
     prefill, decode = DataPlane(src.memory), DataPlane(dst.memory)
     try:
-        lists = SlicedKV(dp=prefill, agent_name=prefill.add_peer(decode.metadata(), dst.memory), planner=kv,
-                         group=KV_GROUP)
+        lists = sliced_kv(dp=prefill, agent_name=prefill.add_peer(decode.metadata(), dst.memory), planner=kv,
+                          group=KV_GROUP)
         li, ri = lists.indices(s_pages, d_pages)
         assert len(li) == len(ri) == rows_per_chunk  # the same descriptors, as indices: no row built per chunk
         assert lists.listed == lists.pieces * (pd_peer.NUM_PAGES + 1) * 2  # built once, at registration
-        xfer = lists.post(s_pages, d_pages)
+        xfer = lists.post(Op.WRITE, s_pages, d_pages)
         deadline = time.monotonic() + 30
         while (state := prefill.state(xfer)) is XferState.IN_PROGRESS and time.monotonic() < deadline:
             decode.pump()
