@@ -328,13 +328,31 @@ def _staged_vllm(w: Workload, hma: HMAPlan, *, sliced: int) -> int:
     descriptor per run of its blocks; where it holds several producers' heads interleaved (P > D) the
     slot would land slice by slice, so it reads it into a slot of its own (one descriptor)."""
     if w.tp_decode >= w.tp_prefill:
-        direct = sum(runs(grp.blocks_for_tokens(w.tokens), w.fragmentation) for grp in hma.groups)
+        direct = _direct_rows_vllm(w)
     else:
         direct = sliced
     own_pool = w.staging is not None and w.staging.enabled
     nbytes = _useful_bytes(w) // w.reads_per_request  # one read's packed slices
     way = route(w.staging, sliced=sliced, direct=direct, own_pool=own_pool, nbytes=nbytes, mem=STAGING_MEM)
     return {Route.SLICED: sliced, Route.DIRECT: min(direct, sliced), Route.SLOT: 1}[way]
+
+
+def _direct_rows_vllm(w: Workload) -> int:
+    """Rows of a slot read straight into a decode rank's vLLM pages (D >= P: its pages are the packed ones).
+    A row continues only where the decode's bytes do: block-outermost (BLHNC), a block of a group spans its
+    r tensor slots unless a page ends in padding (a state smaller than the hybrid page: one row per slot per
+    block); with kernel blocks smaller than the block vLLM needs a layer-compact layout (it refuses to split
+    BLHNC's pages), where every slot is a region of its own and, with several slots, the slot's
+    block-by-block order never continues a slot's page into its next block's (r rows per block)."""
+    hma = plan_hma(w.geometry.shard(w.tp_decode), w.effective_block_size)
+    r = hma.num_tensors
+    layer_compact = w.kernel_blocks_per_block > 1
+    rows = 0
+    for grp in hma.groups:
+        n = grp.blocks_for_tokens(w.tokens)
+        padded = grp.spec.paging is Paging.STATE and grp.spec.page_bytes(hma.block_size) < hma.page_bytes
+        rows += r * n if padded or (layer_compact and r > 1) else runs(n, w.fragmentation)
+    return rows
 
 
 def _hybridkv_reads(w: Workload) -> list[tuple[int, int, TransferPlan]]:

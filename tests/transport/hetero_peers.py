@@ -21,7 +21,7 @@ import traceback
 
 import numpy as np
 
-from tests.transport.peers import SECRET, _await_inbox, _quiet, build, components, token
+from tests.transport.peers import SECRET, _await_inbox, _quiet, build, build_vllm, components, token
 
 
 def field_digests(layout, blocks: dict[int, list[int]], tokens: int) -> dict[str, str]:
@@ -70,6 +70,19 @@ def _scattered(sched, layout, requests) -> dict:
     return plans
 
 
+def _layout(opts, seed: int):
+    """(layout, block pools) of one rank: hybridkv's planned layout (separate pools), or with ``kernel``
+    (tokens of the attention kernel's blocks) vLLM 0.33's hybrid-allocator pages of ``pages`` blocks split
+    into kernel blocks, in the layer-compact layout vLLM needs for that (one pool, as vLLM's)."""
+    tp, rank, mem = opts["tp"], opts["rank"], opts.get("mem", "dram")
+    if opts.get("kernel"):
+        layout, _, pools = build_vllm(seed, tp=tp, rank=rank, block=opts["block"], kernel=opts["kernel"],
+                                      pages=opts["pages"], geo_over=opts.get("geo"), mem=mem)
+        return layout, pools
+    layout, _, _ = build(seed, tp=tp, rank=rank, block=opts["block"], geo_over=opts.get("geo"), mem=mem)
+    return layout, _pools(layout)
+
+
 def _pools(layout):
     from hybridkv.fencing.fence import PoolLayout
 
@@ -89,11 +102,11 @@ async def _producer(opts, out, inbox):
     from hybridkv.descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Pairing, Producer, TransportConfig
+    from hybridkv.transport.memory import from_layout
 
-    tp, rank = opts["tp"], opts["rank"]
-    layout, memory, _ = build(10 + rank, tp=tp, rank=rank, block=opts["block"], geo_over=opts.get("geo"),
-                              mem=opts.get("mem", "dram"))
-    sched = TransferScheduler(_pools(layout), lease_s=30.0)
+    layout, pools = _layout(opts, 10 + opts["rank"])
+    memory = from_layout(layout)
+    sched = TransferScheduler(pools, lease_s=30.0)
     host = opts.get("mem", "dram") == "dram"  # tests/transport/peers.py HOST_MEMORY_OK
     prod = Producer(memory, sched, TransportConfig(secret=SECRET, insecure_host_memory=host),
                     planner=DescriptorPlanner(pairing=Pairing.FIELDS),
@@ -135,11 +148,11 @@ async def _consumer(opts, out, inbox):
     from hybridkv.descriptors.planning import DescriptorPlanner
     from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
+    from hybridkv.transport.memory import from_layout
 
-    tp, rank = opts["tp"], opts["rank"]
-    layout, memory, _ = build(50 + rank, tp=tp, rank=rank, block=opts["block"], geo_over=opts.get("geo"),
-                              mem=opts.get("mem", "dram"))
-    sched = TransferScheduler(_pools(layout), lease_s=30.0)
+    layout, pools = _layout(opts, 50 + opts["rank"])
+    memory = from_layout(layout)
+    sched = TransferScheduler(pools, lease_s=30.0)
     planner = DescriptorPlanner(pairing=Pairing.FIELDS, coalesce=opts.get("coalesce", True))
     host = opts.get("mem", "dram") == "dram"  # tests/transport/peers.py HOST_MEMORY_OK
     cons = Consumer(memory, sched, TransportConfig(secret=SECRET, insecure_host_memory=host), planner=planner,
@@ -251,11 +264,14 @@ def main(argv=None) -> None:
     block by block as engines build their lists, and NixlConnector's count for the request:
 
         .venv/bin/python -m tests.transport.hetero_peers [--mem vram] [--tokens 500] [--pairs 2:1,1:2,4:1,8:2]
+            [--kernel-block 16]
 
     On a GPU (``--mem vram``) every rank is a process on GPU 0 (cuda_ipc), staging copies run on torch."""
     import argparse
 
+    from hybridkv.descriptors.hma import plan_hma
     from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
+    from hybridkv.transport.staging import StagingConfig, StagingMode
     from tests.transport.peers import geometry
 
     ap = argparse.ArgumentParser()
@@ -263,30 +279,49 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=450)  # six requests fit the test layouts' 64 pages
     ap.add_argument("--pairs", default="2:1,1:2,4:1", metavar="P:D[,P:D...]",
                     help="prefill TP : decode TP pairs; 8:2 starts ten processes")
+    ap.add_argument("--kernel-block", type=int, default=None, metavar="TOKENS",
+                    help="run on vLLM 0.33's own pages instead (hybrid allocator, its block size for the pair, "
+                         "layer-compact as vLLM needs for kernel blocks), split into attention kernel blocks "
+                         "of this many tokens (e.g. 16, FlashInfer's); NixlConnector's count at that kernel block")
     args = ap.parse_args(argv)
     pairs = [tuple(int(x) for x in pair.split(":")) for pair in args.pairs.split(",")]
-    t = args.tokens
+    t, k = args.tokens, args.kernel_block
     reqs = [("w0", t), ("v0", t), ("s1", t), ("x1", t), ("s2", t), ("x2", t)]  # w0, v0: warm-ups
-    print(f"staged (ON) vs sliced, {t} tokens, block 48, blocks scattered, {args.mem}; ms post to landed, "
+    where = ("block 48, hybridkv's layout" if k is None else
+             f"vLLM's pages (LBHNC, hybrid allocator's block) in {k}-token kernel blocks")
+    print(f"staged (ON) vs sliced, {t} tokens, {where}, blocks scattered, {args.mem}; ms post to landed, "
           "per decode rank")
     for p_tp, d_tp in pairs:
         # The test geometry has 2 KV heads; a TP above that needs as many heads as ranks.
         heads = max(p_tp, d_tp)
         geo = {"num_kv_heads": heads, "num_k_heads": heads, "num_v_heads": heads} if heads > 2 else None
-        m = run_pair(p_tp, d_tp, 48, 48, reqs, staging={"mode": "on"}, sliced=["w0", "x1", "x2"], want_first=True,
-                     scatter=True, sequential=True, geo=geo, mem=args.mem)
-        w = Workload(geometry=geometry(**(geo or {})), tokens=t, block_size=48, tp_prefill=p_tp, tp_decode=d_tp,
-                     fragmentation=1.0)
+        g = geometry(**(geo or {}))
+        layout: dict = {}
+        block = 48
+        if k is not None:
+            # vLLM raises the block until a page holds a GDN state, per rank's shard; both sides at the larger
+            # (NixlConnector pairs equal block sizes); a pool for every request's blocks, scattered, twice over
+            block = max(plan_hma(g.shard(tp)).block_size for tp in (p_tp, d_tp))
+            n = sum(grp.blocks_for_tokens(t) for grp in plan_hma(g.shard(d_tp), block).groups)
+            layout = {"kernel": k, "pages": 2 * n * (len(reqs) + 1) + 8}
+        m = run_pair(p_tp, d_tp, block, block, reqs, staging={"mode": "on"}, sliced=["w0", "x1", "x2"],
+                     want_first=True, scatter=True, sequential=True, geo=geo, mem=args.mem, **layout)
+        staged = StagingConfig(mode=StagingMode.ON)
+        w = Workload(geometry=g, tokens=t, block_size=block, tp_prefill=p_tp, tp_decode=d_tp, fragmentation=1.0,
+                     kernel_block_size=k, staging=staged)
         nixl = count_descriptors(Scheme.VLLM_033, w).per_decode_rank
+        analyzer = count_descriptors(Scheme.HYBRIDKV_VLLM if k is not None else Scheme.HYBRIDKV, w).per_decode_rank
         ms = lambda rids: _ms(m, rids)  # noqa: E731
         # The engine's way on the same memory: the sliced plan piece by piece, block by block, unmerged
         # (what NixlConnector's list is, in this layout), posted by the same transport right after.
-        e = run_pair(p_tp, d_tp, 48, 48, [("n0", t), ("n1", t), ("n2", t)], coalesce=False, scatter=True,
-                     sequential=True, geo=geo, mem=args.mem)
-        print(f"P TP{p_tp} -> D TP{d_tp}: staged {max(m['s1']['per_rank'])} descriptors {ms(['s1', 's2'])} ms; "
+        e = run_pair(p_tp, d_tp, block, block, [("n0", t), ("n1", t), ("n2", t)], coalesce=False, scatter=True,
+                     sequential=True, geo=geo, mem=args.mem, **layout)
+        print(f"P TP{p_tp} -> D TP{d_tp}{'' if k is None else f' block {block} k{k}'}: staged "
+              f"{max(m['s1']['per_rank'])} descriptors {ms(['s1', 's2'])} ms; "
               f"sliced {max(m['x1']['per_rank'])} descriptors {ms(['x1', 'x2'])} ms; unmerged (engine-style) "
               f"{max(e['n1']['per_rank'])} descriptors {_ms(e, ['n1', 'n2'])} "
-              f"ms; NixlConnector's list {nixl}", flush=True)
+              f"ms; NixlConnector's list {nixl}; analyzer "
+              f"({'hybridkv-vllm' if k is not None else 'hybridkv'}, on) {analyzer}", flush=True)
 
 
 if __name__ == "__main__":

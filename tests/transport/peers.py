@@ -75,6 +75,71 @@ def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram", tp: in
     return layout, from_layout(layout), pools
 
 
+def vllm_layout(geo, *, tp: int, rank: int, block: int, kernel: int | None, pages: int, allocator):
+    """vLLM 0.33's hybrid-allocator tensors as ``allocate_kv_cache`` lays them out with attention kernel
+    blocks of ``kernel`` tokens inside each ``block``-token logical block: layer-compact (LBHNC), since
+    vLLM refuses to split a block into kernel blocks in a block-outermost layout (its pages there are not
+    dense: "does not store blocks as dense, unpadded pages"). Tensor slot i (layer i of every group, one
+    allocation, hence one region) holds ``pages`` pages of the hybrid page size; an attention page is
+    ``block // kernel`` kernel pages [H, kernel, K|V] back to back, a GDN page its state at the front."""
+    from hybridkv.descriptors.hma import plan_hma
+    from hybridkv.layout import GroupSpec, LayerBuffer, Layout, adopt_layout
+    from hybridkv.layout.fields import PageContent
+    from hybridkv.layout.geometry import LayerKind
+
+    hma = plan_hma(geo.shard(tp), block)
+    if hma.block_size != block:
+        raise ValueError(f"block {block} is not the hybrid allocator's for TP {tp} (it raises it to {hma.block_size})")
+    page = hma.page_bytes
+    slots = [allocator.allocate(page * pages) for _ in range(hma.num_tensors)]
+    groups, buffers = [], []
+    for grp in hma.groups:
+        state = grp.kind is LayerKind.GDN
+        groups.append(GroupSpec(group_id=grp.group_id, kind=grp.kind, layer_indices=grp.layer_indices,
+                                block_tokens=None if state else grp.block_size))
+        for i, layer in enumerate(grp.layer_indices):
+            a = slots[i]
+            buffers.append(LayerBuffer(layer=layer, group_id=grp.group_id, addr=a.addr, block_stride=page,
+                                       page_bytes=page, num_blocks=pages,
+                                       content=PageContent.GDN if state else PageContent.ATTN_HND,
+                                       mem=a.mem, device_id=a.device_id,
+                                       kernel_tokens=None if state or kernel in (None, block) else kernel))
+    got = adopt_layout(geo, groups, buffers, tp=tp, rank=rank)
+    by_addr = {a.addr: a for a in slots}  # region i's bytes are the allocation at its base
+    return Layout(geometry=got.geometry, tp=tp, rank=rank, regions=got.regions, groups=got.groups,
+                  allocations=tuple(by_addr[r.base_addr] for r in got.regions))
+
+
+def build_vllm(seed: int, *, tp: int, rank: int, block: int, kernel: int | None, pages: int, geo_over=None,
+               mem: str = "dram", device: int = 0):
+    """:func:`vllm_layout` of the test geometry, filled with a seed's bytes like :func:`build`; one block pool
+    shared by every group (vLLM's hybrid allocator). Returns (layout, memory map, pools)."""
+    from hybridkv.fencing.fence import PoolLayout
+    from hybridkv.layout.alloc import NumpyAllocator, TorchAllocator
+    from hybridkv.transport.memory import from_layout
+
+    if mem == "vram":
+        import torch
+
+        torch.cuda.set_device(device)
+        allocator = TorchAllocator(f"cuda:{device}")
+    else:
+        allocator = NumpyAllocator()
+    layout = vllm_layout(geometry(**(geo_over or {})), tp=tp, rank=rank, block=block, kernel=kernel, pages=pages,
+                         allocator=allocator)
+    for i, alloc in enumerate(layout.allocations):
+        fill = np.random.default_rng(seed * 100 + i).integers(0, 256, alloc.nbytes, dtype=np.uint8)
+        if mem == "vram":
+            import torch
+
+            alloc.owner.copy_(torch.from_numpy(fill))
+            torch.cuda.synchronize(alloc.owner.device)
+        else:
+            alloc.owner[:] = fill
+    pools = PoolLayout.shared(num_blocks=pages, num_groups=len(layout.groups))
+    return layout, from_layout(layout), pools
+
+
 def components(layout):
     from hybridkv.layout.geometry import LayerKind
     from hybridkv.fencing.request_state import attention_component, gdn_components
