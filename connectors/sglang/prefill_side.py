@@ -2,7 +2,7 @@
 
 Each chunk SGLang hands over joins the room's export in the fencing scheduler
 (its source pages, and with the last chunk the state slots and aux row, are
-assigned to the room) and the lane of the room's decode peers (lanes.py: one
+assigned to the room) and the lane of the room's decode peers (transport/lanes.py: one
 stalled decode holds one worker, never another decode's rooms); a worker
 waits for the device (SGLang's event), takes a
 `post_export` read, compiles one plan per component with the peer's planners,
@@ -34,13 +34,13 @@ from hybridkv.connectors.sglang import messages as msgs
 from hybridkv.connectors.sglang.adopt import KV_GROUP, AdoptedLayout, request_id, room_of, state_blocks
 from hybridkv.connectors.sglang.config import SGLangConfig
 from hybridkv.connectors.sglang.fenced_blocks import FencedBlocks
-from hybridkv.connectors.sglang.lanes import Lanes
 from hybridkv.connectors.sglang.rooms import Rooms
 from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
 from hybridkv.ids import TransferId
 from hybridkv.transport import bounded
 from hybridkv.transport.dataplane import DataPlane, Op, Transfer
+from hybridkv.transport.lanes import Lanes
 from hybridkv.transport.metrics import FailureKind, TransferMetrics
 from hybridkv.transport.plan import TransferPlan
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -108,7 +108,7 @@ class PrefillExports:
         self.fail_room = fail_room
         self.stop = stop
         self.transfer_timeout_s = config.transfer_timeout_s  # an attribute: tests shorten it
-        #: chunks to write, one lane per room's decode peers (lanes.py: a stalled decode holds one worker)
+        #: chunks to write, one lane per room's decode peers (a stalled decode holds one worker)
         self.lanes: Lanes[_Chunk] = Lanes()
         self._room_lane: dict[int, Hashable] = {}  # a room's lane while any chunk of it is queued or written
         self._inflight: dict[int, int] = defaultdict(int)  # chunks queued or being written

@@ -1,7 +1,7 @@
-"""The prefill workers' queue: one FIFO lane per decode peer, shared by every worker.
+"""A work queue of FIFO lanes, shared by every worker: one lane per peer, so a stalled peer holds one worker.
 
-A chunk is written to the decode ranks that claimed its room, and a worker waits for those WRITEs
-to end before it takes another chunk. Sharded by room, one slow decode held the worker of every
+Used by the SGLang prefill's workers (one lane per room's decode peers). A chunk is written to the
+decode ranks that claimed its room, and a worker waits for those WRITEs to end before it takes another. Sharded by room, one slow decode held the worker of every
 room that hashed with one of its rooms, on every decode instance (head-of-line blocking). Here a
 chunk joins the lane of its room's decode peers; an idle worker takes the next chunk of the lane
 that has waited longest, and a lane is worked on by one worker at a time. So a room's chunks are
