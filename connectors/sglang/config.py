@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hybridkv.transport import config as transport_config
-from hybridkv.transport.allowlist import PeerAllowlist
+from hybridkv.transport.allowlist import PeerAllowlist, canonical_ip
 from hybridkv.transport.auth import load_configured_secret
 from hybridkv.transport.dataplane import DataPlaneConfig
 
@@ -242,12 +242,7 @@ def _device_names(devices: str) -> str:
 
 
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        ip = ipaddress.ip_address(text.strip("[]"))
-    except ValueError:
-        return None
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return mapped if mapped is not None else ip
+    return canonical_ip(text.strip("[]"))  # SGLang may bracket an IPv6 host
 
 
 def _parse(var: str, raw: str, key: str) -> Any:

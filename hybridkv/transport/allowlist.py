@@ -34,15 +34,20 @@ class PeerAllowlist:
         return cls(networks=tuple(networks))
 
     def allows(self, address: str | None) -> bool:
-        if address is None:
-            return False
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return False
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped  # a dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d
-        return any(ip in net for net in self.networks)
+        ip = None if address is None else canonical_ip(address)
+        return ip is not None and any(ip in net for net in self.networks)
 
 
-__all__ = ["PeerAllowlist"]
+def canonical_ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address as one IP whichever way it is written (None: not an IP), an IPv4-mapped IPv6 address as
+    its IPv4 one: a dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+__all__ = ["PeerAllowlist", "canonical_ip"]
