@@ -9,7 +9,7 @@ import pathlib
 import hybridkv.connectors.sglang as pkg
 
 PARTS = ("prefill_side", "decode_side", "drains", "retiring", "registrations", "peer_auth", "rooms",
-         "fenced_blocks", "lanes", "routes", "decode_inbox", "bootstrap")
+         "fenced_blocks", "routes", "decode_inbox", "bootstrap")  # lanes: the core's (transport/lanes.py)
 
 
 def test_manager_subclasses_only_what_sglang_calls():
