@@ -8,7 +8,9 @@ metadata it would emit (exports ready / load orders). One JSON object per line:
   <- {"ready": port, "address": [host, port, agent], "blocks": {rid: per-group ids}, "fields": {rid: {field: sha256}}}
   -> "go"                                 (the requests finish: exports offered, leases start)
   <- {"sent": [rid, ...]}                 once every export ended (then it exits)
-  -> {"role": "consumer", "tp", "rank", "remote_port"?, "remote_tp"?}
+  -> {"role": "consumer", "tp", "rank", "remote_port"?, "remote_tp"?, "scatter"?}
+Either role also takes "num_blocks" (the pool, default 64) and "kernel_block" (attention kernel blocks of that
+many tokens, in vLLM's layer-compact LBHNC layout).
   <- {"ready": true}
   -> {"requests": [[rid, tokens, blocks], ...], "remote_port"?, "remote_tp"?,
       "remote_ranks"?: [[host, port, agent], ...]}
@@ -39,18 +41,41 @@ def _field_digests(layout, blocks, tokens: int) -> dict[str, str]:
     return out
 
 
-def _blocks(kcc, i: int, tokens: int, base: int) -> list[list[int]]:
-    """Distinct ids per group (HMA groups share one pool), as vLLM's block pool hands them out."""
+def _blocks(kcc, i: int, tokens: int, base: int, scatter: bool = False) -> list[list[int]]:
+    """Distinct ids per group (HMA groups share one pool), as vLLM's block pool hands them out; ``scatter``:
+    every other id (a busy pool: no two blocks of the request side by side)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    step = 2 if scatter else 1
     at = base + 12 * i
     out = []
     for g in kcc.transfer_group_ids:
         spec = kcc.kv_cache_groups[g].kv_cache_spec
         n = 1 if isinstance(spec, MambaSpec) else -(-tokens // spec.block_size)
-        out.append(list(range(at, at + n)))
-        at += n
+        out.append(list(range(at, at + step * n, step)))
+        at += step * n
     return out
+
+
+def _kernel_worker(vc, kernel: int):
+    """A worker connector over tensors split into attention kernel blocks of ``kernel`` tokens, as vLLM
+    allocates them for a backend with smaller kernel blocks (FlashInfer's 16): vLLM needs a layer-compact
+    layout for that (it refuses to split a block-outermost page), so the layout is set to LBHNC first."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from tests.vllm import harness as h
+
+    vc.cache_config.kv_cache_layout = "LBHNC"
+    kcc = h.make_kv_cache_config(vc)
+    sizes = [None if isinstance(g.kv_cache_spec, MambaSpec) else kernel for g in kcc.kv_cache_groups]
+    kv = allocate_kv_cache(kcc, torch.device("cpu"), vc.cache_config.get_resolved_kv_cache_layout(), sizes)
+    conn = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER, kv_cache_config=kcc)
+    conn.register_kv_caches(kv)
+    return kcc, conn, kv
 
 
 def _poll(conn, want: set[str], key: str, timeout: float = 60.0):
@@ -80,15 +105,20 @@ def main() -> int:
         extra["side_channel_port"] = cmd["port"]
         extra["side_channel_host"] = cmd.get("host", "127.0.0.1")
     vc = h.make_vllm_config(role="kv_producer" if role == "producer" else "kv_consumer", tp=cmd["tp"],
-                            extra=extra, engine_id=f"{role}-engine")
-    kcc = h.make_kv_cache_config(vc)
-    conn, kv = h.make_worker(vc, kcc)
+                            extra=extra, engine_id=f"{role}-engine", num_blocks=cmd.get("num_blocks", 64))
+    if cmd.get("kernel_block"):
+        kcc, conn, kv = _kernel_worker(vc, cmd["kernel_block"])
+    else:
+        kcc = h.make_kv_cache_config(vc)
+        conn, kv = h.make_worker(vc, kcc)
     layout = conn.worker.layout
     from hybridkv.connectors.vllm.addressing import RankAddress
     from hybridkv.connectors.vllm.metadata import HybridKVConnectorMetadata, RecvOrder
     from hybridkv.connectors.vllm.params import RemotePrefill
 
     if role == "producer":
+        from vllm.v1.kv_cache_interface import group_kernel_blocks
+
         gen = torch.Generator().manual_seed(1000 + cmd["rank"])
         blocks, fields = {}, {}
         for i, (rid, tokens) in enumerate(cmd["requests"]):
@@ -96,7 +126,7 @@ def main() -> int:
             for g, gids in zip(kcc.transfer_group_ids, ids):
                 for name in kcc.kv_cache_groups[g].layer_names:
                     for b in gids:  # what the forward pass would write
-                        page = kv[name][b]
+                        page = group_kernel_blocks(kv[name], kcc.num_blocks)[b]  # kernel blocks of b too
                         rnd = torch.randint(-128, 128, (page.numel() * page.element_size(),), dtype=torch.int8,
                                             generator=gen)
                         page.copy_(rnd.view(page.dtype).view(page.shape))
@@ -120,7 +150,7 @@ def main() -> int:
         work = json.loads(sys.stdin.readline())
         cmd.update({k: work[k] for k in ("remote_port", "remote_tp", "remote_ranks") if k in work})
         for i, (rid, tokens, remote_blocks) in enumerate(work["requests"]):
-            ids = _blocks(kcc, i, tokens, base=30)
+            ids = _blocks(kcc, i, tokens, base=30, scatter=cmd.get("scatter", False))
             local[rid] = (ids, tokens)
             remote = RemotePrefill(engine_id="producer-engine", request_id=rid, host="127.0.0.1",
                                    port=cmd["remote_port"], block_ids=tuple(tuple(g) for g in remote_blocks),
