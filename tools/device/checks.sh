@@ -8,6 +8,7 @@
 #   bench  `hybridkv bench transfer --mem vram` ($BENCH_ARGS added)
 #   planraw  hybridkv's plan against a raw one-span READ at three sizes (tools/device/plan_vs_raw.sh)
 #   staging  heterogeneous-TP staging against the sliced and unmerged lists, VRAM (tests/transport/hetero_peers.py)
+#   staging16  the same on vLLM's pages split into 16-token kernel blocks (--kernel-block 16)
 #   gather   `hybridkv bench staging --mem vram`: the staging gather against a plain copy (the speed auto assumes)
 set +e
 set -u
@@ -34,6 +35,7 @@ for s in $STEPS; do
         bench) step bench "${BENCH_S:-240}" "${CLI[@]}" bench transfer --mem vram --tokens 8192 --iters 9 ${BENCH_ARGS:-} ;;
         planraw) TAIL=60 step planraw "${PLANRAW_S:-330}" bash tools/device/plan_vs_raw.sh ;;
         staging) step staging "${STAGING_S:-240}" "$PY" -m tests.transport.hetero_peers --mem vram --pairs "${PAIRS:-2:1,1:2,4:1,8:2}" ;;
+        staging16) step staging16 "${STAGING_S:-240}" "$PY" -m tests.transport.hetero_peers --mem vram --pairs "${PAIRS:-2:1,1:2,4:1,8:2}" --kernel-block 16 ;;
         gather) step gather 120 "${CLI[@]}" bench staging --mem vram --iters 9 ;;
         *) echo "unknown step $s" ;;
     esac
