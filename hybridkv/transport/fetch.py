@@ -300,35 +300,37 @@ class Importer:
         return self._dp.post_plan(Op.READ, w.part.peer.agent, w.plan, notif)
 
     async def _pull_parts(self, rid: str, tid: int, work: list[Work], comps: tuple) -> Result:
-        t0 = time.perf_counter()
+        work = [self._slot_for(w) for w in work]
+        # nothing of a producer whose plan is empty is needed here (GQA duplicate): Done tells it
+        todo = [w for w in work if w.plan.num_descriptors]
+        for w in work:
+            if w.slot is not None and not w.plan.num_descriptors:
+                self._free_slot(w)  # never posted: nothing lands there
+        if not todo:  # no READ to post: nothing can write the blocks, no writer to wait for
+            return await self._nothing_posted(rid, tid, work)
+        # tagged for the session of the producer it goes to (side.notification)
+        notifs = [notification(w.part.peer, rid) for w in todo] if self._config.notify_reads else [b""] * len(todo)
+        # Each READ is a writer of the blocks, tracked before it is posted (nothing runs between the two and
+        # the first poll): its share lands when it completes, and the blocks are judged only once every READ
+        # ended (rule 5). Past the lease the bytes are not trusted; past the timeout the peer or link is stuck.
+        imp = self._drains.open(rid, tid, comps, [w.part.peer.agent for w in todo])
+        parts = [w.part for w in work]
+        give_up_at = time.monotonic() + self._config.transfer_timeout_s
+        until = lambda: min(give_up_at, min(p.deadline for p in parts))  # noqa: E731 - leases renew meanwhile
         posted: list[tuple[Work, Transfer]] = []
         error = None
-        work = [self._slot_for(w) for w in work]
-        for w in work:
-            if w.plan.num_descriptors == 0:
-                continue  # nothing of this producer's is needed here (GQA duplicate): Done tells it
-            # tagged for the session of the producer it goes to (side.notification)
-            notif = notification(w.part.peer, rid) if self._config.notify_reads else b""
+        t0 = time.perf_counter()
+        for w, notif in zip(todo, notifs):
             try:
                 posted.append((w, self._post(w, notif)))
             except Exception as exc:
                 error = str(exc)
                 break
-        for w in work:
-            if w.slot is not None and not any(p is w for p, _ in posted):
-                self._free_slot(w)  # never posted: nothing lands there
         post_seconds = time.perf_counter() - t0
-        if not posted:  # no READ went out: nothing can write the blocks, no writer to wait for
-            return await self._nothing_posted(rid, tid, work, error, post_seconds)
-        # Each READ is a writer of the blocks: its share lands when it completes, and the blocks are
-        # judged only once every READ ended (rule 5). Past the lease the bytes are not trusted; past
-        # the timeout the peer or link is stuck.
-        imp = self._drains.open(rid, tid, comps, [w.part.peer.agent for w, _ in posted])
         if error is not None:
-            self._drains.fail(imp, f"a READ could not be posted: {error}")
-        give_up_at = time.monotonic() + self._config.transfer_timeout_s
-        parts = [w.part for w in work]
-        until = lambda: min(give_up_at, min(p.deadline for p in parts))  # noqa: E731 - leases renew meanwhile
+            self._posting_failed(imp, work, todo[len(posted):], error)
+            if not posted:
+                return await self._none_posted(rid, imp, work, error)
         states = [await self._wait_xfer(x, until) for _, x in posted]
         seconds = time.perf_counter() - t0
         stuck = [wx for wx, s in zip(posted, states) if s is XferState.IN_PROGRESS]
@@ -373,13 +375,27 @@ class Importer:
                       indices=sum(w.plan.num_indices for w in work), nbytes=sum(x.nbytes for x in xfers),
                       seconds=seconds, post_seconds=post_seconds)
 
-    async def _nothing_posted(self, rid: str, tid: int, work: list[Work], error: str | None,
-                              post_seconds: float) -> Result:
-        if error is not None or any(w.part.lease_lost for w in work):
+    def _posting_failed(self, imp: Import, work: Sequence[Work], unposted: Sequence[Work], error: str) -> None:
+        """A READ could not be posted: the import fails; it and those after it never went out, so they
+        write nothing (drained) and their slots go back."""
+        self._drains.fail(imp, f"a READ could not be posted: {error}")
+        for w in unposted:
+            self._drains.drained(imp, w.part.peer.agent)
+        for w in work:
+            if w.slot is not None and any(u is w for u in unposted):
+                self._free_slot(w)  # never posted: nothing lands there
+
+    async def _none_posted(self, rid: str, imp: Import, work: Sequence[Work], error: str) -> Result:
+        """No READ went out (the first was refused): the import ended with its writers drained."""
+        self._drains.release(imp)
+        await self._end_parts(work, False)
+        return self._policy(rid, error, kind=FailureKind.TRANSFER)
+
+    async def _nothing_posted(self, rid: str, tid: int, work: list[Work]) -> Result:
+        """No producer's plan has a descriptor: the request needs nothing read (landed now, as the fence allows)."""
+        if any(w.part.lease_lost for w in work):
             self._scheduler.transfer_failed(tid)
             await self._end_parts(work, False)
-            if error is not None:
-                return self._policy(rid, error, kind=FailureKind.TRANSFER)
             return self._policy(rid, "lease lapsed before the READ: bytes not trusted", kind=FailureKind.LEASE)
         outcome = self._scheduler.transfer_landed(tid)
         await self._end_parts(work, True)
@@ -387,7 +403,7 @@ class Importer:
             return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
         return Result(request_id=rid, outcome=Outcome.READY, descriptors=0 if self._config.dataplane.telemetry else None,
                       planned=sum(w.plan.num_descriptors for w in work), indices=sum(w.plan.num_indices for w in work),
-                      post_seconds=post_seconds)
+                      post_seconds=0.0)
 
     async def _abandon(self, rid: str, imp: Import, work: list[Work], posted: list[tuple[Work, Transfer]],
                        stuck: list[tuple[Work, Transfer]]) -> Result:
