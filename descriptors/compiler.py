@@ -40,6 +40,8 @@ from . import pieces as pc
 from .pieces import PieceTable
 
 _I64 = np.int64
+#: block pairs up to which a page plan is made in Python ints (_compile_few): past ~30 numpy is faster
+_FEW = 24
 
 
 class TransferPlanner:
@@ -90,6 +92,8 @@ class TransferPlanner:
         self.indexed = bool(tables) and all(t.s_first is not None for t in tables.values())
         self._affine = pc.affine_constants(tables)
         self._affine_index = {g: i for i, g in enumerate(tables)}
+        #: the same rows as Python ints, for requests of few blocks (_compile_few)
+        self._affine_ints = None if self._affine is None else [tuple(int(x) for x in r) for r in self._affine]
 
     def _compile_affine(self, src_blocks, dst_blocks) -> TransferPlan:
         """Every group moves one span per block pair: one pass over all groups' blocks."""
@@ -105,6 +109,8 @@ class TransferPlanner:
             if sbs[i].shape[0] != dbs[i].shape[0]:
                 sbs[i], dbs[i] = _align(self.tables[g], sbs[i], dbs[i])
             counts.append(dbs[i].shape[0])
+        if 0 < sum(counts) <= _FEW:
+            return self._compile_few(gids, order, sbs, dbs)
         sb = np.concatenate(sbs) if len(gids) > 1 else sbs[0]
         db = np.concatenate(dbs) if len(gids) > 1 else dbs[0]
         c = np.repeat(self._affine[order], counts, axis=0)
@@ -138,6 +144,44 @@ class TransferPlanner:
         dst[:, 0], dst[:, 1], dst[:, 2] = d_addr, length, c[:, pc.D_DEV]
         return TransferPlan(src=src, dst=dst, src_region=c[:, pc.S_REG], dst_region=c[:, pc.D_REG],
                             src_index=_i32(s_idx), dst_index=_i32(d_idx))
+
+    def _compile_few(self, gids: list, order: list, sbs: list[np.ndarray], dbs: list[np.ndarray]) -> TransferPlan:
+        """:meth:`_compile_affine` for a request of few block pairs, in Python ints: the same plan, made
+        with a handful of numpy calls instead of some forty (each several us on the cold core that
+        plans an import between its Exports and its post)."""
+        rows = []  # per block pair: (dst index, src index, src addr, dst addr, its group's constants)
+        for k, b_s, b_d in zip(order, sbs, dbs):
+            cs = self._affine_ints[k]
+            s_stride, d_stride, s_addr, d_addr = cs[pc.S_STRIDE], cs[pc.D_STRIDE], cs[pc.S_ADDR], cs[pc.D_ADDR]
+            s_first, d_first, s_pages, d_pages = cs[pc.S_FIRST], cs[pc.D_FIRST], cs[pc.S_PAGES], cs[pc.D_PAGES]
+            sl, dl = b_s.tolist(), b_d.tolist()
+            if sl and (min(sl) < 0 or max(sl) >= s_pages or min(dl) < 0 or max(dl) >= d_pages):
+                for g, s2, d2 in zip(gids, sbs, dbs):  # the numpy path's error, group by group
+                    _check_pages(s2, self.tables[g].s_pages, "src", g)
+                    _check_pages(d2, self.tables[g].d_pages, "dst", g)
+            rows += [(d + d_first, s + s_first, s * s_stride + s_addr, d * d_stride + d_addr, cs) for s, d in zip(sl, dl)]
+        if self.indexed and any(rows[i + 1][0] < rows[i][0] for i in range(len(rows) - 1)):
+            rows.sort(key=lambda r: r[0])  # stable, by dst index: see _compile_affine
+        src: list[list[int]] = []
+        dst: list[list[int]] = []
+        regions: list[tuple[int, int]] = []
+        s_end = d_end = tag = None
+        for _, _, s_addr, d_addr, cs in rows:
+            n = cs[pc.LEN]
+            if s_addr == s_end and d_addr == d_end and cs[pc.TAG] == tag:
+                src[-1][1] += n  # continues the previous row on both sides, in the same regions
+                dst[-1][1] += n
+            else:
+                src.append([s_addr, n, cs[pc.S_DEV]])
+                dst.append([d_addr, n, cs[pc.D_DEV]])
+                regions.append((cs[pc.S_REG], cs[pc.D_REG]))
+                tag = cs[pc.TAG]
+            s_end, d_end = s_addr + n, d_addr + n
+        reg = np.array(regions, dtype=_I64)
+        idx = np.array([(r[1], r[0]) for r in rows], dtype=np.int32).T.copy() if self.indexed else None
+        return TransferPlan(src=np.array(src, dtype=_I64), dst=np.array(dst, dtype=_I64), src_region=reg[:, 0],
+                            dst_region=reg[:, 1], src_index=None if idx is None else idx[0],
+                            dst_index=None if idx is None else idx[1])
 
     def compile(
         self,
