@@ -43,6 +43,8 @@ class _Export:
     token: bytes  # the request's capability: every message about it must carry this
     blocks: dict[int, np.ndarray]
     done: asyncio.Future
+    #: ``blocks`` as an Export names them: made once at export(), not on each reader's Want
+    wire_blocks: tuple[wire.GroupBlocks, ...] = ()
     claimants: Claimants | None = None  # the decode it was issued for (None: whoever holds the token)
     readers: int | None = None  # how many consumers share it (set by the first claim)
     claims: dict[str, Peer] = field(default_factory=dict)  # agent -> reader
@@ -299,7 +301,7 @@ class Exports:
         try:
             await peer.channel.send(wire.Export(
                 request_id=rec.rid, lease_s=left, stage=staged,
-                blocks=tuple(wire.GroupBlocks(group_id=g, ids=tuple(b.tolist())) for g, b in rec.blocks.items())))
+                blocks=rec.wire_blocks))
         except PeerLost:
             self.peer_lost(peer)
 
@@ -385,6 +387,7 @@ class Exports:
         blocks = {g.group_id: np.asarray(sched.blocks(request_id, g.group_id), dtype=np.int64)
                   for g in self._memory.groups}
         rec = _Export(rid=request_id, tid=tid, token=token, blocks=blocks,
+                      wire_blocks=tuple(wire.GroupBlocks(group_id=g, ids=tuple(b.tolist())) for g, b in blocks.items()),
                       done=asyncio.get_running_loop().create_future(), claimants=claimants)
         self._exports[request_id] = rec
         released = self._released.pop(request_id, None)
