@@ -149,9 +149,11 @@ class TransferPlanner:
         """:meth:`_compile_affine` for a request of few block pairs, in Python ints: the same plan, made
         with a handful of numpy calls instead of some forty (each several us on the cold core that
         plans an import between its Exports and its post)."""
+        ints = self._affine_ints
+        assert ints is not None  # only called where every group is affine
         rows = []  # per block pair: (dst index, src index, src addr, dst addr, its group's constants)
         for k, b_s, b_d in zip(order, sbs, dbs):
-            cs = self._affine_ints[k]
+            cs = ints[k]
             s_stride, d_stride, s_addr, d_addr = cs[pc.S_STRIDE], cs[pc.D_STRIDE], cs[pc.S_ADDR], cs[pc.D_ADDR]
             s_first, d_first, s_pages, d_pages = cs[pc.S_FIRST], cs[pc.D_FIRST], cs[pc.S_PAGES], cs[pc.D_PAGES]
             sl, dl = b_s.tolist(), b_d.tolist()
@@ -159,7 +161,8 @@ class TransferPlanner:
                 for g, s2, d2 in zip(gids, sbs, dbs):  # the numpy path's error, group by group
                     _check_pages(s2, self.tables[g].s_pages, "src", g)
                     _check_pages(d2, self.tables[g].d_pages, "dst", g)
-            rows += [(d + d_first, s + s_first, s * s_stride + s_addr, d * d_stride + d_addr, cs) for s, d in zip(sl, dl)]
+            rows += [(d + d_first, s + s_first, s * s_stride + s_addr, d * d_stride + d_addr, cs)
+                     for s, d in zip(sl, dl)]
         if self.indexed and any(rows[i + 1][0] < rows[i][0] for i in range(len(rows) - 1)):
             rows.sort(key=lambda r: r[0])  # stable, by dst index: see _compile_affine
         src: list[list[int]] = []
