@@ -384,10 +384,12 @@ class DataPlane:
         self.abort(xfer)
 
     def abort(self, xfer: Transfer) -> bool:
-        """Abort a transfer in progress; True when NIXL confirmed it for every handle (no
-        byte moves after), False when a handle is still active and its memory must stay
-        untouched (the transfer then keeps only those handles)."""
-        xfer.handles = [h for h in xfer.handles if not self._release(h)]
+        """End a transfer: True when every handle had ended and was released (no byte moves
+        after), False when a handle is still active and its memory must stay untouched (the
+        transfer then keeps only those handles, until NIXL ends them)."""
+        # A handle still running is kept, not released: NIXL's UCX backend releases a READ in progress and
+        # reports success, yet its bytes still land once the peer answers (seen over UCX's tcp transport).
+        xfer.handles = [h for h in xfer.handles if self._state(h) is XferState.IN_PROGRESS or not self._release(h)]
         return not xfer.handles
 
     def _release(self, handle) -> bool:

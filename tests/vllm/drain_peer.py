@@ -8,13 +8,12 @@ blocks it writes are the very ones the held READ may still write.
 
 The one thing added around the real path is a gate: the worker's load of the remote request starts only
 once its producer's Export arrived and the test said "go" (meanwhile the test stops the producer, so the
-READ is posted and held). With ``abort_refused_fake`` NIXL refuses to abort that READ (named so: the one
-fault no real NIXL gives on demand; a real abort of it is tried without). ``UCX_TLS`` is set by the test
-in this process's environment: over TCP a READ's bytes move only as the stopped producer answers it.
+READ is posted and held). ``UCX_TLS`` is set by the test in this process's environment: over TCP a READ's
+bytes move only as the stopped producer answers it.
 With ``HYBRIDKV_DRAIN_RULE_OFF=1`` the core ledger's rule is switched off here (tests/transport/drain_peers).
 
 One JSON object per line on stdin/stdout:
-  -> {"num_blocks", "abort_refused_fake"}
+  -> {"num_blocks"}
   <- {"ready": true, "usable": n}
   -> {"load": [rid, prompt_len, params], "next": [rid, prompt_len]}
   <- {"about_to_fetch": rid}                         the load has its Export; held at the gate
@@ -90,10 +89,6 @@ def main() -> int:
         from tests.transport.drain_peers import _rule_off
 
         _rule_off()
-    if cmd.get("abort_refused_fake"):
-        from hybridkv.transport.dataplane import DataPlane
-
-        DataPlane.abort = lambda self, xfer: False  # fake: NIXL refuses to abort a READ in progress
     from hybridkv.connectors.vllm.worker_half import WorkerHalf
 
     go = threading.Event()

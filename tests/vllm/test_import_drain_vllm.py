@@ -5,8 +5,10 @@ tensors from vLLM's ``allocate_kv_cache``) in one process (drain_peer.py), a rea
 
 The decode's load is the one of tests/transport/test_import_drain.py's pull cases, run the way vLLM runs it:
 the producer is stopped (SIGSTOP) once its Export arrived, the decode's READ is posted and held, the lease
-lapses and the load fails. A READ NIXL would not abort may still write the blocks, so the worker must report
-the load to vLLM (``finished_recving``, which frees the blocks) only once the READ ended; the request queued
+lapses and the load fails. The held READ may still write the blocks (NIXL's UCX backend releases a READ in
+progress and says so, yet its bytes land once the peer answers: DataPlane.abort keeps such a handle), so the
+worker must report the load to vLLM (``finished_recving``, which frees the blocks) only once the READ ended;
+the request queued
 behind it needs every usable block of the small pool, so the blocks it runs on are the load's. Its pages are
 compared after the late READ would have landed. Both engines run over UCX's TCP transport only (set per
 process: on loopback, shared memory or cma move a READ's bytes without the stopped producer).
@@ -98,12 +100,11 @@ class Proc:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """A prefill engine and a decode engine whose NIXL would not abort a READ (fake): reused by the tests,
-    the one that kills the producer last."""
+    """A prefill engine and a decode engine, reused by the tests (the one that kills the producer last)."""
     log = open(tmp_path_factory.mktemp("drain") / "engines.log", "w")
     prod = Proc("tests.vllm.engine_peer", {"role": "producer", "dp_rank": 0, "dp_size": 1, "port": free_ports(1),
                                            "lease": LEASE_S, "policy": "fail"}, log)
-    dec = Proc("tests.vllm.drain_peer", {"num_blocks": NUM_BLOCKS, "abort_refused_fake": True}, log)
+    dec = Proc("tests.vllm.drain_peer", {"num_blocks": NUM_BLOCKS}, log)
     try:
         assert prod.read(300)["ready"]
         ready = dec.read(300)
@@ -129,8 +130,8 @@ def _held_load(prod: Proc, dec: Proc, rid: str) -> tuple[dict, float]:
     return pages, t_stop
 
 
-def test_read_held_past_the_lease_lands_before_vllm_gets_the_blocks_back_fake_abort_refused(engines):
-    """The load fails (lease lapsed, READ held and not abortable): vLLM must not get its blocks back, and
+def test_read_held_past_the_lease_lands_before_vllm_gets_the_blocks_back(engines):
+    """The load fails (lease lapsed, READ held: kept, not released): vLLM must not get its blocks back, and
     the next request must not run on them, before the READ ended. Resumed, the producer serves the READ
     into them; only then does the next request write them, and its bytes are still there afterwards."""
     prod, dec = engines
@@ -153,7 +154,7 @@ def test_read_held_past_the_lease_lands_before_vllm_gets_the_blocks_back_fake_ab
     assert now["in_flight"] == 0 and not now["settling"]
 
 
-def test_producer_killed_while_the_read_is_held_keeps_the_blocks_until_the_read_ends_fake_abort_refused(engines):
+def test_producer_killed_while_the_read_is_held_keeps_the_blocks_until_the_read_ends(engines):
     """As above, then the producer is killed (SIGKILL) instead of resumed: its READ ends with the connection,
     and only then does vLLM get the blocks back (a killed writer's READ never lands: the time shows it)."""
     prod, dec = engines
