@@ -7,8 +7,8 @@ bytes into or out of its blocks, so it is kept, with whatever its owner must not
 its peer; this module holds the waiting, the abort split and the kept transfers.
 
 Used by the SGLang prefill's WRITEs (a worker thread waits: :func:`settle`; the control thread reaps:
-:class:`Unabortable`). The consumer's READs (:mod:`hybridkv.transport.fetch`) follow the same rule on its
-event loop (it waits with ``Side.wait_xfer``; :func:`abort_or_keep` and :func:`ended` are the same steps).
+:class:`Unabortable`). The consumer's READs (:mod:`hybridkv.transport.fetch`) take the same steps
+(:func:`abort_or_keep`, :func:`ended`) and wait on its event loop instead of a thread.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import numpy as np
 from hybridkv import wire
 from hybridkv.errors import HybridKVError, PeerLost
 from hybridkv.fencing import ImportState, NotYet, NotYetReason, TransferOutcome
+from hybridkv.transport import bounded
 from hybridkv.transport.config import FailurePolicy, Outcome, Result
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.drains import Drains, Import
@@ -414,14 +415,12 @@ class Importer:
         self._metrics.failure(FailureKind.TIMEOUT)
         why = f"READ of {rid} not done within its lease or {self._config.transfer_timeout_s} s"
         self._drains.fail(imp, why)
-        stuck_ids = {id(x) for _, x in stuck}
-        unabortable = [(w, x) for w, x in stuck if not self._dp.abort(x)]
-        held = {id(x) for _, x in unabortable}
+        kept = bounded.abort_or_keep(self._dp, [x for _, x in posted], [x for _, x in stuck])
+        held = {id(x) for x in kept}
+        unabortable = [(w, x) for w, x in stuck if id(x) in held]
         for w, x in posted:
             if id(x) in held:
                 continue
-            if id(x) not in stuck_ids:
-                self._dp.release(x)
             self._free_slot(w)
             self._drains.drained(imp, w.part.peer.agent)  # ended (or aborted): nothing more lands from it
         await self._end_parts(work, False)
@@ -439,7 +438,7 @@ class Importer:
     async def _settle_later(self, imp: Import, xfers: list[tuple[Work, Transfer]]) -> None:
         for w, x in xfers:
             # At the idle pace, not _wait_xfer's spin: this READ is already known to hang.
-            while self._dp.state(x) is XferState.IN_PROGRESS:
+            while not bounded.ended(self._dp, [x]):
                 await asyncio.sleep(self._config.pump_idle_s)
             self._dp.release(x)
             self._free_slot(w)  # its slot too: the READ that could write it ended
