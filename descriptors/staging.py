@@ -36,9 +36,10 @@ from .compiler import TransferPlanner, piece_pages
 _COMPACT_PAGES = 1 << 24
 
 
-def compact_layout(src: Layout, dst: Layout, keys: Collection[FieldKey]) -> Layout:
+def compact_layout(src: Layout, dst: Layout, keys: Collection[FieldKey], *, dst_order: bool = False) -> Layout:
     """The producer's pages cut down to ``keys``: per group of ``dst`` that holds one of them, a
-    region (base 0) whose page is those fields of the producer's page, in its order."""
+    region (base 0) whose page is those fields of the producer's page, in its order (``dst_order``: in the
+    consumer's, so that a consumer that knows only its own layout and ``keys`` can unpack it)."""
     keys = frozenset(keys)
     regions: list[Region] = []
     groups: list[GroupLayout] = []
@@ -48,6 +49,9 @@ def compact_layout(src: Layout, dst: Layout, keys: Collection[FieldKey]) -> Layo
         sg = src.group(dg.group_id)
         mine = sorted(((p.region_id, f) for p in sg.placements for f in p.fields if f.key in keys),
                       key=lambda rf: (rf[0], rf[1].offset))
+        if dst_order:
+            where = {f.key: (p.region_id, f.offset) for p in dg.placements for f in p.fields}
+            mine.sort(key=lambda rf: where[rf[1].key])
         fields, at = [], 0
         for _, f in mine:
             fields.append(Field(key=f.key, offset=at, nbytes=f.nbytes, token_bytes=f.token_bytes))
@@ -73,17 +77,18 @@ class StagePlan:
     transport's :class:`~hybridkv.transport.staging.Stager`."""
 
     def __init__(self, src: Layout, dst: Layout, keys: Collection[FieldKey],
-                 reads: Collection[FieldKey] | None = None) -> None:
+                 reads: Collection[FieldKey] | None = None, *, dst_order: bool = False) -> None:
         """``keys``: what the producer packs (:func:`shared_keys`, both sides compute it alike);
         ``reads``: what the consumer takes from it (default all; fewer where GQA has it read a
-        replicated head from another producer rank)."""
+        replicated head from another producer rank); ``dst_order``: compact pages in the consumer's
+        order (:func:`compact_layout`)."""
         self.keys = frozenset(keys)
         self.reads = self.keys if reads is None else frozenset(reads)
         if not self.reads or not self.reads <= self.keys:
             raise ValueError(f"staging {len(self.keys)} fields of which {len(self.reads)} are read; expected a "
                              "non-empty read set inside what the producer packs")
         self.src, self.dst = src, dst
-        self.compact = v = compact_layout(src, dst, self.keys)
+        self.compact = v = compact_layout(src, dst, self.keys, dst_order=dst_order)
         self.page_bytes: dict[int, int] = {int(g.group_id): v.regions[g.placements[0].region_id].page_bytes
                                            for g in v.groups}
         self._pack: dict[int, pc.PieceTable] = {

@@ -15,6 +15,7 @@ from hybridkv.transport import config as transport_config
 from hybridkv.transport.allowlist import PeerAllowlist, canonical_ip
 from hybridkv.transport.auth import load_configured_secret
 from hybridkv.transport.dataplane import DataPlaneConfig
+from hybridkv.transport.staging import StagingConfig, StagingMode
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _SECRET_KEYS = frozenset({"secret_file", "secret_env"})
 _INT_KEYS = frozenset({"workers", "max_sessions"})
+_STAGING_UNIT = 4 << 10  # a pool slot's allocation unit (a request's slice of a few pages is a few KB)
+_MODE_KEYS = frozenset({"staging"})
 _BOOL_KEYS = frozenset({"progress_thread", "insecure_no_auth", "insecure_host_memory"})
 _HOSTS_KEYS = frozenset({"allowed_decode_hosts"})
 
@@ -85,6 +88,12 @@ class SGLangConfig:
       only the address the handshake came from, so a Hello cannot make the rank dial a
       third host; set it where a decode host names another address than the one it
       sends from (several NICs).
+    * ``staging`` (off): KV at different attention TP through a staging slot (staged_kv.py) instead of one
+      descriptor per head slice of every token of every layer: ``on`` wherever a slot is free, ``auto`` where
+      the descriptors it saves cost more to post than the copies it adds (hybridkv.transport.staging.route),
+      ``off`` never. Both sides of a pair read it; a full pool falls back to the sliced lists, never waits.
+    * ``staging_pool_mb`` (64): each rank's staging pool (host or device memory, like its KV pool), registered
+      with NIXL, in slots of 4 KiB units; only allocated with ``staging`` not off.
     """
 
     transfer_timeout_s: float = 30.0
@@ -101,6 +110,8 @@ class SGLangConfig:
     insecure_no_auth: bool = False
     insecure_host_memory: bool = False
     allowed_decode_hosts: tuple[str, ...] = ()
+    staging: StagingMode = StagingMode.OFF
+    staging_pool_mb: float = 64.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -113,6 +124,9 @@ class SGLangConfig:
                         PeerAllowlist.parse(v)  # the transport's allowlist: the same rule as allowed_peers
                     except ValueError as e:
                         raise ValueError(f"{f.name}: {e}") from None
+            elif f.name in _MODE_KEYS:
+                if not isinstance(v, StagingMode):
+                    raise ValueError(f"{f.name} = {v!r}; expected one of {[m.value for m in StagingMode]}")
             elif f.name in _SECRET_KEYS:
                 if v is not None and (not isinstance(v, str) or v.strip() == ""):
                     raise ValueError(f"{f.name} = {v!r}; expected unset or a non-empty string")
@@ -161,6 +175,13 @@ class SGLangConfig:
             return cls(**values)
         except ValueError as e:
             raise ValueError(f"{e} (from the {_ENV_PREFIX}* environment)") from None
+
+    def staging_config(self) -> StagingConfig | None:
+        """The staging pool's settings (None: staging off, no pool)."""
+        if self.staging is StagingMode.OFF:
+            return None
+        units = max(1, int(self.staging_pool_mb * (1 << 20)) // _STAGING_UNIT)
+        return StagingConfig(mode=self.staging, capacity_bytes=units * _STAGING_UNIT, slot_bytes=_STAGING_UNIT)
 
     def drain_timeout(self, sglang_waiting_timeout: float | None) -> float:
         return self.drain_timeout_s if self.drain_timeout_s is not None else float(sglang_waiting_timeout or 300.0)
@@ -248,6 +269,11 @@ def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 def _parse(var: str, raw: str, key: str) -> Any:
     if key in _HOSTS_KEYS:
         return tuple(h.strip() for h in raw.split(",") if h.strip())
+    if key in _MODE_KEYS:
+        try:
+            return StagingMode(raw.lower())
+        except ValueError:
+            raise ValueError(f"{var}={raw!r}; expected one of {[m.value for m in StagingMode]}") from None
     if key in _SECRET_KEYS:
         return raw  # a path or a variable name, never the secret itself
     if key in _BOOL_KEYS:

@@ -44,6 +44,7 @@ from hybridkv.connectors.sglang.registrations import Peer, Registrations
 from hybridkv.connectors.sglang.retiring import RetiringAgents
 from hybridkv.connectors.sglang.rooms import Rooms
 from hybridkv.connectors.sglang.decode_keys import DecodeKeys
+from hybridkv.connectors.sglang.staged_kv import DecodeSlots, PrefillStaging
 from hybridkv.connectors.sglang.sessions import AuthStats
 from hybridkv import wire
 from hybridkv.fencing.request_state import Component
@@ -52,6 +53,7 @@ from hybridkv.layout.alloc import MemKind
 from hybridkv.transport.dataplane import DataPlane
 from hybridkv.transport.host_memory import check_host_memory
 from hybridkv.transport.metrics import TransferMetrics
+from hybridkv.transport.staging import StagePool
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -126,8 +128,19 @@ class HybridKVManager(CommonKVManager):
         # NIC binding and UCX threads as SGLang's NIXL backend takes them (config.py)
         plane = self.config.dataplane(prefill=not decode, ib_device=getattr(args, "ib_device", None),
                                       gpu_id=int(getattr(args, "gpu_id", 0) or 0))
+        #: KV at different attention TP through staging slots (staged_kv.py): a pool registered with the rest
+        self.staging_pool: Optional[StagePool] = None
+        memory = self.adopted.memory
+        staging = self.config.staging_config()
+        if staging is not None:
+            try:
+                self.staging_pool = StagePool(memory, staging,
+                                              mem=wire.Mem.VRAM if self.mem is MemKind.VRAM else wire.Mem.DRAM)
+            except ValueError as e:
+                raise ValueError(f"hybridkv: HYBRIDKV_SGLANG_STAGING={staging.mode.value}: {e}") from None
+            memory = self.staging_pool.memory
         try:
-            self.dp = DataPlane(self.adopted.memory, plane)
+            self.dp = DataPlane(memory, plane)
         except Exception as e:  # NIXL's own error names no setting (NIXL_ERR_BACKEND)
             raise RuntimeError(f"hybridkv: NIXL could not start its UCX backend with {dict(plane.ucx_params)} "
                                f"({type(e).__name__}: {e}); check --disaggregation-ib-device and "
@@ -168,7 +181,8 @@ class HybridKVManager(CommonKVManager):
             blocks=self.blocks, rooms=self.rooms, adopted=self.adopted, dp=self.dp, peers=self.peers,
             config=self.config, metrics=self.metrics, stats=self.stats,
             on_settled=lambda room: self.drains.maybe_send(room),
-            fail_room=lambda room, reason: self.drains.fail(room, reason), stop=self._stop)
+            fail_room=lambda room, reason: self.drains.fail(room, reason), stop=self._stop,
+            staging=None if self.staging_pool is None else PrefillStaging(self.staging_pool, self.blocks.lock))
         self.drains = Drains(rooms=self.rooms, drained=self.exports.drained, lock=self.blocks.lock)
         self.retiring = RetiringAgents(rooms=self.rooms, peers=self.peers, exports=self.exports, drains=self.drains,
                                        dp=self.dp, lock=self.blocks.lock)
@@ -181,7 +195,9 @@ class HybridKVManager(CommonKVManager):
 
     def _start_decode(self) -> None:
         self.imports = DecodeImports(blocks=self.blocks, adopted=self.adopted, metrics=self.metrics,
-                                     drain_timeout_s=self.drain_timeout_s)
+                                     drain_timeout_s=self.drain_timeout_s,
+                                     slots=None if self.staging_pool is None else DecodeSlots(self.adopted,
+                                                                                               self.staging_pool))
         self.inbox = DecodeInbox(auth=self.auth, imports=self.imports, rooms=self.rooms)
         self._spawn(self._decode_listener_loop, "hybridkv-listener")
         self._heartbeat_thread = self._start_heartbeat_checker_thread()
@@ -266,6 +282,7 @@ class HybridKVManager(CommonKVManager):
             attn_tp_size=self.attn_tp_size, attn_tp_rank=self.attn_tp_rank,
             state_types=self.adopted.state_types,
             fingerprint=self.fingerprint(),
+            staging_region=self.staging_pool.region if self.staging_pool is not None else None,
         ).to_frames()
 
     def build_receiver_metadata_message(
@@ -282,6 +299,7 @@ class HybridKVManager(CommonKVManager):
             state_indices=states if not is_dummy else (),
             required_dst_info_num=int(required_dst_info_num), decode_prefix_len=int(decode_prefix_len or 0),
             is_dummy=bool(is_dummy), generation=self.imports.generation(int(bootstrap_room)),
+            staging=self.imports.offers(int(bootstrap_room)) if not is_dummy else (),
         ).to_frames()
 
     def _register_topology_row(self, url: str, payload: dict) -> None:

@@ -26,11 +26,13 @@ import numpy as np
 from hybridkv.connectors.sglang import messages as msgs
 from hybridkv.connectors.sglang.adopt import AdoptedLayout, request_id
 from hybridkv.connectors.sglang.fenced_blocks import FencedBlocks
+from hybridkv.connectors.sglang.staged_kv import DecodeSlots
 from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.imports import ImportLedger
 from hybridkv.fencing.request_state import Component
 from hybridkv.ids import TransferId
 from hybridkv.transport.metrics import TransferMetrics
+from hybridkv.transport.staging import Slot
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,11 @@ class _Room:
     generation: int
     abort_sent: bool = False  # SGLang sent the prefill ranks an ABORT for this import
     quarantined: int = 0  # blocks held out of reuse since a writer said STUCK (for the metrics)
+    #: staging (staged_kv.py): a slot per prefill rank, taken with the METADATA, back only once the import is over
+    slots: dict[int, Slot] = dataclasses.field(default_factory=dict)
+    prefill_tp: int = 0
+    kv_pages: Optional[np.ndarray] = None
+    staged: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # per writer, its LANDED's pages
 
 
 class DecodeImports:
@@ -50,8 +57,9 @@ class DecodeImports:
     group holds), the metrics and the drain timeout; the manager's listener and SGLang's hooks call it."""
 
     def __init__(self, *, blocks: FencedBlocks, adopted: AdoptedLayout, metrics: TransferMetrics,
-                 drain_timeout_s: float) -> None:
+                 drain_timeout_s: float, slots: Optional[DecodeSlots] = None) -> None:
         self.blocks = blocks
+        self.slots = slots  # the staging pool (None: staging off)
         self.adopted = adopted
         self.metrics = metrics
         self.ledger = ImportLedger(blocks.sched, drain_timeout_s=drain_timeout_s)
@@ -98,6 +106,47 @@ class DecodeImports:
             self._rooms[room] = _Room(bootstrap_addr=bootstrap_addr, generation=generation)
             return generation
 
+    # ------------------------------------------------------------ staging slots (staged_kv.py)
+    def offer_slots(self, room: int, prefill_tp: int, kv_pages: np.ndarray) -> None:
+        """At different attention TP with staging on: a slot per prefill rank for the room's KV, named in its
+        METADATA (none where the pool is full: the prefill ranks write sliced)."""
+        if self.slots is None:
+            return
+        with self.blocks.lock:
+            r = self._rooms.get(room)
+            if r is None or r.slots:
+                return
+            r.slots = self.slots.offer(prefill_tp, len(kv_pages))
+            if r.slots:
+                r.prefill_tp, r.kv_pages = prefill_tp, np.asarray(kv_pages, dtype=np.int64).copy()
+
+    def offers(self, room: int) -> tuple[msgs.StagedSlot, ...]:
+        with self.blocks.lock:
+            r = self._rooms.get(room)
+            return () if r is None else tuple(msgs.StagedSlot(prefill_rank=k, offset=s.offset, nbytes=s.nbytes)
+                                               for k, s in sorted(r.slots.items()))
+
+    def unpack(self, room: int) -> int:
+        """Every writer landed: copy what they staged from the room's slots into its pages (before SGLang is told
+        the room is ready); the pages unpacked. ValueError (nothing copied) for a staged range that does not fit."""
+        with self.blocks.lock:
+            r = self._rooms.get(room)
+            if r is None or not r.slots or not r.staged:
+                return 0
+            # Under the lock: a slot goes back only with the room's record (_forget), never during the copy.
+            return self.slots.unpack(r.prefill_tp, r.slots, r.staged, r.kv_pages)
+
+    def _give_back_slots(self, r: _Room) -> None:
+        if r.slots and self.slots is not None:
+            self.slots.give_back(r.slots)
+        r.slots = {}
+
+    def _slots_early(self, room: int) -> None:
+        """The fence switched off (HYBRIDKV_STAGING_RULE_OFF, tests only): the slots go back as the room fails."""
+        r = self._rooms.get(room)
+        if r is not None and self.slots is not None and not self.slots.fence:
+            self._give_back_slots(r)
+
     def generation(self, room: int) -> int:
         """The room's import generation (0: none, e.g. a dummy rank's METADATA)."""
         with self.blocks.lock:
@@ -114,6 +163,7 @@ class DecodeImports:
                     self.blocks.collect_reusable()
             else:
                 self.blocks.drop(rid)
+                self._slots_early(room)
             gone = self.ledger.release(room)
             if gone:
                 self._forget(room)
@@ -152,6 +202,7 @@ class DecodeImports:
         Nothing is released: a writer may still be writing."""
         with self.blocks.lock:
             self.ledger.fail(room, reason)
+            self._slots_early(room)
 
     def abort_sent(self, room: int) -> None:
         """SGLang sent the room's ABORT: the prefill ranks answer DRAINED once nothing of it is in flight."""
@@ -189,7 +240,10 @@ class DecodeImports:
         self.blocks.collect_reusable()
 
     def _forget(self, room: int) -> None:
-        self._rooms.pop(room, None)
+        """The room's import is over and released: no write of it can land any more, its slots go back."""
+        r = self._rooms.pop(room, None)
+        if r is not None:
+            self._give_back_slots(r)
 
     # ------------------------------------------------------------ SGLang's deferred decode KV release
     # decode.py: when the MIN-reduced poll of a request is Failed, every decode rank
@@ -230,6 +284,8 @@ class DecodeImports:
         if isinstance(m, msgs.Landed):
             with self.blocks.lock:
                 if self._current(m.room, m.generation):
+                    if m.staged:
+                        self._rooms[m.room].staged[m.prefill_rank] = tuple(m.staged)
                     self.ledger.landed(m.room, m.prefill_rank, m.components)
                     if m.room not in self.ledger:
                         self._forget(m.room)

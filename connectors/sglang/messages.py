@@ -33,7 +33,7 @@ from hybridkv.wire.schema import Record, Spec, on_wire, record_of
 
 TAG = b"HYBRIDKV"
 AUTH_TAG = b"HYBRIDKV-AUTH"  # the handshake, before the peer proved the shared secret
-VERSION = 5  # 5: METADATA, LANDED, STUCK and DRAINED carry the decode import's generation
+VERSION = 6  # 5: METADATA, LANDED, STUCK and DRAINED carry the decode import's generation; 6: staging slots
 
 
 class MsgType(enum.Enum):
@@ -170,6 +170,19 @@ class Register(Message):
     attn_tp_rank: int = on_wire("attn_rank", Int(lo=0, hi=MAX_TP - 1))
     state_types: tuple[str, ...] = on_wire("state_types", ListOf(item=NAME, limit=MAX_GROUPS))
     fingerprint: str = on_wire("fingerprint", NAME)
+    #: the decode's staging pool (staged_kv.py), registered with its agent; None: it has none
+    staging_region: wire.RegionInfo | None = on_wire("staging", Nullable(inner=record_of(wire.RegionInfo)),
+                                                     default=None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagedSlot:
+    """A decode slot for one prefill rank's staged KV of the room: bytes [offset, offset + nbytes) of the decode's
+    staging region (its REGISTER named it)."""
+
+    prefill_rank: int = on_wire("rank", RANK)
+    offset: int = on_wire("offset", Int(lo=0, hi=(1 << 62)))
+    nbytes: int = on_wire("nbytes", Int(lo=1, hi=(1 << 62)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,6 +199,9 @@ class Metadata(Message):
     decode_prefix_len: int = on_wire("prefix_len", COUNT)
     is_dummy: bool = on_wire("dummy", Flag())
     generation: int = on_wire("generation", GENERATION)  # the decode's import of the room; echoed back
+    #: decode slots for staged KV, per prefill rank (none: the prefill writes KV sliced or straight into the pages)
+    staging: tuple[StagedSlot, ...] = on_wire("staging", ListOf(item=record_of(StagedSlot), limit=MAX_TP),
+                                              default=())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,6 +236,8 @@ class Landed(Message):
     prefill_rank: int = on_wire("rank", RANK)
     components: tuple[Component, ...] = on_wire("components", ListOf(item=_COMPONENT, limit=3 * MAX_GROUPS))
     generation: int = on_wire("generation", GENERATION)
+    #: the room's decode pages this writer put in its staging slot, as flat [start, stop) pairs (staged_kv.py)
+    staged: tuple[int, ...] = on_wire("staged", ListOf(item=COUNT, limit=1 << 16), default=())
 
 
 # ---------------------------------------------------------------- the handshake (sessions.py)

@@ -27,6 +27,7 @@ written by the first one only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -255,6 +256,8 @@ class PeerPlan:
     decode_fields: int  # fields the decode rank holds per block (of the buffers both sides have)
     #: buffers one side has and the other has not, tolerated and not transferred (in words, to log)
     one_sided: tuple[str, ...] = ()
+    #: per fencing component, the fields this rank writes (staged_kv.py checks the decode's own reckoning)
+    keys: dict[Component, frozenset[FieldKey]] = dataclasses.field(default_factory=dict)
 
 
 def plan_peer(local: AdoptedLayout, peer: AdoptedLayout) -> PeerPlan:
@@ -278,8 +281,10 @@ def plan_peer(local: AdoptedLayout, peer: AdoptedLayout) -> PeerPlan:
             mine.add(k)
     src, dst = field_layout(local, peer=d), field_layout(peer, peer=p)
     planners: dict[Component, TransferPlanner | None] = {}
+    comp_keys: dict[Component, frozenset[FieldKey]] = {}
     for comp, buffers in local.components:
-        keys = {k for k in mine if k[1] in buffers}
+        keys = frozenset(k for k in mine if k[1] in buffers)
+        comp_keys[comp] = keys
         planners[comp] = TransferPlanner(src, dst, keys=keys) if keys else None
     return PeerPlan(planners=planners, sources=sources, readers=readers, fields=len(mine), decode_fields=len(wanted),
-                    one_sided=notes)
+                    one_sided=notes, keys=comp_keys)

@@ -35,10 +35,12 @@ from hybridkv.connectors.sglang.adopt import KV_GROUP, AdoptedLayout, request_id
 from hybridkv.connectors.sglang.config import SGLangConfig
 from hybridkv.connectors.sglang.fenced_blocks import FencedBlocks
 from hybridkv.connectors.sglang.rooms import Rooms
+from hybridkv.connectors.sglang.staged_kv import PrefillStaging, StagedWrite
 from hybridkv.fencing.fence import NotYet
 from hybridkv.fencing.request_state import Component
 from hybridkv.ids import TransferId
 from hybridkv.transport import bounded
+from hybridkv.transport import staging as st
 from hybridkv.transport.dataplane import DataPlane, Op, Transfer
 from hybridkv.transport.lanes import Lanes
 from hybridkv.transport.metrics import FailureKind, TransferMetrics
@@ -68,6 +70,7 @@ class _StuckWrite:
 
     room: int
     blocks: int = 0  # source blocks kept out of reuse until they end (for the metrics)
+    slots: tuple = ()  # this rank's staging slots they read from, kept until they end
 
 
 @dataclasses.dataclass
@@ -82,6 +85,10 @@ class TransferStats:
     #: descriptors built per chunk as rows (initialize_xfer) and posted as indices into prepped lists
     row_descriptors: int = 0
     prepped_descriptors: int = 0
+    #: KV at different TP through staging slots (staged_kv.py): descriptors, and chunks per route or fallen back
+    staged_descriptors: int = 0
+    staged_direct: int = 0
+    staged_slot: int = 0
 
 
 class PrefillExports:
@@ -95,7 +102,7 @@ class PrefillExports:
     def __init__(self, *, blocks: FencedBlocks, rooms: Rooms, adopted: AdoptedLayout, dp: DataPlane,
                  peers: Mapping[str, Peer], config: SGLangConfig, metrics: TransferMetrics, stats: TransferStats,
                  on_settled: Callable[[int], None], fail_room: Callable[[int, str], None],
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, staging: Optional[PrefillStaging] = None) -> None:
         self.blocks = blocks
         self.rooms = rooms
         self.adopted = adopted
@@ -116,6 +123,10 @@ class PrefillExports:
         #: reads whose WRITEs NIXL would not abort
         self._stuck: bounded.Unabortable[TransferId, _StuckWrite] = bounded.Unabortable(blocks.lock)
         self._room_bytes: dict[int, int] = {}  # bytes this rank wrote per room (get_transfer_metric)
+        #: this rank's staging pool (None: staging off)
+        self.staging = staging
+        #: per room and decode rank (ip, port): the decode pages [start, stop) written into its slot, flat
+        self._slot_pages: dict[int, dict[tuple[str, int], list[int]]] = {}
 
     def add_chunk(self, room: int, kv_indices, index_slice: slice, is_last_chunk: bool,
                   aux_index: Optional[int], state_indices: Optional[list], wait_event) -> None:
@@ -187,7 +198,7 @@ class PrefillExports:
     def drained(self, room: int) -> bool:
         """No chunk of the room is queued, being written or stuck."""
         with self.blocks.lock:
-            return self._inflight.get(room, 0) == 0 and not any(st.room == room for st in self._stuck.payloads())
+            return self._inflight.get(room, 0) == 0 and not any(w.room == room for w in self._stuck.payloads())
 
     def retire_export(self, room: int) -> None:
         """Drop the room's export once nothing of it is queued or being read and it is terminal."""
@@ -195,6 +206,7 @@ class PrefillExports:
             if self._inflight.get(room, 0) > 0 or self._exports.get(room):
                 return
             self._exports.pop(room, None)
+            self._slot_pages.pop(room, None)
             status = self.rooms.status(room)
             if status is None or status in (KVPoll.Success, KVPoll.Failed):
                 self.blocks.drop(request_id(room), export=True)
@@ -229,10 +241,12 @@ class PrefillExports:
                 self.retire_export(chunk.room)
                 self.on_settled(chunk.room)
 
-    def _plans_for(self, chunk: _Chunk, md: msgs.Metadata, peer: Peer
-                   ) -> tuple[list[tuple[Component, Optional[TransferPlan]]], Optional[tuple[np.ndarray, np.ndarray]]]:
+    def _plans_for(self, chunk: _Chunk, md: msgs.Metadata, peer: Peer, slots: list
+                   ) -> tuple[list[tuple[Component, Optional[TransferPlan]]], Optional[tuple[np.ndarray, np.ndarray]],
+                              Optional[StagedWrite]]:
         """Per component, the compiled plan, and the KV pages (src, dst) that go through the peer's prepped
-        lists instead (different TP: sliced_lists.py). Raises ValueError before anything is posted."""
+        lists instead (different TP: sliced_lists.py), or the staged WRITE that carries them (staged_kv.py; its
+        slot is appended to ``slots``). Raises ValueError before anything is posted."""
         dst_pages = md.kv_indices[chunk.index_slice]
         if len(dst_pages) != len(chunk.kv_indices):
             raise ValueError(
@@ -248,7 +262,7 @@ class PrefillExports:
                 raise ValueError(f"room {chunk.room}: decode sent no aux index")
             blocks[self.adopted.aux_group] = (np.asarray([int(chunk.aux_index)]), np.asarray([md.aux_index]))
         out = []
-        prepped = None
+        prepped = staged = None
         for comp, planner in peer.planners.items():
             if comp.group not in blocks:
                 continue
@@ -260,15 +274,41 @@ class PrefillExports:
             src, dst = blocks[comp.group]
             if peer.kv_lists is not None and comp.group == KV_GROUP:
                 peer.kv_lists.indices(src, dst)  # checked here, before anything is posted
-                prepped = (src, dst)
+                staged = self._stage(chunk, md, peer, src, dst)
+                if staged is None:
+                    prepped = (src, dst)
+                else:
+                    slots.append(staged.slot)
                 out.append((comp, None))
                 continue
             out.append((comp, planner.compile({comp.group: src}, {comp.group: dst})))
-        return out, prepped
+        return out, prepped, staged
 
-    def _post(self, agent: str, peer: Peer, plan: TransferPlan, prepped) -> Iterator[tuple[Transfer, int, int]]:
+    def _stage(self, chunk: _Chunk, md: msgs.Metadata, peer: Peer, src: np.ndarray,
+               dst: np.ndarray) -> Optional[StagedWrite]:
+        """The chunk's KV for this decode rank packed into a staging slot, or None: sliced (staging off, the
+        route, or a full pool)."""
+        if self.staging is None or peer.staged is None or not len(src):
+            return None
+        start, stop, _ = chunk.index_slice.indices(len(md.kv_indices))
+        rank = self.rooms.prefill_rank()
+        offer = next(((s.offset, s.nbytes) for s in md.staging if s.prefill_rank == rank), None)
+        return self.staging.prepare(peer.staged, src, dst, (start, stop), offer,
+                                    sliced=peer.kv_lists.pieces * len(src))
+
+    def _post(self, agent: str, peer: Peer, plan: TransferPlan, prepped,
+              staged: Optional[StagedWrite] = None) -> Iterator[tuple[Transfer, int, int]]:
         """The chunk's WRITEs to one decode agent, each with its descriptors and bytes: its KV slices through
-        the prepped lists, the rest as rows."""
+        the prepped lists or from a staging slot, the rest as rows."""
+        if staged is not None:
+            xfer = self.dp.post_rows(Op.WRITE, agent, staged.local, staged.remote)
+            n = len(staged.local)
+            self.stats.staged_descriptors += n
+            if staged.route is st.Route.DIRECT:
+                self.stats.staged_direct += 1
+            else:
+                self.stats.staged_slot += 1
+            yield xfer, n, staged.nbytes
         if prepped is not None:
             src, dst = prepped
             xfer = peer.kv_lists.post(Op.WRITE, src, dst)
@@ -299,9 +339,10 @@ class PrefillExports:
         t0 = time.perf_counter()
         nbytes = descriptors = 0
         post_seconds = 0.0
+        slots: list = []  # this rank's staging slots the chunk's WRITEs read (back once they ended)
         try:
             targets = [(md, self.peers[md.agent_name]) for md in list(infos.values()) if not md.is_dummy]
-            plans = [(md, peer, *self._plans_for(chunk, md, peer)) for md, peer in targets]
+            plans = [(md, peer, *self._plans_for(chunk, md, peer, slots)) for md, peer in targets]
             with self.blocks.lock:
                 sched = self.blocks.sched
                 sched.heartbeat(rid)
@@ -313,9 +354,9 @@ class PrefillExports:
                 lease = sched.leases.deadline(rid)
             # A write past its export lease reads pages that may be released: abort it there.
             deadline = min(deadline, lease) if lease is not None else deadline
-            for md, peer, comp_plans, prepped in plans:
+            for md, peer, comp_plans, prepped, staged in plans:
                 plan = TransferPlan.concat([p for _, p in comp_plans if p is not None and p.num_descriptors])
-                for xfer, n, size in self._post(md.agent_name, peer, plan, prepped):
+                for xfer, n, size in self._post(md.agent_name, peer, plan, prepped, staged):
                     xfers.append(xfer)  # each as soon as it runs: it settles below whatever fails next
                     self.stats.handles += len(xfer.handles)
                     self.stats.descriptors += n
@@ -333,10 +374,18 @@ class PrefillExports:
         settled = bounded.settle(self.dp, xfers, deadline, self.config.settle_poll_s)
         failed, running = settled.errors, settled.running
         if running:
-            self._abandon(room, tid, xfers, running, error)
+            self._abandon(room, tid, xfers, running, error, slots)
             return
         for x in xfers:
             self.dp.release(x)
+        if slots:
+            self.staging.give_back(slots)  # every WRITE that read them ended
+        if error is None and not failed:
+            with self.blocks.lock:
+                for md, _, _, _, staged in plans:
+                    if staged is not None and staged.route is st.Route.SLOT:
+                        got = self._slot_pages.setdefault(room, {}).setdefault((md.endpoint, md.port), [])
+                        got.extend(staged.pages)
         if error is None and failed:
             error = RuntimeError(f"NIXL reported an error for {failed} of {len(xfers)} WRITEs of room {room}")
         if error is None and xfers:
@@ -354,15 +403,18 @@ class PrefillExports:
             # Every chunk of the room ran before this one, in order, on its lane, and settled:
             # the KV component is complete with this one.
             rank = self.rooms.prefill_rank()
+            with self.blocks.lock:
+                slot_pages = self._slot_pages.pop(room, {})
             for (ip, port), gen in self.rooms.generations(room).items():
-                landed = msgs.Landed(room=room, prefill_rank=rank, components=tuple(sent), generation=gen)
+                landed = msgs.Landed(room=room, prefill_rank=rank, components=tuple(sent), generation=gen,
+                                     staged=tuple(slot_pages.get((ip, port), ())))
                 self.rooms.push(ip, port, landed.to_frames(), f"LANDED for room {room}")
             self.rooms.conclude_success(room)
             if self.rooms.check_status(room) == KVPoll.Success:
                 self.rooms.forget_claims(room)
 
     def _abandon(self, room: int, tid: Optional[TransferId], xfers: list[Transfer], running: Sequence[Transfer],
-                 error: Optional[Exception]) -> None:
+                 error: Optional[Exception], slots: Sequence = ()) -> None:
         """WRITEs still running past the transfer timeout or the export lease: abort them.
         Aborted, the room fails like any failed transfer. One NIXL will not abort may still
         write: its read stays in flight in the scheduler, decode is told (STUCK, before
@@ -373,6 +425,8 @@ class PrefillExports:
         why = (f"hybridkv: writes of room {room} still running after {self.transfer_timeout_s:.0f} s "
                f"or past the export lease" + (f" (and: {error})" if error else ""))
         if not refused:
+            if slots:
+                self.staging.give_back(slots)  # aborted: nothing reads them any more
             self.fail_room(room, why + "; aborted")
             self._end_export(room, tid, ok=False)
             return
@@ -381,7 +435,7 @@ class PrefillExports:
             # end now; the scheduler keeps its source blocks out of reuse until then.
             self._exports[room].discard(tid)
             held = self.blocks.count(request_id(room))
-            self._stuck.keep(tid, refused, _StuckWrite(room=room, blocks=held))
+            self._stuck.keep(tid, refused, _StuckWrite(room=room, blocks=held, slots=tuple(slots)))
         self.metrics.quarantined(held)
         rank = self.rooms.prefill_rank()
         for (ip, port), gen in self.rooms.generations(room).items():
@@ -418,10 +472,12 @@ class PrefillExports:
             self.blocks.sched.transfer_failed(tid)
             self.blocks.collect_reusable()
 
-        for st in self._stuck.reap(self.dp, end):
-            self.metrics.quarantine_released(st.blocks)
-            logger.info("hybridkv: room %s: the write NIXL would not abort has ended", st.room)
-            self.on_settled(st.room)  # DRAINED to the decode ranks once nothing else of the room is in flight
+        for stuck in self._stuck.reap(self.dp, end):
+            if stuck.slots:
+                self.staging.give_back(stuck.slots)  # its staging slots too, only now
+            self.metrics.quarantine_released(stuck.blocks)
+            logger.info("hybridkv: room %s: the write NIXL would not abort has ended", stuck.room)
+            self.on_settled(stuck.room)  # DRAINED to the decode ranks once nothing else of the room is in flight
 
     def _end_export(self, room: int, tid: Optional[TransferId], *, ok: bool) -> None:
         if tid is None:

@@ -143,6 +143,9 @@ class HybridKVReceiver(CommonKVReceiver):
                 return None
             # From the first attempt on, some prefill rank may hold our destinations.
             self._published = True
+            prefill_tp = getattr(getattr(self, "prefill_info", None), "attn_tp_size", None)
+            if prefill_tp and prefill_tp != mgr.attn_tp_size:
+                mgr.imports.offer_slots(self.bootstrap_room, int(prefill_tp), blocks[KV_GROUP])
             if self._fail_if_auth_required():
                 # A prefill rank answered the probe while the imports opened, too late for its listener to end
                 # them (none was open yet): nothing was sent, so no write can come.
@@ -159,7 +162,13 @@ class HybridKVReceiver(CommonKVReceiver):
         mgr = self.kv_mgr
         room = self.bootstrap_room
         if status == KVPoll.Success:
+            unpacked = None
             if mgr.imports.import_ready(room):
+                try:
+                    mgr.imports.unpack(room)  # staged KV into the pages, before SGLang reads them
+                except ValueError as e:
+                    unpacked = str(e)
+            if unpacked is None and mgr.imports.import_ready(room):
                 mgr.imports.end_import(room, landed=True)
                 self._final = KVPoll.Success
                 return KVPoll.Success
@@ -170,7 +179,8 @@ class HybridKVReceiver(CommonKVReceiver):
             mgr.imports.end_import(room, landed=False)
             names = ", ".join(f"{c.kind.value}@group{c.group}" for c in missing) or "?"
             mgr.metrics.failure(FailureKind.INCOMPLETE)
-            mgr.record_failure(room, f"prefill reported success but components [{names}] never landed")
+            mgr.record_failure(room, f"prefill reported success but components [{names}] never landed"
+                               if unpacked is None else f"hybridkv could not unpack the staged KV: {unpacked}")
             mgr.update_status(room, KVPoll.Failed)
             self.conclude_state = KVPoll.Failed
             self._final = KVPoll.Failed

@@ -27,6 +27,7 @@ from hybridkv.connectors.sglang.retiring import RetiringAgents
 from hybridkv.connectors.sglang.rooms import Rooms
 from hybridkv.connectors.sglang.sessions import Session
 from hybridkv.connectors.sglang.sliced_lists import sliced_kv
+from hybridkv.connectors.sglang.staged_kv import StagedPeer, decode_region
 from hybridkv.descriptors.compiler import TransferPlanner
 from hybridkv.fencing.request_state import Component, ComponentKind
 from hybridkv.ids import GroupId
@@ -52,6 +53,8 @@ class Peer:
     rejection: Optional[str]
     #: different attention TP: the KV slices as prepped lists, made once per agent (sliced_lists.py)
     kv_lists: Optional[PieceLists] = None
+    #: different attention TP with staging on: what this rank packs for the agent (staged_kv.py)
+    staged: Optional[StagedPeer] = None
 
 
 class Registrations:
@@ -109,7 +112,15 @@ class Registrations:
         except ValueError as e:
             rejection = (f"hybridkv cannot pair prefill rank {mine.attn_rank}/{mine.attn_tp} with decode rank "
                          f"{reg.attn_tp_rank}/{reg.attn_tp_size}: {e}")
-        name = self.dp.add_peer(reg.agent_metadata, peer_layout.memory)
+        kv_mem = next((r.mem for r in peer_layout.memory.regions
+                       if any(g.group_id == KV_GROUP and r.region_id in g.region_ids for g in peer_layout.memory.groups)),
+                      None)
+        region, why = decode_region(peer_layout.memory.regions, kv_mem, reg.staging_region)
+        if why:
+            logger.warning("hybridkv: decode %s: no staging into its slots: %s", reg.agent_name, why)
+        memory = peer_layout.memory if region is None else \
+            dataclasses.replace(peer_layout.memory, regions=peer_layout.memory.regions + (region,))
+        name = self.dp.add_peer(reg.agent_metadata, memory)
         if name != reg.agent_name:
             if name not in self.peers:
                 self.dp.remove_peer(name)
@@ -120,8 +131,10 @@ class Registrations:
                 self.retiring.retire(session.agent, f"decode rank {reg.endpoint}:{reg.port} registered another "
                                                   f"NIXL agent ({name}); its previous one is removed")
             session.agent = name
+        kv_lists = self._kv_lists(name, plan, peer_layout)
         self.peers[name] = Peer(agent_name=name, layout=peer_layout, planners=plan.planners if plan else {},
-                                 plan=plan, rejection=rejection, kv_lists=self._kv_lists(name, plan, peer_layout))
+                                 plan=plan, rejection=rejection, kv_lists=kv_lists,
+                                 staged=self._staged(name, plan, peer_layout, kv_lists, region))
         if rejection:
             logger.error("hybridkv: decode %s refused: %s", name, rejection)
         elif plan is not None and plan.one_sided:
@@ -144,6 +157,19 @@ class Registrations:
         except ValueError as e:  # not page to page, or mixed memory kinds: rows per chunk
             logger.info("hybridkv: decode %s: KV slices posted as rows (%s)", name, e)
             return None
+
+    def _staged(self, name: str, plan: Optional[PeerPlan], peer: AdoptedLayout, kv_lists: Optional[PieceLists],
+                region) -> Optional[StagedPeer]:
+        """Staging on and KV sliced for this agent: what this rank packs for it (staged_kv.py)."""
+        if self.exports.staging is None or kv_lists is None or plan is None:
+            return None
+        kv = Component(group=GroupId(KV_GROUP), kind=ComponentKind.KV)
+        planner = plan.planners.get(kv)
+        staged, why = StagedPeer.make(local=self.adopted, peer=peer, src=planner.src, dst=planner.dst,
+                                      keys=plan.keys.get(kv, frozenset()), region=region)
+        if staged is None:
+            logger.warning("hybridkv: decode %s: KV written sliced, not staged: %s", name, why)
+        return staged
 
     def on_metadata(self, md: msgs.Metadata, session: Optional[Session] = None) -> None:
         room = md.room

@@ -308,10 +308,15 @@ class StagePool:
     contiguous runs of ``slot_bytes`` units, first fit. Slots given back with :meth:`hold` wait
     for their deadline (:meth:`tick`)."""
 
-    def __init__(self, memory: MemoryMap, config: StagingConfig) -> None:
+    def __init__(self, memory: MemoryMap, config: StagingConfig, *, mem: wire.Mem | None = None) -> None:
+        """``mem``: the pool's memory kind where the side's regions mix kinds (SGLang's KV in VRAM, its metadata
+        rows in host memory): the kind of the pages it packs; its first region must be of it (the copier's
+        device). Default: the one kind of every region."""
         self.config = config
         self.units = config.capacity_bytes // config.slot_bytes
         kinds = {r.mem for r in memory.regions}
+        if mem is not None and memory.regions and memory.regions[0].mem is mem:
+            kinds = {mem}
         if len(kinds) != 1:
             raise ValueError(f"staging over regions of memory kinds {sorted(k.name for k in kinds)}; "
                              "expected one kind (disable staging: StagingConfig(mode=StagingMode.OFF))")

@@ -508,11 +508,11 @@ class _State:
         self.mgr.exports.dp = fake.real
         return fake.aborts
 
-    def hold_writes(self, agent=None):
-        """From now on every WRITE (to decode agent `agent` only, if named) is held back (not posted, reads as
-        running, NIXL refuses to abort it) until `release_held`: a handle that hangs, or a decode that stalls,
-        cannot be caused on one machine."""
-        self.mgr.exports.dp = _HeldPlane(self.mgr.exports.dp, only=agent)
+    def hold_writes(self, agent=None, count=None):
+        """From now on every WRITE (to decode agent `agent` only, if named; the next `count` only, if given) is
+        held back (not posted, reads as running, NIXL refuses to abort it) until `release_held`: a handle that
+        hangs, or a decode that stalls, cannot be caused on one machine."""
+        self.mgr.exports.dp = _HeldPlane(self.mgr.exports.dp, only=agent, count=count)
 
     def held(self, _=None):
         return len(self.mgr.exports.dp.held)
@@ -596,6 +596,8 @@ class _State:
                     exporting=mgr.exporting(room) if room is not None else None, peers=len(mgr.peers),
                     retiring=mgr.retiring.agents() if mgr.retiring else [],
                     failures=dict(mgr.failure_records), stuck=len(ex._stuck) if ex else 0,
+                    staging=mgr.staging_pool.describe() if mgr.staging_pool is not None else None,
+                    staged=dict(descriptors=st.staged_descriptors, direct=st.staged_direct, slot=st.staged_slot),
                     auth=dataclasses.asdict(mgr.auth_stats), **sched)
 
 
@@ -637,14 +639,14 @@ class _HeldPlane:
     stand-in that reads as IN_PROGRESS and that NIXL refuses to abort; `post_held` posts them for real
     (the fake of `hold_writes`)."""
 
-    def __init__(self, real, only=None) -> None:
-        self.real, self.held, self.aborts, self.only = real, [], [], only
+    def __init__(self, real, only=None, count=None) -> None:
+        self.real, self.held, self.aborts, self.only, self.count = real, [], [], only, count
 
     def __getattr__(self, name):
         return getattr(self.real, name)
 
     def post_rows(self, *args, **kwargs):
-        if self.only is not None and args[1] != self.only:
+        if (self.only is not None and args[1] != self.only) or (self.count is not None and len(self.held) >= self.count):
             return self.real.post_rows(*args, **kwargs)
         x = _HeldXfer((args, kwargs))
         self.held.append(x)

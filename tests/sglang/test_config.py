@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from hybridkv.connectors.sglang.config import SGLangConfig
+from hybridkv.transport.staging import StagingMode
 
 
 def test_defaults_without_environment():
@@ -29,15 +30,20 @@ def test_every_key_is_read_from_its_variable():
            "HYBRIDKV_SGLANG_SECRET_ENV": "", "HYBRIDKV_SGLANG_HANDSHAKE_TIMEOUT_S": "2",
            "HYBRIDKV_SGLANG_MAX_SESSIONS": "3", "HYBRIDKV_SGLANG_INSECURE_NO_AUTH": "no",
            "HYBRIDKV_SGLANG_INSECURE_HOST_MEMORY": "yes",
-           "HYBRIDKV_SGLANG_ALLOWED_DECODE_HOSTS": "10.0.0.0/8, 192.168.1.7", "HYBRIDKV_SGLANG_UNKNOWN": "x"}
+           "HYBRIDKV_SGLANG_ALLOWED_DECODE_HOSTS": "10.0.0.0/8, 192.168.1.7", "HYBRIDKV_SGLANG_STAGING": "Auto",
+           "HYBRIDKV_SGLANG_STAGING_POOL_MB": "0.5", "HYBRIDKV_SGLANG_UNKNOWN": "x"}
     c = SGLangConfig.from_server_args(None, environ=env)
     assert c == SGLangConfig(transfer_timeout_s=1.5, drain_timeout_s=9.0, min_lease_s=5.0, workers=4,
                              poll_interval_s=0.05, settle_poll_s=0.001, progress_thread=False,
                              secret_file="/run/secret", handshake_timeout_s=2.0, max_sessions=3,
-                             insecure_host_memory=True, allowed_decode_hosts=("10.0.0.0/8", "192.168.1.7"))
+                             insecure_host_memory=True, allowed_decode_hosts=("10.0.0.0/8", "192.168.1.7"),
+                             staging=StagingMode.AUTO, staging_pool_mb=0.5)
     assert {f"HYBRIDKV_SGLANG_{f.name.upper()}" for f in dataclasses.fields(SGLangConfig)} == set(env) - {
         "HYBRIDKV_SGLANG_UNKNOWN"}
     assert c.drain_timeout(120.0) == 9.0 and c.lease_s(c.drain_timeout(None)) == 9.0
+    staging = c.staging_config()
+    assert staging.mode is StagingMode.AUTO and staging.capacity_bytes == 512 << 10
+    assert SGLangConfig().staging_config() is None  # off by default: no pool
 
 
 @pytest.mark.parametrize("var, value, match", [
@@ -47,6 +53,8 @@ def test_every_key_is_read_from_its_variable():
     ("HYBRIDKV_SGLANG_WORKERS", "0", "workers = 0; expected an int >= 1"),
     ("HYBRIDKV_SGLANG_MAX_SESSIONS", "0", "max_sessions = 0; expected an int >= 1"),
     ("HYBRIDKV_SGLANG_PROGRESS_THREAD", "maybe", "HYBRIDKV_SGLANG_PROGRESS_THREAD='maybe'; expected one of"),
+    ("HYBRIDKV_SGLANG_STAGING", "always", "HYBRIDKV_SGLANG_STAGING='always'; expected one of"),
+    ("HYBRIDKV_SGLANG_STAGING_POOL_MB", "0", "staging_pool_mb = 0.0; expected a number > 0"),
 ])
 def test_bad_values_are_refused_naming_the_variable(var, value, match):
     with pytest.raises(ValueError, match=match):
