@@ -10,9 +10,11 @@ core, each part with its own state and given only what it uses:
   bootstrap server are MACed: routes.py, bootstrap.py);
 * prefill: REGISTER / METADATA / ABORT from decode ranks (registrations.py; planners per decode rank at
   any attention TP: pairing.py), chunks as fenced exports written by bounded WRITEs (prefill_side.py),
-  DRAINED answers (drains.py), decode agents whose session ended (retiring.py);
+  DRAINED answers (drains.py), decode agents whose session ended (retiring.py); with staging on, KV at
+  different attention TP packed into slots of a pool registered with the rest (staged_kv.py);
 * decode: published destinations as fenced imports, released only once every writer drained or the
-  drain deadline passed (decode_side.py), fed by what prefill ranks send (decode_inbox.py). At decode
+  drain deadline passed (decode_side.py), fed by what prefill ranks send (decode_inbox.py); with staging on,
+  a slot per prefill rank of a room at different TP, unpacked before the room is ready (staged_kv.py). At decode
   TP > 1 the manager opts into SGLang's deferred decode KV release, so a request failed on one rank
   keeps its pages on every rank until each rank's imports allow it (`is_abort_release_safe`).
 

@@ -90,11 +90,21 @@ def _pools_free(ranks, timeout=10.0) -> None:
     assert all(p["free"] == p["units"] for p in pools), pools
 
 
-def test_prefill_tp2_to_decode_tp1_through_decode_slots(ranks):
+@pytest.fixture(scope="module")
+def two_to_one(ranks):
+    """Prefill TP 2 -> decode TP 1, the decode's pool sized for one room (two writers of 5 KB: two 4 KiB units
+    each); the decode's slot fence off where the test process says so (HYBRIDKV_STAGING_RULE_OFF)."""
+    one_room = 2 * 2 * 4096 / (1 << 20)
+    env = {2: {"HYBRIDKV_SGLANG_STAGING_POOL_MB": str(one_room),
+               "HYBRIDKV_STAGING_RULE_OFF": os.environ.get("HYBRIDKV_STAGING_RULE_OFF")}}
+    return _setup(ranks, [("prefill", 2, 0), ("prefill", 2, 1), ("decode", 1, 0)], env)
+
+
+def test_prefill_tp2_to_decode_tp1_through_decode_slots(ranks, two_to_one):
     """P > D: a decode page interleaves both prefill ranks' heads token by token; each prefill rank WRITEs one
     descriptor per chunk into its decode slot (the sliced lists post KV_ROWS per rank: 53x as many)."""
     p0, p1, d0 = ranks
-    addr = _setup(ranks, [("prefill", 2, 0), ("prefill", 2, 1), ("decode", 1, 0)])
+    addr = two_to_one
     dst = [12, 13, 14, 15, 16, 17, 30, 31, 32, 2]
     _receive(3001, addr, [d0], dst)
     _send(3001, [p0, p1], SRC_PAGES)
@@ -111,6 +121,37 @@ def test_prefill_tp2_to_decode_tp1_through_decode_slots(ranks):
         assert s["exporting"] is False and s["requests"] == 0 and s["transfers"] == 0 and not s["fenced"]
     s = d0.call("stats")
     assert s["requests"] == 0 and s["transfers"] == 0 and not s["fenced"] and not s["imports"]
+
+
+def test_decode_slot_is_kept_while_a_write_may_land(ranks, two_to_one):
+    """Room A's WRITE from prefill rank 0 into its decode slot hangs (held: NIXL will not abort it) and the decode
+    gives A up. Room B comes with the decode pool sized for one room: A's slots stay A's until its writer
+    drained, so B falls back to the sliced lists (a full pool never waits) and A's late WRITE lands in A's slot:
+    B's bytes are right, and every slot goes back once A's writer drained.
+
+    Run with ``HYBRIDKV_STAGING_RULE_OFF=1`` (passed to the decode rank) this fails: A's slots go back when A
+    fails, B takes them, and A's late WRITE lands in B's slot between B's WRITEs and its unpack."""
+    p0, p1, d0 = ranks
+    addr = two_to_one
+    p0.call("patch", ("exports.transfer_timeout_s", 1.0))
+    dst_a, dst_b = [12, 13, 14, 15, 16, 17, 30, 31, 32, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+    src_b = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59]
+    p0.call("hold_writes", (None, 1))  # room A's staged WRITE (its first) hangs
+    _receive(3101, addr, [d0], dst_a)
+    assert d0.call("stats")["staging"]["free"] == 0  # A holds the whole decode pool
+    _send(3101, [p0, p1], SRC_PAGES, chunks=1)
+    assert p0.call("held") == 1
+    d0.call("abort", 3101)  # the decode gives room A up while the WRITE may still land
+    _receive(3102, addr, [d0], dst_b, slot=7, aux=10)  # A's pages, slot and row stay fenced
+    _send(3102, [p0, p1], src_b, chunks=1, slot=4, aux=3)
+    assert [r.call("wait", 3102) for r in (p0, p1)] == [(SUCCESS, None)] * 2
+    assert p0.call("wait", 3101)[0] == FAILED
+    assert p0.call("release_held") == 1  # A's late WRITE lands now, before the decode polls B
+    assert d0.call("wait", 3102) == (SUCCESS, None)
+    bad = _differ([d0], 1, src_b, dst_b, src=(4, 3), dst=(7, 10))
+    assert not bad, f"{len(bad)} fields of room B differ (A's late WRITE landed in them), first {bad[:3]}"
+    assert p0.call("stats")["staged"]["slot"] == CHUNKS + 1  # room 3001's and A's: B fell back (the pool was full)
+    _pools_free(ranks)
 
 
 def test_prefill_tp1_to_decode_tp2_direct_or_through_slots(ranks):
@@ -138,38 +179,4 @@ def test_prefill_tp1_to_decode_tp2_direct_or_through_slots(ranks):
     rows = 2 * 2 * len(ATTN_LAYERS) * 5  # per decode rank: K and V of each layer, 2 pages, 5 chunks
     assert direct == dict(descriptors=2 * CHUNKS + 2 * rows, direct=2 * 5, slot=2 * CHUNKS)
     assert KV_ROWS == 4 * rows  # a page's 4 tokens in one row
-    _pools_free(ranks)
-
-
-def test_decode_slot_is_kept_while_a_write_may_land(ranks):
-    """Room A's WRITE from prefill rank 0 into its decode slot hangs (held: NIXL will not abort it) and the decode
-    gives A up. Room B comes with the decode pool sized for one room: A's slots stay A's until its writer
-    drained, so B falls back to the sliced lists (a full pool never waits) and A's late WRITE lands in A's slot:
-    B's bytes are right, and every slot goes back once A's writer drained.
-
-    Run with ``HYBRIDKV_STAGING_RULE_OFF=1`` (passed to the decode rank) this fails: A's slots go back when A
-    fails, B takes them, and A's late WRITE lands in B's slot between B's WRITEs and its unpack."""
-    p0, p1, d0 = ranks
-    one_room = 2 * 2 * 4096 / (1 << 20)  # two writers, 5 KB each: two 4 KiB units each
-    env = {2: {"HYBRIDKV_SGLANG_STAGING_POOL_MB": str(one_room),
-               "HYBRIDKV_STAGING_RULE_OFF": os.environ.get("HYBRIDKV_STAGING_RULE_OFF")}}
-    addr = _setup(ranks, [("prefill", 2, 0), ("prefill", 2, 1), ("decode", 1, 0)], env)
-    p0.call("patch", ("exports.transfer_timeout_s", 1.0))
-    dst_a, dst_b = [12, 13, 14, 15, 16, 17, 30, 31, 32, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
-    src_b = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59]
-    p0.call("hold_writes", (None, 1))  # room A's staged WRITE (its first) hangs
-    _receive(3101, addr, [d0], dst_a)
-    assert d0.call("stats")["staging"]["free"] == 0  # A holds the whole decode pool
-    _send(3101, [p0, p1], SRC_PAGES, chunks=1)
-    assert p0.call("held") == 1
-    d0.call("abort", 3101)  # the decode gives room A up while the WRITE may still land
-    _receive(3102, addr, [d0], dst_b, slot=7, aux=10)  # A's pages, slot and row stay fenced
-    _send(3102, [p0, p1], src_b, chunks=1, slot=4, aux=3)
-    assert [r.call("wait", 3102) for r in (p0, p1)] == [(SUCCESS, None)] * 2
-    assert p0.call("wait", 3101)[0] == FAILED
-    assert p0.call("release_held") == 1  # A's late WRITE lands now, before the decode polls B
-    assert d0.call("wait", 3102) == (SUCCESS, None)
-    bad = _differ([d0], 1, src_b, dst_b, src=(4, 3), dst=(7, 10))
-    assert not bad, f"{len(bad)} fields of room B differ (A's late WRITE landed in them), first {bad[:3]}"
-    assert p0.call("stats")["staged"]["slot"] == 1  # A only: B fell back to the sliced lists (the pool was full)
     _pools_free(ranks)
