@@ -140,6 +140,9 @@ def test_decode_slot_is_kept_while_a_write_may_land(ranks, two_to_one):
     _receive(3101, addr, [d0], dst_a)
     assert d0.call("stats")["staging"]["free"] == 0  # A holds the whole decode pool
     _send(3101, [p0, p1], SRC_PAGES, chunks=1)
+    deadline = time.monotonic() + 10
+    while p0.call("held") < 1 and time.monotonic() < deadline:  # a worker posts it
+        time.sleep(0.01)
     assert p0.call("held") == 1
     d0.call("abort", 3101)  # the decode gives room A up while the WRITE may still land
     _receive(3102, addr, [d0], dst_b, slot=7, aux=10)  # A's pages, slot and row stay fenced
