@@ -85,9 +85,9 @@ def main() -> int:
     from tests.vllm import harness as h
 
     cmd = json.loads(sys.stdin.readline())
-    if os.environ.get("HYBRIDKV_DRAIN_RULE_OFF") == "1":
-        from tests.transport.drain_peers import _rule_off
+    from tests.transport.drain_peers import RULE_OFF_ENV, _rule_off
 
+    if os.environ.get(RULE_OFF_ENV) == "1":  # a test switch, like the transport drain tests' own
         _rule_off()
     from hybridkv.connectors.vllm.worker_half import WorkerHalf
 
