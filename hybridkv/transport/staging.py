@@ -204,7 +204,8 @@ class Copier:
             raise ValueError(f"copier max_word = {max_word!r}; expected 1, 2, 4 or 8 bytes")
         self._memory = memory
         self._buffer = slot_buffer  # numpy uint8 (host) or a torch uint8 tensor (device)
-        self._vram = memory.regions and memory.regions[0].mem is wire.Mem.VRAM
+        # the slot's memory says where the copies run (a side's regions may mix kinds: SGLang's aux rows)
+        self._vram = hasattr(slot_buffer, "device") and getattr(slot_buffer.device, "type", None) == "cuda"
         self._spans: dict[int, object] = {}
         self._max_word = max_word  # below 8 only to measure what the word buys (bench staging)
 
@@ -214,6 +215,10 @@ class Copier:
         got = self._spans.get(region)
         if got is None:
             r = self._memory.regions[region]
+            if (r.mem is wire.Mem.VRAM) != bool(self._vram):
+                # a host view of device memory (or the reverse) would read or write the wrong bytes
+                raise ValueError(f"a copy touches region {region} in {r.mem.name}, the staging slot is in "
+                                 f"{'VRAM' if self._vram else 'host memory'}; expected one memory kind")
             n = r.stride * (r.num_pages - 1) + r.page_bytes
             if self._vram:
                 import torch
@@ -310,18 +315,18 @@ class StagePool:
 
     def __init__(self, memory: MemoryMap, config: StagingConfig, *, mem: wire.Mem | None = None) -> None:
         """``mem``: the pool's memory kind where the side's regions mix kinds (SGLang's KV in VRAM, its metadata
-        rows in host memory): the kind of the pages it packs; its first region must be of it (the copier's
-        device). Default: the one kind of every region."""
+        rows in host memory): the kind of the pages it packs, on the device of the first region of that kind.
+        Default: the one kind of every region."""
         self.config = config
         self.units = config.capacity_bytes // config.slot_bytes
         kinds = {r.mem for r in memory.regions}
-        if mem is not None and memory.regions and memory.regions[0].mem is mem:
+        if mem is not None and mem in kinds:
             kinds = {mem}
         if len(kinds) != 1:
             raise ValueError(f"staging over regions of memory kinds {sorted(k.name for k in kinds)}; "
                              "expected one kind (disable staging: StagingConfig(mode=StagingMode.OFF))")
         mem = kinds.pop()
-        dev = memory.regions[0].device_id
+        dev = next(r.device_id for r in memory.regions if r.mem is mem)
         self.buffer: Any  # numpy uint8 (host) or a torch uint8 tensor (device)
         if mem is wire.Mem.VRAM:
             import torch

@@ -57,6 +57,30 @@ def test_pool_region_is_registered_with_the_side():
     assert (r.region_id, r.base_addr, r.num_pages * r.stride) == (len(memory.regions), pool.base, 1 << 16)
 
 
+def test_a_pool_over_mixed_kinds_takes_its_kind_and_never_views_the_other_kind():
+    """SGLang's side mixes kinds (KV on the GPU, metadata rows in host memory), in either order. The pool
+    takes the named kind's device wherever that kind's first region is, and a copy that would view a region
+    of the other kind through the slot's memory is refused before any byte moves (here: a host pool and a
+    region marked VRAM, at an address that must never be touched)."""
+    import dataclasses
+
+    from hybridkv.transport.staging import CopyStep, Place
+
+    memory = _memory()
+    host = memory.regions[0]
+    fake_gpu = dataclasses.replace(host, region_id=0, mem=wire.Mem.VRAM, device_id=3, base_addr=16)
+    mixed = dataclasses.replace(memory, regions=(fake_gpu,) + tuple(
+        dataclasses.replace(r, region_id=i + 1) for i, r in enumerate(memory.regions)), groups=())
+    with pytest.raises(ValueError, match="memory kinds"):
+        StagePool(mixed, StagingConfig(capacity_bytes=4096, slot_bytes=1024))
+    pool = StagePool(mixed, StagingConfig(capacity_bytes=4096, slot_bytes=1024), mem=wire.Mem.DRAM)
+    assert (pool.region.mem, pool.region.device_id) == (wire.Mem.DRAM, host.device_id)
+    step = CopyStep(src=Place(region=0, offset=0, stride=64), dst=Place(region=None, offset=0, stride=64),
+                    src_pages=np.array([0]), dst_pages=np.array([0]), length=64)
+    with pytest.raises(ValueError, match="region 0 in VRAM, the staging slot is in host memory"):
+        pool.copier.run([step])
+
+
 def test_config_refuses_bad_values():
     with pytest.raises(ValueError, match="multiple of it"):
         StagingConfig(capacity_bytes=1000, slot_bytes=512)
