@@ -9,6 +9,7 @@
 #   planraw  hybridkv's plan against a raw one-span READ at three sizes (tools/device/plan_vs_raw.sh)
 #   staging  heterogeneous-TP staging against the sliced and unmerged lists, VRAM (tests/transport/hetero_peers.py)
 #   staging16  the same on vLLM's pages split into 16-token kernel blocks (--kernel-block 16)
+#   futures  hybridkv's plan vs raw at 320 and 8 MB with ucxx's Python futures on and off (is the gap its notifier thread?)
 #   gather   `hybridkv bench staging --mem vram`: the staging gather against a plain copy (the speed auto assumes)
 set +e
 set -u
@@ -36,6 +37,9 @@ for s in $STEPS; do
         planraw) TAIL=60 step planraw "${PLANRAW_S:-330}" bash tools/device/plan_vs_raw.sh ;;
         staging) step staging "${STAGING_S:-240}" "$PY" -m tests.transport.hetero_peers --mem vram --pairs "${PAIRS:-2:1,1:2,4:1,8:2}" ;;
         staging16) step staging16 "${STAGING_S:-240}" "$PY" -m tests.transport.hetero_peers --mem vram --pairs "${PAIRS:-2:1,1:2,4:1,8:2}" --kernel-block 16 ;;
+        futures) TAIL=40 step futures "${FUTURES_S:-200}" bash -c 'for size in "--tokens 8192" "--layers 4 --tokens 384"; do
+                for f in 1 0; do echo "=== $size UCXPY_ENABLE_PYTHON_FUTURE=$f"; UCXPY_ENABLE_PYTHON_FUTURE=$f "$0" -c "import sys; from hybridkv.cli import main; sys.exit(main())" bench transfer --mem vram $size --iters 15 --json \
+                    | "$0" -c "import json,sys; r=json.load(sys.stdin); [print(k, v[\"posted\"], round(v[\"post_us\"],1), round(v[\"landed_us\"],1), round(v[\"x_raw\"],3), round(v[\"x_raw_paired\"],3)) for k,v in r[\"schemes\"].items() if k in (\"hybridkv\",\"plan\",\"raw\")]"; done; done' "$PY" ;;
         gather) step gather 120 "${CLI[@]}" bench staging --mem vram --iters 9 ;;
         *) echo "unknown step $s" ;;
     esac
