@@ -109,9 +109,8 @@ class Route(enum.Enum):
 #: 2-core CPU box (posting curve ~2 us per descriptor, docs/benchmarks/transfer.md; a numpy gather of
 #: 1.5-49 MB rows 0.6-1.0 GB/s under load). VRAM, one H100 (tools/device/results/): the posting curve's
 #: 4.95 us per scattered descriptor, and `hybridkv bench staging --mem vram`'s gather of vLLM's pages,
-#: 18-57 GB/s with a byte per index (1-4% of a plain copy; the 500 GB/s assumed before made AUTO stage
-#: where the sliced read was faster). The copier now moves 8-byte words; until that is measured on a GPU
-#: this stays the measured floor.
+#: 26-84 GB/s in 8-byte words (2-6% of a plain copy; a byte per index gave 26-74 in the same run): the
+#: floor, rounded. The 500 GB/s assumed before made AUTO stage where the sliced read was faster.
 COSTS: dict[wire.Mem, tuple[float, float]] = {wire.Mem.DRAM: (2.0, 0.8), wire.Mem.VRAM: (4.95, 30.0)}
 
 
