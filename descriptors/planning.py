@@ -43,9 +43,9 @@ def source_ranks(local_tp: int, local_rank: int, remote_tp: int) -> tuple[tuple[
     read each of them (NixlConnector's TP mapping: D >= P reads a head slice of one P
     rank; P > D reads several P ranks)."""
     for name, v in (("local_tp", local_tp), ("remote_tp", remote_tp)):
-        if not isinstance(v, int) or v <= 0:
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} = {v!r}; expected a positive int")
-    if not 0 <= local_rank < local_tp:
+    if isinstance(local_rank, bool) or not isinstance(local_rank, int) or not 0 <= local_rank < local_tp:
         raise ValueError(f"local_rank = {local_rank}; expected 0..{local_tp - 1}")
     if remote_tp >= local_tp:
         if remote_tp % local_tp:

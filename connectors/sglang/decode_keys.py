@@ -4,7 +4,6 @@ prefill rank requires one (`AuthProbe`)."""
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 from typing import Optional
@@ -15,6 +14,7 @@ from hybridkv.connectors.sglang.sessions import (
     handshake_transcript, open_sealed, read_handshake,
 )
 from hybridkv.transport import auth
+from hybridkv.transport.recent import Recent
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class DecodeKeys:
         self._pending: dict[bytes, _Pending] = {}
         # Older sessions with a prefill rank stay open (oldest dropped past MAX_SESSIONS): a REGISTER
         # again (SGLang re-registers per bootstrap key) must not orphan a room's LANDED still sealed with one.
-        self.by_sid: collections.OrderedDict[bytes, Session] = collections.OrderedDict()
+        self.by_sid: Recent[bytes, Session] = Recent(MAX_SESSIONS)
         self.by_peer: dict[tuple[str, int], Session] = {}  # the newest, which this rank seals with
 
     def handshake(self, prefill: tuple[str, int], timeout_s: float) -> Session:
@@ -93,8 +93,6 @@ class DecodeKeys:
         with self._lock:
             self.by_sid[s.sid] = s
             self.by_peer[p.prefill] = s
-            while len(self.by_sid) > MAX_SESSIONS:
-                self.by_sid.popitem(last=False)
         self.stats.sessions += 1
         self._send(*p.prefill, msgs.Proof(decode_nonce=m.decode_nonce, prefill_nonce=m.prefill_nonce,
                                           endpoint=self._local[0], port=self._local[1], proof=proof).to_frames())
@@ -134,14 +132,12 @@ class AuthProbe:
         self._send = send  # (ip, port, frames) on the socket SGLang's REGISTER will take
         self.stats = stats
         self._lock = threading.Lock()
-        self._pending: collections.OrderedDict[bytes, tuple[str, int]] = collections.OrderedDict()
+        self._pending: Recent[bytes, tuple[str, int]] = Recent(_MAX_PROBES)
 
     def probe(self, prefill: tuple[str, int]) -> None:
         nd = auth.new_nonce()
         with self._lock:
             self._pending[nd] = prefill
-            while len(self._pending) > _MAX_PROBES:
-                self._pending.popitem(last=False)
         self._send(*prefill, msgs.Hello(nonce=nd, endpoint=self._local[0], port=self._local[1]).to_frames())
 
     def on_handshake(self, frames: list[bytes]) -> Optional[tuple[str, int]]:

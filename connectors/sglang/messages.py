@@ -25,11 +25,11 @@ from hybridkv.connectors.sglang.shapes import BufferShape, Parallel, Slicing
 from hybridkv import wire
 from hybridkv.fencing.request_state import Component, ComponentKind
 from hybridkv.wire.codec import unpack
-from hybridkv.wire.fields import Blob, Flag, Int, Int32s, ListOf, Nullable, Text, expect_list
+from hybridkv.wire.fields import Blob, EnumValue, Exact, Flag, Int, Int32s, ListOf, Nullable, Text, expect_list
 from hybridkv.wire.limits import MAX_BLOCKS_PER_GROUP, MAX_FIELDS, MAX_GROUPS, MAX_I32, MAX_METADATA_BYTES, MAX_NAME, \
     MAX_TP
 from hybridkv.wire.regions import GROUP_ID, GROUPS, REGIONS
-from hybridkv.wire.schema import Record, Spec, on_wire, record_of
+from hybridkv.wire.schema import on_wire, record_of, record_with
 
 TAG = b"HYBRIDKV"
 AUTH_TAG = b"HYBRIDKV-AUTH"  # the handshake, before the peer proved the shared secret
@@ -54,38 +54,6 @@ class AuthType(enum.Enum):
 
 # ---------------------------------------------------------------- codecs the wire has no need of itself
 @dataclass(frozen=True, kw_only=True)
-class Fixed:
-    """Bytes of exactly one length (nonces, proofs)."""
-
-    size: int
-
-    def encode(self, value: Any) -> bytes:
-        return bytes(value)
-
-    def decode(self, raw: Any, name: str) -> bytes:
-        if type(raw) is not bytes or len(raw) != self.size:
-            raise wire.WireError(f"{name} is {type(raw).__name__} of {len(raw) if isinstance(raw, bytes) else '?'} "
-                                 f"bytes; expected {self.size} bytes")
-        return raw
-
-
-@dataclass(frozen=True, kw_only=True)
-class EnumValue:
-    """A member of a string-valued enum, sent as its value."""
-
-    enum: type[enum.Enum]
-
-    def encode(self, value: Any) -> Any:
-        return value.value
-
-    def decode(self, raw: Any, name: str) -> enum.Enum:
-        try:
-            return self.enum(raw)
-        except (ValueError, TypeError):
-            raise wire.WireError(f"{name} = {raw!r:.40}; expected one of {[m.value for m in self.enum]}") from None
-
-
-@dataclass(frozen=True, kw_only=True)
 class Indices:
     """Block ids as an int32 array on the wire, an int64 numpy array here (the planners' input)."""
 
@@ -98,11 +66,6 @@ class Indices:
         return np.asarray(self.inner.decode(raw, name), dtype=np.int64)
 
 
-def _record(cls: type, **codecs: Any) -> Record:
-    """The wire form of a type declared outside the wire (shapes.py, hybridkv's fencing)."""
-    return Record(cls=cls, specs=tuple((attr, Spec(key=attr, codec=c)) for attr, c in codecs.items()))
-
-
 COUNT = Int(lo=0, hi=MAX_I32)
 POSITIVE = Int(lo=1, hi=MAX_I32)
 ROOM = Int(lo=0, hi=(1 << 64) - 1)
@@ -112,11 +75,12 @@ PORT = Int(lo=0, hi=65535)
 GENERATION = Int(lo=0, hi=(1 << 63) - 1)
 NAME = Text(limit=MAX_NAME)
 TP = Int(lo=1, hi=MAX_TP)
-_PARALLEL = _record(Parallel, attn_tp=TP, attn_rank=Int(lo=0, hi=MAX_TP - 1), state_tp=TP, page_size=POSITIVE,
-                    kv_heads=POSITIVE, mla=Flag(), kv_layout=Nullable(inner=NAME), draft_entries=COUNT)
-_SHAPE = _record(BufferShape, slicing=EnumValue(enum=Slicing), dim=COUNT, outer=POSITIVE,
-                 sub=ListOf(item=POSITIVE, limit=64), conv=Flag())
-_COMPONENT = _record(Component, group=GROUP_ID, kind=EnumValue(enum=ComponentKind))
+_PARALLEL = record_with(Parallel, attn_tp=TP, attn_rank=Int(lo=0, hi=MAX_TP - 1), state_tp=TP,
+                        page_size=POSITIVE, kv_heads=POSITIVE, mla=Flag(), kv_layout=Nullable(inner=NAME),
+                        draft_entries=COUNT)
+_SHAPE = record_with(BufferShape, slicing=EnumValue(enum=Slicing), dim=COUNT, outer=POSITIVE,
+                     sub=ListOf(item=POSITIVE, limit=64), conv=Flag())
+_COMPONENT = record_with(Component, group=GROUP_ID, kind=EnumValue(enum=ComponentKind))
 
 
 # ---------------------------------------------------------------- the adopted layout, as its peer gets it
@@ -241,8 +205,8 @@ class Landed(Message):
 
 
 # ---------------------------------------------------------------- the handshake (sessions.py)
-NONCE = Fixed(size=wire.NONCE_BYTES)
-PROOF = Fixed(size=wire.PROOF_BYTES)
+NONCE = Exact(size=wire.NONCE_BYTES)
+PROOF = Exact(size=wire.PROOF_BYTES)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,6 +36,7 @@ from hybridkv.connectors.sglang import buffer_keys as keys_of
 from hybridkv.connectors.sglang.adopt import AdoptedLayout
 from hybridkv.connectors.sglang.shapes import BufferShape, Parallel, Slicing
 from hybridkv.descriptors.compiler import TransferPlanner
+from hybridkv.descriptors.planning import source_ranks
 from hybridkv.layout.fields import FieldKind
 from hybridkv.layout.fields import Field, FieldKey
 from hybridkv.layout.kinds.attention import heads_of_rank
@@ -48,20 +49,13 @@ _CONV_SUB = (FieldKind.CONV_Q, FieldKind.CONV_K, FieldKind.CONV_V)
 
 def prefill_sources(prefill_tp: int, decode_tp: int, decode_rank: int) -> tuple[tuple[int, ...], int]:
     """The prefill ranks decode rank `decode_rank` reads, and how many decode ranks read
-    each of them (SGLang: `target_tp_ranks`, `required_dst_info_num`)."""
-    for name, v in (("prefill TP", prefill_tp), ("decode TP", decode_tp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} = {v!r}; expected a positive int")
-    if not 0 <= decode_rank < decode_tp:
-        raise ValueError(f"decode rank {decode_rank}; expected 0..{decode_tp - 1}")
-    if max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
+    each of them (SGLang: `target_tp_ranks`, `required_dst_info_num`): the core's mapping
+    (NixlConnector's and SGLang's are the same), named as SGLang's pairs name it."""
+    if type(prefill_tp) is int and type(decode_tp) is int and min(prefill_tp, decode_tp) > 0 \
+            and max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
         raise ValueError(f"prefill attention TP {prefill_tp} and decode attention TP {decode_tp}: "
                          "expected one to divide the other")
-    if decode_tp >= prefill_tp:
-        r = decode_tp // prefill_tp
-        return (decode_rank // r,), r
-    r = prefill_tp // decode_tp
-    return tuple(range(decode_rank * r, (decode_rank + 1) * r)), 1
+    return source_ranks(decode_tp, decode_rank, prefill_tp)
 
 
 # --------------------------------------------------------------------------- compatibility

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Optional
 
@@ -29,6 +28,7 @@ from hybridkv.connectors.sglang.prefill_links import PrefillLinks
 from hybridkv.connectors.sglang.decode_keys import AuthProbe, DecodeKeys
 from hybridkv.connectors.sglang.prefill_gate import PrefillGate, ReplySockets
 from hybridkv.connectors.sglang.sessions import MAX_SESSIONS, AuthStats, Session
+from hybridkv.transport.recent import Recent
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.utils.network import NetworkAddress
@@ -61,10 +61,10 @@ class PeerAuth:
         self._lock = threading.Lock()
         self._auth_required: set[Endpoint] = set()  # prefill ranks that answered a probe
         # decode: the prefill ranks (ip, port) each room's receiver expects to hear from, oldest first
-        self._room_writers: OrderedDict[int, frozenset[Endpoint]] = OrderedDict()
+        self._room_writers: Recent[int, frozenset[Endpoint]] = Recent(_MAX_ROOM_WRITERS)
         # prefill: sessions that ended, by the decode's ZMQ endpoint: what is still told to a decode rank whose
         # session ended (its rooms' Failed) is sealed with them; bounded, the oldest forgotten first.
-        self._ended: OrderedDict[str, Session] = OrderedDict()
+        self._ended: Recent[str, Session] = Recent(MAX_SESSIONS)
         #: decode with a secret: the handshake per prefill rank, off SGLang's scheduler thread
         self.links: Optional[PrefillLinks] = None
         if secret is not None and decode:
@@ -113,10 +113,7 @@ class PeerAuth:
 
     def _session_ended(self, session: Session) -> None:
         """PrefillGate's on_end."""
-        self._ended.pop(session.tcp, None)
         self._ended[session.tcp] = session
-        while len(self._ended) > MAX_SESSIONS:
-            self._ended.popitem(last=False)
         if self.gate.by_peer.get(session.tcp) is None:
             # Evicted, not replaced: the decode rank does not know, and would seal its next METADATA with it.
             self.rooms.push(*session.peer, msgs.SessionEnded(prefill_rank=self.rooms.prefill_rank()).to_frames(),
@@ -132,10 +129,7 @@ class PeerAuth:
     def expect_writers(self, room: int, prefills: frozenset[Endpoint]) -> None:
         """Decode: the prefill ranks the room's receiver fetched; only their sealed messages touch the room."""
         with self._lock:
-            self._room_writers.pop(room, None)
             self._room_writers[room] = prefills
-            while len(self._room_writers) > _MAX_ROOM_WRITERS:
-                self._room_writers.popitem(last=False)
 
     def writes(self, prefill: Endpoint, room: Optional[int]) -> bool:
         """Decode: that prefill rank is one the room's receiver expects to hear from."""

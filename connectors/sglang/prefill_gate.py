@@ -4,11 +4,7 @@ without keeping state, a session made of a valid Proof, sealed messages opened."
 from __future__ import annotations
 
 import collections
-import hashlib
-import hmac
 import logging
-import secrets
-import time
 from typing import Optional
 
 import zmq
@@ -20,29 +16,13 @@ from hybridkv.connectors.sglang.sessions import (
 )
 from hybridkv import wire
 from hybridkv.transport import auth
+from hybridkv.transport.cookies import Cookies
+from hybridkv.transport.throttle import TokenBucket
 
 logger = logging.getLogger(__name__)
 
 REPLIES_PER_S = 64.0  # Challenges and refusals a prefill rank sends to peers not yet proven
 _REPLY_SOCKETS = 16  # sockets kept to addresses that are not (yet) a session
-
-
-class _Throttle:
-    """A token bucket: replies to unproven peers cost a token, so a flood of Hellos costs the flood."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self.tokens = rate
-        self.at = time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.rate, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
 
 
 class ReplySockets:
@@ -97,17 +77,13 @@ class PrefillGate:
         # a Hello must not make this rank dial whatever address it names
         self._allowed = allowed or (lambda ip, source: True)
         self.stats = stats
-        self._cookie_key = secrets.token_bytes(32)
-        self._throttle = _Throttle(REPLIES_PER_S)
+        # a Hello leaves no state: the prefill's nonce is a cookie bound to the decode's nonce and endpoint
+        self._cookies = Cookies(size=wire.NONCE_BYTES, ttl_s=COOKIE_TTL_S)
+        self._throttle = TokenBucket(REPLIES_PER_S)  # a flood of Hellos costs the flood
         self.by_sid: collections.OrderedDict[bytes, Session] = collections.OrderedDict()
         self.by_peer: dict[str, Session] = {}  # by the decode rank's ZMQ endpoint (what a push names)
-        self._used: dict[bytes, float] = {}  # cookies that became a session -> when they expire
 
     # ------------------------------------------------------------ handshake
-    def _cookie(self, stamp: bytes, nd: bytes, ip: str, port: int) -> bytes:
-        mac = hmac.new(self._cookie_key, stamp + nd + endpoint_bytes(ip, port), hashlib.sha256).digest()
-        return stamp + mac[: wire.NONCE_BYTES - len(stamp)]
-
     def on_handshake(self, frames: list[bytes], source: Optional[str] = None) -> None:
         """A Hello or Proof that came from `source` (the sending connection's IP, if known)."""
         m = read_handshake(frames, self.stats)
@@ -134,8 +110,7 @@ class PrefillGate:
         self._send(ip, port, frames)
 
     def _on_hello(self, m: msgs.Hello) -> None:
-        stamp = int(time.time()).to_bytes(8, "big")
-        np_ = self._cookie(stamp, m.nonce, m.endpoint, m.port)
+        np_ = self._cookies.issue(m.nonce, endpoint_bytes(m.endpoint, m.port))
         transcript = handshake_transcript(m.nonce, np_, endpoint_bytes(m.endpoint, m.port), self._local)
         proof = auth.labelled_proof(self._secret, LABEL_PREFILL, *transcript)
         self.stats.challenges += 1
@@ -143,22 +118,16 @@ class PrefillGate:
                                                        proof=proof).to_frames())
 
     def _on_proof(self, m: msgs.Proof) -> None:
-        now = time.time()
-        for c in [c for c, until in self._used.items() if until < now]:
-            del self._used[c]
-        stamp = m.prefill_nonce[:8]
-        fresh = 0 <= now - int.from_bytes(stamp, "big") <= COOKIE_TTL_S
-        ours = hmac.compare_digest(self._cookie(stamp, m.decode_nonce, m.endpoint, m.port), m.prefill_nonce)
         decode_ep = endpoint_bytes(m.endpoint, m.port)
         transcript = handshake_transcript(m.decode_nonce, m.prefill_nonce, decode_ep, self._local)
-        if not (fresh and ours and m.prefill_nonce not in self._used
+        if not (self._cookies.valid(m.prefill_nonce, m.decode_nonce, decode_ep)
                 and auth.proven(auth.labelled_proof(self._secret, LABEL_DECODE, *transcript), m.proof)):
             self.stats.refused += 1
             logger.info("hybridkv: refused a decode handshake from %s:%s (stale, replayed or unproven)",
                         m.endpoint, m.port)
             self._reply(m.endpoint, m.port, msgs.Refused(reason=REFUSED).to_frames())
             return
-        self._used[m.prefill_nonce] = now + COOKIE_TTL_S
+        self._cookies.spend(m.prefill_nonce)
         peer = (m.endpoint, int(m.port))
         tcp = self._tcp_of(*peer)
         sid = m.decode_nonce + m.prefill_nonce

@@ -57,7 +57,6 @@ again (what an observer of the plain-HTTP exchange saw anyway).
 
 from __future__ import annotations
 
-import collections
 import inspect
 import json
 import logging
@@ -68,6 +67,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from hybridkv.transport import auth
+from hybridkv.transport.recent import Recent
 
 logger = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ class RouteGuard:
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
         self._lock = threading.Lock()
-        self._nonces: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._nonces: Recent[str, float] = Recent(_MAX_NONCES)
         self._accepted: dict[tuple, str] = {}  # rank position -> the MAC of the registration it holds
         self.refused = 0
 
@@ -332,8 +332,6 @@ class RouteGuard:
         now = time.monotonic()
         with self._lock:
             self._nonces[n] = now + NONCE_TTL_S
-            while len(self._nonces) > _MAX_NONCES:
-                self._nonces.popitem(last=False)
         return n
 
     def check(self, data: Any) -> Optional[str]:

@@ -114,6 +114,22 @@ class Choice:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EnumValue:
+    """A member of a string-valued enum, sent as its value."""
+
+    enum: type[enum.Enum]
+
+    def encode(self, value: Any) -> Any:
+        return value.value
+
+    def decode(self, raw: Any, name: str) -> Any:  # a member of self.enum
+        try:
+            return self.enum(raw)
+        except (ValueError, TypeError):
+            raise WireError(f"{name} = {raw!r:.40}; expected one of {[m.value for m in self.enum]}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Text:
     limit: int
     empty: bool = False

@@ -89,6 +89,12 @@ def record_of(cls: type) -> Record:
     return Record(cls=cls, specs=specs_of(cls))
 
 
+def record_with(cls: type, **codecs: Codec) -> Record:
+    """The wire form of a type declared outside the wire (no :func:`on_wire` fields): each keyword is
+    an attribute, sent under its own name, in the order given."""
+    return Record(cls=cls, specs=tuple((attr, Spec(key=attr, codec=c)) for attr, c in codecs.items()))
+
+
 class Message:
     """Base of every control-plane message (each a frozen dataclass registered with :func:`message`)."""
 
