@@ -206,9 +206,11 @@ class PrefillExports:
             if self._inflight.get(room, 0) > 0 or self._exports.get(room):
                 return
             self._exports.pop(room, None)
-            self._slot_pages.pop(room, None)
             status = self.rooms.status(room)
             if status is None or status in (KVPoll.Success, KVPoll.Failed):
+                # only now: between two chunks nothing may be in flight, yet the staged pages so far must
+                # reach the room's LANDED (its last chunk), or the decode leaves them in its slot
+                self._slot_pages.pop(room, None)
                 self.blocks.drop(request_id(room), export=True)
 
     def take_room_bytes(self, room: int) -> Optional[int]:

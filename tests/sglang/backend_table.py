@@ -47,17 +47,19 @@ class Case:
     tp_prefill: int
     tp_decode: int
     state: bool  # the GDN state slot moves with the last chunk
+    staged: bool = False  # hybridkv with HYBRIDKV_SGLANG_STAGING=on (SGLang's own staging needs GPU memory)
 
     @property
     def name(self) -> str:
-        return f"{self.tp_prefill}->{self.tp_decode}"
+        return f"{self.tp_prefill}->{self.tp_decode}" + (" staged" if self.staged else "")
 
     def sglang_refusal(self) -> str | None:
         """Why SGLang's NIXL backend cannot run this case on host memory (None: it can)."""
         if self.state:
             return "state registered as VRAM (UCX without CUDA refuses it)"
         if self.tp_prefill != self.tp_decode:
-            return "different TP to host memory: NotImplementedError"
+            return "different TP to host memory: NotImplementedError" + (
+                "; its staging buffer is GPU memory" if self.staged else "")
         return None
 
 
@@ -148,7 +150,8 @@ def _setup(ranks, backend: Backend, case: Case, shape) -> str:
     for i, (role, tp, rank) in enumerate(roles):
         host = i == 0
         ranks[i].start("setup", (backend.value, role, tp, rank, port if role == "prefill" else pd_peer.free_port(),
-                                 PREFILL_SEED if role == "prefill" else None, host, shape, case.state))
+                                 PREFILL_SEED if role == "prefill" else None, host, shape, case.state,
+                                 case.staged and backend is Backend.HYBRIDKV))
         if host:
             ranks[i].result("setup")  # the bootstrap server is up before the others register
     for r in ranks[1:]:
@@ -198,6 +201,11 @@ def run_case(backend: Backend, case: Case, shape, req: Request, plans: list[Room
             got = d.call("digests", (list(plan.dst_pages), plan.dst_slot, plan.dst_aux, case.state))
             want = _want(shape, case.tp_decode, r, plan, case.state)
             checked = checked and got == want
+            if got != want:
+                import sys as _s
+                bad = sorted(k for k in want if got.get(k) != want[k])
+                import collections as _c
+                print("DIFF rank", r, len(bad), "of", len(want), _c.Counter((k[0], k[1], k[3]) for k in bad), min(k[5] for k in bad), max(k[5] for k in bad), file=_s.stderr)
         nbytes = sum(d.call("landing_bytes", (len(plan.dst_pages), case.state)) for d in decode)
         ms = sorted(x * 1e3 for x in lat)
         return Result(backend=backend, case=case, descriptors=int(statistics.median(descs)),
@@ -291,6 +299,8 @@ CASES = {
     "1->1+state": Case(tp_prefill=1, tp_decode=1, state=True),
     "2->1": Case(tp_prefill=2, tp_decode=1, state=False),
     "1->2": Case(tp_prefill=1, tp_decode=2, state=False),
+    "2->1-staged": Case(tp_prefill=2, tp_decode=1, state=False, staged=True),
+    "1->2-staged": Case(tp_prefill=1, tp_decode=2, state=False, staged=True),
 }
 
 

@@ -13,6 +13,8 @@ Descriptors are counted where both backends hand them to NIXL: the prefill agent
 
 from __future__ import annotations
 
+import os
+
 import contextlib
 import dataclasses
 import time
@@ -110,9 +112,14 @@ class _BenchState:
         self.peers: dict[int, object] = {}
 
     def setup(self, backend: str, role: str, tp: int, rank: int, bootstrap_port: int, seed, host_server: bool,
-              shape: Shape, state: bool):
-        """`backend`: "nixl" (SGLang's) or "hybridkv"; `state`: register the GDN state component."""
+              shape: Shape, state: bool, staged: bool = False):
+        """`backend`: "nixl" (SGLang's) or "hybridkv"; `state`: register the GDN state component; `staged`:
+        hybridkv's staging at different TP on (HYBRIDKV_SGLANG_STAGING, read when the manager starts)."""
         self.teardown()
+        if staged:
+            os.environ["HYBRIDKV_SGLANG_STAGING"] = "on"
+        else:
+            os.environ.pop("HYBRIDKV_SGLANG_STAGING", None)
         use_shape(shape)
         sa = pd_peer.configure(role, port=pd_peer.free_port(), bootstrap_port=bootstrap_port, tp=tp, rank=rank)
         self.backend = backend
