@@ -201,11 +201,10 @@ def run_case(backend: Backend, case: Case, shape, req: Request, plans: list[Room
             got = d.call("digests", (list(plan.dst_pages), plan.dst_slot, plan.dst_aux, case.state))
             want = _want(shape, case.tp_decode, r, plan, case.state)
             checked = checked and got == want
-            if got != want:
-                import sys as _s
+            if got != want:  # say which, so a wrong case can be read from its output
                 bad = sorted(k for k in want if got.get(k) != want[k])
-                import collections as _c
-                print("DIFF rank", r, len(bad), "of", len(want), _c.Counter((k[0], k[1], k[3]) for k in bad), min(k[5] for k in bad), max(k[5] for k in bad), file=_s.stderr)
+                print(f"  {backend.value} {case.name}: decode rank {r}: {len(bad)} of {len(want)} fields differ, "
+                      f"first {bad[:3]}", file=sys.stderr)
         nbytes = sum(d.call("landing_bytes", (len(plan.dst_pages), case.state)) for d in decode)
         ms = sorted(x * 1e3 for x in lat)
         return Result(backend=backend, case=case, descriptors=int(statistics.median(descs)),
@@ -266,7 +265,8 @@ def table(results: list[Result]) -> str:
         ratio = "—"
         if r.backend is Backend.HYBRIDKV and other is not None:
             t = (f"{r.latency_ms / other.latency_ms:.2f}x" if other.latency_ms else "—")
-            ratio = f"{t}; {r.descriptors / other.descriptors:.3f}x"
+            d = r.descriptors / other.descriptors
+            ratio = f"{t}; " + (f"{d:.3f}x" if d >= 0.01 else f"1/{1 / d:,.0f}")
         moves = "KV + aux + GDN state" if r.case.state else "KV + aux"
         lat = "—" if r.latency_ms is None else f"{r.latency_ms:.1f} ({r.latency_p90_ms:.1f})"
         rows.append(f"| {r.case.name} | {moves} | {'SGLang NIXL' if r.backend is Backend.SGLANG_NIXL else 'hybridkv'}"
