@@ -15,6 +15,7 @@ from hybridkv.transport import config as transport_config
 from hybridkv.transport.allowlist import PeerAllowlist, canonical_ip
 from hybridkv.transport.auth import load_configured_secret
 from hybridkv.transport.dataplane import DataPlaneConfig
+from hybridkv.transport.settings import check_secret_sources, is_int, require
 from hybridkv.transport.staging import StagingConfig, StagingMode
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ _STAGING_UNIT = 4 << 10  # a pool slot's allocation unit (a request's slice of a
 _MODE_KEYS = frozenset({"staging"})
 _BOOL_KEYS = frozenset({"progress_thread", "insecure_no_auth", "insecure_host_memory"})
 _HOSTS_KEYS = frozenset({"allowed_decode_hosts"})
+_AUTH_KEYS = _SECRET_KEYS | {"insecure_no_auth", "insecure_host_memory"}  # hybridkv.transport.settings checks them
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,34 +119,26 @@ class SGLangConfig:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in _HOSTS_KEYS:
-                if not isinstance(v, tuple) or not all(isinstance(h, str) for h in v):
-                    raise ValueError(f"{f.name} = {v!r}; expected a tuple of IP addresses or networks")
+                require(isinstance(v, tuple) and all(isinstance(h, str) for h in v), f.name, v,
+                        "a tuple of IP addresses or networks")
                 if v:
                     try:
                         PeerAllowlist.parse(v)  # the transport's allowlist: the same rule as allowed_peers
                     except ValueError as e:
                         raise ValueError(f"{f.name}: {e}") from None
             elif f.name in _MODE_KEYS:
-                if not isinstance(v, StagingMode):
-                    raise ValueError(f"{f.name} = {v!r}; expected one of {[m.value for m in StagingMode]}")
-            elif f.name in _SECRET_KEYS:
-                if v is not None and (not isinstance(v, str) or v.strip() == ""):
-                    raise ValueError(f"{f.name} = {v!r}; expected unset or a non-empty string")
+                require(isinstance(v, StagingMode), f.name, v, f"one of {[m.value for m in StagingMode]}")
+            elif f.name in _AUTH_KEYS:
+                continue  # the core's rules, below
             elif f.name in _BOOL_KEYS:
-                if not isinstance(v, bool):
-                    raise ValueError(f"{f.name} = {v!r}; expected a bool")
+                require(isinstance(v, bool), f.name, v, "a bool")
             elif f.name in _INT_KEYS:
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f"{f.name} = {v!r}; expected an int >= 1")
+                require(is_int(v) and v >= 1, f.name, v, "an int >= 1")
             elif v is not None or f.name != "drain_timeout_s":
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                    raise ValueError(f"{f.name} = {v!r}; expected a number > 0")
-        if self.secret_file is not None and self.secret_env is not None:
-            raise ValueError(f"secret_file = {self.secret_file!r} and secret_env = {self.secret_env!r} are both set; "
-                             "expected at most one source of the shared secret")
-        if self.insecure_no_auth and (self.secret_file is not None or self.secret_env is not None):
-            raise ValueError("insecure_no_auth = True with a shared secret (secret_file or secret_env); expected one "
-                             "of the two (a secret authenticates every rank, insecure_no_auth serves any)")
+                require(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, f.name, v, "a number > 0")
+        check_secret_sources(secret_file=self.secret_file, secret_env=self.secret_env,
+                             insecure_no_auth=self.insecure_no_auth, insecure_host_memory=self.insecure_host_memory,
+                             name=str)
 
     def secret(self) -> bytes | None:
         """The shared secret, read from its file or environment variable now (None: unauthenticated).

@@ -19,6 +19,8 @@ from typing import Any
 
 from hybridkv.fencing.fence import FencePolicy
 from hybridkv.transport.allowlist import PeerAllowlist
+from hybridkv.transport.settings import check_secret_sources, require
+from hybridkv.transport.settings import is_int as _is_int
 from hybridkv.transport.staging import StagingMode
 
 log = logging.getLogger(__name__)
@@ -148,21 +150,11 @@ class HybridKVVllmConfig:
                     PeerAllowlist.parse(v)
                 except ValueError as exc:
                     raise ValueError(f"kv_connector_extra_config[{key!r}]: {exc}") from None
-        for key in ("secret_file", "secret_env"):
-            v = getattr(self, key)
-            _check(v is None or (isinstance(v, str) and v.strip() != ""), key, v, "null or a non-empty string")
-        if self.secret_file is not None and self.secret_env is not None:
-            raise ValueError("kv_connector_extra_config sets both 'secret_file' and 'secret_env'; expected at "
-                             "most one source of the shared secret")
         _check(self.tp_rank is None or (_is_int(self.tp_rank) and self.tp_rank >= 0),
                "tp_rank", self.tp_rank, "null or a non-negative int")
-        _check(isinstance(self.insecure_no_auth, bool), "insecure_no_auth", self.insecure_no_auth, "a bool")
-        _check(isinstance(self.insecure_host_memory, bool), "insecure_host_memory", self.insecure_host_memory,
-               "a bool")
-        if self.insecure_no_auth and (self.secret_file is not None or self.secret_env is not None):
-            raise ValueError("kv_connector_extra_config sets 'insecure_no_auth' and a secret ('secret_file' or "
-                             "'secret_env'); expected one of the two (a secret authenticates every peer, "
-                             "insecure_no_auth serves any)")
+        check_secret_sources(secret_file=self.secret_file, secret_env=self.secret_env,
+                             insecure_no_auth=self.insecure_no_auth, insecure_host_memory=self.insecure_host_memory,
+                             name=_name)
         _check(isinstance(self.staging, StagingMode), "staging", self.staging, "a StagingMode")
         _check(_is_int(self.staging_capacity_mb) and 1 <= self.staging_capacity_mb <= 65536, "staging_capacity_mb",
                self.staging_capacity_mb, "an int of MiB, 1..65536")
@@ -173,8 +165,7 @@ class HybridKVVllmConfig:
         """The shared secret, read from its file or environment variable (None: unauthenticated)."""
         from hybridkv.transport.auth import load_configured_secret
 
-        return load_configured_secret(file=self.secret_file, env=self.secret_env,
-                                      key=lambda k: f"kv_connector_extra_config[{k!r}]")
+        return load_configured_secret(file=self.secret_file, env=self.secret_env, key=_name)
 
     def staging_config(self):
         """The transport's staging config for this worker (None: no pool, never stage)."""
@@ -316,13 +307,12 @@ def _check_buffer_device(device: str | None) -> None:
                          f"in place in {own!r} memory and has no staging buffer: expected {own!r} (vLLM's default)")
 
 
+def _name(key: str) -> str:
+    return f"kv_connector_extra_config[{key!r}]"
+
+
 def _check(ok: bool, key: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}; expected {expected}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    require(ok, _name(key), value, expected)
 
 
 # The parsers accept what the keys' earlier int()/float() reads accepted from JSON (numbers, and

@@ -20,6 +20,7 @@ from hybridkv import wire
 from hybridkv.transport import auth
 from hybridkv.transport.allowlist import PeerAllowlist
 from hybridkv.transport.dataplane import DataPlaneConfig
+from hybridkv.transport.settings import check_auth_flags
 
 #: Whether an endpoint without a secret refuses to start unless ``insecure_no_auth`` says lab mode
 #: by name (secure by default; see :func:`check_auth_mode`). Every connector passes
@@ -118,12 +119,8 @@ class TransportConfig:
             auth.check_secret(self.secret, "TransportConfig.secret")
         _check_compat(self.compat)
         object.__setattr__(self, "compat", types.MappingProxyType(dict(self.compat)))  # frozen like the rest
-        for key in ("insecure_no_auth", "insecure_host_memory"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"TransportConfig.{key} = {getattr(self, key)!r}; expected a bool")
-        if self.insecure_no_auth and self.secret is not None:
-            raise ValueError("TransportConfig.insecure_no_auth = True with a secret; expected one of the two "
-                             "(a secret authenticates every peer, insecure_no_auth serves any)")
+        check_auth_flags(insecure_no_auth=self.insecure_no_auth, insecure_host_memory=self.insecure_host_memory,
+                         secret_given=self.secret is not None, secret="a secret", name=lambda k: f"TransportConfig.{k}")
         if not isinstance(self.idle_connection_s, (int, float)) or not self.idle_connection_s > 0:
             raise ValueError(f"TransportConfig.idle_connection_s = {self.idle_connection_s!r}; expected seconds > 0")
         if not isinstance(self.fd_budget, (int, float)) or not 0 < self.fd_budget <= 1:

@@ -164,7 +164,8 @@ def test_nixl_side_channel_environment_is_read_as_nixl_connector_reads_it():
 
 
 def test_insecure_no_auth_and_a_secret_are_refused_together():
-    with pytest.raises(ValueError, match="sets 'insecure_no_auth' and a secret"):
+    with pytest.raises(ValueError, match=r"\['insecure_no_auth'\] = True with a shared secret "
+                                         r"\(kv_connector_extra_config\['secret_file'\] or"):
         HybridKVVllmConfig.from_extra_config({"insecure_no_auth": True, "secret_env": "X"}, env={})
 
 
@@ -289,7 +290,8 @@ def test_an_unusable_secret_fails_at_start_up_naming_its_key(extra, message, mon
 
 
 def test_both_secret_sources_are_refused():
-    with pytest.raises(ValueError, match="sets both 'secret_file' and 'secret_env'"):
+    with pytest.raises(ValueError, match=r"\['secret_file'\] = '/a' and kv_connector_extra_config\['secret_env'\] = "
+                                         "'B' are both set; expected at most one source"):
         HybridKVVllmConfig.from_extra_config({"secret_file": "/a", "secret_env": "B"})
 
 
