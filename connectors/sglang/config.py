@@ -135,7 +135,7 @@ class SGLangConfig:
             elif f.name in _INT_KEYS:
                 require(is_int(v) and v >= 1, f.name, v, "an int >= 1")
             elif v is not None or f.name != "drain_timeout_s":
-                require(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, f.name, v, "a number > 0")
+                require((is_int(v) or isinstance(v, float)) and v > 0, f.name, v, "a number > 0")
         check_secret_sources(secret_file=self.secret_file, secret_env=self.secret_env,
                              insecure_no_auth=self.insecure_no_auth, insecure_host_memory=self.insecure_host_memory,
                              name=str)

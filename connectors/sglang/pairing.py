@@ -37,6 +37,7 @@ from hybridkv.connectors.sglang.adopt import AdoptedLayout
 from hybridkv.connectors.sglang.shapes import BufferShape, Parallel, Slicing
 from hybridkv.descriptors.compiler import TransferPlanner
 from hybridkv.descriptors.planning import source_ranks
+from hybridkv.transport.settings import is_int
 from hybridkv.layout.fields import FieldKind
 from hybridkv.layout.fields import Field, FieldKey
 from hybridkv.layout.kinds.attention import heads_of_rank
@@ -51,7 +52,7 @@ def prefill_sources(prefill_tp: int, decode_tp: int, decode_rank: int) -> tuple[
     """The prefill ranks decode rank `decode_rank` reads, and how many decode ranks read
     each of them (SGLang: `target_tp_ranks`, `required_dst_info_num`): the core's mapping
     (NixlConnector's and SGLang's are the same), named as SGLang's pairs name it."""
-    if type(prefill_tp) is int and type(decode_tp) is int and min(prefill_tp, decode_tp) > 0 \
+    if is_int(prefill_tp) and is_int(decode_tp) and min(prefill_tp, decode_tp) > 0 \
             and max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
         raise ValueError(f"prefill attention TP {prefill_tp} and decode attention TP {decode_tp}: "
                          "expected one to divide the other")

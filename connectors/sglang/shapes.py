@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+
+from hybridkv.transport.settings import is_int, require
 
 
 class Slicing(enum.Enum):
@@ -57,13 +58,8 @@ class Parallel:
     def __post_init__(self) -> None:
         for name in ("attn_tp", "state_tp", "page_size", "kv_heads"):
             v = getattr(self, name)
-            if not _is_int(v) or v <= 0:
-                raise ValueError(f"{name} = {v!r}; expected a positive int")
-        if not _is_int(self.attn_rank) or not 0 <= self.attn_rank < self.attn_tp:
-            raise ValueError(f"attn_rank = {self.attn_rank!r}; expected 0..{self.attn_tp - 1}")
-        if not _is_int(self.draft_entries) or self.draft_entries < 0:
-            raise ValueError(f"draft_entries = {self.draft_entries!r}; expected an int >= 0")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+            require(is_int(v) and v > 0, name, v, "a positive int")
+        require(is_int(self.attn_rank) and 0 <= self.attn_rank < self.attn_tp, "attn_rank", self.attn_rank,
+                f"0..{self.attn_tp - 1}")
+        require(is_int(self.draft_entries) and self.draft_entries >= 0, "draft_entries", self.draft_entries,
+                "an int >= 0")
