@@ -13,12 +13,10 @@ Descriptors are counted where both backends hand them to NIXL: the prefill agent
 
 from __future__ import annotations
 
-import os
-
 import contextlib
 import dataclasses
+import os
 import time
-import traceback
 
 import numpy as np
 
@@ -231,18 +229,8 @@ def digests(p: pools.Pools, pages, slot, aux_row, state: bool) -> dict:
 
 
 def serve(conn) -> None:
-    """Answer commands until "exit"; an exception is sent back, and the loop goes on."""
-    state = _BenchState()
-    while True:
-        cmd, arg = conn.recv()
-        if cmd == "exit":
-            state.teardown()
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", getattr(state, cmd)(*(arg if isinstance(arg, tuple) else (arg,)))))
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
+    """Answer commands until "exit" with a `_BenchState` (pd_peer's loop)."""
+    pd_peer.answer(conn, _BenchState())
 
 
 class BenchRank(pd_peer.Rank):

@@ -237,8 +237,13 @@ class Rank:
 
 
 def serve(conn) -> None:
-    """Answer commands until "exit"; an exception is sent back, and the loop goes on."""
-    state = _State()
+    """Answer commands until "exit" with a rank's `_State`."""
+    answer(conn, _State())
+
+
+def answer(conn, state) -> None:
+    """Answer commands (a public method of `state` each) until "exit"; an exception is sent back, and the
+    loop goes on."""
     while True:
         cmd, arg = conn.recv()
         if cmd == "exit":

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import select
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.ports import free_ports
+from tests.vllm.lines import JsonProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -31,42 +28,9 @@ pytestmark = pytest.mark.slow
 
 
 
-class Rank:
+class Rank(JsonProcess):
     def __init__(self, cmd: dict, log) -> None:
-        self.p = subprocess.Popen([sys.executable, "-m", "tests.vllm.rank_peer"], cwd=ROOT, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=log, text=True,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
-        self._buf = b""
-        self.send(cmd)
-
-    def send(self, obj) -> None:
-        self.p.stdin.write(json.dumps(obj) + "\n")
-        self.p.stdin.flush()
-
-    def read(self, timeout: float = 300.0) -> dict:
-        """The next JSON line; other output (NIXL's log lines) is skipped. Lines are split
-        here from raw reads: a buffered reader would hide lines from select()."""
-        deadline = time.monotonic() + timeout
-        fd = self.p.stdout.fileno()
-        while time.monotonic() < deadline:
-            while b"\n" in self._buf:
-                line, self._buf = self._buf.split(b"\n", 1)
-                if line.startswith(b"{"):
-                    return json.loads(line)
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if ready:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:  # end of output: every line it printed was read above
-                    raise AssertionError(f"rank process exited with {self.p.wait(10)}")
-                self._buf += chunk
-        raise AssertionError(f"no answer from a rank process in {timeout} s")
-
-    def close(self) -> None:
-        try:
-            self.p.wait(20)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait(5)
+        super().__init__("tests.vllm.rank_peer", cmd, log, what="rank process")
 
 
 def _analyzer(p_tp: int, d_tp: int, tokens: int, *, staged: bool, scheme: str = "HYBRIDKV_VLLM",

@@ -19,20 +19,16 @@ tests/transport/drain_peers.py): every test here then fails.
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.ports import free_ports
+from tests.vllm.lines import JsonProcess
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 LEASE_S = 3.0  # the producer's lease: the held READ is given up once it lapses (no renewal from a stopped producer)
@@ -44,35 +40,11 @@ LOAD_PROMPT = 320
 NEXT_PROMPT = 256
 
 
-class Proc:
-    """One engine process, driven by JSON lines (other output, NIXL's log lines, is skipped)."""
+class Proc(JsonProcess):
+    """One engine process over UCX's tcp transport (set in its own environment: nothing leaks to other tests)."""
 
     def __init__(self, module: str, cmd: dict, log) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_TLS": "tcp"}
-        self.p = subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        self._buf = b""
-        self.send(cmd)
-
-    def send(self, obj) -> None:
-        self.p.stdin.write(json.dumps(obj) + "\n")
-        self.p.stdin.flush()
-
-    def read(self, timeout: float = 120.0) -> dict:
-        deadline = time.monotonic() + timeout
-        fd = self.p.stdout.fileno()
-        while time.monotonic() < deadline:
-            while b"\n" in self._buf:
-                line, self._buf = self._buf.split(b"\n", 1)
-                if line.startswith(b"{"):
-                    return json.loads(line)
-            ready, _, _ = select.select([fd], [], [], 0.1)
-            if ready:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    raise AssertionError(f"engine process exited with {self.p.wait(10)}")
-                self._buf += chunk
-        raise AssertionError(f"no answer from an engine process in {timeout} s")
+        super().__init__(module, cmd, log, env={"UCX_TLS": "tcp"}, what="engine process")
 
     def quiet_for(self, seconds: float) -> dict | None:
         """The next JSON line if one comes within ``seconds``, else None."""
