@@ -61,24 +61,14 @@ def _pairs(text: str) -> list[tuple[int, int]]:
 def _vllm_layout(geo, *, tp: int, rank: int, block_size: int, pages: int, alloc):
     """vLLM 0.33's hybrid-allocator tensors in the block-outermost order the vLLM connector asks for:
     one allocation, [block][tensor slot][page], layer i of every group on slot i."""
-    from hybridkv.descriptors.hma import plan_hma
-    from hybridkv.layout import GroupSpec, LayerBuffer, Layout, adopt_layout
-    from hybridkv.layout.fields import PageContent
-    from hybridkv.layout.geometry import LayerKind
+    from hybridkv.descriptors.hma import hma_buffers, plan_hma
+    from hybridkv.layout import Layout, adopt_layout
 
     hma = plan_hma(geo.shard(tp), block_size)
     page, slots = hma.page_bytes, hma.num_tensors
     a = alloc.allocate(page * slots * pages)
-    groups, buffers = [], []
-    for grp in hma.groups:
-        state = grp.kind is LayerKind.GDN
-        groups.append(GroupSpec(group_id=grp.group_id, kind=grp.kind, layer_indices=grp.layer_indices,
-                                block_tokens=None if state else grp.block_size))
-        for i, layer in enumerate(grp.layer_indices):
-            buffers.append(LayerBuffer(layer=layer, group_id=grp.group_id, addr=a.addr + i * page,
-                                       block_stride=page * slots, page_bytes=page, num_blocks=pages,
-                                       content=PageContent.GDN if state else PageContent.ATTN_HND,
-                                       mem=a.mem, device_id=a.device_id))
+    groups, buffers = hma_buffers(hma, [a.addr + i * page for i in range(slots)], block_stride=page * slots,
+                                  pages=pages, mem=a.mem, device_id=a.device_id)
     got = adopt_layout(geo, groups, buffers, tp=tp, rank=rank)
     return Layout(geometry=got.geometry, tp=tp, rank=rank, regions=got.regions, groups=got.groups, allocations=(a,))
 

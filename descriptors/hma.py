@@ -15,11 +15,14 @@ group_size shared tensors.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.ids import GroupId
+from hybridkv.layout.alloc import MemKind
+from hybridkv.layout.fields import PageContent
 from hybridkv.layout.geometry import LayerKind, LayerSpec, ModelGeometry, Paging
-from hybridkv.layout.regions import KERNEL_ALIGNMENT, check_block_size
+from hybridkv.layout.regions import KERNEL_ALIGNMENT, GroupSpec, LayerBuffer, check_block_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,3 +116,27 @@ def plan_hma(geometry: ModelGeometry, block_size: int | None = None,
         page = max(_state_bytes(geometry))
     return HMAPlan(geometry=geometry, groups=tuple(groups), block_size=bs, page_bytes=page,
                    group_size=group_size)
+
+
+def hma_buffers(plan: HMAPlan, tensors: Sequence[int], *, block_stride: int, pages: int,
+                mem: MemKind = MemKind.DRAM, device_id: int = 0,
+                kernel_tokens: int | None = None) -> tuple[list[GroupSpec], list[LayerBuffer]]:
+    """The groups and layer buffers of vLLM's hybrid-allocator tensors over ``plan``, for adopt_layout: layer i
+    of every group on the tensor at address ``tensors[i]``, ``pages`` pages ``block_stride`` bytes apart (the
+    page size where each tensor is its own allocation, more where blocks are outermost). Attention pages are
+    head-major, in kernel blocks of ``kernel_tokens`` where vLLM splits the block; GDN pages hold the state."""
+    if len(tensors) != plan.num_tensors:
+        raise ValueError(f"{len(tensors)} tensor addresses; expected {plan.num_tensors} (the plan's shared tensors)")
+    split = kernel_tokens not in (None, plan.block_size)
+    groups, buffers = [], []
+    for grp in plan.groups:
+        state = grp.kind is LayerKind.GDN
+        groups.append(GroupSpec(group_id=grp.group_id, kind=grp.kind, layer_indices=grp.layer_indices,
+                                block_tokens=None if state else grp.block_size))
+        for i, layer in enumerate(grp.layer_indices):
+            buffers.append(LayerBuffer(layer=layer, group_id=grp.group_id, addr=tensors[i], block_stride=block_stride,
+                                       page_bytes=plan.page_bytes, num_blocks=pages,
+                                       content=PageContent.GDN if state else PageContent.ATTN_HND,
+                                       mem=mem, device_id=device_id,
+                                       kernel_tokens=kernel_tokens if split and not state else None))
+    return groups, buffers

@@ -77,33 +77,21 @@ def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram", tp: in
 
 def vllm_layout(geo, *, tp: int, rank: int, block: int, kernel: int | None, pages: int, allocator):
     """vLLM 0.33's hybrid-allocator tensors as ``allocate_kv_cache`` lays them out with attention kernel
-    blocks of ``kernel`` tokens inside each ``block``-token logical block: layer-compact (LBHNC), since
-    vLLM refuses to split a block into kernel blocks in a block-outermost layout (its pages there are not
-    dense: "does not store blocks as dense, unpadded pages"). Tensor slot i (layer i of every group, one
+    blocks of ``kernel`` tokens inside each ``block``-token logical block: layer-outermost (LBHNC), the only
+    layouts where vLLM splits a block into kernel blocks (block-outermost groups map kernel blocks themselves,
+    `prepare_kernel_block_sizes`). Tensor slot i (layer i of every group, one
     allocation, hence one region) holds ``pages`` pages of the hybrid page size; an attention page is
     ``block // kernel`` kernel pages [H, kernel, K|V] back to back, a GDN page its state at the front."""
-    from hybridkv.descriptors.hma import plan_hma
-    from hybridkv.layout import GroupSpec, LayerBuffer, Layout, adopt_layout
-    from hybridkv.layout.fields import PageContent
-    from hybridkv.layout.geometry import LayerKind
+    from hybridkv.descriptors.hma import hma_buffers, plan_hma
+    from hybridkv.layout import Layout, adopt_layout
 
     hma = plan_hma(geo.shard(tp), block)
     if hma.block_size != block:
         raise ValueError(f"block {block} is not the hybrid allocator's for TP {tp} (it raises it to {hma.block_size})")
     page = hma.page_bytes
     slots = [allocator.allocate(page * pages) for _ in range(hma.num_tensors)]
-    groups, buffers = [], []
-    for grp in hma.groups:
-        state = grp.kind is LayerKind.GDN
-        groups.append(GroupSpec(group_id=grp.group_id, kind=grp.kind, layer_indices=grp.layer_indices,
-                                block_tokens=None if state else grp.block_size))
-        for i, layer in enumerate(grp.layer_indices):
-            a = slots[i]
-            buffers.append(LayerBuffer(layer=layer, group_id=grp.group_id, addr=a.addr, block_stride=page,
-                                       page_bytes=page, num_blocks=pages,
-                                       content=PageContent.GDN if state else PageContent.ATTN_HND,
-                                       mem=a.mem, device_id=a.device_id,
-                                       kernel_tokens=None if state or kernel in (None, block) else kernel))
+    groups, buffers = hma_buffers(hma, [a.addr for a in slots], block_stride=page, pages=pages, mem=slots[0].mem,
+                                  device_id=slots[0].device_id, kernel_tokens=kernel)
     got = adopt_layout(geo, groups, buffers, tp=tp, rank=rank)
     by_addr = {a.addr: a for a in slots}  # region i's bytes are the allocation at its base
     return Layout(geometry=got.geometry, tp=tp, rank=rank, regions=got.regions, groups=got.groups,
