@@ -237,21 +237,9 @@ class BenchRank(pd_peer.Rank):
     """pd_peer's rank process running this module's `serve`."""
 
     def __init__(self) -> None:
-        ctx = pd_peer.context()
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child,), daemon=True)
-        self.proc.start()
+        super().__init__(serve)
 
     def close(self) -> None:
         # SGLang's NIXL manager has no close: its threads keep a rank process from exiting for ~10 s.
         # Once the rank answered "exit" (its bench is over), end it.
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("exit", None))
-                self.conn.poll(30)
-            except Exception:
-                pass
-        self.proc.join(1)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
+        super().close(grace_s=1.0)

@@ -201,12 +201,12 @@ class BlockingEvent:
 
 
 class Rank:
-    """A child process running `serve`; `call` sends one command and returns its answer."""
+    """A child process running `serve` (or another module's); `call` sends one command and returns its answer."""
 
-    def __init__(self) -> None:
+    def __init__(self, target=None) -> None:
         ctx = context()
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child,), daemon=True)
+        self.proc = ctx.Process(target=target or serve, args=(child,), daemon=True)
         self.proc.start()
 
     def call(self, cmd, arg=None, timeout: float = 120):
@@ -224,16 +224,18 @@ class Rank:
             raise RuntimeError(f"rank process failed on {cmd!r}:\n{value}")
         return value
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 10.0) -> None:
+        """Tell it to exit, wait ``grace_s`` for it to end once it answered, then kill it."""
         if self.proc.is_alive():
             try:
                 self.conn.send(("exit", None))
                 self.conn.poll(30)
             except Exception:
                 pass
-        self.proc.join(10)
+        self.proc.join(grace_s)
         if self.proc.is_alive():
             self.proc.kill()
+            self.proc.join(10)
 
 
 def serve(conn) -> None:
