@@ -263,7 +263,7 @@ class Copier:
 
         # Every step's page indices go up in one host-to-device copy: one per step (two blocking
         # copies each) cost more than the gathers themselves at a few dozen steps.
-        flat = np.concatenate([np.concatenate((s.src_pages, s.dst_pages)) for s in steps]).astype(np.int64, copy=False)
+        flat = np.concatenate([a for s in steps for a in (s.src_pages, s.dst_pages)]).astype(np.int64, copy=False)
         index = torch.as_tensor(flat, device=self._buffer.device)
         at = 0
         for (src, dst), s in zip(views, steps):
