@@ -1,9 +1,10 @@
 """Transfers bounded in time: settled by a deadline, aborted past it, kept where NIXL will not abort them.
 
 One rule for both directions (docs/design.md, rule 5): a transfer still running at its deadline (a
-timeout, or the lease of the blocks it reads or writes) is aborted; one NIXL will not abort may still move
-bytes into or out of its blocks, so it is kept, with whatever its owner must not free before it ends
-(quarantined blocks, an open import or export), until NIXL ends it. The owner decides what fails and tells
+timeout, or the lease of the blocks it reads or writes) may still move bytes into or out of its blocks, so
+it is kept, with whatever its owner must not free before it ends (quarantined blocks, an open import or
+export), until NIXL ends it. (:meth:`DataPlane.abort` releases only handles that ended: NIXL's release of a
+running one returns, yet its bytes still land.) The owner decides what fails and tells
 its peer; this module holds the waiting, the abort split and the kept transfers.
 
 Used by the SGLang prefill's WRITEs (a worker thread waits: :func:`settle`; the control thread reaps:
@@ -55,8 +56,9 @@ def settle(dp: DataPlane, xfers: Sequence[Transfer], deadline: float, poll_s: fl
 
 
 def abort_or_keep(dp: DataPlane, xfers: Sequence[Transfer], running: Sequence[Transfer]) -> list[Transfer]:
-    """Past the deadline: abort the ``running`` ones and release every other one of ``xfers``. Returns those
-    NIXL would not abort: they may still move bytes, so their blocks stay out of reuse until they end."""
+    """Past the deadline: abort the ``running`` ones (ended since the deadline: released) and release every
+    other one of ``xfers``. Returns those still running: they may still move bytes, so their blocks stay out
+    of reuse until they end."""
     kept = [x for x in running if not dp.abort(x)]
     for x in xfers:
         if not any(x is r for r in running):

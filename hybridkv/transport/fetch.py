@@ -408,9 +408,9 @@ class Importer:
 
     async def _abandon(self, rid: str, imp: Import, work: list[Work], posted: list[tuple[Work, Transfer]],
                        stuck: list[tuple[Work, Transfer]]) -> Result:
-        """READs still in progress past their lease or the timeout: abort them. Aborted, the
-        import failed like any other; not abortable, it stays open in the ledger (its blocks
-        quarantined) until NIXL ends the READ (it may still write them), and the request fails."""
+        """READs still in progress past their lease or the timeout: the request fails. One that ended
+        meanwhile is released; one still running stays open in the ledger (its blocks quarantined)
+        until NIXL ends the READ (it may still write them: DataPlane.abort)."""
         self._stats.timed_out += 1
         self._metrics.failure(FailureKind.TIMEOUT)
         why = f"READ of {rid} not done within its lease or {self._config.transfer_timeout_s} s"
