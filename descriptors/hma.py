@@ -130,7 +130,7 @@ def hma_buffers(plan: HMAPlan, tensors: Sequence[int], *, block_stride: int, pag
     split = kernel_tokens not in (None, plan.block_size)
     groups, buffers = [], []
     for grp in plan.groups:
-        state = grp.kind is LayerKind.GDN
+        state = grp.spec.paging is Paging.STATE  # a page per request: the state at its front
         groups.append(GroupSpec(group_id=grp.group_id, kind=grp.kind, layer_indices=grp.layer_indices,
                                 block_tokens=None if state else grp.block_size))
         for i, layer in enumerate(grp.layer_indices):
