@@ -8,11 +8,14 @@ the gather on this machine, for one request in the setting engines produce (bloc
 twice the request's size, no two adjacent), and prints it beside:
 
 * a plain contiguous copy of the same bytes, same run (the copy engine's ceiling: ``x copy``);
+* on a GPU, the same pack three ways, same run: torch's indexing in words (``gather``, the copier's path
+  without Triton or with ``HYBRIDKV_STAGING_GATHER=torch``), the Triton row gather (``kernel``, its default
+  where Triton imports; its bytes compared with torch's), and torch a byte per index;
 * the descriptors the decode rank posts sliced and staged (the planners the transport uses), and the
   posting time they cost at the per-descriptor figure of ``staging.COSTS``;
-* what ``auto`` decides with the assumed gather speed and with the measured one.
+* what ``auto`` decides with the assumed gather speed and with the measured ones.
 
-On a GPU (``--mem vram``) the copies run on torch, as in the transport; on the host, numpy.
+On the host (``--mem dram``) the copier gathers on numpy and there is no kernel column.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def _one_pair(args, p_tp: int, d_tp: int) -> dict:
     from hybridkv.layout.alloc import NumpyAllocator, TorchAllocator
     from hybridkv.layout.presets import get_preset
     from hybridkv.transport.memory import from_layout
-    from hybridkv.transport.staging import COSTS, Copier, Route, StagingConfig, StagingMode, route
+    from hybridkv.transport.staging import COSTS, Copier, GatherEngine, Route, StagingConfig, StagingMode, route
 
     from hybridkv.descriptors.compiler import TransferPlanner
     from hybridkv.descriptors.planning import source_ranks
@@ -136,18 +139,27 @@ def _one_pair(args, p_tp: int, d_tp: int) -> dict:
     if args.mem == "vram":
         import torch
 
-        slot = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+        slot = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")  # zeros: the kernel's bytes compare
         other = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
         plain = lambda: other.copy_(slot)  # noqa: E731
     else:
         slot = np.empty(nbytes, dtype=np.uint8)
         other = np.empty(nbytes, dtype=np.uint8)
         plain = lambda: np.copyto(other, slot)  # noqa: E731
-    copier = Copier(from_layout(src), slot)
+    copier = Copier(from_layout(src), slot, engine=GatherEngine.TORCH)
     steps = stage.pack(sb)
     gather_s = _median_s(lambda: copier.run(steps), args.iters, sync)
+    kernel_s = None
+    matches = None
+    if args.mem == "vram":
+        # the Triton row gather (the copier's default on a GPU), same run; its bytes against torch's
+        expected = slot.clone()
+        slot.zero_()
+        kernel = Copier(from_layout(src), slot, engine=GatherEngine.TRITON)
+        kernel_s = _median_s(lambda: kernel.run(steps), args.iters, sync)
+        matches = bool(torch.equal(slot, expected))
     # the same gather a byte per index (what the copier did before it moved words), same run
-    bytewise = Copier(from_layout(src), slot, max_word=1)
+    bytewise = Copier(from_layout(src), slot, max_word=1, engine=GatherEngine.TORCH)
     bytes_s = _median_s(lambda: bytewise.run(steps), args.iters, sync)
     plain_s = _median_s(plain, args.iters, sync)
     t0 = time.perf_counter()
@@ -165,6 +177,7 @@ def _one_pair(args, p_tp: int, d_tp: int) -> dict:
         return route(cfg, sliced=sliced, direct=direct, own_pool=True, nbytes=nbytes, mem=mem)
 
     way = decide(StagingMode.ON)
+    kernel_gbps = None if kernel_s is None else nbytes / kernel_s / 1e9
     staged = {Route.DIRECT: direct, Route.SLOT: 1}.get(way, sliced)
     return {
         "pair": f"{p_tp}:{d_tp}", "producer_rank": ranks[0], "block": block, "bytes": nbytes, "copy_steps": len(steps),
@@ -174,6 +187,9 @@ def _one_pair(args, p_tp: int, d_tp: int) -> dict:
         "sliced": sliced, "staged": staged, "route": way.value, "posting_saved_us": (sliced - staged) * us,
         "us_per_descriptor": us, "assumed_GBps": assumed, "auto_assumed": decide(StagingMode.AUTO).value,
         "auto_measured": decide(StagingMode.AUTO, measured).value,
+        "kernel_us": None if kernel_s is None else kernel_s * 1e6, "kernel_GBps": kernel_gbps,
+        "kernel_x_copy": None if kernel_s is None else plain_s / kernel_s, "kernel_matches": matches,
+        "auto_kernel": None if kernel_gbps is None else decide(StagingMode.AUTO, kernel_gbps).value,
     }
 
 
@@ -193,7 +209,12 @@ def run(args: argparse.Namespace) -> int:
               f"gather {r['gather_us']:9.1f} us {r['gather_GBps']:7.1f} GB/s | copy {r['copy_us']:8.1f} us "
               f"{r['copy_GBps']:7.1f} GB/s | x copy {r['x_copy']:.2f} | steps built {r['steps_us']:6.1f} us | "
               f"a byte per index {r['bytewise_GBps']:6.1f} GB/s")
+        if r["kernel_us"] is not None:
+            print(f"      Triton kernel {r['kernel_us']:9.1f} us {r['kernel_GBps']:7.1f} GB/s | x copy "
+                  f"{r['kernel_x_copy']:.2f} | {'same bytes as' if r['kernel_matches'] else 'DIFFERENT BYTES from'} "
+                  f"the gather; auto chooses {r['auto_kernel']} at its speed")
         print(f"      descriptors sliced {r['sliced']} -> staged {r['staged']} ({r['route']}): "
               f"{r['posting_saved_us']:.0f} us of posting saved at {r['us_per_descriptor']} us each; auto chooses "
-              f"{r['auto_assumed']} at the assumed {r['assumed_GBps']:g} GB/s, {r['auto_measured']} at the measured")
+              f"{r['auto_assumed']} at the assumed {r['assumed_GBps']:g} GB/s, {r['auto_measured']} at the measured "
+              "gather's")
     return 0

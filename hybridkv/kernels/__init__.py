@@ -1,5 +1,6 @@
-"""Kernels for the hybrid layers whose state hybridkv moves (GDN today).
+"""Kernels, each with a torch reference beside it (its oracle): the hybrid layers whose state hybridkv moves
+(`gdn`: CPU tensors run the reference, CUDA tensors the Triton kernel), and the staging copier's row gather
+(`staging`: the copier picks the kernel or torch's indexing on a GPU; host memory copies on numpy).
 
-Each kernel has a pure-torch reference beside it; CPU tensors run the reference, CUDA tensors the
-Triton kernel. Importing this package imports neither torch nor Triton.
+Importing this package imports neither torch nor Triton.
 """

@@ -21,9 +21,14 @@ slot could wait on the very reads that free it).
 off: a producer slot goes back as soon as its Export is sent. Only tests use it, to show that a
 slot reused early corrupts a read.
 
+A pack or unpack is a list of :class:`CopyStep` gathers that a :class:`Copier` runs: numpy on host memory; on a
+GPU the Triton row gather of ``hybridkv.kernels.staging`` where Triton imports (torch's indexing ran at 26-84 GB/s
+on an H100, 2-6% of a plain copy), else torch's indexing. ``HYBRIDKV_STAGING_GATHER`` (read once, into
+:class:`StagingConfig`) picks one: ``auto`` (default), ``triton`` or ``torch``.
+
 The pool's memory is a region appended to the side's :class:`~hybridkv.transport.memory.MemoryMap`
-(in no group), so NIXL registers it with the rest and the peer learns it in the handshake. Copies
-run on numpy for host memory and on torch for GPU memory (torch is imported only then).
+(in no group), so NIXL registers it with the rest and the peer learns it in the handshake. torch and
+Triton are imported only for GPU memory.
 """
 
 from __future__ import annotations
@@ -39,16 +44,36 @@ from typing import Any, Protocol
 import numpy as np
 
 from hybridkv import wire
+from hybridkv.kernels.staging.reference import gather_rows_reference, rows_view
+from hybridkv.kernels.staging.rows import RowCopy, address
 from hybridkv.transport.memory import MemoryMap
 from hybridkv.transport.plan import TransferPlan
 
 RULE_OFF_ENV = "HYBRIDKV_STAGING_RULE_OFF"
+GATHER_ENV = "HYBRIDKV_STAGING_GATHER"
 
 
 class StagingMode(enum.Enum):
     AUTO = "auto"  # stage a field-paired (heterogeneous TP) read when it posts fewer descriptors
     ON = "on"      # stage every field-paired read a slot can hold, even where the sliced plan is as short
     OFF = "off"    # never: the sliced plan, as NixlConnector posts
+
+
+class GatherEngine(enum.Enum):
+    """What runs a GPU copier's gathers (host memory always gathers on numpy)."""
+
+    AUTO = "auto"      # the Triton kernel where Triton imports, else torch's indexing
+    TRITON = "triton"  # the Triton kernel; a run without Triton raises
+    TORCH = "torch"    # torch's indexing over strided views (the kernel's oracle)
+
+
+def _gather_engine() -> GatherEngine:
+    text = os.environ.get(GATHER_ENV, "") or GatherEngine.AUTO.value
+    try:
+        return GatherEngine(text)
+    except ValueError:
+        raise ValueError(f"{GATHER_ENV}={text!r}; expected one of "
+                         f"{', '.join(e.value for e in GatherEngine)}") from None
 
 
 def _rule_off() -> bool:
@@ -63,7 +88,8 @@ class StagingConfig:
     ``descriptor_us`` and ``copy_gbps``: what AUTO weighs (:func:`route`): the posting cost of a
     descriptor saved against the local copies staging adds; None: :data:`COSTS` for the memory kind.
     ``fence``: the slot fence (module docstring); off only through the environment, for the test
-    that shows why it is there."""
+    that shows why it is there. ``gather``: what runs a GPU pack or unpack (:class:`GatherEngine`; default
+    from ``HYBRIDKV_STAGING_GATHER``)."""
 
     mode: StagingMode = StagingMode.AUTO
     capacity_bytes: int = 64 << 20
@@ -72,10 +98,13 @@ class StagingConfig:
     descriptor_us: float | None = None
     copy_gbps: float | None = None
     fence: bool = field(default_factory=lambda: not _rule_off())
+    gather: GatherEngine = field(default_factory=_gather_engine)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, StagingMode):
             raise ValueError(f"staging mode {self.mode!r}; expected a StagingMode")
+        if not isinstance(self.gather, GatherEngine):
+            raise ValueError(f"staging gather {self.gather!r}; expected a GatherEngine")
         if self.capacity_bytes < 0 or self.slot_bytes <= 0 or self.capacity_bytes % self.slot_bytes:
             raise ValueError(f"staging capacity_bytes {self.capacity_bytes} and slot_bytes {self.slot_bytes}; "
                              "expected slot_bytes > 0 and a capacity that is a multiple of it (0: no pool)")
@@ -196,17 +225,23 @@ class _CudaBytes:
 
 
 class Copier:
-    """Runs :class:`CopyStep` lists on one side's memory (its regions and its staging buffer)."""
+    """Runs :class:`CopyStep` lists on one side's memory (its regions and its staging buffer): numpy on host
+    memory; on a GPU the engine's gather (:class:`GatherEngine`)."""
 
-    def __init__(self, memory: MemoryMap, slot_buffer, *, max_word: int = 8) -> None:
+    def __init__(self, memory: MemoryMap, slot_buffer, *, max_word: int = 8,
+                 engine: GatherEngine = GatherEngine.AUTO) -> None:
         if max_word not in (1, 2, 4, 8):
             raise ValueError(f"copier max_word = {max_word!r}; expected 1, 2, 4 or 8 bytes")
+        if not isinstance(engine, GatherEngine):
+            raise ValueError(f"copier engine {engine!r}; expected a GatherEngine")
         self._memory = memory
         self._buffer = slot_buffer  # numpy uint8 (host) or a torch uint8 tensor (device)
         # the slot's memory says where the copies run (a side's regions may mix kinds: SGLang's aux rows)
         self._vram = hasattr(slot_buffer, "device") and getattr(slot_buffer.device, "type", None) == "cuda"
         self._spans: dict[int, object] = {}
         self._max_word = max_word  # below 8 only to measure what the word buys (bench staging)
+        self.engine = engine
+        self._gather: Any = None  # a GPU run's gather function, resolved on the first one
 
     def _span(self, region: int | None):
         if region is None:
@@ -228,70 +263,72 @@ class Copier:
             self._spans[region] = got
         return got
 
-    def _rows(self, place: Place, pages: np.ndarray, length: int, word: int):
+    def _checked(self, place: Place, pages: np.ndarray, length: int):
+        """The span ``place`` lies in, once every page's piece is checked to lie inside it."""
         buf = self._span(place.region)
         size = int(buf.shape[0])
         lo, hi = int(pages.min()), int(pages.max())
         if lo < 0 or place.offset < 0 or place.offset + hi * place.stride + length > size:
-            # strided views do not check their bounds: a bad step must never touch memory past its span
+            # neither strided views nor the kernel's raw addresses check bounds: a bad step must never touch
+            # memory past its span
             where = "the staging slot" if place.region is None else f"region {place.region}"
             raise ValueError(f"copy of pages {lo}..{hi} ({length} bytes at offset {place.offset}, stride "
                              f"{place.stride}) runs past {where} ({size} bytes); expected it inside")
-        return rows_view(buf, place.offset, place.stride, hi + 1, length, word)
+        return buf
 
     def _word(self, step: CopyStep) -> int:
         """The widest element (8, 4, 2 or 1 bytes) that tiles both sides of ``step``: a gather moves one
         element per index, so bytes one at a time ran at 1-4% of a plain copy on an H100 (bench staging)."""
         parts = (step.length, step.src.offset, step.src.stride, step.dst.offset, step.dst.stride,
-                 _address(self._span(step.src.region)), _address(self._span(step.dst.region)))
+                 address(self._span(step.src.region)), address(self._span(step.dst.region)))
         return next(w for w in (8, 4, 2, 1) if w <= self._max_word and all(p % w == 0 for p in parts))
 
-    def run(self, steps: Sequence[CopyStep]) -> None:
-        steps = [s for s in steps if s.src_pages.size]
-        if not steps:
-            return
-        # Views and bounds first: a bad step raises before any byte moved (no half-applied pack).
-        views = []
+    def plan(self, steps: Sequence[CopyStep]) -> list[RowCopy]:
+        """The row copies that run ``steps`` (empty ones dropped), every step's bounds and memory kind checked
+        first: a bad step raises here, before any byte of any step moves (no half-applied pack)."""
+        out = []
         for s in steps:
-            word = self._word(s)
-            views.append((self._rows(s.src, s.src_pages, s.length, word), self._rows(s.dst, s.dst_pages, s.length, word)))
+            if not s.src_pages.size:
+                continue
+            if s.src_pages.shape != s.dst_pages.shape or s.src_pages.ndim != 1:
+                raise ValueError(f"copy of {s.src_pages.shape} source pages into {s.dst_pages.shape}; expected "
+                                 "one destination page per source page")
+            src = self._checked(s.src, s.src_pages, s.length)
+            dst = self._checked(s.dst, s.dst_pages, s.length)
+            out.append(RowCopy(src=src, src_offset=s.src.offset, src_stride=s.src.stride, src_rows=s.src_pages,
+                               dst=dst, dst_offset=s.dst.offset, dst_stride=s.dst.stride, dst_rows=s.dst_pages,
+                               length=s.length, word=self._word(s)))
+        return out
+
+    def gpu_gather(self):
+        """What runs this copier's GPU gathers (resolved once; Triton's import is tried only here): the Triton
+        kernel, or torch's indexing where the engine says so or (AUTO) Triton does not import."""
+        if self._gather is None:
+            if self.engine is GatherEngine.TORCH:
+                self._gather = gather_rows_reference
+            else:
+                try:
+                    from hybridkv.kernels.staging.gather import gather_rows
+                except ImportError as e:
+                    if self.engine is GatherEngine.TRITON:
+                        raise RuntimeError(f"staging gather engine 'triton', but the Triton kernel does not import "
+                                           f"({e}); expected Triton installed, or {GATHER_ENV}=torch") from e
+                    self._gather = gather_rows_reference
+                else:
+                    self._gather = gather_rows
+        return self._gather
+
+    def run(self, steps: Sequence[CopyStep]) -> None:
+        copies = self.plan(steps)  # views and bounds first
+        if not copies:
+            return
         if not self._vram:
-            for (src, dst), s in zip(views, steps):
-                dst[s.dst_pages] = src[s.src_pages]
+            gather_rows_reference(copies)
             return
         import torch
 
-        # Every step's page indices go up in one host-to-device copy: one per step (two blocking
-        # copies each) cost more than the gathers themselves at a few dozen steps.
-        flat = np.concatenate([a for s in steps for a in (s.src_pages, s.dst_pages)]).astype(np.int64, copy=False)
-        index = torch.as_tensor(flat, device=self._buffer.device)
-        at = 0
-        for (src, dst), s in zip(views, steps):
-            n = s.src_pages.size
-            dst[index[at + n:at + 2 * n]] = src[index[at:at + n]]
-            at += 2 * n
+        self.gpu_gather()(copies)
         torch.cuda.synchronize(self._buffer.device)  # landed before anyone is told
-
-
-def _address(buf) -> int:
-    return int(buf.data_ptr()) if hasattr(buf, "data_ptr") else int(buf.ctypes.data)
-
-
-#: element types by width, for :func:`rows_view`
-_NP_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def rows_view(buf, offset: int, stride: int, rows: int, length: int, word: int = 1):
-    """``rows`` rows of ``length`` bytes, ``stride`` apart from byte ``offset`` of the flat byte buffer ``buf``
-    (numpy or torch), as elements of ``word`` bytes (``length``, ``offset``, ``stride`` and the buffer's
-    address multiples of it). The caller checked the bounds."""
-    if hasattr(buf, "data_ptr"):
-        import torch
-
-        view = buf.as_strided((rows, length), (stride, 1), offset)
-        return view if word == 1 else view.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[word])
-    return np.ndarray(shape=(rows, length // word), dtype=_NP_WORDS[word], buffer=buf, offset=offset,
-                      strides=(stride, word))
 
 
 # --------------------------------------------------------------------------- the pool
@@ -339,7 +376,7 @@ class StagePool:
                                       page_bytes=config.slot_bytes, num_pages=self.units, mem=mem, device_id=dev)
         #: the side's memory with the pool appended (what its data plane registers and its Hello sends)
         self.memory = dataclasses.replace(memory, regions=memory.regions + (self.region,))
-        self.copier = Copier(self.memory, self.buffer)
+        self.copier = Copier(self.memory, self.buffer, engine=config.gather)
         self._used = np.zeros(self.units, dtype=bool)
         self._live: dict[int, Slot] = {}  # first unit -> the slot holding it
         self._held: list[tuple[float, Slot]] = []
@@ -414,5 +451,5 @@ def slot_rows(src_addr: int, src_dev: int, dst_addr: int, dst_dev: int, nbytes: 
     return TransferPlan(src=src, dst=dst, src_region=z, dst_region=z.copy())
 
 
-__all__ = ["COSTS", "Copier", "CopyStep", "Place", "RULE_OFF_ENV", "Route", "Slot", "route", "StagePool", "Stager", "StagingConfig",
-           "StagingMode", "slot_rows", "staging_region"]
+__all__ = ["COSTS", "Copier", "CopyStep", "GATHER_ENV", "GatherEngine", "Place", "RULE_OFF_ENV", "Route", "Slot",
+           "route", "rows_view", "StagePool", "Stager", "StagingConfig", "StagingMode", "slot_rows", "staging_region"]
