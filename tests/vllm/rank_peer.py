@@ -5,12 +5,14 @@ vLLM 0.33.0's real config for the rank's TP size, KV tensors from vLLM's own
 no scheduler here: the test plays the scheduler half and hands each rank the
 metadata it would emit (exports ready / load orders). One JSON object per line:
   -> {"role": "producer", "tp", "rank", "port", "host"?, "requests": [[rid, tokens], ...]}
-  <- {"ready": port, "address": [host, port, agent], "blocks": {rid: per-group ids}, "fields": {rid: {field: sha256}}}
+  <- {"ready": port, "address": [host, port, agent], "blocks": {rid: per-group ids}, "fields": {rid: {field: sha256}},
+      "block_size"}
   -> "go"                                 (the requests finish: exports offered, leases start)
   <- {"sent": [rid, ...]}                 once every export ended (then it exits)
   -> {"role": "consumer", "tp", "rank", "remote_port"?, "remote_tp"?, "scatter"?}
-Either role also takes "num_blocks" (the pool, default 64) and "kernel_block" (attention kernel blocks of that
-many tokens, in vLLM's layer-compact LBHNC layout).
+Either role also takes "num_blocks" (the pool, default 64), "kernel_block" (attention kernel blocks of that
+many tokens, in vLLM's layer-compact LBHNC layout) and "model" (a model folder next to this file, default
+qwen3_next_tiny); either "ready" answer also carries "block_size", the hybrid allocator's block size vLLM chose.
   <- {"ready": true}
   -> {"requests": [[rid, tokens, blocks], ...], "remote_port"?, "remote_tp"?,
       "remote_ranks"?: [[host, port, agent], ...]}
@@ -105,7 +107,9 @@ def main() -> int:
         extra["side_channel_port"] = cmd["port"]
         extra["side_channel_host"] = cmd.get("host", "127.0.0.1")
     vc = h.make_vllm_config(role="kv_producer" if role == "producer" else "kv_consumer", tp=cmd["tp"],
-                            extra=extra, engine_id=f"{role}-engine", num_blocks=cmd.get("num_blocks", 64))
+                            extra=extra, engine_id=f"{role}-engine", num_blocks=cmd.get("num_blocks", 64),
+                            model=h.TINY_MODEL.parent / cmd.get("model", h.TINY_MODEL.name))
+    block_size = vc.cache_config.block_size
     if cmd.get("kernel_block"):
         kcc, conn, kv = _kernel_worker(vc, cmd["kernel_block"])
     else:
@@ -133,8 +137,8 @@ def main() -> int:
             blocks[rid] = ids
             fields[rid] = _field_digests(layout, dict(zip(kcc.transfer_group_ids, ids)), tokens)
         address = conn.get_handshake_metadata().address.to_json()  # what vLLM's engine core collects
-        print(json.dumps({"ready": conn.worker.listen_port, "address": address, "blocks": blocks, "fields": fields}),
-              flush=True)
+        print(json.dumps({"ready": conn.worker.listen_port, "address": address, "blocks": blocks, "fields": fields,
+                          "block_size": block_size}), flush=True)
         sys.stdin.readline()  # go
         meta = HybridKVConnectorMetadata(step=1, exports_ready={rid: tuple(tuple(g) for g in b)
                                                                 for rid, b in blocks.items()},
@@ -145,7 +149,7 @@ def main() -> int:
         sent, _ = _poll(conn, set(blocks), "finished_sending")
         print(json.dumps({"sent": sorted(sent)}), flush=True)  # every reader finished: nothing left to serve
     else:
-        print(json.dumps({"ready": True}), flush=True)
+        print(json.dumps({"ready": True, "block_size": block_size}), flush=True)
         orders, local = [], {}
         work = json.loads(sys.stdin.readline())
         cmd.update({k: work[k] for k in ("remote_port", "remote_tp", "remote_ranks") if k in work})

@@ -33,16 +33,17 @@ class Rank(JsonProcess):
         super().__init__("tests.vllm.rank_peer", cmd, log, what="rank process")
 
 
-def _analyzer(p_tp: int, d_tp: int, tokens: int, *, staged: bool, scheme: str = "HYBRIDKV_VLLM",
-              fragmentation: float = 0.0, kernel: int | None = None) -> int:
+def _analyzer(p_tp: int, d_tp: int, tokens: int, *, staged: bool, block_size: int, model: str,
+              scheme: str = "HYBRIDKV_VLLM", fragmentation: float = 0.0, kernel: int | None = None) -> int:
     """The analyzer's count on this config: hybridkv over vLLM pages (scheme hybridkv-vllm), staged as
-    the connector's ``staging: on`` or sliced; or another scheme's (NixlConnector's: VLLM_033)."""
+    the connector's ``staging: on`` or sliced; or another scheme's (NixlConnector's: VLLM_033).
+    ``block_size``: the hybrid allocator's, as the ranks' vLLM chose it."""
     from hybridkv.descriptors.schemes import Scheme, Workload, count_descriptors
     from hybridkv.layout.hf_config import geometry_from_config
     from hybridkv.transport.staging import StagingConfig, StagingMode
 
-    hf = json.loads((ROOT / "tests/vllm/qwen3_next_tiny/config.json").read_text())
-    w = Workload(geometry=geometry_from_config(hf, name="tiny"), tokens=tokens, block_size=32, tp_prefill=p_tp,
+    hf = json.loads((ROOT / "tests/vllm" / model / "config.json").read_text())
+    w = Workload(geometry=geometry_from_config(hf, name=model), tokens=tokens, block_size=block_size, tp_prefill=p_tp,
                  tp_decode=d_tp, fragmentation=fragmentation, kernel_block_size=kernel,
                  staging=StagingConfig(mode=StagingMode.ON, capacity_bytes=4 << 20) if staged else None)
     return count_descriptors(Scheme[scheme], w).descriptors
@@ -54,17 +55,27 @@ def _analyzer(p_tp: int, d_tp: int, tokens: int, *, staged: bool, scheme: str = 
 # and for both directions with 16-token attention kernel blocks (vLLM's layer-compact LBHNC pages).
 # P1-D2 reads a 600-token request into decode blocks scattered over the pool (no two side by side, as in a busy
 # engine): too many rows to land straight in them, so the staged read goes through a slot of the decode's own.
+# P4-D1x2 and P8-D2x2 (6 and 12 vLLM processes, ~1 and ~2 min here; opt-in too) need a model with 8 KV heads and
+# GDN heads divisible by 8 (qwen3_next_tiny_kv8: vLLM refuses the tiny model's 4 attention heads at TP 8, and at
+# TP 4 replicates its 2 KV heads); its GDN state is sized so that vLLM's hybrid allocator picks a block of 32
+# tokens, over a 16-token kernel block, as for the tiny model.
 _OPT_IN = pytest.mark.skipif(not os.environ.get("HYBRIDKV_VLLM_ALL_TP"),
                              reason="opt-in (CI time): HYBRIDKV_VLLM_ALL_TP=1")
+_KV8 = "qwen3_next_tiny_kv8"
 
 
-@pytest.mark.parametrize("p_tp,d_tp,instances,kernel,tokens,scatter", [
-    pytest.param(1, 2, 1, None, 600, True, id="P1-D2", marks=_OPT_IN),
-    pytest.param(2, 1, 2, None, None, False, id="P2-D1x2"),
-    pytest.param(1, 2, 1, 16, 600, True, id="P1-D2-k16", marks=_OPT_IN),
-    pytest.param(2, 1, 2, 16, None, False, id="P2-D1x2-k16", marks=_OPT_IN),
+@pytest.mark.parametrize("p_tp,d_tp,instances,kernel,tokens,scatter,model", [
+    pytest.param(1, 2, 1, None, 600, True, None, id="P1-D2", marks=_OPT_IN),
+    pytest.param(2, 1, 2, None, None, False, None, id="P2-D1x2"),
+    pytest.param(1, 2, 1, 16, 600, True, None, id="P1-D2-k16", marks=_OPT_IN),
+    pytest.param(2, 1, 2, 16, None, False, None, id="P2-D1x2-k16", marks=_OPT_IN),
+    pytest.param(4, 1, 2, None, None, False, _KV8, id="P4-D1x2", marks=_OPT_IN),
+    pytest.param(8, 2, 2, None, None, False, _KV8, id="P8-D2x2", marks=_OPT_IN),
+    pytest.param(4, 1, 2, 16, None, False, _KV8, id="P4-D1x2-k16", marks=_OPT_IN),
+    pytest.param(8, 2, 2, 16, None, False, _KV8, id="P8-D2x2-k16", marks=_OPT_IN),
 ])
-def test_hetero_tp_vllm_ranks(tmp_path, p_tp, d_tp, instances, kernel, tokens, scatter, capsys):
+def test_hetero_tp_vllm_ranks(tmp_path, p_tp, d_tp, instances, kernel, tokens, scatter, model, capsys):
+    model = model or "qwen3_next_tiny"
     port = free_ports(2)
     from vllm.utils.network_utils import get_ip
 
@@ -74,7 +85,7 @@ def test_hetero_tp_vllm_ranks(tmp_path, p_tp, d_tp, instances, kernel, tokens, s
     hosts = ["127.0.0.1"] + ["auto"] * (p_tp - 1)
     advertised = ["127.0.0.1"] + [get_ip()] * (p_tp - 1)
     requests = [[f"r{i}", tokens or 100 + 37 * i] for i in range(instances)]
-    pool = {"num_blocks": 128, "kernel_block": kernel}  # room for a scattered 600-token request
+    pool = {"num_blocks": 128, "kernel_block": kernel, "model": model}  # room for a scattered 600-token request
     log = open(tmp_path / "ranks.log", "w")
     ranks: list[Rank] = []
     try:
@@ -94,8 +105,10 @@ def test_hetero_tp_vllm_ranks(tmp_path, p_tp, d_tp, instances, kernel, tokens, s
         ready = [p.read() for p in prods]
         assert [r["ready"] for r in ready] == [bases[r] + r for r in range(p_tp)]
         assert [r["address"][:2] for r in ready] == [[advertised[r], bases[r] + r] for r in range(p_tp)]
+        block_size = ready[0]["block_size"]  # vLLM's hybrid block size: one for every rank at every TP
         for _, _, proc in decodes:
-            assert proc.read()["ready"]
+            assert proc.read() == {"ready": True, "block_size": block_size}
+        assert {r["block_size"] for r in ready} == {block_size}
         blocks = ready[0]["blocks"]  # one scheduler: every prefill rank holds the request in the same blocks
         for p in prods:
             p.send("go")
@@ -105,6 +118,7 @@ def test_hetero_tp_vllm_ranks(tmp_path, p_tp, d_tp, instances, kernel, tokens, s
             proc.send({"requests": [[rid, tokens, blocks[rid]]], "remote_port": port, "remote_tp": p_tp,
                        "remote_ranks": [r["address"] for r in ready]})
         descriptors = {rid: 0 for rid, _ in requests}
+        per_rank: dict[str, list[int]] = {rid: [] for rid, _ in requests}  # each decode rank's own count
         for i, d, proc in decodes:
             rid = requests[i][0]
             out = proc.read()
@@ -112,6 +126,7 @@ def test_hetero_tp_vllm_ranks(tmp_path, p_tp, d_tp, instances, kernel, tokens, s
             assert not failed, (rid, d, (tmp_path / "ranks.log").read_text()[-3000:])
             assert desc and nbytes > 0
             descriptors[rid] += desc
+            per_rank[rid].append(desc)
             owner = {key: int(rank) for rank, keys in out["sources"].items() for key in keys}
             got = out["fields"][rid]
             assert set(owner) == set(got)  # every field this rank holds was assigned a prefill rank
@@ -122,17 +137,23 @@ def test_hetero_tp_vllm_ranks(tmp_path, p_tp, d_tp, instances, kernel, tokens, s
         with capsys.disabled():
             frag = 1.0 if scatter else 0.0  # the decode's blocks: side by side, or none adjacent
             for rid, tokens in requests:
-                analyzer = _analyzer(p_tp, d_tp, tokens, staged=staged[rid], fragmentation=frag, kernel=kernel)
-                nixl = _analyzer(p_tp, d_tp, tokens, staged=False, scheme="VLLM_033", kernel=kernel)
-                print(f"\nvLLM ranks P TP{p_tp} -> D TP{d_tp}, {tokens} tokens, kernel block {kernel or 'none'}, "
+                analyzer = _analyzer(p_tp, d_tp, tokens, staged=staged[rid], fragmentation=frag, kernel=kernel,
+                                     block_size=block_size, model=model)
+                nixl = _analyzer(p_tp, d_tp, tokens, staged=False, scheme="VLLM_033", kernel=kernel,
+                                 block_size=block_size, model=model)
+                print(f"\nvLLM ranks P TP{p_tp} -> D TP{d_tp} ({model}, block {block_size}), {tokens} tokens, "
+                      f"kernel block {kernel or 'none'}, "
                       f"{'staged' if staged[rid] else 'sliced'}: {descriptors[rid]} NIXL descriptors posted over all "
-                      f"decode ranks; analyzer (hybridkv-vllm): {analyzer}; NixlConnector's list (vllm-0.33): {nixl}")
+                      f"decode ranks ({'+'.join(map(str, per_rank[rid]))}); analyzer (hybridkv-vllm): {analyzer}; "
+                      f"NixlConnector's list (vllm-0.33): {nixl}")
                 if staged[rid] or kernel is None:
                     # (sliced at kernel blocks: the analyzer's hybridkv-vllm does not model vLLM's layer-compact
                     # pages that kernel blocks need; the lead has the figures)
                     assert descriptors[rid] == analyzer
                 if staged[rid] and (d_tp < p_tp or scatter):  # issue 49: at most a tenth of NixlConnector's count
                     assert 10 * descriptors[rid] <= nixl, (descriptors[rid], nixl)
+                    # and on each decode rank, against NixlConnector's per rank (its list splits evenly over them)
+                    assert 10 * d_tp * max(per_rank[rid]) <= nixl, (per_rank[rid], nixl)
                 elif staged[rid]:  # read straight into side-by-side decode pages (direct_rows): fewer, not a tenth
                     assert descriptors[rid] < nixl, (descriptors[rid], nixl)
     finally:
