@@ -183,6 +183,7 @@ class Result:
     nbytes: int = 0
     seconds: float = 0.0  # post -> done
     post_seconds: float = 0.0  # PULL: of those, making and posting the READs (the rest is waiting)
+    post_cpu_seconds: float = 0.0  # PULL, with DataPlaneConfig.telemetry: this thread's CPU in that posting
     fence_wait_seconds: float = 0.0  # export in hand -> the fence let the import post (rule 3)
 
 

@@ -365,6 +365,21 @@ class DataPlane:
             return XferState.IN_PROGRESS
         return XferState.ERROR if xfer.failed or XferState.ERROR in states else XferState.DONE
 
+    def poller(self, xfer: Transfer) -> Callable[[], XferState]:
+        """A function that tells :meth:`state` of ``xfer`` (as the transfer stands now: its handles are
+        not released meanwhile), in one call for a one-handle transfer: a waiter calls it back to back."""
+        if len(xfer.handles) != 1 or xfer.failed:
+            return lambda: self.state(xfer)
+        check, handle, states, error = self.agent.check_xfer_state, xfer.handles[0], _STATES, XferState.ERROR
+
+        def poll() -> XferState:
+            try:
+                return states.get(check(handle), error)
+            except Exception:
+                return error
+
+        return poll
+
     def _state(self, handle) -> XferState:
         try:
             # A dict, not XferState(value): this runs back to back while a waiter spins.

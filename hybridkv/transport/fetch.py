@@ -71,15 +71,15 @@ class Importer:
     - ``want(request_id, *, token, peer, readers)``: ask a producer for a request;
     - ``prepared(agents)``: the planner prepared for a set of producers;
     - ``lost(peer)``: a producer's channel failed;
-    - ``post(work, notif)`` and ``wait(xfer, until)``: post one producer's READ (:meth:`post_read`)
-      and wait for a transfer's end (``Side.wait_xfer``). They are the consumer's own methods, so
-      that a subclass (the reference demo's fault injection) can override them.
+    - ``post(work, notif)`` and ``wait(xfer, until)``: post one producer's READ and wait for a transfer's
+      end, where a consumer subclass overrides them (the reference demo's fault injection); None: this
+      importer's own :meth:`post_read` and ``Side.wait_xfer``.
     """
 
     def __init__(self, side: Side, parts: Parts, *, want: Callable[..., Awaitable[None]],
                  prepared: Callable[[Sequence[str]], PeerPlanner], lost: Callable[[Peer], None],
-                 post: Callable[[Work, bytes], Transfer],
-                 wait: Callable[[Transfer, Callable[[], float] | None], Awaitable[XferState]], drains: Drains,
+                 post: Callable[[Work, bytes], Transfer] | None,
+                 wait: Callable[[Transfer, Callable[[], float] | None], Awaitable[XferState]] | None, drains: Drains,
                  staging: StagingConfig | None = None, pool: StagePool | None = None) -> None:
         self._parts = parts
         #: whether to ask producers to stage (None or OFF: never), and this side's own slots
@@ -88,8 +88,8 @@ class Importer:
         self._want = want
         self._prepared = prepared
         self._lost = lost
-        self._post = post
-        self._wait_xfer = wait
+        self._post = post or self.post_read  # None: this importer's own
+        self._wait_xfer = wait or side.wait_xfer
         self._config = side.config
         self._scheduler = side.scheduler
         self._memory = side.memory
@@ -320,6 +320,8 @@ class Importer:
         until = lambda: min(give_up_at, min(p.deadline for p in parts))  # noqa: E731 - leases renew meanwhile
         posted: list[tuple[Work, Transfer]] = []
         error = None
+        telemetry = self._config.dataplane.telemetry
+        c0 = time.thread_time() if telemetry else 0.0
         t0 = time.perf_counter()
         for w, notif in zip(todo, notifs):
             try:
@@ -328,6 +330,7 @@ class Importer:
                 error = str(exc)
                 break
         post_seconds = time.perf_counter() - t0
+        post_cpu = time.thread_time() - c0 if telemetry else 0.0
         if error is not None:
             self._posting_failed(imp, work, todo[len(posted):], error)
             if not posted:
@@ -374,7 +377,7 @@ class Importer:
                       descriptors=None if tel is None else sum(t.descriptors for t in tel),
                       planned=sum(w.plan.num_descriptors for w in work),
                       indices=sum(w.plan.num_indices for w in work), nbytes=sum(x.nbytes for x in xfers),
-                      seconds=seconds, post_seconds=post_seconds)
+                      seconds=seconds, post_seconds=post_seconds, post_cpu_seconds=post_cpu)
 
     def _posting_failed(self, imp: Import, work: Sequence[Work], unposted: Sequence[Work], error: str) -> None:
         """A READ could not be posted: the import fails; it and those after it never went out, so they

@@ -230,13 +230,21 @@ class Side:
 
     async def wait_xfer(self, xfer: Transfer, until: Callable[[], float] | None = None) -> XferState:
         """The transfer's terminal state, or IN_PROGRESS once ``until()`` (a monotonic time) passed."""
+        # Every poll costs the READ's latency (its DONE is seen at the next one, a loop iteration later), so
+        # a poll is one call (DataPlane.poller) and ``until()`` is asked again only once the clock passes what
+        # it said last: a deadline only ever moves later (a lease renewed), never earlier.
         self._busy += 1
-        spin_until = time.perf_counter() + self.dp.config.spin_s  # DataPlaneConfig.spin_s: back to back first
+        poll, in_progress, clock = self.dp.poller(xfer), XferState.IN_PROGRESS, time.monotonic
+        deadline = until() if until is not None else float("inf")
+        spin_s = self.dp.config.spin_s  # DataPlaneConfig.spin_s: back to back first
+        spin_until = time.perf_counter() + spin_s if spin_s else 0.0
         try:
-            while (s := self.dp.state(xfer)) is XferState.IN_PROGRESS:
-                if until is not None and time.monotonic() > until():
-                    return s
-                if time.perf_counter() > spin_until:
+            while (s := poll()) is in_progress:
+                if clock() > deadline:
+                    deadline = until()  # type: ignore[misc]  # not None: deadline is finite
+                    if clock() > deadline:
+                        return s
+                if not spin_s or time.perf_counter() > spin_until:
                     await asyncio.sleep(0)
             return s
         finally:

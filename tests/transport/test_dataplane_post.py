@@ -9,6 +9,7 @@ polling would see it (a fake data plane there: a real transfer's landing time ca
 from __future__ import annotations
 
 import asyncio
+import time
 import types
 
 import numpy as np
@@ -72,6 +73,9 @@ class _LandsAfterPolls:
         self.left -= 1
         return XferState.IN_PROGRESS if self.left > 0 else XferState.DONE
 
+    def poller(self, xfer):
+        return lambda: self.state(xfer)
+
 
 async def _wait_counting_yields(dp, until=None) -> tuple[XferState, int]:
     side = types.SimpleNamespace(dp=dp, _busy=0)
@@ -103,3 +107,21 @@ def test_wait_sees_a_soon_landing_without_yielding_then_yields_between_polls():
     # A deadline that passed ends the wait inside the spin too.
     assert asyncio.run(_wait_counting_yields(_LandsAfterPolls(10**9, spin_s=1.0), until=lambda: 0.0))[0] \
         is XferState.IN_PROGRESS
+
+
+def test_wait_asks_for_the_deadline_again_only_once_the_clock_passed_it():
+    # A deadline only moves later (a lease renewed): the wait asks once, then again only once its clock
+    # passed the last answer, and ends when the new answer has passed too; a renewed one keeps it going.
+    asked = []
+
+    def until():  # passed at once, renewed 2 ms ahead at the second ask, then passed for good
+        asked.append(time.monotonic())
+        return time.monotonic() + 0.002 if len(asked) == 2 else asked[0] - 1
+
+    state, _ = asyncio.run(_wait_counting_yields(_LandsAfterPolls(10**9, spin_s=0.0), until=until))
+    assert state is XferState.IN_PROGRESS and len(asked) == 3, asked
+    assert asked[2] - asked[1] >= 0.002  # the renewed deadline held the wait until it passed
+    asked.clear()
+    state, _ = asyncio.run(_wait_counting_yields(_LandsAfterPolls(2000, spin_s=0.0),
+                                                 until=lambda: asked.append(0) or time.monotonic() + 60))
+    assert state is XferState.DONE and asked == [0]  # one ask for 2,000 polls
