@@ -38,7 +38,7 @@ def test_bench_transfer_json(capsys):
     # hybridkv minus plan, what its descriptors cost is plan minus raw); "plan_cold" posts them bare right after
     # planning the request again (a post in the state the fetch's own work leaves the thread in).
     assert set(rep["schemes"]) == {"hybridkv", "plan", "plan_cold", "raw", "vllm_scheme"}
-    assert set(rep["fetch_phases_us"]) == {"plan_to_post", "landed_to_return"}
+    assert set(rep["fetch_phases_us"]) == {"exports_to_return", "around_read"}
     assert all(v > 0 for v in rep["fetch_phases_us"].values())
     for name, row in rep["schemes"].items():
         assert row["post_cpu_us"] > 0 and row["post_us"] > 0 and row["landed_us"] >= row["post_us"], (name, row)

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 49 item 4 on one GPU host, in ONE device call from the repo root (after preparing .old, see below):
+#   run(command="bash tools/device/item4.sh", carry=[".whl", ".old"])
+# 1. hybridkv's plan against a raw one-span READ, this tree against a baseline tree (.old/pkg: an older commit's
+#    hybridkv laid out as the installed namespace, made here with
+#      git archive <commit> hybridkv descriptors connectors sims benchmarks | tar -x -C .old/tree, then
+#      .old/pkg/hybridkv = tree/hybridkv with tree/{descriptors,connectors,sims,benchmarks} inside it),
+#    alternating runs on the same host, VRAM at 320 and 8 MB and DRAM at 320 MB;
+# 2. tools/device/post_probe.sh's probes (where the time goes);
+# 3. the staging gather kernel: its GPU tests and `hybridkv bench staging --mem vram`.
+set +e
+set -u
+source tools/device/env.sh
+nvidia-smi -L
+REPO=$PWD
+ITERS=${ITERS:-21}
+bench() {  # bench TREE MEM SIZE...  (TREE: new or old)
+    local tree=$1 mem=$2 py_path
+    shift 2
+    if [ "$tree" = old ]; then py_path="$REPO/.old/pkg:$SITE"; else py_path="$REPO:$SITE"; fi
+    (cd /tmp && PYTHONPATH=$py_path timeout -k 5 "${BENCH_S:-100}" "$PY" -c \
+        'import sys, hybridkv; print(hybridkv.__file__, file=sys.stderr); from hybridkv.cli import main; sys.exit(main())' \
+        bench transfer --mem "$mem" "$@" --iters "$ITERS" --json)
+}
+show() { "$PY" "$REPO/tools/device/bench_line.py"; }
+T0=$(date +%s)
+if [ -d .old/pkg/hybridkv ]; then
+    for round in 1 2; do
+        for tree in old new; do
+            echo "=== [$((`date +%s` - T0)) s] $tree vram 320 MB round $round"
+            bench "$tree" vram --tokens 8192 2>"$OUT/item4_${tree}_${round}.err" | tee "$OUT/item4_${tree}_${round}.json" | show
+            grep -i "Traceback\|Error" "$OUT/item4_${tree}_${round}.err" | head -3
+        done
+    done
+    for tree in old new; do
+        echo "=== [$((`date +%s` - T0)) s] $tree vram 8 MB"
+        bench "$tree" vram --layers 4 --tokens 384 2>"$OUT/item4_${tree}_8mb.err" | tee "$OUT/item4_${tree}_8mb.json" | show
+        echo "=== [$((`date +%s` - T0)) s] $tree dram 320 MB"
+        ITERS=9 bench "$tree" dram --tokens 8192 2>"$OUT/item4_${tree}_dram.err" | tee "$OUT/item4_${tree}_dram.json" | show
+        grep -i "Traceback\|Error" "$OUT/item4_${tree}_dram.err" | head -3
+    done
+else
+    echo "no .old/pkg: the baseline runs are skipped"
+fi
+echo "=== [$((`date +%s` - T0)) s] probes"
+HKV_ENV_DONE=1 PY=$PY OUT=$OUT PROBES=${PROBES:-default futures_off ucxx_tcp spin} ITERS=15 bash tools/device/post_probe.sh 2>&1 | grep -v "NIXL INFO\|GPU 0:"
+echo "=== [$((`date +%s` - T0)) s] staging gather kernel"
+timeout -k 5 120 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/kernels/test_staging_gather.py 2>&1 | tail -5
+timeout -k 5 150 "$PY" -c 'import sys; from hybridkv.cli import main; sys.exit(main())' bench staging --mem vram --iters 9 2>&1 \
+    | grep -v "NIXL INFO" | tail -14
+echo "=== done in $((`date +%s` - T0)) s"

@@ -1,0 +1,212 @@
+"""Where hybridkv's post-to-landed time goes on the GPU host (issue 49 item 4), as a wrapper around
+`hybridkv bench transfer`: the same run, with timers around NIXL's two posting calls (wall and thread CPU) in
+hybridkv's path and in the bare baselines, and every poll of hybridkv's wait.
+
+    python tools/device/post_probe.py bench transfer --mem vram --tokens 8192 --iters 15 --json
+
+prints the bench's JSON on stdout and, on stderr, one line per segment (median over the kept rounds):
+hybridkv's call chain into DataPlane.post, make_prepped_xfer and transfer in hybridkv's path and in the bare
+one-span READ ("raw") and plan ("plan", 2 indices), the polls of hybridkv's wait (how many, the gap between
+two, the last IN_PROGRESS poll to DONE). Off-CPU time in a call (wall - CPU) is time the thread waited: for
+the GIL, a lock, or the scheduler.
+
+Knobs (environment, for A/B runs on one host):
+  PROBE_BARE_SPIN_US=N   busy-spin N us before each bare post (is a post after a sleep slow because the core is cold?)
+  PROBE_UCXX_TLS=tcp,self  the control plane's ucxx context made with these UCX transports only (no CUDA in it)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+REC: dict[str, list[tuple[float, float]]] = {}
+WAITS: list[tuple[int, float, float]] = []  # (polls, median gap, last IN_PROGRESS poll -> DONE poll)
+_IN_DP = [False]
+
+
+def _add(name: str, w: float, c: float) -> None:
+    REC.setdefault(name, []).append((w, c))
+
+
+def _patch() -> None:
+    import hybridkv.benchmarks.transfer.measure as measure
+    import hybridkv.transport.dataplane as dpm
+    from hybridkv.transport.consumer import Consumer
+    from hybridkv.transport.nixl_shim import load_nixl
+
+    api = load_nixl()
+    agent_cls = api.nixl_agent
+    make0, xfer0 = agent_cls.make_prepped_xfer, agent_cls.transfer
+
+    def tag(li) -> str:
+        return "hybridkv" if _IN_DP[0] else {1: "raw", 2: "plan"}.get(len(li), f"bare{len(li)}")
+
+    def make(self, op, lh, li, rh, ri, *a, **k):
+        w, c = time.perf_counter(), time.thread_time()
+        h = make0(self, op, lh, li, rh, ri, *a, **k)
+        _add(f"make {tag(li)}", time.perf_counter() - w, time.thread_time() - c)
+        make.last = tag(li)
+        return h
+
+    def transfer(self, h, *a, **k):
+        w, c = time.perf_counter(), time.thread_time()
+        s = xfer0(self, h, *a, **k)
+        _add(f"transfer {make.last}", time.perf_counter() - w, time.thread_time() - c)
+        return s
+
+    make.last = "?"
+    agent_cls.make_prepped_xfer, agent_cls.transfer = make, transfer
+
+    post0, cpost0, state0 = dpm.DataPlane.post, Consumer._post, dpm.DataPlane.state
+    polls: list[tuple[float, object]] = []
+
+    def post(self, *a, **k):
+        w, c = time.perf_counter(), time.thread_time()
+        post.entry = (w, c)
+        _IN_DP[0] = True
+        try:
+            x = post0(self, *a, **k)
+        finally:
+            _IN_DP[0] = False
+        post.exit = time.perf_counter()
+        WINDOWS.append((w, post.exit))
+        AFTER.append([post.exit, None])
+        _add("DataPlane.post", post.exit - w, time.thread_time() - c)
+        polls.clear()
+        return x
+
+    def cpost(self, w_, notif):
+        w, c = time.perf_counter(), time.thread_time()
+        x = cpost0(self, w_, notif)
+        pw, pc = post.entry
+        _add("chain into DataPlane.post", pw - w, pc - c)
+        _add("Consumer._post", time.perf_counter() - w, time.thread_time() - c)
+        return x
+
+    def state(self, xfer):
+        if AFTER and AFTER[-1][1] is None:
+            AFTER[-1][1] = time.perf_counter()
+        s = state0(self, xfer)
+        polls.append((time.perf_counter(), s))
+        if s is not dpm.XferState.IN_PROGRESS and len(polls) >= 1:
+            ts = [t for t, _ in polls]
+            gaps = [b - a for a, b in zip(ts, ts[1:])]
+            WAITS.append((len(polls), statistics.median(gaps) if gaps else 0.0,
+                          gaps[-1] if gaps else 0.0, ts[0] - post.exit))
+        return s
+
+    dpm.DataPlane.post, Consumer._post, dpm.DataPlane.state = post, cpost, state
+
+    spin = float(os.environ.get("PROBE_BARE_SPIN_US", "0")) / 1e6
+    if spin:
+        timed0 = measure._timed
+
+        def timed(*a, **k):
+            end = time.perf_counter() + spin
+            while time.perf_counter() < end:
+                pass
+            return timed0(*a, **k)
+
+        measure._timed = timed
+
+    _patch_notifier()
+    tls = os.environ.get("PROBE_UCXX_TLS")
+    if tls:
+        import hybridkv.transport.ucxx_context as uc
+
+        ctx0 = uc.context
+
+        def context(ucxx):
+            if ucxx.core._ctx is None:
+                ucxx.init(options={"TLS": tls})
+            return ctx0(ucxx)
+
+        uc.context = context
+
+
+NOTIFIER: list[tuple[float, float]] = []  # stretches of the notifier thread's Python (GIL held, but for a wait to get it)
+WINDOWS: list[tuple[float, float]] = []  # hybridkv's DataPlane.post calls (entry, exit)
+AFTER: list[list] = []  # [DataPlane.post's exit, the wait's first poll]
+
+
+def _patch_notifier() -> None:
+    """ucxx's notifier thread (Python futures on) as ucxx 0.52 runs it, timestamped: any stretch of it inside
+    a hybridkv post window ran with the GIL while the posting thread had let go of it."""
+    import asyncio
+    from concurrent.futures import TimeoutError as FutTimeout
+
+    import ucxx._lib.libucxx as ucx_api
+    import ucxx._lib_async.application_context as ac
+    from ucxx._lib_async.notifier_thread import _run_request_notifier
+
+    def notifier(event_loop, worker, q):
+        asyncio.set_event_loop(event_loop)
+        while True:
+            a = time.perf_counter()  # holds the GIL: back from its last wait, or from task.result
+            worker.populate_python_futures_pool()
+            NOTIFIER.append((a, time.perf_counter()))
+            state = worker.wait_request_notifier(period_ns=int(1e9))
+            a = time.perf_counter()
+            stop = not q.empty() and q.get() == "shutdown"
+            if state == ucx_api.PythonRequestNotifierWaitState.Shutdown or stop:
+                break
+            if state == ucx_api.PythonRequestNotifierWaitState.Timeout:
+                continue
+            task = asyncio.run_coroutine_threadsafe(_run_request_notifier(worker), event_loop)
+            NOTIFIER.append((a, time.perf_counter()))
+            try:
+                task.result(0.01)
+            except FutTimeout:
+                pass
+            except Exception:
+                pass
+        worker.clear_python_futures_pool()
+
+    ac._notifierThread = notifier
+
+
+def _report() -> None:
+    med = statistics.median
+    print(f"post_probe: pid {os.getpid()}, threads at exit {len(sys._current_frames())}, "
+          f"PROBE_BARE_SPIN_US={os.environ.get('PROBE_BARE_SPIN_US', '0')} PROBE_UCXX_TLS="
+          f"{os.environ.get('PROBE_UCXX_TLS', '')} UCXPY_ENABLE_PYTHON_FUTURE="
+          f"{os.environ.get('UCXPY_ENABLE_PYTHON_FUTURE', '')}", file=sys.stderr)
+    for name in sorted(REC):
+        v = REC[name][1:]  # the first is the warm-up round's
+        if v:
+            w, c = med(x for x, _ in v) * 1e6, med(y for _, y in v) * 1e6
+            print(f"post_probe: {name:<28} wall {w:8.1f} us  cpu {c:8.1f} us  off-CPU {w - c:7.1f} us  n={len(v)}",
+                  file=sys.stderr)
+    inside = []
+    for a, b in WINDOWS[1:]:
+        inside.append(sum(min(b, y) - max(a, x) for x, y in NOTIFIER if x < b and y > a))
+    if inside:
+        print(f"post_probe: notifier thread ran inside hybridkv's DataPlane.post in {sum(1 for t in inside if t > 0)} "
+              f"of {len(inside)} posts, median {med(inside) * 1e6:.1f} us, max {max(inside) * 1e6:.1f} us; "
+              f"{len(NOTIFIER)} notifier wake-ups in all", file=sys.stderr)
+    after = []
+    for a, b in AFTER[1:]:
+        if b is not None:
+            after.append(sum(min(b, y) - max(a, x) for x, y in NOTIFIER if x < b and y > a))
+    if after:
+        print(f"post_probe: notifier thread ran between DataPlane.post's return and the first poll in "
+              f"{sum(1 for t in after if t > 0)} of {len(after)} fetches, median {med(after) * 1e6:.1f} us, "
+              f"max {max(after) * 1e6:.1f} us", file=sys.stderr)
+    if len(WAITS) > 1:
+        v = WAITS[1:]
+        print(f"post_probe: hybridkv wait: polls {med(p for p, *_ in v):.0f}, gap between polls "
+              f"{med(g for _, g, *_ in v) * 1e6:.1f} us, last IN_PROGRESS -> DONE {med(x for *_, x, _ in v) * 1e6:.1f} us, "
+              f"post return -> first poll {med(f for *_, f in v) * 1e6:.1f} us", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    _patch()
+    import atexit
+
+    atexit.register(_report)
+    from hybridkv.cli import main
+
+    sys.exit(main())
