@@ -65,6 +65,9 @@ class StagingMachine(RuleBasedStateMachine):
         super().__init__()
         counter.add(1)
         self.loop = asyncio.new_event_loop()
+        # the current loop, for what the sides schedule from a synchronous rule (a lost peer's channel close):
+        # without it that depends on whether an earlier test in the process left one (asyncio.run does not)
+        asyncio.set_event_loop(self.loop)
         self.clock = Clock()
         self.P = ProducerSide(self.policy, self.clock, self.fence)
         self.C = [ConsumerSide(i, self.policy, self.clock, self.P) for i in range(2)]
@@ -309,6 +312,7 @@ class StagingMachine(RuleBasedStateMachine):
             t.cancel()
         self.loop.run_until_complete(_yield(2))
         self.loop.close()
+        asyncio.set_event_loop(None)
 
 
 # The fixed corpus: one interleaving per way a slot goes back early (each catches the mutants of its family in
