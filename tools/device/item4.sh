@@ -43,7 +43,7 @@ else
     echo "no .old/pkg: the baseline runs are skipped"
 fi
 echo "=== [$((`date +%s` - T0)) s] probes"
-HKV_ENV_DONE=1 PY=$PY OUT=$OUT PROBES=${PROBES:-default futures_off ucxx_tcp spin} ITERS=15 bash tools/device/post_probe.sh 2>&1 | grep -v "NIXL INFO\|GPU 0:"
+HKV_ENV_DONE=1 PY=$PY OUT=$OUT PROBES=${PROBES:-default nowait futures_off ucxx_tcp} ITERS=15 bash tools/device/post_probe.sh 2>&1 | grep -v "NIXL INFO\|GPU 0:"
 echo "=== [$((`date +%s` - T0)) s] staging gather kernel"
 timeout -k 5 120 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/kernels/test_staging_gather.py 2>&1 | tail -5
 timeout -k 5 150 "$PY" -c 'import sys; from hybridkv.cli import main; sys.exit(main())' bench staging --mem vram --iters 9 2>&1 \

@@ -13,6 +13,8 @@ the GIL, a lock, or the scheduler.
 Knobs (environment, for A/B runs on one host):
   PROBE_BARE_SPIN_US=N   busy-spin N us before each bare post (is a post after a sleep slow because the core is cold?)
   PROBE_UCXX_TLS=tcp,self  the control plane's ucxx context made with these UCX transports only (no CUDA in it)
+  PROBE_NOTIFIER=nowait  ucxx's notifier thread does not wait for the event loop to have run the completions it
+                         handed over (ucxx waits up to 10 ms): it goes back to its wait at once
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ def _patch_notifier() -> None:
     import ucxx._lib_async.application_context as ac
     from ucxx._lib_async.notifier_thread import _run_request_notifier
 
+    nowait = os.environ.get("PROBE_NOTIFIER") == "nowait"
+
     def notifier(event_loop, worker, q):
         asyncio.set_event_loop(event_loop)
         while True:
@@ -157,6 +161,8 @@ def _patch_notifier() -> None:
                 continue
             task = asyncio.run_coroutine_threadsafe(_run_request_notifier(worker), event_loop)
             NOTIFIER.append((a, time.perf_counter()))
+            if nowait:  # back to its wait at once: its next Python runs while the loop is idle, not mid-post
+                continue
             try:
                 task.result(0.01)
             except FutTimeout:

@@ -41,6 +41,7 @@ for what in ${PROBES:-default spin futures_off ucxx_tcp small small_futures_off}
         spin) run "bare posts after a 1 ms spin" "$BIG" PROBE_BARE_SPIN_US=1000 ;;
         futures_off) run "futures off" "$BIG" UCXPY_ENABLE_PYTHON_FUTURE=0 ;;
         ucxx_tcp) run "control plane on tcp,self only" "$BIG" PROBE_UCXX_TLS=tcp,self ;;
+        nowait) run "notifier not waiting for the loop" "$BIG" PROBE_NOTIFIER=nowait ;;
         small) run "8 MB" "$SMALL" ;;
         small_futures_off) run "8 MB futures off" "$SMALL" UCXPY_ENABLE_PYTHON_FUTURE=0 ;;
         *) echo "unknown probe $what" ;;
