@@ -13,7 +13,7 @@ set -u
 source tools/device/env.sh
 nvidia-smi -L
 REPO=$PWD
-ITERS=${ITERS:-21}
+ITERS=${ITERS:-15}
 bench() {  # bench TREE MEM SIZE...  (TREE: new or old)
     local tree=$1 mem=$2 py_path
     shift 2
@@ -24,28 +24,27 @@ bench() {  # bench TREE MEM SIZE...  (TREE: new or old)
 }
 show() { "$PY" "$REPO/tools/device/bench_line.py"; }
 T0=$(date +%s)
-if [ -d .old/pkg/hybridkv ]; then
-    for round in 1 2; do
-        for tree in old new; do
-            echo "=== [$((`date +%s` - T0)) s] $tree vram 320 MB round $round"
-            bench "$tree" vram --tokens 8192 2>"$OUT/item4_${tree}_${round}.err" | tee "$OUT/item4_${tree}_${round}.json" | show
-            grep -i "Traceback\|Error" "$OUT/item4_${tree}_${round}.err" | head -3
-        done
-    done
+at() { echo "=== [$(($(date +%s) - T0)) s] $*"; }
+pair() {  # pair LABEL MEM SIZE...: the baseline tree, then this one
+    local label=$1 mem=$2 tree
+    shift 2
     for tree in old new; do
-        echo "=== [$((`date +%s` - T0)) s] $tree vram 8 MB"
-        bench "$tree" vram --layers 4 --tokens 384 2>"$OUT/item4_${tree}_8mb.err" | tee "$OUT/item4_${tree}_8mb.json" | show
-        echo "=== [$((`date +%s` - T0)) s] $tree dram 320 MB"
-        ITERS=9 bench "$tree" dram --tokens 8192 2>"$OUT/item4_${tree}_dram.err" | tee "$OUT/item4_${tree}_dram.json" | show
-        grep -i "Traceback\|Error" "$OUT/item4_${tree}_dram.err" | head -3
+        [ "$tree" = old ] && [ ! -d .old/pkg/hybridkv ] && continue
+        at "$tree $mem $label"
+        bench "$tree" "$mem" "$@" 2>"$OUT/item4_${tree}_${label}.err" | tee "$OUT/item4_${tree}_${label}.json" | show
+        grep -i "Traceback\|Error" "$OUT/item4_${tree}_${label}.err" | head -3
     done
-else
-    echo "no .old/pkg: the baseline runs are skipped"
-fi
-echo "=== [$((`date +%s` - T0)) s] probes"
-HKV_ENV_DONE=1 PY=$PY OUT=$OUT PROBES=${PROBES:-default nowait futures_off ucxx_tcp} ITERS=15 bash tools/device/post_probe.sh 2>&1 | grep -v "NIXL INFO\|GPU 0:"
-echo "=== [$((`date +%s` - T0)) s] staging gather kernel"
-timeout -k 5 120 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/kernels/test_staging_gather.py 2>&1 | tail -5
-timeout -k 5 150 "$PY" -c 'import sys; from hybridkv.cli import main; sys.exit(main())' bench staging --mem vram --iters 9 2>&1 \
+}
+probe() { HKV_ENV_DONE=1 PY=$PY OUT=$OUT PROBES="$*" ITERS=15 bash tools/device/post_probe.sh 2>&1 | grep -v "NIXL INFO\|GPU 0:"; }
+# Most wanted first: a run cut short by its limit still returns what it printed and wrote.
+pair 320MB_1 vram --tokens 8192
+pair 320MB_2 vram --tokens 8192
+ITERS=9 pair dram_320MB dram --tokens 8192
+at probes; probe default nowait
+at "staging gather kernel"
+timeout -k 5 100 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/kernels/test_staging_gather.py 2>&1 | tail -4
+timeout -k 5 120 "$PY" -c 'import sys; from hybridkv.cli import main; sys.exit(main())' bench staging --mem vram --iters 9 2>&1 \
     | grep -v "NIXL INFO" | tail -14
-echo "=== done in $((`date +%s` - T0)) s"
+pair 8MB vram --layers 4 --tokens 384
+at probes; probe futures_off ucxx_tcp
+at done
