@@ -349,8 +349,11 @@ def test_copier_packs_on_the_gpu_with_the_kernel_as_with_torch(p_tp, d_tp):
     from tests.transport.hetero_peers import _counts
     from tests.transport.peers import build
 
-    src_layout, src_memory, _ = build(10, tp=p_tp, rank=0, block=48, mem="vram")
-    _, dst_memory, _ = build(50, tp=d_tp, rank=0, block=48, mem="vram")
+    # the test geometry has 2 KV heads: a TP above that needs as many heads as ranks (as hetero_peers does)
+    heads = max(p_tp, d_tp)
+    geo = {"num_kv_heads": heads, "num_k_heads": heads, "num_v_heads": heads} if heads > 2 else None
+    src_layout, src_memory, _ = build(10, tp=p_tp, rank=0, block=48, mem="vram", geo_over=geo)
+    _, dst_memory, _ = build(50, tp=d_tp, rank=0, block=48, mem="vram", geo_over=geo)
     stager = DescriptorPlanner().stager(src_memory, dst_memory)
     theirs = {g: np.arange(1, 1 + n)[::-1].copy() for g, n in _counts(src_layout, 300).items()}
     pack = stager.pack(theirs, base=16)

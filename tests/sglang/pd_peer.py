@@ -622,6 +622,9 @@ class _StuckPlane:
 
         return XferState.IN_PROGRESS if self.stuck else self.real.state(xfer)
 
+    def poller(self, xfer):  # a waiter polls through this fake's state too (Side.wait_xfer)
+        return lambda: self.state(xfer)
+
     def abort(self, xfer) -> bool:
         from hybridkv.transport.dataplane import XferState
 
@@ -675,6 +678,9 @@ class _HeldPlane:
         if isinstance(xfer, _HeldXfer):
             return XferState.IN_PROGRESS if xfer.real is None else self.real.state(xfer.real)
         return self.real.state(xfer)
+
+    def poller(self, xfer):  # a waiter polls through this fake's state too (Side.wait_xfer)
+        return lambda: self.state(xfer)
 
     def abort(self, xfer) -> bool:
         if not isinstance(xfer, _HeldXfer):

@@ -173,6 +173,8 @@ def test_unabortable_stuck_read_keeps_blocks_until_it_ends_faked_stuck_read(peer
     real_state, real_abort, real_config = DataPlane.state, DataPlane.abort, WorkerHalf._config
     monkeypatch.setattr(DataPlane, "state",
                         lambda self, x: XferState.IN_PROGRESS if stuck["on"] else real_state(self, x))
+    # the fetch's wait polls through DataPlane.poller: stuck there too
+    monkeypatch.setattr(DataPlane, "poller", lambda self, x: lambda: self.state(x))
     monkeypatch.setattr(DataPlane, "abort", lambda self, x: False if stuck["on"] else real_abort(self, x))
     monkeypatch.setattr(WorkerHalf, "_config",
                         lambda self, port=0: dataclasses.replace(real_config(self, port), transfer_timeout_s=1.0))
