@@ -18,18 +18,7 @@ run() {  # run LABEL SIZE ENV...
     env "$@" timeout -k 5 "${BENCH_S:-90}" "$PY" tools/device/post_probe.py bench transfer --mem vram $size \
         --iters "$ITERS" --json >"$OUT/post_probe_$i.json" 2>"$OUT/post_probe_$i.err"
     echo "rc=$?"
-    "$PY" - "$OUT/post_probe_$i.json" <<'PYEOF'
-import json, sys
-try:
-    r = json.load(open(sys.argv[1]))
-except ValueError:
-    sys.exit("no report")
-for k, v in r["schemes"].items():
-    if k != "vllm_scheme":
-        print(f"  {k:<10} posted {v['posted']!s:>3} CPU {v['post_cpu_us']:7.1f} post {v['post_us']:7.1f} landed "
-              f"{v['landed_us']:8.1f} us  x raw {v['x_raw']:.3f} (paired {v['x_raw_paired']:.3f})")
-print(f"  fetch around its READ (us): {r.get('fetch_phases_us')}")
-PYEOF
+    "$PY" tools/device/bench_line.py <"$OUT/post_probe_$i.json"
     grep "post_probe:" "$OUT/post_probe_$i.err" | grep -v "bare[0-9][0-9]" | sed 's/post_probe: /  /'
     grep -i "Traceback\|Error" "$OUT/post_probe_$i.err" | head -3
 }
