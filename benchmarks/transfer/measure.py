@@ -176,8 +176,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
                 # The consumer's own planning of that request again (its planner, the same block lists, the
                 # plan's checks), then its index pairs posted with raw's bare calls: a post in the state that
                 # the fetch's own work leaves the thread's caches in, without hybridkv's posting path.
-                replay = cons.plans[(peer.agent,)]
-                again = replay.inner.plan(*replay.last)
+                again = last_plan()
                 again.check()
                 l_h, r_h = cons.dp.prepped(peer.agent)
                 pt, _, p_post, p_cpu = _timed(agent, "READ", l_h, again.dst_index, r_h, again.src_index)

@@ -29,6 +29,7 @@ the control loop calls it. A waiter (``Side.wait_xfer``) may poll back to back f
 from __future__ import annotations
 
 import enum
+import functools
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -370,15 +371,7 @@ class DataPlane:
         not released meanwhile), in one call for a one-handle transfer: a waiter calls it back to back."""
         if len(xfer.handles) != 1 or xfer.failed:
             return lambda: self.state(xfer)
-        check, handle, states, error = self.agent.check_xfer_state, xfer.handles[0], _STATES, XferState.ERROR
-
-        def poll() -> XferState:
-            try:
-                return states.get(check(handle), error)
-            except Exception:
-                return error
-
-        return poll
+        return functools.partial(self._state, xfer.handles[0])
 
     def _state(self, handle) -> XferState:
         try:
