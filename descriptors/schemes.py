@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridkv.layout import check_block_size, plan_layout
+from hybridkv.layout import Layout, adopt_layout, check_block_size, plan_layout
 from hybridkv.layout.alloc import VirtualAllocator
 from hybridkv.layout.geometry import LayerSpec, ModelGeometry, Paging
 from hybridkv.transport.memory import from_layout
@@ -28,7 +28,7 @@ from hybridkv.transport.plan import TransferPlan
 from hybridkv.transport.staging import Route, StagingConfig, StagingMode, route, slot_rows
 from hybridkv.wire import Mem
 
-from .hma import HMAPlan, aligned_block_size, plan_hma
+from .hma import HMAPlan, aligned_block_size, hma_buffers, plan_hma
 from .planning import DescriptorPlanner, source_ranks
 
 
@@ -301,58 +301,59 @@ def _mooncake(w: Workload) -> SchemeCount:
 
 
 def _hybridkv_vllm(w: Workload) -> SchemeCount:
+    if w.tp_prefill != w.tp_decode:
+        # Head slices, GQA-replicated heads read once, kernel blocks, staging: the planner on vLLM's pages.
+        reads, regions = _vllm_reads(w)
+        return _from_reads(Scheme.HYBRIDKV_VLLM, reads, regions=regions)
     hma = _hma(w)
-    r = hma.num_tensors
-    same_tp = w.tp_prefill == w.tp_decode
-    per_read = 0
-    nbytes = 0
-    for grp in hma.groups:
-        n = grp.blocks_for_tokens(w.tokens)
-        if same_tp:
-            # Block-outermost: one block of a group is one span over its r layer pages.
-            per_read += runs(n, w.fragmentation)
-            nbytes += n * r * hma.page_bytes
-        else:
-            # A head slice is contiguous only inside one layer's page, and there per sub-block.
-            per_read += r * grp.spec.page_sub_reads * n
-    if not same_tp:
-        per_read = _staged_vllm(w, hma, sliced=per_read)
-    return _closed_form(Scheme.HYBRIDKV_VLLM, w, per_read=per_read, regions=1,
-                        nbytes=nbytes * w.reads_per_request if same_tp else _useful_bytes(w))
+    # Block-outermost: one block of a group is one span over its r layer pages.
+    per_read = sum(runs(grp.blocks_for_tokens(w.tokens), w.fragmentation) for grp in hma.groups)
+    nbytes = sum(grp.blocks_for_tokens(w.tokens) for grp in hma.groups) * hma.num_tensors * hma.page_bytes
+    return _closed_form(Scheme.HYBRIDKV_VLLM, w, per_read=per_read, regions=1, nbytes=nbytes * w.reads_per_request)
 
 
-def _staged_vllm(w: Workload, hma: HMAPlan, *, sliced: int) -> int:
-    """One read at different TP with staging (transport/staging.py's route): the producer packs the
-    decode rank's head slices block by block. Where the decode rank holds a slice of one producer
-    rank (D >= P) its block-outermost page is exactly such a packed block, so the slot lands in one
-    descriptor per run of its blocks; where it holds several producers' heads interleaved (P > D) the
-    slot would land slice by slice, so it reads it into a slot of its own (one descriptor)."""
-    if w.tp_decode >= w.tp_prefill:
-        direct = _direct_rows_vllm(w)
+def _vllm_pages(w: Workload, tp: int, rank: int, pages: int, alloc: VirtualAllocator) -> Layout:
+    """vLLM 0.33's hybrid-allocator tensors of one rank (virtual addresses), as the vLLM connector adopts them.
+    Block-outermost (BLHNC, what the connector asks for): one allocation, [block][tensor slot][page]. With
+    attention kernel blocks smaller than the block, layer-outermost (LBHNC): vLLM splits a page into kernel
+    blocks only there (prepare_kernel_block_sizes never splits block-outermost pages), so the backend that
+    needs them is one that does not allow BLHNC; each tensor slot is its own allocation."""
+    hma = plan_hma(w.geometry.shard(tp), w.effective_block_size)
+    page, slots = hma.page_bytes, hma.num_tensors
+    split = w.kernel_blocks_per_block > 1
+    if split:
+        allocs = [alloc.allocate(page * pages) for _ in range(slots)]
+        addrs, stride = [a.addr for a in allocs], page
     else:
-        direct = sliced
-    own_pool = w.staging is not None and w.staging.enabled
-    nbytes = _useful_bytes(w) // w.reads_per_request  # one read's packed slices
-    way = route(w.staging, sliced=sliced, direct=direct, own_pool=own_pool, nbytes=nbytes, mem=STAGING_MEM)
-    return {Route.SLICED: sliced, Route.DIRECT: min(direct, sliced), Route.SLOT: 1}[way]
+        allocs = [alloc.allocate(page * slots * pages)]
+        addrs, stride = [allocs[0].addr + i * page for i in range(slots)], page * slots
+    groups, buffers = hma_buffers(hma, addrs, block_stride=stride, pages=pages, mem=allocs[0].mem,
+                                  device_id=allocs[0].device_id, kernel_tokens=w.kernel_block_size if split else None)
+    return adopt_layout(w.geometry, groups, buffers, tp=tp, rank=rank)
 
 
-def _direct_rows_vllm(w: Workload) -> int:
-    """Rows of a slot read straight into a decode rank's vLLM pages (D >= P: its pages are the packed ones).
-    A row continues only where the decode's bytes do: block-outermost (BLHNC), a block of a group spans its
-    r tensor slots unless a page ends in padding (a state smaller than the hybrid page: one row per slot per
-    block); with kernel blocks smaller than the block vLLM needs a layer-compact layout (it refuses to split
-    BLHNC's pages), where every slot is a region of its own and, with several slots, the slot's
-    block-by-block order never continues a slot's page into its next block's (r rows per block)."""
-    hma = plan_hma(w.geometry.shard(w.tp_decode), w.effective_block_size)
-    r = hma.num_tensors
-    layer_compact = w.kernel_blocks_per_block > 1
-    rows = 0
-    for grp in hma.groups:
-        n = grp.blocks_for_tokens(w.tokens)
-        padded = grp.spec.paging is Paging.STATE and grp.spec.page_bytes(hma.block_size) < hma.page_bytes
-        rows += r * n if padded or (layer_compact and r > 1) else runs(n, w.fragmentation)
-    return rows
+def _vllm_reads(w: Workload) -> tuple[list[tuple[int, int, TransferPlan]], int]:
+    """(prefill rank, decode rank, plan) of every read the vLLM connector posts at different TP: the planner
+    over every rank's vLLM pages (:func:`_vllm_pages`), its blocks from one pool as vLLM's hybrid allocator
+    hands them out (each group's after the last's, ``fragmentation`` of them apart), staged by the
+    transport's own rule (:func:`_staged`); and the regions one prefill rank registers."""
+    blocks: dict[int, np.ndarray] = {}
+    at = 0
+    for grp in _hma(w).groups:  # same groups and block size at every TP
+        blocks[grp.group_id] = fragmented_blocks(grp.blocks_for_tokens(w.tokens), w.fragmentation, start=at)
+        at = int(blocks[grp.group_id][-1]) + 2
+    alloc = VirtualAllocator()
+    srcs = [from_layout(_vllm_pages(w, w.tp_prefill, r, at, alloc)) for r in range(w.tp_prefill)]
+    planner = DescriptorPlanner()
+    reads = []
+    for d in range(w.tp_decode):
+        ranks, _ = source_ranks(w.tp_decode, d, w.tp_prefill)
+        prepared = planner.prepare([srcs[r] for r in ranks], from_layout(_vllm_pages(w, w.tp_decode, d, at, alloc)))
+        for i, src in enumerate(ranks):
+            plan = _staged(w, prepared, i, blocks, blocks, prepared.plan(i, blocks, blocks))
+            if plan.num_descriptors:  # a rank that feeds none of this rank's fields is not read
+                reads.append((src, d, plan))
+    return reads, len(srcs[0].regions)
 
 
 def _hybridkv_reads(w: Workload) -> list[tuple[int, int, TransferPlan]]:
@@ -416,8 +417,12 @@ def hybridkv_plans(w: Workload) -> list[TransferPlan]:
 
 
 def _hybridkv(w: Workload) -> SchemeCount:
-    reads = _hybridkv_reads(w)
+    return _from_reads(Scheme.HYBRIDKV, _hybridkv_reads(w), regions=len(w.geometry.kinds()))
 
+
+def _from_reads(scheme: Scheme, reads: list[tuple[int, int, TransferPlan]], *, regions: int) -> SchemeCount:
+    """A scheme's count from the plans of its reads, each (prefill rank, decode rank, plan); the posting rank
+    (a decode rank: both hybridkv schemes pull) posts its reads' descriptors. ``regions``: per prefill rank."""
     def most(ranks: list[int], sizes: list[int]) -> int:
         per: dict[int, int] = {}
         for rank, size in zip(ranks, sizes):
@@ -427,9 +432,10 @@ def _hybridkv(w: Workload) -> SchemeCount:
     src, dst = [r[0] for r in reads], [r[1] for r in reads]
     counts, sizes = [r[2].num_descriptors for r in reads], [r[2].nbytes for r in reads]
     per_decode = most(dst, counts)
-    return SchemeCount(scheme=Scheme.HYBRIDKV, descriptors=sum(counts), bytes=sum(sizes),
-                       regions=len(w.geometry.kinds()), per_decode_rank=per_decode, per_prefill_rank=most(src, counts),
-                       bytes_per_decode_rank=most(dst, sizes), nixl_posted_per_posting_rank=per_decode)
+    return SchemeCount(scheme=scheme, descriptors=sum(counts), bytes=sum(sizes),
+                       regions=regions, per_decode_rank=per_decode,
+                       per_prefill_rank=most(src, counts), bytes_per_decode_rank=most(dst, sizes),
+                       nixl_posted_per_posting_rank=per_decode)
 
 
 _COUNTERS = {

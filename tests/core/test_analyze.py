@@ -126,17 +126,20 @@ def test_per_rank_counts_are_what_one_posting_thread_sees():
     ours = by[Scheme.HYBRIDKV]
     assert ours.per_decode_rank * 2 == ours.descriptors == 24 and not ours.poster.on_step
     # Staging (transport/staging.py) weighs copies against descriptors: hybridkv's own layout posts 3 per read
-    # and stays sliced; inside vLLM's layout a read is 600 head slices. At the measured H100 costs (4.95 us per
-    # descriptor, a 30 GB/s gather) AUTO keeps them sliced: packing a read's ~100 MB costs more than posting 600;
+    # and stays sliced. Inside vLLM's layer-outermost pages (the layout 16-token kernel blocks need) a decode
+    # rank's one KV head (2 at TP 2; TP 8 replicates them) is a whole attention page of one prefill rank, read
+    # once: 15 slots x 8 blocks, its kernel blocks merged, + 180 GDN head slices; the other three prefill ranks
+    # give their 180 GDN slices only (840 per decode rank). At the measured H100 costs (4.95 us per descriptor,
+    # a 30 GB/s gather) AUTO keeps them sliced: packing a read's ~100 MB costs more than posting them;
     # staging ON packs them into one slot per prefill rank.
     ours_vllm = by[Scheme.HYBRIDKV_VLLM]
-    assert (ours_vllm.descriptors, ours_vllm.per_decode_rank) == (2_400, 1_200)
+    assert (ours_vllm.descriptors, ours_vllm.per_decode_rank) == (1_680, 840)
     on = count_descriptors(Scheme.HYBRIDKV_VLLM, dataclasses.replace(w, staging=StagingConfig(mode=StagingMode.ON)))
     assert (on.descriptors, on.per_decode_rank) == (8, 4)
     fast = count_descriptors(Scheme.HYBRIDKV_VLLM, dataclasses.replace(w, staging=StagingConfig(copy_gbps=1000.0)))
     assert fast.descriptors == 8  # a gather near copy speed would be worth it
     sliced = count_descriptors(Scheme.HYBRIDKV_VLLM, dataclasses.replace(w, staging=None))
-    assert (sliced.descriptors, sliced.per_decode_rank) == (2_400, 1_200)
+    assert (sliced.descriptors, sliced.per_decode_rank) == (1_680, 840)
     # One decode rank reading from a TP 1 prefill: half the prefill rank's readers each.
     up = {c.scheme: c for c in count_all(_qwen_bf16(tp_prefill=1, tp_decode=2))}
     assert up[Scheme.VLLM_033].per_decode_rank == 300 and up[Scheme.VLLM_033].per_prefill_rank == 600

@@ -146,10 +146,8 @@ def test_hetero_tp_vllm_ranks(tmp_path, p_tp, d_tp, instances, kernel, tokens, s
                       f"{'staged' if staged[rid] else 'sliced'}: {descriptors[rid]} NIXL descriptors posted over all "
                       f"decode ranks ({'+'.join(map(str, per_rank[rid]))}); analyzer (hybridkv-vllm): {analyzer}; "
                       f"NixlConnector's list (vllm-0.33): {nixl}")
-                if staged[rid] or kernel is None:
-                    # (sliced at kernel blocks: the analyzer's hybridkv-vllm does not model vLLM's layer-compact
-                    # pages that kernel blocks need; the lead has the figures)
-                    assert descriptors[rid] == analyzer
+                # staged or sliced, BLHNC or (kernel blocks) vLLM's layer-outermost LBHNC pages
+                assert descriptors[rid] == analyzer
                 if staged[rid] and (d_tp < p_tp or scatter):  # issue 49: at most a tenth of NixlConnector's count
                     assert 10 * descriptors[rid] <= nixl, (descriptors[rid], nixl)
                     # and on each decode rank, against NixlConnector's per rank (its list splits evenly over them)
