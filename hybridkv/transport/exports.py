@@ -8,6 +8,11 @@ reader is done; any other claim on it is refused (``FailureCode.CLAIMED``). In p
 consumer's READ (its Done or its notification) ends a reader; in push mode this side WRITEs on the
 consumer's Import and watches the write. Leases are renewed on a reader's Heartbeat and lapse on
 the pump's tick. The design is in :mod:`hybridkv.transport.endpoint`.
+
+``Exports`` holds the table of exports and their ends, and dispatches a consumer's messages; its
+parts, one module each: the record of one export (:mod:`~hybridkv.transport.export_record`), the
+asks that come ahead of an export and the lease renewals (:mod:`~hybridkv.transport.asks`), and the
+staging slots and push WRITEs (:mod:`~hybridkv.transport.delivery`).
 """
 
 from __future__ import annotations
@@ -16,88 +21,55 @@ import asyncio
 import dataclasses
 import hmac
 import logging
-import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from hybridkv import wire
 from hybridkv.errors import PeerLost
 from hybridkv.fencing import NotYet
+from hybridkv.transport.asks import AsksAhead, LeaseRenewals
 from hybridkv.transport.auth import Claimants
 from hybridkv.transport.config import Outcome, Result
-from hybridkv.transport.dataplane import Op, Transfer, XferState
-from hybridkv.transport.metrics import FailureKind
-from hybridkv.transport.plan import PeerPlanner
-from hybridkv.transport.side import Peer, Side, notification, remember, send_quietly
-from hybridkv.transport.staging import Slot, StagePool, Stager
+from hybridkv.transport.delivery import ExportStaging, PushWrites
+from hybridkv.transport.export_record import ExportRecord, holds
+from hybridkv.transport.side import Peer, Side, remember, send_quietly
+from hybridkv.transport.staging import StagePool
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False, kw_only=True)
-class _Export:
-    rid: str
-    tid: int
-    token: bytes  # the request's capability: every message about it must carry this
-    blocks: dict[int, np.ndarray]
-    done: asyncio.Future
-    #: ``blocks`` as an Export names them: made once at export(), not on each reader's Want
-    wire_blocks: tuple[wire.GroupBlocks, ...] = ()
-    claimants: Claimants | None = None  # the decode it was issued for (None: whoever holds the token)
-    readers: int | None = None  # how many consumers share it (set by the first claim)
-    claims: dict[str, Peer] = field(default_factory=dict)  # agent -> reader
-    ended: dict[str, tuple[bool, str | None]] = field(default_factory=dict)  # agent -> (ok, detail)
-    xfer: Transfer | None = None
-    abort_asked: bool = False
-    descriptors: int = 0  # push: what the WRITE posted, and when (for the metrics)
-    posted_at: float = 0.0
-    slots: dict[str, Slot] = field(default_factory=dict)  # agent -> its staging slot (pull, staged)
-
-    @property
-    def peer(self) -> Peer | None:
-        """The reader, where there is exactly one (push mode has one)."""
-        return next(iter(self.claims.values())) if len(self.claims) == 1 else None
-
-
 class Exports:
-    """The producer's exports. Given the side: its scheduler, config, planner, memory map, data
-    plane, peers and counters."""
+    """The producer's exports. Given the side (its scheduler, config, planner, memory map, data
+    plane, peers and counters, which it shares with its parts) and the staging pool, if any."""
 
     def __init__(self, side: Side, staging: StagePool | None = None) -> None:
         self._side = side
-        #: where staged reads are packed (None: every Want is exported unstaged)
-        self._staging = staging
-        self._stagers: dict[str, Stager | None] = {}  # per consumer agent
         self._scheduler = side.scheduler
         self._config = side.config
-        self._planner = side.planner
         self._memory = side.memory
         self._dp = side.dp
         self._peers = side.peers
         self._stats = side.stats
         self._metrics = side.metrics
-        self._plans: dict[str, PeerPlanner] = {}  # push: the planner prepared per consumer
-        self._exports: dict[str, _Export] = {}
+        self._exports: dict[str, ExportRecord] = {}
         # Recently terminal requests (with their tokens) and completion notifications seen, so a
         # repeated or crossing completion is told apart from a stray one (bounded).
         self._finished: OrderedDict[str, bytes] = OrderedDict()
         self._notified: OrderedDict[str, None] = OrderedDict()
-        # Wants that came before the request was exported (the consumer may be first), with the
-        # token each asker holds; bounded per peer and in total (TransportConfig.max_wants*).
-        self._wants: dict[str, list[tuple[Peer, int, bytes, bool]]] = {}
-        self._want_count = 0
-        # Requests a consumer released before they were exported (it will never read them), with the
-        # token it released them with: their export ends as soon as it starts if the tokens match.
-        self._released: OrderedDict[str, tuple[bytes, Peer]] = OrderedDict()
+        # Wants that came before the request was exported (the consumer may be first), bounded per
+        # peer and in total (TransportConfig.max_wants*), and requests released before their export.
+        self._asks = AsksAhead()
+        self._renewals = LeaseRenewals(side, self._exports, lost=self.peer_lost)
+        #: where staged reads are packed (its pool None: every Want is exported unstaged)
+        self._staging = ExportStaging(side, staging)
+        self._writes = PushWrites(side, finish=self._finish)  # push mode
 
     def describe(self) -> dict:
         return {"exports": {r: {"claims": sorted(e.claims), "ended": sorted(e.ended), "readers": e.readers,
                                 "writing": e.xfer is not None, "staged": sorted(e.slots)}
                             for r, e in self._exports.items()},
-                "wants_ahead": {r: len(v) for r, v in self._wants.items()},
-                **({} if self._staging is None else {"staging": self._staging.describe()})}
+                "wants_ahead": self._asks.describe(), **self._staging.describe()}
 
     async def serve(self, peer: Peer) -> None:
         """A consumer's control messages, until it is lost or the producer closes."""
@@ -114,24 +86,7 @@ class Exports:
 
     def _on_message(self, peer: Peer, msg: wire.Message) -> None:
         if isinstance(msg, wire.Heartbeat):
-            if len(peer.lease_replies) >= _MAX_LEASE_BATCHES:
-                # Its earlier renewals are still being answered: a consumer renews every lease/6 s
-                # (in batches of up to 1,024 ids), so this is a flood: dropped, not queued.
-                self._stats.rejected += 1
-                return
-            leases = []
-            for t in msg.tickets:
-                # Only a reader holding the token renews; anyone else hears "gone" (0), which
-                # is also what an unknown id gets: nothing tells ids that exist from ones that don't.
-                rec = self._exports.get(t.request_id)
-                ok = rec is not None and rec.claims.get(peer.agent) is peer and hmac.compare_digest(rec.token, t.token)
-                lease = self._scheduler.heartbeat(t.request_id) if ok else None
-                left = 0.0 if lease is None else max(0.0, lease.deadline - self._scheduler.leases.now())
-                leases.append(wire.Lease(request_id=t.request_id, lease_s=left))
-            peer.lease_replies.append(leases)
-            if not peer.renewing:
-                peer.renewing = True  # one task per peer sends every batch, never one per id
-                asyncio.ensure_future(self._send_leases(peer))
+            self._renewals.on_heartbeat(peer, msg)
         elif isinstance(msg, wire.Want):
             self._on_want(peer, msg)
         elif isinstance(msg, wire.Import):
@@ -147,7 +102,7 @@ class Exports:
                     else:
                         self._stats.forbidden += 1
                 elif msg.request_id not in self._finished:
-                    self._released_ahead(peer, msg.request_id, msg.token)
+                    self._asks.release(peer, msg.request_id, msg.token)
                 return
             if rec is None or rec.claims.get(peer.agent) is not peer or not hmac.compare_digest(rec.token, msg.token):
                 if rec is not None:
@@ -171,39 +126,11 @@ class Exports:
         else:
             self._stats.rejected += 1
 
-    def _released_ahead(self, peer: Peer, rid: str, token: bytes) -> None:
-        """A consumer will not read a request not yet exported (the decode engine aborted it while
-        it queued, or found nothing to load): forget its ask, and end the export when it starts
-        (checked then against the token the export is made with)."""
-        asks = self._wants.get(rid, [])
-        rest = [a for a in asks if a[0] is not peer]
-        dropped = len(asks) - len(rest)
-        peer.wants -= dropped
-        self._want_count -= dropped
-        if rest:
-            self._wants[rid] = rest
-            return  # another reader still wants it
-        self._wants.pop(rid, None)
-        remember(self._released, rid, (token, peer))
-
-    async def _send_leases(self, peer: Peer) -> None:
-        try:
-            while peer.lease_replies and peer.alive:
-                for lease in peer.lease_replies[0]:
-                    await peer.channel.send(lease)
-                peer.lease_replies.pop(0)
-        except PeerLost:
-            self.peer_lost(peer)
-        finally:
-            peer.renewing = False
-            if not peer.alive:
-                peer.lease_replies.clear()
-
     def _on_want(self, peer: Peer, msg: wire.Want) -> None:
         rid = msg.request_id
         rec = self._exports.get(rid)
         if rec is not None:
-            if _holds(rec, peer, msg.token):
+            if holds(rec, peer, msg.token):
                 self._claim(rec, peer, msg.readers, msg.token, msg.stage)
             else:
                 self._stats.forbidden += 1  # no answer: a refusal would say the request exists
@@ -218,24 +145,20 @@ class Exports:
             self._refuse_want(peer, rid, wire.FailureCode.UNKNOWN_REQUEST,
                               f"request {rid} was already exported and its export has ended", msg.token)
             return
-        if any(a[0] is peer for a in self._wants.get(rid, ())):
+        if self._asks.asked(rid, peer):
             self._stats.duplicates += 1
             return
         if peer.wants >= self._config.max_wants_per_peer:
             self._cut_off(peer, f"more than {self._config.max_wants_per_peer} requests asked for ahead of their export")
             return
-        if self._want_count >= self._config.max_wants:
+        if self._asks.count >= self._config.max_wants:
             # Full: the peer holding the most waiting Wants goes (a flooder has them), not the asker.
-            worst = max({id(a[0]): a[0] for asks in self._wants.values() for a in asks}.values(),
-                        key=lambda p: p.wants)
+            worst = self._asks.most()
             self._cut_off(worst, f"{worst.wants} requests asked for ahead, the most of any peer, with "
-                                 f"{self._want_count} waiting in total")
+                                 f"{self._asks.count} waiting in total")
             if worst is peer:
                 return
-        pending = self._wants.setdefault(rid, [])
-        pending.append((peer, msg.readers, msg.token, msg.stage))
-        peer.wants += 1
-        self._want_count += 1
+        self._asks.add(rid, (peer, msg.readers, msg.token, msg.stage))
 
     def _cut_off(self, peer: Peer, why: str) -> None:
         """A peer flooding the producer loses its connection (and every claim it holds)."""
@@ -243,7 +166,7 @@ class Exports:
         log.warning("disconnected consumer %s: %s", peer.agent, why)
         self.peer_lost(peer)  # which closes its channel and removes its NIXL agent
 
-    def _claim(self, rec: _Export, peer: Peer, readers: int, token: bytes, stage: bool = False) -> None:
+    def _claim(self, rec: ExportRecord, peer: Peer, readers: int, token: bytes, stage: bool = False) -> None:
         """Give the request to a consumer that asked for it, or refuse it clearly."""
         if peer.agent in rec.claims:
             self._stats.duplicates += 1  # asked twice by the same consumer: it has its Export
@@ -263,41 +186,12 @@ class Exports:
             return
         rec.readers = readers
         rec.claims[peer.agent] = peer
-        staged = self._stage(rec, peer) if stage and self._config.mode is wire.Mode.PULL else ()
-        pool = self._staging
-        if staged and pool is not None and not pool.config.fence:
-            # HYBRIDKV_STAGING_RULE_OFF: the slot goes back as soon as it is packed, while its reader
-            # has yet to read it (the next request's slices may land in it first).
-            pool.give_back(rec.slots.pop(peer.agent))
+        staged = self._staging.stage(rec, peer) if stage and self._config.mode is wire.Mode.PULL else ()
         deadline = self._scheduler.leases.deadline(rec.rid)
         left = max(0.0, deadline - self._scheduler.leases.now()) if deadline is not None else 0.0
         asyncio.ensure_future(self._send_export(rec, peer, left, staged))
 
-    def _stage(self, rec: _Export, peer: Peer) -> tuple[int, ...]:
-        """Pack what ``peer`` reads into a staging slot: (offset, nbytes) for its Export, or ()
-        where this side cannot (no pool, nothing to gather for that peer, no free slot: the
-        consumer then posts the sliced plan). The slot is the export's until it ends."""
-        pool = self._staging
-        if pool is None:
-            return ()
-        if peer.agent not in self._stagers:
-            stager = getattr(self._planner, "stager", None)
-            try:
-                self._stagers[peer.agent] = None if stager is None else stager(self._memory, peer.memory)
-            except ValueError as exc:  # layouts that do not pair by fields: unstaged, the plan will say why
-                log.debug("no staging for %s: %s", peer.agent, exc)
-                self._stagers[peer.agent] = None
-        stager = self._stagers[peer.agent]
-        if stager is None:
-            return ()
-        slot = pool.take(stager.nbytes(rec.blocks))
-        if slot is None:
-            return ()  # full: unstaged (back-pressure falls back, never waits)
-        pool.copier.run(stager.pack(rec.blocks, base=slot.offset))
-        rec.slots[peer.agent] = slot
-        return (slot.offset, slot.nbytes)
-
-    async def _send_export(self, rec: _Export, peer: Peer, left: float, staged: tuple[int, ...] = ()) -> None:
+    async def _send_export(self, rec: ExportRecord, peer: Peer, left: float, staged: tuple[int, ...] = ()) -> None:
         try:
             await peer.channel.send(wire.Export(
                 request_id=rec.rid, lease_s=left, stage=staged,
@@ -310,7 +204,7 @@ class Exports:
         asyncio.ensure_future(send_quietly(peer.channel, wire.Failure(request_id=rid, code=code,
                                                                       detail=detail[: wire.MAX_TEXT], token=token)))
 
-    def _reader_ended(self, rec: _Export, agent: str, ok: bool, detail: str | None = None) -> None:
+    def _reader_ended(self, rec: ExportRecord, agent: str, ok: bool, detail: str | None = None) -> None:
         """One reader is finished with the blocks; the export ends once every reader is."""
         rec.ended.setdefault(agent, (ok, detail))
         if len(rec.ended) < (rec.readers or 1):
@@ -327,47 +221,7 @@ class Exports:
         if rec is None or rec.peer is not peer or self._config.mode is not wire.Mode.PUSH or rec.xfer is not None:
             self._stats.rejected += 1
             return
-        try:
-            wire.check_blocks(msg.blocks, peer.memory.group_bounds(), what=f"import of {msg.request_id}")
-            dst = {g.group_id: np.asarray(g.ids, dtype=np.int64) for g in msg.blocks}
-            prepared = self._plans.get(peer.agent)
-            if prepared is None:
-                prepared = self._plans[peer.agent] = self._planner.prepare((self._memory,), peer.memory)
-            plan = prepared.plan(0, rec.blocks, dst)
-            plan.check()
-            notif = notification(peer, rec.rid)
-            rec.posted_at = time.perf_counter()
-            rec.xfer = xfer = self._dp.post_plan(Op.WRITE, peer.agent, plan, notif)
-            rec.descriptors = plan.num_descriptors
-        except Exception as exc:  # bad block lists, NIXL refusal
-            self._stats.rejected += 1
-            self._metrics.failure(FailureKind.PROTOCOL if isinstance(exc, ValueError) else FailureKind.TRANSFER)
-            self._finish(rec, ok=False, outcome=Outcome.FAILED, error=str(exc),
-                         tell=wire.Failure(request_id=rec.rid, code=wire.FailureCode.TRANSFER_ERROR,
-                                           detail=str(exc)[: wire.MAX_TEXT]))
-            return
-        self._side.spin_up()
-        asyncio.ensure_future(self._watch_write(rec, xfer))
-
-    async def _watch_write(self, rec: _Export, xfer: Transfer) -> None:
-        try:
-            state = await self._side.wait_xfer(xfer)
-        finally:
-            self._side.spin_down()
-        if state is XferState.DONE:
-            self._metrics.transfer(nbytes=xfer.nbytes, descriptors=rec.descriptors,
-                                   seconds=time.perf_counter() - rec.posted_at)
-        else:
-            self._metrics.failure(FailureKind.TRANSFER)
-        if state is XferState.DONE and not rec.abort_asked:
-            self._finish(rec, ok=True, outcome=Outcome.DONE)
-        elif state is XferState.DONE:
-            # The consumer gave up but the bytes landed; its notification tells it so.
-            self._finish(rec, ok=True, outcome=Outcome.FAILED, error="consumer aborted")
-        else:
-            self._finish(rec, ok=False, outcome=Outcome.FAILED, error="WRITE failed",
-                         tell=wire.Failure(request_id=rec.rid, code=wire.FailureCode.TRANSFER_ERROR,
-                                           detail="WRITE failed"))
+        self._writes.post(rec, peer, msg)
 
     async def export(self, request_id: str, *, token: bytes, target: Peer | None,
                      claimants: Claimants | None = None) -> Result:
@@ -386,24 +240,23 @@ class Exports:
             return Result(request_id=request_id, outcome=Outcome.EXPIRED, error=tid.reason.value)
         blocks = {g.group_id: np.asarray(sched.blocks(request_id, g.group_id), dtype=np.int64)
                   for g in self._memory.groups}
-        rec = _Export(rid=request_id, tid=tid, token=token, blocks=blocks,
-                      wire_blocks=tuple(wire.GroupBlocks(group_id=g, ids=tuple(b.tolist())) for g, b in blocks.items()),
-                      done=asyncio.get_running_loop().create_future(), claimants=claimants)
+        rec = ExportRecord(rid=request_id, tid=tid, token=token, blocks=blocks,
+                           wire_blocks=tuple(wire.GroupBlocks(group_id=g, ids=tuple(b.tolist()))
+                                             for g, b in blocks.items()),
+                           done=asyncio.get_running_loop().create_future(), claimants=claimants)
         self._exports[request_id] = rec
-        released = self._released.pop(request_id, None)
+        released = self._asks.released(request_id)
         if released is not None:
-            if _holds(rec, released[1], released[0]):
+            if holds(rec, released[1], released[0]):
                 self._finish(rec, ok=False, outcome=Outcome.FAILED, error="released by its consumer before the export")
                 return await rec.done
             self._stats.forbidden += 1  # released with a guessed token: ignored
         if target is not None:
             self._claim(rec, target, 1, token)
-        for asker, readers, held, stage in self._wants.pop(request_id, []):
-            asker.wants -= 1
-            self._want_count -= 1
+        for asker, readers, held, stage in self._asks.take(request_id):
             if not asker.alive:
                 continue
-            if _holds(rec, asker, held):
+            if holds(rec, asker, held):
                 self._claim(rec, asker, readers, held, stage)
             else:
                 self._stats.forbidden += 1  # asked with a guessed token: no answer
@@ -428,8 +281,7 @@ class Exports:
 
     def tick(self) -> None:
         """From the pump: exports whose lease lapsed end; staging slots held past a lease go back."""
-        if self._staging is not None:
-            self._staging.tick(self._scheduler.leases.now())
+        self._staging.tick()
         for rid in self._scheduler.poll():  # lapsed leases: the scheduler dropped the request
             rec = self._exports.get(rid)
             self._metrics.lease_expired()
@@ -437,7 +289,7 @@ class Exports:
                 self._expired_before_export(rid)
                 continue
             if rec.xfer is not None:
-                continue  # a WRITE in flight ends through _watch_write
+                continue  # a WRITE in flight ends through PushWrites watching it
             self._finish(rec, ok=False, outcome=Outcome.EXPIRED, error="lease expired", tell=wire.Failure(
                 request_id=rid, code=wire.FailureCode.LEASE_EXPIRED, detail="lease expired"))
 
@@ -445,15 +297,13 @@ class Exports:
         """The lease lapsed before export() (a stalled prefill): every consumer that asked for the
         request hears so now, not after its export timeout, and a later ask is refused at once."""
         remember(self._finished, rid)
-        for peer, _, held, _ in self._wants.pop(rid, []):
-            peer.wants -= 1
-            self._want_count -= 1
+        for peer, _, held, _ in self._asks.take(rid):
             if peer.alive:
                 asyncio.ensure_future(send_quietly(peer.channel, wire.Failure(
                     request_id=rid, code=wire.FailureCode.LEASE_EXPIRED, detail="lease expired before export",
                     token=held)))
 
-    def _finish(self, rec: _Export, *, ok: bool, outcome: Outcome, error: str | None = None,
+    def _finish(self, rec: ExportRecord, *, ok: bool, outcome: Outcome, error: str | None = None,
                 tell: wire.Message | None = None) -> None:
         if self._exports.get(rec.rid) is not rec:
             return
@@ -463,7 +313,7 @@ class Exports:
         (sched.transfer_landed if ok else sched.transfer_failed)(rec.tid)
         alive = all(p.alive for p in rec.claims.values())
         freed = outcome is Outcome.DONE or outcome is Outcome.FAILED and alive
-        self._release_slots(rec, now=freed)
+        self._staging.release(rec, now=freed)
         if sched.has_request(rec.rid):
             if freed:
                 sched.export_done(rec.rid)
@@ -484,37 +334,15 @@ class Exports:
         if not rec.done.done():
             rec.done.set_result(Result(request_id=rec.rid, outcome=outcome, error=error))
 
-    def _release_slots(self, rec: _Export, *, now: bool) -> None:
-        """The export's staging slots go back with its blocks: now where every reader is done with
-        them, else (a reader may still be reading) when the lease lapses (a reader never reads past it)."""
-        if not rec.slots or self._staging is None:
-            return
-        leases = self._scheduler.leases
-        deadline = None if now else leases.deadline(rec.rid)
-        if not now and deadline is None:
-            deadline = leases.now() + leases.duration_s
-        for slot in rec.slots.values():
-            if deadline is None:
-                self._staging.give_back(slot)
-            else:
-                self._staging.hold(slot, deadline)
-        rec.slots.clear()
-
     def peer_lost(self, peer: Peer) -> None:
         """A consumer is gone (or cut off): its asks and claims end, its agent and channel go."""
         if not peer.alive:
             return
         peer.alive = False
         self._peers.pop(peer.agent, None)
-        self._plans.pop(peer.agent, None)
-        self._stagers.pop(peer.agent, None)
-        if peer.wants:
-            for rid in [r for r, asks in self._wants.items() if any(a[0] is peer for a in asks)]:
-                self._wants[rid] = [a for a in self._wants[rid] if a[0] is not peer]
-                if not self._wants[rid]:
-                    del self._wants[rid]
-            self._want_count -= peer.wants
-            peer.wants = 0
+        self._writes.forget(peer.agent)
+        self._staging.forget(peer.agent)
+        self._asks.drop(peer)
         for rec in [r for r in self._exports.values() if r.claims.get(peer.agent) is peer]:
             if rec.xfer is None:
                 self._reader_ended(rec, peer.agent, False, "consumer lost")
@@ -530,19 +358,6 @@ async def _send_all(ch, msgs: list[wire.Message]) -> None:
     """In order, ignoring a lost peer."""
     for m in msgs:
         await send_quietly(ch, m)
-
-
-_MAX_LEASE_BATCHES = 8  # Heartbeats per peer whose Lease replies may wait to be sent (8,192 ids)
-
-
-def _holds(rec: _Export, peer: Peer, token: bytes) -> bool:
-    """Whether ``peer`` presents ``rec``'s capability: its token, on a session the capability was issued
-    for (an insider that saw the token elsewhere claims nothing: the decode it was issued for still can)."""
-    if not hmac.compare_digest(rec.token, token):
-        return False
-    if rec.claimants is None:
-        return True
-    return rec.claimants.admit(peer.agent, peer.channel.peer[0] if peer.channel.peer else None)
 
 
 __all__ = ["Exports"]

@@ -198,19 +198,19 @@ MUTANTS: tuple[Mutant, ...] = (
            original="        return d is not None and self._clock() + duration_s <= d",
            replacement="        return d is not None and self._clock() <= d",
            bug="rule 6: an export starts a read that cannot finish inside the lease"),
-    # Issue 49: the staging slots (transport/staging.py, their use in exports.py and fetch.py), a fenced resource
-    # with the rules of an exported block; the staging machine (test_staging_machine.py) must catch each.
-    Mutant(name="slot-back-at-export-sent", file="exports.py", package=TRANSPORT,
-           original="        if staged and pool is not None and not pool.config.fence:",
-           replacement="        if staged and pool is not None:",
+    # Issue 49: the staging slots (transport/staging.py, their use in exports.py, delivery.py and fetch.py), a fenced
+    # resource with the rules of an exported block; the staging machine (test_staging_machine.py) must catch each.
+    Mutant(name="slot-back-at-export-sent", file="delivery.py", package=TRANSPORT,
+           original="        if not pool.config.fence:",
+           replacement="        if True:",
            bug="rule 5: a producer slot goes back once packed, while its reader has yet to read it"),
     Mutant(name="slot-back-at-first-reader", file="exports.py", package=TRANSPORT,
            original="        rec.ended.setdefault(agent, (ok, detail))",
-           replacement="        rec.ended.setdefault(agent, (ok, detail)); self._release_slots(rec, now=True)",
+           replacement="        rec.ended.setdefault(agent, (ok, detail)); self._staging.release(rec, now=True)",
            bug="rules 5, 7: every reader's slot goes back at the first reader's Done while another reads"),
     Mutant(name="slot-back-when-reader-lost", file="exports.py", package=TRANSPORT,
-           original="        self._release_slots(rec, now=freed)",
-           replacement="        self._release_slots(rec, now=True)",
+           original="        self._staging.release(rec, now=freed)",
+           replacement="        self._staging.release(rec, now=True)",
            bug="rules 5, 6: a lost reader's slot goes back at once, though it may read until the lease lapses"),
     Mutant(name="slot-hold-frees-at-once", file="staging.py", package=TRANSPORT,
            original="        self._held.append((until, slot))",
