@@ -15,6 +15,10 @@ Knobs (environment, for A/B runs on one host):
   PROBE_UCXX_TLS=tcp,self  the control plane's ucxx context made with these UCX transports only (no CUDA in it)
   PROBE_NOTIFIER=nowait  ucxx's notifier thread does not wait for the event loop to have run the completions it
                          handed over (ucxx waits up to 10 ms): it goes back to its wait at once
+  PROBE_PREPOST=spin:N   right before each post of hybridkv's fetch and of (a'') (after re-planning), busy-spin N us
+                         (is the core slow to wake, or slowed by what ran?): read transfer()'s CPU, not landed
+  PROBE_PREPOST=warm     the same place, one page READ posted and waited for first (are NIXL/UCX/CUDA's posting
+                         code and data cold?): read transfer()'s CPU, not landed
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 REC: dict[str, list[tuple[float, float]]] = {}
 WAITS: list[tuple[int, float, float]] = []  # (polls, median gap, last IN_PROGRESS poll -> DONE poll)
 _IN_DP = [False]
+_TAG = [""]  # the bare post's name while (a'') posts; "-" while PROBE_PREPOST's warm-up READ does (not recorded)
 
 
 def _add(name: str, w: float, c: float) -> None:
@@ -44,28 +49,34 @@ def _patch() -> None:
     make0, xfer0 = agent_cls.make_prepped_xfer, agent_cls.transfer
 
     def tag(li) -> str:
+        if _TAG[0]:
+            return _TAG[0]
         return "hybridkv" if _IN_DP[0] else {1: "raw", 2: "plan"}.get(len(li), f"bare{len(li)}")
 
     def make(self, op, lh, li, rh, ri, *a, **k):
         w, c = time.perf_counter(), time.thread_time()
         h = make0(self, op, lh, li, rh, ri, *a, **k)
-        _add(f"make {tag(li)}", time.perf_counter() - w, time.thread_time() - c)
         make.last = tag(li)
+        if make.last != "-":
+            _add(f"make {make.last}", time.perf_counter() - w, time.thread_time() - c)
         return h
 
     def transfer(self, h, *a, **k):
         w, c = time.perf_counter(), time.thread_time()
         s = xfer0(self, h, *a, **k)
-        _add(f"transfer {make.last}", time.perf_counter() - w, time.thread_time() - c)
+        if make.last != "-":
+            _add(f"transfer {make.last}", time.perf_counter() - w, time.thread_time() - c)
         return s
 
     make.last = "?"
     agent_cls.make_prepped_xfer, agent_cls.transfer = make, transfer
 
     post0, cpost0, state0 = dpm.DataPlane.post, Consumer._post, dpm.DataPlane.state
+    prepost = _prepost()
     polls: list[tuple[float, object]] = []
 
     def post(self, *a, **k):
+        prepost(self, a[1])
         w, c = time.perf_counter(), time.thread_time()
         post.entry = (w, c)
         _IN_DP[0] = True
@@ -103,16 +114,36 @@ def _patch() -> None:
     dpm.DataPlane.post, Consumer._post, dpm.DataPlane.state = post, cpost, state
 
     spin = float(os.environ.get("PROBE_BARE_SPIN_US", "0")) / 1e6
-    if spin:
-        timed0 = measure._timed
+    timed0 = measure._timed
+    # (a'') re-plans, checks the plan, asks for the prepped lists, then posts: a check right before the
+    # lists marks the next bare post as (a'')'s
+    from hybridkv.transport.plan import TransferPlan
 
-        def timed(*a, **k):
-            end = time.perf_counter() + spin
-            while time.perf_counter() < end:
-                pass
-            return timed0(*a, **k)
+    check0, prepped0 = TransferPlan.check, dpm.DataPlane.prepped
+    cold = [0.0, False]
 
-        measure._timed = timed
+    def check(self):
+        cold[0] = time.perf_counter()
+        return check0(self)
+
+    def prepped(self, peer):
+        cold[1] = time.perf_counter() - cold[0] < 1e-3
+        return prepped0(self, peer)
+
+    def timed(agent, op, lh, li, rh, ri, *a, **k):
+        if spin:
+            _spin(spin)
+        if not cold[1]:
+            return timed0(agent, op, lh, li, rh, ri, *a, **k)
+        cold[1] = False
+        prepost.bare(agent, lh, rh)
+        _TAG[0] = "plan_cold"
+        try:
+            return timed0(agent, op, lh, li, rh, ri, *a, **k)
+        finally:
+            _TAG[0] = ""
+
+    TransferPlan.check, dpm.DataPlane.prepped, measure._timed = check, prepped, timed
 
     _patch_notifier()
     tls = os.environ.get("PROBE_UCXX_TLS")
@@ -127,6 +158,45 @@ def _patch() -> None:
             return ctx0(ucxx)
 
         uc.context = context
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _prepost():
+    """PROBE_PREPOST's step before a post (hybridkv's, and (a'')'s through ``.bare``): nothing, a busy-spin,
+    or one page READ posted and waited for (prepped-list entry 0 both sides: a page the fetch reads anyway)."""
+    import numpy as np
+
+    what = os.environ.get("PROBE_PREPOST", "")
+    zero = np.zeros(1, np.int32)
+
+    def warm(agent, lh, rh) -> None:
+        tag, _TAG[0] = _TAG[0], "-"
+        try:
+            h = agent.make_prepped_xfer("READ", lh, zero, rh, zero, b"")
+            agent.transfer(h)
+            while agent.check_xfer_state(h) == "PROC":
+                pass
+            agent.release_xfer_handle(h)
+        finally:
+            _TAG[0] = tag
+
+    def bare(agent, lh, rh) -> None:
+        if what.startswith("spin:"):
+            _spin(float(what[5:]) / 1e6)
+        elif what == "warm":
+            warm(agent, lh, rh)
+
+    def step(dp, peer) -> None:
+        if what:  # the lists themselves: DataPlane.prepped is timed above as (a'')'s mark
+            bare(dp.agent, dp._local, dp._peers[peer].prepped)
+
+    step.bare = bare
+    return step
 
 
 NOTIFIER: list[tuple[float, float]] = []  # stretches of the notifier thread's Python (GIL held, but for a wait to get it)
@@ -179,7 +249,8 @@ def _report() -> None:
     print(f"post_probe: pid {os.getpid()}, threads at exit {len(sys._current_frames())}, "
           f"PROBE_BARE_SPIN_US={os.environ.get('PROBE_BARE_SPIN_US', '0')} PROBE_UCXX_TLS="
           f"{os.environ.get('PROBE_UCXX_TLS', '')} UCXPY_ENABLE_PYTHON_FUTURE="
-          f"{os.environ.get('UCXPY_ENABLE_PYTHON_FUTURE', '')}", file=sys.stderr)
+          f"{os.environ.get('UCXPY_ENABLE_PYTHON_FUTURE', '')} PROBE_PREPOST={os.environ.get('PROBE_PREPOST', '')}",
+          file=sys.stderr)
     for name in sorted(REC):
         v = REC[name][1:]  # the first is the warm-up round's
         if v:
