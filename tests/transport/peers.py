@@ -42,16 +42,26 @@ def geometry(**over):
     return qwen_hybrid("test-hybrid", **{**SMALL, **over})
 
 
+def model_geometry(model: str | None, geo_over=None):
+    """A preset's geometry (``hybridkv.layout.presets``, as `hybridkv bench` takes ``--model``), or the test one."""
+    from hybridkv.layout.presets import get_preset
+
+    return get_preset(model) if model else geometry(**(geo_over or {}))
+
+
 def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram", tp: int = 1, rank: int = 0,
-          block: int = BLOCK, device: int = 0):
+          block: int = BLOCK, device: int = 0, model: str | None = None, num_blocks: dict | None = None):
+    """``model``: a preset's geometry instead of the test one; ``num_blocks``: pages per kind as
+    :data:`NUM_BLOCKS` keys them (default: those, attention's times ``scale``)."""
     from hybridkv.layout.alloc import NumpyAllocator, TorchAllocator
     from hybridkv.fencing.fence import PoolLayout
     from hybridkv.layout.geometry import LayerKind
     from hybridkv.layout import plan_layout
     from hybridkv.transport.memory import from_layout
 
-    geo = geometry(**(geo_over or {}))
-    nb = {LayerKind.FULL_ATTENTION: NUM_BLOCKS["attn"] * scale, LayerKind.GDN: NUM_BLOCKS["gdn"]}
+    geo = model_geometry(model, geo_over)
+    nb = num_blocks or {"attn": NUM_BLOCKS["attn"] * scale, "gdn": NUM_BLOCKS["gdn"]}
+    nb = {LayerKind.FULL_ATTENTION: nb["attn"], LayerKind.GDN: nb["gdn"]}
     if mem == "vram":
         import torch
 
@@ -99,9 +109,9 @@ def vllm_layout(geo, *, tp: int, rank: int, block: int, kernel: int | None, page
 
 
 def build_vllm(seed: int, *, tp: int, rank: int, block: int, kernel: int | None, pages: int, geo_over=None,
-               mem: str = "dram", device: int = 0):
-    """:func:`vllm_layout` of the test geometry, filled with a seed's bytes like :func:`build`; one block pool
-    shared by every group (vLLM's hybrid allocator). Returns (layout, memory map, pools)."""
+               mem: str = "dram", device: int = 0, model: str | None = None):
+    """:func:`vllm_layout` of the test geometry (or ``model``'s), filled with a seed's bytes like :func:`build`;
+    one block pool shared by every group (vLLM's hybrid allocator). Returns (layout, memory map, pools)."""
     from hybridkv.fencing.fence import PoolLayout
     from hybridkv.layout.alloc import NumpyAllocator, TorchAllocator
     from hybridkv.transport.memory import from_layout
@@ -113,7 +123,7 @@ def build_vllm(seed: int, *, tp: int, rank: int, block: int, kernel: int | None,
         allocator = TorchAllocator(f"cuda:{device}")
     else:
         allocator = NumpyAllocator()
-    layout = vllm_layout(geometry(**(geo_over or {})), tp=tp, rank=rank, block=block, kernel=kernel, pages=pages,
+    layout = vllm_layout(model_geometry(model, geo_over), tp=tp, rank=rank, block=block, kernel=kernel, pages=pages,
                          allocator=allocator)
     for i, alloc in enumerate(layout.allocations):
         fill = np.random.default_rng(seed * 100 + i).integers(0, 256, alloc.nbytes, dtype=np.uint8)
