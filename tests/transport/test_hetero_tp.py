@@ -75,3 +75,36 @@ def test_hetero_tp_field_by_field(p_tp, d_tp, p_block, d_block, geo, requests, s
             elif rid == "r1":  # each producer rank's slot read into one slot of the decode rank's
                 assert most <= p_tp, measured[rid]
             print(line)
+
+
+def test_model_run_checked_sized_and_weighed():
+    """`python -m tests.transport.hetero_peers --model`, without its processes (the device runs those): bad
+    arguments refused, a decode rank's predicted reads cover its request exactly, and the gather speed it says
+    AUTO stages above is where staging.route turns."""
+    from hybridkv import wire
+    from hybridkv.layout.alloc import VirtualAllocator
+    from hybridkv.transport.staging import Route
+    from tests.transport.peers import model_geometry
+
+    for bad in (["--model", "nope"], ["--model", "gemma-3-4b-it"], ["--gather-gbps", "100"], ["--pairs", "2:2"],
+                ["--model", "qwen3.5-9b", "--gather-gbps", "0"]):
+        with pytest.raises(SystemExit):
+            hetero_peers.parse_args(bad)
+    args = hetero_peers.parse_args(["--model", "qwen3.5-9b", "--pairs", "2:1,8:2", "--gather-gbps", "150"])
+    assert args.pairs == [(2, 1), (8, 2)] and args.gather_gbps == 150.0
+    g, tokens = model_geometry("qwen3.5-9b"), 1000
+    for kernel in (None, 16):
+        block, pools = hetero_peers._model_pools(g, 2, 1, tokens, 6, kernel)
+        pred = hetero_peers.predict(g, 2, 1, tokens, block, pools)
+        dst = hetero_peers._shard_layout(g, 1, 0, block, VirtualAllocator(), **pools)
+        assert len(pred["parts"]) == 2 and pred["decode_bytes"] == 2 * pred["prefill_bytes"]
+        if kernel is None:  # hybridkv's layout (a region per group): TP1 reads its whole request, half from each
+            whole = sum(dst.regions[gr.placements[0].region_id].page_bytes * hetero_peers._counts(dst, tokens)[gid]
+                        for gid, gr in ((gr.group_id, gr) for gr in dst.groups))
+            assert [p["nbytes"] for p in pred["parts"]] == [whole // 2] * 2
+        for part in pred["parts"]:
+            r = hetero_peers.routes(part, wire.Mem.VRAM, None)
+            assert r["on"] is Route.SLOT  # sliced pieces land piece by piece here: through a slot of the decode's
+            even = r["break_even_gbps"]
+            assert hetero_peers.routes(part, wire.Mem.VRAM, even * 1.01)["auto_at"] is Route.SLOT
+            assert hetero_peers.routes(part, wire.Mem.VRAM, even * 0.99)["auto_at"] is Route.SLICED
