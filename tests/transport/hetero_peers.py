@@ -453,7 +453,8 @@ def _model_report(model: str, mem: str, gbps: float | None, pred: dict, m: dict,
           f"ms, unmerged {_ms(e, ['n1', 'n2'], 'wall')} ms -> {winner} wins ({staged_ms / sliced_ms:.2f}x sliced)")
     print(f"  staging copies ({'; '.join(engines) or 'none'}): pack {_copy_speed(m['copies']['pack'])}; "
           f"unpack {_copy_speed(m['copies']['unpack'])}")
-    print(f"  decode rank 0 reads {reads / 1e6:.1f} MB staged from {len(parts)} producer rank(s) (measured: "
+    print(f"  producers pack {reads / 1e6:.1f} MB for decode rank 0 ({len(parts)} rank(s); a GQA-replicated head is packed by each, "
+          f"read from one); it reads (measured: "
           f"staged {min(m['s1']['nbytes']) / 1e6:.1f}-{max(m['s1']['nbytes']) / 1e6:.1f} MB, sliced "
           f"{min(m['x1']['nbytes']) / 1e6:.1f}-{max(m['x1']['nbytes']) / 1e6:.1f} MB per decode rank)")
     for p in parts:
@@ -461,11 +462,13 @@ def _model_report(model: str, mem: str, gbps: float | None, pred: dict, m: dict,
         us, assumed = r["costs"]
         at = "" if gbps is None else f", at {gbps:g} GB/s {r['auto_at'].value}"
         even = r["break_even_gbps"]
+        turns = ("" if even is None else "; AUTO never stages it" if even == float("inf")
+                 else f"; AUTO stages above {even:.1f} GB/s")
         print(f"    from P rank {p['rank']}: {p['nbytes'] / 1e6:.1f} MB packed; sliced {p['sliced']} descriptors, "
               f"straight from the slot {p['direct']}; ON reads it {r['on'].value}"
               f"{'' if r['on'] is Route.SLICED else ' (' + str(p['direct'] if r['on'] is Route.DIRECT else 1) + ')'}"
               f"; AUTO at COSTS ({us:g} us/descriptor, {assumed:g} GB/s) {r['auto'].value}{at}"
-              f"{'' if even is None else f'; AUTO stages above {even:.1f} GB/s'}")
+              f"{turns}")
     print(f"  memory per rank: prefill {pred['prefill_bytes'] / 1e9:.2f} GB, decode {pred['decode_bytes'] / 1e9:.2f} "
           f"GB of pages, + staging pool {capacity / 1e6:.0f} MB each; all {p_tp + d_tp} processes "
           f"{(p_tp * pred['prefill_bytes'] + d_tp * pred['decode_bytes'] + (p_tp + d_tp) * capacity) / 1e9:.2f} GB "
