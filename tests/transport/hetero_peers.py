@@ -453,8 +453,8 @@ def _model_report(model: str, mem: str, gbps: float | None, pred: dict, m: dict,
           f"ms, unmerged {_ms(e, ['n1', 'n2'], 'wall')} ms -> {winner} wins ({staged_ms / sliced_ms:.2f}x sliced)")
     print(f"  staging copies ({'; '.join(engines) or 'none'}): pack {_copy_speed(m['copies']['pack'])}; "
           f"unpack {_copy_speed(m['copies']['unpack'])}")
-    print(f"  producers pack {reads / 1e6:.1f} MB for decode rank 0 ({len(parts)} rank(s); a GQA-replicated head is packed by each, "
-          f"read from one); it reads (measured: "
+    print(f"  producers pack {reads / 1e6:.1f} MB for decode rank 0 ({len(parts)} rank(s); a GQA-replicated head "
+          f"is packed by each, read from one); it reads (measured: "
           f"staged {min(m['s1']['nbytes']) / 1e6:.1f}-{max(m['s1']['nbytes']) / 1e6:.1f} MB, sliced "
           f"{min(m['x1']['nbytes']) / 1e6:.1f}-{max(m['x1']['nbytes']) / 1e6:.1f} MB per decode rank)")
     for p in parts:
