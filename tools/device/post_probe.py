@@ -19,6 +19,9 @@ Knobs (environment, for A/B runs on one host):
                          (is the core slow to wake, or slowed by what ran?): read transfer()'s CPU, not landed
   PROBE_PREPOST=warm     the same place, one page READ posted and waited for first (are NIXL/UCX/CUDA's posting
                          code and data cold?): read transfer()'s CPU, not landed
+  PROBE_PREPOST=early    that READ at the start of each fetch instead, before its Want goes out (does the posting
+                         path stay warm through the Exports' arrival and planning?); early_nowait: posted, not
+                         waited for there (released after the fetch)
 """
 
 from __future__ import annotations
@@ -112,6 +115,24 @@ def _patch() -> None:
         return s
 
     dpm.DataPlane.post, Consumer._post, dpm.DataPlane.state = post, cpost, state
+    fetch0 = Consumer.fetch
+    early = os.environ.get("PROBE_PREPOST", "").startswith("early")
+    wait = os.environ.get("PROBE_PREPOST") == "early"
+
+    async def fetch(self, *a, **k):  # the whole fetch timed: does a step before the post only move its cost?
+        dp = self.dp
+        w = time.perf_counter()
+        h = prepost.warm(dp.agent, dp._local, dp._peers[self.peer.agent].prepped, wait) if early else None
+        try:
+            return await fetch0(self, *a, **k)
+        finally:
+            _add("whole fetch", time.perf_counter() - w, 0.0)
+            if h is not None:
+                while dp.agent.check_xfer_state(h) == "PROC":
+                    pass
+                dp.agent.release_xfer_handle(h)
+
+    Consumer.fetch = fetch
 
     spin = float(os.environ.get("PROBE_BARE_SPIN_US", "0")) / 1e6
     timed0 = measure._timed
@@ -174,14 +195,17 @@ def _prepost():
     what = os.environ.get("PROBE_PREPOST", "")
     zero = np.zeros(1, np.int32)
 
-    def warm(agent, lh, rh) -> None:
+    def warm(agent, lh, rh, wait: bool = True):
         tag, _TAG[0] = _TAG[0], "-"
         try:
             h = agent.make_prepped_xfer("READ", lh, zero, rh, zero, b"")
             agent.transfer(h)
+            if not wait:
+                return h
             while agent.check_xfer_state(h) == "PROC":
                 pass
             agent.release_xfer_handle(h)
+            return None
         finally:
             _TAG[0] = tag
 
@@ -195,7 +219,7 @@ def _prepost():
         if what:  # the lists themselves: DataPlane.prepped is timed above as (a'')'s mark
             bare(dp.agent, dp._local, dp._peers[peer].prepped)
 
-    step.bare = bare
+    step.bare, step.warm = bare, warm
     return step
 
 
