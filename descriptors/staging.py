@@ -99,6 +99,8 @@ class StagePlan:
             for g in v.groups}
         self._read = TransferPlanner(v, dst, keys=self.reads)
         self.groups = tuple(sorted(self.page_bytes))
+        self.same_blocks = all(src.group(g.group_id).block_tokens == dst.group(g.group_id).block_tokens
+                               for g in v.groups)
 
     def areas(self, src_blocks: Mapping[int, np.ndarray]) -> dict[int, tuple[int, int]]:
         """Per group: (byte offset in the slot, block count)."""

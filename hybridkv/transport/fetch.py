@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
@@ -35,8 +37,8 @@ from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.parts import Part, Parts
 from hybridkv.transport.plan import PeerPlanner, TransferPlan
 from hybridkv.transport.side import Peer, Side, notification, send_quietly
-from hybridkv.transport.staging import (Route, Slot, StagePool, Stager, StagingConfig, StagingMode, route, slot_rows,
-                                       staging_region)
+from hybridkv.transport.staging import (Route, Slot, StagePool, Stager, StagingConfig, StagingMode, may_stage, route,
+                                       slot_rows, staging_region)
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ class Importer:
             raise ValueError(f"{len(targets)} producers for one request in {self._config.mode.name} mode; "
                              "expected pull mode")
         parts = [self._parts.open(request_id, p, token) for p in targets]
-        flags = self._stage_flags(targets) if stage is not False else [False] * len(targets)
+        flags = self._stage_flags(request_id, targets) if stage is not False else [False] * len(targets)
 
         async def ask_and_wait():
             for p, st in zip(targets, flags):
@@ -154,16 +156,60 @@ class Importer:
                     request_id=part.rid, code=wire.FailureCode.ABORTED, detail=detail[: wire.MAX_TEXT],
                     token=part.token))
 
-    def _stage_flags(self, targets: Sequence[Peer]) -> list[bool]:
-        """Per producer: whether to ask it to stage (pull mode, staging on here, a field-paired read)."""
+    def _stage_flags(self, request_id: str, targets: Sequence[Peer]) -> list[bool]:
+        """Per producer: whether to ask it to stage (pull mode, staging on here, a field-paired read, and under
+        AUTO one that staging can win: else its pack and slot are spent for a read that goes sliced)."""
         if self._staging is None or self._config.mode is not wire.Mode.PULL:
             return [False] * len(targets)
         try:
             planned = self._prepared([p.agent for p in targets])
         except ValueError:
             return [False] * len(targets)  # refused again, with its reason, once the Exports are in
-        stager = getattr(planned, "stager", None)
-        return [stager is not None and stager(i) is not None for i in range(len(targets))]
+        stager_of = getattr(planned, "stager", None)
+        stagers = [None if stager_of is None else stager_of(i) for i in range(len(targets))]
+        if self._staging.mode is not StagingMode.AUTO:
+            return [s is not None for s in stagers]
+        try:
+            mine = {g.group_id: np.asarray(self._scheduler.blocks(request_id, g.group_id), dtype=np.int64)
+                    for g in self._memory.groups}
+        except ValueError:
+            return [s is not None for s in stagers]  # unknown here: the import refuses it with its reason
+        return [s is not None and self._may_win(self._staging, own_pool=self._pool is not None, planned=planned,
+                                                source=i, stager=s, peer=p.memory, mine=mine)
+                for i, (s, p) in enumerate(zip(stagers, targets))]
+
+    @staticmethod
+    def _may_win(config: StagingConfig, *, own_pool: bool, planned: PeerPlanner, source: int, stager: Stager,
+                 peer, mine: dict[int, np.ndarray]) -> bool:
+        """Whether ``route`` can stage producer ``source``'s part, weighed from our own blocks before its
+        Export (``staging.may_stage``). Where blocks hold as many tokens on both sides the producer exports
+        as many per group, or more at our prefix hit (more bytes, the same direct rows in each group, fewer
+        joined across groups). The sliced plan is at most every block its own run: one block's rows times
+        the blocks. Anything else (block sizes differ, no staging region): ask, as route decides after."""
+        region = staging_region(peer)
+        if region is None or not stager.same_blocks:
+            return True
+        try:
+            key = cast(Hashable, planned)  # a planner hashes by identity
+            most = sum(len(b) * Importer._block_rows(key, source, g) for g, b in mine.items() if len(b))
+            nbytes = stager.nbytes(mine)
+            if not may_stage(config, sliced_most=most, direct=0, direct_most=0, own_pool=own_pool, nbytes_least=nbytes,
+                             mem=region.mem):
+                return False  # loses even against a read of no rows: the direct read need not be planned
+            direct = stager.read(region.base_addr, region.device_id, mine, mine).num_descriptors
+        except ValueError:
+            return True  # the Export's own plan refuses it, with its reason
+        groups = sum(1 for b in mine.values() if len(b))  # at most one row joined across each boundary
+        return may_stage(config, sliced_most=most, direct=direct, direct_most=direct + max(groups - 1, 0),
+                         own_pool=own_pool, nbytes_least=nbytes, mem=region.mem)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def _block_rows(planned: Any, source: int, group: int) -> int:
+        """Rows of producer ``source``'s sliced plan for one block of ``group`` (the same for any block: rows
+        join within a page alike everywhere), kept: a planner lives as long as its producers."""
+        one = np.zeros(1, dtype=np.int64)
+        return planned.plan(source, {group: one}, {group: one}).num_descriptors
 
     def _work(self, part: Part, export: wire.Export, mine: dict[int, np.ndarray], planned: PeerPlanner,
               source: int) -> Work:

@@ -165,6 +165,17 @@ def route(config: StagingConfig | None, *, sliced: int, direct: int, own_pool: b
     return way if (sliced - staged) * us > copies * nbytes / (gbps * 1e3) else Route.SLICED
 
 
+def may_stage(config: StagingConfig | None, *, sliced_most: int, direct: int, direct_most: int, own_pool: bool,
+              nbytes_least: int, mem: wire.Mem = wire.Mem.DRAM) -> bool:
+    """Before the Export: whether :func:`route` can pick a staged read for a part known only in bounds (a sliced
+    plan of at most ``sliced_most`` descriptors, a direct read of ``direct`` to ``direct_most``, at least
+    ``nbytes_least`` packed bytes). False: it picks SLICED whatever the Export brings, so a pack asked for would
+    go unread. route stages only more for more sliced descriptors and fewer bytes, and for fewer direct rows
+    while its way stays DIRECT (a SLOT read does not depend on them): the two corners decide."""
+    return any(route(config, sliced=sliced_most, direct=d, own_pool=own_pool, nbytes=nbytes_least, mem=mem)
+               is not Route.SLICED for d in {direct, direct_most})
+
+
 # --------------------------------------------------------------------------- local copies
 
 
@@ -193,7 +204,13 @@ class CopyStep:
 class Stager(Protocol):
     """What one producer packs for one consumer rank and how that rank reads it (made by a
     planner: ``hybridkv.descriptors.staging.StagePlan``). Block lists are the producer's
-    (``src``) and the consumer's (``dst``) per group, as a sliced plan takes them."""
+    (``src``) and the consumer's (``dst``) per group, as a sliced plan takes them; :meth:`nbytes`
+    and :meth:`read` take only the count of each group's ``src`` blocks (the slot holds them in order),
+    so a consumer can weigh a read before the Export names them."""
+
+    #: whether every staged group's blocks hold as many tokens on both sides (then a producer exports as
+    #: many blocks per group as the consumer reads, or more where the consumer had a prefix hit)
+    same_blocks: bool
 
     def nbytes(self, src_blocks) -> int:
         """Bytes the request's packed slices take."""
@@ -452,4 +469,5 @@ def slot_rows(src_addr: int, src_dev: int, dst_addr: int, dst_dev: int, nbytes: 
 
 
 __all__ = ["COSTS", "Copier", "CopyStep", "GATHER_ENV", "GatherEngine", "Place", "RULE_OFF_ENV", "Route", "Slot",
-           "route", "rows_view", "StagePool", "Stager", "StagingConfig", "StagingMode", "slot_rows", "staging_region"]
+           "may_stage", "route", "rows_view", "StagePool", "Stager", "StagingConfig", "StagingMode", "slot_rows",
+           "staging_region"]

@@ -221,8 +221,8 @@ async def _consumer(opts, out, inbox):
         plans = _scattered(sched, layout, opts["requests"])
     sliced = set(opts.get("sliced", ()))  # requests read sliced whatever the staging config says
     if opts.get("want_first"):
-        stage = cons._importer._stage_flags([cons.peers[a] for a in agents])
         for rid in plans:
+            stage = cons._importer._stage_flags(rid, [cons.peers[a] for a in agents])
             for a, st in zip(agents, stage):
                 await cons.want(rid, token=token(rid), peer=a, readers=opts["readers"], stage=st and rid not in sliced)
         while not all(cons.exported(rid, peer=a) for rid in plans for a in agents):
@@ -282,6 +282,7 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
         walls: dict[str, list[float]] = {rid: [] for rid, _ in requests}
         nbytes_of: dict[str, list[int]] = {rid: [] for rid, _ in requests}
         copies: dict[str, list] = {"pack": [], "unpack": [], "engine": []}  # runs: a list per process
+        prefill_staging = []  # each producer rank's pool counters (describe())
         bad = []
         for cons in conss:
             if opts.get("e2e"):  # before results: a long run's reports arrive in this order
@@ -322,6 +323,7 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
                 copies["engine"].append(("prefill", got_copies["engine"]))
             state = p.expect("state")
             assert state["free"] == state["total"] and state["in_flight"] == 0
+            prefill_staging.append(state["staging"])
             if state["staging"] is not None:
                 assert state["staging"]["free"] == state["staging"]["units"], state["staging"]
                 assert not opts.get("e2e") or not state["staging"]["full"], ("prefill staging pool full",
@@ -332,6 +334,7 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
             for rid, _ in requests:
                 out[rid].update(wall=walls[rid], nbytes=nbytes_of[rid])
             out["copies"] = copies
+        out["prefill_staging"] = prefill_staging
         return out
     finally:
         for p in prods + conss:
