@@ -72,7 +72,8 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
     sched = TransferScheduler(pools, lease_s=60.0)
     cons = Recording(memory, sched, TransportConfig(notify_reads=args.read_notif == "on", secret=args.secret,
                                                     insecure_host_memory=args.mem == "dram",
-                                                    dataplane=DataPlaneConfig(spin_s=args.spin_us / 1e6)),
+                                                    dataplane=DataPlaneConfig(spin_s=args.spin_us / 1e6,
+                                                                              prime=args.prime == "on")),
                      planner=args.planner)
     await cons.connect(*addr)
     comps = scheduler_inputs(layout).components
@@ -262,7 +263,7 @@ async def _measure(args, addr, out, devices: tuple[int, int]) -> dict:
         "fetch_phases_us": {k: round(med(ts) * 1e6, 1) for k, ts in phases.items()},
         "median_s": {"hybridkv": statistics.median(hyb), "plan": statistics.median(plan_t), "raw": statistics.median(raw),
                      "vllm_scheme": statistics.median(vll), "copy": copy["copy_s"]},
-        "read_notif": args.read_notif, "spin_us": args.spin_us, "raw_notif_GBps": round(gbps(statistics.median(raw_notif)), 3),
+        "read_notif": args.read_notif, "spin_us": args.spin_us, "prime": args.prime, "raw_notif_GBps": round(gbps(statistics.median(raw_notif)), 3),
         "raw_split_GBps": {str(n): round(gbps(statistics.median(ts)), 3) for n, ts in raws.items()},
         # Where a fixed per-request cost goes: making and posting vs waiting for DONE.
         "post_us": {name: round(statistics.median(ts) * 1e6, 1) for name, ts in posts.items()},

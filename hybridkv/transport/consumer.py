@@ -151,6 +151,9 @@ class Consumer:
             await p.channel.send(wire.Want(request_id=request_id, token=token, readers=readers, stage=stage))
         except PeerLost:
             self._links.lost(p)
+            return
+        if self.dp.priming:  # nothing to do here until the Export: warm the posting path meanwhile
+            self.dp.prime(p.agent)
 
     def exported(self, request_id: str, *, peer: str | None = None) -> bool:
         """Whether the producer's Export for the request arrived."""

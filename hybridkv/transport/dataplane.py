@@ -41,6 +41,7 @@ from hybridkv.errors import TransferError
 from hybridkv.transport.memory import MemoryMap
 from hybridkv.transport.nixl_shim import load_nixl
 from hybridkv.transport.plan import TransferPlan
+from hybridkv.transport.primer import Primer
 
 
 class SyncMode(enum.Enum):
@@ -84,6 +85,9 @@ class DataPlaneConfig:
     spin_s: float = 0.0
     #: extra UCX backend parameters, e.g. {"ucx_error_handling_mode": "peer"}
     ucx_params: tuple[tuple[str, str], ...] = (("ucx_error_handling_mode", "peer"),)
+    #: a consumer primes the posting path with a READ of a few bytes into a scratch buffer of its own
+    #: once it asked a producer for a request (transport/primer.py): its own READ then posts warm
+    prime: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.spin_s <= 1:
@@ -215,6 +219,9 @@ class DataPlane:
         self._local = None if mem is None else \
             self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", memory.strided_rows(), mem.name)
         self._peers: dict[str, _Peer] = {}
+        first = memory.regions[0] if memory.regions else None
+        self._primer = Primer(self.agent, mem, first.device_id) if config.prime and mem is not None \
+            and first is not None else None
         self._page_bytes = np.concatenate(
             [np.full(r.num_pages, r.page_bytes, np.int64) for r in memory.regions]) if memory.regions else np.zeros(0)
         self._closed = False
@@ -235,6 +242,8 @@ class DataPlane:
         mem = spans.single
         prepped = None if mem is None else self.agent.prep_xfer_dlist(name, remote.strided_rows(), mem.name)
         self._peers[name] = _Peer(prepped=prepped, memory=remote, spans=spans)
+        if self._primer is not None and remote.regions:
+            self._primer.add_peer(name, remote.regions[0])
         return name
 
     def connect(self, peer: str) -> None:
@@ -244,6 +253,8 @@ class DataPlane:
         entry = self._peers.pop(peer, None)
         if entry is None:
             return
+        if self._primer is not None:
+            self._primer.remove_peer(peer)
         try:
             if entry.prepped is not None:
                 self.agent.release_dlist_handle(entry.prepped)
@@ -411,6 +422,14 @@ class DataPlane:
         for h in handles:
             self._release(h)
 
+    def prime(self, peer: str) -> bool:
+        """Post a primer READ from ``peer`` (``DataPlaneConfig.prime``); whether one went out."""
+        return self._primer is not None and self._primer.prime(peer)
+
+    @property
+    def priming(self) -> bool:
+        return self._primer is not None
+
     # ---------------------------------------------------------------- notifications / progress
     def pump(self) -> dict[str, list[bytes]]:
         """Progress this agent (target side of the peer's transfers) and take new notifications."""
@@ -428,6 +447,8 @@ class DataPlane:
                 self.remove_peer(peer)
             except Exception:
                 pass
+        if self._primer is not None:
+            self._primer.close()
         try:
             if self._local is not None:
                 self.agent.release_dlist_handle(self._local)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 def test_bench_transfer_json(capsys):
     assert main(["bench", "transfer", "--json", "--layers", "4", "--tokens", "1024", "--iters", "2",
-                 "--raw-splits", "3"]) == 0
+                 "--raw-splits", "3", "--prime", "on"]) == 0
     rep = json.loads(capsys.readouterr().out)  # stdout holds the one document, nothing else
     for key in ("hybridkv_GBps", "raw_GBps", "ratio", "descriptors", "vllm_scheme_descriptors",
                 "vllm_scheme_GBps", "processes", "bytes"):
@@ -45,3 +45,4 @@ def test_bench_transfer_json(capsys):
         assert row["x_raw"] > 0 and row["x_raw_paired"] > 0
     assert rep["schemes"]["raw"]["x_raw"] == 1.0 and rep["schemes"]["plan"]["posted"] == rep["descriptors"]
     assert rep["spin_us"] == 0.0
+    assert rep["prime"] == "on"  # the consumer primed each fetch's post (transport/primer.py) and it still landed

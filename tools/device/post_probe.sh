@@ -32,6 +32,7 @@ for what in ${PROBES:-default spin futures_off ucxx_tcp small small_futures_off}
         ucxx_tcp) run "control plane on tcp,self only" "$BIG" PROBE_UCXX_TLS=tcp,self ;;
         nowait) run "notifier not waiting for the loop" "$BIG" PROBE_NOTIFIER=nowait ;;
         warm) run "one page READ right before each post" "$BIG" PROBE_PREPOST=warm ;;
+        prime) run "primer on (DataPlaneConfig.prime)" "$BIG --prime on" ;;
         early) run "one page READ at the fetch's start" "$BIG" PROBE_PREPOST=early ;;
         early_nowait) run "one page READ posted at the fetch's start" "$BIG" PROBE_PREPOST=early_nowait ;;
         prespin) run "a 200 us spin right before each post" "$BIG" PROBE_PREPOST=spin:200 ;;
