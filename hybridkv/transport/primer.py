@@ -98,7 +98,7 @@ class Primer:
         except Exception as exc:
             log.debug("primer handle not released: %r", exc)
 
-    def remove_peer(self, peer: str, *, wait_s: float = 1.0) -> None:
+    def remove_peer(self, peer: str, *, wait_s: float = 0.2) -> None:
         """Before the peer's metadata goes: its primer READ ended (waited for up to ``wait_s``; a READ of
         PRIME_BYTES takes microseconds) and released, its list released. One still running past that
         keeps its list: releasing a list a READ still uses is NIXL's undefined behaviour."""
