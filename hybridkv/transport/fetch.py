@@ -10,19 +10,17 @@ only once it is over (rule 5). Pull mode posts one READ per producer (each a wri
 every READ to end: one NIXL will not abort keeps the import open, and its blocks quarantined, until it
 does (``settled``). Push mode asks the one producer to WRITE and waits for its notification or its
 Done; its Failure, losing it or our own abort only fail the import, which then ends when the producer
-drains or the drain deadline (``transfer_timeout_s``) passes.
+drains or the drain deadline (``transfer_timeout_s``) passes. The staging side of an import (whether to ask
+a producer to stage, the staged read's plan, our own slot) is :mod:`hybridkv.transport.import_staging`; the
+Failure / Done sent to the producers and the failure policy are :mod:`hybridkv.transport.import_ends`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-import logging
 import time
-from collections.abc import Awaitable, Callable, Hashable, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -30,40 +28,16 @@ from hybridkv import wire
 from hybridkv.errors import HybridKVError, PeerLost
 from hybridkv.fencing import ImportState, NotYet, NotYetReason, TransferOutcome
 from hybridkv.transport import bounded
-from hybridkv.transport.config import FailurePolicy, Outcome, Result
+from hybridkv.transport.config import Outcome, Result
 from hybridkv.transport.dataplane import Op, Transfer, XferState
 from hybridkv.transport.drains import Drains, Import
+from hybridkv.transport.import_ends import Endings, kind_of_outcome
+from hybridkv.transport.import_staging import ImportStaging, Work
 from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.parts import Part, Parts
-from hybridkv.transport.plan import PeerPlanner, TransferPlan
+from hybridkv.transport.plan import PeerPlanner
 from hybridkv.transport.side import Peer, Side, notification, send_quietly
-from hybridkv.transport.staging import (Route, Slot, StagePool, Stager, StagingConfig, StagingMode, may_stage, route,
-                                       slot_rows, staging_region)
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, eq=False, kw_only=True)
-class Staged:
-    """A staged part read through this side's own slot: the producer's slot, and how to unpack it."""
-
-    stager: Stager
-    src_blocks: dict[int, np.ndarray]
-    dst_blocks: dict[int, np.ndarray]
-    addr: int   # the producer's slot
-    dev: int
-    nbytes: int
-
-
-@dataclass(frozen=True, eq=False, kw_only=True)
-class Work:
-    """One producer's READ of an import: its part and the plan for it."""
-
-    part: Part
-    plan: TransferPlan  # src: the producer's side, dst: ours
-    #: staged, best read through a slot of ours (the plan is the direct read, used where none is free)
-    staged: Staged | None = None
-    slot: Slot | None = None  # ours, taken at post time: the READ lands there, then it is unpacked
+from hybridkv.transport.staging import StagePool, StagingConfig
 
 
 class Importer:
@@ -84,9 +58,10 @@ class Importer:
                  wait: Callable[[Transfer, Callable[[], float] | None], Awaitable[XferState]] | None, drains: Drains,
                  staging: StagingConfig | None = None, pool: StagePool | None = None) -> None:
         self._parts = parts
-        #: whether to ask producers to stage (None or OFF: never), and this side's own slots
-        self._staging = staging if staging is not None and staging.mode is not StagingMode.OFF else None
-        self._pool = pool
+        #: whether to ask producers to stage, the staged reads' plans and this side's own slots
+        self._staging = ImportStaging(side, staging=staging, pool=pool, prepared=prepared)
+        #: Failure / Done to the producers, and the failure policy
+        self._ends = Endings(side)
         self._want = want
         self._prepared = prepared
         self._lost = lost
@@ -102,8 +77,6 @@ class Importer:
         self._drains = drains
         #: waits for READs NIXL would not abort (their imports end when the READ does, see settled())
         self._settling: set[asyncio.Task] = set()
-        #: Done messages of landed imports, still being sent (_end_parts_soon)
-        self._sending: set[asyncio.Task] = set()
 
     def cancel(self) -> None:
         """The consumer closes: waits for READs NIXL would not abort end here."""
@@ -119,7 +92,7 @@ class Importer:
             raise ValueError(f"{len(targets)} producers for one request in {self._config.mode.name} mode; "
                              "expected pull mode")
         parts = [self._parts.open(request_id, p, token) for p in targets]
-        flags = self._stage_flags(request_id, targets) if stage is not False else [False] * len(targets)
+        flags = self._staging.flags(request_id, targets) if stage is not False else [False] * len(targets)
 
         async def ask_and_wait():
             for p, st in zip(targets, flags):
@@ -131,14 +104,14 @@ class Importer:
                 # Asking is inside the timeout too: a send that never completes must not hang the import.
                 got = await asyncio.wait_for(ask_and_wait(), self._config.export_timeout_s)
             except asyncio.TimeoutError:
-                await self._tell_parts(parts, "no export from every producer in time")
-                return self.give_up(request_id, comps, "no export from the producer in time",
+                await self._ends.tell_parts(parts, "no export from every producer in time")
+                return self._ends.give_up(request_id, comps, "no export from the producer in time",
                                     kind=FailureKind.NO_EXPORT)
             except HybridKVError as exc:  # lost, or refused (claimed by another consumer)
-                await self._tell_parts(parts, str(exc))
+                await self._ends.tell_parts(parts, str(exc))
                 kind = FailureKind.PEER_LOST if isinstance(exc, PeerLost) else next(
                     (p.kind for p in parts if p.kind is not None), FailureKind.REFUSED)
-                return self.give_up(request_id, comps, str(exc), kind=kind)
+                return self._ends.give_up(request_id, comps, str(exc), kind=kind)
             result = await self._import(request_id, parts, got, comps)
             if result.outcome is Outcome.READY and result.planned is not None:  # pull: this side posted
                 self._metrics.transfer(nbytes=result.nbytes, seconds=result.seconds, post_seconds=result.post_seconds,
@@ -148,69 +121,6 @@ class Importer:
             for p in targets:
                 self._parts.pop(p.agent, request_id)
 
-    async def _tell_parts(self, parts: Sequence[Part], detail: str) -> None:
-        """Producers that exported to us while the import gave up: their blocks are free."""
-        for part in parts:
-            if part.export.done() and not part.export.cancelled() and part.export.exception() is None:
-                await send_quietly(part.peer.channel, wire.Failure(
-                    request_id=part.rid, code=wire.FailureCode.ABORTED, detail=detail[: wire.MAX_TEXT],
-                    token=part.token))
-
-    def _stage_flags(self, request_id: str, targets: Sequence[Peer]) -> list[bool]:
-        """Per producer: whether to ask it to stage (pull mode, staging on here, a field-paired read, and under
-        AUTO one that staging can win: else its pack and slot are spent for a read that goes sliced)."""
-        if self._staging is None or self._config.mode is not wire.Mode.PULL:
-            return [False] * len(targets)
-        try:
-            planned = self._prepared([p.agent for p in targets])
-        except ValueError:
-            return [False] * len(targets)  # refused again, with its reason, once the Exports are in
-        stager_of = getattr(planned, "stager", None)
-        stagers = [None if stager_of is None else stager_of(i) for i in range(len(targets))]
-        if self._staging.mode is not StagingMode.AUTO:
-            return [s is not None for s in stagers]
-        try:
-            mine = {g.group_id: np.asarray(self._scheduler.blocks(request_id, g.group_id), dtype=np.int64)
-                    for g in self._memory.groups}
-        except ValueError:
-            return [s is not None for s in stagers]  # unknown here: the import refuses it with its reason
-        return [s is not None and self._may_win(self._staging, own_pool=self._pool is not None, planned=planned,
-                                                source=i, stager=s, peer=p.memory, mine=mine)
-                for i, (s, p) in enumerate(zip(stagers, targets))]
-
-    @staticmethod
-    def _may_win(config: StagingConfig, *, own_pool: bool, planned: PeerPlanner, source: int, stager: Stager,
-                 peer, mine: dict[int, np.ndarray]) -> bool:
-        """Whether ``route`` can stage producer ``source``'s part, weighed from our own blocks before its
-        Export (``staging.may_stage``). Where blocks hold as many tokens on both sides the producer exports
-        as many per group, or more at our prefix hit (more bytes, the same direct rows in each group, fewer
-        joined across groups). The sliced plan is at most every block its own run: one block's rows times
-        the blocks. Anything else (block sizes differ, no staging region): ask, as route decides after."""
-        region = staging_region(peer)
-        if region is None or not stager.same_blocks:
-            return True
-        try:
-            key = cast(Hashable, planned)  # a planner hashes by identity
-            most = sum(len(b) * Importer._block_rows(key, source, g) for g, b in mine.items() if len(b))
-            nbytes = stager.nbytes(mine)
-            if not may_stage(config, sliced_most=most, direct=0, direct_most=0, own_pool=own_pool, nbytes_least=nbytes,
-                             mem=region.mem):
-                return False  # loses even against a read of no rows: the direct read need not be planned
-            direct = stager.read(region.base_addr, region.device_id, mine, mine).num_descriptors
-        except ValueError:
-            return True  # the Export's own plan refuses it, with its reason
-        groups = sum(1 for b in mine.values() if len(b))  # at most one row joined across each boundary
-        return may_stage(config, sliced_most=most, direct=direct, direct_most=direct + max(groups - 1, 0),
-                         own_pool=own_pool, nbytes_least=nbytes, mem=region.mem)
-
-    @staticmethod
-    @functools.lru_cache(maxsize=256)
-    def _block_rows(planned: Any, source: int, group: int) -> int:
-        """Rows of producer ``source``'s sliced plan for one block of ``group`` (the same for any block: rows
-        join within a page alike everywhere), kept: a planner lives as long as its producers."""
-        one = np.zeros(1, dtype=np.int64)
-        return planned.plan(source, {group: one}, {group: one}).num_descriptors
-
     def _work(self, part: Part, export: wire.Export, mine: dict[int, np.ndarray], planned: PeerPlanner,
               source: int) -> Work:
         wire.check_blocks(export.blocks, part.peer.memory.group_bounds(), what=f"export of {part.rid}")
@@ -219,64 +129,8 @@ class Importer:
         plan.check()
         if not export.stage:
             return Work(part=part, plan=plan)
-        return self._staged_work(part, export, theirs, mine, planned, source, plan)
+        return self._staging.staged_work(part, export, theirs, mine, planned, source, plan)
 
-    def _staged_work(self, part: Part, export: wire.Export, theirs: dict[int, np.ndarray],
-                     mine: dict[int, np.ndarray], planned: PeerPlanner, source: int, sliced: TransferPlan) -> Work:
-        """The producer packed our slices into its slot: read the slot (straight into our pages where
-        that takes few descriptors, else through a slot of ours), unless the sliced plan is as short."""
-        stager_of = getattr(planned, "stager", None)
-        stager = None if stager_of is None else stager_of(source)
-        region = staging_region(part.peer.memory)
-        if stager is None or region is None or len(export.stage) != 2:
-            raise ValueError(f"export of {part.rid} names a staging slot {export.stage}; expected none from a "
-                             "producer this side cannot read staged")
-        offset, nbytes = export.stage
-        want = stager.nbytes(theirs)
-        if nbytes != want or offset + nbytes > region.stride * region.num_pages:
-            raise ValueError(f"export of {part.rid}: staging slot ({offset}, {nbytes} bytes); expected {want} bytes "
-                             f"inside the producer's staging region of {region.stride * region.num_pages}")
-        addr = region.base_addr + offset
-        direct = stager.read(addr, region.device_id, theirs, mine)
-        direct.check()
-        way = route(self._staging, sliced=sliced.num_descriptors, direct=direct.num_descriptors,
-                    own_pool=self._pool is not None, nbytes=nbytes, mem=region.mem)
-        if way is Route.SLICED:
-            return Work(part=part, plan=sliced)  # the slot goes unread; the export's end frees it
-        best = direct if direct.num_descriptors <= sliced.num_descriptors else sliced
-        if way is Route.DIRECT:
-            return Work(part=part, plan=best)
-        # Through our slot; the direct read (or the sliced plan) stays the fallback where none is free.
-        return Work(part=part, plan=best, staged=Staged(stager=stager, src_blocks=theirs, dst_blocks=mine,
-                                                        addr=addr, dev=region.device_id, nbytes=nbytes))
-
-    def _slot_for(self, w: Work) -> Work:
-        """At post time: a staged part reads into a slot of ours if one is free (else directly)."""
-        st, pool = w.staged, self._pool
-        if st is None or pool is None:
-            return w
-        slot = pool.take(st.nbytes)
-        if slot is None:
-            return w  # full: the direct read (back-pressure falls back, never waits)
-        plan = slot_rows(st.addr, st.dev, pool.base + slot.offset, pool.region.device_id, st.nbytes)
-        return dataclasses.replace(w, plan=plan, slot=slot)
-
-    def _unpack(self, work: Sequence[Work]) -> str | None:
-        """Every READ landed: staged parts go from our slots into our pages. An error, or None."""
-        pool = self._pool
-        for w in work:
-            if pool is not None and w.slot is not None and w.staged is not None:
-                try:
-                    pool.copier.run(w.staged.stager.unpack(w.staged.src_blocks, w.staged.dst_blocks,
-                                                                 base=w.slot.offset))
-                except Exception as exc:  # a bug, not the peer's: the import fails, the engine lives
-                    return f"unpacking the staged read failed: {type(exc).__name__}: {exc}"
-        return None
-
-    def _free_slot(self, w: Work) -> None:
-        """Its READ ended (landed, failed or aborted): nothing more lands in its slot."""
-        if w.slot is not None and self._pool is not None:
-            self._pool.give_back(w.slot)
 
     async def _import(self, rid: str, parts: list[Part], got, comps) -> Result:
         sched = self._scheduler
@@ -294,20 +148,21 @@ class Importer:
                 await send_quietly(part.peer.channel, wire.Failure(
                     request_id=rid, code=wire.FailureCode.PROTOCOL, detail=str(exc)[: wire.MAX_TEXT],
                     token=part.token))
-            return self.give_up(rid, comps, f"export does not match the request: {exc}", kind=FailureKind.PROTOCOL)
+            return self._ends.give_up(rid, comps, f"export does not match the request: {exc}",
+                                      kind=FailureKind.PROTOCOL)
         fenced_from = time.perf_counter()
         while True:
             failed = next((p.failed for p in parts if p.failed), None)
             if failed or any(p.lease_lost for p in parts):
-                await self._tell_parts(parts, failed or "lease lost")
+                await self._ends.tell_parts(parts, failed or "lease lost")
                 kind = next((p.kind for p in parts if p.failed), None) or FailureKind.LEASE
-                return self.give_up(rid, comps, failed or "lease lost before the transfer started", kind=kind)
+                return self._ends.give_up(rid, comps, failed or "lease lost before the transfer started", kind=kind)
             tid = sched.post_import(rid, components=comps, lease_deadline=min(p.deadline for p in parts))
             if not isinstance(tid, NotYet):
                 break
             if tid.reason is NotYetReason.LEASE_TOO_SHORT:
-                await self._tell_parts(parts, "lease too short")
-                return self.give_up(rid, comps, "lease expired before the transfer could start",
+                await self._ends.tell_parts(parts, "lease too short")
+                return self._ends.give_up(rid, comps, "lease expired before the transfer could start",
                                     kind=FailureKind.LEASE)
             await asyncio.sleep(self._config.pump_idle_s)
         fence_wait = time.perf_counter() - fenced_from
@@ -317,42 +172,17 @@ class Importer:
             result = await self._push(parts[0], tid, comps)
         return dataclasses.replace(result, fence_wait_seconds=fence_wait)
 
-    async def _end_parts(self, work: Sequence[Work], ok: bool) -> None:
-        for w in work:
-            await send_quietly(w.part.peer.channel, wire.Done(request_id=w.part.rid, ok=ok, token=w.part.token))
-
-    def _end_parts_soon(self, work: Sequence[Work], ok: bool) -> None:
-        """:meth:`_end_parts` in the background (:meth:`flush` waits for it): for a part whose READ ended."""
-        task = asyncio.get_running_loop().create_task(self._end_parts(work, ok))
-        self._sending.add(task)
-        task.add_done_callback(self._sent)
-
-    def _sent(self, task: asyncio.Task) -> None:
-        self._sending.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # send_quietly lets only a bug through
-            log.warning("sending Done failed: %r", task.exception())
-
-    async def flush(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for the Done messages still being sent (the consumer closes: they go
-        before its Bye); one still stuck then is cancelled (its producer's lease frees the blocks)."""
-        if not self._sending:
-            return
-        _, stuck = await asyncio.wait(set(self._sending), timeout=timeout_s)
-        for task in stuck:
-            task.cancel()
-        await asyncio.gather(*stuck, return_exceptions=True)
-
     def post_read(self, w: Work, notif: bytes) -> Transfer:
         """Post one producer's READ: what the consumer's ``post`` does unless overridden."""
         return self._dp.post_plan(Op.READ, w.part.peer.agent, w.plan, notif)
 
     async def _pull_parts(self, rid: str, tid: int, work: list[Work], comps: tuple) -> Result:
-        work = [self._slot_for(w) for w in work]
+        work = [self._staging.slot_for(w) for w in work]
         # nothing of a producer whose plan is empty is needed here (GQA duplicate): Done tells it
         todo = [w for w in work if w.plan.num_descriptors]
         for w in work:
             if w.slot is not None and not w.plan.num_descriptors:
-                self._free_slot(w)  # never posted: nothing lands there
+                self._staging.free_slot(w)  # never posted: nothing lands there
         if not todo:  # no READ to post: nothing can write the blocks, no writer to wait for
             return await self._nothing_posted(rid, tid, work)
         # tagged for the session of the producer it goes to (side.notification)
@@ -388,10 +218,10 @@ class Importer:
             return await self._abandon(rid, imp, work, posted, stuck)
         ok = error is None and all(s is XferState.DONE for s in states)
         if ok:
-            error = self._unpack([w for w, _ in posted])  # before the blocks are judged landed
+            error = self._staging.unpack([w for w, _ in posted])  # before the blocks are judged landed
             ok = error is None
         for w, _ in posted:
-            self._free_slot(w)
+            self._staging.free_slot(w)
         xfers = [x for _, x in posted]
         tel = [self._dp.telemetry(x) for x in xfers] if self._config.dataplane.telemetry and ok else None
         for x in xfers:
@@ -407,18 +237,18 @@ class Importer:
             (self._drains.landed if s is XferState.DONE else self._drains.drained)(imp, w.part.peer.agent)
         self._drains.release(imp)
         if not ok or lease_lost:
-            await self._end_parts(work, False)
+            await self._ends.end_parts(work, False)
             if not ok:
-                return self._policy(rid, error or "READ failed", kind=FailureKind.TRANSFER)
-            return self._policy(rid, "lease lapsed during the READ: bytes not trusted", kind=FailureKind.LEASE)
+                return self._ends.policy(rid, error or "READ failed", kind=FailureKind.TRANSFER)
+            return self._ends.policy(rid, "lease lapsed during the READ: bytes not trusted", kind=FailureKind.LEASE)
         outcome = self._drains.outcome(imp)
         # Every READ ended and the ledger judged the blocks: Done only lets the producers free theirs, so
         # the import returns without waiting for the send (two ucxx completions through its notifier
         # thread: ~0.2 ms on an H100 host, ~1 ms on the 2-core box), in the channel's order of sends.
-        self._end_parts_soon(work, True)
+        self._ends.end_parts_soon(work, True)
         if outcome is not TransferOutcome.ACCEPTED:
             outcome = outcome or TransferOutcome.UNKNOWN
-            return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
+            return self._ends.policy(rid, f"transfer {outcome.value}", kind=kind_of_outcome(outcome))
         return Result(request_id=rid, outcome=Outcome.READY,
                       descriptors=None if tel is None else sum(t.descriptors for t in tel),
                       planned=sum(w.plan.num_descriptors for w in work),
@@ -433,24 +263,24 @@ class Importer:
             self._drains.drained(imp, w.part.peer.agent)
         for w in work:
             if w.slot is not None and any(u is w for u in unposted):
-                self._free_slot(w)  # never posted: nothing lands there
+                self._staging.free_slot(w)  # never posted: nothing lands there
 
     async def _none_posted(self, rid: str, imp: Import, work: Sequence[Work], error: str) -> Result:
         """No READ went out (the first was refused): the import ended with its writers drained."""
         self._drains.release(imp)
-        await self._end_parts(work, False)
-        return self._policy(rid, error, kind=FailureKind.TRANSFER)
+        await self._ends.end_parts(work, False)
+        return self._ends.policy(rid, error, kind=FailureKind.TRANSFER)
 
     async def _nothing_posted(self, rid: str, tid: int, work: list[Work]) -> Result:
         """No producer's plan has a descriptor: the request needs nothing read (landed now, as the fence allows)."""
         if any(w.part.lease_lost for w in work):
             self._scheduler.transfer_failed(tid)
-            await self._end_parts(work, False)
-            return self._policy(rid, "lease lapsed before the READ: bytes not trusted", kind=FailureKind.LEASE)
+            await self._ends.end_parts(work, False)
+            return self._ends.policy(rid, "lease lapsed before the READ: bytes not trusted", kind=FailureKind.LEASE)
         outcome = self._scheduler.transfer_landed(tid)
-        await self._end_parts(work, True)
+        await self._ends.end_parts(work, True)
         if outcome is not TransferOutcome.ACCEPTED:
-            return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
+            return self._ends.policy(rid, f"transfer {outcome.value}", kind=kind_of_outcome(outcome))
         return Result(request_id=rid, outcome=Outcome.READY, descriptors=0 if self._config.dataplane.telemetry else None,
                       planned=sum(w.plan.num_descriptors for w in work), indices=sum(w.plan.num_indices for w in work),
                       post_seconds=0.0)
@@ -470,12 +300,12 @@ class Importer:
         for w, x in posted:
             if id(x) in held:
                 continue
-            self._free_slot(w)
+            self._staging.free_slot(w)
             self._drains.drained(imp, w.part.peer.agent)  # ended (or aborted): nothing more lands from it
-        await self._end_parts(work, False)
+        await self._ends.end_parts(work, False)
         if not unabortable:
             self._drains.release(imp)
-            return self._policy(rid, why + "; aborted", kind=None)
+            return self._ends.policy(rid, why + "; aborted", kind=None)
         blocks = sum(len(self._scheduler.blocks(rid, g.group_id)) for g in self._memory.groups)
         self._scheduler.abort(rid)  # rule 5: the blocks stay out of the pool while the READ is active
         self._drains.release(imp, quarantined=blocks)
@@ -490,7 +320,7 @@ class Importer:
             while not bounded.ended(self._dp, [x]):
                 await asyncio.sleep(self._config.pump_idle_s)
             self._dp.release(x)
-            self._free_slot(w)  # its slot too: the READ that could write it ended
+            self._staging.free_slot(w)  # its slot too: the READ that could write it ended
             self._drains.drained(imp, w.part.peer.agent)  # the last one ends the import: the blocks go back
 
     def settling(self, request_id: str) -> bool:
@@ -544,40 +374,20 @@ class Importer:
             outcome = self._drains.outcome(imp) or TransferOutcome.UNKNOWN
             if outcome is TransferOutcome.ACCEPTED:
                 return Result(request_id=rid, outcome=Outcome.READY, seconds=seconds)
-            return self._policy(rid, f"transfer {outcome.value}", kind=_kind_of_outcome(outcome))
+            return self._ends.policy(rid, f"transfer {outcome.value}", kind=kind_of_outcome(outcome))
         error = part.failed or imp.failure or "the producer ended the transfer without writing"
         if imp.state is ImportState.EXPIRED:
             error += (f"; no word that its WRITE ended within {self._config.transfer_timeout_s} s of the failure: "
                       "blocks released at the drain deadline")
-        return self._policy(rid, error, kind=part.kind or FailureKind.LEASE)
-
-    def _policy(self, rid: str, error: str, *, kind: FailureKind | None = FailureKind.TRANSFER) -> Result:
-        """The import failed after a transfer was posted: apply the failure policy (``kind``: why,
-        for the metrics; None where it was counted already)."""
-        if kind is not None:
-            self._metrics.failure(kind)
-        if self._config.failure_policy is FailurePolicy.RECOMPUTE and self._scheduler.has_request(rid):
-            self._scheduler.recompute(rid)
-            return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
-        self._scheduler.abort(rid)
-        return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
+        return self._ends.policy(rid, error, kind=part.kind or FailureKind.LEASE)
 
     def give_up(self, rid: str, comps, error: str, *, kind: FailureKind = FailureKind.TRANSFER) -> Result:
-        """Failed before any transfer was posted: nothing is in flight. Under RECOMPUTE the request
-        computes locally even while steps touching its blocks are pending (a stalled decode): a load
-        that can no longer complete degrades, it does not fail."""
-        self._metrics.failure(kind)
-        sched = self._scheduler
-        if self._config.failure_policy is FailurePolicy.RECOMPUTE and sched.has_request(rid):
-            sched.recompute(rid)
-            return Result(request_id=rid, outcome=Outcome.RECOMPUTE, error=error)
-        sched.abort(rid)
-        return Result(request_id=rid, outcome=Outcome.FAILED, error=error)
+        """Failed before any transfer was posted: recomputed or failed per the failure policy (Endings)."""
+        return self._ends.give_up(rid, comps, error, kind=kind)
 
-
-def _kind_of_outcome(outcome: TransferOutcome) -> FailureKind:
-    # LATE: landed past the lease, bytes not trusted; anything else is a transfer the scheduler refused.
-    return FailureKind.LEASE if outcome is TransferOutcome.LATE else FailureKind.TRANSFER
+    async def flush(self, timeout_s: float) -> None:
+        """The consumer closes: the Done messages still being sent go before its Bye (Endings.flush)."""
+        await self._ends.flush(timeout_s)
 
 
 __all__ = ["Importer", "Work"]

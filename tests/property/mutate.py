@@ -198,8 +198,9 @@ MUTANTS: tuple[Mutant, ...] = (
            original="        return d is not None and self._clock() + duration_s <= d",
            replacement="        return d is not None and self._clock() <= d",
            bug="rule 6: an export starts a read that cannot finish inside the lease"),
-    # Issue 49: the staging slots (transport/staging.py, their use in exports.py, delivery.py and fetch.py), a fenced
-    # resource with the rules of an exported block; the staging machine (test_staging_machine.py) must catch each.
+    # Issue 49: the staging slots (transport/staging.py, their use in exports.py, delivery.py, fetch.py and
+    # import_staging.py), a fenced resource with the rules of an exported block; the staging machine
+    # (test_staging_machine.py) must catch each.
     Mutant(name="slot-back-at-export-sent", file="delivery.py", package=TRANSPORT,
            original="        if not pool.config.fence:",
            replacement="        if True:",
@@ -224,7 +225,7 @@ MUTANTS: tuple[Mutant, ...] = (
            original="        self._used[first:first + units] = True",
            replacement="        self._used[first] = True",
            bug="a slot of several units marks only its first: the next slot overlaps it"),
-    Mutant(name="consumer-slot-back-at-post", file="fetch.py", package=TRANSPORT,
+    Mutant(name="consumer-slot-back-at-post", file="import_staging.py", package=TRANSPORT,
            original="        return dataclasses.replace(w, plan=plan, slot=slot)",
            replacement="        pool.give_back(slot); return dataclasses.replace(w, plan=plan, slot=slot)",
            bug="rule 5: a consumer slot goes back when its READ is posted, while the READ writes it"),

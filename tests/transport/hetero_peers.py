@@ -222,7 +222,7 @@ async def _consumer(opts, out, inbox):
     sliced = set(opts.get("sliced", ()))  # requests read sliced whatever the staging config says
     if opts.get("want_first"):
         for rid in plans:
-            stage = cons._importer._stage_flags(rid, [cons.peers[a] for a in agents])
+            stage = cons._importer._staging.flags(rid, [cons.peers[a] for a in agents])
             for a, st in zip(agents, stage):
                 await cons.want(rid, token=token(rid), peer=a, readers=opts["readers"], stage=st and rid not in sliced)
         while not all(cons.exported(rid, peer=a) for rid in plans for a in agents):
@@ -379,7 +379,7 @@ def _shard_layout(g, tp: int, rank: int, block: int, allocator, *, kernel=None, 
 
 
 def predict(g, p_tp: int, d_tp: int, tokens: int, block: int, pools: dict) -> dict:
-    """What decode rank 0's transport weighs per producer rank it reads (transport/fetch.py's inputs to
+    """What decode rank 0's transport weighs per producer rank it reads (transport/import_staging.py's inputs to
     ``staging.route``): the sliced plan's descriptors, the staged slot's read straight into its pages, the
     packed bytes; on layouts planned as the processes' (no memory), blocks scattered (none adjacent). Also
     each rank's bytes of pages (rank 0 of each side)."""

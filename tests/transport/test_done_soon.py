@@ -10,7 +10,7 @@ import asyncio
 import types
 
 from hybridkv import wire
-from hybridkv.transport.fetch import Importer
+from hybridkv.transport.import_ends import Endings
 
 
 class HeldChannelFake:
@@ -25,8 +25,8 @@ class HeldChannelFake:
         self.sent.append(msg)
 
 
-def _importer() -> Importer:
-    imp = Importer.__new__(Importer)  # only the Done path: no side, no data plane
+def _importer() -> Endings:
+    imp = Endings.__new__(Endings)  # only the Done path: no side, no data plane
     imp._sending = set()
     return imp
 
@@ -39,8 +39,8 @@ def _work(channel, rid: str):
 def test_done_is_sent_in_the_background_and_flushed_before_close():
     async def run():
         ch, imp = HeldChannelFake(), _importer()
-        imp._end_parts_soon([_work(ch, "a")], True)  # returns at once although the send is held
-        imp._end_parts_soon([_work(ch, "b")], True)
+        imp.end_parts_soon([_work(ch, "a")], True)  # returns at once although the send is held
+        imp.end_parts_soon([_work(ch, "b")], True)
         assert not ch.sent and len(imp._sending) == 2
         ch.hold.set()
         await imp.flush(5.0)
@@ -53,7 +53,7 @@ def test_done_is_sent_in_the_background_and_flushed_before_close():
 def test_a_done_stuck_past_the_bound_is_cancelled_at_close():
     async def run():
         ch, imp = HeldChannelFake(), _importer()
-        imp._end_parts_soon([_work(ch, "a")], True)
+        imp.end_parts_soon([_work(ch, "a")], True)
         await imp.flush(0.05)  # the producer's lease frees its blocks; closing does not hang on it
         assert not ch.sent and not imp._sending
 

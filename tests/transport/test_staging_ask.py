@@ -1,4 +1,4 @@
-"""Staging AUTO asks a producer to pack only where staging can win (transport/fetch.py ``_stage_flags``).
+"""Staging AUTO asks a producer to pack only where staging can win (transport/import_staging.py ``flags``).
 
 Before its Export the consumer weighs each producer's part from its own blocks (``staging.may_stage``): where
 ``route`` would read it sliced even with the sliced plan at its longest (every block its own run), the producer
@@ -78,7 +78,7 @@ def test_weighing_never_skips_a_part_route_would_stage(p_tp, d_tp, kernel):
     """For random block lists on both sides (the producer's longer where the consumer hit its prefix cache),
     at costs either side of staging's break-even: a producer not asked is one whose part route reads sliced
     once its Export is in; with every block its own run on both sides the weighing is route's choice."""
-    from hybridkv.transport.fetch import Importer
+    from hybridkv.transport.import_staging import ImportStaging
 
     layout, planned, peers = _pair(p_tp, d_tp, kernel)
     rng = np.random.default_rng(p_tp * 100 + (kernel or 0))
@@ -98,8 +98,8 @@ def test_weighing_never_skips_a_part_route_would_stage(p_tp, d_tp, kernel):
             direct = stager.read(slot.base_addr, slot.device_id, theirs, mine).num_descriptors
             for us, gbps in COSTS:
                 cfg = StagingConfig(descriptor_us=us, copy_gbps=gbps)
-                ask = Importer._may_win(cfg, own_pool=True, planned=planned, source=i, stager=stager, peer=peer,
-                                        mine=mine)
+                ask = ImportStaging._may_win(cfg, own_pool=True, planned=planned, source=i, stager=stager, peer=peer,
+                                             mine=mine)
                 way = route(cfg, sliced=sliced, direct=direct, own_pool=True, nbytes=stager.nbytes(theirs),
                             mem=slot.mem)
                 assert ask or way is Route.SLICED, (trial, i, us, gbps, sliced, direct)

@@ -1,0 +1,179 @@
+"""The staging side of an import: whether to ask a producer to stage, the staged read's plan, our slot.
+
+Heterogeneous TP in pull mode: a producer can pack the slices one consumer rank reads into a slot of its
+own (:mod:`hybridkv.transport.staging`, the rules of a fenced resource). :class:`ImportStaging` is held
+by :class:`~hybridkv.transport.fetch.Importer` and decides, before the Want, whether to ask each
+producer to stage (under AUTO only where staging can win); once the Export names a slot it plans the
+read (sliced, straight from the slot into our pages, or through a slot of ours), takes our slot at post
+time, unpacks it once every READ ended and gives it back when nothing more can land there.
+:class:`Work` (one producer's READ) is defined here, as its staged read and slot are this module's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+
+from hybridkv import wire
+from hybridkv.transport.parts import Part
+from hybridkv.transport.plan import PeerPlanner, TransferPlan
+from hybridkv.transport.side import Peer, Side
+from hybridkv.transport.staging import (Route, Slot, StagePool, Stager, StagingConfig, StagingMode, may_stage, route,
+                                       slot_rows, staging_region)
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Staged:
+    """A staged part read through this side's own slot: the producer's slot, and how to unpack it."""
+
+    stager: Stager
+    src_blocks: dict[int, np.ndarray]
+    dst_blocks: dict[int, np.ndarray]
+    addr: int   # the producer's slot
+    dev: int
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Work:
+    """One producer's READ of an import: its part and the plan for it."""
+
+    part: Part
+    plan: TransferPlan  # src: the producer's side, dst: ours
+    #: staged, best read through a slot of ours (the plan is the direct read, used where none is free)
+    staged: Staged | None = None
+    slot: Slot | None = None  # ours, taken at post time: the READ lands there, then it is unpacked
+
+class ImportStaging:
+    """The consumer's staged reads. Given the side (its config, scheduler and memory map), the staging
+    config (None or OFF: never ask a producer to stage), this side's own slots (None: a staged part is
+    read straight from the producer's slot) and ``prepared(agents)``, the planner for a set of producers."""
+
+    def __init__(self, side: Side, *, staging: StagingConfig | None, pool: StagePool | None,
+                 prepared: Callable[[Sequence[str]], PeerPlanner]) -> None:
+        #: whether to ask producers to stage (None or OFF: never), and this side's own slots
+        self._staging = staging if staging is not None and staging.mode is not StagingMode.OFF else None
+        self._pool = pool
+        self._prepared = prepared
+        self._config = side.config
+        self._scheduler = side.scheduler
+        self._memory = side.memory
+
+    def flags(self, request_id: str, targets: Sequence[Peer]) -> list[bool]:
+        """Per producer: whether to ask it to stage (pull mode, staging on here, a field-paired read, and under
+        AUTO one that staging can win: else its pack and slot are spent for a read that goes sliced)."""
+        if self._staging is None or self._config.mode is not wire.Mode.PULL:
+            return [False] * len(targets)
+        try:
+            planned = self._prepared([p.agent for p in targets])
+        except ValueError:
+            return [False] * len(targets)  # refused again, with its reason, once the Exports are in
+        stager_of = getattr(planned, "stager", None)
+        stagers = [None if stager_of is None else stager_of(i) for i in range(len(targets))]
+        if self._staging.mode is not StagingMode.AUTO:
+            return [s is not None for s in stagers]
+        try:
+            mine = {g.group_id: np.asarray(self._scheduler.blocks(request_id, g.group_id), dtype=np.int64)
+                    for g in self._memory.groups}
+        except ValueError:
+            return [s is not None for s in stagers]  # unknown here: the import refuses it with its reason
+        return [s is not None and self._may_win(self._staging, own_pool=self._pool is not None, planned=planned,
+                                                source=i, stager=s, peer=p.memory, mine=mine)
+                for i, (s, p) in enumerate(zip(stagers, targets))]
+
+    @staticmethod
+    def _may_win(config: StagingConfig, *, own_pool: bool, planned: PeerPlanner, source: int, stager: Stager,
+                 peer, mine: dict[int, np.ndarray]) -> bool:
+        """Whether ``route`` can stage producer ``source``'s part, weighed from our own blocks before its
+        Export (``staging.may_stage``). Where blocks hold as many tokens on both sides the producer exports
+        as many per group, or more at our prefix hit (more bytes, the same direct rows in each group, fewer
+        joined across groups). The sliced plan is at most every block its own run: one block's rows times
+        the blocks. Anything else (block sizes differ, no staging region): ask, as route decides after."""
+        region = staging_region(peer)
+        if region is None or not stager.same_blocks:
+            return True
+        try:
+            key = cast(Hashable, planned)  # a planner hashes by identity
+            most = sum(len(b) * ImportStaging._block_rows(key, source, g) for g, b in mine.items() if len(b))
+            nbytes = stager.nbytes(mine)
+            if not may_stage(config, sliced_most=most, direct=0, direct_most=0, own_pool=own_pool, nbytes_least=nbytes,
+                             mem=region.mem):
+                return False  # loses even against a read of no rows: the direct read need not be planned
+            direct = stager.read(region.base_addr, region.device_id, mine, mine).num_descriptors
+        except ValueError:
+            return True  # the Export's own plan refuses it, with its reason
+        groups = sum(1 for b in mine.values() if len(b))  # at most one row joined across each boundary
+        return may_stage(config, sliced_most=most, direct=direct, direct_most=direct + max(groups - 1, 0),
+                         own_pool=own_pool, nbytes_least=nbytes, mem=region.mem)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def _block_rows(planned: Any, source: int, group: int) -> int:
+        """Rows of producer ``source``'s sliced plan for one block of ``group`` (the same for any block: rows
+        join within a page alike everywhere), kept: a planner lives as long as its producers."""
+        one = np.zeros(1, dtype=np.int64)
+        return planned.plan(source, {group: one}, {group: one}).num_descriptors
+
+    def staged_work(self, part: Part, export: wire.Export, theirs: dict[int, np.ndarray],
+                    mine: dict[int, np.ndarray], planned: PeerPlanner, source: int, sliced: TransferPlan) -> Work:
+        """The producer packed our slices into its slot: read the slot (straight into our pages where
+        that takes few descriptors, else through a slot of ours), unless the sliced plan is as short."""
+        stager_of = getattr(planned, "stager", None)
+        stager = None if stager_of is None else stager_of(source)
+        region = staging_region(part.peer.memory)
+        if stager is None or region is None or len(export.stage) != 2:
+            raise ValueError(f"export of {part.rid} names a staging slot {export.stage}; expected none from a "
+                             "producer this side cannot read staged")
+        offset, nbytes = export.stage
+        want = stager.nbytes(theirs)
+        if nbytes != want or offset + nbytes > region.stride * region.num_pages:
+            raise ValueError(f"export of {part.rid}: staging slot ({offset}, {nbytes} bytes); expected {want} bytes "
+                             f"inside the producer's staging region of {region.stride * region.num_pages}")
+        addr = region.base_addr + offset
+        direct = stager.read(addr, region.device_id, theirs, mine)
+        direct.check()
+        way = route(self._staging, sliced=sliced.num_descriptors, direct=direct.num_descriptors,
+                    own_pool=self._pool is not None, nbytes=nbytes, mem=region.mem)
+        if way is Route.SLICED:
+            return Work(part=part, plan=sliced)  # the slot goes unread; the export's end frees it
+        best = direct if direct.num_descriptors <= sliced.num_descriptors else sliced
+        if way is Route.DIRECT:
+            return Work(part=part, plan=best)
+        # Through our slot; the direct read (or the sliced plan) stays the fallback where none is free.
+        return Work(part=part, plan=best, staged=Staged(stager=stager, src_blocks=theirs, dst_blocks=mine,
+                                                        addr=addr, dev=region.device_id, nbytes=nbytes))
+
+    def slot_for(self, w: Work) -> Work:
+        """At post time: a staged part reads into a slot of ours if one is free (else directly)."""
+        st, pool = w.staged, self._pool
+        if st is None or pool is None:
+            return w
+        slot = pool.take(st.nbytes)
+        if slot is None:
+            return w  # full: the direct read (back-pressure falls back, never waits)
+        plan = slot_rows(st.addr, st.dev, pool.base + slot.offset, pool.region.device_id, st.nbytes)
+        return dataclasses.replace(w, plan=plan, slot=slot)
+
+    def unpack(self, work: Sequence[Work]) -> str | None:
+        """Every READ landed: staged parts go from our slots into our pages. An error, or None."""
+        pool = self._pool
+        for w in work:
+            if pool is not None and w.slot is not None and w.staged is not None:
+                try:
+                    pool.copier.run(w.staged.stager.unpack(w.staged.src_blocks, w.staged.dst_blocks,
+                                                                 base=w.slot.offset))
+                except Exception as exc:  # a bug, not the peer's: the import fails, the engine lives
+                    return f"unpacking the staged read failed: {type(exc).__name__}: {exc}"
+        return None
+
+    def free_slot(self, w: Work) -> None:
+        """Its READ ended (landed, failed or aborted): nothing more lands in its slot."""
+        if w.slot is not None and self._pool is not None:
+            self._pool.give_back(w.slot)
+
+
+__all__ = ["ImportStaging", "Staged", "Work"]
