@@ -66,15 +66,31 @@ def test_primer_reads_into_its_scratch_only_and_releases_its_handle():
         b.close()
 
 
-def test_one_primer_per_peer_at_a_time_and_none_left_at_removal():
+class _HeldAgent:
+    """NIXL's agent, but a primer READ reads as still running while ``held`` (fake: a real READ of 256 bytes
+    cannot be kept running on demand)."""
+
+    def __init__(self, agent) -> None:
+        self.agent, self.held = agent, True
+
+    def check_xfer_state(self, h):
+        return "PROC" if self.held else self.agent.check_xfer_state(h)
+
+    def __getattr__(self, name):
+        return getattr(self.agent, name)
+
+
+def test_one_primer_per_peer_at_a_time_and_none_left_at_removal_faked_running_read():
     theirs, mine = np.ones(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
     a, b, peer = _pair(mine, theirs, 4, prime=True)
+    held = a._primer._agent = _HeldAgent(a._primer._agent)
     try:
         assert a.prime(peer)
         # A second ask while the first still runs posts nothing; once it ended, the next goes out.
-        while a._primer.running and not a._primer._reap(peer):
-            assert not a.prime(peer)
-        assert a.prime(peer)
+        assert not a.prime(peer) and a._primer.running == 1
+        held.held = False
+        _settle(a, peer)
+        assert a._primer.running == 0 and a.prime(peer) and a._primer.running == 1
         a.remove_peer(peer)  # waits for the primer READ to end, then releases it and the peer's list
         assert a._primer.running == 0 and peer not in a._primer._remote
         assert not a.prime(peer)  # a peer gone is not primed
