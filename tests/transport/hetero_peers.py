@@ -580,11 +580,12 @@ def main(argv=None) -> None:
         if model is not None:
             block, layout = _model_pools(g, p_tp, d_tp, t, len(reqs), k)
             pred = predict(g, p_tp, d_tp, t, block, layout)
-            # slots for every part of a fetch and the one before it (its Done may still be on its way), on
-            # every side; a full pool would fall back to the sliced read (run_pair refuses that)
+            # slots for every part of a fetch and the three before it (their Done may still be on its way and a
+            # slot waits for its fence), on every side; a full pool would fall back to the sliced read (run_pair
+            # refuses that: on one H100 two were too few at 2:1, 8192 tokens)
             unit = StagingConfig().slot_bytes
             most = max((p["nbytes"] for p in pred["parts"]), default=unit)
-            capacity = -(-most // unit) * unit * 2 * max(len(pred["parts"]), pred["readers"])
+            capacity = -(-most // unit) * unit * 4 * max(len(pred["parts"]), pred["readers"])
             staging["capacity_bytes"] = capacity
             layout["model"] = model
             timing = {"e2e": True}  # the pack on the clock: no Export asked ahead
