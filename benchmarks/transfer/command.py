@@ -80,7 +80,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settle-ms", type=float, default=20.0,
                         help="quiet time before each timed variant, for the control messages of the one before it, "
                              "0 to 10000 (default: 20.0)")
-    parser.add_argument("--prime", choices=("on", "off"), default="off",
+    parser.add_argument("--prime", choices=("on", "off"), default="on",
                         help="hybridkv's consumer primes the posting path with a READ of a few bytes once it asked "
                              "for the request (DataPlaneConfig.prime; transport/primer.py)")
     parser.add_argument("--read-notif", choices=("on", "off"), default="off",
