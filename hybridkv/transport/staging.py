@@ -137,9 +137,10 @@ class Route(enum.Enum):
 #: Per memory kind: (us of posting per descriptor, GB/s of a local gather copy). DRAM: measured on the
 #: 2-core CPU box (posting curve ~2 us per descriptor, docs/benchmarks/transfer.md; a numpy gather of
 #: 1.5-49 MB rows 0.6-1.0 GB/s under load). VRAM, one H100 (tools/device/results/): the posting curve's
-#: 4.95 us per scattered descriptor, and `hybridkv bench staging --mem vram`'s gather of vLLM's pages,
-#: 26-84 GB/s in 8-byte words (2-6% of a plain copy; a byte per index gave 26-74 in the same run): the
-#: floor, rounded. The 500 GB/s assumed before made AUTO stage where the sliced read was faster.
+#: 4.95 us per scattered descriptor, and a gather speed below the Triton kernel's own (100-288 GB/s): end to
+#: end a staged fetch adds ~2 ms beside its gathers, and at 30 GB/s AUTO picked the faster fetch in both
+#: layouts at TP 2 -> 1, 8,192 tokens (docs/benchmarks/transfer.md, "Staging at different TP"). The 500 GB/s
+#: assumed once made AUTO stage where the sliced read was faster.
 COSTS: dict[wire.Mem, tuple[float, float]] = {wire.Mem.DRAM: (2.0, 0.8), wire.Mem.VRAM: (4.95, 30.0)}
 
 
