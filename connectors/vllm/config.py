@@ -105,6 +105,11 @@ class HybridKVVllmConfig:
         post than the copies add; ``"on"`` wherever a slot holds the read. Set the same on both
         sides; each worker then registers a pool of ``staging_capacity_mb`` MiB on its KV cache's
         device, outside vLLM's memory accounting (leave that much free). Equal TP never stages.
+    ``prime_reads`` (bool, ``true``)
+        Decode side: once a worker asked a prefill worker for a request, it posts a READ of 256 bytes into
+        a buffer of its own while it waits for the Export, so that the request's own READ finds NIXL's
+        posting code warm (``hybridkv.transport.primer``; one H100: the post's CPU 83-85 us instead of
+        112-162). False: no such READ.
     ``hybridkv_fence_policy`` (``"fenced"`` or ``"none"``, ``"fenced"``)
         Whether the scheduler half enforces hybridkv's fencing rules. ``"none"`` exists only to
         show what breaks without them (the race tests); never set it in a deployment.
@@ -129,6 +134,7 @@ class HybridKVVllmConfig:
     insecure_host_memory: bool = False
     staging: StagingMode = StagingMode.OFF
     staging_capacity_mb: int = 64
+    prime_reads: bool = True
     hybridkv_fence_policy: FencePolicy = FencePolicy.FENCED
 
     def __post_init__(self) -> None:
@@ -158,6 +164,7 @@ class HybridKVVllmConfig:
         _check(isinstance(self.staging, StagingMode), "staging", self.staging, "a StagingMode")
         _check(_is_int(self.staging_capacity_mb) and 1 <= self.staging_capacity_mb <= 65536, "staging_capacity_mb",
                self.staging_capacity_mb, "an int of MiB, 1..65536")
+        _check(isinstance(self.prime_reads, bool), "prime_reads", self.prime_reads, "a bool")
         _check(isinstance(self.hybridkv_fence_policy, FencePolicy), "hybridkv_fence_policy",
                self.hybridkv_fence_policy, "a FencePolicy")
 
@@ -241,6 +248,7 @@ class HybridKVVllmConfig:
             "tp_rank": _optional_int,
             "insecure_no_auth": _bool,
             "insecure_host_memory": _bool,
+            "prime_reads": _bool,
             "staging": _choice(StagingMode),
             "staging_capacity_mb": _int,
             "hybridkv_fence_policy": _choice(FencePolicy),

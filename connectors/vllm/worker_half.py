@@ -198,6 +198,7 @@ class WorkerHalf:
             self._call(self._start_producer()).result()
 
     def _config(self, port: int = 0):
+        from hybridkv.transport.dataplane import DataPlaneConfig
         from hybridkv.transport.endpoint import FailurePolicy, TransportConfig
 
         # vLLM applies kv_load_failure_policy itself; the transport only reports.
@@ -208,7 +209,8 @@ class WorkerHalf:
                                export_timeout_s=self.export_timeout_s, allowed_peers=self.allowed_peers,
                                secret=self.secret, insecure_no_auth=self.config.insecure_no_auth,
                                insecure_host_memory=self.config.insecure_host_memory,
-                               compat=compat_fields(self.vllm_config))
+                               compat=compat_fields(self.vllm_config),
+                               dataplane=DataPlaneConfig(prime=self.config.prime_reads))
 
     @staticmethod
     def _planner():

@@ -30,6 +30,7 @@ DEFAULTS = {
     "insecure_host_memory": False,
     "staging": StagingMode.OFF,
     "staging_capacity_mb": 64,
+    "prime_reads": True,
     "hybridkv_fence_policy": FencePolicy.FENCED,
 }
 
@@ -66,6 +67,8 @@ def test_defaults_live_in_one_place():
     ("staging", "Auto", StagingMode.AUTO),
     ("staging", StagingMode.ON, StagingMode.ON),
     ("staging_capacity_mb", "16", 16),
+    ("prime_reads", "false", False),
+    ("prime_reads", False, False),
 ])
 def test_each_key_parses(key, given, parsed):
     cfg = HybridKVVllmConfig.from_extra_config({key: given}, env={})
@@ -95,6 +98,7 @@ def test_each_key_parses(key, given, parsed):
     ("tp_rank", "first", "an int"),
     ("hybridkv_fence_policy", "off", "one of ['fenced', 'none']"),
     ("hybridkv_fence_policy", False, "one of ['fenced', 'none']"),
+    ("prime_reads", "sometimes", "true or false"),
 ])
 def test_a_bad_value_names_the_key_the_value_and_what_was_expected(key, bad, expected):
     with pytest.raises(ValueError) as err:
