@@ -231,9 +231,10 @@ class SGLangConfig:
                                      "of the two, or both the same")
                 params["device_list"] = devices
                 logger.info("hybridkv: GPU %s bound to NIC(s) %s (UCX device_list)", gpu_id, devices)
-        # NIXL's own defaults for an engine agent otherwise (progress thread on, no telemetry)
+        # NIXL's own defaults for an engine agent otherwise (progress thread on, no telemetry); no primer: the
+        # decode's READs go out from SGLang's own transfer path, never through a Consumer's Want
         return DataPlaneConfig(progress_thread=self.progress_thread, telemetry=False,
-                               ucx_params=tuple(params.items()))
+                               ucx_params=tuple(params.items()), prime=False)
 
 
 def ucx_device_list(ib_device: str, gpu_id: int) -> str | None:
