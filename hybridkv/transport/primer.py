@@ -15,6 +15,7 @@ and its failure is no request's (it is dropped, logged at debug).
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -102,8 +103,6 @@ class Primer:
         """Before the peer's metadata goes: its primer READ ended (waited for up to ``wait_s``; a READ of
         PRIME_BYTES takes microseconds) and released, its list released. One still running past that
         keeps its list: releasing a list a READ still uses is NIXL's undefined behaviour."""
-        import time
-
         end = time.monotonic() + wait_s
         while not self._reap(peer):
             if time.monotonic() > end:
