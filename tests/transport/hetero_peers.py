@@ -228,11 +228,24 @@ async def _consumer(opts, out, inbox):
         while not all(cons.exported(rid, peer=a) for rid in plans for a in agents):
             await asyncio.sleep(0.005)
     walls: dict[str, float] = {}
+    phases: dict[str, tuple[float, float]] = {}  # (call -> every Export in, every Export in -> return)
+    exports_in: list[float] = []
+    if opts.get("e2e"):  # the import asks for its planner once every Export is in (fetch.py, Importer._import)
+        prepared0 = cons._importer._prepared
+
+        def prepared(agents):
+            exports_in.append(time.perf_counter())
+            return prepared0(agents)
+
+        cons._importer._prepared = prepared
 
     async def timed(rid, f):
         t0 = time.perf_counter()
         got = await f
-        walls[rid] = time.perf_counter() - t0
+        end = time.perf_counter()
+        walls[rid] = end - t0
+        if exports_in and exports_in[-1] >= t0:  # one fetch at a time (e2e runs are sequential)
+            phases[rid] = (exports_in[-1] - t0, end - exports_in[-1])
         return got
 
     fetches = [timed(rid, cons.fetch(rid, comps, token=token(rid), peers=agents, readers=opts["readers"],
@@ -242,7 +255,7 @@ async def _consumer(opts, out, inbox):
     else:
         results = await asyncio.gather(*fetches)
     if opts.get("e2e"):
-        out.put(("walls", walls))
+        out.put(("walls", {rid: (w, phases.get(rid)) for rid, w in walls.items()}))
         out.put(("copies", {"engine": _engine(cons.staging), "runs": copies}))
     sched.audit()
     out.put(("results", [(r.request_id, r.outcome.name, r.error, r.descriptors, r.nbytes, r.planned, r.seconds)
@@ -280,14 +293,17 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
         per_rank = {rid: [] for rid, _ in requests}
         times: dict[str, list[float]] = {rid: [] for rid, _ in requests}
         walls: dict[str, list[float]] = {rid: [] for rid, _ in requests}
+        splits: dict[str, list[tuple[float, float]]] = {rid: [] for rid, _ in requests}
         nbytes_of: dict[str, list[int]] = {rid: [] for rid, _ in requests}
         copies: dict[str, list] = {"pack": [], "unpack": [], "engine": []}  # runs: a list per process
         prefill_staging = []  # each producer rank's pool counters (describe())
         bad = []
         for cons in conss:
             if opts.get("e2e"):  # before results: a long run's reports arrive in this order
-                for rid, s in cons.expect("walls", timeout=wait).items():
+                for rid, (s, split) in cons.expect("walls", timeout=wait).items():
                     walls[rid].append(s)
+                    if split is not None:
+                        splits[rid].append(split)
                 got_copies = cons.expect("copies")
                 copies["unpack"].append(got_copies["runs"])
                 copies["engine"].append(("decode", got_copies["engine"]))
@@ -332,7 +348,8 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
                for rid, _ in requests}
         if opts.get("e2e"):
             for rid, _ in requests:
-                out[rid].update(wall=walls[rid], nbytes=nbytes_of[rid])
+                out[rid].update(wall=walls[rid], nbytes=nbytes_of[rid],
+                                want=[a for a, _ in splits[rid]], after=[b for _, b in splits[rid]])
             out["copies"] = copies
         out["prefill_staging"] = prefill_staging
         return out
@@ -454,6 +471,12 @@ def _model_report(model: str, mem: str, gbps: float | None, pred: dict, m: dict,
     engines = sorted({f"{side}: {eng}" for side, eng in m["copies"]["engine"] if eng is not None})
     print(f"  fetch, call to return (Want, pack, post, landed, unpack): staged {staged_ms} ms, sliced {sliced_ms} "
           f"ms, unmerged {_ms(e, ['n1', 'n2'], 'wall')} ms -> {winner} wins ({staged_ms / sliced_ms:.2f}x sliced)")
+    for way, rids in (("staged", ["s1", "s2"]), ("sliced", ["x1", "x2"])):
+        if all(m[r].get("want") for r in rids):
+            after = [a - s for r in rids for a, s in zip(m[r]["after"], m[r]["seconds"])]
+            print(f"  {way}: call -> every Export in (the Want, the producer's pack, its Export) "
+                  f"{_ms(m, rids, 'want')} ms; Export in -> return less post-to-landed (planning, unpack, ledger) "
+                  f"{sorted(after)[len(after) // 2] * 1e3:.2f} ms")
     print(f"  staging copies ({'; '.join(engines) or 'none'}): pack {_copy_speed(m['copies']['pack'])}; "
           f"unpack {_copy_speed(m['copies']['unpack'])}")
     print(f"  producers pack {reads / 1e6:.1f} MB for decode rank 0 ({len(parts)} rank(s); a GQA-replicated head "
