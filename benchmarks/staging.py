@@ -62,18 +62,11 @@ def _pairs(text: str) -> list[tuple[int, int]]:
 
 
 def _vllm_layout(geo, *, tp: int, rank: int, block_size: int, pages: int, alloc):
-    """vLLM 0.33's hybrid-allocator tensors in the block-outermost order the vLLM connector asks for:
-    one allocation, [block][tensor slot][page], layer i of every group on slot i."""
-    from hybridkv.descriptors.hma import hma_buffers, plan_hma
-    from hybridkv.layout import Layout, adopt_layout
+    """vLLM 0.33's hybrid-allocator tensors in the block-outermost order the vLLM connector asks for."""
+    from hybridkv.descriptors.hma import PageOrder, vllm_layout
 
-    hma = plan_hma(geo.shard(tp), block_size)
-    page, slots = hma.page_bytes, hma.num_tensors
-    a = alloc.allocate(page * slots * pages)
-    groups, buffers = hma_buffers(hma, [a.addr + i * page for i in range(slots)], block_stride=page * slots,
-                                  pages=pages, mem=a.mem, device_id=a.device_id)
-    got = adopt_layout(geo, groups, buffers, tp=tp, rank=rank)
-    return Layout(geometry=got.geometry, tp=tp, rank=rank, regions=got.regions, groups=got.groups, allocations=(a,))
+    return vllm_layout(geo, tp=tp, rank=rank, block=block_size, pages=pages, allocator=alloc,
+                       order=PageOrder.BLOCK_OUTERMOST)
 
 
 def _median_s(fn, iters: int, sync) -> float:

@@ -14,6 +14,7 @@ group_size shared tensors.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -140,3 +141,38 @@ def hma_buffers(plan: HMAPlan, tensors: Sequence[int], *, block_stride: int, pag
                                        mem=mem, device_id=device_id,
                                        kernel_tokens=kernel_tokens if split and not state else None))
     return groups, buffers
+
+
+class PageOrder(enum.Enum):
+    """How vLLM lays its hybrid-allocator tensors out in memory."""
+
+    BLOCK_OUTERMOST = "BLHNC"  # one allocation, [block][tensor slot][page]: what the vLLM connector asks for
+    LAYER_OUTERMOST = "LBHNC"  # a tensor slot per allocation: the only order where vLLM splits kernel blocks
+
+
+def vllm_layout(geometry: ModelGeometry, *, tp: int, rank: int, block: int, pages: int, allocator,
+                order: PageOrder, kernel: int | None = None):
+    """vLLM 0.33's hybrid-allocator tensors of one rank as ``allocate_kv_cache`` lays them out and the vLLM
+    connector adopts them: ``pages`` pages of the hybrid page size per tensor slot (layer i of every group on
+    slot i), allocated from ``allocator``, in ``order``; attention pages split into kernel blocks of
+    ``kernel`` tokens where that is below the block (``prepare_kernel_block_sizes`` splits layer-outermost
+    pages only). A Layout whose allocations are the regions' memory."""
+    from hybridkv.layout import Layout, adopt_layout
+
+    hma = plan_hma(geometry.shard(tp), block)
+    page, slots = hma.page_bytes, hma.num_tensors
+    if order is PageOrder.LAYER_OUTERMOST:
+        allocs = [allocator.allocate(page * pages) for _ in range(slots)]
+        addrs, stride = [a.addr for a in allocs], page
+    else:
+        allocs = [allocator.allocate(page * slots * pages)]
+        addrs, stride = [allocs[0].addr + i * page for i in range(slots)], page * slots
+    groups, buffers = hma_buffers(hma, addrs, block_stride=stride, pages=pages, mem=allocs[0].mem,
+                                  device_id=allocs[0].device_id,
+                                  kernel_tokens=kernel if order is PageOrder.LAYER_OUTERMOST else None)
+    got = adopt_layout(geometry, groups, buffers, tp=tp, rank=rank)
+    if order is PageOrder.LAYER_OUTERMOST:  # region i's bytes are the allocation at its base
+        by_addr = {a.addr: a for a in allocs}
+        allocs = [by_addr[r.base_addr] for r in got.regions]
+    return Layout(geometry=got.geometry, tp=tp, rank=rank, regions=got.regions, groups=got.groups,
+                  allocations=tuple(allocs))

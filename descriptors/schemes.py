@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridkv.layout import Layout, adopt_layout, check_block_size, plan_layout
+from hybridkv.layout import Layout, check_block_size, plan_layout
 from hybridkv.layout.alloc import VirtualAllocator
 from hybridkv.layout.geometry import LayerSpec, ModelGeometry, Paging
 from hybridkv.transport.memory import from_layout
@@ -28,7 +28,7 @@ from hybridkv.transport.plan import TransferPlan
 from hybridkv.transport.staging import Route, StagingConfig, StagingMode, route, slot_rows
 from hybridkv.wire import Mem
 
-from .hma import HMAPlan, aligned_block_size, hma_buffers, plan_hma
+from .hma import HMAPlan, PageOrder, aligned_block_size, plan_hma, vllm_layout
 from .planning import DescriptorPlanner, source_ranks
 
 
@@ -313,23 +313,14 @@ def _hybridkv_vllm(w: Workload) -> SchemeCount:
 
 
 def _vllm_pages(w: Workload, tp: int, rank: int, pages: int, alloc: VirtualAllocator) -> Layout:
-    """vLLM 0.33's hybrid-allocator tensors of one rank (virtual addresses), as the vLLM connector adopts them.
-    Block-outermost (BLHNC, what the connector asks for): one allocation, [block][tensor slot][page]. With
-    attention kernel blocks smaller than the block, layer-outermost (LBHNC): vLLM splits a page into kernel
-    blocks only there (prepare_kernel_block_sizes never splits block-outermost pages), so the backend that
-    needs them is one that does not allow BLHNC; each tensor slot is its own allocation."""
-    hma = plan_hma(w.geometry.shard(tp), w.effective_block_size)
-    page, slots = hma.page_bytes, hma.num_tensors
+    """vLLM 0.33's hybrid-allocator tensors of one rank (virtual addresses), as the vLLM connector adopts them:
+    block-outermost (BLHNC, what the connector asks for), or layer-outermost (LBHNC) with attention kernel
+    blocks smaller than the block: vLLM splits a page into kernel blocks only there, so the backend that needs
+    them is one that does not allow BLHNC."""
     split = w.kernel_blocks_per_block > 1
-    if split:
-        allocs = [alloc.allocate(page * pages) for _ in range(slots)]
-        addrs, stride = [a.addr for a in allocs], page
-    else:
-        allocs = [alloc.allocate(page * slots * pages)]
-        addrs, stride = [allocs[0].addr + i * page for i in range(slots)], page * slots
-    groups, buffers = hma_buffers(hma, addrs, block_stride=stride, pages=pages, mem=allocs[0].mem,
-                                  device_id=allocs[0].device_id, kernel_tokens=w.kernel_block_size if split else None)
-    return adopt_layout(w.geometry, groups, buffers, tp=tp, rank=rank)
+    return vllm_layout(w.geometry, tp=tp, rank=rank, block=w.effective_block_size, pages=pages, allocator=alloc,
+                       order=PageOrder.LAYER_OUTERMOST if split else PageOrder.BLOCK_OUTERMOST,
+                       kernel=w.kernel_block_size if split else None)
 
 
 def _vllm_reads(w: Workload) -> tuple[list[tuple[int, int, TransferPlan]], int]:

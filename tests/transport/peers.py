@@ -88,24 +88,18 @@ def build(seed: int, *, geo_over=None, scale: int = 1, mem: str = "dram", tp: in
 def vllm_layout(geo, *, tp: int, rank: int, block: int, kernel: int | None, pages: int, allocator):
     """vLLM 0.33's hybrid-allocator tensors as ``allocate_kv_cache`` lays them out with attention kernel
     blocks of ``kernel`` tokens inside each ``block``-token logical block: layer-outermost (LBHNC), the only
-    layouts where vLLM splits a block into kernel blocks (block-outermost groups map kernel blocks themselves,
-    `prepare_kernel_block_sizes`). Tensor slot i (layer i of every group, one
-    allocation, hence one region) holds ``pages`` pages of the hybrid page size; an attention page is
-    ``block // kernel`` kernel pages [H, kernel, K|V] back to back, a GDN page its state at the front."""
-    from hybridkv.descriptors.hma import hma_buffers, plan_hma
-    from hybridkv.layout import Layout, adopt_layout
+    layouts where vLLM splits a block into kernel blocks (``hybridkv.descriptors.hma.vllm_layout``). Tensor
+    slot i (layer i of every group, one allocation, hence one region) holds ``pages`` pages of the hybrid page
+    size; an attention page is ``block // kernel`` kernel pages [H, kernel, K|V] back to back, a GDN page its
+    state at the front."""
+    from hybridkv.descriptors.hma import PageOrder, plan_hma
+    from hybridkv.descriptors.hma import vllm_layout as hma_layout
 
-    hma = plan_hma(geo.shard(tp), block)
-    if hma.block_size != block:
-        raise ValueError(f"block {block} is not the hybrid allocator's for TP {tp} (it raises it to {hma.block_size})")
-    page = hma.page_bytes
-    slots = [allocator.allocate(page * pages) for _ in range(hma.num_tensors)]
-    groups, buffers = hma_buffers(hma, [a.addr for a in slots], block_stride=page, pages=pages, mem=slots[0].mem,
-                                  device_id=slots[0].device_id, kernel_tokens=kernel)
-    got = adopt_layout(geo, groups, buffers, tp=tp, rank=rank)
-    by_addr = {a.addr: a for a in slots}  # region i's bytes are the allocation at its base
-    return Layout(geometry=got.geometry, tp=tp, rank=rank, regions=got.regions, groups=got.groups,
-                  allocations=tuple(by_addr[r.base_addr] for r in got.regions))
+    if plan_hma(geo.shard(tp), block).block_size != block:
+        raise ValueError(f"block {block} is not the hybrid allocator's for TP {tp} (it raises it to "
+                         f"{plan_hma(geo.shard(tp), block).block_size})")
+    return hma_layout(geo, tp=tp, rank=rank, block=block, pages=pages, allocator=allocator,
+                      order=PageOrder.LAYER_OUTERMOST, kernel=kernel)
 
 
 def build_vllm(seed: int, *, tp: int, rank: int, block: int, kernel: int | None, pages: int, geo_over=None,
