@@ -12,10 +12,9 @@ time, unpacks it once every READ ended and gives it back when nothing more can l
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Hashable, Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
 
 import numpy as np
 
@@ -97,8 +96,7 @@ class ImportStaging:
         if region is None or not stager.same_blocks:
             return True
         try:
-            key = cast(Hashable, planned)  # a planner hashes by identity
-            most = sum(len(b) * ImportStaging._block_rows(key, source, g) for g, b in mine.items() if len(b))
+            most = sum(len(b) * _block_rows(planned, source, g) for g, b in mine.items() if len(b))
             nbytes = stager.nbytes(mine)
             if not may_stage(config, sliced_most=most, direct=0, direct_most=0, own_pool=own_pool, nbytes_least=nbytes,
                              mem=region.mem):
@@ -109,14 +107,6 @@ class ImportStaging:
         groups = sum(1 for b in mine.values() if len(b))  # at most one row joined across each boundary
         return may_stage(config, sliced_most=most, direct=direct, direct_most=direct + max(groups - 1, 0),
                          own_pool=own_pool, nbytes_least=nbytes, mem=region.mem)
-
-    @staticmethod
-    @functools.lru_cache(maxsize=256)
-    def _block_rows(planned: Any, source: int, group: int) -> int:
-        """Rows of producer ``source``'s sliced plan for one block of ``group`` (the same for any block: rows
-        join within a page alike everywhere), kept: a planner lives as long as its producers."""
-        one = np.zeros(1, dtype=np.int64)
-        return planned.plan(source, {group: one}, {group: one}).num_descriptors
 
     def staged_work(self, part: Part, export: wire.Export, theirs: dict[int, np.ndarray],
                     mine: dict[int, np.ndarray], planned: PeerPlanner, source: int, sliced: TransferPlan) -> Work:
@@ -174,6 +164,24 @@ class ImportStaging:
         """Its READ ended (landed, failed or aborted): nothing more lands in its slot."""
         if w.slot is not None and self._pool is not None:
             self._pool.give_back(w.slot)
+
+
+#: per planner (dropped with it): rows of a producer's sliced plan for one block of a group
+_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _block_rows(planned: PeerPlanner, source: int, group: int) -> int:
+    """Rows of producer ``source``'s sliced plan for one block of ``group`` (the same for any block: rows join
+    within a page alike everywhere), kept as long as the planner is."""
+    try:
+        rows = _ROWS.setdefault(planned, {})
+    except TypeError:  # a planner that takes no weak reference (slots): not kept
+        rows = {}
+    key = (source, group)
+    if key not in rows:
+        one = np.zeros(1, dtype=np.int64)
+        rows[key] = planned.plan(source, {group: one}, {group: one}).num_descriptors
+    return rows[key]
 
 
 __all__ = ["ImportStaging", "Staged", "Work"]
