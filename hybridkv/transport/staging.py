@@ -138,7 +138,7 @@ class Route(enum.Enum):
 #: 2-core CPU box (posting curve ~2 us per descriptor, docs/benchmarks/transfer.md; a numpy gather of
 #: 1.5-49 MB rows 0.6-1.0 GB/s under load). VRAM, one H100 (tools/device/results/): the posting curve's
 #: 4.95 us per scattered descriptor, and a gather speed below the Triton kernel's own (100-288 GB/s): end to
-#: end a staged fetch adds ~2 ms beside its gathers, and at 30 GB/s AUTO picked the faster fetch in both
+#: end a staged fetch adds ~1.5 ms beside its gathers, and at 30 GB/s AUTO picked the faster fetch in both
 #: layouts at TP 2 -> 1, 8,192 tokens (docs/benchmarks/transfer.md, "Staging at different TP"). The 500 GB/s
 #: assumed once made AUTO stage where the sliced read was faster.
 COSTS: dict[wire.Mem, tuple[float, float]] = {wire.Mem.DRAM: (2.0, 0.8), wire.Mem.VRAM: (4.95, 30.0)}
