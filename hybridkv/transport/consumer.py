@@ -152,8 +152,7 @@ class Consumer:
         except PeerLost:
             self._links.lost(p)
             return
-        if self.dp.priming:  # nothing to do here until the Export: warm the posting path meanwhile
-            self.dp.prime(p.agent)
+        self.dp.prime(p.agent)  # nothing to do here until the Export: warm the posting path (if it primes)
 
     def exported(self, request_id: str, *, peer: str | None = None) -> bool:
         """Whether the producer's Export for the request arrived."""
