@@ -33,7 +33,7 @@ from hybridkv.transport.memory import MemoryMap, check_peer_shapes, rebuild_layo
 from hybridkv.transport.plan import TransferPlan
 
 from .compiler import TransferPlanner, plan_sources
-from .staging import StagePlan, shared_keys
+from .staging import StagePlan, masked_keys, shared_order
 
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)
 
@@ -160,18 +160,21 @@ class FieldPlan:
             for i, x in enumerate(layouts)]
         self._layouts, self._local, self._assigned = layouts, local, assigned
         self._coalesce = coalesce
-        self._stagers: dict[int, StagePlan | None] = {}
+        self._stagers: dict[tuple[int, bytes | None], StagePlan | None] = {}
 
-    def stager(self, source: int) -> StagePlan | None:
+    def stager(self, source: int, fields: bytes | None = None) -> StagePlan | None:
         """How producer ``source`` stages what this rank reads from it, or None where it feeds nothing.
-        A producer stages every field of this rank it holds (:func:`shared_keys`); where GQA has this
-        rank read a replicated head from another producer, the plan reads the rest only."""
-        if source not in self._stagers:
+        It packs only the fields this rank reads from it (where GQA has this rank read a replicated head
+        from another producer, not that head): the Want names them (:attr:`StagePlan.fields`). ``fields``:
+        the mask a Want named instead (``b""``: every field of this rank it holds, as a Want without one
+        asks), where this rank reads what it reads out of that."""
+        key = (source, fields)
+        if key not in self._stagers:
             reads = self._assigned.get(source)
             src = self._layouts[source]
-            self._stagers[source] = StagePlan(src, self._local, shared_keys(src, self._local), reads) \
-                if reads else None
-        return self._stagers[source]
+            keys = reads if fields is None else masked_keys(shared_order(src, self._local), fields)
+            self._stagers[key] = StagePlan(src, self._local, keys, reads) if reads else None
+        return self._stagers[key]
 
     def plan(self, source: int, source_blocks: Mapping[int, np.ndarray],
              dest_blocks: Mapping[int, np.ndarray]) -> TransferPlan:
@@ -210,15 +213,16 @@ class DescriptorPlanner:
                              "planner that pairs by fields (pairing=FIELDS)")
         return FieldPlan(sources, dest, bridge_padding=self.bridge_padding, coalesce=self.coalesce)
 
-    def stager(self, source: MemoryMap, dest: MemoryMap) -> StagePlan | None:
-        """Producer side: what it stages for consumer ``dest`` when asked (every field of ``dest``
-        it holds), or None where pages pair whole (nothing to gather) or nothing is shared."""
+    def stager(self, source: MemoryMap, dest: MemoryMap, fields: bytes = b"") -> StagePlan | None:
+        """Producer side: what it stages for consumer ``dest`` when asked, or None where pages pair whole
+        (nothing to gather) or nothing is shared. ``fields``: the Want's mask over the fields of ``dest`` it
+        holds (:func:`~hybridkv.descriptors.staging.field_mask`; empty: every one); ValueError naming a bad one."""
         if page_regions([source], dest) is not None or source.layout is None:
             return None
         local = source.layout
         remote = dest.layout if dest.layout is not None else rebuild_layout(dest, local.geometry)
-        keys = shared_keys(local, remote)
-        return StagePlan(local, remote, keys) if keys else None
+        order = shared_order(local, remote)
+        return StagePlan(local, remote, masked_keys(order, fields)) if order else None
 
 
 __all__ = ["DescriptorPlanner", "FieldPlan", "PagePlan", "page_regions", "pairing_of", "source_ranks"]

@@ -19,7 +19,8 @@ The three moves are piece tables of descriptors/pieces.py, run by the transport
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from hybridkv.layout import GroupLayout, Layout, Placement, Region
 from hybridkv.ids import RegionId
 from hybridkv.layout.fields import Field, FieldKey
 from hybridkv.transport.plan import TransferPlan
-from hybridkv.transport.staging import CopyStep, Place
+from hybridkv.transport.staging import BadFieldMask, CopyStep, Place
 
 from . import pieces as pc
 from .compiler import TransferPlanner, piece_pages
@@ -68,8 +69,51 @@ def compact_layout(src: Layout, dst: Layout, keys: Collection[FieldKey], *, dst_
 
 def shared_keys(src: Layout, dst: Layout) -> frozenset[FieldKey]:
     """Every field of ``dst`` that ``src`` holds: what a producer stages for a consumer that asks."""
+    return frozenset(shared_order(src, dst))
+
+
+def shared_order(src: Layout, dst: Layout) -> tuple[FieldKey, ...]:
+    """:func:`shared_keys` in ``dst``'s order (groups, placements, fields as it lists them): the list a Want's
+    field mask numbers (:func:`field_mask`), which both sides derive alike from the two layouts."""
     theirs = {f.key for g in src.groups for p in g.placements for f in p.fields}
-    return frozenset(f.key for g in dst.groups for p in g.placements for f in p.fields if f.key in theirs)
+    return tuple(f.key for g in dst.groups for p in g.placements for f in p.fields if f.key in theirs)
+
+
+def field_mask(order: Sequence[FieldKey], keys: Collection[FieldKey]) -> bytes:
+    """The Want's ``fields`` for packing ``keys`` of ``order``: bit i (byte i // 8, least significant bit
+    first) set where field i is packed; empty where every field is (what a Want without a mask means)."""
+    keys = frozenset(keys)
+    if not keys <= set(order):
+        raise ValueError(f"{len(keys - set(order))} field(s) to pack that the pair does not share; expected a "
+                         f"subset of its {len(order)} fields")
+    if keys == set(order):
+        return b""
+    mask = bytearray(-(-len(order) // 8))
+    for i, k in enumerate(order):
+        if k in keys:
+            mask[i // 8] |= 1 << (i % 8)
+    return bytes(mask)
+
+
+def masked_keys(order: Sequence[FieldKey], mask: bytes) -> frozenset[FieldKey]:
+    """The fields a Want's mask names (:func:`field_mask`; empty: every field of ``order``). Refused
+    (:class:`~hybridkv.transport.staging.BadFieldMask`, naming the value) where its length is not what
+    ``order`` needs, or it names a field past ``order``, or none."""
+    if not mask:
+        return frozenset(order)
+    n = len(order)
+    if len(mask) != -(-n // 8):
+        raise BadFieldMask(f"stage field mask of {len(mask)} bytes; expected {-(-n // 8)} for the {n} fields "
+                           "this pair stages")
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+    past = np.flatnonzero(bits[n:])
+    if past.size:
+        raise BadFieldMask(f"stage field mask names field {n + int(past[0])}; expected fields 0..{n - 1} "
+                           f"(this pair stages {n})")
+    keys = frozenset(k for k, b in zip(order, bits[:n]) if b)
+    if not keys:
+        raise BadFieldMask("stage field mask names no field; expected at least one (or an empty mask: every field)")
+    return keys
 
 
 class StagePlan:
@@ -97,10 +141,21 @@ class StagePlan:
         self._unpack: dict[int, pc.PieceTable] = {
             int(g.group_id): pc.merge_table(pc.field_table(v, g, dst, dst.group(g.group_id), self.reads))
             for g in v.groups}
-        self._read = TransferPlanner(v, dst, keys=self.reads)
+        # dst's groups that the slot holds (one whose fields this producer packs none of has no compact page)
+        held = dataclasses.replace(dst, groups=tuple(g for g in dst.groups if int(g.group_id) in self._pack))
+        self._read = TransferPlanner(v, held, keys=self.reads)
         self.groups = tuple(sorted(self.page_bytes))
         self.same_blocks = all(src.group(g.group_id).block_tokens == dst.group(g.group_id).block_tokens
                                for g in v.groups)
+        self._fields: bytes | None = None
+
+    @property
+    def fields(self) -> bytes:
+        """What a Want asks this producer to pack (:func:`field_mask` of :attr:`keys` over the fields the pair
+        shares): empty where it packs every one."""
+        if self._fields is None:
+            self._fields = field_mask(shared_order(self.src, self.dst), self.keys)
+        return self._fields
 
     def areas(self, src_blocks: Mapping[int, np.ndarray]) -> dict[int, tuple[int, int]]:
         """Per group: (byte offset in the slot, block count)."""
@@ -180,4 +235,4 @@ def _merged(plan: TransferPlan) -> TransferPlan:
     return TransferPlan(src=src, dst=dst, src_region=plan.src_region[starts], dst_region=plan.dst_region[starts])
 
 
-__all__ = ["StagePlan", "compact_layout", "shared_keys"]
+__all__ = ["StagePlan", "compact_layout", "field_mask", "masked_keys", "shared_keys", "shared_order"]

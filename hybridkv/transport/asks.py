@@ -21,8 +21,9 @@ from hybridkv.errors import PeerLost
 from hybridkv.transport.export_record import ExportRecord
 from hybridkv.transport.side import Peer, Side, remember
 
-#: A Want waiting for its export: (asker, readers it announced, the token it holds, whether it asks staging)
-Ask = tuple[Peer, int, bytes, bool]
+#: A Want waiting for its export: (asker, readers it announced, the token it holds, the fields it asks staged:
+#: None where it asks no staging, else its field mask, checked when it came; b"": every field)
+Ask = tuple[Peer, int, bytes, bytes | None]
 
 
 class AsksAhead:

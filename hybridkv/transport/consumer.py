@@ -134,11 +134,12 @@ class Consumer:
         return peer
 
     async def want(self, request_id: str, *, token: bytes, peer: str | None = None, readers: int = 1,
-                   stage: bool = False) -> None:
+                   stage: bool = False, fields: bytes = b"") -> None:
         """Ask a producer for a request (``fetch`` does this; calling it earlier lets the
         Export arrive ahead). ``token``: the request's capability, issued by the producer side
         with the request. ``readers``: how many consumers read it together. ``stage``: ask the producer to
-        pack this side's slices into a staging slot (``fetch`` decides; a producer without a pool ignores it)."""
+        pack this side's slices into a staging slot (``fetch`` decides; a producer without a pool ignores it),
+        ``fields`` of them (the stager's mask, ``ImportStaging.fields``; empty: every field it holds)."""
         if not 1 <= readers <= wire.MAX_READERS:
             raise ValueError(f"readers = {readers}; expected 1..{wire.MAX_READERS}")
         auth.check_token(token, f"request {request_id!r}: token")
@@ -147,8 +148,10 @@ class Consumer:
         if part.wanted:
             return
         part.wanted = True
+        part.fields = fields if stage else None  # the staged read is planned by what was asked
         try:
-            await p.channel.send(wire.Want(request_id=request_id, token=token, readers=readers, stage=stage))
+            await p.channel.send(wire.Want(request_id=request_id, token=token, readers=readers, stage=stage,
+                                           fields=part.fields or b""))
         except PeerLost:
             self._links.lost(p)
             return

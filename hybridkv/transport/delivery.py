@@ -22,9 +22,11 @@ from hybridkv.transport.export_record import ExportRecord, Finish
 from hybridkv.transport.metrics import FailureKind
 from hybridkv.transport.plan import PeerPlanner
 from hybridkv.transport.side import Peer, Side, notification
-from hybridkv.transport.staging import StagePool, Stager
+from hybridkv.transport.staging import BadFieldMask, StagePool, Stager
 
 log = logging.getLogger(__name__)
+
+_MASKS_PER_PEER = 4  # field masks whose stagers are kept per consumer (it names one per producer it reads)
 
 
 class ExportStaging:
@@ -37,26 +39,47 @@ class ExportStaging:
         self._scheduler = side.scheduler
         self._planner = side.planner
         self._memory = side.memory
-        self._stagers: dict[str, Stager | None] = {}  # per consumer agent
+        #: per consumer agent, per field mask its Wants named (a consumer names one per pair; a few kept)
+        self._stagers: dict[str, dict[bytes, Stager | None]] = {}
 
     def describe(self) -> dict:
         return {} if self.pool is None else {"staging": self.pool.describe()}
 
-    def stage(self, rec: ExportRecord, peer: Peer) -> tuple[int, ...]:
-        """Pack what ``peer`` reads into a staging slot: (offset, nbytes) for its Export, or ()
-        where this side cannot (no pool, nothing to gather for that peer, no free slot: the
-        consumer then posts the sliced plan). The slot is the export's until it ends."""
+    def stager(self, peer: Peer, fields: bytes = b"") -> Stager | None:
+        """What this side packs for ``peer`` under the field mask ``fields`` (wire.Want.fields), or None where it
+        stages nothing for that peer (no pool, layouts that do not pair by fields). A mask that names no field of
+        the pair or one past them raises BadFieldMask naming it (the Want is refused)."""
+        if self.pool is None:
+            return None
+        mine = self._stagers.setdefault(peer.agent, {})
+        if fields not in mine:
+            make = getattr(self._planner, "stager", None)
+            try:
+                # a Want without a mask asks by the planner's own signature (models in the tests take no mask)
+                got = None if make is None else make(self._memory, peer.memory, fields) if fields else \
+                    make(self._memory, peer.memory)
+            except BadFieldMask:
+                raise  # the peer's mask: its Want is refused, with the reason
+            except ValueError as exc:
+                log.debug("no staging for %s: %s", peer.agent, exc)  # unstaged: the plan will say why
+                got = None
+            if len(mine) >= _MASKS_PER_PEER:
+                mine.pop(next(iter(mine)))  # a peer cycling masks rebuilds, never grows the table
+            mine[fields] = got
+        return mine[fields]
+
+    def stage(self, rec: ExportRecord, peer: Peer, fields: bytes = b"") -> tuple[int, ...]:
+        """Pack what ``peer`` reads (the fields its Want named, ``fields``) into a staging slot: (offset, nbytes)
+        for its Export, or () where this side cannot (no pool, nothing to gather for that peer, no free slot:
+        the consumer then posts the sliced plan). The slot is the export's until it ends. The mask was checked
+        when the Want came (:meth:`stager`)."""
         pool = self.pool
         if pool is None:
             return ()
-        if peer.agent not in self._stagers:
-            stager = getattr(self._planner, "stager", None)
-            try:
-                self._stagers[peer.agent] = None if stager is None else stager(self._memory, peer.memory)
-            except ValueError as exc:  # layouts that do not pair by fields: unstaged, the plan will say why
-                log.debug("no staging for %s: %s", peer.agent, exc)
-                self._stagers[peer.agent] = None
-        stager = self._stagers[peer.agent]
+        try:
+            stager = self.stager(peer, fields)
+        except BadFieldMask:
+            return ()  # refused when its Want came: never here
         if stager is None:
             return ()
         slot = pool.take(stager.nbytes(rec.blocks))

@@ -34,7 +34,7 @@ from hybridkv.transport.config import Outcome, Result
 from hybridkv.transport.delivery import ExportStaging, PushWrites
 from hybridkv.transport.export_record import ExportRecord, holds
 from hybridkv.transport.side import Peer, Side, remember, send_quietly
-from hybridkv.transport.staging import StagePool
+from hybridkv.transport.staging import BadFieldMask, StagePool
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +129,12 @@ class Exports:
     def _on_want(self, peer: Peer, msg: wire.Want) -> None:
         rid = msg.request_id
         rec = self._exports.get(rid)
+        stage = self._stage_asked(peer, msg)
+        if stage is False:
+            return  # refused: a field mask this side cannot pack by
         if rec is not None:
             if holds(rec, peer, msg.token):
-                self._claim(rec, peer, msg.readers, msg.token, msg.stage)
+                self._claim(rec, peer, msg.readers, msg.token, stage)
             else:
                 self._stats.forbidden += 1  # no answer: a refusal would say the request exists
             return
@@ -158,7 +161,21 @@ class Exports:
                                  f"{self._asks.count} waiting in total")
             if worst is peer:
                 return
-        self._asks.add(rid, (peer, msg.readers, msg.token, msg.stage))
+        self._asks.add(rid, (peer, msg.readers, msg.token, stage))
+
+    def _stage_asked(self, peer: Peer, msg: wire.Want) -> bytes | None | bool:
+        """What the Want asks staged: None (unstaged), its field mask (b"": every field), or False where the mask
+        names no field of the pair or one past them (the Want refused, naming it; this side serves on)."""
+        if not msg.stage:
+            return None
+        try:
+            self._staging.stager(peer, msg.fields)  # checked (and kept) now, before any claim
+        except BadFieldMask as exc:
+            # whether the request exists or not alike: the mask is the pair's, the answer says nothing of it
+            self._refuse_want(peer, msg.request_id, wire.FailureCode.PROTOCOL, f"Want of {msg.request_id}: {exc}",
+                              msg.token)
+            return False
+        return msg.fields
 
     def _cut_off(self, peer: Peer, why: str) -> None:
         """A peer flooding the producer loses its connection (and every claim it holds)."""
@@ -166,8 +183,9 @@ class Exports:
         log.warning("disconnected consumer %s: %s", peer.agent, why)
         self.peer_lost(peer)  # which closes its channel and removes its NIXL agent
 
-    def _claim(self, rec: ExportRecord, peer: Peer, readers: int, token: bytes, stage: bool = False) -> None:
-        """Give the request to a consumer that asked for it, or refuse it clearly."""
+    def _claim(self, rec: ExportRecord, peer: Peer, readers: int, token: bytes, stage: bytes | None = None) -> None:
+        """Give the request to a consumer that asked for it, or refuse it clearly. ``stage``: the field mask its
+        Want asked staged (None: unstaged)."""
         if peer.agent in rec.claims:
             self._stats.duplicates += 1  # asked twice by the same consumer: it has its Export
             return
@@ -186,7 +204,8 @@ class Exports:
             return
         rec.readers = readers
         rec.claims[peer.agent] = peer
-        staged = self._staging.stage(rec, peer) if stage and self._config.mode is wire.Mode.PULL else ()
+        staged = self._staging.stage(rec, peer, stage) if stage is not None and self._config.mode is wire.Mode.PULL \
+            else ()
         deadline = self._scheduler.leases.deadline(rec.rid)
         left = max(0.0, deadline - self._scheduler.leases.now()) if deadline is not None else 0.0
         asyncio.ensure_future(self._send_export(rec, peer, left, staged))

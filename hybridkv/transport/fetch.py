@@ -93,10 +93,12 @@ class Importer:
                              "expected pull mode")
         parts = [self._parts.open(request_id, p, token) for p in targets]
         flags = self._staging.flags(request_id, targets) if stage is not False else [False] * len(targets)
+        masks = self._staging.fields(targets) if any(flags) else [b""] * len(targets)
 
         async def ask_and_wait():
-            for p, st in zip(targets, flags):
-                await self._want(request_id, token=token, peer=p.agent, readers=readers, stage=st)
+            for p, st, mask in zip(targets, flags, masks):
+                await self._want(request_id, token=token, peer=p.agent, readers=readers, stage=st,
+                                 fields=mask if st else b"")
             return await asyncio.gather(*(asyncio.shield(x.export) for x in parts))
 
         try:

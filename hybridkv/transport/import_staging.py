@@ -84,6 +84,18 @@ class ImportStaging:
                                                 source=i, stager=s, peer=p.memory, mine=mine)
                 for i, (s, p) in enumerate(zip(stagers, targets))]
 
+    def fields(self, targets: Sequence[Peer]) -> list[bytes]:
+        """Per producer: the fields a Want asking it to stage names (``Stager.fields``): only those this rank
+        reads from it (where GQA has it read a replicated head from another producer, not that head); b"" where
+        that is every field it holds, or nothing is staged from it."""
+        try:
+            planned = self._prepared([p.agent for p in targets])
+        except ValueError:
+            return [b""] * len(targets)
+        stager_of = getattr(planned, "stager", None)
+        stagers = [None if stager_of is None else stager_of(i) for i in range(len(targets))]
+        return [getattr(s, "fields", b"") if s is not None else b"" for s in stagers]
+
     @staticmethod
     def _may_win(config: StagingConfig, *, own_pool: bool, planned: PeerPlanner, source: int, stager: Stager,
                  peer, mine: dict[int, np.ndarray]) -> bool:
@@ -112,8 +124,7 @@ class ImportStaging:
                     mine: dict[int, np.ndarray], planned: PeerPlanner, source: int, sliced: TransferPlan) -> Work:
         """The producer packed our slices into its slot: read the slot (straight into our pages where
         that takes few descriptors, else through a slot of ours), unless the sliced plan is as short."""
-        stager_of = getattr(planned, "stager", None)
-        stager = None if stager_of is None else stager_of(source)
+        stager = _asked_stager(planned, source, part.fields)
         region = staging_region(part.peer.memory)
         if stager is None or region is None or len(export.stage) != 2:
             raise ValueError(f"export of {part.rid} names a staging slot {export.stage}; expected none from a "
@@ -164,6 +175,19 @@ class ImportStaging:
         """Its READ ended (landed, failed or aborted): nothing more lands in its slot."""
         if w.slot is not None and self._pool is not None:
             self._pool.give_back(w.slot)
+
+
+def _asked_stager(planned: PeerPlanner, source: int, fields: bytes | None) -> Stager | None:
+    """The stager of what producer ``source`` packed: the planner's own (only the fields this rank reads from it),
+    or where its Want named other fields (``Consumer.want`` called with none: every field), the planner's for
+    that mask."""
+    stager_of = getattr(planned, "stager", None)
+    if stager_of is None:
+        return None
+    stager = stager_of(source)
+    if stager is None or fields is None or fields == getattr(stager, "fields", b""):
+        return stager
+    return stager_of(source, fields)
 
 
 #: per planner (dropped with it): rows of a producer's sliced plan for one block of a group

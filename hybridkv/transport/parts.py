@@ -31,6 +31,7 @@ class Part:
     lease_lost: bool = False
     notified: bool = False
     wanted: bool = False
+    fields: bytes | None = None  # what its Want asked staged (wire.Want.fields; None: unstaged)
 
 
 class Parts:

@@ -202,6 +202,11 @@ class CopyStep:
     length: int
 
 
+class BadFieldMask(ValueError):
+    """A Want's field mask (wire.Want.fields) that names no field of the pair, or one past them: its Want is
+    refused (a Failure naming it), the producer serves on."""
+
+
 class Stager(Protocol):
     """What one producer packs for one consumer rank and how that rank reads it (made by a
     planner: ``hybridkv.descriptors.staging.StagePlan``). Block lists are the producer's
@@ -212,6 +217,9 @@ class Stager(Protocol):
     #: whether every staged group's blocks hold as many tokens on both sides (then a producer exports as
     #: many blocks per group as the consumer reads, or more where the consumer had a prefix hit)
     same_blocks: bool
+    #: what a Want names for the producer to pack (wire.Want.fields: a mask over the fields the pair shares;
+    #: empty: every one). A consumer's stager packs only what it reads; a producer's, what the Want named.
+    fields: bytes
 
     def nbytes(self, src_blocks) -> int:
         """Bytes the request's packed slices take."""
@@ -469,6 +477,6 @@ def slot_rows(src_addr: int, src_dev: int, dst_addr: int, dst_dev: int, nbytes: 
     return TransferPlan(src=src, dst=dst, src_region=z, dst_region=z.copy())
 
 
-__all__ = ["COSTS", "Copier", "CopyStep", "GATHER_ENV", "GatherEngine", "Place", "RULE_OFF_ENV", "Route", "Slot",
+__all__ = ["BadFieldMask", "COSTS", "Copier", "CopyStep", "GATHER_ENV", "GatherEngine", "Place", "RULE_OFF_ENV", "Route", "Slot",
            "may_stage", "route", "rows_view", "StagePool", "Stager", "StagingConfig", "StagingMode", "slot_rows",
            "staging_region"]

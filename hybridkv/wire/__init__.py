@@ -40,6 +40,7 @@ from hybridkv.wire.limits import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
 from hybridkv.wire.limits import MAX_METADATA_BYTES as MAX_METADATA_BYTES
 from hybridkv.wire.limits import MAX_NAME as MAX_NAME
 from hybridkv.wire.limits import MAX_READERS as MAX_READERS
+from hybridkv.wire.limits import MAX_STAGE_MASK as MAX_STAGE_MASK
 from hybridkv.wire.limits import MAX_REGIONS as MAX_REGIONS
 from hybridkv.wire.limits import MAX_PREAUTH_BYTES as MAX_PREAUTH_BYTES
 from hybridkv.wire.limits import MAX_REQUESTS_PER_HEARTBEAT as MAX_REQUESTS_PER_HEARTBEAT

@@ -14,7 +14,8 @@ from hybridkv.errors import HybridKVError
 # 3: the proofs bind the connection (the address dialled, the producer's own, both agent names), the
 # consumer proves first, and every frame after the proofs carries a MAC under the session's key.
 # 4: Want may ask for staging and Export may name a staging slot (heterogeneous TP, transport/staging.py).
-PROTOCOL_VERSION = 4
+# 5: Want names the fields to stage (a mask; empty: every field), so a producer packs only what its reader reads.
+PROTOCOL_VERSION = 5
 
 MAX_MESSAGE_BYTES = 16 << 20
 # Frames a peer may send before it proved the shared secret (its Auth messages): a few KiB,
@@ -37,6 +38,7 @@ MAX_READERS = 1024
 MAX_TP = 1 << 16
 MAX_LAYERS = 65536
 MAX_FIELDS = 1 << 20  # rows of all of a layout's field tables together
+MAX_STAGE_MASK = MAX_FIELDS // 8  # a Want's field mask: a bit per field the pair shares
 MAX_ADDR = (1 << 64) - 1
 MAX_I32 = (1 << 31) - 1
 MAX_I63 = (1 << 63) - 1
@@ -50,5 +52,5 @@ class WireError(ValueError, HybridKVError):
 __all__ = [
     "MAX_ADDR", "MAX_BLOCKS_PER_GROUP", "MAX_COMPAT_FIELDS", "MAX_COMPAT_NAME", "MAX_FIELDS", "MAX_GROUPS",
     "MAX_I32", "MAX_I63", "MAX_LAYERS", "MAX_LEASE_S", "MAX_MESSAGE_BYTES", "MAX_METADATA_BYTES", "MAX_NAME", "MAX_PREAUTH_BYTES", "NONCE_BYTES", "PROOF_BYTES", "MAC_BYTES", "TOKEN_BYTES",
-    "MAX_READERS", "MAX_REGIONS", "MAX_REQUESTS_PER_HEARTBEAT", "MAX_TEXT", "MAX_TP", "PROTOCOL_VERSION", "WireError",
+    "MAX_READERS", "MAX_REGIONS", "MAX_STAGE_MASK", "MAX_REQUESTS_PER_HEARTBEAT", "MAX_TEXT", "MAX_TP", "PROTOCOL_VERSION", "WireError",
 ]

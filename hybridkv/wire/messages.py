@@ -24,6 +24,7 @@ from hybridkv.wire.limits import (
     MAX_NAME,
     MAX_READERS,
     MAX_REQUESTS_PER_HEARTBEAT,
+    MAX_STAGE_MASK,
     MAX_TEXT,
     NONCE_BYTES,
     PROOF_BYTES,
@@ -181,6 +182,9 @@ class Want(Message):
     token: bytes = on_wire("token", TOKEN)
     readers: int = on_wire("readers", Int(lo=1, hi=MAX_READERS), default=1)
     stage: bool = on_wire("stage", Flag(), default=False)  # pack my slices into a staging slot (hetero TP)
+    # With stage: the fields to pack, bit i (least significant first) for field i of those the pair shares in
+    # the consumer's order (descriptors/staging.py field_mask); empty: every one (protocol 5).
+    fields: bytes = on_wire("fields", Blob(limit=MAX_STAGE_MASK), default=b"")
 
 
 require_every_kind()

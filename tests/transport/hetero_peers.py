@@ -223,8 +223,10 @@ async def _consumer(opts, out, inbox):
     if opts.get("want_first"):
         for rid in plans:
             stage = cons._importer._staging.flags(rid, [cons.peers[a] for a in agents])
-            for a, st in zip(agents, stage):
-                await cons.want(rid, token=token(rid), peer=a, readers=opts["readers"], stage=st and rid not in sliced)
+            masks = cons._importer._staging.fields([cons.peers[a] for a in agents])  # what fetch's Wants name
+            for a, st, mask in zip(agents, stage, masks):
+                await cons.want(rid, token=token(rid), peer=a, readers=opts["readers"], stage=st and rid not in sliced,
+                                fields=mask)
         while not all(cons.exported(rid, peer=a) for rid in plans for a in agents):
             await asyncio.sleep(0.005)
     walls: dict[str, float] = {}
@@ -480,7 +482,7 @@ def _model_report(model: str, mem: str, gbps: float | None, pred: dict, m: dict,
     print(f"  staging copies ({'; '.join(engines) or 'none'}): pack {_copy_speed(m['copies']['pack'])}; "
           f"unpack {_copy_speed(m['copies']['unpack'])}")
     print(f"  producers pack {reads / 1e6:.1f} MB for decode rank 0 ({len(parts)} rank(s); a GQA-replicated head "
-          f"is packed by each, read from one); it reads (measured: "
+          f"only by the one it is read from); it reads (measured: "
           f"staged {min(m['s1']['nbytes']) / 1e6:.1f}-{max(m['s1']['nbytes']) / 1e6:.1f} MB, sliced "
           f"{min(m['x1']['nbytes']) / 1e6:.1f}-{max(m['x1']['nbytes']) / 1e6:.1f} MB per decode rank)")
     for p in parts:

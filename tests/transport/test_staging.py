@@ -126,7 +126,7 @@ def test_pack_read_unpack_moves_each_field_from_its_producer(p_tp, d_tp, p_block
             src_layout, src_memory, _ = prods[r]
             theirs = {g: np.arange(1, 1 + n)[::-1].copy() for g, n in _counts(src_layout, tokens).items()}
             stager = planned.stager(i)
-            ours = DescriptorPlanner().stager(src_memory, memory)  # what the producer packs by
+            ours = DescriptorPlanner().stager(src_memory, memory, stager.fields)  # what the producer packs by
             assert stager.keys == ours.keys and stager.nbytes(theirs) == ours.nbytes(theirs)
             prod_pool = StagePool(src_memory, StagingConfig(capacity_bytes=1 << 20, slot_bytes=1 << 10))
             prod_pool.take(1)  # the request's slot is not at offset 0

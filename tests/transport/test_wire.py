@@ -41,6 +41,7 @@ SAMPLES = [
     wire.Auth(nonce=bytes(32), proof=b""),
     wire.Auth(nonce=b"", proof=b"\x01" * 32),
     wire.Want(request_id="r1", token=TOKEN, readers=2),
+    wire.Want(request_id="r1", token=TOKEN, stage=True, fields=b"\xff\x0f"),
     wire.Refuse(reason="incompatible", differences=(Difference(field="dtype", local="bf16", remote=None),)),
     wire.Export(request_id="r1", blocks=(wire.GroupBlocks(group_id=0, ids=(3, 1, 2)),
                                          wire.GroupBlocks(group_id=1, ids=(7,))), lease_s=12.5),
@@ -81,7 +82,8 @@ def test_a_kind_cannot_be_declared_twice():
 # The exact bytes of a few messages, as the protocol has sent them since version 2: a peer
 # built from another commit must read them, so any change here is a protocol change. Version 2
 # (from 1): "v" is 2, Done/Failure/Want carry the request's capability token (appended last),
-# Heartbeat carries (id, token) tickets, and Auth (kind 11) comes before any Hello.
+# Heartbeat carries (id, token) tickets, and Auth (kind 11) comes before any Hello. Version 5: "v" is 5 and
+# Want carries the field mask to stage ("fields", appended last; empty: every field).
 _PINNED_HELLO = wire.Hello(
     agent="p0", metadata=b"m", role=wire.Role.PRODUCER, mode=wire.Mode.PUSH, compat={"protocol": "1"},
     compat_hash=bytes(range(32)),
@@ -93,26 +95,26 @@ _PINNED_HELLO = wire.Hello(
         placements=(wire.PlacementTable(region_id=0, rows=np.array([(1, 3, 0, 0, 32, 4)], "<i8").tobytes()),)),)))
 PINNED = [
     (wire.Done(request_id="r1", ok=True, token=TOKEN),
-     "83a17604a16b05a16283a3726964a27231a26f6bc3a5746f6b656ec410000102030405060708090a0b0c0d0e0f"),
+     "83a17605a16b05a16283a3726964a27231a26f6bc3a5746f6b656ec410000102030405060708090a0b0c0d0e0f"),
     (wire.Export(request_id="r1", blocks=(wire.GroupBlocks(group_id=0, ids=(3, 1, 2)),
                                           wire.GroupBlocks(group_id=1, ids=(7,))), lease_s=12.5),
-     "83a17604a16b03a16284a3726964a27231a6626c6f636b73929200c40c0300000001000000020000009201c40407000000a76c6561"
+     "83a17605a16b03a16284a3726964a27231a6626c6f636b73929200c40c0300000001000000020000009201c40407000000a76c6561"
      "73655f73cb4029000000000000a5737461676590"),
     (wire.Refuse(reason="incompatible", differences=(Difference(field="dtype", local="bf16", remote=None),)),
-     "83a17604a16b02a16282a6726561736f6eac696e636f6d70617469626c65a564696666739193a56474797065a462663136c0"),
+     "83a17605a16b02a16282a6726561736f6eac696e636f6d70617469626c65a564696666739193a56474797065a462663136c0"),
     (wire.Failure(request_id="r1", code=wire.FailureCode.CLAIMED, detail="taken", token=TOKEN),
-     "83a17604a16b06a16284a3726964a27231a4636f646506a664657461696ca574616b656ea5746f6b656ec410000102030405060708"
+     "83a17605a16b06a16284a3726964a27231a4636f646506a664657461696ca574616b656ea5746f6b656ec410000102030405060708"
      "090a0b0c0d0e0f"),
     (wire.Want(request_id="r1", token=TOKEN, readers=2),
-     "83a17604a16b0aa16284a3726964a27231a5746f6b656ec410000102030405060708090a0b0c0d0e0fa77265616465727302"
-     "a57374616765c2"),
+     "83a17605a16b0aa16285a3726964a27231a5746f6b656ec410000102030405060708090a0b0c0d0e0fa77265616465727302"
+     "a57374616765c2a66669656c6473c400"),
     (wire.Heartbeat(seq=5, tickets=(wire.Ticket(request_id="a", token=TOKEN),)),
-     "83a17604a16b07a16282a373657105a77469636b6574739192a161c410000102030405060708090a0b0c0d0e0f"),
+     "83a17605a16b07a16282a373657105a77469636b6574739192a161c410000102030405060708090a0b0c0d0e0f"),
     (wire.Auth(nonce=bytes(range(32)), proof=b"", address="127.0.0.1:5", agent="a"),
-     "83a17604a16b0ba16284a56e6f6e6365c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa57072"
+     "83a17605a16b0ba16284a56e6f6e6365c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa57072"
      "6f6f66c400a461646472ab3132372e302e302e313a35a56167656e74a161"),
     (_PINNED_HELLO,
-     "83a17604a16b01a1628aa56167656e74a27030a86d65746164617461c4016da4726f6c6501a46d6f646502a6636f6d70617481a870"
+     "83a17605a16b01a1628aa56167656e74a27030a86d65746164617461c4016da4726f6c6501a46d6f646502a6636f6d70617481a870"
      "726f746f636f6ca131a468617368c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa7726567"
      "696f6e73919700cd10004040020201a667726f7570739192009100a76c656173655f73cb403e000000000000a66c61796f757493"
      "0201919600010800c40403000000919200c4300100000000000000030000000000000000000000000000000000000000000000"
