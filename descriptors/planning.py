@@ -171,9 +171,12 @@ class FieldPlan:
         key = (source, fields)
         if key not in self._stagers:
             reads = self._assigned.get(source)
-            src = self._layouts[source]
-            keys = reads if fields is None else masked_keys(shared_order(src, self._local), fields)
-            self._stagers[key] = StagePlan(src, self._local, keys, reads) if reads else None
+            stager = None
+            if reads:
+                src = self._layouts[source]
+                keys = reads if fields is None else masked_keys(shared_order(src, self._local), fields)
+                stager = StagePlan(src, self._local, keys, reads)
+            self._stagers[key] = stager
         return self._stagers[key]
 
     def plan(self, source: int, source_blocks: Mapping[int, np.ndarray],

@@ -129,9 +129,9 @@ class Exports:
     def _on_want(self, peer: Peer, msg: wire.Want) -> None:
         rid = msg.request_id
         rec = self._exports.get(rid)
-        stage = self._stage_asked(peer, msg)
-        if stage is False:
+        if self._bad_mask(peer, msg):
             return  # refused: a field mask this side cannot pack by
+        stage = msg.fields if msg.stage else None  # what it asks staged (b"": every field)
         if rec is not None:
             if holds(rec, peer, msg.token):
                 self._claim(rec, peer, msg.readers, msg.token, stage)
@@ -163,19 +163,19 @@ class Exports:
                 return
         self._asks.add(rid, (peer, msg.readers, msg.token, stage))
 
-    def _stage_asked(self, peer: Peer, msg: wire.Want) -> bytes | None | bool:
-        """What the Want asks staged: None (unstaged), its field mask (b"": every field), or False where the mask
-        names no field of the pair or one past them (the Want refused, naming it; this side serves on)."""
+    def _bad_mask(self, peer: Peer, msg: wire.Want) -> bool:
+        """Whether the Want asks staging by a field mask that names no field of the pair or one past them: then it
+        is refused, naming it (this side serves on). Checked (its stager kept) before any claim or wait."""
         if not msg.stage:
-            return None
+            return False
         try:
-            self._staging.stager(peer, msg.fields)  # checked (and kept) now, before any claim
+            self._staging.stager(peer, msg.fields)
         except BadFieldMask as exc:
             # whether the request exists or not alike: the mask is the pair's, the answer says nothing of it
             self._refuse_want(peer, msg.request_id, wire.FailureCode.PROTOCOL, f"Want of {msg.request_id}: {exc}",
                               msg.token)
-            return False
-        return msg.fields
+            return True
+        return False
 
     def _cut_off(self, peer: Peer, why: str) -> None:
         """A peer flooding the producer loses its connection (and every claim it holds)."""
