@@ -5,8 +5,9 @@ fields the consumer reads from that producer (``keys``). It defines the *compact
 group: the producer page's bytes of those fields, back to back in the producer's order (a
 layout of its own, :attr:`StagePlan.compact`, one region per group). A request's slot holds, group
 by group in group-id order, one compact page per producer block in the Export's order. Both sides
-build the same plan (the consumer from the producer's handshake tables), so the slot needs no
-description on the wire beyond where it is and how long.
+build the same plan (the consumer from the producer's handshake tables, the producer from the Want's
+field mask over :func:`shared_order`, :func:`field_mask`), so the slot needs no description on the wire
+beyond where it is and how long.
 
 The three moves are piece tables of descriptors/pieces.py, run by the transport
 (:mod:`hybridkv.transport.staging`):
