@@ -282,20 +282,31 @@ class DataPlane:
 
         A plan's ``src`` is the producer's side, so this agent's side is ``dst`` when it READs
         (the consumer pulls) and ``src`` when it WRITEs (the producer pushes)."""
+        return self.ready(op, peer, plan, notif)()
+
+    def ready(self, op: Op, peer: str, plan: TransferPlan, notif: bytes = b"") -> Callable[[], Transfer]:
+        """:meth:`post_plan`, checked now and posted when the returned function is called.
+
+        The post is the hot path of every fetch and it runs cold: between the fence allowing it and NIXL's
+        ``transfer()`` every call and check costs several us, while whatever runs after ``transfer()``
+        overlaps the wire. So an import checks its READs first (a refusal then posts none of them) and
+        its posting window holds NIXL's two calls alone. Raises as :meth:`post` does."""
         reading = op is Op.READ
         src_i, dst_i = plan.src_index, plan.dst_index
         if src_i is not None and dst_i is not None:  # the index form (read directly: every fetch runs this)
-            return self.post(op, peer, dst_i if reading else src_i, src_i if reading else dst_i, notif)
+            return self._ready(op, peer, dst_i if reading else src_i, src_i if reading else dst_i, notif)
         local, remote = (plan.dst, plan.src) if reading else (plan.src, plan.dst)
-        return self.post_rows(op, peer, local, remote, notif)
+        return functools.partial(self.post_rows, op, peer, local, remote, notif)
 
     def post(self, op: Op, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes = b"") -> Transfer:
-        """Make and post a transfer of local_idx[i] <-> remote_idx[i]; raises TransferError on refusal.
+        """Make and post a transfer of local_idx[i] <-> remote_idx[i]; raises TransferError on refusal."""
+        return self._ready(op, peer, local_idx, remote_idx, notif)()
 
-        The hot path of every fetch, and it runs cold (after a request's planning and control
-        traffic, every extra call, numpy conversion or reduction costs several us: the H100 bench
-        measured +38 us of posting CPU over the same pairs posted with bare NIXL calls): so one
-        handle is posted inline, int32 arrays pass unconverted, the byte count waits for its reader."""
+    def _ready(self, op: Op, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray,
+               notif: bytes) -> Callable[[], Transfer]:
+        """:meth:`post`'s checks now, its NIXL calls when the result is called (one handle, int32 arrays
+        passed unconverted, the byte count left to its reader: the H100 bench measured +38 us of posting
+        CPU where the post did more)."""
         entry = self._peers.get(peer)
         local = self._local
         if entry is None or local is None or entry.prepped is None:
@@ -306,20 +317,24 @@ class DataPlane:
         li, ri = _int32(local_idx), _int32(remote_idx)
         if li.ndim != 1 or li.shape != ri.shape or not li.size:
             raise ValueError(f"index arrays of shapes {li.shape} and {ri.shape}; expected equal non-empty 1-D")
-        agent = self.agent
-        try:
-            h = agent.make_prepped_xfer(op._value_, local, li, entry.prepped, ri, notif)
-        except Exception as exc:  # nixl raises its own typed errors (nixlInvalidParamError, ...)
-            raise TransferError(f"NIXL refused the transfer to {peer}: {type(exc).__name__}: {exc}") from exc
-        try:
-            state = agent.transfer(h)
-        except Exception as exc:
-            state = f"{type(exc).__name__}: {exc}"
-        if state != "PROC" and state != "DONE":
-            self._release(h)
-            raise TransferError(f"posting to {peer} failed ({state})")
-        page_bytes = self._page_bytes
-        return Transfer([h], peer, li.size, lambda: page_bytes[li].sum())
+        make, transfer, remote, name = self.agent.make_prepped_xfer, self.agent.transfer, entry.prepped, op._value_
+        release, page_bytes = self._release, self._page_bytes
+
+        def go() -> Transfer:
+            try:
+                h = make(name, local, li, remote, ri, notif)
+            except Exception as exc:  # nixl raises its own typed errors (nixlInvalidParamError, ...)
+                raise TransferError(f"NIXL refused the transfer to {peer}: {type(exc).__name__}: {exc}") from exc
+            try:
+                state = transfer(h)
+            except Exception as exc:
+                state = f"{type(exc).__name__}: {exc}"
+            if state != "PROC" and state != "DONE":
+                release(h)
+                raise TransferError(f"posting to {peer} failed ({state})")
+            return Transfer([h], peer, li.size, lambda: page_bytes[li].sum())
+
+        return go
 
     def post_rows(self, op: Op, peer: str, local_rows: np.ndarray, remote_rows: np.ndarray,
                   notif: bytes = b"") -> Transfer:

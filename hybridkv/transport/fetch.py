@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -65,7 +66,8 @@ class Importer:
         self._want = want
         self._prepared = prepared
         self._lost = lost
-        self._post = post or self.post_read  # None: this importer's own
+        #: posts one producer's READ when called, checked before (DataPlane.ready); an override posts when called
+        self._ready = (lambda w, notif: functools.partial(post, w, notif)) if post else self.ready_read
         self._wait_xfer = wait or side.wait_xfer
         self._config = side.config
         self._scheduler = side.scheduler
@@ -176,7 +178,11 @@ class Importer:
 
     def post_read(self, w: Work, notif: bytes) -> Transfer:
         """Post one producer's READ: what the consumer's ``post`` does unless overridden."""
-        return self._dp.post_plan(Op.READ, w.part.peer.agent, w.plan, notif)
+        return self.ready_read(w, notif)()
+
+    def ready_read(self, w: Work, notif: bytes) -> Callable[[], Transfer]:
+        """One producer's READ, checked now and posted when called (DataPlane.ready)."""
+        return self._dp.ready(Op.READ, w.part.peer.agent, w.plan, notif)
 
     async def _pull_parts(self, rid: str, tid: int, work: list[Work], comps: tuple) -> Result:
         work = [self._staging.slot_for(w) for w in work]
@@ -198,12 +204,16 @@ class Importer:
         until = lambda: min(give_up_at, min(p.deadline for p in parts))  # noqa: E731 - leases renew meanwhile
         posted: list[tuple[Work, Transfer]] = []
         error = None
+        try:  # every READ checked before any is posted: a refusal posts none of them
+            goes = [self._ready(w, notif) for w, notif in zip(todo, notifs)]
+        except Exception as exc:
+            goes, error = [], str(exc)
         telemetry = self._config.dataplane.telemetry
         c0 = time.thread_time() if telemetry else 0.0
         t0 = time.perf_counter()
-        for w, notif in zip(todo, notifs):
+        for w, go in zip(todo, goes):  # the posting window: NIXL's calls, little else (DataPlane.ready)
             try:
-                posted.append((w, self._post(w, notif)))
+                posted.append((w, go()))
             except Exception as exc:
                 error = str(exc)
                 break

@@ -22,7 +22,7 @@ from tests.property.shadow import Clock
 from tests.property.stage import D_BLOCKS, KV, ConsumerSide, ProducerSide
 
 
-def _import(refuse: bool):
+def _import(refuse: bool, at_check: bool = False):
     """One request of two pages pulled by consumer 0; returns (the ledger as each post saw it, the result,
     the consumer)."""
     clock = Clock()
@@ -32,18 +32,25 @@ def _import(refuse: bool):
     mine = {0: np.asarray(c.sched.allocate(rid, 0, 2), dtype=np.int64)}
     tid = c.sched.post_import(rid, components=(KV,), lease_deadline=None)
     seen = []
-    post = c.importer._post
+    ready = c.importer._ready
 
-    def posting(w, notif):
-        seen.append(c.importer._drains.describe())  # what the ledger tracks at the moment of the post
-        if refuse:
-            raise TransferError("NIXL refused the transfer (fake)")
-        x = post(w, notif)
-        x.copy()
-        x.state = XferState.DONE  # landed at once: the wait returns at its first poll
-        return x
+    def readying(w, notif):
+        if at_check:  # DataPlane.ready refuses it before any READ is posted
+            raise ValueError("index arrays of shapes (2,) and (3,); expected equal non-empty 1-D (fake)")
+        go = ready(w, notif)
 
-    c.importer._post = posting
+        def posting():
+            seen.append(c.importer._drains.describe())  # what the ledger tracks at the moment of the post
+            if refuse:
+                raise TransferError("NIXL refused the transfer (fake)")
+            x = go()
+            x.copy()
+            x.state = XferState.DONE  # landed at once: the wait returns at its first poll
+            return x
+
+        return posting
+
+    c.importer._ready = readying
 
     async def run():
         fut = asyncio.get_running_loop().create_future()
@@ -67,3 +74,11 @@ def test_a_refused_post_fails_the_import_and_leaves_nothing_open():
     assert len(seen) == 1  # tracked before the refused post too
     assert not c.importer._drains.describe()  # the writer that never posted drained the import at once
     assert not c.sched.has_request("r1") and c.sched.free_count() == D_BLOCKS  # its blocks went back
+
+
+def test_a_read_refused_at_its_check_posts_nothing_and_leaves_nothing_open():
+    seen, res, c = _import(refuse=False, at_check=True)
+    assert res.outcome is Outcome.FAILED and "expected equal non-empty 1-D" in res.error
+    assert not seen  # checked before the posting window: nothing went out
+    assert not c.importer._drains.describe()
+    assert not c.sched.has_request("r1") and c.sched.free_count() == D_BLOCKS

@@ -5,7 +5,7 @@ hybridkv's path and in the bare baselines, and every poll of hybridkv's wait.
     python tools/device/post_probe.py bench transfer --mem vram --tokens 8192 --iters 15 --json
 
 prints the bench's JSON on stdout and, on stderr, one line per segment (median over the kept rounds):
-hybridkv's call chain into DataPlane.post, make_prepped_xfer and transfer in hybridkv's path and in the bare
+hybridkv's posting window (the function DataPlane.ready returns), make_prepped_xfer and transfer in hybridkv's path and in the bare
 one-span READ ("raw") and plan ("plan", 2 indices), the polls of hybridkv's wait (how many, the gap between
 two, the last IN_PROGRESS poll to DONE). Off-CPU time in a call (wall - CPU) is time the thread waited: for
 the GIL, a lock, or the scheduler.
@@ -74,33 +74,32 @@ def _patch() -> None:
     make.last = "?"
     agent_cls.make_prepped_xfer, agent_cls.transfer = make, transfer
 
-    post0, cpost0, state0 = dpm.DataPlane.post, Consumer._post, dpm.DataPlane.state
+    ready0, state0 = dpm.DataPlane.ready, dpm.DataPlane.state
     prepost = _prepost()
     polls: list[tuple[float, object]] = []
 
-    def post(self, *a, **k):
-        prepost(self, a[1])
-        w, c = time.perf_counter(), time.thread_time()
-        post.entry = (w, c)
-        _IN_DP[0] = True
-        try:
-            x = post0(self, *a, **k)
-        finally:
-            _IN_DP[0] = False
-        post.exit = time.perf_counter()
-        WINDOWS.append((w, post.exit))
-        AFTER.append([post.exit, None])
-        _add("DataPlane.post", post.exit - w, time.thread_time() - c)
-        polls.clear()
-        return x
+    def ready(self, *a, **k):  # hybridkv's posts: Importer checks them (DataPlane.ready), then calls each
+        go0 = ready0(self, *a, **k)
 
-    def cpost(self, w_, notif):
-        w, c = time.perf_counter(), time.thread_time()
-        x = cpost0(self, w_, notif)
-        pw, pc = post.entry
-        _add("chain into DataPlane.post", pw - w, pc - c)
-        _add("Consumer._post", time.perf_counter() - w, time.thread_time() - c)
-        return x
+        def go():
+            prepost(self, a[1])
+            w, c = time.perf_counter(), time.thread_time()
+            _IN_DP[0] = True
+            try:
+                x = go0()
+            finally:
+                _IN_DP[0] = False
+            post.exit = time.perf_counter()
+            WINDOWS.append((w, post.exit))
+            AFTER.append([post.exit, None])
+            _add("DataPlane.post", post.exit - w, time.thread_time() - c)
+            polls.clear()
+            return x
+
+        return go
+
+    def post():
+        pass
 
     def state(self, xfer):
         if AFTER and AFTER[-1][1] is None:
@@ -114,7 +113,7 @@ def _patch() -> None:
                           gaps[-1] if gaps else 0.0, ts[0] - post.exit))
         return s
 
-    dpm.DataPlane.post, Consumer._post, dpm.DataPlane.state = post, cpost, state
+    dpm.DataPlane.ready, dpm.DataPlane.state = ready, state
     fetch0 = Consumer.fetch
     early = os.environ.get("PROBE_PREPOST", "").startswith("early")
     wait = os.environ.get("PROBE_PREPOST") == "early"
