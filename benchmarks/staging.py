@@ -5,15 +5,20 @@ slot, so that rank posts a handful of descriptors instead of one per slice per b
 takes that trade only where the descriptors saved cost more to post than the copies cost to run, at a
 posting cost per descriptor and a gather speed per memory kind (``staging.COSTS``). This command measures
 the gather on this machine, for one request in the setting engines produce (blocks scattered over a pool
-twice the request's size, no two adjacent), and prints it beside:
+twice the request's size, no two adjacent). Each producer rank decode rank 0 reads packs what the transport
+packs for it: the fields its Want's mask names (only those decode rank 0 reads from that rank: a KV head GQA
+replicates over prefill ranks is packed by the one it is read from), by the planner's stagers on both sides.
+It prints the bytes each rank packs, times the largest pack (producers pack in parallel), and prints it beside:
 
 * a plain contiguous copy of the same bytes, same run (the copy engine's ceiling: ``x copy``);
 * on a GPU, the same pack three ways, same run: torch's indexing in words (``gather``, the copier's path
   without Triton or with ``HYBRIDKV_STAGING_GATHER=torch``), the Triton row gather (``kernel``, its default
   where Triton imports; its bytes compared with torch's), and torch a byte per index;
-* the descriptors the decode rank posts sliced and staged (the planners the transport uses), and the
-  posting time they cost at the per-descriptor figure of ``staging.COSTS``;
-* what ``auto`` decides with the assumed gather speed and with the measured ones.
+* the descriptors the decode rank posts sliced and staged, summed over the producer ranks (the planners the
+  transport uses, each rank routed by ``staging.route`` as ON takes it), and the posting time they cost
+  at the per-descriptor figure of ``staging.COSTS``;
+* what ``auto`` decides for the rank timed with the assumed gather speed and with the measured ones (every
+  rank's in ``--json``).
 
 On the host (``--mem dram``) the copier gathers on numpy and there is no kernel column.
 """
@@ -81,31 +86,12 @@ def _median_s(fn, iters: int, sync) -> float:
     return statistics.median(times)
 
 
-def _one_pair(args, p_tp: int, d_tp: int) -> dict:
-    import numpy as np
-
-    from hybridkv import wire
+def _layouts(args, p_tp: int, d_tp: int, ranks, alloc):
+    """(block, blocks per request, the producer ranks' layouts, decode rank 0's), pools twice the request's."""
     from hybridkv.layout import plan_layout
-    from hybridkv.layout.alloc import NumpyAllocator, TorchAllocator
     from hybridkv.layout.presets import get_preset
-    from hybridkv.transport.memory import from_layout
-    from hybridkv.transport.staging import COSTS, Copier, GatherEngine, Route, StagingConfig, StagingMode, route
-
-    from hybridkv.descriptors.compiler import TransferPlanner
-    from hybridkv.descriptors.planning import source_ranks
-    from hybridkv.descriptors.schemes import fragmented_blocks
-    from hybridkv.descriptors.staging import StagePlan, shared_keys
 
     geo = get_preset(args.model)
-    if args.mem == "vram":
-        import torch
-
-        alloc = TorchAllocator("cuda:0")
-        sync = torch.cuda.synchronize
-    else:
-        alloc = NumpyAllocator()
-        sync = lambda: None  # noqa: E731
-    ranks, _ = source_ranks(d_tp, 0, p_tp)
     if args.layout == "vllm":
         from hybridkv.descriptors.hma import plan_hma
 
@@ -113,22 +99,81 @@ def _one_pair(args, p_tp: int, d_tp: int) -> dict:
         # larger of the two, since NixlConnector pairs equal block sizes
         block = max(plan_hma(geo.shard(tp), args.block_size).groups[0].block_size for tp in (p_tp, d_tp))
         n = -(-args.tokens // block)
-        pages = 2 * n + 2
-        src = _vllm_layout(geo, tp=p_tp, rank=ranks[0], block_size=block, pages=pages, alloc=alloc)
-        dst = _vllm_layout(geo, tp=d_tp, rank=0, block_size=block, pages=pages, alloc=alloc)
+        srcs = [_vllm_layout(geo, tp=p_tp, rank=r, block_size=block, pages=2 * n + 2, alloc=alloc) for r in ranks]
+        dst = _vllm_layout(geo, tp=d_tp, rank=0, block_size=block, pages=2 * n + 2, alloc=alloc)
+        return block, n, srcs, dst
+    block = args.block_size
+    n = -(-args.tokens // block)
+    srcs = [plan_layout(geo, block_size=block, num_blocks=2 * n + 2, allocator=alloc, tp=p_tp, rank=r) for r in ranks]
+    dst = plan_layout(geo, block_size=block, num_blocks=2 * n + 2, allocator=alloc, tp=d_tp, rank=0)
+    return block, n, srcs, dst
+
+
+def _one_pair(args, p_tp: int, d_tp: int) -> dict:
+    import numpy as np
+
+    from hybridkv import wire
+    from hybridkv.layout.alloc import NumpyAllocator, TorchAllocator
+    from hybridkv.transport.memory import from_layout
+    from hybridkv.transport.staging import COSTS, Copier, GatherEngine, Route, StagingConfig, StagingMode, route
+
+    from hybridkv.descriptors.planning import DescriptorPlanner, source_ranks
+    from hybridkv.descriptors.schemes import fragmented_blocks
+    from hybridkv.descriptors.staging import shared_order
+
+    if args.mem == "vram":
+        import torch
+
+        alloc: TorchAllocator | NumpyAllocator = TorchAllocator("cuda:0")
+        sync = torch.cuda.synchronize
     else:
-        block = args.block_size
-        n = -(-args.tokens // block)
-        pages = 2 * n + 2
-        src = plan_layout(geo, block_size=block, num_blocks=pages, allocator=alloc, tp=p_tp, rank=ranks[0])
-        dst = plan_layout(geo, block_size=block, num_blocks=pages, allocator=alloc, tp=d_tp, rank=0)
-    keys = shared_keys(src, dst)
-    stage = StagePlan(src, dst, keys)
-    sb = {g.group_id: fragmented_blocks(1 if g.block_tokens is None else n, 1.0) for g in src.groups}
+        alloc = NumpyAllocator()
+        sync = lambda: None  # noqa: E731
+    ranks, _ = source_ranks(d_tp, 0, p_tp)
+    block, n, src_layouts, dst = _layouts(args, p_tp, d_tp, ranks, alloc)
+    srcs, dmap = [from_layout(x) for x in src_layouts], from_layout(dst)
+    # What the transport does for decode rank 0: its planner over every producer it reads; per producer the
+    # stager of the fields it reads from it, whose field mask its Want names (ImportStaging.fields); the producer
+    # packs what its own stager makes of that mask (its planner's stager(source, dest, fields), exports.py)
+    planned = DescriptorPlanner().prepare(srcs, dmap)
+    sb = {g.group_id: fragmented_blocks(1 if g.block_tokens is None else n, 1.0) for g in dst.groups}
     db = {g.group_id: fragmented_blocks(1 if g.block_tokens is None else n, 1.0, start=1) for g in dst.groups}
-    sb = {g: b for g, b in sb.items() if g in stage.groups}
-    db = {g: b for g, b in db.items() if g in stage.groups}
-    nbytes = stage.nbytes(sb)
+    mem = wire.Mem.VRAM if args.mem == "vram" else wire.Mem.DRAM
+    us, assumed = COSTS[mem]
+
+    def decide(mode: StagingMode, sliced: int, direct: int, nbytes: int, gbps: float | None = None) -> Route:
+        # staging's one rule (staging.route), as ON takes it and as AUTO weighs it at COSTS and at a gather speed
+        cfg = StagingConfig(mode=mode, capacity_bytes=1 << 30, copy_gbps=gbps)
+        return route(cfg, sliced=sliced, direct=direct, own_pool=True, nbytes=nbytes, mem=mem)
+
+    parts = []
+    for i, rank in enumerate(ranks):
+        sliced = planned.plan(i, sb, db).num_descriptors
+        asked = getattr(planned, "stager", lambda _: None)(i)
+        if asked is None:  # feeds none of decode rank 0's fields (every head a duplicate), or pages pair whole
+            parts.append({"rank": rank, "fields": None, "fields_packed": 0, "fields_shared": None, "bytes": 0,
+                          "sliced": sliced, "direct": None, "route": Route.SLICED.value, "staged": sliced,
+                          "stager": None})
+            continue
+        stager = DescriptorPlanner().stager(srcs[i], dmap, asked.fields)
+        gsb = {g: b for g, b in sb.items() if g in stager.groups}
+        nbytes = stager.nbytes(gsb)
+        direct = asked.read(0, 0, gsb, db).num_descriptors
+        way = decide(StagingMode.ON, sliced, direct, nbytes)
+        shared = len(shared_order(src_layouts[i], dst))
+        parts.append({"rank": rank, "fields": asked.fields.hex(), "fields_packed": len(stager.keys),
+                      "fields_shared": shared, "bytes": nbytes, "sliced": sliced,
+                      "direct": direct, "route": way.value,
+                      "staged": {Route.DIRECT: direct, Route.SLOT: 1}.get(way, sliced), "auto_assumed":
+                      decide(StagingMode.AUTO, sliced, direct, nbytes).value, "stager": (stager, gsb)})
+    packing = [x for x in parts if x["stager"] is not None]
+    if not packing:
+        raise ValueError(f"--tp {p_tp}:{d_tp}: no producer rank stages for decode rank 0 ({args.layout} layout); "
+                         "expected a pair read field by field")
+    timed = max(packing, key=lambda x: x["bytes"])  # the producers pack in parallel: the largest pack is timed
+    stager, gsb = timed["stager"]
+    src = src_layouts[ranks.index(timed["rank"])]
+    nbytes = timed["bytes"]
     if args.mem == "vram":
         import torch
 
@@ -140,7 +185,7 @@ def _one_pair(args, p_tp: int, d_tp: int) -> dict:
         other = np.empty(nbytes, dtype=np.uint8)
         plain = lambda: np.copyto(other, slot)  # noqa: E731
     copier = Copier(from_layout(src), slot, engine=GatherEngine.TORCH)
-    steps = stage.pack(sb)
+    steps = stager.pack(gsb)
     gather_s = _median_s(lambda: copier.run(steps), args.iters, sync)
     kernel_s = None
     matches = None
@@ -157,32 +202,27 @@ def _one_pair(args, p_tp: int, d_tp: int) -> dict:
     plain_s = _median_s(plain, args.iters, sync)
     t0 = time.perf_counter()
     for _ in range(args.iters):
-        stage.pack(sb)
+        stager.pack(gsb)
     steps_us = (time.perf_counter() - t0) / args.iters * 1e6
-    sliced = TransferPlanner(src, dst, keys=keys).compile(sb, db).num_descriptors
-    direct = stage.read(0, 0, sb, db).num_descriptors
-    mem = wire.Mem.VRAM if args.mem == "vram" else wire.Mem.DRAM
-    us, assumed = COSTS[mem]
     measured = nbytes / gather_s / 1e9
-    # staging's one rule (staging.route), as ON takes it and as AUTO weighs it at COSTS and at this gather
-    def decide(mode: StagingMode, gbps: float | None = None) -> Route:
-        cfg = StagingConfig(mode=mode, capacity_bytes=1 << 30, copy_gbps=gbps)
-        return route(cfg, sliced=sliced, direct=direct, own_pool=True, nbytes=nbytes, mem=mem)
-
-    way = decide(StagingMode.ON)
     kernel_gbps = None if kernel_s is None else nbytes / kernel_s / 1e9
-    staged = {Route.DIRECT: direct, Route.SLOT: 1}.get(way, sliced)
+    for x in parts:
+        if x.pop("stager") is not None:
+            x["auto_measured"] = decide(StagingMode.AUTO, x["sliced"], x["direct"], x["bytes"], measured).value
+            x["auto_kernel"] = None if kernel_gbps is None else \
+                decide(StagingMode.AUTO, x["sliced"], x["direct"], x["bytes"], kernel_gbps).value
+    sliced, staged = sum(x["sliced"] for x in parts), sum(x["staged"] for x in parts)
     return {
-        "pair": f"{p_tp}:{d_tp}", "producer_rank": ranks[0], "block": block, "bytes": nbytes, "copy_steps": len(steps),
-        "gather_us": gather_s * 1e6, "gather_GBps": measured, "copy_us": plain_s * 1e6,
+        "pair": f"{p_tp}:{d_tp}", "producer_rank": timed["rank"], "block": block, "bytes": nbytes,
+        "copy_steps": len(steps), "gather_us": gather_s * 1e6, "gather_GBps": measured, "copy_us": plain_s * 1e6,
         "copy_GBps": nbytes / plain_s / 1e9, "x_copy": plain_s / gather_s, "steps_us": steps_us,
         "bytewise_us": bytes_s * 1e6, "bytewise_GBps": nbytes / bytes_s / 1e9,
-        "sliced": sliced, "staged": staged, "route": way.value, "posting_saved_us": (sliced - staged) * us,
-        "us_per_descriptor": us, "assumed_GBps": assumed, "auto_assumed": decide(StagingMode.AUTO).value,
-        "auto_measured": decide(StagingMode.AUTO, measured).value,
+        "sliced": sliced, "staged": staged, "route": timed["route"], "posting_saved_us": (sliced - staged) * us,
+        "us_per_descriptor": us, "assumed_GBps": assumed, "auto_assumed": timed["auto_assumed"],
+        "auto_measured": timed["auto_measured"],
         "kernel_us": None if kernel_s is None else kernel_s * 1e6, "kernel_GBps": kernel_gbps,
         "kernel_x_copy": None if kernel_s is None else plain_s / kernel_s, "kernel_matches": matches,
-        "auto_kernel": None if kernel_gbps is None else decide(StagingMode.AUTO, kernel_gbps).value,
+        "auto_kernel": timed["auto_kernel"], "ranks": parts,
     }
 
 
@@ -206,8 +246,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"      Triton kernel {r['kernel_us']:9.1f} us {r['kernel_GBps']:7.1f} GB/s | x copy "
                   f"{r['kernel_x_copy']:.2f} | {'same bytes as' if r['kernel_matches'] else 'DIFFERENT BYTES from'} "
                   f"the gather; auto chooses {r['auto_kernel']} at its speed")
-        print(f"      descriptors sliced {r['sliced']} -> staged {r['staged']} ({r['route']}): "
-              f"{r['posting_saved_us']:.0f} us of posting saved at {r['us_per_descriptor']} us each; auto chooses "
+        packed = ", ".join(f"{x['rank']}: {x['bytes'] / 1e6:.1f} MB" + (" (feeds none)" if x["fields"] is None else
+                           f" ({x['fields_packed']}/{x['fields_shared']} fields)") for x in r["ranks"])
+        print(f"      packed per producer rank (the fields its Want names; the largest timed): {packed}")
+        print(f"      descriptors sliced {r['sliced']} -> staged {r['staged']} (rank {r['producer_rank']}: "
+              f"{r['route']}): {r['posting_saved_us']:.0f} us of posting saved at {r['us_per_descriptor']} us each; auto chooses "
               f"{r['auto_assumed']} at the assumed {r['assumed_GBps']:g} GB/s, {r['auto_measured']} at the measured "
               "gather's")
     return 0
