@@ -562,6 +562,26 @@ def parse_args(argv=None):
     return args
 
 
+def _analyzer_said(g, p_tp: int, d_tp: int, tokens: int, block: int, pools: dict, w, analyzer: int, *,
+                   vllm: bool) -> str:
+    """The analyzer's staged count (ON) and the block it counts at: the engine's, raised until a page holds a GDN
+    state (vLLM's rule, for every scheme alike), where hybridkv's own layout runs here at ``block``. Where the two
+    differ, also the same planner and ``staging.route`` on this run's block and layouts (decode rank 0): the count
+    for the run's own pattern, which the measured one should equal."""
+    from hybridkv import wire
+    from hybridkv.transport.staging import Route
+    from tests.transport.peers import NUM_BLOCKS
+
+    said = f"analyzer ({'hybridkv-vllm' if vllm else 'hybridkv'}, on, block {w.effective_block_size}"
+    if w.effective_block_size == block:
+        return f"{said}) {analyzer}"
+    mine = {key: v for key, v in pools.items() if key in ("kernel", "pages", "num_blocks")}
+    parts = predict(g, p_tp, d_tp, tokens, block, mine or {"num_blocks": NUM_BLOCKS})["parts"]
+    ways = [(x, routes(x, wire.Mem.DRAM, None)["on"]) for x in parts]  # ON does not weigh the memory
+    here = sum({Route.SLOT: 1, Route.DIRECT: min(x["direct"], x["sliced"])}.get(way, x["sliced"]) for x, way in ways)
+    return f"{said}, as vLLM raises {block}) {analyzer}; planner + route at this run's block {block}: {here}"
+
+
 def main(argv=None) -> None:
     """Staged against sliced reads, post to landed, in one run per TP pair (blocks scattered, one fetch at
     a time, a sliced and a staged warm-up first), then the same requests posted unmerged, piece by piece and
@@ -633,12 +653,12 @@ def main(argv=None) -> None:
         e = run_pair(p_tp, d_tp, block, block, [("n0", t), ("n1", t), ("n2", t)], coalesce=False, scatter=True,
                      sequential=True, geo=geo, mem=args.mem, **({"e2e": True} if model is not None else {}),
                      **layout)
+        said = _analyzer_said(g, p_tp, d_tp, t, block, layout, w, analyzer, vllm=k is not None)
         print(f"P TP{p_tp} -> D TP{d_tp}{'' if k is None else f' block {block} k{k}'}: staged "
               f"{max(m['s1']['per_rank'])} descriptors {ms(['s1', 's2'])} ms; "
               f"sliced {max(m['x1']['per_rank'])} descriptors {ms(['x1', 'x2'])} ms; unmerged (engine-style) "
               f"{max(e['n1']['per_rank'])} descriptors {_ms(e, ['n1', 'n2'])} "
-              f"ms; NixlConnector's list {nixl}; analyzer "
-              f"({'hybridkv-vllm' if k is not None else 'hybridkv'}, on) {analyzer}", flush=True)
+              f"ms; NixlConnector's list {nixl}; {said}", flush=True)
         if model is not None:
             _model_report(model, args.mem, args.gather_gbps, pred, m, e, capacity, p_tp, d_tp)
 
