@@ -219,6 +219,14 @@ class StagePlan:
                 plans.append(plan)
         return _merged(TransferPlan.concat(plans))
 
+    def rebase(self, plan: TransferPlan, *, was: int, slot_addr: int, slot_dev: int) -> TransferPlan:
+        """``plan``, a :meth:`read` of a slot at ``was``, as the same read of a slot at ``slot_addr`` on ``slot_dev``
+        (equal to reading it anew): the slot moves every source row alike, so the same rows merge."""
+        src = plan.src.copy()
+        src[:, 0] += slot_addr - was
+        src[:, 2] = slot_dev
+        return dataclasses.replace(plan, src=src)
+
 
 def _merged(plan: TransferPlan) -> TransferPlan:
     """Rows of consecutive groups that continue each other on both sides, merged."""

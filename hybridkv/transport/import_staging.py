@@ -3,15 +3,17 @@
 Heterogeneous TP in pull mode: a producer can pack the slices one consumer rank reads into a slot of its
 own (:mod:`hybridkv.transport.staging`, the rules of a fenced resource). :class:`ImportStaging` is held
 by :class:`~hybridkv.transport.fetch.Importer` and decides, before the Want, whether to ask each
-producer to stage (under AUTO only where staging can win); once the Export names a slot it plans the
-read (sliced, straight from the slot into our pages, or through a slot of ours), takes our slot at post
-time, unpacks it once every READ ended and gives it back when nothing more can land there.
+producer to stage (under AUTO only where staging can win, which plans the slot's read from our blocks); once
+the Export names a slot it plans the read (sliced, straight from the slot into our pages, or through a slot of
+ours; the slot's read weighed before the Want is moved to the slot where the Export's blocks allow), takes our
+slot at post time, unpacks it once every READ ended and gives it back when nothing more can land there.
 :class:`Work` (one producer's READ) is defined here, as its staged read and slot are this module's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +49,25 @@ class Work:
     staged: Staged | None = None
     slot: Slot | None = None  # ours, taken at post time: the READ lands there, then it is unpacked
 
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class _Held:
+    """Under AUTO, the direct read of a part planned before its Want (``flags``), from our blocks alone, for the
+    Export's to reuse (:meth:`ImportStaging._direct`): the read takes the producer's blocks only by their count."""
+
+    stager: Stager
+    mine: dict[int, np.ndarray]
+    addr: int  # the slot address it was planned at (the staging region's base)
+    dev: int
+    plan: TransferPlan
+    made: float  # time.monotonic()
+
+
+#: rows of held direct reads kept at most (about 16 MB of plan; a held read whose Export never comes, or
+#: comes unstaged, is dropped with the oldest or after the export timeout)
+_HELD_ROWS = 1 << 18
+
+
 class ImportStaging:
     """The consumer's staged reads. Given the side (its config, scheduler and memory map), the staging
     config (None or OFF: never ask a producer to stage), this side's own slots (None: a staged part is
@@ -61,6 +82,9 @@ class ImportStaging:
         self._config = side.config
         self._scheduler = side.scheduler
         self._memory = side.memory
+        #: (request, producer agent) -> its direct read planned before the Want (AUTO), oldest first
+        self._held: dict[tuple[str, str], _Held] = {}
+        self._held_rows = 0
 
     def flags(self, request_id: str, targets: Sequence[Peer]) -> list[bool]:
         """Per producer: whether to ask it to stage (pull mode, staging on here, a field-paired read, and under
@@ -80,9 +104,17 @@ class ImportStaging:
                     for g in self._memory.groups}
         except ValueError:
             return [s is not None for s in stagers]  # unknown here: the import refuses it with its reason
-        return [s is not None and self._may_win(self._staging, own_pool=self._pool is not None, planned=planned,
-                                                source=i, stager=s, peer=p.memory, mine=mine)
-                for i, (s, p) in enumerate(zip(stagers, targets))]
+        self._drop_stale()
+        out = []
+        for i, (s, p) in enumerate(zip(stagers, targets)):
+            ask, direct = (False, None) if s is None else self._weigh(
+                self._staging, own_pool=self._pool is not None, planned=planned, source=i, stager=s, peer=p.memory,
+                mine=mine)
+            self._forget((request_id, p.agent))
+            if ask and direct is not None:  # the Export's staged_work reuses it where its blocks allow
+                self._hold((request_id, p.agent), direct)
+            out.append(ask)
+        return out
 
     def fields(self, targets: Sequence[Peer]) -> list[bytes]:
         """Per producer: the fields a Want asking it to stage names (``Stager.fields``): only those this rank
@@ -104,26 +136,37 @@ class ImportStaging:
         as many per group, or more at our prefix hit (more bytes, the same direct rows in each group, fewer
         joined across groups). The sliced plan is at most every block its own run: one block's rows times
         the blocks. Anything else (block sizes differ, no staging region): ask, as route decides after."""
+        return ImportStaging._weigh(config, own_pool=own_pool, planned=planned, source=source, stager=stager,
+                                    peer=peer, mine=mine)[0]
+
+    @staticmethod
+    def _weigh(config: StagingConfig, *, own_pool: bool, planned: PeerPlanner, source: int, stager: Stager,
+               peer, mine: dict[int, np.ndarray]) -> tuple[bool, _Held | None]:
+        """:meth:`_may_win`, and the direct read it planned from our blocks (None where it planned none)."""
         region = staging_region(peer)
         if region is None or not stager.same_blocks:
-            return True
+            return True, None
         try:
             most = sum(len(b) * _block_rows(planned, source, g) for g, b in mine.items() if len(b))
             nbytes = stager.nbytes(mine)
             if not may_stage(config, sliced_most=most, direct=0, direct_most=0, own_pool=own_pool, nbytes_least=nbytes,
                              mem=region.mem):
-                return False  # loses even against a read of no rows: the direct read need not be planned
-            direct = stager.read(region.base_addr, region.device_id, mine, mine).num_descriptors
+                return False, None  # loses even against a read of no rows: the direct read need not be planned
+            plan = stager.read(region.base_addr, region.device_id, mine, mine)
         except ValueError:
-            return True  # the Export's own plan refuses it, with its reason
+            return True, None  # the Export's own plan refuses it, with its reason
+        direct = plan.num_descriptors
         groups = sum(1 for b in mine.values() if len(b))  # at most one row joined across each boundary
-        return may_stage(config, sliced_most=most, direct=direct, direct_most=direct + max(groups - 1, 0),
-                         own_pool=own_pool, nbytes_least=nbytes, mem=region.mem)
+        ask = may_stage(config, sliced_most=most, direct=direct, direct_most=direct + max(groups - 1, 0),
+                        own_pool=own_pool, nbytes_least=nbytes, mem=region.mem)
+        return ask, _Held(stager=stager, mine=mine, addr=region.base_addr, dev=region.device_id, plan=plan,
+                          made=time.monotonic())
 
     def staged_work(self, part: Part, export: wire.Export, theirs: dict[int, np.ndarray],
                     mine: dict[int, np.ndarray], planned: PeerPlanner, source: int, sliced: TransferPlan) -> Work:
         """The producer packed our slices into its slot: read the slot (straight into our pages where
         that takes few descriptors, else through a slot of ours), unless the sliced plan is as short."""
+        held = self._forget((part.rid, part.peer.agent))  # used here or never
         stager = _asked_stager(planned, source, part.fields)
         region = staging_region(part.peer.memory)
         if stager is None or region is None or len(export.stage) != 2:
@@ -135,7 +178,7 @@ class ImportStaging:
             raise ValueError(f"export of {part.rid}: staging slot ({offset}, {nbytes} bytes); expected {want} bytes "
                              f"inside the producer's staging region of {region.stride * region.num_pages}")
         addr = region.base_addr + offset
-        direct = stager.read(addr, region.device_id, theirs, mine)
+        direct = self._direct(held, stager, addr, region.device_id, theirs, mine)
         direct.check()
         way = route(self._staging, sliced=sliced.num_descriptors, direct=direct.num_descriptors,
                     own_pool=self._pool is not None, nbytes=nbytes, mem=region.mem)
@@ -147,6 +190,45 @@ class ImportStaging:
         # Through our slot; the direct read (or the sliced plan) stays the fallback where none is free.
         return Work(part=part, plan=best, staged=Staged(stager=stager, src_blocks=theirs, dst_blocks=mine,
                                                         addr=addr, dev=region.device_id, nbytes=nbytes))
+
+    @staticmethod
+    def _direct(held: _Held | None, stager: Stager, addr: int, dev: int, theirs: dict[int, np.ndarray],
+                mine: dict[int, np.ndarray]) -> TransferPlan:
+        """The direct read of the producer's slot at ``addr``: ``held``, the one planned before the Want, moved
+        to ``addr`` where its inputs are this read's (the same stager and slot device, our blocks unchanged, as
+        many of the producer's blocks per group as ours: ``Stager.read`` takes theirs only by count), else
+        planned anew (a prefix hit here, blocks of other sizes, nothing held). Equal either way; reusing takes
+        the planning off the Export -> post path."""
+        rebase = getattr(stager, "rebase", None)
+        if held is not None and rebase is not None and held.stager is stager and held.dev == dev \
+                and _same_blocks(held.mine, theirs, mine):
+            return rebase(held.plan, was=held.addr, slot_addr=addr, slot_dev=dev)
+        return stager.read(addr, dev, theirs, mine)
+
+    def _hold(self, key: tuple[str, str], held: _Held) -> None:
+        """Keep a direct read for the Export, the oldest dropped past :data:`_HELD_ROWS` rows in all."""
+        rows = held.plan.num_descriptors
+        if rows > _HELD_ROWS:
+            return
+        while self._held and self._held_rows + rows > _HELD_ROWS:
+            self._forget(next(iter(self._held)))
+        self._held[key] = held
+        self._held_rows += rows
+
+    def _forget(self, key: tuple[str, str]) -> _Held | None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._held_rows -= held.plan.num_descriptors
+        return held
+
+    def _drop_stale(self) -> None:
+        """Held reads older than the export timeout: their import got its Exports or gave up (fetch's wait)."""
+        before = time.monotonic() - self._config.export_timeout_s
+        while self._held:
+            key, held = next(iter(self._held.items()))
+            if held.made >= before:
+                break
+            self._forget(key)
 
     def slot_for(self, w: Work) -> Work:
         """At post time: a staged part reads into a slot of ours if one is free (else directly)."""
@@ -188,6 +270,15 @@ def _asked_stager(planned: PeerPlanner, source: int, fields: bytes | None) -> St
     if stager is None or fields is None or fields == getattr(stager, "fields", b""):
         return stager
     return stager_of(source, fields)
+
+
+def _same_blocks(planned: dict[int, np.ndarray], theirs: dict[int, np.ndarray], mine: dict[int, np.ndarray]) -> bool:
+    """Whether a read planned from ``planned`` (our blocks then, as both sides' lists) is the read of ``theirs``
+    into ``mine``: ours unchanged, and theirs as many per group."""
+    if planned.keys() != mine.keys():
+        return False
+    return all(len(theirs.get(g, ())) == len(planned.get(g, ())) for g in planned.keys() | theirs.keys()) \
+        and all(np.array_equal(b, mine[g]) for g, b in planned.items())
 
 
 #: per planner (dropped with it): rows of a producer's sliced plan for one block of a group
