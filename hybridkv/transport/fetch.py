@@ -124,6 +124,7 @@ class Importer:
         finally:
             for p in targets:
                 self._parts.pop(p.agent, request_id)
+                self._staging.done(request_id, p.agent)
 
     def _work(self, part: Part, export: wire.Export, mine: dict[int, np.ndarray], planned: PeerPlanner,
               source: int) -> Work:

@@ -205,6 +205,11 @@ class ImportStaging:
             return rebase(held.plan, was=held.addr, slot_addr=addr, slot_dev=dev)
         return stager.read(addr, dev, theirs, mine)
 
+    def done(self, request_id: str, agent: str) -> None:
+        """The import of ``request_id`` from producer ``agent`` ended: a direct read still held for it (its
+        Export never came, or came unstaged) is dropped now."""
+        self._forget((request_id, agent))
+
     def _hold(self, key: tuple[str, str], held: _Held) -> None:
         """Keep a direct read for the Export, the oldest dropped past :data:`_HELD_ROWS` rows in all."""
         rows = held.plan.num_descriptors

@@ -205,3 +205,5 @@ def test_held_reads_are_bounded_and_dropped(monkeypatch):
     monkeypatch.setattr(import_staging, "_HELD_ROWS", 1 << 18)
     staging.flags("q2", peers)
     assert {k[0] for k in staging._held} == {"q2"} and staging._held_rows == rows
+    staging.done("q2", peers[0].agent)  # its import ended (fetch's finally): dropped at once
+    assert not staging._held and staging._held_rows == 0
