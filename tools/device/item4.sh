@@ -44,7 +44,7 @@ at probes; probe default nowait
 at "staging gather kernel"
 timeout -k 5 100 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/kernels/test_staging_gather.py 2>&1 | tail -4
 timeout -k 5 120 "$PY" -c 'import sys; from hybridkv.cli import main; sys.exit(main())' bench staging --mem vram --iters 9 2>&1 \
-    | grep -v "NIXL INFO" | tail -14
+    | grep -v "NIXL INFO" | tail -17
 if [ -n "${MORE:-}" ]; then  # MORE=1: the 8 MB pair and the other probes too (~90 s more)
     pair 8MB vram --layers 4 --tokens 384
     at probes; probe futures_off ucxx_tcp
