@@ -128,12 +128,14 @@ def test_per_rank_counts_are_what_one_posting_thread_sees():
     # Staging (transport/staging.py) weighs copies against descriptors: hybridkv's own layout posts 3 per read
     # and stays sliced. Inside vLLM's layer-outermost pages (the layout 16-token kernel blocks need) a decode
     # rank's one KV head (2 at TP 2; TP 8 replicates them) is a whole attention page of one prefill rank, read
-    # once: 15 slots x 8 blocks, its kernel blocks merged, + 180 GDN head slices; the other three prefill ranks
-    # give their 180 GDN slices only (840 per decode rank). At the measured H100 costs (4.95 us per descriptor,
-    # a 30 GB/s gather) AUTO keeps them sliced: packing a read's ~100 MB costs more than posting them;
-    # staging ON packs them into one slot per prefill rank.
+    # once: 15 slots x 8 blocks, its kernel blocks merged, + 180 GDN head slices (300, 144 MB: AUTO keeps it
+    # sliced, a pack and unpack of that cost more than posting them, at the measured H100 costs of 4.95 us per
+    # descriptor and a 30 GB/s gather). The other three prefill ranks give their 180 GDN slices only, and the
+    # Want's field mask has them pack only those (12 MB, not the replicated KV head too): AUTO stages each into
+    # one slot (179 x 4.95 us > 2 x 12 MB at 30 GB/s), 300 + 3 per decode rank. Staging ON packs every prefill
+    # rank's part into one slot.
     ours_vllm = by[Scheme.HYBRIDKV_VLLM]
-    assert (ours_vllm.descriptors, ours_vllm.per_decode_rank) == (1_680, 840)
+    assert (ours_vllm.descriptors, ours_vllm.per_decode_rank) == (606, 303)
     on = count_descriptors(Scheme.HYBRIDKV_VLLM, dataclasses.replace(w, staging=StagingConfig(mode=StagingMode.ON)))
     assert (on.descriptors, on.per_decode_rank) == (8, 4)
     fast = count_descriptors(Scheme.HYBRIDKV_VLLM, dataclasses.replace(w, staging=StagingConfig(copy_gbps=1000.0)))
