@@ -31,10 +31,12 @@ Anything else is a bug in hybridkv and keeps its traceback: that is what a bug r
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
 import sys
+import threading
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -292,7 +294,40 @@ def _run_json(handler, args: argparse.Namespace) -> int:
         raise RuntimeError("a --json run ended without a JSON document (print_json)")
     out.write(run.document)
     out.flush()
+    _stdout_to_stderr_at_exit()
     return status
+
+
+_EXIT_QUIET = False
+
+
+def _stdout_to_stderr_at_exit() -> None:
+    """Once the document is out, what native libraries print while the interpreter exits goes to stderr: ucxx's
+    worker may warn from its destructor (a notifier thread stopped late), after the document, on stdout."""
+    global _EXIT_QUIET
+    if _EXIT_QUIET:
+        return
+    _EXIT_QUIET = True
+
+    def quiet() -> None:
+        try:
+            for stream in (sys.stdout, sys.__stdout__):
+                if stream is not None:
+                    stream.flush()
+            _flush_c_stdio()
+            os.dup2(2, 1)
+        except (OSError, ValueError):  # exiting: never raise
+            pass
+
+    # threading's exit hooks run before the interpreter joins its threads and tears modules down (where the
+    # destructors run); atexit's after that join
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(quiet)
+    except RuntimeError:
+        atexit.register(quiet)
 
 
 # ----------------------------------------------------------------------------- main

@@ -451,3 +451,14 @@ def test_the_summary_of_a_wrapped_first_sentence_is_whole():
     finally:
         del sys.modules[mod.__name__]
 
+
+
+def test_what_native_code_prints_at_exit_stays_off_a_json_stdout():
+    """ucxx's worker can warn from its destructor while the interpreter exits, after the document went out (seen
+    once in CI under `bench transfer --json`). A write to fd 1 at exit (atexit: after threading's exit hooks, as the
+    destructors are) stands in for it, named so: the JSON stdout still holds the document alone."""
+    late = "import atexit, os\natexit.register(lambda: os.write(1, b'UCXX WARN late native write (fake)\\n'))\n"
+    proc = _run("analyze", "--model", "qwen3.5-0.8b", "--json", prelude=late)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _one_document(proc.stdout)
+    assert "late native write (fake)" in proc.stderr
