@@ -20,11 +20,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-import traceback
 
 import numpy as np
 
-from tests.transport.peers import SECRET, _await_inbox, _quiet, build, build_vllm, components, token
+from tests.transport.peers import SECRET, _await_inbox, build, build_vllm, components, run_peer, token
 
 
 def field_digests(layout, blocks: dict[int, list[int]], tokens: int, host: dict | None = None) -> dict[str, str]:
@@ -129,11 +128,7 @@ def _engine(pool) -> str | None:
 
 
 def producer_main(opts, out, inbox) -> None:
-    _quiet()
-    try:
-        asyncio.run(_producer(opts, out, inbox))
-    except BaseException as exc:
-        out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    run_peer(_producer, opts, out, inbox)
 
 
 async def _producer(opts, out, inbox):
@@ -182,11 +177,7 @@ async def _producer(opts, out, inbox):
 
 
 def consumer_main(opts, out, inbox) -> None:
-    _quiet()
-    try:
-        asyncio.run(_consumer(opts, out, inbox))
-    except BaseException as exc:
-        out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    run_peer(_consumer, opts, out, inbox)
 
 
 async def _consumer(opts, out, inbox):

@@ -191,13 +191,18 @@ def _quiet():
     logging.getLogger("nixl").setLevel(logging.ERROR)
 
 
-# ============================================================== producer
-def producer_main(opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
+def run_peer(body, opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
+    """A peer process's entry: ``body(opts, out, inbox)`` on its own event loop, a failure reported on ``out``."""
     _quiet()
     try:
-        asyncio.run(_producer(opts, out, inbox))
+        asyncio.run(body(opts, out, inbox))
     except BaseException as exc:  # report, don't hang the test
         out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+# ============================================================== producer
+def producer_main(opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
+    run_peer(_producer, opts, out, inbox)
 
 
 async def _producer(opts, out, inbox):
@@ -277,11 +282,7 @@ async def _await_inbox(inbox, word, side, timeout_s=60.0):
 
 # ============================================================== consumer
 def consumer_main(opts: dict, out: mp.Queue, inbox: mp.Queue) -> None:
-    _quiet()
-    try:
-        asyncio.run(_consumer(opts, out, inbox))
-    except BaseException as exc:
-        out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    run_peer(_consumer, opts, out, inbox)
 
 
 async def _consumer(opts, out, inbox):

@@ -12,7 +12,6 @@ mask names a field past the pair's is refused with a Failure naming it while the
 from __future__ import annotations
 
 import asyncio
-import traceback
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ import pytest
 from hybridkv import wire
 from hybridkv.transport.staging import BadFieldMask
 from tests.transport import hetero_peers
-from tests.transport.peers import SECRET, _await_inbox, _quiet, build, components, token
+from tests.transport.peers import SECRET, _await_inbox, build, components, run_peer, token
 
 ONE_HEAD_4 = {"num_k_heads": 4, "num_v_heads": 4}  # the test geometry's one KV head, GDN heads TP 4 splits
 BLOCK = 48
@@ -92,11 +91,7 @@ REQUESTS = [("f1", 300), ("f2", 150)]
 
 
 def consumer_main(opts, out, inbox) -> None:
-    _quiet()
-    try:
-        asyncio.run(_consumer(opts, out, inbox))
-    except BaseException as exc:
-        out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    run_peer(_consumer, opts, out, inbox)
 
 
 async def _consumer(opts, out, inbox):
