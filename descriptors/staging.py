@@ -32,10 +32,12 @@ from hybridkv.transport.plan import TransferPlan
 from hybridkv.transport.staging import BadFieldMask, CopyStep, Place
 
 from . import pieces as pc
-from .compiler import TransferPlanner, piece_pages
+from .compiler import TransferPlanner, _paired, piece_pages
 
 #: page count of a compact region: a bound for the compiler's checks, not memory
 _COMPACT_PAGES = 1 << 24
+#: block pairs of a group whose offsets StagePlan.read_rows_least counts in Python before it takes numpy
+_FEW_PAIRS = 64
 
 
 def compact_layout(src: Layout, dst: Layout, keys: Collection[FieldKey], *, dst_order: bool = False) -> Layout:
@@ -146,6 +148,10 @@ class StagePlan:
         held = dataclasses.replace(dst, groups=tuple(g for g in dst.groups if int(g.group_id) in self._pack))
         self._read = TransferPlanner(v, held, keys=self.reads)
         self.groups = tuple(sorted(self.page_bytes))
+        #: per group the read's pieces in classes of one block mapping and strides: (s_k, d_k, src blocks per
+        #: pair, dst blocks per pair, src stride, dst stride) -> distinct (dst - src) offsets inside one pair
+        self._offsets: dict[int, list[tuple[tuple[int, ...], int]]] = {
+            g: _offset_classes(t) for g, t in self._read.tables.items()}
         self.same_blocks = all(src.group(g.group_id).block_tokens == dst.group(g.group_id).block_tokens
                                for g in v.groups)
         self._fields: bytes | None = None
@@ -219,6 +225,64 @@ class StagePlan:
                 plans.append(plan)
         return _merged(TransferPlan.concat(plans))
 
+    def read_rows_least(self, src_blocks: Mapping[int, np.ndarray], dst_blocks: Mapping[int, np.ndarray], *,
+                        cap: int | None = None) -> int:
+        """A lower bound on ``read(..., src_blocks, dst_blocks).num_descriptors`` from the block lists alone (no row
+        planned), counted no further than ``cap``: for weighing a staged read where only whether it takes more
+        than a few rows matters (a few us where the first group's pieces or blocks already pass ``cap``).
+
+        Why it is one: a row of the read is contiguous on both sides with one length, so every byte of it moves
+        by the same ``dst - src`` offset; merging (the compiler's, and :func:`_merged` across groups) joins only
+        rows that continue each other on both sides, i.e. of one offset. So the rows are at least the distinct
+        offsets of the bytes read, which are at least those of any one group's rows. In one group, the pieces
+        of a class (the same block mapping and strides) move block pair ``s`` by ``c_p + v_s``, with ``c_p`` the
+        piece's (dst - src) offset inside the pair and ``v_s = dst_page * dst_stride - src_page * src_stride``
+        (the slot's address and the group's place in it shift every row of the group alike). A sum of two sets
+        of integers C + V takes at least ``|C| + |V| - 1`` values (sorted: c1+v1 < ... < c1+vb < c2+vb < ... <
+        ca+vb). The bound is the largest over groups and classes. Block lists whose counts do not pair raise
+        the ValueError :meth:`read` raises."""
+        top = _COMPACT_PAGES * 1024 if cap is None else cap
+        least = 0
+        for g in self.groups:
+            n = len(src_blocks.get(g, ()))
+            if n == 0 or g not in dst_blocks or self._unpack[g].num_pieces == 0:
+                continue
+            t = self._read.tables[g]
+            db = np.asarray(dst_blocks[g], dtype=np.int64)
+            nd = db.shape[0]
+            if n == nd and t.src_block_tokens == t.dst_block_tokens:
+                sb, pairs = None, n  # src pages 0..n-1 pair ours in order (the common case, without numpy)
+            else:
+                sb, db, pairs = _paired(t, np.arange(n, dtype=np.int64), db)
+            if pairs == 0:
+                continue
+            for (s_k, d_k, s_per, d_per, s_stride, d_stride), n_c in self._offsets[g]:
+                if sb is None and (s_k, d_k, s_per, d_per) == (0, 0, 1, 1):
+                    # every pair has this class's rows: its own pieces' offsets first, then ours in Python
+                    # until the cap (few blocks, or distinct offsets soon), else all at once
+                    if n_c >= top:
+                        return top
+                    seen: set[int] = set()
+                    head = db[:_FEW_PAIRS].tolist()
+                    for i, b in enumerate(head):
+                        seen.add(b * d_stride - i * s_stride)
+                        if n_c + len(seen) - 1 >= top:
+                            return top
+                    n_v = len(seen) if len(head) == pairs else int(np.unique(
+                        db[:pairs] * d_stride - np.arange(pairs, dtype=np.int64) * s_stride).shape[0])
+                else:
+                    src = np.arange(n, dtype=np.int64) if sb is None else sb
+                    s = np.arange(pairs, dtype=np.int64)
+                    i_s, i_d = s_k + s * s_per, d_k + s * d_per
+                    keep = (i_s < src.shape[0]) & (i_d < db.shape[0])
+                    if not keep.any():
+                        continue
+                    n_v = int(np.unique(db[i_d[keep]] * d_stride - src[i_s[keep]] * s_stride).shape[0])
+                least = max(least, n_c + n_v - 1)
+                if least >= top:
+                    return top
+        return least
+
     def rebase(self, plan: TransferPlan, *, was: int, slot_addr: int, slot_dev: int) -> TransferPlan:
         """``plan``, a :meth:`read` of a slot at ``was``, as the same read of a slot at ``slot_addr`` on ``slot_dev``
         (equal to reading it anew): the slot moves every source row alike, so the same rows merge."""
@@ -226,6 +290,20 @@ class StagePlan:
         src[:, 0] += slot_addr - was
         src[:, 2] = slot_dev
         return dataclasses.replace(plan, src=src)
+
+
+def _offset_classes(t: pc.PieceTable) -> list[tuple[tuple[int, ...], int]]:
+    """``t``'s pieces of positive length by (s_k, d_k, src and dst blocks per pair, src and dst stride), each
+    class with how many distinct (dst - src) offsets its pieces take inside one block pair
+    (:meth:`StagePlan.read_rows_least`)."""
+    classes: dict[tuple[int, ...], set[int]] = {}
+    for p in range(t.num_pieces):
+        if t.length[p] <= 0:
+            continue
+        key = (int(t.s_k[p]), int(t.d_k[p]), t.src_blocks_per_pair, t.dst_blocks_per_pair, int(t.s_stride[p]),
+               int(t.d_stride[p]))
+        classes.setdefault(key, set()).add(int(t.d_base[p] + t.d_off[p] - t.s_base[p] - t.s_off[p]))
+    return [(k, len(c)) for k, c in classes.items()]
 
 
 def _merged(plan: TransferPlan) -> TransferPlan:

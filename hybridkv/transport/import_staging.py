@@ -5,8 +5,9 @@ own (:mod:`hybridkv.transport.staging`, the rules of a fenced resource). :class:
 by :class:`~hybridkv.transport.fetch.Importer` and decides, before the Want, whether to ask each
 producer to stage (under AUTO only where staging can win, which plans the slot's read from our blocks); once
 the Export names a slot it plans the read (sliced, straight from the slot into our pages, or through a slot of
-ours; the slot's read weighed before the Want is moved to the slot where the Export's blocks allow), takes our
-slot at post time, unpacks it once every READ ended and gives it back when nothing more can land there.
+ours; the slot's read weighed before the Want is moved to the slot where the Export's blocks allow, and not
+planned at all where a lower bound from our blocks shows the way is a slot of ours whatever its count, unless our
+pool is full at post time), takes our slot at post time, unpacks it once every READ ended and gives it back when nothing more can land there.
 :class:`Work` (one producer's READ) is defined here, as its staged read and slot are this module's.
 """
 
@@ -37,6 +38,10 @@ class Staged:
     addr: int   # the producer's slot
     dev: int
     nbytes: int
+    #: False: the direct read was not planned (our blocks alone showed it takes more than ``direct_rows``, so the
+    #: way was SLOT whatever its count) and the Work's plan is the sliced one until ``slot_for``, which plans it
+    #: only where no slot of ours is free and keeps the shorter of the two, as ``staged_work`` would have
+    fallback_planned: bool = True
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -44,7 +49,8 @@ class Work:
     """One producer's READ of an import: its part and the plan for it."""
 
     part: Part
-    plan: TransferPlan  # src: the producer's side, dst: ours
+    #: src: the producer's side, dst: ours; what is posted once ``ImportStaging.slot_for`` made it
+    plan: TransferPlan
     #: staged, best read through a slot of ours (the plan is the direct read, used where none is free)
     staged: Staged | None = None
     slot: Slot | None = None  # ours, taken at post time: the READ lands there, then it is unpacked
@@ -152,6 +158,10 @@ class ImportStaging:
             if not may_stage(config, sliced_most=most, direct=0, direct_most=0, own_pool=own_pool, nbytes_least=nbytes,
                              mem=region.mem):
                 return False, None  # loses even against a read of no rows: the direct read need not be planned
+            least = _slot_for_sure(config, own_pool, stager, mine, mine)
+            if least:  # the way is SLOT at any count from there (one row): decided without planning the read
+                return may_stage(config, sliced_most=most, direct=least, direct_most=least, own_pool=own_pool,
+                                 nbytes_least=nbytes, mem=region.mem), None
             plan = stager.read(region.base_addr, region.device_id, mine, mine)
         except ValueError:
             return True, None  # the Export's own plan refuses it, with its reason
@@ -178,10 +188,21 @@ class ImportStaging:
             raise ValueError(f"export of {part.rid}: staging slot ({offset}, {nbytes} bytes); expected {want} bytes "
                              f"inside the producer's staging region of {region.stride * region.num_pages}")
         addr = region.base_addr + offset
+        own_pool = self._pool is not None
+        least = 0 if held is not None or self._staging is None else _slot_for_sure(self._staging, own_pool, stager,
+                                                                                   theirs, mine)
+        if least:  # SLOT or SLICED whatever the direct read's count: it is planned only if our pool is full
+            way = route(self._staging, sliced=sliced.num_descriptors, direct=least, own_pool=True, nbytes=nbytes,
+                        mem=region.mem)
+            if way is Route.SLICED:
+                return Work(part=part, plan=sliced)
+            return Work(part=part, plan=sliced, staged=Staged(stager=stager, src_blocks=theirs, dst_blocks=mine,
+                                                              addr=addr, dev=region.device_id, nbytes=nbytes,
+                                                              fallback_planned=False))
         direct = self._direct(held, stager, addr, region.device_id, theirs, mine)
         direct.check()
         way = route(self._staging, sliced=sliced.num_descriptors, direct=direct.num_descriptors,
-                    own_pool=self._pool is not None, nbytes=nbytes, mem=region.mem)
+                    own_pool=own_pool, nbytes=nbytes, mem=region.mem)
         if way is Route.SLICED:
             return Work(part=part, plan=sliced)  # the slot goes unread; the export's end frees it
         best = direct if direct.num_descriptors <= sliced.num_descriptors else sliced
@@ -236,13 +257,14 @@ class ImportStaging:
             self._forget(key)
 
     def slot_for(self, w: Work) -> Work:
-        """At post time: a staged part reads into a slot of ours if one is free (else directly)."""
+        """At post time: a staged part reads into a slot of ours if one is free (else directly). The Work it
+        returns holds the plan to post."""
         st, pool = w.staged, self._pool
-        if st is None or pool is None:
+        if st is None:
             return w
-        slot = pool.take(st.nbytes)
-        if slot is None:
-            return w  # full: the direct read (back-pressure falls back, never waits)
+        if pool is None or (slot := pool.take(st.nbytes)) is None:  # full: the direct read (back-pressure falls
+            # back, never waits)
+            return w if st.fallback_planned else _fallback(w, st)
         plan = slot_rows(st.addr, st.dev, pool.base + slot.offset, pool.region.device_id, st.nbytes)
         return dataclasses.replace(w, plan=plan, slot=slot)
 
@@ -262,6 +284,33 @@ class ImportStaging:
         """Its READ ended (landed, failed or aborted): nothing more lands in its slot."""
         if w.slot is not None and self._pool is not None:
             self._pool.give_back(w.slot)
+
+
+def _fallback(w: Work, st: Staged) -> Work:
+    """``w`` (its plan the sliced one) with the fallback ``staged_work`` leaves unplanned where the way is SLOT for
+    sure: the direct read where it is no longer than the sliced plan. Planned here, on the post path, only where
+    our pool is full. A read that does not plan (a bug: the Export was checked, and the bound paired the block
+    lists) posts the sliced plan, a read of the same bytes, rather than raising while other parts hold slots."""
+    try:
+        direct = st.stager.read(st.addr, st.dev, st.src_blocks, st.dst_blocks)
+        direct.check()
+    except ValueError:
+        direct = w.plan
+    plan = direct if direct.num_descriptors <= w.plan.num_descriptors else w.plan
+    return dataclasses.replace(w, plan=plan, staged=dataclasses.replace(st, fallback_planned=True))
+
+
+def _slot_for_sure(config: StagingConfig, own_pool: bool, stager: Stager, theirs: dict[int, np.ndarray],
+                   mine: dict[int, np.ndarray]) -> int:
+    """A lower bound on the rows of the direct read of ``theirs`` into ``mine`` where it passes
+    ``config.direct_rows`` and we have a pool of our own: ``route``'s way is then SLOT (one row) or SLICED
+    whatever the exact count, so the read need not be planned to decide. 0 otherwise (plan it), or where the
+    stager has no bound."""
+    least_of = getattr(stager, "read_rows_least", None)
+    if not own_pool or least_of is None:
+        return 0
+    least = least_of(theirs, mine, cap=config.direct_rows + 1)
+    return least if least > config.direct_rows else 0
 
 
 def _asked_stager(planned: PeerPlanner, source: int, fields: bytes | None) -> Stager | None:

@@ -8,6 +8,11 @@ planned before) it plans anew. In one process, over random block lists on real l
 16-token kernel blocks, block sizes that differ): the reused read equals a fresh ``stager.read`` row for row, the
 Work ``staged_work`` returns equals the one it returns planning anew, and the read is planned again exactly where
 reuse must not apply.
+
+Where we have a pool of our own and ``StagePlan.read_rows_least`` (a lower bound from the block lists alone) already
+passes ``direct_rows``, the way is SLOT or SLICED whatever the direct read's count: neither ``flags`` nor
+``staged_work`` plans it, and ``slot_for`` plans it only where our pool is full. The bound never exceeds the real
+count; the decisions equal those made with the exact count; what is posted equals planning anew.
 """
 
 from __future__ import annotations
@@ -83,6 +88,30 @@ def _same(x, y) -> bool:
     return (x is None and y is None) or (x is not None and y is not None and np.array_equal(x, y))
 
 
+class _NoBound:
+    """The stager without ``read_rows_least`` while in a ``with``: the exact count decides (the reference)."""
+
+    def __init__(self, *stagers) -> None:
+        self.stagers = [s for s in stagers if s is not None]
+
+    def __enter__(self):
+        for s in self.stagers:
+            s.read_rows_least = None  # shadows the method: import_staging takes it as absent
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s in self.stagers:
+            del s.read_rows_least
+
+
+def _full(pool: StagePool):
+    """Every slot of ``pool`` taken (give them back with ``pool.give_back``)."""
+    taken = []
+    while (slot := pool.take(pool.config.slot_bytes)) is not None:
+        taken.append(slot)
+    return taken
+
+
 def _equal(a, b) -> bool:
     """Two plans alike row for row (both forms)."""
     return all(_same(getattr(a, f), getattr(b, f))
@@ -111,8 +140,9 @@ class _Counted:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pair=st.sampled_from(PAIRS), seed=st.integers(0, 2**32 - 1), tokens=st.integers(1, 700),
-       case=st.sampled_from(["same", "same", "same", "prefix", "ours-moved", "on"]))
-def test_reused_direct_read_equals_a_fresh_one(pair, seed, tokens, case):
+       case=st.sampled_from(["same", "same", "same", "prefix", "ours-moved", "on"]), own=st.booleans(),
+       rows=st.sampled_from([1, 3, 8]))
+def test_reused_direct_read_equals_a_fresh_one(pair, seed, tokens, case, own, rows):
     p_tp, d_tp, kernel, p_block = pair
     layout, memory, pools, planned, peers = _pair(*pair)
     rng = np.random.default_rng(seed)
@@ -123,11 +153,17 @@ def test_reused_direct_read_equals_a_fresh_one(pair, seed, tokens, case):
     sched.add_request(rid)
     for g, b in mine.items():
         sched.assign(rid, g, [int(x) for x in b])
-    cfg = WINS if case != "on" else StagingConfig(**{**WINS.__dict__, "mode": StagingMode.ON})
+    # direct_rows of 1 and 3 too: more parts past it (SLOT for sure) at the few blocks these layouts hold
+    cfg = StagingConfig(**{**WINS.__dict__, "direct_rows": rows,
+                           "mode": StagingMode.ON if case == "on" else StagingMode.AUTO})
     side = types.SimpleNamespace(config=TransportConfig(), scheduler=sched, memory=memory)
-    staging = ImportStaging(side, staging=cfg, pool=StagePool(memory, cfg), prepared=lambda agents: planned)
+    pool = StagePool(memory, cfg) if own else None
+    staging = ImportStaging(side, staging=cfg, pool=pool, prepared=lambda agents: planned)
 
     asked = staging.flags(rid, peers)
+    with _NoBound(*(planned.stager(i) for i in range(len(peers)))):  # the decision the exact count makes
+        exact = ImportStaging(side, staging=cfg, pool=pool, prepared=lambda agents: planned)
+        assert exact.flags(rid, peers) == asked
     for i, peer in enumerate(peers):
         stager = planned.stager(i)
         if stager is None:  # feeds none of our fields (a GQA duplicate): never asked
@@ -135,8 +171,10 @@ def test_reused_direct_read_equals_a_fresh_one(pair, seed, tokens, case):
             continue
         held = staging._held.get((rid, peer.agent))
         # planned before the Want only under AUTO, where the slot holds as many tokens a block as ours, and kept
-        # only for a producer asked to stage (a rank that feeds one GDN state row is not: no staged read is shorter)
-        assert (held is not None) == (asked[i] and case != "on" and stager.same_blocks)
+        # only for a producer asked to stage (a rank that feeds one GDN state row is not: no staged read is shorter),
+        # and not where our blocks alone show it takes more than direct_rows and we have a pool (SLOT for sure)
+        sure = own and stager.same_blocks and stager.read_rows_least(mine, mine) > cfg.direct_rows
+        assert (held is not None) == (asked[i] and case != "on" and stager.same_blocks and not sure)
         prod = planned._layouts[i]
         extra = int(rng.integers(1, 4)) if case == "prefix" and p_block == 48 else 0  # a prefix hit here
         theirs = _draw(rng, prod, tokens, shared=shared, extra=extra)
@@ -147,7 +185,9 @@ def test_reused_direct_read_equals_a_fresh_one(pair, seed, tokens, case):
             used = set(now[g].tolist())
             now[g][int(rng.integers(len(now[g])))] = next(p for p in range(pages) if p not in used)
         reuse = held is not None and case in ("same", "on")
-        event(f"{case}: {'reused' if reuse else 'held, planned anew' if held is not None else 'nothing held'}")
+        skip = held is None and own and stager.read_rows_least(theirs, now) > cfg.direct_rows
+        event(f"{case}: {'reused' if reuse else 'held, planned anew' if held is not None else 'nothing held'}"
+              f"{', not planned (SLOT for sure)' if skip else ''}")
         region = peer.memory.regions[-1]
         nbytes = stager.nbytes(theirs)
         offset = int(rng.integers(region.stride * region.num_pages - nbytes + 1)) // region.stride * region.stride
@@ -169,14 +209,56 @@ def test_reused_direct_read_equals_a_fresh_one(pair, seed, tokens, case):
             staging._hold((rid, peer.agent), held)  # as flags left it
         with _Counted(stager) as counted:
             w = staging.staged_work(part, export, theirs, now, planned, i, sliced)
-        assert counted.calls == (0 if reuse else 1), (case, i)
+        assert counted.calls == (0 if reuse or skip else 1), (case, i)
         assert (rid, peer.agent) not in staging._held  # used once, or dropped
-        again = staging.staged_work(part, export, theirs, now, planned, i, sliced)  # nothing held: planned anew
-        assert _equal(w.plan, again.plan)
+        with _NoBound(stager):  # nothing held, no bound: planned anew, the exact count deciding
+            again = staging.staged_work(part, export, theirs, now, planned, i, sliced)
+        assert again.staged is None or again.staged.fallback_planned
         assert (w.staged is None) == (again.staged is None)
-        if w.staged is not None:
-            assert (w.staged.addr, w.staged.dev, w.staged.nbytes) == (again.staged.addr, again.staged.dev,
-                                                                      again.staged.nbytes)
+        if w.staged is None:
+            assert _equal(w.plan, again.plan)
+            continue
+        assert (w.staged.addr, w.staged.dev, w.staged.nbytes) == (again.staged.addr, again.staged.dev,
+                                                                  again.staged.nbytes)
+        assert w.staged.fallback_planned == (not skip) and (skip or _equal(w.plan, again.plan))
+        # what is posted: through a free slot of ours, and where our pool is full the fallback (planned now
+        # where staged_work left it unplanned), equal either way
+        for full in (False, True):
+            taken = _full(pool) if full else []
+            with _Counted(stager) as counted:
+                got = staging.slot_for(w)
+            assert counted.calls == (1 if full and skip else 0)
+            staging.free_slot(got)  # the same slot for the reference
+            want = staging.slot_for(again)
+            staging.free_slot(want)
+            assert (got.slot is None) == (want.slot is None) == full
+            assert _equal(got.plan, want.plan), (case, i, full)
+            assert got.staged.fallback_planned or got.slot is not None  # posted: the slot read, or planned
+            for x in taken:
+                pool.give_back(x)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pair=st.sampled_from(PAIRS), seed=st.integers(0, 2**32 - 1), tokens=st.integers(1, 700),
+       extra=st.sampled_from([0, 0, 1, 3]), cap=st.integers(1, 40))
+def test_read_rows_least_is_a_lower_bound(pair, seed, tokens, extra, cap):
+    """``StagePlan.read_rows_least`` never exceeds the direct read's real count, over block lists scattered, sorted
+    with gaps and in runs (where rows merge most), a prefix hit here (theirs longer), and counted up to ``cap``
+    it is the bound capped."""
+    layout, memory, pools, planned, peers = _pair(*pair)
+    rng = np.random.default_rng(seed)
+    shared = pair[2] is not None
+    mine = _draw(rng, layout, tokens, shared=shared)
+    for i in range(len(peers)):
+        stager = planned.stager(i)
+        if stager is None:
+            continue
+        theirs = _draw(rng, planned._layouts[i], tokens, shared=shared, extra=extra if pair[3] == 48 else 0)
+        real = stager.read(0, 0, theirs, mine).num_descriptors
+        least = stager.read_rows_least(theirs, mine)
+        event(f"{'tight' if least == real else 'loose'}; past 8: {least > 8}/{real > 8}")
+        assert 0 <= least <= real, (least, real)
+        assert stager.read_rows_least(theirs, mine, cap=cap) == min(least, cap)
 
 
 def test_held_reads_are_bounded_and_dropped(monkeypatch):
