@@ -296,7 +296,7 @@ class DataPlane:
         if src_i is not None and dst_i is not None:  # the index form (read directly: every fetch runs this)
             return self._ready(op, peer, dst_i if reading else src_i, src_i if reading else dst_i, notif)
         local, remote = (plan.dst, plan.src) if reading else (plan.src, plan.dst)
-        return functools.partial(self.post_rows, op, peer, local, remote, notif)
+        return self._ready_rows(op, peer, local, remote, notif)
 
     def post(self, op: Op, peer: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes = b"") -> Transfer:
         """Make and post a transfer of local_idx[i] <-> remote_idx[i]; raises TransferError on refusal."""
@@ -347,22 +347,32 @@ class DataPlane:
         of kinds, every one made before any is posted, so a refusal (TransferError)
         leaves nothing running. Should a later handle fail to post while earlier ones
         run, the transfer is returned and settles as ERROR."""
+        return self._ready_rows(op, peer, local_rows, remote_rows, notif)()
+
+    def _ready_rows(self, op: Op, peer: str, local_rows: np.ndarray, remote_rows: np.ndarray,
+                    notif: bytes) -> Callable[[], Transfer]:
+        """:meth:`post_rows`' checks now (shapes, every row inside a registration), its NIXL calls when the
+        result is called."""
         entry = self._peer(peer)
         lr = np.ascontiguousarray(local_rows, dtype=np.uint64)
         rr = np.ascontiguousarray(remote_rows, dtype=np.uint64)
         if lr.shape != rr.shape or lr.ndim != 2 or lr.shape[1] != 3 or lr.shape[0] == 0:
             raise ValueError(f"row arrays of shapes {lr.shape} and {rr.shape}; expected equal non-empty Nx3")
         groups = group_by_kind(lr, self.spans, rr, entry.spans)
-        handles = []
-        try:
-            for (lm, rm), (l_part, r_part) in groups.items():
-                ld = self.agent.get_xfer_descs(l_part, lm.name)
-                rd = self.agent.get_xfer_descs(r_part, rm.name)
-                handles.append(self.agent.initialize_xfer(op.value, ld, rd, peer, notif))
-        except Exception as exc:
-            self._release_all(handles)
-            raise TransferError(f"NIXL refused the transfer to {peer}: {type(exc).__name__}: {exc}") from exc
-        return self._start(Transfer(handles, peer, lr.shape[0], lambda: lr[:, 1].sum()))
+
+        def go() -> Transfer:
+            handles = []
+            try:
+                for (lm, rm), (l_part, r_part) in groups.items():
+                    ld = self.agent.get_xfer_descs(l_part, lm.name)
+                    rd = self.agent.get_xfer_descs(r_part, rm.name)
+                    handles.append(self.agent.initialize_xfer(op.value, ld, rd, peer, notif))
+            except Exception as exc:
+                self._release_all(handles)
+                raise TransferError(f"NIXL refused the transfer to {peer}: {type(exc).__name__}: {exc}") from exc
+            return self._start(Transfer(handles, peer, lr.shape[0], lambda: lr[:, 1].sum()))
+
+        return go
 
     def _start(self, xfer: Transfer) -> Transfer:
         peer = xfer.peer
