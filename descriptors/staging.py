@@ -70,13 +70,8 @@ def compact_layout(src: Layout, dst: Layout, keys: Collection[FieldKey], *, dst_
     return Layout(geometry=src.geometry, tp=src.tp, rank=src.rank, regions=tuple(regions), groups=tuple(groups))
 
 
-def shared_keys(src: Layout, dst: Layout) -> frozenset[FieldKey]:
-    """Every field of ``dst`` that ``src`` holds: what a producer stages for a consumer that asks."""
-    return frozenset(shared_order(src, dst))
-
-
 def shared_order(src: Layout, dst: Layout) -> tuple[FieldKey, ...]:
-    """:func:`shared_keys` in ``dst``'s order (groups, placements, fields as it lists them): the list a Want's
+    """Every field of ``dst`` that ``src`` holds (what a producer can stage for a consumer), in ``dst``'s order (groups, placements, fields as it lists them): the list a Want's
     field mask numbers (:func:`field_mask`), which both sides derive alike from the two layouts."""
     theirs = {f.key for g in src.groups for p in g.placements for f in p.fields}
     return tuple(f.key for g in dst.groups for p in g.placements for f in p.fields if f.key in theirs)
@@ -125,7 +120,7 @@ class StagePlan:
 
     def __init__(self, src: Layout, dst: Layout, keys: Collection[FieldKey],
                  reads: Collection[FieldKey] | None = None, *, dst_order: bool = False) -> None:
-        """``keys``: what the producer packs (:func:`shared_keys`, both sides compute it alike);
+        """``keys``: what the producer packs (:func:`masked_keys` of :func:`shared_order`, both sides compute it alike);
         ``reads``: what the consumer takes from it (default all; fewer where GQA has it read a
         replicated head from another producer rank); ``dst_order``: compact pages in the consumer's
         order (:func:`compact_layout`)."""
@@ -322,4 +317,4 @@ def _merged(plan: TransferPlan) -> TransferPlan:
     return TransferPlan(src=src, dst=dst, src_region=plan.src_region[starts], dst_region=plan.dst_region[starts])
 
 
-__all__ = ["StagePlan", "compact_layout", "field_mask", "masked_keys", "shared_keys", "shared_order"]
+__all__ = ["StagePlan", "compact_layout", "field_mask", "masked_keys", "shared_order"]
