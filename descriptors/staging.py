@@ -71,8 +71,9 @@ def compact_layout(src: Layout, dst: Layout, keys: Collection[FieldKey], *, dst_
 
 
 def shared_order(src: Layout, dst: Layout) -> tuple[FieldKey, ...]:
-    """Every field of ``dst`` that ``src`` holds (what a producer can stage for a consumer), in ``dst``'s order (groups, placements, fields as it lists them): the list a Want's
-    field mask numbers (:func:`field_mask`), which both sides derive alike from the two layouts."""
+    """Every field of ``dst`` that ``src`` holds (what a producer can stage for a consumer), in ``dst``'s order
+    (groups, placements, fields as it lists them): the list a Want's field mask numbers (:func:`field_mask`),
+    which both sides derive alike from the two layouts."""
     theirs = {f.key for g in src.groups for p in g.placements for f in p.fields}
     return tuple(f.key for g in dst.groups for p in g.placements for f in p.fields if f.key in theirs)
 

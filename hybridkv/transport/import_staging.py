@@ -7,7 +7,8 @@ producer to stage (under AUTO only where staging can win, which plans the slot's
 the Export names a slot it plans the read (sliced, straight from the slot into our pages, or through a slot of
 ours; the slot's read weighed before the Want is moved to the slot where the Export's blocks allow, and not
 planned at all where a lower bound from our blocks shows the way is a slot of ours whatever its count, unless our
-pool is full at post time), takes our slot at post time, unpacks it once every READ ended and gives it back when nothing more can land there.
+pool is full at post time), takes our slot at post time, unpacks it once every READ ended and gives it back when
+nothing more can land there.
 :class:`Work` (one producer's READ) is defined here, as its staged read and slot are this module's.
 """
 
