@@ -26,7 +26,7 @@ from hybridkv.transport.staging import BadFieldMask, StagePool, Stager
 
 log = logging.getLogger(__name__)
 
-_MASKS_PER_PEER = 4  # field masks whose stagers are kept per consumer (it names one per producer it reads)
+_MASKS_PER_PEER = 4  # field masks one consumer may name (it names one per producer pair; more are refused)
 
 
 class ExportStaging:
@@ -48,11 +48,17 @@ class ExportStaging:
     def stager(self, peer: Peer, fields: bytes = b"") -> Stager | None:
         """What this side packs for ``peer`` under the field mask ``fields`` (wire.Want.fields), or None where it
         stages nothing for that peer (no pool, layouts that do not pair by fields). A mask that names no field of
-        the pair or one past them raises BadFieldMask naming it (the Want is refused)."""
+        the pair or one past them, or a new mask past the few a consumer may name, raises BadFieldMask naming it
+        (the Want is refused)."""
         if self.pool is None:
             return None
         mine = self._stagers.setdefault(peer.agent, {})
         if fields not in mine:
+            if len(mine) >= _MASKS_PER_PEER:
+                # A consumer names one mask per producer pair; one cycling masks would make this side rebuild a
+                # stager per Want (ms of CPU at model size), so a new mask past the few kept is refused instead.
+                raise BadFieldMask(f"stage field mask {fields.hex() or '(every field)'}: this consumer named "
+                                   f"{len(mine)} others; expected at most {_MASKS_PER_PEER} masks per connection")
             make = getattr(self._planner, "stager", None)
             try:
                 # a Want without a mask asks by the planner's own signature (models in the tests take no mask)
@@ -63,8 +69,6 @@ class ExportStaging:
             except ValueError as exc:
                 log.debug("no staging for %s: %s", peer.agent, exc)  # unstaged: the plan will say why
                 got = None
-            if len(mine) >= _MASKS_PER_PEER:
-                mine.pop(next(iter(mine)))  # a peer cycling masks rebuilds, never grows the table
             mine[fields] = got
         return mine[fields]
 

@@ -6,7 +6,8 @@ producer (a mask over the fields the pair shares, descriptors/staging.py ``field
 other fields only. In one process: the mask's encoding, refusals and the stagers both sides build from it. Between
 processes (P4 -> D1, one KV head: ranks 1-3 hold it too; real NIXL, DRAM): every field lands equal to its
 producer's, each Export's slot is the asked fields' bytes (ranks 1-3: fewer than every field's), and a Want whose
-mask names a field past the pair's is refused with a Failure naming it while the producer serves on.
+mask names a field past the pair's is refused with a Failure naming it while the producer serves on, as is a
+fifth distinct mask from one consumer (each new mask costs the producer a stager build).
 """
 
 from __future__ import annotations
@@ -139,6 +140,22 @@ async def _consumer(opts, out, inbox):
     results = [await cons.fetch(rid, comps, token=token(rid), peers=agents) for rid in plans]
     sched.audit()
     out.put(("results", [(r.request_id, r.outcome.name, r.error) for r in results]))
+
+    # Rank 1 now holds one mask's stager for this consumer; three other valid masks are taken (their Wants wait
+    # for exports that never come), and a fifth is refused rather than built (a stager per Want is ms of CPU).
+    mine = plan.stager(1).fields
+    others = [m for m in (bytes([1 << i]) + bytes(len(mine) - 1) for i in range(8)) if m != mine][:4]
+    for i, mask in enumerate(others):
+        await cons.want(f"cycle{i}", token=token(f"cycle{i}"), peer=agents[1], stage=True, fields=mask)
+    part = cons._parts.get(agents[1], "cycle3")
+    try:
+        await asyncio.wait_for(asyncio.shield(part.export), 30)
+        cycled = None
+    except PeerError as exc:
+        cycled = str(exc)
+    for i in range(len(others)):
+        cons._parts.pop(agents[1], f"cycle{i}")
+    out.put(("cycled", (cycled, others[3].hex())))
     out.put(("slots", slots))
     out.put(("fields", {rid: hetero_peers.field_digests(layout, plans[rid], t) for rid, t in opts["requests"]}))
     out.put(("sources", {r: sorted(f"{k[0].value}/{k[1]}/{k[2]}" for k in keys) for r, keys in plan.sources.items()}))
@@ -161,6 +178,8 @@ def test_producers_pack_only_the_fields_read_and_refuse_a_bad_mask():
         refused, bit, shared = cons.expect("refused")
         assert refused is not None and f"names field {bit}; expected fields 0..{shared - 1}" in refused, refused
         assert [r[1] for r in cons.expect("results")] == ["READY"] * len(REQUESTS)  # served on after the refusal
+        cycled, mask = cons.expect("cycled")
+        assert cycled is not None and f"stage field mask {mask}: this consumer named 4 others" in cycled, cycled
         slots = cons.expect("slots")
         for rid, _ in REQUESTS:
             got = slots[rid]
