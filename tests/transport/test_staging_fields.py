@@ -99,7 +99,6 @@ async def _consumer(opts, out, inbox):
     """hetero_peers' decode rank, staged (ON), which first sends producer rank 1 a Want whose mask names a
     field past the pair's, and records each Export's slot against the stagers' bytes."""
     from hybridkv.descriptors.planning import DescriptorPlanner
-    from hybridkv.errors import PeerError
     from hybridkv.fencing.scheduler import TransferScheduler
     from hybridkv.transport.endpoint import Consumer, Pairing, TransportConfig
     from hybridkv.transport.memory import from_layout
@@ -114,14 +113,7 @@ async def _consumer(opts, out, inbox):
     shared = len(plan.stager(1, b"").keys)
     bad = bytes(-(-shared // 8) - 1) + b"\x80"
     await cons.want("bad", token=token("bad"), peer=agents[1], stage=True, fields=bad)
-    part = cons._parts.get(agents[1], "bad")
-    try:
-        await asyncio.wait_for(asyncio.shield(part.export), 30)
-        refused = None
-    except PeerError as exc:
-        refused = str(exc)
-    cons._parts.pop(agents[1], "bad")
-    out.put(("refused", (refused, 8 * len(bad) - 1, shared)))
+    out.put(("refused", (await _refusal(cons, agents[1], "bad"), 8 * len(bad) - 1, shared)))
 
     slots: dict = {}
     staged_work = cons._importer._staging.staged_work
@@ -147,13 +139,8 @@ async def _consumer(opts, out, inbox):
     others = [m for m in (bytes([1 << i]) + bytes(len(mine) - 1) for i in range(8)) if m != mine][:4]
     for i, mask in enumerate(others):
         await cons.want(f"cycle{i}", token=token(f"cycle{i}"), peer=agents[1], stage=True, fields=mask)
-    part = cons._parts.get(agents[1], "cycle3")
-    try:
-        await asyncio.wait_for(asyncio.shield(part.export), 30)
-        cycled = None
-    except PeerError as exc:
-        cycled = str(exc)
-    for i in range(len(others)):
+    cycled = await _refusal(cons, agents[1], "cycle3")
+    for i in range(len(others) - 1):
         cons._parts.pop(agents[1], f"cycle{i}")
     out.put(("cycled", (cycled, others[3].hex())))
     out.put(("slots", slots))
@@ -162,6 +149,20 @@ async def _consumer(opts, out, inbox):
     out.put(("state", {"phases": {rid: sched.phase(rid).name for rid in plans}, "staging": cons.staging.describe()}))
     await _await_inbox(inbox, "stop", cons)
     await cons.close()
+
+
+async def _refusal(cons, agent: str, rid: str) -> str | None:
+    """The Failure text that answered the Want of ``rid`` sent to ``agent``, or None where an Export came."""
+    from hybridkv.errors import PeerError
+
+    part = cons._parts.get(agent, rid)
+    try:
+        await asyncio.wait_for(asyncio.shield(part.export), 30)
+        return None
+    except PeerError as exc:
+        return str(exc)
+    finally:
+        cons._parts.pop(agent, rid)
 
 
 @pytest.mark.slow
