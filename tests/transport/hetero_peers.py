@@ -194,8 +194,7 @@ async def _consumer(opts, out, inbox):
     cons = Consumer(memory, sched, TransportConfig(secret=SECRET, insecure_host_memory=host), planner=planner,
                     staging=_staging(opts))
     copies: list = []
-    if opts.get("e2e"):
-        _timed(cons.staging, copies)
+    _timed(cons.staging, copies)  # the decode's copier runs only unpacks
     agents = [await cons.connect(host, port) for host, port in opts["addrs"]]
     plan = cons.prepared(agents)
     comps = components(layout)
@@ -258,7 +257,7 @@ async def _consumer(opts, out, inbox):
     host_copy.clear()
     out.put(("sources", {r: sorted(f"{k[0].value}/{k[1]}/{k[2]}" for k in keys) for r, keys in plan.sources.items()}))
     out.put(("state", {"phases": {rid: sched.phase(rid).name for rid in plans},
-                       "in_flight": sched.transfers_in_flight(),
+                       "in_flight": sched.transfers_in_flight(), "unpack_runs": len(copies),
                        "staging": None if cons.staging is None else cons.staging.describe()}))
     await cons.close()
     out.put(("finished", None))
@@ -290,6 +289,7 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
         nbytes_of: dict[str, list[int]] = {rid: [] for rid, _ in requests}
         copies: dict[str, list] = {"pack": [], "unpack": [], "engine": []}  # runs: a list per process
         prefill_staging = []  # each producer rank's pool counters (describe())
+        unpack_runs = []  # each decode rank's unpacks (copier runs)
         bad = []
         for cons in conss:
             if opts.get("e2e"):  # before results: a long run's reports arrive in this order
@@ -317,6 +317,7 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
                 nbytes_of[rid].append(nbytes)
             state = cons.expect("state")
             assert set(state["phases"].values()) == {"READY"} and state["in_flight"] == 0
+            unpack_runs.append(state["unpack_runs"])
             if state["staging"] is not None:  # every slot of ours back: its READ ended, it was unpacked
                 assert state["staging"]["free"] == state["staging"]["units"], state["staging"]
                 # a full pool falls back to the sliced read unsaid: a timing run must never have
@@ -345,6 +346,7 @@ def run_pair(p_tp: int, d_tp: int, p_block: int, d_block: int, requests, **opts)
                                 want=[a for a, _ in splits[rid]], after=[b for _, b in splits[rid]])
             out["copies"] = copies
         out["prefill_staging"] = prefill_staging
+        out["unpack_runs"] = unpack_runs
         return out
     finally:
         for p in prods + conss:

@@ -75,6 +75,8 @@ def test_hetero_tp_field_by_field(p_tp, d_tp, p_block, d_block, geo, requests, s
             elif rid == "r1":  # each producer rank's slot read into one slot of the decode rank's
                 assert most <= p_tp, measured[rid]
             print(line)
+    if staging is SLOT:  # every staged read of a fetch lands in a slot of ours: all are unpacked in one run
+        assert measured["unpack_runs"] == [sum(rid != "r2" for rid, _ in requests)] * d_tp, measured["unpack_runs"]
 
 
 def test_model_run_checked_sized_and_weighed():
