@@ -298,7 +298,7 @@ def _align(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> tuple[np.ndarray, n
     return sb, db
 
 
-def _paired(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+def paired_blocks(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """The block lists aligned (block sizes differ, or the counts do) and how many pairs of blocks they make."""
     if sb.shape[0] != db.shape[0] or t.src_block_tokens != t.dst_block_tokens:
         sb, db = _align(t, sb, db)
@@ -309,7 +309,7 @@ def _paired(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> tuple[np.ndarray, 
 
 
 def _compile_group(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> _Columns | None:
-    sb, db, pairs = _paired(t, sb, db)
+    sb, db, pairs = paired_blocks(t, sb, db)
     ns, nd = sb.shape[0], db.shape[0]
     if pairs == 0 or t.num_pieces == 0:
         return None
@@ -347,7 +347,7 @@ def _compile_group(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> _Columns | 
 def piece_pages(t: PieceTable, sb: np.ndarray, db: np.ndarray):
     """Per piece of ``t``: (piece index, src pages, dst pages) its copies pair, block lists aligned
     as :meth:`TransferPlanner.compile` aligns them (for local copies: the staging pack/unpack)."""
-    sb, db, pairs = _paired(t, _blocks(sb, "src", t.group_id), _blocks(db, "dst", t.group_id))
+    sb, db, pairs = paired_blocks(t, _blocks(sb, "src", t.group_id), _blocks(db, "dst", t.group_id))
     ns, nd = sb.shape[0], db.shape[0]
     if pairs == 0:
         return
@@ -424,4 +424,4 @@ def _finish(cols: list[_Columns], coalesce: bool, indexed: bool) -> TransferPlan
     )
 
 
-__all__ = ["PieceTable", "TransferPlan", "TransferPlanner", "compile_transfer", "plan_sources"]
+__all__ = ["PieceTable", "TransferPlan", "TransferPlanner", "compile_transfer", "paired_blocks", "plan_sources"]

@@ -32,7 +32,7 @@ from hybridkv.transport.plan import TransferPlan
 from hybridkv.transport.staging import BadFieldMask, CopyStep, Place
 
 from . import pieces as pc
-from .compiler import TransferPlanner, _paired, piece_pages
+from .compiler import TransferPlanner, paired_blocks, piece_pages
 
 #: page count of a compact region: a bound for the compiler's checks, not memory
 _COMPACT_PAGES = 1 << 24
@@ -249,7 +249,7 @@ class StagePlan:
             if n == nd and t.src_block_tokens == t.dst_block_tokens:
                 sb, pairs = None, n  # src pages 0..n-1 pair ours in order (the common case, without numpy)
             else:
-                sb, db, pairs = _paired(t, np.arange(n, dtype=np.int64), db)
+                sb, db, pairs = paired_blocks(t, np.arange(n, dtype=np.int64), db)
             if pairs == 0:
                 continue
             for (s_k, d_k, s_per, d_per, s_stride, d_stride), n_c in self._offsets[g]:

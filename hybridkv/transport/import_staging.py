@@ -136,20 +136,14 @@ class ImportStaging:
         return [getattr(s, "fields", b"") if s is not None else b"" for s in stagers]
 
     @staticmethod
-    def _may_win(config: StagingConfig, *, own_pool: bool, planned: PeerPlanner, source: int, stager: Stager,
-                 peer, mine: dict[int, np.ndarray]) -> bool:
-        """Whether ``route`` can stage producer ``source``'s part, weighed from our own blocks before its
-        Export (``staging.may_stage``). Where blocks hold as many tokens on both sides the producer exports
-        as many per group, or more at our prefix hit (more bytes, the same direct rows in each group, fewer
-        joined across groups). The sliced plan is at most every block its own run: one block's rows times
-        the blocks. Anything else (block sizes differ, no staging region): ask, as route decides after."""
-        return ImportStaging._weigh(config, own_pool=own_pool, planned=planned, source=source, stager=stager,
-                                    peer=peer, mine=mine)[0]
-
-    @staticmethod
     def _weigh(config: StagingConfig, *, own_pool: bool, planned: PeerPlanner, source: int, stager: Stager,
                peer, mine: dict[int, np.ndarray]) -> tuple[bool, _Held | None]:
-        """:meth:`_may_win`, and the direct read it planned from our blocks (None where it planned none)."""
+        """Whether ``route`` can stage producer ``source``'s part, weighed from our own blocks before its
+        Export (``staging.may_stage``), and the direct read it planned for that (None where it planned none).
+        Where blocks hold as many tokens on both sides the producer exports as many per group, or more at our
+        prefix hit (more bytes, the same direct rows in each group, fewer joined across groups). The sliced plan
+        is at most every block its own run: one block's rows times the blocks. Anything else (block sizes differ,
+        no staging region): ask, as route decides after."""
         region = staging_region(peer)
         if region is None or not stager.same_blocks:
             return True, None
@@ -263,8 +257,8 @@ class ImportStaging:
         st, pool = w.staged, self._pool
         if st is None:
             return w
-        if pool is None or (slot := pool.take(st.nbytes)) is None:  # full: the direct read (back-pressure falls
-            # back, never waits)
+        if pool is None or (slot := pool.take(st.nbytes)) is None:
+            # full: the direct read (back-pressure falls back, never waits)
             return w if st.fallback_planned else _fallback(w, st)
         plan = slot_rows(st.addr, st.dev, pool.base + slot.offset, pool.region.device_id, st.nbytes)
         return dataclasses.replace(w, plan=plan, slot=slot)

@@ -98,8 +98,8 @@ def test_weighing_never_skips_a_part_route_would_stage(p_tp, d_tp, kernel):
             direct = stager.read(slot.base_addr, slot.device_id, theirs, mine).num_descriptors
             for us, gbps in COSTS:
                 cfg = StagingConfig(descriptor_us=us, copy_gbps=gbps)
-                ask = ImportStaging._may_win(cfg, own_pool=True, planned=planned, source=i, stager=stager, peer=peer,
-                                             mine=mine)
+                ask, _ = ImportStaging._weigh(cfg, own_pool=True, planned=planned, source=i, stager=stager, peer=peer,
+                                              mine=mine)
                 way = route(cfg, sliced=sliced, direct=direct, own_pool=True, nbytes=stager.nbytes(theirs),
                             mem=slot.mem)
                 assert ask or way is Route.SLICED, (trial, i, us, gbps, sliced, direct)
