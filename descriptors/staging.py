@@ -140,6 +140,9 @@ class StagePlan:
         self._unpack: dict[int, pc.PieceTable] = {
             int(g.group_id): pc.merge_table(pc.field_table(v, g, dst, dst.group(g.group_id), self.reads))
             for g in v.groups}
+        self._places = {("pack", g): _piece_places(t, src, pages_from_slot=False) for g, t in self._pack.items()}
+        self._places.update({("unpack", g): _piece_places(t, dst, pages_from_slot=True)
+                             for g, t in self._unpack.items()})
         # dst's groups that the slot holds (one whose fields this producer packs none of has no compact page)
         held = dataclasses.replace(dst, groups=tuple(g for g in dst.groups if int(g.group_id) in self._pack))
         self._read = TransferPlanner(v, held, keys=self.reads)
@@ -180,8 +183,8 @@ class StagePlan:
             if n == 0:
                 continue
             sb = np.asarray(src_blocks[g], dtype=np.int64)
-            steps += self._steps(self._pack[g], sb, np.arange(n, dtype=np.int64), src_slot=None, dst_slot=base + at,
-                                 stride=self.page_bytes[g], local=self.src)
+            steps += self._steps(self._pack[g], self._places["pack", g], sb, np.arange(n, dtype=np.int64),
+                                 src_slot=None, dst_slot=base + at, stride=self.page_bytes[g])
         return steps
 
     def unpack(self, src_blocks: Mapping[int, np.ndarray], dst_blocks: Mapping[int, np.ndarray], *,
@@ -192,20 +195,23 @@ class StagePlan:
             if self._unpack[g].num_pieces == 0:
                 continue
             db = np.asarray(dst_blocks.get(g, ()), dtype=np.int64)
-            steps += self._steps(self._unpack[g], np.arange(n, dtype=np.int64), db, src_slot=base + at, dst_slot=None,
-                                 stride=self.page_bytes[g], local=self.dst)
+            steps += self._steps(self._unpack[g], self._places["unpack", g], np.arange(n, dtype=np.int64), db,
+                                 src_slot=base + at, dst_slot=None, stride=self.page_bytes[g])
         return steps
 
-    def _steps(self, t: pc.PieceTable, sb: np.ndarray, db: np.ndarray, *, src_slot: int | None,
-               dst_slot: int | None, stride: int, local: Layout) -> list[CopyStep]:
+    @staticmethod
+    def _steps(t: pc.PieceTable, places: tuple[list[Place], list[int], list[int]], sb: np.ndarray, db: np.ndarray,
+               *, src_slot: int | None, dst_slot: int | None, stride: int) -> list[CopyStep]:
+        """One step per piece of ``t``: the slot's side at ``src_slot``/``dst_slot`` (pages ``stride`` apart),
+        the other where ``places`` (:func:`_piece_places`, made once per table: a kernel-block unpack has
+        hundreds of pieces per producer, on the request's path) says."""
+        fixed, slot_offsets, lengths = places
+        at = src_slot if src_slot is not None else dst_slot
         out = []
         for p, s_pages, d_pages in piece_pages(t, sb, db):
-            s_reg, d_reg = int(t.s_region[p]), int(t.d_region[p])
-            src = Place(region=None, offset=src_slot + int(t.s_off[p]), stride=stride) if src_slot is not None \
-                else Place(region=s_reg, offset=int(t.s_off[p]), stride=local.regions[s_reg].stride)
-            dst = Place(region=None, offset=dst_slot + int(t.d_off[p]), stride=stride) if dst_slot is not None \
-                else Place(region=d_reg, offset=int(t.d_off[p]), stride=local.regions[d_reg].stride)
-            out.append(CopyStep(src=src, dst=dst, src_pages=s_pages, dst_pages=d_pages, length=int(t.length[p])))
+            slot = Place(region=None, offset=at + slot_offsets[p], stride=stride)
+            src, dst = (slot, fixed[p]) if src_slot is not None else (fixed[p], slot)
+            out.append(CopyStep(src=src, dst=dst, src_pages=s_pages, dst_pages=d_pages, length=lengths[p]))
         return out
 
     def read(self, slot_addr: int, slot_dev: int, src_blocks: Mapping[int, np.ndarray],
@@ -286,6 +292,16 @@ class StagePlan:
         src[:, 0] += slot_addr - was
         src[:, 2] = slot_dev
         return dataclasses.replace(plan, src=src)
+
+
+def _piece_places(t: pc.PieceTable, local: Layout, *, pages_from_slot: bool) -> tuple[list[Place], list[int],
+                                                                                          list[int]]:
+    """Per piece of ``t``: its place in ``local``'s regions (the dst side where the slot is the src, else the
+    src side), its offset on the slot's side, and its length, as Python objects made once."""
+    region, offset = (t.d_region, t.d_off) if pages_from_slot else (t.s_region, t.s_off)
+    fixed = [Place(region=r, offset=o, stride=local.regions[r].stride)
+             for r, o in zip(region.tolist(), offset.tolist())]
+    return fixed, (t.s_off if pages_from_slot else t.d_off).tolist(), t.length.tolist()
 
 
 def _offset_classes(t: pc.PieceTable) -> list[tuple[tuple[int, ...], int]]:

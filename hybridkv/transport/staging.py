@@ -45,7 +45,7 @@ import numpy as np
 
 from hybridkv import wire
 from hybridkv.kernels.staging.reference import gather_rows_reference, rows_view
-from hybridkv.kernels.staging.rows import RowCopy, address
+from hybridkv.kernels.staging.rows import RowCopy, RowTable, address, table_of
 from hybridkv.transport.memory import MemoryMap
 from hybridkv.transport.plan import TransferPlan
 
@@ -238,6 +238,11 @@ class Stager(Protocol):
         ...
 
 
+def _starts(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Where each (non-empty) array starts in their concatenation: numpy's reduceat, one reduction per array."""
+    return np.concatenate(([0], np.cumsum([a.size for a in arrays[:-1]], dtype=np.int64))).astype(np.int64)
+
+
 def _host_bytes(addr: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
 
@@ -268,63 +273,97 @@ class Copier:
         self._max_word = max_word  # below 8 only to measure what the word buys (bench staging)
         self.engine = engine
         self._gather: Any = None  # a GPU run's gather function, resolved on the first one
+        self._gather_table: Any = None  # the kernel's, over a row table (where the gather is the kernel)
 
     def _span(self, region: int | None):
-        if region is None:
-            return self._buffer
+        return self._span_at(region)[0]
+
+    def _span_at(self, region: int | None) -> tuple[Any, int]:
+        """(the flat buffer ``region`` lies in, its address): looked up once per region (numpy's address
+        costs microseconds, and a kernel-block unpack runs thousands of steps)."""
         got = self._spans.get(region)
         if got is None:
-            r = self._memory.regions[region]
-            if (r.mem is wire.Mem.VRAM) != bool(self._vram):
-                # a host view of device memory (or the reverse) would read or write the wrong bytes
-                raise ValueError(f"a copy touches region {region} in {r.mem.name}, the staging slot is in "
-                                 f"{'VRAM' if self._vram else 'host memory'}; expected one memory kind")
-            n = r.stride * (r.num_pages - 1) + r.page_bytes
-            if self._vram:
-                import torch
-
-                got = torch.as_tensor(_CudaBytes(r.base_addr, n), device=f"cuda:{r.device_id}")
+            if region is None:
+                buf = self._buffer
             else:
-                got = _host_bytes(r.base_addr, n)
-            self._spans[region] = got
+                r = self._memory.regions[region]
+                if (r.mem is wire.Mem.VRAM) != bool(self._vram):
+                    # a host view of device memory (or the reverse) would read or write the wrong bytes
+                    raise ValueError(f"a copy touches region {region} in {r.mem.name}, the staging slot is in "
+                                     f"{'VRAM' if self._vram else 'host memory'}; expected one memory kind")
+                n = r.stride * (r.num_pages - 1) + r.page_bytes
+                if self._vram:
+                    import torch
+
+                    buf = torch.as_tensor(_CudaBytes(r.base_addr, n), device=f"cuda:{r.device_id}")
+                else:
+                    buf = _host_bytes(r.base_addr, n)
+            got = self._spans[region] = (buf, address(buf))
         return got
 
-    def _checked(self, place: Place, pages: np.ndarray, length: int):
-        """The span ``place`` lies in, once every page's piece is checked to lie inside it."""
-        buf = self._span(place.region)
-        size = int(buf.shape[0])
-        lo, hi = int(pages.min()), int(pages.max())
-        if lo < 0 or place.offset < 0 or place.offset + hi * place.stride + length > size:
-            # neither strided views nor the kernel's raw addresses check bounds: a bad step must never touch
-            # memory past its span
-            where = "the staging slot" if place.region is None else f"region {place.region}"
-            raise ValueError(f"copy of pages {lo}..{hi} ({length} bytes at offset {place.offset}, stride "
-                             f"{place.stride}) runs past {where} ({size} bytes); expected it inside")
-        return buf
+    def _check(self, steps: Sequence[CopyStep]) -> None:
+        """Every page's piece of every step inside its span, checked at once (neither strided views nor the
+        kernel's raw addresses check bounds: a bad step must never touch memory past its span). Raises naming
+        the first step that runs past."""
+        length = np.array([s.length for s in steps], dtype=np.int64)
+        starts = _starts([s.src_pages for s in steps])
+        for side in ("src", "dst"):
+            places = [getattr(s, side) for s in steps]
+            pages = np.concatenate([getattr(s, f"{side}_pages") for s in steps]).astype(np.int64, copy=False)
+            lo, hi = np.minimum.reduceat(pages, starts), np.maximum.reduceat(pages, starts)
+            offset = np.array([p.offset for p in places], dtype=np.int64)
+            stride = np.array([p.stride for p in places], dtype=np.int64)
+            sizes = {r: int(self._span(r).shape[0]) for r in {p.region for p in places}}
+            size = np.array([sizes[p.region] for p in places], dtype=np.int64)
+            bad = (lo < 0) | (offset < 0) | (offset + hi * stride + length > size)
+            if bad.any():
+                i = int(np.argmax(bad))
+                where = "the staging slot" if places[i].region is None else f"region {places[i].region}"
+                raise ValueError(f"copy of pages {lo[i]}..{hi[i]} ({length[i]} bytes at offset {offset[i]}, stride "
+                                 f"{stride[i]}) runs past {where} ({size[i]} bytes); expected it inside")
 
-    def _word(self, step: CopyStep) -> int:
-        """The widest element (8, 4, 2 or 1 bytes) that tiles both sides of ``step``: a gather moves one
+    def _words(self, steps: Sequence[CopyStep]) -> np.ndarray:
+        """Per step the widest element (8, 4, 2 or 1 bytes) that tiles both of its sides: a gather moves one
         element per index, so bytes one at a time ran at 1-4% of a plain copy on an H100 (bench staging)."""
-        parts = (step.length, step.src.offset, step.src.stride, step.dst.offset, step.dst.stride,
-                 address(self._span(step.src.region)), address(self._span(step.dst.region)))
-        return next(w for w in (8, 4, 2, 1) if w <= self._max_word and all(p % w == 0 for p in parts))
+        at = {r: a for r, (_, a) in self._spans.items()}  # every step's regions were checked, so looked up
+        bits = np.array([s.length | s.src.offset | s.src.stride | s.dst.offset | s.dst.stride
+                         | at[s.src.region] | at[s.dst.region] for s in steps], dtype=np.int64)
+        low = bits & -bits  # the lowest set bit: the widest power of two dividing every part (none where all are 0)
+        return np.where((low == 0) | (low > self._max_word), self._max_word, low)
 
-    def plan(self, steps: Sequence[CopyStep]) -> list[RowCopy]:
-        """The row copies that run ``steps`` (empty ones dropped), every step's bounds and memory kind checked
-        first: a bad step raises here, before any byte of any step moves (no half-applied pack)."""
-        out = []
+    def _live(self, steps: Sequence[CopyStep]) -> list[CopyStep]:
+        """The steps that move a byte, each checked in bounds and memory kind: a bad step raises here, before
+        any byte of any step moves (no half-applied pack)."""
+        steps = [s for s in steps if s.src_pages.size]
         for s in steps:
-            if not s.src_pages.size:
-                continue
             if s.src_pages.shape != s.dst_pages.shape or s.src_pages.ndim != 1:
                 raise ValueError(f"copy of {s.src_pages.shape} source pages into {s.dst_pages.shape}; expected "
                                  "one destination page per source page")
-            src = self._checked(s.src, s.src_pages, s.length)
-            dst = self._checked(s.dst, s.dst_pages, s.length)
-            out.append(RowCopy(src=src, src_offset=s.src.offset, src_stride=s.src.stride, src_rows=s.src_pages,
-                               dst=dst, dst_offset=s.dst.offset, dst_stride=s.dst.stride, dst_rows=s.dst_pages,
-                               length=s.length, word=self._word(s)))
-        return out
+        for region in {p.region for s in steps for p in (s.src, s.dst)}:
+            self._span_at(region)  # looked up (and its memory kind checked) once, for plan and table
+        if steps:
+            self._check(steps)
+        return steps
+
+    def plan(self, steps: Sequence[CopyStep]) -> list[RowCopy]:
+        """The row copies that run ``steps`` (empty ones dropped), checked (:meth:`_live`): what torch's or
+        numpy's indexing runs."""
+        steps = self._live(steps)
+        span = {r: buf for r, (buf, _) in self._spans.items()}
+        return [RowCopy(src=span[s.src.region], src_offset=s.src.offset, src_stride=s.src.stride,
+                        src_rows=s.src_pages, dst=span[s.dst.region], dst_offset=s.dst.offset,
+                        dst_stride=s.dst.stride, dst_rows=s.dst_pages, length=s.length, word=w)
+                for s, w in zip(steps, self._words(steps).tolist())]
+
+    def table(self, steps: Sequence[CopyStep]) -> RowTable:
+        """``row_table(plan(steps))`` without a row copy per step: what the kernel runs (a kernel-block unpack
+        has over a thousand steps, and making each its object cost ~4 us)."""
+        steps = self._live(steps)
+        at = {r: a for r, (_, a) in self._spans.items()}
+        per = np.array([(at[s.src.region] + s.src.offset, s.src.stride, at[s.dst.region] + s.dst.offset,
+                         s.dst.stride, s.length) for s in steps], dtype=np.int64).reshape(-1, 5)
+        per = np.concatenate([per, self._words(steps).reshape(-1, 1)], axis=1)
+        return table_of(per, [s.src_pages for s in steps], [s.dst_pages for s in steps])
 
     def gpu_gather(self):
         """What runs this copier's GPU gathers (resolved once; Triton's import is tried only here): the Triton
@@ -334,26 +373,32 @@ class Copier:
                 self._gather = gather_rows_reference
             else:
                 try:
-                    from hybridkv.kernels.staging.gather import gather_rows
+                    from hybridkv.kernels.staging.gather import gather_rows, gather_table
                 except ImportError as e:
                     if self.engine is GatherEngine.TRITON:
                         raise RuntimeError(f"staging gather engine 'triton', but the Triton kernel does not import "
                                            f"({e}); expected Triton installed, or {GATHER_ENV}=torch") from e
                     self._gather = gather_rows_reference
                 else:
-                    self._gather = gather_rows
+                    self._gather, self._gather_table = gather_rows, gather_table
         return self._gather
 
     def run(self, steps: Sequence[CopyStep]) -> None:
-        copies = self.plan(steps)  # views and bounds first
-        if not copies:
-            return
         if not self._vram:
-            gather_rows_reference(copies)
+            gather_rows_reference(self.plan(steps))
             return
         import torch
 
-        self.gpu_gather()(copies)
+        if self.gpu_gather() is gather_rows_reference:
+            copies = self.plan(steps)
+            if not copies:
+                return
+            gather_rows_reference(copies)
+        else:  # the kernel reads the row table: built from the steps' columns, no row copy per step
+            rows = self.table(steps)
+            if not rows.launches:
+                return
+            self._gather_table(rows, self._buffer.device)
         torch.cuda.synchronize(self._buffer.device)  # landed before anyone is told
 
 

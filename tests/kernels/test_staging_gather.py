@@ -221,6 +221,64 @@ def test_row_table_has_each_row_once_in_one_launch_per_word_and_alignment():
         row_table([copy(0, 512, 12, 8)])
 
 
+def _row_table_per_copy(copies):
+    """The row table as first written, one copy at a time (kept here as the oracle of the vectorized one)."""
+    from hybridkv.kernels.staging.rows import Launch, address, alignment
+
+    classes: dict = {}
+    for c in copies:
+        if c.src_rows.size and c.length:
+            classes.setdefault((c.word, max(c.word, alignment(c))), []).append(c)
+    parts, launches, at = [], [], 0
+    for (word, align), group in sorted(classes.items()):
+        start = at
+        for c in group:
+            part = np.empty((c.src_rows.size, 3), dtype=np.int64)
+            part[:, 0] = address(c.src) + c.src_offset + c.src_rows.astype(np.int64) * c.src_stride
+            part[:, 1] = address(c.dst) + c.dst_offset + c.dst_rows.astype(np.int64) * c.dst_stride
+            part[:, 2] = c.length // word
+            parts.append(part)
+            at += c.src_rows.size
+        launches.append(Launch(word=word, align=align, start=start, stop=at,
+                               max_words=max(c.length for c in group) // word))
+    return (np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.int64)), tuple(launches)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_row_tables_built_at_once_equal_the_per_copy_build(seed):
+    """row_table and the copier's table (columns of its steps, no row copy each: a kernel-block unpack has over a
+    thousand steps) build, row for row and launch for launch, what a loop over the copies built; and the copier's
+    word per step is the widest of 8/4/2/1 that divides every part of it."""
+    import dataclasses
+
+    from hybridkv.kernels.staging.rows import row_table
+    from hybridkv.transport.staging import CopyStep, Place
+
+    rng = np.random.default_rng(seed)
+    copier, region, slot = _host_copier()
+    steps = []
+    for _ in range(int(rng.integers(1, 300))):
+        length = int(rng.choice([1, 2, 3, 4, 8, 12, 16, 24, 32, 48]))
+        src = Place(region=0, offset=int(rng.integers(0, 64)), stride=int(rng.choice([64, 128, 256])))
+        dst = Place(region=None, offset=int(rng.integers(0, 64)), stride=int(rng.choice([64, 96, 128])))
+        n = int(rng.integers(0, 6))
+        src_pages = rng.integers(0, (4096 - src.offset - length) // src.stride + 1, n)
+        dst_pages = rng.integers(0, (2048 - dst.offset - length) // dst.stride + 1, n)
+        steps.append(CopyStep(src=src, dst=dst, src_pages=src_pages, dst_pages=dst_pages, length=length))
+    copies = copier.plan(steps)
+    for c, st in zip(copies, [s for s in steps if s.src_pages.size]):
+        parts = (st.length, st.src.offset, st.src.stride, st.dst.offset, st.dst.stride, int(region.ctypes.data),
+                 int(slot.ctypes.data))
+        assert c.word == next(w for w in (8, 4, 2, 1) if all(p % w == 0 for p in parts))
+    table, launches = _row_table_per_copy(copies)
+    for got in (row_table(copies), copier.table(steps)):
+        assert got.launches == launches
+        assert np.array_equal(got.table, table)
+    narrow = dataclasses.replace(copies[0], word=1) if copies else None
+    if narrow is not None:  # a copy's own word decides its class, not its steps'
+        assert row_table([narrow]).launches[0].word == 1
+
+
 def _host_copier():
     from hybridkv import wire
     from hybridkv.transport.memory import MemoryMap
@@ -265,7 +323,7 @@ def test_without_the_check_a_bad_run_half_applies(monkeypatch):
     past the slot; on a GPU the kernel would write past it), so the test above fails."""
     from hybridkv.transport.staging import Copier
 
-    monkeypatch.setattr(Copier, "_checked", lambda self, place, pages, length: self._span(place.region))
+    monkeypatch.setattr(Copier, "_check", lambda self, steps: None)
     copier, _, slot = _host_copier()
     with pytest.raises(ValueError, match="size of buffer"):
         copier.run(list(_good_and_past()))

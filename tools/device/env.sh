@@ -3,6 +3,7 @@
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/hybridkv_device_out}
 SITE=${SITE:-/tmp/site}
+export PY OUT SITE  # the scripts that skip this file (HKV_ENV_DONE) read them
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
 # No NVLink multicast on lent machines (the device tool's KINDS.md).

@@ -15,7 +15,8 @@ import importlib
 from typing import Any
 
 _WHERE = {"RowCopy": "rows", "row_table": "rows", "RowTable": "rows", "gather_rows_reference": "reference",
-          "rows_view": "reference", "gather_rows": "gather"}
+          "rows_view": "reference", "gather_rows": "gather", "table_of": "rows",
+          "gather_table": "gather"}
 
 __all__ = sorted(_WHERE)
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.kernels.staging.rows import RowCopy, row_table
+from hybridkv.kernels.staging.rows import RowCopy, RowTable, row_table
 
 _ELEMENTS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 TILE_BYTES = 8192  # one program's tile: 64 bytes per thread at 4 warps, four 16-byte vectors
@@ -54,11 +54,15 @@ def gather_rows(copies: Sequence[RowCopy]) -> None:
     alignment) class; returns without waiting for the device. Rows land in any order, so no two may overlap on
     the destination and none may read what another writes (a pack or unpack never does: slot and pages differ).
     Host buffers (numpy or torch) run only under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests)."""
-    rows = row_table(copies)
+    first = next((c.src for c in copies if c.src_rows.size), None)
+    if first is not None:
+        gather_table(row_table(copies), torch.device(getattr(first, "device", "cpu")))  # numpy 2 arrays say "cpu"
+
+
+def gather_table(rows: RowTable, device: torch.device) -> None:
+    """:func:`gather_rows` of a table already built (the staging copier builds it from its steps' columns)."""
     if not rows.launches:
         return
-    first = next(c.src for c in copies if c.src_rows.size)
-    device = torch.device(getattr(first, "device", "cpu"))  # numpy 2 arrays say "cpu"
     table = torch.as_tensor(rows.table, device=device)  # one host-to-device copy for every row of the run
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         for launch in rows.launches:
