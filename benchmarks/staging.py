@@ -214,7 +214,7 @@ def _one_pair(args, p_tp: int, d_tp: int) -> dict:
     sliced, staged = sum(x["sliced"] for x in parts), sum(x["staged"] for x in parts)
     return {
         "pair": f"{p_tp}:{d_tp}", "producer_rank": timed["rank"], "block": block, "bytes": nbytes,
-        "copy_steps": len(steps), "gather_us": gather_s * 1e6, "gather_GBps": measured, "copy_us": plain_s * 1e6,
+        "copy_steps": steps.num_steps, "gather_us": gather_s * 1e6, "gather_GBps": measured, "copy_us": plain_s * 1e6,
         "copy_GBps": nbytes / plain_s / 1e9, "x_copy": plain_s / gather_s, "steps_us": steps_us,
         "bytewise_us": bytes_s * 1e6, "bytewise_GBps": nbytes / bytes_s / 1e9,
         "sliced": sliced, "staged": staged, "route": timed["route"], "posting_saved_us": (sliced - staged) * us,

@@ -377,6 +377,27 @@ def piece_pages(t: PieceTable, sb: np.ndarray, db: np.ndarray):
             yield p, s_pages[p][keep[p]], d_pages[p][keep[p]]
 
 
+def piece_rows(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`piece_pages` as three columns, one entry per (piece, page pair) it yields, pieces in order: the
+    piece, its src page, its dst page (for :class:`~hybridkv.transport.copies.CopySteps`, without a Python step
+    per piece)."""
+    sb, db, pairs = paired_blocks(t, _blocks(sb, "src", t.group_id), _blocks(db, "dst", t.group_id))
+    ns, nd = sb.shape[0], db.shape[0]
+    if pairs == 0 or t.num_pieces == 0:
+        return np.empty(0, dtype=_I64), np.empty(0, dtype=_I64), np.empty(0, dtype=_I64)
+    _check_pages(sb, t.s_pages, "src", t.group_id)
+    _check_pages(db, t.d_pages, "dst", t.group_id)
+    s = np.arange(pairs, dtype=_I64)
+    if t.num_pieces * pairs > _PIECE_PAGES_AT_ONCE:  # too many to hold at once: piece by piece
+        parts = [(np.full(a.size, p, dtype=_I64), a, b) for p, a, b in piece_pages(t, sb, db)]
+        return tuple(np.concatenate([x[i] for x in parts]) for i in range(3))  # type: ignore[return-value]
+    i_s = t.s_k[:, None] + s[None, :] * t.src_blocks_per_pair
+    i_d = t.d_k[:, None] + s[None, :] * t.dst_blocks_per_pair
+    keep = (i_s < ns) & (i_d < nd)
+    piece = np.broadcast_to(np.arange(t.num_pieces, dtype=_I64)[:, None], keep.shape)
+    return piece[keep], sb[i_s[keep]], db[i_d[keep]]
+
+
 #: piece_pages gathers every piece's pages at once up to this many (piece, pair) entries (8 MB per side)
 _PIECE_PAGES_AT_ONCE = 1 << 20
 

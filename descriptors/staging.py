@@ -29,10 +29,11 @@ from hybridkv.layout import GroupLayout, Layout, Placement, Region
 from hybridkv.ids import RegionId
 from hybridkv.layout.fields import Field, FieldKey
 from hybridkv.transport.plan import TransferPlan
-from hybridkv.transport.staging import BadFieldMask, CopyStep, Place
+from hybridkv.transport.copies import SLOT, CopySteps
+from hybridkv.transport.staging import BadFieldMask
 
 from . import pieces as pc
-from .compiler import TransferPlanner, paired_blocks, piece_pages
+from .compiler import TransferPlanner, paired_blocks, piece_rows
 
 #: page count of a compact region: a bound for the compiler's checks, not memory
 _COMPACT_PAGES = 1 << 24
@@ -140,9 +141,8 @@ class StagePlan:
         self._unpack: dict[int, pc.PieceTable] = {
             int(g.group_id): pc.merge_table(pc.field_table(v, g, dst, dst.group(g.group_id), self.reads))
             for g in v.groups}
-        self._places = {("pack", g): _piece_places(t, src, pages_from_slot=False) for g, t in self._pack.items()}
-        self._places.update({("unpack", g): _piece_places(t, dst, pages_from_slot=True)
-                             for g, t in self._unpack.items()})
+        self._fixed = {("pack", g): _fixed_side(t, src, pages_from_slot=False) for g, t in self._pack.items()}
+        self._fixed.update({("unpack", g): _fixed_side(t, dst, pages_from_slot=True) for g, t in self._unpack.items()})
         # dst's groups that the slot holds (one whose fields this producer packs none of has no compact page)
         held = dataclasses.replace(dst, groups=tuple(g for g in dst.groups if int(g.group_id) in self._pack))
         self._read = TransferPlanner(v, held, keys=self.reads)
@@ -176,43 +176,42 @@ class StagePlan:
     def nbytes(self, src_blocks: Mapping[int, np.ndarray]) -> int:
         return sum(len(src_blocks.get(g, ())) * self.page_bytes[g] for g in self.groups)
 
-    def pack(self, src_blocks: Mapping[int, np.ndarray], *, base: int = 0) -> list[CopyStep]:
+    def pack(self, src_blocks: Mapping[int, np.ndarray], *, base: int = 0) -> CopySteps:
         """``base``: the slot's offset in the staging buffer."""
         steps = []
         for g, (at, n) in self.areas(src_blocks).items():
             if n == 0:
                 continue
             sb = np.asarray(src_blocks[g], dtype=np.int64)
-            steps += self._steps(self._pack[g], self._places["pack", g], sb, np.arange(n, dtype=np.int64),
-                                 src_slot=None, dst_slot=base + at, stride=self.page_bytes[g])
-        return steps
+            steps.append(self._steps(self._pack[g], self._fixed["pack", g], sb, np.arange(n, dtype=np.int64),
+                                     src_slot=None, dst_slot=base + at, stride=self.page_bytes[g]))
+        return CopySteps.concat(steps)
 
     def unpack(self, src_blocks: Mapping[int, np.ndarray], dst_blocks: Mapping[int, np.ndarray], *,
-               base: int = 0) -> list[CopyStep]:
+               base: int = 0) -> CopySteps:
         """``base``: the offset in the consumer's staging buffer its slot starts at."""
         steps = []
         for g, (at, n) in self.areas(src_blocks).items():
             if self._unpack[g].num_pieces == 0:
                 continue
             db = np.asarray(dst_blocks.get(g, ()), dtype=np.int64)
-            steps += self._steps(self._unpack[g], self._places["unpack", g], np.arange(n, dtype=np.int64), db,
-                                 src_slot=base + at, dst_slot=None, stride=self.page_bytes[g])
-        return steps
+            steps.append(self._steps(self._unpack[g], self._fixed["unpack", g], np.arange(n, dtype=np.int64), db,
+                                     src_slot=base + at, dst_slot=None, stride=self.page_bytes[g]))
+        return CopySteps.concat(steps)
 
     @staticmethod
-    def _steps(t: pc.PieceTable, places: tuple[list[Place], list[int], list[int]], sb: np.ndarray, db: np.ndarray,
-               *, src_slot: int | None, dst_slot: int | None, stride: int) -> list[CopyStep]:
-        """One step per piece of ``t``: the slot's side at ``src_slot``/``dst_slot`` (pages ``stride`` apart),
-        the other where ``places`` (:func:`_piece_places`, made once per table: a kernel-block unpack has
-        hundreds of pieces per producer, on the request's path) says."""
-        fixed, slot_offsets, lengths = places
-        at = src_slot if src_slot is not None else dst_slot
-        out = []
-        for p, s_pages, d_pages in piece_pages(t, sb, db):
-            slot = Place(region=None, offset=at + slot_offsets[p], stride=stride)
-            src, dst = (slot, fixed[p]) if src_slot is not None else (fixed[p], slot)
-            out.append(CopyStep(src=src, dst=dst, src_pages=s_pages, dst_pages=d_pages, length=lengths[p]))
-        return out
+    def _steps(t: pc.PieceTable, fixed: tuple[np.ndarray, np.ndarray, np.ndarray], sb: np.ndarray, db: np.ndarray,
+               *, src_slot: int | None, dst_slot: int | None, stride: int) -> CopySteps:
+        """One step per piece of ``t``, as columns: the slot's side at ``src_slot``/``dst_slot`` (pages ``stride``
+        apart), the other in this side's regions as ``fixed`` (:func:`_fixed_side`) says."""
+        piece, s_pages, d_pages = piece_rows(t, sb, db)
+        n = t.num_pieces
+        slot = (np.full(n, SLOT, dtype=np.int64), (src_slot if src_slot is not None else dst_slot)
+                + (t.s_off if src_slot is not None else t.d_off), np.full(n, stride, dtype=np.int64))
+        (sr, so, ss), (dr, do, ds) = (slot, fixed) if src_slot is not None else (fixed, slot)
+        return CopySteps(src_region=sr, src_offset=so, src_stride=ss, dst_region=dr, dst_offset=do, dst_stride=ds,
+                         length=t.length.astype(np.int64, copy=False), step=piece, src_pages=s_pages,
+                         dst_pages=d_pages)
 
     def read(self, slot_addr: int, slot_dev: int, src_blocks: Mapping[int, np.ndarray],
              dst_blocks: Mapping[int, np.ndarray]) -> TransferPlan:
@@ -294,14 +293,14 @@ class StagePlan:
         return dataclasses.replace(plan, src=src)
 
 
-def _piece_places(t: pc.PieceTable, local: Layout, *, pages_from_slot: bool) -> tuple[list[Place], list[int],
-                                                                                          list[int]]:
-    """Per piece of ``t``: its place in ``local``'s regions (the dst side where the slot is the src, else the
-    src side), its offset on the slot's side, and its length, as Python objects made once."""
+def _fixed_side(t: pc.PieceTable, local: Layout, *, pages_from_slot: bool) -> tuple[np.ndarray, np.ndarray,
+                                                                                      np.ndarray]:
+    """Per piece of ``t``: the (region, offset, stride) of its side in ``local``'s regions (dst where the slot is
+    the src, else src), made once per plan."""
     region, offset = (t.d_region, t.d_off) if pages_from_slot else (t.s_region, t.s_off)
-    fixed = [Place(region=r, offset=o, stride=local.regions[r].stride)
-             for r, o in zip(region.tolist(), offset.tolist())]
-    return fixed, (t.s_off if pages_from_slot else t.d_off).tolist(), t.length.tolist()
+    strides = np.array([r.stride for r in local.regions], dtype=np.int64)
+    region = region.astype(np.int64, copy=False)
+    return region, offset.astype(np.int64, copy=False), strides[region]
 
 
 def _offset_classes(t: pc.PieceTable) -> list[tuple[tuple[int, ...], int]]:

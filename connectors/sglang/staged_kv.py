@@ -253,10 +253,10 @@ class DecodeSlots:
                 if not 0 <= a < b <= len(kv_pages) or b * pb > slot.nbytes:
                     raise ValueError(f"prefill rank {rank} staged pages {a}..{b}; expected a range inside the "
                                      f"room's {len(kv_pages)} pages and its slot of {slot.nbytes} bytes")
-                steps += plan.unpack({KV_GROUP: np.arange(b - a)}, {KV_GROUP: kv_pages[a:b]},
-                                     base=slot.offset + a * pb)
+                steps.append(plan.unpack({KV_GROUP: np.arange(b - a)}, {KV_GROUP: kv_pages[a:b]},
+                                         base=slot.offset + a * pb))
                 n += b - a
-        self.pool.copier.run(steps)
+        self.pool.copier.run(st.CopySteps.concat(steps))
         return n
 
     def give_back(self, slots: Mapping[int, st.Slot]) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridkv import wire
+from hybridkv.transport.copies import CopySteps
 from hybridkv.transport.parts import Part
 from hybridkv.transport.plan import PeerPlanner, TransferPlan
 from hybridkv.transport.side import Peer, Side
@@ -271,10 +272,10 @@ class ImportStaging:
         if pool is None:
             return None
         try:
-            steps = [step for w in work if w.slot is not None and w.staged is not None
-                     for step in w.staged.stager.unpack(w.staged.src_blocks, w.staged.dst_blocks, base=w.slot.offset)]
-            if steps:
-                pool.copier.run(steps)  # parts write disjoint fields of our pages from disjoint slots
+            parts = [w.staged.stager.unpack(w.staged.src_blocks, w.staged.dst_blocks, base=w.slot.offset)
+                     for w in work if w.slot is not None and w.staged is not None]
+            if parts:
+                pool.copier.run(CopySteps.concat(parts))  # parts write disjoint fields of our pages from disjoint slots
         except Exception as exc:  # a bug, not the peer's: the import fails, the engine lives
             return f"unpacking the staged read failed: {type(exc).__name__}: {exc}"
         return None

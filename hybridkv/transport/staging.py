@@ -21,10 +21,11 @@ slot could wait on the very reads that free it).
 off: a producer slot goes back as soon as its Export is sent. Only tests use it, to show that a
 slot reused early corrupts a read.
 
-A pack or unpack is a list of :class:`CopyStep` gathers that a :class:`Copier` runs: numpy on host memory; on a
-GPU the Triton row gather of ``hybridkv.kernels.staging`` where Triton imports (torch's indexing ran at 26-84 GB/s
-on an H100, 2-6% of a plain copy), else torch's indexing. ``HYBRIDKV_STAGING_GATHER`` (read once, into
-:class:`StagingConfig`) picks one: ``auto`` (default), ``triton`` or ``torch``.
+A pack or unpack is copy steps (:mod:`hybridkv.transport.copies`, as columns where a stager has many) that a
+:class:`Copier` runs: numpy on host memory; on a GPU the Triton row gather of ``hybridkv.kernels.staging`` where
+Triton imports (torch's indexing ran at 26-84 GB/s on an H100, 2-6% of a plain copy), else torch's indexing.
+``HYBRIDKV_STAGING_GATHER`` (read once, into :class:`StagingConfig`) picks one: ``auto`` (default), ``triton`` or
+``torch``.
 
 The pool's memory is a region appended to the side's :class:`~hybridkv.transport.memory.MemoryMap`
 (in no group), so NIXL registers it with the rest and the peer learns it in the handshake. torch and
@@ -33,38 +34,27 @@ Triton are imported only for GPU memory.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import enum
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from hybridkv import wire
-from hybridkv.kernels.staging.reference import gather_rows_reference, rows_view
-from hybridkv.kernels.staging.rows import RowCopy, RowTable, address, table_of
+from hybridkv.kernels.staging.reference import rows_view
+from hybridkv.transport.copies import GATHER_ENV, Copier, CopyStep, CopySteps, GatherEngine, Place
 from hybridkv.transport.memory import MemoryMap
 from hybridkv.transport.plan import TransferPlan
 
 RULE_OFF_ENV = "HYBRIDKV_STAGING_RULE_OFF"
-GATHER_ENV = "HYBRIDKV_STAGING_GATHER"
 
 
 class StagingMode(enum.Enum):
     AUTO = "auto"  # stage a field-paired (heterogeneous TP) read when it posts fewer descriptors
     ON = "on"      # stage every field-paired read a slot can hold, even where the sliced plan is as short
     OFF = "off"    # never: the sliced plan, as NixlConnector posts
-
-
-class GatherEngine(enum.Enum):
-    """What runs a GPU copier's gathers (host memory always gathers on numpy)."""
-
-    AUTO = "auto"      # the Triton kernel where Triton imports, else torch's indexing
-    TRITON = "triton"  # the Triton kernel; a run without Triton raises
-    TORCH = "torch"    # torch's indexing over strided views (the kernel's oracle)
 
 
 def _gather_engine() -> GatherEngine:
@@ -180,28 +170,6 @@ def may_stage(config: StagingConfig | None, *, sliced_most: int, direct: int, di
 # --------------------------------------------------------------------------- local copies
 
 
-@dataclass(frozen=True, kw_only=True)
-class Place:
-    """Where a piece of page p lies: ``region`` (None: this side's staging slot) at
-    ``offset + p * stride`` bytes from its base."""
-
-    region: int | None
-    offset: int
-    stride: int
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class CopyStep:
-    """One piece over many pages: ``length`` bytes of src page ``src_pages[i]`` to dst page
-    ``dst_pages[i]``, for every i (one vectorised copy)."""
-
-    src: Place
-    dst: Place
-    src_pages: np.ndarray
-    dst_pages: np.ndarray
-    length: int
-
-
 class BadFieldMask(ValueError):
     """A Want's field mask (wire.Want.fields) that names no field of the pair, or one past them: its Want is
     refused (a Failure naming it), the producer serves on."""
@@ -225,7 +193,7 @@ class Stager(Protocol):
         """Bytes the request's packed slices take."""
         ...
 
-    def pack(self, src_blocks, *, base: int = 0) -> list[CopyStep]:
+    def pack(self, src_blocks, *, base: int = 0) -> CopySteps | list[CopyStep]:
         """Producer: its pages -> the slot at ``base`` in its staging buffer."""
         ...
 
@@ -233,173 +201,9 @@ class Stager(Protocol):
         """Consumer: the producer's slot at ``slot_addr`` -> its own pages, as rows."""
         ...
 
-    def unpack(self, src_blocks, dst_blocks, *, base: int = 0) -> list[CopyStep]:
+    def unpack(self, src_blocks, dst_blocks, *, base: int = 0) -> CopySteps | list[CopyStep]:
         """Consumer: its own slot at ``base`` (a copy of the producer's) -> its pages."""
         ...
-
-
-def _starts(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """Where each (non-empty) array starts in their concatenation: numpy's reduceat, one reduction per array."""
-    return np.concatenate(([0], np.cumsum([a.size for a in arrays[:-1]], dtype=np.int64))).astype(np.int64)
-
-
-def _host_bytes(addr: int, n: int) -> np.ndarray:
-    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
-
-
-class _CudaBytes:
-    """A device range for torch.as_tensor (the CUDA array interface; no copy)."""
-
-    def __init__(self, addr: int, n: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (addr, False), "version": 3,
-                                         "strides": None}
-
-
-class Copier:
-    """Runs :class:`CopyStep` lists on one side's memory (its regions and its staging buffer): numpy on host
-    memory; on a GPU the engine's gather (:class:`GatherEngine`)."""
-
-    def __init__(self, memory: MemoryMap, slot_buffer, *, max_word: int = 8,
-                 engine: GatherEngine = GatherEngine.AUTO) -> None:
-        if max_word not in (1, 2, 4, 8):
-            raise ValueError(f"copier max_word = {max_word!r}; expected 1, 2, 4 or 8 bytes")
-        if not isinstance(engine, GatherEngine):
-            raise ValueError(f"copier engine {engine!r}; expected a GatherEngine")
-        self._memory = memory
-        self._buffer = slot_buffer  # numpy uint8 (host) or a torch uint8 tensor (device)
-        # the slot's memory says where the copies run (a side's regions may mix kinds: SGLang's aux rows)
-        self._vram = hasattr(slot_buffer, "device") and getattr(slot_buffer.device, "type", None) == "cuda"
-        self._spans: dict[int, object] = {}
-        self._max_word = max_word  # below 8 only to measure what the word buys (bench staging)
-        self.engine = engine
-        self._gather: Any = None  # a GPU run's gather function, resolved on the first one
-        self._gather_table: Any = None  # the kernel's, over a row table (where the gather is the kernel)
-
-    def _span(self, region: int | None):
-        return self._span_at(region)[0]
-
-    def _span_at(self, region: int | None) -> tuple[Any, int]:
-        """(the flat buffer ``region`` lies in, its address): looked up once per region (numpy's address
-        costs microseconds, and a kernel-block unpack runs thousands of steps)."""
-        got = self._spans.get(region)
-        if got is None:
-            if region is None:
-                buf = self._buffer
-            else:
-                r = self._memory.regions[region]
-                if (r.mem is wire.Mem.VRAM) != bool(self._vram):
-                    # a host view of device memory (or the reverse) would read or write the wrong bytes
-                    raise ValueError(f"a copy touches region {region} in {r.mem.name}, the staging slot is in "
-                                     f"{'VRAM' if self._vram else 'host memory'}; expected one memory kind")
-                n = r.stride * (r.num_pages - 1) + r.page_bytes
-                if self._vram:
-                    import torch
-
-                    buf = torch.as_tensor(_CudaBytes(r.base_addr, n), device=f"cuda:{r.device_id}")
-                else:
-                    buf = _host_bytes(r.base_addr, n)
-            got = self._spans[region] = (buf, address(buf))
-        return got
-
-    def _check(self, steps: Sequence[CopyStep]) -> None:
-        """Every page's piece of every step inside its span, checked at once (neither strided views nor the
-        kernel's raw addresses check bounds: a bad step must never touch memory past its span). Raises naming
-        the first step that runs past."""
-        length = np.array([s.length for s in steps], dtype=np.int64)
-        starts = _starts([s.src_pages for s in steps])
-        for side in ("src", "dst"):
-            places = [getattr(s, side) for s in steps]
-            pages = np.concatenate([getattr(s, f"{side}_pages") for s in steps]).astype(np.int64, copy=False)
-            lo, hi = np.minimum.reduceat(pages, starts), np.maximum.reduceat(pages, starts)
-            offset = np.array([p.offset for p in places], dtype=np.int64)
-            stride = np.array([p.stride for p in places], dtype=np.int64)
-            sizes = {r: int(self._span(r).shape[0]) for r in {p.region for p in places}}
-            size = np.array([sizes[p.region] for p in places], dtype=np.int64)
-            bad = (lo < 0) | (offset < 0) | (offset + hi * stride + length > size)
-            if bad.any():
-                i = int(np.argmax(bad))
-                where = "the staging slot" if places[i].region is None else f"region {places[i].region}"
-                raise ValueError(f"copy of pages {lo[i]}..{hi[i]} ({length[i]} bytes at offset {offset[i]}, stride "
-                                 f"{stride[i]}) runs past {where} ({size[i]} bytes); expected it inside")
-
-    def _words(self, steps: Sequence[CopyStep]) -> np.ndarray:
-        """Per step the widest element (8, 4, 2 or 1 bytes) that tiles both of its sides: a gather moves one
-        element per index, so bytes one at a time ran at 1-4% of a plain copy on an H100 (bench staging)."""
-        at = {r: a for r, (_, a) in self._spans.items()}  # every step's regions were checked, so looked up
-        bits = np.array([s.length | s.src.offset | s.src.stride | s.dst.offset | s.dst.stride
-                         | at[s.src.region] | at[s.dst.region] for s in steps], dtype=np.int64)
-        low = bits & -bits  # the lowest set bit: the widest power of two dividing every part (none where all are 0)
-        return np.where((low == 0) | (low > self._max_word), self._max_word, low)
-
-    def _live(self, steps: Sequence[CopyStep]) -> list[CopyStep]:
-        """The steps that move a byte, each checked in bounds and memory kind: a bad step raises here, before
-        any byte of any step moves (no half-applied pack)."""
-        steps = [s for s in steps if s.src_pages.size]
-        for s in steps:
-            if s.src_pages.shape != s.dst_pages.shape or s.src_pages.ndim != 1:
-                raise ValueError(f"copy of {s.src_pages.shape} source pages into {s.dst_pages.shape}; expected "
-                                 "one destination page per source page")
-        for region in {p.region for s in steps for p in (s.src, s.dst)}:
-            self._span_at(region)  # looked up (and its memory kind checked) once, for plan and table
-        if steps:
-            self._check(steps)
-        return steps
-
-    def plan(self, steps: Sequence[CopyStep]) -> list[RowCopy]:
-        """The row copies that run ``steps`` (empty ones dropped), checked (:meth:`_live`): what torch's or
-        numpy's indexing runs."""
-        steps = self._live(steps)
-        span = {r: buf for r, (buf, _) in self._spans.items()}
-        return [RowCopy(src=span[s.src.region], src_offset=s.src.offset, src_stride=s.src.stride,
-                        src_rows=s.src_pages, dst=span[s.dst.region], dst_offset=s.dst.offset,
-                        dst_stride=s.dst.stride, dst_rows=s.dst_pages, length=s.length, word=w)
-                for s, w in zip(steps, self._words(steps).tolist())]
-
-    def table(self, steps: Sequence[CopyStep]) -> RowTable:
-        """``row_table(plan(steps))`` without a row copy per step: what the kernel runs (a kernel-block unpack
-        has over a thousand steps, and making each its object cost ~4 us)."""
-        steps = self._live(steps)
-        at = {r: a for r, (_, a) in self._spans.items()}
-        per = np.array([(at[s.src.region] + s.src.offset, s.src.stride, at[s.dst.region] + s.dst.offset,
-                         s.dst.stride, s.length) for s in steps], dtype=np.int64).reshape(-1, 5)
-        per = np.concatenate([per, self._words(steps).reshape(-1, 1)], axis=1)
-        return table_of(per, [s.src_pages for s in steps], [s.dst_pages for s in steps])
-
-    def gpu_gather(self):
-        """What runs this copier's GPU gathers (resolved once; Triton's import is tried only here): the Triton
-        kernel, or torch's indexing where the engine says so or (AUTO) Triton does not import."""
-        if self._gather is None:
-            if self.engine is GatherEngine.TORCH:
-                self._gather = gather_rows_reference
-            else:
-                try:
-                    from hybridkv.kernels.staging.gather import gather_rows, gather_table
-                except ImportError as e:
-                    if self.engine is GatherEngine.TRITON:
-                        raise RuntimeError(f"staging gather engine 'triton', but the Triton kernel does not import "
-                                           f"({e}); expected Triton installed, or {GATHER_ENV}=torch") from e
-                    self._gather = gather_rows_reference
-                else:
-                    self._gather, self._gather_table = gather_rows, gather_table
-        return self._gather
-
-    def run(self, steps: Sequence[CopyStep]) -> None:
-        if not self._vram:
-            gather_rows_reference(self.plan(steps))
-            return
-        import torch
-
-        if self.gpu_gather() is gather_rows_reference:
-            copies = self.plan(steps)
-            if not copies:
-                return
-            gather_rows_reference(copies)
-        else:  # the kernel reads the row table: built from the steps' columns, no row copy per step
-            rows = self.table(steps)
-            if not rows.launches:
-                return
-            self._gather_table(rows, self._buffer.device)
-        torch.cuda.synchronize(self._buffer.device)  # landed before anyone is told
 
 
 # --------------------------------------------------------------------------- the pool
@@ -522,6 +326,6 @@ def slot_rows(src_addr: int, src_dev: int, dst_addr: int, dst_dev: int, nbytes: 
     return TransferPlan(src=src, dst=dst, src_region=z, dst_region=z.copy())
 
 
-__all__ = ["BadFieldMask", "COSTS", "Copier", "CopyStep", "GATHER_ENV", "GatherEngine", "Place", "RULE_OFF_ENV", "Route", "Slot",
-           "may_stage", "route", "rows_view", "StagePool", "Stager", "StagingConfig", "StagingMode", "slot_rows",
-           "staging_region"]
+__all__ = ["BadFieldMask", "COSTS", "Copier", "CopyStep", "CopySteps", "GATHER_ENV", "GatherEngine", "Place",
+           "RULE_OFF_ENV", "Route", "Slot", "may_stage", "route", "rows_view", "StagePool", "Stager", "StagingConfig",
+           "StagingMode", "slot_rows", "staging_region"]

@@ -18,7 +18,7 @@ from tests.transport.peers import model_geometry
 
 def _steps(stager, sb, db, at_once: int, monkeypatch):
     monkeypatch.setattr(compiler, "_PIECE_PAGES_AT_ONCE", at_once)
-    return stager.pack(sb) + stager.unpack(sb, db)
+    return stager.pack(sb).steps() + stager.unpack(sb, db).steps()
 
 
 @pytest.mark.parametrize("p_tp,d_tp,kernel,d_scale", [(2, 1, None, 1), (2, 1, None, 2), (1, 2, None, 2),

@@ -274,6 +274,18 @@ def test_row_tables_built_at_once_equal_the_per_copy_build(seed):
     for got in (row_table(copies), copier.table(steps)):
         assert got.launches == launches
         assert np.array_equal(got.table, table)
+    # as columns (what a stager hands over), cut in two and joined again: the same steps, table and bytes
+    from hybridkv.transport.copies import CopySteps
+
+    cut = len(steps) // 2
+    cols = CopySteps.concat([CopySteps.of(steps[:cut]), steps[cut:]])
+    back = cols.steps()
+    assert [(a.src, a.dst, a.length) for a in back] == [(b.src, b.dst, b.length) for b in steps if b.src_pages.size]
+    assert all(np.array_equal(a.src_pages, b.src_pages) and np.array_equal(a.dst_pages, b.dst_pages)
+               for a, b in zip(back, [b for b in steps if b.src_pages.size]))
+    assert cols.nbytes == sum(int(b.src_pages.size) * b.length for b in steps)
+    got = copier.table(cols)
+    assert got.launches == launches and np.array_equal(got.table, table)
     narrow = dataclasses.replace(copies[0], word=1) if copies else None
     if narrow is not None:  # a copy's own word decides its class, not its steps'
         assert row_table([narrow]).launches[0].word == 1
@@ -318,12 +330,24 @@ def test_a_step_out_of_bounds_is_refused_before_any_byte_of_the_run_moves():
     assert np.array_equal(slot[:256], np.concatenate([region[256:384], region[512:640]]))
 
 
+def test_a_step_into_a_region_the_side_lacks_is_refused():
+    from hybridkv.transport.staging import CopyStep, Place
+
+    copier, _, slot = _host_copier()
+    good, _ = _good_and_past()
+    for region in (1, -2):
+        with pytest.raises(ValueError, match=f"touches region {region}; expected one of this side's 1 regions"):
+            copier.run([good, CopyStep(src=Place(region=region, offset=0, stride=256), dst=good.dst,
+                                       src_pages=np.array([0]), dst_pages=np.array([3]), length=128)])
+    assert not slot.any()
+
+
 def test_without_the_check_a_bad_run_half_applies(monkeypatch):
     """The rule switched off: the first step's bytes land before the bad step fails (here numpy refuses a view
     past the slot; on a GPU the kernel would write past it), so the test above fails."""
     from hybridkv.transport.staging import Copier
 
-    monkeypatch.setattr(Copier, "_check", lambda self, steps: None)
+    monkeypatch.setattr(Copier, "_check", staticmethod(lambda cols, size: None))
     copier, _, slot = _host_copier()
     with pytest.raises(ValueError, match="size of buffer"):
         copier.run(list(_good_and_past()))

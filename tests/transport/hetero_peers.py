@@ -101,6 +101,8 @@ def _pools(layout):
 def _timed(pool, log: list) -> None:
     """Record every run of the staging pool's copier (a pack or an unpack) as (seconds, bytes): the copier
     returns once its copies landed (on a GPU it synchronizes), so the time is the gather's."""
+    from hybridkv.transport.copies import CopySteps
+
     if pool is None:
         return
     run = pool.copier.run
@@ -108,7 +110,7 @@ def _timed(pool, log: list) -> None:
     def timed(steps):
         t0 = time.perf_counter()
         run(steps)
-        log.append((time.perf_counter() - t0, sum(int(st.src_pages.size) * st.length for st in steps)))
+        log.append((time.perf_counter() - t0, CopySteps.of(steps).nbytes))
 
     pool.copier.run = timed
 

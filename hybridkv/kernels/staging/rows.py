@@ -73,7 +73,6 @@ def row_table(copies: Sequence[RowCopy]) -> RowTable:
         if c.src_rows.shape != c.dst_rows.shape or c.src_rows.ndim != 1:
             raise ValueError(f"row copy of {c.src_rows.shape} source rows into {c.dst_rows.shape}; expected "
                              "two equal 1-D index arrays")
-    copies = [c for c in copies if c.src_rows.size and c.length]
     addr: dict[int, int] = {}  # a few buffers behind many copies: each address looked up once
 
     def base(buf: Any) -> int:
@@ -84,35 +83,43 @@ def row_table(copies: Sequence[RowCopy]) -> RowTable:
 
     per = np.array([(base(c.src) + c.src_offset, c.src_stride, base(c.dst) + c.dst_offset, c.dst_stride, c.length,
                      c.word) for c in copies], dtype=np.int64).reshape(-1, 6)
-    return table_of(per, [c.src_rows for c in copies], [c.dst_rows for c in copies])
+    if not copies:
+        return RowTable(table=np.empty((0, 3), dtype=np.int64), launches=())
+    n = np.array([c.src_rows.size for c in copies], dtype=np.int64)
+    return table_of(per, np.repeat(np.arange(len(copies), dtype=np.int64), n),
+                    np.concatenate([c.src_rows for c in copies]).astype(np.int64, copy=False),
+                    np.concatenate([c.dst_rows for c in copies]).astype(np.int64, copy=False))
 
 
-def table_of(per: np.ndarray, src_rows: Sequence[np.ndarray], dst_rows: Sequence[np.ndarray]) -> RowTable:
-    """:func:`row_table` of copies given as columns, for callers that hold thousands (an unpack into 16-token
-    kernel blocks runs over a thousand copies of a dozen rows each; a per-copy loop cost ~20 us each on the
-    request's path). ``per[i]`` = (address of copy i's src row 0, src stride, the same of dst, dst stride, length,
-    word), every length a nonzero multiple of its word; ``src_rows[i]``/``dst_rows[i]``: its rows (non-empty,
-    equal lengths)."""
-    if not len(per):
+def table_of(per: np.ndarray, copy: np.ndarray, src_rows: np.ndarray, dst_rows: np.ndarray) -> RowTable:
+    """:func:`row_table` of copies given as columns, in a few numpy passes: no object or loop per copy (an unpack
+    into 16-token kernel blocks is over a thousand copies of a dozen rows each, and a per-copy loop cost ~20 us
+    each on the request's path). ``per[i]`` = (address of copy i's row 0 on the src side, src stride, the same of
+    dst, dst stride, length, word), every word 1, 2, 4 or 8 dividing its length; row j: copy ``copy[j]`` (a copy's
+    rows together and in order, copies in order), rows ``src_rows[j]`` -> ``dst_rows[j]``. A copy of length 0 or
+    without rows adds nothing."""
+    keep = per[copy, 4] > 0
+    if not keep.all():
+        copy, src_rows, dst_rows = copy[keep], src_rows[keep], dst_rows[keep]
+    if not copy.size:
         return RowTable(table=np.empty((0, 3), dtype=np.int64), launches=())
     src0, src_stride, dst0, dst_stride, length, word = per.T
     bits = src0 | src_stride | dst0 | dst_stride | length
     align = np.maximum(np.minimum(bits & -bits, MAX_ALIGN), word)  # alignment(), for every copy at once
-    # classes in (word, align) order, copies in their given order inside one: rows of a launch lie together
-    order = np.lexsort((np.arange(len(per)), align, word))
-    n = np.array([r.size for r in src_rows], dtype=np.int64)[order]
-    s_rows = np.concatenate([src_rows[i] for i in order]).astype(np.int64, copy=False)
-    d_rows = np.concatenate([dst_rows[i] for i in order]).astype(np.int64, copy=False)
-    table = np.empty((s_rows.size, 3), dtype=np.int64)
-    table[:, 0] = np.repeat(src0[order], n) + s_rows * np.repeat(src_stride[order], n)
-    table[:, 1] = np.repeat(dst0[order], n) + d_rows * np.repeat(dst_stride[order], n)
-    table[:, 2] = np.repeat((length // word)[order], n)
-    key = np.stack([word[order], align[order]], axis=1)
-    cut = np.flatnonzero((key[1:] != key[:-1]).any(axis=1)) + 1  # where a class starts
-    ends = np.cumsum(n)
+    # classes in (word, align) order, copies in their given order inside one, rows in theirs: a stable sort
+    cls = word * (MAX_ALIGN + 1) + align
+    order = np.argsort(cls[copy], kind="stable")
+    copy, src_rows, dst_rows = copy[order], src_rows[order], dst_rows[order]
+    table = np.empty((copy.size, 3), dtype=np.int64)
+    table[:, 0] = src0[copy] + src_rows * src_stride[copy]
+    table[:, 1] = dst0[copy] + dst_rows * dst_stride[copy]
+    table[:, 2] = (length // word)[copy]
+    row_cls = cls[copy]
+    starts = np.flatnonzero(np.concatenate(([True], row_cls[1:] != row_cls[:-1])))
+    stops = np.concatenate((starts[1:], [copy.size]))
     launches = []
-    for first, stop in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [len(order)])).tolist()):
-        w = int(key[first, 0])
-        launches.append(Launch(word=w, align=int(key[first, 1]), start=int(ends[first] - n[first]),
-                               stop=int(ends[stop - 1]), max_words=int(length[order][first:stop].max()) // w))
+    for a, b in zip(starts.tolist(), stops.tolist()):
+        w = int(word[copy[a]])
+        launches.append(Launch(word=w, align=int(align[copy[a]]), start=a, stop=b,
+                               max_words=int(table[a:b, 2].max())))
     return RowTable(table=table, launches=tuple(launches))
