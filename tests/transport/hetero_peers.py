@@ -101,8 +101,6 @@ def _pools(layout):
 def _timed(pool, log: list) -> None:
     """Record every run of the staging pool's copier (a pack or an unpack) as (seconds, bytes): the copier
     returns once its copies landed (on a GPU it synchronizes), so the time is the gather's."""
-    from hybridkv.transport.copies import CopySteps
-
     if pool is None:
         return
     run = pool.copier.run
@@ -110,7 +108,9 @@ def _timed(pool, log: list) -> None:
     def timed(steps):
         t0 = time.perf_counter()
         run(steps)
-        log.append((time.perf_counter() - t0, CopySteps.of(steps).nbytes))
+        nbytes = getattr(steps, "nbytes", None)  # CopySteps; a list of CopyStep in trees before 40ecfbe (A/B runs)
+        log.append((time.perf_counter() - t0, nbytes if nbytes is not None
+                    else sum(int(st.src_pages.size) * st.length for st in steps)))
 
     pool.copier.run = timed
 
