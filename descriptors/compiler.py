@@ -344,43 +344,11 @@ def _compile_group(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> _Columns | 
     )
 
 
-def piece_pages(t: PieceTable, sb: np.ndarray, db: np.ndarray):
-    """Per piece of ``t``: (piece index, src pages, dst pages) its copies pair, block lists aligned
-    as :meth:`TransferPlanner.compile` aligns them (for local copies: the staging pack/unpack)."""
-    sb, db, pairs = paired_blocks(t, _blocks(sb, "src", t.group_id), _blocks(db, "dst", t.group_id))
-    ns, nd = sb.shape[0], db.shape[0]
-    if pairs == 0:
-        return
-    _check_pages(sb, t.s_pages, "src", t.group_id)
-    _check_pages(db, t.d_pages, "dst", t.group_id)
-    s = np.arange(pairs, dtype=_I64)
-    if t.num_pieces * pairs > _PIECE_PAGES_AT_ONCE:  # too many to hold at once: piece by piece
-        for p in range(t.num_pieces):
-            i_s = t.s_k[p] + s * t.src_blocks_per_pair
-            i_d = t.d_k[p] + s * t.dst_blocks_per_pair
-            keep = (i_s < ns) & (i_d < nd)
-            if not keep.all():
-                i_s, i_d = i_s[keep], i_d[keep]
-            yield p, sb[i_s], db[i_d]
-        return
-    # Every piece's pages in one gather (a staged read into kernel-block pages has hundreds of pieces, and
-    # a few numpy calls per piece cost ~10 us each on the decode's request path)
-    i_s = t.s_k[:, None] + s[None, :] * t.src_blocks_per_pair
-    i_d = t.d_k[:, None] + s[None, :] * t.dst_blocks_per_pair
-    keep = (i_s < ns) & (i_d < nd)
-    s_pages, d_pages = sb[np.minimum(i_s, ns - 1)], db[np.minimum(i_d, nd - 1)]
-    whole = keep.all(axis=1)
-    for p in range(t.num_pieces):
-        if whole[p]:
-            yield p, s_pages[p], d_pages[p]
-        else:
-            yield p, s_pages[p][keep[p]], d_pages[p][keep[p]]
-
-
 def piece_rows(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`piece_pages` as three columns, one entry per (piece, page pair) it yields, pieces in order: the
-    piece, its src page, its dst page (for :class:`~hybridkv.transport.copies.CopySteps`, without a Python step
-    per piece)."""
+    """The page pairs of ``t``'s local copies (the staging pack/unpack), block lists aligned as
+    :meth:`TransferPlanner.compile` aligns them, as three columns with one entry per (piece, page pair), pieces in
+    order: the piece, its src page, its dst page (for :class:`~hybridkv.transport.copies.CopySteps`: no Python
+    step per piece, where a staged read into kernel-block pages has hundreds)."""
     sb, db, pairs = paired_blocks(t, _blocks(sb, "src", t.group_id), _blocks(db, "dst", t.group_id))
     ns, nd = sb.shape[0], db.shape[0]
     if pairs == 0 or t.num_pieces == 0:
@@ -389,8 +357,15 @@ def piece_rows(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> tuple[np.ndarra
     _check_pages(db, t.d_pages, "dst", t.group_id)
     s = np.arange(pairs, dtype=_I64)
     if t.num_pieces * pairs > _PIECE_PAGES_AT_ONCE:  # too many to hold at once: piece by piece
-        parts = [(np.full(a.size, p, dtype=_I64), a, b) for p, a, b in piece_pages(t, sb, db)]
-        return tuple(np.concatenate([x[i] for x in parts]) for i in range(3))  # type: ignore[return-value]
+        pieces, s_pages, d_pages = [], [], []
+        for p in range(t.num_pieces):
+            i_s = t.s_k[p] + s * t.src_blocks_per_pair
+            i_d = t.d_k[p] + s * t.dst_blocks_per_pair
+            keep = (i_s < ns) & (i_d < nd)
+            pieces.append(np.full(int(keep.sum()), p, dtype=_I64))
+            s_pages.append(sb[i_s[keep]])
+            d_pages.append(db[i_d[keep]])
+        return np.concatenate(pieces), np.concatenate(s_pages), np.concatenate(d_pages)
     i_s = t.s_k[:, None] + s[None, :] * t.src_blocks_per_pair
     i_d = t.d_k[:, None] + s[None, :] * t.dst_blocks_per_pair
     keep = (i_s < ns) & (i_d < nd)
@@ -398,7 +373,7 @@ def piece_rows(t: PieceTable, sb: np.ndarray, db: np.ndarray) -> tuple[np.ndarra
     return piece[keep], sb[i_s[keep]], db[i_d[keep]]
 
 
-#: piece_pages gathers every piece's pages at once up to this many (piece, pair) entries (8 MB per side)
+#: piece_rows gathers every piece's pages at once up to this many (piece, pair) entries (8 MB per side)
 _PIECE_PAGES_AT_ONCE = 1 << 20
 
 

@@ -205,10 +205,11 @@ class StagePlan:
         """One step per piece of ``t``, as columns: the slot's side at ``src_slot``/``dst_slot`` (pages ``stride``
         apart), the other in this side's regions as ``fixed`` (:func:`_fixed_side`) says."""
         piece, s_pages, d_pages = piece_rows(t, sb, db)
-        n = t.num_pieces
-        slot = (np.full(n, SLOT, dtype=np.int64), (src_slot if src_slot is not None else dst_slot)
-                + (t.s_off if src_slot is not None else t.d_off), np.full(n, stride, dtype=np.int64))
-        (sr, so, ss), (dr, do, ds) = (slot, fixed) if src_slot is not None else (fixed, slot)
+        regions, strides = np.full(t.num_pieces, SLOT, dtype=np.int64), np.full(t.num_pieces, stride, dtype=np.int64)
+        if src_slot is not None:
+            (sr, so, ss), (dr, do, ds) = (regions, src_slot + t.s_off, strides), fixed
+        else:
+            (sr, so, ss), (dr, do, ds) = fixed, (regions, dst_slot + t.d_off, strides)
         return CopySteps(src_region=sr, src_offset=so, src_stride=ss, dst_region=dr, dst_offset=do, dst_stride=ds,
                          length=t.length.astype(np.int64, copy=False), step=piece, src_pages=s_pages,
                          dst_pages=d_pages)

@@ -115,14 +115,18 @@ class CopySteps:
                    src_pages=_cat([c.src_pages for c in cols]), dst_pages=_cat([c.dst_pages for c in cols]))
 
     def steps(self) -> list[CopyStep]:
-        """Back to one :class:`CopyStep` per step that has rows (for tests and torch's or numpy's indexing)."""
-        first = np.searchsorted(self.step, np.arange(self.num_steps + 1, dtype=_I64)).tolist()
-        per = zip(self.src_region.tolist(), self.src_offset.tolist(), self.src_stride.tolist(),
-                  self.dst_region.tolist(), self.dst_offset.tolist(), self.dst_stride.tolist(), self.length.tolist(),
-                  first[:-1], first[1:])
+        """Back to one :class:`CopyStep` per step that has rows (for tests)."""
         return [CopyStep(src=_place(sr, so, ss), dst=_place(dr, do, ds), src_pages=self.src_pages[a:b],
                          dst_pages=self.dst_pages[a:b], length=n)
-                for sr, so, ss, dr, do, ds, n, a, b in per if b > a]
+                for _, sr, so, ss, dr, do, ds, n, a, b in self.runs()]
+
+    def runs(self) -> list[tuple[int, ...]]:
+        """Per step that has rows, as Python ints: (step, src region, src offset, src stride, dst region, dst offset,
+        dst stride, length, its first row, past its last row)."""
+        first = np.searchsorted(self.step, np.arange(self.num_steps + 1, dtype=_I64)).tolist()
+        return [r for r in zip(range(self.num_steps), self.src_region.tolist(), self.src_offset.tolist(),
+                               self.src_stride.tolist(), self.dst_region.tolist(), self.dst_offset.tolist(),
+                               self.dst_stride.tolist(), self.length.tolist(), first[:-1], first[1:]) if r[-1] > r[-2]]
 
 
 _STEP_FIELDS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
@@ -202,7 +206,7 @@ class Copier:
         row inside its span (:meth:`_check`); a bad step raises here, before any byte of any step moves (no
         half-applied pack). Also, per step, the address of its src span and of its dst span."""
         cols = CopySteps.of(steps)
-        used = np.unique(cols.step)
+        used = np.bincount(cols.step, minlength=cols.num_steps) > 0  # steps that have rows
         regions = np.unique(np.concatenate([cols.src_region[used], cols.dst_region[used]]))
         spans = {int(r): self._span_at(int(r)) for r in regions.tolist()}
         top = max(int(cols.src_region.max(initial=SLOT)), int(cols.dst_region.max(initial=SLOT)))
@@ -240,14 +244,11 @@ class Copier:
         """The row copies that run ``steps`` (empty ones dropped), checked (:meth:`_live`): what torch's or
         numpy's indexing runs."""
         cols, src_at, dst_at = self._live(steps)
-        first = np.searchsorted(cols.step, np.arange(cols.num_steps + 1, dtype=_I64)).tolist()
-        per = zip(cols.src_region.tolist(), cols.src_offset.tolist(), cols.src_stride.tolist(),
-                  cols.dst_region.tolist(), cols.dst_offset.tolist(), cols.dst_stride.tolist(), cols.length.tolist(),
-                  self._words(cols, src_at, dst_at).tolist(), first[:-1], first[1:])
+        words = self._words(cols, src_at, dst_at).tolist()
         return [RowCopy(src=self._spans[sr][0], src_offset=so, src_stride=ss, src_rows=cols.src_pages[a:b],
                         dst=self._spans[dr][0], dst_offset=do, dst_stride=ds, dst_rows=cols.dst_pages[a:b],
-                        length=n, word=w)
-                for sr, so, ss, dr, do, ds, n, w, a, b in per if b > a]
+                        length=n, word=words[i])
+                for i, sr, so, ss, dr, do, ds, n, a, b in cols.runs()]
 
     def table(self, steps: CopySteps | Sequence[CopyStep]) -> RowTable:
         """``row_table(plan(steps))`` in numpy passes over the columns, no object per step: what the kernel runs."""

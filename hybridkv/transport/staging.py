@@ -167,7 +167,7 @@ def may_stage(config: StagingConfig | None, *, sliced_most: int, direct: int, di
                is not Route.SLICED for d in {direct, direct_most})
 
 
-# --------------------------------------------------------------------------- local copies
+# --------------------------------------------------------------------------- stagers (their copies: copies.py)
 
 
 class BadFieldMask(ValueError):

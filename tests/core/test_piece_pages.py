@@ -1,4 +1,4 @@
-"""``piece_pages`` (descriptors/compiler.py) gathers every piece's pages at once below a size and piece by piece
+"""``piece_rows`` (descriptors/compiler.py) gathers every piece's pages at once below a size and piece by piece
 above it: both must give the staging pack and unpack the same steps, block lists of any length and order
 (a consumer's prefix hit reads fewer blocks than the producer exports)."""
 

@@ -73,6 +73,8 @@ def row_table(copies: Sequence[RowCopy]) -> RowTable:
         if c.src_rows.shape != c.dst_rows.shape or c.src_rows.ndim != 1:
             raise ValueError(f"row copy of {c.src_rows.shape} source rows into {c.dst_rows.shape}; expected "
                              "two equal 1-D index arrays")
+    if not copies:
+        return RowTable(table=np.empty((0, 3), dtype=np.int64), launches=())
     addr: dict[int, int] = {}  # a few buffers behind many copies: each address looked up once
 
     def base(buf: Any) -> int:
@@ -82,9 +84,7 @@ def row_table(copies: Sequence[RowCopy]) -> RowTable:
         return got
 
     per = np.array([(base(c.src) + c.src_offset, c.src_stride, base(c.dst) + c.dst_offset, c.dst_stride, c.length,
-                     c.word) for c in copies], dtype=np.int64).reshape(-1, 6)
-    if not copies:
-        return RowTable(table=np.empty((0, 3), dtype=np.int64), launches=())
+                     c.word) for c in copies], dtype=np.int64)
     n = np.array([c.src_rows.size for c in copies], dtype=np.int64)
     return table_of(per, np.repeat(np.arange(len(copies), dtype=np.int64), n),
                     np.concatenate([c.src_rows for c in copies]).astype(np.int64, copy=False),
